@@ -1,0 +1,1 @@
+"""Attention backends: plan once per step from AttentionMetadata, then forward per layer."""

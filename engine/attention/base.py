@@ -1,0 +1,58 @@
+"""AttentionMetadata (one step's packed-batch layout) and the AttentionBackend interface.
+
+Invariants: tokens are packed per sequence in SeqSpan order; sequence i's queries are
+tokens [q_start, q_start + q_len) at positions [ctx_len - q_len, ctx_len); its K/V for all
+ctx_len positions live in block_ids (the last q_len written by this step's forward).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    seqs: list[SeqSpan]
+    slot_block_ids: torch.Tensor  # [num_tokens] physical block of each new token
+    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_block_ids.numel())
+
+
+class AttentionBackend(abc.ABC):
+    """Writes new K/V into the paged cache and attends over it.
+
+    kv_cache layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    (layer-packed: one block holds every layer's K and V, so it is one contiguous region).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, head_dim: int):
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = kv_cache.shape[4]
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abc.abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare index tensors for this step; called once before the layers run."""
+
+    @abc.abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, num_heads, D], k/v: [T, num_kv_heads, D] -> [T, num_heads, D]."""

@@ -1,0 +1,126 @@
+"""Small frozen configs: the model's shape, the KV cache's geometry, the scheduler's limits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling parameters (llama3 style or linear); `kind` "default" means none."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral)."""
+
+    model_id: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False
+    sliding_window: int | None = None  # Mistral: the engine caps max_model_len to it
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], model_id: str) -> ModelConfig:
+        """Read a transformers config.json dict (both rope_scaling and rope_parameters forms)."""
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", 8192)
+            ),
+        )
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        model_type = hf.get("model_type", "llama")
+        return cls(
+            model_id=model_id,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            o_proj_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+            architecture=archs[0],
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, model_id: str | None = None) -> ModelConfig:
+        path = Path(path)
+        hf = json.loads((path / "config.json").read_text())
+        return cls.from_hf_dict(hf, model_id or path.name)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. num_blocks=None sizes the pool from kv_cache_memory_bytes."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits: tokens computed in one step, sequences running at once, context length."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")

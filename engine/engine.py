@@ -1,0 +1,235 @@
+"""Engine (add_request / step / abort over one model and one KV pool) and the offline LLM.
+
+The engine owns the scheduler, the runner, the sampler, per-request generators and
+detokenizers, and step counters. It is single-threaded: callers serialise their calls.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention.torch_backend import TorchAttention
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from engine.kv_cache.manager import KVCacheManager
+from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
+from engine.request import FinishReason, Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SampleRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stop_checker import StopChecker
+from engine.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int | None = None
+    record_kv_events: bool = False
+    detokenize: bool = False  # text deltas in RequestOutput (stop strings always detokenize)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[float] | None = None
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+    num_generated_tokens: int = 0
+
+
+def served_model_id(model: str) -> str:
+    if model.lower() in ("default", DEFAULT_MODEL.lower(), f"huggingfacetb/{DEFAULT_MODEL}".lower()):
+        return DEFAULT_MODEL
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        folder = resolve_model(config.model)
+        self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
+        self.model_id = self.model_config.model_id
+        has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+        self.tokenizer = Tokenizer(folder) if has_tokenizer else None
+        self.device = torch.device(config.device)
+        dtype = _DTYPES[config.dtype]
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            1,
+            config.cache.kv_cache_memory_bytes
+            // (self.model_config.kv_bytes_per_token(dtype.itemsize) * block_size),
+        )
+        limits = [num_blocks * block_size, self.model_config.max_position_embeddings]
+        limits += [x for x in (config.scheduler.max_model_len, self.model_config.sliding_window) if x]
+        self.max_model_len = min(limits)
+        model = load_model(folder, self.model_config, self.max_model_len, self.device, dtype)
+        mc = self.model_config
+        shape = (num_blocks, mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            self.model_id,
+            config.cache.enable_prefix_caching,
+            config.record_kv_events,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        attention = TorchAttention(self.kv_cache, mc.num_heads, mc.head_dim)
+        self.runner = ModelRunner(model, self.kv_cache, attention, self.kv, block_size)
+        self.sampler = Sampler(self.device, config.seed)
+        self.stats = EngineStats()
+        self._generators: dict[str, torch.Generator] = {}
+        self._stops: dict[str, StopChecker] = {}
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError with a clear message for input the engine cannot serve."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
+                " (the prompt must leave room for at least one generated token)"
+            )
+        params.validate(vocab)
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        retention_priority: int = DEFAULT_PRIORITY,
+    ) -> Request:
+        params = params or SamplingParams()
+        token_ids = self.tokenize_prompt(prompt)
+        self.validate(token_ids, params)
+        if not MIN_PRIORITY <= retention_priority <= MAX_PRIORITY:
+            raise ValueError(f"retention_priority must be in [0, 100], got {retention_priority}")
+        req = Request(req_id, token_ids, params, cache_salt, retention_priority)
+        self.scheduler.add(req)
+        if params.seed is not None:
+            self._generators[req_id] = torch.Generator(self.device).manual_seed(params.seed)
+        if self.tokenizer is not None and (params.stop or self.config.detokenize):
+            self._stops[req_id] = StopChecker(self.tokenizer, params.stop)
+        return req
+
+    def abort(self, req_id: str) -> bool:
+        req = self.scheduler.requests.get(req_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._forget(req_id)
+        return True
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        step_logits = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled)
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens += scheduled.num_batched_tokens
+        reqs = [scheduled.chunks[i].req for i in step_logits.chunk_index]
+        rows = [SampleRow(req.sampling, self._generators.get(req.req_id)) for req in reqs]
+        result = self.sampler(step_logits.logits, rows)
+        outputs = []
+        for i, req in enumerate(reqs):
+            logprob = result.logprobs[i] if result.logprobs and req.sampling.logprobs else None
+            outputs.append(self._append_token(req, result.token_ids[i], logprob))
+        self.stats.num_generated_tokens += len(reqs)
+        return outputs
+
+    def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:
+        req.append_token(token_id, logprob)
+        params = req.sampling
+        reason, stop_reason = None, None
+        stop = self._stops.get(req.req_id)
+        new_text = stop.add(token_id) if stop else ""
+        if stop and stop.matched is not None:
+            reason, stop_reason = FinishReason.STOP, stop.matched
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            reason, stop_reason = FinishReason.STOP, token_id
+        elif token_id in params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token_id
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if stop:
+                new_text += stop.finish()
+            self.scheduler.finish(req, reason, stop_reason)
+            self._forget(req.req_id)
+        return RequestOutput(
+            req_id=req.req_id,
+            new_token_ids=[token_id],
+            new_text=new_text,
+            finished=reason is not None,
+            finish_reason=reason.value if reason else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            new_logprobs=None if logprob is None else [logprob],
+        )
+
+    def _forget(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+        self._stops.pop(req_id, None)
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def assert_no_leaks(self) -> None:
+        """No request holds blocks and every block is free (cached or not)."""
+        assert not self.has_unfinished_requests, "requests still in flight"
+        self.kv.check_integrity()
+        assert self.kv.num_free_blocks == self.kv.num_blocks, (
+            f"{self.kv.num_blocks - self.kv.num_free_blocks} blocks leaked"
+        )
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

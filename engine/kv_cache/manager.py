@@ -1,0 +1,133 @@
+"""KVCacheManager: each request's block table, prefix matching and caching of full blocks.
+
+All physical bookkeeping lives in BlockPool; this class owns only request -> blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.hashing import hash_blocks
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks covering the longest known prefix of a request's tokens."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+NO_MATCH = PrefixMatch()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        model_id: str,
+        enable_caching: bool = True,
+        record_events: bool = False,
+    ):
+        self.block_size = block_size
+        self.model_id = model_id
+        self.pool = BlockPool(num_blocks, enable_caching, record_events)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def update_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes to every full block of its known tokens."""
+        if len(req.block_hashes) < req.num_tokens // self.block_size:
+            req.block_hashes = hash_blocks(
+                req.all_token_ids, self.block_size, self.model_id, req.cache_salt, req.block_hashes
+            )
+
+    def match_prefix(self, req: Request) -> PrefixMatch:
+        """Longest cached prefix, leaving at least the last token to compute (it yields logits)."""
+        if not self.pool.enable_caching:
+            return NO_MATCH
+        self.update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixMatch(blocks, len(blocks) * self.block_size)
+
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, match: PrefixMatch) -> int:
+        held = len(self._req_blocks.get(req.req_id, ())) + len(match.blocks)
+        total_tokens = req.num_computed_tokens + match.num_tokens + num_new_tokens
+        return max(0, cdiv(total_tokens, self.block_size) - held)
+
+    def can_allocate(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> bool:
+        revived = sum(1 for block in match.blocks if block.ref_cnt == 0)
+        need = self._num_new_blocks(req, num_new_tokens, match) + revived
+        return need <= self.pool.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> None:
+        """Take the matched blocks and enough new ones to hold num_new_tokens more tokens."""
+        num_new_blocks = self._num_new_blocks(req, num_new_tokens, match)
+        blocks = self._req_blocks.setdefault(req.req_id, [])
+        if match.blocks:
+            self.pool.touch(match.blocks)
+            blocks.extend(match.blocks)
+            req.num_computed_tokens += match.num_tokens
+            self._num_cached_blocks[req.req_id] = len(blocks)
+        blocks.extend(self.pool.allocate(num_new_blocks))
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register blocks whose tokens are all computed in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        blocks = self._req_blocks.get(req.req_id)
+        if not blocks:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached_blocks.get(req.req_id, 0)
+        if num_full <= start:
+            return
+        self.update_hashes(req)
+        for i in range(start, num_full):
+            parent = req.block_hashes[i - 1] if i else None
+            self.pool.cache_block(blocks[i], req.block_hashes[i], parent)
+        self._num_cached_blocks[req.req_id] = num_full
+
+    def free(self, req: Request) -> None:
+        """Release a request's blocks, tail first so that shared prefixes are evicted last."""
+        blocks = self._req_blocks.pop(req.req_id, [])
+        self._num_cached_blocks.pop(req.req_id, None)
+        self.pool.free(list(reversed(blocks)), req.retention_priority)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self._req_blocks.get(req_id, ())]
+
+    def holders(self) -> dict[int, int]:
+        """block_id -> number of request tables holding it (for integrity checks)."""
+        refs: dict[int, int] = {}
+        for blocks in self._req_blocks.values():
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        return refs
+
+    def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
+        refs = self.holders()
+        for block_id, num in (extra_refs or {}).items():
+            refs[block_id] = refs.get(block_id, 0) + num
+        self.pool.check_integrity(refs)

@@ -1,0 +1,1 @@
+"""Model definitions: forward over packed tokens with an attention backend."""

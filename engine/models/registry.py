@@ -1,0 +1,24 @@
+"""Maps a checkpoint's architecture name to the model class that runs it (no state)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return _ARCHITECTURES[config.architecture]
+    except KeyError:
+        known = ", ".join(sorted(_ARCHITECTURES))
+        raise ValueError(
+            f"unsupported architecture {config.architecture!r}; supported: {known}"
+        ) from None

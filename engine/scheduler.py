@@ -1,0 +1,143 @@
+"""Scheduler: the waiting queue and the running batch; decides which tokens each step computes.
+
+Policy: iteration-level continuous batching under a token budget. Running requests go first
+(a decode costs one token, an unfinished prefill a chunk), then waiting requests in FCFS order.
+When blocks run out, the most recently admitted running request is preempted by recompute:
+its blocks are freed (full ones stay in the prefix cache) and it returns to the front of the
+waiting queue, so it is readmitted before anything newer (no starvation). The engine keeps
+max_model_len <= pool capacity, so a lone request always fits (no deadlock).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import NO_MATCH, KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """num_new_tokens tokens of req, starting at its num_computed_tokens, run this step."""
+
+    req: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens (logits are needed)."""
+        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = self._chunk_size(req, budget)
+            if num_new == 0:
+                idx += 1
+                continue
+            while not self.kv.can_allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+                if victim is req:
+                    break
+            else:
+                self.kv.allocate(req, num_new)
+                chunks.append(ScheduledChunk(req, num_new))
+                budget -= num_new
+                idx += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+        return SchedulerOutput(chunks, preempted)
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            match = self.kv.match_prefix(req) if req.num_computed_tokens == 0 else NO_MATCH
+            remaining = req.num_tokens - req.num_computed_tokens - match.num_tokens
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.kv.can_allocate(req, num_new, match):
+                break
+            self.kv.allocate(req, num_new, match)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = match.num_tokens
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _chunk_size(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Record that the scheduled chunks were computed; full blocks enter the prefix cache."""
+        for chunk in output.chunks:
+            chunk.req.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_full_blocks(chunk.req)
+
+    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None):
+        """Take req out of the batch (or the queue) and free its blocks."""
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.cache_full_blocks(req)
+        self.kv.free(req)
+        del self.requests[req.req_id]
