@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.attention.torch_backend import TorchAttention
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -69,7 +70,8 @@ def served_model_id(model: str) -> str:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, model: nn.Module | None = None):
+        """model: weights already loaded from the same checkpoint (shared across engines)."""
         self.config = config = config or EngineConfig()
         folder = resolve_model(config.model)
         self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
@@ -87,7 +89,10 @@ class Engine:
         limits = [num_blocks * block_size, self.model_config.max_position_embeddings]
         limits += [x for x in (config.scheduler.max_model_len, self.model_config.sliding_window) if x]
         self.max_model_len = min(limits)
-        model = load_model(folder, self.model_config, self.max_model_len, self.device, dtype)
+        if model is None:
+            model = load_model(folder, self.model_config, self.max_model_len, self.device, dtype)
+        elif model.rope.cos.shape[0] < self.max_model_len:
+            raise ValueError("the shared model's rotary table is shorter than max_model_len")
         mc = self.model_config
         shape = (num_blocks, mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -1,0 +1,78 @@
+"""Shared fixtures: the default model loaded once, engine and request factories, leak checks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm_dir) -> Tokenizer:
+    return Tokenizer(smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_dir) -> torch.nn.Module:
+    """SmolLM2 weights loaded once and shared by every engine a test builds."""
+    config = read_model_config(smollm_dir, DEFAULT_MODEL)
+    return load_model(
+        smollm_dir, config, config.max_position_embeddings, torch.device("cpu"), torch.float32
+    )
+
+
+def build_engine(model: torch.nn.Module | None = None, model_path: str = DEFAULT_MODEL, **overrides) -> Engine:
+    cache = CacheConfig(
+        block_size=overrides.pop("block_size", 16),
+        num_blocks=overrides.pop("num_blocks", 512),
+        enable_prefix_caching=overrides.pop("enable_prefix_caching", True),
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),
+        max_num_seqs=overrides.pop("max_num_seqs", 32),
+        max_model_len=overrides.pop("max_model_len", None),
+    )
+    config = EngineConfig(model=model_path, cache=cache, scheduler=scheduler, **overrides)
+    return Engine(config, model=model)
+
+
+@pytest.fixture
+def make_engine(smollm_model) -> Iterator[EngineFactory]:
+    """Engine factory; every engine it built must end the test with no leaked block."""
+    engines: list[Engine] = []
+
+    def factory(**overrides) -> Engine:
+        engine = build_engine(smollm_model, **overrides)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.assert_no_leaks()
+
+
+def run_to_completion(engine: Engine, max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Step until idle; returns req_id -> generated token ids."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests:
+            return tokens
+        for out in engine.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    raise AssertionError("engine did not finish")

@@ -1,0 +1,303 @@
+"""NixlTransfer between two real processes: block reads, handshake refusal, bad block ids.
+
+Every NIXL agent lives in its own spawned process (`Peer`), driven over a pipe; this pytest
+process never loads NIXL. Each peer holds a small CPU KV tensor of 64 blocks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl")
+
+from kvtransfer.base import AgentMetadata, KVTransferError, Notification, TransferHandle  # noqa: E402
+from kvtransfer.handshake import IncompatiblePeerError  # noqa: E402
+
+NUM_BLOCKS = 64
+CALL_TIMEOUT_S = 60.0
+_CTX = mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    model_id: str = "tiny-llama"
+    block_size: int = 4
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 8
+    seed: int | None = None  # None: zeros, else random content from this seed
+    timeout_s: float = 10.0
+
+
+# -- child side: one NixlTransfer per process ------------------------------------------------
+
+
+class _PeerState:
+    """The child's NixlTransfer and the KV tensor it registered."""
+
+    def __init__(self, name: str, config: PeerConfig) -> None:
+        self.name = name
+        self.reset(config)
+
+    def reset(self, config: PeerConfig) -> None:
+        import torch
+
+        from kvtransfer.nixl_transfer import NixlTransfer
+
+        if getattr(self, "transfer", None) is not None:
+            self.transfer.close()
+        shape = (
+            NUM_BLOCKS,
+            config.num_layers,
+            2,
+            config.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        if config.seed is None:
+            self.kv = torch.zeros(shape)
+        else:
+            self.kv = torch.randn(shape, generator=torch.Generator().manual_seed(config.seed))
+        self.transfer = NixlTransfer(config.model_id, self.name, timeout_s=config.timeout_s)
+        self.transfer.register(self.kv)
+
+    def metadata(self) -> AgentMetadata:
+        return self.transfer.metadata()
+
+    def add_peer(self, meta: AgentMetadata) -> str:
+        return self.transfer.add_peer(meta)
+
+    def read_and_wait(
+        self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], notif: bytes = b""
+    ) -> TransferHandle:
+        handle = self.transfer.read(peer, remote_ids, local_ids, notif)
+        try:
+            self.transfer.wait(handle)
+        finally:
+            self.transfer.release(handle)
+        return handle
+
+    def block_bytes(self, block_ids: Sequence[int]) -> list[bytes]:
+        return [self.kv[i].numpy().tobytes() for i in block_ids]
+
+    def wait_notifs(self, count: int, timeout_s: float = 10.0) -> list[Notification]:
+        notifs: list[Notification] = []
+        deadline = time.monotonic() + timeout_s
+        while len(notifs) < count and time.monotonic() < deadline:
+            notifs += self.transfer.get_notifs()
+        return notifs
+
+    def num_open_handles(self) -> int:
+        return self.transfer.num_open_handles
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+def _serve(conn: Connection, name: str, config: PeerConfig) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        state = _PeerState(name, config)
+    except Exception as e:
+        conn.send(("err", _picklable(e)))
+        return
+    conn.send(("ok", None))
+    while True:
+        method, args = conn.recv()
+        try:
+            conn.send(("ok", getattr(state, method)(*args)))
+        except Exception as e:
+            conn.send(("err", _picklable(e)))
+        if method == "close":
+            return
+
+
+def _picklable(e: Exception) -> Exception:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(repr(e))
+
+
+# -- parent side -----------------------------------------------------------------------------
+
+
+class Peer:
+    """A NixlTransfer in a spawned process; `call` runs one of _PeerState's methods there."""
+
+    def __init__(self, name: str, config: PeerConfig) -> None:
+        self.name = name
+        self.conn, child_conn = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_serve, args=(child_conn, name, config), daemon=True)
+        self.proc.start()
+        child_conn.close()
+
+    def started(self) -> Peer:
+        self._recv()
+        return self
+
+    def call(self, method: str, *args: Any) -> Any:
+        self.conn.send((method, args))
+        return self._recv()
+
+    def _recv(self) -> Any:
+        if not self.conn.poll(CALL_TIMEOUT_S):
+            raise TimeoutError(f"peer {self.name} did not answer in {CALL_TIMEOUT_S} s")
+        status, value = self.conn.recv()
+        if status == "err":
+            raise value
+        return value
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close")
+        except (OSError, EOFError, TimeoutError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.conn.close()
+
+
+def start_peers(configs: dict[str, PeerConfig]) -> dict[str, Peer]:
+    """Spawn all peers at once (imports overlap), then wait until each has registered."""
+    peers = {name: Peer(name, config) for name, config in configs.items()}
+    try:
+        for peer in peers.values():
+            peer.started()
+    except BaseException:
+        for peer in peers.values():
+            peer.stop()
+        raise
+    return peers
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[dict[str, Peer]]:
+    """holder (prefill side, random blocks), reader (decode side, zeros), stranger (varies)."""
+    peers = start_peers(
+        {
+            "holder": PeerConfig(seed=1),
+            "reader": PeerConfig(),
+            "stranger": PeerConfig(seed=2),
+        }
+    )
+    yield peers
+    for peer in peers.values():
+        peer.stop()
+    assert not any(peer.proc.is_alive() for peer in peers.values())
+
+
+@pytest.fixture
+def holder(peers: dict[str, Peer]) -> Peer:
+    return peers["holder"]
+
+
+@pytest.fixture
+def reader(peers: dict[str, Peer]) -> Iterator[Peer]:
+    """The decode side, already shaken hands with holder; asserts no handle leaks after."""
+    reader = peers["reader"]
+    assert reader.call("add_peer", peers["holder"].call("metadata")) == "holder"
+    yield reader
+    assert reader.call("num_open_handles") == 0
+
+
+def assert_blocks_equal(
+    reader: Peer, local_ids: Sequence[int], holder: Peer, remote_ids: Sequence[int]
+) -> None:
+    assert reader.call("block_bytes", local_ids) == holder.call("block_bytes", remote_ids)
+
+
+def test_read_pulls_non_adjacent_blocks(reader: Peer, holder: Peer) -> None:
+    remote_ids = [1, 2, 3, 10, 40, 41, 63]
+    local_ids = [5, 6, 7, 20, 0, 1, 30]
+    before = reader.call("block_bytes", [8, 21])
+
+    handle = reader.call("read_and_wait", "holder", remote_ids, local_ids)
+
+    assert handle.num_blocks == 7
+    assert handle.num_descs == 4  # 1-3->5-7, 10->20, 40-41->0-1, 63->30
+    assert_blocks_equal(reader, local_ids, holder, remote_ids)
+    assert reader.call("block_bytes", [8, 21]) == before  # untouched neighbours
+
+
+def test_read_whole_pool_is_one_descriptor(reader: Peer, holder: Peer) -> None:
+    ids = list(range(NUM_BLOCKS))
+    handle = reader.call("read_and_wait", "holder", ids, ids)
+    assert handle.num_descs == 1
+    assert_blocks_equal(reader, ids, holder, ids)
+
+
+def test_read_notifies_the_holder(reader: Peer, holder: Peer) -> None:
+    reader.call("read_and_wait", "holder", [12], [12], b"req-7 done")
+    notifs = holder.call("wait_notifs", 1)
+    assert Notification("reader", b"req-7 done") in notifs
+
+
+@pytest.mark.parametrize(
+    ("remote_ids", "local_ids", "match"),
+    [
+        ([NUM_BLOCKS], [0], "remote block id 64 is out of range"),
+        ([0], [NUM_BLOCKS + 5], "local block id 69 is out of range"),
+        ([-1], [0], "remote block id -1 is out of range"),
+        ([0, 1], [0], "pair up"),
+    ],
+)
+def test_bad_block_ids_are_refused(
+    reader: Peer, remote_ids: list[int], local_ids: list[int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        reader.call("read_and_wait", "holder", remote_ids, local_ids)
+
+
+def test_unknown_peer_is_refused(reader: Peer) -> None:
+    with pytest.raises(ValueError, match="unknown peer 'nobody'"):
+        reader.call("read_and_wait", "nobody", [0], [0])
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "label"),
+    [
+        (PeerConfig(seed=2, block_size=8), "block_size", "block size: local 4 != remote 8"),
+        (PeerConfig(seed=2, model_id="other-model"), "model_id", "model: local 'tiny-llama'"),
+    ],
+)
+def test_handshake_mismatch_is_refused(
+    peers: dict[str, Peer], reader: Peer, config: PeerConfig, field: str, label: str
+) -> None:
+    stranger = peers["stranger"]
+    stranger.call("reset", config)
+    with pytest.raises(IncompatiblePeerError, match=label) as info:
+        reader.call("add_peer", stranger.call("metadata"))
+    assert field in info.value.differences
+    with pytest.raises(ValueError, match="unknown peer 'stranger'"):
+        reader.call("read_and_wait", "stranger", [0], [0])
+
+
+def test_dead_peer_fails_clearly() -> None:
+    peers = start_peers({"doomed": PeerConfig(seed=3), "survivor": PeerConfig()})
+    doomed, survivor = peers["doomed"], peers["survivor"]
+    try:
+        survivor.call("add_peer", doomed.call("metadata"))
+        doomed.stop()
+        with pytest.raises(KVTransferError, match="doomed"):
+            survivor.call("read_and_wait", "doomed", [0, 1], [0, 1])
+        assert survivor.call("num_open_handles") == 0
+    finally:
+        for peer in peers.values():
+            peer.stop()
+    assert not any(peer.proc.is_alive() for peer in peers.values())
