@@ -64,7 +64,11 @@ class EngineStats:
 
 
 def served_model_id(model: str) -> str:
-    if model.lower() in ("default", DEFAULT_MODEL.lower(), f"huggingfacetb/{DEFAULT_MODEL}".lower()):
+    if model.lower() in (
+        "default",
+        DEFAULT_MODEL.lower(),
+        f"huggingfacetb/{DEFAULT_MODEL}".lower(),
+    ):
         return DEFAULT_MODEL
     return Path(model).stem if model.endswith(".gguf") else Path(model).name
 
@@ -76,7 +80,9 @@ class Engine:
         folder = resolve_model(config.model)
         self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
         self.model_id = self.model_config.model_id
-        has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+        has_tokenizer = any(
+            (folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")
+        )
         self.tokenizer = Tokenizer(folder) if has_tokenizer else None
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.dtype]
@@ -87,7 +93,9 @@ class Engine:
             // (self.model_config.kv_bytes_per_token(dtype.itemsize) * block_size),
         )
         limits = [num_blocks * block_size, self.model_config.max_position_embeddings]
-        limits += [x for x in (config.scheduler.max_model_len, self.model_config.sliding_window) if x]
+        limits += [
+            x for x in (config.scheduler.max_model_len, self.model_config.sliding_window) if x
+        ]
         self.max_model_len = min(limits)
         if model is None:
             model = load_model(folder, self.model_config, self.max_model_len, self.device, dtype)
@@ -197,9 +205,7 @@ class Engine:
         new_text = stop.add(token_id) if stop else ""
         if stop and stop.matched is not None:
             reason, stop_reason = FinishReason.STOP, stop.matched
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            reason, stop_reason = FinishReason.STOP, token_id
-        elif token_id in params.stop_token_ids:
+        elif self._is_stop_token(token_id, params):
             reason, stop_reason = FinishReason.STOP, token_id
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
@@ -218,6 +224,10 @@ class Engine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             new_logprobs=None if logprob is None else [logprob],
         )
+
+    def _is_stop_token(self, token_id: int, params: SamplingParams) -> bool:
+        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
+        return is_eos or token_id in params.stop_token_ids
 
     def _forget(self, req_id: str) -> None:
         self._generators.pop(req_id, None)

@@ -40,7 +40,9 @@ class LLM:
     ) -> list[Completion]:
         """Run every prompt to completion in continuous batches; results in prompt order."""
         params_list = (
-            list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+            list(params)
+            if isinstance(params, Sequence)
+            else [params or SamplingParams()] * len(prompts)
         )
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")

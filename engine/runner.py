@@ -38,7 +38,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
 
-    def build_metadata(self, output: SchedulerOutput) -> tuple[list[int], list[int], AttentionMetadata]:
+    def build_metadata(
+        self, output: SchedulerOutput
+    ) -> tuple[list[int], list[int], AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_blocks: list[int] = []
@@ -47,7 +49,7 @@ class ModelRunner:
         bs = self.block_size
         for chunk in output.chunks:
             req = chunk.req
-            start = req.num_computed_tokens
+            start = chunk.start
             end = start + chunk.num_new_tokens
             block_ids = self.kv.block_ids(req.req_id)
             seqs.append(SeqSpan(len(input_ids), chunk.num_new_tokens, end, block_ids))
@@ -75,6 +77,8 @@ class ModelRunner:
         )
         chunk_index = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         last_token = [seq.q_start + seq.q_len - 1 for seq in metadata.seqs]
-        rows = torch.tensor([last_token[i] for i in chunk_index], dtype=torch.long, device=self.device)
+        rows = torch.tensor(
+            [last_token[i] for i in chunk_index], dtype=torch.long, device=self.device
+        )
         logits = self.model.compute_logits(hidden[rows])
         return StepLogits(logits, chunk_index)

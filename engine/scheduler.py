@@ -20,15 +20,21 @@ from engine.request import FinishReason, Request, RequestStatus
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """num_new_tokens tokens of req, starting at its num_computed_tokens, run this step."""
+    """Tokens [start, start + num_new_tokens) of req, computed this step.
+
+    samples is True when the chunk reaches the end of the request's known tokens, so its last
+    position's logits yield the next token.
+    """
 
     req: Request
+    start: int
     num_new_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens (logits are needed)."""
-        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+    @classmethod
+    def of(cls, req: Request, num_new_tokens: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return cls(req, start, num_new_tokens, start + num_new_tokens == req.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class Scheduler:
                     break
             else:
                 self.kv.allocate(req, num_new)
-                chunks.append(ScheduledChunk(req, num_new))
+                chunks.append(ScheduledChunk.of(req, num_new))
                 budget -= num_new
                 idx += 1
         if not preempted:
@@ -103,7 +109,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, num_new))
+            chunks.append(ScheduledChunk.of(req, num_new))
             budget -= num_new
         return budget
 

@@ -1,4 +1,4 @@
-"""Tokenizer (HF tokenizer + chat template) and IncrementalDetokenizer (one request's text state)."""
+"""Tokenizer (HF tokenizer + chat template); IncrementalDetokenizer (one request's text state)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ class IncrementalDetokenizer:
 
     def _window_delta(self) -> str:
         decode = self.tokenizer.decode
-        done = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        done = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
         full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
         return full[len(done) :] if len(full) > len(done) else ""
 

@@ -10,10 +10,10 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import Engine, EngineConfig
+from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
+from engine.tokenizer import Tokenizer
 
 EngineFactory = Callable[..., Engine]
 
@@ -37,7 +37,9 @@ def smollm_model(smollm_dir) -> torch.nn.Module:
     )
 
 
-def build_engine(model: torch.nn.Module | None = None, model_path: str = DEFAULT_MODEL, **overrides) -> Engine:
+def build_engine(
+    model: torch.nn.Module | None = None, model_path: str = DEFAULT_MODEL, **overrides
+) -> Engine:
     cache = CacheConfig(
         block_size=overrides.pop("block_size", 16),
         num_blocks=overrides.pop("num_blocks", 512),

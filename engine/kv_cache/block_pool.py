@@ -1,4 +1,4 @@
-"""The physical KV block pool: ref counts, the hash -> block prefix cache, eviction order, KV events.
+"""The physical KV block pool: ref counts, hash -> block prefix cache, eviction order, KV events.
 
 Invariants (checked by check_integrity):
 - a block with ref_cnt > 0 is in no free structure;

@@ -76,7 +76,9 @@ class KVCacheManager:
         total_tokens = req.num_computed_tokens + match.num_tokens + num_new_tokens
         return max(0, cdiv(total_tokens, self.block_size) - held)
 
-    def can_allocate(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> bool:
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
+    ) -> bool:
         revived = sum(1 for block in match.blocks if block.ref_cnt == 0)
         need = self._num_new_blocks(req, num_new_tokens, match) + revived
         return need <= self.pool.num_free_blocks

@@ -87,9 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rope = RotaryEmbedding(config, max_positions)
         self.rope = rope
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rope) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None

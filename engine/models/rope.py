@@ -12,7 +12,8 @@ from engine.config import ModelConfig
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     )
     scaling = config.rope_scaling
     if scaling.kind == "linear":

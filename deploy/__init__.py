@@ -1,0 +1,1 @@
+"""Operator entry points: the `kvrelay` command line."""

@@ -1,0 +1,71 @@
+"""The `kvrelay` command line (holds no state): `kvrelay generate "prompt"` for now."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from engine.loader import DEFAULT_MODEL
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="print the model's reply to one prompt")
+    p.add_argument("prompt", help="the user's message (or raw text with --raw)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF folder")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=args.model, detokenize=True))
+    if engine.tokenizer is None:
+        print("error: this model has no tokenizer files", file=sys.stderr)
+        return 2
+    if args.raw:
+        prompt = engine.tokenizer.encode(args.prompt)
+    else:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+        prompt = engine.tokenizer.apply_chat_template(messages)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

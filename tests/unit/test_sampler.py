@@ -1,0 +1,68 @@
+"""Sampler: greedy, filters, per-request seeds and logprobs on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.sampler import Sampler, SampleRow
+from engine.sampling_params import SamplingParams
+
+
+def rows(*params: SamplingParams, seeds: tuple[int | None, ...] = ()) -> list[SampleRow]:
+    out = []
+    for i, p in enumerate(params):
+        seed = seeds[i] if i < len(seeds) else None
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        out.append(SampleRow(p, gen))
+    return out
+
+
+LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.9]])
+
+
+def test_greedy_is_argmax():
+    result = Sampler(torch.device("cpu"), seed=0)(
+        LOGITS, rows(SamplingParams(temperature=0), SamplingParams(temperature=0))
+    )
+    assert result.token_ids == [1, 0] and result.logprobs is None
+
+
+def test_top_k_one_equals_greedy():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for _ in range(20):
+        result = sampler(LOGITS, rows(SamplingParams(top_k=1), SamplingParams(top_k=1)))
+        assert result.token_ids == [1, 0]
+
+
+def test_top_p_keeps_smallest_set():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[10.0, 9.0, -10.0, -10.0]])
+    seen = {sampler(logits, rows(SamplingParams(top_p=0.9))).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_min_p_drops_unlikely_tokens():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[3.0, 3.0, -2.0, -2.0]])
+    seen = {sampler(logits, rows(SamplingParams(min_p=0.5))).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_seeded_rows_ignore_batch_mates():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.zeros(3, 1000)
+    a = sampler(logits[:1], rows(SamplingParams(), seeds=(7,))).token_ids[0]
+    b = sampler(
+        logits, rows(SamplingParams(), SamplingParams(), SamplingParams(), seeds=(None, 7, None))
+    ).token_ids[1]
+    assert a == b
+
+
+def test_logprobs_are_log_softmax_of_chosen():
+    result = Sampler(torch.device("cpu"))(
+        LOGITS, rows(SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0))
+    )
+    expected = torch.log_softmax(LOGITS[0], -1)[1].item()
+    assert math.isclose(result.logprobs[0], expected, rel_tol=1e-5)

@@ -1,0 +1,105 @@
+"""Scheduler + KVCacheManager without a model: budgets, chunking, preemption, fairness."""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256):
+    kv = KVCacheManager(num_blocks, block_size, "m")
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return Scheduler(config, kv, max_len)
+
+
+def make_request(req_id: str, num_prompt: int, max_tokens: int = 4, first: int = 0) -> Request:
+    tokens = [(first + i) % 1000 for i in range(num_prompt)]
+    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    """One fake step: every sampling chunk yields `token`; requests stop at max_tokens."""
+    out = sched.schedule()
+    sched.update(out)
+    for chunk in out.chunks:
+        if chunk.samples:
+            chunk.req.append_token(token)
+            if chunk.req.num_output_tokens >= chunk.req.sampling.max_tokens:
+                sched.finish(chunk.req, FinishReason.LENGTH)
+    sched.kv.check_integrity()
+    return out
+
+
+def test_chunked_prefill_respects_budget_and_mixes_decodes():
+    sched = make_scheduler(budget=32)
+    sched.add(make_request("short", 3, max_tokens=10))
+    run_step(sched)
+    sched.add(make_request("long", 100))
+    sizes = []
+    while "long" in sched.requests and sched.requests["long"].num_output_tokens == 0:
+        out = run_step(sched)
+        assert out.num_batched_tokens <= 32
+        by_id = {c.req.req_id: c.num_new_tokens for c in out.chunks}
+        assert by_id.get("short") == 1, "the running decode goes first every step"
+        sizes.append(by_id["long"])
+    assert sizes == [31, 31, 31, 7]
+
+
+def test_max_num_seqs_limits_running_batch():
+    sched = make_scheduler(max_seqs=2)
+    for i in range(4):
+        sched.add(make_request(f"r{i}", 4))
+    out = run_step(sched)
+    assert len(out.chunks) == 2 and len(sched.waiting) == 2
+
+
+def test_preemption_by_recompute_finishes_everyone_fcfs():
+    # 6 blocks x 4 tokens: two requests of 8 prompt tokens growing by 12 cannot both fit.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    sched.add(make_request("a", 8, max_tokens=12, first=0))
+    sched.add(make_request("b", 8, max_tokens=12, first=500))
+    finished_order = []
+    for _ in range(200):
+        if not sched.has_unfinished:
+            break
+        live = set(sched.requests)
+        run_step(sched)
+        finished_order += sorted(live - set(sched.requests))
+    assert finished_order == ["a", "b"], "the earlier request is never starved"
+    assert sched.num_preemptions > 0
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_lone_request_as_large_as_pool_completes():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=8, max_len=16)
+    sched.add(make_request("big", 12, max_tokens=4))
+    for _ in range(50):
+        if not sched.has_unfinished:
+            break
+        run_step(sched)
+    assert not sched.has_unfinished and sched.kv.num_free_blocks == 4
+
+
+def test_prefix_match_reuses_blocks_but_leaves_last_token():
+    sched = make_scheduler(block_size=4)
+    sched.add(make_request("a", 8, max_tokens=1))
+    run_step(sched)
+    req = make_request("b", 8, max_tokens=1)
+    match = sched.kv.match_prefix(req)
+    assert match.num_tokens == 4, "an exact repeat still computes its last block"
+    longer = make_request("c", 13, max_tokens=1)
+    assert sched.kv.match_prefix(longer).num_tokens == 8
+
+
+def test_abort_of_waiting_and_running_frees_blocks():
+    sched = make_scheduler(budget=4)
+    sched.add(make_request("a", 10))
+    sched.add(make_request("b", 10))
+    run_step(sched)
+    sched.finish(sched.requests["a"], FinishReason.ABORT)
+    sched.finish(sched.requests["b"], FinishReason.ABORT)
+    assert not sched.has_unfinished
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
