@@ -18,6 +18,7 @@ from engine.attention.torch_backend import TorchAttention
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner
@@ -54,6 +55,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[float] | None = None
+    held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Engine:
             config.record_kv_events,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.loader = RemoteKVLoader(self.scheduler, self.kv)
         attention = TorchAttention(self.kv_cache, mc.num_heads, mc.head_dim)
         self.runner = ModelRunner(model, self.kv_cache, attention, self.kv, block_size)
         self.sampler = Sampler(self.device, config.seed)
@@ -152,31 +155,83 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         retention_priority: int = DEFAULT_PRIORITY,
+        hold_kv: bool = False,
+    ) -> Request:
+        """Queue a request. hold_kv (prefill role): keep its blocks when it finishes."""
+        req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
+        req.hold_kv = hold_kv
+        self.scheduler.add(req)
+        self._track(req)
+        return req
+
+    def add_prefilled_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> KVLoadPlan | None:
+        """Decode role: reserve blocks for a prompt prefilled elsewhere; None if no room now.
+
+        The caller pulls the remote blocks named by the plan, then calls commit_kv (or fail_kv
+        to recompute locally).
+        """
+        req = self._new_request(req_id, prompt_token_ids, params, cache_salt, DEFAULT_PRIORITY)
+        if req_id in self.scheduler.requests or req_id in self.loader.loading:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+        req.append_token(first_token_id)
+        plan = self.loader.reserve(req)
+        if plan is not None:
+            self._track(req)
+        return plan
+
+    def commit_kv(self, req_id: str) -> None:
+        self.loader.commit(req_id)
+
+    def fail_kv(self, req_id: str) -> None:
+        self.loader.fail(req_id)
+
+    def release_kv(self, req_id: str) -> bool:
+        """Prefill role: drop the lease on a finished request's blocks."""
+        return self.kv.release_held(req_id)
+
+    def _new_request(
+        self,
+        req_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        cache_salt: str | None,
+        retention_priority: int,
     ) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenize_prompt(prompt)
         self.validate(token_ids, params)
         if not MIN_PRIORITY <= retention_priority <= MAX_PRIORITY:
             raise ValueError(f"retention_priority must be in [0, 100], got {retention_priority}")
-        req = Request(req_id, token_ids, params, cache_salt, retention_priority)
-        self.scheduler.add(req)
+        return Request(req_id, token_ids, params, cache_salt, retention_priority)
+
+    def _track(self, req: Request) -> None:
+        req_id, params = req.req_id, req.sampling
         if params.seed is not None:
             self._generators[req_id] = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None and (params.stop or self.config.detokenize):
             self._stops[req_id] = StopChecker(self.tokenizer, params.stop)
-        return req
 
     def abort(self, req_id: str) -> bool:
         req = self.scheduler.requests.get(req_id)
-        if req is None:
+        if req is not None:
+            self.scheduler.finish(req, FinishReason.ABORT)
+        elif not self.loader.abort(req_id):
             return False
-        self.scheduler.finish(req, FinishReason.ABORT)
         self._forget(req_id)
         return True
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.loader.loading)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -209,10 +264,11 @@ class Engine:
             reason, stop_reason = FinishReason.STOP, token_id
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
+        held: list[int] | None = None
         if reason is not None:
             if stop:
                 new_text += stop.finish()
-            self.scheduler.finish(req, reason, stop_reason)
+            held = self.scheduler.finish(req, reason, stop_reason)
             self._forget(req.req_id)
         return RequestOutput(
             req_id=req.req_id,
@@ -223,6 +279,7 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             new_logprobs=None if logprob is None else [logprob],
+            held_block_ids=tuple(held or ()),
         )
 
     def _is_stop_token(self, token_id: int, params: SamplingParams) -> bool:
@@ -240,6 +297,7 @@ class Engine:
     def assert_no_leaks(self) -> None:
         """No request holds blocks and every block is free (cached or not)."""
         assert not self.has_unfinished_requests, "requests still in flight"
+        assert self.kv.num_held == 0, f"{self.kv.num_held} prefill leases not released"
         self.kv.check_integrity()
         assert self.kv.num_free_blocks == self.kv.num_blocks, (
             f"{self.kv.num_blocks - self.kv.num_free_blocks} blocks leaked"

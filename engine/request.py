@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING_KV = "loading_kv"  # decode role: blocks allocated, remote KV being pulled
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -32,6 +33,7 @@ class Request:
     cache_salt: str | None = None
     retention_priority: int = DEFAULT_PRIORITY
     arrival_time: float = field(default_factory=time.monotonic)
+    hold_kv: bool = False  # prefill role: keep the blocks under a lease when finished
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

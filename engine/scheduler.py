@@ -133,10 +133,16 @@ class Scheduler:
             chunk.req.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_full_blocks(chunk.req)
 
-    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None):
-        """Take req out of the batch (or the queue) and free its blocks."""
+    def finish(
+        self, req: Request, reason: FinishReason, stop_reason: str | int | None = None
+    ) -> list[int] | None:
+        """Take req out of the batch (or the queue) and free its blocks.
+
+        A hold_kv request that was not aborted keeps its blocks under a lease instead; their
+        ids are returned (release them with kv.release_held).
+        """
         if req.is_finished:
-            return
+            return None
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
@@ -145,5 +151,20 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.cache_full_blocks(req)
-        self.kv.free(req)
         del self.requests[req.req_id]
+        if req.hold_kv and reason is not FinishReason.ABORT:
+            return self.kv.hold(req)
+        self.kv.free(req)
+        return None
+
+    def admit_running(self, req: Request) -> None:
+        """Put a request whose KV is already in place straight into the running batch."""
+        self.requests[req.req_id] = req
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def readmit(self, req: Request) -> None:
+        """Queue a known request again at the front (its KV will be recomputed)."""
+        self.requests[req.req_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)

@@ -41,6 +41,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._held: dict[str, tuple[list[KVBlock], int]] = {}  # req_id -> (blocks, priority)
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,13 +118,33 @@ class KVCacheManager:
         self._num_cached_blocks.pop(req.req_id, None)
         self.pool.free(list(reversed(blocks)), req.retention_priority)
 
+    def hold(self, req: Request) -> list[int]:
+        """Keep a finished request's blocks referenced (a prefill lease) until release_held."""
+        blocks = self._req_blocks.pop(req.req_id, [])
+        self._num_cached_blocks.pop(req.req_id, None)
+        self._held[req.req_id] = (blocks, req.retention_priority)
+        return [block.block_id for block in blocks]
+
+    def release_held(self, req_id: str) -> bool:
+        held = self._held.pop(req_id, None)
+        if held is None:
+            return False
+        blocks, priority = held
+        self.pool.free(list(reversed(blocks)), priority)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
     def block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self._req_blocks.get(req_id, ())]
 
     def holders(self) -> dict[int, int]:
         """block_id -> number of request tables holding it (for integrity checks)."""
         refs: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
+        tables = [*self._req_blocks.values(), *(blocks for blocks, _ in self._held.values())]
+        for blocks in tables:
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         return refs

@@ -1,0 +1,69 @@
+"""RemoteKVLoader (decode role): owns the requests whose prompt KV is being pulled from a peer.
+
+Life cycle: reserve() allocates local blocks (reusing the local prefix cache, so only missing
+blocks are pulled) -> the caller moves the KV -> commit() puts the request in the running batch,
+or fail() queues it for local recompute. abort() frees the blocks at any point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class KVLoadPlan:
+    """Which local blocks to fill: remote prompt blocks [first_block, first_block + n) go to
+    local_block_ids (n = len(local_block_ids)); blocks before first_block are reused locally."""
+
+    req_id: str
+    local_block_ids: tuple[int, ...]
+    first_block: int
+    num_cached_tokens: int
+
+
+class RemoteKVLoader:
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager):
+        self.scheduler = scheduler
+        self.kv = kv
+        self.loading: dict[str, Request] = {}
+
+    def reserve(self, req: Request) -> KVLoadPlan | None:
+        """Allocate blocks for req's prompt; None when the pool cannot hold it now."""
+        match = self.kv.match_prefix(req)
+        num_missing = req.num_prompt_tokens - match.num_tokens
+        if not self.kv.can_allocate(req, num_missing, match):
+            return None
+        self.kv.allocate(req, num_missing, match)
+        req.num_cached_tokens = match.num_tokens
+        req.status = RequestStatus.LOADING_KV
+        self.loading[req.req_id] = req
+        num_prompt_blocks = cdiv(req.num_prompt_tokens, self.kv.block_size)
+        block_ids = self.kv.block_ids(req.req_id)[len(match.blocks) : num_prompt_blocks]
+        return KVLoadPlan(req.req_id, tuple(block_ids), len(match.blocks), match.num_tokens)
+
+    def commit(self, req_id: str) -> None:
+        """The pulled KV is in place: the request joins the running batch."""
+        req = self.loading.pop(req_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_full_blocks(req)
+        self.scheduler.admit_running(req)
+
+    def fail(self, req_id: str) -> None:
+        """The pull failed: free the blocks and recompute the prompt locally."""
+        req = self.loading.pop(req_id)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.scheduler.readmit(req)
+
+    def abort(self, req_id: str) -> bool:
+        req = self.loading.pop(req_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.ABORT
+        return True
