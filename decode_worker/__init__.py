@@ -1,0 +1,1 @@
+"""Decode pool: a Ray actor that pulls prefilled KV over NIXL and batches decodes continuously."""

@@ -1,0 +1,164 @@
+"""LocalCluster: an embedded kvrelay cluster on one machine (local Ray, optional local
+redis-server, N prefill and M decode worker actors, a ClusterBackend). Owns those processes
+and stops them all in close()."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine import EngineConfig
+
+logger = logging.getLogger(__name__)
+NAMESPACE = "kvrelay"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_prefill: int = 1
+    num_decode: int = 1
+    redis_url: str | None = None  # None: start a local redis-server; "" : run without Redis
+    policy: str = "kv_aware"
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 10.0
+    threads_per_worker: int | None = None
+    ray_address: str = "local"
+    name_prefix: str = "kvrelay"
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.redis: Any = None
+        self.redis_url: str | None = None
+        self.prefill_actors: dict[str, Any] = {}
+        self.decode_actors: dict[str, Any] = {}
+        self.backend: Any = None
+        self._owns_ray = False
+
+    async def start(self, progress=print) -> LocalCluster:
+        import ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        spec = self.spec
+        if spec.redis_url is None:
+            from deploy.redis_local import LocalRedis
+
+            self.redis = LocalRedis().start()
+            self.redis_url = self.redis.url
+            progress(f"kvrelay: local redis-server at {self.redis_url}")
+        else:
+            self.redis_url = spec.redis_url or None
+        if not ray.is_initialized():
+            num_workers = spec.num_prefill + spec.num_decode
+            ray.init(
+                address=spec.ray_address,
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                num_cpus=max(2, num_workers + 1),
+                resources={"prefill_pool": spec.num_prefill, "decode_pool": spec.num_decode},
+                log_to_driver=True,
+            )
+            self._owns_ray = True
+        threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // 2)
+        progress(
+            f"kvrelay: starting {spec.num_prefill} prefill and {spec.num_decode} decode workers"
+        )
+        for i in range(spec.num_prefill):
+            self._start_prefill(f"{spec.name_prefix}-prefill-{i}", threads)
+        for i in range(spec.num_decode):
+            self._start_decode(f"{spec.name_prefix}-decode-{i}", threads)
+        actors = [*self.prefill_actors.values(), *self.decode_actors.values()]
+        await asyncio.gather(*(a.load.remote() for a in actors))
+        self.backend = await self._make_backend()
+        progress("kvrelay: workers ready")
+        return self
+
+    def _start_prefill(self, name: str, threads: int) -> None:
+        import ray
+
+        from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+
+        config = PrefillWorkerConfig(
+            name, self.spec.engine, self.redis_url, self.spec.lease_s, num_threads=threads
+        )
+        actor_cls = ray.remote(PrefillWorker)
+        self.prefill_actors[name] = actor_cls.options(
+            name=name,
+            namespace=NAMESPACE,
+            num_cpus=0,
+            resources={"prefill_pool": 1},
+            max_concurrency=1000,
+        ).remote(config, name)
+
+    def _start_decode(self, name: str, threads: int) -> None:
+        import ray
+
+        from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+
+        config = DecodeWorkerConfig(
+            name,
+            self.spec.engine,
+            self.redis_url,
+            self.spec.transfer_timeout_s,
+            num_threads=threads,
+        )
+        actor_cls = ray.remote(DecodeWorker)
+        self.decode_actors[name] = actor_cls.options(
+            name=name,
+            namespace=NAMESPACE,
+            num_cpus=0,
+            resources={"decode_pool": 1},
+            max_concurrency=1000,
+        ).remote(config, name)
+
+    async def _make_backend(self):
+        from engine.engine import served_model_id
+        from engine.loader import read_model_config, resolve_model
+        from router.cluster_backend import ClusterBackend
+        from router.policy import make_prefill_policy
+        from router.prefix_index import PrefixIndex
+        from router.worker_set import WorkerSet
+
+        workers = WorkerSet()
+        for name, actor in self.prefill_actors.items():
+            workers.add(name, "prefill", actor, name)
+        for name, actor in self.decode_actors.items():
+            workers.add(name, "decode", actor, name)
+        folder = resolve_model(self.spec.engine.model)
+        model_config = read_model_config(folder, served_model_id(self.spec.engine.model))
+        max_model_len = await next(iter(self.prefill_actors.values())).max_model_len.remote()
+        index = PrefixIndex(self.redis_url, model_config.model_id) if self.redis_url else None
+        return ClusterBackend(
+            model_config.model_id,
+            max_model_len,
+            model_config.vocab_size,
+            self.spec.engine.cache.block_size,
+            workers,
+            index,
+            make_prefill_policy(self.spec.policy),
+        )
+
+    async def close(self) -> None:
+        import ray
+
+        if self.backend is not None:
+            await self.backend.close()
+            if self.backend.index is not None:
+                await self.backend.index.close()
+        for actor in [*self.prefill_actors.values(), *self.decode_actors.values()]:
+            try:
+                await actor.shutdown.remote()
+                actor.__ray_terminate__.remote()
+            except Exception as e:
+                logger.info("worker shutdown: %s", e)
+        self.prefill_actors.clear()
+        self.decode_actors.clear()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        if self.redis is not None:
+            self.redis.stop()

@@ -1,0 +1,104 @@
+"""EngineThread: runs one Engine on its own thread and lets asyncio code talk to it safely.
+
+It owns the thread and a command queue. Commands (callables taking the engine) run between
+steps on the engine's thread, so the engine is never touched from two threads. After each
+step `on_outputs` gets the step's outputs; `on_tick` runs every iteration (poll transfers,
+publish events). No Ray, gRPC or Redis here: workers supply those through the callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.engine import Engine, RequestOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Command = Callable[[Engine], Any]
+
+
+class EngineThread:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_tick: Callable[[], bool] | None = None,
+        idle_wait_s: float = 0.05,
+    ):
+        """on_tick returns True while it has work in flight (the thread then polls quickly)."""
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_tick = on_tick or (lambda: False)
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Command, Callable[[Any, BaseException | None], None]]]
+        self._commands = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Command, done: Callable[[Any, BaseException | None], None]) -> None:
+        self._commands.put((command, done))
+
+    async def call(self, command: Callable[[Engine], T]) -> T:
+        """Run command(engine) on the engine thread and return its result here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        self.submit(command, done)
+        return await future
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda engine: None, lambda result, error: None))
+        self._thread.join(timeout_s)
+
+    def _run_commands(self, block_s: float) -> None:
+        try:
+            item = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command, done = item
+            try:
+                result, error = command(self.engine), None
+            except Exception as e:  # the caller gets it; the engine keeps serving
+                result, error = None, e
+            done(result, error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        busy = False
+        while not self._stop.is_set():
+            idle = not busy and not self.engine.has_unfinished_requests
+            self._run_commands(self._idle_wait_s if idle else 0)
+            try:
+                busy = self._on_tick()
+                steps_before = self.engine.stats.num_steps
+                if self.engine.has_unfinished_requests:
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._on_outputs(outputs)
+                if busy and self.engine.stats.num_steps == steps_before:
+                    self._stop.wait(0.0005)  # only transfers in flight: poll them gently
+            except Exception:
+                logger.exception("engine loop iteration failed")

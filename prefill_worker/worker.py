@@ -1,0 +1,232 @@
+"""PrefillWorker (Ray actor): owns an Engine in prefill role, its NIXL agent, its prefill leases
+and its KV publisher. prefill() returns a KVHandle; the blocks stay pinned until the decode
+worker's NIXL read completes (its notification releases the lease), release() is called, or the
+lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from engine.engine import Engine, EngineConfig, RequestOutput
+from engine.engine_thread import EngineThread
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import AgentMetadata
+from kvtransfer.handle import KVHandle
+from kvtransfer.handshake import PROTOCOL_VERSION
+from kvtransfer.nixl_transfer import NixlTransfer
+from prefill_worker.load import engine_load
+from router.kv_publisher import KVPublisher
+from router.types import GenerateRequest, WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    worker_id: str
+    engine: EngineConfig
+    redis_url: str | None = None
+    lease_s: float = 30.0
+    heartbeat_s: float = 1.0
+    num_threads: int | None = None
+
+
+class PrefillWorker:
+    def __init__(self, config: PrefillWorkerConfig, actor_name: str = ""):
+        set_threads(config.num_threads)
+        self.config = config
+        self.worker_id = config.worker_id
+        self.actor_name = actor_name or config.worker_id
+        self.engine = Engine(replace(config.engine, record_kv_events=True))
+        self.transfer = NixlTransfer(self.engine.model_id, agent_name=f"{self.worker_id}-nixl")
+        self.transfer.register(self.engine.kv_cache)
+        self.publisher = make_publisher(
+            config.redis_url,
+            config.worker_id,
+            self.engine,
+            self.actor_name,
+            "prefill",
+            self.transfer.agent_name,
+        )
+        self._leases: dict[str, float] = {}  # req_id -> expiry (time.time())
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._next_heartbeat = 0.0
+        self.num_expired_leases = 0
+        self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
+
+    # ---- actor API -----------------------------------------------------------------------
+    async def prefill(self, request: GenerateRequest) -> KVHandle:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[KVHandle] = loop.create_future()
+
+        def add(engine: Engine) -> None:
+            params = replace(request.sampling, max_tokens=1, stop=())
+            engine.add_request(
+                request.req_id, request.prompt_token_ids, params, request.cache_salt, hold_kv=True
+            )
+            self._params[request.req_id] = request.sampling
+            self._waiters[request.req_id] = (loop, future)
+
+        await self.thread.call(add)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            await self.abort(request.req_id)
+            raise
+
+    async def release(self, req_id: str) -> bool:
+        """Drop the lease on a request's blocks (the decode side has them, or gave up)."""
+        return await self.thread.call(lambda engine: self._release(engine, req_id))
+
+    async def abort(self, req_id: str) -> None:
+        def run(engine: Engine) -> None:
+            engine.abort(req_id)
+            self._release(engine, req_id)
+            waiter = self._waiters.pop(req_id, None)
+            self._params.pop(req_id, None)
+            if waiter:
+                loop, future = waiter
+                loop.call_soon_threadsafe(_cancel, future)
+
+        await self.thread.call(run)
+
+    def metadata(self) -> AgentMetadata:
+        return self.transfer.metadata()
+
+    async def load(self) -> WorkerLoad:
+        return await self.thread.call(engine_load)
+
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def num_leases(self) -> int:
+        return await self.thread.call(lambda engine: engine.kv.num_held)
+
+    async def check_no_leaks(self) -> dict[str, int]:
+        """For tests and operators: free vs total blocks; raises if integrity is broken."""
+
+        def run(engine: Engine) -> dict[str, int]:
+            engine.check_integrity()
+            return {
+                "free": engine.kv.num_free_blocks,
+                "total": engine.kv.num_blocks,
+                "held": engine.kv.num_held,
+                "requests": len(engine.scheduler.requests),
+            }
+
+        return await self.thread.call(run)
+
+    def shutdown(self) -> None:
+        self.thread.stop()
+        if self.publisher is not None:
+            self.publisher.withdraw()
+            self.publisher.close()
+        self.transfer.close()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _release(self, engine: Engine, req_id: str) -> bool:
+        self._leases.pop(req_id, None)
+        return engine.release_kv(req_id)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            waiter = self._waiters.pop(out.req_id, None)
+            params = self._params.pop(out.req_id, None)
+            if waiter is None or params is None:
+                self.engine.release_kv(out.req_id)
+                continue
+            first = out.new_token_ids[0]
+            finish = _first_token_finish(self.engine, params, first)
+            if finish is not None:
+                self.engine.release_kv(out.req_id)
+            else:
+                self._leases[out.req_id] = now + self.config.lease_s
+            handle = KVHandle(
+                req_id=out.req_id,
+                worker_id=self.worker_id,
+                actor_name=self.actor_name,
+                agent_name=self.transfer.agent_name,
+                block_ids=out.held_block_ids if finish is None else (),
+                num_tokens=out.num_prompt_tokens,
+                first_token_id=first,
+                protocol_version=PROTOCOL_VERSION,
+                lease_expires_at=now + self.config.lease_s,
+                num_cached_tokens=out.num_cached_tokens,
+                first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
+                finish_reason=finish,
+            )
+            loop, future = waiter
+            loop.call_soon_threadsafe(_settle, future, handle)
+
+    def _on_tick(self) -> bool:
+        for notif in self.transfer.get_notifs():
+            self._release(self.engine, notif.msg.decode())
+        now = time.time()
+        for req_id in [r for r, expiry in self._leases.items() if expiry <= now]:
+            logger.warning("prefill lease of %s expired; releasing its blocks", req_id)
+            self.num_expired_leases += 1
+            self._release(self.engine, req_id)
+        if self.publisher is not None:
+            events = self.engine.kv.pool.drain_events()
+            if events:
+                self.publisher.publish(events, engine_load(self.engine))
+                self._next_heartbeat = now + self.config.heartbeat_s
+            elif now >= self._next_heartbeat:
+                self.publisher.heartbeat(engine_load(self.engine))
+                self._next_heartbeat = now + self.config.heartbeat_s
+        else:
+            self.engine.kv.pool.drain_events()
+        return False
+
+
+def _first_token_finish(engine: Engine, params: SamplingParams, token_id: int) -> str | None:
+    if token_id in params.stop_token_ids or (
+        not params.ignore_eos and token_id in engine.eos_token_ids
+    ):
+        return "stop"
+    return "length" if params.max_tokens == 1 else None
+
+
+def _settle(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _cancel(future: asyncio.Future) -> None:
+    if not future.done():
+        future.cancel()
+
+
+def set_threads(num_threads: int | None) -> None:
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
+
+
+def make_publisher(
+    redis_url: str | None,
+    worker_id: str,
+    engine: Engine,
+    actor_name: str,
+    role: str,
+    agent_name: str,
+) -> KVPublisher | None:
+    """The worker's Redis publisher, or None when the cluster runs without Redis."""
+    if not redis_url:
+        return None
+    return KVPublisher(
+        redis_url,
+        engine.model_id,
+        worker_id,
+        role,
+        cached_hashes=engine.kv.pool.cached_hashes,
+        actor_name=actor_name,
+        nixl_agent=agent_name,
+    )
