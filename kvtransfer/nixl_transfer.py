@@ -1,0 +1,309 @@
+"""NixlTransfer: KVTransfer over a NIXL agent with the UCX backend.
+
+Owns the NIXL agent, the registration of this side's KV tensor, the table of known peers
+(name -> metadata) and the reads in flight (xfer_id -> NIXL handle, deadline, state).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtransfer.base import (
+    AgentMetadata,
+    KVTransfer,
+    KVTransferError,
+    Notification,
+    TransferHandle,
+    TransferState,
+)
+from kvtransfer.handshake import PROTOCOL_VERSION, check_compatible, compat_hash
+from kvtransfer.layout import Descriptor, block_descriptors
+from kvtransfer.nixl_agent import (
+    BACKEND,
+    DEFAULT_PROGRESS_DELAY_US,
+    MEM_TYPES,
+    check_kv_tensor,
+    configure_ucx,
+    make_agent,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Read:
+    """One read in flight (mutable, private to NixlTransfer)."""
+
+    xfer: Any  # nixl_xfer_handle; None once released
+    peer: str
+    deadline: float
+    state: TransferState = TransferState.PENDING
+    failure: str | None = None
+
+
+def _desc_array(descs: list[Descriptor]) -> np.ndarray:
+    return np.array(descs, dtype=np.uint64).reshape(-1, 3)
+
+
+class NixlTransfer(KVTransfer):
+    """KVTransfer through one NIXL agent (UCX backend); CPU (DRAM) and CUDA (VRAM) tensors.
+
+    The agent is created in `register`, once the tensor's device (and so UCX_TLS) is known.
+    Each `read` is ONE NIXL READ of all the request's blocks, adjacent blocks coalesced.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        agent_name: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+    ) -> None:
+        """timeout_s: deadline of each read; progress_delay_us: see nixl_agent.make_agent."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.model_id = model_id
+        self.agent_name = agent_name or f"kvrelay-{uuid.uuid4().hex[:12]}"
+        self.timeout_s = timeout_s
+        self.progress_delay_us = progress_delay_us
+        self._agent: Any = None  # nixl_agent
+        self._reg_descs: Any = None
+        self._kv_tensor: torch.Tensor | None = None
+        self._meta: AgentMetadata | None = None
+        self._peers: dict[str, AgentMetadata] = {}
+        self._reads: dict[int, _Read] = {}
+        self._next_xfer_id = 0
+
+    @property
+    def num_open_handles(self) -> int:
+        """Reads issued and not yet released (0 when nothing leaks)."""
+        return len(self._reads)
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def register(self, kv_tensor: torch.Tensor) -> None:  # type: ignore[override]
+        if self._meta is not None:
+            raise RuntimeError(f"agent {self.agent_name!r} already registered a KV tensor")
+        device_kind, device_id = check_kv_tensor(kv_tensor)
+        configure_ucx(device_kind)
+        mem_type = MEM_TYPES[device_kind]
+        base_addr = kv_tensor.data_ptr()
+        num_bytes = kv_tensor.numel() * kv_tensor.element_size()
+        # UCX registers VRAM in the current CUDA context: make it the tensor's device's.
+        on_device = torch.cuda.device(device_id) if device_kind == "cuda" else nullcontext()
+        try:
+            with on_device:
+                self._agent = make_agent(self.agent_name, self.progress_delay_us)
+                self._reg_descs = self._agent.register_memory(
+                    [(base_addr, num_bytes, device_id, "")], mem_type, backends=[BACKEND]
+                )
+            nixl_md = self._agent.get_agent_metadata()
+        except KVTransferError:
+            raise
+        except Exception as e:
+            self._agent = None
+            raise KVTransferError(
+                f"NIXL could not register {num_bytes} B of {mem_type} "
+                f"for {self.agent_name!r}: {e!r}"
+            ) from e
+        self._kv_tensor = kv_tensor  # keep the memory alive while registered
+        self._meta = _describe(self.agent_name, self.model_id, kv_tensor, bytes(nixl_md))
+
+    def metadata(self) -> AgentMetadata:
+        return self._require_meta()
+
+    def add_peer(self, meta: AgentMetadata) -> str:
+        local = self._require_meta()
+        check_compatible(local, meta)
+        name = meta.agent_name
+        if name == self.agent_name:
+            raise ValueError(f"cannot add agent {name!r} as its own peer")
+        known = self._peers.get(name)
+        if known == meta:
+            return name
+        if known is not None:  # same name, new metadata: the peer restarted
+            self.remove_peer(name)
+        try:
+            loaded = self._agent.add_remote_agent(meta.nixl_metadata)
+            self._agent.make_connection(name, backends=[BACKEND])
+        except Exception as e:
+            raise KVTransferError(
+                f"could not connect to peer {name!r} ({meta.device_kind}, "
+                f"UCX_TLS={os.environ.get('UCX_TLS')!r}): {e!r}"
+            ) from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != name:
+            raise KVTransferError(f"NIXL metadata names agent {loaded!r}, expected {name!r}")
+        self._peers[name] = meta
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}")
+        for read in self._reads.values():
+            if read.peer == peer and read.state is TransferState.PENDING:
+                self._fail(read, f"peer {peer!r} was removed")
+        del self._peers[peer]
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:
+            logger.warning("NIXL could not remove peer %r: %r", peer, e)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read(
+        self,
+        peer: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        notif_msg: bytes = b"",
+    ) -> TransferHandle:
+        local = self._require_meta()
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise ValueError(f"unknown peer {peer!r}; call add_peer with its metadata first")
+        local_descs, remote_descs = block_descriptors(
+            local.region(), local_block_ids, remote.region(), remote_block_ids
+        )
+        try:
+            xfer = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(_desc_array(local_descs), MEM_TYPES[local.device_kind]),
+                self._agent.get_xfer_descs(
+                    _desc_array(remote_descs), MEM_TYPES[remote.device_kind]
+                ),
+                peer,
+                notif_msg,
+                backends=[BACKEND],
+            )
+        except Exception as e:
+            raise KVTransferError(
+                f"NIXL refused a READ of {len(local_block_ids)} blocks from {peer!r}: {e!r}"
+            ) from e
+        read = _Read(xfer, peer, deadline=time.monotonic() + self.timeout_s)
+        try:
+            status = self._agent.transfer(xfer)
+            if status == "DONE":
+                read.state = TransferState.DONE
+            elif status == "ERR":
+                self._fail(read, "NIXL reported an error posting the READ")
+        except Exception as e:
+            self._fail(read, f"posting the READ failed: {e!r}")
+        handle = TransferHandle(self._next_xfer_id, peer, len(local_block_ids), len(local_descs))
+        self._next_xfer_id += 1
+        self._reads[handle.xfer_id] = read
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        read = self._get_read(handle)
+        if read.state is not TransferState.PENDING:
+            return read.state
+        try:
+            status = self._agent.check_xfer_state(read.xfer)
+        except Exception as e:
+            self._fail(read, f"NIXL transfer error: {e!r}")
+            return read.state
+        if status == "DONE":
+            read.state = TransferState.DONE
+        elif status == "ERR":
+            self._fail(read, "NIXL reported a transfer error")
+        elif time.monotonic() > read.deadline:
+            self._fail(read, f"timed out after {self.timeout_s} s")
+        return read.state
+
+    def failure_reason(self, handle: TransferHandle) -> str | None:
+        return self._get_read(handle).failure
+
+    def release(self, handle: TransferHandle) -> None:
+        read = self._get_read(handle)
+        if read.xfer is not None:
+            try:
+                read.xfer.release()  # cancels a transfer still in flight
+            except Exception as e:
+                raise KVTransferError(
+                    f"NIXL could not release/cancel the read from {handle.peer!r} "
+                    f"(its local blocks may still be written; release again later): {e!r}"
+                ) from e
+            read.xfer = None
+        del self._reads[handle.xfer_id]
+
+    def get_notifs(self) -> list[Notification]:
+        if self._agent is None:
+            return []
+        notifs = self._agent.get_new_notifs()
+        return [
+            Notification(peer.decode() if isinstance(peer, bytes) else peer, bytes(msg))
+            for peer, msgs in notifs.items()
+            for msg in msgs
+        ]
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        for xfer_id in list(self._reads):
+            read = self._reads.pop(xfer_id)
+            if read.xfer is not None:
+                try:
+                    read.xfer.release()
+                except Exception as e:
+                    logger.warning("%r: read %d not released: %r", self.agent_name, xfer_id, e)
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        try:
+            self._agent.deregister_memory(self._reg_descs, backends=[BACKEND])
+        except Exception as e:
+            logger.warning("closing %r: deregister failed: %r", self.agent_name, e)
+        self._agent = self._reg_descs = self._kv_tensor = None
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _require_meta(self) -> AgentMetadata:
+        if self._meta is None or self._agent is None:
+            raise RuntimeError(f"agent {self.agent_name!r}: no KV tensor registered, or closed")
+        return self._meta
+
+    def _get_read(self, handle: TransferHandle) -> _Read:
+        read = self._reads.get(handle.xfer_id)
+        if read is None:
+            raise ValueError(f"unknown or already released transfer handle {handle}")
+        return read
+
+    def _fail(self, read: _Read, reason: str) -> None:
+        read.state = TransferState.FAILED
+        read.failure = reason
+        logger.warning("agent %r: read failed: %s", self.agent_name, reason)
+
+
+def _describe(agent_name: str, model_id: str, kv: torch.Tensor, nixl_md: bytes) -> AgentMetadata:
+    """This side's AgentMetadata for a registered (already validated) KV tensor."""
+    device_kind, device_id = check_kv_tensor(kv)
+    dtype = str(kv.dtype).removeprefix("torch.")
+    block_shape = tuple(int(d) for d in kv.shape[1:])
+    block_size = block_shape[2]
+    return AgentMetadata(
+        agent_name=agent_name,
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash=compat_hash(model_id, dtype, block_size, block_shape),
+        model_id=model_id,
+        dtype=dtype,
+        block_size=block_size,
+        block_shape=block_shape,
+        nixl_metadata=nixl_md,
+        base_addr=kv.data_ptr(),
+        num_blocks=int(kv.shape[0]),
+        block_bytes=kv[0].numel() * kv.element_size(),
+        device_kind=device_kind,
+        device_id=device_id,
+    )

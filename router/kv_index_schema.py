@@ -1,0 +1,175 @@
+"""The Redis layout of the cluster KV index (DESIGN §4) and its Lua scripts; holds no state.
+
+Keys of one model (`{model}` is a literal Redis Cluster hash tag, so every key of a model lives
+in one slot and the scripts below stay valid on a cluster):
+    kvr:{model}:b:{hash}      SET   worker ids holding that block (hash as engine hash_hex)
+    kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup
+    kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, WorkerLoad fields, epoch; TTL
+    kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
+                                    an id whose HASH expired is dead and gets forgotten)
+Needs Redis >= 6.2 (SMISMEMBER).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.kv_cache.hashing import hash_hex
+from router.types import WorkerInfo, WorkerLoad
+
+KEY_PREFIX = "kvr"
+LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(WorkerLoad))
+_BAD_ID_CHARS = frozenset("{}*?[]\\ \t\r\n")
+
+
+def _check_id(kind: str, value: str) -> str:
+    if not value or _BAD_ID_CHARS & set(value):
+        raise ValueError(f"{kind} {value!r} must be non-empty with no braces, globs or spaces")
+    return value
+
+
+def model_prefix(model_id: str) -> str:
+    return f"{KEY_PREFIX}:{{{_check_id('model id', model_id)}}}"
+
+
+def block_key_prefix(model_id: str) -> str:
+    """Block keys are this prefix + hash_hex(hash) (the scripts build them from it)."""
+    return f"{model_prefix(model_id)}:b:"
+
+
+def block_key(model_id: str, block_hash: int) -> str:
+    return block_key_prefix(model_id) + hash_hex(block_hash)
+
+
+def worker_blocks_key(model_id: str, worker_id: str) -> str:
+    return f"{model_prefix(model_id)}:wb:{_check_id('worker id', worker_id)}"
+
+
+def worker_key_prefix(model_id: str) -> str:
+    return f"{model_prefix(model_id)}:w:"
+
+
+def worker_key(model_id: str, worker_id: str) -> str:
+    return worker_key_prefix(model_id) + _check_id("worker id", worker_id)
+
+
+def registry_key(model_id: str) -> str:
+    return f"{model_prefix(model_id)}:workers"
+
+
+def worker_fields(
+    role: str, actor_name: str, nixl_agent: str, load: WorkerLoad
+) -> dict[str, str | int]:
+    """The worker HASH's fields (str -> str | int) as HSET takes them."""
+    fields: dict[str, str | int] = {"role": role, "actor_name": actor_name}
+    fields["nixl_agent"] = nixl_agent
+    fields.update(dataclasses.asdict(load))
+    return fields
+
+
+def parse_worker(worker_id: str, fields: dict[str, str]) -> WorkerInfo:
+    """A WorkerInfo from a worker HASH read back (decoded strings; missing loads are 0)."""
+    load = WorkerLoad(**{name: int(fields.get(name, 0)) for name in LOAD_FIELDS})
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=fields.get("role", ""),
+        actor_name=fields.get("actor_name", ""),
+        nixl_agent=fields.get("nixl_agent", ""),
+        load=load,
+    )
+
+
+# Longest-prefix overlap, shared by both read scripts. ids: candidate worker ids; block keys are
+# KEYS[first..#KEYS] in chain order. A worker's count stops at its first missing block, and the
+# loop stops at the first block no remaining candidate holds (one SMISMEMBER per block).
+_LUA_OVERLAP = """
+local function overlap(first, ids)
+  local counts, alive = {}, {}
+  for i = 1, #ids do counts[i] = 0; alive[i] = i end
+  for k = first, #KEYS do
+    if #alive == 0 then break end
+    local args = {}
+    for j = 1, #alive do args[j] = ids[alive[j]] end
+    local hits = redis.call('SMISMEMBER', KEYS[k], unpack(args))
+    local still = {}
+    for j = 1, #alive do
+      if hits[j] == 1 then
+        counts[alive[j]] = counts[alive[j]] + 1
+        still[#still + 1] = alive[j]
+      end
+    end
+    alive = still
+  end
+  return counts
+end
+"""
+
+# KEYS: block keys; ARGV: worker ids -> counts, in ARGV order.
+OVERLAP_SCRIPT = _LUA_OVERLAP + "return overlap(1, ARGV)\n"
+
+# KEYS[1]: registry, KEYS[2..]: block keys; ARGV[1]: worker key prefix, ARGV[2]: role ('' = all).
+# -> {live ids, their HGETALL lists, their overlap counts, dead ids (registered, HASH expired)}.
+VIEW_SCRIPT = (
+    _LUA_OVERLAP
+    + """
+local ids, rows, dead = {}, {}, {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local row = redis.call('HGETALL', ARGV[1] .. id)
+  if #row == 0 then
+    dead[#dead + 1] = id
+  elseif ARGV[2] == '' or redis.call('HGET', ARGV[1] .. id, 'role') == ARGV[2] then
+    ids[#ids + 1] = id
+    rows[#rows + 1] = row
+  end
+end
+return {ids, rows, overlap(2, ids), dead}
+"""
+)
+
+# One engine step's writes, applied only if the worker HASH carries the writer's epoch (so a
+# delta that timed out and reached Redis late, after a resync, is dropped, not applied).
+# KEYS: worker HASH, worker blocks SET, registry; ARGV: block key prefix, worker id, epoch,
+# ttl ms, n, then n field/value pairs for the HASH, then (op, hash hex) pairs, op '+' or '-'.
+# Returns 1, or 0 when the HASH is missing or has another epoch (the caller must resync).
+DELTA_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return 0 end
+local last = 5 + 2 * tonumber(ARGV[5])
+for i = last + 1, #ARGV - 1, 2 do
+  local h = ARGV[i + 1]
+  if ARGV[i] == '+' then
+    redis.call('SADD', ARGV[1] .. h, ARGV[2])
+    redis.call('SADD', KEYS[2], h)
+  else
+    redis.call('SREM', ARGV[1] .. h, ARGV[2])
+    redis.call('SREM', KEYS[2], h)
+  end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6, last))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[2])
+return 1
+"""
+
+# Remove a worker's blocks from the index. KEYS: worker HASH, worker blocks SET, registry;
+# ARGV: block key prefix, worker id, mode. mode 'dead': only if the HASH has expired, and drop
+# the id from the registry; 'withdraw': unconditionally, HASH and registry entry too;
+# 'resync': unconditionally, blocks only (the caller re-adds its full state in the same MULTI).
+# Returns the number of blocks removed, or -1 when mode 'dead' found the worker alive.
+FORGET_SCRIPT = """
+if ARGV[3] == 'dead' and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local hashes = redis.call('SMEMBERS', KEYS[2])
+for _, h in ipairs(hashes) do redis.call('SREM', ARGV[1] .. h, ARGV[2]) end
+redis.call('DEL', KEYS[2])
+if ARGV[3] ~= 'resync' then redis.call('SREM', KEYS[3], ARGV[2]) end
+if ARGV[3] == 'withdraw' then redis.call('DEL', KEYS[1]) end
+return #hashes
+"""
+
+
+def worker_keys(model_id: str, worker_id: str) -> list[str]:
+    """KEYS for DELTA_SCRIPT and FORGET_SCRIPT: worker HASH, worker blocks SET, registry."""
+    return [
+        worker_key(model_id, worker_id),
+        worker_blocks_key(model_id, worker_id),
+        registry_key(model_id),
+    ]

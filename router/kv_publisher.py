@@ -1,0 +1,196 @@
+"""Worker side of the KV index: publishes one worker's KV events, load and liveness to Redis.
+
+Owns the worker's sync Redis connection and its outage state (healthy / dirty). Torch-free; it
+lives next to the router's reader so both sides share router.kv_index_schema.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.hashing import hash_hex
+from router import kv_index_schema as schema
+from router.types import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+CachedHashes = Callable[[], Iterable[int]]
+
+
+class KVPublisher:
+    """Mirrors one worker's prefix cache and load into the Redis index.
+
+    Invariants:
+    - no method raises into the caller for a Redis failure (returns False instead, logs one
+      warning per outage), so the engine loop never stops because Redis did;
+    - each call is one round trip (one script run: the step's events in order, the load and
+      the TTL refresh, applied atomically), plus one MULTI with the full state when needed;
+    - a write is applied only under the epoch of the worker's latest full publish, so a step
+      that timed out and reached Redis late cannot undo a newer resync;
+    - after a failure, or when the worker's HASH is found missing (first publish, Redis restarted
+      empty, TTL expired while the worker stalled), the next successful call re-publishes the
+      full state from `cached_hashes()` instead of the delta, so the index is whole again;
+    - after a failure, calls are skipped (return False at once) for `retry_interval_s`, so a dead
+      Redis costs the engine loop at most one socket timeout per interval.
+    Calls are serialised by a lock (heartbeat may run on another thread); `cached_hashes` must
+    be safe to call from whichever thread calls publish/heartbeat.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        model_id: str,
+        worker_id: str,
+        role: str,
+        cached_hashes: CachedHashes,
+        actor_name: str = "",
+        nixl_agent: str = "",
+        ttl_s: float = 10.0,
+        socket_timeout_s: float = 0.5,
+        retry_interval_s: float = 1.0,
+    ) -> None:
+        self.model_id = model_id
+        self.worker_id = worker_id
+        self.role = role
+        self.actor_name = actor_name
+        self.nixl_agent = nixl_agent
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.retry_interval_s = retry_interval_s
+        self._cached_hashes = cached_hashes
+        self._client = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            # one immediate retry on a dropped connection (stale socket after a Redis restart),
+            # none on a timeout: a hung Redis must not stall the engine loop twice
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            decode_responses=True,
+        )
+        self._delta = self._client.register_script(schema.DELTA_SCRIPT)
+        self._forget = self._client.register_script(schema.FORGET_SCRIPT)
+        self._keys = schema.worker_keys(model_id, worker_id)  # HASH, blocks SET, registry
+        self._block_prefix = schema.block_key_prefix(model_id)
+        # the HASH's epoch changes at every resync; deltas carry it, so a late one is dropped
+        self._nonce = os.urandom(4).hex()
+        self._num_epochs = 0
+        self._epoch = ""
+        self._lock = threading.Lock()
+        self._dirty = True  # nothing published yet: the first call publishes the full state
+        self._healthy = True
+        self._retry_at = 0.0
+        self.num_resyncs = 0
+        self.num_failures = 0
+
+    @property
+    def healthy(self) -> bool:
+        """False from a failed call until the next successful one."""
+        return self._healthy
+
+    @property
+    def dirty(self) -> bool:
+        """True while the index may be missing part of this worker's state."""
+        return self._dirty
+
+    def publish(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
+        """Once per engine step: this step's KV events (in order) + load + TTL. True if written.
+
+        `cached_hashes()` must already reflect `events` (a resync replaces them with it)."""
+        return self._run(events, load)
+
+    def heartbeat(self, load: WorkerLoad) -> bool:
+        """Refresh load and TTL when the engine is idle (or between steps)."""
+        return self._run((), load)
+
+    def withdraw(self) -> bool:
+        """Clean shutdown: remove this worker, its blocks and its load from the index."""
+        with self._lock:
+            try:
+                self._forget(keys=self._keys, args=[self._block_prefix, self.worker_id, "withdraw"])
+            except (redis.RedisError, OSError) as exc:
+                log.warning("KV index: could not withdraw worker %s: %s", self.worker_id, exc)
+                return False
+            self._dirty = True
+            return True
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _run(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
+        with self._lock:
+            if not self._healthy and time.monotonic() < self._retry_at:
+                return False
+            try:
+                if self._dirty or not self._write_delta(events, load):
+                    self._resync(load)
+            except (redis.RedisError, OSError) as exc:
+                self._on_failure(exc)
+                return False
+            if not self._healthy:
+                log.info("KV index: Redis is back; worker %s re-published", self.worker_id)
+            self._healthy = True
+            return True
+
+    def _write_delta(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
+        """Apply events + load + TTL in one script call; False if the index needs a resync."""
+        fields = self._fields(load)
+        args: list[str | int] = [self._block_prefix, self.worker_id, self._epoch, self.ttl_ms]
+        args.append(len(fields))
+        for name, value in fields.items():
+            args += (name, value)
+        for event in events:
+            op = "+" if isinstance(event, BlockStored) else "-"
+            if not isinstance(event, BlockStored | BlockRemoved):
+                raise TypeError(f"unknown KV event {event!r}")
+            for block_hash in event.block_hashes:
+                args += (op, hash_hex(block_hash))
+        return bool(self._delta(keys=self._keys, args=args))
+
+    def _resync(self, load: WorkerLoad) -> None:
+        """Replace this worker's whole entry with its current state, in one MULTI."""
+        hashes = [hash_hex(h) for h in self._cached_hashes()]
+        self._num_epochs += 1
+        self._epoch = f"{self._nonce}:{self._num_epochs}"
+        pipe = self._client.pipeline(transaction=True)
+        args = [self._block_prefix, self.worker_id, "resync"]
+        self._forget(keys=self._keys, args=args, client=pipe)
+        for h in hashes:
+            pipe.sadd(self._block_prefix + h, self.worker_id)
+        if hashes:
+            pipe.sadd(self._keys[1], *hashes)
+        pipe.hset(self._keys[0], mapping=self._fields(load))
+        pipe.pexpire(self._keys[0], self.ttl_ms)
+        pipe.sadd(self._keys[2], self.worker_id)
+        pipe.execute()
+        self._dirty = False
+        self.num_resyncs += 1
+        log.info(
+            "KV index: worker %s published its full state (%d blocks)", self.worker_id, len(hashes)
+        )
+
+    def _fields(self, load: WorkerLoad) -> dict[str, str | int]:
+        fields = schema.worker_fields(self.role, self.actor_name, self.nixl_agent, load)
+        fields["epoch"] = self._epoch
+        return fields
+
+    def _on_failure(self, exc: BaseException) -> None:
+        self._dirty = True
+        self.num_failures += 1
+        self._retry_at = time.monotonic() + self.retry_interval_s
+        if self._healthy:
+            log.warning(
+                "KV index: Redis unreachable (%s); worker %s keeps serving and will re-publish "
+                "its full state when Redis is back",
+                exc,
+                self.worker_id,
+            )
+        self._healthy = False

@@ -1,0 +1,174 @@
+"""Placement: which prefill worker and which decode worker get a request (pure, no I/O).
+
+Owns only the cursor of RoundRobinPolicy and the RNG of RandomPolicy; inputs are snapshots
+(WorkerInfo lists from the KV index or the local registry, overlap counts in blocks).
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from router.types import WorkerInfo, WorkerLoad
+
+POLICY_NAMES = ("kv_aware", "round_robin", "random")
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No live worker of the needed role: the request cannot be placed now."""
+
+
+class Placement(NamedTuple):
+    """The chosen worker, how many prompt tokens it already holds, and why it won."""
+
+    worker: WorkerInfo
+    num_cached_tokens: int
+    score: float
+    policy: str
+
+
+def load_key(load: WorkerLoad) -> tuple[int, int]:
+    """Lower is less loaded: queued prompt tokens first, then requests waiting + running."""
+    return (load.queued_tokens, load.waiting + load.running)
+
+
+def _cached_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
+    return max(0, overlap.get(worker.worker_id, 0)) * block_size
+
+
+class PrefillPolicy(abc.ABC):
+    """Chooses a prefill worker for one prompt.
+
+    Invariants: `choose` returns one of `workers` (raises NoWorkerAvailable when it is empty);
+    the result does not depend on the order of `workers`; workers missing from `overlap` hold
+    nothing (0 blocks); `overlap` counts leading blocks, so cached tokens = count * block_size.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def choose(
+        self, workers: Sequence[WorkerInfo], overlap: Mapping[str, int], block_size: int
+    ) -> Placement: ...
+
+
+class KVAwarePolicy(PrefillPolicy):
+    """score = cached_tokens_saved - load_weight * queued_tokens; ties go to the less loaded
+    worker (load_key), then the smaller worker_id. Deterministic."""
+
+    name = "kv_aware"
+
+    def __init__(self, load_weight: float = 1.0) -> None:
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        self.load_weight = load_weight
+
+    def score(self, worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> float:
+        saved = _cached_tokens(worker, overlap, block_size)
+        return saved - self.load_weight * worker.load.queued_tokens
+
+    def choose(
+        self, workers: Sequence[WorkerInfo], overlap: Mapping[str, int], block_size: int
+    ) -> Placement:
+        _require(workers)
+        best = min(
+            workers,
+            key=lambda w: (-self.score(w, overlap, block_size), load_key(w.load), w.worker_id),
+        )
+        return Placement(
+            best,
+            _cached_tokens(best, overlap, block_size),
+            self.score(best, overlap, block_size),
+            self.name,
+        )
+
+
+class RoundRobinPolicy(PrefillPolicy):
+    """Cycles through workers in worker_id order, ignoring the cache (a baseline)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    def choose(
+        self, workers: Sequence[WorkerInfo], overlap: Mapping[str, int], block_size: int
+    ) -> Placement:
+        ordered = sorted(_require(workers), key=lambda w: w.worker_id)
+        worker = ordered[self._cursor % len(ordered)]
+        self._cursor += 1
+        return Placement(worker, _cached_tokens(worker, overlap, block_size), 0.0, self.name)
+
+
+class RandomPolicy(PrefillPolicy):
+    """Uniform choice, ignoring the cache (a baseline); seedable for reproducible runs."""
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(
+        self, workers: Sequence[WorkerInfo], overlap: Mapping[str, int], block_size: int
+    ) -> Placement:
+        ordered = sorted(_require(workers), key=lambda w: w.worker_id)
+        worker = self._rng.choice(ordered)
+        return Placement(worker, _cached_tokens(worker, overlap, block_size), 0.0, self.name)
+
+
+def make_prefill_policy(
+    name: str = "kv_aware", load_weight: float = 1.0, seed: int | None = None
+) -> PrefillPolicy:
+    """The policy called `name` (one of POLICY_NAMES)."""
+    if name == "kv_aware":
+        return KVAwarePolicy(load_weight)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "random":
+        return RandomPolicy(seed)
+    raise ValueError(f"unknown placement policy {name!r}; choose one of {POLICY_NAMES}")
+
+
+def route_by_load(workers: Sequence[WorkerInfo]) -> Placement:
+    """Fallback when the KV index is unavailable: the least loaded worker (load_key, then id).
+
+    Its num_cached_tokens is 0: without the index nothing is known about caches.
+    """
+    best = min(_require(workers), key=lambda w: (load_key(w.load), w.worker_id))
+    return Placement(best, 0, -float(best.load.queued_tokens), "load")
+
+
+def choose_decode(workers: Sequence[WorkerInfo], num_blocks_needed: int) -> WorkerInfo:
+    """The decode worker for a request needing `num_blocks_needed` KV blocks.
+
+    Order: workers with enough free blocks first (the others would queue the request); then
+    the smallest batch (running + waiting), then the most free blocks, then worker_id. When no
+    worker has room, the one with the most free blocks still gets it (it admits it when it can).
+    """
+
+    def key(worker: WorkerInfo) -> tuple[int, int, int, str]:
+        load = worker.load
+        batch = load.running + load.waiting
+        if load.free_blocks >= num_blocks_needed:
+            return (0, batch, -load.free_blocks, worker.worker_id)
+        return (1, -load.free_blocks, batch, worker.worker_id)
+
+    return min(_require(workers), key=key)
+
+
+def use_local_prefill(
+    num_prompt_tokens: int, num_cached_tokens: int, max_local_prefill_tokens: int
+) -> bool:
+    """Conditional disaggregation: prefill on the decode worker itself when few tokens remain
+    to compute (max_local_prefill_tokens 0 turns it off)."""
+    return max_local_prefill_tokens > 0 and (
+        num_prompt_tokens - num_cached_tokens <= max_local_prefill_tokens
+    )
+
+
+def _require(workers: Sequence[WorkerInfo]) -> Sequence[WorkerInfo]:
+    if not workers:
+        raise NoWorkerAvailable("no live worker to place the request on")
+    return workers

@@ -1,0 +1,186 @@
+"""Router side of the KV index: asyncio reads of membership, load and prefix overlap from Redis.
+
+Owns the router's redis.asyncio connection pool and its outage state (circuit breaker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from router import kv_index_schema as schema
+from router.types import WorkerInfo
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class IndexUnavailable(RuntimeError):
+    """Redis cannot be reached (or timed out): route by load alone for now."""
+
+
+class IndexView(NamedTuple):
+    """Live workers of one role, sorted by worker_id, and how many leading prompt blocks each
+    holds (every worker in `workers` has an entry; 0 when it holds none)."""
+
+    workers: list[WorkerInfo]
+    overlap: dict[str, int]
+
+
+class PrefixIndex:
+    """Reads the cluster KV index of one model; every public call is one Redis round trip.
+
+    Invariants:
+    - a call either returns data read in one atomic script run, or raises IndexUnavailable
+      within about `timeout_s` (never hangs on a stalled Redis);
+    - after a failure, calls raise IndexUnavailable at once for `retry_interval_s`, then try
+      Redis again (the pool reconnects by itself) — the router never waits on a dead Redis;
+    - only workers whose HASH is live (TTL not expired) are returned; dead ones found on the way
+      are forgotten in the background (their block entries removed) when `reap_dead` is set.
+    Use from one event loop (the router's).
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        model_id: str,
+        timeout_s: float = 0.25,
+        retry_interval_s: float = 1.0,
+        reap_dead: bool = True,
+    ) -> None:
+        self.model_id = model_id
+        self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.reap_dead = reap_dead
+        self._client = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            decode_responses=True,
+        )
+        self._view_script = self._client.register_script(schema.VIEW_SCRIPT)
+        self._overlap_script = self._client.register_script(schema.OVERLAP_SCRIPT)
+        self._forget_script = self._client.register_script(schema.FORGET_SCRIPT)
+        self._available = True
+        self._retry_at = 0.0
+        self._reaping: dict[str, asyncio.Task[int]] = {}  # worker_id -> forget task
+        self.num_unavailable = 0  # calls answered with IndexUnavailable (for metrics)
+
+    @property
+    def available(self) -> bool:
+        """False from a failed call until the next successful one."""
+        return self._available
+
+    async def view(self, role: str, block_hashes: Sequence[int]) -> IndexView:
+        """Live workers of `role` ('' for all) and their leading-block overlap with the prompt."""
+        keys = [schema.registry_key(self.model_id)]
+        keys += [schema.block_key(self.model_id, h) for h in block_hashes]
+        args = [schema.worker_key_prefix(self.model_id), role]
+        ids, rows, counts, dead = await self._call(lambda: self._view_script(keys=keys, args=args))
+        workers = [parse(wid, row) for wid, row in zip(ids, rows, strict=True)]
+        order = sorted(range(len(ids)), key=lambda i: ids[i])
+        self._reap(dead)
+        return IndexView(
+            workers=[workers[i] for i in order],
+            overlap={ids[i]: int(counts[i]) for i in order},
+        )
+
+    async def live_workers(self, role: str = "") -> list[WorkerInfo]:
+        """Live workers of `role` ('' for all), sorted by worker_id, with their latest load."""
+        return (await self.view(role, ())).workers
+
+    async def prefix_overlap(
+        self, block_hashes: Sequence[int], worker_ids: Sequence[str]
+    ) -> dict[str, int]:
+        """worker_id -> number of leading blocks of `block_hashes` it holds (stops at a gap)."""
+        if not worker_ids:
+            return {}
+        keys = [schema.block_key(self.model_id, h) for h in block_hashes]
+        counts = await self._call(lambda: self._overlap_script(keys=keys, args=list(worker_ids)))
+        return {wid: int(c) for wid, c in zip(worker_ids, counts, strict=True)}
+
+    async def forget_worker(self, worker_id: str, force: bool = False) -> int:
+        """Remove a worker's blocks and membership; unless `force`, only if its HASH has expired.
+
+        Returns the number of block entries removed, -1 if the worker was alive (not forced).
+        """
+        mode = "withdraw" if force else "dead"
+        keys = schema.worker_keys(self.model_id, worker_id)
+        args = [schema.block_key_prefix(self.model_id), worker_id, mode]
+        return int(await self._call(lambda: self._forget_script(keys=keys, args=args)))
+
+    async def close(self) -> None:
+        tasks = list(self._reaping.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._client.aclose()
+
+    async def __aenter__(self) -> PrefixIndex:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ---- internals -----------------------------------------------------------------------
+    async def _call(self, request: Callable[[], Awaitable[T]]) -> T:
+        if not self._available and time.monotonic() < self._retry_at:
+            self.num_unavailable += 1
+            raise IndexUnavailable("Redis unreachable (retrying later); route by load")
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):
+                result = await request()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._on_failure(exc)
+            raise IndexUnavailable(f"Redis unreachable: {_describe(exc)}; route by load") from exc
+        if not self._available:
+            log.warning("KV index: Redis is reachable again; KV-aware routing resumes")
+        self._available = True
+        return result
+
+    def _on_failure(self, exc: BaseException) -> None:
+        self.num_unavailable += 1
+        self._retry_at = time.monotonic() + self.retry_interval_s
+        if self._available:
+            log.warning("KV index: Redis unreachable (%s); routing by load alone", _describe(exc))
+        self._available = False
+
+    def _reap(self, dead_ids: Sequence[str]) -> None:
+        if not self.reap_dead:
+            return
+        for worker_id in dead_ids:
+            if worker_id not in self._reaping:
+                task = asyncio.create_task(self._forget_quietly(worker_id))
+                self._reaping[worker_id] = task
+                task.add_done_callback(lambda _, wid=worker_id: self._reaping.pop(wid, None))
+
+    async def _forget_quietly(self, worker_id: str) -> int:
+        try:
+            num_removed = await self.forget_worker(worker_id)
+        except IndexUnavailable:
+            return 0  # the next view() finds it dead again
+        except Exception:  # a background task: log, never leave an unretrieved exception
+            log.exception("KV index: could not forget dead worker %s", worker_id)
+            return 0
+        if num_removed >= 0:
+            log.info("KV index: forgot dead worker %s (%d blocks)", worker_id, num_removed)
+        return num_removed
+
+
+def parse(worker_id: str, row: Sequence[str]) -> WorkerInfo:
+    """A WorkerInfo from an HGETALL reply as a flat [field, value, ...] list."""
+    return schema.parse_worker(worker_id, dict(zip(row[::2], row[1::2], strict=True)))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

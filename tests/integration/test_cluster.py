@@ -1,0 +1,240 @@
+"""The disaggregated cluster on one machine: real Ray actors, real NIXL transfers, real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import ray
+
+from deploy.local_cluster import LocalCluster
+from engine.config import CacheConfig
+from engine.sampling_params import SamplingParams
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from router.policy import make_prefill_policy
+from router.prefix_index import IndexUnavailable
+from router.types import GenerateRequest
+from tests.integration.cluster_support import (
+    cluster_spec,
+    collect,
+    tokens_of,
+    wait_until_no_leaks,
+)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(loop):
+    cluster = loop.run_until_complete(LocalCluster(cluster_spec()).start(progress=lambda m: None))
+    yield cluster
+    loop.run_until_complete(cluster.close())
+
+
+@pytest.fixture(autouse=True)
+def no_leaks_after(cluster, loop):
+    yield
+    loop.run_until_complete(wait_until_no_leaks(cluster))
+
+
+def request(req_id: str, prompt: list[int], params=GREEDY, salt: str | None = None):
+    return GenerateRequest(req_id, tuple(prompt), params, cache_salt=salt)
+
+
+def test_token_exact_for_concurrent_requests(cluster, loop, make_engine, tokenizer):
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me fact number {i}."}])
+        for i in range(16)
+    ]
+    reference = make_engine()
+    for i, p in enumerate(prompts):
+        reference.add_request(f"ref{i}", p, GREEDY)
+    expected = {}
+    while reference.has_unfinished_requests:
+        for out in reference.step():
+            expected.setdefault(out.req_id, []).extend(out.new_token_ids)
+
+    async def run():
+        return await asyncio.gather(
+            *(collect(cluster.backend, request(f"c{i}", p)) for i, p in enumerate(prompts))
+        )
+
+    results = loop.run_until_complete(run())
+    for i, deltas in enumerate(results):
+        assert tokens_of(deltas) == expected[f"ref{i}"], f"request {i}"
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    transferred = [d.num_transferred_blocks for ds in results for d in ds]
+    assert sum(transferred) > 0, "KV must move over NIXL"
+
+
+def shared_prefix_prompts(tokenizer, topic: str, n: int) -> list[list[int]]:
+    system = " ".join(f"{topic} rule {i}: be exact." for i in range(30))
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}?"}]
+        )
+        for i in range(n)
+    ]
+
+
+def run_sequentially(cluster, loop, prompts, prefix):
+    async def run():
+        out = []
+        for i, p in enumerate(prompts):
+            deltas = await collect(cluster.backend, request(f"{prefix}{i}", p))
+            out.append(deltas)
+        return out
+
+    return loop.run_until_complete(run())
+
+
+def test_kv_aware_routing_beats_round_robin(cluster, loop, tokenizer):
+    kv_aware = run_sequentially(cluster, loop, shared_prefix_prompts(tokenizer, "Alpha", 6), "kv")
+    hits_kv = [ds[0].num_cached_tokens for ds in kv_aware]
+    assert all(h > 0 for h in hits_kv[1:]), hits_kv
+    cluster.backend.policy = make_prefill_policy("round_robin")
+    try:
+        rr = run_sequentially(cluster, loop, shared_prefix_prompts(tokenizer, "Beta", 6), "rr")
+    finally:
+        cluster.backend.policy = make_prefill_policy("kv_aware")
+    hits_rr = [ds[0].num_cached_tokens for ds in rr]
+    assert sum(1 for h in hits_rr if h > 0) < sum(1 for h in hits_kv if h > 0)
+
+
+def test_only_missing_blocks_move(cluster, loop, tokenizer):
+    prompts = shared_prefix_prompts(tokenizer, "Gamma", 2)
+    first, second = run_sequentially(cluster, loop, prompts, "mv")
+    moved_first = sum(d.num_transferred_blocks for d in first)
+    moved_second = sum(d.num_transferred_blocks for d in second)
+    assert moved_first >= len(prompts[0]) // 16
+    assert 0 < moved_second < moved_first
+
+
+def test_cache_salt_isolation(cluster, loop, tokenizer):
+    prompt = shared_prefix_prompts(tokenizer, "Delta", 1)[0]
+
+    async def run():
+        a1 = await collect(cluster.backend, request("salt-a1", prompt, salt="a"))
+        b1 = await collect(cluster.backend, request("salt-b1", prompt, salt="b"))
+        a2 = await collect(cluster.backend, request("salt-a2", prompt, salt="a"))
+        return a1, b1, a2
+
+    a1, b1, a2 = loop.run_until_complete(run())
+    assert a1[0].num_cached_tokens == 0 and b1[0].num_cached_tokens == 0
+    assert a2[0].num_cached_tokens > 0
+    assert tokens_of(a1) == tokens_of(b1) == tokens_of(a2)
+
+
+def test_abort_mid_stream_frees_both_sides(cluster, loop, tokenizer):
+    prompt = tokenizer.encode("Write a very long story about dragons and castles. " * 4)
+    long_params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def run():
+        stream = cluster.backend.generate(request("abort-me", prompt, long_params))
+        got = []
+        async for delta in stream:
+            got.append(delta)
+            if len(got) == 3:
+                break
+        await stream.aclose()
+        return got
+
+    got = loop.run_until_complete(run())
+    assert len(got) == 3 and not got[-1].finished
+
+
+def test_prefill_worker_dies_after_handle(cluster, loop, tokenizer, make_engine):
+    prompt = tokenizer.encode("The doomed prefill worker computed this prompt before dying.")
+    doomed = start_extra_prefill("doomed-prefill", cluster.spec.engine)
+    tokens, before, after = loop.run_until_complete(
+        decode_from_extra_prefill(cluster, doomed, request("orphan", prompt), kill_prefill=True)
+    )
+    assert tokens == reference_tokens(make_engine, prompt)
+    assert after["num_recomputed"] == before["num_recomputed"] + 1
+
+
+def test_incompatible_handshake_is_refused_and_request_recomputed(
+    cluster, loop, tokenizer, make_engine
+):
+    prompt = tokenizer.encode("A prefill worker with another block size must be refused.")
+    other_engine = dataclasses.replace(
+        cluster.spec.engine, cache=CacheConfig(block_size=32, num_blocks=64)
+    )
+    odd = start_extra_prefill("odd-prefill", other_engine)
+    try:
+        tokens, before, after = loop.run_until_complete(
+            decode_from_extra_prefill(cluster, odd, request("odd", prompt))
+        )
+        assert loop.run_until_complete(odd.num_leases.remote()) == 0
+    finally:
+        ray.kill(odd)
+    assert tokens == reference_tokens(make_engine, prompt)
+    assert after["num_recomputed"] == before["num_recomputed"] + 1
+    assert after["num_transferred_blocks"] == before["num_transferred_blocks"]
+
+
+def test_redis_down_then_back(cluster, loop, tokenizer):
+    prompts = shared_prefix_prompts(tokenizer, "Epsilon", 3)
+    cluster.redis.stop()
+    try:
+        down = run_sequentially(cluster, loop, prompts, "down")
+        assert all(ds[-1].finished and ds[-1].finish_reason == "length" for ds in down)
+        assert cluster.backend.num_index_unavailable > 0
+    finally:
+        cluster.redis.start()
+
+    async def index_whole() -> bool:
+        for _ in range(100):
+            try:
+                workers = await cluster.backend.index.live_workers()
+            except IndexUnavailable:
+                workers = []
+            if len(workers) == 3:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert loop.run_until_complete(index_whole())
+    again = run_sequentially(cluster, loop, prompts[:1], "back")
+    assert again[0][0].num_cached_tokens > 0, "re-published prefix blocks are found again"
+
+
+def start_extra_prefill(name: str, engine_config):
+    config = PrefillWorkerConfig(name, engine_config, None, 20.0, num_threads=1)
+    actor = ray.remote(PrefillWorker).options(name=name, num_cpus=0)
+    return actor.remote(config, name)
+
+
+def reference_tokens(make_engine, prompt) -> list[int]:
+    engine = make_engine()
+    engine.add_request("ref", prompt, GREEDY)
+    tokens = []
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+async def decode_from_extra_prefill(cluster, prefill, req, kill_prefill=False):
+    """Prefill on an actor outside the cluster, decode on the cluster's decode worker."""
+    handle = await prefill.prefill.remote(req)
+    if kill_prefill:
+        ray.kill(prefill)
+    decode = next(iter(cluster.decode_actors.values()))
+    before = await decode.stats.remote()
+    await decode.submit.remote(req, handle, "test-router")
+    tokens = [handle.first_token_id]
+    for _ in range(120):
+        deltas = await decode.next_deltas.remote("test-router", 1.0)
+        tokens.extend(t for d in deltas for t in d.token_ids)
+        if any(d.finished for d in deltas):
+            break
+    return tokens, before, await decode.stats.remote()
