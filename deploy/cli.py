@@ -1,4 +1,4 @@
-"""The `kvrelay` command line (holds no state): `kvrelay generate "prompt"` for now."""
+"""The `kvrelay` command line (holds no state): `kvrelay generate "prompt"`, `kvrelay serve`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from engine.loader import DEFAULT_MODEL
+from deploy.serve import add_serve_parser
+from engine.config import DEFAULT_MODEL
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    add_serve_parser(sub)
     return parser
 
 

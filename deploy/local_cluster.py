@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.engine import EngineConfig
+from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "kvrelay"
@@ -38,6 +38,7 @@ class LocalCluster:
         self.prefill_actors: dict[str, Any] = {}
         self.decode_actors: dict[str, Any] = {}
         self.backend: Any = None
+        self.model: Any = None  # router.types.ServedModel, once started
         self._owns_ray = False
 
     async def start(self, progress=print) -> LocalCluster:
@@ -117,8 +118,6 @@ class LocalCluster:
         ).remote(config, name)
 
     async def _make_backend(self):
-        from engine.engine import served_model_id
-        from engine.loader import read_model_config, resolve_model
         from router.cluster_backend import ClusterBackend
         from router.policy import make_prefill_policy
         from router.prefix_index import PrefixIndex
@@ -129,15 +128,14 @@ class LocalCluster:
             workers.add(name, "prefill", actor, name)
         for name, actor in self.decode_actors.items():
             workers.add(name, "decode", actor, name)
-        folder = resolve_model(self.spec.engine.model)
-        model_config = read_model_config(folder, served_model_id(self.spec.engine.model))
-        max_model_len = await next(iter(self.prefill_actors.values())).max_model_len.remote()
-        index = PrefixIndex(self.redis_url, model_config.model_id) if self.redis_url else None
+        first = next(iter(self.prefill_actors.values()))
+        self.model = model = await first.served_model.remote()
+        index = PrefixIndex(self.redis_url, model.model_id) if self.redis_url else None
         return ClusterBackend(
-            model_config.model_id,
-            max_model_len,
-            model_config.vocab_size,
-            self.spec.engine.cache.block_size,
+            model.model_id,
+            model.max_model_len,
+            model.vocab_size,
+            model.block_size,
             workers,
             index,
             make_prefill_policy(self.spec.policy),

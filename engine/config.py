@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -124,3 +126,15 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int | None = None
+    record_kv_events: bool = False
+    detokenize: bool = False  # text deltas in RequestOutput (stop strings always detokenize)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.attention.torch_backend import TorchAttention
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
@@ -29,18 +29,6 @@ from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int | None = None
-    record_kv_events: bool = False
-    detokenize: bool = False  # text deltas in RequestOutput (stop strings always detokenize)
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, model: nn.Module | None = None):
         """model: weights already loaded from the same checkpoint (shared across engines)."""
         self.config = config = config or EngineConfig()
-        folder = resolve_model(config.model)
+        self.checkpoint_dir = folder = resolve_model(config.model)
         self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
         self.model_id = self.model_config.model_id
         has_tokenizer = any(

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Command = Callable[[Engine], Any]
+Done = Callable[[Any, BaseException | None], None]
 
 
 class EngineThread:
@@ -36,13 +37,15 @@ class EngineThread:
         self._on_outputs = on_outputs
         self._on_tick = on_tick or (lambda: False)
         self._idle_wait_s = idle_wait_s
-        self._commands: queue.SimpleQueue[tuple[Command, Callable[[Any, BaseException | None], None]]]
+        self._commands: queue.SimpleQueue[
+            tuple[Command, Callable[[Any, BaseException | None], None]]
+        ]
         self._commands = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, command: Command, done: Callable[[Any, BaseException | None], None]) -> None:
+    def submit(self, command: Command, done: Done) -> None:
         self._commands.put((command, done))
 
     async def call(self, command: Callable[[Engine], T]) -> T:
@@ -71,7 +74,9 @@ class EngineThread:
 
     def _run_commands(self, block_s: float) -> None:
         try:
-            item = self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
+            item = (
+                self._commands.get(timeout=block_s) if block_s > 0 else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:

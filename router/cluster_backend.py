@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.kv_cache.hashing import hash_blocks
+from router.metrics import RouterMetrics
 from router.policy import PrefillPolicy, choose_decode, make_prefill_policy, route_by_load
 from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.types import Backend, GenerateRequest, TokenDelta, WorkerInfo
@@ -47,6 +48,7 @@ class ClusterBackend(Backend):
         self._index_down_logged = False
         self.num_index_unavailable = 0
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
+        self.metrics: RouterMetrics | None = None  # set by the server that owns the registry
 
     # ---- placement -----------------------------------------------------------------------
     async def _candidates(
@@ -56,6 +58,7 @@ class ClusterBackend(Backend):
         if self.index is not None:
             try:
                 view = await self.index.view(role, hashes)
+                self._record_index(True, view.workers)
                 if self._index_down_logged:
                     logger.warning("Redis index is back: routing by KV overlap again")
                     self._index_down_logged = False
@@ -63,11 +66,19 @@ class ClusterBackend(Backend):
                 if workers:
                     return workers, view.overlap
             except IndexUnavailable as e:
+                self._record_index(False, [])
                 self.num_index_unavailable += 1
                 if not self._index_down_logged:
                     logger.warning("Redis index unavailable (%s): routing by load alone", e)
                     self._index_down_logged = True
         return self.workers.known(role), None
+
+    def _record_index(self, available: bool, workers: list[WorkerInfo]) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.set_index_available(available)
+        for worker in workers:
+            self.metrics.set_worker_load(worker)
 
     async def _place_prefill(self, request: GenerateRequest) -> WorkerInfo:
         hashes = hash_blocks(
@@ -127,6 +138,8 @@ class ClusterBackend(Backend):
             yield first
             while True:
                 delta = await queue.get()
+                if delta.transfer_bytes and self.metrics is not None:
+                    self.metrics.observe_transfer(delta.transfer_s, delta.transfer_bytes)
                 if delta.finished and delta.finish_reason != "abort":
                     stage = "done"  # an abort delta is local: the decode side still needs telling
                 yield delta

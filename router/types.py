@@ -66,6 +66,17 @@ class WorkerInfo:
     load: WorkerLoad = field(default_factory=WorkerLoad)
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What a worker serves, as the router needs it (the router loads only the tokenizer)."""
+
+    model_id: str
+    checkpoint_dir: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+
+
 class Backend(abc.ABC):
     """What the front ends call; the cluster backend routes to Ray workers.
 

@@ -1,0 +1,112 @@
+"""`kvrelay serve`: an embedded cluster (local Ray, local redis-server unless --redis-url, N prefill
+and M decode workers) behind the router's HTTP and gRPC servers, until Ctrl-C. Owns no state
+beyond the running servers; every process it started is stopped on exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from deploy.local_cluster import ClusterSpec, LocalCluster
+from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model on an embedded local cluster")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF folder")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--redis-url", default=None, help="use this Redis (default: start one)")
+    p.add_argument("--no-redis", action="store_true", help="run without the Redis index")
+    p.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "random"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per worker")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--ray-address", default="local", help='"local" starts Ray here')
+    p.set_defaults(func=serve)
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode must be >= 1")
+    engine = EngineConfig(
+        model=args.model,
+        cache=CacheConfig(
+            block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30))
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+        ),
+        device=args.device,
+        dtype=args.dtype,
+    )
+    return ClusterSpec(
+        engine=engine,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        redis_url="" if args.no_redis else args.redis_url,
+        policy=args.policy,
+        threads_per_worker=args.threads_per_worker,
+        ray_address=args.ray_address,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = spec_from_args(args)
+    return asyncio.run(_serve(spec, args.host, args.http_port, args.grpc_port))
+
+
+async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -> int:
+    from router.frontend import Frontend
+    from router.grpc_server import GrpcServer
+    from router.http_server import HttpServer
+    from router.metrics import RouterMetrics
+    from router.tokenizer import RouterTokenizer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = LocalCluster(spec)
+    http = grpc = None
+    try:
+        await cluster.start(progress=_say)
+        metrics = RouterMetrics()
+        cluster.backend.metrics = metrics
+        frontend = Frontend(cluster.backend, RouterTokenizer(cluster.model.checkpoint_dir), metrics)
+        http = HttpServer(frontend)
+        http_port = await http.start(host, http_port)
+        grpc = GrpcServer(frontend)
+        grpc_port = await grpc.start(host, grpc_port)
+        _say(f"kvrelay: serving {cluster.model.model_id}")
+        _say(f"  HTTP (OpenAI)  http://{host}:{http_port}/v1")
+        _say(f"  gRPC           {host}:{grpc_port}")
+        _say("  Ctrl-C to stop")
+        await stop.wait()
+        _say("kvrelay: shutting down")
+    finally:
+        if grpc is not None:
+            await grpc.stop()
+        if http is not None:
+            await http.stop()
+        await cluster.close()
+    _say("kvrelay: stopped")
+    return 0
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
