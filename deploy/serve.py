@@ -72,9 +72,8 @@ def serve(args: argparse.Namespace) -> int:
 
 async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -> int:
     from router.frontend import Frontend
-    from router.grpc_server import GrpcServer
-    from router.http_server import HttpServer
     from router.metrics import RouterMetrics
+    from router.serve import RouterServers
     from router.tokenizer import RouterTokenizer
 
     stop = asyncio.Event()
@@ -82,27 +81,23 @@ async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(spec)
-    http = grpc = None
+    servers = None
     try:
         await cluster.start(progress=_say)
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
         frontend = Frontend(cluster.backend, RouterTokenizer(cluster.model.checkpoint_dir), metrics)
-        http = HttpServer(frontend)
-        http_port = await http.start(host, http_port)
-        grpc = GrpcServer(frontend)
-        grpc_port = await grpc.start(host, grpc_port)
+        servers = RouterServers(frontend)
+        await servers.start(host, http_port, grpc_port)
         _say(f"kvrelay: serving {cluster.model.model_id}")
-        _say(f"  HTTP (OpenAI)  http://{host}:{http_port}/v1")
-        _say(f"  gRPC           {host}:{grpc_port}")
+        _say(f"  HTTP (OpenAI)  http://{host}:{servers.http.port}/v1")
+        _say(f"  gRPC           {host}:{servers.grpc.port}")
         _say("  Ctrl-C to stop")
         await stop.wait()
         _say("kvrelay: shutting down")
     finally:
-        if grpc is not None:
-            await grpc.stop()
-        if http is not None:
-            await http.stop()
+        if servers is not None:
+            await servers.stop()
         await cluster.close()
     _say("kvrelay: stopped")
     return 0

@@ -6,8 +6,7 @@ import asyncio
 import time
 
 from deploy.local_cluster import ClusterSpec, LocalCluster
-from engine.config import CacheConfig
-from engine.engine import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from router.types import GenerateRequest, TokenDelta
 
 NUM_BLOCKS = 256

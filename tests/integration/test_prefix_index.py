@@ -21,8 +21,6 @@ from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.types import WorkerLoad
 from tests.redis_server import RedisServer
 
-
-
 MODEL = "test-model"
 BLOCK = 4
 WAIT_S = 10.0

@@ -1,0 +1,1 @@
+"""kvrelay public API: kvrelay.proto and its generated stubs (`make proto`)."""

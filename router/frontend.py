@@ -1,0 +1,245 @@
+"""Frontend: request handling shared by the HTTP and gRPC servers; owns the set of in-flight
+request ids. Validates and tokenizes a RequestSpec into a GenerateRequest, then turns the
+backend's TokenDelta stream into text chunks (stop strings applied here), usage and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from router.errors import BackendError, InvalidRequest
+from router.metrics import RouterMetrics
+from router.output import OutputChunk, OutputTracker, Usage
+from router.tokenizer import RouterTokenizer
+from router.types import Backend, GenerateRequest, TokenDelta
+
+__all__ = [
+    "BackendError",
+    "ChatMessage",
+    "Frontend",
+    "InvalidRequest",
+    "OutputChunk",
+    "Prepared",
+    "RequestSpec",
+    "Usage",
+]
+
+logger = logging.getLogger(__name__)
+_MAX_SEED = 2**63
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request as a front end parsed it; exactly one of prompt, messages, prompt_token_ids."""
+
+    model: str | None = None  # None or "": the served model
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None  # None: what fits in the context (or the default cap)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    cache_salt: str | None = None
+    req_id: str | None = None  # None: the front end makes one
+
+    @property
+    def input_param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request ready for the backend, plus what stays in the router."""
+
+    request: GenerateRequest
+    stop: tuple[str, ...]
+    arrival: float  # time.monotonic() when the request arrived
+
+
+class Frontend:
+    """Validation, tokenization and output streaming over one Backend."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: RouterTokenizer,
+        metrics: RouterMetrics | None = None,
+        model_aliases: tuple[str, ...] = (),
+        max_tokens_cap: int | None = None,
+    ):
+        """max_tokens_cap: the default max_tokens when a request sets none (None: no cap)."""
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.metrics = metrics or RouterMetrics()
+        self.model_id = backend.model_id
+        self.model_names = frozenset((backend.model_id, *model_aliases))
+        self.max_tokens_cap = max_tokens_cap
+        self._in_flight: set[str] = set()
+
+    # ---- validation ----------------------------------------------------------------------
+    def reject(self, error: InvalidRequest) -> InvalidRequest:
+        """Count a refused request; returns the error for `raise frontend.reject(e)`."""
+        self.metrics.rejected.inc()
+        return error
+
+    def prepare(self, spec: RequestSpec, arrival: float | None = None) -> Prepared:
+        """Validate and tokenize; raises InvalidRequest with a message naming the field."""
+        arrival = time.monotonic() if arrival is None else arrival
+        try:
+            return self._prepare(spec, arrival)
+        except InvalidRequest as e:
+            raise self.reject(e) from None
+
+    def _prepare(self, spec: RequestSpec, arrival: float) -> Prepared:
+        if spec.model and spec.model not in self.model_names:
+            raise InvalidRequest(
+                f"model {spec.model!r} is not served here; available: {self.model_id!r}",
+                "model",
+                "model_not_found",
+            )
+        prompt_ids = self._prompt_ids(spec)
+        self._check_prompt(prompt_ids, spec.input_param)
+        room = self.backend.max_model_len - len(prompt_ids)
+        max_tokens = spec.max_tokens
+        if max_tokens is None:
+            max_tokens = min(room, self.max_tokens_cap or room)
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=spec.temperature,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
+            min_p=spec.min_p,
+            seed=spec.seed,
+            stop_token_ids=spec.stop_token_ids,
+            ignore_eos=spec.ignore_eos,
+            logprobs=spec.logprobs,
+        )
+        self._check_sampling(sampling, spec.stop)
+        req_id = spec.req_id or f"req-{uuid.uuid4().hex}"
+        request = GenerateRequest(req_id, tuple(prompt_ids), sampling, spec.cache_salt, time.time())
+        return Prepared(request, spec.stop, arrival)
+
+    def _prompt_ids(self, spec: RequestSpec) -> list[int]:
+        inputs = [spec.prompt, spec.messages, spec.prompt_token_ids]
+        if sum(x is not None for x in inputs) != 1:
+            raise InvalidRequest("give exactly one of a prompt, chat messages or token ids")
+        if spec.messages is not None:
+            if not spec.messages:
+                raise InvalidRequest("messages must not be empty", "messages")
+            messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+            try:
+                return self.tokenizer.apply_chat_template(messages)
+            except ValueError as e:
+                raise InvalidRequest(str(e), "messages") from None
+        if spec.prompt is not None:
+            return self.tokenizer.encode(spec.prompt)
+        return list(spec.prompt_token_ids or ())
+
+    def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param)
+        vocab = self.backend.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
+        limit = self.backend.max_model_len
+        if len(prompt_ids) >= limit:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens, but this model's context length is "
+                f"{limit} tokens and the prompt must leave room for at least one output token",
+                param,
+                "context_length_exceeded",
+            )
+
+    def _check_sampling(self, sampling: SamplingParams, stop: tuple[str, ...]) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(sampling, name)):
+                raise InvalidRequest(f"{name} must be a finite number", name)
+        if sampling.seed is not None and not -_MAX_SEED <= sampling.seed < _MAX_SEED:
+            raise InvalidRequest("seed must fit in a signed 64-bit integer", "seed")
+        if any(not s for s in stop):
+            raise InvalidRequest("stop strings must be non-empty", "stop")
+        try:
+            sampling.validate(self.backend.vocab_size)
+        except ValueError as e:
+            match = _FIELD_IN_MESSAGE.match(str(e))
+            raise InvalidRequest(str(e), match.group(1) if match else None) from None
+
+    # ---- streaming -----------------------------------------------------------------------
+    async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
+        """Stream output chunks; the last has finish_reason and usage.
+
+        Leaving early (client gone, task cancelled, aclose()) aborts the request in the
+        backend; so does a stop string, which the backend does not know about.
+        Raises BackendError if the backend fails the request.
+        """
+        req = prepared.request
+        if req.req_id in self._in_flight:
+            raise self.reject(InvalidRequest(f"request id {req.req_id!r} is already in flight"))
+        self._in_flight.add(req.req_id)
+        self.metrics.running.inc()
+        self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)
+        tracker = OutputTracker(self.tokenizer, prepared, self.metrics)
+        stream = self.backend.generate(req)
+        try:
+            async for delta in stream:
+                chunk = tracker.on_delta(delta)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+            raise BackendError("the backend's stream ended before the request finished")
+        except BackendError:
+            raise
+        except Exception as e:
+            logger.exception("backend failed request %s", req.req_id)
+            raise BackendError(f"the backend failed: {e}") from e
+        finally:
+            self._in_flight.discard(req.req_id)
+            self.metrics.running.dec()
+            # Shielded: a second cancellation must not skip the abort.
+            await asyncio.shield(self._end(req.req_id, stream, tracker))
+
+    async def _end(
+        self, req_id: str, stream: AsyncIterator[TokenDelta], tracker: OutputTracker
+    ) -> None:
+        try:
+            await _close(stream)
+            if not tracker.backend_finished:
+                await self.backend.abort(req_id)
+        except Exception:
+            logger.exception("aborting request %s failed", req_id)
+        finally:
+            tracker.record_end()
+
+    def model_ids(self) -> list[str]:
+        return [self.model_id]
+
+
+async def _close(stream: AsyncIterator[object]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()

@@ -1,0 +1,173 @@
+"""gRPC front end (grpc.aio) for proto/kvrelay.proto; owns the grpc.aio server. Request state
+lives in the Frontend; a cancelled call aborts its request in the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from proto import kvrelay_pb2 as pb
+from proto import kvrelay_pb2_grpc as pb_grpc
+from router.errors import BackendError, InvalidRequest
+from router.frontend import ChatMessage, Frontend, RequestSpec
+from router.output import OutputChunk
+
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
+    """A GenerateRequest message as a RequestSpec (validation happens in Frontend.prepare)."""
+    s = request.sampling
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("set one of prompt, chat or token_ids", "input")
+    return RequestSpec(
+        model=request.model or None,
+        prompt=request.prompt if kind == "prompt" else None,
+        messages=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages)
+        if kind == "chat"
+        else None,
+        prompt_token_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+        req_id=request.request_id or None,
+    )
+
+
+def response_from_chunk(req_id: str, out: OutputChunk) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=req_id,
+        token_ids=out.token_ids,
+        text=out.text,
+        finish_reason=_FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+        logprobs=out.logprobs,
+    )
+    if out.usage is not None:
+        u = out.usage
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_tokens,
+            )
+        )
+    return response
+
+
+class KVRelayServicer(pb_grpc.KVRelayServicer):
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    async def Generate(
+        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        frontend = self.frontend
+        if isinstance(request, MalformedRequest):
+            frontend.reject(InvalidRequest(request.error))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        try:
+            prepared = frontend.prepare(spec_from_proto(request))
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        req_id = prepared.request.req_id
+        try:
+            async with contextlib.aclosing(frontend.generate(prepared)) as chunks:
+                async for out in chunks:
+                    yield response_from_chunk(req_id, out)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        except BackendError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
+        status = await self.frontend.backend.health()
+        details = {k: str(v) for k, v in status.items() if k != "ok"}
+        return pb.HealthResponse(ok=bool(status.get("ok")), details=details)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        backend = self.frontend.backend
+        models = [
+            pb.ModelInfo(id=m, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size)
+            for m in self.frontend.model_ids()
+        ]
+        return pb.ListModelsResponse(models=models)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Bytes that did not parse as the request message (answered with INVALID_ARGUMENT)."""
+
+    error: str
+
+
+def _lenient(message_type: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    def decode(data: bytes) -> Message | MalformedRequest:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return MalformedRequest(f"the request is not a valid {message_type.__name__}: {e}")
+
+    return decode
+
+
+def add_servicer(servicer: KVRelayServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_KVRelayServicer_to_server, but undecodable requests reach the
+    servicer (as MalformedRequest) instead of failing with UNKNOWN."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            servicer.Health,
+            request_deserializer=pb.HealthRequest.FromString,
+            response_serializer=pb.HealthResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
+class GrpcServer:
+    """The servicer on host:port; port 0 picks a free one. Build it inside the serving loop."""
+
+    def __init__(self, frontend: Frontend):
+        self.server = grpc.aio.server()
+        add_servicer(KVRelayServicer(frontend), self.server)
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        await self.server.start()
+        return self.port
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        await self.server.stop(grace_s)

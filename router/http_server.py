@@ -1,0 +1,201 @@
+"""OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions, /v1/completions (SSE when
+stream=true), /v1/models, /health, /metrics. Owns the aiohttp app and runner; request state
+lives in the Frontend. A client that disconnects cancels its handler, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from router.errors import BackendError, InvalidRequest
+from router.frontend import Frontend, Prepared
+from router.metrics import CONTENT_TYPE
+from router.openai_format import ResponseContext, error_body, invalid_body
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, invalid_from_validation
+from router.output import Usage
+
+logger = logging.getLogger(__name__)
+
+FRONTEND_KEY = web.AppKey("frontend", Frontend)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=lambda x: json.dumps(x, ensure_ascii=False))
+
+
+def _bad_request(error: InvalidRequest) -> web.Response:
+    return _json(invalid_body(error), status=400)
+
+
+def _sse(body: dict[str, Any] | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure answers in OpenAI's error shape (404s and 405s included)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json(error_body(e.reason, "invalid_request_error", code=e.status), e.status)
+    except Exception:
+        logger.exception("unhandled error serving %s", request.path)
+        return _json(error_body("internal server error", "internal_error"), 500)
+
+
+async def _parse(
+    request: web.Request, schema: type[ChatCompletionRequest | CompletionRequest], prefix: str
+) -> tuple[ChatCompletionRequest | CompletionRequest, Prepared]:
+    arrival = time.monotonic()
+    frontend = request.app[FRONTEND_KEY]
+    raw = await request.read()
+    try:
+        body = schema.model_validate_json(raw)
+        spec = body.to_spec(f"{prefix}-{uuid.uuid4().hex}")
+    except ValidationError as e:
+        raise frontend.reject(invalid_from_validation(e)) from None
+    except InvalidRequest as e:
+        raise frontend.reject(e) from None
+    return body, frontend.prepare(spec, arrival)
+
+
+async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
+    frontend = request.app[FRONTEND_KEY]
+    schema = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        body, prepared = await _parse(request, schema, "chatcmpl" if chat else "cmpl")
+    except InvalidRequest as e:
+        return _bad_request(e)
+    ctx = ResponseContext(
+        response_id=prepared.request.req_id,
+        model=frontend.model_id,
+        chat=chat,
+        tokenizer=frontend.tokenizer,
+        want_logprobs=prepared.request.sampling.logprobs,
+    )
+    if body.stream:
+        return await _stream(request, frontend, prepared, ctx, body.include_usage)
+    return await _collect(frontend, prepared, ctx)
+
+
+async def _collect(frontend: Frontend, prepared: Prepared, ctx: ResponseContext) -> web.Response:
+    finish_reason, usage = None, Usage(len(prepared.request.prompt_token_ids), 0, 0)
+    try:
+        async with contextlib.aclosing(frontend.generate(prepared)) as chunks:
+            async for out in chunks:
+                ctx.add(out)
+                finish_reason, usage = out.finish_reason, out.usage or usage
+    except InvalidRequest as e:
+        return _bad_request(e)
+    except BackendError as e:
+        return _json(error_body(str(e), "internal_error"), 500)
+    return _json(ctx.final(finish_reason, usage))
+
+
+async def _stream(
+    request: web.Request,
+    frontend: Frontend,
+    prepared: Prepared,
+    ctx: ResponseContext,
+    include_usage: bool,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        if (first := ctx.first_chunk()) is not None:
+            await response.write(_sse(first))
+        async with contextlib.aclosing(frontend.generate(prepared)) as chunks:
+            async for out in chunks:
+                if out.text or out.finish_reason is not None or ctx.want_logprobs:
+                    body = ctx.chunk(out)
+                    if include_usage:
+                        body["usage"] = None
+                    await response.write(_sse(body))
+                if out.usage is not None and include_usage:
+                    await response.write(_sse(ctx.usage_chunk(out.usage)))
+    except ConnectionResetError:  # the client left; generate()'s cleanup aborted the request
+        return response
+    except InvalidRequest as e:
+        await response.write(_sse(invalid_body(e)))
+    except BackendError as e:
+        await response.write(_sse(error_body(str(e), "internal_error")))
+    await response.write(_sse("[DONE]"))
+    await response.write_eof()
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, chat=False)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    frontend = request.app[FRONTEND_KEY]
+    backend = frontend.backend
+    models = [
+        {
+            "id": model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvrelay",
+            "max_model_len": backend.max_model_len,
+        }
+        for model_id in frontend.model_ids()
+    ]
+    return _json({"object": "list", "data": models})
+
+
+async def health(request: web.Request) -> web.Response:
+    status = await request.app[FRONTEND_KEY].backend.health()
+    body = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in status.items()}
+    return _json(body, 200 if status.get("ok") else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[FRONTEND_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(frontend: Frontend) -> web.Application:
+    app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 1024 * 1024)
+    app[FRONTEND_KEY] = frontend
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+class HttpServer:
+    """The app served on host:port; port 0 picks a free one (see .port after start())."""
+
+    def __init__(self, frontend: Frontend):
+        self.app = build_app(frontend)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self.port
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

@@ -1,0 +1,143 @@
+"""RouterMetrics: the router's Prometheus metrics, in a CollectorRegistry of its own per instance.
+
+The front ends record request latencies, token counts and finish reasons; the cluster backend
+records KV-transfer time and bytes, per-worker load and prefix-index availability through the
+hooks below. `render()` gives the text exposition for `GET /metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from router.types import WorkerInfo
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LOAD_FIELDS = ("running", "waiting", "free_blocks", "total_blocks", "queued_tokens")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """Every metric the router exports; one instance per app (tests build several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "kvrelay_time_to_first_token_seconds",
+            "Arrival at the router to the first generated token reaching it.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "kvrelay_inter_token_latency_seconds",
+            "Time between two successive output tokens of one request (per token).",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.queue_time = Histogram(
+            "kvrelay_queue_time_seconds",
+            "Arrival at the router to the backend taking the request (validation, tokenizing,"
+            " admission).",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e_latency = Histogram(
+            "kvrelay_request_latency_seconds",
+            "Arrival at the router to the request's end.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "kvrelay_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "kvrelay_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache (hit rate = this / prompt tokens).",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "kvrelay_generation_tokens", "Generated tokens returned to clients.", registry=r
+        )
+        self.requests = Counter(
+            "kvrelay_requests",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvrelay_rejected_requests", "Requests refused as invalid (HTTP 400).", registry=r
+        )
+        self.running = Gauge("kvrelay_running_requests", "Requests in flight.", registry=r)
+        # Hooks for the cluster backend.
+        self.transfer_time = Histogram(
+            "kvrelay_kv_transfer_seconds",
+            "One request's KV pull from prefill to decode worker.",
+            registry=r,
+            buckets=_TRANSFER_BUCKETS,
+        )
+        self.transfer_bytes = Counter(
+            "kvrelay_kv_transfer_bytes", "Bytes of KV moved between workers.", registry=r
+        )
+        self.worker_load = Gauge(
+            "kvrelay_worker_load",
+            "A worker's load as last reported (field: running, waiting, free_blocks, ...).",
+            ["worker_id", "role", "field"],
+            registry=r,
+        )
+        self.index_available = Gauge(
+            "kvrelay_prefix_index_available",
+            "1 while the Redis prefix index answers; 0 while routing by load alone.",
+            registry=r,
+        )
+        self.index_available.set(1)
+
+    # ---- front-end hooks -----------------------------------------------------------------
+    def observe_finished(
+        self,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        num_output_tokens: int,
+        latency_s: float,
+    ) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_prompt_tokens.inc(num_cached_tokens)
+        self.generation_tokens.inc(num_output_tokens)
+        self.e2e_latency.observe(latency_s)
+
+    # ---- cluster-backend hooks -----------------------------------------------------------
+    def observe_transfer(self, seconds: float, num_bytes: int) -> None:
+        self.transfer_time.observe(seconds)
+        self.transfer_bytes.inc(num_bytes)
+
+    def set_worker_load(self, worker: WorkerInfo) -> None:
+        for name in _LOAD_FIELDS:
+            labels = {"worker_id": worker.worker_id, "role": worker.role, "field": name}
+            self.worker_load.labels(**labels).set(getattr(worker.load, name))
+
+    def remove_worker(self, worker: WorkerInfo) -> None:
+        for name in _LOAD_FIELDS:
+            with contextlib.suppress(KeyError):
+                self.worker_load.remove(worker.worker_id, worker.role, name)
+
+    def set_index_available(self, available: bool) -> None:
+        self.index_available.set(1 if available else 0)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of this instance's registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,104 @@
+"""OutputTracker: one request's output state in the router (detokenizer, stop strings, token
+counts, timing) turning TokenDeltas into OutputChunks; records its metrics when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from router.errors import BackendError
+from router.metrics import RouterMetrics
+from router.tokenizer import RouterTokenizer, StopChecker
+from router.types import TokenDelta
+
+if TYPE_CHECKING:
+    from router.frontend import Prepared
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from a prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """New output of one request: tokens and the text they completed (maybe empty)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    usage: Usage | None = None  # on the last chunk
+
+
+class OutputTracker:
+    def __init__(self, tokenizer: RouterTokenizer, prepared: Prepared, metrics: RouterMetrics):
+        self.stop = StopChecker(tokenizer, prepared.stop)
+        self.metrics = metrics
+        self.arrival = prepared.arrival
+        self.num_prompt_tokens = len(prepared.request.prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.backend_finished = False  # the backend ended the request (no abort needed)
+        self._last_token_time: float | None = None
+
+    def on_delta(self, delta: TokenDelta) -> OutputChunk:
+        """Consume one backend delta; raise BackendError for a failed request."""
+        if delta.finished:
+            self.backend_finished = True
+        if delta.finish_reason == "error":
+            self.finish_reason = "error"
+            raise BackendError(delta.error or "the backend failed the request")
+        self._observe_timing(len(delta.token_ids))
+        self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        token_ids: list[int] = []
+        text = ""
+        for token_id in delta.token_ids:
+            token_ids.append(token_id)
+            text += self.stop.add(token_id)
+            if self.stop.matched is not None:
+                self.finish_reason = "stop"
+                break
+        self.num_output_tokens += len(token_ids)
+        if self.finish_reason is None and delta.finished:
+            text += self.stop.finish()
+            self.finish_reason = delta.finish_reason or "stop"
+        logprobs = tuple(delta.logprobs[: len(token_ids)])
+        if self.finish_reason is None:
+            return OutputChunk(tuple(token_ids), text, logprobs)
+        return OutputChunk(tuple(token_ids), text, logprobs, self.finish_reason, self.usage())
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def _observe_timing(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if self._last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            gap = (now - self._last_token_time) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self._last_token_time = now
+
+    def record_end(self) -> None:
+        """Called once when the request leaves the router, however it ended."""
+        self.metrics.observe_finished(
+            self.finish_reason or "abort",
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_output_tokens,
+            time.monotonic() - self.arrival,
+        )

@@ -1,0 +1,74 @@
+"""OpenAI request bodies -> RequestSpec, and their refusals (no model, no server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from router.errors import InvalidRequest
+from router.frontend import ChatMessage
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, invalid_from_validation
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def parse_error(schema: type, body: dict | bytes) -> InvalidRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(ValidationError) as info:
+        schema.model_validate_json(raw)
+    return invalid_from_validation(info.value)
+
+
+def test_chat_body_maps_to_a_spec() -> None:
+    body = {
+        **CHAT,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+        "max_completion_tokens": 5,
+        "max_tokens": 9,
+        "stop": "x",
+        "top_k": -1,
+        "seed": 3,
+        "cache_salt": "tenant",
+    }
+    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r1")
+    assert spec.messages == (ChatMessage("user", "a"),)
+    assert (spec.max_tokens, spec.stop, spec.top_k, spec.seed) == (5, ("x",), 0, 3)
+    assert (spec.req_id, spec.cache_salt, spec.temperature) == ("r1", "tenant", 1.0)
+
+
+def test_completion_prompt_forms() -> None:
+    for prompt, text, ids in [("a", "a", None), ([1, 2], None, (1, 2)), (["b"], "b", None)]:
+        spec = CompletionRequest(model="m", prompt=prompt).to_spec("r")
+        assert (spec.prompt, spec.prompt_token_ids) == (text, ids)
+    with pytest.raises(InvalidRequest, match="one prompt"):
+        CompletionRequest(model="m", prompt=["a", "b"]).to_spec("r")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+        ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_unsupported_options_are_refused(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r")
+    assert info.value.param == param
+
+
+def test_validation_errors_name_the_field() -> None:
+    assert parse_error(ChatCompletionRequest, b"{not json").code == "invalid_json"
+    assert parse_error(ChatCompletionRequest, {"model": "m"}).param == "messages"
+    assert parse_error(ChatCompletionRequest, {**CHAT, "max_tokens": "5"}).param == "max_tokens"
+    assert parse_error(ChatCompletionRequest, {**CHAT, "messages": []}).param == "messages"
+    error = parse_error(ChatCompletionRequest, {**CHAT, "messages": [{"content": "x"}]})
+    assert error.param == "messages.0.role" and "Field required" in error.message
+    error = parse_error(CompletionRequest, {"model": "m", "prompt": 5})
+    assert error.param == "prompt" and "str or list[int]" in error.message, error.message
+    error = parse_error(ChatCompletionRequest, {**CHAT, "messages": [{"role": "u", "content": 1}]})
+    assert error.param == "messages.0.content", error.message
