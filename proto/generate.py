@@ -1,6 +1,8 @@
 """Generates the committed Python stubs for proto/kvrelay.proto (`make proto`); owns no state.
 
-protoc runs with `-Iproto=proto`, so the stubs import each other as `from proto import ...`.
+The stubs live in the package router.pb (a top-level Python package named `proto` would clash
+with Google's proto-plus, which Ray's dependencies install). protoc runs with
+`-Irouter/pb=proto`, so the stubs import each other as `from router.pb import ...`.
 Two edits keep the stubs loadable beyond the exact versions that generated them:
 - kvrelay_pb2.py: the protobuf runtime-version guard is removed. The code only uses the
   descriptor-pool + builder API (protobuf >= 4.21), so it runs on protobuf 5, 6 and 7, while the
@@ -16,6 +18,8 @@ import sys
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
+STUB_PACKAGE = Path("router") / "pb"
+STUB_DIR = PROTO_DIR.parent / STUB_PACKAGE
 STUB_NAMES = ("kvrelay_pb2.py", "kvrelay_pb2.pyi", "kvrelay_pb2_grpc.py")
 MIN_GRPCIO = "1.66.0"
 
@@ -51,16 +55,16 @@ def _relax_grpc(text: str) -> str:
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write the stubs into out_dir/proto/ (a fresh copy of the committed ones); return them."""
+    """Write the stubs into out_dir/router/pb/ (a fresh copy of the committed ones)."""
     from grpc_tools import protoc
 
-    target = out_dir / "proto"
+    target = out_dir / STUB_PACKAGE
     target.mkdir(parents=True, exist_ok=True)
     include = protoc._get_resource_file_name("grpc_tools", "_proto")
     args = [
         "grpc_tools.protoc",
         f"-I{include}",
-        f"-Iproto={PROTO_DIR}",
+        f"-I{STUB_PACKAGE.as_posix()}={PROTO_DIR}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",

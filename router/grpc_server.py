@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from proto import kvrelay_pb2 as pb
-from proto import kvrelay_pb2_grpc as pb_grpc
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.errors import BackendError, InvalidRequest
 from router.frontend import ChatMessage, Frontend, RequestSpec
 from router.output import OutputChunk

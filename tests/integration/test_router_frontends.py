@@ -15,8 +15,8 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from proto import kvrelay_pb2 as pb
-from proto import kvrelay_pb2_grpc as pb_grpc
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
 from tests.server_harness import ServerHarness
 

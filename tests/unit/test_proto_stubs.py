@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
-from proto import generate
+_SCRIPT = Path(__file__).resolve().parents[2] / "proto" / "generate.py"
+_spec = importlib.util.spec_from_file_location("kvrelay_proto_generate", _SCRIPT)
+assert _spec and _spec.loader
+generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate)
 
 pytest.importorskip("grpc_tools")
 
@@ -18,28 +23,28 @@ def _generated_by(stub: Path) -> str | None:
 
 
 def test_committed_stubs_are_not_stale(tmp_path: Path) -> None:
-    committed_version = _generated_by(generate.PROTO_DIR / "kvrelay_pb2_grpc.py")
+    committed_version = _generated_by(generate.STUB_DIR / "kvrelay_pb2_grpc.py")
     assert committed_version == generate.tools_version(), (
         f"the committed stubs were made by grpcio-tools {committed_version}, but "
         f"{generate.tools_version()} is installed: install grpcio-tools=={committed_version} "
         "(the project's pin), or run `make proto` and commit the new stubs"
     )
     for fresh in generate.generate(tmp_path):
-        committed = generate.PROTO_DIR / fresh.name
+        committed = generate.STUB_DIR / fresh.name
         assert committed.is_file(), f"{committed.name} is missing: run `make proto`"
         assert committed.read_text() == fresh.read_text(), (
-            f"proto/{fresh.name} is stale (kvrelay.proto changed): run `make proto` and commit"
+            f"router/pb/{fresh.name} is stale (kvrelay.proto changed): run `make proto` and commit"
         )
 
 
 def test_stubs_carry_no_runtime_version_pin() -> None:
     """The stubs must load on protobuf >= 5 and grpcio >= generate.MIN_GRPCIO, not only on the
     versions that generated them."""
-    pb2 = (generate.PROTO_DIR / "kvrelay_pb2.py").read_text()
+    pb2 = (generate.STUB_DIR / "kvrelay_pb2.py").read_text()
     assert "ValidateProtobufRuntimeVersion" not in pb2
-    grpc_stub = (generate.PROTO_DIR / "kvrelay_pb2_grpc.py").read_text()
+    grpc_stub = (generate.STUB_DIR / "kvrelay_pb2_grpc.py").read_text()
     assert f"GRPC_GENERATED_VERSION = '{generate.MIN_GRPCIO}'" in grpc_stub
-    from proto import kvrelay_pb2, kvrelay_pb2_grpc
+    from router.pb import kvrelay_pb2, kvrelay_pb2_grpc
 
     assert kvrelay_pb2.GenerateRequest(prompt="hi").WhichOneof("input") == "prompt"
     assert hasattr(kvrelay_pb2_grpc, "KVRelayStub")

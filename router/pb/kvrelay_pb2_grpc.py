@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import kvrelay_pb2 as proto_dot_kvrelay__pb2
+from router.pb import kvrelay_pb2 as router_dot_pb_dot_kvrelay__pb2
 
 GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/kvrelay_pb2_grpc.py depends on'
+        + ' but the generated code in router/pb/kvrelay_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,18 +38,18 @@ class KVRelayStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvrelay.v1.KVRelay/Generate',
-                request_serializer=proto_dot_kvrelay__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_kvrelay__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_pb_dot_kvrelay__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=router_dot_pb_dot_kvrelay__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvrelay.v1.KVRelay/Health',
-                request_serializer=proto_dot_kvrelay__pb2.HealthRequest.SerializeToString,
-                response_deserializer=proto_dot_kvrelay__pb2.HealthResponse.FromString,
+                request_serializer=router_dot_pb_dot_kvrelay__pb2.HealthRequest.SerializeToString,
+                response_deserializer=router_dot_pb_dot_kvrelay__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/kvrelay.v1.KVRelay/ListModels',
-                request_serializer=proto_dot_kvrelay__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_kvrelay__pb2.ListModelsResponse.FromString,
+                request_serializer=router_dot_pb_dot_kvrelay__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=router_dot_pb_dot_kvrelay__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -81,18 +81,18 @@ def add_KVRelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_kvrelay__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_kvrelay__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_pb_dot_kvrelay__pb2.GenerateRequest.FromString,
+                    response_serializer=router_dot_pb_dot_kvrelay__pb2.GenerateResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_kvrelay__pb2.HealthRequest.FromString,
-                    response_serializer=proto_dot_kvrelay__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=router_dot_pb_dot_kvrelay__pb2.HealthRequest.FromString,
+                    response_serializer=router_dot_pb_dot_kvrelay__pb2.HealthResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=proto_dot_kvrelay__pb2.ListModelsRequest.FromString,
-                    response_serializer=proto_dot_kvrelay__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=router_dot_pb_dot_kvrelay__pb2.ListModelsRequest.FromString,
+                    response_serializer=router_dot_pb_dot_kvrelay__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -120,8 +120,8 @@ class KVRelay:
             request,
             target,
             '/kvrelay.v1.KVRelay/Generate',
-            proto_dot_kvrelay__pb2.GenerateRequest.SerializeToString,
-            proto_dot_kvrelay__pb2.GenerateResponse.FromString,
+            router_dot_pb_dot_kvrelay__pb2.GenerateRequest.SerializeToString,
+            router_dot_pb_dot_kvrelay__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,8 +147,8 @@ class KVRelay:
             request,
             target,
             '/kvrelay.v1.KVRelay/Health',
-            proto_dot_kvrelay__pb2.HealthRequest.SerializeToString,
-            proto_dot_kvrelay__pb2.HealthResponse.FromString,
+            router_dot_pb_dot_kvrelay__pb2.HealthRequest.SerializeToString,
+            router_dot_pb_dot_kvrelay__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,8 +174,8 @@ class KVRelay:
             request,
             target,
             '/kvrelay.v1.KVRelay/ListModels',
-            proto_dot_kvrelay__pb2.ListModelsRequest.SerializeToString,
-            proto_dot_kvrelay__pb2.ListModelsResponse.FromString,
+            router_dot_pb_dot_kvrelay__pb2.ListModelsRequest.SerializeToString,
+            router_dot_pb_dot_kvrelay__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,1 +1,0 @@
-"""kvrelay public API: kvrelay.proto and its generated stubs (`make proto`)."""

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/kvrelay.proto (`make proto` writes them; never edit)."""
