@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from router.pb import kvrelay_pb2 as pb
-from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.errors import BackendError, InvalidRequest
 from router.frontend import ChatMessage, Frontend, RequestSpec
 from router.output import OutputChunk
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
