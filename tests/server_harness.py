@@ -20,21 +20,33 @@ from tests.engine_backend import EngineBackend
 T = TypeVar("T")
 
 
-class ServerHarness:
-    def __init__(self, engine: Engine, checkpoint: str | Path):
-        self.engine = engine
-        self.backend = EngineBackend(engine)
-        self.metrics = RouterMetrics()
-        self.frontend = Frontend(self.backend, RouterTokenizer(checkpoint), self.metrics)
+class LoopThread:
+    """An asyncio loop on a background thread; run() executes a coroutine on it, blocking."""
+
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop")
         self._thread.start()
-        self.servers: RouterServers | None = None
-        self.run(self._start())
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
         """Run a coroutine on the server loop; block until it returns."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class ServerHarness(LoopThread):
+    def __init__(self, engine: Engine, checkpoint: str | Path):
+        super().__init__()
+        self.engine = engine
+        self.backend = EngineBackend(engine)
+        self.metrics = RouterMetrics()
+        self.frontend = Frontend(self.backend, RouterTokenizer(checkpoint), self.metrics)
+        self.servers: RouterServers | None = None
+        self.run(self._start())
 
     async def _start(self) -> None:
         await self.backend.start()
@@ -62,6 +74,4 @@ class ServerHarness:
                 self.run(self.servers.stop(0))
         finally:
             self.backend.stop()
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self.loop.close()
+            self.close()

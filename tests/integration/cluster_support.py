@@ -7,7 +7,12 @@ import time
 
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
+from router.frontend import Frontend
+from router.metrics import RouterMetrics
+from router.serve import RouterServers
+from router.tokenizer import RouterTokenizer
 from router.types import GenerateRequest, TokenDelta
+from tests.server_harness import LoopThread
 
 NUM_BLOCKS = 256
 
@@ -53,3 +58,42 @@ async def wait_until_no_leaks(cluster: LocalCluster, timeout_s: float = 20.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still in use: {busy}")
         await asyncio.sleep(0.05)
+
+
+class ClusterHarness(LoopThread):
+    """A LocalCluster behind the router's HTTP and gRPC servers, as `kvrelay serve` runs it."""
+
+    def __init__(self, spec: ClusterSpec):
+        super().__init__()
+        self.cluster = LocalCluster(spec)
+        self.servers: RouterServers | None = None
+        self.run(self._start(), timeout_s=300)
+
+    async def _start(self) -> None:
+        await self.cluster.start(progress=lambda message: None)
+        metrics = RouterMetrics()
+        self.cluster.backend.metrics = metrics
+        tokenizer = RouterTokenizer(self.cluster.model.checkpoint_dir)
+        self.servers = RouterServers(Frontend(self.cluster.backend, tokenizer, metrics))
+        await self.servers.start("127.0.0.1", 0, 0)
+
+    @property
+    def base_url(self) -> str:
+        assert self.servers is not None
+        return f"http://127.0.0.1:{self.servers.http.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        assert self.servers is not None
+        return f"127.0.0.1:{self.servers.grpc.port}"
+
+    def wait_until_no_leaks(self) -> None:
+        self.run(wait_until_no_leaks(self.cluster))
+
+    def stop(self) -> None:
+        try:
+            if self.servers is not None:
+                self.run(self.servers.stop(0))
+            self.run(self.cluster.close(), timeout_s=120)
+        finally:
+            self.close()

@@ -1,0 +1,189 @@
+"""The whole stack as `kvrelay serve` runs it: HTTP/gRPC router -> Ray prefill worker -> NIXL ->
+Ray decode worker, with a local redis-server. Outputs must equal the engine's greedy output."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
+from tests.conftest import build_engine
+from tests.integration.cluster_support import ClusterHarness, cluster_spec
+
+MAX_TOKENS = 12
+MODEL = "SmolLM2-135M-Instruct"
+QUESTIONS = [f"Give me a short fact about the number {i}." for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[ClusterHarness]:
+    harness = ClusterHarness(cluster_spec(num_prefill=1, num_decode=1))
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(stack: ClusterHarness) -> Iterator[None]:
+    yield
+    stack.wait_until_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_model):
+    """Greedy token ids and text of every question, from the engine alone."""
+    llm = LLM(engine=build_engine(smollm_model))
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    llm.engine.assert_no_leaks()
+    return [(p, o.token_ids, o.text) for p, o in zip(prompts, outs, strict=True)]
+
+
+def client(stack: ClusterHarness) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_text(stack: ClusterHarness, question: str, stream: bool) -> str:
+    messages = [{"role": "user", "content": question}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    if not stream:
+        return client(stack).chat.completions.create(**kwargs).choices[0].message.content
+    chunks = client(stack).chat.completions.create(**kwargs, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def completion_text(stack: ClusterHarness, prompt_ids: list[int], stream: bool) -> str:
+    kwargs = dict(model=MODEL, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+    if not stream:
+        return client(stack).completions.create(**kwargs).choices[0].text
+    chunks = client(stack).completions.create(**kwargs, stream=True)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_openai_client_16_concurrent_requests_match_engine(stack, reference):
+    def run(i: int) -> str:
+        prompt_ids, _, _ = reference[i]
+        if i % 4 < 2:
+            return chat_text(stack, QUESTIONS[i], stream=i % 2 == 1)
+        return completion_text(stack, prompt_ids, stream=i % 2 == 1)
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(run, range(16)))
+    assert texts == [text for _, _, text in reference]
+
+
+def test_grpc_concurrent_streams_are_token_exact(stack, reference):
+    def run(i: int) -> list[int]:
+        prompt_ids, _, _ = reference[i]
+        request = pb.GenerateRequest(
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=prompt_ids),
+            sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+        )
+        with grpc.insecure_channel(stack.grpc_target) as channel:
+            responses = list(pb_grpc.KVRelayStub(channel).Generate(request, timeout=120))
+        assert responses[-1].HasField("usage")
+        return [t for r in responses for t in r.token_ids]
+
+    with ThreadPoolExecutor(16) as pool:
+        tokens = list(pool.map(run, range(16)))
+    assert tokens == [ids for _, ids, _ in reference]
+
+
+def test_repeated_prompt_reports_cached_tokens(stack, reference):
+    prompt_ids, _, _ = reference[0]
+    body = dict(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0)
+    client(stack).completions.create(**body)
+    usage = client(stack).completions.create(**body).usage
+    assert usage.prompt_tokens_details.cached_tokens == (len(prompt_ids) - 1) // 16 * 16
+
+
+def test_http_disconnect_mid_stream_frees_both_workers(stack):
+    stream = client(stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    # the autouse fixture then waits until both workers are back to their full free count
+
+
+def test_grpc_cancel_frees_both_workers(stack):
+    sampling = pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    request = pb.GenerateRequest(
+        request_id="cancel-me", prompt="Count to a thousand.", sampling=sampling
+    )
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        call = pb_grpc.KVRelayStub(channel).Generate(request, timeout=60)
+        next(call)
+        next(call)
+        call.cancel()
+
+
+def post(stack: ClusterHarness, path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(stack.base_url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"model": "x", "messages": [', "JSON"),
+        ({"model": MODEL}, "Field required"),
+        ({**CHAT, "max_tokens": "ten"}, "integer"),
+        ({**CHAT, "max_tokens": -5}, "positive"),
+        ({**CHAT, "model": "gpt-9"}, "not served"),
+        ({**CHAT, "messages": [{"role": "user", "content": "hi " * 5000}]}, "context length"),
+    ],
+)
+def test_bad_http_input_is_400_and_serving_continues(stack, body, message):
+    status, reply = post(stack, "/v1/chat/completions", body)
+    assert status == 400 and message in reply["error"]["message"], reply
+    status, reply = post(stack, "/v1/chat/completions", CHAT)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_bad_grpc_input_is_invalid_argument(stack):
+    bad = [
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=-3)),
+        pb.GenerateRequest(model="gpt-9", prompt="hi"),
+        pb.GenerateRequest(prompt="hi " * 5000),
+    ]
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.KVRelayStub(channel)
+        for request in bad:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details()
+        ok = list(
+            stub.Generate(
+                pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2)),
+                timeout=60,
+            )
+        )
+    assert sum(len(r.token_ids) for r in ok) == 2
