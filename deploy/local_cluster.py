@@ -55,15 +55,17 @@ class LocalCluster:
         else:
             self.redis_url = spec.redis_url or None
         if not ray.is_initialized():
-            num_workers = spec.num_prefill + spec.num_decode
-            ray.init(
-                address=spec.ray_address,
-                namespace=NAMESPACE,
-                include_dashboard=False,
-                num_cpus=max(2, num_workers + 1),
-                resources={"prefill_pool": spec.num_prefill, "decode_pool": spec.num_decode},
-                log_to_driver=True,
-            )
+            if spec.ray_address == "local":
+                num_workers = spec.num_prefill + spec.num_decode
+                ray.init(
+                    address="local",
+                    namespace=NAMESPACE,
+                    include_dashboard=False,
+                    num_cpus=max(2, num_workers + 1),
+                    resources={"prefill_pool": spec.num_prefill, "decode_pool": spec.num_decode},
+                )
+            else:  # an existing cluster (`ray up`): its nodes declare the pool resources
+                ray.init(address=spec.ray_address, namespace=NAMESPACE)
             self._owns_ray = True
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // 2)
         progress(
@@ -92,6 +94,7 @@ class LocalCluster:
             name=name,
             namespace=NAMESPACE,
             num_cpus=0,
+            num_gpus=self._gpus_per_worker,
             resources={"prefill_pool": 1},
             max_concurrency=1000,
         ).remote(config, name)
@@ -113,9 +116,14 @@ class LocalCluster:
             name=name,
             namespace=NAMESPACE,
             num_cpus=0,
+            num_gpus=self._gpus_per_worker,
             resources={"decode_pool": 1},
             max_concurrency=1000,
         ).remote(config, name)
+
+    @property
+    def _gpus_per_worker(self) -> int:
+        return 1 if self.spec.engine.device.startswith("cuda") else 0
 
     async def _make_backend(self):
         from router.cluster_backend import ClusterBackend
