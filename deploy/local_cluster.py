@@ -82,26 +82,14 @@ class LocalCluster:
         return self
 
     def _start_prefill(self, name: str, threads: int) -> None:
-        import ray
-
         from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 
         config = PrefillWorkerConfig(
             name, self.spec.engine, self.redis_url, self.spec.lease_s, num_threads=threads
         )
-        actor_cls = ray.remote(PrefillWorker)
-        self.prefill_actors[name] = actor_cls.options(
-            name=name,
-            namespace=NAMESPACE,
-            num_cpus=0,
-            num_gpus=self._gpus_per_worker,
-            resources={"prefill_pool": 1},
-            max_concurrency=1000,
-        ).remote(config, name)
+        self.prefill_actors[name] = self._spawn(PrefillWorker, "prefill_pool", name, config)
 
     def _start_decode(self, name: str, threads: int) -> None:
-        import ray
-
         from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 
         config = DecodeWorkerConfig(
@@ -111,15 +99,24 @@ class LocalCluster:
             self.spec.transfer_timeout_s,
             num_threads=threads,
         )
-        actor_cls = ray.remote(DecodeWorker)
-        self.decode_actors[name] = actor_cls.options(
-            name=name,
-            namespace=NAMESPACE,
-            num_cpus=0,
-            num_gpus=self._gpus_per_worker,
-            resources={"decode_pool": 1},
-            max_concurrency=1000,
-        ).remote(config, name)
+        self.decode_actors[name] = self._spawn(DecodeWorker, "decode_pool", name, config)
+
+    def _spawn(self, worker_cls: type, pool: str, name: str, config: Any) -> Any:
+        """One named worker actor on a node of its pool (one GPU each on CUDA)."""
+        import ray
+
+        return (
+            ray.remote(worker_cls)
+            .options(
+                name=name,
+                namespace=NAMESPACE,
+                num_cpus=0,
+                num_gpus=self._gpus_per_worker,
+                resources={pool: 1},
+                max_concurrency=1000,
+            )
+            .remote(config, name)
+        )
 
     @property
     def _gpus_per_worker(self) -> int:

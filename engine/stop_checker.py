@@ -1,18 +1,21 @@
-"""StopChecker: one request's incremental text and stop-string matching.
+"""StopChecker: one request's incremental text and stop-string matching (torch-free: the router
+uses it too).
 
-Text that could still turn out to be the start of a stop string is held back, so a stop
-string never leaks into the output, even when it spans several tokens.
+Only a tail of the text that could still turn out to be the start of a stop string is held
+back, so a stop string never leaks into the output, even when it spans several tokens.
 """
 
 from __future__ import annotations
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from collections.abc import Sequence
+
+from engine.tokenizer import Decoder, IncrementalDetokenizer
 
 
 class StopChecker:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.stop = stop
+        self.stop = tuple(stop)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.num_emitted = 0  # characters of detokenizer.text already returned
         self.matched: str | None = None
@@ -34,7 +37,15 @@ class StopChecker:
             if hits:
                 pos, self.matched = min(hits)
                 return self._emit_until(pos)
-        return self._emit_until(len(text) - self.hold)
+        return self._emit_until(len(text) - self._partial_stop_len(text))
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest tail of text that a stop string starts with (held back)."""
+        for size in range(min(self.hold, len(text)), 0, -1):
+            tail = text[-size:]
+            if any(s.startswith(tail) for s in self.stop):
+                return size
+        return 0
 
     def finish(self) -> str:
         """The request ended for another reason: release the held-back tail."""

@@ -1,10 +1,19 @@
-"""Tokenizer (HF tokenizer + chat template); IncrementalDetokenizer (one request's text state)."""
+"""Tokenizer (HF tokenizer + chat template); IncrementalDetokenizer (one request's text state).
+
+Importing this module is torch-free (transformers loads only when a Tokenizer is built), so the
+router shares IncrementalDetokenizer with the engine.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -50,7 +59,7 @@ class IncrementalDetokenizer:
     half), in which case nothing is emitted until more tokens complete it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []

@@ -1,5 +1,6 @@
 """Torch-free tokenizer for the router: RouterTokenizer (tokenizer.json + chat template of one
-checkpoint folder), IncrementalDetokenizer and StopChecker (one request's text state each).
+checkpoint folder). Per-request text state (IncrementalDetokenizer, StopChecker) is the engine's
+own, re-exported here; those modules import no torch either.
 
 Matches the engine's transformers tokenizer token for token; imports neither torch nor
 transformers, only `tokenizers` and `jinja2`.
@@ -20,7 +21,11 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-_REPLACEMENT_CHAR = "\ufffd"
+from engine.stop_checker import StopChecker
+from engine.tokenizer import IncrementalDetokenizer
+
+__all__ = ["IncrementalDetokenizer", "RouterTokenizer", "StopChecker"]
+
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
 
@@ -138,100 +143,3 @@ class RouterTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-
-class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas; holds back incomplete UTF-8 characters.
-
-    Each call decodes the window tokens[prefix_offset:] and emits the part past the text of
-    tokens[prefix_offset:read_offset], unless it ends in U+FFFD (a multi-byte character cut in
-    half), in which case nothing is emitted until more tokens complete it.
-    """
-
-    def __init__(self, tokenizer: RouterTokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""
-
-    def _window_delta(self) -> str:
-        decode, skip = self.tokenizer.decode, self.skip_special_tokens
-        done = decode(self.token_ids[self.prefix_offset : self.read_offset], skip)
-        full = decode(self.token_ids[self.prefix_offset :], skip)
-        return full[len(done) :] if len(full) > len(done) else ""
-
-    def add(self, new_token_ids: Sequence[int]) -> str:
-        """Append tokens; return the newly completed text (maybe empty)."""
-        self.token_ids.extend(new_token_ids)
-        delta = self._window_delta()
-        if not delta or delta.endswith(_REPLACEMENT_CHAR):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """At the end of a request: emit whatever is held back (even a broken character)."""
-        delta = self._window_delta()
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return delta
-
-
-class StopChecker:
-    """One request's output text with stop strings applied.
-
-    A tail of the text that could still turn out to be the start of a stop string is held
-    back (only such a tail), so a stop string never leaks into the output, even when it spans
-    several tokens.
-    """
-
-    def __init__(self, tokenizer: RouterTokenizer, stop: Sequence[str] = ()):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.stop = tuple(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.num_emitted = 0  # characters of detokenizer.text already returned
-        self.matched: str | None = None
-
-    @property
-    def text(self) -> str:
-        """Output text so far (cut before the stop string once one matched)."""
-        return self.detokenizer.text[: self.num_emitted] if self.matched else self.detokenizer.text
-
-    def add(self, token_id: int) -> str:
-        """Feed one token; return text that is now safe to emit."""
-        if self.matched is not None:
-            return ""
-        delta = self.detokenizer.add([token_id])
-        text = self.detokenizer.text
-        if delta and self.stop:
-            start = max(0, len(text) - len(delta) - self.hold)
-            hits = [(pos, s) for s in self.stop if (pos := text.find(s, start)) >= 0]
-            if hits:
-                pos, self.matched = min(hits)
-                return self._emit_until(pos)
-        return self._emit_until(len(text) - self._partial_stop_len(text))
-
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest tail of text that a stop string starts with (held back)."""
-        for size in range(min(self.hold, len(text)), 0, -1):
-            tail = text[-size:]
-            if any(s.startswith(tail) for s in self.stop):
-                return size
-        return 0
-
-    def finish(self) -> str:
-        """The request ended for another reason: release the held-back tail."""
-        if self.matched is not None:
-            return ""
-        self.detokenizer.flush()
-        return self._emit_until(len(self.detokenizer.text))
-
-    def _emit_until(self, end: int) -> str:
-        if end <= self.num_emitted:
-            return ""
-        out = self.detokenizer.text[self.num_emitted : end]
-        self.num_emitted = end
-        return out

@@ -21,7 +21,10 @@ T = TypeVar("T")
 
 
 class LoopThread:
-    """An asyncio loop on a background thread; run() executes a coroutine on it, blocking."""
+    """An asyncio loop on a background thread; run() executes a coroutine on it, blocking.
+    Subclasses that start RouterServers set self.servers (for base_url / grpc_target)."""
+
+    servers: RouterServers | None = None
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -31,6 +34,16 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
         """Run a coroutine on the server loop; block until it returns."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    @property
+    def base_url(self) -> str:
+        assert self.servers is not None
+        return f"http://127.0.0.1:{self.servers.http.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        assert self.servers is not None
+        return f"127.0.0.1:{self.servers.grpc.port}"
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -45,23 +58,12 @@ class ServerHarness(LoopThread):
         self.backend = EngineBackend(engine)
         self.metrics = RouterMetrics()
         self.frontend = Frontend(self.backend, RouterTokenizer(checkpoint), self.metrics)
-        self.servers: RouterServers | None = None
         self.run(self._start())
 
     async def _start(self) -> None:
         await self.backend.start()
         self.servers = RouterServers(self.frontend)
         await self.servers.start("127.0.0.1", 0, 0)
-
-    @property
-    def base_url(self) -> str:
-        assert self.servers is not None
-        return f"http://127.0.0.1:{self.servers.http.port}"
-
-    @property
-    def grpc_target(self) -> str:
-        assert self.servers is not None
-        return f"127.0.0.1:{self.servers.grpc.port}"
 
     def assert_no_leaks(self) -> None:
         """Wait for every request's cleanup, then check the engine holds no request or block."""

@@ -66,7 +66,6 @@ class ClusterHarness(LoopThread):
     def __init__(self, spec: ClusterSpec):
         super().__init__()
         self.cluster = LocalCluster(spec)
-        self.servers: RouterServers | None = None
         self.run(self._start(), timeout_s=300)
 
     async def _start(self) -> None:
@@ -76,16 +75,6 @@ class ClusterHarness(LoopThread):
         tokenizer = RouterTokenizer(self.cluster.model.checkpoint_dir)
         self.servers = RouterServers(Frontend(self.cluster.backend, tokenizer, metrics))
         await self.servers.start("127.0.0.1", 0, 0)
-
-    @property
-    def base_url(self) -> str:
-        assert self.servers is not None
-        return f"http://127.0.0.1:{self.servers.http.port}"
-
-    @property
-    def grpc_target(self) -> str:
-        assert self.servers is not None
-        return f"127.0.0.1:{self.servers.grpc.port}"
 
     def wait_until_no_leaks(self) -> None:
         self.run(wait_until_no_leaks(self.cluster))

@@ -1,0 +1,75 @@
+"""`kvrelay serve` as a user runs it: prints its addresses, answers, and Ctrl-C (SIGINT) stops
+everything it started: router, workers, Ray and redis-server, leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+
+from deploy.redis_local import free_port
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_serve_answers_and_sigint_leaves_no_process_behind():
+    http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", "--http-port", str(http_port),
+         "--grpc-port", str(grpc_port), "--kv-cache-gib", "0.2", "--threads-per-worker", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "serve exited early:\n" + "".join(lines)
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        output = "".join(lines)
+        assert f"http://127.0.0.1:{http_port}/v1" in output and f"127.0.0.1:{grpc_port}" in output
+        assert re.search(r"local redis-server at redis://127\.0\.0\.1:\d+", output)
+        spawned = descendants(proc.pid)
+        assert any("redis-server" in p.name() for p in spawned)
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.loads(response.read())
+        assert "Paris" in reply["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rest, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, rest
+    assert "kvrelay: stopped" in rest
+    survivors = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not survivors, [p.name() for p in survivors]
