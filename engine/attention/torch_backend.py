@@ -34,10 +34,20 @@ class _PrefillPlan:
 
 
 class TorchAttention(AttentionBackend):
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, head_dim: int):
+        super().__init__(kv_cache, num_heads, head_dim)
+        num_blocks, self.num_layers, _, block_size = kv_cache.shape[:4]
+        # Row view: one row per (block, layer, k|v, offset) slot, so writes are row copies.
+        self._rows = kv_cache.view(num_blocks * self.num_layers * 2 * block_size, -1)
+
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
         device = self.kv_cache.device
         bs = metadata.block_size
+        # Row of the K slot of each new token in layer 0; layer l adds 2 * l * bs, V adds bs.
+        self._write_rows = metadata.slot_block_ids * (self.num_layers * 2 * bs) + (
+            metadata.slot_offsets
+        )
         token_index, block_ids, block_seq, valid = [], [], [], []
         self._prefills: list[_PrefillPlan] = []
         for seq in metadata.seqs:
@@ -80,10 +90,13 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        bs = self._meta.block_size
+        k_rows = self._write_rows + 2 * layer * bs
+        num_tokens = k.shape[0]
+        self._rows.index_copy_(0, k_rows, k.reshape(num_tokens, -1))
+        self._rows.index_copy_(0, k_rows + bs, v.reshape(num_tokens, -1))
         k_cache = self.kv_cache[:, layer, 0]
         v_cache = self.kv_cache[:, layer, 1]
-        k_cache[self._meta.slot_block_ids, self._meta.slot_offsets] = k
-        v_cache[self._meta.slot_block_ids, self._meta.slot_offsets] = v
         out = torch.empty_like(q)
         if self._decode is not None:
             out[self._decode.token_index] = self._decode_attention(q, k_cache, v_cache)
