@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -137,7 +138,9 @@ class ClusterBackend(Backend):
             stage = "decode"
             yield first
             while True:
-                delta = await queue.get()
+                # Cached prompt tokens are the prefill worker's hits (what was not recomputed);
+                # the decode worker's own reuse only shortens the transfer.
+                delta = replace(await queue.get(), num_cached_tokens=handle.num_cached_tokens)
                 if delta.transfer_bytes and self.metrics is not None:
                     self.metrics.observe_transfer(delta.transfer_s, delta.transfer_bytes)
                 if delta.finished and delta.finish_reason != "abort":
