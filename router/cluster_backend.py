@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from engine.kv_cache.hashing import hash_blocks
