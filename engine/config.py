@@ -134,7 +134,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
+    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA when importable) | "torch"
+    cuda_graph: bool = True  # decode CUDA graphs (FlashInfer backend only; ignored on CPU)
     seed: int | None = None
     record_kv_events: bool = False
     detokenize: bool = False  # text deltas in RequestOutput (stop strings always detokenize)

@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.attention.base import AttentionBackend
+from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graph import CUDAGraphDecoder
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
@@ -53,6 +56,15 @@ class EngineStats:
     num_generated_tokens: int = 0
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A dtype name; "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
 def served_model_id(model: str) -> str:
     if model.lower() in (
         "default",
@@ -75,7 +87,7 @@ class Engine:
         )
         self.tokenizer = Tokenizer(folder) if has_tokenizer else None
         self.device = torch.device(config.device)
-        dtype = _DTYPES[config.dtype]
+        dtype = resolve_dtype(config.dtype, self.device)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1,
@@ -92,8 +104,13 @@ class Engine:
         elif model.rope.cos.shape[0] < self.max_model_len:
             raise ValueError("the shared model's rotary table is shorter than max_model_len")
         mc = self.model_config
-        shape = (num_blocks, mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.attention_backend = choose_backend(config.attention_backend, self.device, dtype)
+        use_flashinfer = self.attention_backend == "flashinfer"
+        # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
+        num_storage_blocks = num_blocks + 1 if use_flashinfer else num_blocks
+        shape = (num_storage_blocks, mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
+        kv_storage = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_cache = kv_storage[:num_blocks]
         self.kv = KVCacheManager(
             num_blocks,
             block_size,
@@ -103,8 +120,17 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
-        attention = TorchAttention(self.kv_cache, mc.num_heads, mc.head_dim)
-        self.runner = ModelRunner(model, self.kv_cache, attention, self.kv, block_size)
+        attention: AttentionBackend
+        graphs = None
+        if use_flashinfer:
+            attention = FlashInferAttention(kv_storage, mc.num_heads, mc.head_dim)
+            if config.cuda_graph:
+                graphs = CUDAGraphDecoder(
+                    model, attention, config.scheduler.max_num_seqs, self.max_model_len, num_blocks
+                )
+        else:
+            attention = TorchAttention(self.kv_cache, mc.num_heads, mc.head_dim)
+        self.runner = ModelRunner(model, self.kv_cache, attention, self.kv, block_size, graphs)
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}

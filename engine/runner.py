@@ -1,7 +1,8 @@
-"""ModelRunner: owns the model, the KV cache tensor and the attention backend; runs one step.
+"""ModelRunner: owns the model, the KV cache tensor, the attention backend and the decode graphs.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
-forward pass, and returns the logits of the chunks that end a sequence's known tokens.
+forward pass (replaying a CUDA graph for pure-decode steps when one is captured), and returns
+the logits of the chunks that end a sequence's known tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
+from engine.cuda_graph import CUDAGraphDecoder
 from engine.kv_cache.manager import KVCacheManager
 from engine.scheduler import SchedulerOutput
 
@@ -22,6 +24,21 @@ class StepLogits:
     chunk_index: list[int]  # which chunk of the SchedulerOutput each row belongs to
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's packed tokens, as host lists (one H2D copy makes them device tensors)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_block_ids: list[int]
+    slot_offsets: list[int]
+    seqs: list[SeqSpan]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(seq.q_len == 1 for seq in self.seqs)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -30,6 +47,7 @@ class ModelRunner:
         attention: AttentionBackend,
         kv: KVCacheManager,
         block_size: int,
+        graphs: CUDAGraphDecoder | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -37,48 +55,59 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = kv_cache.device
+        self.graphs = graphs
+        self.num_graph_steps = 0
 
-    def build_metadata(
-        self, output: SchedulerOutput
-    ) -> tuple[list[int], list[int], AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        seqs: list[SeqSpan] = []
+    def build_inputs(self, output: SchedulerOutput) -> StepInputs:
+        inputs = StepInputs([], [], [], [], [])
         bs = self.block_size
         for chunk in output.chunks:
             req = chunk.req
             start = chunk.start
             end = start + chunk.num_new_tokens
             block_ids = self.kv.block_ids(req.req_id)
-            seqs.append(SeqSpan(len(input_ids), chunk.num_new_tokens, end, block_ids))
-            input_ids.extend(req.all_token_ids[start:end])
+            inputs.seqs.append(SeqSpan(len(inputs.input_ids), chunk.num_new_tokens, end, block_ids))
+            inputs.input_ids.extend(req.all_token_ids[start:end])
             span = range(start, end)
-            positions.extend(span)
-            slot_blocks.extend(block_ids[p // bs] for p in span)
-            slot_offsets.extend(p % bs for p in span)
-        metadata = AttentionMetadata(
-            seqs=seqs,
-            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=self.device),
-            block_size=bs,
-        )
-        return input_ids, positions, metadata
+            inputs.positions.extend(span)
+            inputs.slot_block_ids.extend(block_ids[p // bs] for p in span)
+            inputs.slot_offsets.extend(p % bs for p in span)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepLogits:
-        input_ids, positions, metadata = self.build_metadata(output)
-        self.attention.plan(metadata)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.attention,
-        )
+        inputs = self.build_inputs(output)
         chunk_index = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
-        last_token = [seq.q_start + seq.q_len - 1 for seq in metadata.seqs]
-        rows = torch.tensor(
-            [last_token[i] for i in chunk_index], dtype=torch.long, device=self.device
+        graphs = self.graphs
+        if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
+            hidden = graphs.run(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.slot_block_ids,
+                inputs.slot_offsets,
+                inputs.seqs,
+            )
+            self.num_graph_steps += 1
+        else:
+            hidden = self._forward_eager(inputs)
+        last_token = [seq.q_start + seq.q_len - 1 for seq in inputs.seqs]
+        rows = [last_token[i] for i in chunk_index]
+        if rows == list(range(hidden.shape[0])):
+            selected = hidden  # every token samples (pure decode): no gather
+        else:
+            selected = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return StepLogits(self.model.compute_logits(selected), chunk_index)
+
+    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        packed = torch.tensor(
+            [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
+            dtype=torch.long,
+        ).to(self.device)
+        metadata = AttentionMetadata(
+            seqs=inputs.seqs,
+            slot_block_ids=packed[2],
+            slot_offsets=packed[3],
+            block_size=self.block_size,
         )
-        logits = self.model.compute_logits(hidden[rows])
-        return StepLogits(logits, chunk_index)
+        self.attention.plan(metadata)
+        return self.model(packed[0], packed[1], self.attention)

@@ -1,0 +1,404 @@
+"""GPU engine bench on a random-weight model of a real shape (default Llama-3.1-8B, bf16).
+
+Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
+graphs against the HBM roofline (bytes read per step / that bandwidth); engine decode step time
+with CUDA graphs vs eager at batch 1..8; offline throughput (ignore_eos) on a workload of
+--num-requests x (--input-len in, --output-len out). Owns no state; prints a table last and
+writes full JSON to --json.
+
+    python bench/gpu_engine_bench.py --json $OUT/gpu_engine_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.random_models import random_model, weight_bytes, write_random_model  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.loader import read_model_config  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+GiB = 1 << 30
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 4 * GiB, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def build_engine(
+    folder: Path, model: torch.nn.Module, *, cuda_graph: bool, max_num_seqs: int, kv_bytes: int
+) -> Engine:
+    config = EngineConfig(
+        model=str(folder),
+        device="cuda",
+        dtype="bfloat16",
+        cuda_graph=cuda_graph,
+        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs),
+    )
+    start = time.perf_counter()
+    engine = Engine(config, model=model)
+    log(
+        f"engine (cuda_graph={cuda_graph}, max_num_seqs={max_num_seqs}) built in "
+        f"{time.perf_counter() - start:.1f} s, backend {engine.attention_backend}"
+    )
+    return engine
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (num, length), generator=gen).tolist()
+
+
+def decode_step_times(
+    engine: Engine, batch: int, prompt_len: int, num_steps: int, seed: int = 0
+) -> list[float]:
+    """Wall time of num_steps pure-decode engine steps at a batch of `batch` sequences."""
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0, ignore_eos=True)
+    prompts = random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed)
+    req_ids = [f"d{seed}-{i}" for i in range(batch)]
+    for req_id, prompt in zip(req_ids, prompts, strict=True):
+        engine.add_request(req_id, prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def finish_all(engine: Engine) -> None:
+    for req_id in list(engine.scheduler.requests):
+        engine.abort(req_id)
+    engine.assert_no_leaks()
+
+
+def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
+    """Seconds per replay of the last-planned graph (device time, no host work)."""
+    graph = engine.runner.graphs._graphs[batch_size]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str, Any]:
+    """GPU kernel time by kind inside replays of the last-planned graph (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = engine.runner.graphs._graphs[batch_size]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / iters
+    kinds: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name
+        low = name.lower()
+        if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
+            kind = "matmul"
+        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention")):
+            kind = "attention"
+        elif "memcpy" in low or "memset" in low:
+            kind = "copy"
+        else:
+            kind = "elementwise/other"
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+        kinds[kind] = kinds.get(kind, 0.0) + us / iters / 1e3
+        kernels.setdefault(name[:90], []).append(us)
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "kernel_ms_by_kind": kinds,
+        "kernel_ms_total": sum(kinds.values()),
+        "kernels_per_replay": sum(len(v) for v in kernels.values()) / iters,
+        "replay_wall_ms_profiled": wall * 1e3,
+        "top_kernels_ms": {name: sum(v) / iters / 1e3 for name, v in top},
+    }
+
+
+def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) -> dict[str, Any]:
+    prompt_len = 512
+    times = decode_step_times(engine, 1, prompt_len, args.decode_steps)
+    replay = graph_replay_time(engine, 1)
+    try:
+        profile = kernel_profile(engine, 1)
+    except Exception as exc:  # the profile is diagnosis, not a result
+        profile = {"error": repr(exc)}
+    finish_all(engine)
+    model = engine.runner.model
+    weights = weight_bytes(model, read_per_decode_step=True)
+    kv = engine.model_config.kv_bytes_per_token(2) * (prompt_len + args.decode_steps // 2)
+    roofline = (weights + kv) / bandwidth
+    step = statistics.median(times)
+    return {
+        "batch": 1,
+        "context_tokens": prompt_len,
+        "weight_bytes_read_per_step": weights,
+        "kv_bytes_read_per_step": kv,
+        "roofline_ms": roofline * 1e3,
+        "engine_step_ms_median": step * 1e3,
+        "engine_step_ms_p90": sorted(times)[int(0.9 * len(times))] * 1e3,
+        "graph_replay_ms": replay * 1e3,
+        "engine_step_over_roofline": step / roofline,
+        "graph_replay_over_roofline": replay / roofline,
+        "profile": profile,
+    }
+
+
+def graph_vs_eager(args: argparse.Namespace, graph: Engine, eager: Engine) -> list[dict[str, Any]]:
+    rows = []
+    for batch in range(1, 9):
+        t_graph = statistics.median(decode_step_times(graph, batch, 256, args.compare_steps, batch))
+        finish_all(graph)
+        t_eager = statistics.median(decode_step_times(eager, batch, 256, args.compare_steps, batch))
+        finish_all(eager)
+        rows.append(
+            {
+                "batch": batch,
+                "graph_step_ms": t_graph * 1e3,
+                "eager_step_ms": t_eager * 1e3,
+                "eager_over_graph": t_eager / t_graph,
+            }
+        )
+        log(f"batch {batch}: graph {t_graph * 1e3:.2f} ms, eager {t_eager * 1e3:.2f} ms")
+    return rows
+
+
+def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
+    """Host (cProfile) and device (graph replay) time of decode steps at the current batch."""
+    import cProfile
+    import io
+    import pstats
+
+    start = time.perf_counter()
+    batch = len(engine.scheduler.running)
+    plain = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t0)
+    padded = engine.runner.graphs.padded_size(batch) if engine.runner.graphs else None
+    replay = graph_replay_time(engine, padded, iters=10) if padded else None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(num_steps):
+        engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    return {
+        "batch": batch,
+        "engine_step_ms": statistics.median(plain) * 1e3,
+        "graph_replay_ms": None if replay is None else replay * 1e3,
+        "cprofile_tottime_top15": text.getvalue()[-4000:],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    prompts = random_prompts(args.num_requests, args.input_len, engine.model_config.vocab_size, 99)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"t{i}", prompt, params)
+    graph_steps_before = engine.runner.num_graph_steps
+    num_output = num_prefill_steps = num_decode_steps = 0
+    prefill_time = decode_time = 0.0
+    start = time.perf_counter()
+    truncated = False
+    host_profile: dict[str, Any] = {}
+    while engine.has_unfinished_requests:
+        if time.perf_counter() - start - host_profile.get("seconds", 0.0) > args.time_budget:
+            truncated = True
+            break
+        if num_decode_steps == args.output_len // 2 and not host_profile:
+            host_profile = profile_decode_steps(engine)
+            continue
+        is_decode = not engine.scheduler.waiting and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
+        )
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        dt = time.perf_counter() - t0
+        num_output += sum(len(o.new_token_ids) for o in outputs)
+        if is_decode:
+            num_decode_steps += 1
+            decode_time += dt
+        else:
+            num_prefill_steps += 1
+            prefill_time += dt
+    elapsed = time.perf_counter() - start - host_profile.get("seconds", 0.0)
+    finish_all(engine)
+    return {
+        "host_profile_mid_decode": {k: v for k, v in host_profile.items() if k != "seconds"},
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "truncated_at_time_budget": truncated,
+        "elapsed_s": elapsed,
+        "output_tokens": num_output,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_output + args.num_requests * args.input_len) / elapsed
+        if not truncated
+        else None,
+        "prefill_steps": num_prefill_steps,
+        "prefill_time_s": prefill_time,
+        "decode_steps": num_decode_steps,
+        "decode_step_ms_mean": decode_time / max(num_decode_steps, 1) * 1e3,
+        "graph_steps": engine.runner.num_graph_steps - graph_steps_before,
+    }
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import flashinfer
+
+        info["flashinfer"] = flashinfer.__version__
+    except Exception as exc:  # reported, the bench then runs the torch backend
+        info["flashinfer"] = f"unavailable: {exc}"
+    return info
+
+
+def print_table(result: dict[str, Any]) -> None:
+    d = result["decode_b1"]
+    print(f"\n{result['env']['gpu']}, {result['shape']} (random bf16 weights)")
+    print(f"device copy bandwidth        {result['copy_bandwidth_GBps']:.0f} GB/s (read+write)")
+    print(f"decode b1 roofline           {d['roofline_ms']:.3f} ms")
+    print(
+        f"decode b1 engine step        {d['engine_step_ms_median']:.3f} ms "
+        f"({d['engine_step_over_roofline']:.2f}x roofline)"
+    )
+    print(
+        f"decode b1 graph replay       {d['graph_replay_ms']:.3f} ms "
+        f"({d['graph_replay_over_roofline']:.2f}x roofline)"
+    )
+    prof = d.get("profile", {})
+    if "kernel_ms_by_kind" in prof:
+        kinds = ", ".join(f"{k} {v:.3f}" for k, v in prof["kernel_ms_by_kind"].items())
+        print(f"decode b1 kernels (ms/step)  {kinds}; {prof['kernels_per_replay']:.0f} kernels")
+    print("batch  graph ms  eager ms  eager/graph")
+    for row in result.get("graph_vs_eager", []):
+        print(
+            f"{row['batch']:>5}  {row['graph_step_ms']:8.3f}  {row['eager_step_ms']:8.3f}  "
+            f"{row['eager_over_graph']:11.2f}"
+        )
+    t = result.get("offline")
+    if t:
+        print(
+            f"offline {t['num_requests']} x ({t['input_len']} in, {t['output_len']} out): "
+            f"{t['output_tokens_per_s']:.0f} output tok/s over {t['elapsed_s']:.1f} s"
+            f"{' (truncated)' if t['truncated_at_time_budget'] else ''}; decode step "
+            f"{t['decode_step_ms_mean']:.2f} ms mean"
+        )
+        h = t["host_profile_mid_decode"]
+        if h.get("graph_replay_ms"):
+            print(
+                f"mid-decode batch {h['batch']}: engine step {h['engine_step_ms']:.2f} ms, "
+                f"graph replay {h['graph_replay_ms']:.2f} ms"
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--kv-gib", type=float, default=72.0, help="KV pool of the graph engine")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=200)
+    p.add_argument("--compare-steps", type=int, default=30)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=1000)
+    p.add_argument("--time-budget", type=float, default=120.0, help="seconds, offline run")
+    p.add_argument("--skip", nargs="*", default=[], choices=["compare", "offline"])
+    args = p.parse_args()
+    device = torch.device("cuda")
+    result: dict[str, Any] = {"env": environment(), "shape": args.shape}
+    result["args"] = {**vars(args), "json": str(args.json)}
+    bandwidth = copy_bandwidth(device)
+    result["copy_bandwidth_GBps"] = bandwidth / 1e9
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    folder = write_random_model(tempfile.mkdtemp(prefix="kvrelay-"), args.shape, weights=False)
+    config = read_model_config(folder)
+    start = time.perf_counter()
+    model = random_model(config, config.max_position_embeddings, device)
+    log(f"random {args.shape} built in {time.perf_counter() - start:.1f} s")
+    result["weight_bytes"] = weight_bytes(model)
+    graph = build_engine(
+        folder,
+        model,
+        cuda_graph=True,
+        max_num_seqs=args.max_num_seqs,
+        kv_bytes=int(args.kv_gib * GiB),
+    )
+    result["decode_b1"] = decode_roofline(args, graph, bandwidth)
+    log(json.dumps(result["decode_b1"]))
+    if "compare" not in args.skip:
+        eager = build_engine(folder, model, cuda_graph=False, max_num_seqs=8, kv_bytes=4 * GiB)
+        result["graph_vs_eager"] = graph_vs_eager(args, graph, eager)
+        del eager
+    if "offline" not in args.skip:
+        result["offline"] = offline_throughput(args, graph)
+        log(json.dumps(result["offline"]))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Random-weight Llama-family checkpoints with real shapes, for speed runs without a download.
+
+Owns no state: write_random_model() writes a config.json (and, optionally, random safetensors
+in the HF layout) into a folder; random_model() builds the same shape straight on a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.registry import model_class
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        **_LLAMA,
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    },
+    "smollm2-135m": {
+        **_LLAMA,
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # Small, with the 8B's head_dim and GQA, for correctness runs on a GPU.
+    "tiny-llama": {
+        **_LLAMA,
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
+}
+
+
+def _hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of an HF Llama checkpoint (unfused q/k/v and gate/up)."""
+    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+    q_size = hf["num_attention_heads"] * hf["head_dim"]
+    kv_size = hf["num_key_value_heads"] * hf["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (hf["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not hf["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (hf["vocab_size"], hidden)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q_size, hidden),
+            p + "self_attn.k_proj.weight": (kv_size, hidden),
+            p + "self_attn.v_proj.weight": (kv_size, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_size),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def write_random_model(
+    folder: str | Path,
+    shape: str,
+    *,
+    weights: bool = True,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write config.json (and random model.safetensors when weights) for a named shape.
+
+    Norm weights are ones; every other tensor is N(0, std). Returns the folder.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = {**SHAPES[shape], "torch_dtype": str(dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    if weights:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {
+            name: torch.ones(dims)
+            if name.endswith("norm.weight")
+            else torch.randn(dims, generator=gen) * std
+            for name, dims in _hf_shapes(hf).items()
+        }
+        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@torch.no_grad()
+def random_model(
+    config: ModelConfig,
+    max_positions: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+) -> nn.Module:
+    """Build the model with random weights directly on device (an 8B model in seconds)."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = model_class(config)(config, max_positions)
+    gen = torch.Generator(device).manual_seed(seed)
+    weights = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(param.shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(param.shape, dtype=dtype, device=device)
+            weights[name] = t.normal_(0.0, std, generator=gen)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.to(device).eval()
+
+
+def weight_bytes(model: nn.Module, *, read_per_decode_step: bool = False) -> int:
+    """Bytes of all parameters; read_per_decode_step leaves out the embedding table (a decode
+    step reads one row of it), unless it is tied to the LM head."""
+    total = 0
+    tied = getattr(model, "lm_head", None) is None
+    for name, param in model.named_parameters():
+        if read_per_decode_step and name == "embed_tokens.weight" and not tied:
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--out", type=Path, default=None, help="folder (default: a temp folder)")
+    p.add_argument("--config-only", action="store_true", help="write config.json only")
+    p.add_argument("--std", type=float, default=0.02)
+    args = p.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix=f"kvrelay-{args.shape}-"))
+    print(write_random_model(out, args.shape, weights=not args.config_only, std=args.std))
+
+
+if __name__ == "__main__":
+    main()

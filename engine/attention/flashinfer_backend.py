@@ -1,0 +1,192 @@
+"""FlashInferAttention: the GPU backend; paged prefill and decode through FlashInfer's wrappers.
+
+Owns the FlashInfer workspace, an eager prefill wrapper (steps with any multi-token chunk, decode
+rows included), an eager decode wrapper (pure-decode steps) and, after enable_cuda_graphs(), one
+decode wrapper per captured batch size over shared static page-table buffers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+WORKSPACE_BYTES = 256 << 20
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def flashinfer_available() -> bool:
+    """True when the optional `flashinfer` package (`pip install kvrelay[gpu]`) imports."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # a broken install (missing CUDA libs) counts as absent
+        return False
+    return True
+
+
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention backend to build: "auto" is flashinfer on CUDA (bf16/fp16, importable)."""
+    if requested == "auto":
+        usable = device.type == "cuda" and dtype in FLASHINFER_DTYPES
+        return "flashinfer" if usable and flashinfer_available() else "torch"
+    if requested not in ("torch", "flashinfer"):
+        raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {requested!r}")
+    if requested == "flashinfer" and device.type != "cuda":
+        raise ValueError("the flashinfer attention backend needs a CUDA device")
+    return requested
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """One step's FlashInfer CSR page table (int32, host memory)."""
+
+    qo_indptr: torch.Tensor  # [B + 1] query rows of each sequence
+    kv_indptr: torch.Tensor  # [B + 1] pages of each sequence in kv_indices
+    kv_indices: torch.Tensor  # [sum pages] physical block ids
+    kv_last_page_len: torch.Tensor  # [B] valid tokens in each sequence's last page
+
+
+def page_table(metadata: AttentionMetadata) -> PageTable:
+    """Build the CSR page table of a packed step (sequences in SeqSpan order)."""
+    bs = metadata.block_size
+    qo_indptr, kv_indptr, indices, last_len = [0], [0], [], []
+    for seq in metadata.seqs:
+        num_pages = -(-seq.ctx_len // bs)
+        qo_indptr.append(qo_indptr[-1] + seq.q_len)
+        kv_indptr.append(kv_indptr[-1] + num_pages)
+        indices.extend(seq.block_ids[:num_pages])
+        last_len.append(seq.ctx_len - (num_pages - 1) * bs)
+
+    def as_int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    return PageTable(
+        as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last_len)
+    )
+
+
+class FlashInferAttention(AttentionBackend):
+    """Paged attention with FlashInfer (fa2 kernels, NHD pages read through their strides).
+
+    The layer-packed cache gives, per layer, a non-contiguous view [num_blocks, 2, block_size,
+    Hkv, D] whose page stride spans every layer; FlashInfer reads pages through tensor strides,
+    so no copy is made. A step whose chunks are all single tokens runs the decode wrapper; any
+    other step runs one prefill wrapper over all its sequences (decode rows are 1-row queries),
+    so a mixed batch costs one plan and one kernel per layer, with no reordering of tokens.
+    The decode wrapper uses tensor cores: it shares the prefill wrapper's JIT module.
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        workspace_bytes: int = WORKSPACE_BYTES,
+    ):
+        import flashinfer
+
+        super().__init__(kv_cache, num_heads, head_dim)
+        if kv_cache.dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"FlashInfer needs a bf16/fp16 KV cache, got {kv_cache.dtype}")
+        self._flashinfer = flashinfer
+        self.block_size = kv_cache.shape[3]
+        self.device = kv_cache.device
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2"
+        )
+        self._decode = self._decode_wrapper()
+        self._graph_decode: dict[int, Any] = {}
+        self._active: Any = None
+        self._slot_block_ids: torch.Tensor | None = None
+        self._slot_offsets: torch.Tensor | None = None
+
+    def _decode_wrapper(self, **graph_buffers: Any) -> Any:
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            "NHD",
+            use_cuda_graph=bool(graph_buffers),
+            use_tensor_cores=True,
+            backend="fa2",
+            **graph_buffers,
+        )
+
+    # ---- planning ------------------------------------------------------------------------
+    def plan(self, metadata: AttentionMetadata) -> None:
+        table = page_table(metadata)
+        if all(seq.q_len == 1 for seq in metadata.seqs):
+            self._plan_decode(self._decode, table)
+        else:
+            self._prefill.plan(
+                table.qo_indptr,
+                table.kv_indptr,
+                table.kv_indices,
+                table.kv_last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                causal=True,  # bottom-right aligned: queries sit after the cached prefix
+                sm_scale=self.scale,
+                q_data_type=self.kv_cache.dtype,
+                kv_data_type=self.kv_cache.dtype,
+            )
+            self._active = self._prefill
+        self._slot_block_ids = metadata.slot_block_ids
+        self._slot_offsets = metadata.slot_offsets
+
+    def _plan_decode(self, wrapper: Any, table: PageTable) -> None:
+        wrapper.plan(
+            table.kv_indptr,
+            table.kv_indices,
+            table.kv_last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            sm_scale=self.scale,
+            q_data_type=self.kv_cache.dtype,
+            kv_data_type=self.kv_cache.dtype,
+        )
+        self._active = wrapper
+
+    def enable_cuda_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
+        """Create one graph-safe decode wrapper per batch size (static page-table buffers).
+
+        The buffers are shared: only one graph replays at a time, right after its own plan.
+        """
+        max_bs = max(batch_sizes)
+        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        last_len = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=self.device)
+        for bs in batch_sizes:
+            self._graph_decode[bs] = self._decode_wrapper(
+                paged_kv_indptr_buffer=indptr[: bs + 1],
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_len[:bs],
+            )
+
+    def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        """Plan a (padded) pure-decode step for the graph of exactly len(metadata.seqs) rows.
+
+        metadata's slot tensors must be the graph's static buffers: the captured writes read them.
+        """
+        wrapper = self._graph_decode[len(metadata.seqs)]
+        self._plan_decode(wrapper, page_table(metadata))
+        self._slot_block_ids = metadata.slot_block_ids
+        self._slot_offsets = metadata.slot_offsets
+
+    # ---- running -------------------------------------------------------------------------
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        kv = self.kv_cache[:, layer]  # [num_blocks, 2, block_size, Hkv, D], strided pages
+        kv[:, 0][self._slot_block_ids, self._slot_offsets] = k
+        kv[:, 1][self._slot_block_ids, self._slot_offsets] = v
+        return self._active.run(q, kv)

@@ -1,0 +1,191 @@
+"""FlashInfer backend and CUDA-graph decode against the torch reference, on a tiny random Llama.
+
+Logits are compared on one token trajectory (the reference's greedy tokens are forced into the
+other engine), so every step has identical inputs. Free-running greedy tokens must match up to
+the first near-tie: a divergence is accepted only where the reference's top-2 margin is within
+the bf16 tolerance, and it is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.random_models import write_random_model
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.sampler import SampleResult
+from engine.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+NUM_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("flashinfer")
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return write_random_model(folder, "tiny-llama", std=0.1, dtype=torch.bfloat16)
+
+
+def build(folder: Path, dtype: str, backend: str, cuda_graph: bool = False) -> Engine:
+    config = EngineConfig(
+        model=str(folder),
+        device="cuda",
+        dtype=dtype,
+        attention_backend=backend,
+        cuda_graph=cuda_graph,
+        cache=CacheConfig(block_size=16, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+    )
+    return Engine(config)
+
+
+class Recorder:
+    """Records each request's logits rows; with `forced`, samples those tokens instead."""
+
+    def __init__(self, engine: Engine, forced: dict[str, list[int]] | None = None):
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.forced = forced
+        self._req_ids: list[str] = []
+        execute, sample = engine.runner.execute, engine.sampler
+
+        def recording_execute(output):
+            step = execute(output)
+            self._req_ids = [output.chunks[i].req.req_id for i in step.chunk_index]
+            for req_id, row in zip(self._req_ids, step.logits, strict=True):
+                self.logits[req_id].append(row.float().cpu())
+            return step
+
+        def forcing_sample(logits, rows):
+            result = sample(logits, rows)
+            if self.forced is None:
+                return result
+            tokens = [self.forced[r][len(self.logits[r]) - 1] for r in self._req_ids]
+            return SampleResult(tokens, result.logprobs)
+
+        engine.runner.execute = recording_execute
+        engine.sampler = forcing_sample
+
+
+def run_workload(engine: Engine) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Chunked prefills next to decodes, and a prompt whose first two blocks are cached."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = {
+        n: torch.randint(0, 512, (length,), generator=gen).tolist()
+        for n, length in (("a", 40), ("c", 100), ("d", 5))
+    }
+    prompts["b"] = prompts["a"][:32] + torch.randint(0, 512, (30,), generator=gen).tolist()
+    params = [
+        SamplingParams(max_tokens=NUM_NEW_TOKENS - k, temperature=0, ignore_eos=True)
+        for k in range(4)
+    ]
+    tokens: dict[str, list[int]] = defaultdict(list)
+    cached: dict[str, int] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+            cached[out.req_id] = out.num_cached_tokens
+
+    engine.add_request("a", prompts["a"], params[0])
+    engine.add_request("c", prompts["c"], params[1])
+    step()  # a: 40-token prefill; c: its first 24-token chunk
+    engine.add_request("b", prompts["b"], params[2])
+    engine.add_request("d", prompts["d"], params[3])
+    while engine.has_unfinished_requests:
+        step()
+    engine.assert_no_leaks()
+    return dict(tokens), cached
+
+
+def top2_margin(row: torch.Tensor) -> float:
+    top = row.topk(2).values
+    return float(top[0] - top[1])
+
+
+def max_logit_error(
+    ref: dict[str, list[torch.Tensor]], got: dict[str, list[torch.Tensor]]
+) -> float:
+    assert ref.keys() == got.keys()
+    errors = [float((a - b).abs().max()) for r in ref for a, b in zip(ref[r], got[r], strict=True)]
+    return max(errors)
+
+
+def first_divergence(
+    ref_tokens: dict[str, list[int]],
+    ref_logits: dict[str, list[torch.Tensor]],
+    got_tokens: dict[str, list[int]],
+    tolerance: float,
+) -> list[str]:
+    """Greedy tokens equal, or they part first where the reference had a near-tie."""
+    notes = []
+    for r, expected in ref_tokens.items():
+        got = got_tokens[r]
+        assert len(got) == len(expected)
+        i = next((i for i, (x, y) in enumerate(zip(expected, got, strict=True)) if x != y), None)
+        if i is None:
+            continue
+        margin = top2_margin(ref_logits[r][i])
+        note = f"{r}: first divergence at token {i}, reference top-2 margin {margin:.4f}"
+        assert margin <= tolerance, f"{note} > tolerance {tolerance:.4f}"
+        notes.append(note)
+    return notes
+
+
+def test_flashinfer_matches_torch_backend(tiny_llama: Path) -> None:
+    fp32 = build(tiny_llama, "float32", "torch")
+    rec32 = Recorder(fp32)
+    ref_tokens, cached = run_workload(fp32)
+    assert cached["b"] == 32, "the shared prefix was not served from the cache"
+    errors = {}
+    for name, backend in (("torch", "torch"), ("flashinfer", "flashinfer")):
+        engine = build(tiny_llama, "bfloat16", backend)
+        assert engine.attention_backend == backend
+        rec = Recorder(engine, forced=ref_tokens)
+        assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
+        errors[name] = max_logit_error(rec32.logits, rec.logits)
+    scale = max(float(row.abs().max()) for rows in rec32.logits.values() for row in rows)
+    print(f"max |logit| {scale:.3f}; max error vs fp32: {errors}")
+    # bf16 tolerance: no worse than the torch backend in bf16 (2x slack), and small absolutely.
+    assert errors["flashinfer"] <= max(2 * errors["torch"], 0.02 * scale)
+    assert errors["flashinfer"] <= 0.1 * scale
+
+    # Free-running greedy: FlashInfer (bf16) against the torch backend (bf16).
+    torch_bf16 = build(tiny_llama, "bfloat16", "torch")
+    rec_t = Recorder(torch_bf16)
+    torch_tokens, _ = run_workload(torch_bf16)
+    fi_tokens, _ = run_workload(build(tiny_llama, "bfloat16", "flashinfer"))
+    tolerance = 3 * (errors["flashinfer"] + errors["torch"])
+    print("greedy:", first_divergence(torch_tokens, rec_t.logits, fi_tokens, tolerance) or "equal")
+
+
+def test_cuda_graph_decode_equals_eager(tiny_llama: Path) -> None:
+    eager = build(tiny_llama, "bfloat16", "flashinfer", cuda_graph=False)
+    graph = build(tiny_llama, "bfloat16", "flashinfer", cuda_graph=True)
+    assert eager.runner.graphs is None and graph.runner.graphs is not None
+    assert graph.runner.graphs.sizes == [1, 2, 4, 8]
+    rec_e = Recorder(eager)
+    eager_tokens, _ = run_workload(eager)
+    graph_tokens, _ = run_workload(graph)
+    assert eager.runner.num_graph_steps == 0
+    assert graph.runner.num_graph_steps >= NUM_NEW_TOKENS - 4  # decode steps of 1..3 seqs
+    # Same trajectory forced into the graph engine: logits agree to bf16 noise.
+    forced = build(tiny_llama, "bfloat16", "flashinfer", cuda_graph=True)
+    rec_f = Recorder(forced, forced=eager_tokens)
+    run_workload(forced)
+    error = max_logit_error(rec_e.logits, rec_f.logits)
+    scale = max(float(row.abs().max()) for rows in rec_e.logits.values() for row in rows)
+    print(f"graph vs eager: max logit error {error:.5f} (max |logit| {scale:.3f})")
+    assert error <= 0.05 * scale
+    notes = first_divergence(eager_tokens, rec_e.logits, graph_tokens, max(2 * error, 1e-3))
+    print("graph vs eager greedy:", notes or "equal token for token")
+    assert math.isfinite(error)
