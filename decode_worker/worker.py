@@ -23,7 +23,7 @@ from kvtransfer.base import AgentMetadata, KVTransferError, TransferHandle, Tran
 from kvtransfer.handle import KVHandle
 from kvtransfer.handshake import IncompatiblePeerError
 from prefill_worker.load import engine_load, served_model
-from prefill_worker.worker import make_publisher, set_threads
+from prefill_worker.worker import make_publisher, set_threads, shut_down
 from router.types import GenerateRequest, ServedModel, TokenDelta, WorkerLoad
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
@@ -140,11 +140,7 @@ class DecodeWorker:
         return await self.thread.call(run)
 
     def shutdown(self) -> None:
-        self.thread.stop()
-        if self.publisher is not None:
-            self.publisher.withdraw()
-            self.publisher.close()
-        self.transfer.close()
+        shut_down(self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
     def _abort(self, engine: Engine, req_id: str) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
@@ -128,11 +128,7 @@ class PrefillWorker:
         return await self.thread.call(run)
 
     def shutdown(self) -> None:
-        self.thread.stop()
-        if self.publisher is not None:
-            self.publisher.withdraw()
-            self.publisher.close()
-        self.transfer.close()
+        shut_down(self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
     def _release(self, engine: Engine, req_id: str) -> bool:
@@ -214,6 +210,15 @@ def set_threads(num_threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
+
+
+def shut_down(thread: Any, publisher: KVPublisher | None, transfer: Any) -> None:
+    """Stop a worker's engine thread, withdraw it from the index, close its NIXL agent."""
+    thread.stop()
+    if publisher is not None:
+        publisher.withdraw()
+        publisher.close()
+    transfer.close()
 
 
 def make_publisher(
