@@ -108,7 +108,7 @@ class Engine:
         use_flashinfer = self.attention_backend == "flashinfer"
         # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
         num_storage_blocks = num_blocks + 1 if use_flashinfer else num_blocks
-        shape = (num_storage_blocks, mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_storage_blocks, mc.num_layers, 2, mc.num_kv_heads, block_size, mc.head_dim)
         kv_storage = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_cache = kv_storage[:num_blocks]
         self.kv = KVCacheManager(

@@ -31,7 +31,7 @@ class TransferState(enum.Enum):
 class AgentMetadata:
     """Everything a peer needs to read from this side; crosses process boundaries (picklable).
 
-    `block_shape` is one block's shape, (num_layers, 2, block_size, num_kv_heads, head_dim);
+    `block_shape` is one block's shape, (num_layers, 2, num_kv_heads, block_size, head_dim);
     `compat_hash` covers model_id, dtype, block_size and block_shape (see handshake.py).
     """
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 from kvtransfer.base import AgentMetadata
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: head-major blocks
+# Order of a block's dimensions; block_shape alone cannot tell Hkv from block_size when equal.
+BLOCK_LAYOUT = "num_layers,kv,num_kv_heads,block_size,head_dim"
 
 
 class IncompatiblePeerError(ValueError):
@@ -34,6 +36,7 @@ def compat_hash(model_id: str, dtype: str, block_size: int, block_shape: Sequenc
             "dtype": dtype,
             "block_size": int(block_size),
             "block_shape": [int(d) for d in block_shape],
+            "block_layout": BLOCK_LAYOUT,
         },
         sort_keys=True,
     )

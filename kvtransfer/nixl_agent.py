@@ -50,7 +50,7 @@ def check_kv_tensor(kv_tensor: torch.Tensor) -> tuple[str, int]:
     """Validate the layer-packed KV tensor; return (device kind, device id)."""
     if kv_tensor.dim() != 6:
         raise ValueError(
-            "KV tensor must be [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
+            "KV tensor must be [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], "
             f"got shape {tuple(kv_tensor.shape)}"
         )
     if not kv_tensor.is_contiguous() or kv_tensor.numel() == 0:

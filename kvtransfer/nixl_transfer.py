@@ -291,7 +291,7 @@ def _describe(agent_name: str, model_id: str, kv: torch.Tensor, nixl_md: bytes) 
     device_kind, device_id = check_kv_tensor(kv)
     dtype = str(kv.dtype).removeprefix("torch.")
     block_shape = tuple(int(d) for d in kv.shape[1:])
-    block_size = block_shape[2]
+    block_size = block_shape[3]  # [L, 2, Hkv, block_size, D]
     return AgentMetadata(
         agent_name=agent_name,
         protocol_version=PROTOCOL_VERSION,

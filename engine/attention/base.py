@@ -36,14 +36,15 @@ class AttentionMetadata:
 class AttentionBackend(abc.ABC):
     """Writes new K/V into the paged cache and attends over it.
 
-    kv_cache layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    (layer-packed: one block holds every layer's K and V, so it is one contiguous region).
+    kv_cache layout: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+    (layer-packed: one block holds every layer's K and V, so it is one contiguous region;
+    head-major inside: each head's block_size x head_dim tile is contiguous, FlashInfer's HND).
     """
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, head_dim: int):
         self.kv_cache = kv_cache
         self.num_heads = num_heads
-        self.num_kv_heads = kv_cache.shape[4]
+        self.num_kv_heads = kv_cache.shape[3]
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 

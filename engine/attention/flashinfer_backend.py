@@ -72,14 +72,15 @@ def page_table(metadata: AttentionMetadata) -> PageTable:
 
 
 class FlashInferAttention(AttentionBackend):
-    """Paged attention with FlashInfer (fa2 kernels, NHD pages read through their strides).
+    """Paged attention with FlashInfer (fa2 kernels, HND pages read through their strides).
 
-    The layer-packed cache gives, per layer, a non-contiguous view [num_blocks, 2, block_size,
-    Hkv, D] whose page stride spans every layer; FlashInfer reads pages through tensor strides,
-    so no copy is made. A step whose chunks are all single tokens runs the decode wrapper; any
-    other step runs one prefill wrapper over all its sequences (decode rows are 1-row queries),
-    so a mixed batch costs one plan and one kernel per layer, with no reordering of tokens.
-    The decode wrapper uses tensor cores: it shares the prefill wrapper's JIT module.
+    The layer-packed cache gives, per layer, a non-contiguous view [num_blocks, 2, Hkv,
+    block_size, D] whose page stride spans every layer; FlashInfer reads pages through tensor
+    strides, so no copy is made. A step whose chunks are all single tokens runs the decode
+    wrapper; any other step runs one prefill wrapper over all its sequences (decode rows are
+    1-row queries), so a mixed batch costs one plan and one kernel per layer, with no
+    reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
+    wrapper's JIT module.
     """
 
     def __init__(
@@ -95,11 +96,11 @@ class FlashInferAttention(AttentionBackend):
         if kv_cache.dtype not in FLASHINFER_DTYPES:
             raise ValueError(f"FlashInfer needs a bf16/fp16 KV cache, got {kv_cache.dtype}")
         self._flashinfer = flashinfer
-        self.block_size = kv_cache.shape[3]
+        self.block_size = kv_cache.shape[4]
         self.device = kv_cache.device
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend="fa2"
+            self._workspace, "HND", backend="fa2"
         )
         self._decode = self._decode_wrapper()
         self._graph_decode: dict[int, Any] = {}
@@ -110,7 +111,7 @@ class FlashInferAttention(AttentionBackend):
     def _decode_wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace,
-            "NHD",
+            "HND",
             use_cuda_graph=bool(graph_buffers),
             use_tensor_cores=True,
             backend="fa2",
@@ -186,7 +187,7 @@ class FlashInferAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        kv = self.kv_cache[:, layer]  # [num_blocks, 2, block_size, Hkv, D], strided pages
-        kv[:, 0][self._slot_block_ids, self._slot_offsets] = k
-        kv[:, 1][self._slot_block_ids, self._slot_offsets] = v
+        kv = self.kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D], strided pages
+        kv[:, 0][self._slot_block_ids, :, self._slot_offsets] = k
+        kv[:, 1][self._slot_block_ids, :, self._slot_offsets] = v
         return self._active.run(q, kv)

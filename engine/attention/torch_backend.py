@@ -1,7 +1,9 @@
 """TorchAttention: the CPU / reference backend; reads the paged cache directly, no padding.
 
-Single-query sequences (decodes) are attended all at once, block by block: each block gives a
-partial softmax (max, sum, weighted V) and partials are merged per sequence with index_add.
+Single-query sequences (decodes) go to the C++ paged-decode kernel (cpu_kernels.py), which
+reads the cache in place. Without it they are attended all at once with torch ops, block by
+block: each block gives a partial softmax (max, sum, weighted V), merged per sequence with
+index_add.
 Multi-token chunks (prefill) run one scaled_dot_product_attention per sequence with a causal
 mask offset by the cached prefix. Owns only the per-step index tensors built by plan().
 """
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_kernels import paged_decode_op
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class _DecodePlan:
     block_ids: torch.Tensor  # [NB] blocks of all decode sequences, concatenated
     block_seq: torch.Tensor  # [NB] which decode sequence each block belongs to
     block_mask: torch.Tensor  # [NB, 1, 1, block_size] 0 or -inf for positions past ctx_len
+    block_starts: torch.Tensor  # [B + 1] where each sequence's blocks start in block_ids
+    ctx_lens: torch.Tensor  # [B]
 
 
 @dataclass(frozen=True)
@@ -34,21 +39,30 @@ class _PrefillPlan:
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, head_dim: int):
+    def __init__(
+        self, kv_cache: torch.Tensor, num_heads: int, head_dim: int, use_kernel: bool = True
+    ):
         super().__init__(kv_cache, num_heads, head_dim)
-        num_blocks, self.num_layers, _, block_size = kv_cache.shape[:4]
-        # Row view: one row per (block, layer, k|v, offset) slot, so writes are row copies.
-        self._rows = kv_cache.view(num_blocks * self.num_layers * 2 * block_size, -1)
+        usable = use_kernel and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+        self._kernel = paged_decode_op() if usable else None
+        self.decode_kernel = "cpp" if self._kernel else "torch"
+        self.num_layers, block_size = kv_cache.shape[1], kv_cache.shape[4]
+        # Row view: one row per (block, layer, k|v, head, offset) slot: writes are row copies.
+        self._rows = kv_cache.view(-1, head_dim)
+        # Row offset of each kv head inside one (block, layer, k|v) tile.
+        self._head_rows = torch.arange(self.num_kv_heads, device=kv_cache.device) * block_size
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
         device = self.kv_cache.device
         bs = metadata.block_size
-        # Row of the K slot of each new token in layer 0; layer l adds 2 * l * bs, V adds bs.
-        self._write_rows = metadata.slot_block_ids * (self.num_layers * 2 * bs) + (
+        # Rows [T, Hkv] of each new token's K in layer 0; layer l adds 2 * l * tile, V adds tile.
+        self._tile_rows = self.num_kv_heads * bs
+        first_rows = metadata.slot_block_ids * (self.num_layers * 2 * self._tile_rows) + (
             metadata.slot_offsets
         )
-        token_index, block_ids, block_seq, valid = [], [], [], []
+        self._write_rows = (first_rows[:, None] + self._head_rows[None, :]).reshape(-1)
+        token_index, block_ids, block_seq, valid, block_starts, ctx_lens = [], [], [], [], [0], []
         self._prefills: list[_PrefillPlan] = []
         for seq in metadata.seqs:
             num_blocks = -(-seq.ctx_len // bs)
@@ -59,6 +73,8 @@ class TorchAttention(AttentionBackend):
                 block_ids.extend(ids)
                 block_seq.extend([idx] * num_blocks)
                 valid.extend([bs] * (num_blocks - 1) + [seq.ctx_len - (num_blocks - 1) * bs])
+                block_starts.append(len(block_ids))
+                ctx_lens.append(seq.ctx_len)
                 continue
             mask = None
             if seq.ctx_len != seq.q_len:
@@ -85,21 +101,21 @@ class TorchAttention(AttentionBackend):
                 torch.tensor(block_ids, dtype=torch.long, device=device),
                 torch.tensor(block_seq, dtype=torch.long, device=device),
                 mask[:, None, None, :],
+                torch.tensor(block_starts, dtype=torch.long, device=device),
+                torch.tensor(ctx_lens, dtype=torch.long, device=device),
             )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        bs = self._meta.block_size
-        k_rows = self._write_rows + 2 * layer * bs
-        num_tokens = k.shape[0]
-        self._rows.index_copy_(0, k_rows, k.reshape(num_tokens, -1))
-        self._rows.index_copy_(0, k_rows + bs, v.reshape(num_tokens, -1))
+        k_rows = self._write_rows + 2 * layer * self._tile_rows
+        self._rows.index_copy_(0, k_rows, k.reshape(-1, self.head_dim))
+        self._rows.index_copy_(0, k_rows + self._tile_rows, v.reshape(-1, self.head_dim))
         k_cache = self.kv_cache[:, layer, 0]
         v_cache = self.kv_cache[:, layer, 1]
         out = torch.empty_like(q)
         if self._decode is not None:
-            out[self._decode.token_index] = self._decode_attention(q, k_cache, v_cache)
+            out[self._decode.token_index] = self._decode_attention(layer, q, k_cache, v_cache)
         for plan in self._prefills:
             out[plan.q_start : plan.q_start + plan.q_len] = self._prefill_attention(
                 plan, q, k_cache, v_cache
@@ -107,15 +123,25 @@ class TorchAttention(AttentionBackend):
         return out
 
     def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         plan = self._decode
         assert plan is not None
+        if self._kernel is not None:
+            return self._kernel(
+                q[plan.token_index],
+                self.kv_cache,
+                plan.block_ids,
+                plan.block_starts,
+                plan.ctx_lens,
+                layer,
+                self.scale,
+            )
         num_seqs = plan.token_index.numel()
         group = self.num_heads // self.num_kv_heads
         q_dec = q[plan.token_index].view(num_seqs, self.num_kv_heads, group, self.head_dim)
         q_blk = q_dec[plan.block_seq]  # [NB, Hkv, G, D]
-        k_blk = k_cache.index_select(0, plan.block_ids).permute(0, 2, 3, 1)  # [NB, Hkv, D, bs]
+        k_blk = k_cache.index_select(0, plan.block_ids).transpose(-1, -2)  # [NB, Hkv, D, bs]
         scores = torch.matmul(q_blk, k_blk) * self.scale + plan.block_mask  # [NB, Hkv, G, bs]
         block_max = scores.amax(-1)
         seq_max = torch.full(
@@ -125,7 +151,7 @@ class TorchAttention(AttentionBackend):
         seq_max.scatter_reduce_(0, index, block_max, reduce="amax")
         probs = torch.exp(scores - seq_max[plan.block_seq].unsqueeze(-1))
         denom = torch.zeros_like(seq_max).index_add_(0, plan.block_seq, probs.sum(-1))
-        v_blk = v_cache.index_select(0, plan.block_ids).permute(0, 2, 1, 3)  # [NB, Hkv, bs, D]
+        v_blk = v_cache.index_select(0, plan.block_ids)  # [NB, Hkv, bs, D]
         partial = torch.matmul(probs, v_blk)  # [NB, Hkv, G, D]
         out = torch.zeros_like(q_dec).index_add_(0, plan.block_seq, partial)
         out = out / denom.unsqueeze(-1)
@@ -134,17 +160,18 @@ class TorchAttention(AttentionBackend):
     def _prefill_attention(
         self, plan: _PrefillPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        keys = k_cache.index_select(0, plan.block_ids).reshape(shape)[: plan.ctx_len]
-        values = v_cache.index_select(0, plan.block_ids).reshape(shape)[: plan.ctx_len]
-        queries = q[plan.q_start : plan.q_start + plan.q_len].transpose(0, 1)
+        # [nb, Hkv, bs, D] -> [1, Hkv, ctx, D]; 4-D inputs take SDPA's fused CPU kernel.
+        shape = (1, self.num_kv_heads, -1, self.head_dim)
+        keys = k_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(shape)
+        values = v_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(shape)
+        queries = q[plan.q_start : plan.q_start + plan.q_len].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
             queries,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            keys[:, :, : plan.ctx_len],
+            values[:, :, : plan.ctx_len],
             attn_mask=plan.causal_mask,
             is_causal=plan.causal_mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)

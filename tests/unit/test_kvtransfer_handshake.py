@@ -15,7 +15,7 @@ from kvtransfer.handshake import (
     compat_hash,
 )
 
-BLOCK_SHAPE = (2, 2, 4, 2, 8)  # num_layers, K/V, block_size, num_kv_heads, head_dim
+BLOCK_SHAPE = (2, 2, 2, 4, 8)  # num_layers, K/V, num_kv_heads, block_size, head_dim
 
 
 def make_meta(name: str = "a", **changes: object) -> AgentMetadata:

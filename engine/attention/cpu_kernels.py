@@ -1,0 +1,90 @@
+"""The C++ CPU paged-decode kernel (csrc/paged_decode.cpp), built once per machine on first use.
+
+Owns the process-wide build result: the loaded op, or the reason it is unavailable. The build
+goes through torch's JIT extension loader (g++ and ninja) into torch's extensions folder;
+later processes load the cached library in well under a second. KVRELAY_CPU_KERNEL=0 turns the
+kernel off; without it, decode attention falls back to the slower torch gather path, with a
+warning that says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+DISABLE_ENV = "KVRELAY_CPU_KERNEL"
+
+_lock = threading.Lock()
+_op: Callable[..., torch.Tensor] | None = None
+_unavailable: str | None = None
+_tried = False
+
+
+def _cpu_tag() -> str:
+    """Short id of this CPU's model and flags: the library is built with -march=native."""
+    info = platform.processor()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        info += "".join(x for x in lines if x.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha256(info.encode()).hexdigest()[:8]
+
+
+def _build() -> Callable[..., torch.Tensor]:
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    name = f"kvrelay_paged_decode_{_cpu_tag()}"
+    built = any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    if not built:
+        logger.info("building the CPU paged-decode kernel (once per machine, ~30 s)")
+    start = time.monotonic()
+    load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    if not built:
+        logger.info("built the CPU paged-decode kernel in %.1f s", time.monotonic() - start)
+    return torch.ops.kvrelay.paged_decode
+
+
+def paged_decode_op() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.kvrelay.paged_decode, building it on first call; None if it cannot be had."""
+    global _op, _unavailable, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            if os.environ.get(DISABLE_ENV, "1") == "0":
+                _unavailable = f"{DISABLE_ENV}=0"
+            else:
+                try:
+                    _op = _build()
+                except Exception as e:  # no compiler, no ninja, build error
+                    _unavailable = f"{type(e).__name__}: {str(e).strip()[-500:]}"
+            if _unavailable:
+                logger.warning(
+                    "CPU paged-decode kernel unavailable (%s); decode attention uses the "
+                    "slower torch gather path",
+                    _unavailable,
+                )
+        return _op
+
+
+def unavailable_reason() -> str | None:
+    """Why paged_decode_op() returned None (after it was called), else None."""
+    return _unavailable
