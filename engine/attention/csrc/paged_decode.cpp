@@ -1,6 +1,8 @@
 // Paged decode attention for CPU: one query token per sequence, read from the layer-packed,
-// head-major KV cache in place (no gather, no padding). One task per (sequence, kv head) runs
-// an online softmax block by block for the query heads of its group; float accumulation.
+// head-major KV cache in place (no gather, no padding). One task per sequence walks its blocks
+// (prefetching the next block's K/V tiles of this layer into L2, since the walk is DRAM-bound)
+// and runs an online softmax per query head; each K row is read once for its whole GQA group.
+// Float accumulation.
 // Registered as torch.ops.kvrelay.paged_decode (no pybind: light headers, faster build).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -25,60 +27,73 @@ void decode_kernel(const T* q, const T* kv, const int64_t* block_ids, const int6
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t layer,
                    int64_t num_layers, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t tile = block_size * head_dim;              // one head's K (or V) in a block
-  const int64_t kv_stride = num_kv_heads * tile;           // K -> V of one layer
-  const int64_t block_stride = num_layers * 2 * kv_stride;  // one whole block
+  const int64_t tile = block_size * head_dim;
+  const int64_t kv_stride = num_kv_heads * tile;
+  const int64_t block_stride = num_layers * 2 * kv_stride;
   const int64_t layer_offset = layer * 2 * kv_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
-    std::vector<float> running_max(group), running_sum(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads;
-      const int64_t kv_head = task % num_kv_heads;
-      const T* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(q_seq[i]) * scale;
+  const int64_t layer_bytes = 2 * kv_stride * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim);
+    std::vector<float> scores(group * block_size), running_max(num_heads), running_sum(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const T* q_seq = q + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = to_float(q_seq[i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);
       const int64_t ctx_len = ctx_lens[seq];
-      for (int64_t b = block_starts[seq]; b < block_starts[seq + 1]; ++b) {
-        const int64_t first_token = (b - block_starts[seq]) * block_size;
-        const int64_t valid = std::min(block_size, ctx_len - first_token);
-        const T* k_tile = kv + block_ids[b] * block_stride + layer_offset + kv_head * tile;
-        const T* v_tile = k_tile + kv_stride;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float* sg = scores.data() + g * block_size;
-          float block_max = -std::numeric_limits<float>::infinity();
+      const int64_t first_block = block_starts[seq], last_block = block_starts[seq + 1];
+      for (int64_t b = first_block; b < last_block; ++b) {
+        const T* block = kv + block_ids[b] * block_stride + layer_offset;
+        if (b + 1 < last_block) {
+          const char* next =
+              reinterpret_cast<const char*>(kv + block_ids[b + 1] * block_stride + layer_offset);
+          for (int64_t off = 0; off < layer_bytes; off += 64) {
+            __builtin_prefetch(next + off, 0, 2);  // read, keep in L2
+          }
+        }
+        const int64_t valid = std::min(block_size, ctx_len - (b - first_block) * block_size);
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          const T* k_tile = block + kv_head * tile;
+          const T* v_tile = k_tile + kv_stride;
+          const float* q_group = qf.data() + kv_head * group * head_dim;
           for (int64_t t = 0; t < valid; ++t) {
             const T* k_row = k_tile + t * head_dim;
-            float dot = 0.0f;
+            for (int64_t g = 0; g < group; ++g) {
+              const float* qg = q_group + g * head_dim;
+              float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k_row[d]);
-            sg[t] = dot;
-            block_max = std::max(block_max, dot);
+              for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k_row[d]);
+              scores[g * block_size + t] = dot;
+            }
           }
-          const float new_max = std::max(running_max[g], block_max);
-          const float correction = std::exp(running_max[g] - new_max);
-          float* acc_g = acc.data() + g * head_dim;
-          float sum = running_sum[g] * correction;
-          for (int64_t d = 0; d < head_dim; ++d) acc_g[d] *= correction;
-          for (int64_t t = 0; t < valid; ++t) {
-            const float p = std::exp(sg[t] - new_max);
-            sum += p;
-            const T* v_row = v_tile + t * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t head = kv_head * group + g;
+            const float* sg = scores.data() + g * block_size;
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t t = 0; t < valid; ++t) block_max = std::max(block_max, sg[t]);
+            const float new_max = std::max(running_max[head], block_max);
+            const float correction = std::exp(running_max[head] - new_max);
+            float* acc_h = acc.data() + head * head_dim;
+            float sum = running_sum[head] * correction;
+            for (int64_t d = 0; d < head_dim; ++d) acc_h[d] *= correction;
+            for (int64_t t = 0; t < valid; ++t) {
+              const float p = std::exp(sg[t] - new_max);
+              sum += p;
+              const T* v_row = v_tile + t * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc_g[d] += p * to_float(v_row[d]);
+              for (int64_t d = 0; d < head_dim; ++d) acc_h[d] += p * to_float(v_row[d]);
+            }
+            running_max[head] = new_max;
+            running_sum[head] = sum;
           }
-          running_max[g] = new_max;
-          running_sum[g] = sum;
         }
       }
-      T* out_seq = out + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.0f / running_sum[g];
+      T* out_seq = out + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv = 1.0f / running_sum[h];
         for (int64_t d = 0; d < head_dim; ++d) {
-          out_seq[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv);
+          out_seq[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv);
         }
       }
     }
