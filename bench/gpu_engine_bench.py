@@ -3,8 +3,10 @@
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
 graphs against the HBM roofline (bytes read per step / that bandwidth); engine decode step time
 with CUDA graphs vs eager at batch 1..8; offline throughput (ignore_eos) on a workload of
---num-requests x (--input-len in, --output-len out). Owns no state; prints a table last and
-writes full JSON to --json.
+--num-requests x (--input-len in, --output-len out); and, through gpu_vs_transformers.py,
+greedy tokens against transformers on small random bf16 weights and offline throughput against
+transformers' generate on a smaller workload. Owns no state; prints a table last and writes
+full JSON to --json (rewritten after every section).
 
     python bench/gpu_engine_bench.py --json $OUT/gpu_engine_bench.json
 """
@@ -27,6 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.gpu_vs_transformers import (  # noqa: E402
+    greedy_against_transformers,
+    throughput_against_transformers,
+)
 from bench.random_models import random_model, weight_bytes, write_random_model  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -337,6 +343,23 @@ def print_table(result: dict[str, Any]) -> None:
             f"{row['batch']:>5}  {row['graph_step_ms']:8.3f}  {row['eager_step_ms']:8.3f}  "
             f"{row['eager_over_graph']:11.2f}"
         )
+    g = result.get("hf_greedy")
+    if g:
+        print(f"greedy vs transformers (tiny bf16): {g['num_equal']}/{g['num_prompts']} equal")
+        for row in g["prompts"]:
+            if not row["equal"]:
+                print(
+                    f"  prompt {row['prompt_len']}: first divergence at token "
+                    f"{row['first_divergence']}, transformers top-2 margin "
+                    f"{row['hf_top2_margin']:.4f}"
+                )
+    h = result.get("hf_speed")
+    if h:
+        print(
+            f"offline {h['num_requests']} x ({h['input_len']} in, {h['output_len']} out): kvrelay "
+            f"{h['kvrelay_output_tok_s']:.0f} tok/s, transformers "
+            f"{h['transformers_output_tok_s']:.0f} tok/s ({h['speedup']:.2f}x)"
+        )
     t = result.get("offline")
     if t:
         print(
@@ -365,11 +388,25 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
     p.add_argument("--time-budget", type=float, default=120.0, help="seconds, offline run")
-    p.add_argument("--skip", nargs="*", default=[], choices=["compare", "offline"])
+    p.add_argument("--hf-requests", type=int, default=64, help="transformers throughput run")
+    p.add_argument("--hf-input-len", type=int, default=1000)
+    p.add_argument("--hf-output-len", type=int, default=200)
+    p.add_argument(
+        "--skip", nargs="*", default=[], choices=["compare", "offline", "hf-greedy", "hf-speed"]
+    )
     args = p.parse_args()
     device = torch.device("cuda")
     result: dict[str, Any] = {"env": environment(), "shape": args.shape}
     result["args"] = {**vars(args), "json": str(args.json)}
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+
+    if "hf-greedy" not in args.skip:
+        result["hf_greedy"] = greedy_against_transformers()
+        log(json.dumps(result["hf_greedy"]))
+        save()
     bandwidth = copy_bandwidth(device)
     result["copy_bandwidth_GBps"] = bandwidth / 1e9
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
@@ -388,15 +425,22 @@ def main() -> None:
     )
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)
     log(json.dumps(result["decode_b1"]))
+    save()
     if "compare" not in args.skip:
         eager = build_engine(folder, model, cuda_graph=False, max_num_seqs=8, kv_bytes=4 * GiB)
         result["graph_vs_eager"] = graph_vs_eager(args, graph, eager)
         del eager
+        save()
+    if "hf-speed" not in args.skip:
+        result["hf_speed"] = throughput_against_transformers(
+            folder, graph, args.hf_requests, args.hf_input_len, args.hf_output_len
+        )
+        log(json.dumps(result["hf_speed"]))
+        save()
     if "offline" not in args.skip:
         result["offline"] = offline_throughput(args, graph)
         log(json.dumps(result["offline"]))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    save()
     print_table(result)
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.registry import model_class
+from engine.loader import random_model as loader_random_model
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 
@@ -138,7 +138,6 @@ def write_random_model(
     return folder
 
 
-@torch.no_grad()
 def random_model(
     config: ModelConfig,
     max_positions: int,
@@ -148,20 +147,8 @@ def random_model(
     seed: int = 0,
     std: float = 0.02,
 ) -> nn.Module:
-    """Build the model with random weights directly on device (an 8B model in seconds)."""
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
-    gen = torch.Generator(device).manual_seed(seed)
-    weights = {}
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(param.shape, dtype=dtype, device=device)
-        else:
-            t = torch.empty(param.shape, dtype=dtype, device=device)
-            weights[name] = t.normal_(0.0, std, generator=gen)
-    model.load_state_dict(weights, strict=True, assign=True)
-    return model.to(device).eval()
+    """Build the model with random weights directly on device (engine.loader.random_model)."""
+    return loader_random_model(config, max_positions, device, dtype, seed=seed, std=std)
 
 
 def weight_bytes(model: nn.Module, *, read_per_decode_step: bool = False) -> int:

@@ -3,7 +3,8 @@
 A holder process (the prefill side) registers a KV tensor of random blocks; this process (the
 decode side) registers an empty one and pulls `--blocks-per-read` blocks per READ, either
 adjacent (coalesced into one descriptor) or every other block (one descriptor per block).
-Next to each it times a plain torch copy of the same bytes inside this process. Prints GB/s
+Next to each it times a plain torch copy of the same bytes inside this process (with --device
+cuda, a peer copy from the holder's GPU to the reader's). Prints GB/s
 (median over --iters); owns no state beyond the two tensors. Progress goes to stderr.
 
     python bench/transfer_bench.py [--num-blocks 512] [--blocks-per-read 128] [--iters 20]
@@ -102,6 +103,7 @@ def bench(args: argparse.Namespace) -> list[Result]:
     def sync() -> None:
         if args.device == "cuda":
             torch.cuda.synchronize(device)
+            torch.cuda.synchronize(f"cuda:{args.holder_gpu}")
 
     n = args.blocks_per_read
     if 2 * n > args.num_blocks:
@@ -158,8 +160,9 @@ def torch_copies(
     block_bytes: int,
     sync: Callable[[], None],
 ) -> list[Result]:
-    """The same bytes copied by torch inside one process, as the ceiling to compare with."""
-    src = make_kv(args, device, fill=True)
+    """The same bytes copied by torch inside one process, as the ceiling to compare with: from
+    the holder's GPU to the reader's (a peer copy) with --device cuda."""
+    src = make_kv(args, f"cuda:{args.holder_gpu}" if args.device == "cuda" else device, fill=True)
     dst = make_kv(args, device, fill=False)
     n = args.blocks_per_read
     results = []
@@ -173,7 +176,7 @@ def torch_copies(
         else:
 
             def op(remote: torch.Tensor = remote, local: torch.Tensor = local) -> None:
-                dst.index_copy_(0, local, src.index_select(0, remote))
+                dst.index_copy_(0, local, src.index_select(0, remote.to(src.device)).to(device))
 
         op()
         seconds = median_time(op, args.iters, sync)

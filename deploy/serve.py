@@ -30,8 +30,28 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per worker)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "flashinfer"],
+        help="auto: FlashInfer on CUDA when installed, else torch",
+    )
+    p.add_argument(
+        "--no-cuda-graph", action="store_true", help="run decode eagerly (no CUDA graphs)"
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the model's shape (speed runs; config.json is enough)",
+    )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--ray-address", default="local", help='"local" starts Ray here')
     p.set_defaults(func=serve)
@@ -52,6 +72,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         ),
         device=args.device,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        cuda_graph=not args.no_cuda_graph,
+        load_format=args.load_format,
     )
     return ClusterSpec(
         engine=engine,

@@ -137,6 +137,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA when importable) | "torch"
     cuda_graph: bool = True  # decode CUDA graphs (FlashInfer backend only; ignored on CPU)
+    load_format: str = "auto"  # "auto": the checkpoint's weights | "dummy": random (speed runs)
     seed: int | None = None
     record_kv_events: bool = False
     detokenize: bool = False  # text deltas in RequestOutput (stop strings always detokenize)

@@ -100,7 +100,14 @@ class Engine:
         ]
         self.max_model_len = min(limits)
         if model is None:
-            model = load_model(folder, self.model_config, self.max_model_len, self.device, dtype)
+            model = load_model(
+                folder,
+                self.model_config,
+                self.max_model_len,
+                self.device,
+                dtype,
+                config.load_format,
+            )
         elif model.rope.cos.shape[0] < self.max_model_len:
             raise ValueError("the shared model's rotary table is shorter than max_model_len")
         mc = self.model_config

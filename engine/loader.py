@@ -173,17 +173,53 @@ def _fuse_checkpoint(config: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[
     return out
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
     folder: Path,
     config: ModelConfig,
     max_positions: int,
     device: torch.device,
     dtype: torch.dtype,
+    load_format: str = "auto",
 ) -> nn.Module:
-    """Build the model without initialising weights, then assign the checkpoint's tensors."""
+    """Build the model without initialising weights, then assign the checkpoint's tensors
+    ("auto") or random ones ("dummy": config.json is all that is read; for speed runs)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy":
+        return random_model(config, max_positions, device, dtype)
     with torch.device("meta"):
         model = model_class(config)(config, max_positions)
     weights = _fuse_checkpoint(config, _read_safetensors(folder))
     weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def random_model(
+    config: ModelConfig,
+    max_positions: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+) -> nn.Module:
+    """The model with random weights made straight on device (an 8B model in seconds): norm
+    weights are ones, every other tensor N(0, std) from a seeded generator."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = model_class(config)(config, max_positions)
+    gen = torch.Generator(device).manual_seed(seed)
+    weights = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(param.shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(param.shape, dtype=dtype, device=device)
+            weights[name] = t.normal_(0.0, std, generator=gen)
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval()

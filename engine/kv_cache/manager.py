@@ -40,6 +40,7 @@ class KVCacheManager:
         self.model_id = model_id
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
         self._num_cached_blocks: dict[str, int] = {}
         self._held: dict[str, tuple[list[KVBlock], int]] = {}  # req_id -> (blocks, priority)
 
@@ -88,12 +89,16 @@ class KVCacheManager:
         """Take the matched blocks and enough new ones to hold num_new_tokens more tokens."""
         num_new_blocks = self._num_new_blocks(req, num_new_tokens, match)
         blocks = self._req_blocks.setdefault(req.req_id, [])
+        block_ids = self._req_block_ids.setdefault(req.req_id, [])
         if match.blocks:
             self.pool.touch(match.blocks)
             blocks.extend(match.blocks)
+            block_ids.extend(block.block_id for block in match.blocks)
             req.num_computed_tokens += match.num_tokens
             self._num_cached_blocks[req.req_id] = len(blocks)
-        blocks.extend(self.pool.allocate(num_new_blocks))
+        new_blocks = self.pool.allocate(num_new_blocks)
+        blocks.extend(new_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register blocks whose tokens are all computed in the prefix cache."""
@@ -115,12 +120,14 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release a request's blocks, tail first so that shared prefixes are evicted last."""
         blocks = self._req_blocks.pop(req.req_id, [])
+        self._req_block_ids.pop(req.req_id, None)
         self._num_cached_blocks.pop(req.req_id, None)
         self.pool.free(list(reversed(blocks)), req.retention_priority)
 
     def hold(self, req: Request) -> list[int]:
         """Keep a finished request's blocks referenced (a prefill lease) until release_held."""
         blocks = self._req_blocks.pop(req.req_id, [])
+        self._req_block_ids.pop(req.req_id, None)
         self._num_cached_blocks.pop(req.req_id, None)
         self._held[req.req_id] = (blocks, req.retention_priority)
         return [block.block_id for block in blocks]
@@ -138,7 +145,8 @@ class KVCacheManager:
         return len(self._held)
 
     def block_ids(self, req_id: str) -> list[int]:
-        return [block.block_id for block in self._req_blocks.get(req_id, ())]
+        """The request's block table; the live list: read it, do not keep or change it."""
+        return self._req_block_ids.get(req_id, [])
 
     def holders(self) -> dict[int, int]:
         """block_id -> number of request tables holding it (for integrity checks)."""
@@ -150,6 +158,11 @@ class KVCacheManager:
         return refs
 
     def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
+        for req_id, blocks in self._req_blocks.items():
+            if self._req_block_ids.get(req_id) != [block.block_id for block in blocks]:
+                raise AssertionError(f"block id table of {req_id} is out of step with its blocks")
+        if self._req_block_ids.keys() != self._req_blocks.keys():
+            raise AssertionError("block id tables and block tables name different requests")
         refs = self.holders()
         for block_id, num in (extra_refs or {}).items():
             refs[block_id] = refs.get(block_id, 0) + num

@@ -76,3 +76,23 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
     got = run_to_completion(engine)
     assert [got[f"t{i}"] for i in range(len(prompts))] == expected
     engine.assert_no_leaks()
+
+
+def test_dummy_load_format_needs_only_config_json(tmp_path):
+    """load_format="dummy" builds random weights of config.json's shape (speed runs)."""
+    import transformers
+
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    with pytest.raises(FileNotFoundError):
+        build_engine(model_path=str(tmp_path), num_blocks=64)
+    engine = build_engine(model_path=str(tmp_path), num_blocks=64, load_format="dummy")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.add_request("a", [5, 17, 300, 42], params)
+    engine.add_request("b", [5, 17, 300, 42], params)
+    got = run_to_completion(engine)
+    assert len(got["a"]) == 5 and got["a"] == got["b"]
+    assert all(0 <= t < COMMON["vocab_size"] for t in got["a"])
+    engine.assert_no_leaks()
+    with pytest.raises(ValueError, match="load_format"):
+        build_engine(model_path=str(tmp_path), num_blocks=64, load_format="npz")
