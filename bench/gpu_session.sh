@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One phase of the GPU measurements, run on the lent H200 machine after staging
+# (../shared/device/README.md); results go under $OUT. Usage: bench/gpu_session.sh PHASE
+#   engine    GPU tests, then gpu_engine_bench.py without the long offline run
+#   offline   gpu_engine_bench.py's offline run only: 1000 x (1000 in, 1000 out)
+#   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
+set -uo pipefail
+phase=${1:?phase: engine, offline or cluster}
+out=${OUT:?set OUT}
+if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
+  mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
+  find ~/.cache/flashinfer -type f -exec touch {} +  # newer than the sources: no JIT rebuild
+fi
+python3 -c "import pytest" 2>/dev/null \
+  || python3 -m pip install -q --no-index --no-deps --target /tmp/site .cache/wheels/*.whl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv"
+case $phase in
+  engine)
+    timeout 150 python3 -m pytest -q -x tests/gpu > "$out/gpu_tests.txt" 2>&1
+    echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
+    timeout 400 python3 bench/gpu_engine_bench.py --skip offline \
+      --json "$out/gpu_engine_bench.json" > "$out/gpu_engine_bench.txt" 2> "$out/gpu_engine_bench.err"
+    echo "engine bench rc=$?"
+    ;;
+  offline)
+    timeout 560 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
+      --num-requests 1000 --time-budget 420 \
+      --json "$out/gpu_offline.json" > "$out/gpu_offline.txt" 2> "$out/gpu_offline.err"
+    echo "offline rc=$?"
+    ;;
+  cluster)
+    timeout 120 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
+      --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 512 --blocks-per-read 128 \
+      --json "$out/gpu_transfer.json" > "$out/gpu_transfer.txt" 2> "$out/gpu_transfer.err"
+    echo "transfer rc=$?"
+    timeout 450 python3 bench/gpu_cluster_bench.py --tokenizer-from .cache/smollm2-tokenizer \
+      --time-budget 420 --json "$out/gpu_cluster.json" > "$out/gpu_cluster.txt" \
+      2> "$out/gpu_cluster.err"
+    echo "cluster rc=$?"
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+tar czf "$out/flashinfer_cache.tgz" -C ~/.cache flashinfer 2>/dev/null || true
+tail -n 25 "$out"/*.txt
