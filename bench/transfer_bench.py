@@ -56,8 +56,8 @@ def make_kv(args: argparse.Namespace, device: str, fill: bool) -> torch.Tensor:
         args.num_blocks,
         args.num_layers,
         2,
-        args.block_size,
         args.num_kv_heads,
+        args.block_size,
         args.head_dim,
     )
     dtype = getattr(torch, args.dtype)

@@ -7,6 +7,7 @@ set it again) or by the user (never touched).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +63,18 @@ def check_kv_tensor(kv_tensor: torch.Tensor) -> tuple[str, int]:
     return kind, device_id
 
 
+def import_nixl_api() -> Any:
+    """NIXL's Python API: through the `nixl` meta package, or straight from a CUDA-specific
+    wheel (nixl-cu13 / nixl-cu12) installed without it."""
+    errors = []
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            errors.append(f"{module}: {e}")
+    raise KVTransferError("NIXL is not installed (pip install nixl): " + "; ".join(errors))
+
+
 def make_agent(agent_name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> Any:
     """Create the NIXL agent with the UCX backend and a progress thread.
 
@@ -69,10 +82,7 @@ def make_agent(agent_name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_
     READ to complete. NIXL's Python wrapper hard-codes its delay to 0 (a spinning thread, one
     whole core per idle agent); `progress_delay_us` > 0 lets it pause between rounds.
     """
-    try:
-        import nixl._api as nixl_api
-    except ImportError as e:
-        raise KVTransferError("NIXL is not installed: pip install nixl") from e
+    nixl_api = import_nixl_api()
     config = nixl_api.nixl_agent_config(enable_prog_thread=True, backends=[BACKEND])
     try:
         with _progress_delay(nixl_api, progress_delay_us):

@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over packed tokens; owns weights.
 
 GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional tied embeddings. q/k/v and gate/up
-projections are fused into one matmul each; the loader fuses the checkpoint's tensors.
+projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With
+use_fused_ops(True) (the FlashInfer backend) the elementwise work runs as fused CUDA kernels
+(models/fused_ops.py) and the residual stream is carried next to the hidden states; otherwise
+plain torch ops, which are the CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
+from engine.models import fused_ops
 from engine.models.rope import RotaryEmbedding
 
 
@@ -46,10 +50,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.rope.fused:
+            fused_ops.rope_(positions, q, k, self.head_dim, self.rope.cos_sin)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        if not self.rope.fused:
+            q, k = self.rope(positions, q, k)
         out = attn.forward(self.layer, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -59,9 +66,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -79,6 +90,24 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous sublayer's output (the embeddings when residual is None)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, hidden = hidden, fused_ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            fused_ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(hidden, positions, attn)
+        norm = self.post_attention_layernorm
+        fused_ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
@@ -88,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(config, max_positions)
         self.rope = rope
         self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(config.num_layers))
+        self.fused_ops = False
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -99,9 +129,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.fused_ops:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_fused(x, residual, positions, attn)
+            assert residual is not None
+            fused_ops.add_rms_norm_(x, residual, self.norm.weight, self.norm.eps)
+            return x
         for layer in self.layers:
             x = layer(x, positions, attn)
         return self.norm(x)
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Switch the elementwise work to FlashInfer's fused CUDA kernels (or back)."""
+        self.fused_ops = enabled
+        self.rope.fused = enabled
+        for layer in self.layers:
+            layer.mlp.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

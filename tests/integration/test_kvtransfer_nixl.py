@@ -61,8 +61,8 @@ class _PeerState:
             NUM_BLOCKS,
             config.num_layers,
             2,
-            config.block_size,
             config.num_kv_heads,
+            config.block_size,
             config.head_dim,
         )
         if config.seed is None:

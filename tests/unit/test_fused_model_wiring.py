@@ -1,0 +1,91 @@
+"""The model's fused-ops path (residual carried next to the hidden states, in-place add+norm and
+RoPE) computes the same function as the plain path. FlashInfer's kernels are replaced by torch
+stand-ins with the same in-place contracts, so this runs on CPU and checks only the wiring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.models import fused_ops
+from engine.models.llama import LlamaForCausalLM
+
+
+class EchoAttention(AttentionBackend):
+    """Stand-in attention: returns q mixed with the mean of k and v (enough to reach q/k/v)."""
+
+    def __init__(self) -> None:  # no cache
+        pass
+
+    def plan(self, metadata) -> None:  # pragma: no cover - unused
+        pass
+
+    def forward(self, layer, q, k, v):
+        kv = (k.mean(1, keepdim=True) + v.mean(1, keepdim=True)).expand(-1, q.shape[1], -1)
+        return q + kv
+
+
+def _norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fake_add_rms_norm_(x, residual, weight, eps):
+    residual.add_(x)
+    x.copy_(_norm(residual, weight, eps))
+
+
+def fake_silu_and_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fake_rope_(positions, q, k, head_dim, cos_sin):
+    half = head_dim // 2
+    cos = cos_sin[positions, :half].repeat(1, 2)[:, None, :]
+    sin = cos_sin[positions, half:].repeat(1, 2)[:, None, :]
+    for t in (q, k):
+        heads = t.view(t.shape[0], -1, head_dim)
+        rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+        t.copy_((heads * cos + rotated * sin).view(t.shape))
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_ops, "rms_norm", _norm)
+    monkeypatch.setattr(fused_ops, "add_rms_norm_", fake_add_rms_norm_)
+    monkeypatch.setattr(fused_ops, "silu_and_mul", fake_silu_and_mul)
+    monkeypatch.setattr(fused_ops, "rope_", fake_rope_)
+
+
+def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
+    config = ModelConfig(
+        model_id="wiring",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, 128)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    ids = torch.randint(0, 64, (11,))
+    positions = torch.randint(0, 128, (11,))
+    with torch.no_grad():
+        plain = model(ids, positions, EchoAttention())
+        model.use_fused_ops(True)
+        assert model.rope.fused and all(layer.mlp.fused for layer in model.layers)
+        fused = model(ids, positions, EchoAttention())
+        model.use_fused_ops(False)
+        again = model(ids, positions, EchoAttention())
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    assert torch.equal(again, plain)
+    assert not torch.equal(plain, model.embed_tokens(ids))  # the layers did something
