@@ -67,6 +67,12 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             block_ids = self.kv.block_ids(req.req_id)
             inputs.seqs.append(SeqSpan(len(inputs.input_ids), chunk.num_new_tokens, end, block_ids))
+            if chunk.num_new_tokens == 1:  # a decode: skip the range machinery
+                inputs.input_ids.append(req.all_token_ids[start])
+                inputs.positions.append(start)
+                inputs.slot_block_ids.append(block_ids[start // bs])
+                inputs.slot_offsets.append(start % bs)
+                continue
             inputs.input_ids.extend(req.all_token_ids[start:end])
             span = range(start, end)
             inputs.positions.extend(span)

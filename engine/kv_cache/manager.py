@@ -78,6 +78,11 @@ class KVCacheManager:
         total_tokens = req.num_computed_tokens + match.num_tokens + num_new_tokens
         return max(0, cdiv(total_tokens, self.block_size) - held)
 
+    def has_room(self, req: Request, num_new_tokens: int) -> bool:
+        """True when req's blocks already hold num_new_tokens more tokens (nothing to allocate)."""
+        num_slots = len(self._req_block_ids.get(req.req_id, ())) * self.block_size
+        return req.num_computed_tokens + num_new_tokens <= num_slots
+
     def can_allocate(
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
     ) -> bool:
