@@ -133,6 +133,24 @@ def server_flags(args: argparse.Namespace, model_folder: Path) -> list[str]:
     return [*flags, *shlex.split(args.server_args)]
 
 
+def startup_time_left(
+    args: argparse.Namespace,
+    deadline: Deadline,
+    reserve_s: float,
+    runs: Sequence[Any],
+    name: str,
+    section: dict[str, Any],
+) -> float | None:
+    """Seconds a setup may take to start, leaving its first run and `reserve_s`; None (and the
+    section marked skipped) when under 30 s are left."""
+    timeout = min(args.startup_timeout, deadline.left() - reserve_s - runs[0].min_time_s)
+    if timeout < 30:
+        log(f"{name}: skipped (time budget)")
+        section["error"] = "skipped: not enough time left in --time-budget"
+        return None
+    return timeout
+
+
 def run_cluster(
     args: argparse.Namespace,
     model_folder: Path,
@@ -144,13 +162,8 @@ def run_cluster(
     """Fill section (already in the report that save() writes) with the cluster's runs."""
     section["setup"] = "kvrelay serve, 1 prefill + 1 decode worker (one GPU each), load over gRPC"
     section["runs"] = []
-    startup_timeout = min(
-        args.startup_timeout,
-        deadline.left() - STOP_RESERVE_S - runs[0].min_time_s,
-    )
-    if startup_timeout < 30:
-        log("cluster: skipped (time budget)")
-        section["error"] = "skipped: not enough time left in --time-budget"
+    startup_timeout = startup_time_left(args, deadline, STOP_RESERVE_S, runs, "cluster", section)
+    if startup_timeout is None:
         return
     flags = server_flags(args, model_folder)
     if "--no-redis" in flags:
@@ -226,13 +239,10 @@ def run_aggregated(
         " in-process open-loop driver (no router, HTTP, gRPC or KV transfer in the path)"
     )
     section["runs"] = []
-    startup_timeout = min(
-        args.startup_timeout,
-        deadline.left() - ENGINES_CLOSE_RESERVE_S - runs[0].min_time_s,
+    startup_timeout = startup_time_left(
+        args, deadline, ENGINES_CLOSE_RESERVE_S, runs, "aggregated", section
     )
-    if startup_timeout < 30:
-        log("aggregated: skipped (time budget)")
-        section["error"] = "skipped: not enough time left in --time-budget"
+    if startup_timeout is None:
         return
     spec = EngineSpec(
         model=str(model_folder),
