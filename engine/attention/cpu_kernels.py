@@ -88,3 +88,20 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
 def unavailable_reason() -> str | None:
     """Why paged_decode_op() returned None (after it was called), else None."""
     return _unavailable
+
+
+def main() -> int:
+    """`python -m engine.attention.cpu_kernels` (make's deps step): build or load the kernel now,
+    once, instead of inside the first workers; say whether it is there. Never fails: without the
+    kernel, decode attention still runs (slower), and the warning says why."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ready = paged_decode_op() is not None
+    print(
+        "CPU paged-decode kernel: "
+        + ("ready" if ready else f"unavailable ({unavailable_reason()})")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
