@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.host_tensors import index_tensor
 
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
@@ -64,7 +65,7 @@ def page_table(metadata: AttentionMetadata) -> PageTable:
         last_len.append(seq.ctx_len - (num_pages - 1) * bs)
 
     def as_int32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32)
+        return index_tensor(values, torch.int32)
 
     return PageTable(
         as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last_len)

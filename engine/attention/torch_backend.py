@@ -17,16 +17,38 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_kernels import paged_decode_op
+from engine.host_tensors import index_tensor
 
 
 @dataclass(frozen=True)
 class _DecodePlan:
     token_index: torch.Tensor  # [B] packed index of each decode query
     block_ids: torch.Tensor  # [NB] blocks of all decode sequences, concatenated
-    block_seq: torch.Tensor  # [NB] which decode sequence each block belongs to
-    block_mask: torch.Tensor  # [NB, 1, 1, block_size] 0 or -inf for positions past ctx_len
     block_starts: torch.Tensor  # [B + 1] where each sequence's blocks start in block_ids
     ctx_lens: torch.Tensor  # [B]
+
+
+@dataclass(frozen=True)
+class _GatherTables:
+    """What the torch-ops decode path needs beyond _DecodePlan (built only without the kernel)."""
+
+    block_seq: torch.Tensor  # [NB] which decode sequence each block belongs to
+    block_mask: torch.Tensor  # [NB, 1, 1, block_size] 0 or -inf for positions past ctx_len
+
+    @classmethod
+    def of(cls, plan: _DecodePlan, block_size: int, dtype: torch.dtype) -> _GatherTables:
+        device = plan.block_ids.device
+        blocks_per_seq = plan.block_starts[1:] - plan.block_starts[:-1]
+        block_seq = torch.repeat_interleave(
+            torch.arange(blocks_per_seq.numel(), device=device), blocks_per_seq
+        )
+        block_in_seq = torch.arange(block_seq.numel(), device=device) - plan.block_starts[block_seq]
+        # Tokens from each block's start to its sequence's end (>= block_size but for the last).
+        valid = plan.ctx_lens[block_seq] - block_in_seq * block_size
+        invalid = torch.arange(block_size, device=device)[None, :] >= valid[:, None]
+        mask = torch.zeros(invalid.shape, dtype=dtype, device=device)
+        mask.masked_fill_(invalid, float("-inf"))
+        return cls(block_seq, mask[:, None, None, :])
 
 
 @dataclass(frozen=True)
@@ -62,17 +84,14 @@ class TorchAttention(AttentionBackend):
             metadata.slot_offsets
         )
         self._write_rows = (first_rows[:, None] + self._head_rows[None, :]).reshape(-1)
-        token_index, block_ids, block_seq, valid, block_starts, ctx_lens = [], [], [], [], [0], []
+        token_index, block_ids, block_starts, ctx_lens = [], [], [0], []
         self._prefills: list[_PrefillPlan] = []
         for seq in metadata.seqs:
             num_blocks = -(-seq.ctx_len // bs)
             ids = seq.block_ids[:num_blocks]
             if seq.q_len == 1:
-                idx = len(token_index)
                 token_index.append(seq.q_start)
                 block_ids.extend(ids)
-                block_seq.extend([idx] * num_blocks)
-                valid.extend([bs] * (num_blocks - 1) + [seq.ctx_len - (num_blocks - 1) * bs])
                 block_starts.append(len(block_ids))
                 ctx_lens.append(seq.ctx_len)
                 continue
@@ -85,25 +104,18 @@ class TorchAttention(AttentionBackend):
                     seq.q_start,
                     seq.q_len,
                     seq.ctx_len,
-                    torch.tensor(ids, dtype=torch.long, device=device),
+                    index_tensor(ids, device=device),
                     mask,
                 )
             )
-        self._decode = None
+        self._decode = self._gather = None
         if token_index:
-            counts = torch.tensor(valid, device=device)
-            positions = torch.arange(bs, device=device)
-            invalid = positions[None, :] >= counts[:, None]
-            mask = torch.zeros(invalid.shape, dtype=self.kv_cache.dtype, device=device)
-            mask.masked_fill_(invalid, float("-inf"))
             self._decode = _DecodePlan(
-                torch.tensor(token_index, dtype=torch.long, device=device),
-                torch.tensor(block_ids, dtype=torch.long, device=device),
-                torch.tensor(block_seq, dtype=torch.long, device=device),
-                mask[:, None, None, :],
-                torch.tensor(block_starts, dtype=torch.long, device=device),
-                torch.tensor(ctx_lens, dtype=torch.long, device=device),
+                *(index_tensor(x, device=device) for x in (token_index, block_ids, block_starts)),
+                index_tensor(ctx_lens, device=device),
             )
+            if self._kernel is None:
+                self._gather = _GatherTables.of(self._decode, bs, self.kv_cache.dtype)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -137,23 +149,25 @@ class TorchAttention(AttentionBackend):
                 layer,
                 self.scale,
             )
+        tables = self._gather
+        assert tables is not None
         num_seqs = plan.token_index.numel()
         group = self.num_heads // self.num_kv_heads
         q_dec = q[plan.token_index].view(num_seqs, self.num_kv_heads, group, self.head_dim)
-        q_blk = q_dec[plan.block_seq]  # [NB, Hkv, G, D]
+        q_blk = q_dec[tables.block_seq]  # [NB, Hkv, G, D]
         k_blk = k_cache.index_select(0, plan.block_ids).transpose(-1, -2)  # [NB, Hkv, D, bs]
-        scores = torch.matmul(q_blk, k_blk) * self.scale + plan.block_mask  # [NB, Hkv, G, bs]
+        scores = torch.matmul(q_blk, k_blk) * self.scale + tables.block_mask  # [NB, Hkv, G, bs]
         block_max = scores.amax(-1)
         seq_max = torch.full(
             (num_seqs, *block_max.shape[1:]), float("-inf"), dtype=q.dtype, device=q.device
         )
-        index = plan.block_seq.view(-1, 1, 1).expand_as(block_max)
+        index = tables.block_seq.view(-1, 1, 1).expand_as(block_max)
         seq_max.scatter_reduce_(0, index, block_max, reduce="amax")
-        probs = torch.exp(scores - seq_max[plan.block_seq].unsqueeze(-1))
-        denom = torch.zeros_like(seq_max).index_add_(0, plan.block_seq, probs.sum(-1))
+        probs = torch.exp(scores - seq_max[tables.block_seq].unsqueeze(-1))
+        denom = torch.zeros_like(seq_max).index_add_(0, tables.block_seq, probs.sum(-1))
         v_blk = v_cache.index_select(0, plan.block_ids)  # [NB, Hkv, bs, D]
         partial = torch.matmul(probs, v_blk)  # [NB, Hkv, G, D]
-        out = torch.zeros_like(q_dec).index_add_(0, plan.block_seq, partial)
+        out = torch.zeros_like(q_dec).index_add_(0, tables.block_seq, partial)
         out = out / denom.unsqueeze(-1)
         return out.view(num_seqs, self.num_heads, self.head_dim)
 
