@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
+from engine.host_tensors import index_tensor
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -90,14 +91,13 @@ class CUDAGraphDecoder:
         """Fill the static inputs (padded to bs) and plan the attention of graph bs."""
         num_pad = bs - len(seqs)
         pad = [0] * num_pad
-        host = torch.tensor(
+        host = index_tensor(
             [
                 input_ids + pad,
                 positions + pad,
                 slot_block_ids + [self.pad_block_id] * num_pad,
                 slot_offsets + pad,
-            ],
-            dtype=torch.long,
+            ]
         )
         self._inputs[:, :bs].copy_(host)
         padding = [SeqSpan(i, 1, 1, [self.pad_block_id]) for i in range(len(seqs), bs)]

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.cuda_graph import CUDAGraphDecoder
+from engine.host_tensors import index_tensor
 from engine.kv_cache.manager import KVCacheManager
 from engine.scheduler import SchedulerOutput
 
@@ -105,10 +106,10 @@ class ModelRunner:
         return StepLogits(self.model.compute_logits(selected), chunk_index)
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
-        packed = torch.tensor(
+        packed = index_tensor(
             [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
-            dtype=torch.long,
-        ).to(self.device)
+            device=self.device,
+        )
         metadata = AttentionMetadata(
             seqs=inputs.seqs,
             slot_block_ids=packed[2],

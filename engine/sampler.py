@@ -58,10 +58,12 @@ class Sampler:
         if bool((min_ps > 0).any()):
             floor = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential-race sampling: argmax(p / q), q ~ Exp(1), equals sampling from p.
-        noise = torch.empty_like(probs)
+        # Exponential-race sampling: argmax(p / q), q ~ Exp(1), equals sampling from p. One
+        # draw for every row from the engine's generator, then seeded rows redraw from their own.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
-            noise[i].exponential_(generator=row.generator or self.generator)
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
