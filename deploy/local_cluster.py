@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.config import EngineConfig
@@ -67,6 +67,10 @@ class LocalCluster:
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources
                 ray.init(address=spec.ray_address, namespace=NAMESPACE)
             self._owns_ray = True
+        if spec.engine.device == "auto":
+            spec = self.spec = replace(
+                spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
+            )
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // 2)
         progress(
             f"kvrelay: starting {spec.num_prefill} prefill and {spec.num_decode} decode workers"
@@ -80,6 +84,17 @@ class LocalCluster:
         self.backend = await self._make_backend()
         progress("kvrelay: workers ready")
         return self
+
+    def _pick_device(self, ray: Any, progress) -> str:
+        """--device auto: cuda when the Ray cluster has a GPU for every worker, else cpu."""
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        workers = self.spec.num_prefill + self.spec.num_decode
+        if gpus >= workers:
+            progress(f"kvrelay: device cuda ({gpus} GPUs for {workers} workers, one each)")
+            return "cuda"
+        why = "no GPU visible to Ray" if gpus == 0 else f"{gpus} GPUs for {workers} workers"
+        progress(f"kvrelay: device cpu ({why}; --device cuda to insist)")
+        return "cpu"
 
     def _start_prefill(self, name: str, threads: int) -> None:
         from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig

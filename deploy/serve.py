@@ -30,7 +30,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per worker)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda when Ray sees a GPU for every worker, else cpu), cpu, or cuda "
+        "(one GPU per worker)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",

@@ -133,7 +133,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when a GPU is visible)
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA when importable) | "torch"
     cuda_graph: bool = True  # decode CUDA graphs (FlashInfer backend only; ignored on CPU)

@@ -56,6 +56,13 @@ class EngineStats:
     num_generated_tokens: int = 0
 
 
+def resolve_device(name: str) -> torch.device:
+    """A device name; "auto" is cuda when torch sees a GPU, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """A dtype name; "auto" is bfloat16 on CUDA and float32 elsewhere."""
     if name == "auto":
@@ -86,7 +93,7 @@ class Engine:
             (folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")
         )
         self.tokenizer = Tokenizer(folder) if has_tokenizer else None
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(

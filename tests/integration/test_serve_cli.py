@@ -46,6 +46,7 @@ def test_serve_answers_and_sigint_leaves_no_process_behind():
         output = "".join(lines)
         assert f"http://127.0.0.1:{http_port}/v1" in output and f"127.0.0.1:{grpc_port}" in output
         assert re.search(r"local redis-server at redis://127\.0\.0\.1:\d+", output)
+        assert "kvrelay: device cpu (no GPU visible to Ray" in output  # --device auto
         spawned = descendants(proc.pid)
         assert any("redis-server" in p.name() for p in spawned)
         body = {

@@ -14,6 +14,7 @@ def parse(*argv: str):
 
 def test_defaults_pick_dtype_and_backend_by_device() -> None:
     spec = parse()
+    assert spec.engine.device == "auto"  # LocalCluster picks cuda when Ray has a GPU per worker
     assert spec.engine.dtype == "auto"
     assert spec.engine.attention_backend == "auto"
     assert spec.engine.cuda_graph is True
