@@ -73,13 +73,13 @@ class TorchAttention(AttentionBackend):
         self._rows = kv_cache.view(-1, head_dim)
         # Row offset of each kv head inside one (block, layer, k|v) tile.
         self._head_rows = torch.arange(self.num_kv_heads, device=kv_cache.device) * block_size
+        self._tile_rows = self.num_kv_heads * block_size  # rows of one (block, layer, k|v) tile
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
         device = self.kv_cache.device
         bs = metadata.block_size
         # Rows [T, Hkv] of each new token's K in layer 0; layer l adds 2 * l * tile, V adds tile.
-        self._tile_rows = self.num_kv_heads * bs
         first_rows = metadata.slot_block_ids * (self.num_layers * 2 * self._tile_rows) + (
             metadata.slot_offsets
         )

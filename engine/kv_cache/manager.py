@@ -80,8 +80,7 @@ class KVCacheManager:
 
     def has_room(self, req: Request, num_new_tokens: int) -> bool:
         """True when req's blocks already hold num_new_tokens more tokens (nothing to allocate)."""
-        num_slots = len(self._req_block_ids.get(req.req_id, ())) * self.block_size
-        return req.num_computed_tokens + num_new_tokens <= num_slots
+        return self._num_new_blocks(req, num_new_tokens, NO_MATCH) == 0
 
     def can_allocate(
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH

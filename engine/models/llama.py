@@ -50,12 +50,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.rope.fused:
-            fused_ops.rope_(positions, q, k, self.head_dim, self.rope.cos_sin)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if not self.rope.fused:
+        if self.rope.fused:  # in place, on [T, H * D] views of the qkv output
+            fused_ops.rope_(positions, q.flatten(1), k.flatten(1), self.head_dim, self.rope.cos_sin)
+        else:
             q, k = self.rope(positions, q, k)
         out = attn.forward(self.layer, q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
