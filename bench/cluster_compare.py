@@ -48,11 +48,17 @@ def _ms(value: float | None) -> str:
 def format_comparison(report: dict[str, Any]) -> str:
     gpus = sorted({g.get("name", "?") for g in report["machine"].get("gpus") or []})
     config = report["config"]
+    vocab, shape_vocab = (
+        report["model"]["hf_config"]["vocab_size"],
+        report["model"]["shape_vocab_size"],
+    )
+    vocab_note = (
+        f" vocab {vocab:,} not {shape_vocab:,} (the router needs the SmolLM2 tokenizer);"
+        if vocab != shape_vocab
+        else ""
+    )
     lines = [
-        f"{report['model']['shape']} shape, random {config['dtype']} weights, vocab"
-        f" {report['model']['hf_config']['vocab_size']:,} not"
-        f" {report['model']['shape_vocab_size']:,} (smaller lm_head; the router needs the"
-        " SmolLM2 tokenizer);"
+        f"{report['model']['shape']} shape, random {config['dtype']} weights,{vocab_note}"
         f" {config['input_len']} in / {config['output_len']} out (ignore_eos), Poisson arrivals;"
         f" {', '.join(gpus) or 'GPU ?'}",
     ]

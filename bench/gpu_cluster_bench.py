@@ -25,7 +25,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,12 @@ from bench.cluster_compare import comparison_rows, format_comparison, notes  # n
 from bench.serve_bench import build_parser as serve_bench_parser  # noqa: E402
 from bench.serve_bench import check_args, request_record, run_bench  # noqa: E402
 from bench.serve_client import RequestResult  # noqa: E402
-from bench.serve_launch import LaunchedServer, machine_info  # noqa: E402
+from bench.serve_launch import (  # noqa: E402
+    LaunchedServer,
+    machine_info,
+    nvidia_gpus,
+    package_versions,
+)
 from bench.serve_stats import summarize  # noqa: E402
 from bench.serve_workload import arrival_offsets, build_requests, warmup_requests  # noqa: E402
 
@@ -331,40 +335,6 @@ def run_record(
         "summary": summary,
         "requests": requests,
     }
-
-
-# ---- the machine ----------------------------------------------------------------------------
-def nvidia_gpus() -> list[dict[str, str]]:
-    """The GPUs nvidia-smi lists (no CUDA context in this process); [] without nvidia-smi."""
-    query = "index,name,memory.total,driver_version"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    keys = query.split(",")
-    return [
-        dict(zip(keys, (f.strip() for f in line.split(",")), strict=False))
-        for line in out.splitlines()
-        if line.strip()
-    ]
-
-
-def package_versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    versions: dict[str, str | None] = {}
-    for name in ("torch", "flashinfer-python", "ray", "nixl", "grpcio", "ucxx-cu12"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
 
 
 # ---- command line ---------------------------------------------------------------------------

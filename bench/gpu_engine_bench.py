@@ -33,10 +33,10 @@ from bench.gpu_vs_transformers import (  # noqa: E402
     greedy_against_transformers,
     throughput_against_transformers,
 )
-from bench.random_models import random_model, weight_bytes, write_random_model  # noqa: E402
+from bench.random_models import weight_bytes, write_random_model  # noqa: E402
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.loader import read_model_config  # noqa: E402
+from engine.loader import random_model, read_model_config  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 GiB = 1 << 30
@@ -413,7 +413,7 @@ def main() -> None:
     folder = write_random_model(tempfile.mkdtemp(prefix="kvrelay-"), args.shape, weights=False)
     config = read_model_config(folder)
     start = time.perf_counter()
-    model = random_model(config, config.max_position_embeddings, device)
+    model = random_model(config, config.max_position_embeddings, device, torch.bfloat16)
     log(f"random {args.shape} built in {time.perf_counter() - start:.1f} s")
     result["weight_bytes"] = weight_bytes(model)
     graph = build_engine(

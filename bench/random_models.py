@@ -1,7 +1,8 @@
 """Random-weight Llama-family checkpoints with real shapes, for speed runs without a download.
 
 Owns no state: write_random_model() writes a config.json (and, optionally, random safetensors
-in the HF layout) into a folder; random_model() builds the same shape straight on a device.
+in the HF layout) into a folder; engine.loader.random_model() (load_format "dummy") builds the
+same shape straight on a device.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
-
-from engine.config import ModelConfig
-from engine.loader import random_model as loader_random_model
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 
@@ -136,19 +134,6 @@ def write_random_model(
         tensors = {name: t.to(dtype) for name, t in tensors.items()}
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
-
-
-def random_model(
-    config: ModelConfig,
-    max_positions: int,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.bfloat16,
-    *,
-    seed: int = 0,
-    std: float = 0.02,
-) -> nn.Module:
-    """Build the model with random weights directly on device (engine.loader.random_model)."""
-    return loader_random_model(config, max_positions, device, dtype, seed=seed, std=std)
 
 
 def weight_bytes(model: nn.Module, *, read_per_decode_step: bool = False) -> int:

@@ -230,3 +230,36 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def nvidia_gpus() -> list[dict[str, str]]:
+    """The GPUs nvidia-smi lists (no CUDA context in this process); [] without nvidia-smi."""
+    query = "index,name,memory.total,driver_version"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    keys = query.split(",")
+    return [
+        dict(zip(keys, (f.strip() for f in line.split(",")), strict=False))
+        for line in out.splitlines()
+        if line.strip()
+    ]
+
+
+def package_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for name in ("torch", "flashinfer-python", "ray", "nixl", "grpcio", "ucxx-cu12"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
