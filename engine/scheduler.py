@@ -78,11 +78,6 @@ class Scheduler:
             if num_new == 0:
                 idx += 1
                 continue
-            if self.kv.has_room(req, num_new):  # most decodes: the last block has a free slot
-                chunks.append(ScheduledChunk.of(req, num_new))
-                budget -= num_new
-                idx += 1
-                continue
             while not self.kv.can_allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -78,10 +78,6 @@ class KVCacheManager:
         total_tokens = req.num_computed_tokens + match.num_tokens + num_new_tokens
         return max(0, cdiv(total_tokens, self.block_size) - held)
 
-    def has_room(self, req: Request, num_new_tokens: int) -> bool:
-        """True when req's blocks already hold num_new_tokens more tokens (nothing to allocate)."""
-        return self._num_new_blocks(req, num_new_tokens, NO_MATCH) == 0
-
     def can_allocate(
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
     ) -> bool:
@@ -92,6 +88,8 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> None:
         """Take the matched blocks and enough new ones to hold num_new_tokens more tokens."""
         num_new_blocks = self._num_new_blocks(req, num_new_tokens, match)
+        if num_new_blocks == 0 and not match.blocks:
+            return  # most decodes: the last block still has a free slot
         blocks = self._req_blocks.setdefault(req.req_id, [])
         block_ids = self._req_block_ids.setdefault(req.req_id, [])
         if match.blocks:
