@@ -6,9 +6,10 @@ adjacent (coalesced into one descriptor) or every other block (one descriptor pe
 Next to each it times a plain torch copy of the same bytes inside this process (with --device
 cuda, a peer copy from the holder's GPU to the reader's). Prints GB/s
 (median over --iters); owns no state beyond the two tensors. Progress goes to stderr.
+`--parts N` lets the reader split each READ into up to N concurrent NIXL READs of >= 1 MiB.
 
     python bench/transfer_bench.py [--num-blocks 512] [--blocks-per-read 128] [--iters 20]
-        [--device cpu|cuda] [--json out.json]
+        [--device cpu|cuda] [--parts 1] [--progress-delay-us 100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvtransfer.nixl_transfer import NixlTransfer  # noqa: E402
 
 MODEL_ID = "bench-model"
 SEED = 1234
+MIN_PART_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Result:
     num_descs: int
     bytes_per_op: int
     median_s: float
+    parts: int = 0  # max_parts_per_read of the NIXL reader (0: a torch copy)
+    progress_delay_us: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -115,7 +119,13 @@ def bench(args: argparse.Namespace) -> list[Result]:
     results: list[Result] = []
     try:
         kv = make_kv(args, device, fill=False)
-        reader = NixlTransfer(MODEL_ID, "bench-reader", progress_delay_us=args.progress_delay_us)
+        reader = NixlTransfer(
+            MODEL_ID,
+            "bench-reader",
+            progress_delay_us=args.progress_delay_us,
+            max_parts_per_read=args.parts,
+            min_part_bytes=MIN_PART_BYTES,
+        )
         with reader as transfer:
             transfer.register(kv)
             if not parent.poll(120):
@@ -133,8 +143,19 @@ def bench(args: argparse.Namespace) -> list[Result]:
 
                 read()  # warm up: connection, registration caches
                 seconds = median_time(read, args.iters, sync)
-                results.append(Result(f"nixl {name}", n, descs[0], n * block_bytes, seconds))
-                print(f"{name}: {n} blocks in {seconds * 1e3:.2f} ms", file=sys.stderr)
+                label = f"nixl {name} x{args.parts} d{args.progress_delay_us}"
+                results.append(
+                    Result(
+                        label,
+                        n,
+                        descs[0],
+                        n * block_bytes,
+                        seconds,
+                        args.parts,
+                        args.progress_delay_us,
+                    )
+                )
+                print(f"{label}: {n} blocks in {seconds * 1e3:.2f} ms", file=sys.stderr)
             check_bytes(args, kv, patterns["every-other"])
         parent.send("stop")
         holder.join(30)
@@ -199,6 +220,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--holder-gpu", type=int, default=0)
     p.add_argument("--reader-gpu", type=int, default=0)
     p.add_argument("--progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US)
+    p.add_argument(
+        "--parts", type=int, default=1, help="max concurrent NIXL READs per read (>= 1 MiB each)"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args()
 
@@ -212,10 +236,10 @@ def main() -> None:
         f"{torch.__version__}, device {args.device}; block {block_bytes / 1024:.0f} KiB, "
         f"{args.blocks_per_read} blocks ({results[0].bytes_per_op / 2**20:.1f} MiB) per op"
     )
-    print(f"{'op':<22}{'descs':>6}{'ms':>10}{'GB/s':>10}")
+    print(f"{'op':<28}{'descs':>6}{'ms':>10}{'GB/s':>10}")
     for r in results:
         descs = str(r.num_descs) if r.num_descs else "-"
-        print(f"{r.name:<22}{descs:>6}{r.median_s * 1e3:>10.2f}{r.gb_per_s:>10.2f}")
+        print(f"{r.name:<28}{descs:>6}{r.median_s * 1e3:>10.2f}{r.gb_per_s:>10.2f}")
     if args.json:
         rows = [asdict(r) | {"gb_per_s": r.gb_per_s} for r in results]
         report = {"args": vars(args) | {"json": str(args.json)}, "results": rows}

@@ -109,3 +109,52 @@ def block_descriptors(
     local_descs = [local.descriptor(r.local_start, r.num_blocks) for r in runs]
     remote_descs = [remote.descriptor(r.remote_start, r.num_blocks) for r in runs]
     return local_descs, remote_descs
+
+
+DescriptorPairs = tuple[list[Descriptor], list[Descriptor]]
+
+
+def split_descriptors(
+    local: Sequence[Descriptor],
+    remote: Sequence[Descriptor],
+    parts: int,
+    block_bytes: int,
+    min_part_bytes: int = 0,
+) -> list[DescriptorPairs]:
+    """Cut paired descriptor lists into at most `parts` lists of nearly equal bytes.
+
+    Cuts fall on block boundaries, so a descriptor may be split in two (on both sides at
+    once: pairs keep equal lengths). Part sizes differ by at most one block; there are never
+    more parts than blocks, nor parts under `min_part_bytes` (unless there is only one part).
+    The parts, concatenated, cover the same bytes in the same order as the input.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if len(local) != len(remote):
+        raise ValueError(f"got {len(local)} local and {len(remote)} remote descriptors")
+    for loc, rem in zip(local, remote, strict=True):
+        if loc.length != rem.length or loc.length < 1 or loc.length % block_bytes:
+            raise ValueError(f"descriptors {loc} / {rem} are not the same whole blocks")
+    num_blocks = sum(d.length for d in local) // block_bytes
+    min_blocks = max(1, -(-min_part_bytes // block_bytes))
+    parts = max(1, min(parts, num_blocks // min_blocks))
+    if parts == 1:
+        return [(list(local), list(remote))]
+    small, num_big = divmod(num_blocks, parts)
+    targets = [small + 1] * num_big + [small] * (parts - num_big)  # blocks per part
+    result: list[DescriptorPairs] = [([], []) for _ in targets]
+    part = 0
+    room = targets[0]
+    for loc, rem in zip(local, remote, strict=True):
+        offset, left = 0, loc.length // block_bytes
+        while left:
+            if room == 0:
+                part += 1
+                room = targets[part]
+            take = min(left, room)
+            for descs, d in zip(result[part], (loc, rem), strict=True):
+                descs.append(Descriptor(d.addr + offset, take * block_bytes, d.device_id))
+            offset += take * block_bytes
+            left -= take
+            room -= take
+    return result

@@ -1,7 +1,7 @@
 """NixlTransfer: KVTransfer over a NIXL agent with the UCX backend.
 
 Owns the NIXL agent, the registration of this side's KV tensor, the table of known peers
-(name -> metadata) and the reads in flight (xfer_id -> NIXL handle, deadline, state).
+(name -> metadata) and the reads in flight (xfer_id -> NIXL handles, deadline, state).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvtransfer.base import (
     TransferState,
 )
 from kvtransfer.handshake import PROTOCOL_VERSION, check_compatible, compat_hash
-from kvtransfer.layout import Descriptor, block_descriptors
+from kvtransfer.layout import Descriptor, DescriptorPairs, block_descriptors, split_descriptors
 from kvtransfer.nixl_agent import (
     BACKEND,
     DEFAULT_PROGRESS_DELAY_US,
@@ -40,15 +40,18 @@ from kvtransfer.nixl_agent import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_MIN_PART_BYTES = 16 << 20
 
 
 @dataclass
 class _Read:
-    """One read in flight (mutable, private to NixlTransfer)."""
+    """One read in flight (mutable, private to NixlTransfer): one NIXL READ per part."""
 
-    xfer: Any  # nixl_xfer_handle; None once released
+    xfers: list[Any]  # nixl_xfer_handles not yet released
+    pending: list[Any]  # the parts not yet seen DONE
     peer: str
     deadline: float
+    notif_msg: bytes = b""  # sent on its own once every part is DONE (reads of 2+ parts)
     state: TransferState = TransferState.PENDING
     failure: str | None = None
 
@@ -61,7 +64,10 @@ class NixlTransfer(KVTransfer):
     """KVTransfer through one NIXL agent (UCX backend); CPU (DRAM) and CUDA (VRAM) tensors.
 
     The agent is created in `register`, once the tensor's device (and so UCX_TLS) is known.
-    Each `read` is ONE NIXL READ of all the request's blocks, adjacent blocks coalesced.
+    Each `read` coalesces adjacent blocks, then posts up to `max_parts_per_read` concurrent
+    NIXL READs of nearly equal bytes (layout.split_descriptors; UCX's cuda_ipc spreads
+    concurrent copies over several CUDA streams). With one part, the notification rides on the
+    READ; with several, it is sent with `send_notif` once `poll` has seen every part DONE.
     """
 
     def __init__(
@@ -70,14 +76,23 @@ class NixlTransfer(KVTransfer):
         agent_name: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+        max_parts_per_read: int = 1,
+        min_part_bytes: int = DEFAULT_MIN_PART_BYTES,
     ) -> None:
-        """timeout_s: deadline of each read; progress_delay_us: see nixl_agent.make_agent."""
+        """timeout_s: deadline of each read; progress_delay_us: see nixl_agent.make_agent;
+        a read is split into at most max_parts_per_read parts of at least min_part_bytes."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_parts_per_read < 1:
+            raise ValueError(f"max_parts_per_read must be >= 1, got {max_parts_per_read}")
+        if min_part_bytes < 0:
+            raise ValueError(f"min_part_bytes must be >= 0, got {min_part_bytes}")
         self.model_id = model_id
         self.agent_name = agent_name or f"kvrelay-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
         self.progress_delay_us = progress_delay_us
+        self.max_parts_per_read = max_parts_per_read
+        self.min_part_bytes = min_part_bytes
         self._agent: Any = None  # nixl_agent
         self._reg_descs: Any = None
         self._kv_tensor: torch.Tensor | None = None
@@ -177,30 +192,23 @@ class NixlTransfer(KVTransfer):
         local_descs, remote_descs = block_descriptors(
             local.region(), local_block_ids, remote.region(), remote_block_ids
         )
-        try:
-            xfer = self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(_desc_array(local_descs), MEM_TYPES[local.device_kind]),
-                self._agent.get_xfer_descs(
-                    _desc_array(remote_descs), MEM_TYPES[remote.device_kind]
-                ),
-                peer,
-                notif_msg,
-                backends=[BACKEND],
-            )
-        except Exception as e:
-            raise KVTransferError(
-                f"NIXL refused a READ of {len(local_block_ids)} blocks from {peer!r}: {e!r}"
-            ) from e
-        read = _Read(xfer, peer, deadline=time.monotonic() + self.timeout_s)
-        try:
-            status = self._agent.transfer(xfer)
-            if status == "DONE":
-                read.state = TransferState.DONE
-            elif status == "ERR":
-                self._fail(read, "NIXL reported an error posting the READ")
-        except Exception as e:
-            self._fail(read, f"posting the READ failed: {e!r}")
+        parts = split_descriptors(
+            local_descs,
+            remote_descs,
+            self.max_parts_per_read,
+            local.block_bytes,
+            self.min_part_bytes,
+        )
+        one_part = len(parts) == 1
+        xfers = self._init_xfers(peer, parts, notif_msg if one_part else b"", len(local_block_ids))
+        read = _Read(
+            xfers,
+            list(xfers),
+            peer,
+            deadline=time.monotonic() + self.timeout_s,
+            notif_msg=b"" if one_part else notif_msg,
+        )
+        self._post(read)
         handle = TransferHandle(self._next_xfer_id, peer, len(local_block_ids), len(local_descs))
         self._next_xfer_id += 1
         self._reads[handle.xfer_id] = read
@@ -210,15 +218,19 @@ class NixlTransfer(KVTransfer):
         read = self._get_read(handle)
         if read.state is not TransferState.PENDING:
             return read.state
-        try:
-            status = self._agent.check_xfer_state(read.xfer)
-        except Exception as e:
-            self._fail(read, f"NIXL transfer error: {e!r}")
-            return read.state
-        if status == "DONE":
-            read.state = TransferState.DONE
-        elif status == "ERR":
-            self._fail(read, "NIXL reported a transfer error")
+        for xfer in list(read.pending):
+            try:
+                status = self._agent.check_xfer_state(xfer)
+            except Exception as e:
+                self._fail(read, f"NIXL transfer error: {e!r}")
+                return read.state
+            if status == "DONE":
+                read.pending.remove(xfer)
+            elif status == "ERR":
+                self._fail(read, "NIXL reported a transfer error")
+                return read.state
+        if not read.pending:
+            self._complete(read)
         elif time.monotonic() > read.deadline:
             self._fail(read, f"timed out after {self.timeout_s} s")
         return read.state
@@ -228,15 +240,25 @@ class NixlTransfer(KVTransfer):
 
     def release(self, handle: TransferHandle) -> None:
         read = self._get_read(handle)
-        if read.xfer is not None:
+        errors, cancelled = [], False
+        for xfer in list(read.xfers):  # every part, even after one fails
             try:
-                read.xfer.release()  # cancels a transfer still in flight
+                xfer.release()  # cancels a transfer still in flight
             except Exception as e:
-                raise KVTransferError(
-                    f"NIXL could not release/cancel the read from {handle.peer!r} "
-                    f"(its local blocks may still be written; release again later): {e!r}"
-                ) from e
-            read.xfer = None
+                errors.append(e)
+                continue
+            read.xfers.remove(xfer)
+            if xfer in read.pending:
+                read.pending.remove(xfer)
+                cancelled = True
+        if errors:
+            if cancelled and read.state is TransferState.PENDING:  # it can no longer complete
+                self._fail(read, "partly cancelled by a release that failed")
+            raise KVTransferError(
+                f"NIXL could not release/cancel {len(errors)} part(s) of the read from "
+                f"{handle.peer!r} (its local blocks may still be written; release again "
+                f"later): {errors[0]!r}"
+            ) from errors[0]
         del self._reads[handle.xfer_id]
 
     def get_notifs(self) -> list[Notification]:
@@ -253,10 +275,9 @@ class NixlTransfer(KVTransfer):
         if self._agent is None:
             return
         for xfer_id in list(self._reads):
-            read = self._reads.pop(xfer_id)
-            if read.xfer is not None:
+            for xfer in self._reads.pop(xfer_id).xfers:
                 try:
-                    read.xfer.release()
+                    xfer.release()
                 except Exception as e:
                     logger.warning("%r: read %d not released: %r", self.agent_name, xfer_id, e)
         for peer in list(self._peers):
@@ -279,6 +300,63 @@ class NixlTransfer(KVTransfer):
         if read is None:
             raise ValueError(f"unknown or already released transfer handle {handle}")
         return read
+
+    def _init_xfers(
+        self, peer: str, parts: list[DescriptorPairs], notif_msg: bytes, num_blocks: int
+    ) -> list[Any]:
+        """One NIXL READ handle per part (not posted); none is left behind if one is refused."""
+        local_mem = MEM_TYPES[self._require_meta().device_kind]
+        remote_mem = MEM_TYPES[self._peers[peer].device_kind]
+        xfers: list[Any] = []
+        try:
+            for local_descs, remote_descs in parts:
+                xfers.append(
+                    self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(_desc_array(local_descs), local_mem),
+                        self._agent.get_xfer_descs(_desc_array(remote_descs), remote_mem),
+                        peer,
+                        notif_msg,
+                        backends=[BACKEND],
+                    )
+                )
+        except Exception as e:
+            for xfer in xfers:
+                try:
+                    xfer.release()
+                except Exception as release_error:
+                    logger.warning("%r: unposted READ not released: %r", peer, release_error)
+            raise KVTransferError(
+                f"NIXL refused a READ of {num_blocks} blocks from {peer!r}: {e!r}"
+            ) from e
+        return xfers
+
+    def _post(self, read: _Read) -> None:
+        """Post every part; a part that fails to post fails the read (release cancels it)."""
+        for xfer in read.xfers:
+            try:
+                status = self._agent.transfer(xfer)
+            except Exception as e:
+                self._fail(read, f"posting the READ failed: {e!r}")
+                return
+            if status == "ERR":
+                self._fail(read, "NIXL reported an error posting the READ")
+                return
+            if status == "DONE":
+                read.pending.remove(xfer)
+        if not read.pending:
+            self._complete(read)
+
+    def _complete(self, read: _Read) -> None:
+        """Every part is DONE: send the notification a split read could not carry, then DONE."""
+        if read.notif_msg:
+            try:
+                # No backend argument: NIXL's wrapper passes it to genNotif in a form it refuses.
+                self._agent.send_notif(read.peer, read.notif_msg)
+            except Exception as e:
+                self._fail(read, f"the read completed but notifying {read.peer!r} failed: {e!r}")
+                return
+        read.state = TransferState.DONE
 
     def _fail(self, read: _Read, reason: str) -> None:
         read.state = TransferState.FAILED
