@@ -65,21 +65,27 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 * GiB, iters: int = 20)
 
 
 def build_engine(
-    folder: Path, model: torch.nn.Module, *, cuda_graph: bool, max_num_seqs: int, kv_bytes: int
+    folder: Path,
+    model: torch.nn.Module,
+    *,
+    cuda_graph: bool,
+    max_num_seqs: int,
+    kv_bytes: int,
+    kv_cache_dtype: str = "auto",
 ) -> Engine:
     config = EngineConfig(
         model=str(folder),
         device="cuda",
         dtype="bfloat16",
         cuda_graph=cuda_graph,
-        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes),
+        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs),
     )
     start = time.perf_counter()
     engine = Engine(config, model=model)
     log(
-        f"engine (cuda_graph={cuda_graph}, max_num_seqs={max_num_seqs}) built in "
-        f"{time.perf_counter() - start:.1f} s, backend {engine.attention_backend}"
+        f"engine (cuda_graph={cuda_graph}, max_num_seqs={max_num_seqs}, KV {kv_cache_dtype}) "
+        f"built in {time.perf_counter() - start:.1f} s, backend {engine.attention_backend}"
     )
     return engine
 
@@ -182,7 +188,8 @@ def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) 
     finish_all(engine)
     model = engine.runner.model
     weights = weight_bytes(model, read_per_decode_step=True)
-    kv = engine.model_config.kv_bytes_per_token(2) * (prompt_len + args.decode_steps // 2)
+    kv_itemsize = engine.kv_cache.element_size()
+    kv = engine.model_config.kv_bytes_per_token(kv_itemsize) * (prompt_len + args.decode_steps // 2)
     roofline = (weights + kv) / bandwidth
     step = statistics.median(times)
     return {
@@ -234,6 +241,7 @@ def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
         plain.append(time.perf_counter() - t0)
     padded = engine.runner.graphs.padded_size(batch) if engine.runner.graphs else None
     replay = graph_replay_time(engine, padded, iters=10) if padded else None
+    kernels = kernel_profile(engine, padded, iters=3) if padded else None
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(num_steps):
@@ -245,6 +253,7 @@ def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
         "batch": batch,
         "engine_step_ms": statistics.median(plain) * 1e3,
         "graph_replay_ms": None if replay is None else replay * 1e3,
+        "graph_kernels": kernels,
         "cprofile_tottime_top15": text.getvalue()[-4000:],
         "seconds": time.perf_counter() - start,
     }
@@ -289,6 +298,8 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         "input_len": args.input_len,
         "output_len": args.output_len,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
+        "kv_cache_tokens": engine.kv.num_blocks * engine.kv.block_size,
         "truncated_at_time_budget": truncated,
         "elapsed_s": elapsed,
         "output_tokens": num_output,
@@ -382,6 +393,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--kv-gib", type=float, default=72.0, help="KV pool of the graph engine")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--decode-steps", type=int, default=200)
     p.add_argument("--compare-steps", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=256)
@@ -422,6 +434,7 @@ def main() -> None:
         cuda_graph=True,
         max_num_seqs=args.max_num_seqs,
         kv_bytes=int(args.kv_gib * GiB),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)
     log(json.dumps(result["decode_b1"]))

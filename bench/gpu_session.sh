@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One phase of the GPU measurements, run on the lent H200 machine after staging
 # (../shared/device/README.md); results go under $OUT. Usage: bench/gpu_session.sh PHASE
-#   engine    GPU tests, then gpu_engine_bench.py without the long offline run
-#   offline   gpu_engine_bench.py's offline run only: 1000 x (1000 in, 1000 out)
+#   engine    GPU tests, then gpu_engine_bench.py without the offline and transformers-speed runs
+#   offline   gpu_engine_bench.py's offline run only: 1000 x (1000 in, 1000 out), bf16 and fp8 KV
+#   transfer  transfer_bench.py GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 set -uo pipefail
 phase=${1:?phase: engine, offline or cluster}
@@ -16,17 +17,41 @@ python3 -c "import pytest" 2>/dev/null \
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv"
 case $phase in
   engine)
-    timeout 150 python3 -m pytest -q -x tests/gpu > "$out/gpu_tests.txt" 2>&1
+    timeout 300 python3 -m pytest -q -s tests/gpu > "$out/gpu_tests.txt" 2>&1
     echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
-    timeout 400 python3 bench/gpu_engine_bench.py --skip offline \
+    timeout 270 python3 bench/gpu_engine_bench.py --skip offline hf-speed \
       --json "$out/gpu_engine_bench.json" > "$out/gpu_engine_bench.txt" 2> "$out/gpu_engine_bench.err"
     echo "engine bench rc=$?"
     ;;
-  offline)
-    timeout 560 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
-      --num-requests 1000 --time-budget 420 \
+  offline)  # bf16 KV at 256 sequences, then fp8 KV (half the bytes) at 512
+    timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
+      --num-requests 1000 --time-budget 200 \
       --json "$out/gpu_offline.json" > "$out/gpu_offline.txt" 2> "$out/gpu_offline.err"
-    echo "offline rc=$?"
+    echo "offline bf16 rc=$?"
+    timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
+      --num-requests 1000 --time-budget 200 --kv-cache-dtype fp8 --max-num-seqs 512 \
+      --json "$out/gpu_offline_fp8.json" > "$out/gpu_offline_fp8.txt" \
+      2> "$out/gpu_offline_fp8.err"
+    echo "offline fp8 rc=$?"
+    ;;
+  transfer)  # READ time against size, progress-thread delay and parts, then the 2,048 tokens
+    for delay in 100 0; do
+      for parts in 1 4; do
+        timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
+          --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 \
+          --blocks-per-read 128 --progress-delay-us $delay --parts $parts \
+          --json "$out/transfer_d${delay}_p${parts}.json" > "$out/transfer_d${delay}_p${parts}.txt" \
+          2>&1
+        echo "transfer delay=$delay parts=$parts rc=$?"
+      done
+    done
+    for blocks in 1 16; do
+      timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
+        --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 \
+        --blocks-per-read $blocks --json "$out/transfer_b${blocks}.json" \
+        > "$out/transfer_b${blocks}.txt" 2>&1
+      echo "transfer blocks=$blocks rc=$?"
+    done
     ;;
   cluster)
     timeout 120 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \

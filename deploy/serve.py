@@ -11,7 +11,13 @@ import signal
 import sys
 
 from deploy.local_cluster import ClusterSpec, LocalCluster
-from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +33,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "random"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per worker")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="auto: the model's dtype; fp8: e4m3 (half the bytes per token; FlashInfer, CUDA)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -68,7 +80,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     engine = EngineConfig(
         model=args.model,
         cache=CacheConfig(
-            block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30))
+            block_size=args.block_size,
+            kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -98,6 +98,9 @@ class ModelConfig:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. num_blocks=None sizes the pool from kv_cache_memory_bytes."""
@@ -106,8 +109,13 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": e4m3, scale 1 (FlashInfer)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

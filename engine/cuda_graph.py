@@ -46,7 +46,7 @@ class CUDAGraphDecoder:
             # rows: input ids, positions, slot block ids, slot offsets
             self._inputs = torch.zeros((4, self.max_batch_size), dtype=torch.long, device=device)
             self._hidden = torch.zeros(
-                (self.max_batch_size, hidden_size), dtype=attention.kv_cache.dtype, device=device
+                (self.max_batch_size, hidden_size), dtype=attention.q_dtype, device=device
             )
         attention.enable_cuda_graphs(self.sizes, -(-max_model_len // self.block_size))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -95,11 +95,12 @@ class Engine:
         self.tokenizer = Tokenizer(folder) if has_tokenizer else None
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
+        kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else dtype
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1,
             config.cache.kv_cache_memory_bytes
-            // (self.model_config.kv_bytes_per_token(dtype.itemsize) * block_size),
+            // (self.model_config.kv_bytes_per_token(kv_dtype.itemsize) * block_size),
         )
         limits = [num_blocks * block_size, self.model_config.max_position_embeddings]
         limits += [
@@ -120,12 +121,17 @@ class Engine:
         mc = self.model_config
         self.attention_backend = choose_backend(config.attention_backend, self.device, dtype)
         use_flashinfer = self.attention_backend == "flashinfer"
+        if kv_dtype != dtype and not use_flashinfer:
+            raise ValueError(
+                "kv_cache_dtype fp8 needs the flashinfer attention backend (a CUDA device with "
+                f"FlashInfer installed); this engine runs the {self.attention_backend} backend"
+            )
         if hasattr(model, "use_fused_ops"):
             model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm/rope/activation
         # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
         num_storage_blocks = num_blocks + 1 if use_flashinfer else num_blocks
         shape = (num_storage_blocks, mc.num_layers, 2, mc.num_kv_heads, block_size, mc.head_dim)
-        kv_storage = torch.zeros(shape, dtype=dtype, device=self.device)
+        kv_storage = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.kv_cache = kv_storage[:num_blocks]
         self.kv = KVCacheManager(
             num_blocks,
@@ -139,7 +145,7 @@ class Engine:
         attention: AttentionBackend
         graphs = None
         if use_flashinfer:
-            attention = FlashInferAttention(kv_storage, mc.num_heads, mc.head_dim)
+            attention = FlashInferAttention(kv_storage, mc.num_heads, mc.head_dim, dtype)
             if config.cuda_graph:
                 graphs = CUDAGraphDecoder(
                     model, attention, config.scheduler.max_num_seqs, self.max_model_len, num_blocks

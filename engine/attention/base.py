@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.models.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,20 @@ class AttentionBackend(abc.ABC):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q: [T, num_heads, D], k/v: [T, num_kv_heads, D] -> [T, num_heads, D]."""
+
+    def forward_qkv(
+        self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        """The packed q|k|v projection [T, (Hq + 2 Hkv) * D]: RoPE, K/V write, attention.
+
+        -> [T, num_heads, D]. A backend may override this to fuse RoPE with the cache write.
+        """
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = rope(
+            positions,
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+        )
+        return self.forward(layer, q, k, v.view(-1, self.num_kv_heads, self.head_dim))

@@ -2,27 +2,35 @@
 
 Owns the FlashInfer workspace, an eager prefill wrapper (steps with any multi-token chunk, decode
 rows included), an eager decode wrapper (pure-decode steps) and, after enable_cuda_graphs(), one
-decode wrapper per captured batch size over shared static page-table buffers.
+decode wrapper per captured batch size over shared static page-table buffers. The KV cache is
+bf16/fp16 (the model's dtype) or fp8 e4m3 (half the bytes per token, read with scale 1.0); new
+K/V reach it through one fused RoPE + write kernel per layer (rope_kv_kernel.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.rope_kv_kernel import rope_and_write_kv
 from engine.host_tensors import index_tensor
+
+if TYPE_CHECKING:
+    from engine.models.rope import RotaryEmbedding
 
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 def flashinfer_available() -> bool:
-    """True when the optional `flashinfer` package (`pip install kvrelay[gpu]`) imports."""
-    if importlib.util.find_spec("flashinfer") is None:
+    """True when the optional `flashinfer` package (`pip install kvrelay[gpu]`) imports, and
+    triton (which CUDA builds of torch bring) for the fused RoPE + KV write."""
+    if importlib.util.find_spec("flashinfer") is None or importlib.util.find_spec("triton") is None:
         return False
     try:
         import flashinfer  # noqa: F401
@@ -89,13 +97,18 @@ class FlashInferAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         num_heads: int,
         head_dim: int,
+        q_dtype: torch.dtype | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
     ):
+        """q_dtype: the model's activations (default: the cache's dtype; needed for fp8 KV)."""
         import flashinfer
 
         super().__init__(kv_cache, num_heads, head_dim)
-        if kv_cache.dtype not in FLASHINFER_DTYPES:
-            raise ValueError(f"FlashInfer needs a bf16/fp16 KV cache, got {kv_cache.dtype}")
+        self.q_dtype = q_dtype or kv_cache.dtype
+        if self.q_dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"FlashInfer needs bf16/fp16 activations, got {self.q_dtype}")
+        if kv_cache.dtype not in (*FLASHINFER_DTYPES, FP8_KV_DTYPE):
+            raise ValueError(f"FlashInfer needs a bf16/fp16/fp8 KV cache, got {kv_cache.dtype}")
         self._flashinfer = flashinfer
         self.block_size = kv_cache.shape[4]
         self.device = kv_cache.device
@@ -136,7 +149,7 @@ class FlashInferAttention(AttentionBackend):
                 self.block_size,
                 causal=True,  # bottom-right aligned: queries sit after the cached prefix
                 sm_scale=self.scale,
-                q_data_type=self.kv_cache.dtype,
+                q_data_type=self.q_dtype,
                 kv_data_type=self.kv_cache.dtype,
             )
             self._active = self._prefill
@@ -153,7 +166,7 @@ class FlashInferAttention(AttentionBackend):
             self.head_dim,
             self.block_size,
             sm_scale=self.scale,
-            q_data_type=self.kv_cache.dtype,
+            q_data_type=self.q_dtype,
             kv_data_type=self.kv_cache.dtype,
         )
         self._active = wrapper
@@ -189,6 +202,22 @@ class FlashInferAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         kv = self.kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D], strided pages
-        kv[:, 0][self._slot_block_ids, :, self._slot_offsets] = k
-        kv[:, 1][self._slot_block_ids, :, self._slot_offsets] = v
+        kv[:, 0][self._slot_block_ids, :, self._slot_offsets] = k.to(kv.dtype)
+        kv[:, 1][self._slot_block_ids, :, self._slot_offsets] = v.to(kv.dtype)
+        return self._active.run(q, kv)
+
+    def forward_qkv(
+        self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        kv = self.kv_cache[:, layer]
+        assert self._slot_block_ids is not None and self._slot_offsets is not None
+        q = rope_and_write_kv(
+            qkv,
+            positions,
+            rope.cos_sin,
+            kv,
+            self._slot_block_ids,
+            self._slot_offsets,
+            self.num_heads,
+        )
         return self._active.run(q, kv)

@@ -1,5 +1,5 @@
 """Fused CUDA kernels for the decoder's elementwise work (FlashInfer's RMSNorm, add + RMSNorm,
-SiLU-and-mul and in-place RoPE), used instead of chains of small torch ops when the engine runs
+SiLU-and-mul), used instead of chains of small torch ops when the engine runs
 the FlashInfer backend. Owns no state; imports flashinfer on first use.
 
 At batch 1 an 8B decode step is ~1,400 kernels, over a third of them elementwise: fusing them
@@ -35,17 +35,3 @@ def add_rms_norm_(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(first half) * second half of the last dimension."""
     return _flashinfer().activation.silu_and_mul(gate_up)
-
-
-def rope_(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    head_dim: int,
-    cos_sin: torch.Tensor,
-) -> None:
-    """Rotate-half (NeoX) RoPE on q [T, Hq * D] and k [T, Hk * D] in place; cos_sin is float32
-    [max_positions, D]: cos of the D/2 frequencies, then their sin."""
-    _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(
-        positions, q, k, head_dim, cos_sin, is_neox=True
-    )

@@ -4,7 +4,8 @@ GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional tied embeddings. q/k/v
 projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With
 use_fused_ops(True) (the FlashInfer backend) the elementwise work runs as fused CUDA kernels
 (models/fused_ops.py) and the residual stream is carried next to the hidden states; otherwise
-plain torch ops, which are the CPU path and the reference.
+plain torch ops, which are the CPU path and the reference. RoPE and the KV-cache write belong to
+the attention backend (AttentionBackend.forward_qkv), which may fuse them.
 """
 
 from __future__ import annotations
@@ -35,13 +36,10 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            config.hidden_size, self.q_size + 2 * kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rope = rope
@@ -49,15 +47,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.rope.fused:  # in place, on [T, H * D] views of the qkv output
-            fused_ops.rope_(positions, q.flatten(1), k.flatten(1), self.head_dim, self.rope.cos_sin)
-        else:
-            q, k = self.rope(positions, q, k)
-        out = attn.forward(self.layer, q, k, v)
+        out = attn.forward_qkv(self.layer, self.qkv_proj(x), positions, self.rope)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -143,7 +133,6 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, enabled: bool) -> None:
         """Switch the elementwise work to FlashInfer's fused CUDA kernels (or back)."""
         self.fused_ops = enabled
-        self.rope.fused = enabled
         for layer in self.layers:
             layer.mlp.fused = enabled
 

@@ -46,11 +46,10 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        # The fused kernel's table: cos then sin of the D/2 frequencies, float32.
+        # The fused kernels' table: cos then sin of the D/2 frequencies, float32.
         half = emb.shape[-1] // 2
         cos_sin = torch.cat((emb[:, :half].cos(), emb[:, :half].sin()), dim=-1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
-        self.fused = False  # set by LlamaForCausalLM.use_fused_ops
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

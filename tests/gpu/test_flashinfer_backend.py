@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from bench.random_models import write_random_model
+from engine.attention import flashinfer_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.sampler import SampleResult
@@ -36,14 +37,16 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_model(folder, "tiny-llama", std=0.1, dtype=torch.bfloat16)
 
 
-def build(folder: Path, dtype: str, backend: str, cuda_graph: bool = False) -> Engine:
+def build(
+    folder: Path, dtype: str, backend: str, cuda_graph: bool = False, kv_cache_dtype: str = "auto"
+) -> Engine:
     config = EngineConfig(
         model=str(folder),
         device="cuda",
         dtype=dtype,
         attention_backend=backend,
         cuda_graph=cuda_graph,
-        cache=CacheConfig(block_size=16, num_blocks=128),
+        cache=CacheConfig(block_size=16, num_blocks=128, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
     )
     return Engine(config)
@@ -189,3 +192,51 @@ def test_cuda_graph_decode_equals_eager(tiny_llama: Path) -> None:
     notes = first_divergence(eager_tokens, rec_e.logits, graph_tokens, max(2 * error, 1e-3))
     print("graph vs eager greedy:", notes or "equal token for token")
     assert math.isfinite(error)
+
+
+def fp8_rounded_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a bf16 cache hold exactly the values an fp8 (e4m3) cache would: every layer write
+    is followed by rounding that layer's cache through e4m3 (idempotent on rounded values)."""
+    write = flashinfer_backend.rope_and_write_kv
+
+    def write_and_round(*args, **kwargs):
+        q = write(*args, **kwargs)
+        layer_cache = args[3]
+        layer_cache.copy_(layer_cache.to(torch.float8_e4m3fn).to(layer_cache.dtype))
+        return q
+
+    monkeypatch.setattr(flashinfer_backend, "rope_and_write_kv", write_and_round)
+
+
+def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 (e4m3) cache equals a bf16 cache holding e4m3-rounded K/V, to bf16 noise; graphs
+    equal eager. The distance to the unrounded bf16 cache (quantization itself) is reported."""
+    bf16 = build(tiny_llama, "bfloat16", "flashinfer")
+    rec_bf16 = Recorder(bf16)
+    ref_tokens, _ = run_workload(bf16)
+    with monkeypatch.context() as patch:
+        fp8_rounded_writes(patch)
+        emulated = build(tiny_llama, "bfloat16", "flashinfer")
+        rec_emulated = Recorder(emulated, forced=ref_tokens)
+        run_workload(emulated)
+    fp8 = build(tiny_llama, "bfloat16", "flashinfer", kv_cache_dtype="fp8")
+    assert fp8.kv_cache.dtype == torch.float8_e4m3fn and fp8.kv_cache.element_size() == 1
+    rec_fp8 = Recorder(fp8, forced=ref_tokens)
+    run_workload(fp8)
+    scale = max(float(row.abs().max()) for rows in rec_bf16.logits.values() for row in rows)
+    quantization = max_logit_error(rec_bf16.logits, rec_emulated.logits)
+    error = max_logit_error(rec_emulated.logits, rec_fp8.logits)
+    print(
+        f"fp8 KV vs e4m3-rounded bf16 KV: max logit error {error:.4f}; rounding itself moves "
+        f"logits by up to {quantization:.4f} (max |logit| {scale:.3f})"
+    )
+    assert quantization > 0  # the emulation did round
+    assert error <= 0.03 * scale
+    eager = build(tiny_llama, "bfloat16", "flashinfer", False, "fp8")
+    rec_eager = Recorder(eager)
+    eager_tokens, _ = run_workload(eager)
+    graph = build(tiny_llama, "bfloat16", "flashinfer", True, "fp8")
+    graph_tokens, _ = run_workload(graph)
+    assert graph.runner.num_graph_steps > 0
+    notes = first_divergence(eager_tokens, rec_eager.logits, graph_tokens, 0.01 * scale)
+    print("fp8 graph vs eager greedy:", notes or "equal token for token")

@@ -1,5 +1,6 @@
-"""FlashInfer's fused elementwise kernels (engine/models/fused_ops.py) against the torch ops they
-replace, on the shapes the model feeds them (q/k as strided column slices of the qkv output)."""
+"""The GPU path's fused kernels against the torch ops they replace: FlashInfer's norms and
+activation (engine/models/fused_ops.py), and the Triton RoPE + paged KV write
+(engine/attention/rope_kv_kernel.py) into bf16 and fp8 caches."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention.rope_kv_kernel import rope_and_write_kv
 from engine.config import ModelConfig
 from engine.models import fused_ops
 from engine.models.llama import RMSNorm
@@ -42,7 +44,9 @@ def test_norms_and_activation() -> None:
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
 
 
-def test_rope_on_strided_qkv_slices() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype) -> None:
+    """One Triton kernel: q rotated in place, rotated k and plain v in the strided layer view."""
     config = ModelConfig(
         model_id="rope-test",
         vocab_size=512,
@@ -55,15 +59,24 @@ def test_rope_on_strided_qkv_slices() -> None:
         rope_theta=500000.0,
     )
     rope = RotaryEmbedding(config, 4096).cuda()
-    q_size, kv_size = 4 * 128, 2 * 128
+    num_tokens, q_size, kv_size = 50, 4 * 128, 2 * 128
     gen = torch.Generator("cuda").manual_seed(1)
-    qkv = torch.randn(50, q_size + 2 * kv_size, device="cuda", generator=gen).bfloat16()
-    positions = torch.randint(0, 4096, (50,), device="cuda", generator=gen)
-    q, k, _ = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
-    want_q, want_k = rope(positions, q.view(50, 4, 128), k.view(50, 2, 128))
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    v_before = v.clone()
-    fused_ops.rope_(positions, q, k, 128, rope.cos_sin)
-    torch.testing.assert_close(q.view(50, 4, 128), want_q, **TOL)
-    torch.testing.assert_close(k.view(50, 2, 128), want_k, **TOL)
-    assert torch.equal(v, v_before)  # the V columns are untouched
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device="cuda", generator=gen).bfloat16()
+    positions = torch.randint(0, 4096, (num_tokens,), device="cuda", generator=gen)
+    slots = torch.randperm(20 * 16, device="cuda", generator=gen)[:num_tokens]
+    block_ids, offsets = slots // 16, slots % 16
+    q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
+    want_q, want_k = rope(positions, q.view(-1, 4, 128).float(), k.view(-1, 2, 128).float())
+    cache = torch.zeros(20, 3, 2, 2, 16, 128, device="cuda", dtype=cache_dtype)  # 3 layers
+    got_q = rope_and_write_kv(qkv, positions, rope.cos_sin, cache[:, 1], block_ids, offsets, 4)
+    assert got_q.data_ptr() == qkv.data_ptr()  # q rotated in place
+    torch.testing.assert_close(got_q.float(), want_q, **TOL)
+    layer = cache[:, 1].float()
+    tol = TOL if cache_dtype == torch.bfloat16 else dict(atol=0.07, rtol=0.07)  # e4m3: 3 bits
+    torch.testing.assert_close(layer[block_ids, 0, :, offsets], want_k, **tol)
+    want_v = v.view(-1, 2, 128).to(cache_dtype).float()
+    assert torch.equal(layer[block_ids, 1, :, offsets], want_v)
+    written = torch.zeros(20, 16, dtype=torch.bool, device="cuda")
+    written[block_ids, offsets] = True
+    assert not cache[:, [0, 2]].float().any()  # other layers untouched
+    assert not layer.permute(0, 3, 1, 2, 4)[~written].any()  # no other slot written

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
 from engine.kv_cache.block_pool import BlockStored
 from engine.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
@@ -73,6 +75,14 @@ def test_bad_input_rejected_and_engine_keeps_serving(make_engine, prompt, params
         engine.add_request("bad", prompt, params)
     assert "bad" not in engine.scheduler.requests
     assert len(first + run_to_completion(engine)["good"]) == good.max_tokens
+
+
+def test_fp8_kv_cache_is_refused_without_flashinfer(smollm_model):
+    config = EngineConfig(cache=CacheConfig(num_blocks=64, kv_cache_dtype="fp8"), device="cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs the flashinfer"):
+        Engine(config, model=smollm_model)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        CacheConfig(kv_cache_dtype="int4")
 
 
 def test_duplicate_request_id_rejected(make_engine):

@@ -18,13 +18,14 @@ def test_defaults_pick_dtype_and_backend_by_device() -> None:
     assert spec.engine.dtype == "auto"
     assert spec.engine.attention_backend == "auto"
     assert spec.engine.cuda_graph is True
+    assert spec.engine.cache.kv_cache_dtype == "auto"
     assert (spec.num_prefill, spec.num_decode) == (1, 1)
 
 
 def test_gpu_flags() -> None:
     spec = parse(
         "--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "flashinfer",
-        "--no-cuda-graph", "--prefill", "2", "--load-format", "dummy",
+        "--no-cuda-graph", "--prefill", "2", "--load-format", "dummy", "--kv-cache-dtype", "fp8",
     )  # fmt: skip
     assert spec.engine.device == "cuda"
     assert spec.engine.dtype == "bfloat16"
@@ -32,10 +33,13 @@ def test_gpu_flags() -> None:
     assert spec.engine.cuda_graph is False
     assert spec.num_prefill == 2
     assert spec.engine.load_format == "dummy"
+    assert spec.engine.cache.kv_cache_dtype == "fp8"
 
 
 def test_bad_values_are_refused() -> None:
     with pytest.raises(SystemExit):
         parse("--dtype", "int8")
+    with pytest.raises(SystemExit):
+        parse("--kv-cache-dtype", "int4")
     with pytest.raises(ValueError, match="--prefill and --decode"):
         parse("--decode", "0")
