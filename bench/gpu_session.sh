@@ -3,6 +3,7 @@
 # (../shared/device/README.md); results go under $OUT. Usage: bench/gpu_session.sh PHASE
 #   engine    GPU tests, then gpu_engine_bench.py without the offline and transformers-speed runs
 #   offline   gpu_engine_bench.py's offline run only: 1000 x (1000 in, 1000 out), bf16 and fp8 KV
+#   attention attention_bench.py (decode kernels alone) and the fp8 / fused-kernel GPU tests
 #   transfer  transfer_bench.py GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 set -uo pipefail
@@ -22,6 +23,14 @@ case $phase in
     timeout 270 python3 bench/gpu_engine_bench.py --skip offline hf-speed \
       --json "$out/gpu_engine_bench.json" > "$out/gpu_engine_bench.txt" 2> "$out/gpu_engine_bench.err"
     echo "engine bench rc=$?"
+    ;;
+  attention)  # FlashInfer decode kernels alone (bf16/fp8 KV, tensor cores or not), fp8 tests
+    timeout 200 python3 bench/attention_bench.py --json "$out/attention.json" \
+      > "$out/attention.txt" 2> "$out/attention.err"
+    echo "attention bench rc=$?"
+    timeout 250 python3 -m pytest -q -s tests/gpu/test_fused_ops.py \
+      tests/gpu/test_flashinfer_backend.py::test_fp8_kv_cache > "$out/gpu_tests.txt" 2>&1
+    echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
     ;;
   offline)  # bf16 KV at 256 sequences, then fp8 KV (half the bytes) at 512
     timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \

@@ -10,6 +10,7 @@ K/V reach it through one fused RoPE + write kernel per layer (rope_kv_kernel.py)
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
+DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
 
 
 def flashinfer_available() -> bool:
@@ -127,7 +129,7 @@ class FlashInferAttention(AttentionBackend):
             self._workspace,
             "HND",
             use_cuda_graph=bool(graph_buffers),
-            use_tensor_cores=True,
+            use_tensor_cores=os.environ.get(DECODE_TENSOR_CORES_ENV, "1") != "0",
             backend="fa2",
             **graph_buffers,
         )
