@@ -209,8 +209,11 @@ def fp8_rounded_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An fp8 (e4m3) cache equals a bf16 cache holding e4m3-rounded K/V, to bf16 noise; graphs
-    equal eager. The distance to the unrounded bf16 cache (quantization itself) is reported."""
+    """An fp8 (e4m3) cache moves logits about as much as rounding K/V through e4m3 does (a
+    wrong layout or scale would move them by the logits' own size); graphs equal eager.
+
+    FlashInfer's fp8 kernel is not bit-equivalent to attention over rounded K/V (it rounds
+    inside the attention too), so the emulation bounds the error instead of matching it."""
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
@@ -224,14 +227,17 @@ def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None
     rec_fp8 = Recorder(fp8, forced=ref_tokens)
     run_workload(fp8)
     scale = max(float(row.abs().max()) for rows in rec_bf16.logits.values() for row in rows)
-    quantization = max_logit_error(rec_bf16.logits, rec_emulated.logits)
-    error = max_logit_error(rec_emulated.logits, rec_fp8.logits)
+    rounding = max_logit_error(rec_bf16.logits, rec_emulated.logits)
+    error = max_logit_error(rec_bf16.logits, rec_fp8.logits)
+    to_emulation = max_logit_error(rec_emulated.logits, rec_fp8.logits)
     print(
-        f"fp8 KV vs e4m3-rounded bf16 KV: max logit error {error:.4f}; rounding itself moves "
-        f"logits by up to {quantization:.4f} (max |logit| {scale:.3f})"
+        f"max logit error against the bf16 cache: fp8 cache {error:.4f}, e4m3-rounded bf16 "
+        f"cache {rounding:.4f}; fp8 against the rounded one {to_emulation:.4f} "
+        f"(max |logit| {scale:.3f})"
     )
-    assert quantization > 0  # the emulation did round
-    assert error <= 0.03 * scale
+    assert rounding > 0 and error > 0  # both did round
+    assert error <= 2 * rounding
+    assert to_emulation <= rounding
     eager = build(tiny_llama, "bfloat16", "flashinfer", False, "fp8")
     rec_eager = Recorder(eager)
     eager_tokens, _ = run_workload(eager)
