@@ -20,7 +20,8 @@ case $phase in
   engine)
     timeout 300 python3 -m pytest -q -s tests/gpu > "$out/gpu_tests.txt" 2>&1
     echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
-    timeout 270 python3 bench/gpu_engine_bench.py --skip offline hf-speed \
+    # shellcheck disable=SC2086  # ENGINE_SKIP: more parts to skip (e.g. "compare hf-greedy")
+    timeout 270 python3 bench/gpu_engine_bench.py --skip offline hf-speed ${ENGINE_SKIP:-} \
       --json "$out/gpu_engine_bench.json" > "$out/gpu_engine_bench.txt" 2> "$out/gpu_engine_bench.err"
     echo "engine bench rc=$?"
     ;;

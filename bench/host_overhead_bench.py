@@ -77,7 +77,7 @@ def main() -> None:
     plan = engine.runner.attention.plan
 
     def plan_with_page_table(metadata):  # what the FlashInfer backend would also build
-        page_table(metadata)
+        page_table(metadata, torch.device("cpu"))
         plan(metadata)
 
     engine.runner.attention.plan = plan_with_page_table

@@ -64,6 +64,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--no-cuda-graph", action="store_true", help="run decode eagerly (no CUDA graphs)"
     )
     p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="do not schedule a step while the previous one runs on the GPU",
+    )
+    p.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
@@ -93,6 +98,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         cuda_graph=not args.no_cuda_graph,
+        async_scheduling=False if args.no_async_scheduling else None,
         load_format=args.load_format,
     )
     return ClusterSpec(

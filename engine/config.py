@@ -145,6 +145,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA when importable) | "torch"
     cuda_graph: bool = True  # decode CUDA graphs (FlashInfer backend only; ignored on CPU)
+    async_scheduling: bool | None = None  # overlap step N+1's host work with step N on the GPU
+    # (None: on when decode runs through CUDA graphs)
     load_format: str = "auto"  # "auto": the checkpoint's weights | "dummy": random (speed runs)
     seed: int | None = None
     record_kv_events: bool = False

@@ -8,12 +8,17 @@ reserved padding block, which the KV cache manager never hands out.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.host_tensors import index_tensor
+
+if TYPE_CHECKING:
+    from engine.runner import TokenFill
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -99,7 +104,7 @@ class CUDAGraphDecoder:
                 slot_offsets + pad,
             ]
         )
-        self._inputs[:, :bs].copy_(host)
+        self._inputs[:, :bs].copy_(host, non_blocking=True)  # pageable: staged at once
         padding = [SeqSpan(i, 1, 1, [self.pad_block_id]) for i in range(len(seqs), bs)]
         metadata = AttentionMetadata(
             seqs=seqs + padding,
@@ -117,11 +122,14 @@ class CUDAGraphDecoder:
         slot_block_ids: list[int],
         slot_offsets: list[int],
         seqs: list[SeqSpan],
+        fill: TokenFill | None = None,
     ) -> torch.Tensor:
         """Replay one pure-decode step; returns the hidden states [len(seqs), hidden]."""
         bs = self.padded_size(len(seqs))
         if bs is None:
             raise ValueError(f"{len(seqs)} sequences exceed the largest captured graph")
         self._plan(bs, input_ids, positions, slot_block_ids, slot_offsets, seqs)
+        if fill is not None:
+            fill.apply(self._inputs[0, :bs], seqs)
         self._graphs[bs].replay()
         return self._hidden[: len(seqs)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,10 +24,10 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner
-from engine.sampler import Sampler, SampleRow
+from engine.runner import ModelRunner, TokenFill
+from engine.sampler import PendingSample, Sampler, SampleRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 
@@ -49,11 +49,26 @@ class RequestOutput:
     held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
 
 
+PLACEHOLDER_TOKEN = -1  # a token sampled by a step still in flight (filled on the device)
+
+
+@dataclass
+class InFlightStep:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    scheduled: SchedulerOutput
+    reqs: list[Request]  # the requests that sample this step, in row order
+    sample: PendingSample
+    update_pending: bool  # scheduler.update waits until the step before it has finished
+    placeholder_reqs: list[Request] = field(default_factory=list)  # ran ahead of this step
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
     num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
     num_generated_tokens: int = 0
+    num_steps_ahead: int = 0  # steps launched before the previous step's tokens were read
 
 
 def resolve_device(name: str) -> torch.device:
@@ -153,6 +168,9 @@ class Engine:
         else:
             attention = TorchAttention(self.kv_cache, mc.num_heads, mc.head_dim)
         self.runner = ModelRunner(model, self.kv_cache, attention, self.kv, block_size, graphs)
+        overlap = config.async_scheduling
+        self.overlap_steps = graphs is not None if overlap is None else overlap
+        self._in_flight: InFlightStep | None = None
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}
@@ -271,21 +289,96 @@ class Engine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        if not scheduled.chunks:
+        """Run one step and return what it produced.
+
+        With overlapped steps the next step is already queued on the GPU when this returns:
+        its host work (scheduling, inputs, attention plan) ran while this step's kernels did.
+        """
+        if not self.overlap_steps:
+            current = self._launch_scheduled()
+            return [] if current is None else self._finish(current)
+        current = self._in_flight or self._launch_scheduled()
+        if current is None:
             return []
-        step_logits = self.runner.execute(scheduled)
-        self.scheduler.update(scheduled)
+        self._in_flight = self._launch_ahead(current)
+        return self._finish(current)
+
+    def _launch_scheduled(self) -> InFlightStep | None:
+        scheduled = self.scheduler.schedule()
+        return self._launch(scheduled, None) if scheduled.chunks else None
+
+    def _launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
+        """Queue a step's forward pass and sampling. `after`: the step still in flight whose
+        sampled tokens are this step's placeholders (they are gathered on the device)."""
+        fill = None
+        if after is not None:
+            rows = {id(req): row for row, req in enumerate(after.reqs)}
+            waiting_for = {id(req) for req in after.placeholder_reqs}
+            fill = TokenFill(
+                {
+                    i: rows[id(chunk.req)]
+                    for i, chunk in enumerate(scheduled.chunks)
+                    if id(chunk.req) in waiting_for
+                    and chunk.start + chunk.num_new_tokens == chunk.req.num_tokens
+                },
+                after.sample.tokens,
+            )
+        step_logits = self.runner.execute(scheduled, fill)
+        if after is None:  # else once the placeholders are real tokens: blocks get hashed
+            self.scheduler.update(scheduled)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
         reqs = [scheduled.chunks[i].req for i in step_logits.chunk_index]
         rows = [SampleRow(req.sampling, self._generators.get(req.req_id)) for req in reqs]
-        result = self.sampler(step_logits.logits, rows)
+        sample = self.sampler.sample(step_logits.logits, rows)
+        return InFlightStep(scheduled, reqs, sample, update_pending=after is not None)
+
+    def _launch_ahead(self, current: InFlightStep) -> InFlightStep | None:
+        """Schedule and queue the next step before `current`'s tokens are known: each request
+        that samples in `current` gets a placeholder token, which the device fills in.
+
+        Only when no request of `current` can finish by length there (those are known now); one
+        that stops on a stop token or string is found a step late, its extra row is dropped and
+        its blocks are freed then (queued work that writes them runs before any new owner's).
+        """
+        live = [req for req in current.reqs if not req.is_finished]
+        if not live or any(self._finishes_by_length_next(req) for req in live):
+            return None
+        for req in live:
+            req.all_token_ids.append(PLACEHOLDER_TOKEN)
+        current.placeholder_reqs = live
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return None
+        self.stats.num_steps_ahead += 1
+        return self._launch(scheduled, current)
+
+    def _finishes_by_length_next(self, req: Request) -> bool:
+        return (
+            req.hold_kv
+            or req.num_output_tokens + 1 >= req.sampling.max_tokens
+            or req.num_tokens + 1 >= self.max_model_len
+        )
+
+    def _finish(self, current: InFlightStep) -> list[RequestOutput]:
+        """Wait for `current`'s tokens, append them, stop what stops; then the step launched
+        ahead of it (if any) records its computed tokens."""
+        result = current.sample.result()
+        for req in current.placeholder_reqs:
+            req.all_token_ids.pop()
         outputs = []
-        for i, req in enumerate(reqs):
+        for i, req in enumerate(current.reqs):
+            if req.is_finished:  # aborted, or it stopped one step earlier (we ran ahead)
+                continue
             logprob = result.logprobs[i] if result.logprobs and req.sampling.logprobs else None
             outputs.append(self._append_token(req, result.token_ids[i], logprob))
-        self.stats.num_generated_tokens += len(reqs)
+        self.stats.num_generated_tokens += len(outputs)
+        ahead = self._in_flight
+        if ahead is not None and ahead.update_pending:
+            self.scheduler.update(ahead.scheduled, skip_finished=True)
+            ahead.update_pending = False
+        if ahead is not None and all(req.is_finished for req in ahead.reqs):
+            self._in_flight = None  # nothing left to read from it (its GPU work just runs out)
         return outputs
 
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:

@@ -26,6 +26,25 @@ class StepLogits:
 
 
 @dataclass(frozen=True)
+class TokenFill:
+    """Input tokens not yet on the host: chunk i's (single) input token is source[rows[i]].
+
+    With overlapped steps the previous step's sampled tokens are still on the device when the
+    next step is launched; they are gathered into the inputs there.
+    """
+
+    rows: dict[int, int]  # chunk index -> row of source
+    source: torch.Tensor  # [n] token ids on the device
+
+    def apply(self, ids: torch.Tensor, seqs: list[SeqSpan]) -> None:
+        """Write the device tokens into the packed input ids (ids: [num_tokens], on device)."""
+        chunks = list(self.rows)
+        positions = index_tensor([seqs[i].q_start for i in chunks], device=ids.device)
+        rows = index_tensor([self.rows[i] for i in chunks], device=ids.device)
+        ids[positions] = self.source[rows]
+
+
+@dataclass(frozen=True)
 class StepInputs:
     """One step's packed tokens, as host lists (one H2D copy makes them device tensors)."""
 
@@ -82,7 +101,8 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> StepLogits:
+    def execute(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepLogits:
+        """Run the step's forward pass (queued on the device; nothing waits for it)."""
         inputs = self.build_inputs(output)
         chunk_index = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         graphs = self.graphs
@@ -93,23 +113,26 @@ class ModelRunner:
                 inputs.slot_block_ids,
                 inputs.slot_offsets,
                 inputs.seqs,
+                fill,
             )
             self.num_graph_steps += 1
         else:
-            hidden = self._forward_eager(inputs)
+            hidden = self._forward_eager(inputs, fill)
         last_token = [seq.q_start + seq.q_len - 1 for seq in inputs.seqs]
         rows = [last_token[i] for i in chunk_index]
         if rows == list(range(hidden.shape[0])):
             selected = hidden  # every token samples (pure decode): no gather
         else:
-            selected = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            selected = hidden[index_tensor(rows, device=self.device)]
         return StepLogits(self.model.compute_logits(selected), chunk_index)
 
-    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward_eager(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor:
         packed = index_tensor(
             [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
             device=self.device,
         )
+        if fill is not None:
+            fill.apply(packed[0], inputs.seqs)
         metadata = AttentionMetadata(
             seqs=inputs.seqs,
             slot_block_ids=packed[2],

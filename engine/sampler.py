@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_tensors import index_tensor, to_device
 from engine.sampling_params import SamplingParams
 
 
@@ -25,6 +26,38 @@ class SampleResult:
     logprobs: list[float] | None  # log-probability of each chosen token, when any row asked
 
 
+class PendingSample:
+    """A step's sampled tokens (and logprobs) on their way to the host.
+
+    On CUDA the copy goes to pinned memory without blocking and an event marks its end, so
+    result() waits for this step's sampling only, not for work queued after it (the next
+    step's forward pass).
+    """
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor | None):
+        self.tokens = tokens  # on the device: the next step may read it there
+        self._event: torch.cuda.Event | None = None
+        self._host_tokens, self._host_logprobs = tokens, logprobs
+        if tokens.device.type == "cuda":
+            self._host_tokens = _to_pinned_host(tokens)
+            if logprobs is not None:
+                self._host_logprobs = _to_pinned_host(logprobs)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        logprobs = None if self._host_logprobs is None else self._host_logprobs.tolist()
+        return SampleResult(self._host_tokens.tolist(), logprobs)
+
+
+def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None):
         self.device = device
@@ -35,27 +68,31 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+        """Sample on the device; nothing waits for the GPU until PendingSample.result()."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
+            index = index_tensor(random_rows, device=logits.device)
             sampled = self._sample(logits[index], [rows[i] for i in random_rows])
             tokens[index] = sampled
         logprobs = None
         if any(row.params.logprobs for row in rows):
             chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
-            logprobs = chosen.squeeze(1).tolist()
-        return SampleResult(tokens.tolist(), logprobs)
+            logprobs = chosen.squeeze(1)
+        return PendingSample(tokens, logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([r.params.temperature for r in rows], device=device)
+        temps = to_device(torch.tensor([r.params.temperature for r in rows]), device)
         logits = logits / temps[:, None]
         if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
             logits = self._filter_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
-        min_ps = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_ps > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_ps = to_device(torch.tensor([r.params.min_p for r in rows]), device)
             floor = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
         # Exponential-race sampling: argmax(p / q), q ~ Exp(1), equals sampling from p. One
@@ -70,8 +107,8 @@ class Sampler:
     def _filter_top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         device = logits.device
         vocab = logits.shape[-1]
-        top_ks = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
-        top_ps = torch.tensor([r.params.top_p for r in rows], device=device)
+        top_ks = index_tensor([r.params.top_k or vocab for r in rows], device=device)
+        top_ps = to_device(torch.tensor([r.params.top_p for r in rows]), device)
         sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= top_ks[:, None], float("-inf"))

@@ -127,9 +127,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Record that the scheduled chunks were computed; full blocks enter the prefix cache."""
+    def update(self, output: SchedulerOutput, skip_finished: bool = False) -> None:
+        """Record that the scheduled chunks were computed; full blocks enter the prefix cache.
+
+        skip_finished: leave out requests that finished since they were scheduled (overlapped
+        steps: the update of a step launched ahead comes after the previous step's tokens)."""
         for chunk in output.chunks:
+            if skip_finished and chunk.req.is_finished:
+                continue
             chunk.req.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_full_blocks(chunk.req)
 

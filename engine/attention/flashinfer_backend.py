@@ -55,15 +55,17 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
 
 @dataclass(frozen=True)
 class PageTable:
-    """One step's FlashInfer CSR page table (int32, host memory)."""
+    """One step's FlashInfer CSR page table (int32): the pointers in host memory (the plan
+    reads them there), the block ids already on their way to the device (FlashInfer copies a
+    host tensor into a graph's buffer with a blocking copy, which waits for the GPU)."""
 
     qo_indptr: torch.Tensor  # [B + 1] query rows of each sequence
     kv_indptr: torch.Tensor  # [B + 1] pages of each sequence in kv_indices
-    kv_indices: torch.Tensor  # [sum pages] physical block ids
+    kv_indices: torch.Tensor  # [sum pages] physical block ids (on the device)
     kv_last_page_len: torch.Tensor  # [B] valid tokens in each sequence's last page
 
 
-def page_table(metadata: AttentionMetadata) -> PageTable:
+def page_table(metadata: AttentionMetadata, device: torch.device) -> PageTable:
     """Build the CSR page table of a packed step (sequences in SeqSpan order)."""
     bs = metadata.block_size
     qo_indptr, kv_indptr, indices, last_len = [0], [0], [], []
@@ -77,9 +79,8 @@ def page_table(metadata: AttentionMetadata) -> PageTable:
     def as_int32(values: list[int]) -> torch.Tensor:
         return index_tensor(values, torch.int32)
 
-    return PageTable(
-        as_int32(qo_indptr), as_int32(kv_indptr), as_int32(indices), as_int32(last_len)
-    )
+    device_indices = index_tensor(indices, torch.int32, device)
+    return PageTable(as_int32(qo_indptr), as_int32(kv_indptr), device_indices, as_int32(last_len))
 
 
 class FlashInferAttention(AttentionBackend):
@@ -121,6 +122,7 @@ class FlashInferAttention(AttentionBackend):
         self._decode = self._decode_wrapper()
         self._graph_decode: dict[int, Any] = {}
         self._active: Any = None
+        self._uploaded: torch.cuda.Event | None = None  # after the last plan's uploads
         self._slot_block_ids: torch.Tensor | None = None
         self._slot_offsets: torch.Tensor | None = None
 
@@ -135,8 +137,20 @@ class FlashInferAttention(AttentionBackend):
         )
 
     # ---- planning ------------------------------------------------------------------------
+    def _wait_for_last_plan_uploads(self) -> None:
+        """A plan refills pinned host buffers that the previous plan's uploads read from. With
+        overlapped steps that upload may still be queued behind the running step: wait for it
+        (in practice already done: it precedes that step's kernels)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def _mark_plan_uploads(self) -> None:
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+
     def plan(self, metadata: AttentionMetadata) -> None:
-        table = page_table(metadata)
+        self._wait_for_last_plan_uploads()
+        table = page_table(metadata, self.device)
         if all(seq.q_len == 1 for seq in metadata.seqs):
             self._plan_decode(self._decode, table)
         else:
@@ -153,8 +167,10 @@ class FlashInferAttention(AttentionBackend):
                 sm_scale=self.scale,
                 q_data_type=self.q_dtype,
                 kv_data_type=self.kv_cache.dtype,
+                non_blocking=True,  # a blocking copy would wait for the step in flight
             )
             self._active = self._prefill
+        self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
         self._slot_offsets = metadata.slot_offsets
 
@@ -170,6 +186,7 @@ class FlashInferAttention(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.q_dtype,
             kv_data_type=self.kv_cache.dtype,
+            non_blocking=True,
         )
         self._active = wrapper
 
@@ -195,7 +212,9 @@ class FlashInferAttention(AttentionBackend):
         metadata's slot tensors must be the graph's static buffers: the captured writes read them.
         """
         wrapper = self._graph_decode[len(metadata.seqs)]
-        self._plan_decode(wrapper, page_table(metadata))
+        self._wait_for_last_plan_uploads()
+        self._plan_decode(wrapper, page_table(metadata, self.device))
+        self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
         self._slot_offsets = metadata.slot_offsets
 

@@ -19,7 +19,7 @@ from bench.random_models import write_random_model
 from engine.attention import flashinfer_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.sampler import SampleResult
+from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
 
 pytestmark = [
@@ -38,7 +38,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def build(
-    folder: Path, dtype: str, backend: str, cuda_graph: bool = False, kv_cache_dtype: str = "auto"
+    folder: Path,
+    dtype: str,
+    backend: str,
+    cuda_graph: bool = False,
+    kv_cache_dtype: str = "auto",
+    async_scheduling: bool = False,  # the Recorder reads each step's logits as it is launched
 ) -> Engine:
     config = EngineConfig(
         model=str(folder),
@@ -46,6 +51,7 @@ def build(
         dtype=dtype,
         attention_backend=backend,
         cuda_graph=cuda_graph,
+        async_scheduling=async_scheduling,
         cache=CacheConfig(block_size=16, num_blocks=128, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
     )
@@ -59,24 +65,23 @@ class Recorder:
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.forced = forced
         self._req_ids: list[str] = []
-        execute, sample = engine.runner.execute, engine.sampler
+        execute, sample = engine.runner.execute, engine.sampler.sample
 
-        def recording_execute(output):
-            step = execute(output)
+        def recording_execute(output, fill=None):
+            step = execute(output, fill)
             self._req_ids = [output.chunks[i].req.req_id for i in step.chunk_index]
             for req_id, row in zip(self._req_ids, step.logits, strict=True):
                 self.logits[req_id].append(row.float().cpu())
             return step
 
         def forcing_sample(logits, rows):
-            result = sample(logits, rows)
             if self.forced is None:
-                return result
+                return sample(logits, rows)
             tokens = [self.forced[r][len(self.logits[r]) - 1] for r in self._req_ids]
-            return SampleResult(tokens, result.logprobs)
+            return PendingSample(torch.tensor(tokens, device=logits.device), None)
 
         engine.runner.execute = recording_execute
-        engine.sampler = forcing_sample
+        engine.sampler.sample = forcing_sample
 
 
 def run_workload(engine: Engine) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -169,6 +174,16 @@ def test_flashinfer_matches_torch_backend(tiny_llama: Path) -> None:
     fi_tokens, _ = run_workload(build(tiny_llama, "bfloat16", "flashinfer"))
     tolerance = 3 * (errors["flashinfer"] + errors["torch"])
     print("greedy:", first_divergence(torch_tokens, rec_t.logits, fi_tokens, tolerance) or "equal")
+
+
+def test_overlapped_steps_on_graphs_equal_plain_steps(tiny_llama: Path) -> None:
+    """Steps launched ahead (tokens gathered on the device, pinned non-blocking token copies,
+    plan uploads fenced) give the plain engine's tokens."""
+    plain_tokens, _ = run_workload(build(tiny_llama, "bfloat16", "flashinfer", True))
+    overlapped = build(tiny_llama, "bfloat16", "flashinfer", True, async_scheduling=True)
+    tokens, _ = run_workload(overlapped)
+    assert overlapped.stats.num_steps_ahead >= NUM_NEW_TOKENS // 2
+    assert tokens == plain_tokens
 
 
 def test_cuda_graph_decode_equals_eager(tiny_llama: Path) -> None:

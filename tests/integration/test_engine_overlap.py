@@ -1,0 +1,91 @@
+"""Overlapped steps (async_scheduling): the next step is scheduled and queued before the
+previous step's tokens are read. On CPU nothing overlaps in time, but every bookkeeping path is
+the one the GPU runs, so outputs must equal the plain engine's token for token."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from tests.conftest import run_to_completion
+
+
+def workload(tokenizer) -> dict[str, tuple[list[int], SamplingParams]]:
+    prompts = [
+        "The capital of France is",
+        "Write a haiku about the sea:",
+        "def fibonacci(n):",
+        "List three colours: red,",
+        "Once upon a time, in a small village,",
+    ]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0, logprobs=True, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.7, seed=3, top_k=20, ignore_eos=True),
+    ]
+    return {
+        f"r{i}": (tokenizer.encode(p), sp)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    }
+
+
+def run(engine, requests) -> tuple[dict[str, list[int]], dict[str, str | None], dict]:
+    for req_id, (prompt, params) in requests.items():
+        engine.add_request(req_id, prompt, params)
+    tokens: dict[str, list[int]] = {r: [] for r in requests}
+    reasons: dict[str, str | None] = {}
+    logprobs: dict[str, list[float]] = {r: [] for r in requests}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+            logprobs[out.req_id].extend(out.new_logprobs or [])
+            if out.finished:
+                reasons[out.req_id] = out.finish_reason
+    return tokens, reasons, logprobs
+
+
+def test_overlapped_steps_equal_plain_steps(make_engine, tokenizer):
+    requests = workload(tokenizer)
+    plain = make_engine(max_num_batched_tokens=16)  # chunked prefills next to decodes
+    want_tokens, want_reasons, want_logprobs = run(plain, requests)
+    # A stop token met mid-run: r3 must stop where the plain engine's output first has it.
+    stop_token = want_tokens["r3"][5]
+    requests["r3"] = (
+        requests["r3"][0],
+        SamplingParams(max_tokens=16, temperature=0, stop_token_ids=(stop_token,)),
+    )
+    plain_stop = make_engine(max_num_batched_tokens=16)
+    want_tokens, want_reasons, want_logprobs = run(plain_stop, requests)
+    assert want_reasons["r3"] == "stop" and len(want_tokens["r3"]) < 16
+
+    overlapped = make_engine(max_num_batched_tokens=16, async_scheduling=True)
+    assert overlapped.overlap_steps and not plain.overlap_steps
+    got_tokens, got_reasons, got_logprobs = run(overlapped, requests)
+    assert got_tokens == want_tokens
+    assert got_reasons == want_reasons
+    assert got_logprobs["r2"] == want_logprobs["r2"] and len(got_logprobs["r2"]) == 9
+    assert overlapped.stats.num_steps_ahead > 10  # it did run ahead, most decode steps
+    assert overlapped.stats.num_generated_tokens == sum(map(len, want_tokens.values()))
+    overlapped.check_integrity()
+
+
+def test_abort_while_a_step_runs_ahead(make_engine, tokenizer):
+    requests = workload(tokenizer)
+    greedy = {r: v for r, v in requests.items() if v[1].temperature == 0}
+    want = run(make_engine(), greedy)[0]
+    engine = make_engine(async_scheduling=True)
+    for req_id, (prompt, params) in greedy.items():
+        engine.add_request(req_id, prompt, params)
+    got: dict[str, list[int]] = {r: [] for r in greedy}
+    for _ in range(4):
+        for out in engine.step():
+            got[out.req_id].extend(out.new_token_ids)
+    assert engine._in_flight is not None  # a step is queued ahead of what step() returned
+    assert engine.abort("r0")
+    engine.check_integrity()
+    for req_id, tokens in run_to_completion(engine).items():
+        got[req_id].extend(tokens)
+    assert "r0" not in engine.scheduler.requests
+    assert got["r0"] == want["r0"][: len(got["r0"])] and len(got["r0"]) < len(want["r0"])
+    for req_id in ("r2", "r3"):
+        assert got[req_id] == want[req_id]
