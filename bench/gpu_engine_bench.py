@@ -267,8 +267,9 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
     for i, prompt in enumerate(prompts):
         engine.add_request(f"t{i}", prompt, params)
     graph_steps_before = engine.runner.num_graph_steps
-    num_output = num_prefill_steps = num_decode_steps = 0
-    prefill_time = decode_time = 0.0
+    num_output = num_tail_steps = 0
+    calls = {"graph": 0, "eager": 0}  # step() calls by the step they launched
+    seconds = {"graph": 0.0, "eager": 0.0}
     start = time.perf_counter()
     truncated = False
     host_profile: dict[str, Any] = {}
@@ -276,22 +277,18 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         if time.perf_counter() - start - host_profile.get("seconds", 0.0) > args.time_budget:
             truncated = True
             break
-        if num_decode_steps == args.output_len // 2 and not host_profile:
+        if num_tail_steps == args.output_len // 2 and not host_profile:
             host_profile = profile_decode_steps(engine)
             continue
-        is_decode = not engine.scheduler.waiting and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
-        )
+        if not engine.scheduler.waiting:  # the last wave: nothing left to admit
+            num_tail_steps += 1
+        graph_steps = engine.runner.num_graph_steps
         t0 = time.perf_counter()
         outputs = engine.step()
-        dt = time.perf_counter() - t0
+        kind = "graph" if engine.runner.num_graph_steps > graph_steps else "eager"
+        calls[kind] += 1
+        seconds[kind] += time.perf_counter() - t0
         num_output += sum(len(o.new_token_ids) for o in outputs)
-        if is_decode:
-            num_decode_steps += 1
-            decode_time += dt
-        else:
-            num_prefill_steps += 1
-            prefill_time += dt
     elapsed = time.perf_counter() - start - host_profile.get("seconds", 0.0)
     finish_all(engine)
     return {
@@ -309,10 +306,11 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         "total_tokens_per_s": (num_output + args.num_requests * args.input_len) / elapsed
         if not truncated
         else None,
-        "prefill_steps": num_prefill_steps,
-        "prefill_time_s": prefill_time,
-        "decode_steps": num_decode_steps,
-        "decode_step_ms_mean": decode_time / max(num_decode_steps, 1) * 1e3,
+        "graph_step_calls": calls["graph"],
+        "graph_time_s": seconds["graph"],
+        "graph_step_ms_mean": seconds["graph"] / max(calls["graph"], 1) * 1e3,
+        "eager_step_calls": calls["eager"],  # prefill chunks (with or without decodes)
+        "eager_time_s": seconds["eager"],
         "graph_steps": engine.runner.num_graph_steps - graph_steps_before,
     }
 
@@ -378,8 +376,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"offline {t['num_requests']} x ({t['input_len']} in, {t['output_len']} out): "
             f"{t['output_tokens_per_s']:.0f} output tok/s over {t['elapsed_s']:.1f} s"
-            f"{' (truncated)' if t['truncated_at_time_budget'] else ''}; decode step "
-            f"{t['decode_step_ms_mean']:.2f} ms mean"
+            f"{' (truncated)' if t['truncated_at_time_budget'] else ''}; graph step "
+            f"{t['graph_step_ms_mean']:.2f} ms mean"
         )
         h = t["host_profile_mid_decode"]
         if h.get("graph_replay_ms"):
