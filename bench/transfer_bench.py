@@ -9,7 +9,8 @@ cuda, a peer copy from the holder's GPU to the reader's). Prints GB/s
 `--parts N` lets the reader split each READ into up to N concurrent NIXL READs of >= 1 MiB.
 
     python bench/transfer_bench.py [--num-blocks 512] [--blocks-per-read 128] [--iters 20]
-        [--device cpu|cuda] [--parts 1] [--progress-delay-us 100] [--json out.json]
+        [--device cpu|cuda] [--parts 1] [--progress-delay-us 100] [--reader-polls-only]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def bench(args: argparse.Namespace) -> list[Result]:
             progress_delay_us=args.progress_delay_us,
             max_parts_per_read=args.parts,
             min_part_bytes=MIN_PART_BYTES,
+            progress_thread=not args.reader_polls_only,
         )
         with reader as transfer:
             transfer.register(kv)
@@ -144,6 +146,7 @@ def bench(args: argparse.Namespace) -> list[Result]:
                 read()  # warm up: connection, registration caches
                 seconds = median_time(read, args.iters, sync)
                 label = f"nixl {name} x{args.parts} d{args.progress_delay_us}"
+                label += " poll" if args.reader_polls_only else ""
                 results.append(
                     Result(
                         label,
@@ -222,6 +225,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US)
     p.add_argument(
         "--parts", type=int, default=1, help="max concurrent NIXL READs per read (>= 1 MiB each)"
+    )
+    p.add_argument(
+        "--reader-polls-only",
+        action="store_true",
+        help="no NIXL progress thread on the reading side: its polling progresses UCX",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args()

@@ -142,7 +142,7 @@ class Engine:
                 f"FlashInfer installed); this engine runs the {self.attention_backend} backend"
             )
         if hasattr(model, "use_fused_ops"):
-            model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm/rope/activation
+            model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm and activation
         # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
         num_storage_blocks = num_blocks + 1 if use_flashinfer else num_blocks
         shape = (num_storage_blocks, mc.num_layers, 2, mc.num_kv_heads, block_size, mc.head_dim)

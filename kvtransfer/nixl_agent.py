@@ -75,15 +75,21 @@ def import_nixl_api() -> Any:
     raise KVTransferError("NIXL is not installed (pip install nixl): " + "; ".join(errors))
 
 
-def make_agent(agent_name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> Any:
-    """Create the NIXL agent with the UCX backend and a progress thread.
+def make_agent(
+    agent_name: str,
+    progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+    progress_thread: bool = True,
+) -> Any:
+    """Create the NIXL agent with the UCX backend and (by default) a progress thread.
 
-    The progress thread is needed: on tcp/sm the side being read from must progress UCX for a
-    READ to complete. NIXL's Python wrapper hard-codes its delay to 0 (a spinning thread, one
-    whole core per idle agent); `progress_delay_us` > 0 lets it pause between rounds.
+    The side being read from needs the thread: on tcp/sm it must progress UCX for a READ to
+    complete. NIXL's Python wrapper hard-codes its delay to 0 (a spinning thread, one whole core
+    per idle agent); `progress_delay_us` > 0 lets it pause between rounds. A side that only
+    reads can do without it (polling a READ progresses UCX); on an H200 pair a busier thread
+    made GPU READs slower, as it competes with the polling for the UCX worker.
     """
     nixl_api = import_nixl_api()
-    config = nixl_api.nixl_agent_config(enable_prog_thread=True, backends=[BACKEND])
+    config = nixl_api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[BACKEND])
     try:
         with _progress_delay(nixl_api, progress_delay_us):
             agent = nixl_api.nixl_agent(agent_name, config)

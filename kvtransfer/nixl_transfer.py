@@ -65,9 +65,10 @@ class NixlTransfer(KVTransfer):
 
     The agent is created in `register`, once the tensor's device (and so UCX_TLS) is known.
     Each `read` coalesces adjacent blocks, then posts up to `max_parts_per_read` concurrent
-    NIXL READs of nearly equal bytes (layout.split_descriptors; UCX's cuda_ipc spreads
-    concurrent copies over several CUDA streams). With one part, the notification rides on the
-    READ; with several, it is sent with `send_notif` once `poll` has seen every part DONE.
+    NIXL READs of nearly equal bytes (layout.split_descriptors; meant for transports that
+    spread concurrent copies; on one H200 pair's cuda_ipc it gained nothing, so the default is
+    one). With one part, the notification rides on the READ; with several, it is sent with
+    `send_notif` once `poll` has seen every part DONE.
     """
 
     def __init__(
@@ -78,9 +79,11 @@ class NixlTransfer(KVTransfer):
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
         max_parts_per_read: int = 1,
         min_part_bytes: int = DEFAULT_MIN_PART_BYTES,
+        progress_thread: bool = True,
     ) -> None:
-        """timeout_s: deadline of each read; progress_delay_us: see nixl_agent.make_agent;
-        a read is split into at most max_parts_per_read parts of at least min_part_bytes."""
+        """timeout_s: deadline of each read; progress_delay_us, progress_thread: see
+        nixl_agent.make_agent; a read is split into at most max_parts_per_read parts of at
+        least min_part_bytes."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_parts_per_read < 1:
@@ -93,6 +96,7 @@ class NixlTransfer(KVTransfer):
         self.progress_delay_us = progress_delay_us
         self.max_parts_per_read = max_parts_per_read
         self.min_part_bytes = min_part_bytes
+        self.progress_thread = progress_thread  # False only where nothing reads from us
         self._agent: Any = None  # nixl_agent
         self._reg_descs: Any = None
         self._kv_tensor: torch.Tensor | None = None
@@ -120,7 +124,9 @@ class NixlTransfer(KVTransfer):
         on_device = torch.cuda.device(device_id) if device_kind == "cuda" else nullcontext()
         try:
             with on_device:
-                self._agent = make_agent(self.agent_name, self.progress_delay_us)
+                self._agent = make_agent(
+                    self.agent_name, self.progress_delay_us, self.progress_thread
+                )
                 self._reg_descs = self._agent.register_memory(
                     [(base_addr, num_bytes, device_id, "")], mem_type, backends=[BACKEND]
                 )

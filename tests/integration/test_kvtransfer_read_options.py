@@ -1,7 +1,9 @@
-"""NixlTransfer reads split into concurrent NIXL READs, between two real processes (CPU).
+"""NixlTransfer read options between two real processes (CPU): reads split into concurrent
+NIXL READs, and a reader without a NIXL progress thread (its polling progresses UCX).
 
-Reuses test_kvtransfer_nixl's peers; here each child builds its NixlTransfer with
-max_parts_per_read=4 and a one-block min_part_bytes, so even small reads go in parts.
+Reuses test_kvtransfer_nixl's peers; each child builds its NixlTransfer with the options of its
+role. Split reads use max_parts_per_read=4 and a one-block min_part_bytes, so even small reads
+go in parts; the holder always keeps its progress thread (tcp/sm need it on the read side).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 
@@ -22,34 +25,37 @@ from tests.integration.test_kvtransfer_nixl import (
     stop_peers,
 )
 
-MAX_PARTS = 4
 BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 4  # PeerConfig's geometry, float32
+SPLIT = {"max_parts_per_read": 4, "min_part_bytes": BLOCK_BYTES}
+OPTIONS = {  # (holder's options, reader's options)
+    "split-reads": (SPLIT, SPLIT),
+    "reader-polls-only": ({}, {"progress_thread": False}),
+}
 
 
-def _serve_split(conn: Connection, name: str, config: PeerConfig) -> None:
-    """The child process: test_kvtransfer_nixl's server, its NixlTransfer splitting reads."""
-    nixl_tests.NixlTransfer = functools.partial(  # this child's copy of the module only
-        NixlTransfer, max_parts_per_read=MAX_PARTS, min_part_bytes=BLOCK_BYTES
-    )
+def _serve_with(conn: Connection, name: str, config: PeerConfig, options: dict[str, Any]) -> None:
+    """The child process: test_kvtransfer_nixl's server, its NixlTransfer built with options."""
+    nixl_tests.NixlTransfer = functools.partial(NixlTransfer, **options)  # this child only
     nixl_tests._serve(conn, name, config)
 
 
-class SplitPeer(Peer):
-    def __init__(self, name: str, config: PeerConfig) -> None:
+class OptionsPeer(Peer):
+    def __init__(self, name: str, config: PeerConfig, options: dict[str, Any]) -> None:
         self.name = name
         self.conn, child_conn = nixl_tests._CTX.Pipe()
         self.proc = nixl_tests._CTX.Process(
-            target=_serve_split, args=(child_conn, name, config), daemon=True
+            target=_serve_with, args=(child_conn, name, config, options), daemon=True
         )
         self.proc.start()
         child_conn.close()
 
 
-@pytest.fixture(scope="module")
-def peers() -> Iterator[dict[str, Peer]]:
+@pytest.fixture(scope="module", params=list(OPTIONS))
+def peers(request: pytest.FixtureRequest) -> Iterator[dict[str, Peer]]:
+    holder_options, reader_options = OPTIONS[request.param]
     peers: dict[str, Peer] = {
-        "holder": SplitPeer("holder", PeerConfig(seed=5)),
-        "reader": SplitPeer("reader", PeerConfig()),
+        "holder": OptionsPeer("holder", PeerConfig(seed=5), holder_options),
+        "reader": OptionsPeer("reader", PeerConfig(), reader_options),
     }
     try:
         for peer in peers.values():
@@ -61,7 +67,7 @@ def peers() -> Iterator[dict[str, Peer]]:
         stop_peers(list(peers.values()))
 
 
-def test_split_read_moves_every_byte(peers: dict[str, Peer]) -> None:
+def test_read_moves_every_byte(peers: dict[str, Peer]) -> None:
     reader, holder = peers["reader"], peers["holder"]
     remote_ids = [*range(20, 30), 40, 50, 51]
     local_ids = [*range(10), 12, 14, 15]
@@ -70,12 +76,12 @@ def test_split_read_moves_every_byte(peers: dict[str, Peer]) -> None:
     handle = reader.call("read_and_wait", "holder", remote_ids, local_ids)
 
     assert handle.num_blocks == 13
-    assert handle.num_descs == 3  # coalesced descriptors, before cutting into parts
+    assert handle.num_descs == 3  # coalesced descriptors (before any cutting into parts)
     assert_blocks_equal(reader, local_ids, holder, remote_ids)
     assert reader.call("block_bytes", [10, 11, 13]) == before  # untouched neighbours
 
 
-def test_split_read_notifies_the_holder_once_after_completing(peers: dict[str, Peer]) -> None:
+def test_read_notifies_the_holder_once_after_completing(peers: dict[str, Peer]) -> None:
     reader, holder = peers["reader"], peers["holder"]
     reader.call("read_and_wait", "holder", list(range(8)), list(range(32, 40)), b"req-1 done")
     reader.call("read_and_wait", "holder", [60, 61, 62], [40, 41, 42], b"req-2 done")
