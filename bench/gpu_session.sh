@@ -55,6 +55,10 @@ case $phase in
         echo "transfer delay=$delay parts=$parts rc=$?"
       done
     done
+    timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
+      --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 --blocks-per-read 128 \
+      --reader-polls-only --json "$out/transfer_poll.json" > "$out/transfer_poll.txt" 2>&1
+    echo "transfer reader-polls-only rc=$?"
     for blocks in 1 16; do
       timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
         --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 \
