@@ -7,7 +7,7 @@
 #   transfer  transfer_bench.py GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 set -uo pipefail
-phase=${1:?phase: engine, offline or cluster}
+phase=${1:?phase: engine, offline, attention, transfer or cluster}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -16,6 +16,20 @@ fi
 python3 -c "import pytest" 2>/dev/null \
   || python3 -m pip install -q --no-index --no-deps --target /tmp/site .cache/wheels/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv"
+offline_run() {  # NAME [ARGS...]: gpu_engine_bench's 1000-request run into $out/NAME.*
+  local name=$1; shift
+  timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
+    --num-requests 1000 --time-budget 200 "$@" \
+    --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
+  echo "$name rc=$?"
+}
+transfer_8b() {  # NAME [ARGS...]: transfer_bench GPU0 -> GPU1, 8B block geometry, $out/NAME.*
+  local name=$1; shift
+  timeout 120 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
+    --num-layers 32 --num-kv-heads 8 --head-dim 128 "$@" \
+    --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
+  echo "$name rc=$?"
+}
 case $phase in
   engine)
     timeout 300 python3 -m pytest -q -s tests/gpu > "$out/gpu_tests.txt" 2>&1
@@ -34,44 +48,23 @@ case $phase in
     echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
     ;;
   offline)  # bf16 KV at 256 sequences, then fp8 KV (half the bytes) at 512
-    timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
-      --num-requests 1000 --time-budget 200 \
-      --json "$out/gpu_offline.json" > "$out/gpu_offline.txt" 2> "$out/gpu_offline.err"
-    echo "offline bf16 rc=$?"
-    timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
-      --num-requests 1000 --time-budget 200 --kv-cache-dtype fp8 --max-num-seqs 512 \
-      --json "$out/gpu_offline_fp8.json" > "$out/gpu_offline_fp8.txt" \
-      2> "$out/gpu_offline_fp8.err"
-    echo "offline fp8 rc=$?"
+    offline_run gpu_offline
+    offline_run gpu_offline_fp8 --kv-cache-dtype fp8 --max-num-seqs 512
     ;;
   transfer)  # READ time against size, progress-thread delay and parts, then the 2,048 tokens
     for delay in 100 0; do
       for parts in 1 4; do
-        timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
-          --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 \
-          --blocks-per-read 128 --progress-delay-us $delay --parts $parts \
-          --json "$out/transfer_d${delay}_p${parts}.json" > "$out/transfer_d${delay}_p${parts}.txt" \
-          2>&1
-        echo "transfer delay=$delay parts=$parts rc=$?"
+        transfer_8b "transfer_d${delay}_p${parts}" --num-blocks 256 --blocks-per-read 128 \
+          --progress-delay-us "$delay" --parts "$parts"
       done
     done
-    timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
-      --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 --blocks-per-read 128 \
-      --reader-polls-only --json "$out/transfer_poll.json" > "$out/transfer_poll.txt" 2>&1
-    echo "transfer reader-polls-only rc=$?"
+    transfer_8b transfer_poll --num-blocks 256 --blocks-per-read 128 --reader-polls-only
     for blocks in 1 16; do
-      timeout 60 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
-        --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 256 \
-        --blocks-per-read $blocks --json "$out/transfer_b${blocks}.json" \
-        > "$out/transfer_b${blocks}.txt" 2>&1
-      echo "transfer blocks=$blocks rc=$?"
+      transfer_8b "transfer_b${blocks}" --num-blocks 256 --blocks-per-read "$blocks"
     done
     ;;
   cluster)
-    timeout 120 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
-      --num-layers 32 --num-kv-heads 8 --head-dim 128 --num-blocks 512 --blocks-per-read 128 \
-      --json "$out/gpu_transfer.json" > "$out/gpu_transfer.txt" 2> "$out/gpu_transfer.err"
-    echo "transfer rc=$?"
+    transfer_8b gpu_transfer --num-blocks 512 --blocks-per-read 128
     timeout 450 python3 bench/gpu_cluster_bench.py --tokenizer-from .cache/smollm2-tokenizer \
       --time-budget 420 --json "$out/gpu_cluster.json" > "$out/gpu_cluster.txt" \
       2> "$out/gpu_cluster.err"
