@@ -342,7 +342,7 @@ class Engine:
         its blocks are freed then (queued work that writes them runs before any new owner's).
         """
         live = [req for req in current.reqs if not req.is_finished]
-        if not live or any(self._finishes_by_length_next(req) for req in live):
+        if not live or any(self._known_to_end_next(req) for req in live):
             return None
         for req in live:
             req.all_token_ids.append(PLACEHOLDER_TOKEN)
@@ -353,7 +353,9 @@ class Engine:
         self.stats.num_steps_ahead += 1
         return self._launch(scheduled, current)
 
-    def _finishes_by_length_next(self, req: Request) -> bool:
+    def _known_to_end_next(self, req: Request) -> bool:
+        """req's next token ends it by length, or (prefill role) hands its blocks to a lease
+        that a NIXL read may follow at once: either way, do not run ahead of it."""
         return (
             req.hold_kv
             or req.num_output_tokens + 1 >= req.sampling.max_tokens
