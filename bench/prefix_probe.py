@@ -30,8 +30,8 @@ def prefill_holders(
     (holding it implies holding the whole chain before it)."""
     import redis
 
+    from common.kv_index_schema import block_key, worker_key
     from engine.kv_cache.hashing import hash_blocks
-    from router.kv_index_schema import block_key, worker_key
 
     check_loopback(urlsplit(redis_url).hostname or "")
     client = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)

@@ -7,7 +7,7 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from router.types import TokenDelta
+from common.messages import TokenDelta
 
 
 @dataclass

@@ -38,7 +38,7 @@ class LocalCluster:
         self.prefill_actors: dict[str, Any] = {}
         self.decode_actors: dict[str, Any] = {}
         self.backend: Any = None
-        self.model: Any = None  # router.types.ServedModel, once started
+        self.model: Any = None  # common.messages.ServedModel, once started
         self._owns_ray = False
 
     async def start(self, progress=print) -> LocalCluster:

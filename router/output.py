@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.messages import TokenDelta
 from router.errors import BackendError
 from router.metrics import RouterMetrics
 from router.tokenizer import RouterTokenizer, StopChecker
-from router.types import TokenDelta
 
 if TYPE_CHECKING:
     from router.frontend import Prepared

@@ -11,7 +11,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from router.types import WorkerInfo, WorkerLoad
+from common.messages import WorkerInfo, WorkerLoad
 
 POLICY_NAMES = ("kv_aware", "round_robin", "random")
 

@@ -17,8 +17,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from router import kv_index_schema as schema
-from router.types import WorkerInfo
+from common import kv_index_schema as schema
+from common.messages import WorkerInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

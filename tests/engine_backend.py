@@ -9,9 +9,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from common.messages import GenerateRequest, TokenDelta
 from engine.engine import Engine, RequestOutput
 from engine.engine_thread import EngineThread
-from router.types import Backend, GenerateRequest, TokenDelta
+from router.backend import Backend
 
 T = TypeVar("T")
 

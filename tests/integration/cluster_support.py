@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from router.frontend import Frontend
 from router.metrics import RouterMetrics
 from router.serve import RouterServers
 from router.tokenizer import RouterTokenizer
-from router.types import GenerateRequest, TokenDelta
 from tests.server_harness import LoopThread
 
 NUM_BLOCKS = 256

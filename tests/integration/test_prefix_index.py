@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 import redis
 
+from common import kv_index_schema as schema
+from common.kv_publisher import KVPublisher
+from common.messages import WorkerLoad
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import hash_blocks, hash_hex
-from router import kv_index_schema as schema
-from router.kv_publisher import KVPublisher
 from router.prefix_index import IndexUnavailable, PrefixIndex
-from router.types import WorkerLoad
 from tests.redis_server import RedisServer
 
 MODEL = "test-model"
@@ -218,7 +218,7 @@ def test_redis_killed_then_restarted_empty(
                 with pytest.raises(IndexUnavailable):
                     await index.view("prefill", p)
         assert not index.available and not w1.publisher.healthy and w1.publisher.dirty
-        warnings = [r for r in caplog.records if r.name == "router.kv_publisher"]
+        warnings = [r for r in caplog.records if r.name == "common.kv_publisher"]
         assert len(warnings) == 1  # once per outage, not once per step
         w2.pool.evict_all_cached()  # w2 drops its blocks (and never saw the outage)
         redis_server.restart()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router import kv_index_schema as schema
-from router.types import WorkerInfo, WorkerLoad
+from common import kv_index_schema as schema
+from common.messages import WorkerInfo, WorkerLoad
 
 
 def test_keys_share_the_model_hash_tag() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.messages import WorkerInfo, WorkerLoad
 from router.policy import (
     KVAwarePolicy,
     NoWorkerAvailable,
@@ -14,7 +15,6 @@ from router.policy import (
     route_by_load,
     use_local_prefill,
 )
-from router.types import WorkerInfo, WorkerLoad
 
 BLOCK = 16
 

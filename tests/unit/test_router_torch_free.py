@@ -8,11 +8,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = (
-    "router.kv_index_schema",
-    "router.kv_publisher",
+    "common.kv_index_schema",
+    "common.messages",
+    "common.kv_publisher",
     "router.prefix_index",
     "router.policy",
-    "router.types",
+    "router.backend",
+    "router.frontend",
+    "router.cluster_backend",
     "deploy.redis_local",
 )
 

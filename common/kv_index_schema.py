@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from common.messages import WorkerInfo, WorkerLoad
 from engine.kv_cache.hashing import hash_hex
-from router.types import WorkerInfo, WorkerLoad
 
 KEY_PREFIX = "kvr"
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(WorkerLoad))

@@ -1,7 +1,7 @@
 """Worker side of the KV index: publishes one worker's KV events, load and liveness to Redis.
 
-Owns the worker's sync Redis connection and its outage state (healthy / dirty). Torch-free; it
-lives next to the router's reader so both sides share router.kv_index_schema.
+Owns the worker's sync Redis connection and its outage state (healthy / dirty). Torch-free; the
+router's reader (router/prefix_index.py) and this writer share common/kv_index_schema.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from common import kv_index_schema as schema
+from common.messages import WorkerLoad
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 from engine.kv_cache.hashing import hash_hex
-from router import kv_index_schema as schema
-from router.types import WorkerLoad
 
 log = logging.getLogger(__name__)
 

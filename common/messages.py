@@ -1,13 +1,12 @@
-"""Values that cross the router's boundaries (front ends <-> backend <-> workers); no state.
+"""Every value that crosses a process boundary (router <-> prefill / decode workers, workers <->
+Redis): requests, token deltas, KV handles, transfer stats, worker load, served-model info.
 
-Every type here is a frozen dataclass and torch-free, so Ray can pickle it and the router can
-import it without pulling in the engine's model code.
+Holds no state. Every type is a frozen dataclass and the module is torch-free, so Ray pickles
+them cheaply and the router imports them without the engine's model code.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -26,6 +25,39 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class TransferStats:
+    """How a decode worker got one request's prompt KV (on that request's first delta)."""
+
+    num_blocks: int = 0  # blocks pulled over NIXL (0: all reused locally, or recomputed)
+    num_bytes: int = 0
+    seconds: float = 0.0
+    recomputed: bool = False  # the pull failed or was refused: the decode worker recomputed
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Returned by a prefill worker; the blocks stay pinned until released or lease_expires_at.
+
+    finish_reason is set when the first token already ends the request (the prefill engine's
+    own finish reason: eos, a stop token, a stop string or the length); no decode is needed
+    and no block is held.
+    """
+
+    req_id: str
+    worker_id: str
+    actor_name: str
+    agent_name: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token_id: int
+    protocol_version: int
+    lease_expires_at: float  # time.time() on the prefill worker's clock
+    num_cached_tokens: int = 0
+    first_logprob: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """New tokens of one request from one engine step (the backend's streaming unit)."""
 
@@ -37,11 +69,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     logprobs: tuple[float, ...] = ()
     error: str | None = None  # set with finish_reason "error": why the request failed
-    # KV transfer of this request (set on the decode worker's first delta only).
-    num_transferred_blocks: int = 0
-    transfer_bytes: int = 0
-    transfer_s: float = 0.0
-    recomputed: bool = False  # the pull failed or was refused: the decode worker recomputed
+    transfer: TransferStats | None = None  # on the decode worker's first delta only
 
 
 @dataclass(frozen=True)
@@ -75,27 +103,3 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     block_size: int
-
-
-class Backend(abc.ABC):
-    """What the front ends call; the cluster backend routes to Ray workers.
-
-    Invariant: generate() yields deltas in order and ends after exactly one delta with
-    finished=True; cancelling the iterator (client gone) aborts the request everywhere.
-    """
-
-    model_id: str
-    max_model_len: int
-    vocab_size: int
-
-    @abc.abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Stream the request's tokens."""
-
-    @abc.abstractmethod
-    async def abort(self, req_id: str) -> None:
-        """Stop a request and free its blocks on every worker (no-op if unknown)."""
-
-    @abc.abstractmethod
-    async def health(self) -> dict[str, object]:
-        """Liveness summary: {"ok": bool, ...details}."""

@@ -1,0 +1,32 @@
+"""Backend: what the router's front ends call to run a request (an ABC; holds no state)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+
+from common.messages import GenerateRequest, TokenDelta
+
+
+class Backend(abc.ABC):
+    """What the front ends call; the cluster backend routes to Ray workers.
+
+    Invariant: generate() yields deltas in order and ends after exactly one delta with
+    finished=True; cancelling the iterator (client gone) aborts the request everywhere.
+    """
+
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's tokens."""
+
+    @abc.abstractmethod
+    async def abort(self, req_id: str) -> None:
+        """Stop a request and free its blocks on every worker (no-op if unknown)."""
+
+    @abc.abstractmethod
+    async def health(self) -> dict[str, object]:
+        """Liveness summary: {"ok": bool, ...details}."""
