@@ -8,19 +8,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from common.messages import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidField, check_request
+from router.backend import Backend
 from router.errors import BackendError, InvalidRequest
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, OutputTracker, Usage
 from router.tokenizer import RouterTokenizer
-from router.types import Backend, GenerateRequest, TokenDelta
 
 __all__ = [
     "BackendError",
@@ -34,8 +34,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_MAX_SEED = 2**63
-_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)")
 
 
 @dataclass(frozen=True)
@@ -121,10 +119,10 @@ class Frontend:
                 "model_not_found",
             )
         prompt_ids = self._prompt_ids(spec)
-        self._check_prompt(prompt_ids, spec.input_param)
-        room = self.backend.max_model_len - len(prompt_ids)
+        max_len = self.backend.max_model_len
         max_tokens = spec.max_tokens
         if max_tokens is None:
+            room = max(1, max_len - len(prompt_ids))
             max_tokens = min(room, self.max_tokens_cap or room)
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -136,8 +134,13 @@ class Frontend:
             stop_token_ids=spec.stop_token_ids,
             ignore_eos=spec.ignore_eos,
             logprobs=spec.logprobs,
+            stop=spec.stop,
         )
-        self._check_sampling(sampling, spec.stop)
+        try:
+            check_request(prompt_ids, sampling, self.backend.vocab_size, max_len, spec.input_param)
+        except InvalidField as e:
+            raise InvalidRequest(e.message, e.field, e.code) from None
+        sampling = replace(sampling, stop=())  # stop strings stay in the router (it detokenizes)
         req_id = spec.req_id or f"req-{uuid.uuid4().hex}"
         request = GenerateRequest(req_id, tuple(prompt_ids), sampling, spec.cache_salt, time.time())
         return Prepared(request, spec.stop, arrival)
@@ -157,36 +160,6 @@ class Frontend:
         if spec.prompt is not None:
             return self.tokenizer.encode(spec.prompt)
         return list(spec.prompt_token_ids or ())
-
-    def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param)
-        vocab = self.backend.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
-        limit = self.backend.max_model_len
-        if len(prompt_ids) >= limit:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens, but this model's context length is "
-                f"{limit} tokens and the prompt must leave room for at least one output token",
-                param,
-                "context_length_exceeded",
-            )
-
-    def _check_sampling(self, sampling: SamplingParams, stop: tuple[str, ...]) -> None:
-        for name in ("temperature", "top_p", "min_p"):
-            if not math.isfinite(getattr(sampling, name)):
-                raise InvalidRequest(f"{name} must be a finite number", name)
-        if sampling.seed is not None and not -_MAX_SEED <= sampling.seed < _MAX_SEED:
-            raise InvalidRequest("seed must fit in a signed 64-bit integer", "seed")
-        if any(not s for s in stop):
-            raise InvalidRequest("stop strings must be non-empty", "stop")
-        try:
-            sampling.validate(self.backend.vocab_size)
-        except ValueError as e:
-            match = _FIELD_IN_MESSAGE.match(str(e))
-            raise InvalidRequest(str(e), match.group(1) if match else None) from None
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
