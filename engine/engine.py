@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
+from engine.validation import check_request
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -188,19 +189,8 @@ class Engine:
         return list(prompt)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError with a clear message for input the engine cannot serve."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
-                " (the prompt must leave room for at least one generated token)"
-            )
-        params.validate(vocab)
+        """Raise InvalidField (a ValueError naming the field) for input this engine cannot serve."""
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -211,7 +201,12 @@ class Engine:
         retention_priority: int = DEFAULT_PRIORITY,
         hold_kv: bool = False,
     ) -> Request:
-        """Queue a request. hold_kv (prefill role): keep its blocks when it finishes."""
+        """Queue a request.
+
+        hold_kv (prefill role): the request ends after its first token and keeps its blocks
+        under a lease (release_kv drops it). Its finish reason is the true one when that token
+        ends it (stop, length), else "prefilled": the decode continues elsewhere.
+        """
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
         req.hold_kv = hold_kv
         self.scheduler.add(req)
@@ -231,11 +226,10 @@ class Engine:
         The caller pulls the remote blocks named by the plan, then calls commit_kv (or fail_kv
         to recompute locally).
         """
-        req = self._new_request(req_id, prompt_token_ids, params, cache_salt, DEFAULT_PRIORITY)
         if req_id in self.scheduler.requests or req_id in self.loader.loading:
             raise ValueError(f"request id {req_id!r} is already in use")
-        if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+        # Admission (the router, then the prefill engine) checked the prompt and the sampling.
+        req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
         req.append_token(first_token_id)
         plan = self.loader.reserve(req)
         if plan is not None:
@@ -395,6 +389,8 @@ class Engine:
             reason, stop_reason = FinishReason.STOP, token_id
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
+        elif req.hold_kv:
+            reason = FinishReason.PREFILLED
         held: list[int] | None = None
         if reason is not None:
             if stop:

@@ -17,7 +17,10 @@ from engine.scheduler import Scheduler
 @dataclass(frozen=True)
 class KVLoadPlan:
     """Which local blocks to fill: remote prompt blocks [first_block, first_block + n) go to
-    local_block_ids (n = len(local_block_ids)); blocks before first_block are reused locally."""
+    local_block_ids (n = len(local_block_ids)); blocks before first_block are reused locally.
+
+    num_cached_tokens here is the decode side's own reuse (it only shortens the pull); the
+    request's cached tokens are the prefill engine's, reported in its KVHandle."""
 
     req_id: str
     local_block_ids: tuple[int, ...]
@@ -38,7 +41,6 @@ class RemoteKVLoader:
         if not self.kv.can_allocate(req, num_missing, match):
             return None
         self.kv.allocate(req, num_missing, match)
-        req.num_cached_tokens = match.num_tokens
         req.status = RequestStatus.LOADING_KV
         self.loading[req.req_id] = req
         num_prompt_blocks = cdiv(req.num_prompt_tokens, self.kv.block_size)

@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    PREFILLED = "prefilled"  # prefill role: the prompt is done, decoding goes on elsewhere
 
 
 @dataclass(eq=False)
@@ -33,14 +34,16 @@ class Request:
     cache_salt: str | None = None
     retention_priority: int = DEFAULT_PRIORITY
     arrival_time: float = field(default_factory=time.monotonic)
-    hold_kv: bool = False  # prefill role: keep the blocks under a lease when finished
+    # Prefill role: the request ends after its first token, keeping its blocks under a lease.
+    hold_kv: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
+    # Prompt tokens found in the prefix cache at first admission; written by the scheduler only.
+    num_cached_tokens: int = -1
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -10,16 +10,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from common.messages import GenerateRequest, KVHandle, ServedModel, WorkerLoad
+from common.worker_runtime import engine_load, make_publisher, served_model, set_threads, shut_down
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 from kvtransfer.base import AgentMetadata
-from kvtransfer.handle import KVHandle
 from kvtransfer.handshake import PROTOCOL_VERSION
-from prefill_worker.load import engine_load, served_model
-from router.kv_publisher import KVPublisher
-from router.types import GenerateRequest, ServedModel, WorkerLoad
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine, RequestOutput
@@ -60,7 +57,6 @@ class PrefillWorker:
         )
         self._leases: dict[str, float] = {}  # req_id -> expiry (time.time())
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._params: dict[str, SamplingParams] = {}
         self._next_heartbeat = 0.0
         self.num_expired_leases = 0
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
@@ -71,11 +67,13 @@ class PrefillWorker:
         future: asyncio.Future[KVHandle] = loop.create_future()
 
         def add(engine: Engine) -> None:
-            params = replace(request.sampling, max_tokens=1, stop=())
             engine.add_request(
-                request.req_id, request.prompt_token_ids, params, request.cache_salt, hold_kv=True
+                request.req_id,
+                request.prompt_token_ids,
+                request.sampling,
+                request.cache_salt,
+                hold_kv=True,
             )
-            self._params[request.req_id] = request.sampling
             self._waiters[request.req_id] = (loop, future)
 
         await self.thread.call(add)
@@ -94,7 +92,6 @@ class PrefillWorker:
             engine.abort(req_id)
             self._release(engine, req_id)
             waiter = self._waiters.pop(req_id, None)
-            self._params.pop(req_id, None)
             if waiter:
                 loop, future = waiter
                 loop.call_soon_threadsafe(_cancel, future)
@@ -139,16 +136,16 @@ class PrefillWorker:
         now = time.time()
         for out in outputs:
             waiter = self._waiters.pop(out.req_id, None)
-            params = self._params.pop(out.req_id, None)
-            if waiter is None or params is None:
+            # The engine decided: "prefilled" keeps the blocks for a decode worker; any other
+            # reason (eos, a stop token, the length) means the first token ended the request.
+            finish = None if out.finish_reason == "prefilled" else out.finish_reason
+            if waiter is None or finish is not None:
                 self.engine.release_kv(out.req_id)
+            if waiter is None:
                 continue
-            first = out.new_token_ids[0]
-            finish = _first_token_finish(self.engine, params, first)
-            if finish is not None:
-                self.engine.release_kv(out.req_id)
-            else:
+            if finish is None:
                 self._leases[out.req_id] = now + self.config.lease_s
+            first = out.new_token_ids[0]
             handle = KVHandle(
                 req_id=out.req_id,
                 worker_id=self.worker_id,
@@ -187,14 +184,6 @@ class PrefillWorker:
         return False
 
 
-def _first_token_finish(engine: Engine, params: SamplingParams, token_id: int) -> str | None:
-    if token_id in params.stop_token_ids or (
-        not params.ignore_eos and token_id in engine.eos_token_ids
-    ):
-        return "stop"
-    return "length" if params.max_tokens == 1 else None
-
-
 def _settle(future: asyncio.Future, value: object) -> None:
     if not future.done():
         future.set_result(value)
@@ -203,41 +192,3 @@ def _settle(future: asyncio.Future, value: object) -> None:
 def _cancel(future: asyncio.Future) -> None:
     if not future.done():
         future.cancel()
-
-
-def set_threads(num_threads: int | None) -> None:
-    if num_threads:
-        import torch
-
-        torch.set_num_threads(num_threads)
-
-
-def shut_down(thread: Any, publisher: KVPublisher | None, transfer: Any) -> None:
-    """Stop a worker's engine thread, withdraw it from the index, close its NIXL agent."""
-    thread.stop()
-    if publisher is not None:
-        publisher.withdraw()
-        publisher.close()
-    transfer.close()
-
-
-def make_publisher(
-    redis_url: str | None,
-    worker_id: str,
-    engine: Engine,
-    actor_name: str,
-    role: str,
-    agent_name: str,
-) -> KVPublisher | None:
-    """The worker's Redis publisher, or None when the cluster runs without Redis."""
-    if not redis_url:
-        return None
-    return KVPublisher(
-        redis_url,
-        engine.model_id,
-        worker_id,
-        role,
-        cached_hashes=engine.kv.pool.cached_hashes,
-        actor_name=actor_name,
-        nixl_agent=agent_name,
-    )
