@@ -1,34 +1,28 @@
-"""DecodeWorker (Ray actor): owns an Engine in decode role, its NIXL agent, the admissions
-waiting for blocks, the pulls in flight and the per-router mailboxes.
+"""DecodeWorker (Ray actor): owns an Engine in decode role, its NIXL agent, its KVPuller, the
+per-router mailboxes and which router each request answers to.
 
-submit() queues a prefilled request; the engine thread admits it when blocks are free (reusing
-its own prefix cache), pulls only the missing blocks with one NIXL READ whose notification
-releases the prefill lease, then decodes it in the running batch. A failed or refused pull
-falls back to recomputing the prompt locally, so the request still completes.
+submit() hands a prefilled request to the KVPuller (admission, NIXL read, recompute fallback);
+the engine thread steps the puller and the engine and pushes one batch of deltas per step to
+each router's mailbox. This class only wires Ray to those parts.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
 
+from common.messages import GenerateRequest, KVHandle, ServedModel, TokenDelta, WorkerLoad
+from common.worker_runtime import engine_load, make_publisher, served_model, set_threads, shut_down
+from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
-from kvtransfer.base import AgentMetadata, KVTransferError, TransferHandle, TransferState
-from kvtransfer.handle import KVHandle
-from kvtransfer.handshake import IncompatiblePeerError
-from prefill_worker.load import engine_load, served_model
-from prefill_worker.worker import make_publisher, set_threads, shut_down
-from router.types import GenerateRequest, ServedModel, TokenDelta, WorkerLoad
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine, RequestOutput
-    from engine.kv_loading import KVLoadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -41,21 +35,6 @@ class DecodeWorkerConfig:
     transfer_timeout_s: float = 10.0
     heartbeat_s: float = 1.0
     num_threads: int | None = None
-
-
-@dataclass(frozen=True)
-class _Admission:
-    request: GenerateRequest
-    handle: KVHandle
-    router_id: str
-
-
-@dataclass(frozen=True)
-class _Pull:
-    xfer: TransferHandle
-    handle: KVHandle
-    started: float
-    num_blocks: int
 
 
 class DecodeWorker:
@@ -75,7 +54,9 @@ class DecodeWorker:
             timeout_s=config.transfer_timeout_s,
         )
         self.transfer.register(self.engine.kv_cache)
-        self.block_bytes = self.transfer.metadata().block_bytes
+        self.puller = KVPuller(
+            self.engine, self.transfer, _release_lease, config.transfer_timeout_s
+        )
         self.publisher = make_publisher(
             config.redis_url,
             config.worker_id,
@@ -85,28 +66,27 @@ class DecodeWorker:
             self.transfer.agent_name,
         )
         self.mailboxes = Mailboxes()
-        self._peer_meta: dict[str, AgentMetadata] = {}
-        self._peers: dict[str, str | None] = {}  # prefill actor -> NIXL peer (None: refused)
-        self._admissions: deque[_Admission] = deque()
-        self._pulls: dict[str, _Pull] = {}
         self._routes: dict[str, str] = {}  # req_id -> router_id
-        self._first_delta: dict[str, dict] = {}
         self._next_heartbeat = 0.0
-        self.num_transferred_blocks = 0
-        self.num_recomputed = 0
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
 
     # ---- actor API -----------------------------------------------------------------------
     async def submit(self, request: GenerateRequest, handle: KVHandle, router_id: str) -> None:
         """Queue a prefilled request; its tokens arrive through next_deltas(router_id)."""
-        if handle.actor_name not in self._peer_meta:
+        meta = None
+        if not self.puller.knows_peer(handle.actor_name):
             try:
-                actor = ray.get_actor(handle.actor_name)
-                self._peer_meta[handle.actor_name] = await actor.metadata.remote()
-            except Exception as e:  # the prefill worker is gone: recompute locally
+                meta = await ray.get_actor(handle.actor_name).metadata.remote()
+            except Exception as e:  # the prefill worker is gone: the puller recomputes
                 logger.warning("no metadata from %s (%s); will recompute", handle.actor_name, e)
-        admission = _Admission(request, handle, router_id)
-        await self.thread.call(lambda engine: self._admissions.append(admission))
+
+        def run(engine: Engine) -> None:
+            if meta is not None:
+                self.puller.add_peer_metadata(handle.actor_name, meta)
+            self._routes[request.req_id] = router_id
+            self.puller.submit(request, handle)
+
+        await self.thread.call(run)
 
     async def next_deltas(self, router_id: str, timeout_s: float = 1.0) -> list[TokenDelta]:
         return await self.mailboxes.take(router_id, timeout_s)
@@ -122,8 +102,8 @@ class DecodeWorker:
 
     async def stats(self) -> dict[str, int]:
         return {
-            "num_transferred_blocks": self.num_transferred_blocks,
-            "num_recomputed": self.num_recomputed,
+            "num_transferred_blocks": self.puller.num_transferred_blocks,
+            "num_recomputed": self.puller.num_recomputed,
         }
 
     async def check_no_leaks(self) -> dict[str, int]:
@@ -133,7 +113,7 @@ class DecodeWorker:
                 "free": engine.kv.num_free_blocks,
                 "total": engine.kv.num_blocks,
                 "requests": len(engine.scheduler.requests) + len(engine.loader.loading),
-                "pulls": len(self._pulls),
+                "pulls": self.puller.num_pulls,
                 "open_handles": self.transfer.num_open_handles,
             }
 
@@ -144,120 +124,22 @@ class DecodeWorker:
 
     # ---- engine thread -------------------------------------------------------------------
     def _abort(self, engine: Engine, req_id: str) -> None:
-        for admission in list(self._admissions):
-            if admission.request.req_id == req_id:
-                self._admissions.remove(admission)
-                _release_lease(admission.handle)
-        pull = self._pulls.pop(req_id, None)
-        if pull is not None:
-            self._release_xfer(pull.xfer)
-            _release_lease(pull.handle)
+        self.puller.abort(req_id)
         engine.abort(req_id)
         self._routes.pop(req_id, None)
-        self._first_delta.pop(req_id, None)
 
     def _on_tick(self) -> bool:
-        self._admit()
-        self._poll_pulls()
+        for refused in self.puller.step():
+            router_id = self._routes.pop(refused.req_id, None)
+            if router_id is not None:
+                delta = TokenDelta(refused.req_id, (), True, "error", error=refused.error)
+                self.mailboxes.push(router_id, [delta])
         now = time.time()
         if self.publisher is not None and now >= self._next_heartbeat:
             self.engine.kv.pool.drain_events()
             self.publisher.heartbeat(engine_load(self.engine))
             self._next_heartbeat = now + self.config.heartbeat_s
-        return bool(self._pulls or self._admissions)
-
-    def _admit(self) -> None:
-        while self._admissions:
-            admission = self._admissions[0]
-            request, handle = admission.request, admission.handle
-            try:
-                plan = self.engine.add_prefilled_request(
-                    request.req_id,
-                    request.prompt_token_ids,
-                    handle.first_token_id,
-                    replace(request.sampling, stop=()),
-                    request.cache_salt,
-                )
-            except ValueError as e:
-                self._admissions.popleft()
-                _release_lease(handle)
-                self._send(
-                    admission.router_id,
-                    TokenDelta(
-                        request.req_id, (), finished=True, finish_reason="error", error=str(e)
-                    ),
-                )
-                continue
-            if plan is None:
-                return  # FIFO: wait for blocks rather than overtake
-            self._admissions.popleft()
-            self._routes[request.req_id] = admission.router_id
-            self._start_pull(handle, plan)
-
-    def _start_pull(self, handle: KVHandle, plan: KVLoadPlan) -> None:
-        req_id = handle.req_id
-        if not plan.local_block_ids:
-            self.engine.commit_kv(req_id)
-            _release_lease(handle)
-            return
-        peer = self._peer(handle.actor_name)
-        expired = handle.lease_expires_at - time.time() < self.config.transfer_timeout_s / 10
-        if peer is None or expired:
-            self._recompute(handle, "lease expired" if expired else "peer unavailable")
-            return
-        first = plan.first_block
-        remote = handle.block_ids[first : first + len(plan.local_block_ids)]
-        try:
-            xfer = self.transfer.read(peer, remote, plan.local_block_ids, req_id.encode())
-        except (ValueError, KVTransferError) as e:
-            self._recompute(handle, f"read refused: {e}")
-            return
-        self._pulls[req_id] = _Pull(xfer, handle, time.monotonic(), len(remote))
-
-    def _poll_pulls(self) -> None:
-        for req_id, pull in list(self._pulls.items()):
-            state = self.transfer.poll(pull.xfer)
-            if state is TransferState.PENDING:
-                continue
-            del self._pulls[req_id]
-            reason = self.transfer.failure_reason(pull.xfer)
-            self._release_xfer(pull.xfer)
-            if state is TransferState.DONE:
-                self.engine.commit_kv(req_id)
-                self.num_transferred_blocks += pull.num_blocks
-                self._first_delta[req_id] = {
-                    "num_transferred_blocks": pull.num_blocks,
-                    "transfer_bytes": pull.num_blocks * self.block_bytes,
-                    "transfer_s": time.monotonic() - pull.started,
-                }
-            else:
-                self._recompute(pull.handle, f"read failed: {reason}")
-
-    def _recompute(self, handle: KVHandle, why: str) -> None:
-        logger.warning("request %s: %s; recomputing its prompt locally", handle.req_id, why)
-        self.engine.fail_kv(handle.req_id)
-        self.num_recomputed += 1
-        self._first_delta[handle.req_id] = {"recomputed": True}
-        _release_lease(handle)
-
-    def _peer(self, actor_name: str) -> str | None:
-        if actor_name not in self._peers:
-            meta = self._peer_meta.get(actor_name)
-            try:
-                self._peers[actor_name] = self.transfer.add_peer(meta) if meta else None
-            except IncompatiblePeerError as e:
-                logger.error("refusing KV from %s: %s", actor_name, e)
-                self._peers[actor_name] = None
-            except KVTransferError as e:
-                logger.error("cannot connect to %s: %s", actor_name, e)
-                return None
-        return self._peers[actor_name]
-
-    def _release_xfer(self, xfer: TransferHandle) -> None:
-        try:
-            self.transfer.release(xfer)
-        except KVTransferError as e:
-            logger.warning("could not release a NIXL transfer: %s", e)
+        return self.puller.busy
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         by_router: dict[str, list[TokenDelta]] = {}
@@ -267,7 +149,6 @@ class DecodeWorker:
                 continue
             if out.finished:
                 del self._routes[out.req_id]
-            extra = self._first_delta.pop(out.req_id, {})
             by_router.setdefault(router_id, []).append(
                 TokenDelta(
                     out.req_id,
@@ -275,16 +156,12 @@ class DecodeWorker:
                     finished=out.finished,
                     finish_reason=out.finish_reason,
                     num_prompt_tokens=out.num_prompt_tokens,
-                    num_cached_tokens=out.num_cached_tokens,
                     logprobs=tuple(out.new_logprobs or ()),
-                    **extra,
+                    transfer=self.puller.take_stats(out.req_id),
                 )
             )
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
-
-    def _send(self, router_id: str, delta: TokenDelta) -> None:
-        self.mailboxes.push(router_id, [delta])
 
 
 def _release_lease(handle: KVHandle) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from router.types import WorkerInfo
+from common.messages import TransferStats, WorkerInfo
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -121,9 +121,11 @@ class RouterMetrics:
         self.e2e_latency.observe(latency_s)
 
     # ---- cluster-backend hooks -----------------------------------------------------------
-    def observe_transfer(self, seconds: float, num_bytes: int) -> None:
-        self.transfer_time.observe(seconds)
-        self.transfer_bytes.inc(num_bytes)
+    def observe_transfer(self, stats: TransferStats) -> None:
+        """One request's KV pull (nothing to record when no block moved)."""
+        if stats.num_bytes:
+            self.transfer_time.observe(stats.seconds)
+            self.transfer_bytes.inc(stats.num_bytes)
 
     def set_worker_load(self, worker: WorkerInfo) -> None:
         for name in _LOAD_FIELDS:

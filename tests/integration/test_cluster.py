@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import ray
 
+from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from router.policy import make_prefill_policy
 from router.prefix_index import IndexUnavailable
-from router.types import GenerateRequest
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
@@ -71,7 +71,7 @@ def test_token_exact_for_concurrent_requests(cluster, loop, make_engine, tokeniz
     for i, deltas in enumerate(results):
         assert tokens_of(deltas) == expected[f"ref{i}"], f"request {i}"
         assert deltas[-1].finished and deltas[-1].finish_reason == "length"
-    transferred = [d.num_transferred_blocks for ds in results for d in ds]
+    transferred = [d.transfer.num_blocks for ds in results for d in ds if d.transfer]
     assert sum(transferred) > 0, "KV must move over NIXL"
 
 
@@ -112,8 +112,8 @@ def test_kv_aware_routing_beats_round_robin(cluster, loop, tokenizer):
 def test_only_missing_blocks_move(cluster, loop, tokenizer):
     prompts = shared_prefix_prompts(tokenizer, "Gamma", 2)
     first, second = run_sequentially(cluster, loop, prompts, "mv")
-    moved_first = sum(d.num_transferred_blocks for d in first)
-    moved_second = sum(d.num_transferred_blocks for d in second)
+    moved_first = sum(d.transfer.num_blocks for d in first if d.transfer)
+    moved_second = sum(d.transfer.num_blocks for d in second if d.transfer)
     assert moved_first >= len(prompts[0]) // 16
     assert 0 < moved_second < moved_first
 
