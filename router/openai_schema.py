@@ -14,8 +14,60 @@ from router.frontend import ChatMessage, RequestSpec
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
+def _absent(value: object) -> bool:
+    return value is None or value == {} or value == []
+
+
+# Request fields that change the output and are not built yet (OpenAI's and the common vLLM
+# extras): each is refused with a 400 naming it, unless it holds its do-nothing value. Fields
+# that do not change the output (user, metadata, store, ...) are accepted and ignored.
+_NOT_BUILT: dict[str, object] = {
+    "response_format": lambda v: _absent(v) or v == {"type": "text"},
+    "tools": _absent,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": _absent,
+    "function_call": lambda v: v is None or v == "none",
+    "logit_bias": _absent,
+    "best_of": lambda v: v is None or v == 1,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "min_tokens": lambda v: v is None or v == 0,
+    "use_beam_search": lambda v: v is None or v is False,
+    "length_penalty": lambda v: v is None or v == 1,
+    "prediction": _absent,
+    "audio": _absent,
+    "modalities": lambda v: _absent(v) or v == ["text"],
+    "guided_json": _absent,
+    "guided_regex": _absent,
+    "guided_choice": _absent,
+    "guided_grammar": _absent,
+    "guided_decoding_backend": _absent,
+    "structured_outputs": _absent,
+    "allowed_token_ids": _absent,
+    "bad_words": _absent,
+    "prompt_logprobs": _absent,
+    "web_search_options": _absent,
+}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _TopLevelBody(_Body):
+    """A request body: unknown fields are kept (model_extra) so those not built are refused."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def _refuse_not_built(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            is_off = _NOT_BUILT.get(name)
+            if is_off is not None and not is_off(value):  # type: ignore[operator]
+                raise InvalidRequest(
+                    f"{name} is not supported by this server yet; leave it out (it would "
+                    "change the output, so it is refused rather than ignored)",
+                    name,
+                    "unsupported_parameter",
+                )
 
 
 class TextPart(_Body):
@@ -39,7 +91,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _CommonRequest(_Body):
+class _CommonRequest(_TopLevelBody):
     """Fields shared by /v1/chat/completions and /v1/completions (plus vLLM-style extras)."""
 
     model: str
@@ -65,6 +117,7 @@ class _CommonRequest(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _check_supported(self) -> None:
+        self._refuse_not_built()
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported", "n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -111,13 +164,19 @@ class ChatCompletionRequest(_CommonRequest):
 
 class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0)  # the sampled token's logprob only
+    logprobs: int | None = Field(default=None, ge=0)  # 0: the sampled token's logprob only
     echo: bool = False
     suffix: str | None = None
 
     def to_spec(self, req_id: str) -> RequestSpec:
         if self.echo:
             raise InvalidRequest("echo is not supported", "echo")
+        if self.logprobs:
+            raise InvalidRequest(
+                "logprobs > 0 (top alternatives) is not supported yet; logprobs=0 returns the "
+                "sampled token's logprob",
+                "logprobs",
+            )
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
         prompt = self.prompt

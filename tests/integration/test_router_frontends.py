@@ -168,6 +168,11 @@ def test_grpc_generate_streams_the_engine_greedy_tokens(served: Served) -> None:
 
 # ---- bad input ----------------------------------------------------------------------------
 LONG_PROMPT = "hello " * (MAX_MODEL_LEN + 10)
+JSON_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "city", "schema": {"type": "object", "properties": {}}},
+}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_BODY = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 1}
 BAD_HTTP = [
     ("/v1/chat/completions", b'{"model": "x", "messages": [', None, "JSON"),
@@ -180,6 +185,19 @@ BAD_HTTP = [
     ("/v1/completions", {**CHAT_BODY, "prompt": LONG_PROMPT}, "prompt", "context length"),
     ("/v1/completions", {**CHAT_BODY, "prompt": [1, 10**6]}, "prompt", "vocabulary"),
     ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "n": 2}, "n", "n=1"),
+    # Fields that would change the output but are not built: refused, never ignored.
+    ("/v1/chat/completions", {**CHAT_BODY, "response_format": JSON_SCHEMA}, "response_format", ""),
+    (
+        "/v1/chat/completions",
+        {**CHAT_BODY, "response_format": {"type": "json_object"}},
+        "response_format",
+        "not supported",
+    ),
+    ("/v1/chat/completions", {**CHAT_BODY, "tools": [TOOL]}, "tools", "not supported"),
+    ("/v1/chat/completions", {**CHAT_BODY, "tool_choice": "required"}, "tool_choice", ""),
+    ("/v1/chat/completions", {**CHAT_BODY, "logit_bias": {"42": 100}}, "logit_bias", ""),
+    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logit_bias": {"42": 5}}, "logit_bias", ""),
+    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logprobs": 3}, "logprobs", "logprobs=0"),
 ]
 
 
@@ -192,6 +210,21 @@ def test_bad_http_input_is_400_with_a_message(
     error = reply["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert message in error["message"], error
+
+
+def test_openai_client_gets_400_for_a_json_schema_and_its_do_nothing_value_passes(
+    served: Served,
+) -> None:
+    client = served.client()
+    with pytest.raises(openai.BadRequestError, match="response_format") as info:
+        client.chat.completions.create(
+            model=served.model, messages=CHAT, max_tokens=1, response_format=JSON_SCHEMA
+        )
+    assert info.value.status_code == 400
+    reply = client.chat.completions.create(
+        model=served.model, messages=CHAT, max_tokens=1, response_format={"type": "text"}
+    )
+    assert reply.usage.completion_tokens == 1
 
 
 def test_server_keeps_serving_after_bad_input(served: Served) -> None:

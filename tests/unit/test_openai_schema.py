@@ -53,6 +53,12 @@ def test_completion_prompt_forms() -> None:
         ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
         ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
+        ({**CHAT, "logit_bias": {"7": 1}}, "logit_bias"),
+        ({**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
+        ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
     ],
 )
 def test_unsupported_options_are_refused(body: dict, param: str) -> None:
@@ -72,3 +78,23 @@ def test_validation_errors_name_the_field() -> None:
     assert error.param == "prompt" and "str or list[int]" in error.message, error.message
     error = parse_error(ChatCompletionRequest, {**CHAT, "messages": [{"role": "u", "content": 1}]})
     assert error.param == "messages.0.content", error.message
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "text"}},
+        {"tools": [], "tool_choice": "none", "logit_bias": {}},
+        {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
+    ],
+)
+def test_fields_that_change_nothing_pass(extra: dict) -> None:
+    spec = ChatCompletionRequest.model_validate_json(json.dumps({**CHAT, **extra})).to_spec("r")
+    assert spec.messages == (ChatMessage("user", "hi"),)
+
+
+def test_completion_top_logprobs_are_refused() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        CompletionRequest(model="m", prompt="a", logprobs=2).to_spec("r")
+    assert info.value.param == "logprobs"
+    assert CompletionRequest(model="m", prompt="a", logprobs=0).to_spec("r").logprobs
