@@ -29,6 +29,7 @@ _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
 _unavailable: str | None = None
 _tried = False
+STALE_LOCK_S = 300.0  # a real build takes ~30 s
 
 
 def _cpu_tag() -> str:
@@ -46,7 +47,9 @@ def _build() -> Callable[..., torch.Tensor]:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     name = f"kvrelay_paged_decode_{_cpu_tag()}"
-    built = any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    _remove_stale_lock(build_dir / "lock")
+    built = any(build_dir.glob(f"{name}*.so"))
     if not built:
         logger.info("building the CPU paged-decode kernel (once per machine, ~30 s)")
     start = time.monotonic()
@@ -61,6 +64,17 @@ def _build() -> Callable[..., torch.Tensor]:
     if not built:
         logger.info("built the CPU paged-decode kernel in %.1f s", time.monotonic() - start)
     return torch.ops.kvrelay.paged_decode
+
+
+def _remove_stale_lock(lock: Path, max_age_s: float = STALE_LOCK_S) -> None:
+    """torch waits forever on a build lock; one left by a killed build would hang every start."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > max_age_s:
+        logger.warning("removing a stale kernel build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def paged_decode_op() -> Callable[..., torch.Tensor] | None:
