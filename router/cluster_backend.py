@@ -1,7 +1,8 @@
 """ClusterBackend: places each request on a prefill worker (KV-aware, from the Redis index) and a
 decode worker, and demultiplexes decode workers' per-step delta batches into request streams.
 
-Owns the per-request queues, one long-poll task per decode worker, and index-health state.
+Owns the per-request streams (queue and decode worker), one long-poll task per decode worker,
+and index-health state; the placement accounting lives in its WorkerSet.
 """
 
 from __future__ import annotations
@@ -10,17 +11,34 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import RayActorError
+
+from common.messages import GenerateRequest, TokenDelta, WorkerInfo
 from engine.kv_cache.hashing import hash_blocks
+from router.backend import Backend
 from router.metrics import RouterMetrics
-from router.policy import PrefillPolicy, choose_decode, make_prefill_policy, route_by_load
+from router.policy import (
+    Placement,
+    PrefillPolicy,
+    choose_decode,
+    make_prefill_policy,
+    route_by_load,
+)
 from router.prefix_index import IndexUnavailable, PrefixIndex
-from router.types import Backend, GenerateRequest, TokenDelta, WorkerInfo
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """A request being decoded: where its deltas go and which decode worker sends them."""
+
+    queue: asyncio.Queue[TokenDelta]
+    decode_worker_id: str
 
 
 class ClusterBackend(Backend):
@@ -43,9 +61,9 @@ class ClusterBackend(Backend):
         self.index = index
         self.policy = policy or make_prefill_policy("kv_aware")
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
-        self._streams: dict[str, asyncio.Queue[TokenDelta]] = {}
-        self._stream_owner: dict[str, str] = {}  # req_id -> decode worker id
+        self._streams: dict[str, _Stream] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._forgetting: dict[str, asyncio.Task[None]] = {}
         self._index_down_logged = False
         self.num_index_unavailable = 0
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
@@ -81,39 +99,53 @@ class ClusterBackend(Backend):
         for worker in workers:
             self.metrics.set_worker_load(worker)
 
-    async def _place_prefill(self, request: GenerateRequest) -> WorkerInfo:
+    async def _place_prefill(self, request: GenerateRequest) -> Placement:
         hashes = hash_blocks(
             request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
         )
         workers, overlap = await self._candidates("prefill", hashes)
+        # No await from here to place(): concurrent placements each see the ones before them.
+        workers = self.workers.with_placed(workers)
         if overlap is None:
-            return route_by_load(workers).worker
-        return self.policy.choose(workers, overlap, self.block_size).worker
+            placement = route_by_load(workers)
+        else:
+            placement = self.policy.choose(workers, overlap, self.block_size)
+        num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
+        self.workers.place(placement.worker.worker_id, num_uncached)
+        return placement
 
     async def _place_decode(self, request: GenerateRequest) -> WorkerInfo:
         workers, _ = await self._candidates("decode", [])
         needed = -(
             -(len(request.prompt_token_ids) + request.sampling.max_tokens) // self.block_size
         )
-        return choose_decode(workers, needed)
+        decode = choose_decode(self.workers.with_placed(workers), needed)
+        self.workers.place(decode.worker_id)
+        return decode
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         req_id = request.req_id
-        prefill = await self._place_prefill(request)
+        placement = await self._place_prefill(request)
+        prefill = placement.worker
+        num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
         self.last_placements[req_id] = prefill.worker_id
-        prefill_actor = self.workers.actor(prefill)
+        try:
+            prefill_actor = self.workers.actor(prefill)  # found by _candidates: no lookup now
+        except ValueError:
+            self.workers.done(prefill.worker_id, num_uncached)
+            raise
         stage = "prefill"
+        decode: WorkerInfo | None = None
         decode_actor: Any = None
-        num_prompt = len(request.prompt_token_ids)
-        self.workers.inflight_tokens[prefill.worker_id] += num_prompt
-        self.workers.inflight_requests[prefill.worker_id] += 1
         try:
             try:
                 handle = await prefill_actor.prefill.remote(request)
+            except RayActorError:
+                self._lost(prefill.worker_id)
+                raise
             finally:
-                self.workers.inflight_tokens[prefill.worker_id] -= num_prompt
-                self.workers.inflight_requests[prefill.worker_id] -= 1
+                self.workers.done(prefill.worker_id, num_uncached)
             first = TokenDelta(
                 req_id,
                 (handle.first_token_id,),
@@ -131,33 +163,42 @@ class ClusterBackend(Backend):
             decode = await self._place_decode(request)
             decode_actor = self.workers.actor(decode)
             queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-            self._streams[req_id] = queue
-            self._stream_owner[req_id] = decode.worker_id
+            self._streams[req_id] = _Stream(queue, decode.worker_id)
             self._ensure_poller(decode, decode_actor)
-            await decode_actor.submit.remote(request, handle, self.router_id)
+            try:
+                await decode_actor.submit.remote(request, handle, self.router_id)
+            except RayActorError:
+                self._lost(decode.worker_id)
+                raise
             stage = "decode"
             yield first
             while True:
-                # Cached prompt tokens are the prefill worker's hits (what was not recomputed);
-                # the decode worker's own reuse only shortens the transfer.
-                delta = replace(await queue.get(), num_cached_tokens=handle.num_cached_tokens)
-                if delta.transfer_bytes and self.metrics is not None:
-                    self.metrics.observe_transfer(delta.transfer_s, delta.transfer_bytes)
-                if delta.finished and delta.finish_reason != "abort":
+                delta = await queue.get()
+                if delta.transfer is not None and self.metrics is not None:
+                    self.metrics.observe_transfer(delta.transfer)
+                if delta.finish_reason == "error":
+                    stage = "handed"  # the prefill lease may be unread: release it (idempotent)
+                elif delta.finished and delta.finish_reason != "abort":
                     stage = "done"  # an abort delta is local: the decode side still needs telling
                 yield delta
                 if delta.finished:
                     return
         finally:
             self._streams.pop(req_id, None)
-            self._stream_owner.pop(req_id, None)
             self.last_placements.pop(req_id, None)
+            if decode is not None:
+                self.workers.done(decode.worker_id)
             if stage == "prefill":
                 await _quietly(prefill_actor.abort.remote(req_id))
             elif stage == "handed":
                 await _quietly(prefill_actor.release.remote(req_id))
             elif stage == "decode" and decode_actor is not None:
                 await _quietly(decode_actor.abort.remote(req_id))
+
+    def decode_worker_of(self, req_id: str) -> str | None:
+        """The decode worker streaming a request (None before its handoff or after its end)."""
+        stream = self._streams.get(req_id)
+        return None if stream is None else stream.decode_worker_id
 
     def _ensure_poller(self, decode: WorkerInfo, actor: Any) -> None:
         task = self._pollers.get(decode.worker_id)
@@ -173,21 +214,40 @@ class ClusterBackend(Backend):
                 deltas = await actor.next_deltas.remote(self.router_id, 1.0)
             except Exception as e:
                 logger.error("decode worker %s failed: %s", worker_id, e)
-                for queue in list(self._streams.values()):
-                    queue.put_nowait(
-                        TokenDelta("", (), True, "error", error=f"decode worker {worker_id} failed")
-                    )
-                self.workers.remove(worker_id)
+                self._lost(worker_id)
                 return
             for delta in deltas:
-                queue = self._streams.get(delta.req_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                stream = self._streams.get(delta.req_id)
+                if stream is not None:
+                    stream.queue.put_nowait(delta)
+
+    def _lost(self, worker_id: str) -> None:
+        """A worker's actor died: it leaves placement and the index at once, and only the
+        streams it was serving end, each with an error naming it."""
+        self.workers.mark_dead(worker_id)
+        poller = self._pollers.pop(worker_id, None)
+        if poller is not None and poller is not asyncio.current_task():
+            poller.cancel()
+        for req_id, stream in self._streams.items():
+            if stream.decode_worker_id == worker_id:
+                error = f"decode worker {worker_id} died while serving this request"
+                stream.queue.put_nowait(TokenDelta(req_id, (), True, "error", error=error))
+        if self.index is not None and worker_id not in self._forgetting:
+            task = asyncio.create_task(self._forget(worker_id))
+            self._forgetting[worker_id] = task
+
+    async def _forget(self, worker_id: str) -> None:
+        try:
+            await self.index.forget_worker(worker_id, force=True)  # type: ignore[union-attr]
+        except Exception as e:  # Redis down: its TTL removes it later
+            logger.info("could not remove dead worker %s from the index: %s", worker_id, e)
+        finally:
+            self._forgetting.pop(worker_id, None)
 
     async def abort(self, req_id: str) -> None:
-        queue = self._streams.get(req_id)
-        if queue is not None:
-            queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
+        stream = self._streams.get(req_id)
+        if stream is not None:
+            stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
 
     async def health(self) -> dict[str, object]:
         prefill = self.workers.known("prefill")

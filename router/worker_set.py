@@ -1,16 +1,16 @@
-"""WorkerSet: the router's view of live workers: Ray actor handles, and the load the router
-itself has put on each (used when the Redis index is unavailable)."""
+"""WorkerSet: the router's view of live workers: their Ray actor handles, the workers it saw
+die, and what it has itself placed on each worker and not yet seen end (its own in-flight
+accounting, so a burst is spread before any worker has published its new load)."""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
-from router.types import WorkerInfo, WorkerLoad
+from common.messages import WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -21,39 +21,55 @@ class _Worker:
     actor: Any  # ray.actor.ActorHandle
 
 
+@dataclass
+class _Placed:
+    """Requests this router placed on one worker that have not left it yet."""
+
+    num_requests: int = 0
+    num_tokens: int = 0  # prefill: uncached prompt tokens still to compute
+
+
 class WorkerSet:
+    """Invariants: a worker marked dead is never returned for placement until a new actor takes
+    its id; `placed` counts only requests between place() and done(), so it never goes below 0."""
+
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
-        self.inflight_tokens: dict[str, int] = defaultdict(int)
-        self.inflight_requests: dict[str, int] = defaultdict(int)
+        self._dead_actor_ids: dict[str, str] = {}  # worker_id -> Ray actor id that died
+        self._placed: dict[str, _Placed] = {}
 
     def add(self, worker_id: str, role: str, actor: Any, actor_name: str = "") -> None:
         self._workers[worker_id] = _Worker(WorkerInfo(worker_id, role, actor_name), actor)
+        self._dead_actor_ids.pop(worker_id, None)
 
-    def remove(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+    def mark_dead(self, worker_id: str) -> None:
+        """The worker's actor died: leave placement at once (not after its Redis TTL)."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._dead_actor_ids[worker_id] = _actor_id(worker.actor)
+        self._placed.pop(worker_id, None)
+
+    def is_dead(self, worker_id: str) -> bool:
+        return worker_id in self._dead_actor_ids
 
     def actor(self, info: WorkerInfo) -> Any:
-        """The actor of a worker seen in the index; looked up by name the first time."""
+        """The actor of a worker seen in the index; looked up by name the first time.
+
+        Raises ValueError when the actor cannot be reached or is the one that died."""
         known = self._workers.get(info.worker_id)
         if known is not None:
             return known.actor
         actor = ray.get_actor(info.actor_name)
+        if self._dead_actor_ids.get(info.worker_id) == _actor_id(actor):
+            raise ValueError(f"worker {info.worker_id} died")
+        self._dead_actor_ids.pop(info.worker_id, None)
         self._workers[info.worker_id] = _Worker(info, actor)
         return actor
 
     def known(self, role: str) -> list[WorkerInfo]:
-        """Workers of a role with the router's own load figures (no index needed)."""
-        out = []
-        for worker_id, worker in sorted(self._workers.items()):
-            if worker.info.role != role:
-                continue
-            load = WorkerLoad(
-                running=self.inflight_requests[worker_id],
-                queued_tokens=self.inflight_tokens[worker_id],
-            )
-            out.append(WorkerInfo(worker_id, role, worker.info.actor_name, load=load))
-        return out
+        """Live workers of a role, with only the router's own load figures (no index needed)."""
+        infos = [w.info for _, w in sorted(self._workers.items()) if w.info.role == role]
+        return self.with_placed([replace(info, load=WorkerLoad()) for info in infos])
 
     def filter_known(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """Index entries whose actor can be reached (unknown names are looked up once)."""
@@ -62,9 +78,53 @@ class WorkerSet:
             try:
                 self.actor(info)
             except ValueError:
-                logger.warning(
-                    "worker %s (%s) is in the index but not in Ray", info.worker_id, info.actor_name
-                )
+                if not self.is_dead(info.worker_id):
+                    logger.warning(
+                        "worker %s (%s) is in the index but not in Ray",
+                        info.worker_id,
+                        info.actor_name,
+                    )
                 continue
             reachable.append(info)
         return reachable
+
+    # ---- the router's own in-flight accounting ---------------------------------------------
+    def with_placed(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Each worker's load, raised to at least what this router has placed on it: a worker's
+        published load lags (heartbeats), but a placement made a moment ago is already real."""
+        out = []
+        for info in workers:
+            placed = self._placed.get(info.worker_id)
+            if placed is None:
+                out.append(info)
+                continue
+            load = replace(
+                info.load,
+                waiting=max(info.load.waiting, placed.num_requests - info.load.running),
+                queued_tokens=max(info.load.queued_tokens, placed.num_tokens),
+            )
+            out.append(replace(info, load=load))
+        return out
+
+    def place(self, worker_id: str, num_tokens: int = 0) -> None:
+        placed = self._placed.setdefault(worker_id, _Placed())
+        placed.num_requests += 1
+        placed.num_tokens += num_tokens
+
+    def done(self, worker_id: str, num_tokens: int = 0) -> None:
+        placed = self._placed.get(worker_id)
+        if placed is None:
+            return  # the worker was marked dead meanwhile
+        placed.num_requests = max(0, placed.num_requests - 1)
+        placed.num_tokens = max(0, placed.num_tokens - num_tokens)
+        if not placed.num_requests:
+            del self._placed[worker_id]
+
+    def num_placed(self, worker_id: str) -> int:
+        placed = self._placed.get(worker_id)
+        return 0 if placed is None else placed.num_requests
+
+
+def _actor_id(actor: Any) -> str:
+    actor_id = getattr(actor, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else str(id(actor))
