@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from engine.attention import flashinfer_backend
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
+from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
 
 pytestmark = [
@@ -53,17 +53,18 @@ def build(
     kv_cache_dtype: str = "auto",
     async_scheduling: bool = False,  # the Recorder reads each step's logits as it is launched
 ) -> Engine:
-    config = EngineConfig(
-        model=str(folder),
+    return build_engine(
+        model_path=str(folder),
         device="cuda",
         dtype=dtype,
         attention_backend=backend,
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
-        cache=CacheConfig(block_size=16, num_blocks=128, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        num_blocks=128,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
     )
-    return Engine(config)
 
 
 class Recorder:
