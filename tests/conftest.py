@@ -46,6 +46,7 @@ def build_engine(
         block_size=overrides.pop("block_size", 16),
         num_blocks=overrides.pop("num_blocks", 512),
         enable_prefix_caching=overrides.pop("enable_prefix_caching", True),
+        kv_cache_dtype=overrides.pop("kv_cache_dtype", "auto"),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.random_models import write_random_model
 from engine.attention import flashinfer_backend
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
+from tests.conftest import build_engine
+from tests.factories import make_tiny_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,8 +33,16 @@ NUM_NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("flashinfer")
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    return write_random_model(folder, "tiny-llama", std=0.1, dtype=torch.bfloat16)
+    return make_tiny_checkpoint(  # small, with the 8B's head_dim and GQA
+        tmp_path_factory.mktemp("tiny-llama"),
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=128,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        init_std=0.1,
+        dtype=torch.bfloat16,
+    )
 
 
 def build(
@@ -45,17 +53,18 @@ def build(
     kv_cache_dtype: str = "auto",
     async_scheduling: bool = False,  # the Recorder reads each step's logits as it is launched
 ) -> Engine:
-    config = EngineConfig(
-        model=str(folder),
+    return build_engine(
+        model_path=str(folder),
         device="cuda",
         dtype=dtype,
         attention_backend=backend,
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
-        cache=CacheConfig(block_size=16, num_blocks=128, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        num_blocks=128,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
     )
-    return Engine(config)
 
 
 class Recorder:

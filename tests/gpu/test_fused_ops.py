@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.rope_kv_kernel import rope_and_write_kv
-from engine.config import ModelConfig
 from engine.models import fused_ops
 from engine.models.llama import RMSNorm
 from engine.models.rope import RotaryEmbedding
+from tests.factories import make_model_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,16 +47,8 @@ def test_norms_and_activation() -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype) -> None:
     """One Triton kernel: q rotated in place, rotated k and plain v in the strided layer view."""
-    config = ModelConfig(
-        model_id="rope-test",
-        vocab_size=512,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=128,
-        rope_theta=500000.0,
+    config = make_model_config(
+        hidden_size=512, intermediate_size=1024, num_layers=1, head_dim=128, rope_theta=500000.0
     )
     rope = RotaryEmbedding(config, 4096).cuda()
     num_tokens, q_size, kv_size = 50, 4 * 128, 2 * 128

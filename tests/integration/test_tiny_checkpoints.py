@@ -8,51 +8,30 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
+from tests.factories import make_tiny_checkpoint
 
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.3,  # peaked logits, so greedy has no near-ties
-    eos_token_id=None,
-)
+VOCAB_SIZE = 512
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+CHECKPOINTS = {
+    "llama3": dict(architecture="llama", rope_scaling=LLAMA3_ROPE),
+    "qwen2": dict(architecture="qwen2", tie_embeddings=True),
+    "mistral": dict(architecture="mistral"),
+}
 
 
-def write_checkpoint(path, kind: str):
+@pytest.mark.parametrize("kind", list(CHECKPOINTS))
+def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
     import transformers
 
-    torch.manual_seed(0)
-    if kind == "llama3":
-        config = transformers.LlamaConfig(
-            **COMMON,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            tie_word_embeddings=False,
-        )
-        model = transformers.LlamaForCausalLM(config)
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
-        model = transformers.Qwen2ForCausalLM(config)
-    else:
-        config = transformers.MistralConfig(**COMMON, sliding_window=None)
-        model = transformers.MistralForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
-    return model.eval()
-
-
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
-def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
-    hf = write_checkpoint(tmp_path, kind)
+    make_tiny_checkpoint(tmp_path, **CHECKPOINTS[kind])
     assert (tmp_path / "config.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     prompts = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
     new_tokens = 12
     expected = []
@@ -80,9 +59,7 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
 
 def test_dummy_load_format_needs_only_config_json(tmp_path):
     """load_format="dummy" builds random weights of config.json's shape (speed runs)."""
-    import transformers
-
-    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    make_tiny_checkpoint(tmp_path, vocab_size=VOCAB_SIZE, weights=False)
     assert not list(tmp_path.glob("*.safetensors"))
     with pytest.raises(FileNotFoundError):
         build_engine(model_path=str(tmp_path), num_blocks=64)
@@ -92,7 +69,7 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
     engine.add_request("b", [5, 17, 300, 42], params)
     got = run_to_completion(engine)
     assert len(got["a"]) == 5 and got["a"] == got["b"]
-    assert all(0 <= t < COMMON["vocab_size"] for t in got["a"])
+    assert all(0 <= t < VOCAB_SIZE for t in got["a"])
     engine.assert_no_leaks()
     with pytest.raises(ValueError, match="load_format"):
         build_engine(model_path=str(tmp_path), num_blocks=64, load_format="npz")

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
 from engine.models import fused_ops
 from engine.models.llama import LlamaForCausalLM
+from tests.factories import make_model_config
 
 
 class EchoAttention(AttentionBackend):
@@ -51,15 +51,8 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
-    config = ModelConfig(
-        model_id="wiring",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
+    config = make_model_config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, head_dim=8
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, 128)

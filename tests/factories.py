@@ -1,0 +1,88 @@
+"""Factories for tiny random models: an HF checkpoint folder on disk, or the engine's ModelConfig
+for a model built in memory. Owns no state; every size is a keyword with a small default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+
+# architecture -> (transformers config class, model class)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v bias
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def make_tiny_checkpoint(
+    path: str | Path,
+    *,
+    architecture: str = "llama",
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,  # None: hidden_size // num_heads
+    max_position_embeddings: int = 512,
+    rms_norm_eps: float = 1e-6,
+    rope_scaling: dict[str, Any] | None = None,
+    tie_embeddings: bool = False,
+    init_std: float = 0.3,  # peaked logits, so greedy has no near-ties
+    dtype: torch.dtype = torch.float32,
+    weights: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Write a transformers checkpoint of random weights (config.json only unless weights) into
+    path and return it. Weights are transformers' own init, N(0, init_std) after
+    torch.manual_seed(seed), norms ones; no EOS token and no sliding window."""
+    import transformers
+
+    config_name, model_name = ARCHITECTURES[architecture]
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=rms_norm_eps,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_embeddings,
+        eos_token_id=None,
+        sliding_window=None,  # the engine would cap max_model_len to it
+    )
+    if head_dim is not None:
+        fields["head_dim"] = head_dim
+    if rope_scaling is not None:
+        fields["rope_scaling"] = rope_scaling
+    config = getattr(transformers, config_name)(**fields)
+    path = Path(path)
+    if not weights:
+        config.save_pretrained(path)
+        return path
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_model_config(**overrides: Any) -> ModelConfig:
+    """The engine's ModelConfig of a tiny Llama (4 heads, 2 KV heads); overrides by field name."""
+    fields: dict[str, Any] = dict(
+        model_id="tiny",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    return ModelConfig(**{**fields, **overrides})
