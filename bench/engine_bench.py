@@ -5,7 +5,7 @@ tokens), runs it greedily through both systems in this process with the same num
 tokens per prompt, and prints output tokens/s of each, their ratio and how many outputs match
 token for token. Owns no state beyond the two models it loads. Progress goes to stderr.
 
-    python bench/engine_bench.py [--num-prompts 64] [--max-tokens 64] [--json out.json]
+    python -m bench.engine_bench [--num-prompts 64] [--max-tokens 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from engine.config import SchedulerConfig
+from engine.engine import EngineConfig
+from engine.llm import LLM
+from engine.loader import resolve_model
+from engine.sampling_params import SamplingParams
 
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.engine import EngineConfig  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the checkout whose git state is reported
 
 _WORD_TEXT = (
     "the of and to in is that it was for on are as with his they at be this from have or by "

@@ -1,19 +1,20 @@
 """The whole cluster on 2 GPUs against 2 aggregated engines on the same 2 GPUs, same workload.
 
 Cluster: `kvrelay serve --prefill 1 --decode 1` (Ray puts each worker on its own GPU), loaded
-over gRPC by serve_bench's client (bench/serve_bench.py run_bench). Aggregated: one
-`engine.engine.Engine` per GPU (bench/aggregated_engines.py), each doing prefill and decode,
-driven open-loop in-process: no router, no gRPC, no KV transfer (this favours the baseline).
-Both get the same seeded requests (random token-id prompts, ignore_eos, greedy) at the same
-Poisson arrival times (bench/serve_workload.py); the aggregated engines split them round-robin.
-The model is Llama-3.1-8B's shape with random weights made on the device (load_format dummy)
-and the SmolLM2 tokenizer's vocabulary (bench/served_shape.py says why). TTFT, TPOT (and ITL,
-e2e) percentiles and throughput come from bench/serve_stats.summarize for both. Every phase is
-bounded by --time-budget; owns no state beyond one run (the server and engine processes it
-starts and stops). Prints a comparison table last; full JSON to --json (rewritten per phase).
+over gRPC by serve_bench's client (run_bench in bench/serve_bench.py). Aggregated: one
+`engine.engine.Engine` per GPU (bench/lib/aggregated_engines.py), each doing prefill and
+decode, driven open-loop in-process: no router, no gRPC, no KV transfer (this favours the
+baseline). Both get the same seeded requests (random token-id prompts, ignore_eos, greedy) at
+the same Poisson arrival times (bench/lib/serve_workload.py); the aggregated engines split them
+round-robin. The model is Llama-3.1-8B's shape with random weights made on the device
+(load_format dummy) and the SmolLM2 tokenizer's vocabulary (bench/lib/served_shape.py says
+why). TTFT, TPOT (and ITL, e2e) percentiles and throughput come from
+bench/lib/serve_stats.summarize for both. Every phase is bounded by --time-budget; owns no
+state beyond one run (the server and engine processes it starts and stops). Prints a
+comparison table last; full JSON to --json (rewritten per phase).
 
-    python bench/gpu_cluster_bench.py --json $OUT/gpu_cluster_bench.json
-    python bench/gpu_cluster_bench.py --rate 4 8 --num-requests 150 --json out.json
+    python -m bench.gpu_cluster_bench --json $OUT/gpu_cluster_bench.json
+    python -m bench.gpu_cluster_bench --rate 4 8 --num-requests 150 --json out.json
 """
 
 from __future__ import annotations
@@ -34,29 +35,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.aggregated_engines import (  # noqa: E402
+from bench.lib.aggregated_engines import (
     AggregatedEngines,
     EngineSpec,
     TimedRequest,
     trace_extras,
     trace_result,
 )
-from bench.cluster_compare import comparison_rows, format_comparison, notes  # noqa: E402
-from bench.serve_bench import build_parser as serve_bench_parser  # noqa: E402
-from bench.serve_bench import check_args, request_record, run_bench  # noqa: E402
-from bench.serve_client import RequestResult  # noqa: E402
-from bench.serve_launch import (  # noqa: E402
+from bench.lib.cluster_compare import comparison_rows, format_comparison, notes
+from bench.lib.serve_client import RequestResult
+from bench.lib.serve_launch import (
     LaunchedServer,
     machine_info,
     nvidia_gpus,
     package_versions,
 )
-from bench.serve_stats import summarize  # noqa: E402
-from bench.serve_workload import arrival_offsets, build_requests, warmup_requests  # noqa: E402
+from bench.lib.serve_stats import summarize
+from bench.lib.serve_workload import arrival_offsets, build_requests, warmup_requests
+from bench.serve_bench import build_parser as serve_bench_parser
+from bench.serve_bench import check_args, request_record, run_bench
 
 STARTED = time.monotonic()
 MIN_DRAIN_S = 20.0  # a run is skipped unless its arrivals plus this much fit in the budget
@@ -354,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=3, help="untimed requests per setup")
     g.add_argument("--max-token-id", type=int, default=20000, help="prompt ids in [100, this)")
     g = p.add_argument_group("model and engines (the same for both setups)")
-    g.add_argument("--shape", default="llama-3.1-8b", help="a bench/random_models.py shape")
+    g.add_argument("--shape", default="llama-3.1-8b", help="a bench/lib/random_models.py shape")
     g.add_argument("--model-dir", type=Path, default=None, help="where to write the folder")
     g.add_argument("--device", default="cuda")
     g.add_argument("--dtype", default="bfloat16")
@@ -470,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def write_served_shape_logged(
     folder: Path, shape: str, tokenizer_dir: Path | None
 ) -> dict[str, Any]:
-    from bench.served_shape import write_served_shape
+    from bench.lib.served_shape import write_served_shape
 
     return write_served_shape(folder, shape, log, tokenizer_dir)
 

@@ -8,7 +8,7 @@ greedy tokens against transformers on small random bf16 weights and offline thro
 transformers' generate on a smaller workload. Owns no state; prints a table last and writes
 full JSON to --json (rewritten after every section).
 
-    python bench/gpu_engine_bench.py --json $OUT/gpu_engine_bench.json
+    python -m bench.gpu_engine_bench --json $OUT/gpu_engine_bench.json
 """
 
 from __future__ import annotations
@@ -25,19 +25,15 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.gpu_vs_transformers import (  # noqa: E402
+from bench.lib.gpu_vs_transformers import (
     greedy_against_transformers,
     throughput_against_transformers,
 )
-from bench.random_models import weight_bytes, write_random_model  # noqa: E402
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import random_model, read_model_config  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from bench.lib.random_models import weight_bytes, write_random_model
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.loader import random_model, read_model_config
+from engine.sampling_params import SamplingParams
 
 GiB = 1 << 30
 

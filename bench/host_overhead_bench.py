@@ -4,7 +4,7 @@ tables, attention plan, sampling, token bookkeeping). The FlashInfer page table 
 would build is built too. Prints ms per decode step and the top functions by own time. Owns no
 state.
 
-    python bench/host_overhead_bench.py [--batch 256] [--context 1200] [--steps 40]
+    python -m bench.host_overhead_bench [--batch 256] [--context 1200] [--steps 40]
 """
 
 from __future__ import annotations
@@ -14,22 +14,16 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.random_models import write_random_model  # noqa: E402
-from engine.attention.flashinfer_backend import page_table  # noqa: E402
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from bench.lib.random_models import write_random_model
+from engine.attention.flashinfer_backend import page_table
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
 
 TINY_SHAPE = {
     "num_hidden_layers": 1,

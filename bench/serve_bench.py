@@ -3,8 +3,8 @@ groups sharing a long system prefix) over HTTP/SSE or gRPC at a given arrival ra
 TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and the prefix hit rate.
 Owns no state beyond one run (and, with --launch, the `kvrelay serve` process it starts).
 
-    python bench/serve_bench.py --launch --transport http --num-requests 64 --rate 4
-    python bench/serve_bench.py --url http://127.0.0.1:8000 --workload shared-prefix \\
+    python -m bench.serve_bench --launch --transport http --num-requests 64 --rate 4
+    python -m bench.serve_bench --url http://127.0.0.1:8000 --workload shared-prefix \\
         --num-groups 8 --prefix-len 512 --input-len 32 --output-len 16 --json out.json
 """
 
@@ -23,12 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.prefix_probe import prefill_holders, redis_url_from_log  # noqa: E402
-from bench.serve_client import (  # noqa: E402
+from bench.lib.prefix_probe import prefill_holders, redis_url_from_log
+from bench.lib.serve_client import (
     BenchRequest,
     Client,
     GrpcClient,
@@ -39,9 +35,9 @@ from bench.serve_client import (  # noqa: E402
     grpc_model_id,
     served_model_id,
 )
-from bench.serve_launch import LaunchedServer, machine_info  # noqa: E402
-from bench.serve_stats import format_table, summarize  # noqa: E402
-from bench.serve_workload import (  # noqa: E402
+from bench.lib.serve_launch import ROOT, LaunchedServer, machine_info
+from bench.lib.serve_stats import format_table, summarize
+from bench.lib.serve_workload import (
     arrival_offsets,
     build_requests,
     group_prefixes,

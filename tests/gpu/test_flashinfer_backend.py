@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.random_models import write_random_model
+from bench.lib.random_models import write_random_model
 from engine.attention import flashinfer_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from bench.random_models import write_random_model
+from bench.lib.random_models import write_random_model
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

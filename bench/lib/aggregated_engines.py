@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.serve_client import RequestResult
+from bench.lib.serve_client import RequestResult
 
 
 @dataclass(frozen=True)
