@@ -1,18 +1,20 @@
 """DirectEngine: an `engine.engine.Engine(EngineConfig())` in a child process, timing one
 request at a time from add_request to the first token and to the finish. Owns that process
-(its own session, so its own scheduler autogroup like a launched server) and the pipe to it.
+(`python -m bench.lib.direct_engine` in the kvrelay checkout it is given, in its own session so
+its own scheduler autogroup, like a launched server) and the two pipes to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +28,35 @@ class Timing:
 
 class DirectEngine:
     """The engine in a child process with `threads` torch threads at niceness `nice` (pass the
-    cluster workers' values so both compete alike with other jobs); one request at a time."""
+    cluster workers' values so both compete alike with other jobs); one request at a time.
+    code_root: the kvrelay checkout (this one, or a snapshot of it) whose engine the child runs:
+    its working directory, so first on its import path."""
 
     def __init__(self, threads: int, nice: int, output_len: int, timeout_s: float, code_root: Path):
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
         self.timeout_s = timeout_s
-        self.proc = ctx.Process(
-            target=_direct_main,
-            args=(child, threads, nice, output_len, str(code_root)),
-            daemon=True,
+        from_child, to_parent = os.pipe()
+        from_parent, to_child = os.pipe()
+        child_fds = (from_parent, to_parent)
+        settings = (*child_fds, threads, nice, output_len)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.lib.direct_engine", *map(str, settings)],
+            cwd=code_root,
+            stdin=subprocess.DEVNULL,
+            pass_fds=child_fds,
+            start_new_session=True,  # its own scheduler autogroup, like the server
         )
-        self.proc.start()
-        child.close()
+        for fd in child_fds:
+            os.close(fd)
+        self.conn_in = Connection(from_child, writable=False)
+        self.conn_out = Connection(to_child, readable=False)
 
     def _recv(self, timeout_s: float) -> Any:
-        if not self.conn.poll(timeout_s):
+        if not self.conn_in.poll(timeout_s):
             raise RuntimeError(f"the direct engine did not answer within {timeout_s:.0f} s")
-        message = self.conn.recv()
+        try:
+            message = self.conn_in.recv()
+        except EOFError:
+            raise RuntimeError(f"the direct engine exited ({self.proc.poll()})") from None
         if isinstance(message, str):
             raise RuntimeError(f"direct engine: {message}")
         return message
@@ -52,26 +65,29 @@ class DirectEngine:
         self._recv(timeout_s)
 
     async def run(self, req_id: str, prompt: Sequence[int]) -> Timing:
-        self.conn.send((req_id, list(prompt)))
+        self.conn_out.send((req_id, list(prompt)))
         return await asyncio.to_thread(self._recv, self.timeout_s)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
-            self.conn.send(None)
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-        self.conn.close()
+            self.conn_out.send(None)
+        for stop, wait_s in ((None, 30.0), (self.proc.terminate, 10.0), (self.proc.kill, 5.0)):
+            if stop is not None:
+                stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait_s)
+                break
+        self.conn_in.close()
+        self.conn_out.close()
 
 
-def _direct_main(conn: Any, threads: int, nice: int, output_len: int, code_root: str) -> None:
-    """Child process: load the engine (from code_root), then time each (req_id, prompt) until
-    None."""
+def child_main(argv: Sequence[str]) -> None:
+    """Child process: load the engine, then time each (req_id, prompt) until None."""
+    from_parent, to_parent, threads, nice, output_len = (int(arg) for arg in argv)
+    conn_in = Connection(from_parent, writable=False)
+    conn_out = Connection(to_parent, readable=False)
     try:
-        os.setsid()  # its own scheduler autogroup, like the server (LaunchedServer)
         os.nice(nice)
-        sys.path.insert(0, code_root)
         import torch
 
         from engine.engine import Engine, EngineConfig
@@ -80,13 +96,13 @@ def _direct_main(conn: Any, threads: int, nice: int, output_len: int, code_root:
         torch.set_num_threads(threads)
         engine = Engine(EngineConfig())
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        conn.send(Timing(0.0, 0.0, 0))
-        while (message := conn.recv()) is not None:
+        conn_out.send(Timing(0.0, 0.0, 0))
+        while (message := conn_in.recv()) is not None:
             req_id, prompt = message
-            conn.send(_direct_one(engine, req_id, prompt, params, 4 * output_len + 64))
+            conn_out.send(_direct_one(engine, req_id, prompt, params, 4 * output_len + 64))
         engine.assert_no_leaks()
     except Exception as e:
-        conn.send(f"{type(e).__name__}: {e}")
+        conn_out.send(f"{type(e).__name__}: {e}")
 
 
 def _direct_one(
@@ -106,3 +122,9 @@ def _direct_one(
             if out.finished:
                 return Timing((first or now) - start, now - start, num_tokens)
     raise RuntimeError(f"{req_id} did not finish within {max_steps} engine steps")
+
+
+if __name__ == "__main__":  # as `bench.lib.direct_engine`, so what it pickles unpickles there
+    from bench.lib import direct_engine
+
+    direct_engine.child_main(sys.argv[1:])
