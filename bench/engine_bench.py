@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.config import SchedulerConfig
-from engine.engine import EngineConfig
+from bench.lib.engine_config import engine_config
 from engine.llm import LLM
 from engine.loader import resolve_model
 from engine.sampling_params import SamplingParams
@@ -251,10 +250,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def bench_kvrelay(
     args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]
 ) -> tuple[RunResult, list]:
-    sched = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+    config = engine_config(
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
     )
-    llm = LLM(EngineConfig(scheduler=sched, dtype=args.dtype))
+    llm = LLM(config)
     log("kvrelay: warm-up")
     run_kvrelay(llm, warmup, 8)
     llm.engine.kv.pool.evict_all_cached()  # the timed run starts with a cold prefix cache

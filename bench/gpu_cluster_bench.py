@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from bench.lib.aggregated_engines import (
     trace_result,
 )
 from bench.lib.cluster_compare import comparison_rows, format_comparison, notes
+from bench.lib.engine_config import engine_config, gib
 from bench.lib.serve_client import RequestResult
 from bench.lib.serve_launch import (
     LaunchedServer,
@@ -245,18 +246,19 @@ def run_aggregated(
     )
     if startup_timeout is None:
         return
-    spec = EngineSpec(
-        model=str(model_folder),
+    config = engine_config(
+        str(model_folder),
         device=args.device,
         dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib,
+        load_format="dummy",
         block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=gib(args.kv_cache_gib),
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        torch_threads=torch_threads_per_engine(len(gpu_ids)),
     )
-    section["engine_spec"] = vars(spec)
+    spec = EngineSpec(config, torch_threads_per_engine(len(gpu_ids)))
+    section["engine_spec"] = asdict(spec)
     warmups = [r.prompt_ids for r in warmup_requests(runs[0].workload)]
     log(f"aggregated: starting {len(gpu_ids)} engines on CUDA_VISIBLE_DEVICES {gpu_ids}")
     try:

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from bench.lib.engine_config import engine_config
 from bench.lib.gpu_vs_transformers import (
     greedy_against_transformers,
     throughput_against_transformers,
 )
 from bench.lib.random_models import weight_bytes, write_random_model
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.loader import random_model, read_model_config
 from engine.sampling_params import SamplingParams
@@ -70,14 +70,16 @@ def build_engine(
     kv_cache_dtype: str = "auto",
     async_scheduling: bool | None = None,
 ) -> Engine:
-    config = EngineConfig(
-        model=str(folder),
+    config = engine_config(
+        str(folder),
         device="cuda",
         dtype="bfloat16",
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
-        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs),
+        kv_cache_memory_bytes=kv_bytes,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=8192,
+        max_num_seqs=max_num_seqs,
     )
     start = time.perf_counter()
     engine = Engine(config, model=model)

@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from bench.lib.engine_config import engine_config
 from bench.lib.random_models import write_random_model
 from engine.attention.flashinfer_backend import page_table
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -42,14 +42,14 @@ def build_engine(batch: int, context: int, steps: int) -> Engine:
     config = json.loads((folder / "config.json").read_text()) | TINY_SHAPE
     (folder / "config.json").write_text(json.dumps(config))
     blocks = batch * (-(-(context + steps + 16) // 16))
-    return Engine(
-        EngineConfig(
-            model=str(folder),
-            load_format="dummy",
-            cache=CacheConfig(num_blocks=blocks),
-            scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=batch),
-        )
+    config = engine_config(
+        str(folder),
+        load_format="dummy",
+        num_blocks=blocks,
+        max_num_batched_tokens=8192,
+        max_num_seqs=batch,
     )
+    return Engine(config)
 
 
 def main() -> None:

@@ -18,43 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.lib.serve_client import RequestResult
+from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What each child builds: EngineConfig fields, kept torch-free for pickling."""
+    """What each child builds: the engine's config (torch-free, so it pickles) and how many
+    torch threads it runs."""
 
-    model: str
-    device: str = "cuda"
-    dtype: str = "bfloat16"
-    load_format: str = "dummy"
-    kv_cache_gib: float = 40.0
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    cuda_graph: bool = True
+    config: EngineConfig
     torch_threads: int = 1
-
-    def engine_config(self) -> Any:
-        from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-
-        return EngineConfig(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            load_format=self.load_format,
-            cuda_graph=self.cuda_graph,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len,
-            ),
-        )
 
 
 @dataclass(frozen=True)
@@ -238,7 +211,7 @@ def _engine_main(
 
         torch.set_num_threads(max(1, spec.torch_threads))
         started = time.monotonic()
-        engine = Engine(spec.engine_config())
+        engine = Engine(spec.config)
         built = time.monotonic()
         warm_up(engine, warmup_prompts, warmup_max_tokens)
         info = engine_info(engine, gpu_id)

@@ -1,4 +1,4 @@
-"""DirectEngine: an `engine.engine.Engine(EngineConfig())` in a child process, timing one
+"""DirectEngine: an `engine.engine.Engine` of the default config in a child process, timing one
 request at a time from add_request to the first token and to the finish. Owns that process
 (`python -m bench.lib.direct_engine` in the kvrelay checkout it is given, in its own session so
 its own scheduler autogroup, like a launched server) and the two pipes to it.
@@ -90,11 +90,12 @@ def child_main(argv: Sequence[str]) -> None:
         os.nice(nice)
         import torch
 
-        from engine.engine import Engine, EngineConfig
+        from bench.lib.engine_config import engine_config
+        from engine.engine import Engine
         from engine.sampling_params import SamplingParams
 
         torch.set_num_threads(threads)
-        engine = Engine(EngineConfig())
+        engine = Engine(engine_config())
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         conn_out.send(Timing(0.0, 0.0, 0))
         while (message := conn_in.recv()) is not None:
