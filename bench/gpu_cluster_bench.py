@@ -1,7 +1,7 @@
 """The whole cluster on 2 GPUs against 2 aggregated engines on the same 2 GPUs, same workload.
 
 Cluster: `kvrelay serve --prefill 1 --decode 1` (Ray puts each worker on its own GPU), loaded
-over gRPC by serve_bench's client (run_bench in bench/serve_bench.py). Aggregated: one
+over gRPC by serve_bench's client (run_bench in bench/lib/serve_run.py). Aggregated: one
 `engine.engine.Engine` per GPU (bench/lib/aggregated_engines.py), each doing prefill and
 decode, driven open-loop in-process: no router, no gRPC, no KV transfer (this favours the
 baseline). Both get the same seeded requests (random token-id prompts, ignore_eos, greedy) at
@@ -44,6 +44,8 @@ from bench.lib.aggregated_engines import (
 )
 from bench.lib.cluster_compare import comparison_rows, format_comparison, notes
 from bench.lib.engine_config import engine_config, gib
+from bench.lib.serve_args import build_parser as serve_bench_parser
+from bench.lib.serve_args import check_args
 from bench.lib.serve_client import RequestResult
 from bench.lib.serve_launch import (
     LaunchedServer,
@@ -51,10 +53,9 @@ from bench.lib.serve_launch import (
     nvidia_gpus,
     package_versions,
 )
+from bench.lib.serve_run import request_record, run_bench
 from bench.lib.serve_stats import summarize
 from bench.lib.serve_workload import arrival_offsets, build_requests, warmup_requests
-from bench.serve_bench import build_parser as serve_bench_parser
-from bench.serve_bench import check_args, request_record, run_bench
 
 STARTED = time.monotonic()
 MIN_DRAIN_S = 20.0  # a run is skipped unless its arrivals plus this much fit in the budget
