@@ -45,10 +45,11 @@ from bench.lib.aggregated_engines import (
 from bench.lib.cluster_compare import comparison_rows, format_comparison, notes
 from bench.lib.engine_config import engine_config, gib
 from bench.lib.serve_args import build_parser as serve_bench_parser
-from bench.lib.serve_args import check_args
+from bench.lib.serve_args import check_args, rate_runs
 from bench.lib.serve_client import RequestResult
 from bench.lib.serve_launch import (
     LaunchedServer,
+    command_line,
     machine_info,
     nvidia_gpus,
     package_versions,
@@ -87,21 +88,19 @@ class PlannedRun:
 
 
 def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
-    """One run per --rate; run k uses seed --seed + k (fresh prompts: no prefix hits across
-    runs). The cluster and the aggregated engines get exactly the same requests per run."""
-    runs = []
-    for k, rate in enumerate(args.rate):
-        argv = [
-            *("--transport", "grpc", "--workload", "random", "--arrival", "poisson"),
-            *("--num-requests", str(args.num_requests), "--rate", str(rate)),
-            *("--input-len", str(args.input_len), "--output-len", str(args.output_len)),
-            *("--seed", str(args.seed + k), "--warmup", str(args.warmup), "--temperature", "0"),
-            *("--block-size", str(args.block_size), "--max-token-id", str(args.max_token_id)),
-        ]
-        workload = serve_bench_parser().parse_args(argv)
-        check_args(workload)
-        runs.append(PlannedRun(f"rate{rate:g}-seed{workload.seed}", rate, workload))
-    return runs
+    """One run per --rate, as serve_bench splits them (run k uses seed --seed + k: fresh
+    prompts, no prefix hits across runs). The cluster and the aggregated engines get exactly
+    the same requests per run."""
+    argv = [
+        *("--transport", "grpc", "--workload", "random", "--arrival", "poisson"),
+        *("--num-requests", str(args.num_requests), "--rate", *map(str, args.rate)),
+        *("--input-len", str(args.input_len), "--output-len", str(args.output_len)),
+        *("--seed", str(args.seed), "--warmup", str(args.warmup), "--temperature", "0"),
+        *("--block-size", str(args.block_size), "--max-token-id", str(args.max_token_id)),
+    ]
+    workloads = serve_bench_parser().parse_args(argv)
+    check_args(workloads)
+    return [PlannedRun(f"rate{w.rate:g}-seed{w.seed}", w.rate, w) for w in rate_runs(workloads)]
 
 
 class Deadline:
@@ -207,7 +206,7 @@ def cluster_run(
     workload.max_duration = workload.request_timeout = max_duration
     log(f"cluster {run.label}: {workload.num_requests} requests at {run.rate:g} req/s")
     requests = build_requests(workload)
-    report = asyncio.run(run_bench(workload, requests, server.http_url, server.grpc_target))
+    report = asyncio.run(run_bench(workload, requests, server.http_url, server.grpc_target)).report
     summary = report["summary"]
     log(f"cluster {run.label}: {summary['completed']} ok in {summary['duration_s']:.1f} s")
     return run_record(run, max_duration, summary, report["requests"])
@@ -414,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "title": "cluster (1 prefill + 1 decode) vs aggregated engines, 2 GPUs",
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": shlex.join(["python", sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": command_line("bench.gpu_cluster_bench", argv),
         "config": {
             k: v if isinstance(v, int | float | str | None) else str(v)
             for k, v in vars(args).items()

@@ -40,7 +40,7 @@ from bench.lib.serve_client import (
     check_loopback,
     served_model_id,
 )
-from bench.lib.serve_launch import ROOT, LaunchedServer, machine_info
+from bench.lib.serve_launch import ROOT, LaunchedServer, command_line, machine_info
 
 # Router histograms (sum, count) read from /metrics around each measured window.
 ROUTER_METRICS = {
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         report = {
             "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-            "command": shlex.join(["python", sys.argv[0], *(argv or sys.argv[1:])]),
+            "command": command_line("bench.router_overhead", argv),
             "machine": machine,
             "loadavg_after": machine_info()["loadavg_1_5_15"],
             "paths_ms": paths,

@@ -13,18 +13,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import shlex
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from bench.lib.prefix_probe import prefill_holders, redis_url_from_log
-from bench.lib.serve_args import build_parser, check_args
-from bench.lib.serve_client import BenchRequest
-from bench.lib.serve_launch import LaunchedServer, machine_info
-from bench.lib.serve_run import run_bench
+from bench.lib.serve_args import build_parser, check_args, rate_runs
+from bench.lib.serve_launch import LaunchedServer, command_line, machine_info
+from bench.lib.serve_plots import INSTALL_HINT, PlotRun, have_matplotlib, rate_label, write_plots
+from bench.lib.serve_run import BenchRun, run_bench
 from bench.lib.serve_stats import format_table
 from bench.lib.serve_workload import build_requests, group_prefixes, with_chat_text
 
@@ -33,12 +35,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:
-    """The benchmark against --url/--target, or against a server launched for it."""
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[BenchRun]]:
+    """Each --rate's run against --url/--target, or against one server launched for them all.
+    Returns the launched server's description ({} without --launch) and the runs."""
+    runs = rate_runs(args)
     if not args.launch:
-        report = asyncio.run(run_bench(args, requests, args.url, args.target))
-        report["prefix_index"] = probe_prefixes(args, report, args.redis_url)
-        return report
+        return {}, [run_rate(run, args.url, args.target, lambda: args.redis_url) for run in runs]
     extra = shlex.split(args.server_args)
     server = LaunchedServer(
         args.prefill,
@@ -49,12 +51,30 @@ def run(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any
         worker_niceness=args.worker_niceness,
         server_root=args.server_root,
     )
+
+    def redis_url() -> str | None:
+        return redis_url_from_log(server.log_path.read_text(errors="replace"))
+
     with server:
-        report = asyncio.run(run_bench(args, requests, server.http_url, server.grpc_target))
-        report["server"] = {"command": server.describe(), "startup_s": server.startup_s}
-        redis_url = redis_url_from_log(server.log_path.read_text(errors="replace"))
-        report["prefix_index"] = probe_prefixes(args, report, redis_url)
-    return report
+        done = [run_rate(run, server.http_url, server.grpc_target, redis_url) for run in runs]
+        return {"command": server.describe(), "startup_s": server.startup_s}, done
+
+
+def run_rate(
+    args: argparse.Namespace, url: str, target: str, redis_url: Callable[[], str | None]
+) -> BenchRun:
+    """One rate (args.rate, args.seed: one of serve_args.rate_runs): its workload, the run, and
+    the prefix index probed after it."""
+    if len(args.rates) > 1:
+        log(f"rate {args.rate:g} req/s, seed {args.seed}")
+    requests = build_requests(args)
+    if args.endpoint == "chat":
+        requests = with_chat_text(requests, args.tokenizer)
+    bench = asyncio.run(run_bench(args, requests, url, target))
+    rate = None if math.isinf(args.rate) else args.rate  # None: all at once (JSON has no inf)
+    bench.report["rate"], bench.report["seed"] = rate, args.seed
+    bench.report["prefix_index"] = probe_prefixes(args, bench.report, redis_url())
+    return bench
 
 
 def probe_prefixes(
@@ -92,25 +112,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     # background with SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    requests = build_requests(args)
-    if args.endpoint == "chat":
-        requests = with_chat_text(requests, args.tokenizer)
     report: dict[str, Any] = {
         "label": args.label,
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": shlex.join(["python", sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": command_line("bench.serve_bench", argv),
         "config": {
             k: v if isinstance(v, int | str | None) else str(v) for k, v in vars(args).items()
         },
         "machine": machine_info(),
     }
     try:
-        report.update(run(args, requests))
+        server, runs = run(args)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
+    if server:
+        report["server"] = server
+    if len(runs) == 1:  # one rate: the run's fields at the top, as before --rate took several
+        report.update(runs[0].report)
+    else:
+        report["runs"] = [bench.report for bench in runs]
     report["machine_after"] = {"loadavg_1_5_15": machine_info()["loadavg_1_5_15"]}
     title = f"serve_bench {args.label or ''} [{args.transport}, {args.workload}]".replace("  ", " ")
+    for bench in runs:
+        rate = rate_label(bench.report["rate"])
+        print_run(bench.report, title if len(runs) == 1 else f"{title} {rate}")
+    if args.json:
+        report["plots"] = [str(path) for path in plot_runs(args.json, runs, title)]
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 0 if all(bench.report["summary"]["failed"] == 0 for bench in runs) else 1
+
+
+def print_run(report: dict[str, Any], title: str) -> None:
     print(format_table(report["summary"], title))
     if probe := report.get("prefix_index"):
         print(
@@ -118,10 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" (mean {probe['mean_prefill_copies']:.2f}); prefill hit rate <="
             f" {probe['prefill_hit_rate_upper_bound']:.1%}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {args.json}")
-    return 0 if report["summary"]["failed"] == 0 else 1
+
+
+def plot_runs(json_path: Path, runs: Sequence[BenchRun], title: str) -> list[Path]:
+    """The PNG plots beside the JSON; none (and one line saying so) without matplotlib."""
+    if not have_matplotlib():
+        log(f"plots skipped: matplotlib is not installed ({INSTALL_HINT})")
+        return []
+    plot = [PlotRun(b.report["rate"], b.results, b.report["summary"]) for b in runs]
+    paths = write_plots(json_path, plot, title.strip())
+    log(f"wrote {', '.join(str(path) for path in paths)}")
+    return paths
 
 
 if __name__ == "__main__":

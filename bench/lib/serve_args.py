@@ -1,10 +1,11 @@
-"""serve_bench's command line (also how gpu_cluster_bench describes its workloads) and the
-checks on it; stateless.
+"""serve_bench's command line (also how gpu_cluster_bench describes its workloads), the checks
+on it and its split into one run per --rate; stateless.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -38,7 +39,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("load")
     g.add_argument("--num-requests", type=int, default=64)
-    g.add_argument("--rate", type=float, default=float("inf"), help="req/s; inf: all at once")
+    g.add_argument(
+        "--rate",
+        dest="rates",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="req/s, one run each (one server for all with --launch); inf: all at once",
+    )
     g.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     g.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no cap)")
     g.add_argument("--warmup", type=int, default=1, help="untimed requests first")
@@ -56,19 +64,26 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--redis-url", default=None, help="index to probe without --launch")
     g.add_argument("--min-token-id", type=int, default=100)
     g.add_argument("--max-token-id", type=int, default=20000, help="exclusive")
-    g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    g.add_argument(
+        "--seed", type=int, default=0, help="workload and arrival seed (run k of --rate: seed + k)"
+    )
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
     g = p.add_argument_group("output")
-    g.add_argument("--json", type=Path, default=None, help="write summary + per-request data")
+    g.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write summary + per-request data, and PNG plots beside it (NAME.*.png)",
+    )
     g.add_argument("--label", default="", help="a name for this run in the table and JSON")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.num_requests < 1 or args.rate <= 0:
+    if args.num_requests < 1 or min(args.rates) <= 0:
         raise ValueError("--num-requests must be >= 1 and --rate > 0")
     if args.workload == "shared-prefix" and (args.num_groups < 1 or args.prefix_len < 1):
         raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
@@ -79,3 +94,14 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.launch:
         check_loopback(urlsplit(args.url).hostname or "")
         check_loopback(args.target.rsplit(":", 1)[0].strip("[]"))
+
+
+def rate_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """One copy of args per --rate, with that `rate`; run k uses seed + k, so the runs of one
+    server share no prompts (no prefix cache hits from an earlier run)."""
+    runs = []
+    for k, rate in enumerate(args.rates):
+        run = copy.copy(args)
+        run.rate, run.seed = rate, args.seed + k
+        runs.append(run)
+    return runs

@@ -11,7 +11,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.lib.serve_client import (
     BenchRequest,
@@ -99,9 +99,17 @@ def make_client(args: argparse.Namespace, url: str, target: str, model: str) -> 
     return HttpClient(url, model, sampling, args.request_timeout, chat=args.endpoint == "chat")
 
 
+class BenchRun(NamedTuple):
+    """One run: its report (model, summary, per-request records) and the results behind it."""
+
+    report: dict[str, Any]
+    results: list[RequestResult]
+
+
 async def run_bench(
     args: argparse.Namespace, requests: list[BenchRequest], url: str, target: str
-) -> dict[str, Any]:
+) -> BenchRun:
+    """Warmup requests, then `requests` at args.rate (a scalar: one of serve_args.rate_runs)."""
     model = args.model
     if not model:
         model = await (served_model_id(url) if args.transport == "http" else grpc_model_id(target))
@@ -121,11 +129,12 @@ async def run_bench(
         )
     finally:
         await client.close()
-    return {
+    report = {
         "model": model,
         "summary": summarize(results, duration),
         "requests": [request_record(r, t0) for r in results],
     }
+    return BenchRun(report, results)
 
 
 def request_record(r: RequestResult, t0: float) -> dict[str, Any]:
