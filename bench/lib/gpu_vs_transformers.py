@@ -1,7 +1,7 @@
 """kvrelay's GPU engine next to transformers on the same GPU: greedy tokens on small random
 bf16 weights (with the first divergence and its top-2 logit margin), and offline generate
 throughput on a smaller workload of the benchmark's shape. Owns no state; used by
-gpu_engine_bench.py."""
+bench.gpu_engine_bench."""
 
 from __future__ import annotations
 
