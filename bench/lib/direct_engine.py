@@ -29,10 +29,12 @@ class Timing:
 class DirectEngine:
     """The engine in a child process with `threads` torch threads at niceness `nice` (pass the
     cluster workers' values so both compete alike with other jobs); one request at a time.
-    code_root: the kvrelay checkout (this one, or a snapshot of it) whose engine the child runs:
-    its working directory, so first on its import path."""
+    code_root: the kvrelay checkout (this one, or a snapshot of a commit that has this module)
+    whose engine the child runs: its working directory, so first on its import path."""
 
     def __init__(self, threads: int, nice: int, output_len: int, timeout_s: float, code_root: Path):
+        if not (Path(code_root) / "bench" / "lib" / "direct_engine.py").is_file():
+            raise ValueError(f"{code_root} has no bench/lib/direct_engine.py to run the engine")
         self.timeout_s = timeout_s
         from_child, to_parent = os.pipe()
         from_parent, to_child = os.pipe()
