@@ -21,6 +21,7 @@ import torch
 
 from bench.lib.engine_config import engine_config
 from bench.lib.random_models import write_random_model
+from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer_backend import page_table
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -70,7 +71,7 @@ def main() -> None:
         engine.step()
     plan = engine.runner.attention.plan
 
-    def plan_with_page_table(metadata):  # what the FlashInfer backend would also build
+    def plan_with_page_table(metadata: AttentionMetadata) -> None:  # what FlashInfer also builds
         page_table(metadata, torch.device("cpu"))
         plan(metadata)
 

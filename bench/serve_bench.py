@@ -1,9 +1,11 @@
 """Load generator for the kvrelay router: sends a seeded workload (random token prompts, or
-groups sharing a long system prefix) over HTTP/SSE or gRPC at a given arrival rate and reports
-TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and the prefix hit rate.
+groups sharing a long system prefix) over HTTP/SSE or gRPC at one or more arrival rates (one
+run each) and reports TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and the
+prefix hit rate; with --json also PNG plots beside it (bench/lib/serve_plots.py, matplotlib).
 Owns no state beyond one run (and, with --launch, the `kvrelay serve` process it starts).
 
     python -m bench.serve_bench --launch --transport http --num-requests 64 --rate 4
+    python -m bench.serve_bench --launch --num-requests 64 --rate 1 2 4 --json out.json
     python -m bench.serve_bench --url http://127.0.0.1:8000 --workload shared-prefix \\
         --num-groups 8 --prefix-len 512 --input-len 32 --output-len 16 --json out.json
 """

@@ -133,7 +133,11 @@ def bench(args: argparse.Namespace) -> list[Result]:
             for name, (remote_ids, local_ids) in patterns.items():
                 descs = [0]
 
-                def read(remote_ids=remote_ids, local_ids=local_ids, descs=descs) -> None:
+                def read(
+                    remote_ids: list[int] = remote_ids,
+                    local_ids: list[int] = local_ids,
+                    descs: list[int] = descs,
+                ) -> None:
                     handle = transfer.read(peer, remote_ids, local_ids)
                     transfer.wait(handle, poll_interval_s=0)
                     transfer.release(handle)
