@@ -26,24 +26,26 @@ def engine_config(
     max_model_len: int | None = _SCHEDULER.max_model_len,
 ) -> EngineConfig:
     """An EngineConfig; num_blocks None sizes the KV pool from kv_cache_memory_bytes."""
+    cache = CacheConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
     return EngineConfig(
-        model=model,
+        model,
+        cache,
+        scheduler,
         device=device,
         dtype=dtype,
         load_format=load_format,
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
-        cache=CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-        ),
     )
 
 
