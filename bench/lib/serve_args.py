@@ -42,6 +42,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument(
         "--rate",
         dest="rates",
+        metavar="RATE",
         type=float,
         nargs="+",
         default=[float("inf")],
