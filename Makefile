@@ -33,4 +33,4 @@ format:
 	$(PYTHON) -m ruff check --fix .
 
 bench: deps
-	$(PYTHON) bench/engine_bench.py
+	$(PYTHON) -m bench.engine_bench

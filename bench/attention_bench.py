@@ -2,7 +2,7 @@
 and effective KV read bandwidth, bf16 against fp8 (e4m3) KV, tensor-core (prefill kernel)
 against CUDA-core decode kernels. Owns no state; needs a GPU and flashinfer.
 
-    python bench/attention_bench.py [--shapes 1x512 488x1500] [--json out.json]
+    python -m bench.attention_bench [--shapes 1x512 488x1500] [--json out.json]
 
 The cache is layer-packed and head-major like the engine's ([blocks, layers, 2, Hkv, 16, D],
 one layer's strided view), with each sequence's pages scattered over the pool.
@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from engine.attention.flashinfer_backend import WORKSPACE_BYTES  # noqa: E402
+from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B attention
 NUM_LAYERS = 4  # the page stride spans several layers, as in the engine's cache

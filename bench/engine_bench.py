@@ -5,7 +5,7 @@ tokens), runs it greedily through both systems in this process with the same num
 tokens per prompt, and prints output tokens/s of each, their ratio and how many outputs match
 token for token. Owns no state beyond the two models it loads. Progress goes to stderr.
 
-    python bench/engine_bench.py [--num-prompts 64] [--max-tokens 64] [--json out.json]
+    python -m bench.engine_bench [--num-prompts 64] [--max-tokens 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,71 +14,32 @@ import argparse
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.engine import EngineConfig  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-
-_WORD_TEXT = (
-    "the of and to in is that it was for on are as with his they at be this from have or by "
-    "one had not but what all were when we there can an your which their said if do will each "
-    "about how up out them then she many some so these would other into has more her two like "
-    "him see time could no make than first been its who now people my made over did down only "
-    "way find use may water long little very after words called just where most know get "
-    "through back much before go good new write our used me man too any day same right look "
-    "think also around another came come work three word must because does part even place "
-    "well such here take why things help put years different away again off went old number "
-    "great tell men say small every found still between name should home big give air line set "
-    "own under read last never us left end along while might next sound below saw something "
-    "thought both few those always looked show large often together asked house world going "
-    "want school important until form food keep children feet land side without boy once "
-    "animals life enough took sometimes four head above kind began almost live page got earth "
-    "need far hand high year mother light parts country father let night following picture "
-    "being study second eyes soon times story boys since white days ever paper hard near "
-    "sentence better best across during today others however sure means knew try told young "
-    "river mountain city engine memory cache token model server request network garden"
+from bench.lib.engine_config import engine_config
+from bench.lib.offline_runs import (
+    RunResult,
+    compare,
+    load_transformers,
+    run_kvrelay,
+    run_transformers,
 )
-_WORDS = _WORD_TEXT.split()
+from bench.lib.text_prompts import build_prompts
+from engine.llm import LLM
+from engine.loader import resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout whose git state is reported
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-_CHAT_TASKS = (
-    "Summarize the following notes in two sentences:",
-    "Rewrite this text as a short poem:",
-    "List three questions a reader might ask about this passage:",
-    "Explain the main idea of this paragraph to a child:",
-    "Translate the gist of this text into plain English:",
-)
-
-
-@dataclass(frozen=True)
-class RunResult:
-    system: str
-    seconds: float
-    num_prompts: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    output_tokens_per_s: float
-    total_tokens_per_s: float
-    cpu_per_wall: float  # process CPU seconds / wall seconds: ~threads when nothing competes
-    load_avg_1m: float  # system load just after the run (other processes inflate it)
-    detail: dict[str, Any]
 
 
 def log(message: str) -> None:
@@ -86,145 +47,9 @@ def log(message: str) -> None:
 
 
 # ---- prompts ---------------------------------------------------------------------------------
-def _random_text(rng: random.Random, num_words: int) -> str:
-    sentences, words = [], []
-    for _ in range(num_words):
-        words.append(rng.choice(_WORDS))
-        if len(words) >= rng.randint(6, 18):
-            sentences.append(" ".join(words).capitalize() + ".")
-            words = []
-    if words:
-        sentences.append(" ".join(words).capitalize() + ".")
-    return " ".join(sentences)
-
-
-def build_prompts(
-    tokenizer: Any, num_prompts: int, min_len: int, max_len: int, seed: int
-) -> list[list[int]]:
-    """Deterministic prompts: every other one chat-templated, lengths uniform in [min, max]."""
-    rng = random.Random(seed)
-    task = max(_CHAT_TASKS, key=len)
-    template = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{task}\n\n"}], tokenize=False, add_generation_prompt=True
-    )
-    chat_overhead = len(tokenizer.encode(template, add_special_tokens=False))
-    prompts = []
-    for i in range(num_prompts):
-        target = rng.randint(min_len, max_len)
-        is_chat = i % 2 == 0 and target > chat_overhead + 4
-        body_len = target - chat_overhead if is_chat else target
-        body = tokenizer.encode(_random_text(rng, body_len + 8), add_special_tokens=False)
-        body_text = tokenizer.decode(body[:body_len])
-        if is_chat:
-            content = f"{rng.choice(_CHAT_TASKS)}\n\n{body_text}"
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
-            prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            prompts.append(tokenizer.encode(body_text, add_special_tokens=True)[:target])
-    return prompts
 
 
 # ---- systems ---------------------------------------------------------------------------------
-def run_kvrelay(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[RunResult, list]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    stats = llm.engine.stats
-    steps0, computed0 = stats.num_steps, stats.num_computed_tokens
-    start, cpu_start = time.perf_counter(), time.process_time()
-    completions = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    cpu_seconds = time.process_time() - cpu_start
-    outputs = [c.token_ids for c in completions]
-    detail = {
-        "num_steps": stats.num_steps - steps0,
-        "num_computed_tokens": stats.num_computed_tokens - computed0,
-        "num_prefix_cached_tokens": sum(c.num_cached_tokens for c in completions),
-        "num_preemptions": llm.engine.scheduler.num_preemptions,
-    }
-    return _result("kvrelay", seconds, cpu_seconds, prompts, outputs, detail), outputs
-
-
-def run_transformers(
-    model: Any, pad_token_id: int, prompts: Sequence[list[int]], max_tokens: int, batch_size: int
-) -> tuple[RunResult, list]:
-    """Batched greedy generate, left padded; batches are formed after sorting by length."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    outputs: list[list[int]] = [[] for _ in prompts]
-    num_padded = 0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for b in range(0, len(order), batch_size):
-        index = order[b : b + batch_size]
-        width = max(len(prompts[i]) for i in index)
-        ids = torch.full((len(index), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(index), width), dtype=torch.long)
-        for row, i in enumerate(index):
-            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]) :] = 1
-        num_padded += ids.numel()
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=pad_token_id,
-            )
-        for row, i in enumerate(index):
-            outputs[i] = out[row, width:].tolist()
-        done = min(b + batch_size, len(order))
-        log(f"transformers: batch {done}/{len(order)} done ({time.perf_counter() - start:.1f}s)")
-    seconds = time.perf_counter() - start
-    cpu_seconds = time.process_time() - cpu_start
-    detail = {"batch_size": batch_size, "num_padded_prompt_tokens": num_padded}
-    return _result("transformers", seconds, cpu_seconds, prompts, outputs, detail), outputs
-
-
-def _result(
-    system: str,
-    seconds: float,
-    cpu_seconds: float,
-    prompts: Sequence[list[int]],
-    outputs: list,
-    detail: dict,
-) -> RunResult:
-    num_prompt = sum(len(p) for p in prompts)
-    num_out = sum(len(o) for o in outputs)
-    return RunResult(
-        system=system,
-        seconds=seconds,
-        num_prompts=len(prompts),
-        num_prompt_tokens=num_prompt,
-        num_output_tokens=num_out,
-        output_tokens_per_s=num_out / seconds,
-        total_tokens_per_s=(num_prompt + num_out) / seconds,
-        cpu_per_wall=cpu_seconds / seconds,
-        load_avg_1m=os.getloadavg()[0],
-        detail=detail,
-    )
-
-
-def load_transformers(folder: Path, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    model.eval()
-    # Same semantics as the engine's ignore_eos: no early stop, and EOS is not suppressed
-    # (min_new_tokens alone would mask EOS logits and change greedy choices after an EOS).
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def compare(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
-    exact = sum(x == y for x, y in zip(a, b, strict=True))
-    prefixes = []
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        prefixes.append(n)
-    return {"num_exact": exact, "mean_common_prefix": sum(prefixes) / len(prefixes)}
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -253,10 +78,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def bench_kvrelay(
     args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]
 ) -> tuple[RunResult, list]:
-    sched = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+    config = engine_config(
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
     )
-    llm = LLM(EngineConfig(scheduler=sched, dtype=args.dtype))
+    llm = LLM(config)
     log("kvrelay: warm-up")
     run_kvrelay(llm, warmup, 8)
     llm.engine.kv.pool.evict_all_cached()  # the timed run starts with a cold prefix cache
@@ -276,12 +103,12 @@ def bench_transformers(
 ) -> list[RunResult]:
     model = load_transformers(folder, _DTYPES[args.dtype])
     log("transformers: warm-up")
-    run_transformers(model, pad_token_id, warmup, 8, len(warmup))
+    run_transformers(model, pad_token_id, warmup, 8, len(warmup), log)
     results = []
     for batch_size in args.hf_batch_size:
         log(f"transformers: timed run, batch size {batch_size}")
         result, outputs = run_transformers(
-            model, pad_token_id, prompts, args.max_tokens, batch_size
+            model, pad_token_id, prompts, args.max_tokens, batch_size, log
         )
         result.detail.update(compare(reference, outputs))
         results.append(result)

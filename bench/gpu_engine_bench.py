@@ -3,18 +3,18 @@
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
 graphs against the HBM roofline (bytes read per step / that bandwidth); engine decode step time
 with CUDA graphs vs eager at batch 1..8; offline throughput (ignore_eos) on a workload of
---num-requests x (--input-len in, --output-len out); and, through gpu_vs_transformers.py,
-greedy tokens against transformers on small random bf16 weights and offline throughput against
-transformers' generate on a smaller workload. Owns no state; prints a table last and writes
-full JSON to --json (rewritten after every section).
+--num-requests x (--input-len in, --output-len out); and, through
+bench/lib/gpu_vs_transformers.py, greedy tokens against transformers on small random bf16
+weights and offline throughput against transformers' generate on a smaller workload. The
+timing primitives are in bench/lib/gpu_timing.py. Owns no state; prints a table last and
+writes full JSON to --json (rewritten after every section).
 
-    python bench/gpu_engine_bench.py --json $OUT/gpu_engine_bench.json
+    python -m bench.gpu_engine_bench --json $OUT/gpu_engine_bench.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -25,43 +25,30 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.gpu_vs_transformers import (  # noqa: E402
+from bench.lib.engine_config import engine_config
+from bench.lib.gpu_engine_report import environment, print_table
+from bench.lib.gpu_timing import (
+    GiB,
+    copy_bandwidth,
+    decode_step_times,
+    finish_all,
+    graph_replay_time,
+    kernel_profile,
+    profile_decode_steps,
+    random_prompts,
+)
+from bench.lib.gpu_vs_transformers import (
     greedy_against_transformers,
     throughput_against_transformers,
 )
-from bench.random_models import weight_bytes, write_random_model  # noqa: E402
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import random_model, read_model_config  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-
-GiB = 1 << 30
+from bench.lib.random_models import weight_bytes, write_random_model
+from engine.engine import Engine
+from engine.loader import random_model, read_model_config
+from engine.sampling_params import SamplingParams
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 4 * GiB, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting the bytes read and written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times)
 
 
 def build_engine(
@@ -74,14 +61,16 @@ def build_engine(
     kv_cache_dtype: str = "auto",
     async_scheduling: bool | None = None,
 ) -> Engine:
-    config = EngineConfig(
-        model=str(folder),
+    config = engine_config(
+        str(folder),
         device="cuda",
         dtype="bfloat16",
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
-        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs),
+        kv_cache_memory_bytes=kv_bytes,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=8192,
+        max_num_seqs=max_num_seqs,
     )
     start = time.perf_counter()
     engine = Engine(config, model=model)
@@ -90,93 +79,6 @@ def build_engine(
         f"built in {time.perf_counter() - start:.1f} s, backend {engine.attention_backend}"
     )
     return engine
-
-
-def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (num, length), generator=gen).tolist()
-
-
-def decode_step_times(
-    engine: Engine, batch: int, prompt_len: int, num_steps: int, seed: int = 0
-) -> list[float]:
-    """Wall time of num_steps pure-decode engine steps at a batch of `batch` sequences."""
-    params = SamplingParams(max_tokens=num_steps + 8, temperature=0, ignore_eos=True)
-    prompts = random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed)
-    req_ids = [f"d{seed}-{i}" for i in range(batch)]
-    for req_id, prompt in zip(req_ids, prompts, strict=True):
-        engine.add_request(req_id, prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
-        engine.scheduler.waiting
-    ):
-        engine.step()
-    for _ in range(3):  # warm-up decode steps
-        engine.step()
-    times = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def finish_all(engine: Engine) -> None:
-    for req_id in list(engine.scheduler.requests):
-        engine.abort(req_id)
-    engine.assert_no_leaks()
-
-
-def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
-    """Seconds per replay of the last-planned graph (device time, no host work)."""
-    graph = engine.runner.graphs._graphs[batch_size]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str, Any]:
-    """GPU kernel time by kind inside replays of the last-planned graph (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = engine.runner.graphs._graphs[batch_size]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            graph.replay()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / iters
-    kinds: dict[str, float] = {}
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.name
-        low = name.lower()
-        if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
-            kind = "matmul"
-        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention")):
-            kind = "attention"
-        elif "memcpy" in low or "memset" in low:
-            kind = "copy"
-        else:
-            kind = "elementwise/other"
-        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
-        kinds[kind] = kinds.get(kind, 0.0) + us / iters / 1e3
-        kernels.setdefault(name[:90], []).append(us)
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
-    return {
-        "kernel_ms_by_kind": kinds,
-        "kernel_ms_total": sum(kinds.values()),
-        "kernels_per_replay": sum(len(v) for v in kernels.values()) / iters,
-        "replay_wall_ms_profiled": wall * 1e3,
-        "top_kernels_ms": {name: sum(v) / iters / 1e3 for name, v in top},
-    }
 
 
 def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) -> dict[str, Any]:
@@ -226,39 +128,6 @@ def graph_vs_eager(args: argparse.Namespace, graph: Engine, eager: Engine) -> li
         )
         log(f"batch {batch}: graph {t_graph * 1e3:.2f} ms, eager {t_eager * 1e3:.2f} ms")
     return rows
-
-
-def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
-    """Host (cProfile) and device (graph replay) time of decode steps at the current batch."""
-    import cProfile
-    import io
-    import pstats
-
-    start = time.perf_counter()
-    batch = len(engine.scheduler.running)
-    plain = []
-    for _ in range(num_steps):
-        t0 = time.perf_counter()
-        engine.step()
-        plain.append(time.perf_counter() - t0)
-    padded = engine.runner.graphs.padded_size(batch) if engine.runner.graphs else None
-    replay = graph_replay_time(engine, padded, iters=10) if padded else None
-    kernels = kernel_profile(engine, padded, iters=3) if padded else None
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(num_steps):
-        engine.step()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
-    return {
-        "batch": batch,
-        "engine_step_ms": statistics.median(plain) * 1e3,
-        "graph_replay_ms": None if replay is None else replay * 1e3,
-        "graph_kernels": kernels,
-        "cprofile_tottime_top15": text.getvalue()[-4000:],
-        "seconds": time.perf_counter() - start,
-    }
 
 
 def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
@@ -313,78 +182,6 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         "eager_time_s": seconds["eager"],
         "graph_steps": engine.runner.num_graph_steps - graph_steps_before,
     }
-
-
-def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
-    try:
-        import flashinfer
-
-        info["flashinfer"] = flashinfer.__version__
-    except Exception as exc:  # reported, the bench then runs the torch backend
-        info["flashinfer"] = f"unavailable: {exc}"
-    return info
-
-
-def print_table(result: dict[str, Any]) -> None:
-    d = result["decode_b1"]
-    print(f"\n{result['env']['gpu']}, {result['shape']} (random bf16 weights)")
-    print(f"device copy bandwidth        {result['copy_bandwidth_GBps']:.0f} GB/s (read+write)")
-    print(f"decode b1 roofline           {d['roofline_ms']:.3f} ms")
-    print(
-        f"decode b1 engine step        {d['engine_step_ms_median']:.3f} ms "
-        f"({d['engine_step_over_roofline']:.2f}x roofline)"
-    )
-    print(
-        f"decode b1 graph replay       {d['graph_replay_ms']:.3f} ms "
-        f"({d['graph_replay_over_roofline']:.2f}x roofline)"
-    )
-    prof = d.get("profile", {})
-    if "kernel_ms_by_kind" in prof:
-        kinds = ", ".join(f"{k} {v:.3f}" for k, v in prof["kernel_ms_by_kind"].items())
-        print(f"decode b1 kernels (ms/step)  {kinds}; {prof['kernels_per_replay']:.0f} kernels")
-    print("batch  graph ms  eager ms  eager/graph")
-    for row in result.get("graph_vs_eager", []):
-        print(
-            f"{row['batch']:>5}  {row['graph_step_ms']:8.3f}  {row['eager_step_ms']:8.3f}  "
-            f"{row['eager_over_graph']:11.2f}"
-        )
-    g = result.get("hf_greedy")
-    if g:
-        print(f"greedy vs transformers (tiny bf16): {g['num_equal']}/{g['num_prompts']} equal")
-        for row in g["prompts"]:
-            if not row["equal"]:
-                print(
-                    f"  prompt {row['prompt_len']}: first divergence at token "
-                    f"{row['first_divergence']}, transformers top-2 margin "
-                    f"{row['hf_top2_margin']:.4f}"
-                )
-    h = result.get("hf_speed")
-    if h:
-        print(
-            f"offline {h['num_requests']} x ({h['input_len']} in, {h['output_len']} out): kvrelay "
-            f"{h['kvrelay_output_tok_s']:.0f} tok/s, transformers "
-            f"{h['transformers_output_tok_s']:.0f} tok/s ({h['speedup']:.2f}x)"
-        )
-    t = result.get("offline")
-    if t:
-        print(
-            f"offline {t['num_requests']} x ({t['input_len']} in, {t['output_len']} out): "
-            f"{t['output_tokens_per_s']:.0f} output tok/s over {t['elapsed_s']:.1f} s"
-            f"{' (truncated)' if t['truncated_at_time_budget'] else ''}; graph step "
-            f"{t['graph_step_ms_mean']:.2f} ms mean"
-        )
-        h = t["host_profile_mid_decode"]
-        if h.get("graph_replay_ms"):
-            print(
-                f"mid-decode batch {h['batch']}: engine step {h['engine_step_ms']:.2f} ms, "
-                f"graph replay {h['graph_replay_ms']:.2f} ms"
-            )
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One phase of the GPU measurements, run on the lent H200 machine after staging
 # (../shared/device/README.md); results go under $OUT. Usage: bench/gpu_session.sh PHASE
-#   engine    GPU tests, then gpu_engine_bench.py without the offline and transformers-speed runs
-#   offline   gpu_engine_bench.py's offline run only: 1000 x (1000 in, 1000 out), bf16 and fp8 KV
-#   attention attention_bench.py (decode kernels alone) and the fp8 / fused-kernel GPU tests
-#   transfer  transfer_bench.py GPU0 -> GPU1 over READ sizes, progress delays and split parts
+#   engine    GPU tests, then bench.gpu_engine_bench without the offline and transformers-speed runs
+#   offline   bench.gpu_engine_bench's offline run only: 1000 x (1000 in, 1000 out), bf16 and fp8 KV
+#   attention bench.attention_bench (decode kernels alone) and the fp8 / fused-kernel GPU tests
+#   transfer  bench.transfer_bench GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 set -uo pipefail
 phase=${1:?phase: engine, offline, attention, transfer or cluster}
@@ -18,14 +18,14 @@ python3 -c "import pytest" 2>/dev/null \
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv"
 offline_run() {  # NAME [ARGS...]: gpu_engine_bench's 1000-request run into $out/NAME.*
   local name=$1; shift
-  timeout 280 python3 bench/gpu_engine_bench.py --skip compare hf-greedy hf-speed \
+  timeout 280 python3 -m bench.gpu_engine_bench --skip compare hf-greedy hf-speed \
     --num-requests 1000 --time-budget 200 "$@" \
     --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
   echo "$name rc=$?"
 }
 transfer_8b() {  # NAME [ARGS...]: transfer_bench GPU0 -> GPU1, 8B block geometry, $out/NAME.*
   local name=$1; shift
-  timeout 120 python3 bench/transfer_bench.py --device cuda --holder-gpu 0 --reader-gpu 1 \
+  timeout 120 python3 -m bench.transfer_bench --device cuda --holder-gpu 0 --reader-gpu 1 \
     --num-layers 32 --num-kv-heads 8 --head-dim 128 "$@" \
     --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
   echo "$name rc=$?"
@@ -35,12 +35,12 @@ case $phase in
     timeout 300 python3 -m pytest -q -s tests/gpu > "$out/gpu_tests.txt" 2>&1
     echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
     # shellcheck disable=SC2086  # ENGINE_SKIP: more parts to skip (e.g. "compare hf-greedy")
-    timeout 270 python3 bench/gpu_engine_bench.py --skip offline hf-speed ${ENGINE_SKIP:-} \
+    timeout 270 python3 -m bench.gpu_engine_bench --skip offline hf-speed ${ENGINE_SKIP:-} \
       --json "$out/gpu_engine_bench.json" > "$out/gpu_engine_bench.txt" 2> "$out/gpu_engine_bench.err"
     echo "engine bench rc=$?"
     ;;
   attention)  # FlashInfer decode kernels alone (bf16/fp8 KV, tensor cores or not), fp8 tests
-    timeout 200 python3 bench/attention_bench.py --json "$out/attention.json" \
+    timeout 200 python3 -m bench.attention_bench --json "$out/attention.json" \
       > "$out/attention.txt" 2> "$out/attention.err"
     echo "attention bench rc=$?"
     timeout 250 python3 -m pytest -q -s tests/gpu/test_fused_ops.py \
@@ -65,7 +65,7 @@ case $phase in
     ;;
   cluster)
     transfer_8b gpu_transfer --num-blocks 512 --blocks-per-read 128
-    timeout 450 python3 bench/gpu_cluster_bench.py --tokenizer-from .cache/smollm2-tokenizer \
+    timeout 450 python3 -m bench.gpu_cluster_bench --tokenizer-from .cache/smollm2-tokenizer \
       --time-budget 420 --json "$out/gpu_cluster.json" > "$out/gpu_cluster.txt" \
       2> "$out/gpu_cluster.err"
     echo "cluster rc=$?"

@@ -4,7 +4,7 @@ tables, attention plan, sampling, token bookkeeping). The FlashInfer page table 
 would build is built too. Prints ms per decode step and the top functions by own time. Owns no
 state.
 
-    python bench/host_overhead_bench.py [--batch 256] [--context 1200] [--steps 40]
+    python -m bench.host_overhead_bench [--batch 256] [--context 1200] [--steps 40]
 """
 
 from __future__ import annotations
@@ -14,22 +14,17 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.random_models import write_random_model  # noqa: E402
-from engine.attention.flashinfer_backend import page_table  # noqa: E402
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from bench.lib.engine_config import engine_config
+from bench.lib.random_models import write_random_model
+from engine.attention.base import AttentionMetadata
+from engine.attention.flashinfer_backend import page_table
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
 
 TINY_SHAPE = {
     "num_hidden_layers": 1,
@@ -48,14 +43,14 @@ def build_engine(batch: int, context: int, steps: int) -> Engine:
     config = json.loads((folder / "config.json").read_text()) | TINY_SHAPE
     (folder / "config.json").write_text(json.dumps(config))
     blocks = batch * (-(-(context + steps + 16) // 16))
-    return Engine(
-        EngineConfig(
-            model=str(folder),
-            load_format="dummy",
-            cache=CacheConfig(num_blocks=blocks),
-            scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=batch),
-        )
+    config = engine_config(
+        str(folder),
+        load_format="dummy",
+        num_blocks=blocks,
+        max_num_batched_tokens=8192,
+        max_num_seqs=batch,
     )
+    return Engine(config)
 
 
 def main() -> None:
@@ -76,7 +71,7 @@ def main() -> None:
         engine.step()
     plan = engine.runner.attention.plan
 
-    def plan_with_page_table(metadata):  # what the FlashInfer backend would also build
+    def plan_with_page_table(metadata: AttentionMetadata) -> None:  # what FlashInfer also builds
         page_table(metadata, torch.device("cpu"))
         plan(metadata)
 

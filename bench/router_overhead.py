@@ -3,12 +3,12 @@ through the whole cluster (router over HTTP and gRPC, prefill worker, KV transfe
 worker) vs the same kind of prompts given straight to an `engine.engine.Engine` (default
 config, timed from add_request to the first token and to the finish). Also reads the router's
 /metrics for its own view (router TTFT, queue time, KV transfer time). Owns no state beyond one
-run: the direct engine (bench/direct_engine.py) lives in a child process started and stopped here,
-at the niceness and thread count of the cluster's workers, so both sides meet other jobs on a
-shared CPU alike; the paths are interleaved (round i: one direct request, then one per
-transport).
+run: the direct engine (bench/lib/direct_engine.py) lives in a child process started and
+stopped here, at the niceness and thread count of the cluster's workers, so both sides meet
+other jobs on a shared CPU alike; the paths are interleaved (round i: one direct request, then
+one per transport).
 
-    python bench/router_overhead.py --launch [--num-requests 30 --input-len 32 --output-len 8]
+    python -m bench.router_overhead --launch [--num-requests 30 --input-len 32 --output-len 8]
 """
 
 from __future__ import annotations
@@ -30,12 +30,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.direct_engine import DirectEngine, Timing  # noqa: E402
-from bench.serve_client import (  # noqa: E402
+from bench.lib.direct_engine import DirectEngine, Timing
+from bench.lib.serve_client import (
     BenchRequest,
     Client,
     GrpcClient,
@@ -44,7 +40,7 @@ from bench.serve_client import (  # noqa: E402
     check_loopback,
     served_model_id,
 )
-from bench.serve_launch import LaunchedServer, machine_info  # noqa: E402
+from bench.lib.serve_launch import ROOT, LaunchedServer, command_line, machine_info
 
 # Router histograms (sum, count) read from /metrics around each measured window.
 ROUTER_METRICS = {
@@ -271,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         report = {
             "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-            "command": shlex.join(["python", sys.argv[0], *(argv or sys.argv[1:])]),
+            "command": command_line("bench.router_overhead", argv),
             "machine": machine,
             "loadavg_after": machine_info()["loadavg_1_5_15"],
             "paths_ms": paths,

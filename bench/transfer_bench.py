@@ -8,7 +8,7 @@ cuda, a peer copy from the holder's GPU to the reader's). Prints GB/s
 (median over --iters); owns no state beyond the two tensors. Progress goes to stderr.
 `--parts N` lets the reader split each READ into up to N concurrent NIXL READs of >= 1 MiB.
 
-    python bench/transfer_bench.py [--num-blocks 512] [--blocks-per-read 128] [--iters 20]
+    python -m bench.transfer_bench [--num-blocks 512] [--blocks-per-read 128] [--iters 20]
         [--device cpu|cuda] [--parts 1] [--progress-delay-us 100] [--reader-polls-only]
         [--json out.json]
 """
@@ -29,12 +29,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from kvtransfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US  # noqa: E402
-from kvtransfer.nixl_transfer import NixlTransfer  # noqa: E402
+from kvtransfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US
+from kvtransfer.nixl_transfer import NixlTransfer
 
 MODEL_ID = "bench-model"
 SEED = 1234
@@ -137,7 +133,11 @@ def bench(args: argparse.Namespace) -> list[Result]:
             for name, (remote_ids, local_ids) in patterns.items():
                 descs = [0]
 
-                def read(remote_ids=remote_ids, local_ids=local_ids, descs=descs) -> None:
+                def read(
+                    remote_ids: list[int] = remote_ids,
+                    local_ids: list[int] = local_ids,
+                    descs: list[int] = descs,
+                ) -> None:
                     handle = transfer.read(peer, remote_ids, local_ids)
                     transfer.wait(handle, poll_interval_s=0)
                     transfer.release(handle)

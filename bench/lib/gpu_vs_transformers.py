@@ -1,7 +1,7 @@
 """kvrelay's GPU engine next to transformers on the same GPU: greedy tokens on small random
 bf16 weights (with the first divergence and its top-2 logit margin), and offline generate
 throughput on a smaller workload of the benchmark's shape. Owns no state; used by
-gpu_engine_bench.py."""
+bench.gpu_engine_bench."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from bench.random_models import write_random_model
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from bench.lib.engine_config import engine_config
+from bench.lib.random_models import write_random_model
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -57,15 +57,15 @@ def greedy_against_transformers(
     gen = torch.Generator().manual_seed(seed)
     lengths = [1, 7, 16, 33, 64, 150, 300, 511]
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
-    engine = Engine(
-        EngineConfig(
-            model=str(folder),
-            device=device,
-            dtype="bfloat16",
-            cache=CacheConfig(num_blocks=512),
-            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16),
-        )
+    config = engine_config(
+        str(folder),
+        device=device,
+        dtype="bfloat16",
+        num_blocks=512,
+        max_num_batched_tokens=2048,
+        max_num_seqs=16,
     )
+    engine = Engine(config)
     params = SamplingParams(max_tokens=num_new, temperature=0, ignore_eos=True)
     ours = _run_engine(engine, prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(device).eval()

@@ -1,4 +1,4 @@
-"""The cluster-vs-aggregated comparison of bench/gpu_cluster_bench.py: one row per setup and run
+"""The cluster-vs-aggregated comparison of bench.gpu_cluster_bench: one row per setup and run
 (from each run's serve_stats summary) and the text table with its caveats; stateless.
 """
 

@@ -1,6 +1,6 @@
 """Starts `python -m deploy.cli serve` on free loopback ports for a benchmark and stops it again
 (SIGINT, then SIGTERM / SIGKILL to its process group if it hangs); owns that one process and
-its log file. Also describes the machine for reports.
+its log file. Also describes the machine and the command line for reports.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the kvrelay checkout this bench/ is in
 HOST = "127.0.0.1"
 
 
@@ -205,6 +205,11 @@ def session_pids(sid: int) -> list[int]:
             if int(fields[3]) == sid and fields[0] != "Z":
                 pids.append(int(stat.parent.name))
     return pids
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """How this run was started, for reports: `python -m MODULE ARGS`."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def machine_info() -> dict[str, Any]:

@@ -33,7 +33,7 @@ def write_served_shape(
     """Write config.json of `shape` with the tokenizer's vocab_size and bos/eos/pad ids, and
     copy that tokenizer's files; returns a description for reports. tokenizer_dir: a folder
     with the tokenizer files and config.json (default: the default model's converted folder)."""
-    from bench.random_models import write_random_model
+    from bench.lib.random_models import write_random_model
     from engine.loader import resolve_model
 
     if tokenizer_dir is None:

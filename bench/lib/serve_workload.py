@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from bench.serve_client import BenchRequest
+from bench.lib.serve_client import BenchRequest
 
 
 def sample_len(rng: random.Random, mean: int, range_ratio: float) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.serve_client import RequestResult
+from bench.lib.serve_client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 

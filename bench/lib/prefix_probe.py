@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench.serve_client import check_loopback
+from bench.lib.serve_client import check_loopback
 
 _REDIS_IN_LOG = re.compile(r"local redis-server at (redis://\S+)")
 

@@ -1,0 +1,1 @@
+"""Helpers shared by the bench scripts (clients, launchers, workloads, engine configs); no state."""

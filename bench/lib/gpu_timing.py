@@ -1,0 +1,155 @@
+"""Timing primitives for one engine on a GPU: device copy bandwidth, wall time of decode steps,
+CUDA-graph replay time, kernel time by kind inside a replay, and host + device time of decode
+steps mid-run. Stateless: the requests live in the caller's engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+GiB = 1 << 30
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 4 * GiB, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (num, length), generator=gen).tolist()
+
+
+def decode_step_times(
+    engine: Engine, batch: int, prompt_len: int, num_steps: int, seed: int = 0
+) -> list[float]:
+    """Wall time of num_steps pure-decode engine steps at a batch of `batch` sequences."""
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0, ignore_eos=True)
+    prompts = random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed)
+    req_ids = [f"d{seed}-{i}" for i in range(batch)]
+    for req_id, prompt in zip(req_ids, prompts, strict=True):
+        engine.add_request(req_id, prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def finish_all(engine: Engine) -> None:
+    for req_id in list(engine.scheduler.requests):
+        engine.abort(req_id)
+    engine.assert_no_leaks()
+
+
+def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
+    """Seconds per replay of the last-planned graph (device time, no host work)."""
+    graph = engine.runner.graphs._graphs[batch_size]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str, Any]:
+    """GPU kernel time by kind inside replays of the last-planned graph (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = engine.runner.graphs._graphs[batch_size]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / iters
+    kinds: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name
+        low = name.lower()
+        if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
+            kind = "matmul"
+        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention")):
+            kind = "attention"
+        elif "memcpy" in low or "memset" in low:
+            kind = "copy"
+        else:
+            kind = "elementwise/other"
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+        kinds[kind] = kinds.get(kind, 0.0) + us / iters / 1e3
+        kernels.setdefault(name[:90], []).append(us)
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "kernel_ms_by_kind": kinds,
+        "kernel_ms_total": sum(kinds.values()),
+        "kernels_per_replay": sum(len(v) for v in kernels.values()) / iters,
+        "replay_wall_ms_profiled": wall * 1e3,
+        "top_kernels_ms": {name: sum(v) / iters / 1e3 for name, v in top},
+    }
+
+
+def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
+    """Host (cProfile) and device (graph replay) time of decode steps at the current batch."""
+    import cProfile
+    import io
+    import pstats
+
+    start = time.perf_counter()
+    batch = len(engine.scheduler.running)
+    plain = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t0)
+    padded = engine.runner.graphs.padded_size(batch) if engine.runner.graphs else None
+    replay = graph_replay_time(engine, padded, iters=10) if padded else None
+    kernels = kernel_profile(engine, padded, iters=3) if padded else None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(num_steps):
+        engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    return {
+        "batch": batch,
+        "engine_step_ms": statistics.median(plain) * 1e3,
+        "graph_replay_ms": None if replay is None else replay * 1e3,
+        "graph_kernels": kernels,
+        "cprofile_tottime_top15": text.getvalue()[-4000:],
+        "seconds": time.perf_counter() - start,
+    }
