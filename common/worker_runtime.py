@@ -1,15 +1,46 @@
-"""What both worker roles share (no state of its own): reading a worker's load and served model
-off its engine, thread set-up, the Redis publisher it runs, and shutting a worker down."""
+"""What both worker roles share (no state of its own): building a worker's engine, NIXL agent and
+Redis publisher, reading its load and served model, and shutting it down."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from common.kv_publisher import KVPublisher
 from common.messages import ServedModel, WorkerLoad
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.engine import Engine
+    from kvtransfer.nixl_transfer import NixlTransfer
+
+
+class WorkerParts(NamedTuple):
+    """A worker's engine, its KV pool registered with its NIXL agent, and its publisher."""
+
+    engine: Engine
+    transfer: NixlTransfer
+    publisher: KVPublisher | None
+
+
+def build_worker_parts(
+    role: str,
+    worker_id: str,
+    actor_name: str,
+    engine_config: EngineConfig,
+    redis_url: str | None,
+    num_threads: int | None,
+    **transfer_options: Any,
+) -> WorkerParts:
+    """Run in the actor's process: imports torch, loads the model, registers the KV pool."""
+    from engine.engine import Engine
+    from kvtransfer.nixl_transfer import NixlTransfer
+
+    set_threads(num_threads)
+    engine = Engine(engine_config)
+    transfer = NixlTransfer(engine.model_id, agent_name=f"{worker_id}-nixl", **transfer_options)
+    transfer.register(engine.kv_cache)
+    publisher = make_publisher(redis_url, worker_id, engine, actor_name, role, transfer.agent_name)
+    return WorkerParts(engine, transfer, publisher)
 
 
 def engine_load(engine: Engine) -> WorkerLoad:

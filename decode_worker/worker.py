@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from common.messages import GenerateRequest, KVHandle, ServedModel, TokenDelta, WorkerLoad
-from common.worker_runtime import engine_load, make_publisher, served_model, set_threads, shut_down
+from common.worker_runtime import build_worker_parts, engine_load, served_model, shut_down
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
@@ -39,31 +39,22 @@ class DecodeWorkerConfig:
 
 class DecodeWorker:
     def __init__(self, config: DecodeWorkerConfig, actor_name: str = ""):
-        from engine.engine import Engine
         from engine.engine_thread import EngineThread
-        from kvtransfer.nixl_transfer import NixlTransfer
 
-        set_threads(config.num_threads)
         self.config = config
         self.worker_id = config.worker_id
         self.actor_name = actor_name or config.worker_id
-        self.engine = Engine(config.engine)
-        self.transfer = NixlTransfer(
-            self.engine.model_id,
-            agent_name=f"{self.worker_id}-nixl",
+        self.engine, self.transfer, self.publisher = build_worker_parts(
+            "decode",
+            self.worker_id,
+            self.actor_name,
+            config.engine,
+            config.redis_url,
+            config.num_threads,
             timeout_s=config.transfer_timeout_s,
         )
-        self.transfer.register(self.engine.kv_cache)
         self.puller = KVPuller(
             self.engine, self.transfer, _release_lease, config.transfer_timeout_s
-        )
-        self.publisher = make_publisher(
-            config.redis_url,
-            config.worker_id,
-            self.engine,
-            self.actor_name,
-            "decode",
-            self.transfer.agent_name,
         )
         self.mailboxes = Mailboxes()
         self._routes: dict[str, str] = {}  # req_id -> router_id

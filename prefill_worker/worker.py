@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from common.messages import GenerateRequest, KVHandle, ServedModel, WorkerLoad
-from common.worker_runtime import engine_load, make_publisher, served_model, set_threads, shut_down
+from common.worker_runtime import build_worker_parts, engine_load, served_model, shut_down
 from engine.config import EngineConfig
 from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
@@ -36,24 +36,18 @@ class PrefillWorkerConfig:
 
 class PrefillWorker:
     def __init__(self, config: PrefillWorkerConfig, actor_name: str = ""):
-        from engine.engine import Engine
         from engine.engine_thread import EngineThread
-        from kvtransfer.nixl_transfer import NixlTransfer
 
-        set_threads(config.num_threads)
         self.config = config
         self.worker_id = config.worker_id
         self.actor_name = actor_name or config.worker_id
-        self.engine = Engine(replace(config.engine, record_kv_events=True))
-        self.transfer = NixlTransfer(self.engine.model_id, agent_name=f"{self.worker_id}-nixl")
-        self.transfer.register(self.engine.kv_cache)
-        self.publisher = make_publisher(
-            config.redis_url,
-            config.worker_id,
-            self.engine,
-            self.actor_name,
+        self.engine, self.transfer, self.publisher = build_worker_parts(
             "prefill",
-            self.transfer.agent_name,
+            self.worker_id,
+            self.actor_name,
+            replace(config.engine, record_kv_events=True),
+            config.redis_url,
+            config.num_threads,
         )
         self._leases: dict[str, float] = {}  # req_id -> expiry (time.time())
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}

@@ -26,13 +26,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(loop):
     cluster = loop.run_until_complete(LocalCluster(cluster_spec()).start(progress=lambda m: None))
     yield cluster

@@ -21,13 +21,6 @@ HANG_BOUND_S = 120.0  # every stream must end well within this
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(loop):
     spec = cluster_spec(num_prefill=1, num_decode=2)
     cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
