@@ -49,9 +49,6 @@ class RequestOutput:
     held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
 
 
-PLACEHOLDER_TOKEN = -1  # a token sampled by a step still in flight (filled on the device)
-
-
 @dataclass
 class InFlightStep:
     """A step queued on the device whose sampled tokens the host has not read yet."""
@@ -60,7 +57,7 @@ class InFlightStep:
     reqs: list[Request]  # the requests that sample this step, in row order
     sample: PendingSample
     update_pending: bool  # scheduler.update waits until the step before it has finished
-    placeholder_reqs: list[Request] = field(default_factory=list)  # ran ahead of this step
+    pending_reqs: list[Request] = field(default_factory=list)  # a pending token each: ran ahead
 
 
 @dataclass
@@ -309,22 +306,13 @@ class Engine:
 
     def _launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
         """Queue a step's forward pass and sampling. `after`: the step still in flight whose
-        sampled tokens are this step's placeholders (they are gathered on the device)."""
+        sampled tokens are this step's pending input tokens (gathered on the device)."""
         fill = None
         if after is not None:
-            rows = {id(req): row for row, req in enumerate(after.reqs)}
-            waiting_for = {id(req) for req in after.placeholder_reqs}
-            fill = TokenFill(
-                {
-                    i: rows[id(chunk.req)]
-                    for i, chunk in enumerate(scheduled.chunks)
-                    if id(chunk.req) in waiting_for
-                    and chunk.start + chunk.num_new_tokens == chunk.req.num_tokens
-                },
-                after.sample.tokens,
-            )
+            rows = {req.req_id: row for row, req in enumerate(after.reqs) if req.num_pending_tokens}
+            fill = TokenFill(rows, after.sample.tokens)
         step_logits = self.runner.execute(scheduled, fill)
-        if after is None:  # else once the placeholders are real tokens: blocks get hashed
+        if after is None:  # else once the pending tokens are real: full blocks get hashed
             self.scheduler.update(scheduled)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
@@ -335,7 +323,7 @@ class Engine:
 
     def _launch_ahead(self, current: InFlightStep) -> InFlightStep | None:
         """Schedule and queue the next step before `current`'s tokens are known: each request
-        that samples in `current` gets a placeholder token, which the device fills in.
+        that samples in `current` gets a pending token, which the device fills in.
 
         Only when no request of `current` can finish by length there (those are known now); one
         that stops on a stop token or string is found a step late, its extra row is dropped and
@@ -345,8 +333,8 @@ class Engine:
         if not live or any(self._known_to_end_next(req) for req in live):
             return None
         for req in live:
-            req.all_token_ids.append(PLACEHOLDER_TOKEN)
-        current.placeholder_reqs = live
+            req.num_pending_tokens += 1
+        current.pending_reqs = live
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return None
@@ -366,8 +354,8 @@ class Engine:
         """Wait for `current`'s tokens, append them, stop what stops; then the step launched
         ahead of it (if any) records its computed tokens."""
         result = current.sample.result()
-        for req in current.placeholder_reqs:
-            req.all_token_ids.pop()
+        for req in current.pending_reqs:
+            req.num_pending_tokens -= 1  # its token is real now: appended below
         outputs = []
         for i, req in enumerate(current.reqs):
             if req.is_finished:  # aborted, or it stopped one step earlier (we ran ahead)
