@@ -8,17 +8,13 @@ reserved padding block, which the KV cache manager never hands out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.host_tensors import index_tensor
-
-if TYPE_CHECKING:
-    from engine.runner import StepInputs, TokenFill
+from engine.step_inputs import StepInputs, TokenFill
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -36,7 +36,7 @@ class Request:
       num_pending_tokens (0 or 1; one step at most runs ahead) and has no id on the host. It
       occupies the position after all_token_ids; num_tokens (real + pending) is what the
       scheduler and the KV cache allocate positions for. Its id reaches the next step's inputs
-      on the device only (runner.TokenFill), and no request has a pending token between two
+      on the device only (step_inputs.TokenFill), and no request has a pending token between two
       Engine.step() calls.
     - block_hashes cover full blocks of all_token_ids only, so no hash ever sees a pending
       token.

@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model, the KV cache tensor, the attention backend and the decode graphs.
+"""ModelRunner: runs steps on the model, KV cache, attention backend and decode graphs that
+engine/backend_builder.py made; owns only the count of steps replayed from a graph.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
 forward pass (replaying a CUDA graph for pure-decode steps when one is captured), and returns
@@ -13,58 +14,16 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
-from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
 from engine.kv_cache.manager import KVCacheManager
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.step_inputs import DecodeGraphs, StepInputs, TokenFill
 
 
 @dataclass(frozen=True)
 class StepLogits:
     logits: torch.Tensor  # [num_sampling_chunks, vocab]
     chunk_index: list[int]  # which chunk of the SchedulerOutput each row belongs to
-
-
-@dataclass(frozen=True)
-class TokenFill:
-    """Tokens sampled by a step still in flight, on the device: req_id's is source[rows[req_id]].
-
-    With overlapped steps the previous step's sampled tokens are still on the device when the
-    next step is launched; they are gathered into its inputs there, at each request's pending
-    position (see Request).
-    """
-
-    rows: dict[str, int]  # req_id -> row of source
-    source: torch.Tensor  # [n] token ids on the device
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One step's packed tokens, as host lists (one H2D copy makes them device tensors).
-
-    A pending input token has no id on the host: input_ids holds 0 there until write_pending
-    copies the TokenFill's token over it on the device, before the forward pass reads it.
-    """
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_block_ids: list[int]
-    slot_offsets: list[int]
-    seqs: list[SeqSpan]
-    pending_index: list[int]  # where in input_ids each pending token goes
-    pending_rows: list[int]  # its row of the TokenFill's source
-
-    @property
-    def is_decode(self) -> bool:
-        return all(seq.q_len == 1 for seq in self.seqs)
-
-    def write_pending(self, ids: torch.Tensor, fill: TokenFill | None) -> None:
-        """Gather the pending input tokens into ids (the packed input ids, on the device)."""
-        if not self.pending_index:
-            return
-        assert fill is not None  # build_inputs found a row for each pending token
-        index = index_tensor([self.pending_index, self.pending_rows], device=ids.device)
-        ids[index[0]] = fill.source[index[1]]
 
 
 class ModelRunner:
@@ -75,7 +34,7 @@ class ModelRunner:
         attention: AttentionBackend,
         kv: KVCacheManager,
         block_size: int,
-        graphs: CUDAGraphDecoder | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache

@@ -5,9 +5,10 @@ the one the GPU runs, so outputs must equal the plain engine's token for token."
 from __future__ import annotations
 
 from engine.request import Request
-from engine.runner import StepLogits, TokenFill
+from engine.runner import StepLogits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import TokenFill
 from tests.conftest import run_to_completion
 
 
