@@ -8,17 +8,13 @@ reserved padding block, which the KV cache manager never hands out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
 from engine.host_tensors import index_tensor
-
-if TYPE_CHECKING:
-    from engine.runner import TokenFill
+from engine.step_inputs import StepInputs, TokenFill
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -115,21 +111,20 @@ class CUDAGraphDecoder:
         self.attention.plan_cuda_graph(metadata)
 
     @torch.inference_mode()
-    def run(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slot_block_ids: list[int],
-        slot_offsets: list[int],
-        seqs: list[SeqSpan],
-        fill: TokenFill | None = None,
-    ) -> torch.Tensor:
+    def run(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         """Replay one pure-decode step; returns the hidden states [len(seqs), hidden]."""
+        seqs = inputs.seqs
         bs = self.padded_size(len(seqs))
         if bs is None:
             raise ValueError(f"{len(seqs)} sequences exceed the largest captured graph")
-        self._plan(bs, input_ids, positions, slot_block_ids, slot_offsets, seqs)
-        if fill is not None:
-            fill.apply(self._inputs[0, :bs], seqs)
+        self._plan(
+            bs,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_block_ids,
+            inputs.slot_offsets,
+            seqs,
+        )
+        inputs.write_pending(self._inputs[0, :bs], fill)  # pending tokens, gathered on the device
         self._graphs[bs].replay()
         return self._hidden[: len(seqs)]

@@ -1,7 +1,8 @@
 """Engine (add_request / step / abort over one model and one KV pool) and the offline LLM.
 
 The engine owns the scheduler, the runner, the sampler, per-request generators and
-detokenizers, and step counters. It is single-threaded: callers serialise their calls.
+detokenizers, the step in flight (overlapped steps) and step counters; backend_builder.py
+makes its device side. It is single-threaded: callers serialise their calls.
 """
 
 from __future__ import annotations
@@ -14,25 +15,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
-from engine.attention.torch_backend import TorchAttention
+from engine.backend_builder import build_backend, resolve_device, resolve_dtype, size_kv_pool
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graph import CUDAGraphDecoder
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner, TokenFill
+from engine.runner import ModelRunner
 from engine.sampler import PendingSample, Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_inputs import TokenFill
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 from engine.validation import check_request
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -50,9 +47,6 @@ class RequestOutput:
     held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
 
 
-PLACEHOLDER_TOKEN = -1  # a token sampled by a step still in flight (filled on the device)
-
-
 @dataclass
 class InFlightStep:
     """A step queued on the device whose sampled tokens the host has not read yet."""
@@ -61,7 +55,7 @@ class InFlightStep:
     reqs: list[Request]  # the requests that sample this step, in row order
     sample: PendingSample
     update_pending: bool  # scheduler.update waits until the step before it has finished
-    placeholder_reqs: list[Request] = field(default_factory=list)  # ran ahead of this step
+    pending_reqs: list[Request] = field(default_factory=list)  # a pending token each: ran ahead
 
 
 @dataclass
@@ -72,20 +66,10 @@ class EngineStats:
     num_steps_ahead: int = 0  # steps launched before the previous step's tokens were read
 
 
-def resolve_device(name: str) -> torch.device:
-    """A device name; "auto" is cuda when torch sees a GPU, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A dtype name; "auto" is bfloat16 on CUDA and float32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+def find_tokenizer(folder: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None when it ships none (token-id requests only)."""
+    has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+    return Tokenizer(folder) if has_tokenizer else None
 
 
 def served_model_id(model: str) -> str:
@@ -104,73 +88,37 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.checkpoint_dir = folder = resolve_model(config.model)
         self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
-        self.model_id = self.model_config.model_id
-        has_tokenizer = any(
-            (folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")
-        )
-        self.tokenizer = Tokenizer(folder) if has_tokenizer else None
+        mc = self.model_config
+        self.model_id = mc.model_id
+        self.tokenizer = find_tokenizer(folder)
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
-        kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else dtype
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            1,
-            config.cache.kv_cache_memory_bytes
-            // (self.model_config.kv_bytes_per_token(kv_dtype.itemsize) * block_size),
-        )
-        limits = [num_blocks * block_size, self.model_config.max_position_embeddings]
-        limits += [
-            x for x in (config.scheduler.max_model_len, self.model_config.sliding_window) if x
-        ]
-        self.max_model_len = min(limits)
+        pool = size_kv_pool(config, mc, dtype)
+        self.max_model_len = pool.max_model_len
         if model is None:
             model = load_model(
-                folder,
-                self.model_config,
-                self.max_model_len,
-                self.device,
-                dtype,
-                config.load_format,
+                folder, mc, self.max_model_len, self.device, dtype, config.load_format
             )
         elif model.rope.cos.shape[0] < self.max_model_len:
             raise ValueError("the shared model's rotary table is shorter than max_model_len")
-        mc = self.model_config
-        self.attention_backend = choose_backend(config.attention_backend, self.device, dtype)
-        use_flashinfer = self.attention_backend == "flashinfer"
-        if kv_dtype != dtype and not use_flashinfer:
-            raise ValueError(
-                "kv_cache_dtype fp8 needs the flashinfer attention backend (a CUDA device with "
-                f"FlashInfer installed); this engine runs the {self.attention_backend} backend"
-            )
-        if hasattr(model, "use_fused_ops"):
-            model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm and activation
-        # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
-        num_storage_blocks = num_blocks + 1 if use_flashinfer else num_blocks
-        shape = (num_storage_blocks, mc.num_layers, 2, mc.num_kv_heads, block_size, mc.head_dim)
-        kv_storage = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        self.kv_cache = kv_storage[:num_blocks]
+        backend = build_backend(config, model, mc, self.device, dtype, pool)
+        self.attention_backend = backend.name
+        self.kv_cache = backend.kv_cache
+        cache = config.cache
         self.kv = KVCacheManager(
-            num_blocks,
-            block_size,
+            pool.num_blocks,
+            cache.block_size,
             self.model_id,
-            config.cache.enable_prefix_caching,
+            cache.enable_prefix_caching,
             config.record_kv_events,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
-        attention: AttentionBackend
-        graphs = None
-        if use_flashinfer:
-            attention = FlashInferAttention(kv_storage, mc.num_heads, mc.head_dim, dtype)
-            if config.cuda_graph:
-                graphs = CUDAGraphDecoder(
-                    model, attention, config.scheduler.max_num_seqs, self.max_model_len, num_blocks
-                )
-        else:
-            attention = TorchAttention(self.kv_cache, mc.num_heads, mc.head_dim)
-        self.runner = ModelRunner(model, self.kv_cache, attention, self.kv, block_size, graphs)
+        self.runner = ModelRunner(
+            model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
+        )
         overlap = config.async_scheduling
-        self.overlap_steps = graphs is not None if overlap is None else overlap
+        self.overlap_steps = backend.graphs is not None if overlap is None else overlap
         self._in_flight: InFlightStep | None = None
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
@@ -303,22 +251,13 @@ class Engine:
 
     def _launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
         """Queue a step's forward pass and sampling. `after`: the step still in flight whose
-        sampled tokens are this step's placeholders (they are gathered on the device)."""
+        sampled tokens are this step's pending input tokens (gathered on the device)."""
         fill = None
         if after is not None:
-            rows = {id(req): row for row, req in enumerate(after.reqs)}
-            waiting_for = {id(req) for req in after.placeholder_reqs}
-            fill = TokenFill(
-                {
-                    i: rows[id(chunk.req)]
-                    for i, chunk in enumerate(scheduled.chunks)
-                    if id(chunk.req) in waiting_for
-                    and chunk.start + chunk.num_new_tokens == chunk.req.num_tokens
-                },
-                after.sample.tokens,
-            )
+            rows = {req.req_id: row for row, req in enumerate(after.reqs) if req.num_pending_tokens}
+            fill = TokenFill(rows, after.sample.tokens)
         step_logits = self.runner.execute(scheduled, fill)
-        if after is None:  # else once the placeholders are real tokens: blocks get hashed
+        if after is None:  # else once the pending tokens are real: full blocks get hashed
             self.scheduler.update(scheduled)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
@@ -329,7 +268,7 @@ class Engine:
 
     def _launch_ahead(self, current: InFlightStep) -> InFlightStep | None:
         """Schedule and queue the next step before `current`'s tokens are known: each request
-        that samples in `current` gets a placeholder token, which the device fills in.
+        that samples in `current` gets a pending token, which the device fills in.
 
         Only when no request of `current` can finish by length there (those are known now); one
         that stops on a stop token or string is found a step late, its extra row is dropped and
@@ -339,8 +278,8 @@ class Engine:
         if not live or any(self._known_to_end_next(req) for req in live):
             return None
         for req in live:
-            req.all_token_ids.append(PLACEHOLDER_TOKEN)
-        current.placeholder_reqs = live
+            req.num_pending_tokens += 1
+        current.pending_reqs = live
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return None
@@ -360,8 +299,8 @@ class Engine:
         """Wait for `current`'s tokens, append them, stop what stops; then the step launched
         ahead of it (if any) records its computed tokens."""
         result = current.sample.result()
-        for req in current.placeholder_reqs:
-            req.all_token_ids.pop()
+        for req in current.pending_reqs:
+            req.num_pending_tokens -= 1  # its token is real now: appended below
         outputs = []
         for i, req in enumerate(current.reqs):
             if req.is_finished:  # aborted, or it stopped one step earlier (we ran ahead)

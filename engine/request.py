@@ -1,4 +1,5 @@
-"""Request: one sequence's tokens, progress (num_computed_tokens), block hashes and status."""
+"""Request: one sequence's tokens, pending-token count, progress (num_computed_tokens), block
+hashes and status."""
 
 from __future__ import annotations
 
@@ -26,7 +27,21 @@ class FinishReason(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Mutable state of one request inside an engine. Owned by the scheduler."""
+    """Mutable state of one request inside an engine. Owned by the scheduler.
+
+    Invariants:
+    - all_token_ids holds real tokens only: the prompt, then every sampled token the host has
+      read, so len(all_token_ids) == num_prompt_tokens + num_output_tokens and every id is in
+      the vocabulary.
+    - A token sampled by a step still in flight (overlapped steps) is pending: it is counted in
+      num_pending_tokens (0 or 1; one step at most runs ahead) and has no id on the host. It
+      occupies the position after all_token_ids; num_tokens (real + pending) is what the
+      scheduler and the KV cache allocate positions for. Its id reaches the next step's inputs
+      on the device only (step_inputs.TokenFill), and no request has a pending token between two
+      Engine.step() calls.
+    - block_hashes cover full blocks of all_token_ids only, so no hash ever sees a pending
+      token.
+    """
 
     req_id: str
     prompt_token_ids: list[int]
@@ -40,6 +55,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
+    num_pending_tokens: int = 0  # sampled by a step in flight; their ids are on the device
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prompt tokens found in the prefix cache at first admission; written by the scheduler only.
@@ -54,7 +70,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Positions the request spans: its real tokens, then its pending ones."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

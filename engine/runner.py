@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model, the KV cache tensor, the attention backend and the decode graphs.
+"""ModelRunner: runs steps on the model, KV cache, attention backend and decode graphs that
+engine/backend_builder.py made; owns only the count of steps replayed from a graph.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
 forward pass (replaying a CUDA graph for pure-decode steps when one is captured), and returns
@@ -13,50 +14,16 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
-from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
 from engine.kv_cache.manager import KVCacheManager
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.step_inputs import DecodeGraphs, StepInputs, TokenFill
 
 
 @dataclass(frozen=True)
 class StepLogits:
     logits: torch.Tensor  # [num_sampling_chunks, vocab]
     chunk_index: list[int]  # which chunk of the SchedulerOutput each row belongs to
-
-
-@dataclass(frozen=True)
-class TokenFill:
-    """Input tokens not yet on the host: chunk i's (single) input token is source[rows[i]].
-
-    With overlapped steps the previous step's sampled tokens are still on the device when the
-    next step is launched; they are gathered into the inputs there.
-    """
-
-    rows: dict[int, int]  # chunk index -> row of source
-    source: torch.Tensor  # [n] token ids on the device
-
-    def apply(self, ids: torch.Tensor, seqs: list[SeqSpan]) -> None:
-        """Write the device tokens into the packed input ids (ids: [num_tokens], on device)."""
-        chunks = list(self.rows)
-        positions = index_tensor([seqs[i].q_start for i in chunks], device=ids.device)
-        rows = index_tensor([self.rows[i] for i in chunks], device=ids.device)
-        ids[positions] = self.source[rows]
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One step's packed tokens, as host lists (one H2D copy makes them device tensors)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_block_ids: list[int]
-    slot_offsets: list[int]
-    seqs: list[SeqSpan]
-
-    @property
-    def is_decode(self) -> bool:
-        return all(seq.q_len == 1 for seq in self.seqs)
 
 
 class ModelRunner:
@@ -67,7 +34,7 @@ class ModelRunner:
         attention: AttentionBackend,
         kv: KVCacheManager,
         block_size: int,
-        graphs: CUDAGraphDecoder | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -78,8 +45,8 @@ class ModelRunner:
         self.graphs = graphs
         self.num_graph_steps = 0
 
-    def build_inputs(self, output: SchedulerOutput) -> StepInputs:
-        inputs = StepInputs([], [], [], [], [])
+    def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
+        inputs = StepInputs([], [], [], [], [], [], [])
         bs = self.block_size
         for chunk in output.chunks:
             req = chunk.req
@@ -87,13 +54,17 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             block_ids = self.kv.block_ids(req.req_id)
             inputs.seqs.append(SeqSpan(len(inputs.input_ids), chunk.num_new_tokens, end, block_ids))
-            if chunk.num_new_tokens == 1:  # a decode: skip the range machinery
+            if end > len(req.all_token_ids):
+                _add_pending(inputs, chunk, fill)
+            elif chunk.num_new_tokens == 1:
                 inputs.input_ids.append(req.all_token_ids[start])
+            else:
+                inputs.input_ids.extend(req.all_token_ids[start:end])
+            if chunk.num_new_tokens == 1:  # a decode: skip the range machinery
                 inputs.positions.append(start)
                 inputs.slot_block_ids.append(block_ids[start // bs])
                 inputs.slot_offsets.append(start % bs)
                 continue
-            inputs.input_ids.extend(req.all_token_ids[start:end])
             span = range(start, end)
             inputs.positions.extend(span)
             inputs.slot_block_ids.extend(block_ids[p // bs] for p in span)
@@ -103,18 +74,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepLogits:
         """Run the step's forward pass (queued on the device; nothing waits for it)."""
-        inputs = self.build_inputs(output)
+        inputs = self.build_inputs(output, fill)
         chunk_index = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         graphs = self.graphs
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
-            hidden = graphs.run(
-                inputs.input_ids,
-                inputs.positions,
-                inputs.slot_block_ids,
-                inputs.slot_offsets,
-                inputs.seqs,
-                fill,
-            )
+            hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
         else:
             hidden = self._forward_eager(inputs, fill)
@@ -131,8 +95,7 @@ class ModelRunner:
             [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
             device=self.device,
         )
-        if fill is not None:
-            fill.apply(packed[0], inputs.seqs)
+        inputs.write_pending(packed[0], fill)
         metadata = AttentionMetadata(
             seqs=inputs.seqs,
             slot_block_ids=packed[2],
@@ -141,3 +104,18 @@ class ModelRunner:
         )
         self.attention.plan(metadata)
         return self.model(packed[0], packed[1], self.attention)
+
+
+def _add_pending(inputs: StepInputs, chunk: ScheduledChunk, fill: TokenFill | None) -> None:
+    """The chunk's input tokens when its last one is pending: a 0 the fill overwrites."""
+    req = chunk.req
+    end = chunk.start + chunk.num_new_tokens
+    if end != len(req.all_token_ids) + 1 or fill is None or req.req_id not in fill.rows:
+        raise ValueError(
+            f"request {req.req_id!r}: input tokens [{chunk.start}, {end}) reach past its "
+            f"{len(req.all_token_ids)} real tokens without one token to fill from the device"
+        )
+    inputs.input_ids.extend(req.all_token_ids[chunk.start :])
+    inputs.pending_index.append(len(inputs.input_ids))
+    inputs.pending_rows.append(fill.rows[req.req_id])
+    inputs.input_ids.append(0)

@@ -53,8 +53,9 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def update_hashes(self, req: Request) -> None:
-        """Extend req.block_hashes to every full block of its known tokens."""
-        if len(req.block_hashes) < req.num_tokens // self.block_size:
+        """Extend req.block_hashes to every full block of its real tokens (all_token_ids: a
+        pending token has no id, so no hash covers it)."""
+        if len(req.block_hashes) < len(req.all_token_ids) // self.block_size:
             req.block_hashes = hash_blocks(
                 req.all_token_ids, self.block_size, self.model_id, req.cache_salt, req.block_hashes
             )
@@ -103,7 +104,11 @@ class KVCacheManager:
         block_ids.extend(block.block_id for block in new_blocks)
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register blocks whose tokens are all computed in the prefix cache."""
+        """Register blocks whose tokens are all computed in the prefix cache.
+
+        A position counts as computed only once its token is real (the engine records a step
+        launched ahead after the tokens it was launched on are read), so each block has a hash.
+        """
         if not self.pool.enable_caching:
             return
         blocks = self._req_blocks.get(req.req_id)

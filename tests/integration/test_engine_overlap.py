@@ -4,7 +4,11 @@ the one the GPU runs, so outputs must equal the plain engine's token for token."
 
 from __future__ import annotations
 
+from engine.request import Request
+from engine.runner import StepLogits
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.step_inputs import TokenFill
 from tests.conftest import run_to_completion
 
 
@@ -89,3 +93,58 @@ def test_abort_while_a_step_runs_ahead(make_engine, tokenizer):
     assert got["r0"] == want["r0"][: len(got["r0"])] and len(got["r0"]) < len(want["r0"])
     for req_id in ("r2", "r3"):
         assert got[req_id] == want[req_id]
+
+
+def test_token_lists_hold_only_real_tokens_while_running_ahead(make_engine, tokenizer):
+    """A token sampled by a step still in flight is pending (counted, with its id on the
+    device), never a fake id in the request's token list: checked at every launch, every
+    prefix-cache update and after every step, while outputs stay the plain engine's."""
+    requests = workload(tokenizer)
+    want = run(make_engine(max_num_batched_tokens=16), requests)
+    engine = make_engine(max_num_batched_tokens=16, async_scheduling=True)
+    vocab = engine.model_config.vocab_size
+    num_pending_seen = 0
+
+    def check(req: Request) -> None:
+        assert len(req.all_token_ids) == req.num_prompt_tokens + req.num_output_tokens
+        assert all(isinstance(t, int) and 0 <= t < vocab for t in req.all_token_ids)
+        assert req.num_pending_tokens in (0, 1)
+        assert req.num_tokens == len(req.all_token_ids) + req.num_pending_tokens
+
+    execute = engine.runner.execute
+
+    def checking_execute(output: SchedulerOutput, fill: TokenFill | None = None) -> StepLogits:
+        nonlocal num_pending_seen
+        for chunk in output.chunks:
+            check(chunk.req)
+            num_pending_seen += chunk.req.num_pending_tokens
+        return execute(output, fill)
+
+    cache_full_blocks = engine.kv.cache_full_blocks
+
+    def checking_cache_full_blocks(req: Request) -> None:
+        check(req)
+        assert req.num_computed_tokens <= len(req.all_token_ids)  # no pending one gets hashed
+        cache_full_blocks(req)
+        assert len(req.block_hashes) <= len(req.all_token_ids) // engine.kv.block_size
+
+    engine.runner.execute = checking_execute
+    engine.kv.cache_full_blocks = checking_cache_full_blocks
+    live: list[Request] = []
+    for req_id, (prompt, params) in requests.items():
+        live.append(engine.add_request(req_id, prompt, params))
+    tokens: dict[str, list[int]] = {r: [] for r in requests}
+    reasons: dict[str, str | None] = {}
+    logprobs: dict[str, list[float]] = {r: [] for r in requests}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+            logprobs[out.req_id].extend(out.new_logprobs or [])
+            if out.finished:
+                reasons[out.req_id] = out.finish_reason
+        for req in live:  # between steps no token is pending
+            check(req)
+            assert req.num_pending_tokens == 0
+    assert (tokens, reasons, logprobs) == want
+    assert num_pending_seen > 10 and engine.stats.num_steps_ahead > 10
+    engine.check_integrity()
