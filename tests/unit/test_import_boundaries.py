@@ -1,0 +1,55 @@
+"""The dependency direction of the layout (README "Layout"), read from every module's imports:
+engine imports nothing of ours; common only the engine (and kvtransfer in worker_runtime.py, which
+only the workers import); the workers neither each other nor the router; the router no worker."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("engine", "common", "kvtransfer", "prefill_worker", "decode_worker", "router", "deploy")
+ALLOWED = {
+    "engine": {"engine"},
+    "common": {"common", "engine", "kvtransfer"},  # kvtransfer: worker_runtime.py only
+    "kvtransfer": {"kvtransfer"},
+    "prefill_worker": {"prefill_worker", "common", "engine", "kvtransfer"},
+    "decode_worker": {"decode_worker", "common", "engine", "kvtransfer"},
+    "router": {"router", "common", "engine"},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {name.split(".")[0] for name in names} & set(OURS)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_the_layout_allows(package: str) -> None:
+    bad = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) - ALLOWED[package])
+        for path in (ROOT / package).rglob("*.py")
+    }
+    assert not {path: names for path, names in bad.items() if names}
+
+
+def test_only_the_workers_import_the_worker_runtime() -> None:
+    users = {
+        str(path.relative_to(ROOT))
+        for package in ("router", "engine", "kvtransfer")
+        for path in (ROOT / package).rglob("*.py")
+        if "common.worker_runtime" in path.read_text()
+    }
+    assert not users
+    kvtransfer_users = {
+        path.name for path in (ROOT / "common").glob("*.py") if "kvtransfer" in path.read_text()
+    }
+    assert kvtransfer_users <= {"worker_runtime.py"}
