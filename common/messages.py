@@ -39,8 +39,8 @@ class KVHandle:
     """Returned by a prefill worker; the blocks stay pinned until released or lease_expires_at.
 
     finish_reason is set when the first token already ends the request (the prefill engine's
-    own finish reason: eos, a stop token, a stop string or the length); no decode is needed
-    and no block is held.
+    own finish reason: eos, a stop token or the length; stop strings stay in the router); no
+    decode is needed and no block is held.
     """
 
     req_id: str

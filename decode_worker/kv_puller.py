@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from common.messages import GenerateRequest, KVHandle, TransferStats
@@ -122,7 +122,7 @@ class KVPuller:
                     request.req_id,
                     request.prompt_token_ids,
                     handle.first_token_id,
-                    replace(request.sampling, stop=()),
+                    request.sampling,  # stop strings stay in the router: none reach a worker
                     request.cache_salt,
                 )
             except ValueError as e:

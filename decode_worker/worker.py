@@ -74,6 +74,12 @@ class DecodeWorker:
         def run(engine: Engine) -> None:
             if meta is not None:
                 self.puller.add_peer_metadata(handle.actor_name, meta)
+            if request.req_id in self._routes:  # another stream owns that id here: keep it
+                error = f"request id {request.req_id!r} is already in use on {self.worker_id}"
+                delta = TokenDelta(request.req_id, (), True, "error", error=error)
+                self.mailboxes.push(router_id, [delta])
+                _release_lease(handle)
+                return
             self._routes[request.req_id] = router_id
             self.puller.submit(request, handle)
 

@@ -26,12 +26,12 @@ class KVPoolSize(NamedTuple):
     max_model_len: int
 
 
-class Backend(NamedTuple):
+class DeviceSide(NamedTuple):
     """What runs a step on the device."""
 
     name: str  # "torch" or "flashinfer"
-    kv_storage: torch.Tensor  # every block, with FlashInfer's padding block at the end
-    kv_cache: torch.Tensor  # kv_storage[:num_blocks]: the blocks the KV manager hands out
+    # The blocks the KV manager hands out; FlashInfer's storage has one padding block past them.
+    kv_cache: torch.Tensor
     attention: AttentionBackend
     graphs: CUDAGraphDecoder | None  # decode graphs (FlashInfer with cuda_graph only)
 
@@ -74,7 +74,7 @@ def build_backend(
     device: torch.device,
     dtype: torch.dtype,
     pool: KVPoolSize,
-) -> Backend:
+) -> DeviceSide:
     """Allocate the KV storage and build the attention backend (and graphs) over it."""
     name = choose_backend(config.attention_backend, device, dtype)
     use_flashinfer = name == "flashinfer"
@@ -94,7 +94,7 @@ def build_backend(
     kv_cache = kv_storage[: pool.num_blocks]
     if not use_flashinfer:
         attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim)
-        return Backend(name, kv_storage, kv_cache, attention, None)
+        return DeviceSide(name, kv_cache, attention, None)
     flashinfer = FlashInferAttention(kv_storage, mc.num_heads, mc.head_dim, dtype)
     graphs = None
     if config.cuda_graph:
@@ -102,4 +102,4 @@ def build_backend(
         graphs = CUDAGraphDecoder(
             model, flashinfer, max_num_seqs, pool.max_model_len, pool.num_blocks
         )
-    return Backend(name, kv_storage, kv_cache, flashinfer, graphs)
+    return DeviceSide(name, kv_cache, flashinfer, graphs)

@@ -18,7 +18,7 @@ from torch import nn
 from engine.backend_builder import build_backend, resolve_device, resolve_dtype, size_kv_pool
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
@@ -155,6 +155,8 @@ class Engine:
         under a lease (release_kv drops it). Its finish reason is the true one when that token
         ends it (stop, length), else "prefilled": the decode continues elsewhere.
         """
+        if self.kv.is_held(req_id):
+            raise ValueError(f"request id {req_id!r} is already in use (its blocks are leased)")
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
         req.hold_kv = hold_kv
         self.scheduler.add(req)
@@ -176,7 +178,18 @@ class Engine:
         """
         if req_id in self.scheduler.requests or req_id in self.loader.loading:
             raise ValueError(f"request id {req_id!r} is already in use")
-        # Admission (the router, then the prefill engine) checked the prompt and the sampling.
+        # Admission (the router, then the prefill engine) checked the request's rules; what is
+        # left is this engine's own limits, which may be smaller than the prefill engine's.
+        num_tokens = len(prompt_token_ids) + 1
+        if num_tokens > self.max_model_len or cdiv(num_tokens, self.kv.block_size) > (
+            self.kv.num_blocks
+        ):
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, more than this decode engine "
+                f"can hold (max_model_len {self.max_model_len}, {self.kv.num_blocks} blocks)"
+            )
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token_id} is outside the vocabulary")
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
         req.append_token(first_token_id)
         plan = self.loader.reserve(req)

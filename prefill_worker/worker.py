@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from common.messages import GenerateRequest, KVHandle, ServedModel, WorkerLoad
 from common.worker_runtime import build_worker_parts, engine_load, served_model, shut_down
 from engine.config import EngineConfig
+from engine.request import FinishReason
 from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
     from engine.engine import Engine, RequestOutput
 
 logger = logging.getLogger(__name__)
+PREFILLED = FinishReason.PREFILLED.value
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ class PrefillWorker:
             waiter = self._waiters.pop(out.req_id, None)
             # The engine decided: "prefilled" keeps the blocks for a decode worker; any other
             # reason (eos, a stop token, the length) means the first token ended the request.
-            finish = None if out.finish_reason == "prefilled" else out.finish_reason
+            finish = None if out.finish_reason == PREFILLED else out.finish_reason
             if waiter is None or finish is not None:
                 self.engine.release_kv(out.req_id)
             if waiter is None:

@@ -31,6 +31,8 @@ from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
+MAX_POLL_ERRORS = 3  # consecutive failed long-polls (not an actor death) that count as death
+POLL_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ class ClusterBackend(Backend):
         for worker in workers:
             self.metrics.set_worker_load(worker)
 
-    async def _place_prefill(self, request: GenerateRequest) -> Placement:
+    async def _place_prefill(self, request: GenerateRequest) -> tuple[Placement, int]:
+        """The prefill placement and the prompt tokens it leaves to compute (placed on it)."""
         hashes = hash_blocks(
             request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
         )
@@ -112,7 +115,7 @@ class ClusterBackend(Backend):
             placement = self.policy.choose(workers, overlap, self.block_size)
         num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
         self.workers.place(placement.worker.worker_id, num_uncached)
-        return placement
+        return placement, num_uncached
 
     async def _place_decode(self, request: GenerateRequest) -> WorkerInfo:
         workers, _ = await self._candidates("decode", [])
@@ -126,9 +129,8 @@ class ClusterBackend(Backend):
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         req_id = request.req_id
-        placement = await self._place_prefill(request)
+        placement, num_uncached = await self._place_prefill(request)
         prefill = placement.worker
-        num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
         self.last_placements[req_id] = prefill.worker_id
         try:
             prefill_actor = self.workers.actor(prefill)  # found by _candidates: no lookup now
@@ -208,14 +210,29 @@ class ClusterBackend(Backend):
             )
 
     async def _poll(self, worker_id: str, actor: Any) -> None:
-        """One long-poll at a time per decode worker: a batch of deltas per engine step."""
+        """One long-poll at a time per decode worker: a batch of deltas per engine step.
+
+        The actor's death ends the worker's streams at once; another error is retried a few
+        times (a transient one must not blacklist a live worker) before it counts as death."""
+        num_errors = 0
         while True:
             try:
                 deltas = await actor.next_deltas.remote(self.router_id, 1.0)
-            except Exception as e:
-                logger.error("decode worker %s failed: %s", worker_id, e)
+            except RayActorError as e:
+                logger.error("decode worker %s died: %s", worker_id, e)
                 self._lost(worker_id)
                 return
+            except Exception as e:
+                num_errors += 1
+                logger.warning(
+                    "decode worker %s: long-poll failed (%s), try %d", worker_id, e, num_errors
+                )
+                if num_errors >= MAX_POLL_ERRORS:
+                    self._lost(worker_id)
+                    return
+                await asyncio.sleep(POLL_RETRY_S)
+                continue
+            num_errors = 0
             for delta in deltas:
                 stream = self._streams.get(delta.req_id)
                 if stream is not None:

@@ -4,6 +4,7 @@ RequestSpec; stateless. Unsupported options are refused with a message, never ig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,7 +22,7 @@ def _absent(value: object) -> bool:
 # Request fields that change the output and are not built yet (OpenAI's and the common vLLM
 # extras): each is refused with a 400 naming it, unless it holds its do-nothing value. Fields
 # that do not change the output (user, metadata, store, ...) are accepted and ignored.
-_NOT_BUILT: dict[str, object] = {
+_NOT_BUILT: dict[str, Callable[[object], bool]] = {
     "response_format": lambda v: _absent(v) or v == {"type": "text"},
     "tools": _absent,
     "tool_choice": lambda v: v is None or v == "none",
@@ -46,6 +47,14 @@ _NOT_BUILT: dict[str, object] = {
     "bad_words": _absent,
     "prompt_logprobs": _absent,
     "web_search_options": _absent,
+    "include_stop_str_in_output": lambda v: v is None or v is False,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": _absent,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "continue_final_message": lambda v: v is None or v is False,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
 }
 
 
@@ -61,7 +70,7 @@ class _TopLevelBody(_Body):
     def _refuse_not_built(self) -> None:
         for name, value in (self.model_extra or {}).items():
             is_off = _NOT_BUILT.get(name)
-            if is_off is not None and not is_off(value):  # type: ignore[operator]
+            if is_off is not None and not is_off(value):
                 raise InvalidRequest(
                     f"{name} is not supported by this server yet; leave it out (it would "
                     "change the output, so it is refused rather than ignored)",

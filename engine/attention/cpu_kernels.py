@@ -29,7 +29,7 @@ _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
 _unavailable: str | None = None
 _tried = False
-STALE_LOCK_S = 300.0  # a real build takes ~30 s
+STALE_LOCK_S = 900.0  # a real build takes ~30 s (minutes on a loaded machine)
 
 
 def _cpu_tag() -> str:
@@ -67,7 +67,8 @@ def _build() -> Callable[..., torch.Tensor]:
 
 
 def _remove_stale_lock(lock: Path, max_age_s: float = STALE_LOCK_S) -> None:
-    """torch waits forever on a build lock; one left by a killed build would hang every start."""
+    """torch waits forever on a build lock; one left by a killed build would hang every start.
+    The lock names no holder, so only one far older than any real build is taken as stale."""
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:

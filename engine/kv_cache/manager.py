@@ -139,6 +139,9 @@ class KVCacheManager:
         self._held[req.req_id] = (blocks, req.retention_priority)
         return [block.block_id for block in blocks]
 
+    def is_held(self, req_id: str) -> bool:
+        return req_id in self._held
+
     def release_held(self, req_id: str) -> bool:
         held = self._held.pop(req_id, None)
         if held is None:

@@ -5,6 +5,8 @@ The KV moves between the two engines with a plain tensor copy here; NIXL moves i
 
 from __future__ import annotations
 
+import pytest
+
 from engine.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
@@ -90,3 +92,44 @@ def test_no_room_returns_none(make_engine, tokenizer):
     assert decode_engine.add_prefilled_request("r", prompt, 5, PARAMS) is not None
     assert decode_engine.add_prefilled_request("s", prompt, 5, PARAMS) is None
     assert decode_engine.abort("r")
+
+
+def test_prefill_only_requests_report_the_engines_finish_reason(make_engine, tokenizer):
+    engine = make_engine()
+    prompt = tokenizer.encode("Count to three:")
+    cases = {
+        "more": (SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "prefilled"),
+        "one": (SamplingParams(max_tokens=1, temperature=0), "length"),
+        "stop": (
+            SamplingParams(
+                max_tokens=5,
+                temperature=0,
+                stop_token_ids=tuple(range(engine.model_config.vocab_size)),
+            ),
+            "stop",
+        ),
+    }
+    for req_id, (params, _) in cases.items():
+        engine.add_request(req_id, prompt, params, hold_kv=True)
+    outs = {o.req_id: o for _ in range(50) if engine.has_unfinished_requests for o in engine.step()}
+    assert {r: o.finish_reason for r, o in outs.items()} == {r: c[1] for r, c in cases.items()}
+    assert all(o.finished and o.held_block_ids for o in outs.values())
+    for req_id in cases:
+        engine.release_kv(req_id)
+
+
+def test_a_leased_request_id_is_refused_and_the_decode_engine_checks_its_own_limits(
+    make_engine, tokenizer
+):
+    prefill_engine = make_engine()
+    prompt = tokenizer.encode("Hold these blocks for the decode side.")
+    prefill(prefill_engine, "r", prompt)
+    with pytest.raises(ValueError, match="already in use"):
+        prefill_engine.add_request("r", prompt, PARAMS, hold_kv=True)
+    assert prefill_engine.release_kv("r")
+    small = make_engine(num_blocks=4)  # 64 tokens at most
+    with pytest.raises(ValueError, match="more than this decode engine can hold"):
+        small.add_prefilled_request("long", list(range(1, 100)), 5, PARAMS)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        small.add_prefilled_request("bad", [1, 2, 3], -1, PARAMS)
+    assert not small.has_unfinished_requests

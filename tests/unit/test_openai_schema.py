@@ -59,6 +59,8 @@ def test_completion_prompt_forms() -> None:
         ({**CHAT, "logit_bias": {"7": 1}}, "logit_bias"),
         ({**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
         ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({**CHAT, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({**CHAT, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
     ],
 )
 def test_unsupported_options_are_refused(body: dict, param: str) -> None:
