@@ -9,6 +9,7 @@ each router's mailbox. This class only wires Ray to those parts.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,6 +94,10 @@ class DecodeWorker:
 
     async def load(self) -> WorkerLoad:
         return await self.thread.call(engine_load)
+
+    def pid(self) -> int:
+        """The actor's process id (the embedded cluster makes sure it exits on close)."""
+        return os.getpid()
 
     def served_model(self) -> ServedModel:
         return served_model(self.engine)

@@ -5,8 +5,11 @@ and stops them all in close()."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +43,7 @@ class LocalCluster:
         self.backend: Any = None
         self.model: Any = None  # common.messages.ServedModel, once started
         self._owns_ray = False
+        self._worker_pids: list[int] = []  # local worker processes (embedded Ray only)
 
     async def start(self, progress=print) -> LocalCluster:
         import ray
@@ -80,7 +84,7 @@ class LocalCluster:
         for i in range(spec.num_decode):
             self._start_decode(f"{spec.name_prefix}-decode-{i}", threads)
         actors = [*self.prefill_actors.values(), *self.decode_actors.values()]
-        await asyncio.gather(*(a.load.remote() for a in actors))
+        self._worker_pids = list(await asyncio.gather(*(a.pid.remote() for a in actors)))
         self.backend = await self._make_backend()
         progress("kvrelay: workers ready")
         return self
@@ -178,5 +182,34 @@ class LocalCluster:
         self.decode_actors.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+            if self.spec.ray_address == "local":  # the workers are processes of this machine
+                await _reap(self._worker_pids)  # one Ray has not stopped yet must not outlive us
         if self.redis is not None:
             self.redis.stop()
+
+
+async def _reap(pids: list[int], grace_s: float = 10.0) -> None:
+    """Wait for the worker processes of an embedded Ray to exit; SIGKILL any still there."""
+    deadline = time.monotonic() + grace_s
+    alive = [pid for pid in pids if _alive(pid)]
+    while alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        alive = [pid for pid in alive if _alive(pid)]
+    for pid in alive:
+        logger.warning("worker process %d did not exit with Ray; killing it", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -99,6 +100,10 @@ class PrefillWorker:
 
     async def load(self) -> WorkerLoad:
         return await self.thread.call(engine_load)
+
+    def pid(self) -> int:
+        """The actor's process id (the embedded cluster makes sure it exits on close)."""
+        return os.getpid()
 
     def served_model(self) -> ServedModel:
         return served_model(self.engine)
