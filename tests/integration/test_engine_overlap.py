@@ -4,6 +4,8 @@ the one the GPU runs, so outputs must equal the plain engine's token for token."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.request import Request
 from engine.runner import StepLogits
 from engine.sampling_params import SamplingParams
@@ -33,9 +35,11 @@ def workload(tokenizer) -> dict[str, tuple[list[int], SamplingParams]]:
     }
 
 
-def run(engine, requests) -> tuple[dict[str, list[int]], dict[str, str | None], dict]:
-    for req_id, (prompt, params) in requests.items():
-        engine.add_request(req_id, prompt, params)
+def run(
+    engine, requests, after_step: Callable[[list[Request]], None] | None = None
+) -> tuple[dict[str, list[int]], dict[str, str | None], dict]:
+    """Run to completion; after_step(the requests) is called between steps."""
+    live = [engine.add_request(r, prompt, params) for r, (prompt, params) in requests.items()]
     tokens: dict[str, list[int]] = {r: [] for r in requests}
     reasons: dict[str, str | None] = {}
     logprobs: dict[str, list[float]] = {r: [] for r in requests}
@@ -45,6 +49,8 @@ def run(engine, requests) -> tuple[dict[str, list[int]], dict[str, str | None], 
             logprobs[out.req_id].extend(out.new_logprobs or [])
             if out.finished:
                 reasons[out.req_id] = out.finish_reason
+        if after_step is not None:
+            after_step(live)
     return tokens, reasons, logprobs
 
 
@@ -130,21 +136,13 @@ def test_token_lists_hold_only_real_tokens_while_running_ahead(make_engine, toke
 
     engine.runner.execute = checking_execute
     engine.kv.cache_full_blocks = checking_cache_full_blocks
-    live: list[Request] = []
-    for req_id, (prompt, params) in requests.items():
-        live.append(engine.add_request(req_id, prompt, params))
-    tokens: dict[str, list[int]] = {r: [] for r in requests}
-    reasons: dict[str, str | None] = {}
-    logprobs: dict[str, list[float]] = {r: [] for r in requests}
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            tokens[out.req_id].extend(out.new_token_ids)
-            logprobs[out.req_id].extend(out.new_logprobs or [])
-            if out.finished:
-                reasons[out.req_id] = out.finish_reason
+
+    def between_steps(live: list[Request]) -> None:
         for req in live:  # between steps no token is pending
             check(req)
             assert req.num_pending_tokens == 0
+
+    tokens, reasons, logprobs = run(engine, requests, between_steps)
     assert (tokens, reasons, logprobs) == want
     assert num_pending_seen > 10 and engine.stats.num_steps_ahead > 10
     engine.check_integrity()
