@@ -4,7 +4,8 @@ Keys of one model (`{model}` is a literal Redis Cluster hash tag, so every key o
 in one slot and the scripts below stay valid on a cluster):
     kvr:{model}:b:{hash}      SET   worker ids holding that block (hash as engine hash_hex)
     kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup
-    kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, WorkerLoad fields, epoch; TTL
+    kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, state, WorkerLoad fields,
+                                    epoch; TTL
     kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
                                     an id whose HASH expired is dead and gets forgotten)
 Needs Redis >= 6.2 (SMISMEMBER).
@@ -58,11 +59,12 @@ def registry_key(model_id: str) -> str:
 
 
 def worker_fields(
-    role: str, actor_name: str, nixl_agent: str, load: WorkerLoad
+    role: str, actor_name: str, nixl_agent: str, load: WorkerLoad, state: str = "joining"
 ) -> dict[str, str | int]:
     """The worker HASH's fields (str -> str | int) as HSET takes them."""
     fields: dict[str, str | int] = {"role": role, "actor_name": actor_name}
     fields["nixl_agent"] = nixl_agent
+    fields["state"] = state
     fields.update(dataclasses.asdict(load))
     return fields
 
@@ -76,6 +78,7 @@ def parse_worker(worker_id: str, fields: dict[str, str]) -> WorkerInfo:
         actor_name=fields.get("actor_name", ""),
         nixl_agent=fields.get("nixl_agent", ""),
         load=load,
+        state=fields.get("state", "joining"),
     )
 
 

@@ -63,6 +63,7 @@ class KVPublisher:
         self.role = role
         self.actor_name = actor_name
         self.nixl_agent = nixl_agent
+        self.state = "joining"  # a WorkerState value; the worker sets it, routers read it
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
         self._cached_hashes = cached_hashes
@@ -178,7 +179,7 @@ class KVPublisher:
         )
 
     def _fields(self, load: WorkerLoad) -> dict[str, str | int]:
-        fields = schema.worker_fields(self.role, self.actor_name, self.nixl_agent, load)
+        fields = schema.worker_fields(self.role, self.actor_name, self.nixl_agent, load, self.state)
         fields["epoch"] = self._epoch
         return fields
 

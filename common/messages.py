@@ -92,6 +92,7 @@ class WorkerInfo:
     actor_name: str = ""
     nixl_agent: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    state: str = "ready"  # common.cluster_state.WorkerState value; routers place on "ready" only
 
 
 @dataclass(frozen=True)

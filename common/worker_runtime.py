@@ -1,10 +1,18 @@
-"""What both worker roles share (no state of its own): building a worker's engine, NIXL agent and
-Redis publisher, reading its load and served model, and shutting it down."""
+"""What both worker roles share: building a worker's engine, NIXL agent and Redis publisher,
+reading its load and served model, shutting it down, and WorkerLifecycle (the one piece with
+state: the worker's published state, its counters of user requests, when it turned ready)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from common.cluster_state import (
+    WARMUP_REQ_PREFIX,
+    WorkerDescription,
+    WorkerState,
+    WorkerUnavailable,
+)
 from common.kv_publisher import KVPublisher
 from common.messages import ServedModel, WorkerLoad
 
@@ -66,6 +74,20 @@ def served_model(engine: Engine) -> ServedModel:
     )
 
 
+def describe(engine: Engine, worker_id: str, role: str) -> WorkerDescription:
+    import os
+
+    import ray
+
+    return WorkerDescription(
+        worker_id=worker_id,
+        role=role,
+        node_ip=ray.util.get_node_ip_address(),
+        pid=os.getpid(),
+        model=served_model(engine),
+    )
+
+
 def set_threads(num_threads: int | None) -> None:
     if num_threads:
         import torch
@@ -102,3 +124,43 @@ def shut_down(thread: Any, publisher: KVPublisher | None, transfer: Any) -> None
         publisher.withdraw()
         publisher.close()
     transfer.close()
+
+
+class WorkerLifecycle:
+    """A worker's state as routers see it in Redis (set by the controller), and what it saw of
+    user traffic. Invariant: `ready_at` is the worker's own clock at the moment its state went
+    ready, so a user request recorded before it (`first_request_at`) shows a placement too early.
+    Engine-thread only, except the read-only properties."""
+
+    def __init__(self, worker_id: str, publisher: KVPublisher | None):
+        self.worker_id = worker_id
+        self.publisher = publisher
+        self.state = WorkerState.JOINING
+        self.ready_at: float | None = None
+        self.first_request_at: float | None = None
+        self.num_requests = 0
+        self.closed = False
+
+    def set_state(self, state: WorkerState, engine: Engine) -> float:
+        """Switch state and publish it at once (routers read it on their next placement)."""
+        self.state = WorkerState(state)
+        now = time.time()
+        if self.state == WorkerState.READY and self.ready_at is None:
+            self.ready_at = now
+        if self.publisher is not None:
+            self.publisher.state = self.state.value
+            self.publisher.heartbeat(engine_load(engine))
+        return now
+
+    def admit(self, req_id: str) -> None:
+        """A request arrives: refuse it once closed; count it unless it is a warm-up."""
+        if self.closed:
+            raise WorkerUnavailable(f"worker {self.worker_id} has stopped taking requests")
+        if req_id.startswith(WARMUP_REQ_PREFIX):
+            return
+        self.num_requests += 1
+        if self.first_request_at is None:
+            self.first_request_at = time.time()
+
+    def is_user_request(self, req_id: str) -> bool:
+        return not req_id.startswith(WARMUP_REQ_PREFIX)

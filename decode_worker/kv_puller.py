@@ -71,6 +71,7 @@ class KVPuller:
         self._pulls: dict[str, _Pull] = {}
         self._stats: dict[str, TransferStats] = {}
         self.num_transferred_blocks = 0
+        self.transfer_seconds = 0.0  # summed duration of completed pulls
         self.num_recomputed = 0
 
     # ---- interface -----------------------------------------------------------------------
@@ -78,6 +79,12 @@ class KVPuller:
         return actor_name in self._peer_meta
 
     def add_peer_metadata(self, actor_name: str, meta: AgentMetadata) -> None:
+        self._peer_meta[actor_name] = meta
+
+    def connect(self, actor_name: str, meta: AgentMetadata) -> None:
+        """Handshake with a prefill worker ahead of its first pull; raises
+        IncompatiblePeerError (or KVTransferError) instead of recomputing later."""
+        self._peers[actor_name] = self.transfer.add_peer(meta)
         self._peer_meta[actor_name] = meta
 
     def submit(self, request: GenerateRequest, handle: KVHandle) -> None:
@@ -168,10 +175,12 @@ class KVPuller:
             if state is TransferState.DONE:
                 self.engine.commit_kv(req_id)
                 self.num_transferred_blocks += pull.num_blocks
+                seconds = time.monotonic() - pull.started
+                self.transfer_seconds += seconds
                 self._stats[req_id] = TransferStats(
                     num_blocks=pull.num_blocks,
                     num_bytes=pull.num_blocks * self.block_bytes,
-                    seconds=time.monotonic() - pull.started,
+                    seconds=seconds,
                 )
             else:
                 self._recompute(pull.handle, f"read failed: {reason}")

@@ -16,8 +16,22 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from common.cluster_state import (
+    LeakCheck,
+    WorkerDescription,
+    WorkerState,
+    WorkerStats,
+    WorkerUnavailable,
+)
 from common.messages import GenerateRequest, KVHandle, ServedModel, TokenDelta, WorkerLoad
-from common.worker_runtime import build_worker_parts, engine_load, served_model, shut_down
+from common.worker_runtime import (
+    WorkerLifecycle,
+    build_worker_parts,
+    describe,
+    engine_load,
+    served_model,
+    shut_down,
+)
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
@@ -60,11 +74,14 @@ class DecodeWorker:
         self.mailboxes = Mailboxes()
         self._routes: dict[str, str] = {}  # req_id -> router_id
         self._next_heartbeat = 0.0
+        self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
 
     # ---- actor API -----------------------------------------------------------------------
     async def submit(self, request: GenerateRequest, handle: KVHandle, router_id: str) -> None:
         """Queue a prefilled request; its tokens arrive through next_deltas(router_id)."""
+        if self.lifecycle.closed:
+            raise WorkerUnavailable(f"decode worker {self.worker_id} has shut down")
         meta = None
         if not self.puller.knows_peer(handle.actor_name):
             try:
@@ -81,6 +98,7 @@ class DecodeWorker:
                 self.mailboxes.push(router_id, [delta])
                 _release_lease(handle)
                 return
+            self.lifecycle.admit(request.req_id)
             self._routes[request.req_id] = router_id
             self.puller.submit(request, handle)
 
@@ -102,26 +120,72 @@ class DecodeWorker:
     def served_model(self) -> ServedModel:
         return served_model(self.engine)
 
-    async def stats(self) -> dict[str, int]:
-        return {
-            "num_transferred_blocks": self.puller.num_transferred_blocks,
-            "num_recomputed": self.puller.num_recomputed,
-        }
+    def describe(self) -> WorkerDescription:
+        """Answered once the model is loaded and the KV pool registered with NIXL."""
+        return describe(self.engine, self.worker_id, "decode")
 
-    async def check_no_leaks(self) -> dict[str, int]:
-        def run(engine: Engine) -> dict[str, int]:
-            engine.check_integrity()
-            return {
-                "free": engine.kv.num_free_blocks,
-                "total": engine.kv.num_blocks,
-                "requests": len(engine.scheduler.requests) + len(engine.loader.loading),
-                "pulls": self.puller.num_pulls,
-                "open_handles": self.transfer.num_open_handles,
-            }
+    async def check_peer(self, prefill_actor_name: str) -> None:
+        """Handshake with a prefill worker now (protocol version, model, dtype, block layout):
+        raises IncompatiblePeerError on a mismatch instead of failing its first pull later."""
+        meta = await ray.get_actor(prefill_actor_name).metadata.remote()
+        await self.thread.call(lambda engine: self.puller.connect(prefill_actor_name, meta))
+
+    async def set_state(self, state: WorkerState) -> float:
+        """The controller moves the worker (joining -> ready -> draining); returns when."""
+        return await self.thread.call(lambda engine: self.lifecycle.set_state(state, engine))
+
+    async def stats(self) -> WorkerStats:
+        def run(engine: Engine) -> WorkerStats:
+            life, puller = self.lifecycle, self.puller
+            return WorkerStats(
+                state=life.state,
+                load=engine_load(engine),
+                num_requests=life.num_requests,
+                num_transferred_blocks=puller.num_transferred_blocks,
+                num_transferred_bytes=puller.num_transferred_blocks * puller.block_bytes,
+                transfer_seconds=puller.transfer_seconds,
+                num_recomputed=puller.num_recomputed,
+                num_in_flight=self._num_in_flight(engine),
+                first_request_at=life.first_request_at,
+                ready_at=life.ready_at,
+            )
 
         return await self.thread.call(run)
 
+    async def retire(self) -> LeakCheck | None:
+        """Drain's last step: None while work is in flight; else stop taking requests (a late
+        one gets WorkerUnavailable, the router places it elsewhere) and return the accounts."""
+
+        def run(engine: Engine) -> LeakCheck | None:
+            if self._num_in_flight(engine):
+                return None
+            self.lifecycle.closed = True
+            return self._leak_check(engine)
+
+        return await self.thread.call(run)
+
+    async def check_no_leaks(self) -> LeakCheck:
+        return await self.thread.call(self._leak_check)
+
+    def _num_in_flight(self, engine: Engine) -> int:
+        puller = self.puller
+        in_flight = len(self._routes) + len(engine.scheduler.requests)
+        return in_flight + len(engine.loader.loading) + puller.num_pulls + int(puller.busy)
+
+    def _leak_check(self, engine: Engine) -> LeakCheck:
+        engine.check_integrity()
+        in_flight = len(engine.scheduler.requests) + len(engine.loader.loading)
+        in_flight += self.puller.num_pulls + self.transfer.num_open_handles
+        return LeakCheck(
+            num_free_blocks=engine.kv.num_free_blocks,
+            num_total_blocks=engine.kv.num_blocks,
+            num_requests=in_flight,
+        )
+
     def shutdown(self) -> None:
+        if self.lifecycle.closed:
+            return
+        self.lifecycle.closed = True
         shut_down(self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The `kvrelay` command line (holds no state): `kvrelay generate "prompt"`, `kvrelay serve`."""
+"""The `kvrelay` command line (holds no state): `kvrelay generate "prompt"`, `kvrelay serve`,
+and the operator commands `kvrelay scale|status|router|up|down`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from deploy.ops_cli import add_ops_parsers
 from deploy.serve import add_serve_parser
 from engine.config import DEFAULT_MODEL
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     add_serve_parser(sub)
+    add_ops_parsers(sub)
     return parser
 
 

@@ -1,6 +1,6 @@
 """LocalCluster: an embedded kvrelay cluster on one machine (local Ray, optional local
-redis-server, N prefill and M decode worker actors, a ClusterBackend). Owns those processes
-and stops them all in close()."""
+redis-server, the controller actor and its prefill and decode workers, one in-process router's
+ClusterBackend). Owns those processes and stops them all in close()."""
 
 from __future__ import annotations
 
@@ -13,10 +13,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from common.cluster_state import CONTROLLER_NAME, NAMESPACE
+from common.redis_url import redact
+from deploy.controller import ControllerConfig, start_controller
+from deploy.progress import follow
+from deploy.router_launch import build_backend
+from deploy.worker_launch import WorkerTemplate
 from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-NAMESPACE = "kvrelay"
+LOCAL_POOL_SLOTS = 64  # workers of each pool an embedded (single-node) Ray can host
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class ClusterSpec:
     threads_per_worker: int | None = None
     ray_address: str = "local"
     name_prefix: str = "kvrelay"
+    controller_name: str = CONTROLLER_NAME
+    drain_grace_s: float = 2.0
 
 
 class LocalCluster:
@@ -38,12 +46,19 @@ class LocalCluster:
         self.spec = spec
         self.redis: Any = None
         self.redis_url: str | None = None
-        self.prefill_actors: dict[str, Any] = {}
-        self.decode_actors: dict[str, Any] = {}
+        self.controller: Any = None
         self.backend: Any = None
         self.model: Any = None  # common.messages.ServedModel, once started
         self._owns_ray = False
-        self._worker_pids: list[int] = []  # local worker processes (embedded Ray only)
+
+    @property
+    def prefill_actors(self) -> dict[str, Any]:
+        """Worker id -> actor of the prefill workers the router knows (ready or draining)."""
+        return self.backend.workers.actors("prefill")
+
+    @property
+    def decode_actors(self) -> dict[str, Any]:
+        return self.backend.workers.actors("decode")
 
     async def start(self, progress=print) -> LocalCluster:
         import ray
@@ -55,18 +70,17 @@ class LocalCluster:
 
             self.redis = LocalRedis().start()
             self.redis_url = self.redis.url
-            progress(f"kvrelay: local redis-server at {self.redis_url}")
+            progress(f"kvrelay: local redis-server at {redact(self.redis_url)}")
         else:
             self.redis_url = spec.redis_url or None
         if not ray.is_initialized():
             if spec.ray_address == "local":
-                num_workers = spec.num_prefill + spec.num_decode
                 ray.init(
                     address="local",
                     namespace=NAMESPACE,
                     include_dashboard=False,
-                    num_cpus=max(2, num_workers + 1),
-                    resources={"prefill_pool": spec.num_prefill, "decode_pool": spec.num_decode},
+                    num_cpus=max(2, spec.num_prefill + spec.num_decode + 1),
+                    resources={"prefill_pool": LOCAL_POOL_SLOTS, "decode_pool": LOCAL_POOL_SLOTS},
                 )
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources
                 ray.init(address=spec.ray_address, namespace=NAMESPACE)
@@ -76,16 +90,26 @@ class LocalCluster:
                 spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
             )
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // 2)
-        progress(
-            f"kvrelay: starting {spec.num_prefill} prefill and {spec.num_decode} decode workers"
+        template = WorkerTemplate(
+            spec.engine,
+            self.redis_url,
+            spec.lease_s,
+            spec.transfer_timeout_s,
+            threads,
+            gpus_per_worker=1 if spec.engine.device.startswith("cuda") else 0,
         )
-        for i in range(spec.num_prefill):
-            self._start_prefill(f"{spec.name_prefix}-prefill-{i}", threads)
-        for i in range(spec.num_decode):
-            self._start_decode(f"{spec.name_prefix}-decode-{i}", threads)
-        actors = [*self.prefill_actors.values(), *self.decode_actors.values()]
-        self._worker_pids = list(await asyncio.gather(*(a.pid.remote() for a in actors)))
-        self.backend = await self._make_backend()
+        config = ControllerConfig(
+            template, spec.policy, spec.name_prefix, drain_grace_s=spec.drain_grace_s
+        )
+        progress(
+            f"kvrelay: starting the controller, {spec.num_prefill} prefill and "
+            f"{spec.num_decode} decode workers"
+        )
+        sizes = {"prefill": spec.num_prefill, "decode": spec.num_decode}
+        self.controller = await start_controller(config, sizes, spec.controller_name)
+        await follow(self.controller, progress)
+        self.backend, router_config = await build_backend(self.controller)
+        self.model = router_config.model
         progress("kvrelay: workers ready")
         return self
 
@@ -100,71 +124,6 @@ class LocalCluster:
         progress(f"kvrelay: device cpu ({why}; --device cuda to insist)")
         return "cpu"
 
-    def _start_prefill(self, name: str, threads: int) -> None:
-        from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-
-        config = PrefillWorkerConfig(
-            name, self.spec.engine, self.redis_url, self.spec.lease_s, num_threads=threads
-        )
-        self.prefill_actors[name] = self._spawn(PrefillWorker, "prefill_pool", name, config)
-
-    def _start_decode(self, name: str, threads: int) -> None:
-        from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-
-        config = DecodeWorkerConfig(
-            name,
-            self.spec.engine,
-            self.redis_url,
-            self.spec.transfer_timeout_s,
-            num_threads=threads,
-        )
-        self.decode_actors[name] = self._spawn(DecodeWorker, "decode_pool", name, config)
-
-    def _spawn(self, worker_cls: type, pool: str, name: str, config: Any) -> Any:
-        """One named worker actor on a node of its pool (one GPU each on CUDA)."""
-        import ray
-
-        return (
-            ray.remote(worker_cls)
-            .options(
-                name=name,
-                namespace=NAMESPACE,
-                num_cpus=0,
-                num_gpus=self._gpus_per_worker,
-                resources={pool: 1},
-                max_concurrency=1000,
-            )
-            .remote(config, name)
-        )
-
-    @property
-    def _gpus_per_worker(self) -> int:
-        return 1 if self.spec.engine.device.startswith("cuda") else 0
-
-    async def _make_backend(self):
-        from router.cluster_backend import ClusterBackend
-        from router.policy import make_prefill_policy
-        from router.prefix_index import PrefixIndex
-        from router.worker_set import WorkerSet
-
-        workers = WorkerSet()
-        for name, actor in self.prefill_actors.items():
-            workers.add(name, "prefill", actor, name)
-        for name, actor in self.decode_actors.items():
-            workers.add(name, "decode", actor, name)
-        first = next(iter(self.prefill_actors.values()))
-        self.model = model = await first.served_model.remote()
-        index = PrefixIndex(self.redis_url, model.model_id) if self.redis_url else None
-        return ClusterBackend(
-            model.model_id,
-            model.max_model_len,
-            model.vocab_size,
-            model.block_size,
-            workers,
-            index,
-            make_prefill_policy(self.spec.policy),
-        )
-
     async def close(self) -> None:
         import ray
 
@@ -172,18 +131,20 @@ class LocalCluster:
             await self.backend.close()
             if self.backend.index is not None:
                 await self.backend.index.close()
-        for actor in [*self.prefill_actors.values(), *self.decode_actors.values()]:
+        pids: list[int] = []
+        if self.controller is not None:
             try:
-                await actor.shutdown.remote()
-                actor.__ray_terminate__.remote()
+                status = await self.controller.status.remote(with_stats=False)
+                pids = [w.pid for pool in status.pools for w in pool.workers if w.pid]
+                await self.controller.shutdown.remote()
+                ray.kill(self.controller, no_restart=True)
             except Exception as e:
-                logger.info("worker shutdown: %s", e)
-        self.prefill_actors.clear()
-        self.decode_actors.clear()
+                logger.info("controller shutdown: %s", e)
+            self.controller = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             if self.spec.ray_address == "local":  # the workers are processes of this machine
-                await _reap(self._worker_pids)  # one Ray has not stopped yet must not outlive us
+                await _reap(pids)  # one Ray has not stopped yet must not outlive us
         if self.redis is not None:
             self.redis.stop()
 

@@ -10,6 +10,8 @@ import logging
 import signal
 import sys
 
+from common.cluster_state import RouterStatus
+from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import (
     DEFAULT_MODEL,
@@ -137,18 +139,31 @@ async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -
         frontend = Frontend(cluster.backend, RouterTokenizer(cluster.model.checkpoint_dir), metrics)
         servers = RouterServers(frontend)
         await servers.start(host, http_port, grpc_port)
+        http_url = f"http://{host}:{servers.http.port}/v1"
+        grpc_address = f"{host}:{servers.grpc.port}"
+        cluster.backend.membership.router = RouterStatus(
+            cluster.backend.router_id, http_url, grpc_address
+        )
+        cluster_address.record_local(_ray_address(), http_url, grpc_address)
         _say(f"kvrelay: serving {cluster.model.model_id}")
-        _say(f"  HTTP (OpenAI)  http://{host}:{servers.http.port}/v1")
-        _say(f"  gRPC           {host}:{servers.grpc.port}")
-        _say("  Ctrl-C to stop")
+        _say(f"  HTTP (OpenAI)  {http_url}")
+        _say(f"  gRPC           {grpc_address}")
+        _say("  `kvrelay status` / `kvrelay scale --decode N` from another shell; Ctrl-C to stop")
         await stop.wait()
         _say("kvrelay: shutting down")
     finally:
+        cluster_address.forget_local()
         if servers is not None:
             await servers.stop()
         await cluster.close()
     _say("kvrelay: stopped")
     return 0
+
+
+def _ray_address() -> str:
+    import ray
+
+    return ray.get_runtime_context().gcs_address
 
 
 def _say(message: str) -> None:

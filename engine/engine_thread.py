@@ -46,7 +46,10 @@ class EngineThread:
         self._thread.start()
 
     def submit(self, command: Command, done: Done) -> None:
+        """Queue a command; once the thread has stopped, `done` gets a RuntimeError instead."""
         self._commands.put((command, done))
+        if self._stop.is_set() and not self._thread.is_alive():
+            self._fail_queued()
 
     async def call(self, command: Callable[[Engine], T]) -> T:
         """Run command(engine) on the engine thread and return its result here."""
@@ -107,3 +110,13 @@ class EngineThread:
                     self._stop.wait(0.0005)  # only transfers in flight: poll them gently
             except Exception:
                 logger.exception("engine loop iteration failed")
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """Commands that arrived too late to run get an error rather than waiting forever."""
+        while True:
+            try:
+                _, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            done(None, RuntimeError("the engine thread has stopped"))

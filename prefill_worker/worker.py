@@ -13,8 +13,22 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from common.cluster_state import (
+    LeakCheck,
+    WorkerDescription,
+    WorkerState,
+    WorkerStats,
+    WorkerUnavailable,
+)
 from common.messages import GenerateRequest, KVHandle, ServedModel, WorkerLoad
-from common.worker_runtime import build_worker_parts, engine_load, served_model, shut_down
+from common.worker_runtime import (
+    WorkerLifecycle,
+    build_worker_parts,
+    describe,
+    engine_load,
+    served_model,
+    shut_down,
+)
 from engine.config import EngineConfig
 from engine.request import FinishReason
 from kvtransfer.base import AgentMetadata
@@ -56,14 +70,20 @@ class PrefillWorker:
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._next_heartbeat = 0.0
         self.num_expired_leases = 0
+        self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
+        self.num_cached_tokens = 0
+        self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
 
     # ---- actor API -----------------------------------------------------------------------
     async def prefill(self, request: GenerateRequest) -> KVHandle:
+        if self.lifecycle.closed:
+            raise WorkerUnavailable(f"prefill worker {self.worker_id} has shut down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[KVHandle] = loop.create_future()
 
         def add(engine: Engine) -> None:
+            self.lifecycle.admit(request.req_id)
             engine.add_request(
                 request.req_id,
                 request.prompt_token_ids,
@@ -108,24 +128,65 @@ class PrefillWorker:
     def served_model(self) -> ServedModel:
         return served_model(self.engine)
 
+    def describe(self) -> WorkerDescription:
+        """Answered once the model is loaded and the KV pool registered with NIXL."""
+        return describe(self.engine, self.worker_id, "prefill")
+
     async def num_leases(self) -> int:
         return await self.thread.call(lambda engine: engine.kv.num_held)
 
-    async def check_no_leaks(self) -> dict[str, int]:
-        """For tests and operators: free vs total blocks; raises if integrity is broken."""
+    async def set_state(self, state: WorkerState) -> float:
+        """The controller moves the worker (joining -> ready -> draining); returns when."""
+        return await self.thread.call(lambda engine: self.lifecycle.set_state(state, engine))
 
-        def run(engine: Engine) -> dict[str, int]:
-            engine.check_integrity()
-            return {
-                "free": engine.kv.num_free_blocks,
-                "total": engine.kv.num_blocks,
-                "held": engine.kv.num_held,
-                "requests": len(engine.scheduler.requests),
-            }
+    async def stats(self) -> WorkerStats:
+        def run(engine: Engine) -> WorkerStats:
+            life = self.lifecycle
+            return WorkerStats(
+                state=life.state,
+                load=engine_load(engine),
+                num_requests=life.num_requests,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_cached_tokens=self.num_cached_tokens,
+                num_in_flight=self._num_in_flight(engine),
+                first_request_at=life.first_request_at,
+                ready_at=life.ready_at,
+            )
 
         return await self.thread.call(run)
 
+    async def retire(self) -> LeakCheck | None:
+        """Drain's last step: None while work is in flight; else stop taking requests (a late
+        one gets WorkerUnavailable, the router places it elsewhere) and return the accounts."""
+
+        def run(engine: Engine) -> LeakCheck | None:
+            if self._num_in_flight(engine):
+                return None
+            self.lifecycle.closed = True
+            return self._leak_check(engine)
+
+        return await self.thread.call(run)
+
+    async def check_no_leaks(self) -> LeakCheck:
+        """For tests and operators: free vs total blocks; raises if integrity is broken."""
+        return await self.thread.call(self._leak_check)
+
+    def _num_in_flight(self, engine: Engine) -> int:
+        return len(engine.scheduler.requests) + len(self._waiters) + len(self._leases)
+
+    def _leak_check(self, engine: Engine) -> LeakCheck:
+        engine.check_integrity()
+        return LeakCheck(
+            num_free_blocks=engine.kv.num_free_blocks,
+            num_total_blocks=engine.kv.num_blocks,
+            num_held_blocks=engine.kv.num_held,
+            num_requests=len(engine.scheduler.requests),
+        )
+
     def shutdown(self) -> None:
+        if self.lifecycle.closed:
+            return
+        self.lifecycle.closed = True
         shut_down(self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
@@ -146,6 +207,9 @@ class PrefillWorker:
                 continue
             if finish is None:
                 self._leases[out.req_id] = now + self.config.lease_s
+            if self.lifecycle.is_user_request(out.req_id):
+                self.num_prompt_tokens += out.num_prompt_tokens
+                self.num_cached_tokens += out.num_cached_tokens
             first = out.new_token_ids[0]
             handle = KVHandle(
                 req_id=out.req_id,

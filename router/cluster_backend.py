@@ -16,7 +16,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from common.messages import GenerateRequest, TokenDelta, WorkerInfo
+from common.cluster_state import WorkerUnavailable
+from common.messages import GenerateRequest, KVHandle, TokenDelta, WorkerInfo
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
 from router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ from router.worker_set import WorkerSet
 logger = logging.getLogger(__name__)
 MAX_POLL_ERRORS = 3  # consecutive failed long-polls (not an actor death) that count as death
 POLL_RETRY_S = 0.5
+MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,13 @@ class ClusterBackend(Backend):
         self.num_index_unavailable = 0
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
         self.metrics: RouterMetrics | None = None  # set by the server that owns the registry
+        self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
 
     # ---- placement -----------------------------------------------------------------------
     async def _candidates(
-        self, role: str, hashes: list[int]
+        self, role: str, hashes: list[int], excluded: frozenset[str] = frozenset()
     ) -> tuple[list[WorkerInfo], dict[str, int] | None]:
-        """Live workers of a role and their prefix overlap; overlap None: index unavailable."""
+        """Ready workers of a role and their prefix overlap; overlap None: index unavailable."""
         if self.index is not None:
             try:
                 view = await self.index.view(role, hashes)
@@ -83,7 +86,10 @@ class ClusterBackend(Backend):
                 if self._index_down_logged:
                     logger.warning("Redis index is back: routing by KV overlap again")
                     self._index_down_logged = False
-                workers = self.workers.filter_known(view.workers)
+                ready = [
+                    w for w in view.workers if w.state == "ready" and w.worker_id not in excluded
+                ]
+                workers = self.workers.filter_known(ready)
                 if workers:
                     return workers, view.overlap
             except IndexUnavailable as e:
@@ -92,7 +98,7 @@ class ClusterBackend(Backend):
                 if not self._index_down_logged:
                     logger.warning("Redis index unavailable (%s): routing by load alone", e)
                     self._index_down_logged = True
-        return self.workers.known(role), None
+        return [w for w in self.workers.known(role) if w.worker_id not in excluded], None
 
     def _record_index(self, available: bool, workers: list[WorkerInfo]) -> None:
         if self.metrics is None:
@@ -101,12 +107,14 @@ class ClusterBackend(Backend):
         for worker in workers:
             self.metrics.set_worker_load(worker)
 
-    async def _place_prefill(self, request: GenerateRequest) -> tuple[Placement, int]:
+    async def _place_prefill(
+        self, request: GenerateRequest, excluded: frozenset[str]
+    ) -> tuple[Placement, int]:
         """The prefill placement and the prompt tokens it leaves to compute (placed on it)."""
         hashes = hash_blocks(
             request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
         )
-        workers, overlap = await self._candidates("prefill", hashes)
+        workers, overlap = await self._candidates("prefill", hashes, excluded)
         # No await from here to place(): concurrent placements each see the ones before them.
         workers = self.workers.with_placed(workers)
         if overlap is None:
@@ -117,8 +125,8 @@ class ClusterBackend(Backend):
         self.workers.place(placement.worker.worker_id, num_uncached)
         return placement, num_uncached
 
-    async def _place_decode(self, request: GenerateRequest) -> WorkerInfo:
-        workers, _ = await self._candidates("decode", [])
+    async def _place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
+        workers, _ = await self._candidates("decode", [], excluded)
         needed = -(
             -(len(request.prompt_token_ids) + request.sampling.max_tokens) // self.block_size
         )
@@ -129,25 +137,30 @@ class ClusterBackend(Backend):
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         req_id = request.req_id
-        placement, num_uncached = await self._place_prefill(request)
-        prefill = placement.worker
-        self.last_placements[req_id] = prefill.worker_id
-        try:
-            prefill_actor = self.workers.actor(prefill)  # found by _candidates: no lookup now
-        except ValueError:
-            self.workers.done(prefill.worker_id, num_uncached)
-            raise
         stage = "prefill"
+        prefill_actor: Any = None
         decode: WorkerInfo | None = None
         decode_actor: Any = None
         try:
-            try:
-                handle = await prefill_actor.prefill.remote(request)
-            except RayActorError:
-                self._lost(prefill.worker_id)
-                raise
-            finally:
-                self.workers.done(prefill.worker_id, num_uncached)
+            excluded: frozenset[str] = frozenset()
+            while True:  # a worker that stopped taking work (drained, died) is left for another
+                placement, num_uncached = await self._place_prefill(request, excluded)
+                prefill = placement.worker
+                self.last_placements[req_id] = prefill.worker_id
+                try:
+                    prefill_actor = self._actor_of(prefill)  # found by _candidates
+                    handle = await prefill_actor.prefill.remote(request)
+                    break
+                except (RayActorError, WorkerUnavailable) as e:
+                    prefill_actor = None
+                    if isinstance(e, RayActorError):
+                        self._lost(prefill.worker_id)
+                    excluded |= {prefill.worker_id}
+                    if len(excluded) >= MAX_PLACEMENTS:
+                        raise
+                    logger.info("request %s: %s; placing it again", req_id, e)
+                finally:
+                    self.workers.done(prefill.worker_id, num_uncached)
             first = TokenDelta(
                 req_id,
                 (handle.first_token_id,),
@@ -162,16 +175,8 @@ class ClusterBackend(Backend):
                 yield first
                 return
             stage = "handed"
-            decode = await self._place_decode(request)
-            decode_actor = self.workers.actor(decode)
             queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-            self._streams[req_id] = _Stream(queue, decode.worker_id)
-            self._ensure_poller(decode, decode_actor)
-            try:
-                await decode_actor.submit.remote(request, handle, self.router_id)
-            except RayActorError:
-                self._lost(decode.worker_id)
-                raise
+            decode, decode_actor = await self._hand_over(request, handle, queue)
             stage = "decode"
             yield first
             while True:
@@ -191,11 +196,44 @@ class ClusterBackend(Backend):
             if decode is not None:
                 self.workers.done(decode.worker_id)
             if stage == "prefill":
-                await _quietly(prefill_actor.abort.remote(req_id))
+                if prefill_actor is not None:
+                    await _quietly(prefill_actor.abort.remote(req_id))
             elif stage == "handed":
                 await _quietly(prefill_actor.release.remote(req_id))
             elif stage == "decode" and decode_actor is not None:
                 await _quietly(decode_actor.abort.remote(req_id))
+
+    async def _hand_over(
+        self, request: GenerateRequest, handle: KVHandle, queue: asyncio.Queue[TokenDelta]
+    ) -> tuple[WorkerInfo, Any]:
+        """Place the prefilled request on a decode worker and submit it (counted as placed
+        there until the stream ends); a worker that stopped taking work is left for another."""
+        excluded: frozenset[str] = frozenset()
+        while True:
+            decode = await self._place_decode(request, excluded)
+            try:
+                actor = self._actor_of(decode)
+                self._streams[request.req_id] = _Stream(queue, decode.worker_id)
+                self._ensure_poller(decode, actor)
+                await actor.submit.remote(request, handle, self.router_id)
+                return decode, actor
+            except (RayActorError, WorkerUnavailable) as e:
+                self._streams.pop(request.req_id, None)
+                self.workers.done(decode.worker_id)
+                if isinstance(e, RayActorError):
+                    self._lost(decode.worker_id)
+                excluded |= {decode.worker_id}
+                if len(excluded) >= MAX_PLACEMENTS:
+                    raise
+                logger.info(
+                    "request %s: %s; handing it to another decode worker", request.req_id, e
+                )
+
+    def _actor_of(self, worker: WorkerInfo) -> Any:
+        try:
+            return self.workers.actor(worker)
+        except ValueError as e:  # died since the view was read
+            raise WorkerUnavailable(str(e)) from e
 
     def decode_worker_of(self, req_id: str) -> str | None:
         """The decode worker streaming a request (None before its handoff or after its end)."""
@@ -278,6 +316,8 @@ class ClusterBackend(Backend):
         }
 
     async def close(self) -> None:
+        if self.membership is not None:
+            await self.membership.close()
         for task in self._pollers.values():
             task.cancel()
         self._pollers.clear()

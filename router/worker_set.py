@@ -1,6 +1,7 @@
-"""WorkerSet: the router's view of live workers: their Ray actor handles, the workers it saw
-die, and what it has itself placed on each worker and not yet seen end (its own in-flight
-accounting, so a burst is spread before any worker has published its new load)."""
+"""WorkerSet: the router's view of live workers: their Ray actor handles and states (from the
+controller's membership), the workers it saw die, and what it has itself placed on each worker
+and not yet seen end (its own in-flight accounting, so a burst is spread before any worker has
+published its new load)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import ray
 
+from common.cluster_state import NAMESPACE, Member
 from common.messages import WorkerInfo, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -38,9 +40,34 @@ class WorkerSet:
         self._dead_actor_ids: dict[str, str] = {}  # worker_id -> Ray actor id that died
         self._placed: dict[str, _Placed] = {}
 
-    def add(self, worker_id: str, role: str, actor: Any, actor_name: str = "") -> None:
-        self._workers[worker_id] = _Worker(WorkerInfo(worker_id, role, actor_name), actor)
+    def add(
+        self, worker_id: str, role: str, actor: Any, actor_name: str = "", state: str = "ready"
+    ) -> None:
+        info = WorkerInfo(worker_id, role, actor_name, state=state)
+        self._workers[worker_id] = _Worker(info, actor)
         self._dead_actor_ids.pop(worker_id, None)
+
+    def sync(self, members: list[Member]) -> None:
+        """Take the controller's membership: new workers are looked up, states updated, the
+        ones it no longer lists forgotten (their in-flight streams keep their own handles)."""
+        listed = {m.worker_id: m for m in members}
+        for worker_id in [w for w in self._workers if w not in listed]:
+            del self._workers[worker_id]
+        for member in members:
+            known = self._workers.get(member.worker_id)
+            if known is not None:
+                known.info = replace(known.info, state=member.state.value)
+                continue
+            info = WorkerInfo(member.worker_id, member.role, member.actor_name)
+            try:
+                self.actor(info)
+            except ValueError:
+                continue  # died meanwhile, or not yet visible: the next sync sees it again
+            self._workers[member.worker_id].info = replace(info, state=member.state.value)
+
+    def actors(self, role: str) -> dict[str, Any]:
+        """Worker id -> actor of every worker of a role this router knows (any state)."""
+        return {i: w.actor for i, w in sorted(self._workers.items()) if w.info.role == role}
 
     def mark_dead(self, worker_id: str) -> None:
         """The worker's actor died: leave placement at once (not after its Redis TTL)."""
@@ -59,7 +86,7 @@ class WorkerSet:
         known = self._workers.get(info.worker_id)
         if known is not None:
             return known.actor
-        actor = ray.get_actor(info.actor_name)
+        actor = ray.get_actor(info.actor_name, namespace=NAMESPACE)
         if self._dead_actor_ids.get(info.worker_id) == _actor_id(actor):
             raise ValueError(f"worker {info.worker_id} died")
         self._dead_actor_ids.pop(info.worker_id, None)
@@ -67,8 +94,12 @@ class WorkerSet:
         return actor
 
     def known(self, role: str) -> list[WorkerInfo]:
-        """Live workers of a role, with only the router's own load figures (no index needed)."""
-        infos = [w.info for _, w in sorted(self._workers.items()) if w.info.role == role]
+        """Ready workers of a role, with only the router's own load figures (no index needed)."""
+        infos = [
+            w.info
+            for _, w in sorted(self._workers.items())
+            if w.info.role == role and w.info.state == "ready"
+        ]
         return self.with_placed([replace(info, load=WorkerLoad()) for info in infos])
 
     def filter_known(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from common.cluster_state import LeakCheck
 from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
@@ -32,7 +33,7 @@ def tokens_of(deltas: list[TokenDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-async def worker_accounts(cluster: LocalCluster) -> dict[str, dict[str, int]]:
+async def worker_accounts(cluster: LocalCluster) -> dict[str, LeakCheck]:
     actors = {**cluster.prefill_actors, **cluster.decode_actors}
     results = await asyncio.gather(*(a.check_no_leaks.remote() for a in actors.values()))
     return dict(zip(actors, results, strict=True))
@@ -44,15 +45,7 @@ async def wait_until_no_leaks(cluster: LocalCluster, timeout_s: float = 20.0) ->
     deadline = time.monotonic() + timeout_s
     while True:
         accounts = await worker_accounts(cluster)
-        busy = {
-            name: acc
-            for name, acc in accounts.items()
-            if acc["free"] != acc["total"]
-            or acc["requests"]
-            or acc.get("held")
-            or acc.get("pulls")
-            or acc.get("open_handles")
-        }
+        busy = {name: acc for name, acc in accounts.items() if not acc.clean}
         if not busy:
             return
         if time.monotonic() > deadline:

@@ -151,7 +151,7 @@ def test_prefill_worker_dies_after_handle(cluster, loop, tokenizer, make_engine)
         decode_from_extra_prefill(cluster, doomed, request("orphan", prompt), kill_prefill=True)
     )
     assert tokens == reference_tokens(make_engine, prompt)
-    assert after["num_recomputed"] == before["num_recomputed"] + 1
+    assert after.num_recomputed == before.num_recomputed + 1
 
 
 def test_incompatible_handshake_is_refused_and_request_recomputed(
@@ -170,8 +170,8 @@ def test_incompatible_handshake_is_refused_and_request_recomputed(
     finally:
         ray.kill(odd)
     assert tokens == reference_tokens(make_engine, prompt)
-    assert after["num_recomputed"] == before["num_recomputed"] + 1
-    assert after["num_transferred_blocks"] == before["num_transferred_blocks"]
+    assert after.num_recomputed == before.num_recomputed + 1
+    assert after.num_transferred_blocks == before.num_transferred_blocks
 
 
 def test_redis_down_then_back(cluster, loop, tokenizer):

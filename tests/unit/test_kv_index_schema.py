@@ -35,7 +35,10 @@ def test_ids_that_would_break_keys_or_scans_are_refused(bad: str) -> None:
 
 def test_worker_fields_round_trip_through_string_values() -> None:
     load = WorkerLoad(running=1, waiting=2, free_blocks=3, total_blocks=4, queued_tokens=5)
-    fields = schema.worker_fields("decode", "actor", "agent", load)
+    fields = schema.worker_fields("decode", "actor", "agent", load, "draining")
     as_read = {name: str(value) for name, value in fields.items()} | {"epoch": "x:1"}
-    assert schema.parse_worker("d0", as_read) == WorkerInfo("d0", "decode", "actor", "agent", load)
+    assert schema.parse_worker("d0", as_read) == WorkerInfo(
+        "d0", "decode", "actor", "agent", load, state="draining"
+    )
+    assert schema.parse_worker("d1", {"role": "decode"}).state == "joining"  # until it says
     assert schema.parse_worker("d1", {"role": "decode"}).load == WorkerLoad()

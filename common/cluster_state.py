@@ -1,0 +1,206 @@
+"""What the controller, the workers, the routers and the CLI say about the cluster's make-up (holds
+no state): worker states and their timestamped transitions, per-worker figures, pool and router
+status, the membership a router syncs, and the names that find the controller in Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from common.messages import ServedModel, WorkerLoad
+
+NAMESPACE = "kvrelay"  # the Ray namespace of every kvrelay actor
+CONTROLLER_NAME = "kvrelay-controller"  # the controller's detached actor name
+WARMUP_REQ_PREFIX = "kvrelay-warmup-"  # the controller's warm-up requests (not user traffic)
+ROLES = ("prefill", "decode")
+
+
+class WorkerUnavailable(RuntimeError):
+    """A worker has stopped taking work (it drained or is shutting down): place elsewhere."""
+
+
+class WorkerState(enum.StrEnum):
+    """joining -> ready -> draining -> gone; joining -> gone when a start fails or is cancelled."""
+
+    JOINING = "joining"  # actor starting: model loading, NIXL registration, handshake, warm-up
+    READY = "ready"  # routers place on it
+    DRAINING = "draining"  # no new placements; in-flight work finishes, then it exits
+    GONE = "gone"  # exited, died or failed to start
+
+
+@dataclass(frozen=True)
+class Transition:
+    state: WorkerState
+    at: float  # time.time() where the transition happened
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's own figures, as it reports them (status, tests, the controller's drain)."""
+
+    state: WorkerState
+    load: WorkerLoad
+    num_requests: int = 0  # user requests received (warm-ups not counted)
+    num_prompt_tokens: int = 0  # prefill: prompt tokens of finished prefills
+    num_cached_tokens: int = 0  # prefill: of those, found in its prefix cache
+    num_transferred_blocks: int = 0  # decode: blocks pulled over NIXL
+    num_transferred_bytes: int = 0
+    transfer_seconds: float = 0.0  # decode: summed time of those pulls
+    num_recomputed: int = 0  # decode: prompts recomputed because the pull failed
+    num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
+    first_request_at: float | None = None  # time.time() of its first user request
+    ready_at: float | None = None  # time.time() it turned ready
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else None
+
+    @property
+    def transfer_bytes_per_s(self) -> float | None:
+        return self.num_transferred_bytes / self.transfer_seconds if self.transfer_seconds else None
+
+
+@dataclass(frozen=True)
+class WorkerDescription:
+    """What a worker tells the controller once its model is loaded and its KV pool registered."""
+
+    worker_id: str
+    role: str
+    node_ip: str
+    pid: int
+    model: ServedModel
+
+
+@dataclass(frozen=True)
+class LeakCheck:
+    """A worker's block accounting taken before it exits (drain) or on request."""
+
+    num_free_blocks: int
+    num_total_blocks: int
+    num_held_blocks: int = 0  # prefill: blocks still under a lease
+    num_requests: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return (
+            self.num_free_blocks == self.num_total_blocks
+            and not self.num_held_blocks
+            and not self.num_requests
+        )
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker as routers see it from the controller (membership when Redis is down)."""
+
+    worker_id: str
+    role: str
+    actor_name: str
+    state: WorkerState
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    worker_id: str
+    role: str
+    state: WorkerState
+    transitions: tuple[Transition, ...]
+    node_ip: str = ""
+    pid: int = 0
+    stats: WorkerStats | None = None  # None: the worker did not answer (joining, gone)
+    exit_check: LeakCheck | None = None  # taken when it drained
+    error: str | None = None  # why it is gone, when it did not drain
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    role: str
+    desired: int
+    workers: tuple[WorkerStatus, ...]
+
+    @property
+    def num_ready(self) -> int:
+        return sum(w.state == WorkerState.READY for w in self.workers)
+
+    @property
+    def settled(self) -> bool:
+        """The pool has reached its size: `desired` ready workers, none joining or draining."""
+        states = [w.state for w in self.workers]
+        busy = WorkerState.JOINING in states or WorkerState.DRAINING in states
+        return not busy and self.num_ready == self.desired
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    router_id: str
+    http_url: str = ""
+    grpc_address: str = ""
+    last_seen: float = 0.0  # time.time() of its last membership sync
+
+
+@dataclass(frozen=True)
+class RedisStatus:
+    url: str  # password redacted; "" when the cluster runs without Redis
+    reachable: bool = False
+    num_registered_workers: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    model_id: str
+    pools: tuple[PoolStatus, ...]
+    routers: tuple[RouterStatus, ...]
+    redis: RedisStatus
+    error: str = ""  # why the controller cannot reach its desired size, if it cannot
+
+    def pool(self, role: str) -> PoolStatus:
+        return next(p for p in self.pools if p.role == role)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Plain JSON types (`kvrelay status --json`), with the derived rates filled in."""
+        out = _plain(dataclasses.asdict(self))
+        for pool, raw in zip(self.pools, out["pools"], strict=True):
+            raw["num_ready"] = pool.num_ready
+            for worker, raw_worker in zip(pool.workers, raw["workers"], strict=True):
+                if worker.stats is not None:
+                    raw_worker["stats"]["prefix_hit_rate"] = worker.stats.prefix_hit_rate
+                    raw_worker["stats"]["transfer_bytes_per_s"] = worker.stats.transfer_bytes_per_s
+        return out
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What a router needs from the controller to serve the cluster's pools."""
+
+    model: ServedModel
+    redis_url: str | None
+    policy: str = "kv_aware"
+
+
+@dataclass(frozen=True)
+class ScaleRequest:
+    """Desired pool sizes; None leaves a pool as it is."""
+
+    prefill: int | None = None
+    decode: int | None = None
+
+    def sizes(self) -> dict[str, int]:
+        wanted = {"prefill": self.prefill, "decode": self.decode}
+        for role, size in wanted.items():
+            if size is not None and size < 0:
+                raise ValueError(f"--{role} must be >= 0, got {size}")
+        return {role: size for role, size in wanted.items() if size is not None}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,447 @@
+"""Controller (a named, detached Ray actor): owns each pool's desired size and every worker's
+record (state, timestamped transitions, node, exit check), starts workers on nodes of their pool,
+admits them to traffic once ready, drains the ones a scale-down removes, replaces the ones that
+die, and lists membership for routers and status for the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import redis.asyncio as aioredis
+from ray.exceptions import RayActorError
+
+from common import kv_index_schema as schema
+from common.cluster_state import (
+    CONTROLLER_NAME,
+    NAMESPACE,
+    ROLES,
+    ClusterStatus,
+    LeakCheck,
+    Member,
+    PoolStatus,
+    RedisStatus,
+    RouterConfig,
+    RouterStatus,
+    ScaleRequest,
+    Transition,
+    WorkerDescription,
+    WorkerState,
+    WorkerStats,
+    WorkerStatus,
+)
+from common.messages import ServedModel
+from common.redis_url import redact
+from deploy import worker_launch
+from deploy.worker_launch import WorkerTemplate
+
+logger = logging.getLogger(__name__)
+RECONCILE_S = 1.0
+HEALTH_CHECK_S = 2.0
+ROUTER_EXPIRY_S = 10.0
+MAX_GONE_KEPT = 100  # gone workers kept in status for their history
+LIVE = (WorkerState.JOINING, WorkerState.READY)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    template: WorkerTemplate
+    policy: str = "kv_aware"
+    name_prefix: str = "kvrelay"
+    drain_grace_s: float = 2.0  # after draining is published, before in-flight work is counted
+    drain_timeout_s: float = 600.0
+    max_start_failures: int = 3  # consecutive failed starts of a pool before it stops trying
+
+
+@dataclass
+class _Record:
+    """One worker as the controller tracks it (mutable; only the controller's loop touches it)."""
+
+    worker_id: str
+    role: str
+    actor: Any
+    transitions: list[Transition] = field(default_factory=list)
+    description: WorkerDescription | None = None  # set once loaded
+    exit_check: LeakCheck | None = None
+    last_stats: WorkerStats | None = None  # taken as it retired (status of a gone worker)
+    error: str | None = None
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> WorkerState:
+        return self.transitions[-1].state
+
+    def move(self, state: WorkerState, note: str = "", at: float | None = None) -> None:
+        self.transitions.append(Transition(state, time.time() if at is None else at, note))
+        logger.info("%s: %s %s", self.worker_id, state.value, note)
+
+
+class Controller:
+    """Invariants: a worker is READY only after its handshake and warm-up succeeded and it
+    published `ready` itself; a pool's JOINING + READY count converges to its desired size; a
+    drained worker's exit check is taken after it stopped taking requests."""
+
+    def __init__(self, config: ControllerConfig, sizes: dict[str, int]):
+        self.config = config
+        self._desired = {role: sizes.get(role, 0) for role in ROLES}
+        self._records: dict[str, _Record] = {}
+        self._num_started = dict.fromkeys(ROLES, 0)
+        self._num_failures = dict.fromkeys(ROLES, 0)
+        self._routers: dict[str, RouterStatus] = {}
+        self._model: ServedModel | None = None
+        self._error = ""
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+
+    # ---- actor API -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start reconciling (idempotent): call once after creating the actor."""
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.create_task(self._run())
+            self._request_nodes()
+
+    async def scale(self, request: ScaleRequest) -> dict[str, int]:
+        """Set desired pool sizes; returns them. The loop starts or drains workers to match."""
+        for role, size in request.sizes().items():
+            if self._desired[role] != size:
+                self._num_failures[role] = 0
+                self._error = ""
+            self._desired[role] = size
+        self._request_nodes()
+        self._poke()
+        return dict(self._desired)
+
+    async def status(self, with_stats: bool = True) -> ClusterStatus:
+        records = list(self._records.values())
+        stats = await self._gather_stats(records) if with_stats else {}
+        pools = tuple(
+            PoolStatus(
+                role,
+                self._desired[role],
+                tuple(
+                    self._worker_status(r, stats.get(r.worker_id))
+                    for r in records
+                    if r.role == role
+                ),
+            )
+            for role in ROLES
+        )
+        now = time.time()
+        routers = tuple(r for r in self._routers.values() if now - r.last_seen < ROUTER_EXPIRY_S)
+        model_id = self._model.model_id if self._model else ""
+        return ClusterStatus(model_id, pools, routers, await self._redis_status(), self._error)
+
+    async def members(self, router: RouterStatus | None = None) -> list[Member]:
+        """Workers routers may know (joining ones that loaded, ready, draining); a router's
+        call also records it for status."""
+        if router is not None:
+            self._routers[router.router_id] = RouterStatus(
+                router.router_id, router.http_url, router.grpc_address, time.time()
+            )
+        return [
+            Member(r.worker_id, r.role, r.worker_id, r.state)
+            for r in self._records.values()
+            if r.state != WorkerState.GONE and r.description is not None
+        ]
+
+    async def forget_router(self, router_id: str) -> None:
+        self._routers.pop(router_id, None)
+
+    async def router_config(self, timeout_s: float = 600.0) -> RouterConfig:
+        """What a router needs; waits until a first worker has loaded the model."""
+        deadline = time.monotonic() + timeout_s
+        while self._model is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no worker has loaded the model yet")
+            await asyncio.sleep(0.2)
+        template = self.config.template
+        return RouterConfig(self._model, template.redis_url, self.config.policy)
+
+    async def shutdown(self) -> None:
+        """Stop every worker (no drain): `kvrelay serve` exiting, `kvrelay down`."""
+        self._desired = dict.fromkeys(ROLES, 0)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for record in self._records.values():
+            if record.task is not None:
+                record.task.cancel()
+        live = [r for r in self._records.values() if r.state != WorkerState.GONE]
+        await asyncio.gather(*(worker_launch.stop(r.actor) for r in live), return_exceptions=True)
+        for record in live:
+            record.move(WorkerState.GONE, "cluster shut down")
+
+    # ---- the reconcile loop ----------------------------------------------------------------
+    async def _run(self) -> None:
+        next_check = 0.0
+        while True:
+            try:
+                self._reconcile()
+                if time.monotonic() >= next_check:
+                    await self._check_health()
+                    next_check = time.monotonic() + HEALTH_CHECK_S
+            except Exception:
+                logger.exception("controller: reconcile failed")
+            assert self._wake is not None
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), RECONCILE_S)
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _reconcile(self) -> None:
+        for role in ROLES:
+            live = [r for r in self._records.values() if r.role == role and r.state in LIVE]
+            missing = self._desired[role] - len(live)
+            if missing > 0 and self._num_failures[role] < self.config.max_start_failures:
+                for _ in range(missing):
+                    self._start_worker(role)
+            elif missing < 0:
+                # joining workers first (no traffic yet), then the newest ready ones
+                order = sorted(live, key=lambda r: (r.state == WorkerState.READY, -_started_at(r)))
+                for record in order[:-missing]:
+                    self._remove(record)
+        self._prune_gone()
+
+    def _start_worker(self, role: str) -> None:
+        index = self._num_started[role]
+        self._num_started[role] += 1
+        worker_id = f"{self.config.name_prefix}-{role}-{index}"
+        actor = worker_launch.spawn(role, worker_id, self.config.template)
+        record = _Record(worker_id, role, actor)
+        record.move(
+            WorkerState.JOINING, f"waiting for a node with {worker_launch.pool_resource(role)}"
+        )
+        self._records[worker_id] = record
+        record.task = asyncio.create_task(self._join(record))
+
+    async def _join(self, record: _Record) -> None:
+        try:
+            record.description = description = await record.actor.describe.remote()
+            self._model = self._model or description.model
+            record.move(
+                WorkerState.JOINING,
+                f"model loaded, KV pool registered with NIXL on {description.node_ip}",
+            )
+            prefill, decode = await self._pair_for(record)
+            await worker_launch.handshake(decode.actor, [prefill.worker_id])
+            if record.role == "decode":  # it will pull from every prefill worker: check them all
+                others = [r.worker_id for r in self._loaded("prefill") if r is not prefill]
+                await worker_launch.handshake(record.actor, others)
+            else:
+                others_d = [r for r in self._loaded("decode") if r is not decode]
+                for other in others_d:
+                    await worker_launch.handshake(other.actor, [record.worker_id])
+            partner = decode if record.role == "prefill" else prefill
+            record.move(WorkerState.JOINING, f"handshake checked (with {partner.worker_id})")
+            request = worker_launch.warmup_request(record.worker_id, description.model)
+            await worker_launch.warm_up(prefill.actor, decode.actor, request)
+            record.move(WorkerState.JOINING, "warm-up request done")
+            at = await record.actor.set_state.remote(WorkerState.READY)
+            record.move(WorkerState.READY, "taking traffic", at=at)
+            self._num_failures[record.role] = 0
+        except asyncio.CancelledError:
+            await worker_launch.stop(record.actor)
+            record.move(WorkerState.GONE, "start cancelled (pool scaled down)")
+            raise
+        except Exception as e:
+            self._num_failures[record.role] += 1
+            record.error = f"{type(e).__name__}: {e}"
+            await worker_launch.stop(record.actor)
+            record.move(WorkerState.GONE, f"failed to start: {record.error}")
+            if self._num_failures[record.role] >= self.config.max_start_failures:
+                self._error = (
+                    f"{record.role} pool: {self._num_failures[record.role]} starts failed in a "
+                    f"row, not trying again until the next scale; last: {record.error}"
+                )
+                logger.error("controller: %s", self._error)
+        finally:
+            self._poke()
+
+    async def _pair_for(self, record: _Record) -> tuple[_Record, _Record]:
+        """A prefill and a decode worker to warm `record` up with: itself and a worker of the
+        other pool that has loaded (a ready one preferred), waiting for one if none has."""
+        other_role = "decode" if record.role == "prefill" else "prefill"
+        while True:
+            loaded = self._loaded(other_role)
+            if loaded:
+                partner = min(loaded, key=lambda r: (r.state != WorkerState.READY, r.worker_id))
+                return (record, partner) if record.role == "prefill" else (partner, record)
+            await asyncio.sleep(0.2)
+
+    def _loaded(self, role: str) -> list[_Record]:
+        return [
+            r
+            for r in self._records.values()
+            if r.role == role and r.state in LIVE and r.description is not None
+        ]
+
+    def _remove(self, record: _Record) -> None:
+        if record.state == WorkerState.JOINING:
+            if record.task is not None:
+                record.task.cancel()
+            return
+        record.move(WorkerState.DRAINING, "no new placements; in-flight work finishes")
+        record.task = asyncio.create_task(self._drain(record))
+
+    async def _drain(self, record: _Record) -> None:
+        config = self.config
+        try:
+            check, note = await worker_launch.drain(
+                record.actor, config.drain_grace_s, config.drain_timeout_s
+            )
+            record.exit_check = check
+            with contextlib.suppress(Exception):
+                record.last_stats = await asyncio.wait_for(record.actor.stats.remote(), 5.0)
+            await worker_launch.stop(record.actor)
+            clean = (
+                "" if check is None else (" (no block in use)" if check.clean else f" ({check})")
+            )
+            record.move(WorkerState.GONE, f"{note}, exited{clean}")
+        except RayActorError as e:
+            record.error = f"died while draining: {e}"
+            record.move(WorkerState.GONE, record.error)
+        finally:
+            self._poke()
+
+    async def _check_health(self) -> None:
+        """A worker whose actor died is gone; the next reconcile starts a replacement."""
+        watched = [
+            r
+            for r in self._records.values()
+            if r.state in (WorkerState.READY, WorkerState.DRAINING) and r.description is not None
+        ]
+
+        async def ping(record: _Record) -> None:
+            try:
+                await asyncio.wait_for(record.actor.pid.remote(), 10.0)
+            except RayActorError as e:
+                if record.state == WorkerState.GONE:
+                    return
+                if record.task is not None:
+                    record.task.cancel()
+                record.error = f"died: {e}"
+                record.move(WorkerState.GONE, "actor died")
+            except TimeoutError:
+                logger.warning("controller: %s did not answer a ping in 10 s", record.worker_id)
+
+        await asyncio.gather(*(ping(r) for r in watched))
+
+    def _prune_gone(self) -> None:
+        gone = [r for r in self._records.values() if r.state == WorkerState.GONE]
+        for record in gone[: max(0, len(gone) - MAX_GONE_KEPT)]:
+            del self._records[record.worker_id]
+
+    def _request_nodes(self) -> None:
+        """Tell Ray's autoscaler (when there is one) how many pool slots the cluster needs."""
+        gpus = self.config.template.gpus_per_worker
+        bundles = []
+        for role in ROLES:
+            bundle: dict[str, float] = {worker_launch.pool_resource(role): 1}
+            if gpus:
+                bundle["GPU"] = gpus
+            bundles += [bundle] * self._desired[role]
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=bundles)
+        except Exception as e:  # no autoscaler API on this cluster: pending actors still wait
+            logger.info("controller: request_resources failed: %s", e)
+
+    # ---- status ----------------------------------------------------------------------------
+    async def _gather_stats(self, records: list[_Record]) -> dict[str, Any]:
+        asked = [r for r in records if r.state != WorkerState.GONE and r.description is not None]
+
+        async def one(record: _Record) -> Any:
+            try:
+                return await asyncio.wait_for(record.actor.stats.remote(), 2.0)
+            except Exception:
+                return None
+
+        results = await asyncio.gather(*(one(r) for r in asked))
+        return {r.worker_id: s for r, s in zip(asked, results, strict=True) if s is not None}
+
+    def _worker_status(self, record: _Record, stats: Any) -> WorkerStatus:
+        desc = record.description
+        return WorkerStatus(
+            record.worker_id,
+            record.role,
+            record.state,
+            tuple(record.transitions),
+            node_ip=desc.node_ip if desc else "",
+            pid=desc.pid if desc else 0,
+            stats=stats if stats is not None else record.last_stats,
+            exit_check=record.exit_check,
+            error=record.error,
+        )
+
+    async def _redis_status(self) -> RedisStatus:
+        url = self.config.template.redis_url
+        if not url:
+            return RedisStatus("")
+        client = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            await client.ping()
+            num = (
+                await client.scard(schema.registry_key(self._model.model_id)) if self._model else 0
+            )
+            return RedisStatus(redact(url), True, int(num))
+        except Exception as e:
+            return RedisStatus(redact(url), False, error=f"{type(e).__name__}: {e}")
+        finally:
+            await client.aclose()
+
+
+def _started_at(record: _Record) -> float:
+    return record.transitions[0].at
+
+
+async def start_controller(
+    config: ControllerConfig, sizes: dict[str, int], name: str = CONTROLLER_NAME
+) -> Any:
+    """Create the detached controller actor (on the head node) and start its loop; raises
+    ValueError when one of that name already runs on this Ray cluster."""
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(
+            f"a kvrelay controller ({name!r}) already runs on this Ray cluster: use `kvrelay "
+            "scale` / `kvrelay router` against it, or `kvrelay down` first"
+        )
+    resources = {}
+    if "node:__internal_head__" in ray.cluster_resources():
+        resources["node:__internal_head__"] = 0.001
+    actor = (
+        ray.remote(Controller)
+        .options(
+            name=name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_cpus=0,
+            resources=resources,
+            max_concurrency=1000,
+        )
+        .remote(config, sizes)
+    )
+    await actor.start.remote()
+    return actor
+
+
+def find_controller(name: str = CONTROLLER_NAME) -> Any:
+    """The running controller's handle; ValueError with what to do when there is none."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        raise ValueError(
+            f"no kvrelay controller ({name!r}) on this Ray cluster: start one with `kvrelay "
+            "serve` (or `kvrelay up CLUSTER.yaml`)"
+        ) from None

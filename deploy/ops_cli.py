@@ -1,0 +1,188 @@
+"""`kvrelay scale`, `kvrelay status` and `kvrelay router`: operator commands against a running
+cluster's controller (through Ray). Holds no state."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+
+from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStatus
+from deploy import cluster_address
+
+ADDRESS_HELP = (
+    "Ray cluster address (host:port of its GCS, or 'auto'); default: the cluster of the "
+    "`kvrelay serve` running on this machine"
+)
+
+
+def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="resize the prefill and/or decode pool")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    p.add_argument("--no-wait", action="store_true", help="return at once")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait (default 1800)")
+    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    p.set_defaults(func=scale)
+
+    p = sub.add_parser("status", help="the pools, their workers, the routers and Redis")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    p.set_defaults(func=router)
+
+
+def _controller(address: str | None):
+    from deploy.controller import find_controller
+
+    cluster_address.connect(address)
+    return find_controller()
+
+
+# ---- scale ---------------------------------------------------------------------------------
+def scale(args: argparse.Namespace) -> int:
+    request = ScaleRequest(prefill=args.prefill, decode=args.decode)
+    if not request.sizes():
+        raise ValueError("give --prefill N, --decode M or both")
+    return asyncio.run(_scale(request, args))
+
+
+async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
+    from deploy.progress import ScaleFailed, follow
+
+    controller = _controller(args.address)
+    before: ClusterStatus = await controller.status.remote(with_stats=False)
+    seen = {
+        (w.worker_id, i)
+        for pool in before.pools
+        for w in pool.workers
+        for i in range(len(w.transitions))
+    }
+    sizes = await controller.scale.remote(request)
+    _say("kvrelay: pools wanted: " + ", ".join(f"{role} {n}" for role, n in sizes.items()))
+    if args.no_wait:
+        return 0
+    started = time.monotonic()
+    try:
+        final = await follow(controller, _say, args.timeout, seen=seen)
+    except (ScaleFailed, TimeoutError) as e:
+        _say(f"error: {e}")
+        return 1
+    ready = ", ".join(f"{p.role} {p.num_ready}" for p in final.pools)
+    _say(f"kvrelay: pools at their size ({ready}) after {time.monotonic() - started:.1f} s")
+    return 0
+
+
+# ---- status --------------------------------------------------------------------------------
+def status(args: argparse.Namespace) -> int:
+    controller = _controller(args.address)
+
+    async def fetch() -> ClusterStatus:
+        return await controller.status.remote()
+
+    current = asyncio.run(fetch())
+    if args.json:
+        print(json.dumps(current.to_json_dict(), indent=2))
+    else:
+        print(format_status(current))
+    return 0
+
+
+def format_status(current: ClusterStatus) -> str:
+    lines = [f"model {current.model_id or '(not loaded yet)'}"]
+    if current.error:
+        lines.append(f"error: {current.error}")
+    for pool in current.pools:
+        lines.append(f"{pool.role} pool: {pool.num_ready} ready of {pool.desired} wanted")
+        for worker in pool.workers:
+            lines.append("  " + _worker_line(worker))
+    lines.append(f"routers: {len(current.routers)}")
+    for r in current.routers:
+        lines.append(f"  {r.router_id}  http {r.http_url or '-'}  grpc {r.grpc_address or '-'}")
+    redis = current.redis
+    if not redis.url:
+        lines.append("redis: none (routing by load)")
+    else:
+        state = "reachable" if redis.reachable else f"UNREACHABLE ({redis.error})"
+        lines.append(f"redis: {redis.url} {state}, {redis.num_registered_workers} workers")
+    return "\n".join(lines)
+
+
+def _worker_line(worker: WorkerStatus) -> str:
+    head = f"{worker.worker_id:<22} {worker.state.value:<9} {worker.node_ip or '-':<15}"
+    if worker.state.value == "gone":
+        last = worker.transitions[-1].note if worker.transitions else ""
+        return f"{head} {last}"
+    stats = worker.stats
+    if stats is None:
+        note = worker.transitions[-1].note if worker.transitions else ""
+        return f"{head} {note}"
+    load = stats.load
+    used = load.total_blocks - load.free_blocks
+    parts = [
+        f"running {load.running} waiting {load.waiting}",
+        f"KV {used}/{load.total_blocks} blocks",
+    ]
+    if stats.prefix_hit_rate is not None:
+        parts.append(f"prefix hits {stats.prefix_hit_rate:.0%}")
+    if stats.transfer_bytes_per_s is not None:
+        parts.append(f"KV transfer {stats.transfer_bytes_per_s / 1e6:.1f} MB/s")
+    return f"{head} " + ", ".join(parts)
+
+
+# ---- router --------------------------------------------------------------------------------
+def router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    controller = _controller(args.address)
+    return asyncio.run(_router(controller, args.host, args.http_port, args.grpc_port))
+
+
+async def _router(controller, host: str, http_port: int, grpc_port: int) -> int:
+    from common.cluster_state import RouterStatus
+    from deploy.router_launch import build_backend
+    from router.frontend import Frontend
+    from router.metrics import RouterMetrics
+    from router.serve import RouterServers
+    from router.tokenizer import RouterTokenizer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    backend, config = await build_backend(controller)
+    servers = None
+    try:
+        metrics = RouterMetrics()
+        backend.metrics = metrics
+        tokenizer = RouterTokenizer(config.model.checkpoint_dir)
+        servers = RouterServers(Frontend(backend, tokenizer, metrics))
+        await servers.start(host, http_port, grpc_port)
+        http_url = f"http://{host}:{servers.http.port}/v1"
+        grpc_address = f"{host}:{servers.grpc.port}"
+        backend.membership.router = RouterStatus(backend.router_id, http_url, grpc_address)
+        _say(f"kvrelay: router {backend.router_id} serving {config.model.model_id}")
+        _say(f"  HTTP (OpenAI)  {http_url}")
+        _say(f"  gRPC           {grpc_address}")
+        await stop.wait()
+    finally:
+        if servers is not None:
+            await servers.stop()
+        await backend.close()
+        if backend.index is not None:
+            await backend.index.close()
+    _say("kvrelay: router stopped")
+    return 0
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

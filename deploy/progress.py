@@ -1,0 +1,46 @@
+"""Following the controller until the pools reach their size, printing each worker's transitions
+as they happen (`kvrelay serve` start-up, `kvrelay scale`). Holds no state between calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.cluster_state import ClusterStatus
+
+POLL_S = 0.5
+
+
+class ScaleFailed(RuntimeError):
+    """The controller cannot reach the desired size (workers keep failing to start)."""
+
+
+async def follow(
+    controller: Any,
+    progress: Callable[[str], None],
+    timeout_s: float = 1800.0,
+    seen: set[tuple[str, int]] | None = None,
+) -> ClusterStatus:
+    """Poll status until every pool is settled; print each transition not in `seen` (pairs of
+    worker id and transition index, e.g. those present before a scale)."""
+    printed: set[tuple[str, int]] = set(seen or ())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status: ClusterStatus = await controller.status.remote(with_stats=False)
+        for pool in status.pools:
+            for worker in pool.workers:
+                for i, step in enumerate(worker.transitions):
+                    if (worker.worker_id, i) not in printed:
+                        printed.add((worker.worker_id, i))
+                        note = f"  {step.note}" if step.note else ""
+                        progress(f"  {worker.worker_id:<24} {step.state.value:<9}{note}")
+        if status.error:
+            raise ScaleFailed(status.error)
+        if all(pool.settled for pool in status.pools):
+            return status
+        if time.monotonic() > deadline:
+            sizes = ", ".join(f"{p.role} {p.num_ready}/{p.desired}" for p in status.pools)
+            raise TimeoutError(f"pools not at their size after {timeout_s:.0f} s ({sizes})")
+        await asyncio.sleep(POLL_S)

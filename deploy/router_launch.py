@@ -1,0 +1,41 @@
+"""Building one router against a running cluster (holds no state): its ClusterBackend from the
+controller's RouterConfig, its Redis index reader and its membership sync with the controller.
+`kvrelay serve` builds one in-process; `kvrelay router` builds more, in their own processes."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from common.cluster_state import RouterConfig, RouterStatus
+from router.cluster_backend import ClusterBackend
+from router.membership import MembershipSync
+from router.policy import make_prefill_policy
+from router.prefix_index import PrefixIndex
+from router.worker_set import WorkerSet
+
+
+async def build_backend(
+    controller: Any, http_url: str = "", grpc_address: str = "", router_id: str | None = None
+) -> tuple[ClusterBackend, RouterConfig]:
+    """A ClusterBackend whose WorkerSet has synced once with the controller (sync keeps going)."""
+    config: RouterConfig = await controller.router_config.remote()
+    model = config.model
+    router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
+    workers = WorkerSet()
+    index = PrefixIndex(config.redis_url, model.model_id) if config.redis_url else None
+    backend = ClusterBackend(
+        model.model_id,
+        model.max_model_len,
+        model.vocab_size,
+        model.block_size,
+        workers,
+        index,
+        make_prefill_policy(config.policy),
+        router_id=router_id,
+    )
+    sync = MembershipSync(controller, workers, RouterStatus(router_id, http_url, grpc_address))
+    await sync.sync_once()
+    sync.start()
+    backend.membership = sync
+    return backend, config

@@ -1,0 +1,59 @@
+"""MembershipSync: keeps one router's WorkerSet in step with the controller's membership (the
+workers to know when Redis is down, which are ready or draining) and tells the controller the
+router is alive. Owns the sync task only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from common.cluster_state import RouterStatus
+from router.worker_set import WorkerSet
+
+logger = logging.getLogger(__name__)
+
+
+class MembershipSync:
+    """One call per interval; a controller that does not answer leaves the last view in place
+    (the router keeps serving from Redis and the workers it knows)."""
+
+    def __init__(
+        self, controller: Any, workers: WorkerSet, router: RouterStatus, interval_s: float = 1.0
+    ):
+        self.controller = controller
+        self.workers = workers
+        self.router = router
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    async def sync_once(self) -> None:
+        members = await self.controller.members.remote(self.router)
+        self.workers.sync(members)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        try:
+            await asyncio.wait_for(self.controller.forget_router.remote(self.router.router_id), 2.0)
+        except Exception as e:  # the controller is gone too: nothing to tell
+            logger.info("could not unregister router %s: %s", self.router.router_id, e)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.sync_once(), 5.0)
+                if self._failing:
+                    logger.warning("controller reachable again: membership syncs resume")
+                self._failing = False
+            except Exception as e:
+                if not self._failing:
+                    logger.warning("controller unreachable (%s): keeping the last membership", e)
+                self._failing = True
+            await asyncio.sleep(self.interval_s)

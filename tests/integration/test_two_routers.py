@@ -1,0 +1,148 @@
+"""Two `kvrelay router` processes on the same pools and Redis: both route KV-aware from the same
+index, and killing one leaves the other serving (real Ray, Redis, NIXL, SmolLM2, openai client)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import ray
+
+from common.cluster_state import ClusterStatus
+from deploy.local_cluster import LocalCluster
+from deploy.redis_local import free_port
+from tests.integration.cluster_support import cluster_spec, wait_until_no_leaks
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+NUM_PREFIXES = 4
+
+
+class RouterProcess:
+    """`kvrelay router` in its own process, on free ports, until kill()."""
+
+    def __init__(self, log_path: Path):
+        self.http_port, self.grpc_port = free_port(), free_port()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+        self.log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deploy.cli",
+                "router",
+                "--http-port",
+                str(self.http_port),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--address",
+                ray.get_runtime_context().gcs_address,
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="unused", max_retries=0
+        )
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the router exited: " + self.log_text()
+            try:
+                self.health()
+                return
+            except OSError:  # not listening yet (URLError is an OSError)
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the router did not come up: " + self.log_text())
+
+    def health(self) -> dict:
+        url = f"http://127.0.0.1:{self.http_port}/health"
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return json.loads(reply.read())
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-3000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(loop):
+    cluster = loop.run_until_complete(
+        LocalCluster(cluster_spec(num_prefill=2, num_decode=1)).start(progress=lambda m: None)
+    )
+    yield cluster
+    loop.run_until_complete(cluster.close())
+
+
+@pytest.fixture(scope="module")
+def routers(cluster, tmp_path_factory) -> Iterator[tuple[RouterProcess, RouterProcess]]:
+    logs = tmp_path_factory.mktemp("routers")
+    pair = (RouterProcess(logs / "a.log"), RouterProcess(logs / "b.log"))
+    try:
+        for router in pair:
+            router.wait_ready()
+        yield pair
+    finally:
+        for router in pair:
+            router.kill()
+
+
+def ask(router: RouterProcess, document: int) -> tuple[str, int, int]:
+    """A long, document-specific prompt: (reply, prompt tokens, cached prompt tokens)."""
+    lines = (f"Line {k} of document {document} says the sky is colour {k}." for k in range(12))
+    text = " ".join(lines)
+    reply = router.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"{text}\nSummarise document {document}."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    usage = reply.usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return reply.choices[0].message.content or "", usage.prompt_tokens, cached or 0
+
+
+def test_two_routers_share_the_index_and_survive_each_other(cluster, loop, routers):
+    first, second = routers
+    # Warm NUM_PREFIXES prompts through the first router at once: its placement spreads them
+    # over both prefill workers.
+    with ThreadPoolExecutor(NUM_PREFIXES) as pool:
+        warmed = list(pool.map(lambda d: ask(first, d), range(NUM_PREFIXES)))
+    status: ClusterStatus = loop.run_until_complete(cluster.controller.status.remote())
+    served = [w.stats.num_requests for w in status.pool("prefill").workers if w.stats]
+    assert len(served) == 2 and all(served), f"both prefill workers got prompts: {served}"
+    assert len(status.routers) >= 3  # the two processes and the test's in-process router
+
+    # Through the second router, each prompt finds the worker that holds its prefix.
+    for document, (reply, num_prompt, _) in enumerate(warmed):
+        again, num_prompt_again, cached = ask(second, document)
+        assert num_prompt_again == num_prompt
+        assert cached >= num_prompt - 16 - (num_prompt % 16), (document, cached, num_prompt)
+        assert again == reply, "greedy output does not depend on the router"
+
+    # Killing the first router leaves the second serving.
+    first.kill()
+    reply, _, cached = ask(second, 0)
+    assert reply == warmed[0][0] and cached > 0
+    health = second.health()
+    assert health["ok"], health
+    loop.run_until_complete(wait_until_no_leaks(cluster))
