@@ -51,11 +51,12 @@ class LocalCluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         spec = self.spec
         if spec.redis_url is None:
+            from common.redis_url import redact
             from deploy.redis_local import LocalRedis
 
             self.redis = LocalRedis().start()
             self.redis_url = self.redis.url
-            progress(f"kvrelay: local redis-server at {self.redis_url}")
+            progress(f"kvrelay: local redis-server at {redact(self.redis_url)}")
         else:
             self.redis_url = spec.redis_url or None
         if not ray.is_initialized():
@@ -155,6 +156,8 @@ class LocalCluster:
         first = next(iter(self.prefill_actors.values()))
         self.model = model = await first.served_model.remote()
         index = PrefixIndex(self.redis_url, model.model_id) if self.redis_url else None
+        if index is not None:
+            await index.probe()  # a refused password or TLS setup is logged now, not per request
         return ClusterBackend(
             model.model_id,
             model.max_model_len,
