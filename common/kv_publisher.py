@@ -18,6 +18,7 @@ from redis.retry import Retry
 
 from common import kv_index_schema as schema
 from common.messages import WorkerLoad
+from common.redis_url import RedisFailure, check_url, describe_failure
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 from engine.kv_cache.hashing import hash_hex
 
@@ -31,7 +32,9 @@ class KVPublisher:
 
     Invariants:
     - no method raises into the caller for a Redis failure (returns False instead, logs one
-      warning per outage), so the engine loop never stops because Redis did;
+      line per outage, again only if its cause changes: unreachable / password refused / TLS),
+      so the engine loop never stops because Redis did; a URL redis-py cannot use is a
+      ValueError from the constructor;
     - each call is one round trip (one script run: the step's events in order, the load and
       the TTL refresh, applied atomically), plus one MULTI with the full state when needed;
     - a write is applied only under the epoch of the worker's latest full publish, so a step
@@ -67,6 +70,7 @@ class KVPublisher:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
         self._cached_hashes = cached_hashes
+        self._redis_url = check_url(redis_url)
         self._client = redis.Redis.from_url(
             redis_url,
             socket_timeout=socket_timeout_s,
@@ -86,7 +90,7 @@ class KVPublisher:
         self._epoch = ""
         self._lock = threading.Lock()
         self._dirty = True  # nothing published yet: the first call publishes the full state
-        self._healthy = True
+        self._failure: RedisFailure | None = None  # the current outage's cause; None: healthy
         self._retry_at = 0.0
         self.num_resyncs = 0
         self.num_failures = 0
@@ -94,7 +98,7 @@ class KVPublisher:
     @property
     def healthy(self) -> bool:
         """False from a failed call until the next successful one."""
-        return self._healthy
+        return self._failure is None
 
     @property
     def dirty(self) -> bool:
@@ -117,7 +121,8 @@ class KVPublisher:
             try:
                 self._forget(keys=self._keys, args=[self._block_prefix, self.worker_id, "withdraw"])
             except (redis.RedisError, OSError) as exc:
-                log.warning("KV index: could not withdraw worker %s: %s", self.worker_id, exc)
+                failure = describe_failure(self._redis_url, exc).message
+                log.warning("KV index: could not withdraw worker %s: %s", self.worker_id, failure)
                 return False
             self._dirty = True
             return True
@@ -128,7 +133,7 @@ class KVPublisher:
     # ---- internals -----------------------------------------------------------------------
     def _run(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
         with self._lock:
-            if not self._healthy and time.monotonic() < self._retry_at:
+            if self._failure is not None and time.monotonic() < self._retry_at:
                 return False
             try:
                 if self._dirty or not self._write_delta(events, load):
@@ -136,9 +141,9 @@ class KVPublisher:
             except (redis.RedisError, OSError) as exc:
                 self._on_failure(exc)
                 return False
-            if not self._healthy:
+            if self._failure is not None:
                 log.info("KV index: Redis is back; worker %s re-published", self.worker_id)
-            self._healthy = True
+            self._failure = None
             return True
 
     def _write_delta(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
@@ -187,11 +192,22 @@ class KVPublisher:
         self._dirty = True
         self.num_failures += 1
         self._retry_at = time.monotonic() + self.retry_interval_s
-        if self._healthy:
+        failure = describe_failure(self._redis_url, exc)
+        last, self._failure = self._failure, failure
+        if last is not None and last.kind == failure.kind:
+            return  # logged once per outage (and cause)
+        if failure.kind == "unreachable":
             log.warning(
-                "KV index: Redis unreachable (%s); worker %s keeps serving and will re-publish "
-                "its full state when Redis is back",
-                exc,
+                "KV index: %s; worker %s keeps serving and will re-publish its full state when "
+                "Redis is back",
+                failure.message,
                 self.worker_id,
             )
-        self._healthy = False
+        else:  # a wrong password or TLS setting does not heal by itself: say what to fix
+            log.error(
+                "KV index: %s; worker %s keeps serving without the index until the Redis URL "
+                "is fixed (retrying every %g s)",
+                failure.message,
+                self.worker_id,
+                self.retry_interval_s,
+            )

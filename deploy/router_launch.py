@@ -24,6 +24,8 @@ async def build_backend(
     router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
     workers = WorkerSet()
     index = PrefixIndex(config.redis_url, model.model_id) if config.redis_url else None
+    if index is not None:
+        await index.probe()  # a refused password or TLS setup is logged now, not per request
     backend = ClusterBackend(
         model.model_id,
         model.max_model_len,

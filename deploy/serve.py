@@ -11,6 +11,7 @@ import signal
 import sys
 
 from common.cluster_state import RouterStatus
+from common.redis_url import check_url
 from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import (
@@ -84,6 +85,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
+    if args.redis_url and not args.no_redis:
+        check_url(args.redis_url)  # a URL redis-py cannot use: refused before any worker starts
     engine = EngineConfig(
         model=args.model,
         cache=CacheConfig(

@@ -19,13 +19,15 @@ from redis.exceptions import RedisError
 
 from common import kv_index_schema as schema
 from common.messages import WorkerInfo
+from common.redis_url import RedisFailure, check_url, describe_failure
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class IndexUnavailable(RuntimeError):
-    """Redis cannot be reached (or timed out): route by load alone for now."""
+    """Redis cannot be reached, timed out or refused the password / TLS handshake: route by load
+    alone for now (the message says which, the URL redacted)."""
 
 
 class IndexView(NamedTuple):
@@ -45,7 +47,9 @@ class PrefixIndex:
     - after a failure, calls raise IndexUnavailable at once for `retry_interval_s`, then try
       Redis again (the pool reconnects by itself) — the router never waits on a dead Redis;
     - only workers whose HASH is live (TTL not expired) are returned; dead ones found on the way
-      are forgotten in the background (their block entries removed) when `reap_dead` is set.
+      are forgotten in the background (their block entries removed) when `reap_dead` is set;
+    - an outage is logged once, again only if its cause changes (unreachable / password refused /
+      TLS); a URL redis-py cannot use is a ValueError from the constructor.
     Use from one event loop (the router's).
     """
 
@@ -61,6 +65,7 @@ class PrefixIndex:
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
         self.reap_dead = reap_dead
+        self._redis_url = check_url(redis_url)
         self._client = aioredis.Redis.from_url(
             redis_url,
             socket_timeout=timeout_s,
@@ -71,7 +76,7 @@ class PrefixIndex:
         self._view_script = self._client.register_script(schema.VIEW_SCRIPT)
         self._overlap_script = self._client.register_script(schema.OVERLAP_SCRIPT)
         self._forget_script = self._client.register_script(schema.FORGET_SCRIPT)
-        self._available = True
+        self._failure: RedisFailure | None = None  # the current outage's cause; None: available
         self._retry_at = 0.0
         self._reaping: dict[str, asyncio.Task[int]] = {}  # worker_id -> forget task
         self.num_unavailable = 0  # calls answered with IndexUnavailable (for metrics)
@@ -79,7 +84,7 @@ class PrefixIndex:
     @property
     def available(self) -> bool:
         """False from a failed call until the next successful one."""
-        return self._available
+        return self._failure is None
 
     async def view(self, role: str, block_hashes: Sequence[int]) -> IndexView:
         """Live workers of `role` ('' for all) and their leading-block overlap with the prompt."""
@@ -94,6 +99,15 @@ class PrefixIndex:
             workers=[workers[i] for i in order],
             overlap={ids[i]: int(counts[i]) for i in order},
         )
+
+    async def probe(self) -> bool:
+        """One read at startup, so a refused password or TLS setting is logged before the first
+        request is routed; True if Redis answered."""
+        try:
+            await self.live_workers()
+        except IndexUnavailable:
+            return False
+        return True
 
     async def live_workers(self, role: str = "") -> list[WorkerInfo]:
         """Live workers of `role` ('' for all), sorted by worker_id, with their latest load."""
@@ -134,26 +148,34 @@ class PrefixIndex:
 
     # ---- internals -----------------------------------------------------------------------
     async def _call(self, request: Callable[[], Awaitable[T]]) -> T:
-        if not self._available and time.monotonic() < self._retry_at:
+        if self._failure is not None and time.monotonic() < self._retry_at:
             self.num_unavailable += 1
-            raise IndexUnavailable("Redis unreachable (retrying later); route by load")
+            raise IndexUnavailable(f"{self._failure.message}; retrying later, route by load")
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 result = await request()
         except (RedisError, OSError, TimeoutError) as exc:
-            self._on_failure(exc)
-            raise IndexUnavailable(f"Redis unreachable: {_describe(exc)}; route by load") from exc
-        if not self._available:
+            failure = self._on_failure(exc)
+            raise IndexUnavailable(f"{failure.message}; route by load") from exc
+        if self._failure is not None:
             log.warning("KV index: Redis is reachable again; KV-aware routing resumes")
-        self._available = True
+        self._failure = None
         return result
 
-    def _on_failure(self, exc: BaseException) -> None:
+    def _on_failure(self, exc: BaseException) -> RedisFailure:
         self.num_unavailable += 1
         self._retry_at = time.monotonic() + self.retry_interval_s
-        if self._available:
-            log.warning("KV index: Redis unreachable (%s); routing by load alone", _describe(exc))
-        self._available = False
+        failure = describe_failure(self._redis_url, exc)
+        if self._failure is None or failure.kind != self._failure.kind:
+            if failure.kind == "unreachable":
+                log.warning("KV index: %s; routing by load alone", failure.message)
+            else:  # a wrong password or TLS setting does not heal by itself: say what to fix
+                log.error(
+                    "KV index: %s; routing by load alone until the Redis URL is fixed",
+                    failure.message,
+                )
+        self._failure = failure
+        return failure
 
     def _reap(self, dead_ids: Sequence[str]) -> None:
         if not self.reap_dead:
@@ -180,7 +202,3 @@ class PrefixIndex:
 def parse(worker_id: str, row: Sequence[str]) -> WorkerInfo:
     """A WorkerInfo from an HGETALL reply as a flat [field, value, ...] list."""
     return schema.parse_worker(worker_id, dict(zip(row[::2], row[1::2], strict=True)))
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

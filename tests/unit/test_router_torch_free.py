@@ -11,6 +11,7 @@ MODULES = (
     "common.kv_index_schema",
     "common.messages",
     "common.kv_publisher",
+    "common.redis_url",
     "router.prefix_index",
     "router.policy",
     "router.backend",
