@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from deploy.launcher import add_down_parser, add_up_parser
 from deploy.serve import add_serve_parser
 from engine.config import DEFAULT_MODEL
 
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     add_serve_parser(sub)
+    add_up_parser(sub)
+    add_down_parser(sub)
     return parser
 
 
