@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
 from deploy.serve import add_serve_parser
 from engine.config import DEFAULT_MODEL
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     add_serve_parser(sub)
     add_ops_parsers(sub)
+    add_up_parser(sub)
+    add_down_parser(sub)
     return parser
 
 
