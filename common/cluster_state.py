@@ -70,6 +70,7 @@ class WorkerDescription:
     worker_id: str
     role: str
     node_ip: str
+    node_id: str  # Ray's node id (fake multi-node clusters share one IP)
     pid: int
     model: ServedModel
 
@@ -109,6 +110,7 @@ class WorkerStatus:
     state: WorkerState
     transitions: tuple[Transition, ...]
     node_ip: str = ""
+    node_id: str = ""
     pid: int = 0
     stats: WorkerStats | None = None  # None: the worker did not answer (joining, gone)
     exit_check: LeakCheck | None = None  # taken when it drained

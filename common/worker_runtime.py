@@ -83,6 +83,7 @@ def describe(engine: Engine, worker_id: str, role: str) -> WorkerDescription:
         worker_id=worker_id,
         role=role,
         node_ip=ray.util.get_node_ip_address(),
+        node_id=ray.get_runtime_context().get_node_id(),
         pid=os.getpid(),
         model=served_model(engine),
     )

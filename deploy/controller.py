@@ -376,6 +376,7 @@ class Controller:
             record.state,
             tuple(record.transitions),
             node_ip=desc.node_ip if desc else "",
+            node_id=desc.node_id if desc else "",
             pid=desc.pid if desc else 0,
             stats=stats if stats is not None else record.last_stats,
             exit_check=record.exit_check,

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass, field, replace
@@ -65,14 +66,6 @@ class LocalCluster:
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         spec = self.spec
-        if spec.redis_url is None:
-            from deploy.redis_local import LocalRedis
-
-            self.redis = LocalRedis().start()
-            self.redis_url = self.redis.url
-            progress(f"kvrelay: local redis-server at {redact(self.redis_url)}")
-        else:
-            self.redis_url = spec.redis_url or None
         if not ray.is_initialized():
             if spec.ray_address == "local":
                 ray.init(
@@ -85,6 +78,12 @@ class LocalCluster:
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources
                 ray.init(address=spec.ray_address, namespace=NAMESPACE)
             self._owns_ray = True
+        if spec.redis_url is None:
+            self.redis = self._start_redis(ray)
+            self.redis_url = self.redis.url
+            progress(f"kvrelay: local redis-server at {redact(self.redis_url)}")
+        else:
+            self.redis_url = spec.redis_url or None
         if spec.engine.device == "auto":
             spec = self.spec = replace(
                 spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
@@ -112,6 +111,16 @@ class LocalCluster:
         self.model = router_config.model
         progress("kvrelay: workers ready")
         return self
+
+    def _start_redis(self, ray: Any) -> Any:
+        """On an embedded Ray, a loopback redis-server; on a multi-node cluster (`ray up`), one
+        on this node's IP that workers on other nodes reach, behind a generated password."""
+        from deploy.redis_local import LocalRedis
+
+        if self.spec.ray_address == "local":
+            return LocalRedis().start()
+        node_ip = ray.util.get_node_ip_address()
+        return LocalRedis(host=node_ip, password=secrets.token_urlsafe(24)).start()
 
     def _pick_device(self, ray: Any, progress) -> str:
         """--device auto: cuda when the Ray cluster has a GPU for every worker, else cpu."""

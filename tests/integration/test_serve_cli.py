@@ -1,5 +1,6 @@
-"""`kvrelay serve` as a user runs it: prints its addresses, answers, and Ctrl-C (SIGINT) stops
-everything it started: router, workers, Ray and redis-server, leaving no process behind."""
+"""`kvrelay serve` as a user runs it: prints its addresses, answers, `kvrelay status` in another
+shell finds it with no flags, and Ctrl-C (SIGINT) stops everything it started: router,
+controller, workers, Ray and redis-server, leaving no process behind."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def test_serve_answers_and_sigint_leaves_no_process_behind():
+def test_serve_answers_and_sigint_leaves_no_process_behind(tmp_path):
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env["KVRELAY_STATE_DIR"] = str(tmp_path)  # where serve says where its cluster is
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--kv-cache-gib", "0.2", "--threads-per-worker", "1"],
@@ -63,6 +65,17 @@ def test_serve_answers_and_sigint_leaves_no_process_behind():
         with urllib.request.urlopen(request, timeout=120) as response:
             reply = json.loads(response.read())
         assert "Paris" in reply["choices"][0]["message"]["content"]
+        status = subprocess.run(
+            [sys.executable, "-m", "deploy.cli", "status", "--json"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        pools = {pool["role"]: pool for pool in json.loads(status.stdout)["pools"]}
+        assert pools["prefill"]["num_ready"] == 1 and pools["decode"]["num_ready"] == 1
+        [decode] = pools["decode"]["workers"]
+        assert decode["stats"]["num_requests"] == 1  # the chat request above
+        routers = json.loads(status.stdout)["routers"]
+        assert [r["http_url"] for r in routers] == [f"http://127.0.0.1:{http_port}/v1"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -72,5 +85,6 @@ def test_serve_answers_and_sigint_leaves_no_process_behind():
             raise
     assert proc.returncode == 0, rest
     assert "kvrelay: stopped" in rest
+    assert not (tmp_path / "serve.json").exists(), "serve removes its address file on exit"
     survivors = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, [p.name() for p in survivors]

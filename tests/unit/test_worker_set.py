@@ -48,3 +48,20 @@ def test_a_dead_worker_leaves_placement_at_once() -> None:
     assert workers.is_dead("d0") and workers.num_placed("d0") == 0
     workers.done("d0")  # a stream of the dead worker ending later changes nothing
     assert workers.num_placed("d0") == 0
+
+
+def test_controller_membership_decides_which_known_workers_take_placements() -> None:
+    from common.cluster_state import Member, WorkerState
+
+    workers = WorkerSet()
+    for worker_id in ("d0", "d1", "d2"):
+        workers.add(worker_id, "decode", object(), worker_id, state="joining")
+    assert workers.known("decode") == []  # none is ready yet
+    workers.sync(
+        [
+            Member("d0", "decode", "d0", WorkerState.READY),
+            Member("d1", "decode", "d1", WorkerState.DRAINING),
+        ]
+    )
+    assert [w.worker_id for w in workers.known("decode")] == ["d0"]
+    assert sorted(workers.actors("decode")) == ["d0", "d1"]  # d2 left the membership

@@ -1,0 +1,87 @@
+"""The operator commands' pure parts: scale arguments, the status table, finding the local
+cluster's address (no Ray, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.cluster_state import (
+    ClusterStatus,
+    LeakCheck,
+    PoolStatus,
+    RedisStatus,
+    RouterStatus,
+    ScaleRequest,
+    Transition,
+    WorkerState,
+    WorkerStats,
+    WorkerStatus,
+)
+from common.messages import WorkerLoad
+from deploy import cluster_address
+from deploy.cli import main
+from deploy.ops_cli import format_status
+
+
+def test_scale_request_keeps_only_the_pools_given_and_refuses_negative_sizes() -> None:
+    assert ScaleRequest(decode=3).sizes() == {"decode": 3}
+    assert ScaleRequest(prefill=0, decode=2).sizes() == {"prefill": 0, "decode": 2}
+    with pytest.raises(ValueError, match="--prefill must be >= 0"):
+        ScaleRequest(prefill=-1).sizes()
+
+
+def test_scale_without_a_pool_is_a_clear_error(capsys) -> None:
+    assert main(["scale"]) == 2
+    assert "give --prefill N, --decode M or both" in capsys.readouterr().err
+
+
+def status_with(workers: tuple[WorkerStatus, ...]) -> ClusterStatus:
+    pools = (PoolStatus("prefill", 1, workers[:1]), PoolStatus("decode", 2, workers[1:]))
+    routers = (RouterStatus("router-1", "http://h:8000/v1", "h:50051", 1.0),)
+    return ClusterStatus("m", pools, routers, RedisStatus("redis://:***@h:6379/0", True, 3))
+
+
+def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:
+    load = WorkerLoad(running=2, waiting=1, free_blocks=60, total_blocks=100)
+    prefill = WorkerStatus(
+        "p0", "prefill", WorkerState.READY, (Transition(WorkerState.READY, 1.0),), "10.0.0.1",
+        stats=WorkerStats(WorkerState.READY, load, num_prompt_tokens=200, num_cached_tokens=50),
+    )  # fmt: skip
+    decode = WorkerStatus(
+        "d0", "decode", WorkerState.READY, (), "10.0.0.2",
+        stats=WorkerStats(
+            WorkerState.READY, load, num_transferred_bytes=4_000_000, transfer_seconds=2.0
+        ),
+    )  # fmt: skip
+    gone = WorkerStatus(
+        "d1", "decode", WorkerState.GONE, (Transition(WorkerState.GONE, 2.0, "drained, exited"),),
+        exit_check=LeakCheck(100, 100),
+    )  # fmt: skip
+    text = format_status(status_with((prefill, decode, gone)))
+    assert "decode pool: 1 ready of 2 wanted" in text
+    assert "running 2 waiting 1, KV 40/100 blocks, prefix hits 25%" in text
+    assert "KV transfer 2.0 MB/s" in text
+    assert "drained, exited" in text
+    assert "router-1  http http://h:8000/v1  grpc h:50051" in text
+    assert "redis: redis://:***@h:6379/0 reachable, 3 workers" in text
+    as_json = status_with((prefill, decode, gone)).to_json_dict()
+    assert as_json["pools"][0]["workers"][0]["stats"]["prefix_hit_rate"] == 0.25
+    assert as_json["pools"][1]["workers"][1]["exit_check"]["num_free_blocks"] == 100
+    json.dumps(as_json)  # plain JSON types only
+
+
+def test_the_local_cluster_is_found_while_its_serve_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVRELAY_STATE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="no local `kvrelay serve` is running"):
+        cluster_address.resolve(None)
+    assert cluster_address.resolve("10.0.0.1:6379") == "10.0.0.1:6379"
+    cluster_address.record_local("127.0.0.1:6380", "http://x/v1", "x:1")
+    assert cluster_address.resolve(None) == "127.0.0.1:6380"
+    cluster_address.forget_local()
+    assert not (tmp_path / "serve.json").exists()
+    # an address file left by a serve that has exited is not followed
+    (tmp_path / "serve.json").write_text(json.dumps({"ray_address": "a:1", "pid": 2**22 + 7}))
+    with pytest.raises(ValueError, match="has exited"):
+        cluster_address.resolve(None)
