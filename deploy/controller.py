@@ -164,7 +164,7 @@ class Controller:
         return RouterConfig(self._model, template.redis_url, self.config.policy)
 
     async def shutdown(self) -> None:
-        """Stop every worker (no drain): `kvrelay serve` exiting, `kvrelay down`."""
+        """Stop every worker at once (no drain): `kvrelay serve` exiting."""
         self._desired = dict.fromkeys(ROLES, 0)
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -174,7 +174,8 @@ class Controller:
         live = [r for r in self._records.values() if r.state != WorkerState.GONE]
         await asyncio.gather(*(worker_launch.stop(r.actor) for r in live), return_exceptions=True)
         for record in live:
-            record.move(WorkerState.GONE, "cluster shut down")
+            if record.state != WorkerState.GONE:  # a cancelled start has recorded its own end
+                record.move(WorkerState.GONE, "cluster shut down")
 
     # ---- the reconcile loop ----------------------------------------------------------------
     async def _run(self) -> None:
@@ -235,9 +236,8 @@ class Controller:
             if record.role == "decode":  # it will pull from every prefill worker: check them all
                 others = [r.worker_id for r in self._loaded("prefill") if r is not prefill]
                 await worker_launch.handshake(record.actor, others)
-            else:
-                others_d = [r for r in self._loaded("decode") if r is not decode]
-                for other in others_d:
+            else:  # every decode worker will pull from it: each checks it now
+                for other in [r for r in self._loaded("decode") if r is not decode]:
                     await worker_launch.handshake(other.actor, [record.worker_id])
             partner = decode if record.role == "prefill" else prefill
             record.move(WorkerState.JOINING, f"handshake checked (with {partner.worker_id})")

@@ -257,7 +257,10 @@ class ClusterBackend(Backend):
             try:
                 deltas = await actor.next_deltas.remote(self.router_id, 1.0)
             except RayActorError as e:
-                logger.error("decode worker %s died: %s", worker_id, e)
+                if self.workers.state_of(worker_id) == "draining":
+                    logger.info("decode worker %s drained and left the cluster", worker_id)
+                else:
+                    logger.error("decode worker %s died: %s", worker_id, e)
                 self._lost(worker_id)
                 return
             except Exception as e:

@@ -65,6 +65,11 @@ class WorkerSet:
                 continue  # died meanwhile, or not yet visible: the next sync sees it again
             self._workers[member.worker_id].info = replace(info, state=member.state.value)
 
+    def state_of(self, worker_id: str) -> str | None:
+        """The worker's last known state (None: not known, or seen dead)."""
+        known = self._workers.get(worker_id)
+        return None if known is None else known.info.state
+
     def actors(self, role: str) -> dict[str, Any]:
         """Worker id -> actor of every worker of a role this router knows (any state)."""
         return {i: w.actor for i, w in sorted(self._workers.items()) if w.info.role == role}
