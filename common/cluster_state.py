@@ -50,6 +50,7 @@ class WorkerStats:
     num_transferred_bytes: int = 0
     transfer_seconds: float = 0.0  # decode: summed time of those pulls
     num_recomputed: int = 0  # decode: prompts recomputed because the pull failed
+    num_orphans_aborted: int = 0  # decode: requests of routers that stopped polling
     num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
     first_request_at: float | None = None  # time.time() of its first user request
     ready_at: float | None = None  # time.time() it turned ready

@@ -1,10 +1,12 @@
 """Mailboxes: per-router queues of TokenDeltas, filled by the engine thread, drained by
-long-polling Ray calls (one call per engine step at most, never one per token)."""
+long-polling Ray calls (one call per engine step at most, never one per token), and when each
+router last polled (a router that stopped polling has died: its requests are orphans)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 from common.messages import TokenDelta
@@ -15,6 +17,7 @@ class _Box:
     loop: asyncio.AbstractEventLoop
     event: asyncio.Event
     items: list[TokenDelta] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)  # its router's last poll
 
 
 class Mailboxes:
@@ -22,6 +25,7 @@ class Mailboxes:
         self._lock = threading.Lock()
         self._boxes: dict[str, _Box] = {}
         self._early: dict[str, list[TokenDelta]] = {}
+        self._early_seen: dict[str, float] = {}  # routers that submitted but have not polled
 
     def push(self, router_id: str, deltas: list[TokenDelta]) -> None:
         """Engine thread: queue deltas and wake the router's pending poll."""
@@ -29,6 +33,7 @@ class Mailboxes:
             box = self._boxes.get(router_id)
             if box is None:
                 self._early.setdefault(router_id, []).extend(deltas)
+                self._early_seen.setdefault(router_id, time.monotonic())
                 return
             box.items.extend(deltas)
         box.loop.call_soon_threadsafe(box.event.set)
@@ -40,14 +45,41 @@ class Mailboxes:
             if box is None:
                 box = _Box(asyncio.get_running_loop(), asyncio.Event())
                 box.items.extend(self._early.pop(router_id, []))
+                self._early_seen.pop(router_id, None)
                 self._boxes[router_id] = box
+            box.last_seen = time.monotonic()
             if box.items:
                 box.event.set()
         try:
             await asyncio.wait_for(box.event.wait(), timeout_s)
         except TimeoutError:
             return []
+        finally:
+            box.last_seen = time.monotonic()
         with self._lock:
             items, box.items = box.items, []
             box.event.clear()
         return items
+
+    def expect(self, router_id: str) -> None:
+        """A router submitted a request: it has until the timeout to start polling."""
+        with self._lock:
+            if router_id in self._boxes:
+                self._boxes[router_id].last_seen = time.monotonic()
+            else:
+                self._early_seen[router_id] = time.monotonic()
+
+    def silent_routers(self, timeout_s: float) -> list[str]:
+        """Routers that have not polled for `timeout_s` (dead or cut off)."""
+        cutoff = time.monotonic() - timeout_s
+        with self._lock:
+            boxes = [r for r, box in self._boxes.items() if box.last_seen < cutoff]
+            early = [r for r, seen in self._early_seen.items() if seen < cutoff]
+        return boxes + early
+
+    def drop(self, router_id: str) -> None:
+        """Forget a router's box and undelivered deltas (its requests were aborted)."""
+        with self._lock:
+            self._boxes.pop(router_id, None)
+            self._early.pop(router_id, None)
+            self._early_seen.pop(router_id, None)

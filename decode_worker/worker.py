@@ -50,6 +50,7 @@ class DecodeWorkerConfig:
     transfer_timeout_s: float = 10.0
     heartbeat_s: float = 1.0
     num_threads: int | None = None
+    router_timeout_s: float = 10.0  # a router silent this long is dead: abort its requests
 
 
 class DecodeWorker:
@@ -74,6 +75,8 @@ class DecodeWorker:
         self.mailboxes = Mailboxes()
         self._routes: dict[str, str] = {}  # req_id -> router_id
         self._next_heartbeat = 0.0
+        self._next_orphan_check = 0.0
+        self.num_orphans_aborted = 0  # requests of routers that stopped polling
         self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
 
@@ -99,6 +102,7 @@ class DecodeWorker:
                 _release_lease(handle)
                 return
             self.lifecycle.admit(request.req_id)
+            self.mailboxes.expect(router_id)
             self._routes[request.req_id] = router_id
             self.puller.submit(request, handle)
 
@@ -145,6 +149,7 @@ class DecodeWorker:
                 num_transferred_bytes=puller.num_transferred_blocks * puller.block_bytes,
                 transfer_seconds=puller.transfer_seconds,
                 num_recomputed=puller.num_recomputed,
+                num_orphans_aborted=self.num_orphans_aborted,
                 num_in_flight=self._num_in_flight(engine),
                 first_request_at=life.first_request_at,
                 ready_at=life.ready_at,
@@ -201,11 +206,31 @@ class DecodeWorker:
                 delta = TokenDelta(refused.req_id, (), True, "error", error=refused.error)
                 self.mailboxes.push(router_id, [delta])
         now = time.time()
+        if now >= self._next_orphan_check:
+            self._abort_orphans()
+            self._next_orphan_check = now + 1.0
         if self.publisher is not None and now >= self._next_heartbeat:
             self.engine.kv.pool.drain_events()
             self.publisher.heartbeat(engine_load(self.engine))
             self._next_heartbeat = now + self.config.heartbeat_s
         return self.puller.busy
+
+    def _abort_orphans(self) -> None:
+        """The requests of a router that stopped long-polling (it died) are aborted and their
+        blocks freed; nobody would read their tokens."""
+        for router_id in self.mailboxes.silent_routers(self.config.router_timeout_s):
+            orphans = [req_id for req_id, r in self._routes.items() if r == router_id]
+            for req_id in orphans:
+                self._abort(self.engine, req_id)
+            self.mailboxes.drop(router_id)
+            self.num_orphans_aborted += len(orphans)
+            if orphans:
+                logger.warning(
+                    "router %s stopped polling for %.0f s: aborted its %d requests",
+                    router_id,
+                    self.config.router_timeout_s,
+                    len(orphans),
+                )
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         by_router: dict[str, list[TokenDelta]] = {}

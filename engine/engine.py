@@ -275,7 +275,10 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
         reqs = [scheduled.chunks[i].req for i in step_logits.chunk_index]
-        rows = [SampleRow(req.sampling, self._generators.get(req.req_id)) for req in reqs]
+        rows = [
+            SampleRow(req.sampling, self._generators.get(req.req_id), req.num_tokens)
+            for req in reqs
+        ]
         sample = self.sampler.sample(step_logits.logits, rows)
         return InFlightStep(scheduled, reqs, sample, update_pending=after is not None)
 

@@ -1,7 +1,9 @@
 """Sampler: turns a step's logits into tokens (greedy, temperature, top-k/p, min-p, seeds).
 
 Stateless except for the engine-wide generator used by requests without a seed. A request
-with a seed samples from its own generator, so its output does not depend on its batch mates.
+with a seed samples from its own generator, re-seeded from (seed, position) before each draw: its
+output depends neither on its batch mates nor on which engine drew its earlier tokens (a prefill
+worker draws the first, a decode worker the rest; a migrated request resumes on another one).
 """
 
 from __future__ import annotations
@@ -17,7 +19,19 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class SampleRow:
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # the request's own (seeded) generator, if it has a seed
+    position: int = 0  # where the sampled token goes in the sequence (prompt + output so far)
+
+
+_MASK_63 = (1 << 63) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of one draw: a fixed mix of the request's seed and the position."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 29)) & _MASK_63
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,8 @@ class Sampler:
         # draw for every row from the engine's generator, then seeded rows redraw from their own.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
-            if row.generator is not None:
+            if row.generator is not None and row.params.seed is not None:
+                row.generator.manual_seed(draw_seed(row.params.seed, row.position))
                 noise[i].exponential_(generator=row.generator)
         return (probs / noise).argmax(dim=-1)
 

@@ -8,10 +8,11 @@ and index-health state; the placement accounting lives in its WorkerSet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -37,12 +38,19 @@ POLL_RETRY_S = 0.5
 MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Stream:
-    """A request being decoded: where its deltas go and which decode worker sends them."""
+    """One leg of a request being decoded (the first, or one after a migration): where its
+    deltas go, which decode worker sends them, and whether that worker was lost."""
 
     queue: asyncio.Queue[TokenDelta]
     decode_worker_id: str
+    client_req_id: str
+    lost: bool = False
+
+
+class _DecodeLost(Exception):
+    """A leg's decode worker died: the request continues elsewhere (or fails past its budget)."""
 
 
 class ClusterBackend(Backend):
@@ -56,8 +64,10 @@ class ClusterBackend(Backend):
         index: PrefixIndex | None = None,
         policy: PrefillPolicy | None = None,
         router_id: str | None = None,
+        max_migrations: int = 2,
     ):
         self.model_id = model_id
+        self.max_migrations = max_migrations
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -71,6 +81,7 @@ class ClusterBackend(Backend):
         self._index_down_logged = False
         self.num_index_unavailable = 0
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
+        self.num_migrations = 0  # decode legs resumed on another worker (for tests/metrics)
         self.metrics: RouterMetrics | None = None  # set by the server that owns the registry
         self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
 
@@ -136,6 +147,43 @@ class ClusterBackend(Backend):
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """The request's deltas. When its decode worker dies, the request is migrated: its
+        prompt plus every token already sent is prefilled again (mostly a prefix-cache hit) and
+        decoded on another worker, and the stream goes on with the next token."""
+        sent: list[int] = []
+        leg = request
+        for num_migrations in range(self.max_migrations + 1):
+            try:
+                async with contextlib.aclosing(self._leg(leg, request.req_id)) as deltas:
+                    async for delta in deltas:
+                        sent.extend(delta.token_ids)
+                        if num_migrations:  # prompt counts are the first leg's
+                            delta = replace(
+                                delta, req_id=request.req_id, num_prompt_tokens=0,
+                                num_cached_tokens=0,
+                            )  # fmt: skip
+                        yield delta
+                return
+            except _DecodeLost as lost:
+                if num_migrations == self.max_migrations:
+                    error = f"{lost}; not migrated again ({self.max_migrations} migrations)"
+                    yield TokenDelta(request.req_id, (), True, "error", error=error)
+                    return
+                if len(sent) >= request.sampling.max_tokens:  # every token was out already
+                    yield TokenDelta(request.req_id, (), True, "length")
+                    return
+                leg = _continuation(request, sent, num_migrations + 1)
+                self.num_migrations += 1
+                if self.metrics is not None:
+                    self.metrics.observe_migration()
+                logger.warning(
+                    "request %s: %s; migrating it with %d tokens sent", request.req_id, lost,
+                    len(sent),
+                )  # fmt: skip
+
+    async def _leg(self, request: GenerateRequest, client_req_id: str) -> AsyncIterator[TokenDelta]:
+        """One prefill and one decode of `request`; raises _DecodeLost when the decode worker
+        dies (after its cleanup: the prefill lease released, nothing left on either side)."""
         req_id = request.req_id
         stage = "prefill"
         prefill_actor: Any = None
@@ -176,7 +224,7 @@ class ClusterBackend(Backend):
                 return
             stage = "handed"
             queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-            decode, decode_actor = await self._hand_over(request, handle, queue)
+            decode, decode_actor = await self._hand_over(request, handle, queue, client_req_id)
             stage = "decode"
             yield first
             while True:
@@ -185,6 +233,8 @@ class ClusterBackend(Backend):
                     self.metrics.observe_transfer(delta.transfer)
                 if delta.finish_reason == "error":
                     stage = "handed"  # the prefill lease may be unread: release it (idempotent)
+                    if self._streams[req_id].lost:
+                        raise _DecodeLost(delta.error or f"decode worker {decode.worker_id} died")
                 elif delta.finished and delta.finish_reason != "abort":
                     stage = "done"  # an abort delta is local: the decode side still needs telling
                 yield delta
@@ -204,7 +254,11 @@ class ClusterBackend(Backend):
                 await _quietly(decode_actor.abort.remote(req_id))
 
     async def _hand_over(
-        self, request: GenerateRequest, handle: KVHandle, queue: asyncio.Queue[TokenDelta]
+        self,
+        request: GenerateRequest,
+        handle: KVHandle,
+        queue: asyncio.Queue[TokenDelta],
+        client_req_id: str,
     ) -> tuple[WorkerInfo, Any]:
         """Place the prefilled request on a decode worker and submit it (counted as placed
         there until the stream ends); a worker that stopped taking work is left for another."""
@@ -213,7 +267,7 @@ class ClusterBackend(Backend):
             decode = await self._place_decode(request, excluded)
             try:
                 actor = self._actor_of(decode)
-                self._streams[request.req_id] = _Stream(queue, decode.worker_id)
+                self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)
                 self._ensure_poller(decode, actor)
                 await actor.submit.remote(request, handle, self.router_id)
                 return decode, actor
@@ -237,8 +291,15 @@ class ClusterBackend(Backend):
 
     def decode_worker_of(self, req_id: str) -> str | None:
         """The decode worker streaming a request (None before its handoff or after its end)."""
-        stream = self._streams.get(req_id)
+        stream = self._stream_of(req_id)
         return None if stream is None else stream.decode_worker_id
+
+    def _stream_of(self, client_req_id: str) -> _Stream | None:
+        """The current leg of a client's request (its id, or a migration's)."""
+        stream = self._streams.get(client_req_id)
+        if stream is not None:
+            return stream
+        return next((s for s in self._streams.values() if s.client_req_id == client_req_id), None)
 
     def _ensure_poller(self, decode: WorkerInfo, actor: Any) -> None:
         task = self._pollers.get(decode.worker_id)
@@ -288,6 +349,7 @@ class ClusterBackend(Backend):
             poller.cancel()
         for req_id, stream in self._streams.items():
             if stream.decode_worker_id == worker_id:
+                stream.lost = True
                 error = f"decode worker {worker_id} died while serving this request"
                 stream.queue.put_nowait(TokenDelta(req_id, (), True, "error", error=error))
         if self.index is not None and worker_id not in self._forgetting:
@@ -303,7 +365,7 @@ class ClusterBackend(Backend):
             self._forgetting.pop(worker_id, None)
 
     async def abort(self, req_id: str) -> None:
-        stream = self._streams.get(req_id)
+        stream = self._stream_of(req_id)
         if stream is not None:
             stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
 
@@ -324,6 +386,18 @@ class ClusterBackend(Backend):
         for task in self._pollers.values():
             task.cancel()
         self._pollers.clear()
+
+
+def _continuation(request: GenerateRequest, sent: list[int], num: int) -> GenerateRequest:
+    """The request that resumes `request` after `sent` tokens: their KV is mostly in the prefix
+    cache; a seeded sampler draws by position, so it continues the same random stream."""
+    sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent))
+    return replace(
+        request,
+        req_id=f"{request.req_id}@m{num}",
+        prompt_token_ids=request.prompt_token_ids + tuple(sent),
+        sampling=sampling,
+    )
 
 
 async def _quietly(ref: Any) -> None:

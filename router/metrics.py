@@ -92,6 +92,11 @@ class RouterMetrics:
         self.transfer_bytes = Counter(
             "kvrelay_kv_transfer_bytes", "Bytes of KV moved between workers.", registry=r
         )
+        self.migrations = Counter(
+            "kvrelay_migrations",
+            "Requests resumed on another decode worker after theirs died.",
+            registry=r,
+        )
         self.worker_load = Gauge(
             "kvrelay_worker_load",
             "A worker's load as last reported (field: running, waiting, free_blocks, ...).",
@@ -126,6 +131,9 @@ class RouterMetrics:
         if stats.num_bytes:
             self.transfer_time.observe(stats.seconds)
             self.transfer_bytes.inc(stats.num_bytes)
+
+    def observe_migration(self) -> None:
+        self.migrations.inc()
 
     def set_worker_load(self, worker: WorkerInfo) -> None:
         for name in _LOAD_FIELDS:

@@ -1,5 +1,6 @@
-"""1 prefill + 2 decode workers: a burst is spread over both decode workers, and the death of
-one fails only its own streams (real Ray, NIXL and Redis)."""
+"""1 prefill + 2 decode workers: a burst is spread over both decode workers, and when one dies
+its streams are migrated to the other and go on token-exact (greedy and seeded), or, past the
+migration budget, end with a clear error (real Ray, NIXL and Redis)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.integration.cluster_support import cluster_spec, tokens_of, wait_unti
 
 LONG = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 NUM_STREAMS = 8
+NUM_SEEDED = 2  # of the streams, these sample (temperature 0.9, a seed each)
 HANG_BOUND_S = 120.0  # every stream must end well within this
 
 
@@ -35,10 +37,16 @@ def prompts_for(tokenizer, tag: str) -> list[list[int]]:
     ]
 
 
+def params_of(i: int) -> SamplingParams:
+    if i < NUM_STREAMS - NUM_SEEDED:
+        return LONG
+    return SamplingParams(max_tokens=48, temperature=0.9, seed=100 + i, ignore_eos=True)
+
+
 def reference(make_engine, prompts: list[list[int]]) -> list[list[int]]:
     engine = make_engine()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref{i}", prompt, LONG)
+        engine.add_request(f"ref{i}", prompt, params_of(i))
     out: dict[str, list[int]] = {}
     while engine.has_unfinished_requests:
         for o in engine.step():
@@ -50,13 +58,15 @@ async def stream_all(cluster, prompts, prefix: str, on_progress=None) -> list[li
     """Run every prompt as a concurrent stream; `on_progress(received)` after each delta."""
     received: dict[str, list[TokenDelta]] = {f"{prefix}{i}": [] for i in range(len(prompts))}
 
-    async def one(req_id: str, prompt: list[int]) -> None:
-        async for delta in cluster.backend.generate(GenerateRequest(req_id, tuple(prompt), LONG)):
+    async def one(i: int, prompt: list[int]) -> None:
+        req_id = f"{prefix}{i}"
+        request = GenerateRequest(req_id, tuple(prompt), params_of(i))
+        async for delta in cluster.backend.generate(request):
             received[req_id].append(delta)
             if on_progress is not None:
                 await on_progress(received)
 
-    tasks = [one(f"{prefix}{i}", p) for i, p in enumerate(prompts)]
+    tasks = [one(i, p) for i, p in enumerate(prompts)]
     await asyncio.wait_for(asyncio.gather(*tasks), HANG_BOUND_S)
     return list(received.values())
 
@@ -77,35 +87,84 @@ def test_a_burst_is_spread_over_idle_decode_workers(cluster, loop, tokenizer, ma
     loop.run_until_complete(wait_until_no_leaks(cluster))
 
 
-def test_a_dead_decode_worker_fails_only_its_own_streams(cluster, loop, tokenizer, make_engine):
+def kill_one_when_all_stream(cluster, placed: dict[str, str], killed: list[str], first: str):
+    """An on_progress hook: once every stream has a decode token, kill `first`'s worker."""
+
+    async def hook(received) -> None:
+        for req_id in received:
+            worker = cluster.backend.decode_worker_of(req_id)
+            if worker is not None and req_id not in placed:
+                placed[req_id] = worker
+        if not killed and all(len(deltas) >= 2 for deltas in received.values()):
+            victim = placed[first]
+            killed.append(victim)
+            ray.kill(cluster.decode_actors[victim])
+
+    return hook
+
+
+async def both_decode_workers_ready(cluster) -> None:
+    """The controller has replaced a killed decode worker and the router knows it."""
+    deadline = time.monotonic() + 180
+    while True:
+        status = await cluster.controller.status.remote(with_stats=False)
+        if status.pool("decode").settled and len(cluster.backend.workers.known("decode")) == 2:
+            return
+        assert time.monotonic() < deadline, "the dead decode worker was not replaced"
+        await asyncio.sleep(0.2)
+
+
+def test_a_dead_decode_workers_streams_migrate_and_stay_exact(
+    cluster, loop, tokenizer, make_engine
+):
     prompts = prompts_for(tokenizer, "doom")
     expected = reference(make_engine, prompts)
     placed: dict[str, str] = {}
     killed: list[str] = []
-
-    async def kill_when_all_stream(received) -> None:
-        for req_id in received:
-            worker = cluster.backend.decode_worker_of(req_id)
-            if worker is not None:
-                placed[req_id] = worker
-        # Every stream has its first decode token: kill the decode worker of the first one.
-        if not killed and all(len(deltas) >= 2 for deltas in received.values()):
-            victim = placed["doom0"]
-            killed.append(victim)
-            ray.kill(cluster.decode_actors[victim])
+    before = cluster.backend.num_migrations
+    hook = kill_one_when_all_stream(cluster, placed, killed, "doom0")
 
     started = time.monotonic()
-    results = loop.run_until_complete(stream_all(cluster, prompts, "doom", kill_when_all_stream))
+    results = loop.run_until_complete(stream_all(cluster, prompts, "doom", hook))
     assert time.monotonic() - started < HANG_BOUND_S  # no stream hung
     assert killed, "the streams finished before the kill"
     victim = killed[0]
     assert victim not in cluster.decode_actors, "the router dropped the dead worker at once"
     assert sorted(Counter(placed.values()).values()) == [4, 4], placed
+    # Every stream finished, with no duplicated or missing token: the migrated ones (those of
+    # the victim, seeded ones included) equal an undisturbed run too.
+    for i, deltas in enumerate(results):
+        assert deltas[-1].finish_reason == "length", (i, deltas[-1])
+        assert tokens_of(deltas) == expected[i], f"stream {i} (on {placed[f'doom{i}']})"
+        assert all(d.req_id == f"doom{i}" for d in deltas)
+    on_victim = sum(worker == victim for worker in placed.values())
+    assert cluster.backend.num_migrations - before == on_victim == 4
+    assert any(placed[f"doom{i}"] == victim for i in range(NUM_STREAMS - NUM_SEEDED, NUM_STREAMS))
+    loop.run_until_complete(both_decode_workers_ready(cluster))
+    loop.run_until_complete(wait_until_no_leaks(cluster))
+
+
+def test_past_the_migration_budget_a_stream_ends_with_a_clear_error(
+    cluster, loop, tokenizer, make_engine
+):
+    loop.run_until_complete(both_decode_workers_ready(cluster))
+    prompts = prompts_for(tokenizer, "budget")
+    expected = reference(make_engine, prompts)
+    placed: dict[str, str] = {}
+    killed: list[str] = []
+    cluster.backend.max_migrations = 0
+    try:
+        hook = kill_one_when_all_stream(cluster, placed, killed, "budget0")
+        results = loop.run_until_complete(stream_all(cluster, prompts, "budget", hook))
+    finally:
+        cluster.backend.max_migrations = 2
+    assert killed, "the streams finished before the kill"
+    victim = killed[0]
     for i, deltas in enumerate(results):
         last = deltas[-1]
-        if placed[f"doom{i}"] == victim:
+        if placed[f"budget{i}"] == victim:
             assert last.finished and last.finish_reason == "error", last
-            assert victim in (last.error or ""), last.error
+            assert victim in (last.error or "") and "not migrated" in (last.error or "")
             assert tokens_of(deltas) == expected[i][: len(tokens_of(deltas))], "no wrong token"
         else:
             assert last.finish_reason == "length", f"stream {i} of a healthy worker: {last}"

@@ -139,10 +139,22 @@ def test_two_routers_share_the_index_and_survive_each_other(cluster, loop, route
         assert cached >= num_prompt - 16 - (num_prompt % 16), (document, cached, num_prompt)
         assert again == reply, "greedy output does not depend on the router"
 
-    # Killing the first router leaves the second serving.
+    # Killing the first router mid-stream leaves the second serving, and the decode worker
+    # aborts the dead router's request once it stops polling (its blocks are freed).
+    stream = first.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=2000,  # far longer than the decode worker waits for a silent router
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))  # the request is streaming
     first.kill()
     reply, _, cached = ask(second, 0)
     assert reply == warmed[0][0] and cached > 0
     health = second.health()
     assert health["ok"], health
-    loop.run_until_complete(wait_until_no_leaks(cluster))
+    loop.run_until_complete(wait_until_no_leaks(cluster, timeout_s=60))
+    decode = next(iter(cluster.decode_actors.values()))
+    assert ray.get(decode.stats.remote()).num_orphans_aborted == 1

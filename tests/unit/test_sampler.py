@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -10,12 +11,15 @@ from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 
 
-def rows(*params: SamplingParams, seeds: tuple[int | None, ...] = ()) -> list[SampleRow]:
+def rows(
+    *params: SamplingParams, seeds: tuple[int | None, ...] = (), position: int = 0
+) -> list[SampleRow]:
     out = []
     for i, p in enumerate(params):
         seed = seeds[i] if i < len(seeds) else None
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        out.append(SampleRow(p, gen))
+        if seed is not None:
+            p = dataclasses.replace(p, seed=seed)
+        out.append(SampleRow(p, torch.Generator() if seed is not None else None, position))
     return out
 
 
@@ -66,3 +70,18 @@ def test_logprobs_are_log_softmax_of_chosen():
     )
     expected = torch.log_softmax(LOGITS[0], -1)[1].item()
     assert math.isclose(result.logprobs[0], expected, rel_tol=1e-5)
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_only():
+    """What lets a migrated request resume its random stream on another engine: the draw at a
+    position is the same whatever was drawn before it, and differs between positions."""
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams()
+
+    def draw(position: int, seed: int = 7, sampler_seed: int = 0) -> int:
+        sampler = Sampler(torch.device("cpu"), seed=sampler_seed)
+        return sampler(logits, rows(params, seeds=(seed,), position=position)).token_ids[0]
+
+    assert draw(40) == draw(40, sampler_seed=1)  # another engine, its own history
+    assert len({draw(p) for p in range(40, 48)}) > 4  # positions draw differently
+    assert draw(40, seed=8) != draw(40) or draw(41, seed=8) != draw(41)
