@@ -115,6 +115,11 @@ class KVPublisher:
         """Refresh load and TTL when the engine is idle (or between steps)."""
         return self._run((), load)
 
+    def mark_dirty(self) -> None:
+        """The index may have drifted from this worker's state: re-publish it in full next."""
+        with self._lock:
+            self._dirty = True
+
     def withdraw(self) -> bool:
         """Clean shutdown: remove this worker, its blocks and its load from the index."""
         with self._lock:

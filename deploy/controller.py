@@ -42,7 +42,7 @@ from deploy.worker_launch import WorkerTemplate
 
 logger = logging.getLogger(__name__)
 RECONCILE_S = 1.0
-HEALTH_CHECK_S = 2.0
+HEALTH_CHECK_S = 1.0  # a dead worker is seen within about this (plus Ray's own notice)
 ROUTER_EXPIRY_S = 10.0
 MAX_GONE_KEPT = 100  # gone workers kept in status for their history
 LIVE = (WorkerState.JOINING, WorkerState.READY)
@@ -329,10 +329,27 @@ class Controller:
                     record.task.cancel()
                 record.error = f"died: {e}"
                 record.move(WorkerState.GONE, "actor died")
+                await self._forget_in_index(record.worker_id)
             except TimeoutError:
                 logger.warning("controller: %s did not answer a ping in 10 s", record.worker_id)
 
         await asyncio.gather(*(ping(r) for r in watched))
+
+    async def _forget_in_index(self, worker_id: str) -> None:
+        """A dead worker's membership and block entries leave Redis now, not at their TTL, so
+        every router stops seeing it at its next placement."""
+        url = self.config.template.redis_url
+        if not url or self._model is None:
+            return
+        from router.prefix_index import PrefixIndex
+
+        index = PrefixIndex(url, self._model.model_id, reap_dead=False)
+        try:
+            await index.forget_worker(worker_id, force=True)
+        except Exception as e:  # Redis down: the TTL removes it later
+            logger.warning("controller: could not remove %s from the index: %s", worker_id, e)
+        finally:
+            await index.close()
 
     def _prune_gone(self) -> None:
         gone = [r for r in self._records.values() if r.state == WorkerState.GONE]

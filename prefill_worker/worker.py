@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
 
 logger = logging.getLogger(__name__)
 PREFILLED = FinishReason.PREFILLED.value
+RESYNC_MIN_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class PrefillWorker:
         self._leases: dict[str, float] = {}  # req_id -> expiry (time.time())
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._next_heartbeat = 0.0
+        self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
         self.num_expired_leases = 0
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
@@ -134,6 +136,21 @@ class PrefillWorker:
 
     async def num_leases(self) -> int:
         return await self.thread.call(lambda engine: engine.kv.num_held)
+
+    async def resync_index(self) -> bool:
+        """A router saw this worker's index entries drift: re-publish the full state (at most
+        once per RESYNC_MIN_INTERVAL_S, however many routers ask). True if one was queued."""
+
+        def run(engine: Engine) -> bool:
+            now = time.monotonic()
+            if self.publisher is None or now < self._next_resync:
+                return False
+            self._next_resync = now + RESYNC_MIN_INTERVAL_S
+            self.publisher.mark_dirty()
+            self.publisher.heartbeat(engine_load(engine))
+            return True
+
+        return await self.thread.call(run)
 
     async def set_state(self, state: WorkerState) -> float:
         """The controller moves the worker (joining -> ready -> draining); returns when."""

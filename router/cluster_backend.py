@@ -82,6 +82,8 @@ class ClusterBackend(Backend):
         self.num_index_unavailable = 0
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
         self.num_migrations = 0  # decode legs resumed on another worker (for tests/metrics)
+        self.num_index_drifts = 0  # prefills that reused less than the index promised
+        self._background: set[asyncio.Task[None]] = set()
         self.metrics: RouterMetrics | None = None  # set by the server that owns the registry
         self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
 
@@ -209,6 +211,7 @@ class ClusterBackend(Backend):
                     logger.info("request %s: %s; placing it again", req_id, e)
                 finally:
                     self.workers.done(prefill.worker_id, num_uncached)
+            self._check_index(request, placement, handle, prefill_actor)
             first = TokenDelta(
                 req_id,
                 (handle.first_token_id,),
@@ -252,6 +255,29 @@ class ClusterBackend(Backend):
                 await _quietly(prefill_actor.release.remote(req_id))
             elif stage == "decode" and decode_actor is not None:
                 await _quietly(decode_actor.abort.remote(req_id))
+
+    def _check_index(
+        self, request: GenerateRequest, placement: Placement, handle: KVHandle, actor: Any
+    ) -> None:
+        """The index promised `placement.num_cached_tokens`; the worker reused fewer: its index
+        entries have drifted (a lost event, a write that never landed). Count it and have the
+        worker re-publish its full state."""
+        num_prompt = len(request.prompt_token_ids)
+        reusable = (num_prompt - 1) // self.block_size * self.block_size  # the engine's cap
+        missing = min(placement.num_cached_tokens, reusable) - handle.num_cached_tokens
+        if missing <= 0:
+            return
+        self.num_index_drifts += 1
+        if self.metrics is not None:
+            self.metrics.observe_index_drift(missing)
+        logger.warning(
+            "index drift: %s holds %d fewer prompt tokens than the index said; it re-publishes",
+            placement.worker.worker_id,
+            missing,
+        )
+        task = asyncio.create_task(_quietly(actor.resync_index.remote()))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _hand_over(
         self,

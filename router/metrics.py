@@ -97,6 +97,16 @@ class RouterMetrics:
             "Requests resumed on another decode worker after theirs died.",
             registry=r,
         )
+        self.index_drift = Counter(
+            "kvrelay_prefix_index_drift_tokens",
+            "Prompt tokens the index said a prefill worker held that it did not reuse.",
+            registry=r,
+        )
+        self.index_drift_events = Counter(
+            "kvrelay_prefix_index_drifts",
+            "Prefills that reused less than the index promised (the worker re-publishes).",
+            registry=r,
+        )
         self.worker_load = Gauge(
             "kvrelay_worker_load",
             "A worker's load as last reported (field: running, waiting, free_blocks, ...).",
@@ -131,6 +141,10 @@ class RouterMetrics:
         if stats.num_bytes:
             self.transfer_time.observe(stats.seconds)
             self.transfer_bytes.inc(stats.num_bytes)
+
+    def observe_index_drift(self, num_tokens: int) -> None:
+        self.index_drift.inc(num_tokens)
+        self.index_drift_events.inc()
 
     def observe_migration(self) -> None:
         self.migrations.inc()

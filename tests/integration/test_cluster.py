@@ -126,6 +126,42 @@ def test_cache_salt_isolation(cluster, loop, tokenizer):
     assert tokens_of(a1) == tokens_of(b1) == tokens_of(a2)
 
 
+def test_a_drifted_index_is_noticed_and_the_worker_republishes(cluster, loop, tokenizer):
+    """Redis says a prefill worker holds a prompt's blocks (and one block of nothing) that it
+    does not: the prefill reuses nothing, the router counts the drift and the worker
+    re-publishes its full state, which drops the entries it never had."""
+    import redis
+
+    from common import kv_index_schema as schema
+    from engine.kv_cache.hashing import hash_blocks, hash_hex
+
+    prompt = shared_prefix_prompts(tokenizer, "Drift", 1)[0]
+    model_id, block_size = cluster.backend.model_id, cluster.backend.block_size
+    hashes = hash_blocks(prompt, block_size, model_id, None)
+    phantom = hash_blocks(list(range(1, 1 + block_size)), block_size, model_id, "phantom")[0]
+    victim = sorted(cluster.prefill_actors)[-1]
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    for block_hash in [*hashes, phantom]:
+        client.sadd(schema.block_key(model_id, block_hash), victim)
+        client.sadd(schema.worker_blocks_key(model_id, victim), hash_hex(block_hash))
+    drifts_before = cluster.backend.num_index_drifts
+
+    deltas = loop.run_until_complete(collect(cluster.backend, request("drift0", prompt)))
+    assert deltas[0].num_cached_tokens == 0, "the worker had none of the promised blocks"
+    assert cluster.backend.num_index_drifts == drifts_before + 1
+
+    async def phantom_gone() -> bool:
+        deadline = asyncio.get_running_loop().time() + 30
+        while client.sismember(schema.block_key(model_id, phantom), victim):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    assert loop.run_until_complete(phantom_gone()), "the full re-publish drops what it lacks"
+    client.close()
+
+
 def test_abort_mid_stream_frees_both_sides(cluster, loop, tokenizer):
     prompt = tokenizer.encode("Write a very long story about dragons and castles. " * 4)
     long_params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
