@@ -13,6 +13,7 @@ import time
 
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStatus
 from deploy import cluster_address
+from deploy.router_flags import RouterOptions, add_router_flags, router_options
 
 ADDRESS_HELP = (
     "Ray cluster address (host:port of its GCS, or 'auto'); default: the cluster of the "
@@ -39,6 +40,7 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    add_router_flags(p)
     p.set_defaults(func=router)
 
 
@@ -143,16 +145,17 @@ def _worker_line(worker: WorkerStatus) -> str:
 # ---- router --------------------------------------------------------------------------------
 def router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = router_options(args)  # a bad key file or certificate: refused before connecting
     controller = _controller(args.address)
-    return asyncio.run(_router(controller, args.host, args.http_port, args.grpc_port))
+    return asyncio.run(_router(controller, options, args.host, args.http_port, args.grpc_port))
 
 
-async def _router(controller, host: str, http_port: int, grpc_port: int) -> int:
+async def _router(
+    controller, options: RouterOptions, host: str, http_port: int, grpc_port: int
+) -> int:
     from common.cluster_state import RouterStatus
     from deploy.router_launch import build_backend
-    from router.frontend import Frontend
     from router.metrics import RouterMetrics
-    from router.serve import RouterServers
     from router.tokenizer import RouterTokenizer
 
     stop = asyncio.Event()
@@ -165,14 +168,15 @@ async def _router(controller, host: str, http_port: int, grpc_port: int) -> int:
         metrics = RouterMetrics()
         backend.metrics = metrics
         tokenizer = RouterTokenizer(config.model.checkpoint_dir)
-        servers = RouterServers(Frontend(backend, tokenizer, metrics))
+        servers = options.build_servers(backend, tokenizer, metrics)
         await servers.start(host, http_port, grpc_port)
-        http_url = f"http://{host}:{servers.http.port}/v1"
-        grpc_address = f"{host}:{servers.grpc.port}"
+        http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         backend.membership.router = RouterStatus(backend.router_id, http_url, grpc_address)
         _say(f"kvrelay: router {backend.router_id} serving {config.model.model_id}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
+        for line in options.describe():
+            _say(line)
         await stop.wait()
     finally:
         if servers is not None:

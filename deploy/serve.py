@@ -14,6 +14,7 @@ from common.cluster_state import RouterStatus
 from common.redis_url import check_url
 from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
+from deploy.router_flags import RouterOptions, add_router_flags, router_options
 from engine.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
@@ -79,6 +80,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--ray-address", default="local", help='"local" starts Ray here')
+    add_router_flags(p)
     p.set_defaults(func=serve)
 
 
@@ -120,13 +122,14 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
-    return asyncio.run(_serve(spec, args.host, args.http_port, args.grpc_port))
+    options = router_options(args)  # a bad key file or certificate: refused before Ray starts
+    return asyncio.run(_serve(spec, options, args.host, args.http_port, args.grpc_port))
 
 
-async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -> int:
-    from router.frontend import Frontend
+async def _serve(
+    spec: ClusterSpec, options: RouterOptions, host: str, http_port: int, grpc_port: int
+) -> int:
     from router.metrics import RouterMetrics
-    from router.serve import RouterServers
     from router.tokenizer import RouterTokenizer
 
     stop = asyncio.Event()
@@ -139,11 +142,10 @@ async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -
         await cluster.start(progress=_say)
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
-        frontend = Frontend(cluster.backend, RouterTokenizer(cluster.model.checkpoint_dir), metrics)
-        servers = RouterServers(frontend)
+        tokenizer = RouterTokenizer(cluster.model.checkpoint_dir)
+        servers = options.build_servers(cluster.backend, tokenizer, metrics)
         await servers.start(host, http_port, grpc_port)
-        http_url = f"http://{host}:{servers.http.port}/v1"
-        grpc_address = f"{host}:{servers.grpc.port}"
+        http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         cluster.backend.membership.router = RouterStatus(
             cluster.backend.router_id, http_url, grpc_address
         )
@@ -151,6 +153,8 @@ async def _serve(spec: ClusterSpec, host: str, http_port: int, grpc_port: int) -
         _say(f"kvrelay: serving {cluster.model.model_id}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
+        for line in options.describe():
+            _say(line)
         _say("  `kvrelay status` / `kvrelay scale --decode N` from another shell; Ctrl-C to stop")
         await stop.wait()
         _say("kvrelay: shutting down")

@@ -1,4 +1,5 @@
-"""Errors the front ends map to protocol statuses (HTTP 400/500, gRPC INVALID_ARGUMENT/INTERNAL)."""
+"""Errors the front ends map to protocol statuses (HTTP 400/401/500/503, gRPC INVALID_ARGUMENT,
+UNAUTHENTICATED, INTERNAL, RESOURCE_EXHAUSTED); they hold only their message."""
 
 from __future__ import annotations
 
@@ -15,3 +16,26 @@ class InvalidRequest(ValueError):
 
 class BackendError(RuntimeError):
     """The backend failed while serving a valid request (HTTP 500 / INTERNAL)."""
+
+
+class Unauthenticated(PermissionError):
+    """A missing or unknown API key (HTTP 401 / UNAUTHENTICATED); its message never holds the
+    key."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class Overloaded(RuntimeError):
+    """The router already holds its bound of requests (HTTP 503 + Retry-After /
+    RESOURCE_EXHAUSTED); refused at once, before the backend sees it."""
+
+    def __init__(self, max_requests: int, retry_after_s: int):
+        self.max_requests = max_requests
+        self.retry_after_s = retry_after_s
+        self.message = (
+            f"the router is at its limit of {max_requests} requests in flight or queued; "
+            f"retry in {retry_after_s} s"
+        )
+        super().__init__(self.message)

@@ -1,6 +1,7 @@
 """Frontend: request handling shared by the HTTP and gRPC servers; owns the set of in-flight
-request ids. Validates and tokenizes a RequestSpec into a GenerateRequest, then turns the
-backend's TokenDelta stream into text chunks (stop strings applied here), usage and metrics.
+request ids and, through Admission, the bound on requests held. Checks API keys, validates and
+tokenizes a RequestSpec into a GenerateRequest, then turns the backend's TokenDelta stream into
+text chunks (stop strings applied here), usage and metrics.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 from common.messages import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
 from engine.validation import InvalidField, check_request
+from router.access import ApiKeys, tenant_cache_salt
+from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
-from router.errors import BackendError, InvalidRequest
+from router.errors import BackendError, InvalidRequest, Unauthenticated
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, OutputTracker, Usage
 from router.tokenizer import RouterTokenizer
@@ -62,6 +66,7 @@ class RequestSpec:
     logprobs: bool = False
     cache_salt: str | None = None
     req_id: str | None = None  # None: the front end makes one
+    tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
 
     @property
     def input_param(self) -> str:
@@ -87,15 +92,39 @@ class Frontend:
         metrics: RouterMetrics | None = None,
         model_aliases: tuple[str, ...] = (),
         max_tokens_cap: int | None = None,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        api_keys: ApiKeys | None = None,
     ):
-        """max_tokens_cap: the default max_tokens when a request sets none (None: no cap)."""
+        """max_tokens_cap: the default max_tokens when a request sets none (None: no cap).
+        max_queued_requests: how many requests the router holds at once (parsing, queued or
+        running); one more is refused with Overloaded. api_keys: None admits every caller."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
         self.model_id = backend.model_id
         self.model_names = frozenset((backend.model_id, *model_aliases))
         self.max_tokens_cap = max_tokens_cap
+        self.api_keys = api_keys
+        self.admission = Admission(max_queued_requests, self.metrics)
         self._in_flight: set[str] = set()
+
+    # ---- access --------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None, x_api_key: str | None) -> str | None:
+        """The caller's tenant (None when no keys are configured); raises Unauthenticated for a
+        missing or unknown key. The key itself is never logged."""
+        if self.api_keys is None:
+            return None
+        try:
+            return self.api_keys.authenticate(authorization, x_api_key)
+        except Unauthenticated as e:
+            self.metrics.unauthenticated.inc()
+            logger.info("refused a request: %s", e.message)
+            raise
+
+    def admit(self) -> AbstractContextManager[None]:
+        """`with frontend.admit():` holds one of the router's request slots for the block;
+        raises Overloaded at once when they are all taken (nothing reaches the backend)."""
+        return self.admission.slot()
 
     # ---- validation ----------------------------------------------------------------------
     def reject(self, error: InvalidRequest) -> InvalidRequest:
@@ -142,8 +171,17 @@ class Frontend:
             raise InvalidRequest(e.message, e.field, e.code) from None
         sampling = replace(sampling, stop=())  # stop strings stay in the router (it detokenizes)
         req_id = spec.req_id or f"req-{uuid.uuid4().hex}"
-        request = GenerateRequest(req_id, tuple(prompt_ids), sampling, spec.cache_salt, time.time())
+        salt = self._cache_salt(spec)
+        request = GenerateRequest(req_id, tuple(prompt_ids), sampling, salt, time.time())
         return Prepared(request, spec.stop, arrival)
+
+    def _cache_salt(self, spec: RequestSpec) -> str | None:
+        """A tenant's requests get a salt derived from the tenant; without keys, the client's."""
+        if spec.tenant is not None:
+            return tenant_cache_salt(spec.tenant, spec.cache_salt)
+        if self.api_keys is not None:  # fail closed: a front end that skipped authenticate()
+            raise RuntimeError("API keys are configured but the request has no tenant")
+        return spec.cache_salt
 
     def _prompt_ids(self, spec: RequestSpec) -> list[int]:
         inputs = [spec.prompt, spec.messages, spec.prompt_token_ids]

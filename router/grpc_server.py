@@ -1,5 +1,8 @@
-"""gRPC front end (grpc.aio) for proto/kvrelay.proto; owns the grpc.aio server. Request state
-lives in the Frontend; a cancelled call aborts its request in the backend.
+"""gRPC front end (grpc.aio) for proto/kvrelay.proto, with standard health checking and
+reflection beside it, over TLS when given credentials; owns the grpc.aio server. Request state
+lives in the Frontend; a cancelled call aborts its request in the backend. With API keys,
+Generate and ListModels need metadata `authorization: Bearer KEY` (or `x-api-key: KEY`);
+Health, grpc.health.v1 and reflection stay open.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from router.errors import BackendError, InvalidRequest
+from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.frontend import ChatMessage, Frontend, RequestSpec
+from router.grpc_health import BackendHealth, add_standard_services
 from router.output import OutputChunk
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
@@ -24,7 +28,7 @@ _FINISH_REASONS = {
 }
 
 
-def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
+def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> RequestSpec:
     """A GenerateRequest message as a RequestSpec (validation happens in Frontend.prepare)."""
     s = request.sampling
     kind = request.WhichOneof("input")
@@ -49,6 +53,7 @@ def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
         logprobs=s.logprobs,
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         req_id=request.request_id or None,
+        tenant=tenant,
     )
 
 
@@ -79,12 +84,29 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
     async def Generate(
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = await self._authenticate(context)
+        try:
+            with self.frontend.admit():
+                responses = self._generate(request, tenant, context)
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
+                        yield response
+        except Overloaded as e:  # raised on entering admit(), before anything was sent
+            pushback = (("grpc-retry-pushback-ms", str(e.retry_after_s * 1000)),)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, pushback)
+
+    async def _generate(
+        self,
+        request: pb.GenerateRequest | MalformedRequest,
+        tenant: str | None,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
         frontend = self.frontend
         if isinstance(request, MalformedRequest):
             frontend.reject(InvalidRequest(request.error))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
-            prepared = frontend.prepare(spec_from_proto(request))
+            prepared = frontend.prepare(spec_from_proto(request, tenant))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         req_id = prepared.request.req_id
@@ -97,6 +119,16 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         except BackendError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
 
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's tenant (None without keys); UNAUTHENTICATED for a missing or wrong key."""
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            return self.frontend.authenticate(
+                metadata.get("authorization"), metadata.get("x-api-key")
+            )
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
+
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
@@ -107,6 +139,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        await self._authenticate(context)
         backend = self.frontend.backend
         models = [
             pb.ModelInfo(id=m, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size)
@@ -157,17 +190,28 @@ def add_servicer(servicer: KVRelayServicer, server: grpc.aio.Server) -> None:
 
 
 class GrpcServer:
-    """The servicer on host:port; port 0 picks a free one. Build it inside the serving loop."""
+    """The servicers on host:port; port 0 picks a free one. Build it inside the serving loop.
+    With credentials it serves TLS only."""
 
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, credentials: grpc.ServerCredentials | None = None):
         self.server = grpc.aio.server()
         add_servicer(KVRelayServicer(frontend), self.server)
+        self.health: BackendHealth = add_standard_services(self.server, frontend.backend)
+        self.credentials = credentials
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
+        await self.health.start()
         await self.server.start()
         return self.port
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
-        await self.server.stop(grace_s)
+        try:
+            await self.health.stop()
+        finally:
+            await self.server.stop(grace_s)

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions, /v1/completions (SSE when
-stream=true), /v1/models, /health, /metrics. Owns the aiohttp app and runner; request state
-lives in the Frontend. A client that disconnects cancels its handler, which aborts the request.
+stream=true), /v1/models, /health (liveness), /ready, /metrics; HTTPS when given an SSL context.
+Owns the aiohttp app and runner; request state lives in the Frontend. With API keys, every path
+but /health, /ready and /metrics needs `Authorization: Bearer KEY` (401 otherwise). A client
+that disconnects cancels its handler, which aborts the request.
 """
 
 from __future__ import annotations
@@ -8,23 +10,28 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import ssl
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.errors import BackendError, InvalidRequest
+from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.frontend import Frontend, Prepared
 from router.metrics import CONTENT_TYPE
 from router.openai_format import ResponseContext, error_body, invalid_body
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, invalid_from_validation
 from router.output import Usage
+from router.readiness import check_readiness
 
 logger = logging.getLogger(__name__)
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
+TENANT_KEY = web.RequestKey("tenant", str)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered without an API key
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -55,6 +62,31 @@ async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamRespo
         return _json(error_body("internal server error", "internal_error"), 500)
 
 
+@web.middleware
+async def _api_keys(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With API keys configured, the key's tenant goes with the request; no key: 401."""
+    frontend = request.app[FRONTEND_KEY]
+    if frontend.api_keys is None or request.path in OPEN_PATHS:
+        return await handler(request)
+    headers = request.headers
+    try:
+        tenant = frontend.authenticate(headers.get("Authorization"), headers.get("x-api-key"))
+    except Unauthenticated as e:
+        body = error_body(e.message, "invalid_request_error", code="invalid_api_key")
+        response = _json(body, 401)
+        response.headers["WWW-Authenticate"] = 'Bearer realm="kvrelay"'
+        return response
+    if tenant is not None:
+        request[TENANT_KEY] = tenant
+    return await handler(request)
+
+
+def _overloaded(error: Overloaded) -> web.Response:
+    response = _json(error_body(error.message, "server_error", code="overloaded"), 503)
+    response.headers["Retry-After"] = str(error.retry_after_s)
+    return response
+
+
 async def _parse(
     request: web.Request, schema: type[ChatCompletionRequest | CompletionRequest], prefix: str
 ) -> tuple[ChatCompletionRequest | CompletionRequest, Prepared]:
@@ -63,7 +95,7 @@ async def _parse(
     raw = await request.read()
     try:
         body = schema.model_validate_json(raw)
-        spec = body.to_spec(f"{prefix}-{uuid.uuid4().hex}")
+        spec = replace(body.to_spec(f"{prefix}-{uuid.uuid4().hex}"), tenant=request.get(TENANT_KEY))
     except ValidationError as e:
         raise frontend.reject(invalid_from_validation(e)) from None
     except InvalidRequest as e:
@@ -72,7 +104,16 @@ async def _parse(
 
 
 async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
+    """Admitted before its body is read: a full router answers 503 at once."""
     frontend = request.app[FRONTEND_KEY]
+    try:
+        with frontend.admit():
+            return await _admitted(request, frontend, chat)
+    except Overloaded as e:
+        return _overloaded(e)
+
+
+async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web.StreamResponse:
     schema = ChatCompletionRequest if chat else CompletionRequest
     try:
         body, prepared = await _parse(request, schema, "chatcmpl" if chat else "cmpl")
@@ -162,8 +203,19 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     status = await request.app[FRONTEND_KEY].backend.health()
-    body = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in status.items()}
-    return _json(body, 200 if status.get("ok") else 503)
+    return _json(_plain(status), 200 if status.get("ok") else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 only while every pool has a ready worker; 503 with the reason otherwise."""
+    readiness = await check_readiness(request.app[FRONTEND_KEY].backend)
+    body = {"ready": readiness.ready, "reason": readiness.reason, **_plain(readiness.details)}
+    return _json(body, 200 if readiness.ready else 503)
+
+
+def _plain(fields: dict[str, object]) -> dict[str, object]:
+    """Health fields as JSON scalars (anything else as its str)."""
+    return {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in fields.items()}
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -172,27 +224,32 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(frontend: Frontend) -> web.Application:
-    app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_errors_as_json, _api_keys], client_max_size=64 * 1024 * 1024
+    )
     app[FRONTEND_KEY] = frontend
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     return app
 
 
 class HttpServer:
-    """The app served on host:port; port 0 picks a free one (see .port after start())."""
+    """The app served on host:port; port 0 picks a free one (see .port after start()).
+    With an SSL context it serves HTTPS only."""
 
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, ssl_context: ssl.SSLContext | None = None):
         self.app = build_app(frontend)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.ssl_context = ssl_context
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self.port

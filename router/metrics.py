@@ -1,8 +1,9 @@
 """RouterMetrics: the router's Prometheus metrics, in a CollectorRegistry of its own per instance.
 
-The front ends record request latencies, token counts and finish reasons; the cluster backend
-records KV-transfer time and bytes, per-worker load and prefix-index availability through the
-hooks below. `render()` gives the text exposition for `GET /metrics`.
+The front ends record request latencies, token counts, finish reasons and refusals (invalid,
+overloaded, unauthenticated); the cluster backend records KV-transfer time and bytes,
+per-worker load and prefix-index availability through the hooks below. `render()` gives the
+text exposition for `GET /metrics`.
 """
 
 from __future__ import annotations
@@ -82,6 +83,27 @@ class RouterMetrics:
             "kvrelay_rejected_requests", "Requests refused as invalid (HTTP 400).", registry=r
         )
         self.running = Gauge("kvrelay_running_requests", "Requests in flight.", registry=r)
+        self.overloaded = Counter(
+            "kvrelay_overloaded_requests",
+            "Requests refused at once because the router held --max-queued-requests already"
+            " (HTTP 503 / RESOURCE_EXHAUSTED).",
+            registry=r,
+        )
+        self.unauthenticated = Counter(
+            "kvrelay_unauthenticated_requests",
+            "Requests refused for a missing or unknown API key (HTTP 401 / UNAUTHENTICATED).",
+            registry=r,
+        )
+        self.admitted = Gauge(
+            "kvrelay_admitted_requests",
+            "Requests the router holds now: being parsed, queued or running.",
+            registry=r,
+        )
+        self.max_queued = Gauge(
+            "kvrelay_max_queued_requests",
+            "The bound on admitted requests (--max-queued-requests).",
+            registry=r,
+        )
         # Hooks for the cluster backend.
         self.transfer_time = Histogram(
             "kvrelay_kv_transfer_seconds",

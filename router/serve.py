@@ -1,5 +1,5 @@
-"""RouterServers: the HTTP and gRPC front ends of one Frontend, started and stopped together;
-owns the two servers (`kvrelay serve` runs them until Ctrl-C)."""
+"""RouterServers: the HTTP and gRPC front ends of one Frontend, started and stopped together,
+over TLS when given a ServerTLS; owns the two servers (`kvrelay serve` runs them until Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 from router.frontend import Frontend
 from router.grpc_server import GrpcServer
 from router.http_server import HttpServer
+from router.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -15,10 +16,11 @@ logger = logging.getLogger(__name__)
 class RouterServers:
     """Build inside the serving event loop; ports 0 pick free ones (read them after start)."""
 
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, tls: ServerTLS | None = None):
         self.frontend = frontend
-        self.http = HttpServer(frontend)
-        self.grpc = GrpcServer(frontend)
+        self.tls = tls
+        self.http = HttpServer(frontend, tls.ssl_context() if tls else None)
+        self.grpc = GrpcServer(frontend, tls.grpc_credentials() if tls else None)
 
     async def start(self, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0) -> None:
         await self.http.start(host, http_port)
@@ -28,13 +30,22 @@ class RouterServers:
             await self.http.stop()
             raise
         logger.info(
-            "serving %s: HTTP on %s:%d, gRPC on %s:%d",
+            "serving %s: %s, gRPC%s on %s:%d%s",
             self.frontend.model_id,
-            host,
-            self.http.port,
+            self.http_url(host),
+            " (TLS)" if self.tls else "",
             host,
             self.grpc.port,
+            ", API keys required" if self.frontend.api_keys else "",
         )
+
+    def http_url(self, host: str) -> str:
+        """The OpenAI base URL clients use (https:// under TLS); call after start()."""
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{host}:{self.http.port}/v1"
+
+    def grpc_address(self, host: str) -> str:
+        return f"{host}:{self.grpc.port}"
 
     async def stop(self, grace_s: float = 1.0) -> None:
         try:

@@ -1,5 +1,6 @@
-"""ServerHarness: the router's HTTP and gRPC servers over an EngineBackend, on 127.0.0.1 free
-ports, served by an event loop on a background thread (so tests can use blocking clients).
+"""ServerHarness: the router's HTTP and gRPC servers over an EngineBackend (optionally behind a
+HeldBackend), on 127.0.0.1 free ports, served by an event loop on a background thread (so tests
+can use blocking clients); with API keys, a request bound or TLS when asked.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.engine import Engine
+from router.access import ApiKeys
+from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from router.frontend import Frontend
 from router.metrics import RouterMetrics
 from router.serve import RouterServers
+from router.tls import ServerTLS
 from router.tokenizer import RouterTokenizer
 from tests.engine_backend import EngineBackend
+from tests.held_backend import HeldBackend
 
 T = TypeVar("T")
 
@@ -37,8 +42,9 @@ class LoopThread:
 
     @property
     def base_url(self) -> str:
+        """http(s)://127.0.0.1:PORT (no /v1)."""
         assert self.servers is not None
-        return f"http://127.0.0.1:{self.servers.http.port}"
+        return self.servers.http_url("127.0.0.1").removesuffix("/v1")
 
     @property
     def grpc_target(self) -> str:
@@ -52,17 +58,36 @@ class LoopThread:
 
 
 class ServerHarness(LoopThread):
-    def __init__(self, engine: Engine, checkpoint: str | Path):
+    """self.backend is the EngineBackend; with held=True the front ends call self.held, a
+    HeldBackend over it."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        checkpoint: str | Path,
+        *,
+        held: bool = False,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        api_keys: ApiKeys | None = None,
+        tls: ServerTLS | None = None,
+    ):
         super().__init__()
         self.engine = engine
         self.backend = EngineBackend(engine)
+        self.held = HeldBackend(self.backend) if held else None
         self.metrics = RouterMetrics()
-        self.frontend = Frontend(self.backend, RouterTokenizer(checkpoint), self.metrics)
-        self.run(self._start())
+        self.frontend = Frontend(
+            self.held or self.backend,
+            RouterTokenizer(checkpoint),
+            self.metrics,
+            max_queued_requests=max_queued_requests,
+            api_keys=api_keys,
+        )
+        self.run(self._start(tls))
 
-    async def _start(self) -> None:
+    async def _start(self, tls: ServerTLS | None) -> None:
         await self.backend.start()
-        self.servers = RouterServers(self.frontend)
+        self.servers = RouterServers(self.frontend, tls)
         await self.servers.start("127.0.0.1", 0, 0)
 
     def assert_no_leaks(self) -> None:

@@ -9,6 +9,7 @@ from common.cluster_state import LeakCheck
 from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
+from router.access import ApiKeys
 from router.frontend import Frontend
 from router.metrics import RouterMetrics
 from router.serve import RouterServers
@@ -56,9 +57,10 @@ async def wait_until_no_leaks(cluster: LocalCluster, timeout_s: float = 20.0) ->
 class ClusterHarness(LoopThread):
     """A LocalCluster behind the router's HTTP and gRPC servers, as `kvrelay serve` runs it."""
 
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec, api_keys: ApiKeys | None = None):
         super().__init__()
         self.cluster = LocalCluster(spec)
+        self.api_keys = api_keys
         self.run(self._start(), timeout_s=300)
 
     async def _start(self) -> None:
@@ -66,7 +68,8 @@ class ClusterHarness(LoopThread):
         metrics = RouterMetrics()
         self.cluster.backend.metrics = metrics
         tokenizer = RouterTokenizer(self.cluster.model.checkpoint_dir)
-        self.servers = RouterServers(Frontend(self.cluster.backend, tokenizer, metrics))
+        frontend = Frontend(self.cluster.backend, tokenizer, metrics, api_keys=self.api_keys)
+        self.servers = RouterServers(frontend)
         await self.servers.start("127.0.0.1", 0, 0)
 
     def wait_until_no_leaks(self) -> None:

@@ -1,0 +1,91 @@
+"""The router flags `kvrelay serve` and `kvrelay router` share (request bound, API keys, TLS) and
+the RouterOptions they become, read and checked before any process starts. Holds no state."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
+
+if TYPE_CHECKING:  # the servers' modules load only when a router starts (the CLI stays light)
+    from router.access import ApiKeys
+    from router.backend import Backend
+    from router.metrics import RouterMetrics
+    from router.serve import RouterServers
+    from router.tls import ServerTLS
+    from router.tokenizer import RouterTokenizer
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    api_keys: ApiKeys | None = None  # None: every caller is admitted, cache_salt as sent
+    tls: ServerTLS | None = None  # None: plain HTTP and gRPC
+
+    def build_servers(
+        self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
+    ) -> RouterServers:
+        """The Frontend over `backend` and its two servers (build inside the serving loop)."""
+        from router.frontend import Frontend
+        from router.serve import RouterServers
+
+        frontend = Frontend(
+            backend,
+            tokenizer,
+            metrics,
+            max_queued_requests=self.max_queued_requests,
+            api_keys=self.api_keys,
+        )
+        return RouterServers(frontend, self.tls)
+
+    def describe(self) -> list[str]:
+        """What `kvrelay serve` / `kvrelay router` print under the addresses."""
+        lines = [f"  admission      at most {self.max_queued_requests} requests, then 503"]
+        if self.tls is not None:
+            lines.append(f"  TLS            {self.tls.cert_file}")
+        if self.api_keys is not None:
+            keys = self.api_keys
+            lines.append(f"  API keys       {keys.num_keys} keys, {len(keys.tenants)} tenants")
+        return lines
+
+
+def add_router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        metavar="N",
+        help="requests this router holds at once, queued or running (default "
+        f"{DEFAULT_MAX_QUEUED_REQUESTS}); one more gets HTTP 503 + Retry-After / gRPC "
+        "RESOURCE_EXHAUSTED at once",
+    )
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="require an API key: FILE has one `KEY TENANT` per line (# comments); each "
+        "tenant's prefix cache is kept apart (default: no keys)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="FILE",
+        help="PEM certificate chain: serve HTTPS and gRPC over TLS only (needs --tls-key)",
+    )
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's PEM key")
+
+
+def router_options(args: argparse.Namespace) -> RouterOptions:
+    """RouterOptions from the flags; ValueError naming the flag (or the key file's line)."""
+    from router.access import ApiKeys
+    from router.tls import ServerTLS
+
+    if args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    return RouterOptions(
+        max_queued_requests=args.max_queued_requests,
+        api_keys=ApiKeys.load(args.api_keys) if args.api_keys else None,
+        tls=ServerTLS.load(args.tls_cert, args.tls_key),
+    )

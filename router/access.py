@@ -1,0 +1,147 @@
+"""API keys: owns the key -> tenant table read from an `--api-keys` file (keys kept only as
+SHA-256 digests), the rule for finding the key in a request's headers or metadata, and the rule
+that turns a tenant (plus the client's own cache_salt) into the cache_salt the cluster sees.
+
+File format: one `KEY TENANT` pair per line, separated by whitespace; `#` starts a comment (so
+no key starts with `#`), blank lines are ignored. A key is 16 or more visible ASCII characters;
+a tenant may have several keys (rotation), a key only one tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from router.errors import Unauthenticated
+
+logger = logging.getLogger(__name__)
+
+MIN_KEY_LENGTH = 16
+_KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header can carry as is
+_TENANT_CHARS = re.compile(r"[A-Za-z0-9._:@/-]+")
+MISSING_KEY = "missing API key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`)"
+WRONG_KEY = "invalid API key"
+
+
+class ApiKeysFileError(ValueError):
+    """An --api-keys file kvrelay refuses; names the file and line, never the key."""
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """Which tenant each key belongs to. Holds digests, not keys: a repr or a log shows none."""
+
+    source: str
+    tenant_by_digest: Mapping[str, str] = field(repr=False)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        return frozenset(self.tenant_by_digest.values())
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.tenant_by_digest)
+
+    def tenant(self, key: str) -> str | None:
+        """The key's tenant, or None for a key not in the file."""
+        return self.tenant_by_digest.get(_digest(key))
+
+    def authenticate(self, authorization: str | None, x_api_key: str | None) -> str:
+        """The tenant of the request's key; raises Unauthenticated when it is missing or wrong."""
+        key = presented_key(authorization, x_api_key)
+        if key is None:
+            raise Unauthenticated(MISSING_KEY)
+        tenant = self.tenant(key)
+        if tenant is None:
+            raise Unauthenticated(WRONG_KEY)
+        return tenant
+
+    @classmethod
+    def load(cls, path: str | Path) -> ApiKeys:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+            mode = path.stat().st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise ApiKeysFileError(f"--api-keys {path}: cannot read it ({e})") from None
+        if mode & stat.S_IROTH and os.name == "posix":
+            logger.warning("API key file %s is readable by every user (chmod 600 it)", path)
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: str, source: str = "<api keys>") -> ApiKeys:
+        tenant_by_digest: dict[str, str] = {}
+        first_line: dict[str, int] = {}
+        for lineno, line in enumerate(text.splitlines(), 1):
+            fields = _before_comment(line.split())
+            if not fields:
+                continue
+            where = f"{source}:{lineno}"
+            if len(fields) != 2:
+                raise ApiKeysFileError(
+                    f"{where}: expected `KEY TENANT` (two fields), found {len(fields)} fields"
+                )
+            key, tenant = fields
+            _check_key(key, where)
+            if not _TENANT_CHARS.fullmatch(tenant):
+                raise ApiKeysFileError(
+                    f"{where}: tenant {tenant!r} may hold only letters, digits and ._:@/-"
+                )
+            digest = _digest(key)
+            if digest in first_line:
+                raise ApiKeysFileError(
+                    f"{where}: this key was already given on line {first_line[digest]}"
+                )
+            first_line[digest] = lineno
+            tenant_by_digest[digest] = tenant
+        if not tenant_by_digest:
+            raise ApiKeysFileError(f"{source}: no `KEY TENANT` line (an empty file admits no one)")
+        return cls(source, MappingProxyType(tenant_by_digest))
+
+
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key a request carries: `Authorization: Bearer KEY`, else `x-api-key: KEY`."""
+    if authorization:
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    if x_api_key and x_api_key.strip():
+        return x_api_key.strip()
+    return None
+
+
+def tenant_cache_salt(tenant: str, client_salt: str | None) -> str:
+    """The cache_salt the cluster sees for a tenant's request: a hash of the tenant and the
+    client's own salt, so no choice of client salt reaches another tenant's prefix cache."""
+    material = json.dumps(["kvrelay-tenant-salt-v1", tenant, client_salt]).encode()
+    return hashlib.sha256(material).hexdigest()
+
+
+def _before_comment(fields: list[str]) -> list[str]:
+    """The fields before the first that starts with `#` (a comment runs to the line's end)."""
+    for i, text in enumerate(fields):
+        if text.startswith("#"):
+            return fields[:i]
+    return fields
+
+
+def _check_key(key: str, where: str) -> None:
+    if not _KEY_CHARS.fullmatch(key):
+        raise ApiKeysFileError(f"{where}: the key holds characters other than visible ASCII")
+    if len(key) < MIN_KEY_LENGTH:
+        raise ApiKeysFileError(
+            f"{where}: the key is {len(key)} characters; use at least {MIN_KEY_LENGTH} "
+            "(e.g. `openssl rand -hex 24`)"
+        )
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

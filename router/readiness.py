@@ -1,0 +1,42 @@
+"""Readiness: whether the backend can serve a request now (every pool has a ready worker), with
+the reason, as HTTP /ready and gRPC health checking report it. Holds no state."""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+from router.backend import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class Readiness(NamedTuple):
+    ready: bool
+    reason: str
+    details: dict[str, object]  # the backend's health fields other than "ok"
+
+
+async def check_readiness(backend: Backend) -> Readiness:
+    """Ready exactly when backend.health()["ok"]; a health call that fails is not ready."""
+    try:
+        status = await backend.health()
+    except Exception as e:
+        logger.warning("the backend's health check failed: %s", e)
+        return Readiness(False, f"the backend's health check failed: {e}", {})
+    details = {k: v for k, v in status.items() if k != "ok"}
+    if status.get("ok"):
+        return Readiness(True, "every pool has a ready worker", details)
+    return Readiness(False, _reason(details), details)
+
+
+def _reason(details: dict[str, object]) -> str:
+    if isinstance(details.get("reason"), str):
+        return str(details["reason"])
+    empty = [
+        k.removesuffix("_workers") for k, v in details.items() if k.endswith("_workers") and v == 0
+    ]
+    if empty:
+        pools = " and ".join(empty)
+        return f"no ready worker in the {pools} pool" + ("s" if len(empty) > 1 else "")
+    return "the backend reports it cannot serve"

@@ -1,0 +1,101 @@
+"""The --api-keys file: its format, the errors naming a line (never a key), finding the key in a
+request, and the tenant-derived cache_salt."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.access import (
+    MISSING_KEY,
+    WRONG_KEY,
+    ApiKeys,
+    ApiKeysFileError,
+    presented_key,
+    tenant_cache_salt,
+)
+from router.errors import Unauthenticated
+
+KEY_A = "sk-a-0123456789abcdef"
+KEY_A2 = "sk-a-fedcba9876543210"
+KEY_B = "sk-b-0123456789abcdef"
+GOOD = f"""# comment
+{KEY_A} team-a
+
+   {KEY_A2}\tteam-a   # rotated in on Monday
+{KEY_B}    team-b
+"""
+
+
+def test_a_good_file_maps_each_key_to_its_tenant() -> None:
+    keys = ApiKeys.parse(GOOD)
+    assert keys.tenant(KEY_A) == keys.tenant(KEY_A2) == "team-a"
+    assert keys.tenant(KEY_B) == "team-b"
+    assert keys.tenant("sk-nobody-0123456789") is None
+    assert keys.num_keys == 3 and keys.tenants == {"team-a", "team-b"}
+    assert KEY_A not in repr(keys) and KEY_A not in str(dict(keys.tenant_by_digest))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            GOOD + f"{KEY_A}x team-c extra\n",
+            "<api keys>:6: expected `KEY TENANT` (two fields), found 3",
+        ),
+        (f"{KEY_A}\n", ":1: expected `KEY TENANT` (two fields), found 1 fields"),
+        (f"{KEY_A} a\nshort-key a\n", ":2: the key is 9 characters; use at least 16"),
+        (f"{KEY_A} a\n{KEY_B} b\n{KEY_A} c\n", ":3: this key was already given on line 1"),
+        (f"{KEY_A} team,a\n", ":1: tenant 'team,a' may hold only"),
+        ("sk-ünïcode-0123456789 a\n", ":1: the key holds characters other than visible ASCII"),
+        ("# only comments\n\n", "no `KEY TENANT` line"),
+    ],
+)
+def test_a_malformed_file_is_refused_naming_the_line_not_the_key(text: str, message: str) -> None:
+    with pytest.raises(ApiKeysFileError) as info:
+        ApiKeys.parse(text)
+    assert message in str(info.value)
+    for key in (KEY_A, KEY_B, "short-key"):
+        assert key not in str(info.value)
+
+
+def test_load_names_the_file(tmp_path) -> None:
+    with pytest.raises(ApiKeysFileError, match=r"--api-keys .*missing: cannot read it"):
+        ApiKeys.load(tmp_path / "missing")
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A} team-a\nbad\n")
+    with pytest.raises(ApiKeysFileError, match=f"{path}:2: expected"):
+        ApiKeys.load(path)
+
+
+def test_the_key_is_found_in_bearer_or_x_api_key() -> None:
+    assert presented_key(f"Bearer {KEY_A}", None) == KEY_A
+    assert presented_key(f"bearer   {KEY_A} ", None) == KEY_A
+    assert presented_key(None, f" {KEY_B}") == KEY_B
+    assert presented_key(f"Basic {KEY_A}", KEY_B) == KEY_B  # Bearer only; else x-api-key
+    assert presented_key("Bearer ", None) is None
+    assert presented_key(None, None) is None and presented_key("", "") is None
+
+
+def test_authenticate_names_what_is_wrong() -> None:
+    keys = ApiKeys.parse(f"{KEY_A} team-a\n")
+    assert keys.authenticate(f"Bearer {KEY_A}", None) == "team-a"
+    with pytest.raises(Unauthenticated) as info:
+        keys.authenticate(None, None)
+    assert info.value.message == MISSING_KEY
+    with pytest.raises(Unauthenticated) as info:
+        keys.authenticate(f"Bearer {KEY_B}", None)
+    assert info.value.message == WRONG_KEY and KEY_B not in str(info.value)
+
+
+def test_the_cache_salt_is_the_tenants_whatever_the_client_sends() -> None:
+    a = tenant_cache_salt("team-a", None)
+    assert a == tenant_cache_salt("team-a", None)  # stable: a tenant's requests share a cache
+    assert len(a) == 64 and int(a, 16) >= 0
+    # No salt team-b can send gives team-a's: not its name, not team-a's derived salt.
+    for chosen in (None, "", "team-a", a, "team-a\x00", '["team-a", null]'):
+        assert tenant_cache_salt("team-b", chosen) != a
+    # A client's own salt still splits its tenant's cache; None and "" are different salts.
+    assert tenant_cache_salt("team-a", "x") != a
+    assert tenant_cache_salt("team-a", "") != a
+    # Tenant and salt cannot be re-split ("ab" + "c" vs "a" + "bc").
+    assert tenant_cache_salt("ab", "c") != tenant_cache_salt("a", "bc")

@@ -1,0 +1,90 @@
+"""The router flags of `kvrelay serve` and `kvrelay router` (request bound, API keys, TLS): their
+defaults, and bad values refused with a clear error before anything starts."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import build_parser, main
+from deploy.router_flags import RouterOptions, router_options
+from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
+from router.tls import ServerTLS
+from tests.tls_certs import TLSToolsMissing, make_server_certs
+
+KEY = "sk-0123456789abcdef0123"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    try:
+        return make_server_certs(tmp_path_factory.mktemp("tls"))
+    except TLSToolsMissing as e:
+        pytest.skip(str(e))
+
+
+def options(command: str, *argv: str) -> RouterOptions:
+    return router_options(build_parser().parse_args([command, *argv]))
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_defaults_bound_requests_and_ask_for_no_key_nor_tls(command: str) -> None:
+    assert options(command) == RouterOptions(DEFAULT_MAX_QUEUED_REQUESTS, None, None)
+    assert DEFAULT_MAX_QUEUED_REQUESTS == 1024
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_flags_become_options(command: str, tmp_path: Path, certs) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY} team-a\n")
+    got = options(
+        command, "--max-queued-requests", "8", "--api-keys", str(keys),
+        "--tls-cert", certs.cert_file, "--tls-key", certs.key_file,
+    )  # fmt: skip
+    assert got.max_queued_requests == 8
+    assert got.api_keys is not None and got.api_keys.tenant(KEY) == "team-a"
+    assert got.tls is not None and got.tls.cert_file == certs.cert_file
+    assert any("TLS" in line for line in got.describe())
+
+
+def test_server_tls_builds_both_servers_credentials(certs) -> None:
+    tls = ServerTLS.load(certs.cert_file, certs.key_file)
+    assert tls is not None
+    assert isinstance(tls.ssl_context(), ssl.SSLContext)
+    assert tls.grpc_credentials() is not None
+    assert b"PRIVATE KEY" not in repr(tls).encode()
+
+
+def test_tls_needs_both_files_that_match(tmp_path: Path, certs) -> None:
+    with pytest.raises(ValueError, match="both --tls-cert and --tls-key, or neither"):
+        ServerTLS.load(certs.cert_file, None)
+    with pytest.raises(ValueError, match="both --tls-cert and --tls-key, or neither"):
+        ServerTLS.load(None, certs.key_file)
+    with pytest.raises(ValueError, match=r"--tls-key .*nope: cannot read it"):
+        ServerTLS.load(certs.cert_file, str(tmp_path / "nope"))
+    other = make_server_certs(tmp_path)  # another key pair: it does not match the certificate
+    with pytest.raises(ValueError, match="not a PEM certificate chain and its private key"):
+        ServerTLS.load(certs.cert_file, other.key_file)
+    with pytest.raises(ValueError, match="not a PEM certificate"):
+        ServerTLS.load(certs.key_file, certs.key_file)
+
+
+def test_a_bound_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="--max-queued-requests must be >= 1, got 0"):
+        options("serve", "--max-queued-requests", "0")
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_the_cli_refuses_bad_router_flags_before_starting_anything(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], certs
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY} team-a\n{KEY}-2 team-b extra\n")
+    assert main([command, "--api-keys", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {keys}:2: expected `KEY TENANT` (two fields), found 3 fields" in err
+    assert KEY not in err
+    assert main([command, "--tls-cert", certs.cert_file]) == 2
+    assert "give both --tls-cert and --tls-key" in capsys.readouterr().err
