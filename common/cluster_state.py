@@ -182,6 +182,7 @@ class RouterConfig:
     model: ServedModel
     redis_url: str | None
     policy: str = "kv_aware"
+    max_migrations: int = 2  # times one request may move to another decode worker
 
 
 @dataclass(frozen=True)

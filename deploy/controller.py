@@ -52,6 +52,7 @@ LIVE = (WorkerState.JOINING, WorkerState.READY)
 class ControllerConfig:
     template: WorkerTemplate
     policy: str = "kv_aware"
+    max_migrations: int = 2  # per request, for the routers
     name_prefix: str = "kvrelay"
     drain_grace_s: float = 2.0  # after draining is published, before in-flight work is counted
     drain_timeout_s: float = 600.0
@@ -161,7 +162,9 @@ class Controller:
                 raise TimeoutError("no worker has loaded the model yet")
             await asyncio.sleep(0.2)
         template = self.config.template
-        return RouterConfig(self._model, template.redis_url, self.config.policy)
+        return RouterConfig(
+            self._model, template.redis_url, self.config.policy, self.config.max_migrations
+        )
 
     async def shutdown(self) -> None:
         """Stop every worker at once (no drain): `kvrelay serve` exiting."""

@@ -40,6 +40,7 @@ class ClusterSpec:
     name_prefix: str = "kvrelay"
     controller_name: str = CONTROLLER_NAME
     drain_grace_s: float = 2.0
+    max_migrations: int = 2
 
 
 class LocalCluster:
@@ -98,7 +99,11 @@ class LocalCluster:
             gpus_per_worker=1 if spec.engine.device.startswith("cuda") else 0,
         )
         config = ControllerConfig(
-            template, spec.policy, spec.name_prefix, drain_grace_s=spec.drain_grace_s
+            template,
+            spec.policy,
+            spec.max_migrations,
+            spec.name_prefix,
+            drain_grace_s=spec.drain_grace_s,
         )
         progress(
             f"kvrelay: starting the controller, {spec.num_prefill} prefill and "

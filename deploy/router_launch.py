@@ -35,6 +35,7 @@ async def build_backend(
         index,
         make_prefill_policy(config.policy),
         router_id=router_id,
+        max_migrations=config.max_migrations,
     )
     sync = MembershipSync(controller, workers, RouterStatus(router_id, http_url, grpc_address))
     await sync.sync_once()

@@ -35,6 +35,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis (default: start one)")
     p.add_argument("--no-redis", action="store_true", help="run without the Redis index")
     p.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "random"])
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="times a request may move to another decode worker when its own dies (default 2)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per worker")
     p.add_argument(
@@ -87,6 +93,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.redis_url and not args.no_redis:
         check_url(args.redis_url)  # a URL redis-py cannot use: refused before any worker starts
     engine = EngineConfig(
@@ -114,6 +122,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         num_decode=args.decode,
         redis_url="" if args.no_redis else args.redis_url,
         policy=args.policy,
+        max_migrations=args.max_migrations,
         threads_per_worker=args.threads_per_worker,
         ray_address=args.ray_address,
     )

@@ -46,3 +46,10 @@ def test_bad_values_are_refused() -> None:
         parse("--kv-cache-dtype", "int4")
     with pytest.raises(ValueError, match="--prefill and --decode"):
         parse("--decode", "0")
+
+
+def test_migration_budget_flag() -> None:
+    assert parse().max_migrations == 2
+    assert parse("--max-migrations", "0").max_migrations == 0
+    with pytest.raises(ValueError, match="--max-migrations must be >= 0"):
+        parse("--max-migrations", "-1")
