@@ -140,6 +140,20 @@ def test_a_dead_decode_workers_streams_migrate_and_stay_exact(
     on_victim = sum(worker == victim for worker in placed.values())
     assert cluster.backend.num_migrations - before == on_victim == 4
     assert any(placed[f"doom{i}"] == victim for i in range(NUM_STREAMS - NUM_SEEDED, NUM_STREAMS))
+    # The controller sees the death and removes the worker from Redis (not at its TTL).
+    async def death_recorded() -> tuple[str, str]:
+        deadline = time.monotonic() + 30
+        while True:
+            status = await cluster.controller.status.remote(with_stats=False)
+            [dead] = [w for w in status.pool("decode").workers if w.worker_id == victim]
+            live = {w.worker_id for w in await cluster.backend.index.live_workers("decode")}
+            if dead.state == "gone" and victim not in live:
+                return dead.state, dead.error or ""
+            assert time.monotonic() < deadline, (dead, live)
+            await asyncio.sleep(0.1)
+
+    state, error = loop.run_until_complete(death_recorded())
+    assert "died" in error
     loop.run_until_complete(both_decode_workers_ready(cluster))
     loop.run_until_complete(wait_until_no_leaks(cluster))
 
