@@ -152,7 +152,7 @@ def test_a_dead_decode_workers_streams_migrate_and_stay_exact(
             assert time.monotonic() < deadline, (dead, live)
             await asyncio.sleep(0.1)
 
-    state, error = loop.run_until_complete(death_recorded())
+    _, error = loop.run_until_complete(death_recorded())
     assert "died" in error
     loop.run_until_complete(both_decode_workers_ready(cluster))
     loop.run_until_complete(wait_until_no_leaks(cluster))
