@@ -52,6 +52,16 @@ class WorkerStats:
     num_recomputed: int = 0  # decode: prompts recomputed because the pull failed
     num_orphans_aborted: int = 0  # decode: requests of routers that stopped polling
     num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
+    # The KV handoff's state machines: blocks in each live state, and what they refused.
+    num_blocks_held: int = 0  # prefill: leased, no read announced
+    num_blocks_being_read: int = 0  # prefill: leased, a decode worker announced its read
+    num_blocks_reserved: int = 0  # decode: reserved for a pull not yet started
+    num_blocks_reading: int = 0  # decode: a NIXL read in flight into them
+    num_expired_leases: int = 0  # prefill
+    num_stale_releases: int = 0  # prefill: releases/notices of an ended lease or old epoch
+    num_refused_handshakes: int = 0  # decode: prefill peers refused (protocol, model, layout)
+    num_stranded_blocks: int = 0  # held for a handoff, in no handoff state: must be 0
+    handoff_transitions: tuple[tuple[str, int], ...] = ()  # ("held->being_read", count), ...
     first_request_at: float | None = None  # time.time() of its first user request
     ready_at: float | None = None  # time.time() it turned ready
 
@@ -84,6 +94,7 @@ class LeakCheck:
     num_total_blocks: int
     num_held_blocks: int = 0  # prefill: blocks still under a lease
     num_requests: int = 0
+    num_stranded_blocks: int = 0  # held for a handoff that no handoff state accounts for
 
     @property
     def clean(self) -> bool:
@@ -91,6 +102,7 @@ class LeakCheck:
             self.num_free_blocks == self.num_total_blocks
             and not self.num_held_blocks
             and not self.num_requests
+            and not self.num_stranded_blocks
         )
 
 

@@ -36,11 +36,15 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class KVHandle:
-    """Returned by a prefill worker; the blocks stay pinned until released or lease_expires_at.
+    """Returned by a prefill worker; the blocks stay pinned under an epoch-fenced lease
+    until released with (req_id, epoch), read (the READ's notification releases them) or expired.
+
+    lease_s is a duration, not a time: the decode worker reckons its own deadline from when the
+    handle reached it, on its own monotonic clock.
 
     finish_reason is set when the first token already ends the request (the prefill engine's
     own finish reason: eos, a stop token or the length; stop strings stay in the router); no
-    decode is needed and no block is held.
+    decode is needed, no block is held and epoch is None.
     """
 
     req_id: str
@@ -51,7 +55,8 @@ class KVHandle:
     num_tokens: int
     first_token_id: int
     protocol_version: int
-    lease_expires_at: float  # time.time() on the prefill worker's clock
+    epoch: int | None  # names this grant of the lease (a release naming another is ignored)
+    lease_s: float  # how long the lease lasts unless a read starts
     num_cached_tokens: int = 0
     first_logprob: float | None = None
     finish_reason: str | None = None

@@ -1,20 +1,22 @@
-"""KVPuller (decode side of the KV handoff): owns the admissions waiting for blocks, the NIXL
-reads in flight, the peers it reads from and each request's transfer stats until they are sent.
+"""KVPuller (decode side of the KV handoff): owns the PullLedger of its requests' pulls (queued
+for blocks, reserved, reading), the peers it reads from and each request's transfer stats until
+they are sent.
 
-Life cycle of one request: submit() -> admitted when the pool has room (FIFO; the engine reuses
-its own prefix cache, so only missing blocks are read) -> one NIXL READ -> poll() sees it done:
-commit, or failed: recompute the prompt locally. The lease on the prefill worker's blocks is
-released on every path (the READ's notification also releases it; release is idempotent).
-Runs on the engine thread only; Ray stays outside (the worker passes peers and a release hook).
+Life cycle of one request (kvtransfer/handoff.py has the states): submit() queues it -> admitted
+when the pool has room (FIFO; the engine reuses its own prefix cache, so only missing blocks are
+read) -> a BEGIN notice to the prefill worker, then one NIXL READ whose DONE notice releases the
+lease -> poll() sees it done: commit, or failed: recompute the prompt locally. Every path that
+does not end in a completed READ releases the lease itself, naming its epoch. A READ may only be
+posted before the pull's deadline (its own clock: receipt + most of lease_s) and must be seen
+done within lease_s of being posted. Runs on the engine thread only; Ray stays outside (the
+worker passes peers and a release hook).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from common.messages import GenerateRequest, KVHandle, TransferStats
@@ -25,6 +27,7 @@ from kvtransfer.base import (
     TransferHandle,
     TransferState,
 )
+from kvtransfer.handoff import Notice, NoticeKind, Pull, PullLedger, PullState
 from kvtransfer.handshake import IncompatiblePeerError
 
 if TYPE_CHECKING:
@@ -41,38 +44,37 @@ class Refused(NamedTuple):
     error: str
 
 
-@dataclass(frozen=True)
-class _Pull:
-    xfer: TransferHandle
+class Handoff(NamedTuple):
+    """What a pull carries: the request and the prefill worker's handle."""
+
+    request: GenerateRequest
     handle: KVHandle
-    started: float  # time.monotonic()
-    num_blocks: int
 
 
 class KVPuller:
-    """Invariants: a request is in at most one of admissions / pulls; once it has left both, its
-    lease has been released and its blocks are the engine's (committed, recomputing or freed)."""
+    """Invariants: a submitted request has one live pull in the ledger until it is committed,
+    recomputed, refused or aborted; then its lease has been released (by the READ's DONE notice
+    or by release_lease) and its blocks are the engine's. The engine's loading requests are
+    exactly the reserved and reading pulls (num_stranded_blocks() == 0)."""
 
     def __init__(
         self,
         engine: Engine,
         transfer: KVTransfer,
         release_lease: Callable[[KVHandle], None],
-        timeout_s: float,
     ):
         self.engine = engine
         self.transfer = transfer
         self.release_lease = release_lease
-        self.timeout_s = timeout_s
         self.block_bytes = transfer.metadata().block_bytes
+        self.ledger: PullLedger[Handoff] = PullLedger()
         self._peer_meta: dict[str, AgentMetadata] = {}
         self._peers: dict[str, str | None] = {}  # prefill actor -> NIXL peer (None: refused)
-        self._admissions: deque[tuple[GenerateRequest, KVHandle]] = deque()
-        self._pulls: dict[str, _Pull] = {}
         self._stats: dict[str, TransferStats] = {}
         self.num_transferred_blocks = 0
         self.transfer_seconds = 0.0  # summed duration of completed pulls
         self.num_recomputed = 0
+        self.num_refused_handshakes = 0
 
     # ---- interface -----------------------------------------------------------------------
     def knows_peer(self, actor_name: str) -> bool:
@@ -84,11 +86,21 @@ class KVPuller:
     def connect(self, actor_name: str, meta: AgentMetadata) -> None:
         """Handshake with a prefill worker ahead of its first pull; raises
         IncompatiblePeerError (or KVTransferError) instead of recomputing later."""
-        self._peers[actor_name] = self.transfer.add_peer(meta)
+        try:
+            self._peers[actor_name] = self.transfer.add_peer(meta)
+        except IncompatiblePeerError:
+            self.num_refused_handshakes += 1
+            raise
         self._peer_meta[actor_name] = meta
 
-    def submit(self, request: GenerateRequest, handle: KVHandle) -> None:
-        self._admissions.append((request, handle))
+    def submit(self, request: GenerateRequest, handle: KVHandle, received_at: float) -> None:
+        """received_at: time.monotonic() when the handle reached this worker (the pull's
+        deadline is reckoned from it)."""
+        if handle.epoch is None:
+            raise ValueError(f"the handle of {request.req_id!r} holds no lease")
+        self.ledger.queue(
+            request.req_id, handle.epoch, handle.lease_s, received_at, Handoff(request, handle)
+        )
 
     def step(self) -> list[Refused]:
         """Admit what fits, poll the reads in flight; returns the requests refused."""
@@ -97,14 +109,11 @@ class KVPuller:
         return refused
 
     def abort(self, req_id: str) -> None:
-        for request, handle in list(self._admissions):
-            if request.req_id == req_id:
-                self._admissions.remove((request, handle))
-                self.release_lease(handle)
-        pull = self._pulls.pop(req_id, None)
+        pull = self.ledger.abort(req_id)
         if pull is not None:
-            self._release_xfer(pull.xfer)
-            self.release_lease(pull.handle)
+            if pull.xfer is not None:
+                self._release_xfer(pull.xfer)
+            self.release_lease(pull.payload.handle)
         self._stats.pop(req_id, None)
 
     def take_stats(self, req_id: str) -> TransferStats | None:
@@ -113,17 +122,28 @@ class KVPuller:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pulls or self._admissions)
+        return self.ledger.num_live > 0
 
     @property
     def num_pulls(self) -> int:
-        return len(self._pulls)
+        return len(self.ledger.in_state(PullState.READING))
+
+    def num_stranded_blocks(self) -> int:
+        """Blocks the engine holds for loading requests that no pull accounts for (0)."""
+        return self.ledger.num_stranded(self._loading())
+
+    def check_integrity(self) -> None:
+        self.ledger.check_integrity(self._loading())
 
     # ---- internals -----------------------------------------------------------------------
+    def _loading(self) -> dict[str, list[int]]:
+        kv = self.engine.kv
+        return {req_id: kv.block_ids(req_id) for req_id in self.engine.loader.loading}
+
     def _admit(self) -> list[Refused]:
         refused = []
-        while self._admissions:
-            request, handle = self._admissions[0]
+        for pull in self.ledger.in_state(PullState.QUEUED):
+            request, handle = pull.payload
             try:
                 plan = self.engine.add_prefilled_request(
                     request.req_id,
@@ -133,64 +153,73 @@ class KVPuller:
                     request.cache_salt,
                 )
             except ValueError as e:
-                self._admissions.popleft()
+                self.ledger.fail(request.req_id)
                 self.release_lease(handle)
                 refused.append(Refused(request.req_id, str(e)))
                 continue
             if plan is None:
                 break  # FIFO: wait for blocks rather than overtake
-            self._admissions.popleft()
-            self._start(handle, plan)
+            self._start(self.ledger.reserve(request.req_id, plan.local_block_ids), plan)
         return refused
 
-    def _start(self, handle: KVHandle, plan: KVLoadPlan) -> None:
-        req_id = handle.req_id
+    def _start(self, pull: Pull[Handoff], plan: KVLoadPlan) -> None:
+        req_id, handle = pull.req_id, pull.payload.handle
         if not plan.local_block_ids:
             self.engine.commit_kv(req_id)
+            self.ledger.commit(req_id)
             self._stats[req_id] = TransferStats()
             self.release_lease(handle)
             return
         peer = self._peer(handle.actor_name)
-        expired = handle.lease_expires_at - time.time() < self.timeout_s / 10
-        if peer is None or expired:
-            self._recompute(handle, "lease expired" if expired else "peer unavailable")
+        now = time.monotonic()
+        if peer is None or not pull.read_window_open(now):
+            late = f"lease too close to its end ({pull.deadline - now:.2f} s left)"
+            self._recompute(pull, "peer unavailable" if peer is None else late)
             return
         first = plan.first_block
         remote = handle.block_ids[first : first + len(plan.local_block_ids)]
         try:
-            xfer = self.transfer.read(peer, remote, plan.local_block_ids, req_id.encode())
+            self.transfer.notify(peer, Notice(NoticeKind.BEGIN, req_id, pull.epoch).encode())
+            done = Notice(NoticeKind.DONE, req_id, pull.epoch).encode()
+            xfer = self.transfer.read(peer, remote, plan.local_block_ids, done)
         except (ValueError, KVTransferError) as e:
-            self._recompute(handle, f"read refused: {e}")
+            self._recompute(pull, f"read refused: {e}")
             return
-        self._pulls[req_id] = _Pull(xfer, handle, time.monotonic(), len(remote))
+        self.ledger.start_reading(req_id, xfer, now)
 
     def _poll(self) -> None:
-        for req_id, pull in list(self._pulls.items()):
+        for pull in self.ledger.in_state(PullState.READING):
+            assert pull.xfer is not None and pull.read_by is not None
             state = self.transfer.poll(pull.xfer)
-            if state is TransferState.PENDING:
+            late = time.monotonic() > pull.read_by  # after polling: DONE came no later
+            if state is TransferState.PENDING and not late:
                 continue
-            del self._pulls[req_id]
             reason = self.transfer.failure_reason(pull.xfer)
             self._release_xfer(pull.xfer)
-            if state is TransferState.DONE:
-                self.engine.commit_kv(req_id)
-                self.num_transferred_blocks += pull.num_blocks
-                seconds = time.monotonic() - pull.started
-                self.transfer_seconds += seconds
-                self._stats[req_id] = TransferStats(
-                    num_blocks=pull.num_blocks,
-                    num_bytes=pull.num_blocks * self.block_bytes,
-                    seconds=seconds,
-                )
+            if state is TransferState.DONE and not late:
+                self._commit_read(pull)
             else:
-                self._recompute(pull.handle, f"read failed: {reason}")
+                self._recompute(pull, f"read failed: {reason or 'not done within the lease'}")
 
-    def _recompute(self, handle: KVHandle, why: str) -> None:
-        logger.warning("request %s: %s; recomputing its prompt locally", handle.req_id, why)
-        self.engine.fail_kv(handle.req_id)
+    def _commit_read(self, pull: Pull[Handoff]) -> None:
+        assert pull.read_started_at is not None
+        self.engine.commit_kv(pull.req_id)
+        self.ledger.commit(pull.req_id)
+        num_blocks = len(pull.block_ids)
+        self.num_transferred_blocks += num_blocks
+        seconds = time.monotonic() - pull.read_started_at
+        self.transfer_seconds += seconds
+        self._stats[pull.req_id] = TransferStats(
+            num_blocks=num_blocks, num_bytes=num_blocks * self.block_bytes, seconds=seconds
+        )
+
+    def _recompute(self, pull: Pull[Handoff], why: str) -> None:
+        logger.warning("request %s: %s; recomputing its prompt locally", pull.req_id, why)
+        self.engine.fail_kv(pull.req_id)
+        self.ledger.fail(pull.req_id)
         self.num_recomputed += 1
-        self._stats[handle.req_id] = TransferStats(recomputed=True)
-        self.release_lease(handle)
+        self._stats[pull.req_id] = TransferStats(recomputed=True)
+        self.release_lease(pull.payload.handle)
 
     def _peer(self, actor_name: str) -> str | None:
         if actor_name not in self._peers:
@@ -199,6 +228,7 @@ class KVPuller:
                 self._peers[actor_name] = self.transfer.add_peer(meta) if meta else None
             except IncompatiblePeerError as e:
                 logger.error("refusing KV from %s: %s", actor_name, e)
+                self.num_refused_handshakes += 1
                 self._peers[actor_name] = None
             except KVTransferError as e:
                 logger.error("cannot connect to %s: %s", actor_name, e)

@@ -35,6 +35,7 @@ from common.worker_runtime import (
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
+from kvtransfer.handoff import PullState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine, RequestOutput
@@ -69,9 +70,7 @@ class DecodeWorker:
             config.num_threads,
             timeout_s=config.transfer_timeout_s,
         )
-        self.puller = KVPuller(
-            self.engine, self.transfer, _release_lease, config.transfer_timeout_s
-        )
+        self.puller = KVPuller(self.engine, self.transfer, _release_lease)
         self.mailboxes = Mailboxes()
         self._routes: dict[str, str] = {}  # req_id -> router_id
         self._next_heartbeat = 0.0
@@ -83,6 +82,7 @@ class DecodeWorker:
     # ---- actor API -----------------------------------------------------------------------
     async def submit(self, request: GenerateRequest, handle: KVHandle, router_id: str) -> None:
         """Queue a prefilled request; its tokens arrive through next_deltas(router_id)."""
+        received_at = time.monotonic()  # the pull's deadline counts from here, on our clock
         if self.lifecycle.closed:
             raise WorkerUnavailable(f"decode worker {self.worker_id} has shut down")
         meta = None
@@ -104,7 +104,7 @@ class DecodeWorker:
             self.lifecycle.admit(request.req_id)
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = router_id
-            self.puller.submit(request, handle)
+            self.puller.submit(request, handle, received_at)
 
         await self.thread.call(run)
 
@@ -153,6 +153,11 @@ class DecodeWorker:
                 num_in_flight=self._num_in_flight(engine),
                 first_request_at=life.first_request_at,
                 ready_at=life.ready_at,
+                num_blocks_reserved=puller.ledger.num_blocks(PullState.RESERVED),
+                num_blocks_reading=puller.ledger.num_blocks(PullState.READING),
+                num_refused_handshakes=puller.num_refused_handshakes,
+                num_stranded_blocks=puller.num_stranded_blocks(),
+                handoff_transitions=tuple((t.name, t.count) for t in puller.ledger.transitions()),
             )
 
         return await self.thread.call(run)
@@ -179,12 +184,14 @@ class DecodeWorker:
 
     def _leak_check(self, engine: Engine) -> LeakCheck:
         engine.check_integrity()
+        self.puller.check_integrity()
         in_flight = len(engine.scheduler.requests) + len(engine.loader.loading)
         in_flight += self.puller.num_pulls + self.transfer.num_open_handles
         return LeakCheck(
             num_free_blocks=engine.kv.num_free_blocks,
             num_total_blocks=engine.kv.num_blocks,
             num_requests=in_flight,
+            num_stranded_blocks=self.puller.num_stranded_blocks(),
         )
 
     def shutdown(self) -> None:
@@ -256,8 +263,9 @@ class DecodeWorker:
 
 
 def _release_lease(handle: KVHandle) -> None:
-    """Tell the prefill worker to drop its lease (fire and forget; expiry is the backstop)."""
+    """Tell the prefill worker to drop this grant of its lease (fire and forget; expiry is the
+    backstop; the epoch keeps a late call from freeing a later grant)."""
     try:
-        ray.get_actor(handle.actor_name).release.remote(handle.req_id)
+        ray.get_actor(handle.actor_name).release.remote(handle.req_id, handle.epoch)
     except Exception as e:
         logger.info("could not reach %s to release %s: %s", handle.actor_name, handle.req_id, e)

@@ -1,4 +1,5 @@
-"""KV block transfer between workers: interface (base), descriptor layout, handshake, NIXL impl.
+"""KV block transfer between workers: interface (base), descriptor layout, handshake, NIXL impl,
+and the handoff's state machines (handoff: LeaseLedger, PullLedger; torch-free).
 
 `from kvtransfer.nixl_transfer import NixlTransfer` for the implementation (imports torch; NIXL
 itself is imported only when a tensor is registered).

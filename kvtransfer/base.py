@@ -123,6 +123,11 @@ class KVTransfer(abc.ABC):
         """Free a read's resources; a PENDING read is cancelled (KVTransferError if it cannot)."""
 
     @abc.abstractmethod
+    def notify(self, peer: str, msg: bytes) -> None:
+        """Send `msg` to a known peer now (it arrives before the notification of any read
+        posted after this call); KVTransferError if it cannot be sent."""
+
+    @abc.abstractmethod
     def get_notifs(self) -> list[Notification]:
         """Notifications that arrived since the last call, oldest first per peer."""
 

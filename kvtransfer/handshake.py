@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvtransfer.base import AgentMetadata
 
-PROTOCOL_VERSION = 2  # 2: head-major blocks
+PROTOCOL_VERSION = 3  # 2: head-major blocks; 3: epoch-fenced handoff (begin/done notices)
 # Order of a block's dimensions; block_shape alone cannot tell Hkv from block_size when equal.
 BLOCK_LAYOUT = "num_layers,kv,num_kv_heads,block_size,head_dim"
 

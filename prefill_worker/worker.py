@@ -1,7 +1,8 @@
-"""PrefillWorker (Ray actor): owns an Engine in prefill role, its NIXL agent, its prefill leases
-and its KV publisher. prefill() returns a KVHandle; the blocks stay pinned until the decode
-worker's NIXL read completes (its notification releases the lease), release() is called, or the
-lease expires.
+"""PrefillWorker (Ray actor): owns an Engine in prefill role, its NIXL agent, its LeaseLedger
+(kvtransfer/handoff.py) and its KV publisher. prefill() returns a KVHandle naming the lease's
+epoch; the blocks stay pinned until the decode worker's READ completes (its DONE notice releases
+the lease), release(req_id, epoch) is called, or the lease expires on this worker's monotonic
+clock (a BEGIN notice from the reader extends it while the read may be in flight).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from common.worker_runtime import (
 )
 from engine.config import EngineConfig
 from engine.request import FinishReason
-from kvtransfer.base import AgentMetadata
+from kvtransfer.base import AgentMetadata, Notification
+from kvtransfer.handoff import HandoffError, LeaseLedger, LeaseState, Notice, NoticeKind
 from kvtransfer.handshake import PROTOCOL_VERSION
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
@@ -67,11 +69,10 @@ class PrefillWorker:
             config.redis_url,
             config.num_threads,
         )
-        self._leases: dict[str, float] = {}  # req_id -> expiry (time.time())
+        self.leases = LeaseLedger()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._next_heartbeat = 0.0
+        self._next_heartbeat = 0.0  # time.monotonic()
         self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
-        self.num_expired_leases = 0
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
         self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
@@ -102,14 +103,20 @@ class PrefillWorker:
             await self.abort(request.req_id)
             raise
 
-    async def release(self, req_id: str) -> bool:
-        """Drop the lease on a request's blocks (the decode side has them, or gave up)."""
-        return await self.thread.call(lambda engine: self._release(engine, req_id))
+    async def release(self, req_id: str, epoch: int) -> bool:
+        """Drop the lease on a request's blocks (the decode side has them, or gave up) if
+        `epoch` names it; a stale one (the lease ended, or req_id was leased again since) is
+        ignored and counted. True when it freed the blocks."""
+        return await self.thread.call(lambda engine: self._release(engine, req_id, epoch))
 
     async def abort(self, req_id: str) -> None:
+        """Stop a prefill, or end its lease unless a read of it is in flight (that read's
+        notice or the lease's expiry ends it)."""
+
         def run(engine: Engine) -> None:
             engine.abort(req_id)
-            self._release(engine, req_id)
+            if self.leases.revoke(req_id) is not None:
+                engine.release_kv(req_id)
             waiter = self._waiters.pop(req_id, None)
             if waiter:
                 loop, future = waiter
@@ -158,7 +165,7 @@ class PrefillWorker:
 
     async def stats(self) -> WorkerStats:
         def run(engine: Engine) -> WorkerStats:
-            life = self.lifecycle
+            life, leases = self.lifecycle, self.leases
             return WorkerStats(
                 state=life.state,
                 load=engine_load(engine),
@@ -168,6 +175,12 @@ class PrefillWorker:
                 num_in_flight=self._num_in_flight(engine),
                 first_request_at=life.first_request_at,
                 ready_at=life.ready_at,
+                num_blocks_held=leases.num_blocks(LeaseState.HELD),
+                num_blocks_being_read=leases.num_blocks(LeaseState.BEING_READ),
+                num_expired_leases=leases.num_expired,
+                num_stale_releases=leases.num_stale,
+                num_stranded_blocks=leases.num_stranded(engine.kv.held_block_ids()),
+                handoff_transitions=tuple((t.name, t.count) for t in leases.transitions()),
             )
 
         return await self.thread.call(run)
@@ -189,15 +202,18 @@ class PrefillWorker:
         return await self.thread.call(self._leak_check)
 
     def _num_in_flight(self, engine: Engine) -> int:
-        return len(engine.scheduler.requests) + len(self._waiters) + len(self._leases)
+        return len(engine.scheduler.requests) + len(self._waiters) + self.leases.num_live
 
     def _leak_check(self, engine: Engine) -> LeakCheck:
         engine.check_integrity()
+        held = engine.kv.held_block_ids()
+        self.leases.check_integrity(held)
         return LeakCheck(
             num_free_blocks=engine.kv.num_free_blocks,
             num_total_blocks=engine.kv.num_blocks,
             num_held_blocks=engine.kv.num_held,
             num_requests=len(engine.scheduler.requests),
+            num_stranded_blocks=self.leases.num_stranded(held),
         )
 
     def shutdown(self) -> None:
@@ -207,12 +223,24 @@ class PrefillWorker:
         shut_down(self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
-    def _release(self, engine: Engine, req_id: str) -> bool:
-        self._leases.pop(req_id, None)
+    def _release(self, engine: Engine, req_id: str, epoch: int) -> bool:
+        if self.leases.release(req_id, epoch) is None:
+            logger.info("ignored a stale release of %s (epoch %x)", req_id, epoch)
+            return False
         return engine.release_kv(req_id)
 
+    def _on_notice(self, notif: Notification, now: float) -> None:
+        try:
+            notice = Notice.decode(notif.msg)
+            if notice.kind is NoticeKind.BEGIN:
+                self.leases.begin_read(notice.req_id, notice.epoch, now)
+            else:
+                self._release(self.engine, notice.req_id, notice.epoch)
+        except (ValueError, HandoffError) as e:
+            logger.warning("ignored a notification from %s: %s", notif.peer, e)
+
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        now = time.time()
+        now = time.monotonic()
         for out in outputs:
             waiter = self._waiters.pop(out.req_id, None)
             # The engine decided: "prefilled" keeps the blocks for a decode worker; any other
@@ -222,8 +250,10 @@ class PrefillWorker:
                 self.engine.release_kv(out.req_id)
             if waiter is None:
                 continue
+            epoch = None
             if finish is None:
-                self._leases[out.req_id] = now + self.config.lease_s
+                lease_s = self.config.lease_s
+                epoch = self.leases.grant(out.req_id, out.held_block_ids, lease_s, now).epoch
             if self.lifecycle.is_user_request(out.req_id):
                 self.num_prompt_tokens += out.num_prompt_tokens
                 self.num_cached_tokens += out.num_cached_tokens
@@ -237,7 +267,8 @@ class PrefillWorker:
                 num_tokens=out.num_prompt_tokens,
                 first_token_id=first,
                 protocol_version=PROTOCOL_VERSION,
-                lease_expires_at=now + self.config.lease_s,
+                epoch=epoch,
+                lease_s=self.config.lease_s,
                 num_cached_tokens=out.num_cached_tokens,
                 first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
                 finish_reason=finish,
@@ -246,13 +277,15 @@ class PrefillWorker:
             loop.call_soon_threadsafe(_settle, future, handle)
 
     def _on_tick(self) -> bool:
-        for notif in self.transfer.get_notifs():
-            self._release(self.engine, notif.msg.decode())
-        now = time.time()
-        for req_id in [r for r, expiry in self._leases.items() if expiry <= now]:
-            logger.warning("prefill lease of %s expired; releasing its blocks", req_id)
-            self.num_expired_leases += 1
-            self._release(self.engine, req_id)
+        now = time.monotonic()
+        for notif in self.transfer.get_notifs():  # before expiry: a BEGIN that came is honoured
+            self._on_notice(notif, now)
+        for lease in self.leases.expire(now):
+            held_s = lease.expires_at - lease.granted_at  # > lease_s: a read was announced
+            logger.warning(
+                "lease of %s expired after %.1f s; freeing its blocks", lease.req_id, held_s
+            )
+            self.engine.release_kv(lease.req_id)
         if self.publisher is not None:
             events = self.engine.kv.pool.drain_events()
             if events:

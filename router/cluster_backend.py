@@ -252,7 +252,7 @@ class ClusterBackend(Backend):
                 if prefill_actor is not None:
                     await _quietly(prefill_actor.abort.remote(req_id))
             elif stage == "handed":
-                await _quietly(prefill_actor.release.remote(req_id))
+                await _quietly(prefill_actor.release.remote(req_id, handle.epoch))
             elif stage == "decode" and decode_actor is not None:
                 await _quietly(decode_actor.abort.remote(req_id))
 

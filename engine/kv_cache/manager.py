@@ -154,6 +154,12 @@ class KVCacheManager:
     def num_held(self) -> int:
         return len(self._held)
 
+    def held_block_ids(self) -> dict[str, tuple[int, ...]]:
+        """req_id -> the block ids held for it (a copy; the prefill worker checks its leases)."""
+        return {
+            req_id: tuple(b.block_id for b in blocks) for req_id, (blocks, _) in self._held.items()
+        }
+
     def block_ids(self, req_id: str) -> list[int]:
         """The request's block table; the live list: read it, do not keep or change it."""
         return self._req_block_ids.get(req_id, [])

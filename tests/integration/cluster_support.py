@@ -1,14 +1,20 @@
-"""Test support for the embedded cluster: start one, read its workers' block accounting."""
+"""Test support for the embedded cluster: start one, read its workers' block accounting, drive
+a prefill worker outside its pools against its decode worker."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from common.cluster_state import LeakCheck
-from common.messages import GenerateRequest, TokenDelta
+import ray
+
+from common.cluster_state import LeakCheck, WorkerStats
+from common.messages import GenerateRequest, KVHandle, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
+from engine.sampling_params import SamplingParams
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from router.access import ApiKeys
 from router.frontend import Frontend
 from router.metrics import RouterMetrics
@@ -34,24 +40,73 @@ def tokens_of(deltas: list[TokenDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-async def worker_accounts(cluster: LocalCluster) -> dict[str, LeakCheck]:
-    actors = {**cluster.prefill_actors, **cluster.decode_actors}
+async def worker_accounts(
+    cluster: LocalCluster, extra: dict[str, Any] | None = None
+) -> dict[str, LeakCheck]:
+    actors = {**cluster.prefill_actors, **cluster.decode_actors, **(extra or {})}
     results = await asyncio.gather(*(a.check_no_leaks.remote() for a in actors.values()))
     return dict(zip(actors, results, strict=True))
 
 
-async def wait_until_no_leaks(cluster: LocalCluster, timeout_s: float = 20.0) -> None:
-    """Poll every worker until all blocks are free and nothing is in flight (leases are
-    released asynchronously by NIXL notifications)."""
+async def wait_until_no_leaks(
+    cluster: LocalCluster, timeout_s: float = 20.0, extra: dict[str, Any] | None = None
+) -> None:
+    """Poll every worker (and the `extra` actors) until all blocks are free, none stranded and
+    nothing in flight (leases are released asynchronously by NIXL notifications)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        accounts = await worker_accounts(cluster)
+        accounts = await worker_accounts(cluster, extra)
         busy = {name: acc for name, acc in accounts.items() if not acc.clean}
         if not busy:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still in use: {busy}")
         await asyncio.sleep(0.05)
+
+
+def start_extra_prefill(name: str, engine_config: EngineConfig, lease_s: float = 20.0) -> Any:
+    """A prefill worker actor outside the cluster's pools (no router places on it)."""
+    config = PrefillWorkerConfig(name, engine_config, None, lease_s, num_threads=1)
+    actor = ray.remote(PrefillWorker).options(name=name, num_cpus=0)
+    return actor.remote(config, name)
+
+
+def reference_tokens(make_engine, prompt, params: SamplingParams) -> list[int]:
+    engine = make_engine()
+    engine.add_request("ref", prompt, params)
+    tokens = []
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+async def decode_handle(
+    cluster: LocalCluster, req: GenerateRequest, handle: KVHandle
+) -> tuple[list[int], WorkerStats, WorkerStats]:
+    """Decode a prefilled request on the cluster's decode worker: its tokens, and the worker's
+    stats before and after."""
+    decode = next(iter(cluster.decode_actors.values()))
+    before = await decode.stats.remote()
+    await decode.submit.remote(req, handle, "test-router")
+    tokens = [handle.first_token_id]
+    for _ in range(120):
+        deltas = await decode.next_deltas.remote("test-router", 1.0)
+        deltas = [d for d in deltas if d.req_id == req.req_id]  # not an aborted one's leftovers
+        tokens.extend(t for d in deltas for t in d.token_ids)
+        if any(d.finished for d in deltas):
+            break
+    return tokens, before, await decode.stats.remote()
+
+
+async def decode_from_extra_prefill(
+    cluster: LocalCluster, prefill: Any, req: GenerateRequest, kill_prefill: bool = False
+) -> tuple[list[int], WorkerStats, WorkerStats]:
+    """Prefill on an actor outside the cluster, decode on the cluster's decode worker."""
+    handle = await prefill.prefill.remote(req)
+    if kill_prefill:
+        ray.kill(prefill)
+    return await decode_handle(cluster, req, handle)
 
 
 class ClusterHarness(LoopThread):

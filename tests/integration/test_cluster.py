@@ -12,15 +12,17 @@ from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig
 from engine.sampling_params import SamplingParams
-from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from router.policy import make_prefill_policy
 from router.prefix_index import IndexUnavailable
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
+    decode_from_extra_prefill,
+    start_extra_prefill,
     tokens_of,
     wait_until_no_leaks,
 )
+from tests.integration.cluster_support import reference_tokens as reference_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -208,6 +210,7 @@ def test_incompatible_handshake_is_refused_and_request_recomputed(
     assert tokens == reference_tokens(make_engine, prompt)
     assert after.num_recomputed == before.num_recomputed + 1
     assert after.num_transferred_blocks == before.num_transferred_blocks
+    assert after.num_refused_handshakes == before.num_refused_handshakes + 1
 
 
 def test_redis_down_then_back(cluster, loop, tokenizer):
@@ -236,34 +239,5 @@ def test_redis_down_then_back(cluster, loop, tokenizer):
     assert again[0][0].num_cached_tokens > 0, "re-published prefix blocks are found again"
 
 
-def start_extra_prefill(name: str, engine_config):
-    config = PrefillWorkerConfig(name, engine_config, None, 20.0, num_threads=1)
-    actor = ray.remote(PrefillWorker).options(name=name, num_cpus=0)
-    return actor.remote(config, name)
-
-
 def reference_tokens(make_engine, prompt) -> list[int]:
-    engine = make_engine()
-    engine.add_request("ref", prompt, GREEDY)
-    tokens = []
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-    return tokens
-
-
-async def decode_from_extra_prefill(cluster, prefill, req, kill_prefill=False):
-    """Prefill on an actor outside the cluster, decode on the cluster's decode worker."""
-    handle = await prefill.prefill.remote(req)
-    if kill_prefill:
-        ray.kill(prefill)
-    decode = next(iter(cluster.decode_actors.values()))
-    before = await decode.stats.remote()
-    await decode.submit.remote(req, handle, "test-router")
-    tokens = [handle.first_token_id]
-    for _ in range(120):
-        deltas = await decode.next_deltas.remote("test-router", 1.0)
-        tokens.extend(t for d in deltas for t in d.token_ids)
-        if any(d.finished for d in deltas):
-            break
-    return tokens, before, await decode.stats.remote()
+    return reference_of(make_engine, prompt, GREEDY)

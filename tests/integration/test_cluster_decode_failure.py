@@ -140,6 +140,7 @@ def test_a_dead_decode_workers_streams_migrate_and_stay_exact(
     on_victim = sum(worker == victim for worker in placed.values())
     assert cluster.backend.num_migrations - before == on_victim == 4
     assert any(placed[f"doom{i}"] == victim for i in range(NUM_STREAMS - NUM_SEEDED, NUM_STREAMS))
+
     # The controller sees the death and removes the worker from Redis (not at its TTL).
     async def death_recorded() -> tuple[str, str]:
         deadline = time.monotonic() + 30

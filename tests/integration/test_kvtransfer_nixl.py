@@ -89,6 +89,9 @@ class _PeerState:
             self.transfer.release(handle)
         return handle
 
+    def notify(self, peer: str, msg: bytes) -> None:
+        self.transfer.notify(peer, msg)
+
     def block_bytes(self, block_ids: Sequence[int]) -> list[bytes]:
         return [self.kv[i].cpu().numpy().tobytes() for i in block_ids]
 
@@ -252,6 +255,20 @@ def test_read_notifies_the_holder(reader: Peer, holder: Peer) -> None:
     reader.call("read_and_wait", "holder", [12], [12], b"req-7 done")
     notifs = holder.call("wait_notifs", 1)
     assert Notification("reader", b"req-7 done") in notifs
+
+
+def test_a_notice_sent_before_a_read_reaches_the_holder_before_the_reads_own(
+    reader: Peer, holder: Peer
+) -> None:
+    """The handoff's BEGIN notice (notify) then the READ's DONE notice, in that order."""
+    for i in range(5):
+        reader.call("notify", "holder", f"req-8.{i} begin".encode())
+        reader.call("read_and_wait", "holder", [13 + i], [13 + i], f"req-8.{i} done".encode())
+    notifs = [n for n in holder.call("wait_notifs", 10) if n.msg.startswith(b"req-8.")]
+    expected = [f"req-8.{i} {kind}".encode() for i in range(5) for kind in ("begin", "done")]
+    assert [n.msg for n in notifs] == expected and {n.peer for n in notifs} == {"reader"}
+    with pytest.raises(ValueError, match="unknown peer 'nobody'"):
+        reader.call("notify", "nobody", b"begin")
 
 
 @pytest.mark.parametrize(
