@@ -21,8 +21,9 @@ failed its read first) or expiry; the holder's own abort leaves it to those.
 
 Clocks: each side uses only its own time.monotonic(), passed in as `now`. The holder expires
 leases on its clock. The reader's deadline for posting a READ is its receipt of the handle plus
-(1 - DEADLINE_MARGIN) * lease_s; the margin covers the handle's trip (through the router) and the
-BEGIN notice's trip, so BEGIN reaches the holder before its unextended expiry. A READ must then
+(1 - DEADLINE_MARGIN) * lease_s, where the router has already taken off lease_s the time the
+handle spent with it (on its own clock); the margin covers the two RPC hops and the BEGIN
+notice's trip, so BEGIN reaches the holder before its unextended expiry. A READ must then
 end (seen DONE) within lease_s of being posted, which the extended lease covers; one that does
 not is cancelled and its prompt recomputed. No clock value ever crosses a host.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -200,6 +201,7 @@ class ClusterBackend(Backend):
                 try:
                     prefill_actor = self._actor_of(prefill)  # found by _candidates
                     handle = await prefill_actor.prefill.remote(request)
+                    received = time.monotonic()
                     break
                 except (RayActorError, WorkerUnavailable) as e:
                     prefill_actor = None
@@ -227,7 +229,9 @@ class ClusterBackend(Backend):
                 return
             stage = "handed"
             queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-            decode, decode_actor = await self._hand_over(request, handle, queue, client_req_id)
+            decode, decode_actor = await self._hand_over(
+                request, handle, queue, client_req_id, received
+            )
             stage = "decode"
             yield first
             while True:
@@ -285,6 +289,7 @@ class ClusterBackend(Backend):
         handle: KVHandle,
         queue: asyncio.Queue[TokenDelta],
         client_req_id: str,
+        received: float,
     ) -> tuple[WorkerInfo, Any]:
         """Place the prefilled request on a decode worker and submit it (counted as placed
         there until the stream ends); a worker that stopped taking work is left for another."""
@@ -295,7 +300,10 @@ class ClusterBackend(Backend):
                 actor = self._actor_of(decode)
                 self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)
                 self._ensure_poller(decode, actor)
-                await actor.submit.remote(request, handle, self.router_id)
+                # What is left of the lease: the decode worker reckons its deadline from when
+                # it gets the handle, so the time spent here must not count twice.
+                left = max(0.0, handle.lease_s - (time.monotonic() - received))
+                await actor.submit.remote(request, replace(handle, lease_s=left), self.router_id)
                 return decode, actor
             except (RayActorError, WorkerUnavailable) as e:
                 self._streams.pop(request.req_id, None)
