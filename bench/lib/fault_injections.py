@@ -18,11 +18,13 @@ from typing import Any
 from bench.lib.fault_run import Fault, FaultRun
 from bench.lib.malformed import malformed_requests, send_malformed
 from bench.lib.router_process import RouterProcess
-from bench.lib.steady_load import HttpClient
+from bench.lib.steady_load import HttpClient, RequestRecord
 
 FREEZE_S = 10.0
 REDIS_DOWN_S = 10.0
 NUM_ABORTS = 100
+NUM_LONG_STREAMS = 2  # through the router that is killed; outlive its silence timeout
+LONG_STREAM_TOKENS = 400
 ABORT_WAVE = 10  # storm requests in flight at once
 
 
@@ -49,7 +51,7 @@ async def kill_prefill_in_prefill(run: FaultRun) -> dict[str, Any]:
         for pid in pids.values():
             os.kill(pid, signal.SIGCONT)
     return {
-        "did": f"killed {victim} with {len(on_victim)} requests in prefill on it",
+        "did": f"killed {victim} with {_count(len(on_victim), 'request')} in prefill on it",
         "victim": victim,
         "watched": on_victim,
     }
@@ -99,8 +101,9 @@ async def kill_decode_with_streams(run: FaultRun) -> dict[str, Any]:
     victim, num_streams = on.most_common(1)[0]
     streaming = [r.req_id for r in run.in_flight() if backend.decode_worker_of(r.req_id) == victim]
     os.kill((await run.pids("decode"))[victim], signal.SIGKILL)
+    everywhere = ", ".join(f"{n} on {w}" for w, n in sorted(on.items()))
     return {
-        "did": f"killed {victim} streaming {num_streams} requests ({dict(on)} in all)",
+        "did": f"killed {victim} streaming {_count(num_streams, 'request')} ({everywhere})",
         "victim": victim,
         "streams": dict(on),
         "watched": streaming,
@@ -137,36 +140,51 @@ async def redis_down(run: FaultRun) -> dict[str, Any]:
 
 
 async def kill_router(run: FaultRun) -> dict[str, Any]:
-    """An extra HTTP load (half the rate) goes through a `kvrelay router` process; it is
-    SIGKILLed mid load and a new router process started, which takes that load over."""
+    """An extra HTTP load (half the rate) goes through a `kvrelay router` process, with
+    NUM_LONG_STREAMS long streams decoding when it is SIGKILLed (its decode workers must abort
+    them once it stops polling); a new router process takes the load over."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
     rate = run.settings.rate / 2
-    first = RouterProcess(address, run.log_dir / "router-a.log")
+    routers: list[RouterProcess] = []
+    clients: list[HttpClient] = []
+    run.on_end(lambda: _close(routers, clients))
+
+    def router_client(router: RouterProcess, max_tokens: int) -> HttpClient:
+        clients.append(HttpClient(router.base_url, run.model, run.prompts, max_tokens))
+        return clients[-1]
+
+    routers.append(first := RouterProcess(address, run.log_dir / "router-a.log"))
     await first.wait_ready()
-    client = HttpClient(first.base_url, run.model, run.prompts, run.params.max_tokens)
-    load = run.add_load(client, rate, "http-a")
+    load = run.add_load(router_client(first, run.params.max_tokens), rate, "http-a")
+    long_client = router_client(first, LONG_STREAM_TOKENS)
+    long = [RequestRecord(f"long{i}", i, time.time()) for i in range(NUM_LONG_STREAMS)]
+    streams = [asyncio.create_task(long_client.send(r)) for r in long]
     await asyncio.sleep(run.settings.pre_s)
+    await run.until(lambda: all(r.first for r in long), "the long streams decoding")
     cut = [r.req_id for r in load.in_flight()]
     load.stop()
     first.kill()
-    second = RouterProcess(address, run.log_dir / "router-b.log")
+    await asyncio.gather(*streams)
+    routers.append(second := RouterProcess(address, run.log_dir / "router-b.log"))
     up_s = await second.wait_ready()
-    client_b = HttpClient(second.base_url, run.model, run.prompts, run.params.max_tokens)
-    run.add_load(client_b, rate, "http-b")
-    run.on_end(lambda: _close_router(second, (client, client_b)))
+    run.add_load(router_client(second, run.params.max_tokens), rate, "http-b")
     return {
-        "did": f"SIGKILLed a router process serving an HTTP load of {rate:g} req/s ({len(cut)} "
-        f"of its requests in flight); a new router process took it over {up_s:.1f} s later",
+        "did": f"SIGKILLed a router process serving an HTTP load of {rate:g} req/s "
+        f"({_count(len(cut), 'request')} of it in flight) and {NUM_LONG_STREAMS} long streams; "
+        f"a new router process took the load over {up_s:.1f} s later",
+        "injected": f"{NUM_LONG_STREAMS} long streams cut by the kill",
+        "long_streams": [r.error for r in long],
         "watched": cut,
     }
 
 
-async def _close_router(router: RouterProcess, clients: tuple[HttpClient, ...]) -> None:
+async def _close(routers: list[RouterProcess], clients: list[HttpClient]) -> None:
     for client in clients:
         await client.close()
-    router.kill()
+    for router in routers:
+        router.kill()
 
 
 async def freeze(run: FaultRun, role: str) -> dict[str, Any]:
@@ -182,14 +200,38 @@ async def freeze(run: FaultRun, role: str) -> dict[str, Any]:
     else:
         victim = sorted(run.cluster.prefill_actors)[0]
     pid = (await run.pids(role))[victim]
-    num_streams = sum(backend.decode_worker_of(r.req_id) == victim for r in run.in_flight())
     os.kill(pid, signal.SIGSTOP)
     try:
+        hit = _on_worker(run, victim, role)  # streaming there when it stopped
         await asyncio.sleep(FREEZE_S)
+        hit |= _on_worker(run, victim, role)  # and what was placed there meanwhile
     finally:
         os.kill(pid, signal.SIGCONT)
-    what = f" streaming {num_streams} requests" if role == "decode" else ""
-    return {"did": f"SIGSTOP {victim}{what} for {FREEZE_S:.0f} s, then SIGCONT", "victim": victim}
+    what = "streaming" if role == "decode" else "in prefill on it"
+    return {
+        "did": f"SIGSTOP {victim} for {FREEZE_S:.0f} s, then SIGCONT ({_count(len(hit), 'request')}"
+        f" {what})",
+        "victim": victim,
+        "watched": sorted(hit),
+    }
+
+
+def _on_worker(run: FaultRun, worker_id: str, role: str) -> set[str]:
+    backend = run.backend
+    if role == "decode":
+        return {
+            r.req_id for r in run.in_flight() if backend.decode_worker_of(r.req_id) == worker_id
+        }
+    return {
+        r.req_id
+        for r in run.in_flight()
+        if backend.last_placements.get(r.req_id) == worker_id
+        and backend.decode_worker_of(r.req_id) is None
+    }
+
+
+def _count(num: int, noun: str) -> str:
+    return f"{num} {noun}" + ("" if num == 1 else "s")
 
 
 async def freeze_decode(run: FaultRun) -> dict[str, Any]:

@@ -127,16 +127,18 @@ class FaultRun:
         migrations = self.backend.num_migrations
         counters = await self._decode_counters()
         self.add_load(BackendClient(self.backend, self.prompts, self.params), settings.rate, "b")
-        await asyncio.sleep(settings.pre_s)
         try:
-            detail = await fault.inject(self)
-        except Exception as e:  # recorded: the phase still drains and is checked
-            logger.exception("injection %s failed", fault.key)
-            detail = {"injection_error": f"{type(e).__name__}: {e}"}
-        await asyncio.sleep(settings.post_s)
-        records, num_hung = await self._drain()
-        for cleanup in self._at_end:
-            await cleanup()
+            await asyncio.sleep(settings.pre_s)
+            try:
+                detail = await fault.inject(self)
+            except Exception as e:  # recorded: the phase still drains and is checked
+                logger.exception("injection %s failed", fault.key)
+                detail = {"injection_error": f"{type(e).__name__}: {e}"}
+            await asyncio.sleep(settings.post_s)
+            records, num_hung = await self._drain()
+        finally:
+            for cleanup in self._at_end:
+                await cleanup()
         summary = self._summary(fault, records, num_hung)
         summary["migrated"] = self.backend.num_migrations - migrations
         watched = [r for r in records if r.req_id in set(detail.get("watched", ()))]
@@ -156,7 +158,7 @@ class FaultRun:
             all_free_after_s=round(seconds, 1),
             workers_left=left_since(status, started),
             workers_joined=joined_since(status, started),
-            **{k: after.get(k, 0) - counters.get(k, 0) for k in ("recomputed", "orphans_aborted")},
+            **_counted(counters, after),
         )
         self.loads, self._runners, self._at_end = [], [], []
         return summary
@@ -170,14 +172,16 @@ class FaultRun:
         )
         return [r for load in self.loads for r in load.records], sum(len(h) for h in hung)
 
-    async def _decode_counters(self) -> dict[str, int]:
-        """Summed over the live decode workers (a killed one's counts go with it)."""
-        actors = list(self.cluster.decode_actors.values())
-        stats = await asyncio.gather(*(a.stats.remote() for a in actors), return_exceptions=True)
-        live = [s for s in stats if not isinstance(s, BaseException)]
+    async def _decode_counters(self) -> dict[str, tuple[int, int]]:
+        """Decode worker id -> (prompts recomputed, orphans aborted), for the live ones."""
+        actors = self.cluster.decode_actors
+        stats = await asyncio.gather(
+            *(a.stats.remote() for a in actors.values()), return_exceptions=True
+        )
         return {
-            "recomputed": sum(s.num_recomputed for s in live),
-            "orphans_aborted": sum(s.num_orphans_aborted for s in live),
+            worker_id: (s.num_recomputed, s.num_orphans_aborted)
+            for worker_id, s in zip(actors, stats, strict=True)
+            if not isinstance(s, BaseException)
         }
 
     def _summary(self, fault: Fault, records: list[RequestRecord], num_hung: int) -> dict:
@@ -210,6 +214,19 @@ class FaultRun:
         return tuple(record.token_ids) == reference.token_ids[:n] and reference.text.startswith(
             record.text
         )
+
+
+def _counted(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict:
+    """What the decode workers alive at the end counted during the phase (a worker killed in
+    it took its counts along)."""
+    deltas = [
+        (now[0] - before.get(w, (0, 0))[0], now[1] - before.get(w, (0, 0))[1])
+        for w, now in after.items()
+    ]
+    return {
+        "recomputed": sum(d[0] for d in deltas),
+        "orphans_aborted": sum(d[1] for d in deltas),
+    }
 
 
 def _short(error: str, limit: int = 160) -> str:

@@ -18,6 +18,13 @@ def _gone(phase: dict[str, Any]) -> str:
     return f"{gone} -> {joined or 'none'}" if gone else "-"
 
 
+def _injected(phase: dict[str, Any]) -> str:
+    injected = phase["injection"].get("injected", "-")
+    if phase["orphans_aborted"]:
+        injected += f"; decode workers aborted {phase['orphans_aborted']} orphans"
+    return injected
+
+
 def row(phase: dict[str, Any]) -> str:
     blocks = phase["blocks_in_use"] + phase["requests_left_on_workers"]
     cells = [
@@ -30,7 +37,7 @@ def row(phase: dict[str, Any]) -> str:
         phase["hung"],
         f"{blocks} ({phase['workers_checked']} workers)",
         _gone(phase),
-        phase["injection"].get("injected", "-"),
+        _injected(phase),
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -41,12 +48,10 @@ def details(phase: dict[str, Any]) -> list[str]:
     line = f"- **{phase['title']}**: {did}."
     extra = []
     if injection.get("watched"):
-        num = len(injection["watched"])
-        extra.append(
-            f"of those {num}, {injection['watched_completed_exact']} completed token-exact"
-        )
+        num, exact = len(injection["watched"]), injection["watched_completed_exact"]
+        extra.append(f"{exact} of the {num} load requests it hit completed token-exact")
     if phase["recomputed"]:
-        extra.append(f"{phase['recomputed']} prompts recomputed on a decode worker")
+        extra.append(f"decode workers recomputed {phase['recomputed']} prompts (pull failed)")
     if phase["orphans_aborted"]:
         extra.append(f"{phase['orphans_aborted']} orphaned requests aborted by decode workers")
     if phase["blocks_held"]:
