@@ -10,85 +10,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from bench.lib.cluster_watch import settle
+from bench.lib.steady_load import BackendClient, RequestRecord, SteadyLoad
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerState, WorkerStatus
-from common.messages import GenerateRequest
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling_params import SamplingParams
+
+HANG_BOUND_S = 600.0  # a request still running this long after its start is cancelled
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-@dataclass
-class Sample:
-    start: float
-    ttft: float
-    end: float
-    ok: bool
-
-
-class Load:
-    """Requests at a fixed rate over a fixed prompt set until stop()."""
-
-    def __init__(self, backend: Any, prompts: list[tuple[int, ...]], rate: float, max_tokens: int):
-        self.backend = backend
-        self.prompts = prompts
-        self.rate = rate
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        self.samples: list[Sample] = []
-        self._stop = asyncio.Event()
-
-    async def run(self) -> None:
-        tasks = []
-        i = 0
-        while not self._stop.is_set():
-            tasks.append(asyncio.create_task(self._one(i)))
-            i += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 1 / self.rate)
-        await asyncio.gather(*tasks)
-
-    async def _one(self, i: int) -> None:
-        request = GenerateRequest(f"b{i}", self.prompts[i % len(self.prompts)], self.params)
-        start = time.time()
-        first = 0.0
-        ok = True
-        try:
-            async for delta in self.backend.generate(request):
-                first = first or time.time()
-                ok = delta.finish_reason != "error"
-        except Exception as e:
-            log(f"request b{i} failed: {e}")
-            ok = False
-        self.samples.append(Sample(start, (first or time.time()) - start, time.time(), ok))
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-async def settle(controller: Any) -> ClusterStatus:
-    while True:
-        status: ClusterStatus = await controller.status.remote(with_stats=False)
-        if all(p.settled for p in status.pools) and not status.error:
-            return status
-        if status.error:
-            raise RuntimeError(status.error)
-        await asyncio.sleep(0.1)
-
-
 def at(worker: WorkerStatus, state: WorkerState) -> float:
     return next(t.at for t in worker.transitions if t.state == state)
+
+
+def ttft(sample: RequestRecord) -> float:
+    return (sample.first or sample.end or time.time()) - sample.start
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -118,7 +66,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         tuple(tokenizer.apply_chat_template([{"role": "user", "content": f"Fact {i} please."}]))
         for i in range(32)
     ]
-    load = Load(cluster.backend, prompts, args.rate, args.max_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    load = SteadyLoad(BackendClient(cluster.backend, prompts, params), len(prompts), args.rate, "b")
     runner = asyncio.create_task(load.run())
     resizes = []
     try:
@@ -151,29 +100,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         load.stop()
         await runner
+        await load.drain(HANG_BOUND_S)
         await cluster.close()
 
-    def during(sample: Sample) -> bool:
-        return any(sample.start < r["end"] and sample.end > r["start"] for r in resizes)
+    def during(sample: RequestRecord) -> bool:
+        end = sample.end or time.time()
+        return any(sample.start < r["end"] and end > r["start"] for r in resizes)
 
-    inside = [s for s in load.samples if during(s)]
-    outside = [s for s in load.samples if not during(s)]
+    inside = [s for s in load.records if during(s)]
+    outside = [s for s in load.records if not during(s)]
     return {
         "command": "python -m bench.scale_bench " + " ".join(sys.argv[1:]),
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "rate": args.rate,
         "max_tokens": args.max_tokens,
-        "num_requests": len(load.samples),
-        "num_failed": sum(not s.ok for s in load.samples),
+        "num_requests": len(load.records),
+        "num_failed": sum(not s.completed for s in load.records),
         "resizes": resizes,
         "latency_during_resize": {
-            "e2e_s": percentiles([s.end - s.start for s in inside]),
-            "ttft_s": percentiles([s.ttft for s in inside]),
+            "e2e_s": percentiles([s.end - s.start for s in inside if s.end]),
+            "ttft_s": percentiles([ttft(s) for s in inside]),
         },
         "latency_outside_resize": {
-            "e2e_s": percentiles([s.end - s.start for s in outside]),
-            "ttft_s": percentiles([s.ttft for s in outside]),
+            "e2e_s": percentiles([s.end - s.start for s in outside if s.end]),
+            "ttft_s": percentiles([ttft(s) for s in outside]),
         },
     }
 

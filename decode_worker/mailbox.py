@@ -1,6 +1,7 @@
 """Mailboxes: per-router queues of TokenDeltas, filled by the engine thread, drained by
 long-polling Ray calls (one call per engine step at most, never one per token), and when each
-router last polled (a router that stopped polling has died: its requests are orphans)."""
+router last polled (a router that stopped polling has died: its requests are orphans). Silence
+counts only while this worker runs: a stall of the worker itself is not held against a router."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Mailboxes:
         self._boxes: dict[str, _Box] = {}
         self._early: dict[str, list[TokenDelta]] = {}
         self._early_seen: dict[str, float] = {}  # routers that submitted but have not polled
+        self._last_check: float | None = None  # time.monotonic() of the last silent_routers()
 
     def push(self, router_id: str, deltas: list[TokenDelta]) -> None:
         """Engine thread: queue deltas and wake the router's pending poll."""
@@ -69,10 +71,22 @@ class Mailboxes:
             else:
                 self._early_seen[router_id] = time.monotonic()
 
-    def silent_routers(self, timeout_s: float) -> list[str]:
-        """Routers that have not polled for `timeout_s` (dead or cut off)."""
-        cutoff = time.monotonic() - timeout_s
+    def silent_routers(self, timeout_s: float, check_every_s: float) -> list[str]:
+        """Routers that have not polled for `timeout_s` (dead or cut off), called about every
+        `check_every_s`. A gap of more than twice that since the last call means this worker
+        itself was stopped (SIGSTOP, a paused VM) or starved: the gap is added to every
+        router's last poll, since no poll could have been answered, and a poll pending across
+        the stall may not have been noticed yet."""
+        now = time.monotonic()
         with self._lock:
+            stall = 0.0 if self._last_check is None else now - self._last_check - check_every_s
+            self._last_check = now
+            if stall > check_every_s:
+                for box in self._boxes.values():
+                    box.last_seen = min(now, box.last_seen + stall)
+                for router_id, seen in self._early_seen.items():
+                    self._early_seen[router_id] = min(now, seen + stall)
+            cutoff = now - timeout_s
             boxes = [r for r, box in self._boxes.items() if box.last_seen < cutoff]
             early = [r for r, seen in self._early_seen.items() if seen < cutoff]
         return boxes + early

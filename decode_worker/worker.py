@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
     from engine.engine import Engine, RequestOutput
 
 logger = logging.getLogger(__name__)
+ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class DecodeWorker:
         now = time.time()
         if now >= self._next_orphan_check:
             self._abort_orphans()
-            self._next_orphan_check = now + 1.0
+            self._next_orphan_check = now + ORPHAN_CHECK_S
         if self.publisher is not None and now >= self._next_heartbeat:
             self.engine.kv.pool.drain_events()
             self.publisher.heartbeat(engine_load(self.engine))
@@ -225,7 +226,8 @@ class DecodeWorker:
     def _abort_orphans(self) -> None:
         """The requests of a router that stopped long-polling (it died) are aborted and their
         blocks freed; nobody would read their tokens."""
-        for router_id in self.mailboxes.silent_routers(self.config.router_timeout_s):
+        silent = self.mailboxes.silent_routers(self.config.router_timeout_s, ORPHAN_CHECK_S)
+        for router_id in silent:
             orphans = [req_id for req_id, r in self._routes.items() if r == router_id]
             for req_id in orphans:
                 self._abort(self.engine, req_id)

@@ -175,7 +175,10 @@ class Controller:
             if record.task is not None:
                 record.task.cancel()
         live = [r for r in self._records.values() if r.state != WorkerState.GONE]
-        await asyncio.gather(*(worker_launch.stop(r.actor) for r in live), return_exceptions=True)
+        await asyncio.gather(
+            *(worker_launch.stop(r.actor, loaded=r.description is not None) for r in live),
+            return_exceptions=True,
+        )
         for record in live:
             if record.state != WorkerState.GONE:  # a cancelled start has recorded its own end
                 record.move(WorkerState.GONE, "cluster shut down")
@@ -251,7 +254,7 @@ class Controller:
             record.move(WorkerState.READY, "taking traffic", at=at)
             self._num_failures[record.role] = 0
         except asyncio.CancelledError:
-            await worker_launch.stop(record.actor)
+            await worker_launch.stop(record.actor, loaded=record.description is not None)
             record.move(WorkerState.GONE, "start cancelled (pool scaled down)")
             raise
         except Exception as e:

@@ -125,10 +125,13 @@ async def drain(actor: Any, grace_s: float, timeout_s: float) -> tuple[LeakCheck
         await asyncio.sleep(0.2)
 
 
-async def stop(actor: Any) -> None:
-    """Withdraw the worker from Redis, close its NIXL agent, end its process."""
-    try:
-        await asyncio.wait_for(actor.shutdown.remote(), 30.0)
-    except Exception as e:  # dead already, or hung: it is killed either way
-        logger.info("worker shutdown call failed: %s", e)
+async def stop(actor: Any, loaded: bool = True) -> None:
+    """Withdraw the worker from Redis, close its NIXL agent, end its process. A worker that has
+    not loaded yet (loaded=False) has published nothing, and its shutdown call would wait for
+    its constructor: its process is ended at once."""
+    if loaded:
+        try:
+            await asyncio.wait_for(actor.shutdown.remote(), 30.0)
+        except Exception as e:  # dead already, or hung: it is killed either way
+            logger.info("worker shutdown call failed: %s", e)
     ray.kill(actor, no_restart=True)

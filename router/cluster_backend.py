@@ -310,6 +310,7 @@ class ClusterBackend(Backend):
                 self.workers.done(decode.worker_id)
                 if isinstance(e, RayActorError):
                     self._lost(decode.worker_id)
+                _drain(queue)  # the dead worker's notice (its poller may see it first) is stale
                 excluded |= {decode.worker_id}
                 if len(excluded) >= MAX_PLACEMENTS:
                     raise
@@ -432,6 +433,11 @@ def _continuation(request: GenerateRequest, sent: list[int], num: int) -> Genera
         prompt_token_ids=request.prompt_token_ids + tuple(sent),
         sampling=sampling,
     )
+
+
+def _drain(queue: asyncio.Queue[TokenDelta]) -> None:
+    while not queue.empty():
+        queue.get_nowait()
 
 
 async def _quietly(ref: Any) -> None:

@@ -1,0 +1,55 @@
+"""Mailboxes' silence clock (decode_worker/mailbox.py): a router that stopped polling is found
+silent after the timeout, but a stall of the worker itself (SIGSTOP, a paused VM) is not held
+against a router whose poll was pending across it."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker import mailbox
+from decode_worker.mailbox import Mailboxes
+
+TIMEOUT_S = 10.0
+CHECK_S = 1.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(mailbox.time, "monotonic", clock)
+    return clock
+
+
+def checked_every_second(boxes: Mailboxes, clock: Clock, seconds: int) -> list[str]:
+    """The engine thread's checks over `seconds` of running time; the last check's answer."""
+    silent: list[str] = []
+    for _ in range(seconds):
+        clock.now += CHECK_S
+        silent = boxes.silent_routers(TIMEOUT_S, CHECK_S)
+    return silent
+
+
+def test_a_router_that_stops_polling_is_silent_after_the_timeout(clock: Clock) -> None:
+    boxes = Mailboxes()
+    boxes.expect("router-a")
+    assert boxes.silent_routers(TIMEOUT_S, CHECK_S) == []
+    assert checked_every_second(boxes, clock, 9) == []
+    assert checked_every_second(boxes, clock, 2) == ["router-a"]
+
+
+def test_the_workers_own_stall_is_not_counted_against_a_router(clock: Clock) -> None:
+    boxes = Mailboxes()
+    boxes.expect("router-a")  # it submitted; its first poll is pending when the worker stops
+    boxes.silent_routers(TIMEOUT_S, CHECK_S)
+    clock.now += 12.0  # the whole process was stopped: no poll could be answered
+    assert boxes.silent_routers(TIMEOUT_S, CHECK_S) == [], "the stall is not the router's"
+    assert checked_every_second(boxes, clock, 8) == []
+    assert checked_every_second(boxes, clock, 3) == ["router-a"], "silence still counts after"
