@@ -46,7 +46,10 @@ def _cpu_tag() -> str:
 def _build() -> Callable[..., torch.Tensor]:
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = f"kvrelay_paged_decode_{_cpu_tag()}"
+    # One build folder per CPU and per checkout: two checkouts on one machine (worktrees, a CI
+    # clone) would otherwise rebuild over each other and share one build lock.
+    checkout = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:6]
+    name = f"kvrelay_paged_decode_{_cpu_tag()}_{checkout}"
     build_dir = Path(_get_build_directory(name, verbose=False))
     _remove_stale_lock(build_dir / "lock")
     built = any(build_dir.glob(f"{name}*.so"))
