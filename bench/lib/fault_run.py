@@ -143,6 +143,7 @@ class FaultRun:
         summary["migrated"] = self.backend.num_migrations - migrations
         watched = [r for r in records if r.req_id in set(detail.get("watched", ()))]
         detail["watched_completed_exact"] = sum(r.completed and self._exact(r) for r in watched)
+        detail["watched_failed"] = sum(r.failed for r in watched)
         await settle(self.cluster.controller, SETTLE_TIMEOUT_S)
         await router_knows_all(self.cluster, 30.0)
         accounts, seconds = await wait_all_free(self.cluster, settings.free_timeout_s)

@@ -18,6 +18,10 @@ def _gone(phase: dict[str, Any]) -> str:
     return f"{gone} -> {joined or 'none'}" if gone else "-"
 
 
+def _count(num: int, noun: str) -> str:
+    return f"{num} {noun}" + ("" if num == 1 else "s")
+
+
 def _injected(phase: dict[str, Any]) -> str:
     injected = phase["injection"].get("injected", "-")
     if phase["orphans_aborted"]:
@@ -49,14 +53,17 @@ def details(phase: dict[str, Any]) -> list[str]:
     extra = []
     if injection.get("watched"):
         num, exact = len(injection["watched"]), injection["watched_completed_exact"]
-        extra.append(f"{exact} of the {num} load requests it hit completed token-exact")
+        failed = injection.get("watched_failed", 0)
+        said = f"of the {_count(num, 'load request')} it hit, {exact} completed token-exact"
+        extra.append(said + (f" and {failed} failed (below)" if failed else ""))
     if phase["recomputed"]:
-        extra.append(f"decode workers recomputed {phase['recomputed']} prompts (pull failed)")
+        extra.append(f"decode workers recomputed {_count(phase['recomputed'], 'prompt')}")
     if phase["orphans_aborted"]:
-        extra.append(f"{phase['orphans_aborted']} orphaned requests aborted by decode workers")
+        orphans = _count(phase["orphans_aborted"], "orphaned request")
+        extra.append(f"decode workers aborted {orphans} once the dead router stopped polling")
     if phase["blocks_held"]:
-        extra.append(f"{phase['blocks_held']} blocks still leased")
-    extra.append(f"every block free {phase['all_free_after_s']} s after the load drained")
+        extra.append(f"{_count(phase['blocks_held'], 'block')} still leased")
+    extra.append(f"every block free {phase['all_free_after_s']} s after the pools settled")
     said = "; ".join(extra)
     line += f" {said[0].upper()}{said[1:]}."
     out = [line]
