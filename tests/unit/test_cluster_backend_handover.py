@@ -36,7 +36,7 @@ class FakePrefill:
         self.abort = Method(self._noop)
 
     async def _prefill(self, request: GenerateRequest) -> KVHandle:
-        return KVHandle(request.req_id, "p0", "p0", "p0-nixl", (1,), 4, 100, 1, 0.0)
+        return KVHandle(request.req_id, "p0", "p0", "p0-nixl", (1,), 4, 100, 1, 1, 30.0)
 
     async def _noop(self, req_id: str) -> None:
         return None
