@@ -5,10 +5,12 @@ state: the worker's published state, its counters of user requests, when it turn
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from common.cluster_state import (
     WARMUP_REQ_PREFIX,
+    LeakCheck,
     WorkerDescription,
     WorkerState,
     WorkerUnavailable,
@@ -162,6 +164,14 @@ class WorkerLifecycle:
         self.num_requests += 1
         if self.first_request_at is None:
             self.first_request_at = time.time()
+
+    def retire(self, num_in_flight: int, leak_check: Callable[[], LeakCheck]) -> LeakCheck | None:
+        """Drain's last step: None while work is in flight; else stop taking requests (a late
+        one gets WorkerUnavailable, the router places it elsewhere) and return the accounts."""
+        if num_in_flight:
+            return None
+        self.closed = True
+        return leak_check()
 
     def is_user_request(self, req_id: str) -> bool:
         return not req_id.startswith(WARMUP_REQ_PREFIX)

@@ -8,6 +8,7 @@ each router's mailbox. This class only wires Ray to those parts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -164,14 +165,11 @@ class DecodeWorker:
         return await self.thread.call(run)
 
     async def retire(self) -> LeakCheck | None:
-        """Drain's last step: None while work is in flight; else stop taking requests (a late
-        one gets WorkerUnavailable, the router places it elsewhere) and return the accounts."""
+        """Drain's last step (WorkerLifecycle.retire) on the engine thread."""
 
         def run(engine: Engine) -> LeakCheck | None:
-            if self._num_in_flight(engine):
-                return None
-            self.lifecycle.closed = True
-            return self._leak_check(engine)
+            check = functools.partial(self._leak_check, engine)
+            return self.lifecycle.retire(self._num_in_flight(engine), check)
 
         return await self.thread.call(run)
 

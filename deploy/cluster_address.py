@@ -47,7 +47,7 @@ def resolve(address: str | None) -> str:
             "no local `kvrelay serve` is running (nothing at "
             f"{path}); start one, or pass --address of a Ray cluster that runs kvrelay"
         ) from None
-    if not _alive(int(info.get("pid", 0))):
+    if not process_alive(int(info.get("pid", 0))):
         raise ValueError(
             f"the local `kvrelay serve` recorded in {path} (pid {info.get('pid')}) has exited; "
             "start one, or pass --address"
@@ -70,7 +70,8 @@ def connect(address: str | None) -> None:
     )
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a local process runs (a zombie, exited but not yet reaped, counts as gone)."""
     if pid <= 0:
         return False
     try:
@@ -79,4 +80,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

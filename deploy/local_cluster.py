@@ -16,6 +16,7 @@ from typing import Any
 
 from common.cluster_state import CONTROLLER_NAME, NAMESPACE
 from common.redis_url import redact
+from deploy.cluster_address import process_alive
 from deploy.controller import ControllerConfig, start_controller
 from deploy.progress import follow
 from deploy.router_launch import build_backend
@@ -166,25 +167,11 @@ class LocalCluster:
 async def _reap(pids: list[int], grace_s: float = 10.0) -> None:
     """Wait for the worker processes of an embedded Ray to exit; SIGKILL any still there."""
     deadline = time.monotonic() + grace_s
-    alive = [pid for pid in pids if _alive(pid)]
+    alive = [pid for pid in pids if process_alive(pid)]
     while alive and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-        alive = [pid for pid in alive if _alive(pid)]
+        alive = [pid for pid in alive if process_alive(pid)]
     for pid in alive:
         logger.warning("worker process %d did not exit with Ray; killing it", pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
