@@ -30,3 +30,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def health(self) -> dict[str, object]:
         """Liveness summary: {"ok": bool, ...details}."""
+
+    async def refresh_metrics(self) -> None:  # noqa: B027 - a hook; most backends need none
+        """Before a /metrics scrape: fetch what the metrics take from elsewhere (workers)."""

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 MAX_POLL_ERRORS = 3  # consecutive failed long-polls (not an actor death) that count as death
 POLL_RETRY_S = 0.5
 MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
+STATS_TIMEOUT_S = 2.0  # a worker that takes longer has no handoff series in that /metrics scrape
 
 
 @dataclass
@@ -414,6 +415,27 @@ class ClusterBackend(Backend):
             "decode_workers": len(decode),
             "redis": "absent" if self.index is None else ("ok" if index_ok else "unavailable"),
         }
+
+    async def refresh_metrics(self) -> None:
+        """Ask every known worker for its stats (2 s each, in parallel) for the handoff series;
+        a worker that does not answer has none this scrape."""
+        if self.metrics is None:
+            return
+        roles = {role: self.workers.actors(role) for role in ("prefill", "decode")}
+
+        async def one(role: str, worker_id: str, actor: Any) -> str | None:
+            try:
+                stats = await asyncio.wait_for(actor.stats.remote(), STATS_TIMEOUT_S)
+            except (RayActorError, TimeoutError) as e:
+                logger.info("no stats from %s for /metrics: %s", worker_id, type(e).__name__)
+                return None
+            self.metrics.worker_stats.update(worker_id, role, stats)
+            return worker_id
+
+        answered = await asyncio.gather(
+            *(one(role, i, actor) for role, actors in roles.items() for i, actor in actors.items())
+        )
+        self.metrics.worker_stats.keep_only({i for i in answered if i is not None})
 
     async def close(self) -> None:
         if self.membership is not None:

@@ -219,7 +219,9 @@ def _plain(fields: dict[str, object]) -> dict[str, object]:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[FRONTEND_KEY].metrics.render()
+    frontend = request.app[FRONTEND_KEY]
+    await frontend.backend.refresh_metrics()
+    body = frontend.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

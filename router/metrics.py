@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 
 from common.messages import TransferStats, WorkerInfo
+from router.worker_metrics import WorkerStatsCollector
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -141,6 +142,9 @@ class RouterMetrics:
             registry=r,
         )
         self.index_available.set(1)
+        # The workers' own figures (KV handoff states and refusals), refreshed per scrape.
+        self.worker_stats = WorkerStatsCollector()
+        r.register(self.worker_stats)
 
     # ---- front-end hooks -----------------------------------------------------------------
     def observe_finished(

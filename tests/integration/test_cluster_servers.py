@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -111,6 +112,37 @@ def test_repeated_prompt_reports_cached_tokens(stack, reference):
     client(stack).completions.create(**body)
     usage = client(stack).completions.create(**body).usage
     assert usage.prompt_tokens_details.cached_tokens == (len(prompt_ids) - 1) // 16 * 16
+
+
+def test_metrics_export_each_workers_kv_handoff_figures(stack, reference):
+    prompt_ids, _, _ = reference[1]
+    client(stack).completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2)
+    stack.wait_until_no_leaks()
+    with urllib.request.urlopen(stack.base_url + "/metrics", timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+
+    def samples(name: str) -> dict[tuple, float]:
+        return {tuple(sorted(s.labels.items())): s.value for s in families[name].samples}
+
+    known = stack.cluster.backend.workers
+    workers = {(role, i) for role in ("prefill", "decode") for i in known.actors(role)}
+    stranded = samples("kvrelay_kv_stranded_blocks")
+    assert {(dict(k)["role"], dict(k)["worker_id"]) for k in stranded} == workers
+    assert set(stranded.values()) == {0}
+    blocks = samples("kvrelay_kv_handoff_blocks")
+    states = {(dict(k)["role"], dict(k)["state"]) for k in blocks}
+    assert states == {
+        ("prefill", "held"), ("prefill", "being_read"), ("decode", "reserved"),
+        ("decode", "reading"),
+    }  # fmt: skip
+    assert set(blocks.values()) == {0}, "idle: no block in a handoff"
+    moves = {
+        (dict(k)["role"], dict(k)["transition"]): v
+        for k, v in samples("kvrelay_kv_handoff_transitions").items()
+    }
+    assert moves["prefill", "new->held"] >= 1 and moves["prefill", "being_read->released"] >= 1
+    assert moves["decode", "reading->committed"] >= 1
+    assert samples("kvrelay_kv_expired_leases") and samples("kvrelay_kv_refused_handshakes")
 
 
 def test_http_disconnect_mid_stream_frees_both_workers(stack):

@@ -1,0 +1,103 @@
+"""WorkerStatsCollector: the last WorkerStats each worker answered with, exported as Prometheus
+series (KV handoff blocks per state, expired leases, stale releases, refused handshakes,
+stranded blocks, handoff transitions) when the router's /metrics is scraped.
+
+The figures are the workers' own: a worker's counters are cumulative in that worker, so they
+are exported as counters labelled by worker; a worker that is gone or did not answer the last
+scrape has no series (a restarted worker starts its counters at 0 under a new worker id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.cluster_state import WorkerStats
+
+# WorkerStats field -> the handoff state its blocks are in (prefill: lease, decode: pull).
+_BLOCK_STATES = {
+    "num_blocks_held": "held",
+    "num_blocks_being_read": "being_read",
+    "num_blocks_reserved": "reserved",
+    "num_blocks_reading": "reading",
+}
+_COUNTERS = {  # WorkerStats field -> (the role that counts it, metric name, help)
+    "num_expired_leases": (
+        "prefill",
+        "kvrelay_kv_expired_leases",
+        "Prefill leases that ran out (their blocks freed on the holder's clock).",
+    ),
+    "num_stale_releases": (
+        "prefill",
+        "kvrelay_kv_stale_releases",
+        "Releases or notices refused for an ended lease or an old epoch (no block freed).",
+    ),
+    "num_refused_handshakes": (
+        "decode",
+        "kvrelay_kv_refused_handshakes",
+        "Prefill peers a decode worker refused (protocol, model or KV layout mismatch).",
+    ),
+    "num_orphans_aborted": (
+        "decode",
+        "kvrelay_orphan_requests_aborted",
+        "Requests a decode worker aborted because their router stopped polling.",
+    ),
+}
+
+
+class WorkerStatsCollector(Collector):
+    """Holds each worker's last stats; `collect()` turns them into metric families."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, tuple[str, WorkerStats]] = {}  # worker id -> (role, stats)
+
+    def update(self, worker_id: str, role: str, stats: WorkerStats) -> None:
+        self._stats[worker_id] = (role, stats)
+
+    def keep_only(self, worker_ids: set[str]) -> None:
+        """Drop the series of workers not in `worker_ids` (gone, or silent this scrape)."""
+        for worker_id in set(self._stats) - worker_ids:
+            del self._stats[worker_id]
+
+    def collect(self) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily(
+            "kvrelay_kv_handoff_blocks",
+            "Blocks in each KV handoff state (prefill: held, being_read; decode: reserved,"
+            " reading), as the worker last reported.",
+            labels=["worker_id", "role", "state"],
+        )
+        stranded = GaugeMetricFamily(
+            "kvrelay_kv_stranded_blocks",
+            "Blocks held for a handoff but in no handoff state: must stay 0.",
+            labels=["worker_id", "role"],
+        )
+        transitions = CounterMetricFamily(
+            "kvrelay_kv_handoff_transitions",
+            "KV handoff state transitions on a worker (e.g. held->being_read).",
+            labels=["worker_id", "role", "transition"],
+        )
+        counters = {
+            field: CounterMetricFamily(name, text, labels=["worker_id", "role"])
+            for field, (_, name, text) in _COUNTERS.items()
+        }
+        for worker_id, (role, stats) in sorted(self._stats.items()):
+            for field, state in _BLOCK_STATES.items():
+                if _owns(role, state):
+                    blocks.add_metric([worker_id, role, state], getattr(stats, field))
+            stranded.add_metric([worker_id, role], stats.num_stranded_blocks)
+            for name, count in stats.handoff_transitions:
+                transitions.add_metric([worker_id, role, name], count)
+            for field, family in counters.items():
+                if _COUNTERS[field][0] == role:
+                    family.add_metric([worker_id, role], getattr(stats, field))
+        yield blocks
+        yield stranded
+        yield transitions
+        yield from counters.values()
+
+
+def _owns(role: str, state: str) -> bool:
+    """Lease states are the prefill side's, pull states the decode side's."""
+    return (state in ("held", "being_read")) == (role == "prefill")

@@ -1,0 +1,59 @@
+"""WorkerStatsCollector: each worker's handoff figures as Prometheus series, by role."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from common.cluster_state import WorkerState, WorkerStats
+from common.messages import WorkerLoad
+from router.worker_metrics import WorkerStatsCollector
+
+
+def stats(**fields) -> WorkerStats:
+    return WorkerStats(state=WorkerState.READY, load=WorkerLoad(), **fields)
+
+
+def registry_with(collector: WorkerStatsCollector) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
+
+
+def test_each_role_exports_its_own_states_and_counters() -> None:
+    collector = WorkerStatsCollector()
+    collector.update(
+        "p0",
+        "prefill",
+        stats(
+            num_blocks_held=3,
+            num_blocks_being_read=2,
+            num_expired_leases=1,
+            handoff_transitions=(("new->held", 7),),
+        ),
+    )
+    collector.update("d0", "decode", stats(num_blocks_reading=4, num_refused_handshakes=2))
+    value = registry_with(collector).get_sample_value
+    held = {"worker_id": "p0", "role": "prefill", "state": "held"}
+    assert value("kvrelay_kv_handoff_blocks", held) == 3
+    reading = {"worker_id": "d0", "role": "decode", "state": "reading"}
+    assert value("kvrelay_kv_handoff_blocks", reading) == 4
+    # A lease state is not a decode worker's; a handshake refusal is not a prefill worker's.
+    assert value("kvrelay_kv_handoff_blocks", {**reading, "state": "held"}) is None
+    assert value("kvrelay_kv_expired_leases_total", {"worker_id": "p0", "role": "prefill"}) == 1
+    assert (
+        value("kvrelay_kv_refused_handshakes_total", {"worker_id": "p0", "role": "prefill"}) is None
+    )
+    assert value("kvrelay_kv_refused_handshakes_total", {"worker_id": "d0", "role": "decode"}) == 2
+    moved = {"worker_id": "p0", "role": "prefill", "transition": "new->held"}
+    assert value("kvrelay_kv_handoff_transitions_total", moved) == 7
+    assert value("kvrelay_kv_stranded_blocks", {"worker_id": "d0", "role": "decode"}) == 0
+
+
+def test_a_worker_that_did_not_answer_loses_its_series() -> None:
+    collector = WorkerStatsCollector()
+    collector.update("p0", "prefill", stats(num_stranded_blocks=1))
+    collector.update("p1", "prefill", stats())
+    collector.keep_only({"p1"})
+    value = registry_with(collector).get_sample_value
+    assert value("kvrelay_kv_stranded_blocks", {"worker_id": "p0", "role": "prefill"}) is None
+    assert value("kvrelay_kv_stranded_blocks", {"worker_id": "p1", "role": "prefill"}) == 0
