@@ -74,6 +74,9 @@ class TokenDelta:
     num_cached_tokens: int = 0
     logprobs: tuple[float, ...] = ()
     error: str | None = None  # set with finish_reason "error": why the request failed
+    # With "error": the worker gave the request up for a reason not its own (its router went
+    # silent); the router resumes it elsewhere as after a worker death, with the tokens sent.
+    resumable: bool = False
     transfer: TransferStats | None = None  # on the decode worker's first delta only
 
 

@@ -1,7 +1,9 @@
 """Mailboxes: per-router queues of TokenDeltas, filled by the engine thread, drained by
 long-polling Ray calls (one call per engine step at most, never one per token), and when each
 router last polled (a router that stopped polling has died: its requests are orphans). Silence
-counts only while this worker runs: a stall of the worker itself is not held against a router."""
+counts only while this worker runs: a stall of the worker itself is not held against a router.
+A silent router's box is kept (with what it has not read) until `forget_silent` drops it, so a
+router that was only stalled still reads how its requests ended."""
 
 from __future__ import annotations
 
@@ -91,9 +93,15 @@ class Mailboxes:
             early = [r for r, seen in self._early_seen.items() if seen < cutoff]
         return boxes + early
 
-    def drop(self, router_id: str) -> None:
-        """Forget a router's box and undelivered deltas (its requests were aborted)."""
+    def forget_silent(self, older_than_s: float) -> list[str]:
+        """Drop the boxes (and undelivered deltas) of routers silent for `older_than_s`: they
+        are gone for good. Returns their ids."""
+        cutoff = time.monotonic() - older_than_s
         with self._lock:
-            self._boxes.pop(router_id, None)
-            self._early.pop(router_id, None)
-            self._early_seen.pop(router_id, None)
+            gone = [r for r, box in self._boxes.items() if box.last_seen < cutoff]
+            gone += [r for r, seen in self._early_seen.items() if seen < cutoff]
+            for router_id in gone:
+                self._boxes.pop(router_id, None)
+                self._early.pop(router_id, None)
+                self._early_seen.pop(router_id, None)
+        return gone

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
 
 logger = logging.getLogger(__name__)
 ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling
+ROUTER_RETENTION_S = 300.0  # a router silent this long is gone: its unread deltas are dropped
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,20 @@ class DecodeWorker:
         return self.puller.busy
 
     def _abort_orphans(self) -> None:
-        """The requests of a router that stopped long-polling (it died) are aborted and their
-        blocks freed; nobody would read their tokens."""
+        """The requests of a router that stopped long-polling (dead, or stalled) are aborted and
+        their blocks freed. Each ends with a resumable error in the router's box: a router that
+        was only stalled reads it, with the tokens before it, and resumes the request elsewhere."""
         silent = self.mailboxes.silent_routers(self.config.router_timeout_s, ORPHAN_CHECK_S)
+        timeout_s = self.config.router_timeout_s
         for router_id in silent:
             orphans = [req_id for req_id, r in self._routes.items() if r == router_id]
+            error = f"decode worker {self.config.worker_id} aborted it: its router did not poll"
+            error += f" for {timeout_s:.0f} s"
             for req_id in orphans:
                 self._abort(self.engine, req_id)
-            self.mailboxes.drop(router_id)
+            ends = [TokenDelta(i, (), True, "error", error=error, resumable=True) for i in orphans]
+            if ends:
+                self.mailboxes.push(router_id, ends)
             self.num_orphans_aborted += len(orphans)
             if orphans:
                 logger.warning(
@@ -238,6 +245,7 @@ class DecodeWorker:
                     self.config.router_timeout_s,
                     len(orphans),
                 )
+        self.mailboxes.forget_silent(ROUTER_RETENTION_S)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         by_router: dict[str, list[TokenDelta]] = {}

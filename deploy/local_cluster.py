@@ -42,6 +42,7 @@ class ClusterSpec:
     controller_name: str = CONTROLLER_NAME
     drain_grace_s: float = 2.0
     max_migrations: int = 2
+    router_timeout_s: float = 10.0  # decode workers abort a router's requests after its silence
 
 
 class LocalCluster:
@@ -98,6 +99,7 @@ class LocalCluster:
             spec.transfer_timeout_s,
             threads,
             gpus_per_worker=1 if spec.engine.device.startswith("cuda") else 0,
+            router_timeout_s=spec.router_timeout_s,
         )
         config = ControllerConfig(
             template,

@@ -31,6 +31,7 @@ class WorkerTemplate:
     transfer_timeout_s: float = 10.0
     threads_per_worker: int | None = None
     gpus_per_worker: float = 0.0
+    router_timeout_s: float = 10.0  # decode: a router silent this long has its requests aborted
 
 
 def pool_resource(role: str) -> str:
@@ -61,6 +62,7 @@ def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
             template.redis_url,
             template.transfer_timeout_s,
             num_threads=template.threads_per_worker,
+            router_timeout_s=template.router_timeout_s,
         )
     return (
         ray.remote(worker_cls)

@@ -241,7 +241,7 @@ class ClusterBackend(Backend):
                     self.metrics.observe_transfer(delta.transfer)
                 if delta.finish_reason == "error":
                     stage = "handed"  # the prefill lease may be unread: release it (idempotent)
-                    if self._streams[req_id].lost:
+                    if self._streams[req_id].lost or delta.resumable:
                         raise _DecodeLost(delta.error or f"decode worker {decode.worker_id} died")
                 elif delta.finished and delta.finish_reason != "abort":
                     stage = "done"  # an abort delta is local: the decode side still needs telling

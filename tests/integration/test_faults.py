@@ -2,8 +2,9 @@
 SmolLM2, HTTP): a prefill worker killed before its handle returns and after handing off, a
 frozen decode worker, an abort storm and malformed HTTP requests. Every request ends within a
 bound, every completed greedy output equals an undisturbed run, and every pool ends with no
-block in use. Decode death, router death and Redis down are covered by
-test_cluster_decode_failure, test_two_routers and test_cluster (test_redis_down_then_back).
+block in use. A router stalled past the decode worker's patience has its streams resumed.
+Decode death, router death, node loss and Redis down are covered by test_cluster_decode_failure,
+test_two_routers, test_node_loss and test_cluster (test_redis_down_then_back).
 
 Kills and freezes are signals to the worker's process (its pid from the controller's status):
 SIGKILL is a crash, SIGSTOP / SIGCONT a stall. A SIGSTOP before a kill pins the moment of death
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import aiohttp
 import pytest
+import ray
 
 from common.messages import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
@@ -33,15 +35,18 @@ from tests.integration.cluster_support import (
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)  # outlasts a router timeout
 HANG_BOUND_S = 120.0  # every request must end well within this
 FREEZE_S = 3.0
+ROUTER_TIMEOUT_S = 2.0  # decode workers abort a router's requests after this much silence
 NUM_ABORTS = 30
 ABORT_WAVE = 10  # storm requests in flight at once
 
 
 @pytest.fixture(scope="module")
 def harness() -> Iterator[ClusterHarness]:
-    harness = ClusterHarness(cluster_spec(num_prefill=2, num_decode=1))
+    spec = cluster_spec(num_prefill=2, num_decode=1, router_timeout_s=ROUTER_TIMEOUT_S)
+    harness = ClusterHarness(spec)
     try:
         yield harness
     finally:
@@ -61,10 +66,12 @@ def chat_prompts(tokenizer, tag: str, n: int) -> list[list[int]]:
     ]
 
 
-def reference(make_engine, prompts: list[list[int]]) -> list[list[int]]:
+def reference(
+    make_engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
     engine = make_engine()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref{i}", prompt, GREEDY)
+        engine.add_request(f"ref{i}", prompt, params)
     out: dict[str, list[int]] = {}
     while engine.has_unfinished_requests:
         for o in engine.step():
@@ -72,8 +79,10 @@ def reference(make_engine, prompts: list[list[int]]) -> list[list[int]]:
     return [out[f"ref{i}"] for i in range(len(prompts))]
 
 
-def start(harness: ClusterHarness, req_id: str, prompt: list[int]) -> asyncio.Task:
-    request = GenerateRequest(req_id, tuple(prompt), GREEDY)
+def start(
+    harness: ClusterHarness, req_id: str, prompt: list[int], params: SamplingParams = GREEDY
+) -> asyncio.Task:
+    request = GenerateRequest(req_id, tuple(prompt), params)
     return asyncio.create_task(collect(harness.cluster.backend, request))
 
 
@@ -119,6 +128,42 @@ def test_a_frozen_decode_worker_resumes_its_streams(harness, tokenizer, make_eng
         return await ended(tasks)
 
     assert_exact(harness.run(run(), timeout_s=HANG_BOUND_S + 30), expected)
+
+
+def test_a_stalled_routers_streams_are_resumed_after_the_worker_gave_them_up(
+    harness, tokenizer, make_engine
+):
+    """The router's event loop stops for longer than the decode worker waits for its polls:
+    the worker aborts its requests (blocks freed) and ends each with a resumable error; the
+    router, running again, reads the tokens it missed and that end, and migrates each request,
+    which finishes token-exact."""
+    prompts = chat_prompts(tokenizer, "stalled", 4)
+    expected = reference(make_engine, prompts, LONG)
+    cluster = harness.cluster
+    [decode] = cluster.decode_actors.values()
+    aborted_before = ray.get(decode.stats.remote()).num_orphans_aborted
+
+    def stall_until_aborted() -> int:
+        """The fault: this router's loop (its polls included) stops, here until the worker
+        has given its requests up; returns how many it aborted."""
+        deadline = time.monotonic() + HANG_BOUND_S
+        while (aborted := ray.get(decode.stats.remote()).num_orphans_aborted) == aborted_before:
+            assert time.monotonic() < deadline, "the worker never gave the requests up"
+            time.sleep(0.2)
+        return aborted - aborted_before
+
+    async def run() -> tuple[int, list[list[TokenDelta]]]:
+        tasks = [start(harness, f"stalled{i}", p, LONG) for i, p in enumerate(prompts)]
+        names = [f"stalled{i}" for i in range(len(prompts))]
+        await until(lambda: all(cluster.backend.decode_worker_of(n) for n in names), "decoding")
+        num_aborted = stall_until_aborted()
+        return num_aborted, await ended(tasks)
+
+    migrations_before = cluster.backend.num_migrations
+    num_aborted, results = harness.run(run(), timeout_s=2 * HANG_BOUND_S)
+    assert num_aborted == 4
+    assert_exact(results, expected)
+    assert cluster.backend.num_migrations - migrations_before == 4
 
 
 async def stream_then_leave(session: aiohttp.ClientSession, url: str, i: int) -> int:
