@@ -21,6 +21,7 @@ from bench.lib.router_process import RouterProcess
 from bench.lib.steady_load import HttpClient, RequestRecord
 
 FREEZE_S = 10.0
+ROUTER_FREEZE_S = 15.0  # past the decode workers' 10 s wait for a router's polls
 REDIS_DOWN_S = 10.0
 NUM_ABORTS = 100
 NUM_LONG_STREAMS = 2  # through the router that is killed; outlive its silence timeout
@@ -180,6 +181,46 @@ async def kill_router(run: FaultRun) -> dict[str, Any]:
     }
 
 
+async def freeze_router(run: FaultRun) -> dict[str, Any]:
+    """An extra HTTP load (half the rate) and NUM_LONG_STREAMS long streams go through a
+    `kvrelay router` process that is SIGSTOPped for ROUTER_FREEZE_S, longer than the decode
+    workers wait for its polls, then SIGCONT: the workers abort its requests (ending each
+    with a resumable error), and the router, running again, migrates them."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    rate = run.settings.rate / 2
+    clients: list[HttpClient] = []
+    router = RouterProcess(address, run.log_dir / "router-frozen.log")
+    run.on_end(lambda: _close([router], clients))
+    await router.wait_ready()
+    clients.append(HttpClient(router.base_url, run.model, run.prompts, run.params.max_tokens))
+    load = run.add_load(clients[-1], rate, "http-frozen")
+    clients.append(HttpClient(router.base_url, run.model, run.prompts, LONG_STREAM_TOKENS))
+    long = [RequestRecord(f"long{i}", i, time.time()) for i in range(NUM_LONG_STREAMS)]
+    streams = [asyncio.create_task(clients[-1].send(r)) for r in long]
+    await asyncio.sleep(run.settings.pre_s)
+    await run.until(lambda: all(r.first for r in long), "the long streams decoding")
+    hit = [r.req_id for r in load.in_flight()]
+    router.proc.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(ROUTER_FREEZE_S)
+    finally:
+        router.proc.send_signal(signal.SIGCONT)
+    await asyncio.gather(*streams)
+    resumed = router.log_path.read_text().count("migrating it")
+    ended = [r.error or f"{r.finish_reason} after {len(r.text)} characters" for r in long]
+    return {
+        "did": f"SIGSTOP a router process serving an HTTP load of {rate:g} req/s "
+        f"({_count(len(hit), 'request')} of it in flight) and {NUM_LONG_STREAMS} long streams "
+        f"for {ROUTER_FREEZE_S:.0f} s, then SIGCONT; its log shows {resumed} migrations",
+        "injected": f"{NUM_LONG_STREAMS} long streams: " + "; ".join(ended),
+        "long_streams": [r.error for r in long],
+        "watched": hit,
+        "migrated_by_router_process": resumed,
+    }
+
+
 async def _close(routers: list[RouterProcess], clients: list[HttpClient]) -> None:
     for client in clients:
         await client.close()
@@ -302,6 +343,7 @@ FAULTS = [
     Fault("decode", "kill a decode worker with streams on both", kill_decode_with_streams),
     Fault("redis", f"Redis down {REDIS_DOWN_S:.0f} s, then back", redis_down),
     Fault("router", "kill a router (its HTTP load moves to a new one)", kill_router),
+    Fault("freeze-router", f"freeze a router {ROUTER_FREEZE_S:.0f} s", freeze_router),
     Fault("freeze-decode", f"freeze a decode worker {FREEZE_S:.0f} s", freeze_decode),
     Fault("freeze-prefill", f"freeze a prefill worker {FREEZE_S:.0f} s", freeze_prefill),
     Fault("aborts", f"abort storm ({NUM_ABORTS} mid-stream)", abort_storm),

@@ -25,6 +25,7 @@ from bench.lib.cluster_watch import (
     worker_pids,
 )
 from bench.lib.steady_load import BackendClient, LoadClient, RequestRecord, SteadyLoad
+from bench.lib.stranded_watch import StrandedWatch
 
 logger = logging.getLogger(__name__)
 SETTLE_TIMEOUT_S = 600.0
@@ -126,6 +127,8 @@ class FaultRun:
         started = time.time()
         migrations = self.backend.num_migrations
         counters = await self._decode_counters()
+        stranded = StrandedWatch(self.cluster)
+        stranded.start()
         self.add_load(BackendClient(self.backend, self.prompts, self.params), settings.rate, "b")
         try:
             await asyncio.sleep(settings.pre_s)
@@ -141,12 +144,14 @@ class FaultRun:
                 await cleanup()
         summary = self._summary(fault, records, num_hung)
         summary["migrated"] = self.backend.num_migrations - migrations
+        summary["migrated"] += detail.get("migrated_by_router_process", 0)
         watched = [r for r in records if r.req_id in set(detail.get("watched", ()))]
         detail["watched_completed_exact"] = sum(r.completed and self._exact(r) for r in watched)
         detail["watched_failed"] = sum(r.failed for r in watched)
         await settle(self.cluster.controller, SETTLE_TIMEOUT_S)
         await router_knows_all(self.cluster, 30.0)
         accounts, seconds = await wait_all_free(self.cluster, settings.free_timeout_s)
+        await stranded.stop()
         status = await self.cluster.controller.status.remote(with_stats=False)
         after = await self._decode_counters()
         summary.update(
@@ -155,6 +160,10 @@ class FaultRun:
             workers_checked=len(accounts),
             blocks_in_use=sum(a.num_total_blocks - a.num_free_blocks for a in accounts.values()),
             blocks_held=sum(a.num_held_blocks for a in accounts.values()),
+            stranded_max=max(
+                [stranded.max_stranded, *(a.num_stranded_blocks for a in accounts.values())]
+            ),
+            stranded_samples=stranded.num_samples,
             requests_left_on_workers=sum(a.num_requests for a in accounts.values()),
             all_free_after_s=round(seconds, 1),
             workers_left=left_since(status, started),

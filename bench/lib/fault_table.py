@@ -7,8 +7,9 @@ from typing import Any
 
 HEADER = (
     "| fault | load requests | completed | token-exact | migrated | failed (clear error) | hung "
-    "| blocks in use after | workers died -> replaced by | injected requests |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    "| blocks in use after | stranded blocks (max sampled) | workers died -> replaced by "
+    "| injected requests |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
 )
 
 
@@ -40,6 +41,7 @@ def row(phase: dict[str, Any]) -> str:
         phase["failed"],
         phase["hung"],
         f"{blocks} ({phase['workers_checked']} workers)",
+        f"{phase['stranded_max']} ({phase['stranded_samples']} samples)",
         _gone(phase),
         _injected(phase),
     ]
@@ -60,7 +62,7 @@ def details(phase: dict[str, Any]) -> list[str]:
         extra.append(f"decode workers recomputed {_count(phase['recomputed'], 'prompt')}")
     if phase["orphans_aborted"]:
         orphans = _count(phase["orphans_aborted"], "orphaned request")
-        extra.append(f"decode workers aborted {orphans} once the dead router stopped polling")
+        extra.append(f"decode workers aborted {orphans} once their router stopped polling")
     if phase["blocks_held"]:
         extra.append(f"{_count(phase['blocks_held'], 'block')} still leased")
     extra.append(f"every block free {phase['all_free_after_s']} s after the pools settled")
