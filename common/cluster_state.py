@@ -51,6 +51,7 @@ class WorkerStats:
     transfer_seconds: float = 0.0  # decode: summed time of those pulls
     num_recomputed: int = 0  # decode: prompts recomputed because the pull failed
     num_orphans_aborted: int = 0  # decode: requests of routers that stopped polling
+    num_local_prefills: int = 0  # decode: prompts it computed itself (conditional prefill)
     num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
     # The KV handoff's state machines: blocks in each live state, and what they refused.
     num_blocks_held: int = 0  # prefill: leased, no read announced
@@ -195,6 +196,10 @@ class RouterConfig:
     redis_url: str | None
     policy: str = "kv_aware"
     max_migrations: int = 2  # times one request may move to another decode worker
+    # Conditional prefill (router.policy.LocalPrefill): a decode worker computes a prompt
+    # itself when at most this many of its tokens are not in its cache (0: never) ...
+    local_prefill_max_tokens: int = 0
+    local_prefill_min_cached: float = 2.0  # ... or at least this fraction is (above 1: never)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import ray
@@ -68,7 +68,8 @@ class DecodeWorker:
             "decode",
             self.worker_id,
             self.actor_name,
-            config.engine,
+            # Its prefix cache goes to the index too (conditional prefill reads it).
+            replace(config.engine, record_kv_events=bool(config.redis_url)),
             config.redis_url,
             config.num_threads,
             timeout_s=config.transfer_timeout_s,
@@ -76,9 +77,11 @@ class DecodeWorker:
         self.puller = KVPuller(self.engine, self.transfer, _release_lease)
         self.mailboxes = Mailboxes()
         self._routes: dict[str, str] = {}  # req_id -> router_id
+        self._prefilled_here: set[str] = set()  # of those, the ones whose prompt runs here
         self._next_heartbeat = 0.0
         self._next_orphan_check = 0.0
         self.num_orphans_aborted = 0  # requests of routers that stopped polling
+        self.num_local_prefills = 0  # prompts computed here (conditional prefill)
         self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
 
@@ -108,6 +111,28 @@ class DecodeWorker:
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = router_id
             self.puller.submit(request, handle, received_at)
+
+        await self.thread.call(run)
+
+    async def prefill_here(self, request: GenerateRequest, router_id: str) -> None:
+        """Conditional prefill: compute the prompt here instead of pulling its KV, then decode
+        it; its tokens arrive through next_deltas(router_id). The scheduler runs decodes first
+        and spends only what is left of its token budget on the prompt, chunk by chunk, so the
+        running decodes keep their pace. Raises InvalidField for a request it cannot take."""
+        if self.lifecycle.closed:
+            raise WorkerUnavailable(f"decode worker {self.worker_id} has shut down")
+
+        def run(engine: Engine) -> None:
+            if request.req_id in self._routes:
+                raise ValueError(f"request id {request.req_id!r} is already in use here")
+            self.lifecycle.admit(request.req_id)
+            engine.add_request(
+                request.req_id, request.prompt_token_ids, request.sampling, request.cache_salt
+            )
+            self.mailboxes.expect(router_id)
+            self._routes[request.req_id] = router_id
+            self._prefilled_here.add(request.req_id)
+            self.num_local_prefills += 1
 
         await self.thread.call(run)
 
@@ -153,6 +178,7 @@ class DecodeWorker:
                 transfer_seconds=puller.transfer_seconds,
                 num_recomputed=puller.num_recomputed,
                 num_orphans_aborted=self.num_orphans_aborted,
+                num_local_prefills=self.num_local_prefills,
                 num_in_flight=self._num_in_flight(engine),
                 first_request_at=life.first_request_at,
                 ready_at=life.ready_at,
@@ -205,6 +231,7 @@ class DecodeWorker:
         self.puller.abort(req_id)
         engine.abort(req_id)
         self._routes.pop(req_id, None)
+        self._prefilled_here.discard(req_id)
 
     def _on_tick(self) -> bool:
         for refused in self.puller.step():
@@ -216,10 +243,18 @@ class DecodeWorker:
         if now >= self._next_orphan_check:
             self._abort_orphans()
             self._next_orphan_check = now + ORPHAN_CHECK_S
-        if self.publisher is not None and now >= self._next_heartbeat:
+        if self.publisher is not None:
+            # Its prefix cache is published too: a router prefills a prompt here when most
+            # of it is cached here (conditional prefill).
+            events = self.engine.kv.pool.drain_events()
+            if events:
+                self.publisher.publish(events, engine_load(self.engine))
+                self._next_heartbeat = now + self.config.heartbeat_s
+            elif now >= self._next_heartbeat:
+                self.publisher.heartbeat(engine_load(self.engine))
+                self._next_heartbeat = now + self.config.heartbeat_s
+        else:
             self.engine.kv.pool.drain_events()
-            self.publisher.heartbeat(engine_load(self.engine))
-            self._next_heartbeat = now + self.config.heartbeat_s
         return self.puller.busy
 
     def _abort_orphans(self) -> None:
@@ -253,8 +288,11 @@ class DecodeWorker:
             router_id = self._routes.get(out.req_id)
             if router_id is None:
                 continue
+            # The prompt's cached part is the prefill worker's to report, unless it ran here.
+            here = out.req_id in self._prefilled_here
             if out.finished:
                 del self._routes[out.req_id]
+                self._prefilled_here.discard(out.req_id)
             by_router.setdefault(router_id, []).append(
                 TokenDelta(
                     out.req_id,
@@ -262,6 +300,7 @@ class DecodeWorker:
                     finished=out.finished,
                     finish_reason=out.finish_reason,
                     num_prompt_tokens=out.num_prompt_tokens,
+                    num_cached_tokens=out.num_cached_tokens if here else 0,
                     logprobs=tuple(out.new_logprobs or ()),
                     transfer=self.puller.take_stats(out.req_id),
                 )

@@ -57,6 +57,8 @@ class ControllerConfig:
     drain_grace_s: float = 2.0  # after draining is published, before in-flight work is counted
     drain_timeout_s: float = 600.0
     max_start_failures: int = 3  # consecutive failed starts of a pool before it stops trying
+    local_prefill_max_tokens: int = 0  # conditional prefill, for the routers (RouterConfig)
+    local_prefill_min_cached: float = 2.0
 
 
 @dataclass
@@ -162,8 +164,14 @@ class Controller:
                 raise TimeoutError("no worker has loaded the model yet")
             await asyncio.sleep(0.2)
         template = self.config.template
+        config = self.config
         return RouterConfig(
-            self._model, template.redis_url, self.config.policy, self.config.max_migrations
+            self._model,
+            template.redis_url,
+            config.policy,
+            config.max_migrations,
+            config.local_prefill_max_tokens,
+            config.local_prefill_min_cached,
         )
 
     async def shutdown(self) -> None:

@@ -43,6 +43,9 @@ class ClusterSpec:
     drain_grace_s: float = 2.0
     max_migrations: int = 2
     router_timeout_s: float = 10.0  # decode workers abort a router's requests after its silence
+    local_prefill_max_tokens: int = 0  # conditional prefill (router.policy.LocalPrefill); 0: off
+    local_prefill_min_cached: float = 2.0  # above 1: off
+    decode_prefill_chunk_tokens: int | None = None  # None: the engine's own step budget
 
 
 class LocalCluster:
@@ -100,6 +103,7 @@ class LocalCluster:
             threads,
             gpus_per_worker=1 if spec.engine.device.startswith("cuda") else 0,
             router_timeout_s=spec.router_timeout_s,
+            decode_prefill_chunk_tokens=spec.decode_prefill_chunk_tokens,
         )
         config = ControllerConfig(
             template,
@@ -107,6 +111,8 @@ class LocalCluster:
             spec.max_migrations,
             spec.name_prefix,
             drain_grace_s=spec.drain_grace_s,
+            local_prefill_max_tokens=spec.local_prefill_max_tokens,
+            local_prefill_min_cached=spec.local_prefill_min_cached,
         )
         progress(
             f"kvrelay: starting the controller, {spec.num_prefill} prefill and "

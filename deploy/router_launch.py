@@ -10,7 +10,7 @@ from typing import Any
 from common.cluster_state import RouterConfig, RouterStatus
 from router.cluster_backend import ClusterBackend
 from router.membership import MembershipSync
-from router.policy import make_prefill_policy
+from router.policy import LocalPrefill, make_prefill_policy
 from router.prefix_index import PrefixIndex
 from router.worker_set import WorkerSet
 
@@ -36,6 +36,9 @@ async def build_backend(
         make_prefill_policy(config.policy),
         router_id=router_id,
         max_migrations=config.max_migrations,
+        local_prefill=LocalPrefill(
+            config.local_prefill_max_tokens, config.local_prefill_min_cached
+        ),
     )
     sync = MembershipSync(controller, workers, RouterStatus(router_id, http_url, grpc_address))
     await sync.sync_once()

@@ -22,6 +22,7 @@ from engine.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from router.policy import LocalPrefill
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +41,31 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=2,
         help="times a request may move to another decode worker when its own dies (default 2)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="conditional prefill: a decode worker computes a prompt itself when at most N of "
+        "its tokens are not in that worker's prefix cache, skipping the prefill pool and the KV "
+        "transfer (default 0: never)",
+    )
+    p.add_argument(
+        "--local-prefill-min-cached",
+        type=float,
+        default=2.0,
+        metavar="F",
+        help="conditional prefill: ... or when at least this fraction of the prompt is in its "
+        "cache, e.g. 0.8 for multi-turn chat (default 2: never)",
+    )
+    p.add_argument(
+        "--local-prefill-chunk-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with conditional prefill on: prompt tokens a decode worker computes per step "
+        "beside its running decodes (default 256)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per worker")
@@ -116,6 +142,14 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         async_scheduling=False if args.no_async_scheduling else None,
         load_format=args.load_format,
     )
+    # A bad threshold is refused here, before Ray starts.
+    if args.local_prefill_max_tokens < 0:
+        raise ValueError("--local-prefill-max-tokens must be >= 0")
+    if args.local_prefill_min_cached <= 0:
+        raise ValueError("--local-prefill-min-cached must be > 0")
+    if args.local_prefill_chunk_tokens < 1:
+        raise ValueError("--local-prefill-chunk-tokens must be >= 1")
+    local = LocalPrefill(args.local_prefill_max_tokens, args.local_prefill_min_cached)
     return ClusterSpec(
         engine=engine,
         num_prefill=args.prefill,
@@ -123,6 +157,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         redis_url="" if args.no_redis else args.redis_url,
         policy=args.policy,
         max_migrations=args.max_migrations,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_min_cached=args.local_prefill_min_cached,
+        decode_prefill_chunk_tokens=args.local_prefill_chunk_tokens if local.enabled else None,
         threads_per_worker=args.threads_per_worker,
         ray_address=args.ray_address,
     )

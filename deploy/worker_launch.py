@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -32,11 +32,26 @@ class WorkerTemplate:
     threads_per_worker: int | None = None
     gpus_per_worker: float = 0.0
     router_timeout_s: float = 10.0  # decode: a router silent this long has its requests aborted
+    # decode: prompt tokens computed per step beside the running decodes (conditional prefill,
+    # a failed pull's recompute); None: the engine's own max_num_batched_tokens.
+    decode_prefill_chunk_tokens: int | None = None
 
 
 def pool_resource(role: str) -> str:
     """The custom resource a node declares to host workers of a pool."""
     return f"{role}_pool"
+
+
+def decode_engine_config(template: WorkerTemplate) -> EngineConfig:
+    """A decode worker's engine: its step budget is its batch (one token per running request)
+    plus the prompt chunk, so a prompt computed there never delays the decodes by more than
+    one chunk per step."""
+    chunk = template.decode_prefill_chunk_tokens
+    if chunk is None:
+        return template.engine
+    scheduler = template.engine.scheduler
+    budget = scheduler.max_num_seqs + chunk
+    return replace(template.engine, scheduler=replace(scheduler, max_num_batched_tokens=budget))
 
 
 def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
@@ -58,7 +73,7 @@ def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
         worker_cls = DecodeWorker
         config = DecodeWorkerConfig(
             worker_id,
-            template.engine,
+            decode_engine_config(template),
             template.redis_url,
             template.transfer_timeout_s,
             num_threads=template.threads_per_worker,

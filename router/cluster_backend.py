@@ -24,9 +24,11 @@ from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
 from router.metrics import RouterMetrics
 from router.policy import (
+    LocalPrefill,
     Placement,
     PrefillPolicy,
     choose_decode,
+    choose_local_prefill,
     make_prefill_policy,
     route_by_load,
 )
@@ -67,8 +69,10 @@ class ClusterBackend(Backend):
         policy: PrefillPolicy | None = None,
         router_id: str | None = None,
         max_migrations: int = 2,
+        local_prefill: LocalPrefill | None = None,
     ):
         self.model_id = model_id
+        self.local_prefill = local_prefill or LocalPrefill()  # off unless configured
         self.max_migrations = max_migrations
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -85,6 +89,7 @@ class ClusterBackend(Backend):
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
         self.num_migrations = 0  # decode legs resumed on another worker (for tests/metrics)
         self.num_index_drifts = 0  # prefills that reused less than the index promised
+        self.num_local_prefills = 0  # legs whose prompt a decode worker computed itself
         self._background: set[asyncio.Task[None]] = set()
         self.metrics: RouterMetrics | None = None  # set by the server that owns the registry
         self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
@@ -142,12 +147,14 @@ class ClusterBackend(Backend):
 
     async def _place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
         workers, _ = await self._candidates("decode", [], excluded)
-        needed = -(
-            -(len(request.prompt_token_ids) + request.sampling.max_tokens) // self.block_size
-        )
-        decode = choose_decode(self.workers.with_placed(workers), needed)
+        decode = choose_decode(self.workers.with_placed(workers), self._blocks_needed(request))
         self.workers.place(decode.worker_id)
         return decode
+
+    def _blocks_needed(self, request: GenerateRequest) -> int:
+        """KV blocks the whole request takes on a decode worker (prompt and every output)."""
+        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        return -(-num_tokens // self.block_size)
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -186,61 +193,71 @@ class ClusterBackend(Backend):
                 )  # fmt: skip
 
     async def _leg(self, request: GenerateRequest, client_req_id: str) -> AsyncIterator[TokenDelta]:
-        """One prefill and one decode of `request`; raises _DecodeLost when the decode worker
-        dies (after its cleanup: the prefill lease released, nothing left on either side)."""
+        """One prefill and one decode of `request` (both on one decode worker when the
+        LocalPrefill rule picks one); raises _DecodeLost when the decode worker dies (after its
+        cleanup: the prefill lease released, nothing left on either side)."""
         req_id = request.req_id
         stage = "prefill"
         prefill_actor: Any = None
+        handle: KVHandle | None = None
         decode: WorkerInfo | None = None
         decode_actor: Any = None
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         try:
-            excluded: frozenset[str] = frozenset()
-            while True:  # a worker that stopped taking work (drained, died) is left for another
-                placement, num_uncached = await self._place_prefill(request, excluded)
-                prefill = placement.worker
-                self.last_placements[req_id] = prefill.worker_id
-                try:
-                    prefill_actor = self._actor_of(prefill)  # found by _candidates
-                    handle = await prefill_actor.prefill.remote(request)
-                    received = time.monotonic()
-                    break
-                except (RayActorError, WorkerUnavailable) as e:
-                    prefill_actor = None
-                    if isinstance(e, RayActorError):
-                        self._lost(prefill.worker_id)
-                    excluded |= {prefill.worker_id}
-                    if len(excluded) >= MAX_PLACEMENTS:
-                        raise
-                    logger.info("request %s: %s; placing it again", req_id, e)
-                finally:
-                    self.workers.done(prefill.worker_id, num_uncached)
-            self._check_index(request, placement, handle, prefill_actor)
-            first = TokenDelta(
-                req_id,
-                (handle.first_token_id,),
-                finished=handle.finish_reason is not None,
-                finish_reason=handle.finish_reason,
-                num_prompt_tokens=handle.num_tokens,
-                num_cached_tokens=handle.num_cached_tokens,
-                logprobs=() if handle.first_logprob is None else (handle.first_logprob,),
-            )
-            if first.finished:
-                stage = "done"
+            here = await self._prefill_on_decode(request, queue, client_req_id)
+            if here is not None:
+                decode, decode_actor = here
+                stage = "decode"
+            else:
+                excluded: frozenset[str] = frozenset()
+                while True:  # a worker that stopped taking work (drained, died) is left out
+                    placement, num_uncached = await self._place_prefill(request, excluded)
+                    prefill = placement.worker
+                    self.last_placements[req_id] = prefill.worker_id
+                    try:
+                        prefill_actor = self._actor_of(prefill)  # found by _candidates
+                        handle = await prefill_actor.prefill.remote(request)
+                        received = time.monotonic()
+                        break
+                    except (RayActorError, WorkerUnavailable) as e:
+                        prefill_actor = None
+                        if isinstance(e, RayActorError):
+                            self._lost(prefill.worker_id)
+                        excluded |= {prefill.worker_id}
+                        if len(excluded) >= MAX_PLACEMENTS:
+                            raise
+                        logger.info("request %s: %s; placing it again", req_id, e)
+                    finally:
+                        self.workers.done(prefill.worker_id, num_uncached)
+                self._check_index(request, placement, handle, prefill_actor)
+                self._observe_prefill("remote")
+                first = TokenDelta(
+                    req_id,
+                    (handle.first_token_id,),
+                    finished=handle.finish_reason is not None,
+                    finish_reason=handle.finish_reason,
+                    num_prompt_tokens=handle.num_tokens,
+                    num_cached_tokens=handle.num_cached_tokens,
+                    logprobs=() if handle.first_logprob is None else (handle.first_logprob,),
+                )
+                if first.finished:
+                    stage = "done"
+                    yield first
+                    return
+                stage = "handed"
+                decode, decode_actor = await self._hand_over(
+                    request, handle, queue, client_req_id, received
+                )
+                stage = "decode"
                 yield first
-                return
-            stage = "handed"
-            queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-            decode, decode_actor = await self._hand_over(
-                request, handle, queue, client_req_id, received
-            )
-            stage = "decode"
-            yield first
             while True:
                 delta = await queue.get()
                 if delta.transfer is not None and self.metrics is not None:
                     self.metrics.observe_transfer(delta.transfer)
                 if delta.finish_reason == "error":
-                    stage = "handed"  # the prefill lease may be unread: release it (idempotent)
+                    # A prefill lease may be unread: release it (idempotent). Nothing is left
+                    # on the decode side.
+                    stage = "handed" if handle is not None else "done"
                     if self._streams[req_id].lost or delta.resumable:
                         raise _DecodeLost(delta.error or f"decode worker {decode.worker_id} died")
                 elif delta.finished and delta.finish_reason != "abort":
@@ -260,6 +277,59 @@ class ClusterBackend(Backend):
                 await _quietly(prefill_actor.release.remote(req_id, handle.epoch))
             elif stage == "decode" and decode_actor is not None:
                 await _quietly(decode_actor.abort.remote(req_id))
+
+    async def _prefill_on_decode(
+        self, request: GenerateRequest, queue: asyncio.Queue[TokenDelta], client_req_id: str
+    ) -> tuple[WorkerInfo, Any] | None:
+        """Conditional prefill: when the LocalPrefill rule admits a decode worker (few tokens
+        left to compute there), submit the whole request to it and return it (placed there
+        until the stream ends); None: the prefill pool takes the prompt. A worker that is gone
+        or stopped taking work leaves the request to the prefill pool."""
+        rule = self.local_prefill
+        if not rule.enabled:
+            return None
+        prompt = request.prompt_token_ids
+        hashes = hash_blocks(prompt, self.block_size, self.model_id, request.cache_salt)
+        workers, overlap = await self._candidates("decode", hashes, frozenset())
+        # No await from here to place(): concurrent placements each see the ones before them.
+        choice = choose_local_prefill(
+            rule,
+            self.workers.with_placed(workers),
+            overlap or {},
+            self.block_size,
+            len(prompt),
+            self._blocks_needed(request),
+        )
+        if choice is None:
+            return None
+        decode = choice.worker
+        self.workers.place(decode.worker_id)
+        try:
+            actor = self._actor_of(decode)
+            self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)
+            self._ensure_poller(decode, actor)
+            await actor.prefill_here.remote(request, self.router_id)
+        except BaseException as e:
+            self._streams.pop(request.req_id, None)
+            self.workers.done(decode.worker_id)
+            _drain(queue)
+            if isinstance(e, asyncio.CancelledError):  # the worker may have taken it already
+                task = asyncio.create_task(_quietly(actor.abort.remote(request.req_id)))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            if not isinstance(e, RayActorError | WorkerUnavailable):
+                raise
+            if isinstance(e, RayActorError):
+                self._lost(decode.worker_id)
+            logger.info("request %s: %s; prefilling it in the prefill pool", request.req_id, e)
+            return None
+        self.num_local_prefills += 1
+        self._observe_prefill(f"local_{choice.reason}")
+        return decode, actor
+
+    def _observe_prefill(self, where: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_prefill(where)
 
     def _check_index(
         self, request: GenerateRequest, placement: Placement, handle: KVHandle, actor: Any

@@ -115,6 +115,14 @@ class RouterMetrics:
         self.transfer_bytes = Counter(
             "kvrelay_kv_transfer_bytes", "Bytes of KV moved between workers.", registry=r
         )
+        self.prefills = Counter(
+            "kvrelay_prefills",
+            "Prompts prefilled, by where: remote (the prefill pool, then a KV transfer) or"
+            " local_short / local_cached (a decode worker computed it itself: few tokens left,"
+            " or most of it in its cache).",
+            ["where"],
+            registry=r,
+        )
         self.migrations = Counter(
             "kvrelay_migrations",
             "Requests resumed on another decode worker after theirs died.",
@@ -171,6 +179,9 @@ class RouterMetrics:
     def observe_index_drift(self, num_tokens: int) -> None:
         self.index_drift.inc(num_tokens)
         self.index_drift_events.inc()
+
+    def observe_prefill(self, where: str) -> None:
+        self.prefills.labels(where=where).inc()
 
     def observe_migration(self) -> None:
         self.migrations.inc()

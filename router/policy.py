@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from common.messages import WorkerInfo, WorkerLoad
@@ -158,14 +159,71 @@ def choose_decode(workers: Sequence[WorkerInfo], num_blocks_needed: int) -> Work
     return min(_require(workers), key=key)
 
 
-def use_local_prefill(
-    num_prompt_tokens: int, num_cached_tokens: int, max_local_prefill_tokens: int
-) -> bool:
-    """Conditional disaggregation: prefill on the decode worker itself when few tokens remain
-    to compute (max_local_prefill_tokens 0 turns it off)."""
-    return max_local_prefill_tokens > 0 and (
-        num_prompt_tokens - num_cached_tokens <= max_local_prefill_tokens
-    )
+@dataclass(frozen=True)
+class LocalPrefill:
+    """Conditional disaggregation: when a decode worker computes a prompt itself instead of
+    the prefill pool (the KV transfer and a prefill queue are then skipped).
+
+    max_uncached_tokens: at most this many prompt tokens left to compute on that worker (a
+    short prompt, or a long one mostly in its prefix cache); 0 turns the rule off.
+    min_cached_fraction: or at least this fraction of the prompt in its cache (a long history
+    of a multi-turn chat it served); above 1 turns the rule off.
+    """
+
+    max_uncached_tokens: int = 0
+    min_cached_fraction: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_uncached_tokens < 0:
+            raise ValueError(f"max_uncached_tokens must be >= 0, got {self.max_uncached_tokens}")
+        if self.min_cached_fraction <= 0:
+            raise ValueError(f"min_cached_fraction must be > 0, got {self.min_cached_fraction}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_uncached_tokens > 0 or self.min_cached_fraction <= 1.0
+
+    def reason(self, num_prompt_tokens: int, num_cached_tokens: int) -> str | None:
+        """Why this prompt may be prefilled where `num_cached_tokens` of it are cached
+        ("short" / "cached"), or None."""
+        if num_prompt_tokens - num_cached_tokens <= self.max_uncached_tokens:
+            return "short"
+        if num_prompt_tokens and num_cached_tokens / num_prompt_tokens >= self.min_cached_fraction:
+            return "cached"
+        return None
+
+
+class LocalPlacement(NamedTuple):
+    worker: WorkerInfo
+    num_cached_tokens: int
+    reason: str  # "short" | "cached"
+
+
+def choose_local_prefill(
+    rule: LocalPrefill,
+    workers: Sequence[WorkerInfo],
+    overlap: Mapping[str, int],
+    block_size: int,
+    num_prompt_tokens: int,
+    num_blocks_needed: int,
+) -> LocalPlacement | None:
+    """The decode worker that should prefill this prompt itself, or None (use the prefill
+    pool). Only workers with room for the whole request qualify; among those the rule admits,
+    the one with the most of the prompt cached, then choose_decode's order."""
+    if not rule.enabled:
+        return None
+    roomy = [w for w in workers if w.load.free_blocks >= num_blocks_needed]
+    admitted = []
+    for worker in roomy:
+        cached = min(_cached_tokens(worker, overlap, block_size), num_prompt_tokens)
+        reason = rule.reason(num_prompt_tokens, cached)
+        if reason is not None:
+            admitted.append(LocalPlacement(worker, cached, reason))
+    if not admitted:
+        return None
+    most = max(p.num_cached_tokens for p in admitted)
+    best = choose_decode([p.worker for p in admitted if p.num_cached_tokens == most], 0)
+    return next(p for p in admitted if p.worker is best)
 
 
 def _require(workers: Sequence[WorkerInfo]) -> Sequence[WorkerInfo]:

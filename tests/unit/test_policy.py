@@ -7,13 +7,14 @@ import pytest
 from common.messages import WorkerInfo, WorkerLoad
 from router.policy import (
     KVAwarePolicy,
+    LocalPrefill,
     NoWorkerAvailable,
     RandomPolicy,
     RoundRobinPolicy,
     choose_decode,
+    choose_local_prefill,
     make_prefill_policy,
     route_by_load,
-    use_local_prefill,
 )
 
 BLOCK = 16
@@ -120,9 +121,29 @@ def test_choose_decode_without_room_takes_most_free_blocks() -> None:
     assert choose_decode([small, larger], 10) is larger
 
 
-def test_use_local_prefill_threshold() -> None:
-    assert use_local_prefill(100, 0, 128)
-    assert use_local_prefill(1000, 960, 64)  # only 40 tokens left to compute
-    assert use_local_prefill(64, 64, 16)  # fully cached
-    assert not use_local_prefill(1000, 0, 128)
-    assert not use_local_prefill(10, 0, 0)  # 0 turns it off
+def test_local_prefill_rule_short_or_mostly_cached() -> None:
+    rule = LocalPrefill(max_uncached_tokens=128, min_cached_fraction=0.8)
+    assert rule.reason(100, 0) == "short"
+    assert rule.reason(1000, 960) == "short"  # only 40 tokens left to compute
+    assert rule.reason(5000, 4200) == "cached"  # 800 left, but 84% cached
+    assert rule.reason(1000, 0) is None
+    assert not LocalPrefill().enabled
+    assert LocalPrefill(max_uncached_tokens=0, min_cached_fraction=0.5).reason(10, 0) is None
+    with pytest.raises(ValueError, match="max_uncached_tokens"):
+        LocalPrefill(max_uncached_tokens=-1)
+
+
+def test_local_prefill_goes_to_the_roomy_worker_with_most_cached() -> None:
+    rule = LocalPrefill(max_uncached_tokens=64)
+    warm = make_worker("warm", "decode", free_blocks=50, running=5)
+    cold = make_worker("cold", "decode", free_blocks=50, running=0)
+    full = make_worker("full", "decode", free_blocks=2, running=0)
+    overlap = {"warm": 6, "full": 8}  # blocks of 16 tokens
+    # 140 tokens: warm has 96 cached (44 left: admitted), cold none (140 left: not), full no room
+    chosen = choose_local_prefill(rule, [warm, cold, full], overlap, 16, 140, 10)
+    assert chosen is not None and chosen.worker is warm and chosen.num_cached_tokens == 96
+    # A short prompt: every roomy worker qualifies; no cache anywhere -> the smaller batch.
+    chosen = choose_local_prefill(rule, [warm, cold, full], {}, 16, 40, 4)
+    assert chosen is not None and chosen.worker is cold and chosen.reason == "short"
+    assert choose_local_prefill(rule, [warm, cold], {}, 16, 500, 40) is None
+    assert choose_local_prefill(LocalPrefill(), [warm, cold], {}, 16, 1, 1) is None

@@ -53,3 +53,17 @@ def test_migration_budget_flag() -> None:
     assert parse("--max-migrations", "0").max_migrations == 0
     with pytest.raises(ValueError, match="--max-migrations must be >= 0"):
         parse("--max-migrations", "-1")
+
+
+def test_conditional_prefill_flags() -> None:
+    off = parse()
+    assert (off.local_prefill_max_tokens, off.decode_prefill_chunk_tokens) == (0, None)
+    on = parse("--local-prefill-max-tokens", "128", "--local-prefill-min-cached", "0.8")
+    assert (on.local_prefill_max_tokens, on.local_prefill_min_cached) == (128, 0.8)
+    assert on.decode_prefill_chunk_tokens == 256  # the decode workers' chunk, only when on
+    chunked = parse("--local-prefill-min-cached", "0.9", "--local-prefill-chunk-tokens", "64")
+    assert chunked.decode_prefill_chunk_tokens == 64
+    with pytest.raises(ValueError, match="--local-prefill-max-tokens must be >= 0"):
+        parse("--local-prefill-max-tokens", "-1")
+    with pytest.raises(ValueError, match="--local-prefill-chunk-tokens must be >= 1"):
+        parse("--local-prefill-max-tokens", "8", "--local-prefill-chunk-tokens", "0")
