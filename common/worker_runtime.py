@@ -98,6 +98,28 @@ def set_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+def publish_tick(
+    publisher: KVPublisher | None,
+    engine: Engine,
+    now: float,
+    next_heartbeat: float,
+    heartbeat_s: float,
+) -> float:
+    """One engine tick's index upkeep: the pool's new KV events if there are any (their write
+    refreshes the worker's TTL too), else a heartbeat when one is due; without Redis the events
+    are dropped. Returns when the next heartbeat is due."""
+    events = engine.kv.pool.drain_events()
+    if publisher is None:
+        return next_heartbeat
+    if events:
+        publisher.publish(events, engine_load(engine))
+        return now + heartbeat_s
+    if now >= next_heartbeat:
+        publisher.heartbeat(engine_load(engine))
+        return now + heartbeat_s
+    return next_heartbeat
+
+
 def make_publisher(
     redis_url: str | None,
     worker_id: str,

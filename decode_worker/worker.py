@@ -30,6 +30,7 @@ from common.worker_runtime import (
     build_worker_parts,
     describe,
     engine_load,
+    publish_tick,
     served_model,
     shut_down,
 )
@@ -243,18 +244,11 @@ class DecodeWorker:
         if now >= self._next_orphan_check:
             self._abort_orphans()
             self._next_orphan_check = now + ORPHAN_CHECK_S
-        if self.publisher is not None:
-            # Its prefix cache is published too: a router prefills a prompt here when most
-            # of it is cached here (conditional prefill).
-            events = self.engine.kv.pool.drain_events()
-            if events:
-                self.publisher.publish(events, engine_load(self.engine))
-                self._next_heartbeat = now + self.config.heartbeat_s
-            elif now >= self._next_heartbeat:
-                self.publisher.heartbeat(engine_load(self.engine))
-                self._next_heartbeat = now + self.config.heartbeat_s
-        else:
-            self.engine.kv.pool.drain_events()
+        # Its prefix cache is published too: a router prefills a prompt here when most of it
+        # is cached here (conditional prefill).
+        self._next_heartbeat = publish_tick(
+            self.publisher, self.engine, now, self._next_heartbeat, self.config.heartbeat_s
+        )
         return self.puller.busy
 
     def _abort_orphans(self) -> None:

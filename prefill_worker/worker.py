@@ -28,6 +28,7 @@ from common.worker_runtime import (
     build_worker_parts,
     describe,
     engine_load,
+    publish_tick,
     served_model,
     shut_down,
 )
@@ -284,16 +285,9 @@ class PrefillWorker:
                 "lease of %s expired after %.1f s; freeing its blocks", lease.req_id, held_s
             )
             self.engine.release_kv(lease.req_id)
-        if self.publisher is not None:
-            events = self.engine.kv.pool.drain_events()
-            if events:
-                self.publisher.publish(events, engine_load(self.engine))
-                self._next_heartbeat = now + self.config.heartbeat_s
-            elif now >= self._next_heartbeat:
-                self.publisher.heartbeat(engine_load(self.engine))
-                self._next_heartbeat = now + self.config.heartbeat_s
-        else:
-            self.engine.kv.pool.drain_events()
+        self._next_heartbeat = publish_tick(
+            self.publisher, self.engine, now, self._next_heartbeat, self.config.heartbeat_s
+        )
         return False
 
 

@@ -36,6 +36,18 @@ async def collect(backend, request: GenerateRequest) -> list[TokenDelta]:
     return [delta async for delta in backend.generate(request)]
 
 
+async def leave_after(backend, request: GenerateRequest, num_deltas: int) -> list[TokenDelta]:
+    """A client that reads `num_deltas` deltas of a stream, then goes away (closes it)."""
+    stream = backend.generate(request)
+    got: list[TokenDelta] = []
+    async for delta in stream:
+        got.append(delta)
+        if len(got) == num_deltas:
+            break
+    await stream.aclose()
+    return got
+
+
 def tokens_of(deltas: list[TokenDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 

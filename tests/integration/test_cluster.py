@@ -18,6 +18,7 @@ from tests.integration.cluster_support import (
     cluster_spec,
     collect,
     decode_from_extra_prefill,
+    leave_after,
     start_extra_prefill,
     tokens_of,
     wait_until_no_leaks,
@@ -168,17 +169,8 @@ def test_abort_mid_stream_frees_both_sides(cluster, loop, tokenizer):
     prompt = tokenizer.encode("Write a very long story about dragons and castles. " * 4)
     long_params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
-    async def run():
-        stream = cluster.backend.generate(request("abort-me", prompt, long_params))
-        got = []
-        async for delta in stream:
-            got.append(delta)
-            if len(got) == 3:
-                break
-        await stream.aclose()
-        return got
-
-    got = loop.run_until_complete(run())
+    abort_me = request("abort-me", prompt, long_params)
+    got = loop.run_until_complete(leave_after(cluster.backend, abort_me, 3))
     assert len(got) == 3 and not got[-1].finished
 
 

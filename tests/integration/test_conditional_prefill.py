@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
+    leave_after,
     tokens_of,
     wait_until_no_leaks,
 )
@@ -145,17 +146,8 @@ def test_a_locally_prefilled_request_left_mid_stream_is_freed(cluster, loop, tok
     loop.run_until_complete(index_shows(cluster, hashes, (len(prompt) - 1) // 16))
     before = cluster.backend.num_local_prefills
 
-    async def run():
-        stream = cluster.backend.generate(GenerateRequest("leave", tuple(prompt), long))
-        got = []
-        async for delta in stream:
-            got.append(delta)
-            if len(got) == 2:
-                break
-        await stream.aclose()
-        return got
-
-    got = loop.run_until_complete(run())
+    leave = GenerateRequest("leave", tuple(prompt), long)
+    got = loop.run_until_complete(leave_after(cluster.backend, leave, 2))
     assert len(got) == 2 and not got[-1].finished
     assert cluster.backend.num_local_prefills - before == 1
     # the autouse fixture then waits until every block on both workers is free again
