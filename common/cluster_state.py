@@ -136,6 +136,7 @@ class PoolStatus:
     role: str
     desired: int
     workers: tuple[WorkerStatus, ...]
+    autoscale: str = ""  # "" when off; else its bounds and its last decision with the reason
 
     @property
     def num_ready(self) -> int:

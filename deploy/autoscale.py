@@ -99,7 +99,8 @@ class Autoscaler:
     def observe(self, sample: PoolSample) -> None:
         samples = self._samples[sample.role]
         samples.append(sample)
-        while samples and samples[0].at < sample.at - self.config.window_s:
+        # Keep the last sample at or before the window's start: it shows the window is whole.
+        while len(samples) > 1 and samples[1].at <= sample.at - self.config.window_s:
             samples.popleft()
 
     def changed(self, role: str, at: float) -> None:
@@ -113,7 +114,7 @@ class Autoscaler:
         last = self._last_change[role]
         if last is not None and now - last < c.cooldown_s:
             return None
-        window = [s for s in self._samples[role] if s.at >= now - c.window_s]
+        window = list(self._samples[role])
         if not window or window[0].at > now - c.window_s:
             return None  # not a full window yet
         if any(

@@ -38,6 +38,8 @@ from common.cluster_state import (
 from common.messages import ServedModel
 from common.redis_url import redact
 from deploy import worker_launch
+from deploy.autoscale import AutoscaleConfig
+from deploy.autoscale_driver import AutoscaleDriver
 from deploy.worker_launch import WorkerTemplate
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class ControllerConfig:
     max_start_failures: int = 3  # consecutive failed starts of a pool before it stops trying
     local_prefill_max_tokens: int = 0  # conditional prefill, for the routers (RouterConfig)
     local_prefill_min_cached: float = 2.0
+    autoscale: AutoscaleConfig | None = None  # None: pools change only on `kvrelay scale`
 
 
 @dataclass
@@ -74,6 +77,7 @@ class _Record:
     last_stats: WorkerStats | None = None  # taken as it retired (status of a gone worker)
     error: str | None = None
     task: asyncio.Task[None] | None = None
+    ready_seen: float | None = None  # the controller's time.monotonic() when it turned ready
 
     @property
     def state(self) -> WorkerState:
@@ -100,6 +104,12 @@ class Controller:
         self._error = ""
         self._loop_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._autoscale = AutoscaleDriver(config.autoscale) if config.autoscale else None
+        self._autoscale_notes: dict[str, str] = {}
+        if config.autoscale is not None:
+            for role in ROLES:
+                low, high = config.autoscale.min_size[role], config.autoscale.max_size[role]
+                self._autoscale_notes[role] = f"autoscale {low}..{high}"
 
     # ---- actor API -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -116,6 +126,8 @@ class Controller:
                 self._num_failures[role] = 0
                 self._error = ""
             self._desired[role] = size
+            if self._autoscale is not None:
+                self._autoscale.operator_changed(role, time.monotonic())
         self._request_nodes()
         self._poke()
         return dict(self._desired)
@@ -132,6 +144,7 @@ class Controller:
                     for r in records
                     if r.role == role
                 ),
+                self._autoscale_notes.get(role, ""),
             )
             for role in ROLES
         )
@@ -200,12 +213,36 @@ class Controller:
                 if time.monotonic() >= next_check:
                     await self._check_health()
                     next_check = time.monotonic() + HEALTH_CHECK_S
+                if self._autoscale is not None:
+                    await self._autoscale.tick(self, time.monotonic())
             except Exception:
                 logger.exception("controller: reconcile failed")
             assert self._wake is not None
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), RECONCILE_S)
+
+    # ---- what the autoscaler uses (deploy/autoscale_driver.Pools) --------------------------
+    def ready_workers(self, role: str) -> list[tuple[Any, float]]:
+        return [
+            (r.actor, r.ready_seen)
+            for r in self._records.values()
+            if r.role == role and r.state == WorkerState.READY and r.ready_seen is not None
+        ]
+
+    def settled(self, role: str) -> bool:
+        mine = [r for r in self._records.values() if r.role == role and r.state != WorkerState.GONE]
+        return len(mine) == self._desired[role] and all(r.state == WorkerState.READY for r in mine)
+
+    def resize(self, role: str, size: int, reason: str) -> None:
+        assert self.config.autoscale is not None
+        low, high = self.config.autoscale.min_size[role], self.config.autoscale.max_size[role]
+        when = time.strftime("%H:%M:%S")
+        note = f"{self._desired[role]} -> {size} at {when}: {reason}"
+        self._autoscale_notes[role] = f"autoscale {low}..{high}, last {note}"
+        self._desired[role] = size
+        self._request_nodes()
+        self._poke()
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -260,6 +297,7 @@ class Controller:
             record.move(WorkerState.JOINING, "warm-up request done")
             at = await record.actor.set_state.remote(WorkerState.READY)
             record.move(WorkerState.READY, "taking traffic", at=at)
+            record.ready_seen = time.monotonic()
             self._num_failures[record.role] = 0
         except asyncio.CancelledError:
             await worker_launch.stop(record.actor, loaded=record.description is not None)

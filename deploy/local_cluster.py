@@ -16,6 +16,7 @@ from typing import Any
 
 from common.cluster_state import CONTROLLER_NAME, NAMESPACE
 from common.redis_url import redact
+from deploy.autoscale import AutoscaleConfig
 from deploy.cluster_address import process_alive
 from deploy.controller import ControllerConfig, start_controller
 from deploy.progress import follow
@@ -46,6 +47,7 @@ class ClusterSpec:
     local_prefill_max_tokens: int = 0  # conditional prefill (router.policy.LocalPrefill); 0: off
     local_prefill_min_cached: float = 2.0  # above 1: off
     decode_prefill_chunk_tokens: int | None = None  # None: the engine's own step budget
+    autoscale: AutoscaleConfig | None = None  # None: sizes change only on `kvrelay scale`
 
 
 class LocalCluster:
@@ -113,6 +115,7 @@ class LocalCluster:
             drain_grace_s=spec.drain_grace_s,
             local_prefill_max_tokens=spec.local_prefill_max_tokens,
             local_prefill_min_cached=spec.local_prefill_min_cached,
+            autoscale=spec.autoscale,
         )
         progress(
             f"kvrelay: starting the controller, {spec.num_prefill} prefill and "

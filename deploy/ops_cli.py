@@ -105,7 +105,8 @@ def format_status(current: ClusterStatus) -> str:
     if current.error:
         lines.append(f"error: {current.error}")
     for pool in current.pools:
-        lines.append(f"{pool.role} pool: {pool.num_ready} ready of {pool.desired} wanted")
+        line = f"{pool.role} pool: {pool.num_ready} ready of {pool.desired} wanted"
+        lines.append(f"{line} ({pool.autoscale})" if pool.autoscale else line)
         for worker in pool.workers:
             lines.append("  " + _worker_line(worker))
     lines.append(f"routers: {len(current.routers)}")

@@ -13,6 +13,7 @@ import sys
 from common.cluster_state import RouterStatus
 from common.redis_url import check_url
 from deploy import cluster_address
+from deploy.autoscale import AutoscaleConfig
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
 from engine.config import (
@@ -67,6 +68,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="with conditional prefill on: prompt tokens a decode worker computes per step "
         "beside its running decodes (default 256)",
     )
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--autoscale-{role}",
+            default=None,
+            metavar="MIN:MAX",
+            help=f"let the controller resize the {role} pool within MIN..MAX from its load "
+            f"(starting at --{role}); default: fixed",
+        )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per worker")
     p.add_argument(
@@ -116,6 +125,29 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=serve)
 
 
+def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """--autoscale-prefill / --autoscale-decode MIN:MAX; a pool without one keeps its size."""
+    bounds = {}
+    for role in ("prefill", "decode"):
+        size = getattr(args, role)
+        text = getattr(args, f"autoscale_{role}")
+        if text is None:
+            bounds[role] = (size, size)
+            continue
+        low, sep, high = text.partition(":")
+        if not sep or not low.isdigit() or not high.isdigit() or not 1 <= int(low) <= int(high):
+            raise ValueError(f"--autoscale-{role} wants MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+        if not int(low) <= size <= int(high):
+            raise ValueError(f"--{role} {size} is outside --autoscale-{role} {text}")
+        bounds[role] = (int(low), int(high))
+    if all(low == high for low, high in bounds.values()):
+        return None
+    return AutoscaleConfig(
+        min_size={role: low for role, (low, _) in bounds.items()},
+        max_size={role: high for role, (_, high) in bounds.items()},
+    )
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
@@ -150,6 +182,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.local_prefill_chunk_tokens < 1:
         raise ValueError("--local-prefill-chunk-tokens must be >= 1")
     local = LocalPrefill(args.local_prefill_max_tokens, args.local_prefill_min_cached)
+    autoscale = autoscale_from_args(args)
     return ClusterSpec(
         engine=engine,
         num_prefill=args.prefill,
@@ -160,6 +193,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_min_cached=args.local_prefill_min_cached,
         decode_prefill_chunk_tokens=args.local_prefill_chunk_tokens if local.enabled else None,
+        autoscale=autoscale,
         threads_per_worker=args.threads_per_worker,
         ray_address=args.ray_address,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -117,6 +118,7 @@ def test_a_lost_decode_node_is_seen_its_streams_migrate_and_its_worker_is_replac
     baseline = [tokens_of(d) for d in loop.run_until_complete(stream_all(backend, "base"))]
     status = ray.get(controller.status.remote(with_stats=False))
     node_of = {w.worker_id: w.node_id for w in status.pool("decode").workers}
+    pid_of = {w.worker_id: w.pid for w in status.pool("decode").workers}
     assert len(set(node_of.values())) == 2, "one decode worker per decode node"
 
     placed: dict[str, str] = {}
@@ -129,7 +131,11 @@ def test_a_lost_decode_node_is_seen_its_streams_migrate_and_its_worker_is_replac
         if not lost and all(len(d) >= 2 for d in received.values()):
             lost.append(placed["lost0"])
             [node] = [n for n in decode_nodes if n.node_id == node_of[lost[0]]]
-            cluster.remove_node(node, allow_graceful=False)  # its raylet and workers: SIGKILL
+            # The whole node goes at once: its worker is stopped first (so its streams cannot
+            # finish while its raylet dies), then the raylet is killed, then the worker.
+            os.kill(pid_of[lost[0]], signal.SIGSTOP)
+            cluster.remove_node(node, allow_graceful=False)
+            os.kill(pid_of[lost[0]], signal.SIGKILL)
 
     migrations_before = backend.num_migrations
     results = loop.run_until_complete(stream_all(backend, "lost", kill_node_when_all_stream))

@@ -123,3 +123,15 @@ def test_a_decision_names_its_reason_and_bad_configs_are_refused() -> None:
         AutoscaleConfig(min_size={"prefill": 2, "decode": 1}, max_size={"prefill": 1, "decode": 1})
     with pytest.raises(ValueError, match="shrink_below < grow_above"):
         AutoscaleConfig(shrink_below=1.5)
+
+
+def test_samples_at_uneven_times_still_make_full_windows() -> None:
+    # A real controller samples about once a second, never on exact boundaries.
+    scaler = Autoscaler(CONFIG)
+    times = [t + 0.37 * (t % 3) for t in range(15)]
+    decisions = []
+    for at in times:
+        scaler.observe(PoolSample(at, "prefill", 1, queued_tokens=5000))
+        if scaler.decide("prefill", at) is not None:
+            decisions.append(at)
+    assert decisions and decisions[0] >= 10.0

@@ -67,3 +67,17 @@ def test_conditional_prefill_flags() -> None:
         parse("--local-prefill-max-tokens", "-1")
     with pytest.raises(ValueError, match="--local-prefill-chunk-tokens must be >= 1"):
         parse("--local-prefill-max-tokens", "8", "--local-prefill-chunk-tokens", "0")
+
+
+def test_autoscale_flags() -> None:
+    assert parse().autoscale is None
+    spec = parse("--decode", "2", "--autoscale-decode", "1:4")
+    assert spec.autoscale is not None
+    assert spec.autoscale.min_size == {"prefill": 1, "decode": 1}
+    assert spec.autoscale.max_size == {"prefill": 1, "decode": 4}  # prefill stays at 1
+    with pytest.raises(ValueError, match="--decode 5 is outside --autoscale-decode 1:4"):
+        parse("--decode", "5", "--autoscale-decode", "1:4")
+    with pytest.raises(ValueError, match="--autoscale-prefill wants MIN:MAX"):
+        parse("--autoscale-prefill", "3")
+    with pytest.raises(ValueError, match="--autoscale-prefill wants MIN:MAX"):
+        parse("--autoscale-prefill", "0:2")

@@ -1,0 +1,93 @@
+"""AutoscaleDriver: the controller's autoscale hook. Once a second it samples each pool's load
+from its ready workers' own stats and applies the Autoscaler's decisions through the
+controller. Owns the Autoscaler (its samples, each pool's last change) and when it last sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from deploy.autoscale import ROLES, AutoscaleConfig, Autoscaler, Decision, PoolSample
+
+logger = logging.getLogger(__name__)
+SAMPLE_S = 1.0
+STATS_TIMEOUT_S = 2.0
+
+
+class Pools(Protocol):
+    """What the driver needs of the controller."""
+
+    def ready_workers(self, role: str) -> list[tuple[Any, float]]:
+        """(actor, when the controller saw it turn ready, on its monotonic clock) of each."""
+
+    def settled(self, role: str) -> bool:
+        """Desired == ready, nothing joining or draining."""
+
+    def resize(self, role: str, size: int, reason: str) -> None: ...
+
+
+class AutoscaleDriver:
+    def __init__(self, config: AutoscaleConfig) -> None:
+        self.scaler = Autoscaler(config)
+        self._last_sample: float | None = None
+
+    def operator_changed(self, role: str, now: float) -> None:
+        """`kvrelay scale` set the pool's size: that counts as a change (its cooldown)."""
+        self.scaler.changed(role, now)
+
+    async def tick(self, pools: Pools, now: float) -> list[Decision]:
+        """Sample (at most once per SAMPLE_S) and apply what the autoscaler decides."""
+        if self._last_sample is not None and now - self._last_sample < SAMPLE_S:
+            return []
+        self._last_sample = now
+        ready = {role: pools.ready_workers(role) for role in ROLES}
+        stats = {role: await _stats([a for a, _ in ready[role]]) for role in ROLES}
+        if stats["prefill"] is None or stats["decode"] is None:
+            return []  # a worker did not answer: its load is unknown, skip this sample
+        backlog = sum(s.num_blocks_held for s in stats["prefill"])
+        decisions = []
+        for role in ROLES:
+            if not ready[role] or not pools.settled(role):
+                self.scaler.changed(role, now)  # the window restarts once the pool settles
+                continue
+            newest = max(at for _, at in ready[role])
+            self.scaler.observe(_sample(role, now, stats[role], newest, backlog))
+            decision = self.scaler.decide(role, now)
+            if decision is not None:
+                logger.warning(
+                    "autoscale: %s pool -> %d (%s)", role, decision.size, decision.reason
+                )
+                pools.resize(role, decision.size, decision.reason)
+                self.scaler.changed(role, now)
+                decisions.append(decision)
+        return decisions
+
+
+async def _stats(actors: list[Any]) -> list[Any] | None:
+    try:
+        return list(
+            await asyncio.gather(
+                *(asyncio.wait_for(a.stats.remote(), STATS_TIMEOUT_S) for a in actors)
+            )
+        )
+    except Exception as e:  # a dead or frozen worker: the health check deals with it
+        logger.info("autoscale: no sample this second (%s)", type(e).__name__)
+        return None
+
+
+def _sample(role: str, now: float, stats: list[Any], newest: float, backlog: int) -> PoolSample:
+    loads = [s.load for s in stats]
+    return PoolSample(
+        now,
+        role,
+        len(stats),
+        queued_tokens=sum(load.queued_tokens for load in loads),
+        running=sum(load.running for load in loads),
+        waiting=sum(load.waiting for load in loads),
+        used_blocks=sum(load.total_blocks - load.free_blocks for load in loads),
+        total_blocks=sum(load.total_blocks for load in loads),
+        backlog_blocks=backlog if role == "decode" else 0,
+        newest_ready_at=newest,
+    )
