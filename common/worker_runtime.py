@@ -98,26 +98,40 @@ def set_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def publish_tick(
-    publisher: KVPublisher | None,
-    engine: Engine,
-    now: float,
-    next_heartbeat: float,
-    heartbeat_s: float,
-) -> float:
-    """One engine tick's index upkeep: the pool's new KV events if there are any (their write
-    refreshes the worker's TTL too), else a heartbeat when one is due; without Redis the events
-    are dropped. Returns when the next heartbeat is due."""
-    events = engine.kv.pool.drain_events()
-    if publisher is None:
-        return next_heartbeat
-    if events:
-        publisher.publish(events, engine_load(engine))
-        return now + heartbeat_s
-    if now >= next_heartbeat:
-        publisher.heartbeat(engine_load(engine))
-        return now + heartbeat_s
-    return next_heartbeat
+class IndexUpkeep:
+    """A worker's upkeep of its Redis index entries, on its engine thread. Owns the KV events
+    not yet written and when the next write is due.
+
+    Each tick takes the pool's new KV events; they are written in order, at most once per
+    `publish_interval_s` (0: at every tick that has any), and their write refreshes the worker's
+    load and TTL. A heartbeat goes out when nothing was written for `heartbeat_s`. Without
+    Redis the events are dropped."""
+
+    def __init__(
+        self,
+        publisher: KVPublisher | None,
+        engine: Engine,
+        heartbeat_s: float,
+        publish_interval_s: float = 0.0,
+    ) -> None:
+        self.publisher = publisher
+        self.engine = engine
+        self.heartbeat_s = heartbeat_s
+        self.publish_interval_s = publish_interval_s
+        self._pending: list[Any] = []
+        self._last_write = float("-inf")
+
+    def tick(self, now: float) -> None:
+        events = self.engine.kv.pool.drain_events()
+        if self.publisher is None:
+            return
+        self._pending += events
+        if self._pending and now - self._last_write >= self.publish_interval_s:
+            self.publisher.publish(self._pending, engine_load(self.engine))
+            self._pending, self._last_write = [], now
+        elif now - self._last_write >= self.heartbeat_s:
+            self.publisher.heartbeat(engine_load(self.engine))
+            self._last_write = now
 
 
 def make_publisher(
@@ -136,7 +150,8 @@ def make_publisher(
         engine.model_id,
         worker_id,
         role,
-        cached_hashes=engine.kv.pool.cached_hashes,
+        # A worker that records no KV events publishes no blocks, not a snapshot gone stale.
+        cached_hashes=engine.kv.pool.cached_hashes if engine.kv.pool.record_events else tuple,
         actor_name=actor_name,
         nixl_agent=agent_name,
     )

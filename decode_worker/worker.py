@@ -26,11 +26,11 @@ from common.cluster_state import (
 )
 from common.messages import GenerateRequest, KVHandle, ServedModel, TokenDelta, WorkerLoad
 from common.worker_runtime import (
+    IndexUpkeep,
     WorkerLifecycle,
     build_worker_parts,
     describe,
     engine_load,
-    publish_tick,
     served_model,
     shut_down,
 )
@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
 
 logger = logging.getLogger(__name__)
 ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling
+CACHE_PUBLISH_S = 0.1  # its prefix cache's KV events go to Redis at most this often
 ROUTER_RETENTION_S = 300.0  # a router silent this long is gone: its unread deltas are dropped
 
 
@@ -56,6 +57,9 @@ class DecodeWorkerConfig:
     heartbeat_s: float = 1.0
     num_threads: int | None = None
     router_timeout_s: float = 10.0  # a router silent this long is dead: abort its requests
+    publish_cache: bool = (
+        False  # its prefix cache to the index (the cluster runs conditional prefill)
+    )
 
 
 class DecodeWorker:
@@ -69,8 +73,10 @@ class DecodeWorker:
             "decode",
             self.worker_id,
             self.actor_name,
-            # Its prefix cache goes to the index too (conditional prefill reads it).
-            replace(config.engine, record_kv_events=bool(config.redis_url)),
+            # Its prefix cache goes to the index when conditional prefill reads it.
+            replace(
+                config.engine, record_kv_events=bool(config.redis_url and config.publish_cache)
+            ),
             config.redis_url,
             config.num_threads,
             timeout_s=config.transfer_timeout_s,
@@ -79,7 +85,11 @@ class DecodeWorker:
         self.mailboxes = Mailboxes()
         self._routes: dict[str, str] = {}  # req_id -> router_id
         self._prefilled_here: set[str] = set()  # of those, the ones whose prompt runs here
-        self._next_heartbeat = 0.0
+        # Its prefix cache, when published, goes in batches: a Redis round trip per decode
+        # step would cost the decodes their pace.
+        self.index_upkeep = IndexUpkeep(
+            self.publisher, self.engine, config.heartbeat_s, CACHE_PUBLISH_S
+        )
         self._next_orphan_check = 0.0
         self.num_orphans_aborted = 0  # requests of routers that stopped polling
         self.num_local_prefills = 0  # prompts computed here (conditional prefill)
@@ -244,11 +254,7 @@ class DecodeWorker:
         if now >= self._next_orphan_check:
             self._abort_orphans()
             self._next_orphan_check = now + ORPHAN_CHECK_S
-        # Its prefix cache is published too: a router prefills a prompt here when most of it
-        # is cached here (conditional prefill).
-        self._next_heartbeat = publish_tick(
-            self.publisher, self.engine, now, self._next_heartbeat, self.config.heartbeat_s
-        )
+        self.index_upkeep.tick(now)
         return self.puller.busy
 
     def _abort_orphans(self) -> None:

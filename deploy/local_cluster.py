@@ -23,6 +23,7 @@ from deploy.progress import follow
 from deploy.router_launch import build_backend
 from deploy.worker_launch import WorkerTemplate
 from engine.config import EngineConfig
+from router.policy import LocalPrefill
 
 logger = logging.getLogger(__name__)
 LOCAL_POOL_SLOTS = 64  # workers of each pool an embedded (single-node) Ray can host
@@ -106,6 +107,9 @@ class LocalCluster:
             gpus_per_worker=1 if spec.engine.device.startswith("cuda") else 0,
             router_timeout_s=spec.router_timeout_s,
             decode_prefill_chunk_tokens=spec.decode_prefill_chunk_tokens,
+            publish_decode_cache=LocalPrefill(
+                spec.local_prefill_max_tokens, spec.local_prefill_min_cached
+            ).enabled,
         )
         config = ControllerConfig(
             template,

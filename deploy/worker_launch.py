@@ -35,6 +35,9 @@ class WorkerTemplate:
     # decode: prompt tokens computed per step beside the running decodes (conditional prefill,
     # a failed pull's recompute); None: the engine's own max_num_batched_tokens.
     decode_prefill_chunk_tokens: int | None = None
+    publish_decode_cache: bool = (
+        False  # decode: its prefix cache to the index (conditional prefill)
+    )
 
 
 def pool_resource(role: str) -> str:
@@ -78,6 +81,7 @@ def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
             template.transfer_timeout_s,
             num_threads=template.threads_per_worker,
             router_timeout_s=template.router_timeout_s,
+            publish_cache=template.publish_decode_cache,
         )
     return (
         ray.remote(worker_cls)

@@ -24,11 +24,11 @@ from common.cluster_state import (
 )
 from common.messages import GenerateRequest, KVHandle, ServedModel, WorkerLoad
 from common.worker_runtime import (
+    IndexUpkeep,
     WorkerLifecycle,
     build_worker_parts,
     describe,
     engine_load,
-    publish_tick,
     served_model,
     shut_down,
 )
@@ -73,7 +73,7 @@ class PrefillWorker:
         )
         self.leases = LeaseLedger()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._next_heartbeat = 0.0  # time.monotonic()
+        self.index_upkeep = IndexUpkeep(self.publisher, self.engine, config.heartbeat_s)
         self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
@@ -285,9 +285,7 @@ class PrefillWorker:
                 "lease of %s expired after %.1f s; freeing its blocks", lease.req_id, held_s
             )
             self.engine.release_kv(lease.req_id)
-        self._next_heartbeat = publish_tick(
-            self.publisher, self.engine, now, self._next_heartbeat, self.config.heartbeat_s
-        )
+        self.index_upkeep.tick(now)
         return False
 
 
