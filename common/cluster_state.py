@@ -144,10 +144,13 @@ class PoolStatus:
 
     @property
     def settled(self) -> bool:
-        """The pool has reached its size: `desired` ready workers, none joining or draining."""
-        states = [w.state for w in self.workers]
-        busy = WorkerState.JOINING in states or WorkerState.DRAINING in states
-        return not busy and self.num_ready == self.desired
+        return pool_settled(self.desired, [w.state for w in self.workers])
+
+
+def pool_settled(desired: int, states: list[WorkerState]) -> bool:
+    """A pool has reached its size: `desired` ready workers, none joining or draining."""
+    busy = WorkerState.JOINING in states or WorkerState.DRAINING in states
+    return not busy and states.count(WorkerState.READY) == desired
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,14 @@ controller. Owns the Autoscaler (its samples, each pool's last change) and when 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Protocol
 
+from common.worker_stats import gather_stats
 from deploy.autoscale import ROLES, AutoscaleConfig, Autoscaler, Decision, PoolSample
 
 logger = logging.getLogger(__name__)
 SAMPLE_S = 1.0
-STATS_TIMEOUT_S = 2.0
 
 
 class Pools(Protocol):
@@ -43,9 +42,13 @@ class AutoscaleDriver:
             return []
         self._last_sample = now
         ready = {role: pools.ready_workers(role) for role in ROLES}
-        stats = {role: await _stats([a for a, _ in ready[role]]) for role in ROLES}
-        if stats["prefill"] is None or stats["decode"] is None:
-            return []  # a worker did not answer: its load is unknown, skip this sample
+        asked = {f"{role}-{i}": a for role in ROLES for i, (a, _) in enumerate(ready[role])}
+        answered = await gather_stats(asked)  # both pools at once
+        if len(answered) < len(asked):
+            # A dead or frozen worker: its load is unknown (the health check deals with it).
+            logger.info("autoscale: no sample this second (a worker did not answer)")
+            return []
+        stats = {role: [answered[f"{role}-{i}"] for i in range(len(ready[role]))] for role in ROLES}
         backlog = sum(s.num_blocks_held for s in stats["prefill"])
         decisions = []
         for role in ROLES:
@@ -63,18 +66,6 @@ class AutoscaleDriver:
                 self.scaler.changed(role, now)
                 decisions.append(decision)
         return decisions
-
-
-async def _stats(actors: list[Any]) -> list[Any] | None:
-    try:
-        return list(
-            await asyncio.gather(
-                *(asyncio.wait_for(a.stats.remote(), STATS_TIMEOUT_S) for a in actors)
-            )
-        )
-    except Exception as e:  # a dead or frozen worker: the health check deals with it
-        logger.info("autoscale: no sample this second (%s)", type(e).__name__)
-        return None
 
 
 def _sample(role: str, now: float, stats: list[Any], newest: float, backlog: int) -> PoolSample:

@@ -34,9 +34,11 @@ from common.cluster_state import (
     WorkerState,
     WorkerStats,
     WorkerStatus,
+    pool_settled,
 )
 from common.messages import ServedModel
 from common.redis_url import redact
+from common.worker_stats import gather_stats
 from deploy import worker_launch
 from deploy.autoscale import AutoscaleConfig
 from deploy.autoscale_driver import AutoscaleDriver
@@ -231,8 +233,8 @@ class Controller:
         ]
 
     def settled(self, role: str) -> bool:
-        mine = [r for r in self._records.values() if r.role == role and r.state != WorkerState.GONE]
-        return len(mine) == self._desired[role] and all(r.state == WorkerState.READY for r in mine)
+        states = [r.state for r in self._records.values() if r.role == role]
+        return pool_settled(self._desired[role], states)
 
     def resize(self, role: str, size: int, reason: str) -> None:
         assert self.config.autoscale is not None
@@ -427,15 +429,7 @@ class Controller:
     # ---- status ----------------------------------------------------------------------------
     async def _gather_stats(self, records: list[_Record]) -> dict[str, Any]:
         asked = [r for r in records if r.state != WorkerState.GONE and r.description is not None]
-
-        async def one(record: _Record) -> Any:
-            try:
-                return await asyncio.wait_for(record.actor.stats.remote(), 2.0)
-            except Exception:
-                return None
-
-        results = await asyncio.gather(*(one(r) for r in asked))
-        return {r.worker_id: s for r, s in zip(asked, results, strict=True) if s is not None}
+        return await gather_stats({r.worker_id: r.actor for r in asked})
 
     def _worker_status(self, record: _Record, stats: Any) -> WorkerStatus:
         desc = record.description

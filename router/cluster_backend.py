@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError
 
 from common.cluster_state import WorkerUnavailable
 from common.messages import GenerateRequest, KVHandle, TokenDelta, WorkerInfo
+from common.worker_stats import gather_stats
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
 from router.metrics import RouterMetrics
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 MAX_POLL_ERRORS = 3  # consecutive failed long-polls (not an actor death) that count as death
 POLL_RETRY_S = 0.5
 MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
-STATS_TIMEOUT_S = 2.0  # a worker that takes longer has no handoff series in that /metrics scrape
 
 
 @dataclass
@@ -128,12 +128,9 @@ class ClusterBackend(Backend):
             self.metrics.set_worker_load(worker)
 
     async def _place_prefill(
-        self, request: GenerateRequest, excluded: frozenset[str]
+        self, request: GenerateRequest, hashes: list[int], excluded: frozenset[str]
     ) -> tuple[Placement, int]:
         """The prefill placement and the prompt tokens it leaves to compute (placed on it)."""
-        hashes = hash_blocks(
-            request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
-        )
         workers, overlap = await self._candidates("prefill", hashes, excluded)
         # No await from here to place(): concurrent placements each see the ones before them.
         workers = self.workers.with_placed(workers)
@@ -204,14 +201,18 @@ class ClusterBackend(Backend):
         decode_actor: Any = None
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         try:
-            here = await self._prefill_on_decode(request, queue, client_req_id)
+            # The prompt's block hashes, once per leg: both placements look them up.
+            hashes = hash_blocks(
+                request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
+            )
+            here = await self._prefill_on_decode(request, hashes, queue, client_req_id)
             if here is not None:
                 decode, decode_actor = here
                 stage = "decode"
             else:
                 excluded: frozenset[str] = frozenset()
                 while True:  # a worker that stopped taking work (drained, died) is left out
-                    placement, num_uncached = await self._place_prefill(request, excluded)
+                    placement, num_uncached = await self._place_prefill(request, hashes, excluded)
                     prefill = placement.worker
                     self.last_placements[req_id] = prefill.worker_id
                     try:
@@ -279,7 +280,11 @@ class ClusterBackend(Backend):
                 await _quietly(decode_actor.abort.remote(req_id))
 
     async def _prefill_on_decode(
-        self, request: GenerateRequest, queue: asyncio.Queue[TokenDelta], client_req_id: str
+        self,
+        request: GenerateRequest,
+        hashes: list[int],
+        queue: asyncio.Queue[TokenDelta],
+        client_req_id: str,
     ) -> tuple[WorkerInfo, Any] | None:
         """Conditional prefill: when the LocalPrefill rule admits a decode worker (few tokens
         left to compute there), submit the whole request to it and return it (placed there
@@ -289,7 +294,6 @@ class ClusterBackend(Backend):
         if not rule.enabled:
             return None
         prompt = request.prompt_token_ids
-        hashes = hash_blocks(prompt, self.block_size, self.model_id, request.cache_salt)
         workers, overlap = await self._candidates("decode", hashes, frozenset())
         # No await from here to place(): concurrent placements each see the ones before them.
         choice = choose_local_prefill(
@@ -491,21 +495,14 @@ class ClusterBackend(Backend):
         a worker that does not answer has none this scrape."""
         if self.metrics is None:
             return
-        roles = {role: self.workers.actors(role) for role in ("prefill", "decode")}
-
-        async def one(role: str, worker_id: str, actor: Any) -> str | None:
-            try:
-                stats = await asyncio.wait_for(actor.stats.remote(), STATS_TIMEOUT_S)
-            except (RayActorError, TimeoutError) as e:
-                logger.info("no stats from %s for /metrics: %s", worker_id, type(e).__name__)
-                return None
-            self.metrics.worker_stats.update(worker_id, role, stats)
-            return worker_id
-
-        answered = await asyncio.gather(
-            *(one(role, i, actor) for role, actors in roles.items() for i, actor in actors.items())
-        )
-        self.metrics.worker_stats.keep_only({i for i in answered if i is not None})
+        role_of, actors = {}, {}
+        for role in ("prefill", "decode"):
+            for worker_id, actor in self.workers.actors(role).items():
+                role_of[worker_id], actors[worker_id] = role, actor
+        answered = await gather_stats(actors)
+        for worker_id, stats in answered.items():
+            self.metrics.worker_stats.update(worker_id, role_of[worker_id], stats)
+        self.metrics.worker_stats.keep_only(set(answered))
 
     async def close(self) -> None:
         if self.membership is not None:

@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 from typing import Any
 
+from common.worker_stats import gather_stats
+
 SAMPLE_S = 0.5
-STATS_TIMEOUT_S = 2.0  # a frozen or dead worker is skipped in that sample
 
 
 class StrandedWatch:
@@ -31,15 +32,11 @@ class StrandedWatch:
         await self.sample()
 
     async def sample(self) -> None:
+        """A frozen or dead worker is skipped in that sample."""
         actors = {**self.cluster.prefill_actors, **self.cluster.decode_actors}
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(a.stats.remote(), STATS_TIMEOUT_S) for a in actors.values()),
-            return_exceptions=True,
-        )
-        for stats in answers:
-            if not isinstance(stats, BaseException):
-                self.num_samples += 1
-                self.max_stranded = max(self.max_stranded, stats.num_stranded_blocks)
+        for stats in (await gather_stats(actors)).values():
+            self.num_samples += 1
+            self.max_stranded = max(self.max_stranded, stats.num_stranded_blocks)
 
     async def _run(self) -> None:
         while True:

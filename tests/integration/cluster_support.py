@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -86,6 +87,22 @@ async def wait_until_no_leaks(
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still in use: {busy}")
         await asyncio.sleep(0.05)
+
+
+def reference_batch(
+    make_engine, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+) -> list[list[int]]:
+    """Each prompt's tokens from one engine alone, all of them batched in it (`params` for all,
+    or one per prompt): what a cluster run must equal."""
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    engine = make_engine()
+    for i, (prompt, sampling) in enumerate(zip(prompts, per_prompt, strict=True)):
+        engine.add_request(f"ref{i}", prompt, sampling)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests:
+        for o in engine.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+    return [out[f"ref{i}"] for i in range(len(prompts))]
 
 
 def start_extra_prefill(name: str, engine_config: EngineConfig, lease_s: float = 20.0) -> Any:

@@ -15,7 +15,12 @@ from common.messages import GenerateRequest, TokenDelta
 from deploy.autoscale import AutoscaleConfig
 from deploy.local_cluster import LocalCluster
 from engine.sampling_params import SamplingParams
-from tests.integration.cluster_support import cluster_spec, tokens_of, wait_until_no_leaks
+from tests.integration.cluster_support import (
+    cluster_spec,
+    reference_batch,
+    tokens_of,
+    wait_until_no_leaks,
+)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 IN_FLIGHT = 6  # streams kept running: 6x the decode target of 1 per worker
@@ -57,13 +62,7 @@ def test_the_decode_pool_grows_under_load_and_shrinks_after(
         tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me fact {i}."}])
         for i in range(NUM_PROMPTS)
     ]
-    engine = make_engine()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref{i}", prompt, GREEDY)
-    expected: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            expected.setdefault(out.req_id, []).extend(out.new_token_ids)
+    expected = reference_batch(make_engine, prompts, GREEDY)
     results: list[tuple[int, list[TokenDelta]]] = []
 
     async def run() -> None:
@@ -106,5 +105,5 @@ def test_the_decode_pool_grows_under_load_and_shrinks_after(
     assert results, "no request ran"
     for index, deltas in results:
         assert deltas[-1].finish_reason == "length", deltas[-1]
-        assert tokens_of(deltas) == expected[f"ref{index}"]
+        assert tokens_of(deltas) == expected[index]
     loop.run_until_complete(wait_until_no_leaks(cluster))

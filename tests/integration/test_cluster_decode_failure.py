@@ -14,7 +14,12 @@ import ray
 from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import LocalCluster
 from engine.sampling_params import SamplingParams
-from tests.integration.cluster_support import cluster_spec, tokens_of, wait_until_no_leaks
+from tests.integration.cluster_support import (
+    cluster_spec,
+    reference_batch,
+    tokens_of,
+    wait_until_no_leaks,
+)
 
 LONG = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 NUM_STREAMS = 8
@@ -44,14 +49,7 @@ def params_of(i: int) -> SamplingParams:
 
 
 def reference(make_engine, prompts: list[list[int]]) -> list[list[int]]:
-    engine = make_engine()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref{i}", prompt, params_of(i))
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests:
-        for o in engine.step():
-            out.setdefault(o.req_id, []).extend(o.new_token_ids)
-    return [out[f"ref{i}"] for i in range(len(prompts))]
+    return reference_batch(make_engine, prompts, [params_of(i) for i in range(len(prompts))])
 
 
 async def stream_all(cluster, prompts, prefix: str, on_progress=None) -> list[list[TokenDelta]]:

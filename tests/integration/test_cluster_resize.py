@@ -19,7 +19,12 @@ from common.cluster_state import ClusterStatus, WorkerState, WorkerStatus
 from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import LocalCluster
 from engine.sampling_params import SamplingParams
-from tests.integration.cluster_support import cluster_spec, tokens_of, wait_until_no_leaks
+from tests.integration.cluster_support import (
+    cluster_spec,
+    reference_batch,
+    tokens_of,
+    wait_until_no_leaks,
+)
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 RATE_PER_S = 2.0  # sized for 2 CPU cores: a request lasts about a second
@@ -116,13 +121,7 @@ def test_resizing_both_pools_under_load_loses_nothing(cluster, loop, tokenizer, 
         tokenizer.apply_chat_template([{"role": "user", "content": f"Name a fruit, number {i}."}])
         for i in range(NUM_PROMPTS)
     ]
-    reference = make_engine()
-    for i, prompt in enumerate(prompts):
-        reference.add_request(f"ref{i}", prompt, GREEDY)
-    expected: dict[int, list[int]] = {}
-    while reference.has_unfinished_requests:
-        for out in reference.step():
-            expected.setdefault(int(out.req_id[3:]), []).extend(out.new_token_ids)
+    expected = reference_batch(make_engine, prompts, GREEDY)
 
     async def served_some(worker_id: str) -> bool:
         status = await status_of(cluster)

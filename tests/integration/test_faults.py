@@ -29,6 +29,7 @@ from tests.integration.cluster_support import (
     ClusterHarness,
     cluster_spec,
     collect,
+    reference_batch,
     tokens_of,
     wait_until_no_leaks,
 )
@@ -69,14 +70,7 @@ def chat_prompts(tokenizer, tag: str, n: int) -> list[list[int]]:
 def reference(
     make_engine, prompts: list[list[int]], params: SamplingParams = GREEDY
 ) -> list[list[int]]:
-    engine = make_engine()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"ref{i}", prompt, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests:
-        for o in engine.step():
-            out.setdefault(o.req_id, []).extend(o.new_token_ids)
-    return [out[f"ref{i}"] for i in range(len(prompts))]
+    return reference_batch(make_engine, prompts, params)
 
 
 def start(
