@@ -1,65 +1,145 @@
-"""Load generator for the kvrelay router: sends a seeded workload (random token prompts, or
-groups sharing a long system prefix) over HTTP/SSE or gRPC at one or more arrival rates (one
-run each) and reports TTFT, TPOT, ITL and end-to-end latency percentiles, throughput and the
-prefix hit rate; with --json also PNG plots beside it (bench/lib/serve_plots.py, matplotlib).
-Owns no state beyond one run (and, with --launch, the `kvrelay serve` process it starts).
+"""Load generator for the kvrelay router: sends a seeded workload (random token prompts, groups
+sharing a long system prompt, ShareGPT-like lengths, or multi-turn conversations whose turns
+resend the growing history) over HTTP/SSE or gRPC at one or more arrival rates (one run each)
+and reports goodput under a TTFT/TPOT SLO first, then TTFT, TPOT, ITL and end-to-end latency
+percentiles, throughput and the prefix hit rate; with --json also PNG plots beside it
+(bench/lib/serve_plots.py, matplotlib). Owns no state beyond one run (and, with --launch, the
+`kvrelay serve` process it starts and, with --watch-pools, the pool watcher).
 
     python -m bench.serve_bench --launch --transport http --num-requests 64 --rate 4
-    python -m bench.serve_bench --launch --num-requests 64 --rate 1 2 4 --json out.json
+    python -m bench.serve_bench --launch --num-requests 64 --rate 1 2 4 --json out.json \\
+        --slo-ttft-ms 1000 --slo-tpot-ms 50
     python -m bench.serve_bench --url http://127.0.0.1:8000 --workload shared-prefix \\
         --num-groups 8 --prefix-len 512 --input-len 32 --output-len 16 --json out.json
+    python -m bench.serve_bench --launch --workload sharegpt --max-input-len 1024 \\
+        --max-output-len 256 --num-requests 200 --rate 2 4 8 --json sharegpt.json
+    python -m bench.serve_bench --launch --transport grpc --workload multi-turn \\
+        --num-conversations 16 --turns 4 --input-len 256 --turn-input-len 32 --output-len 32 \\
+        --rate 1 --json chat.json     # --rate: conversations started per second
+    python -m bench.serve_bench --launch --decode 1 --server-args '--autoscale-decode 1:4' \\
+        --watch-pools --num-requests 400 --rate 2 8 --json autoscale.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import shlex
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from bench.lib.pool_watch import PoolSample, PoolWatch
 from bench.lib.prefix_probe import prefill_holders, redis_url_from_log
 from bench.lib.serve_args import build_parser, check_args, rate_runs
 from bench.lib.serve_launch import LaunchedServer, command_line, machine_info
-from bench.lib.serve_plots import INSTALL_HINT, PlotRun, have_matplotlib, rate_label, write_plots
-from bench.lib.serve_run import BenchRun, run_bench
-from bench.lib.serve_stats import format_table
-from bench.lib.serve_workload import build_requests, group_prefixes, with_chat_text
+from bench.lib.serve_plots import (
+    INSTALL_HINT,
+    PlotRun,
+    RunWindow,
+    have_matplotlib,
+    rate_label,
+    write_plots,
+)
+from bench.lib.serve_run import BenchRun, run_conversations
+from bench.lib.serve_stats import Slo, format_table
+from bench.lib.serve_workload import (
+    Conversation,
+    build_conversations,
+    build_requests,
+    group_prefixes,
+    single_turns,
+    with_chat_text,
+)
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[BenchRun]]:
-    """Each --rate's run against --url/--target, or against one server launched for them all.
-    Returns the launched server's description ({} without --launch) and the runs."""
-    runs = rate_runs(args)
+class Outcome(NamedTuple):
+    """What run() measured: the launched server's description ({} without --launch), the runs,
+    and with --watch-pools the pool samples and each run's span on their clock."""
+
+    server: dict[str, Any]
+    runs: list[BenchRun]
+    pool_sizes: list[PoolSample]
+    windows: list[RunWindow]
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    """Each --rate's run against --url/--target, or against one server launched for them all."""
     if not args.launch:
-        return {}, [run_rate(run, args.url, args.target, lambda: args.redis_url) for run in runs]
-    extra = shlex.split(args.server_args)
-    server = LaunchedServer(
-        args.prefill,
-        args.decode,
-        args.policy,
-        extra,
-        args.startup_timeout,
-        worker_niceness=args.worker_niceness,
-        server_root=args.server_root,
-    )
+        with watching(args, None) as watch:
+            return run_all(args, args.url, args.target, lambda: args.redis_url, watch)
+    with contextlib.ExitStack() as stack:
+        state_dir = None  # --watch-pools: a serve.json of its own, found whatever else runs
+        if args.watch_pools:
+            state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory("serve_bench")))
+        server = LaunchedServer(
+            args.prefill,
+            args.decode,
+            args.policy,
+            shlex.split(args.server_args),
+            args.startup_timeout,
+            worker_niceness=args.worker_niceness,
+            server_root=args.server_root,
+            state_dir=state_dir,
+        )
 
-    def redis_url() -> str | None:
-        return redis_url_from_log(server.log_path.read_text(errors="replace"))
+        def redis_url() -> str | None:
+            return redis_url_from_log(server.log_path.read_text(errors="replace"))
 
-    with server:
-        done = [run_rate(run, server.http_url, server.grpc_target, redis_url) for run in runs]
-        return {"command": server.describe(), "startup_s": server.startup_s}, done
+        stack.enter_context(server)
+        watch = stack.enter_context(watching(args, state_dir))
+        outcome = run_all(args, server.http_url, server.grpc_target, redis_url, watch)
+        described = {"command": server.describe(), "startup_s": server.startup_s}
+        return outcome._replace(server=described)
+
+
+@contextlib.contextmanager
+def watching(args: argparse.Namespace, state_dir: Path | None) -> Iterator[PoolWatch | None]:
+    """A PoolWatch for --watch-pools (stopped on exit), else None."""
+    if not args.watch_pools:
+        yield None
+        return
+    with PoolWatch(state_dir, log=log) as watch:
+        yield watch
+
+
+def run_all(
+    args: argparse.Namespace,
+    url: str,
+    target: str,
+    redis_url: Callable[[], str | None],
+    watch: PoolWatch | None,
+) -> Outcome:
+    runs, windows = [], []
+    for rate_args in rate_runs(args):
+        bench = run_rate(rate_args, url, target, redis_url)
+        runs.append(bench)
+        if watch is not None:  # the run ended now; it sent its first request duration_s before
+            end = watch.now()
+            start = end - bench.report["summary"]["duration_s"]
+            windows.append(RunWindow(rate_label(bench.report["rate"]), start, end))
+            bench.report["pool_watch_window_s"] = [start, end]
+    return Outcome({}, runs, list(watch.samples) if watch else [], windows)
+
+
+def workload(args: argparse.Namespace) -> list[Conversation]:
+    if args.workload == "multi-turn":
+        return build_conversations(args)
+    requests = build_requests(args)
+    if args.endpoint == "chat":
+        requests = with_chat_text(requests, args.tokenizer)
+    return single_turns(requests)
 
 
 def run_rate(
@@ -68,11 +148,8 @@ def run_rate(
     """One rate (args.rate, args.seed: one of serve_args.rate_runs): its workload, the run, and
     the prefix index probed after it."""
     if len(args.rates) > 1:
-        log(f"rate {args.rate:g} req/s, seed {args.seed}")
-    requests = build_requests(args)
-    if args.endpoint == "chat":
-        requests = with_chat_text(requests, args.tokenizer)
-    bench = asyncio.run(run_bench(args, requests, url, target))
+        log(f"rate {args.rate:g}/s, seed {args.seed}")
+    bench = asyncio.run(run_conversations(args, workload(args), url, target))
     rate = None if math.isinf(args.rate) else args.rate  # None: all at once (JSON has no inf)
     bench.report["rate"], bench.report["seed"] = rate, args.seed
     bench.report["prefix_index"] = probe_prefixes(args, bench.report, redis_url())
@@ -124,23 +201,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(),
     }
     try:
-        server, runs = run(args)
+        outcome = run(args)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
-    if server:
-        report["server"] = server
+    runs = outcome.runs
+    if outcome.server:
+        report["server"] = outcome.server
     if len(runs) == 1:  # one rate: the run's fields at the top, as before --rate took several
         report.update(runs[0].report)
     else:
         report["runs"] = [bench.report for bench in runs]
+    if args.watch_pools:
+        report["pool_sizes"] = [sample._asdict() for sample in outcome.pool_sizes]
     report["machine_after"] = {"loadavg_1_5_15": machine_info()["loadavg_1_5_15"]}
     title = f"serve_bench {args.label or ''} [{args.transport}, {args.workload}]".replace("  ", " ")
     for bench in runs:
         rate = rate_label(bench.report["rate"])
         print_run(bench.report, title if len(runs) == 1 else f"{title} {rate}")
     if args.json:
-        report["plots"] = [str(path) for path in plot_runs(args.json, runs, title)]
+        report["plots"] = [str(path) for path in plot_runs(args, outcome, title)]
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         log(f"wrote {args.json}")
     return 0 if all(bench.report["summary"]["failed"] == 0 for bench in runs) else 1
@@ -156,13 +236,14 @@ def print_run(report: dict[str, Any], title: str) -> None:
         )
 
 
-def plot_runs(json_path: Path, runs: Sequence[BenchRun], title: str) -> list[Path]:
+def plot_runs(args: argparse.Namespace, outcome: Outcome, title: str) -> list[Path]:
     """The PNG plots beside the JSON; none (and one line saying so) without matplotlib."""
     if not have_matplotlib():
         log(f"plots skipped: matplotlib is not installed ({INSTALL_HINT})")
         return []
-    plot = [PlotRun(b.report["rate"], b.results, b.report["summary"]) for b in runs]
-    paths = write_plots(json_path, plot, title.strip())
+    plot = [PlotRun(b.report["rate"], b.results, b.report["summary"]) for b in outcome.runs]
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    paths = write_plots(args.json, plot, title.strip(), slo, outcome.pool_sizes, outcome.windows)
     log(f"wrote {', '.join(str(path) for path in paths)}")
     return paths
 

@@ -38,7 +38,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "--server-root", type=Path, default=ROOT, help="kvrelay checkout to serve (a snapshot)"
     )
     g = p.add_argument_group("load")
-    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--num-requests", type=int, default=64, help="(not multi-turn)")
     g.add_argument(
         "--rate",
         dest="rates",
@@ -46,7 +46,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         type=float,
         nargs="+",
         default=[float("inf")],
-        help="req/s, one run each (one server for all with --launch); inf: all at once",
+        help="req/s (multi-turn: conversation starts/s), one run each (one server for all\n"
+        "with --launch); inf: all at once",
     )
     g.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     g.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no cap)")
@@ -54,13 +55,32 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=300.0)
     g.add_argument("--max-duration", type=float, default=600.0, help="cancel what is left then")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
-    g.add_argument("--input-len", type=int, default=128, help="prompt (or suffix) tokens")
+    g.add_argument(
+        "--workload",
+        choices=["random", "shared-prefix", "sharegpt", "multi-turn"],
+        default="random",
+        help="random: --input-len ids; shared-prefix: a group's --prefix-len system prompt +\n"
+        "--input-len; sharegpt: ShareGPT-like lognormal lengths (bench/lib/serve_workload.py);\n"
+        "multi-turn (gRPC): conversations whose every turn resends the history",
+    )
+    g.add_argument(
+        "--input-len", type=int, default=128, help="prompt (suffix; multi-turn: turn 0) tokens"
+    )
     g.add_argument("--input-len-range", type=float, default=0.0, help="uniform +- ratio")
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--output-len-range", type=float, default=0.0, help="uniform +- ratio")
     g.add_argument("--num-groups", type=int, default=8, help="shared-prefix groups")
     g.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens")
+    g.add_argument("--max-input-len", type=int, default=2048, help="sharegpt: clip prompts")
+    g.add_argument("--max-output-len", type=int, default=1024, help="sharegpt: clip outputs")
+    g.add_argument("--num-conversations", type=int, default=8, help="multi-turn")
+    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument(
+        "--turn-input-len", type=int, default=32, help="multi-turn: new user tokens per turn"
+    )
+    g.add_argument(
+        "--think-time-s", type=float, default=0.0, help="multi-turn: pause between turns"
+    )
     g.add_argument("--block-size", type=int, default=16, help="the server's (prefix probe)")
     g.add_argument("--redis-url", default=None, help="index to probe without --launch")
     g.add_argument("--min-token-id", type=int, default=100)
@@ -72,6 +92,16 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
+    g = p.add_argument_group("goodput")
+    g.add_argument(
+        "--slo-ttft-ms", type=float, default=2000.0, help="good: TTFT <= this (default 2000)"
+    )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=100.0,
+        help="and TPOT <= this (default 100; one-token outputs: TTFT only)",
+    )
     g = p.add_argument_group("output")
     g.add_argument(
         "--json",
@@ -80,12 +110,24 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         help="write summary + per-request data, and PNG plots beside it (NAME.*.png)",
     )
     g.add_argument("--label", default="", help="a name for this run in the table and JSON")
+    g.add_argument(
+        "--watch-pools",
+        action="store_true",
+        help="record the pools' ready workers every second (`kvrelay status`'s view) as\n"
+        "pool_sizes in the JSON, plotted; for --server-args '--autoscale-decode 1:4'",
+    )
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
     if args.num_requests < 1 or min(args.rates) <= 0:
         raise ValueError("--num-requests must be >= 1 and --rate > 0")
+    if args.slo_ttft_ms <= 0 or args.slo_tpot_ms <= 0:
+        raise ValueError("--slo-ttft-ms and --slo-tpot-ms must be > 0")
+    if args.workload == "sharegpt" and (args.max_input_len < 4 or args.max_output_len < 1):
+        raise ValueError("sharegpt needs --max-input-len >= 4 and --max-output-len >= 1")
+    if args.workload == "multi-turn":
+        check_multi_turn(args)
     if args.workload == "shared-prefix" and (args.num_groups < 1 or args.prefix_len < 1):
         raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
     if not 0 <= args.min_token_id < args.max_token_id:
@@ -95,6 +137,21 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.launch:
         check_loopback(urlsplit(args.url).hostname or "")
         check_loopback(args.target.rsplit(":", 1)[0].strip("[]"))
+
+
+def check_multi_turn(args: argparse.Namespace) -> None:
+    if args.transport != "grpc":
+        raise ValueError(
+            "--workload multi-turn needs --transport grpc: each turn's prompt holds the tokens "
+            "the previous turn generated, and only the gRPC stream carries token ids (HTTP "
+            "streams text)"
+        )
+    if min(args.num_conversations, args.turns, args.turn_input_len, args.input_len) < 1:
+        raise ValueError(
+            "multi-turn needs --num-conversations, --turns, --turn-input-len, --input-len >= 1"
+        )
+    if args.think_time_s < 0:
+        raise ValueError("--think-time-s must be >= 0")
 
 
 def rate_runs(args: argparse.Namespace) -> list[argparse.Namespace]:

@@ -31,12 +31,15 @@ class BenchRequest:
     max_tokens: int
     group: int = -1  # shared-prefix group, -1 for none
     text: str | None = None  # chat endpoint: the user message (decoded prompt_ids)
+    conversation: int = -1  # multi-turn: the conversation, -1 for none
+    turn: int = 0  # multi-turn: the turn's index in its conversation
 
 
 @dataclass
 class RequestResult:
     """What one request measured. token_times are seconds after start, one per streamed chunk
-    that carried output; chunk_tokens is how many tokens each chunk carried (HTTP: 1 assumed)."""
+    that carried output; chunk_tokens is how many tokens each chunk carried (HTTP: 1 assumed);
+    output_ids the generated token ids (gRPC only: HTTP streams carry text)."""
 
     index: int
     group: int
@@ -51,6 +54,21 @@ class RequestResult:
     output_tokens: int = 0
     expected_output_tokens: int = 0
     finish_reason: str | None = None
+    conversation: int = -1
+    turn: int = 0
+    output_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def unsent(cls, request: BenchRequest, error: str) -> RequestResult:
+        """The failed row of a request that never ran (cancelled, or its conversation stopped)."""
+        return cls(
+            request.index,
+            request.group,
+            error=error,
+            expected_output_tokens=request.max_tokens,
+            conversation=request.conversation,
+            turn=request.turn,
+        )
 
     @property
     def ttft_s(self) -> float | None:
@@ -93,7 +111,11 @@ class Client(ABC):
 
     async def send(self, request: BenchRequest) -> RequestResult:
         result = RequestResult(
-            request.index, request.group, expected_output_tokens=request.max_tokens
+            request.index,
+            request.group,
+            expected_output_tokens=request.max_tokens,
+            conversation=request.conversation,
+            turn=request.turn,
         )
         result.start = time.perf_counter()
         try:
@@ -202,7 +224,7 @@ _FINISH[pb.FINISH_REASON_ABORT] = "abort"
 
 
 class GrpcClient(Client):
-    """kvrelay.v1.KVRelay/Generate with token-id input."""
+    """kvrelay.v1.KVRelay/Generate with token-id input; the stream carries the output's ids."""
 
     def __init__(self, target: str, sampling: Sampling, timeout_s: float):
         super().__init__(sampling, timeout_s)
@@ -225,6 +247,7 @@ class GrpcClient(Client):
             if msg.token_ids:
                 self._on_tokens(result, len(msg.token_ids))
                 num_tokens += len(msg.token_ids)
+                result.output_ids.extend(msg.token_ids)
             if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 result.finish_reason = _FINISH.get(msg.finish_reason, str(msg.finish_reason))
             if msg.HasField("usage"):

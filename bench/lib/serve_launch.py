@@ -51,10 +51,13 @@ class LaunchedServer:
         worker_niceness: int | None = None,
         server_root: Path = ROOT,
         log: Callable[[str], None] = _stderr,
+        state_dir: Path | None = None,
     ):
         """worker_niceness: RAY_worker_niceness for the server (None: Ray's default, 15).
         server_root: the kvrelay checkout to run (cwd and PYTHONPATH of the server; e.g. a
-        `git archive` snapshot, so edits in progress in this tree do not reach the run)."""
+        `git archive` snapshot, so edits in progress in this tree do not reach the run).
+        state_dir: where the server records its Ray address (KVRELAY_STATE_DIR; None: the
+        default, shared with any other `kvrelay serve` of this user)."""
         self.args = [
             *("--prefill", str(prefill), "--decode", str(decode), "--policy", policy),
             *extra_args,
@@ -72,6 +75,8 @@ class LaunchedServer:
             self.env["PYTHONPATH"] = str(self.server_root)
         if worker_niceness is not None:
             self.env["RAY_worker_niceness"] = str(worker_niceness)
+        if state_dir is not None:
+            self.env["KVRELAY_STATE_DIR"] = str(state_dir)
 
     @property
     def http_url(self) -> str:

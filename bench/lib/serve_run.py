@@ -1,6 +1,7 @@
-"""Runs one serve_bench workload against the router: warmup, then each request sent at its
-arrival offset through one client, and the per-request records for the JSON report. Owns the
-client (its connection) for the length of one run.
+"""Runs one serve_bench workload against the router: warmup, then each conversation (one
+request, or multi-turn's turns one after the other) started at its arrival offset through one
+client, and the per-request records for the JSON report. Owns the client (its connection) for
+the length of one run.
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ from bench.lib.serve_client import (
     grpc_model_id,
     served_model_id,
 )
-from bench.lib.serve_stats import summarize
-from bench.lib.serve_workload import arrival_offsets, warmup_requests, with_chat_text
+from bench.lib.serve_stats import Slo, summarize
+from bench.lib.serve_workload import (
+    Conversation,
+    arrival_offsets,
+    single_turns,
+    warmup_requests,
+    with_chat_text,
+)
 
 
 def log(message: str) -> None:
@@ -53,41 +60,56 @@ class Progress:
 
 async def run_timed(
     client: Client,
-    requests: Sequence[BenchRequest],
+    conversations: Sequence[Conversation],
     offsets: Sequence[float],
     concurrency: int,
     max_duration_s: float,
+    think_time_s: float = 0.0,
 ) -> tuple[list[RequestResult], float, float]:
-    """Send each request at its offset (at most `concurrency` in flight when > 0); requests
-    not finished within max_duration_s are cancelled and count as failed.
-    Returns (results, t0, duration from t0 to the last completion)."""
+    """Start each conversation at its offset; within one, each turn is sent when the one before
+    it finishes (after think_time_s). At most `concurrency` requests in flight when > 0. A
+    failed turn stops its conversation (its later turns fail unsent); what has not finished
+    within max_duration_s is cancelled and fails. Returns (one result per turn, in index
+    order; t0; duration from t0 to the last completion)."""
     semaphore = asyncio.Semaphore(concurrency) if concurrency > 0 else None
-    progress = Progress(len(requests))
+    progress = Progress(sum(len(c.turns) for c in conversations))
+    done: dict[int, RequestResult] = {}  # request index -> its result
     t0 = time.perf_counter()
 
-    async def one(request: BenchRequest, offset: float) -> RequestResult:
+    async def one(conversation: Conversation, offset: float) -> None:
         delay = t0 + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        async with semaphore or contextlib.nullcontext():
-            result = await client.send(request)
-        progress.update(result)
-        return result
+        request: BenchRequest | None = conversation.first_request()
+        while request is not None:
+            async with semaphore or contextlib.nullcontext():
+                result = await client.send(request)
+            done[request.index] = result
+            progress.update(result)
+            if not result.ok:
+                return
+            request = conversation.next_request(request, result)
+            if request is not None and think_time_s > 0:
+                await asyncio.sleep(think_time_s)
 
-    tasks = [asyncio.create_task(one(r, o)) for r, o in zip(requests, offsets, strict=True)]
+    tasks = [asyncio.create_task(one(c, o)) for c, o in zip(conversations, offsets, strict=True)]
     try:
-        done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+        _, pending = await asyncio.wait(tasks, timeout=max_duration_s)
     finally:  # past the deadline, or interrupted: no request outlives this call
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     results = []
-    for request, task in zip(requests, tasks, strict=True):
-        if task in done and task.exception() is None:
-            results.append(task.result())
-        else:
-            error = "unfinished at --max-duration" if task in pending else repr(task.exception())
-            results.append(RequestResult(request.index, request.group, error=error))
+    for conversation, task in zip(conversations, tasks, strict=True):
+        for turn in conversation.turns:
+            if turn.index in done:
+                results.append(done[turn.index])
+            elif task in pending:
+                results.append(RequestResult.unsent(turn, "unfinished at --max-duration"))
+            elif not task.cancelled() and task.exception() is not None:
+                results.append(RequestResult.unsent(turn, repr(task.exception())))
+            else:
+                results.append(RequestResult.unsent(turn, "not sent: an earlier turn failed"))
     ends = [r.start + r.e2e_s for r in results if r.ok]
     return results, t0, (max(ends) - t0) if ends else 0.0
 
@@ -107,9 +129,16 @@ class BenchRun(NamedTuple):
 
 
 async def run_bench(
-    args: argparse.Namespace, requests: list[BenchRequest], url: str, target: str
+    args: argparse.Namespace, requests: Sequence[BenchRequest], url: str, target: str
 ) -> BenchRun:
     """Warmup requests, then `requests` at args.rate (a scalar: one of serve_args.rate_runs)."""
+    return await run_conversations(args, single_turns(requests), url, target)
+
+
+async def run_conversations(
+    args: argparse.Namespace, conversations: Sequence[Conversation], url: str, target: str
+) -> BenchRun:
+    """Warmup requests, then each conversation started at its args.rate arrival time."""
     model = args.model
     if not model:
         model = await (served_model_id(url) if args.transport == "http" else grpc_model_id(target))
@@ -122,16 +151,22 @@ async def run_bench(
             result = await client.send(request)
             if not result.ok:
                 raise RuntimeError(f"warmup request failed: {result.error}")
-        log(f"warmup: {len(warmups)} request(s) done; sending {len(requests)} requests")
-        offsets = arrival_offsets(args)
+        num_requests = sum(len(c.turns) for c in conversations)
+        log(f"warmup: {len(warmups)} request(s) done; sending {num_requests} requests")
         results, t0, duration = await run_timed(
-            client, requests, offsets, args.concurrency, args.max_duration
+            client,
+            conversations,
+            arrival_offsets(args),
+            args.concurrency,
+            args.max_duration,
+            args.think_time_s,
         )
     finally:
         await client.close()
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     report = {
         "model": model,
-        "summary": summarize(results, duration),
+        "summary": summarize(results, duration, slo),
         "requests": [request_record(r, t0) for r in results],
     }
     return BenchRun(report, results)
@@ -141,6 +176,8 @@ def request_record(r: RequestResult, t0: float) -> dict[str, Any]:
     return {
         "index": r.index,
         "group": r.group,
+        "conversation": r.conversation,
+        "turn": r.turn,
         "ok": r.ok,
         "error": r.error,
         "send_s": r.start - t0 if r.start else None,
