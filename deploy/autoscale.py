@@ -8,11 +8,18 @@ A pool's *pressure* is how full it is against its targets (1.0: at target):
   worker against `target_batch`, and the handoff backlog (blocks prefilled and leased, not yet
   being read) per ready decode worker against `target_backlog_blocks`.
 
+A pool's *SLO attainment* (optional, None when unknown) is the fraction of its recently
+finished requests that met the pool's objective: TTFT for prefill, TPOT for decode.
+
 Rules, for each pool on its own:
-- grow by one when every sample of the last `window_s` is above `grow_above`;
+- grow by one when every sample of the last `window_s` is above `grow_above`, or when every
+  sample of it has an SLO attainment below `target_attainment` and a pressure of at least
+  `shrink_below` (a pool busier than that could not shrink back at this load, so this grow is
+  not undone; a pool idler than that is not missing its objective for want of workers);
 - shrink by one when every sample of the last `window_s` would stay below `shrink_below` with
   one worker fewer (pressure * n / (n - 1)): a shrink that would push the pool back over the
   grow line is never made, so sizes do not flip 2 <-> 1;
+- never shrink while a sample of the window has an SLO attainment below `target_attainment`;
 - never within `cooldown_s` of the pool's last change, never on samples taken within
   `warmup_s` of a worker turning ready (a cold worker's first seconds say nothing), never on a
   window that is not full, never outside [min, max].
@@ -21,6 +28,7 @@ Rules, for each pool on its own:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode")
@@ -39,6 +47,7 @@ class AutoscaleConfig:
     target_kv_fraction: float = 0.8  # of a decode worker's blocks in use
     target_batch: int = 32  # requests per decode worker
     target_backlog_blocks: int = 256  # leased, unread blocks per decode worker
+    target_attainment: float = 0.9  # SLO attainment below this for a whole window: grow
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -47,6 +56,8 @@ class AutoscaleConfig:
                 raise ValueError(f"autoscale: need 1 <= min <= max for {role}, got {low}..{high}")
         if not 0 < self.shrink_below < self.grow_above:
             raise ValueError("autoscale: need 0 < shrink_below < grow_above")
+        if not 0 < self.target_attainment <= 1:
+            raise ValueError("autoscale: need 0 < target_attainment <= 1")
         if self.window_s <= 0 or self.cooldown_s < 0 or self.warmup_s < 0:
             raise ValueError("autoscale: window_s must be > 0, cooldown_s and warmup_s >= 0")
 
@@ -65,6 +76,9 @@ class PoolSample:
     total_blocks: int = 0
     backlog_blocks: int = 0  # decode: blocks leased on the prefill pool, not yet being read
     newest_ready_at: float | None = None  # when its most recent worker turned ready
+    # Of the pool's requests finished recently (e.g. the last window_s), the fraction that met
+    # its objective (prefill: TTFT, decode: TPOT); None: none finished, or no SLO was set.
+    slo_attainment: float | None = None
 
 
 @dataclass(frozen=True)
@@ -128,10 +142,24 @@ class Autoscaler:
         pressures = [self.pressure(s) for s in window]
         if min(pressures) > c.grow_above and n < c.max_size[role]:
             return Decision(role, n + 1, f"pressure {min(pressures):.2f} > {c.grow_above:g}")
-        if n > c.min_size[role]:
+        attained = [s.slo_attainment for s in window]
+        missing = [a for a in attained if a is not None and a < c.target_attainment]
+        busy = min(pressures) >= c.shrink_below
+        if len(missing) == len(window) and busy and n < c.max_size[role]:
+            return Decision(
+                role, n + 1, f"SLO attainment {max(missing):.0%} < {c.target_attainment:.0%}"
+            )
+        if n > c.min_size[role] and not missing:
             after = [self.pressure(s, n - 1) for s in window]
             if max(after) < c.shrink_below:
                 return Decision(
                     role, n - 1, f"pressure with {n - 1}: {max(after):.2f} < {c.shrink_below:g}"
                 )
         return None
+
+
+def slo_attainment(latencies_ms: Sequence[float], objective_ms: float) -> float | None:
+    """The fraction of `latencies_ms` at or below `objective_ms`; None when there are none."""
+    if not latencies_ms:
+        return None
+    return sum(value <= objective_ms for value in latencies_ms) / len(latencies_ms)

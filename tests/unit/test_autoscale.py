@@ -2,7 +2,8 @@
 simulated pool follows each decision (a new worker is ready some seconds later, a drained one
 leaves at once) and the tests check the sizes it goes through: it grows under a queue, shrinks
 after, never flips 2 <-> 1, waits out cooldowns, warm-ups and partial windows, and stays within
-min..max."""
+min..max; an SLO-attainment signal grows a busy pool that misses its objective and holds a
+shrink while it does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from deploy.autoscale import AutoscaleConfig, Autoscaler, Decision, PoolSample
+from deploy.autoscale import AutoscaleConfig, Autoscaler, Decision, PoolSample, slo_attainment
 
 CONFIG = AutoscaleConfig(
     min_size={"prefill": 1, "decode": 1},
@@ -24,26 +25,48 @@ CONFIG = AutoscaleConfig(
 STARTUP_S = 8.0  # a new worker turns ready this long after the decision
 
 
-def sample(role: str, at: float, n: int, load: int, ready_at: float | None) -> PoolSample:
+def sample(
+    role: str, at: float, n: int, load: int, ready_at: float | None, attained: float | None = None
+) -> PoolSample:
     if role == "prefill":
-        return PoolSample(at, role, n, queued_tokens=load, newest_ready_at=ready_at)
-    return PoolSample(at, role, n, running=load, total_blocks=100 * n, newest_ready_at=ready_at)
+        return PoolSample(
+            at, role, n, queued_tokens=load, newest_ready_at=ready_at, slo_attainment=attained
+        )
+    return PoolSample(
+        at,
+        role,
+        n,
+        running=load,
+        total_blocks=100 * n,
+        newest_ready_at=ready_at,
+        slo_attainment=attained,
+    )
+
+
+Attainment = Callable[[float, int], float | None]  # (time, ready workers) -> SLO attainment
 
 
 def simulate(
-    role: str, load: Callable[[float], int], seconds: int, start: int
+    role: str,
+    load: Callable[[float], int],
+    seconds: int,
+    start: int,
+    config: AutoscaleConfig = CONFIG,
+    attainment: Attainment | None = None,
+    ready_at: float | None = None,
 ) -> list[tuple[float, int]]:
-    """One sample a second of a pool that starts with `start` ready workers under `load(t)`;
-    returns each decision as (time, new size)."""
-    scaler = Autoscaler(CONFIG)
-    n, joining, ready_at = start, [], None
+    """One sample a second of a pool that starts with `start` ready workers (the newest turned
+    ready at `ready_at`) under `load(t)`; returns each decision as (time, new size)."""
+    scaler = Autoscaler(config)
+    n, joining = start, []
     decisions = []
     for t in range(seconds):
         now = float(t)
         for when in [w for w in joining if w <= now]:
             joining.remove(when)
             n, ready_at = n + 1, when
-        scaler.observe(sample(role, now, n, load(now), ready_at))
+        attained = attainment(now, n) if attainment else None
+        scaler.observe(sample(role, now, n, load(now), ready_at, attained))
         decision = scaler.decide(role, now)
         if decision is None:
             continue
@@ -135,3 +158,49 @@ def test_samples_at_uneven_times_still_make_full_windows() -> None:
         if scaler.decide("prefill", at) is not None:
             decisions.append(at)
     assert decisions and decisions[0] >= 10.0
+
+
+# ---- SLO attainment --------------------------------------------------------------------------
+def misses_with_one_worker(now: float, n: int) -> float:
+    """5 running requests: TPOT misses for 40% of them on one worker, 3% on two."""
+    return 0.6 if n == 1 else 0.97
+
+
+def test_missed_slo_grows_a_busy_pool_once() -> None:
+    # 5 requests: pressure 0.62 on one worker, under the grow line; the SLO misses say grow.
+    assert simulate("decode", lambda t: 5, 600, 1, attainment=misses_with_one_worker) == [(10.0, 2)]
+    assert simulate("decode", lambda t: 5, 600, 1) == [], "no attainment: as before"
+
+
+def test_missed_slo_on_an_idle_pool_grows_nothing() -> None:
+    # 2 requests: pressure 0.25, below shrink_below: more workers would not help, and would go.
+    assert simulate("decode", lambda t: 2, 600, 1, attainment=lambda now, n: 0.5) == []
+
+
+def test_no_shrink_while_the_slo_is_missed() -> None:
+    # 3 requests on two workers: one would do (pressure 0.38), unless the SLO is being missed.
+    assert simulate("decode", lambda t: 3, 600, 2, attainment=lambda now, n: 0.8) == []
+    assert simulate("decode", lambda t: 3, 600, 2, attainment=lambda now, n: 0.95) == [(10.0, 1)]
+
+
+def test_attainment_must_be_low_for_the_whole_window() -> None:
+    def gaps(now: float, n: int) -> float | None:
+        return None if int(now) % 4 == 0 else 0.6  # nothing finished in some seconds
+
+    assert simulate("decode", lambda t: 5, 600, 1, attainment=gaps) == []
+    scaler = Autoscaler(CONFIG)
+    for t in range(11):
+        scaler.observe(sample("decode", float(t), 1, 5, None, attained=0.7 if t else 0.95))
+    assert scaler.decide("decode", 10.0) is None, "one sample met the target"
+    scaler.observe(sample("decode", 11.0, 1, 5, None, attained=0.7))
+    decision = scaler.decide("decode", 11.0)
+    assert decision is not None and decision.size == 2
+    assert decision.reason == "SLO attainment 70% < 90%"
+
+
+def test_slo_attainment_helper_and_config() -> None:
+    assert slo_attainment([], 100.0) is None
+    assert slo_attainment([50.0, 100.0, 150.0, 400.0], 100.0) == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="target_attainment"):
+            AutoscaleConfig(target_attainment=bad)
