@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import ServedModel, WorkerLoad
+from common.placement_rules import LocalPrefill, SloTargets
 
 NAMESPACE = "kvrelay"  # the Ray namespace of every kvrelay actor
 CONTROLLER_NAME = "kvrelay-controller"  # the controller's detached actor name
@@ -154,11 +155,33 @@ def pool_settled(desired: int, states: list[WorkerState]) -> bool:
 
 
 @dataclass(frozen=True)
+class SloAttainment:
+    """Of the requests one router finished recently, how many each objective judged and the
+    fraction that met it (None: none to judge)."""
+
+    num_ttft: int = 0
+    ttft: float | None = None
+    num_tpot: int = 0
+    tpot: float | None = None
+
+
+def combined_attainment(reports: list[SloAttainment], objective: str) -> float | None:
+    """One fraction over several routers' reports ("ttft" or "tpot"), weighted by their counts;
+    None when none judged anything."""
+    total = sum(getattr(r, f"num_{objective}") for r in reports)
+    if not total:
+        return None
+    met = sum(getattr(r, f"num_{objective}") * (getattr(r, objective) or 0.0) for r in reports)
+    return met / total
+
+
+@dataclass(frozen=True)
 class RouterStatus:
     router_id: str
     http_url: str = ""
     grpc_address: str = ""
     last_seen: float = 0.0  # time.time() of its last membership sync
+    attainment: SloAttainment | None = None  # its recent requests against the objectives
 
 
 @dataclass(frozen=True)
@@ -200,10 +223,8 @@ class RouterConfig:
     redis_url: str | None
     policy: str = "kv_aware"
     max_migrations: int = 2  # times one request may move to another decode worker
-    # Conditional prefill (router.policy.LocalPrefill): a decode worker computes a prompt
-    # itself when at most this many of its tokens are not in its cache (0: never) ...
-    local_prefill_max_tokens: int = 0
-    local_prefill_min_cached: float = 2.0  # ... or at least this fraction is (above 1: never)
+    local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # conditional prefill
+    slo: SloTargets = field(default_factory=SloTargets)  # the objectives routers place for
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,8 @@ class WorkerLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     queued_tokens: int = 0
+    prefill_tok_s: int = 0  # tokens computed per second of recent steps (0: not measured yet)
+    step_us: int = 0  # mean wall time of a recent step, microseconds (0: not measured yet)
 
 
 @dataclass(frozen=True)

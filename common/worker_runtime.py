@@ -63,6 +63,8 @@ def engine_load(engine: Engine) -> WorkerLoad:
         free_blocks=engine.kv.num_free_blocks,
         total_blocks=engine.kv.num_blocks,
         queued_tokens=queued,
+        prefill_tok_s=round(engine.stats.rate.tokens_per_s),
+        step_us=round(engine.stats.rate.step_s * 1e6),
     )
 
 

@@ -1,11 +1,12 @@
 """AutoscaleDriver: the controller's autoscale hook. Once a second it samples each pool's load
-from its ready workers' own stats and applies the Autoscaler's decisions through the
-controller. Owns the Autoscaler (its samples, each pool's last change) and when it last sampled.
+from its ready workers' own stats (and its SLO attainment from the routers' reports) and
+applies the Autoscaler's decisions through the controller. Owns the Autoscaler (its samples, each pool's last change) and when it last sampled.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Protocol
 
 from common.worker_stats import gather_stats
@@ -23,6 +24,9 @@ class Pools(Protocol):
 
     def settled(self, role: str) -> bool:
         """Desired == ready, nothing joining or draining."""
+
+    def slo_attainment(self, role: str) -> float | None:
+        """The routers' recent requests against the pool's objective (None: unknown)."""
 
     def resize(self, role: str, size: int, reason: str) -> None: ...
 
@@ -56,7 +60,8 @@ class AutoscaleDriver:
                 self.scaler.changed(role, now)  # the window restarts once the pool settles
                 continue
             newest = max(at for _, at in ready[role])
-            self.scaler.observe(_sample(role, now, stats[role], newest, backlog))
+            sample = _sample(role, now, stats[role], newest, backlog)
+            self.scaler.observe(replace(sample, slo_attainment=pools.slo_attainment(role)))
             decision = self.scaler.decide(role, now)
             if decision is not None:
                 logger.warning(

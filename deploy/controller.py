@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -34,9 +34,11 @@ from common.cluster_state import (
     WorkerState,
     WorkerStats,
     WorkerStatus,
+    combined_attainment,
     pool_settled,
 )
 from common.messages import ServedModel
+from common.placement_rules import LocalPrefill, SloTargets
 from common.redis_url import redact
 from common.worker_stats import gather_stats
 from deploy import worker_launch
@@ -61,8 +63,8 @@ class ControllerConfig:
     drain_grace_s: float = 2.0  # after draining is published, before in-flight work is counted
     drain_timeout_s: float = 600.0
     max_start_failures: int = 3  # consecutive failed starts of a pool before it stops trying
-    local_prefill_max_tokens: int = 0  # conditional prefill, for the routers (RouterConfig)
-    local_prefill_min_cached: float = 2.0
+    local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # for the routers
+    slo: SloTargets = field(default_factory=SloTargets)  # for the routers
     autoscale: AutoscaleConfig | None = None  # None: pools change only on `kvrelay scale`
 
 
@@ -159,9 +161,7 @@ class Controller:
         """Workers routers may know (joining ones that loaded, ready, draining); a router's
         call also records it for status."""
         if router is not None:
-            self._routers[router.router_id] = RouterStatus(
-                router.router_id, router.http_url, router.grpc_address, time.time()
-            )
+            self._routers[router.router_id] = replace(router, last_seen=time.time())
         return [
             Member(r.worker_id, r.role, r.worker_id, r.state)
             for r in self._records.values()
@@ -185,8 +185,8 @@ class Controller:
             template.redis_url,
             config.policy,
             config.max_migrations,
-            config.local_prefill_max_tokens,
-            config.local_prefill_min_cached,
+            config.local_prefill,
+            config.slo,
         )
 
     async def shutdown(self) -> None:
@@ -231,6 +231,17 @@ class Controller:
             for r in self._records.values()
             if r.role == role and r.state == WorkerState.READY and r.ready_seen is not None
         ]
+
+    def slo_attainment(self, role: str) -> float | None:
+        """Live routers' recent requests against the pool's objective (TTFT: prefill, TPOT:
+        decode), weighted by their counts; None when none reported any."""
+        now = time.time()
+        reports = [
+            r.attainment
+            for r in self._routers.values()
+            if r.attainment is not None and now - r.last_seen < ROUTER_EXPIRY_S
+        ]
+        return combined_attainment(reports, "ttft" if role == "prefill" else "tpot")
 
     def settled(self, role: str) -> bool:
         states = [r.state for r in self._records.values() if r.role == role]

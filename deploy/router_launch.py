@@ -4,13 +4,14 @@ controller's RouterConfig, its Redis index reader and its membership sync with t
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
-from common.cluster_state import RouterConfig, RouterStatus
+from common.cluster_state import RouterConfig, RouterStatus, SloAttainment
 from router.cluster_backend import ClusterBackend
 from router.membership import MembershipSync
-from router.policy import LocalPrefill, make_prefill_policy
+from router.policy import make_prefill_policy
 from router.prefix_index import PrefixIndex
 from router.worker_set import WorkerSet
 
@@ -36,11 +37,17 @@ async def build_backend(
         make_prefill_policy(config.policy),
         router_id=router_id,
         max_migrations=config.max_migrations,
-        local_prefill=LocalPrefill(
-            config.local_prefill_max_tokens, config.local_prefill_min_cached
-        ),
+        local_prefill=config.local_prefill,
+        slo=config.slo,
     )
     sync = MembershipSync(controller, workers, RouterStatus(router_id, http_url, grpc_address))
+
+    def attainment() -> SloAttainment | None:
+        metrics = backend.metrics
+        slo = backend.placer.slo  # the objectives this router places for
+        return None if metrics is None else metrics.recent.attainment(time.monotonic(), slo)
+
+    sync.report_attainment = attainment
     await sync.sync_once()
     sync.start()
     backend.membership = sync

@@ -20,20 +20,15 @@ from ray.exceptions import RayActorError
 
 from common.cluster_state import WorkerUnavailable
 from common.messages import GenerateRequest, KVHandle, TokenDelta, WorkerInfo
+from common.placement_rules import SloTargets
 from common.worker_stats import gather_stats
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
 from router.metrics import RouterMetrics
-from router.policy import (
-    LocalPrefill,
-    Placement,
-    PrefillPolicy,
-    choose_decode,
-    choose_local_prefill,
-    make_prefill_policy,
-    route_by_load,
-)
-from router.prefix_index import IndexUnavailable, PrefixIndex
+from router.placement import Placer
+from router.policy import LocalPrefill, Placement, PrefillPolicy, make_prefill_policy
+from router.prefix_index import PrefixIndex
+from router.slo import LocalRoute
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
@@ -70,88 +65,55 @@ class ClusterBackend(Backend):
         router_id: str | None = None,
         max_migrations: int = 2,
         local_prefill: LocalPrefill | None = None,
+        slo: SloTargets | None = None,
     ):
         self.model_id = model_id
-        self.local_prefill = local_prefill or LocalPrefill()  # off unless configured
         self.max_migrations = max_migrations
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.workers = workers
         self.index = index
-        self.policy = policy or make_prefill_policy("kv_aware")
+        self.placer = Placer(
+            block_size,
+            workers,
+            index,
+            policy or make_prefill_policy("kv_aware"),
+            local_prefill,
+            slo,
+        )
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
         self._streams: dict[str, _Stream] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._forgetting: dict[str, asyncio.Task[None]] = {}
-        self._index_down_logged = False
-        self.num_index_unavailable = 0
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
         self.num_migrations = 0  # decode legs resumed on another worker (for tests/metrics)
         self.num_index_drifts = 0  # prefills that reused less than the index promised
         self.num_local_prefills = 0  # legs whose prompt a decode worker computed itself
         self._background: set[asyncio.Task[None]] = set()
-        self.metrics: RouterMetrics | None = None  # set by the server that owns the registry
+        self._metrics: RouterMetrics | None = None
         self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
 
-    # ---- placement -----------------------------------------------------------------------
-    async def _candidates(
-        self, role: str, hashes: list[int], excluded: frozenset[str] = frozenset()
-    ) -> tuple[list[WorkerInfo], dict[str, int] | None]:
-        """Ready workers of a role and their prefix overlap; overlap None: index unavailable."""
-        if self.index is not None:
-            try:
-                view = await self.index.view(role, hashes)
-                self._record_index(True, view.workers)
-                if self._index_down_logged:
-                    logger.warning("Redis index is back: routing by KV overlap again")
-                    self._index_down_logged = False
-                ready = [
-                    w for w in view.workers if w.state == "ready" and w.worker_id not in excluded
-                ]
-                workers = self.workers.filter_known(ready)
-                if workers:
-                    return workers, view.overlap
-            except IndexUnavailable as e:
-                self._record_index(False, [])
-                self.num_index_unavailable += 1
-                if not self._index_down_logged:
-                    logger.warning("Redis index unavailable (%s): routing by load alone", e)
-                    self._index_down_logged = True
-        return [w for w in self.workers.known(role) if w.worker_id not in excluded], None
+    @property
+    def metrics(self) -> RouterMetrics | None:
+        """Set by the server that owns the registry (the placer records into it too)."""
+        return self._metrics
 
-    def _record_index(self, available: bool, workers: list[WorkerInfo]) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.set_index_available(available)
-        for worker in workers:
-            self.metrics.set_worker_load(worker)
+    @metrics.setter
+    def metrics(self, metrics: RouterMetrics | None) -> None:
+        self._metrics = self.placer.metrics = metrics
 
-    async def _place_prefill(
-        self, request: GenerateRequest, hashes: list[int], excluded: frozenset[str]
-    ) -> tuple[Placement, int]:
-        """The prefill placement and the prompt tokens it leaves to compute (placed on it)."""
-        workers, overlap = await self._candidates("prefill", hashes, excluded)
-        # No await from here to place(): concurrent placements each see the ones before them.
-        workers = self.workers.with_placed(workers)
-        if overlap is None:
-            placement = route_by_load(workers)
-        else:
-            placement = self.policy.choose(workers, overlap, self.block_size)
-        num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
-        self.workers.place(placement.worker.worker_id, num_uncached)
-        return placement, num_uncached
+    @property
+    def policy(self) -> PrefillPolicy:
+        return self.placer.policy
 
-    async def _place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
-        workers, _ = await self._candidates("decode", [], excluded)
-        decode = choose_decode(self.workers.with_placed(workers), self._blocks_needed(request))
-        self.workers.place(decode.worker_id)
-        return decode
+    @policy.setter
+    def policy(self, policy: PrefillPolicy) -> None:
+        self.placer.policy = policy
 
-    def _blocks_needed(self, request: GenerateRequest) -> int:
-        """KV blocks the whole request takes on a decode worker (prompt and every output)."""
-        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-        return -(-num_tokens // self.block_size)
+    @property
+    def num_index_unavailable(self) -> int:
+        return self.placer.num_index_unavailable
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -205,18 +167,29 @@ class ClusterBackend(Backend):
             hashes = hash_blocks(
                 request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
             )
-            here = await self._prefill_on_decode(request, hashes, queue, client_req_id)
+            # A migrated leg was admitted already: it is placed whatever the objectives say.
+            routed = await self.placer.route(request, hashes, admitted=req_id != client_req_id)
+            here = None
+            if isinstance(routed, LocalRoute):
+                here = await self._prefill_on_decode(request, routed, queue, client_req_id)
             if here is not None:
                 decode, decode_actor = here
                 stage = "decode"
             else:
                 excluded: frozenset[str] = frozenset()
+                remote = None if isinstance(routed, LocalRoute) else routed
                 while True:  # a worker that stopped taking work (drained, died) is left out
-                    placement, num_uncached = await self._place_prefill(request, hashes, excluded)
+                    if remote is not None:  # the routed placement, then others if it fails
+                        placement, num_uncached = remote[0].placement, remote[1]
+                        remote = None
+                    else:
+                        placement, num_uncached = await self.placer.place_prefill(
+                            request, hashes, excluded
+                        )
                     prefill = placement.worker
                     self.last_placements[req_id] = prefill.worker_id
                     try:
-                        prefill_actor = self._actor_of(prefill)  # found by _candidates
+                        prefill_actor = self._actor_of(prefill)  # found by the placer
                         handle = await prefill_actor.prefill.remote(request)
                         received = time.monotonic()
                         break
@@ -282,32 +255,14 @@ class ClusterBackend(Backend):
     async def _prefill_on_decode(
         self,
         request: GenerateRequest,
-        hashes: list[int],
+        routed: LocalRoute,
         queue: asyncio.Queue[TokenDelta],
         client_req_id: str,
     ) -> tuple[WorkerInfo, Any] | None:
-        """Conditional prefill: when the LocalPrefill rule admits a decode worker (few tokens
-        left to compute there), submit the whole request to it and return it (placed there
-        until the stream ends); None: the prefill pool takes the prompt. A worker that is gone
-        or stopped taking work leaves the request to the prefill pool."""
-        rule = self.local_prefill
-        if not rule.enabled:
-            return None
-        prompt = request.prompt_token_ids
-        workers, overlap = await self._candidates("decode", hashes, frozenset())
-        # No await from here to place(): concurrent placements each see the ones before them.
-        choice = choose_local_prefill(
-            rule,
-            self.workers.with_placed(workers),
-            overlap or {},
-            self.block_size,
-            len(prompt),
-            self._blocks_needed(request),
-        )
-        if choice is None:
-            return None
-        decode = choice.worker
-        self.workers.place(decode.worker_id)
+        """Conditional prefill: submit the whole request to the decode worker the placer chose
+        (placed there until the stream ends) and return it; None: the prefill pool takes the
+        prompt after all (that worker is gone or stopped taking work)."""
+        decode = routed.placement.worker
         try:
             actor = self._actor_of(decode)
             self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)
@@ -328,7 +283,7 @@ class ClusterBackend(Backend):
             logger.info("request %s: %s; prefilling it in the prefill pool", request.req_id, e)
             return None
         self.num_local_prefills += 1
-        self._observe_prefill(f"local_{choice.reason}")
+        self._observe_prefill(f"local_{routed.placement.reason}")
         return decode, actor
 
     def _observe_prefill(self, where: str) -> None:
@@ -370,7 +325,7 @@ class ClusterBackend(Backend):
         there until the stream ends); a worker that stopped taking work is left for another."""
         excluded: frozenset[str] = frozenset()
         while True:
-            decode = await self._place_decode(request, excluded)
+            decode = await self.placer.place_decode(request, excluded)
             try:
                 actor = self._actor_of(decode)
                 self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)

@@ -39,3 +39,14 @@ class Overloaded(RuntimeError):
             f"retry in {retry_after_s} s"
         )
         super().__init__(self.message)
+
+
+class SloUnmet(Overloaded):
+    """No worker is predicted to serve the request within the cluster's objectives (router/slo.py):
+    refused before anything is sent (HTTP 503 + Retry-After / RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        RuntimeError.__init__(self, message)
+        self.max_requests = 0
+        self.retry_after_s = retry_after_s
+        self.message = message

@@ -21,7 +21,7 @@ from engine.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
-from router.errors import BackendError, InvalidRequest, Unauthenticated
+from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, OutputTracker, Usage
 from router.tokenizer import RouterTokenizer
@@ -222,7 +222,7 @@ class Frontend:
                 if chunk.finish_reason is not None:
                     return
             raise BackendError("the backend's stream ended before the request finished")
-        except BackendError:
+        except (BackendError, Overloaded):  # Overloaded: refused for the objectives
             raise
         except Exception as e:
             logger.exception("backend failed request %s", req.req_id)

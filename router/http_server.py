@@ -13,6 +13,7 @@ import logging
 import ssl
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +25,7 @@ from router.frontend import Frontend, Prepared
 from router.metrics import CONTENT_TYPE
 from router.openai_format import ResponseContext, error_body, invalid_body
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, invalid_from_validation
-from router.output import Usage
+from router.output import OutputChunk, Usage
 from router.readiness import check_readiness
 
 logger = logging.getLogger(__name__)
@@ -153,12 +154,24 @@ async def _stream(
     include_usage: bool,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=_SSE_HEADERS)
-    await response.prepare(request)
     try:
-        if (first := ctx.first_chunk()) is not None:
-            await response.write(_sse(first))
         async with contextlib.aclosing(frontend.generate(prepared)) as chunks:
-            async for out in chunks:
+            # The response starts with the first output: a request refused before it (for the
+            # objectives, or invalid) still gets a plain HTTP status.
+            try:
+                head = [await anext(chunks)]
+            except Overloaded as e:
+                return _overloaded(e)
+            except InvalidRequest as e:
+                return _bad_request(e)
+            except BackendError as e:
+                return _json(error_body(str(e), "internal_error"), 500)
+            except StopAsyncIteration:
+                head = []
+            await response.prepare(request)
+            if (first := ctx.first_chunk()) is not None:
+                await response.write(_sse(first))
+            async for out in _chain(head, chunks):
                 if out.text or out.finish_reason is not None or ctx.want_logprobs:
                     body = ctx.chunk(out)
                     if include_usage:
@@ -175,6 +188,15 @@ async def _stream(
     await response.write(_sse("[DONE]"))
     await response.write_eof()
     return response
+
+
+async def _chain(
+    head: list[OutputChunk], rest: AsyncIterator[OutputChunk]
+) -> AsyncIterator[OutputChunk]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from common.cluster_state import RouterStatus
+from common.cluster_state import RouterStatus, SloAttainment
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
@@ -25,11 +27,14 @@ class MembershipSync:
         self.workers = workers
         self.router = router
         self.interval_s = interval_s
+        # What the router tells the controller of its recent requests against the objectives.
+        self.report_attainment: Callable[[], SloAttainment | None] = lambda: None
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
     async def sync_once(self) -> None:
-        members = await self.controller.members.remote(self.router)
+        router = replace(self.router, attainment=self.report_attainment())
+        members = await self.controller.members.remote(router)
         self.workers.sync(members)
 
     def start(self) -> None:

@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 
 from common.messages import TransferStats, WorkerInfo
+from router.recent_latency import RecentLatencies
 from router.worker_metrics import WorkerStatsCollector
 
 _LATENCY_BUCKETS = (
@@ -27,7 +28,10 @@ _LATENCY_BUCKETS = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_LOAD_FIELDS = ("running", "waiting", "free_blocks", "total_blocks", "queued_tokens")
+_LOAD_FIELDS = (
+    "running", "waiting", "free_blocks", "total_blocks", "queued_tokens", "prefill_tok_s",
+    "step_us",
+)  # fmt: skip
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -37,6 +41,7 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self.recent = RecentLatencies()  # for the controller's SLO attainment, not exported
         r = self.registry
         self.ttft = Histogram(
             "kvrelay_time_to_first_token_seconds",
@@ -118,9 +123,22 @@ class RouterMetrics:
         self.prefills = Counter(
             "kvrelay_prefills",
             "Prompts prefilled, by where: remote (the prefill pool, then a KV transfer) or"
-            " local_short / local_cached (a decode worker computed it itself: few tokens left,"
-            " or most of it in its cache).",
+            " local_short / local_cached / local_slo (a decode worker computed it itself: few"
+            " tokens left, most of it in its cache, or the prefill pool would miss the TTFT"
+            " objective).",
             ["where"],
+            registry=r,
+        )
+        self.slo_queued = Counter(
+            "kvrelay_slo_queued",
+            "Requests that waited in the router because no worker was predicted to meet the"
+            " objectives (--slo-overload queue).",
+            registry=r,
+        )
+        self.slo_refused = Counter(
+            "kvrelay_slo_refused",
+            "Requests refused (503 / RESOURCE_EXHAUSTED) because no worker was predicted to"
+            " meet the objectives in time.",
             registry=r,
         )
         self.migrations = Counter(

@@ -49,6 +49,7 @@ class OutputTracker:
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self.backend_finished = False  # the backend ended the request (no abort needed)
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
 
     def on_delta(self, delta: TokenDelta) -> OutputChunk:
@@ -86,6 +87,7 @@ class OutputTracker:
             return
         now = time.monotonic()
         if self._last_token_time is None:
+            self._first_token_time = now
             self.metrics.ttft.observe(now - self.arrival)
         else:
             gap = (now - self._last_token_time) / num_tokens
@@ -94,7 +96,13 @@ class OutputTracker:
         self._last_token_time = now
 
     def record_end(self) -> None:
-        """Called once when the request leaves the router, however it ended."""
+        """Called once when the request leaves the router, however it ended; one that finished
+        with output joins the recent latencies the objectives are judged on."""
+        first, last = self._first_token_time, self._last_token_time
+        if self.finish_reason in ("stop", "length") and first is not None and last is not None:
+            n = self.num_output_tokens
+            tpot_s = (last - first) / (n - 1) if n > 1 else None
+            self.metrics.recent.record(time.monotonic(), first - self.arrival, tpot_s)
         self.metrics.observe_finished(
             self.finish_reason or "abort",
             self.num_prompt_tokens,

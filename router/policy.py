@@ -9,10 +9,10 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from common.messages import WorkerInfo, WorkerLoad
+from common.placement_rules import LocalPrefill
 
 POLICY_NAMES = ("kv_aware", "round_robin", "random")
 
@@ -159,44 +159,10 @@ def choose_decode(workers: Sequence[WorkerInfo], num_blocks_needed: int) -> Work
     return min(_require(workers), key=key)
 
 
-@dataclass(frozen=True)
-class LocalPrefill:
-    """Conditional disaggregation: when a decode worker computes a prompt itself instead of
-    the prefill pool (the KV transfer and a prefill queue are then skipped).
-
-    max_uncached_tokens: at most this many prompt tokens left to compute on that worker (a
-    short prompt, or a long one mostly in its prefix cache); 0 turns the rule off.
-    min_cached_fraction: or at least this fraction of the prompt in its cache (a long history
-    of a multi-turn chat it served); above 1 turns the rule off.
-    """
-
-    max_uncached_tokens: int = 0
-    min_cached_fraction: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.max_uncached_tokens < 0:
-            raise ValueError(f"max_uncached_tokens must be >= 0, got {self.max_uncached_tokens}")
-        if self.min_cached_fraction <= 0:
-            raise ValueError(f"min_cached_fraction must be > 0, got {self.min_cached_fraction}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_uncached_tokens > 0 or self.min_cached_fraction <= 1.0
-
-    def reason(self, num_prompt_tokens: int, num_cached_tokens: int) -> str | None:
-        """Why this prompt may be prefilled where `num_cached_tokens` of it are cached
-        ("short" / "cached"), or None."""
-        if num_prompt_tokens - num_cached_tokens <= self.max_uncached_tokens:
-            return "short"
-        if num_prompt_tokens and num_cached_tokens / num_prompt_tokens >= self.min_cached_fraction:
-            return "cached"
-        return None
-
-
 class LocalPlacement(NamedTuple):
     worker: WorkerInfo
     num_cached_tokens: int
-    reason: str  # "short" | "cached"
+    reason: str  # "short" | "cached" | "slo" (router/slo.py)
 
 
 def choose_local_prefill(

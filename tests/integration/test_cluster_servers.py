@@ -3,6 +3,7 @@ Ray decode worker, with a local redis-server. Outputs must equal the engine's gr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -14,6 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.placement_rules import SloTargets
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from router.pb import kvrelay_pb2 as pb
@@ -223,3 +225,78 @@ def test_bad_grpc_input_is_invalid_argument(stack):
             )
         )
     assert sum(len(r.token_ids) for r in ok) == 2
+
+
+async def until_decode_steps_are_published(backend, timeout_s: float = 60.0) -> None:
+    """The decode workers' step times reach the index with their next load update."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not all(w.load.step_us for w in (await backend.index.view("decode", [])).workers):
+        assert asyncio.get_running_loop().time() < deadline, "no step time published"
+        await asyncio.sleep(0.1)
+
+
+def test_requests_predicted_to_miss_the_objectives_get_503_and_resource_exhausted(stack, reference):
+    """While a long stream runs on the decode worker, a TPOT objective its measured steps
+    cannot meet (1 us) refuses new requests before anything is sent, on every front end
+    ("shed"); "place" serves them token-exact; the long stream is not harmed."""
+    backend = stack.cluster.backend
+    prompt_ids, _, text = reference[2]
+
+    def request(max_tokens: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=prompt_ids),
+            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        )
+
+    refused_before = backend.placer.num_slo_refused
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.KVRelayStub(channel)
+        long_stream = stub.Generate(request(2000), timeout=300)
+        next(long_stream)  # it runs on the decode worker now (placed there by this router)
+        stack.run(until_decode_steps_are_published(backend))
+        backend.placer.slo = SloTargets(tpot_ms=0.001, overload="shed")
+        try:
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as refused:
+                    completion_text(stack, prompt_ids, stream=stream)
+                assert refused.value.status_code == 503
+                assert "over the TPOT objective" in str(refused.value)
+            with pytest.raises(grpc.RpcError) as status:
+                list(stub.Generate(request(MAX_TOKENS), timeout=120))
+            assert status.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert backend.placer.num_slo_refused == refused_before + 3
+            backend.placer.slo = SloTargets(tpot_ms=0.001, overload="place")
+            assert completion_text(stack, prompt_ids, stream=True) == text
+        finally:
+            backend.placer.slo = SloTargets()
+        assert len(next(long_stream).token_ids) >= 1  # still streaming
+        long_stream.cancel()
+    with urllib.request.urlopen(stack.base_url + "/metrics", timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    assert families["kvrelay_slo_refused"].samples[0].value == refused_before + 3
+
+
+def test_routers_report_slo_attainment_to_the_controller(stack, reference):
+    """The router's recent requests, judged against its objectives, reach the controller with
+    its membership sync: every one met a 10-minute TTFT, none a 1 us TPOT."""
+    backend = stack.cluster.backend
+    controller = stack.cluster.controller
+    backend.placer.slo = SloTargets(ttft_ms=600_000, tpot_ms=0.001, overload="place")
+    try:
+        completion_text(stack, reference[3][0], stream=False)
+
+        async def reported() -> tuple[float | None, float | None]:
+            deadline = asyncio.get_running_loop().time() + 60
+            while True:
+                got = (
+                    await controller.slo_attainment.remote("prefill"),
+                    await controller.slo_attainment.remote("decode"),
+                )
+                if got == (1.0, 0.0) or asyncio.get_running_loop().time() > deadline:
+                    return got
+                await asyncio.sleep(0.2)
+
+        assert stack.run(reported()) == (1.0, 0.0)
+    finally:
+        backend.placer.slo = SloTargets()

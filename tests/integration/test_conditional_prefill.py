@@ -12,6 +12,7 @@ import time
 import pytest
 
 from common.messages import GenerateRequest
+from common.placement_rules import LocalPrefill
 from deploy.local_cluster import LocalCluster
 from engine.kv_cache.hashing import hash_blocks
 from engine.sampling_params import SamplingParams
@@ -35,8 +36,7 @@ def cluster(loop):
     spec = cluster_spec(
         num_prefill=1,
         num_decode=1,
-        local_prefill_max_tokens=MAX_UNCACHED,
-        local_prefill_min_cached=0.6,
+        local_prefill=LocalPrefill(MAX_UNCACHED, 0.6, chunk_tokens=CHUNK),
         decode_prefill_chunk_tokens=CHUNK,
     )
     cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))

