@@ -1,4 +1,5 @@
-"""GPU engine bench on a random-weight model of a real shape (default Llama-3.1-8B, bf16).
+"""GPU engine bench on a random-weight model of a real shape (default Llama-3.1-8B, bf16;
+--quantization fp8: FP8 weights, the roofline then counts their bytes).
 
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
 graphs against the HBM roofline (bytes read per step / that bandwidth); engine decode step time
@@ -44,6 +45,12 @@ from bench.lib.gpu_vs_transformers import (
 from bench.lib.random_models import weight_bytes, write_random_model
 from engine.engine import Engine
 from engine.loader import random_model, read_model_config
+from engine.quant.config import (
+    QUANTIZATION_FLAGS,
+    QUANTIZATION_HELP,
+    quantization_from_flag,
+    resolve_quantization,
+)
 from engine.sampling_params import SamplingParams
 
 
@@ -191,6 +198,9 @@ def main() -> None:
     p.add_argument("--kv-gib", type=float, default=72.0, help="KV pool of the graph engine")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument(
+        "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
+    )
     p.add_argument("--decode-steps", type=int, default=200)
     p.add_argument("--compare-steps", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=256)
@@ -222,8 +232,11 @@ def main() -> None:
     folder = write_random_model(tempfile.mkdtemp(prefix="kvrelay-"), args.shape, weights=False)
     config = read_model_config(folder)
     start = time.perf_counter()
-    model = random_model(config, config.max_position_embeddings, device, torch.bfloat16)
-    log(f"random {args.shape} built in {time.perf_counter() - start:.1f} s")
+    quant = resolve_quantization(quantization_from_flag(args.quantization), None)
+    model = random_model(
+        config, config.max_position_embeddings, device, torch.bfloat16, quant=quant
+    )
+    log(f"random {args.shape} ({args.quantization}) built in {time.perf_counter() - start:.1f} s")
     result["weight_bytes"] = weight_bytes(model)
     graph = build_engine(
         folder,

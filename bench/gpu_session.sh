@@ -6,8 +6,11 @@
 #   attention bench.attention_bench (decode kernels alone) and the fp8 / fused-kernel GPU tests
 #   transfer  bench.transfer_bench GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
+#   goodput   GOODPUT_SETUP=aggregated|disaggregated: 1P+1D sharing one GPU (gpu_goodput_bench)
+#   vllm-serve  vLLM's server on the same model folder and long-prompt workload (needs .vstage)
+#   fp8       FP8-weight GPU tests, then the offline run with fp8 weights and fp8 KV
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer or cluster}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve or fp8}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -69,6 +72,28 @@ case $phase in
       --time-budget 420 --json "$out/gpu_cluster.json" > "$out/gpu_cluster.txt" \
       2> "$out/gpu_cluster.err"
     echo "cluster rc=$?"
+    ;;
+  goodput)  # GOODPUT_SETUP (aggregated | disaggregated): one shared GPU, bench.gpu_goodput_bench
+    setup=${GOODPUT_SETUP:?aggregated or disaggregated}
+    timeout 560 python3 -m bench.gpu_goodput_bench --setups "$setup" \
+      --tokenizer-from .cache/smollm2-tokenizer --json-dir "$out/goodput" \
+      > "$out/goodput_$setup.txt" 2> "$out/goodput_$setup.err"
+    echo "goodput $setup rc=$?"
+    ;;
+  vllm-serve)  # vLLM's server on the goodput model folder, the long-prompt workload (HTTP)
+    folder=/tmp/kvrelay-goodput-llama-3.1-8b
+    test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
+write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
+'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
+    timeout 560 bench/vllm_serve_peer.sh "$folder" "$out/vllm_long_prompt" --num-requests 60 \
+      --input-len 3000 --output-len 150 --rate 2 4 6 --warmup 2 --slo-ttft-ms 1500 \
+      --slo-tpot-ms 50
+    ;;
+  fp8)  # FP8-weight GPU tests, then the offline run with fp8 weights + fp8 KV
+    timeout 200 python3 -m pytest -q -s tests/gpu/test_fp8_weights.py \
+      tests/gpu/test_memory_budget.py > "$out/gpu_fp8_tests.txt" 2>&1
+    echo "fp8 gpu tests rc=$?" >> "$out/gpu_fp8_tests.txt"
+    offline_run gpu_offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 512
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 """AutoscaleDriver: the controller's autoscale hook. Once a second it samples each pool's load
 from its ready workers' own stats (and its SLO attainment from the routers' reports) and
-applies the Autoscaler's decisions through the controller. Owns the Autoscaler (its samples, each pool's last change) and when it last sampled.
+applies the Autoscaler's decisions through the controller. Owns the Autoscaler (its samples,
+each pool's last change) and when it last sampled.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 
 from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
+from deploy.plan_cli import add_plan_parser
 from deploy.serve import add_serve_parser
 from engine.config import DEFAULT_MODEL
+from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +26,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument(
+        "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
+    )
     p.set_defaults(func=_generate)
 
 
@@ -31,7 +37,11 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine, EngineConfig
     from engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=args.model, detokenize=True))
+    quantization = quantization_from_flag(args.quantization)
+    config = EngineConfig(
+        model=args.model, device=args.device, quantization=quantization, detokenize=True
+    )
+    engine = Engine(config)
     if engine.tokenizer is None:
         print("error: this model has no tokenizer files", file=sys.stderr)
         return 2
@@ -62,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ops_parsers(sub)
     add_up_parser(sub)
     add_down_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -182,8 +182,9 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
         "--device",
         default="cuda",
         choices=["cuda", "cpu", "auto"],
-        help="cuda (default; one GPU per worker), cpu, or auto (serve picks from the GPUs Ray "
-        "has when it starts, before the GPU nodes have joined: usually cpu)",
+        help="cuda (default; one GPU per worker, or --serve-args='--gpus-per-worker 0.5' for two "
+        "on each), cpu, or auto (serve picks from the GPUs Ray has when it starts, before the "
+        "GPU nodes have joined: usually cpu)",
     )
     p.add_argument(
         "--wait-timeout", type=float, default=WAIT_TIMEOUT_S, help="seconds to wait for the router"

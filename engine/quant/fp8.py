@@ -1,0 +1,182 @@
+"""Fp8Linear (owns an e4m3 weight, its per-output-channel float32 scales and an optional static
+input scale) and the pure FP8 helpers around it: weight quantization, dequantization, fusing
+quantized parts, per-token activation quantization, and the device check.
+
+Forward: the input is quantized per row (one Triton kernel on CUDA; its own amax / 448, or the
+checkpoint's static scale for every row), then one torch._scaled_mm (cuBLASLt, row-wise scales:
+scale_a [M, 1], scale_b [1, N], both float32) writes bf16. Shapes only, no host syncs, so the
+decode CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
+SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
+
+
+class Fp8Weight(NamedTuple):
+    """A quantized weight: e4m3 [N, K] and float32 [N, 1], weight ~ weight_fp8 * scale."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse FP8 weights where torch._scaled_mm cannot run them (CPU, GPUs before Ada)."""
+    if device.type != "cuda":
+        raise ValueError(fp8_device_error(str(device)))
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_FP8_CAPABILITY:
+        major, minor = capability
+        raise ValueError(fp8_device_error(f"{device} (compute capability {major}.{minor})"))
+
+
+def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
+    """Per output channel: each row's scale is its amax / 448 (round to nearest, no clipping)."""
+    w32 = weight.float()
+    scale = w32.abs().amax(dim=1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    return Fp8Weight((w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
+
+
+def dequantize_weight(weight: Fp8Weight) -> torch.Tensor:
+    """The float32 weight [N, K] a quantized one stands for."""
+    return weight.weight.float() * weight.scale
+
+
+def per_row_scale(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A checkpoint's weight scale (one per tensor: [] / [1], or per channel: [N] / [N, 1])
+    as float32 [N, 1]; a per-tensor scale is broadcast over the rows (exact)."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(num_rows, 1).contiguous()
+    if scale.numel() == num_rows:
+        return scale.reshape(num_rows, 1).contiguous()
+    raise ValueError(
+        f"weight scale of shape {tuple(scale.shape)} fits neither one per tensor nor one per "
+        f"output channel of {num_rows} rows"
+    )
+
+
+def fuse_weights(parts: Sequence[Fp8Weight]) -> Fp8Weight:
+    """Stack quantized parts (q/k/v, gate/up) along the output dimension; each row keeps its
+    own scale, so the fused weight dequantizes to exactly the parts' concatenation."""
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def quantize_rows_torch(
+    x: torch.Tensor, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x ~ q * scale: each row's amax /
+    448 (dynamic, per token), or static_scale (a one-element float32 tensor) for every row."""
+    x32 = x.float()
+    if static_scale is None:
+        scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    else:
+        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_rows(
+    x: torch.Tensor, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_torch's result, as one Triton kernel on CUDA."""
+    if x.is_cuda:
+        return _cuda_quantizer()(x, static_scale)
+    return quantize_rows_torch(x, static_scale)
+
+
+@functools.cache
+def _cuda_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    from engine.quant.fp8_kernel import quantize_rows_cuda  # imports triton
+
+    return quantize_rows_cuda
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W e4m3 [N, K] (W.t() is the column-major [K, N] operand
+    torch._scaled_mm wants) and weight_scale float32 [1, N]; input_scale float32 [1, 1] when
+    the checkpoint's scheme is static, else None (per-token scales at run time). bias (Qwen2's
+    q/k/v) is bf16. Runs in bf16 on CUDA GPUs of compute capability >= 8.9. Both dimensions
+    must be multiples of 16 (cuBLASLt FP8)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, static_input_scale: bool):
+        super().__init__()
+        if in_features % 16 or out_features % 16:
+            raise ValueError(
+                f"FP8 linear layers need dimensions divisible by 16, got {in_features} -> "
+                f"{out_features}"
+            )
+        self.in_features, self.out_features = in_features, out_features
+
+        def fixed(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+        self.weight = fixed(out_features, in_features, dtype=FP8_DTYPE)
+        self.weight_scale = fixed(1, out_features, dtype=torch.float32)
+        input_scale = fixed(1, 1, dtype=torch.float32) if static_input_scale else None
+        self.register_parameter("input_scale", input_scale)
+        self.register_parameter("bias", fixed(out_features, dtype=torch.bfloat16) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        x_fp8, x_scale = quantize_rows(rows, self.input_scale)
+        out = torch._scaled_mm(
+            x_fp8,
+            self.weight.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=x.dtype,
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """forward's math in float32, for tests: the same input quantization (torch ops), then
+        the dequantized input times the dequantized weight."""
+        rows = x.reshape(-1, self.in_features)
+        x_fp8, x_scale = quantize_rows_torch(rows, self.input_scale)
+        out = (x_fp8.float() * x_scale) @ self.dequantized_weight().t()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [N, K] this layer stands for."""
+        return dequantize_weight(Fp8Weight(self.weight, self.weight_scale.t()))
+
+    def extra_repr(self) -> str:
+        inputs = "dynamic per-token" if self.input_scale is None else "static"
+        return f"{self.in_features} -> {self.out_features}, fp8 e4m3, {inputs} input scales"
+
+
+def make_linear(
+    in_features: int, out_features: int, bias: bool, quant: Fp8Config | None
+) -> nn.Module:
+    """nn.Linear, or an Fp8Linear of the scheme."""
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return Fp8Linear(in_features, out_features, bias, quant.static_input_scales)
+
+
+def linear_state(
+    prefix: str, weight: Fp8Weight, input_scale: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The state-dict entries of the Fp8Linear at prefix."""
+    state = {
+        prefix + ".weight": weight.weight,
+        prefix + ".weight_scale": weight.scale.reshape(1, -1),
+    }
+    if input_scale is not None:
+        state[prefix + ".input_scale"] = input_scale.float().reshape(1, 1)
+    return state
