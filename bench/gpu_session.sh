@@ -8,9 +8,10 @@
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 #   goodput   GOODPUT_SETUP=aggregated|disaggregated: 1P+1D sharing one GPU (gpu_goodput_bench)
 #   vllm-serve  vLLM's server on the same model folder and long-prompt workload (needs .vstage)
-#   fp8       FP8-weight GPU tests, then the offline run with fp8 weights and fp8 KV
+#   fp8-tests    FP8-weight and memory-budget GPU tests
+#   fp8-offline  the offline run with fp8 weights and fp8 KV, then vLLM's same run (.vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve or fp8}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests or fp8-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -77,6 +78,7 @@ case $phase in
     setup=${GOODPUT_SETUP:?aggregated or disaggregated}
     timeout 560 python3 -m bench.gpu_goodput_bench --setups "$setup" \
       --tokenizer-from .cache/smollm2-tokenizer --json-dir "$out/goodput" \
+      --server-args "${GOODPUT_SERVER_ARGS:---kv-cache-gib 40}" \
       > "$out/goodput_$setup.txt" 2> "$out/goodput_$setup.err"
     echo "goodput $setup rc=$?"
     ;;
@@ -89,11 +91,16 @@ write_served_shape; from pathlib import Path; write_served_shape(Path('$folder')
       --input-len 3000 --output-len 150 --rate 2 4 6 --warmup 2 --slo-ttft-ms 1500 \
       --slo-tpot-ms 50
     ;;
-  fp8)  # FP8-weight GPU tests, then the offline run with fp8 weights + fp8 KV
-    timeout 200 python3 -m pytest -q -s tests/gpu/test_fp8_weights.py \
+  fp8-tests)  # FP8-weight and memory-budget GPU tests (SmolLM2 needs its GGUF staged)
+    timeout 450 python3 -m pytest -q -s tests/gpu/test_fp8_weights.py \
       tests/gpu/test_memory_budget.py > "$out/gpu_fp8_tests.txt" 2>&1
     echo "fp8 gpu tests rc=$?" >> "$out/gpu_fp8_tests.txt"
+    ;;
+  fp8-offline)  # the offline run with fp8 weights + fp8 KV, then vLLM's (needs .vstage)
     offline_run gpu_offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 512
+    PYTHONPATH=/tmp/vsite timeout 300 python3 .vstage/vllm_bench.py --quantization fp8 \
+      --kv-cache-dtype fp8 --lat-reps 3 --json "$out/vllm_fp8.json" > "$out/vllm_fp8.txt" 2>&1
+    echo "vllm fp8 rc=$?"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
