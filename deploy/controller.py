@@ -13,10 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-import redis.asyncio as aioredis
 from ray.exceptions import RayActorError
 
-from common import kv_index_schema as schema
 from common.cluster_state import (
     CONTROLLER_NAME,
     NAMESPACE,
@@ -25,7 +23,6 @@ from common.cluster_state import (
     LeakCheck,
     Member,
     PoolStatus,
-    RedisStatus,
     RouterConfig,
     RouterStatus,
     ScaleRequest,
@@ -39,11 +36,11 @@ from common.cluster_state import (
 )
 from common.messages import ServedModel
 from common.placement_rules import LocalPrefill, SloTargets
-from common.redis_url import redact
 from common.worker_stats import gather_stats
 from deploy import worker_launch
 from deploy.autoscale import AutoscaleConfig
 from deploy.autoscale_driver import AutoscaleDriver
+from deploy.controller_redis import forget_in_index, redis_status
 from deploy.worker_launch import WorkerTemplate
 
 logger = logging.getLogger(__name__)
@@ -155,7 +152,13 @@ class Controller:
         now = time.time()
         routers = tuple(r for r in self._routers.values() if now - r.last_seen < ROUTER_EXPIRY_S)
         model_id = self._model.model_id if self._model else ""
-        return ClusterStatus(model_id, pools, routers, await self._redis_status(), self._error)
+        return ClusterStatus(
+            model_id,
+            pools,
+            routers,
+            await redis_status(self.config.template.redis_url, self._model_id()),
+            self._error,
+        )
 
     async def members(self, router: RouterStatus | None = None) -> list[Member]:
         """Workers routers may know (joining ones that loaded, ready, draining); a router's
@@ -394,27 +397,16 @@ class Controller:
                     record.task.cancel()
                 record.error = f"died: {e}"
                 record.move(WorkerState.GONE, "actor died")
-                await self._forget_in_index(record.worker_id)
+                await forget_in_index(
+                    self.config.template.redis_url, self._model_id(), record.worker_id
+                )
             except TimeoutError:
                 logger.warning("controller: %s did not answer a ping in 10 s", record.worker_id)
 
         await asyncio.gather(*(ping(r) for r in watched))
 
-    async def _forget_in_index(self, worker_id: str) -> None:
-        """A dead worker's membership and block entries leave Redis now, not at their TTL, so
-        every router stops seeing it at its next placement."""
-        url = self.config.template.redis_url
-        if not url or self._model is None:
-            return
-        from router.prefix_index import PrefixIndex
-
-        index = PrefixIndex(url, self._model.model_id, reap_dead=False)
-        try:
-            await index.forget_worker(worker_id, force=True)
-        except Exception as e:  # Redis down: the TTL removes it later
-            logger.warning("controller: could not remove %s from the index: %s", worker_id, e)
-        finally:
-            await index.close()
+    def _model_id(self) -> str | None:
+        return self._model.model_id if self._model else None
 
     def _prune_gone(self) -> None:
         gone = [r for r in self._records.values() if r.state == WorkerState.GONE]
@@ -456,22 +448,6 @@ class Controller:
             exit_check=record.exit_check,
             error=record.error,
         )
-
-    async def _redis_status(self) -> RedisStatus:
-        url = self.config.template.redis_url
-        if not url:
-            return RedisStatus("")
-        client = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        try:
-            await client.ping()
-            num = (
-                await client.scard(schema.registry_key(self._model.model_id)) if self._model else 0
-            )
-            return RedisStatus(redact(url), True, int(num))
-        except Exception as e:
-            return RedisStatus(redact(url), False, error=f"{type(e).__name__}: {e}")
-        finally:
-            await client.aclose()
 
 
 def _started_at(record: _Record) -> float:

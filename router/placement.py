@@ -120,11 +120,14 @@ class Placer:
             await asyncio.sleep(SLO_POLL_S)
 
     async def _route_inputs(self, request: GenerateRequest, hashes: list[int]) -> RouteInputs:
-        prefill, overlap = await self.candidates("prefill", hashes)
         decode: list[WorkerInfo] = []
         decode_overlap: dict[str, int] | None = {}
-        if self.local_prefill.enabled or self.slo.tpot_ms > 0:
-            decode, decode_overlap = await self.candidates("decode", hashes)
+        if self.local_prefill.enabled or self.slo.tpot_ms > 0:  # both views, one round trip
+            (prefill, overlap), (decode, decode_overlap) = await asyncio.gather(
+                self.candidates("prefill", hashes), self.candidates("decode", hashes)
+            )
+        else:
+            prefill, overlap = await self.candidates("prefill", hashes)
         return RouteInputs(
             self.workers.with_placed(prefill),
             overlap,
