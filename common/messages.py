@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob) pairs, most likely first
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -22,6 +24,9 @@ class GenerateRequest:
     sampling: SamplingParams
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    # A migrated leg: the prompt's last tokens were sent to the client by an earlier leg; they
+    # count as output for presence / frequency penalties (engine Request.num_resumed_tokens).
+    num_resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class KVHandle:
     num_cached_tokens: int = 0
     first_logprob: float | None = None
     finish_reason: str | None = None
+    first_top_logprobs: TopLogprobs = ()  # the first token's most likely tokens, when asked
 
 
 @dataclass(frozen=True)
@@ -73,11 +79,13 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token id, when asked
     error: str | None = None  # set with finish_reason "error": why the request failed
     # With "error": the worker gave the request up for a reason not its own (its router went
     # silent); the router resumes it elsewhere as after a worker death, with the tokens sent.
     resumable: bool = False
     transfer: TransferStats | None = None  # on the decode worker's first delta only
+    index: int = 0  # which of the request's n choices these tokens belong to
 
 
 @dataclass(frozen=True)

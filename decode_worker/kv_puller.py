@@ -151,6 +151,7 @@ class KVPuller:
                     handle.first_token_id,
                     request.sampling,  # stop strings stay in the router: none reach a worker
                     request.cache_salt,
+                    request.num_resumed_tokens,
                 )
             except ValueError as e:
                 self.ledger.fail(request.req_id)

@@ -138,7 +138,11 @@ class DecodeWorker:
                 raise ValueError(f"request id {request.req_id!r} is already in use here")
             self.lifecycle.admit(request.req_id)
             engine.add_request(
-                request.req_id, request.prompt_token_ids, request.sampling, request.cache_salt
+                request.req_id,
+                request.prompt_token_ids,
+                request.sampling,
+                request.cache_salt,
+                num_resumed_tokens=request.num_resumed_tokens,
             )
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = router_id
@@ -302,6 +306,7 @@ class DecodeWorker:
                     num_prompt_tokens=out.num_prompt_tokens,
                     num_cached_tokens=out.num_cached_tokens if here else 0,
                     logprobs=tuple(out.new_logprobs or ()),
+                    top_logprobs=tuple(out.new_top_logprobs or ()),
                     transfer=self.puller.take_stats(out.req_id),
                 )
             )

@@ -26,6 +26,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's; 1 is off")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
@@ -53,7 +56,13 @@ def _generate(args: argparse.Namespace) -> int:
             messages.insert(0, {"role": "system", "content": args.system})
         prompt = engine.tokenizer.apply_chat_template(messages)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     engine.add_request("cli", prompt, params)
     while engine.has_unfinished_requests:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,20 +27,22 @@ from engine.backend_builder import (
     with_batch_limit,
 )
 from engine.config import EngineConfig, ModelConfig
+from engine.fork import ChoiceForks
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner
-from engine.sampler import PendingSample, Sampler, SampleRow
+from engine.sampler import PendingSample, Sampler, SampleResult, SampleRow, TopLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_inputs import TokenFill
 from engine.step_rate import StepRate
 from engine.stop_checker import StopChecker
+from engine.structured import new_grammars
 from engine.tokenizer import Tokenizer
-from engine.validation import check_request
+from engine.validation import InvalidField, check_request, structured_field
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[float] | None = None
     held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
+    index: int = 0  # which of the request's n choices (engine/fork.py)
+    new_top_logprobs: list[TopLogprobs] | None = None  # one per new token, when asked
 
 
 @dataclass
@@ -67,6 +71,8 @@ class InFlightStep:
     sample: PendingSample
     update_pending: bool  # scheduler.update waits until the step before it has finished
     pending_reqs: list[Request] = field(default_factory=list)  # a pending token each: ran ahead
+    # n > 1: the prompt's last logits row of each request whose choices fork off this step.
+    fork_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +144,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
+        self.forks = ChoiceForks(self.scheduler, self.kv, self.kv_cache)
         self.runner = ModelRunner(
             model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
         )
@@ -151,6 +158,9 @@ class Engine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = None
+        if self.tokenizer is not None:  # matchers and compiled grammars (structured outputs)
+            self.grammars = new_grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -172,17 +182,25 @@ class Engine:
         cache_salt: str | None = None,
         retention_priority: int = DEFAULT_PRIORITY,
         hold_kv: bool = False,
+        num_resumed_tokens: int = 0,
     ) -> Request:
         """Queue a request.
 
         hold_kv (prefill role): the request ends after its first token and keeps its blocks
         under a lease (release_kv drops it). Its finish reason is the true one when that token
         ends it (stop, length), else "prefilled": the decode continues elsewhere.
+        num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
         """
         if self.kv.is_held(req_id):
             raise ValueError(f"request id {req_id!r} is already in use (its blocks are leased)")
+        if self.forks.live_choices(req_id):
+            raise ValueError(f"request id {req_id!r} is already in use (by its other choices)")
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
+        if hold_kv and req.sampling.n > 1:
+            raise ValueError("n > 1 is not supported in the prefill role yet")
         req.hold_kv = hold_kv
+        req.num_resumed_tokens = _resumed(num_resumed_tokens, req.num_prompt_tokens)
+        self._start_grammar(req)  # before queueing: a spec the compiler refuses raises here
         self.scheduler.add(req)
         self._track(req)
         return req
@@ -194,6 +212,7 @@ class Engine:
         first_token_id: int,
         params: SamplingParams,
         cache_salt: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> KVLoadPlan | None:
         """Decode role: reserve blocks for a prompt prefilled elsewhere; None if no room now.
 
@@ -214,11 +233,17 @@ class Engine:
             )
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+        if params.n > 1:
+            raise ValueError("n > 1 is not supported for a prompt prefilled elsewhere yet")
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
+        req.num_resumed_tokens = _resumed(num_resumed_tokens, req.num_prompt_tokens)
         req.append_token(first_token_id)
+        self._start_grammar(req)  # replays the first token (and a migration's sent tokens)
         plan = self.loader.reserve(req)
         if plan is not None:
             self._track(req)
+        else:
+            self._forget(req_id)
         return plan
 
     def commit_kv(self, req_id: str) -> None:
@@ -246,17 +271,36 @@ class Engine:
             raise ValueError(f"retention_priority must be in [0, 100], got {retention_priority}")
         return Request(req_id, token_ids, params, cache_salt, retention_priority)
 
+    def _start_grammar(self, req: Request) -> None:
+        """Give a request with a grammar its matcher, advanced through its output so far: the
+        prompt's resumed tail (migration) and any token already appended (a handoff's first)."""
+        spec = req.sampling.structured
+        if spec is None or (self.grammars is not None and self.grammars.has(req.req_id)):
+            return
+        if self.grammars is None:
+            field = structured_field(spec.kind)
+            raise InvalidField(f"{field} needs the model's tokenizer, which it lacks", field)
+        num_prompt = req.num_prompt_tokens - req.num_resumed_tokens
+        self.grammars.start(req.req_id, spec, req.all_token_ids[num_prompt:])
+
     def _track(self, req: Request) -> None:
         req_id, params = req.req_id, req.sampling
+        self._start_grammar(req)  # n > 1: a forked choice gets its own matcher here
         if params.seed is not None:
             self._generators[req_id] = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None and (params.stop or self.config.detokenize):
             self._stops[req_id] = StopChecker(self.tokenizer, params.stop)
 
     def abort(self, req_id: str) -> bool:
+        """Abort a request and its other choices (n > 1); False when none of them was known."""
+        aborted = [self._abort_one(choice_id) for choice_id in self.forks.live_choices(req_id)]
+        return self._abort_one(req_id) or any(aborted)
+
+    def _abort_one(self, req_id: str) -> bool:
         req = self.scheduler.requests.get(req_id)
         if req is not None:
             self.scheduler.finish(req, FinishReason.ABORT)
+            self.forks.discard(req)
         elif not self.loader.abort(req_id):
             return False
         self._forget(req_id)
@@ -308,12 +352,24 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
         reqs = [scheduled.chunks[i].req for i in step_logits.chunk_index]
-        rows = [
-            SampleRow(req.sampling, self._generators.get(req.req_id), req.num_tokens)
-            for req in reqs
-        ]
-        sample = self.sampler.sample(step_logits.logits, rows)
-        return InFlightStep(scheduled, reqs, sample, update_pending=after is not None)
+        rows = [self._sample_row(req) for req in reqs]
+        bitmask = None if self.grammars is None else self.grammars.bitmask(reqs)
+        forks = {  # copied before sampling, which may change the logits in place
+            req.req_id: step_logits.logits[i : i + 1].clone()
+            for i, req in enumerate(reqs)
+            if self.forks.owes_choices(req)
+        }
+        sample = self.sampler.sample(step_logits.logits, rows, bitmask)
+        return InFlightStep(scheduled, reqs, sample, after is not None, fork_logits=forks)
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        generator = self._generators.get(req.req_id)
+        if not req.sampling.has_penalties:
+            return SampleRow(req.sampling, generator, req.num_tokens)
+        # Penalties read the token history: never run ahead of it (see _known_to_end_next).
+        assert not req.num_pending_tokens, "a penalised request ran ahead"
+        num_prompt = req.num_prompt_tokens - req.num_resumed_tokens
+        return SampleRow(req.sampling, generator, req.num_tokens, req.all_token_ids, num_prompt)
 
     def _launch_ahead(self, current: InFlightStep) -> InFlightStep | None:
         """Schedule and queue the next step before `current`'s tokens are known: each request
@@ -337,9 +393,13 @@ class Engine:
 
     def _known_to_end_next(self, req: Request) -> bool:
         """req's next token ends it by length, or (prefill role) hands its blocks to a lease
-        that a NIXL read may follow at once: either way, do not run ahead of it."""
+        that a NIXL read may follow at once, or its next draw reads its token history
+        (penalties) or its grammar's state (structured outputs: the mask needs the token before
+        it), which would miss the pending token: in each case, do not run ahead of it."""
         return (
             req.hold_kv
+            or req.sampling.has_penalties
+            or req.sampling.structured is not None
             or req.num_output_tokens + 1 >= req.sampling.max_tokens
             or req.num_tokens + 1 >= self.max_model_len
         )
@@ -354,8 +414,11 @@ class Engine:
         for i, req in enumerate(current.reqs):
             if req.is_finished:  # aborted, or it stopped one step earlier (we ran ahead)
                 continue
+            if req.req_id in current.fork_logits:  # before its own token: choices fork off
+                outputs.extend(self._fork(req, current.fork_logits[req.req_id]))
             logprob = result.logprobs[i] if result.logprobs and req.sampling.logprobs else None
-            outputs.append(self._append_token(req, result.token_ids[i], logprob))
+            output = self._append_token(req, result.token_ids[i], logprob)
+            outputs.append(_with_top_logprobs(output, result, i, req.sampling.top_logprobs))
         self.stats.num_generated_tokens += len(outputs)
         ahead = self._in_flight
         if ahead is not None and ahead.update_pending:
@@ -365,16 +428,36 @@ class Engine:
             self._in_flight = None  # nothing left to read from it (its GPU work just runs out)
         return outputs
 
+    def _fork(self, parent: Request, logits: torch.Tensor) -> list[RequestOutput]:
+        """parent's prompt is computed: fork its other choices, each drawing its first token
+        from the same prompt logits with its own generator."""
+        children = self.forks.fork(parent)
+        for child in children:
+            self._track(child)
+        rows = [self._sample_row(child) for child in children]
+        bitmask = None if self.grammars is None else self.grammars.bitmask(children)
+        rows_logits = logits.expand(len(children), -1).contiguous()
+        result = self.sampler.sample(rows_logits, rows, bitmask).result()
+        outputs = []
+        for i, child in enumerate(children):
+            logprob = result.logprobs[i] if result.logprobs and child.sampling.logprobs else None
+            output = self._append_token(child, result.token_ids[i], logprob)
+            outputs.append(_with_top_logprobs(output, result, i, child.sampling.top_logprobs))
+        return outputs
+
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:
         req.append_token(token_id, logprob)
         params = req.sampling
         reason, stop_reason = None, None
         stop = self._stops.get(req.req_id)
         new_text = stop.add(token_id) if stop else ""
+        grammar_ended = self.grammars is not None and self.grammars.advance(req.req_id, token_id)
         if stop and stop.matched is not None:
             reason, stop_reason = FinishReason.STOP, stop.matched
         elif self._is_stop_token(token_id, params):
             reason, stop_reason = FinishReason.STOP, token_id
+        elif grammar_ended:
+            reason = FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         elif req.hold_kv:
@@ -385,8 +468,9 @@ class Engine:
                 new_text += stop.finish()
             held = self.scheduler.finish(req, reason, stop_reason)
             self._forget(req.req_id)
+            self.forks.discard(req)
         return RequestOutput(
-            req_id=req.req_id,
+            req_id=req.choice_of or req.req_id,
             new_token_ids=[token_id],
             new_text=new_text,
             finished=reason is not None,
@@ -395,6 +479,7 @@ class Engine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             new_logprobs=None if logprob is None else [logprob],
             held_block_ids=tuple(held or ()),
+            index=req.choice_index,
         )
 
     def _is_stop_token(self, token_id: int, params: SamplingParams) -> bool:
@@ -404,6 +489,8 @@ class Engine:
     def _forget(self, req_id: str) -> None:
         self._generators.pop(req_id, None)
         self._stops.pop(req_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(req_id)
 
     # ---- checks --------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -413,10 +500,28 @@ class Engine:
         """No request holds blocks and every block is free (cached or not)."""
         assert not self.has_unfinished_requests, "requests still in flight"
         assert self.kv.num_held == 0, f"{self.kv.num_held} prefill leases not released"
+        num_grammars = 0 if self.grammars is None else self.grammars.num_active
+        assert num_grammars == 0, f"{num_grammars} grammar matchers left"
         self.kv.check_integrity()
         assert self.kv.num_free_blocks == self.kv.num_blocks, (
             f"{self.kv.num_blocks - self.kv.num_free_blocks} blocks leaked"
         )
+
+
+def _resumed(num_resumed_tokens: int, num_prompt_tokens: int) -> int:
+    if not 0 <= num_resumed_tokens < num_prompt_tokens:
+        raise ValueError(
+            f"num_resumed_tokens must be in [0, {num_prompt_tokens}), got {num_resumed_tokens}"
+        )
+    return num_resumed_tokens
+
+
+def _with_top_logprobs(
+    output: RequestOutput, result: SampleResult, row: int, k: int
+) -> RequestOutput:
+    if not k or result.top_logprobs is None:
+        return output
+    return replace(output, new_top_logprobs=[result.top_logprobs[row][:k]])
 
 
 def _stderr(message: str) -> None:

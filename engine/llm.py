@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine import Engine, EngineConfig
+from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -21,6 +22,7 @@ class Completion:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when params.top_logprobs
 
 
 class LLM:
@@ -46,6 +48,8 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if any(p.n > 1 for p in params_list):  # one Completion per prompt
+            raise ValueError("LLM.generate takes n=1; Engine outputs carry each choice's index")
         engine = self.engine
         order: dict[str, Completion] = {}
         uses_stop_strings: set[str] = set()
@@ -61,6 +65,7 @@ class LLM:
                 done.token_ids.extend(out.new_token_ids)
                 done.text += out.new_text
                 done.logprobs.extend(out.new_logprobs or ())
+                done.top_logprobs.extend(out.new_top_logprobs or ())
                 done.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     done.finish_reason = out.finish_reason

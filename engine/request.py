@@ -51,6 +51,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Prefill role: the request ends after its first token, keeping its blocks under a lease.
     hold_kv: bool = False
+    # The prompt's last tokens that an earlier leg generated (a migrated request resumes with its
+    # sent tokens as prompt): presence / frequency penalties count them as output.
+    num_resumed_tokens: int = 0
+    # n > 1 (engine/fork.py): choice i > 0 of request choice_of (its outputs carry that id).
+    choice_of: str | None = None
+    choice_index: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

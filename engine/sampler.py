@@ -1,4 +1,5 @@
-"""Sampler: turns a step's logits into tokens (greedy, temperature, top-k/p, min-p, seeds).
+"""Sampler: turns a step's logits into tokens (penalties and logit_bias, then greedy,
+temperature, top-k/p, min-p, seeds) and their logprobs and top logprobs.
 
 Stateless except for the engine-wide generator used by requests without a seed. A request
 with a seed samples from its own generator, re-seeded from (seed, position) before each draw: its
@@ -8,12 +9,20 @@ worker draws the first, a decode worker the rest; a migrated request resumes on 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.host_tensors import index_tensor, to_device
+from engine.logits_processing import process_logits
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import TokenBitmask
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -21,6 +30,10 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None  # the request's own (seeded) generator, if it has a seed
     position: int = 0  # where the sampled token goes in the sequence (prompt + output so far)
+    # Penalties only: every real token so far (prompt + output; no pending one), and how many
+    # of them are prompt (the rest count as output for presence / frequency).
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
 
 
 _MASK_63 = (1 << 63) - 1
@@ -38,6 +51,8 @@ def draw_seed(seed: int, position: int) -> int:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # log-probability of each chosen token, when any row asked
+    # Per row, the most likely tokens (as many as the row with the most asked), when any asked.
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class PendingSample:
@@ -48,14 +63,21 @@ class PendingSample:
     step's forward pass).
     """
 
-    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor | None):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        top: tuple[torch.Tensor, torch.Tensor] | None = None,  # (logprobs, token ids) [rows, k]
+    ):
         self.tokens = tokens  # on the device: the next step may read it there
         self._event: torch.cuda.Event | None = None
-        self._host_tokens, self._host_logprobs = tokens, logprobs
+        self._host_tokens, self._host_logprobs, self._host_top = tokens, logprobs, top
         if tokens.device.type == "cuda":
             self._host_tokens = _to_pinned_host(tokens)
             if logprobs is not None:
                 self._host_logprobs = _to_pinned_host(logprobs)
+            if top is not None:
+                self._host_top = (_to_pinned_host(top[0]), _to_pinned_host(top[1]))
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -63,7 +85,11 @@ class PendingSample:
         if self._event is not None:
             self._event.synchronize()
         logprobs = None if self._host_logprobs is None else self._host_logprobs.tolist()
-        return SampleResult(self._host_tokens.tolist(), logprobs)
+        top = None
+        if self._host_top is not None:
+            values, ids = self._host_top[0].tolist(), self._host_top[1].tolist()
+            top = [tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        return SampleResult(self._host_tokens.tolist(), logprobs, top)
 
 
 def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,19 +110,31 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         return self.sample(logits, rows).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
-        """Sample on the device; nothing waits for the GPU until PendingSample.result()."""
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], bitmask: TokenBitmask | None = None
+    ) -> PendingSample:
+        """Sample on the device; nothing waits for the GPU until PendingSample.result().
+
+        bitmask: the grammar rows' allowed tokens (engine/structured.py); the others get -inf
+        in `logits` (in place, on the device) before anything else, greedy rows included."""
+        if bitmask is not None:
+            bitmask.apply(logits)
+        logits = process_logits(logits, rows)  # penalties and logit_bias come first
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = index_tensor(random_rows, device=logits.device)
             sampled = self._sample(logits[index], [rows[i] for i in random_rows])
             tokens[index] = sampled
-        logprobs = None
+        logprobs, top = None, None
         if any(row.params.logprobs for row in rows):
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
-            logprobs = chosen.squeeze(1)
-        return PendingSample(tokens, logprobs)
+            all_logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = all_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            k = max(row.params.top_logprobs for row in rows)
+            if k:
+                values, ids = all_logprobs.topk(k, dim=-1)
+                top = (values, ids)
+        return PendingSample(tokens, logprobs, top)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         device = logits.device

@@ -29,6 +29,11 @@ class Tokenizer:
         self.vocab_size = len(self._tok)
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer (engine/structured.py builds its token table from it)."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 

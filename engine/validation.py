@@ -1,15 +1,18 @@
 """The request rules, in one place (no state, torch-free): the prompt, its length, sampling
-ranges, stop ids and the vocabulary. The router's front ends and Engine.add_request both call
-check_request; a broken rule raises InvalidField naming the request field."""
+ranges, penalties, logit_bias, stop ids and the vocabulary. The router's front ends and
+Engine.add_request both call check_request; a broken rule raises InvalidField naming the
+request field."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 MAX_SEED = 2**63  # seeds are signed 64-bit integers
+MAX_N = 16  # choices per request
 
 
 class InvalidField(ValueError):
@@ -33,6 +36,7 @@ def check_request(
     """Every rule an engine or the router needs before a request is queued."""
     check_prompt(prompt_token_ids, vocab_size, max_model_len, prompt_field)
     check_sampling(params, vocab_size)
+    check_structured(params)
 
 
 def check_prompt(
@@ -75,6 +79,10 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         not _is_int(params.seed) or not -MAX_SEED <= params.seed < MAX_SEED
     ):
         raise InvalidField("seed must fit in a signed 64-bit integer", "seed")
+    if not _is_int(params.n) or not 1 <= params.n <= MAX_N:
+        raise InvalidField(f"n must be an integer in [1, {MAX_N}], got {params.n!r}", "n")
+    if params.seed is not None and params.seed + params.n > MAX_SEED:
+        raise InvalidField("seed + n must fit in a signed 64-bit integer", "seed")
     for token_id in params.stop_token_ids:
         if not _is_int(token_id) or not 0 <= token_id < vocab_size:
             raise InvalidField(
@@ -83,7 +91,77 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
             )
     if any(not s for s in params.stop):
         raise InvalidField("stop strings must be non-empty", "stop")
+    check_logits_processing(params, vocab_size)
+
+
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def check_logits_processing(params: SamplingParams, vocab_size: int) -> None:
+    """Penalties, logit_bias and top_logprobs (their meaning: engine/sampling_params.py)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not _is_number(value) or not -2.0 <= value <= 2.0:
+            raise InvalidField(f"{name} must be a number in [-2, 2], got {value!r}", name)
+    penalty = params.repetition_penalty
+    if not _is_number(penalty) or not 0.0 < penalty < math.inf:
+        raise InvalidField(
+            f"repetition_penalty must be > 0 (1 is off), got {penalty!r}", "repetition_penalty"
+        )
+    for token_id, bias in params.logit_bias:
+        if not _is_int(token_id) or not 0 <= token_id < vocab_size:
+            raise InvalidField(
+                f"logit_bias: token id {token_id!r} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
+        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidField(
+                f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias!r}",
+                "logit_bias",
+            )
+    k = params.top_logprobs
+    if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidField(f"top_logprobs must be in [0, 20], got {k!r}", "top_logprobs")
+    if k and not params.logprobs:
+        raise InvalidField("top_logprobs needs logprobs to be on", "top_logprobs")
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_STRUCTURED_FIELDS = {
+    "json_object": "response_format",
+    "json_schema": "response_format",
+    "regex": "guided_regex",
+    "grammar": "guided_grammar",
+}
+
+
+def structured_field(kind: str) -> str:
+    """The request field (OpenAI's or vLLM's name) a structured output of this kind came from."""
+    return _STRUCTURED_FIELDS.get(kind, "response_format")
+
+
+def check_structured(params: SamplingParams) -> None:
+    """The shape of a grammar spec; the engine's compiler (engine/structured.py) checks the rest."""
+    spec = params.structured
+    if spec is None:
+        return
+    field = structured_field(spec.kind)
+    if spec.kind not in STRUCTURED_KINDS:
+        raise InvalidField(f"unknown structured output kind {spec.kind!r}", field)
+    if not isinstance(spec.spec, str) or (spec.kind != "json_object" and not spec.spec):
+        raise InvalidField(f"{field}: the {spec.kind} must be a non-empty string", field)
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.spec)
+        except ValueError as e:
+            raise InvalidField(f"{field}: the schema is not valid JSON ({e})", field) from None
+        if not isinstance(schema, dict):
+            raise InvalidField(f"{field}: the schema must be a JSON object", field)

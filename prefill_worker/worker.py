@@ -95,6 +95,7 @@ class PrefillWorker:
                 request.sampling,
                 request.cache_salt,
                 hold_kv=True,
+                num_resumed_tokens=request.num_resumed_tokens,
             )
             self._waiters[request.req_id] = (loop, future)
 
@@ -271,6 +272,7 @@ class PrefillWorker:
                 num_cached_tokens=out.num_cached_tokens,
                 first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
                 finish_reason=finish,
+                first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else (),
             )
             loop, future = waiter
             loop.call_soon_threadsafe(_settle, future, handle)

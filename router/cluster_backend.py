@@ -213,6 +213,7 @@ class ClusterBackend(Backend):
                     num_prompt_tokens=handle.num_tokens,
                     num_cached_tokens=handle.num_cached_tokens,
                     logprobs=() if handle.first_logprob is None else (handle.first_logprob,),
+                    top_logprobs=(handle.first_top_logprobs,) if handle.first_top_logprobs else (),
                 )
                 if first.finished:
                     stage = "done"
@@ -469,13 +470,15 @@ class ClusterBackend(Backend):
 
 def _continuation(request: GenerateRequest, sent: list[int], num: int) -> GenerateRequest:
     """The request that resumes `request` after `sent` tokens: their KV is mostly in the prefix
-    cache; a seeded sampler draws by position, so it continues the same random stream."""
+    cache; a seeded sampler draws by position, so it continues the same random stream; the sent
+    tokens stay output for presence / frequency penalties (num_resumed_tokens)."""
     sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent))
     return replace(
         request,
         req_id=f"{request.req_id}@m{num}",
         prompt_token_ids=request.prompt_token_ids + tuple(sent),
         sampling=sampling,
+        num_resumed_tokens=request.num_resumed_tokens + len(sent),
     )
 
 

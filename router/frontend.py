@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 from common.messages import GenerateRequest, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
@@ -64,7 +64,14 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None  # a grammar the output follows
     cache_salt: str | None = None
+    n: int = 1  # choices sampled from the prompt (computed once)
     req_id: str | None = None  # None: the front end makes one
     tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
 
@@ -140,13 +147,17 @@ class Frontend:
         except InvalidRequest as e:
             raise self.reject(e) from None
 
-    def _prepare(self, spec: RequestSpec, arrival: float) -> Prepared:
-        if spec.model and spec.model not in self.model_names:
+    def check_model(self, model: str | None) -> None:
+        """Raises InvalidRequest unless model is empty or a name of the served model."""
+        if model and model not in self.model_names:
             raise InvalidRequest(
-                f"model {spec.model!r} is not served here; available: {self.model_id!r}",
+                f"model {model!r} is not served here; available: {self.model_id!r}",
                 "model",
                 "model_not_found",
             )
+
+    def _prepare(self, spec: RequestSpec, arrival: float) -> Prepared:
+        self.check_model(spec.model)
         prompt_ids = self._prompt_ids(spec)
         max_len = self.backend.max_model_len
         max_tokens = spec.max_tokens
@@ -163,7 +174,14 @@ class Frontend:
             stop_token_ids=spec.stop_token_ids,
             ignore_eos=spec.ignore_eos,
             logprobs=spec.logprobs,
+            top_logprobs=spec.top_logprobs,
+            presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty,
+            repetition_penalty=spec.repetition_penalty,
+            logit_bias=spec.logit_bias,
+            structured=spec.structured,
             stop=spec.stop,
+            n=spec.n,
         )
         try:
             check_request(prompt_ids, sampling, self.backend.vocab_size, max_len, spec.input_param)
@@ -224,6 +242,9 @@ class Frontend:
             raise BackendError("the backend's stream ended before the request finished")
         except (BackendError, Overloaded):  # Overloaded: refused for the objectives
             raise
+        except InvalidField as e:  # a worker's engine refused it (its grammar compiler, say)
+            cause: InvalidField = getattr(e, "cause", e)  # Ray wraps the worker's exception
+            raise self.reject(InvalidRequest(cause.message, cause.field, cause.code)) from None
         except Exception as e:
             logger.exception("backend failed request %s", req.req_id)
             raise BackendError(f"the backend failed: {e}") from e

@@ -1,8 +1,8 @@
 """gRPC front end (grpc.aio) for proto/kvrelay.proto, with standard health checking and
 reflection beside it, over TLS when given credentials; owns the grpc.aio server. Request state
 lives in the Frontend; a cancelled call aborts its request in the backend. With API keys,
-Generate and ListModels need metadata `authorization: Bearer KEY` (or `x-api-key: KEY`);
-Health, grpc.health.v1 and reflection stay open.
+Generate, ListModels, Tokenize and Detokenize need metadata `authorization: Bearer KEY` (or
+`x-api-key: KEY`); Health, grpc.health.v1 and reflection stay open.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from router.grpc_health import BackendHealth, add_standard_services
 from router.output import OutputChunk
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
+from router.structured_schema import structured_from_proto
+from router.tokenize_api import TokenizeSpec, detokenize, tokenize
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -51,7 +53,14 @@ def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> R
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        structured=structured_from_proto(s.structured),
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+        n=request.n if request.HasField("n") and request.n else 1,
         req_id=request.request_id or None,
         tenant=tenant,
     )
@@ -64,6 +73,11 @@ def response_from_chunk(req_id: str, out: OutputChunk) -> pb.GenerateResponse:
         text=out.text,
         finish_reason=_FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
         logprobs=out.logprobs,
+        top_logprobs=[
+            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+            for top in out.top_logprobs
+        ],
+        index=out.index,
     )
     if out.usage is not None:
         u = out.usage
@@ -147,6 +161,38 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         ]
         return pb.ListModelsResponse(models=models)
 
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        await self._authenticate(context)
+        kind = request.WhichOneof("input")
+        spec = TokenizeSpec(
+            model=request.model or None,
+            prompt=request.prompt if kind == "prompt" else None,
+            messages=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages)
+            if kind == "chat"
+            else None,
+            add_special_tokens=request.add_special_tokens
+            if request.HasField("add_special_tokens")
+            else None,
+        )
+        try:
+            ids = tokenize(self.frontend, spec)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        max_len = self.frontend.backend.max_model_len
+        return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=max_len)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        await self._authenticate(context)
+        try:
+            text = detokenize(self.frontend, request.model or None, list(request.tokens))
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        return pb.DetokenizeResponse(prompt=text)
+
 
 @dataclass(frozen=True)
 class MalformedRequest:
@@ -183,6 +229,16 @@ def add_servicer(servicer: KVRelayServicer, server: grpc.aio.Server) -> None:
             servicer.ListModels,
             request_deserializer=pb.ListModelsRequest.FromString,
             response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize,
+            request_deserializer=pb.TokenizeRequest.FromString,
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Detokenize,
+            request_deserializer=pb.DetokenizeRequest.FromString,
+            response_serializer=pb.DetokenizeResponse.SerializeToString,
         ),
     }
     service = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions, /v1/completions (SSE when
-stream=true), /v1/models, /health (liveness), /ready, /metrics; HTTPS when given an SSL context.
-Owns the aiohttp app and runner; request state lives in the Frontend. With API keys, every path
-but /health, /ready and /metrics needs `Authorization: Bearer KEY` (401 otherwise). A client
-that disconnects cancels its handler, which aborts the request.
+stream=true), /v1/models, /tokenize, /detokenize, /health (liveness), /ready, /metrics; HTTPS
+when given an SSL context. Owns the aiohttp app and runner; request state lives in the
+Frontend. With API keys, every path but /health, /ready and /metrics needs
+`Authorization: Bearer KEY` (401 otherwise). A client that disconnects cancels its handler,
+which aborts the request.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from router.openai_format import ResponseContext, error_body, invalid_body
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, invalid_from_validation
 from router.output import OutputChunk, Usage
 from router.readiness import check_readiness
+from router.tokenize_api import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +128,23 @@ async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web
         chat=chat,
         tokenizer=frontend.tokenizer,
         want_logprobs=prepared.request.sampling.logprobs,
+        echo_text=_echo_text(body, prepared, frontend),
     )
     if body.stream:
         return await _stream(request, frontend, prepared, ctx, body.include_usage)
     return await _collect(frontend, prepared, ctx)
+
+
+def _echo_text(
+    body: ChatCompletionRequest | CompletionRequest, prepared: Prepared, frontend: Frontend
+) -> str:
+    """Completions with echo: the prompt's text (its token ids decoded when sent as ids)."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return ""
+    text = body.prompt_text()
+    if text is None:
+        text = frontend.tokenizer.decode(list(prepared.request.prompt_token_ids))
+    return text
 
 
 async def _collect(frontend: Frontend, prepared: Prepared, ctx: ResponseContext) -> web.Response:
@@ -207,6 +222,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _completions(request, chat=False)
 
 
+async def tokenize_route(request: web.Request) -> web.Response:
+    """POST /tokenize (vLLM's shape): {tokens, count, max_model_len}."""
+    frontend = request.app[FRONTEND_KEY]
+    try:
+        body = TokenizeBody.model_validate_json(await request.read())
+        ids = tokenize(frontend, body.to_spec())
+    except ValidationError as e:
+        return _bad_request(frontend.reject(invalid_from_validation(e)))
+    except InvalidRequest as e:
+        return _bad_request(e)
+    max_len = frontend.backend.max_model_len
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": max_len})
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    """POST /detokenize (vLLM's shape): {prompt}."""
+    frontend = request.app[FRONTEND_KEY]
+    try:
+        body = DetokenizeBody.model_validate_json(await request.read())
+        text = detokenize(frontend, body.model, body.tokens)
+    except ValidationError as e:
+        return _bad_request(frontend.reject(invalid_from_validation(e)))
+    except InvalidRequest as e:
+        return _bad_request(e)
+    return _json({"prompt": text})
+
+
 async def list_models(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND_KEY]
     backend = frontend.backend
@@ -255,6 +297,8 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

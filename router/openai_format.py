@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.messages import TopLogprobs
 from router.errors import InvalidRequest
 from router.output import OutputChunk, Usage
 from router.tokenizer import RouterTokenizer
@@ -47,7 +48,9 @@ class ResponseContext:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     num_text_chars: int = 0
+    echo_text: str = ""  # completions with echo: the prompt's text, before the output's
 
     @property
     def _model(self) -> Json:
@@ -64,14 +67,32 @@ class ResponseContext:
             "model": self.model,
         }
 
-    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> Json | None:
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_entry(self, token_id: int, logprob: float) -> Json:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _logprobs(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        top_logprobs: Sequence[TopLogprobs] = (),
+    ) -> Json | None:
         if not self.want_logprobs:
             return None
-        tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        tokens = [self._token(t) for t in token_ids]
+        tops = list(top_logprobs) or [()] * len(tokens)
         if self.chat:
             content = [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, logprobs, strict=False)
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [self._chat_entry(t, p) for t, p in top],
+                }
+                for tok, lp, top in zip(tokens, logprobs, tops, strict=False)
             ]
             return {"content": content}
         offsets, offset = [], self.num_text_chars
@@ -81,15 +102,22 @@ class ResponseContext:
         return {
             "tokens": tokens,
             "token_logprobs": list(logprobs),
-            "top_logprobs": None,
+            "top_logprobs": [{self._token(t): p for t, p in top} for top in top_logprobs]
+            if top_logprobs
+            else None,
             "text_offset": offsets,
         }
 
     # ---- streaming -----------------------------------------------------------------------
     def first_chunk(self) -> Json | None:
-        """Chat streams open with the assistant role; completions have no opening chunk."""
+        """Chat streams open with the assistant role; completions have no opening chunk but
+        with echo, where it carries the prompt's text."""
         if not self.chat:
-            return None
+            if not self.echo_text:
+                return None
+            self.num_text_chars += len(self.echo_text)
+            choice = {"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None}
+            return {**self._head(True), "choices": [choice]}
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}}
         return {
             **self._head(True),
@@ -102,7 +130,7 @@ class ResponseContext:
             choice["delta"] = {"content": out.text} if out.text else {}
         else:
             choice["text"] = out.text
-        choice["logprobs"] = self._logprobs(out.token_ids, out.logprobs)
+        choice["logprobs"] = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs)
         choice["finish_reason"] = out.finish_reason
         self.num_text_chars += len(out.text)
         return {**self._head(True), "choices": [choice]}
@@ -115,10 +143,12 @@ class ResponseContext:
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
+        self.top_logprobs.extend(out.top_logprobs)
 
     def final(self, finish_reason: str | None, usage: Usage) -> Json:
-        text = "".join(self.text)
-        logprobs = self._logprobs(self.token_ids, self.logprobs)
+        text = self.echo_text + "".join(self.text)
+        self.num_text_chars = len(self.echo_text)
+        logprobs = self._logprobs(self.token_ids, self.logprobs, self.top_logprobs)
         choice: Json = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}

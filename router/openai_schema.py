@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.errors import InvalidRequest
 from router.frontend import ChatMessage, RequestSpec
+from router.structured_schema import ResponseFormat, structured_output
 
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
@@ -23,14 +24,11 @@ def _absent(value: object) -> bool:
 # extras): each is refused with a 400 naming it, unless it holds its do-nothing value. Fields
 # that do not change the output (user, metadata, store, ...) are accepted and ignored.
 _NOT_BUILT: dict[str, Callable[[object], bool]] = {
-    "response_format": lambda v: _absent(v) or v == {"type": "text"},
     "tools": _absent,
     "tool_choice": lambda v: v is None or v == "none",
     "functions": _absent,
     "function_call": lambda v: v is None or v == "none",
-    "logit_bias": _absent,
     "best_of": lambda v: v is None or v == 1,
-    "repetition_penalty": lambda v: v is None or v == 1,
     "min_tokens": lambda v: v is None or v == 0,
     "use_beam_search": lambda v: v is None or v is False,
     "length_penalty": lambda v: v is None or v == 1,
@@ -38,9 +36,7 @@ _NOT_BUILT: dict[str, Callable[[object], bool]] = {
     "audio": _absent,
     "modalities": lambda v: _absent(v) or v == ["text"],
     "guided_json": _absent,
-    "guided_regex": _absent,
     "guided_choice": _absent,
-    "guided_grammar": _absent,
     "guided_decoding_backend": _absent,
     "structured_outputs": _absent,
     "allowed_token_ids": _absent,
@@ -116,8 +112,13 @@ class _CommonRequest(_TopLevelBody):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # ranges: engine/validation.py (400 naming them)
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema
+    guided_regex: str | None = None  # vLLM's extras: the output matches a regex
+    guided_grammar: str | None = None  # or an EBNF grammar
     cache_salt: str | None = None
     user: str | None = None
 
@@ -127,15 +128,26 @@ class _CommonRequest(_TopLevelBody):
 
     def _check_supported(self) -> None:
         self._refuse_not_built()
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise InvalidRequest(f"{name} is not supported (must be 0)", name)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be in 1..{MAX_CHOICES}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options needs stream=true", "stream_options")
 
-    def _spec(self, max_tokens: int | None, logprobs: bool, **prompt: object) -> RequestSpec:
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            pairs.append((token_id, bias))
+        return tuple(pairs)
+
+    def _spec(
+        self, max_tokens: int | None, logprobs: bool, top_logprobs: int, **prompt: object
+    ) -> RequestSpec:
         self._check_supported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return RequestSpec(
@@ -150,7 +162,16 @@ class _CommonRequest(_TopLevelBody):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            structured=structured_output(
+                self.response_format, self.guided_regex, self.guided_grammar
+            ),
             cache_salt=self.cache_salt,
+            n=self.n,
             **prompt,  # type: ignore[arg-type]
         )
 
@@ -159,32 +180,37 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs=true
 
     def to_spec(self, req_id: str) -> RequestSpec:
-        if self.top_logprobs:
-            raise InvalidRequest("top_logprobs is not supported", "top_logprobs")
         messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return self._spec(max_tokens, self.logprobs, messages=messages, req_id=req_id)
+        top = self.top_logprobs or 0
+        return self._spec(max_tokens, self.logprobs, top, messages=messages, req_id=req_id)
 
 
 class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0)  # 0: the sampled token's logprob only
-    echo: bool = False
+    # The k most likely tokens with each (0: the sampled token's logprob only); OpenAI allows 5.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False  # the prompt's text before the output's (no prompt logprobs)
     suffix: str | None = None
 
+    def prompt_text(self) -> str | None:
+        """The prompt as the client wrote it, when it is text (echo repeats it as is)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
+
     def to_spec(self, req_id: str) -> RequestSpec:
-        if self.echo:
-            raise InvalidRequest("echo is not supported", "echo")
-        if self.logprobs:
+        if self.echo and self.logprobs is not None:
             raise InvalidRequest(
-                "logprobs > 0 (top alternatives) is not supported yet; logprobs=0 returns the "
-                "sampled token's logprob",
-                "logprobs",
+                "echo with logprobs is not supported (the prompt's logprobs are not computed); "
+                "leave one of them out",
+                "echo",
             )
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
@@ -193,11 +219,13 @@ class CompletionRequest(_CommonRequest):
             if len(prompt) != 1:
                 raise InvalidRequest("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
-        logprobs = self.logprobs is not None
+        logprobs, top = self.logprobs is not None, self.logprobs or 0
         if isinstance(prompt, str):
-            return self._spec(self.max_tokens, logprobs, prompt=prompt, req_id=req_id)
+            return self._spec(self.max_tokens, logprobs, top, prompt=prompt, req_id=req_id)
         token_ids = tuple(prompt)  # type: ignore[arg-type]
-        return self._spec(self.max_tokens, logprobs, prompt_token_ids=token_ids, req_id=req_id)
+        return self._spec(
+            self.max_tokens, logprobs, top, prompt_token_ids=token_ids, req_id=req_id
+        )
 
 
 def _is_union_tag(part: int | str) -> bool:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.messages import TokenDelta
+from common.messages import TokenDelta, TopLogprobs
 from router.errors import BackendError
 from router.metrics import RouterMetrics
 from router.tokenizer import RouterTokenizer, StopChecker
@@ -37,6 +37,7 @@ class OutputChunk:
     logprobs: tuple[float, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
     usage: Usage | None = None  # on the last chunk
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token, when asked
 
 
 class OutputTracker:
@@ -75,9 +76,12 @@ class OutputTracker:
             text += self.stop.finish()
             self.finish_reason = delta.finish_reason or "stop"
         logprobs = tuple(delta.logprobs[: len(token_ids)])
+        top = tuple(delta.top_logprobs[: len(token_ids)])
         if self.finish_reason is None:
-            return OutputChunk(tuple(token_ids), text, logprobs)
-        return OutputChunk(tuple(token_ids), text, logprobs, self.finish_reason, self.usage())
+            return OutputChunk(tuple(token_ids), text, logprobs, top_logprobs=top)
+        return OutputChunk(
+            tuple(token_ids), text, logprobs, self.finish_reason, self.usage(), top_logprobs=top
+        )
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)

@@ -26,6 +26,7 @@ def delta_from_output(out: RequestOutput) -> TokenDelta:
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         logprobs=tuple(out.new_logprobs or ()),
+        top_logprobs=tuple(out.new_top_logprobs or ()),
     )
 
 

@@ -6,6 +6,7 @@ All physical bookkeeping lives in BlockPool; this class owns only request -> blo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.hashing import hash_blocks
@@ -21,6 +22,13 @@ class PrefixMatch:
 
 
 NO_MATCH = PrefixMatch()
+
+
+class BlockCopy(NamedTuple):
+    """A block whose KV (every layer) must be copied on the device: src -> dst."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 def cdiv(a: int, b: int) -> int:
@@ -102,6 +110,35 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
         block_ids.extend(block.block_id for block in new_blocks)
+
+    def can_fork(self, parent_req_id: str, num_tokens: int) -> bool:
+        """A fork of num_tokens of the parent's positions needs one free block per copied
+        (partial) last block."""
+        held = len(self._req_blocks.get(parent_req_id, ()))
+        need = 1 if num_tokens % self.block_size else 0
+        return held >= cdiv(num_tokens, self.block_size) and need <= self.pool.num_free_blocks
+
+    def fork(self, parent_req_id: str, child: Request, num_tokens: int) -> BlockCopy | None:
+        """Give child the parent's first num_tokens positions: its full blocks are shared (one
+        more reference each), a partial last block gets a fresh block that the caller fills
+        with a device copy (the returned BlockCopy) before the child writes to it."""
+        parent_blocks = self._req_blocks[parent_req_id]
+        num_full = num_tokens // self.block_size
+        shared = parent_blocks[:num_full]
+        self.pool.touch(shared)
+        blocks = list(shared)
+        copy = None
+        if num_tokens % self.block_size:
+            (fresh,) = self.pool.allocate(1)
+            copy = BlockCopy(parent_blocks[num_full].block_id, fresh.block_id)
+            blocks.append(fresh)
+        self._req_blocks[child.req_id] = blocks
+        self._req_block_ids[child.req_id] = [block.block_id for block in blocks]
+        self._num_cached_blocks[child.req_id] = min(
+            self._num_cached_blocks.get(parent_req_id, 0), num_full
+        )
+        child.num_computed_tokens = num_tokens
+        return copy
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register blocks whose tokens are all computed in the prefix cache.

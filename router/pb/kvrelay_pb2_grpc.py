@@ -51,6 +51,16 @@ class KVRelayStub:
                 request_serializer=router_dot_pb_dot_kvrelay__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=router_dot_pb_dot_kvrelay__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvrelay.v1.KVRelay/Tokenize',
+                request_serializer=router_dot_pb_dot_kvrelay__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=router_dot_pb_dot_kvrelay__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvrelay.v1.KVRelay/Detokenize',
+                request_serializer=router_dot_pb_dot_kvrelay__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=router_dot_pb_dot_kvrelay__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class KVRelayServicer:
@@ -76,6 +86,19 @@ class KVRelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The served model's tokenizer (vLLM's /tokenize and /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVRelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +116,16 @@ def add_KVRelayServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=router_dot_pb_dot_kvrelay__pb2.ListModelsRequest.FromString,
                     response_serializer=router_dot_pb_dot_kvrelay__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=router_dot_pb_dot_kvrelay__pb2.TokenizeRequest.FromString,
+                    response_serializer=router_dot_pb_dot_kvrelay__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=router_dot_pb_dot_kvrelay__pb2.DetokenizeRequest.FromString,
+                    response_serializer=router_dot_pb_dot_kvrelay__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +209,60 @@ class KVRelay:
             '/kvrelay.v1.KVRelay/ListModels',
             router_dot_pb_dot_kvrelay__pb2.ListModelsRequest.SerializeToString,
             router_dot_pb_dot_kvrelay__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.KVRelay/Tokenize',
+            router_dot_pb_dot_kvrelay__pb2.TokenizeRequest.SerializeToString,
+            router_dot_pb_dot_kvrelay__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.KVRelay/Detokenize',
+            router_dot_pb_dot_kvrelay__pb2.DetokenizeRequest.SerializeToString,
+            router_dot_pb_dot_kvrelay__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,3 +22,14 @@ def test_generate_rejects_bad_sampling():
     result = run_cli("generate", "hi", "--temperature", "-1")
     assert result.returncode == 2
     assert "temperature must be >= 0" in result.stderr
+    result = run_cli("generate", "hi", "--presence-penalty", "3")
+    assert result.returncode == 2
+    assert "presence_penalty must be a number in [-2, 2]" in result.stderr
+
+
+def test_generate_takes_penalties():
+    args = ("generate", "Count from one to ten in words.", "--max-tokens", "12")
+    plain = run_cli(*args)
+    penalised = run_cli(*args, "--repetition-penalty", "2.0", "--frequency-penalty", "1")
+    assert plain.returncode == penalised.returncode == 0, penalised.stderr
+    assert penalised.stdout != plain.stdout

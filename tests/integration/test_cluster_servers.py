@@ -300,3 +300,155 @@ def test_routers_report_slo_attainment_to_the_controller(stack, reference):
         assert stack.run(reported()) == (1.0, 0.0)
     finally:
         backend.placer.slo = SloTargets()
+
+
+# ---- sampling: penalties, logit_bias, top logprobs, echo (prefill samples the first token,
+# the decode worker the rest) ------------------------------------------------------------
+SAMPLING_PROMPT = "List the days of the week, then list them again:"
+
+
+@pytest.fixture(scope="module")
+def sampling_llm(smollm_model) -> Iterator[LLM]:
+    llm = LLM(engine=build_engine(smollm_model))
+    yield llm
+    llm.engine.assert_no_leaks()
+
+
+def engine_output(llm: LLM, prompt: list[int], **fields):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, **fields)
+    return llm.generate([prompt], params)[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_equal_the_engines(stack, sampling_llm, stream):
+    messages = [{"role": "user", "content": SAMPLING_PROMPT}]
+    want = engine_output(
+        sampling_llm, sampling_llm.chat_prompt(messages), logprobs=True, top_logprobs=3
+    )
+    kwargs = dict(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        top_logprobs=3,
+    )  # fmt: skip
+    if stream:
+        chunks = client(stack).chat.completions.create(**kwargs, stream=True)
+        choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
+        content = [item for c in choices if c.logprobs for item in c.logprobs.content]
+    else:
+        content = client(stack).chat.completions.create(**kwargs).choices[0].logprobs.content
+    tokenizer = sampling_llm.engine.tokenizer
+    assert len(content) == len(want.token_ids) == MAX_TOKENS
+    for item, top, logprob in zip(content, want.top_logprobs, want.logprobs, strict=True):
+        assert [t.token for t in item.top_logprobs] == [tokenizer.decode([i]) for i, _ in top]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(
+            [lp for _, lp in top], abs=1e-3
+        )
+        assert item.logprob == pytest.approx(logprob, abs=1e-3)
+        assert item.top_logprobs[0].token == item.token  # greedy: the most likely one
+        assert bytes(item.top_logprobs[0].bytes) == item.token.encode()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_n_and_echo(stack, sampling_llm, stream):
+    prompt_ids = sampling_llm.engine.tokenizer.encode(SAMPLING_PROMPT)
+    want = engine_output(sampling_llm, prompt_ids, logprobs=True, top_logprobs=2)
+    kwargs = dict(model=MODEL, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+    api = client(stack).completions
+    if stream:
+        chunks = [c.choices[0] for c in api.create(**kwargs, logprobs=2, stream=True) if c.choices]
+        text = "".join(c.text for c in chunks)
+        tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        tops = [t for c in chunks if c.logprobs for t in c.logprobs.top_logprobs]
+        offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        echoed = "".join(
+            c.choices[0].text for c in api.create(**kwargs, echo=True, stream=True) if c.choices
+        )
+    else:
+        choice = api.create(**kwargs, logprobs=2).choices[0]
+        text, tokens = choice.text, choice.logprobs.tokens
+        tops, offsets = choice.logprobs.top_logprobs, choice.logprobs.text_offset
+        assert choice.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-3)
+        echoed = api.create(**kwargs, echo=True).choices[0].text
+    assert text == want.text and "".join(tokens) == text
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    decode = sampling_llm.engine.tokenizer.decode
+    for top, pairs in zip(tops, want.top_logprobs, strict=True):
+        assert top == pytest.approx({decode([i]): lp for i, lp in pairs}, abs=1e-3)
+    assert echoed == decode(prompt_ids) + want.text
+
+
+def test_penalties_and_logit_bias_change_the_output_as_the_engine_does(stack, sampling_llm):
+    prompt_ids = sampling_llm.engine.tokenizer.encode(SAMPLING_PROMPT)
+    plain = engine_output(sampling_llm, prompt_ids).token_ids
+    api = client(stack).completions
+    base = dict(model=MODEL, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+    for fields in (
+        dict(presence_penalty=1.5, frequency_penalty=1.0),
+        dict(repetition_penalty=1.5),
+        dict(logit_bias={plain[0]: -100.0}),
+    ):
+        want = engine_output(sampling_llm, prompt_ids, **fields)
+        assert want.token_ids != plain, fields
+        bias = {str(k): v for k, v in fields.get("logit_bias", {}).items()}
+        body = {**fields, "logit_bias": bias}
+        official = {k: body.pop(k) for k in ("presence_penalty", "frequency_penalty") if k in body}
+        got = api.create(**base, **official, extra_body=body)
+        assert got.choices[0].text == want.text, fields
+        streamed = api.create(**base, **official, extra_body=body, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+    (dot,) = sampling_llm.engine.tokenizer.encode(".")
+    forced = api.create(**base, logit_bias={str(dot): 100})
+    assert forced.choices[0].text == "." * MAX_TOKENS
+
+
+def test_grpc_sampling_fields(stack, sampling_llm):
+    prompt_ids = sampling_llm.engine.tokenizer.encode(SAMPLING_PROMPT)
+    fields = dict(presence_penalty=1.0, repetition_penalty=1.3, logit_bias={17: 3.0})
+    want = engine_output(sampling_llm, prompt_ids, logprobs=True, top_logprobs=2, **fields)
+    sampling = pb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2, **fields
+    )
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=sampling)
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        responses = list(pb_grpc.KVRelayStub(channel).Generate(request, timeout=120))
+    assert [t for r in responses for t in r.token_ids] == want.token_ids
+    tops = [top for r in responses for top in r.top_logprobs]
+    assert [list(top.token_ids) for top in tops] == [[t for t, _ in p] for p in want.top_logprobs]
+    for top, pairs in zip(tops, want.top_logprobs, strict=True):
+        assert list(top.logprobs) == pytest.approx([lp for _, lp in pairs], abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"9999999": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ],
+)
+def test_bad_sampling_values_are_400_naming_the_field(stack, path, fields, param):
+    status, reply = post(stack, path, {**CHAT, **fields})
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_bad_grpc_sampling_values_are_invalid_argument(stack):
+    bad = [
+        pb.SamplingParams(max_tokens=2, repetition_penalty=0),
+        pb.SamplingParams(max_tokens=2, presence_penalty=3),
+        pb.SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}),
+        pb.SamplingParams(max_tokens=2, logprobs=True, top_logprobs=21),
+    ]
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = pb_grpc.KVRelayStub(channel)
+        for sampling in bad:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=sampling), timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert any(name in info.value.details() for name in (
+                "repetition_penalty", "presence_penalty", "logit_bias", "top_logprobs",
+            ))  # fmt: skip

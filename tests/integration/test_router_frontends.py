@@ -195,9 +195,15 @@ BAD_HTTP = [
     ),
     ("/v1/chat/completions", {**CHAT_BODY, "tools": [TOOL]}, "tools", "not supported"),
     ("/v1/chat/completions", {**CHAT_BODY, "tool_choice": "required"}, "tool_choice", ""),
-    ("/v1/chat/completions", {**CHAT_BODY, "logit_bias": {"42": 100}}, "logit_bias", ""),
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logit_bias": {"42": 5}}, "logit_bias", ""),
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logprobs": 3}, "logprobs", "logprobs=0"),
+    # Sampling fields that are built, with bad values.
+    ("/v1/chat/completions", {**CHAT_BODY, "logit_bias": {"42": 101}}, "logit_bias", "[-100"),
+    (
+        "/v1/completions",
+        {**CHAT_BODY, "prompt": "hi", "logit_bias": {str(10**7): 5}},
+        "logit_bias",
+        "vocabulary",
+    ),
+    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logprobs": 30}, "logprobs", "20"),
 ]
 
 

@@ -50,15 +50,11 @@ def test_completion_prompt_forms() -> None:
     ("body", "param"),
     [
         ({**CHAT, "n": 2}, "n"),
-        ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-        ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
-        ({**CHAT, "logit_bias": {"7": 1}}, "logit_bias"),
         ({**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
-        ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
         ({**CHAT, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({**CHAT, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
     ],
@@ -95,8 +91,48 @@ def test_fields_that_change_nothing_pass(extra: dict) -> None:
     assert spec.messages == (ChatMessage("user", "hi"),)
 
 
-def test_completion_top_logprobs_are_refused() -> None:
+def test_sampling_fields_map_to_the_spec() -> None:
+    body = {
+        **CHAT,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"7": 1, "9": -100},
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r")
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (
+        0.5, -1.0, 1.2,
+    )  # fmt: skip
+    assert spec.logit_bias == ((7, 1.0), (9, -100.0))
+    assert (spec.logprobs, spec.top_logprobs) == (True, 3)
+    plain = ChatCompletionRequest.model_validate_json(json.dumps(CHAT)).to_spec("r")
+    assert (plain.presence_penalty, plain.repetition_penalty, plain.logit_bias) == (0, 1, ())
+
+
+def test_completion_logprobs_n_is_top_logprobs() -> None:
+    spec = CompletionRequest(model="m", prompt="a", logprobs=2).to_spec("r")
+    assert (spec.logprobs, spec.top_logprobs) == (True, 2)
+    spec = CompletionRequest(model="m", prompt="a", logprobs=0).to_spec("r")
+    assert (spec.logprobs, spec.top_logprobs) == (True, 0)
+    assert CompletionRequest(model="m", prompt="a", echo=True).to_spec("r").prompt == "a"
+    assert CompletionRequest(model="m", prompt=["b"], echo=True).prompt_text() == "b"
+
+
+def test_bad_sampling_values_name_the_field() -> None:
     with pytest.raises(InvalidRequest) as info:
-        CompletionRequest(model="m", prompt="a", logprobs=2).to_spec("r")
-    assert info.value.param == "logprobs"
-    assert CompletionRequest(model="m", prompt="a", logprobs=0).to_spec("r").logprobs
+        CompletionRequest(model="m", prompt="a", echo=True, logprobs=1).to_spec("r")
+    assert info.value.param == "echo"
+    with pytest.raises(InvalidRequest) as info:
+        ChatCompletionRequest(**CHAT, logit_bias={"x": 1.0}).to_spec("r")
+    assert info.value.param == "logit_bias"
+    assert parse_error(CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 21}).param == (
+        "logprobs"
+    )
+    assert parse_error(ChatCompletionRequest, {**CHAT, "top_logprobs": 21}).param == (
+        "top_logprobs"
+    )
+    assert parse_error(ChatCompletionRequest, {**CHAT, "logit_bias": {"1": "a"}}).param == (
+        "logit_bias.1"
+    )

@@ -1,0 +1,150 @@
+"""Throughput cost of grammar masks (structured outputs): the engine in-process, the same chat
+prompts at batch 1 and 64, greedy, with and without a json_schema; output tok/s, ms per step
+and the host time spent filling and applying the masks. Owns no state.
+
+    python -m bench.grammar_bench [--batch 1 64] [--max-tokens 64] [--device cpu] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import UTC, datetime
+
+import torch
+
+from bench.lib.engine_config import engine_config
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.structured import Grammars, TokenBitmask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "bio": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "bio", "hobbies"],
+}
+
+
+class MaskTimer:
+    """Wall time inside Grammars.bitmask (host fill) and TokenBitmask.apply (device op)."""
+
+    def __init__(self) -> None:
+        self.fill_s = 0.0
+        self.apply_s = 0.0
+        self._bitmask, self._apply = Grammars.bitmask, TokenBitmask.apply
+
+    def __enter__(self) -> MaskTimer:
+        timer, bitmask, apply = self, self._bitmask, self._apply
+
+        def timed_bitmask(grammars, reqs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return bitmask(grammars, reqs)
+            finally:
+                timer.fill_s += time.perf_counter() - start
+
+        def timed_apply(mask, logits):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return apply(mask, logits)
+            finally:
+                timer.apply_s += time.perf_counter() - start
+
+        Grammars.bitmask, TokenBitmask.apply = timed_bitmask, timed_apply  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Grammars.bitmask, TokenBitmask.apply = self._bitmask, self._apply  # type: ignore[method-assign]
+
+
+def prompts(engine: Engine, batch: int, tag: str) -> list[list[int]]:
+    """Chat prompts unique to one run (tag), so no run reuses another's prompt KV."""
+    assert engine.tokenizer is not None
+    return [
+        engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"[{tag}] Describe person {i} as JSON, with a long bio."}]
+        )
+        for i in range(batch)
+    ]
+
+
+def run(engine: Engine, batch: int, max_tokens: int, grammar: bool) -> dict[str, float]:
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA)) if grammar else None
+    # ignore_eos: free rows run max_tokens; a grammar row ends when its JSON is complete.
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True, structured=structured
+    )
+    for i, ids in enumerate(prompts(engine, batch, f"{batch}-{grammar}")):
+        engine.add_request(f"r{i}", ids, params)
+    steps_before = engine.stats.num_steps
+    num_tokens = 0
+    with MaskTimer() as timer:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests:
+            num_tokens += len(engine.step())
+        seconds = time.perf_counter() - start
+    num_steps = engine.stats.num_steps - steps_before
+    return {
+        "batch": batch,
+        "grammar": grammar,
+        "output_tokens": num_tokens,
+        "seconds": round(seconds, 3),
+        "output_tok_s": round(num_tokens / seconds, 1),
+        "ms_per_step": round(1000 * seconds / num_steps, 2),
+        "mask_fill_ms_per_step": round(1000 * timer.fill_s / num_steps, 3),
+        "mask_apply_ms_per_step": round(1000 * timer.apply_s / num_steps, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    config = engine_config(
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=max(args.batch) * 16,
+        max_num_seqs=max(args.batch),
+        max_num_batched_tokens=4096,
+    )
+    engine = Engine(config)
+    run(engine, 2, 8, grammar=True)  # warm-up: the tokenizer's table, one compile, kernels
+    rows = []
+    for batch in args.batch:
+        for grammar in (False, True):
+            row = run(engine, batch, args.max_tokens, grammar)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    engine.assert_no_leaks()
+    report = {
+        "command": "python -m bench.grammar_bench " + " ".join(_argv(args)),
+        "device": str(engine.device),
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "rows": rows,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out = ["--batch", *map(str, args.batch), "--max-tokens", str(args.max_tokens)]
+    return [*out, "--device", args.device]
+
+
+if __name__ == "__main__":
+    main()

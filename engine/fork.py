@@ -1,0 +1,104 @@
+"""Choices of an n > 1 request: ChoiceForks owns each parent's live choice ids and makes the
+n - 1 choices of a parent whose prompt was just computed (KV shared, partial block copied).
+
+A request with sampling.n > 1 runs as choice 0 under its own id; once its prompt is computed,
+choices 1..n-1 are forked from it: they share its full prompt blocks (one more reference each),
+get a device copy of its last partial block, draw their first token from the same prompt logits
+(choice i with seed + i when a seed is set) and then decode on their own. Each choice is an
+ordinary Request (id `{req_id}#{i}`) whose outputs carry the parent's id and its index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request
+from engine.scheduler import Scheduler
+
+
+def choice_req_id(req_id: str, index: int) -> str:
+    """The engine-internal id of choice `index` (> 0) of request req_id."""
+    return f"{req_id}#{index}"
+
+
+class ChoiceForks:
+    """Invariant: every id in _live[parent] names a choice in the scheduler (running or
+    waiting); a finished, aborted or preempted-and-finished choice leaves it (discard)."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, kv_cache: torch.Tensor):
+        self.scheduler = scheduler
+        self.kv = kv
+        self.kv_cache = kv_cache  # [num_blocks, layers, 2, heads, block_size, head_dim]
+        self._live: dict[str, list[str]] = {}
+        self.num_forked = 0  # choices that shared their parent's prompt KV
+        self.num_recomputed = 0  # choices queued to recompute a partial block (no room)
+
+    def owes_choices(self, req: Request) -> bool:
+        """req samples its first token now (no output, none pending) and has n - 1 choices to
+        fork from its logits."""
+        first = req.num_tokens == req.num_prompt_tokens
+        return first and req.sampling.n > 1 and req.choice_index == 0
+
+    def fork(self, parent: Request) -> list[Request]:
+        """Make and schedule parent's choices 1..n-1 (call before parent's first token is
+        appended: they start from its prompt alone)."""
+        children = [self._child(parent, i) for i in range(1, parent.sampling.n)]
+        self._live[parent.req_id] = [child.req_id for child in children]
+        for child in children:
+            self._place(parent, child)
+        return children
+
+    def _child(self, parent: Request, index: int) -> Request:
+        params = replace(parent.sampling, n=1)
+        if params.seed is not None:
+            params = replace(params, seed=params.seed + index)
+        child = Request(
+            choice_req_id(parent.req_id, index),
+            list(parent.prompt_token_ids),
+            params,
+            parent.cache_salt,
+            parent.retention_priority,
+            parent.arrival_time,
+        )
+        child.choice_of, child.choice_index = parent.req_id, index
+        child.num_resumed_tokens = parent.num_resumed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_tokens = parent.num_cached_tokens
+        return child
+
+    def _place(self, parent: Request, child: Request) -> None:
+        """Running with the parent's KV when a block (for the partial copy) and a batch slot
+        are free; otherwise waiting, to recompute what the prefix cache lacks."""
+        num_tokens = parent.num_prompt_tokens
+        max_num_seqs = self.scheduler.config.max_num_seqs
+        has_slot = max_num_seqs is None or len(self.scheduler.running) < max_num_seqs
+        if not (has_slot and self.kv.can_fork(parent.req_id, num_tokens)):
+            self.num_recomputed += 1
+            self.scheduler.add(child)
+            return
+        copy = self.kv.fork(parent.req_id, child, num_tokens)
+        if copy is not None:  # queued after the parent's forward pass on the same stream
+            self.kv_cache[copy.dst_block_id].copy_(self.kv_cache[copy.src_block_id])
+        self.num_forked += 1
+        self.scheduler.admit_running(child)
+
+    def live_choices(self, req_id: str) -> list[str]:
+        """The internal ids of req_id's choices 1..n-1 still running or waiting."""
+        return list(self._live.get(req_id, ()))
+
+    def discard(self, req: Request) -> None:
+        """req (a choice) finished or was aborted."""
+        if req.choice_of is None:
+            return
+        live = self._live.get(req.choice_of)
+        if live is not None and req.req_id in live:
+            live.remove(req.req_id)
+            if not live:
+                del self._live[req.choice_of]
+
+    @property
+    def num_live(self) -> int:
+        return sum(len(ids) for ids in self._live.values())

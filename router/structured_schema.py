@@ -1,0 +1,119 @@
+"""Structured-output request fields (OpenAI's response_format, vLLM's guided_regex and
+guided_grammar, the gRPC StructuredOutput) turned into one StructuredOutput; stateless.
+
+The router checks what it can without the engine (a JSON schema against the JSON Schema
+meta-schema, a regex's syntax); the engine's grammar compiler has the last word.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import StructuredOutput
+from router.errors import InvalidRequest
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def structured_output(
+    response_format: ResponseFormat | None,
+    guided_regex: str | None = None,
+    guided_grammar: str | None = None,
+) -> StructuredOutput | None:
+    """The one grammar the fields ask for (None: free text); InvalidRequest naming the field
+    for a bad spec or for more than one of them."""
+    given = {
+        "response_format": _from_response_format(response_format),
+        "guided_regex": None if guided_regex is None else StructuredOutput("regex", guided_regex),
+        "guided_grammar": (
+            None if guided_grammar is None else StructuredOutput("grammar", guided_grammar)
+        ),
+    }
+    asked = {name: spec for name, spec in given.items() if spec is not None}
+    if len(asked) > 1:
+        raise InvalidRequest(
+            f"give at most one of {', '.join(asked)} (each constrains the whole output)",
+            next(iter(asked)),
+        )
+    spec = next(iter(asked.values()), None)
+    if spec is not None:
+        check_spec(spec)
+    return spec
+
+
+def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput("json_object")
+    json_schema = response_format.json_schema
+    if json_schema is None or json_schema.schema_ is None:
+        raise InvalidRequest(
+            "response_format.json_schema.schema is required with type json_schema",
+            "response_format.json_schema.schema",
+        )
+    return StructuredOutput("json_schema", json.dumps(json_schema.schema_))
+
+
+_PARAMS = {
+    "json_schema": "response_format.json_schema.schema",
+    "regex": "guided_regex",
+    "grammar": "guided_grammar",
+}
+
+
+def check_spec(spec: StructuredOutput, param: str | None = None) -> None:
+    """What the router can check of a spec; param: the field to name (default: HTTP's)."""
+    param = param or _PARAMS.get(spec.kind, "response_format")
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.spec)
+        except ValueError as e:
+            raise InvalidRequest(f"{param}: the schema is not valid JSON ({e})", param) from None
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"{param}: the schema must be a JSON object", param)
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise InvalidRequest(f"{param}: not a valid JSON schema: {e.message}", param) from None
+    elif spec.kind == "regex":
+        try:
+            re.compile(spec.spec)
+        except re.error as e:
+            raise InvalidRequest(f"{param}: not a valid regex: {e}", param) from None
+    if spec.kind != "json_object" and not spec.spec.strip():
+        raise InvalidRequest(f"{param} must not be empty", param)
+
+
+def structured_from_proto(message: Any) -> StructuredOutput | None:
+    """A gRPC SamplingParams.structured (kvrelay.v1.StructuredOutput) as a StructuredOutput;
+    unset: None. InvalidRequest names `sampling.structured.<kind>`."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    spec = (
+        StructuredOutput(kind)
+        if kind == "json_object"
+        else StructuredOutput(kind, getattr(message, kind))
+    )
+    check_spec(spec, f"sampling.structured.{kind}")
+    return spec

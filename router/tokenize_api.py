@@ -1,0 +1,96 @@
+"""/tokenize and /detokenize (vLLM's shapes) over the router's tokenizer, shared by the HTTP and
+gRPC front ends; stateless (TokenizeSpec in, token ids or text out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.errors import InvalidRequest
+from router.frontend import ChatMessage, Frontend
+from router.openai_schema import ChatMessageIn
+
+
+@dataclass(frozen=True)
+class TokenizeSpec:
+    """One /tokenize request; exactly one of prompt and messages. add_special_tokens None takes
+    vLLM's default: added to a prompt, not to a rendered chat (its template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_special_tokens: bool | None = None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TokenizeBody(_Body):
+    """POST /tokenize: {model?, prompt | messages, add_special_tokens?}."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None
+
+    def to_spec(self) -> TokenizeSpec:
+        messages = None
+        if self.messages is not None:
+            messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+        return TokenizeSpec(self.model, self.prompt, messages, self.add_special_tokens)
+
+
+class DetokenizeBody(_Body):
+    """POST /detokenize: {model?, tokens: [...]}."""
+
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+def tokenize(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
+    """The token ids the served model would see for spec's prompt or chat; raises
+    InvalidRequest naming the field."""
+    try:
+        frontend.check_model(spec.model)
+        return _token_ids(frontend, spec)
+    except InvalidRequest as e:
+        raise frontend.reject(e) from None
+
+
+def _token_ids(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
+    if (spec.prompt is None) == (spec.messages is None):
+        raise InvalidRequest("give exactly one of prompt or messages", "prompt")
+    tokenizer = frontend.tokenizer
+    if spec.prompt is not None:
+        add = True if spec.add_special_tokens is None else spec.add_special_tokens
+        return tokenizer.encode(spec.prompt, add_special_tokens=add)
+    if not spec.messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    try:
+        text = tokenizer.render_chat(
+            [{"role": m.role, "content": m.content} for m in spec.messages]
+        )
+    except ValueError as e:
+        raise InvalidRequest(str(e), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=bool(spec.add_special_tokens))
+
+
+def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[int]) -> str:
+    """The text of token_ids, special tokens included (so tokenize/detokenize round-trip);
+    raises InvalidRequest naming the field."""
+    vocab_size = frontend.tokenizer.vocab_size
+    try:
+        frontend.check_model(model)
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"tokens: {bad} is not a token id of this model (0 <= id < {vocab_size})",
+                "tokens",
+            )
+    except InvalidRequest as e:
+        raise frontend.reject(e) from None
+    return frontend.tokenizer.decode(token_ids, skip_special_tokens=False)

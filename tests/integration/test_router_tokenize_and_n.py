@@ -1,0 +1,144 @@
+"""The router's /tokenize, /detokenize (HTTP and gRPC) and n > 1 choices on real servers over a
+real SmolLM2 engine."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
+from router.tokenizer import RouterTokenizer
+from tests.conftest import build_engine
+from tests.server_harness import ServerHarness
+
+MAX_MODEL_LEN = 256
+CHAT = [{"role": "user", "content": "Name three rivers."}]
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def harness(smollm_model, smollm_dir) -> Iterator[ServerHarness]:
+    engine = build_engine(smollm_model, num_blocks=64, max_model_len=MAX_MODEL_LEN)
+    harness = ServerHarness(engine, smollm_dir)
+    try:
+        yield harness
+    finally:
+        harness.stop()
+    engine.assert_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def router_tokenizer(smollm_dir) -> RouterTokenizer:
+    return RouterTokenizer(smollm_dir)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(harness: ServerHarness) -> Iterator[None]:
+    yield
+    harness.assert_no_leaks()
+
+
+def post(harness: ServerHarness, path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        harness.base_url + path, data, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# ---- /tokenize, /detokenize ---------------------------------------------------------------
+def test_tokenize_a_prompt_and_a_chat_as_generation_sees_them(
+    harness: ServerHarness, router_tokenizer: RouterTokenizer
+) -> None:
+    status, reply = post(harness, "/tokenize", {"prompt": PROMPT})
+    assert status == 200, reply
+    assert reply["tokens"] == router_tokenizer.encode(PROMPT)
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] == MAX_MODEL_LEN
+
+    status, reply = post(harness, "/tokenize", {"model": harness.engine.model_id, "messages": CHAT})
+    assert status == 200, reply
+    assert reply["tokens"] == router_tokenizer.apply_chat_template(CHAT)
+    # The chat's count is the prompt_tokens a chat completion reports for it.
+    status, completion = post(
+        harness, "/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 1}
+    )
+    assert status == 400  # "m" is not the served model: the same check as /tokenize's
+    body = {"model": harness.engine.model_id, "messages": CHAT, "max_tokens": 1}
+    status, completion = post(harness, "/v1/chat/completions", body)
+    assert completion["usage"]["prompt_tokens"] == reply["count"]
+
+
+def test_detokenize_round_trips_tokenize(harness: ServerHarness) -> None:
+    status, tokens = post(harness, "/tokenize", {"messages": CHAT})
+    assert status == 200
+    status, reply = post(harness, "/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200, reply
+    again = post(harness, "/tokenize", {"prompt": reply["prompt"], "add_special_tokens": False})
+    assert again[1]["tokens"] == tokens["tokens"]
+    assert "Name three rivers." in reply["prompt"]
+
+
+BAD_TOKENIZE = [
+    ("/tokenize", {}, "prompt", "exactly one of prompt or messages"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt", "exactly one"),
+    ("/tokenize", {"prompt": 5}, "prompt", "prompt"),
+    ("/tokenize", {"messages": []}, "messages", "must not be empty"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model", "not served"),
+    ("/tokenize", b"{not json", None, "not valid JSON"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens", "not a token id"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens", "not a token id"),
+    ("/detokenize", {"tokens": "abc"}, "tokens", "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-9"}, "model", "not served"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), BAD_TOKENIZE)
+def test_bad_tokenize_input_is_400_naming_the_field(
+    harness: ServerHarness, path: str, body: bytes | dict, param: str | None, message: str
+) -> None:
+    status, reply = post(harness, path, body)
+    assert status == 400, reply
+    error = reply["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert message in error["message"], error
+
+
+def test_grpc_tokenize_and_detokenize(
+    harness: ServerHarness, router_tokenizer: RouterTokenizer
+) -> None:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=CHAT[0]["content"])])
+    with grpc.insecure_channel(harness.grpc_target) as channel:
+        stub = pb_grpc.KVRelayStub(channel)
+        reply = stub.Tokenize(pb.TokenizeRequest(prompt=PROMPT), timeout=30)
+        assert list(reply.tokens) == router_tokenizer.encode(PROMPT)
+        assert reply.count == len(reply.tokens) and reply.max_model_len == MAX_MODEL_LEN
+        no_special = pb.TokenizeRequest(prompt=PROMPT, add_special_tokens=False)
+        assert list(stub.Tokenize(no_special, timeout=30).tokens) == router_tokenizer.encode(
+            PROMPT, add_special_tokens=False
+        )
+        reply = stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=30)
+        assert list(reply.tokens) == router_tokenizer.apply_chat_template(CHAT)
+        text = stub.Detokenize(pb.DetokenizeRequest(tokens=reply.tokens), timeout=30).prompt
+        assert text == router_tokenizer.decode(reply.tokens, skip_special_tokens=False)
+        for bad, field in [
+            (pb.TokenizeRequest(), "prompt"),
+            (pb.TokenizeRequest(model="gpt-9", prompt="a"), "not served"),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Tokenize(bad, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Detokenize(pb.DetokenizeRequest(tokens=[-5]), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tokens" in info.value.details()
