@@ -40,7 +40,8 @@ from engine.config import EngineConfig
 from kvtransfer.handoff import PullState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
-    from engine.engine import Engine, RequestOutput
+    from engine.engine import Engine
+    from engine.step_types import RequestOutput
 
 logger = logging.getLogger(__name__)
 ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling

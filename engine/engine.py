@@ -7,11 +7,8 @@ makes its device side. It is single-threaded: callers serialise their calls.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,73 +28,25 @@ from engine.fork import ChoiceForks
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
-from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
+from engine.loader import load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner
-from engine.sampler import PendingSample, Sampler, SampleResult, SampleRow, TopLogprobs
+from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_inputs import TokenFill
-from engine.step_rate import StepRate
+from engine.step_types import (
+    EngineStats,
+    InFlightStep,
+    RequestOutput,
+    find_tokenizer,
+    resumed_tokens,
+    served_model_id,
+    with_top_logprobs,
+)
 from engine.stop_checker import StopChecker
 from engine.structured import new_grammars
-from engine.tokenizer import Tokenizer
 from engine.validation import InvalidField, check_request, structured_field
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    req_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list[float] | None = None
-    held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
-    index: int = 0  # which of the request's n choices (engine/fork.py)
-    new_top_logprobs: list[TopLogprobs] | None = None  # one per new token, when asked
-
-
-@dataclass
-class InFlightStep:
-    """A step queued on the device whose sampled tokens the host has not read yet."""
-
-    scheduled: SchedulerOutput
-    reqs: list[Request]  # the requests that sample this step, in row order
-    sample: PendingSample
-    update_pending: bool  # scheduler.update waits until the step before it has finished
-    pending_reqs: list[Request] = field(default_factory=list)  # a pending token each: ran ahead
-    # n > 1: the prompt's last logits row of each request whose choices fork off this step.
-    fork_logits: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
-    num_generated_tokens: int = 0
-    num_steps_ahead: int = 0  # steps launched before the previous step's tokens were read
-    rate: StepRate = field(default_factory=StepRate)  # recent step times and token rate
-
-
-def find_tokenizer(folder: Path) -> Tokenizer | None:
-    """The checkpoint's tokenizer; None when it ships none (token-id requests only)."""
-    has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
-    return Tokenizer(folder) if has_tokenizer else None
-
-
-def served_model_id(model: str) -> str:
-    if model.lower() in (
-        "default",
-        DEFAULT_MODEL.lower(),
-        f"huggingfacetb/{DEFAULT_MODEL}".lower(),
-    ):
-        return DEFAULT_MODEL
-    return Path(model).stem if model.endswith(".gguf") else Path(model).name
 
 
 class Engine:
@@ -199,7 +148,7 @@ class Engine:
         if hold_kv and req.sampling.n > 1:
             raise ValueError("n > 1 is not supported in the prefill role yet")
         req.hold_kv = hold_kv
-        req.num_resumed_tokens = _resumed(num_resumed_tokens, req.num_prompt_tokens)
+        req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         self._start_grammar(req)  # before queueing: a spec the compiler refuses raises here
         self.scheduler.add(req)
         self._track(req)
@@ -236,7 +185,7 @@ class Engine:
         if params.n > 1:
             raise ValueError("n > 1 is not supported for a prompt prefilled elsewhere yet")
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
-        req.num_resumed_tokens = _resumed(num_resumed_tokens, req.num_prompt_tokens)
+        req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         req.append_token(first_token_id)
         self._start_grammar(req)  # replays the first token (and a migration's sent tokens)
         plan = self.loader.reserve(req)
@@ -418,7 +367,7 @@ class Engine:
                 outputs.extend(self._fork(req, current.fork_logits[req.req_id]))
             logprob = result.logprobs[i] if result.logprobs and req.sampling.logprobs else None
             output = self._append_token(req, result.token_ids[i], logprob)
-            outputs.append(_with_top_logprobs(output, result, i, req.sampling.top_logprobs))
+            outputs.append(with_top_logprobs(output, result, i, req.sampling.top_logprobs))
         self.stats.num_generated_tokens += len(outputs)
         ahead = self._in_flight
         if ahead is not None and ahead.update_pending:
@@ -442,7 +391,7 @@ class Engine:
         for i, child in enumerate(children):
             logprob = result.logprobs[i] if result.logprobs and child.sampling.logprobs else None
             output = self._append_token(child, result.token_ids[i], logprob)
-            outputs.append(_with_top_logprobs(output, result, i, child.sampling.top_logprobs))
+            outputs.append(with_top_logprobs(output, result, i, child.sampling.top_logprobs))
         return outputs
 
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:
@@ -506,23 +455,3 @@ class Engine:
         assert self.kv.num_free_blocks == self.kv.num_blocks, (
             f"{self.kv.num_blocks - self.kv.num_free_blocks} blocks leaked"
         )
-
-
-def _resumed(num_resumed_tokens: int, num_prompt_tokens: int) -> int:
-    if not 0 <= num_resumed_tokens < num_prompt_tokens:
-        raise ValueError(
-            f"num_resumed_tokens must be in [0, {num_prompt_tokens}), got {num_resumed_tokens}"
-        )
-    return num_resumed_tokens
-
-
-def _with_top_logprobs(
-    output: RequestOutput, result: SampleResult, row: int, k: int
-) -> RequestOutput:
-    if not k or result.top_logprobs is None:
-        return output
-    return replace(output, new_top_logprobs=[result.top_logprobs[row][:k]])
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

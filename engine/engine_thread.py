@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine.engine import Engine, RequestOutput
+from engine.engine import Engine
+from engine.step_types import RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -39,7 +39,8 @@ from kvtransfer.handoff import HandoffError, LeaseLedger, LeaseState, Notice, No
 from kvtransfer.handshake import PROTOCOL_VERSION
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
-    from engine.engine import Engine, RequestOutput
+    from engine.engine import Engine
+    from engine.step_types import RequestOutput
 
 logger = logging.getLogger(__name__)
 PREFILLED = FinishReason.PREFILLED.value

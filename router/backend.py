@@ -6,18 +6,22 @@ import abc
 from collections.abc import AsyncIterator
 
 from common.messages import GenerateRequest, TokenDelta
+from engine.validation import MAX_N
 
 
 class Backend(abc.ABC):
     """What the front ends call; the cluster backend routes to Ray workers.
 
     Invariant: generate() yields deltas in order and ends after exactly one delta with
-    finished=True; cancelling the iterator (client gone) aborts the request everywhere.
+    finished=True per choice (n > 1: deltas name their choice in `index`; an "error" delta
+    ends the whole request); cancelling the iterator (client gone) aborts the request
+    everywhere.
     """
 
     model_id: str
     max_model_len: int
     vocab_size: int
+    max_choices: int = MAX_N  # the largest n it serves (a larger n is refused, naming `n`)
 
     @abc.abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:

@@ -53,6 +53,10 @@ class _DecodeLost(Exception):
 
 
 class ClusterBackend(Backend):
+    # n > 1 is not built across the pools yet (the prefill worker samples one first token and
+    # the decode worker has no fork for a prefilled prompt): refused with a 400 naming `n`.
+    max_choices = 1
+
     def __init__(
         self,
         model_id: str,

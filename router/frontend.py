@@ -21,9 +21,10 @@ from engine.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
+from router.choices import ChoiceTrackers
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.metrics import RouterMetrics
-from router.output import OutputChunk, OutputTracker, Usage
+from router.output import OutputChunk, Usage
 from router.tokenizer import RouterTokenizer
 
 __all__ = [
@@ -187,6 +188,12 @@ class Frontend:
             check_request(prompt_ids, sampling, self.backend.vocab_size, max_len, spec.input_param)
         except InvalidField as e:
             raise InvalidRequest(e.message, e.field, e.code) from None
+        if sampling.n > self.backend.max_choices:
+            raise InvalidRequest(
+                f"n={sampling.n} is not supported by this deployment "
+                f"(at most {self.backend.max_choices})",
+                "n",
+            )
         sampling = replace(sampling, stop=())  # stop strings stay in the router (it detokenizes)
         req_id = spec.req_id or f"req-{uuid.uuid4().hex}"
         salt = self._cache_salt(spec)
@@ -219,7 +226,8 @@ class Frontend:
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
-        """Stream output chunks; the last has finish_reason and usage.
+        """Stream output chunks (n > 1: each names its choice in `index`); each choice's last
+        has its finish_reason, the request's last also has usage.
 
         Leaving early (client gone, task cancelled, aclose()) aborts the request in the
         backend; so does a stop string, which the backend does not know about.
@@ -231,13 +239,15 @@ class Frontend:
         self._in_flight.add(req.req_id)
         self.metrics.running.inc()
         self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)
-        tracker = OutputTracker(self.tokenizer, prepared, self.metrics)
+        tracker = ChoiceTrackers(self.tokenizer, prepared, self.metrics)
         stream = self.backend.generate(req)
         try:
             async for delta in stream:
                 chunk = tracker.on_delta(delta)
+                if chunk is None:  # a choice that already ended (its stop string matched)
+                    continue
                 yield chunk
-                if chunk.finish_reason is not None:
+                if tracker.finished:
                     return
             raise BackendError("the backend's stream ended before the request finished")
         except (BackendError, Overloaded):  # Overloaded: refused for the objectives
@@ -255,7 +265,7 @@ class Frontend:
             await asyncio.shield(self._end(req.req_id, stream, tracker))
 
     async def _end(
-        self, req_id: str, stream: AsyncIterator[TokenDelta], tracker: OutputTracker
+        self, req_id: str, stream: AsyncIterator[TokenDelta], tracker: ChoiceTrackers
     ) -> None:
         try:
             await _close(stream)

@@ -129,6 +129,7 @@ async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web
         tokenizer=frontend.tokenizer,
         want_logprobs=prepared.request.sampling.logprobs,
         echo_text=_echo_text(body, prepared, frontend),
+        num_choices=prepared.request.sampling.n,
     )
     if body.stream:
         return await _stream(request, frontend, prepared, ctx, body.include_usage)
@@ -148,17 +149,17 @@ def _echo_text(
 
 
 async def _collect(frontend: Frontend, prepared: Prepared, ctx: ResponseContext) -> web.Response:
-    finish_reason, usage = None, Usage(len(prepared.request.prompt_token_ids), 0, 0)
+    usage = Usage(len(prepared.request.prompt_token_ids), 0, 0)
     try:
         async with contextlib.aclosing(frontend.generate(prepared)) as chunks:
             async for out in chunks:
                 ctx.add(out)
-                finish_reason, usage = out.finish_reason, out.usage or usage
+                usage = out.usage or usage
     except InvalidRequest as e:
         return _bad_request(e)
     except BackendError as e:
         return _json(error_body(str(e), "internal_error"), 500)
-    return _json(ctx.final(finish_reason, usage))
+    return _json(ctx.final(usage))
 
 
 async def _stream(
@@ -184,7 +185,7 @@ async def _stream(
             except StopAsyncIteration:
                 head = []
             await response.prepare(request)
-            if (first := ctx.first_chunk()) is not None:
+            for first in ctx.first_chunks():
                 await response.write(_sse(first))
             async for out in _chain(head, chunks):
                 if out.text or out.finish_reason is not None or ctx.want_logprobs:

@@ -36,8 +36,20 @@ def usage_json(usage: Usage) -> Json:
 
 
 @dataclass
+class ChoiceText:
+    """One choice's output so far (non-streaming: all of it; streaming: its text offset)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    num_text_chars: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
 class ResponseContext:
-    """What every body of one response repeats, plus accumulated non-streaming output."""
+    """What every body of one response repeats, plus each choice's accumulated output."""
 
     response_id: str
     model: str
@@ -45,12 +57,12 @@ class ResponseContext:
     tokenizer: RouterTokenizer
     want_logprobs: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    num_text_chars: int = 0
     echo_text: str = ""  # completions with echo: the prompt's text, before the output's
+    num_choices: int = 1
+    choices: list[ChoiceText] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.choices = [ChoiceText() for _ in range(self.num_choices)]
 
     @property
     def _model(self) -> Json:
@@ -79,6 +91,7 @@ class ResponseContext:
         token_ids: Sequence[int],
         logprobs: Sequence[float],
         top_logprobs: Sequence[TopLogprobs] = (),
+        num_text_chars: int = 0,
     ) -> Json | None:
         if not self.want_logprobs:
             return None
@@ -95,7 +108,7 @@ class ResponseContext:
                 for tok, lp, top in zip(tokens, logprobs, tops, strict=False)
             ]
             return {"content": content}
-        offsets, offset = [], self.num_text_chars
+        offsets, offset = [], num_text_chars
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
@@ -109,30 +122,37 @@ class ResponseContext:
         }
 
     # ---- streaming -----------------------------------------------------------------------
-    def first_chunk(self) -> Json | None:
-        """Chat streams open with the assistant role; completions have no opening chunk but
-        with echo, where it carries the prompt's text."""
+    def first_chunks(self) -> list[Json]:
+        """Chat streams open with the assistant role, one chunk per choice; completions have no
+        opening chunks but with echo, where each choice's carries the prompt's text."""
+        return [c for i in range(self.num_choices) if (c := self._first_chunk(i)) is not None]
+
+    def _first_chunk(self, index: int) -> Json | None:
         if not self.chat:
             if not self.echo_text:
                 return None
-            self.num_text_chars += len(self.echo_text)
-            choice = {"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None}
-            return {**self._head(True), "choices": [choice]}
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            self.choices[index].num_text_chars += len(self.echo_text)
+            choice = {"index": index, "text": self.echo_text, "logprobs": None}
+            return {**self._head(True), "choices": [{**choice, "finish_reason": None}]}
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}}
         return {
             **self._head(True),
             "choices": [{**choice, "logprobs": None, "finish_reason": None}],
         }
 
     def chunk(self, out: OutputChunk) -> Json:
-        choice: Json = {"index": 0}
+        """A stream chunk of out's choice (`choices[0].index` names it)."""
+        state = self.choices[out.index]
+        choice: Json = {"index": out.index}
         if self.chat:
             choice["delta"] = {"content": out.text} if out.text else {}
         else:
             choice["text"] = out.text
-        choice["logprobs"] = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs)
+        choice["logprobs"] = self._logprobs(
+            out.token_ids, out.logprobs, out.top_logprobs, state.num_text_chars
+        )
         choice["finish_reason"] = out.finish_reason
-        self.num_text_chars += len(out.text)
+        state.num_text_chars += len(out.text)
         return {**self._head(True), "choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> Json:
@@ -140,19 +160,27 @@ class ResponseContext:
 
     # ---- non-streaming -------------------------------------------------------------------
     def add(self, out: OutputChunk) -> None:
-        self.text.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs)
-        self.top_logprobs.extend(out.top_logprobs)
+        state = self.choices[out.index]
+        state.text.append(out.text)
+        state.token_ids.extend(out.token_ids)
+        state.logprobs.extend(out.logprobs)
+        state.top_logprobs.extend(out.top_logprobs)
+        state.finish_reason = out.finish_reason or state.finish_reason
 
-    def final(self, finish_reason: str | None, usage: Usage) -> Json:
-        text = self.echo_text + "".join(self.text)
-        self.num_text_chars = len(self.echo_text)
-        logprobs = self._logprobs(self.token_ids, self.logprobs, self.top_logprobs)
-        choice: Json = {"index": 0}
+    def final(self, usage: Usage) -> Json:
+        """The whole response: every choice with its own text, logprobs and finish_reason."""
+        choices = [self._final_choice(i, state) for i, state in enumerate(self.choices)]
+        return {**self._head(False), "choices": choices, "usage": usage_json(usage)}
+
+    def _final_choice(self, index: int, state: ChoiceText) -> Json:
+        text = self.echo_text + "".join(state.text)
+        logprobs = self._logprobs(
+            state.token_ids, state.logprobs, state.top_logprobs, len(self.echo_text)
+        )
+        choice: Json = {"index": index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice.update(logprobs=logprobs, finish_reason=finish_reason)
-        return {**self._head(False), "choices": [choice], "usage": usage_json(usage)}
+        choice.update(logprobs=logprobs, finish_reason=state.finish_reason)
+        return choice

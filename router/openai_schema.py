@@ -109,7 +109,7 @@ class _CommonRequest(_TopLevelBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = 1  # choices; its range is checked with the rest (engine/validation.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None  # ranges: engine/validation.py (400 naming them)
@@ -128,8 +128,6 @@ class _CommonRequest(_TopLevelBody):
 
     def _check_supported(self) -> None:
         self._refuse_not_built()
-        if not 1 <= self.n <= MAX_CHOICES:
-            raise InvalidRequest(f"n must be in 1..{MAX_CHOICES}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options needs stream=true", "stream_options")
 
@@ -223,9 +221,7 @@ class CompletionRequest(_CommonRequest):
         if isinstance(prompt, str):
             return self._spec(self.max_tokens, logprobs, top, prompt=prompt, req_id=req_id)
         token_ids = tuple(prompt)  # type: ignore[arg-type]
-        return self._spec(
-            self.max_tokens, logprobs, top, prompt_token_ids=token_ids, req_id=req_id
-        )
+        return self._spec(self.max_tokens, logprobs, top, prompt_token_ids=token_ids, req_id=req_id)
 
 
 def _is_union_tag(part: int | str) -> bool:

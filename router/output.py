@@ -38,6 +38,7 @@ class OutputChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
     usage: Usage | None = None  # on the last chunk
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token, when asked
+    index: int = 0  # which of the request's n choices (finish_reason: that choice's end)
 
 
 class OutputTracker:
@@ -99,9 +100,10 @@ class OutputTracker:
                 self.metrics.itl.observe(gap)
         self._last_token_time = now
 
-    def record_end(self) -> None:
+    def record_end(self, num_output_tokens: int | None = None) -> None:
         """Called once when the request leaves the router, however it ended; one that finished
-        with output joins the recent latencies the objectives are judged on."""
+        with output joins the recent latencies the objectives are judged on.
+        num_output_tokens: the request's total over its choices (None: this tracker's)."""
         first, last = self._first_token_time, self._last_token_time
         if self.finish_reason in ("stop", "length") and first is not None and last is not None:
             n = self.num_output_tokens
@@ -111,6 +113,6 @@ class OutputTracker:
             self.finish_reason or "abort",
             self.num_prompt_tokens,
             self.num_cached_tokens,
-            self.num_output_tokens,
+            self.num_output_tokens if num_output_tokens is None else num_output_tokens,
             time.monotonic() - self.arrival,
         )

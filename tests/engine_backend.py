@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from common.messages import GenerateRequest, TokenDelta
-from engine.engine import Engine, RequestOutput
+from engine.engine import Engine
 from engine.engine_thread import EngineThread
+from engine.step_types import RequestOutput
 from router.backend import Backend
 
 T = TypeVar("T")
@@ -27,6 +28,7 @@ def delta_from_output(out: RequestOutput) -> TokenDelta:
         num_cached_tokens=out.num_cached_tokens,
         logprobs=tuple(out.new_logprobs or ()),
         top_logprobs=tuple(out.new_top_logprobs or ()),
+        index=out.index,
     )
 
 
@@ -85,9 +87,11 @@ class EngineBackend(Backend):
                 yield TokenDelta(req_id, (), True, "error", error=str(e))
                 return
             self._notify(started=1)
+            num_open = sampling.n  # choices not finished yet (each ends with its own delta)
             while not finished:
                 delta = await queue.get()
-                finished = delta.finished
+                num_open -= delta.finished
+                finished = num_open == 0 or delta.finish_reason == "error"
                 yield delta
         finally:  # no await here: the abort is queued even if the task is cancelled again
             if not finished:

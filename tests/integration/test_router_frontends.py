@@ -168,10 +168,8 @@ def test_grpc_generate_streams_the_engine_greedy_tokens(served: Served) -> None:
 
 # ---- bad input ----------------------------------------------------------------------------
 LONG_PROMPT = "hello " * (MAX_MODEL_LEN + 10)
-JSON_SCHEMA = {
-    "type": "json_schema",
-    "json_schema": {"name": "city", "schema": {"type": "object", "properties": {}}},
-}
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "city", "schema": {"type": 12}}}
+SCHEMA_PARAM = "response_format.json_schema.schema"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_BODY = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 1}
 BAD_HTTP = [
@@ -184,15 +182,16 @@ BAD_HTTP = [
     ("/v1/chat/completions", {**CHAT_BODY, "model": "gpt-9"}, "model", "not served"),
     ("/v1/completions", {**CHAT_BODY, "prompt": LONG_PROMPT}, "prompt", "context length"),
     ("/v1/completions", {**CHAT_BODY, "prompt": [1, 10**6]}, "prompt", "vocabulary"),
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "n": 2}, "n", "n=1"),
+    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "n": 17}, "n", "[1, 16]"),
     # Fields that would change the output but are not built: refused, never ignored.
-    ("/v1/chat/completions", {**CHAT_BODY, "response_format": JSON_SCHEMA}, "response_format", ""),
     (
         "/v1/chat/completions",
-        {**CHAT_BODY, "response_format": {"type": "json_object"}},
-        "response_format",
+        {**CHAT_BODY, "structured_outputs": {"json": {}}},
+        "structured_outputs",
         "not supported",
     ),
+    # Structured outputs that are built, with a bad schema.
+    ("/v1/chat/completions", {**CHAT_BODY, "response_format": BAD_SCHEMA}, SCHEMA_PARAM, "valid"),
     ("/v1/chat/completions", {**CHAT_BODY, "tools": [TOOL]}, "tools", "not supported"),
     ("/v1/chat/completions", {**CHAT_BODY, "tool_choice": "required"}, "tool_choice", ""),
     # Sampling fields that are built, with bad values.
@@ -218,13 +217,11 @@ def test_bad_http_input_is_400_with_a_message(
     assert message in error["message"], error
 
 
-def test_openai_client_gets_400_for_a_json_schema_and_its_do_nothing_value_passes(
-    served: Served,
-) -> None:
+def test_openai_client_gets_400_for_a_bad_json_schema_and_text_passes(served: Served) -> None:
     client = served.client()
     with pytest.raises(openai.BadRequestError, match="response_format") as info:
         client.chat.completions.create(
-            model=served.model, messages=CHAT, max_tokens=1, response_format=JSON_SCHEMA
+            model=served.model, messages=CHAT, max_tokens=1, response_format=BAD_SCHEMA
         )
     assert info.value.status_code == 400
     reply = client.chat.completions.create(

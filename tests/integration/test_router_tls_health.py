@@ -187,4 +187,6 @@ def test_reflection_lists_the_services_and_describes_kvrelay(served: Served) -> 
         assert {"kvrelay.v1.KVRelay", "grpc.health.v1.Health"} <= services
         proto = database.FindFileContainingSymbol("kvrelay.v1.KVRelay")
     [service] = [s for s in proto.service if s.name == "KVRelay"]
-    assert {m.name for m in service.method} == {"Generate", "Health", "ListModels"}
+    assert {m.name for m in service.method} == {
+        "Generate", "Health", "ListModels", "Tokenize", "Detokenize",
+    }  # fmt: skip

@@ -49,7 +49,6 @@ def test_completion_prompt_forms() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({**CHAT, "n": 2}, "n"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({**CHAT, "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

@@ -1,0 +1,64 @@
+"""ChoiceTrackers (router/choices.py): each choice's own stop strings and finish, the request's
+end once every choice has ended, usage with the prompt counted once."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.messages import GenerateRequest, TokenDelta
+from engine.sampling_params import SamplingParams
+from router.choices import ChoiceTrackers
+from router.frontend import Prepared
+from router.metrics import RouterMetrics
+from router.tokenizer import RouterTokenizer
+
+PROMPT = (1, 2, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_dir) -> RouterTokenizer:
+    return RouterTokenizer(smollm_dir)
+
+
+def make_trackers(tokenizer: RouterTokenizer, n: int, stop: tuple[str, ...] = ()) -> ChoiceTrackers:
+    request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8, n=n))
+    return ChoiceTrackers(tokenizer, Prepared(request, stop, arrival=0.0), RouterMetrics())
+
+
+def delta(index: int, token_ids: list[int], finished: bool = False) -> TokenDelta:
+    reason = "length" if finished else None
+    return TokenDelta("r", tuple(token_ids), finished, reason, len(PROMPT), 2, index=index)
+
+
+def test_the_request_ends_when_every_choice_has_and_usage_sums_the_choices(
+    tokenizer: RouterTokenizer,
+) -> None:
+    trackers = make_trackers(tokenizer, n=2)
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    first = trackers.on_delta(delta(1, ids, finished=True))
+    assert first is not None and first.index == 1 and first.finish_reason == "length"
+    assert first.usage is None and not trackers.finished
+    last = trackers.on_delta(delta(0, ids[:1], finished=True))
+    assert last is not None and last.index == 0 and trackers.finished
+    assert trackers.backend_finished
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, len(ids) + 1)
+
+
+def test_a_choice_ended_by_its_stop_string_drops_its_later_deltas(
+    tokenizer: RouterTokenizer,
+) -> None:
+    trackers = make_trackers(tokenizer, n=2, stop=(" two",))
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+    stopped = trackers.on_delta(delta(0, ids))
+    assert stopped is not None and stopped.finish_reason == "stop" and stopped.text == " one"
+    assert trackers.on_delta(delta(0, ids[:1], finished=True)) is None  # dropped
+    assert not trackers.finished
+    other = trackers.on_delta(delta(1, ids[:1], finished=True))
+    assert other is not None and other.text == " one" and trackers.finished
+    assert trackers.backend_finished  # both choices' final deltas arrived
+
+
+def test_a_delta_for_a_choice_the_request_has_not_is_refused(tokenizer: RouterTokenizer) -> None:
+    with pytest.raises(ValueError, match="choice 3"):
+        make_trackers(tokenizer, n=2).on_delta(delta(3, [5]))
