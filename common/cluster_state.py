@@ -47,6 +47,7 @@ class WorkerStats:
     num_requests: int = 0  # user requests received (warm-ups not counted)
     num_prompt_tokens: int = 0  # prefill: prompt tokens of finished prefills
     num_cached_tokens: int = 0  # prefill: of those, found in its prefix cache
+    num_computed_tokens: int = 0  # tokens its engine computed (prefill: prompts, once each)
     num_transferred_blocks: int = 0  # decode: blocks pulled over NIXL
     num_transferred_bytes: int = 0
     transfer_seconds: float = 0.0  # decode: summed time of those pulls

@@ -40,6 +40,17 @@ class TransferStats:
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """One choice's first token, sampled by the prefill worker from the prompt's last logits
+    (n > 1: choices 1..n-1; choice 0's is the KVHandle's own)."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: TopLogprobs = ()
+    finish_reason: str | None = None  # set when this token ends the choice (as KVHandle's)
+
+
+@dataclass(frozen=True)
 class KVHandle:
     """Returned by a prefill worker; the blocks stay pinned under an epoch-fenced lease
     until released with (req_id, epoch), read (the READ's notification releases them) or expired.
@@ -50,6 +61,10 @@ class KVHandle:
     finish_reason is set when the first token already ends the request (the prefill engine's
     own finish reason: eos, a stop token or the length; stop strings stay in the router); no
     decode is needed, no block is held and epoch is None.
+
+    n > 1: other_choices holds the first tokens of choices 1..n-1 (one lease covers them all:
+    they share the prompt's blocks). finish_reason is choice 0's; the lease is held (epoch set)
+    unless every choice ended on its first token.
     """
 
     req_id: str
@@ -66,6 +81,33 @@ class KVHandle:
     first_logprob: float | None = None
     finish_reason: str | None = None
     first_top_logprobs: TopLogprobs = ()  # the first token's most likely tokens, when asked
+    other_choices: tuple[FirstToken, ...] = ()
+
+    @property
+    def needs_decode(self) -> bool:
+        """Some choice goes on after its first token (the lease is held for a decode worker)."""
+        reasons = [self.finish_reason, *(c.finish_reason for c in self.other_choices)]
+        return any(reason is None for reason in reasons)
+
+    def first_deltas(self) -> list[TokenDelta]:
+        """Each choice's first token as a delta (the router streams them before the decode)."""
+        first = FirstToken(
+            self.first_token_id, self.first_logprob, self.first_top_logprobs, self.finish_reason
+        )
+        return [
+            TokenDelta(
+                self.req_id,
+                (choice.token_id,),
+                finished=choice.finish_reason is not None,
+                finish_reason=choice.finish_reason,
+                num_prompt_tokens=self.num_tokens,
+                num_cached_tokens=self.num_cached_tokens,
+                logprobs=() if choice.logprob is None else (choice.logprob,),
+                top_logprobs=(choice.top_logprobs,) if choice.top_logprobs else (),
+                index=index,
+            )
+            for index, choice in enumerate((first, *self.other_choices))
+        ]
 
 
 @dataclass(frozen=True)

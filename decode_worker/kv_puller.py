@@ -32,6 +32,7 @@ from kvtransfer.handshake import IncompatiblePeerError
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+    from engine.fork import PrefilledChoices
     from engine.kv_loading import KVLoadPlan
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class KVPuller:
                     request.sampling,  # stop strings stay in the router: none reach a worker
                     request.cache_salt,
                     request.num_resumed_tokens,
+                    _choices(handle),
                 )
             except ValueError as e:
                 self.ledger.fail(request.req_id)
@@ -241,3 +243,17 @@ class KVPuller:
             self.transfer.release(xfer)
         except KVTransferError as e:
             logger.warning("could not release a NIXL transfer: %s", e)
+
+
+def _choices(handle: KVHandle) -> PrefilledChoices | None:
+    """n > 1: the choices the prefill worker's first tokens leave to decode (None: n = 1)."""
+    if not handle.other_choices:
+        return None
+    from engine.fork import PrefilledChoices
+
+    first_token_ids = {
+        index: choice.token_id
+        for index, choice in enumerate(handle.other_choices, 1)
+        if choice.finish_reason is None
+    }
+    return PrefilledChoices(first_token_ids, handle.finish_reason)

@@ -295,9 +295,6 @@ class DecodeWorker:
                 continue
             # The prompt's cached part is the prefill worker's to report, unless it ran here.
             here = out.req_id in self._prefilled_here
-            if out.finished:
-                del self._routes[out.req_id]
-                self._prefilled_here.discard(out.req_id)
             by_router.setdefault(router_id, []).append(
                 TokenDelta(
                     out.req_id,
@@ -309,8 +306,14 @@ class DecodeWorker:
                     logprobs=tuple(out.new_logprobs or ()),
                     top_logprobs=tuple(out.new_top_logprobs or ()),
                     transfer=self.puller.take_stats(out.req_id),
+                    index=out.index,
                 )
             )
+        # A request ends with its last choice (n > 1: its other choices may end in this step).
+        for req_id in {out.req_id for out in outputs if out.finished}:
+            if not self.engine.is_unfinished(req_id):
+                self._routes.pop(req_id, None)
+                self._prefilled_here.discard(req_id)
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
 

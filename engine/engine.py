@@ -24,7 +24,7 @@ from engine.backend_builder import (
     with_batch_limit,
 )
 from engine.config import EngineConfig, ModelConfig
-from engine.fork import ChoiceForks
+from engine.fork import ChoiceForks, PrefilledChoices
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
@@ -137,7 +137,8 @@ class Engine:
 
         hold_kv (prefill role): the request ends after its first token and keeps its blocks
         under a lease (release_kv drops it). Its finish reason is the true one when that token
-        ends it (stop, length), else "prefilled": the decode continues elsewhere.
+        ends it (stop, length), else "prefilled": the decode continues elsewhere. With n > 1
+        each choice's first token comes out (index 1..n-1 holding no block; one lease).
         num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
         """
         if self.kv.is_held(req_id):
@@ -145,8 +146,6 @@ class Engine:
         if self.forks.live_choices(req_id):
             raise ValueError(f"request id {req_id!r} is already in use (by its other choices)")
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
-        if hold_kv and req.sampling.n > 1:
-            raise ValueError("n > 1 is not supported in the prefill role yet")
         req.hold_kv = hold_kv
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         self._start_grammar(req)  # before queueing: a spec the compiler refuses raises here
@@ -162,11 +161,13 @@ class Engine:
         params: SamplingParams,
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
+        choices: PrefilledChoices | None = None,
     ) -> KVLoadPlan | None:
         """Decode role: reserve blocks for a prompt prefilled elsewhere; None if no room now.
 
         The caller pulls the remote blocks named by the plan, then calls commit_kv (or fail_kv
-        to recompute locally).
+        to recompute locally). n > 1: `choices` (the prefill engine's first tokens of the
+        other choices) are forked off the prompt's KV once it is in.
         """
         if req_id in self.scheduler.requests or req_id in self.loader.loading:
             raise ValueError(f"request id {req_id!r} is already in use")
@@ -182,24 +183,39 @@ class Engine:
             )
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
-        if params.n > 1:
-            raise ValueError("n > 1 is not supported for a prompt prefilled elsewhere yet")
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         req.append_token(first_token_id)
         self._start_grammar(req)  # replays the first token (and a migration's sent tokens)
+        if choices is not None:
+            self.forks.expect_prefilled(req, choices)
         plan = self.loader.reserve(req)
         if plan is not None:
             self._track(req)
         else:
+            self.forks.forget_prefilled(req_id)
             self._forget(req_id)
         return plan
 
     def commit_kv(self, req_id: str) -> None:
+        req = self.loader.loading[req_id]
         self.loader.commit(req_id)
+        self._fork_prefilled(req)
 
     def fail_kv(self, req_id: str) -> None:
+        req = self.loader.loading[req_id]
         self.loader.fail(req_id)
+        self._fork_prefilled(req)
+
+    def _fork_prefilled(self, parent: Request) -> None:
+        """n > 1: the prefilled parent's choices go on; a choice 0 that ended at prefill only
+        carried the KV and leaves quietly (its end was reported there)."""
+        children, parent_reason = self.forks.fork_prefilled(parent)
+        for child in children:
+            self._track(child)
+        if parent_reason is not None:
+            self.scheduler.finish(parent, FinishReason(parent_reason))
+            self._forget(parent.req_id)
 
     def release_kv(self, req_id: str) -> bool:
         """Prefill role: drop the lease on a finished request's blocks."""
@@ -243,6 +259,7 @@ class Engine:
     def abort(self, req_id: str) -> bool:
         """Abort a request and its other choices (n > 1); False when none of them was known."""
         aborted = [self._abort_one(choice_id) for choice_id in self.forks.live_choices(req_id)]
+        self.forks.forget_prefilled(req_id)
         return self._abort_one(req_id) or any(aborted)
 
     def _abort_one(self, req_id: str) -> bool:
@@ -254,6 +271,11 @@ class Engine:
             return False
         self._forget(req_id)
         return True
+
+    def is_unfinished(self, req_id: str) -> bool:
+        """Some choice of req_id is queued, running or loading its KV."""
+        requests, loading = self.scheduler.requests, self.loader.loading
+        return req_id in requests or req_id in loading or bool(self.forks.live_choices(req_id))
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -380,7 +402,9 @@ class Engine:
     def _fork(self, parent: Request, logits: torch.Tensor) -> list[RequestOutput]:
         """parent's prompt is computed: fork its other choices, each drawing its first token
         from the same prompt logits with its own generator."""
-        children = self.forks.fork(parent)
+        # The prefill role only samples the choices' first tokens: its parent holds the lease.
+        fork = self.forks.first_token_choices if parent.hold_kv else self.forks.fork
+        children = fork(parent)
         for child in children:
             self._track(child)
         rows = [self._sample_row(child) for child in children]
@@ -415,7 +439,8 @@ class Engine:
         if reason is not None:
             if stop:
                 new_text += stop.finish()
-            held = self.scheduler.finish(req, reason, stop_reason)
+            if req.req_id in self.scheduler.requests:  # not a prefill role's extra first token
+                held = self.scheduler.finish(req, reason, stop_reason)
             self._forget(req.req_id)
             self.forks.discard(req)
         return RequestOutput(

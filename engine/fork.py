@@ -1,22 +1,38 @@
-"""Choices of an n > 1 request: ChoiceForks owns each parent's live choice ids and makes the
-n - 1 choices of a parent whose prompt was just computed (KV shared, partial block copied).
+"""Choices of an n > 1 request: ChoiceForks owns each parent's live choice ids, the first tokens
+of a prefilled parent's choices until its KV is in, and makes the n - 1 choices of a parent whose
+prompt is computed (KV shared, partial block copied).
 
 A request with sampling.n > 1 runs as choice 0 under its own id; once its prompt is computed,
 choices 1..n-1 are forked from it: they share its full prompt blocks (one more reference each),
 get a device copy of its last partial block, draw their first token from the same prompt logits
 (choice i with seed + i when a seed is set) and then decode on their own. Each choice is an
 ordinary Request (id `{req_id}#{i}`) whose outputs carry the parent's id and its index.
+
+Across the pools: the prefill engine samples every choice's first token from the prompt's logits
+(first_token_choices: the choices end there, the parent's lease is the only one); the decode
+engine forks the choices that go on (fork_prefilled) once the parent's pulled KV is committed,
+each with its first token already appended.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler import Scheduler
+
+
+class PrefilledChoices(NamedTuple):
+    """A prefilled parent's choices as its prefill engine left them: the first token of each
+    choice 1..n-1 that goes on decoding (index -> token id), and the finish reason of choice 0
+    when its first token ended it (the parent then only carries the KV)."""
+
+    first_token_ids: dict[int, int]
+    parent_finish_reason: str | None = None
 
 
 def choice_req_id(req_id: str, index: int) -> str:
@@ -26,13 +42,15 @@ def choice_req_id(req_id: str, index: int) -> str:
 
 class ChoiceForks:
     """Invariant: every id in _live[parent] names a choice in the scheduler (running or
-    waiting); a finished, aborted or preempted-and-finished choice leaves it (discard)."""
+    waiting); a finished, aborted or preempted-and-finished choice leaves it (discard).
+    _prefilled[parent] exists only while that parent's KV is loading (decode role)."""
 
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, kv_cache: torch.Tensor):
         self.scheduler = scheduler
         self.kv = kv
         self.kv_cache = kv_cache  # [num_blocks, layers, 2, heads, block_size, head_dim]
         self._live: dict[str, list[str]] = {}
+        self._prefilled: dict[str, PrefilledChoices] = {}
         self.num_forked = 0  # choices that shared their parent's prompt KV
         self.num_recomputed = 0  # choices queued to recompute a partial block (no room)
 
@@ -50,6 +68,46 @@ class ChoiceForks:
         for child in children:
             self._place(parent, child)
         return children
+
+    def first_token_choices(self, parent: Request) -> list[Request]:
+        """Prefill role: parent's choices 1..n-1, unscheduled and holding no block: each only
+        samples its first token (from the parent's prompt logits) and ends with it."""
+        children = [self._child(parent, i) for i in range(1, parent.sampling.n)]
+        for child in children:
+            child.hold_kv = True
+        return children
+
+    def expect_prefilled(self, parent: Request, choices: PrefilledChoices) -> None:
+        """Decode role: parent (choice 0, its first token appended) is loading its prompt KV;
+        fork_prefilled makes `choices` once it is in."""
+        bad = [i for i in choices.first_token_ids if not 0 < i < parent.sampling.n]
+        if bad:
+            raise ValueError(f"choice indexes {bad} are outside [1, n) for n={parent.sampling.n}")
+        self._prefilled[parent.req_id] = choices
+
+    def fork_prefilled(self, parent: Request) -> tuple[list[Request], str | None]:
+        """Decode role, parent's KV committed (or queued for recompute): schedule its choices
+        that go on, each sharing the prompt's KV (or recomputing it) with its own first token
+        appended. Returns them and choice 0's finish reason when it ended at prefill."""
+        choices = self._prefilled.pop(parent.req_id, None)
+        if choices is None:
+            return [], None
+        num_full = parent.num_prompt_tokens // self.kv.block_size
+        children = []
+        for index, token_id in sorted(choices.first_token_ids.items()):
+            child = self._child(parent, index)
+            child.block_hashes = child.block_hashes[:num_full]  # the parent's first is not its
+            child.append_token(token_id)
+            children.append(child)
+        if children:
+            self._live[parent.req_id] = [child.req_id for child in children]
+        for child in children:
+            self._place(parent, child)
+        return children, choices.parent_finish_reason
+
+    def forget_prefilled(self, req_id: str) -> None:
+        """The prefilled parent was aborted before its KV came in."""
+        self._prefilled.pop(req_id, None)
 
     def _child(self, parent: Request, index: int) -> Request:
         params = replace(parent.sampling, n=1)

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from common.cluster_state import (
@@ -22,7 +22,7 @@ from common.cluster_state import (
     WorkerStats,
     WorkerUnavailable,
 )
-from common.messages import GenerateRequest, KVHandle, ServedModel, WorkerLoad
+from common.messages import FirstToken, GenerateRequest, KVHandle, ServedModel, WorkerLoad
 from common.worker_runtime import (
     IndexUpkeep,
     WorkerLifecycle,
@@ -57,6 +57,17 @@ class PrefillWorkerConfig:
     num_threads: int | None = None
 
 
+@dataclass
+class _Waiter:
+    """A prefill() call waiting for its request's first tokens (n > 1: one output per choice,
+    collected until all n are in)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    num_choices: int
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
 class PrefillWorker:
     def __init__(self, config: PrefillWorkerConfig, actor_name: str = ""):
         from engine.engine_thread import EngineThread
@@ -73,7 +84,7 @@ class PrefillWorker:
             config.num_threads,
         )
         self.leases = LeaseLedger()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiters: dict[str, _Waiter] = {}
         self.index_upkeep = IndexUpkeep(self.publisher, self.engine, config.heartbeat_s)
         self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
@@ -98,7 +109,7 @@ class PrefillWorker:
                 hold_kv=True,
                 num_resumed_tokens=request.num_resumed_tokens,
             )
-            self._waiters[request.req_id] = (loop, future)
+            self._waiters[request.req_id] = _Waiter(loop, future, request.sampling.n)
 
         await self.thread.call(add)
         try:
@@ -123,8 +134,7 @@ class PrefillWorker:
                 engine.release_kv(req_id)
             waiter = self._waiters.pop(req_id, None)
             if waiter:
-                loop, future = waiter
-                loop.call_soon_threadsafe(_cancel, future)
+                waiter.loop.call_soon_threadsafe(_cancel, waiter.future)
 
         await self.thread.call(run)
 
@@ -176,6 +186,7 @@ class PrefillWorker:
                 num_requests=life.num_requests,
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_cached_tokens=self.num_cached_tokens,
+                num_computed_tokens=engine.stats.num_computed_tokens,
                 num_in_flight=self._num_in_flight(engine),
                 first_request_at=life.first_request_at,
                 ready_at=life.ready_at,
@@ -243,40 +254,58 @@ class PrefillWorker:
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
-            waiter = self._waiters.pop(out.req_id, None)
-            # The engine decided: "prefilled" keeps the blocks for a decode worker; any other
-            # reason (eos, a stop token, the length) means the first token ended the request.
-            finish = None if out.finish_reason == PREFILLED else out.finish_reason
-            if waiter is None or finish is not None:
+            waiter = self._waiters.get(out.req_id)
+            if waiter is None:  # aborted meanwhile: nobody reads its blocks
                 self.engine.release_kv(out.req_id)
-            if waiter is None:
                 continue
-            epoch = None
-            if finish is None:
-                lease_s = self.config.lease_s
-                epoch = self.leases.grant(out.req_id, out.held_block_ids, lease_s, now).epoch
-            if self.lifecycle.is_user_request(out.req_id):
-                self.num_prompt_tokens += out.num_prompt_tokens
-                self.num_cached_tokens += out.num_cached_tokens
-            first = out.new_token_ids[0]
-            handle = KVHandle(
-                req_id=out.req_id,
-                worker_id=self.worker_id,
-                actor_name=self.actor_name,
-                agent_name=self.transfer.agent_name,
-                block_ids=out.held_block_ids if finish is None else (),
-                num_tokens=out.num_prompt_tokens,
-                first_token_id=first,
-                protocol_version=PROTOCOL_VERSION,
-                epoch=epoch,
-                lease_s=self.config.lease_s,
-                num_cached_tokens=out.num_cached_tokens,
-                first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
-                finish_reason=finish,
-                first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else (),
+            waiter.outputs.append(out)
+            if len(waiter.outputs) < waiter.num_choices:
+                continue  # n > 1: the other choices' first tokens come in the same step
+            del self._waiters[out.req_id]
+            handle = self._handle(sorted(waiter.outputs, key=lambda o: o.index), now)
+            waiter.loop.call_soon_threadsafe(_settle, waiter.future, handle)
+
+    def _handle(self, outputs: list[RequestOutput], now: float) -> KVHandle:
+        """The KVHandle of a request's first tokens (one per choice, in index order). The
+        engine decided: "prefilled" keeps the blocks for a decode worker; any other reason
+        (eos, a stop token, the length) means that token ended its choice. The one lease (on
+        choice 0's blocks, shared by all) is kept while any choice goes on."""
+        first = outputs[0]
+        choices = tuple(
+            FirstToken(
+                token_id=out.new_token_ids[0],
+                logprob=out.new_logprobs[0] if out.new_logprobs else None,
+                top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else (),
+                finish_reason=_finish_of(out),
             )
-            loop, future = waiter
-            loop.call_soon_threadsafe(_settle, future, handle)
+            for out in outputs
+        )
+        handle = KVHandle(
+            req_id=first.req_id,
+            worker_id=self.worker_id,
+            actor_name=self.actor_name,
+            agent_name=self.transfer.agent_name,
+            block_ids=(),
+            num_tokens=first.num_prompt_tokens,
+            first_token_id=choices[0].token_id,
+            protocol_version=PROTOCOL_VERSION,
+            epoch=None,
+            lease_s=self.config.lease_s,
+            num_cached_tokens=first.num_cached_tokens,
+            first_logprob=choices[0].logprob,
+            finish_reason=choices[0].finish_reason,
+            first_top_logprobs=choices[0].top_logprobs,
+            other_choices=choices[1:],
+        )
+        if self.lifecycle.is_user_request(first.req_id):
+            self.num_prompt_tokens += first.num_prompt_tokens
+            self.num_cached_tokens += first.num_cached_tokens
+        if not handle.needs_decode:
+            self.engine.release_kv(first.req_id)
+            return handle
+        lease_s = self.config.lease_s
+        epoch = self.leases.grant(first.req_id, first.held_block_ids, lease_s, now).epoch
+        return replace(handle, block_ids=first.held_block_ids, epoch=epoch)
 
     def _on_tick(self) -> bool:
         now = time.monotonic()
@@ -290,6 +319,10 @@ class PrefillWorker:
             self.engine.release_kv(lease.req_id)
         self.index_upkeep.tick(now)
         return False
+
+
+def _finish_of(out: RequestOutput) -> str | None:
+    return None if out.finish_reason == PREFILLED else out.finish_reason
 
 
 def _settle(future: asyncio.Future, value: object) -> None:

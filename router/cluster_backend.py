@@ -53,10 +53,6 @@ class _DecodeLost(Exception):
 
 
 class ClusterBackend(Backend):
-    # n > 1 is not built across the pools yet (the prefill worker samples one first token and
-    # the decode worker has no fork for a prefilled prompt): refused with a 400 naming `n`.
-    max_choices = 1
-
     def __init__(
         self,
         model_id: str,
@@ -123,7 +119,8 @@ class ClusterBackend(Backend):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """The request's deltas. When its decode worker dies, the request is migrated: its
         prompt plus every token already sent is prefilled again (mostly a prefix-cache hit) and
-        decoded on another worker, and the stream goes on with the next token."""
+        decoded on another worker, and the stream goes on with the next token. An n > 1 request
+        is not migrated: it ends with an error (its choices' tokens would each need a leg)."""
         sent: list[int] = []
         leg = request
         for num_migrations in range(self.max_migrations + 1):
@@ -139,6 +136,10 @@ class ClusterBackend(Backend):
                         yield delta
                 return
             except _DecodeLost as lost:
+                if request.sampling.n > 1:
+                    error = f"{lost}; a request with n > 1 is not migrated"
+                    yield TokenDelta(request.req_id, (), True, "error", error=error)
+                    return
                 if num_migrations == self.max_migrations:
                     error = f"{lost}; not migrated again ({self.max_migrations} migrations)"
                     yield TokenDelta(request.req_id, (), True, "error", error=error)
@@ -158,7 +159,8 @@ class ClusterBackend(Backend):
     async def _leg(self, request: GenerateRequest, client_req_id: str) -> AsyncIterator[TokenDelta]:
         """One prefill and one decode of `request` (both on one decode worker when the
         LocalPrefill rule picks one); raises _DecodeLost when the decode worker dies (after its
-        cleanup: the prefill lease released, nothing left on either side)."""
+        cleanup: the prefill lease released, nothing left on either side). It ends after one
+        finished delta per choice (n > 1), or an error or abort delta."""
         req_id = request.req_id
         stage = "prefill"
         prefill_actor: Any = None
@@ -166,6 +168,7 @@ class ClusterBackend(Backend):
         decode: WorkerInfo | None = None
         decode_actor: Any = None
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        num_open = request.sampling.n  # choices not finished yet
         try:
             # The prompt's block hashes, once per leg: both placements look them up.
             hashes = hash_blocks(
@@ -209,26 +212,20 @@ class ClusterBackend(Backend):
                         self.workers.done(prefill.worker_id, num_uncached)
                 self._check_index(request, placement, handle, prefill_actor)
                 self._observe_prefill("remote")
-                first = TokenDelta(
-                    req_id,
-                    (handle.first_token_id,),
-                    finished=handle.finish_reason is not None,
-                    finish_reason=handle.finish_reason,
-                    num_prompt_tokens=handle.num_tokens,
-                    num_cached_tokens=handle.num_cached_tokens,
-                    logprobs=() if handle.first_logprob is None else (handle.first_logprob,),
-                    top_logprobs=(handle.first_top_logprobs,) if handle.first_top_logprobs else (),
-                )
-                if first.finished:
+                firsts = handle.first_deltas()
+                num_open -= sum(delta.finished for delta in firsts)
+                if not handle.needs_decode:
                     stage = "done"
-                    yield first
+                    for delta in firsts:
+                        yield delta
                     return
                 stage = "handed"
                 decode, decode_actor = await self._hand_over(
                     request, handle, queue, client_req_id, received
                 )
                 stage = "decode"
-                yield first
+                for delta in firsts:
+                    yield delta
             while True:
                 delta = await queue.get()
                 if delta.transfer is not None and self.metrics is not None:
@@ -239,10 +236,11 @@ class ClusterBackend(Backend):
                     stage = "handed" if handle is not None else "done"
                     if self._streams[req_id].lost or delta.resumable:
                         raise _DecodeLost(delta.error or f"decode worker {decode.worker_id} died")
-                elif delta.finished and delta.finish_reason != "abort":
+                elif delta.finished and delta.finish_reason != "abort" and num_open == 1:
                     stage = "done"  # an abort delta is local: the decode side still needs telling
                 yield delta
-                if delta.finished:
+                num_open -= delta.finished
+                if num_open == 0 or delta.finish_reason in ("abort", "error"):
                     return
         finally:
             self._streams.pop(req_id, None)

@@ -170,7 +170,7 @@ def test_n_out_of_range_is_a_400_naming_n(client: openai.OpenAI, harness: Server
 def test_a_backend_serving_one_choice_refuses_n_naming_it(
     harness: ServerHarness, client: openai.OpenAI
 ) -> None:
-    """The cluster backend serves n = 1 only for now (max_choices): n > 1 is a 400 naming n."""
+    """A backend that serves fewer choices (max_choices) refuses a larger n with a 400 naming n."""
     harness.backend.max_choices = 1
     try:
         with pytest.raises(openai.BadRequestError) as info:
