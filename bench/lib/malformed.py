@@ -28,12 +28,12 @@ SHARED: list[tuple[str, Any]] = [
     ("seed", 2**70),
     ("stop_token_ids", [10**9]),
     ("stop", [""]),
-    ("n", 3),
+    ("n", 17),  # n is 1..16
     ("stream", "yes"),
     ("model", "gpt-4o"),
     ("model", DELETE),
-    ("logit_bias", {"1": 5}),
-    ("presence_penalty", 1.0),
+    ("logit_bias", {"1": 500}),  # a bias is in [-100, 100]
+    ("presence_penalty", 3.0),  # [-2, 2]
 ]
 CHAT_ONLY: list[tuple[str, Any, str]] = [  # (field set, value, the param named)
     ("messages", [], "messages"),
@@ -46,8 +46,7 @@ COMPLETIONS_ONLY: list[tuple[str, Any, str]] = [
     ("prompt", LONG_TEXT, "prompt"),
     ("prompt", [5, 10**9], "prompt"),
     ("prompt", DELETE, "prompt"),
-    ("echo", True, "echo"),
-    ("logprobs", 3, "logprobs"),
+    ("logprobs", 30, "logprobs"),  # 0..20
 ]
 
 

@@ -227,7 +227,7 @@ MALFORMED: list[tuple[str, dict, str]] = [
     ("chat", {"model": "gpt-4o", "messages": CHAT}, "model"),
     ("chat", {"messages": CHAT}, "model"),
     ("chat", {"model": MODEL, "messages": CHAT, "stop_token_ids": [10**9]}, "stop_token_ids"),
-    ("chat", {"model": MODEL, "messages": CHAT, "n": 3}, "n"),
+    ("chat", {"model": MODEL, "messages": CHAT, "n": 17}, "n"),  # n is 1..16
     ("chat", {"model": MODEL, "messages": CHAT, "stream": "yes"}, "stream"),
     ("chat", {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
     ("completions", {"model": MODEL, "prompt": LONG_PROMPT}, "prompt"),
