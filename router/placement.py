@@ -17,7 +17,7 @@ from common.placement_rules import LocalPrefill, SloTargets
 from router.errors import SloUnmet
 from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
 from router.prefix_index import IndexUnavailable, PrefixIndex
-from router.slo import LocalRoute, RemoteRoute, RouteInputs, Unmet, route, tpot_s
+from router.slo import LocalRoute, RemoteRoute, RouteInputs, Unmet, route, within_tpot
 from router.worker_set import WorkerSet
 
 if TYPE_CHECKING:
@@ -169,9 +169,7 @@ class Placer:
         workers, _ = await self.candidates("decode", [], excluded)
         workers = self.workers.with_placed(workers)
         if self.slo.tpot_ms > 0:
-            objective_s = self.slo.tpot_ms / 1000
-            within = [w for w in workers if (tpot_s(w.load) or 0.0) <= objective_s]
-            workers = within or workers
+            workers = within_tpot(workers, self.slo.tpot_ms) or workers
         decode = choose_decode(workers, self.blocks_needed(request))
         self.workers.place(decode.worker_id)
         return decode

@@ -53,6 +53,11 @@ def tpot_s(load: WorkerLoad) -> float | None:
     return load.step_us / 1e6
 
 
+def within_tpot(workers: Sequence[WorkerInfo], tpot_ms: float) -> list[WorkerInfo]:
+    """The decode workers predicted to meet a TPOT objective (an unmeasured one counts)."""
+    return [w for w in workers if _meets(tpot_s(w.load), tpot_ms / 1000)]
+
+
 def _meets(predicted: float | None, objective_s: float) -> bool:
     return predicted is None or predicted <= objective_s
 
@@ -113,7 +118,7 @@ def route(
     place_anyway = slo.overload == "place"
     decode = list(inputs.decode)
     if slo.tpot_ms > 0 and decode:
-        within = [w for w in decode if _meets(tpot_s(w.load), slo.tpot_ms / 1000)]
+        within = within_tpot(decode, slo.tpot_ms)
         if not within and not place_anyway:
             best = min(tpot_s(w.load) or 0.0 for w in decode)
             return Unmet(
