@@ -151,6 +151,7 @@ def rows_of(path: Path) -> list[dict[str, Any]]:
             "tpot_p50_ms": s["tpot_ms"]["p50"],
             "tpot_p99_ms": s["tpot_ms"]["p99"],
             "output_tok_s": s["output_throughput"],
+            "prefills_by_where": run.get("prefills_by_where"),
         })  # fmt: skip
     return out
 

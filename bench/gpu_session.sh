@@ -6,7 +6,7 @@
 #   attention bench.attention_bench (decode kernels alone) and the fp8 / fused-kernel GPU tests
 #   transfer  bench.transfer_bench GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
-#   goodput   GOODPUT_SETUP=aggregated|disaggregated: 1P+1D sharing one GPU (gpu_goodput_bench)
+#   goodput   1P+1D sharing one GPU, disaggregated then aggregated (gpu_goodput_bench)
 #   vllm-serve  vLLM's server on the same model folder and long-prompt workload (needs .vstage)
 #   fp8-tests    FP8-weight and memory-budget GPU tests
 #   fp8-offline  the offline run with fp8 weights and fp8 KV, then vLLM's same run (.vstage)
@@ -74,21 +74,26 @@ case $phase in
       2> "$out/gpu_cluster.err"
     echo "cluster rc=$?"
     ;;
-  goodput)  # GOODPUT_SETUP (aggregated | disaggregated): one shared GPU, bench.gpu_goodput_bench
-    setup=${GOODPUT_SETUP:?aggregated or disaggregated}
-    timeout 560 python3 -m bench.gpu_goodput_bench --setups "$setup" \
-      --tokenizer-from .cache/smollm2-tokenizer --json-dir "$out/goodput" \
-      --server-args "${GOODPUT_SERVER_ARGS:---kv-cache-gib 40}" \
-      > "$out/goodput_$setup.txt" 2> "$out/goodput_$setup.err"
-    echo "goodput $setup rc=$?"
+  goodput)  # both setups on one shared GPU (bench.gpu_goodput_bench), ~115 s each; the plots
+    # and JSONs come back as one goodput.tgz (a call returns at most 8 files)
+    for setup in ${GOODPUT_SETUPS:-disaggregated aggregated}; do
+      timeout 290 python3 -m bench.gpu_goodput_bench --setups "$setup" --rate 4 8 12 \
+        --num-requests 90 --num-conversations 48 --tokenizer-from .cache/smollm2-tokenizer \
+        --json-dir "$out/goodput" --server-args "${GOODPUT_SERVER_ARGS:---kv-cache-gib 40}" \
+        > "$out/goodput_$setup.txt" 2> "$out/goodput_$setup.err"
+      echo "goodput $setup rc=$?"
+      cp "$out/goodput/goodput.json" "$out/goodput/goodput_$setup.json"
+    done
+    cp /tmp/serve_bench_server_*.log "$out/goodput/" 2>/dev/null
+    tar czf "$out/goodput.tgz" -C "$out" goodput && rm -rf "$out/goodput"
     ;;
   vllm-serve)  # vLLM's server on the goodput model folder, the long-prompt workload (HTTP)
     folder=/tmp/kvrelay-goodput-llama-3.1-8b
     test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
 write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
 'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
-    timeout 560 bench/vllm_serve_peer.sh "$folder" "$out/vllm_long_prompt" --num-requests 60 \
-      --input-len 3000 --output-len 150 --rate 2 4 6 --warmup 2 --slo-ttft-ms 1500 \
+    timeout 560 bench/vllm_serve_peer.sh "$folder" "$out/vllm_long_prompt" --num-requests 90 \
+      --input-len 3000 --output-len 150 --rate 4 8 12 --warmup 2 --slo-ttft-ms 1500 \
       --slo-tpot-ms 50
     ;;
   fp8-tests)  # FP8-weight and memory-budget GPU tests (SmolLM2 needs its GGUF staged)

@@ -3,6 +3,7 @@ prompts at batch 1 and 64, greedy, with and without a json_schema; output tok/s,
 and the host time spent filling and applying the masks. Owns no state.
 
     python -m bench.grammar_bench [--batch 1 64] [--max-tokens 64] [--device cpu] [--json out.json]
+    python -m bench.grammar_bench --device cuda --model FOLDER --load-format dummy  # 8B shape
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import UTC, datetime
 import torch
 
 from bench.lib.engine_config import engine_config
+from engine.config import DEFAULT_MODEL
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured import Grammars, TokenBitmask
@@ -75,13 +77,15 @@ def prompts(engine: Engine, batch: int, tag: str) -> list[list[int]]:
     ]
 
 
-def run(engine: Engine, batch: int, max_tokens: int, grammar: bool) -> dict[str, float]:
+def run(
+    engine: Engine, batch: int, max_tokens: int, grammar: bool, tag: str = ""
+) -> dict[str, float]:
     structured = StructuredOutput("json_schema", json.dumps(SCHEMA)) if grammar else None
     # ignore_eos: free rows run max_tokens; a grammar row ends when its JSON is complete.
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0, ignore_eos=True, structured=structured
     )
-    for i, ids in enumerate(prompts(engine, batch, f"{batch}-{grammar}")):
+    for i, ids in enumerate(prompts(engine, batch, f"{tag}{batch}-{grammar}")):
         engine.add_request(f"r{i}", ids, params)
     steps_before = engine.stats.num_steps
     num_tokens = 0
@@ -109,10 +113,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a model folder or name")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     torch.manual_seed(0)
     config = engine_config(
+        args.model,
+        load_format=args.load_format,
         device=args.device,
         dtype=args.dtype,
         num_blocks=max(args.batch) * 16,
@@ -120,7 +128,10 @@ def main() -> None:
         max_num_batched_tokens=4096,
     )
     engine = Engine(config)
-    run(engine, 2, 8, grammar=True)  # warm-up: the tokenizer's table, one compile, kernels
+    # Warm-up at every measured batch size: the tokenizer's table, the schema's compile, and
+    # the kernels specialised on the batch (xgrammar's mask kernel on CUDA at batch 1).
+    for batch in args.batch:
+        run(engine, batch, 8, grammar=True, tag="warm-up ")
     rows = []
     for batch in args.batch:
         for grammar in (False, True):
@@ -143,6 +154,7 @@ def main() -> None:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     out = ["--batch", *map(str, args.batch), "--max-tokens", str(args.max_tokens)]
+    out += ["--model", args.model, "--load-format", args.load_format]
     return [*out, "--device", args.device]
 
 

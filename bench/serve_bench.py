@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench.lib.pool_watch import PoolSample, PoolWatch
+from bench.lib.prefill_counts import counts_between, prefill_counts
 from bench.lib.prefix_probe import prefill_holders, redis_url_from_log
 from bench.lib.serve_args import build_parser, check_args, rate_runs
 from bench.lib.serve_launch import LaunchedServer, command_line, machine_info
@@ -149,7 +150,9 @@ def run_rate(
     the prefix index probed after it."""
     if len(args.rates) > 1:
         log(f"rate {args.rate:g}/s, seed {args.seed}")
+    before = prefill_counts(url)
     bench = asyncio.run(run_conversations(args, workload(args), url, target))
+    bench.report["prefills_by_where"] = counts_between(before, prefill_counts(url))
     rate = None if math.isinf(args.rate) else args.rate  # None: all at once (JSON has no inf)
     bench.report["rate"], bench.report["seed"] = rate, args.seed
     bench.report["prefix_index"] = probe_prefixes(args, bench.report, redis_url())
@@ -228,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_run(report: dict[str, Any], title: str) -> None:
     print(format_table(report["summary"], title))
+    if prefills := report.get("prefills_by_where"):
+        where = ", ".join(f"{name} {count:g}" for name, count in prefills.items())
+        print(f"prefills (warm-up included): {where}")
     if probe := report.get("prefix_index"):
         print(
             f"prefix index: prefill copies per group {probe['prefill_copies_per_group']}"

@@ -5,10 +5,17 @@
 # bench.serve_bench against it over HTTP with the remaining arguments, and stops it.
 #   bench/vllm_serve_peer.sh MODEL_DIR OUT_PREFIX [serve_bench args...]
 # Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log.
+# The server needs more than vLLM's offline stage: carry .cache/vllm-server-wheels
+# (bench/gpu_stage_extras.sh), installed here into /tmp/vsite once.
 set -uo pipefail
 model=${1:?model folder}; prefix=${2:?output prefix}; shift 2
+if [ -d .cache/vllm-server-wheels ] && [ ! -f /tmp/vsite/.server-wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/vsite \
+    .cache/vllm-server-wheels/*.whl 2>&1 | grep -v "already exists" || true
+  touch /tmp/vsite/.server-wheels
+fi
 port=8100
-PYTHONPATH=/tmp/vsite HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+PYTHONPATH=/tmp/vsite:/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   python3 -m vllm.entrypoints.openai.api_server --model "$model" --load-format dummy \
   --port "$port" --max-model-len 4096 > "$prefix.server.log" 2>&1 &
 server=$!

@@ -28,7 +28,9 @@ def environment() -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     d = result["decode_b1"]
-    print(f"\n{result['env']['gpu']}, {result['shape']} (random bf16 weights)")
+    weights = (result.get("args") or {}).get("quantization") or "bf16"
+    weights = "bf16" if weights in ("none", "auto") else weights
+    print(f"\n{result['env']['gpu']}, {result['shape']} (random {weights} weights)")
     print(f"device copy bandwidth        {result['copy_bandwidth_GBps']:.0f} GB/s (read+write)")
     print(f"decode b1 roofline           {d['roofline_ms']:.3f} ms")
     print(
