@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob) pairs, most likely first
@@ -27,6 +28,8 @@ class GenerateRequest:
     # A migrated leg: the prompt's last tokens were sent to the client by an earlier leg; they
     # count as output for presence / frequency penalties (engine Request.num_resumed_tokens).
     num_resumed_tokens: int = 0
+    # Retention by token range: these blocks keep their own priority once freed, on every worker.
+    kv_retention: tuple[RetentionRange, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ class KVPuller:
                     request.cache_salt,
                     request.num_resumed_tokens,
                     _choices(handle),
+                    request.kv_retention,
                 )
             except ValueError as e:
                 self.ledger.fail(request.req_id)

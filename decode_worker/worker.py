@@ -144,6 +144,7 @@ class DecodeWorker:
                 request.sampling,
                 request.cache_salt,
                 num_resumed_tokens=request.num_resumed_tokens,
+                kv_retention=request.kv_retention,
             )
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = router_id

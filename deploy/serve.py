@@ -125,6 +125,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "pool when --kv-cache-gib is not given (default 0.9)",
     )
     p.add_argument(
+        "--partial-reuse-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a prompt that diverges inside a cached block reuses its matching tokens (the block "
+        "is copied) when at least N match; 0: whole blocks only (default: half a block)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
@@ -239,6 +247,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size,
             kv_cache_memory_bytes=kv_bytes,
             kv_cache_dtype=args.kv_cache_dtype,
+            partial_reuse_min_tokens=args.partial_reuse_min_tokens,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -115,6 +115,17 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": e4m3, scale 1 (FlashInfer)
+    # A prompt that diverges inside a cached block reuses its first matching tokens (the block
+    # is copied into a fresh one) when at least this many match; 0: full blocks only; None:
+    # half a block, so a few shared chat-template tokens do not cost a block copy.
+    partial_reuse_min_tokens: int | None = None
+
+    @property
+    def partial_reuse_threshold(self) -> int:
+        """Matching tokens a partly cached block needs to be reused (0: never)."""
+        if self.partial_reuse_min_tokens is None:
+            return max(1, self.block_size // 2)
+        return self.partial_reuse_min_tokens
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -123,6 +134,11 @@ class CacheConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 <= self.partial_reuse_threshold <= self.block_size:
+            raise ValueError(
+                f"partial_reuse_min_tokens must be in [0, block_size={self.block_size}], got "
+                f"{self.partial_reuse_min_tokens}"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

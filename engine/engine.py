@@ -27,6 +27,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks, PrefilledChoices
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.kv_cache.retention import RetentionRange, check_ranges
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import load_model, read_model_config, resolve_model
 from engine.request import FinishReason, Request
@@ -90,6 +91,7 @@ class Engine:
             self.model_id,
             cache.enable_prefix_caching,
             config.record_kv_events,
+            cache.partial_reuse_threshold,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
@@ -132,6 +134,7 @@ class Engine:
         retention_priority: int = DEFAULT_PRIORITY,
         hold_kv: bool = False,
         num_resumed_tokens: int = 0,
+        kv_retention: Sequence[RetentionRange] = (),
     ) -> Request:
         """Queue a request.
 
@@ -140,12 +143,15 @@ class Engine:
         ends it (stop, length), else "prefilled": the decode continues elsewhere. With n > 1
         each choice's first token comes out (index 1..n-1 holding no block; one lease).
         num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
+        kv_retention: token ranges whose blocks keep their own priority once freed.
         """
         if self.kv.is_held(req_id):
             raise ValueError(f"request id {req_id!r} is already in use (its blocks are leased)")
         if self.forks.live_choices(req_id):
             raise ValueError(f"request id {req_id!r} is already in use (by its other choices)")
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
+        check_ranges(kv_retention)
+        req.retention = tuple(kv_retention)
         req.hold_kv = hold_kv
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         self._start_grammar(req)  # before queueing: a spec the compiler refuses raises here
@@ -162,6 +168,7 @@ class Engine:
         cache_salt: str | None = None,
         num_resumed_tokens: int = 0,
         choices: PrefilledChoices | None = None,
+        kv_retention: Sequence[RetentionRange] = (),
     ) -> KVLoadPlan | None:
         """Decode role: reserve blocks for a prompt prefilled elsewhere; None if no room now.
 
@@ -184,6 +191,8 @@ class Engine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token_id} is outside the vocabulary")
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
+        check_ranges(kv_retention)
+        req.retention = tuple(kv_retention)
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         req.append_token(first_token_id)
         self._start_grammar(req)  # replays the first token (and a migration's sent tokens)
@@ -313,6 +322,8 @@ class Engine:
     def _launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
         """Queue a step's forward pass and sampling. `after`: the step still in flight whose
         sampled tokens are this step's pending input tokens (gathered on the device)."""
+        for copy in self.kv.drain_copies():  # partial reuse: before this step writes the rest
+            self.kv_cache[copy.dst_block_id].copy_(self.kv_cache[copy.src_block_id])
         fill = None
         if after is not None:
             rows = {req.req_id: row for row, req in enumerate(after.reqs) if req.num_pending_tokens}

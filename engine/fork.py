@@ -122,6 +122,7 @@ class ChoiceForks:
             parent.arrival_time,
         )
         child.choice_of, child.choice_index = parent.req_id, index
+        child.retention = parent.retention
         child.num_resumed_tokens = parent.num_resumed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_tokens = parent.num_cached_tokens

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
+from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
 
 
@@ -49,6 +50,8 @@ class Request:
     cache_salt: str | None = None
     retention_priority: int = DEFAULT_PRIORITY
     arrival_time: float = field(default_factory=time.monotonic)
+    # Retention by token range (engine/kv_cache/retention.py): its blocks' priorities when freed.
+    retention: tuple[RetentionRange, ...] = ()
     # Prefill role: the request ends after its first token, keeping its blocks under a lease.
     hold_kv: bool = False
     # The prompt's last tokens that an earlier leg generated (a migrated request resumes with its

@@ -96,7 +96,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            match = self.kv.match_prefix(req) if req.num_computed_tokens == 0 else NO_MATCH
+            fresh = req.num_computed_tokens == 0
+            match = self.kv.match_prefix(req, partial=True) if fresh else NO_MATCH
             remaining = req.num_tokens - req.num_computed_tokens - match.num_tokens
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:

@@ -108,6 +108,7 @@ class PrefillWorker:
                 request.cache_salt,
                 hold_kv=True,
                 num_resumed_tokens=request.num_resumed_tokens,
+                kv_retention=request.kv_retention,
             )
             self._waiters[request.req_id] = _Waiter(loop, future, request.sampling.n)
 

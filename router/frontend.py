@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 from common.messages import GenerateRequest, TokenDelta
+from engine.kv_cache.retention import InvalidRetention, RetentionRange, check_ranges
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
@@ -73,6 +74,7 @@ class RequestSpec:
     structured: StructuredOutput | None = None  # a grammar the output follows
     cache_salt: str | None = None
     n: int = 1  # choices sampled from the prompt (computed once)
+    kv_retention: tuple[RetentionRange, ...] = ()  # token ranges kept longer (or shorter)
     req_id: str | None = None  # None: the front end makes one
     tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
 
@@ -197,7 +199,13 @@ class Frontend:
         sampling = replace(sampling, stop=())  # stop strings stay in the router (it detokenizes)
         req_id = spec.req_id or f"req-{uuid.uuid4().hex}"
         salt = self._cache_salt(spec)
-        request = GenerateRequest(req_id, tuple(prompt_ids), sampling, salt, time.time())
+        try:
+            check_ranges(spec.kv_retention)
+        except InvalidRetention as e:
+            raise InvalidRequest(str(e), e.field) from None
+        request = GenerateRequest(
+            req_id, tuple(prompt_ids), sampling, salt, time.time(), kv_retention=spec.kv_retention
+        )
         return Prepared(request, spec.stop, arrival)
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:

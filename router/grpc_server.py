@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from engine.kv_cache.retention import RetentionRange
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.frontend import ChatMessage, Frontend, RequestSpec
 from router.grpc_health import BackendHealth, add_standard_services
@@ -61,6 +62,15 @@ def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> R
         structured=structured_from_proto(s.structured),
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         n=request.n if request.HasField("n") and request.n else 1,
+        kv_retention=tuple(
+            RetentionRange(
+                r.start,
+                r.end if r.HasField("end") else None,
+                r.priority,
+                r.duration_s if r.HasField("duration_s") else None,
+            )
+            for r in request.kv_retention
+        ),
         req_id=request.request_id or None,
         tenant=tenant,
     )

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.kv_cache.retention import RetentionRange
 from router.errors import InvalidRequest
 from router.frontend import ChatMessage, RequestSpec
 from router.structured_schema import ResponseFormat, structured_output
@@ -96,6 +97,19 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class KVRetentionIn(_Body):
+    """One retention range (kvrelay's extra field): token positions [start, end) whose KV
+    blocks keep `priority` (0-100, default 35) for duration_s after the request ends."""
+
+    start: int
+    end: int | None = None
+    priority: int
+    duration_s: float | None = None
+
+    def as_range(self) -> RetentionRange:
+        return RetentionRange(self.start, self.end, self.priority, self.duration_s)
+
+
 class _CommonRequest(_TopLevelBody):
     """Fields shared by /v1/chat/completions and /v1/completions (plus vLLM-style extras)."""
 
@@ -120,6 +134,7 @@ class _CommonRequest(_TopLevelBody):
     guided_regex: str | None = None  # vLLM's extras: the output matches a regex
     guided_grammar: str | None = None  # or an EBNF grammar
     cache_salt: str | None = None
+    kv_retention: list[KVRetentionIn] | None = None  # ranges checked by the front end (400)
     user: str | None = None
 
     @property
@@ -170,6 +185,7 @@ class _CommonRequest(_TopLevelBody):
             ),
             cache_salt=self.cache_salt,
             n=self.n,
+            kv_retention=tuple(r.as_range() for r in self.kv_retention or ()),
             **prompt,  # type: ignore[arg-type]
         )
 

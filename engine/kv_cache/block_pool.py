@@ -1,16 +1,24 @@
-"""The physical KV block pool: ref counts, hash -> block prefix cache, eviction order, KV events.
+"""The physical KV block pool: ref counts, hash -> block prefix cache, each cached block's
+tokens under its parent (for partial reuse), eviction order, KV events.
 
 Invariants (checked by check_integrity):
 - a block with ref_cnt > 0 is in no free structure;
 - a block with ref_cnt == 0 is either in the uncached free list (no hash) or in the evictable set
   (it has a hash and stays findable in the prefix cache until evicted);
-- every hash in the cache map points at a block carrying that hash.
+- every hash in the cache map points at a block carrying that hash;
+- every block listed under a parent is cached (an evicted block leaves its parent's list).
 Eviction takes uncached blocks first, then cached ones by retention priority (low first), then LRU.
+A priority given for a while (retention by token range with duration_s) falls back to the given
+default once it expires; expiries are applied when a block is next evicted.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 DEFAULT_PRIORITY = 35
@@ -25,6 +33,12 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     priority: int = DEFAULT_PRIORITY
+    token_ids: tuple[int, ...] = ()  # a cached block's tokens (partial reuse compares them)
+    parent_key: int | None = None  # the chain hash it extends (the root's for a first block)
+    expiry_seq: int = 0  # which expiry entry is this block's current one (0: none)
+
+
+BlockRetention = tuple[int, float | None]  # (priority, expires_at on the pool's clock or None)
 
 
 @dataclass(frozen=True)
@@ -52,8 +66,15 @@ class NoFreeBlocksError(RuntimeError):
 class BlockPool:
     """Owns all KVBlock objects of one worker's KV cache."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        record_events: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.num_blocks = num_blocks
+        self.clock = clock
         self.enable_caching = enable_caching
         self.record_events = record_events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -61,6 +82,10 @@ class BlockPool:
         self._evictable: dict[int, OrderedDict[int, KVBlock]] = {}
         self._num_evictable = 0
         self._cached: dict[int, KVBlock] = {}
+        self._children: dict[int, dict[int, KVBlock]] = {}  # parent key -> hash -> block
+        # (expires_at, seq, block, fallback priority) of evictable blocks kept for a while
+        self._expiring: list[tuple[float, int, KVBlock, int]] = []
+        self._expiry_seqs = itertools.count(1)
         self._events: list[KVEvent] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -77,6 +102,12 @@ class BlockPool:
 
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
+
+    def children(self, parent_key: int) -> list[KVBlock]:
+        """Cached blocks that extend the chain ending in parent_key (registered with tokens)."""
+        if not self.enable_caching:
+            return []
+        return list(self._children.get(parent_key, {}).values())
 
     # ---- ref counting --------------------------------------------------------------------
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -96,9 +127,20 @@ class BlockPool:
             out.append(block)
         return out
 
-    def free(self, blocks: list[KVBlock], priority: int = DEFAULT_PRIORITY) -> None:
-        """Drop one reference from each block; blocks are released in the given order (LRU)."""
-        for block in blocks:
+    def free(
+        self,
+        blocks: list[KVBlock],
+        priority: int = DEFAULT_PRIORITY,
+        retention: Sequence[BlockRetention] | None = None,
+    ) -> None:
+        """Drop one reference from each block; blocks are released in the given order (LRU).
+
+        A cached block left unreferenced keeps `priority`, or its own (priority, expires_at)
+        from `retention` (one per block, same order): after expires_at it falls back to
+        `priority`."""
+        if retention is not None and len(retention) != len(blocks):
+            raise ValueError(f"{len(retention)} retention entries for {len(blocks)} blocks")
+        for i, block in enumerate(blocks):
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
@@ -106,18 +148,34 @@ class BlockPool:
                 continue
             if block.block_hash is None:
                 self._uncached_free.append(block)
-            else:
-                block.priority = priority
-                self._evictable.setdefault(priority, OrderedDict())[block.block_id] = block
-                self._num_evictable += 1
+                continue
+            kept, expires_at = (priority, None) if retention is None else retention[i]
+            self._add_evictable(block, kept)
+            if expires_at is not None and kept != priority:
+                block.expiry_seq = next(self._expiry_seqs)
+                entry = (expires_at, block.expiry_seq, block, priority)
+                heapq.heappush(self._expiring, entry)
 
     # ---- prefix cache --------------------------------------------------------------------
-    def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None) -> None:
-        """Make a full, computed block findable by its hash (first writer wins on duplicates)."""
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: int,
+        parent_hash: int | None,
+        token_ids: tuple[int, ...] = (),
+        parent_key: int | None = None,
+    ) -> None:
+        """Make a full, computed block findable by its hash (first writer wins on duplicates).
+
+        With token_ids and parent_key (the chain hash it extends; the root's for a first block,
+        where parent_hash is None), it is also listed under that parent for partial reuse."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if token_ids and parent_key is not None:
+            block.token_ids, block.parent_key = token_ids, parent_key
+            self._children.setdefault(parent_key, {})[block_hash] = block
         if self.record_events:
             self._events.append(BlockStored((block_hash,), parent_hash))
 
@@ -134,11 +192,29 @@ class BlockPool:
         return num
 
     # ---- internals -----------------------------------------------------------------------
+    def _add_evictable(self, block: KVBlock, priority: int) -> None:
+        block.priority = priority
+        self._evictable.setdefault(priority, OrderedDict())[block.block_id] = block
+        self._num_evictable += 1
+
     def _remove_evictable(self, block: KVBlock) -> None:
         del self._evictable[block.priority][block.block_id]
         self._num_evictable -= 1
+        block.expiry_seq = 0  # a later free sets its own
+
+    def _expire(self) -> None:
+        """Move evictable blocks whose kept priority has expired to their fallback priority."""
+        now = self.clock()
+        while self._expiring and self._expiring[0][0] <= now:
+            _, seq, block, fallback = heapq.heappop(self._expiring)
+            if block.expiry_seq != seq:  # touched, evicted or freed again since
+                continue
+            self._remove_evictable(block)
+            self._add_evictable(block, fallback)
 
     def _evict_one(self) -> KVBlock:
+        if self._expiring:
+            self._expire()
         for priority in sorted(self._evictable):
             bucket = self._evictable[priority]
             if bucket:
@@ -151,9 +227,15 @@ class BlockPool:
     def _uncache(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if block.parent_key is not None:
+            siblings = self._children[block.parent_key]
+            del siblings[block.block_hash]
+            if not siblings:
+                del self._children[block.parent_key]
         if self.record_events:
             self._events.append(BlockRemoved((block.block_hash,)))
-        block.block_hash = None
+        block.block_hash, block.token_ids, block.parent_key = None, (), None
+        block.expiry_seq = 0
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Raise AssertionError when the invariants above do not hold.
@@ -179,5 +261,10 @@ class BlockPool:
                 assert block.block_hash is not None and block.ref_cnt == 0
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"cache map wrong for {block.block_id}"
+        for parent_key, siblings in self._children.items():
+            assert siblings, f"empty child list under {parent_key:x}"
+            for block_hash, block in siblings.items():
+                assert self._cached.get(block_hash) is block, f"uncached child {block.block_id}"
+                assert block.parent_key == parent_key, f"child {block.block_id} under wrong parent"
         in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
         assert in_use + self.num_free_blocks == self.num_blocks, "blocks lost"

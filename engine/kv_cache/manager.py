@@ -1,27 +1,42 @@
-"""KVCacheManager: each request's block table, prefix matching and caching of full blocks.
+"""KVCacheManager: each request's block table, prefix matching (full blocks, then the matching
+tokens of a cached block the prompt diverges inside), caching of full blocks, and the block
+copies that partial reuse owes the device.
 
-All physical bookkeeping lives in BlockPool; this class owns only request -> blocks.
+All physical bookkeeping lives in BlockPool; this class owns request -> blocks and the copies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.hashing import hash_blocks, root_hash
+from engine.kv_cache.retention import RetentionRange, block_retention
 from engine.request import Request
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Cached blocks covering the longest known prefix of a request's tokens."""
+    """Cached blocks covering the longest known prefix of a request's tokens; partial_src: a
+    cached block whose first num_partial_tokens tokens continue it (copied into a fresh block)."""
 
     blocks: list[KVBlock] = field(default_factory=list)
-    num_tokens: int = 0
+    num_tokens: int = 0  # full blocks' tokens + num_partial_tokens
+    partial_src: KVBlock | None = None
+    num_partial_tokens: int = 0
 
 
 NO_MATCH = PrefixMatch()
+
+
+class HeldBlocks(NamedTuple):
+    """A finished request's blocks kept referenced (a prefill lease), with how to free them."""
+
+    blocks: list[KVBlock]
+    priority: int
+    retention: tuple[RetentionRange, ...]
 
 
 class BlockCopy(NamedTuple):
@@ -35,6 +50,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -43,14 +68,20 @@ class KVCacheManager:
         model_id: str,
         enable_caching: bool = True,
         record_events: bool = False,
+        partial_reuse_min_tokens: int = 0,
     ):
+        """partial_reuse_min_tokens: reuse the matching tokens of a cached block a prompt
+        diverges inside when at least this many match (0: full blocks only)."""
         self.block_size = block_size
+        self.partial_reuse_min_tokens = partial_reuse_min_tokens
+        self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
+        self._pending_copies: list[BlockCopy] = []  # partial reuse: src -> fresh block
         self.model_id = model_id
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
         self._num_cached_blocks: dict[str, int] = {}
-        self._held: dict[str, tuple[list[KVBlock], int]] = {}  # req_id -> (blocks, priority)
+        self._held: dict[str, HeldBlocks] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,8 +99,11 @@ class KVCacheManager:
                 req.all_token_ids, self.block_size, self.model_id, req.cache_salt, req.block_hashes
             )
 
-    def match_prefix(self, req: Request) -> PrefixMatch:
-        """Longest cached prefix, leaving at least the last token to compute (it yields logits)."""
+    def match_prefix(self, req: Request, partial: bool = False) -> PrefixMatch:
+        """Longest cached prefix, leaving at least the last token to compute (it yields logits).
+
+        partial: past the full blocks, also the cached block under the last one whose tokens
+        match the prompt's next ones longest (at least partial_reuse_min_tokens of them)."""
         if not self.pool.enable_caching:
             return NO_MATCH
         self.update_hashes(req)
@@ -80,7 +114,20 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return PrefixMatch(blocks, len(blocks) * self.block_size)
+        num_full = len(blocks) * self.block_size
+        if not partial or self.partial_reuse_min_tokens < 1:
+            return PrefixMatch(blocks, num_full)
+        parent = blocks[-1].block_hash if blocks else root_hash(self.model_id, req.cache_salt)
+        assert parent is not None
+        wanted = req.all_token_ids[num_full : min(num_full + self.block_size, req.num_tokens - 1)]
+        src, num_same = None, self.partial_reuse_min_tokens - 1
+        for child in self.pool.children(parent):
+            same = common_prefix_len(child.token_ids, wanted)
+            if same > num_same:
+                src, num_same = child, same
+        if src is None:
+            return PrefixMatch(blocks, num_full)
+        return PrefixMatch(blocks, num_full + num_same, src, num_same)
 
     def _num_new_blocks(self, req: Request, num_new_tokens: int, match: PrefixMatch) -> int:
         held = len(self._req_blocks.get(req.req_id, ())) + len(match.blocks)
@@ -105,11 +152,21 @@ class KVCacheManager:
             self.pool.touch(match.blocks)
             blocks.extend(match.blocks)
             block_ids.extend(block.block_id for block in match.blocks)
-            req.num_computed_tokens += match.num_tokens
             self._num_cached_blocks[req.req_id] = len(blocks)
+        req.num_computed_tokens += match.num_tokens  # full blocks and a partial block's tokens
         new_blocks = self.pool.allocate(num_new_blocks)
+        if match.partial_src is not None:  # copied before the step that writes the rest
+            copy = BlockCopy(match.partial_src.block_id, new_blocks[0].block_id)
+            self._pending_copies.append(copy)
+            self.num_partial_reused_tokens += match.num_partial_tokens
         blocks.extend(new_blocks)
         block_ids.extend(block.block_id for block in new_blocks)
+
+    def drain_copies(self) -> list[BlockCopy]:
+        """The block copies allocations owe the device since the last call; the caller queues
+        them before the forward pass that writes into their destinations."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def can_fork(self, parent_req_id: str, num_tokens: int) -> bool:
         """A fork of num_tokens of the parent's positions needs one free block per copied
@@ -156,9 +213,13 @@ class KVCacheManager:
         if num_full <= start:
             return
         self.update_hashes(req)
+        root = root_hash(self.model_id, req.cache_salt) if start == 0 else None
+        bs = self.block_size
         for i in range(start, num_full):
             parent = req.block_hashes[i - 1] if i else None
-            self.pool.cache_block(blocks[i], req.block_hashes[i], parent)
+            tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+            key = parent if parent is not None else root
+            self.pool.cache_block(blocks[i], req.block_hashes[i], parent, tokens, key)
         self._num_cached_blocks[req.req_id] = num_full
 
     def free(self, req: Request) -> None:
@@ -166,14 +227,24 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(req.req_id, [])
         self._req_block_ids.pop(req.req_id, None)
         self._num_cached_blocks.pop(req.req_id, None)
-        self.pool.free(list(reversed(blocks)), req.retention_priority)
+        self._free_blocks(blocks, req.retention_priority, req.retention)
+
+    def _free_blocks(
+        self, blocks: list[KVBlock], priority: int, retention: tuple[RetentionRange, ...]
+    ) -> None:
+        """Tail first; each block keeps the priority its token ranges give it (else priority)."""
+        kept = None
+        if retention:
+            now = self.pool.clock()
+            kept = block_retention(retention, len(blocks), self.block_size, priority, now)[::-1]
+        self.pool.free(blocks[::-1], priority, kept)
 
     def hold(self, req: Request) -> list[int]:
         """Keep a finished request's blocks referenced (a prefill lease) until release_held."""
         blocks = self._req_blocks.pop(req.req_id, [])
         self._req_block_ids.pop(req.req_id, None)
         self._num_cached_blocks.pop(req.req_id, None)
-        self._held[req.req_id] = (blocks, req.retention_priority)
+        self._held[req.req_id] = HeldBlocks(blocks, req.retention_priority, req.retention)
         return [block.block_id for block in blocks]
 
     def is_held(self, req_id: str) -> bool:
@@ -183,8 +254,7 @@ class KVCacheManager:
         held = self._held.pop(req_id, None)
         if held is None:
             return False
-        blocks, priority = held
-        self.pool.free(list(reversed(blocks)), priority)
+        self._free_blocks(held.blocks, held.priority, held.retention)
         return True
 
     @property
@@ -194,7 +264,7 @@ class KVCacheManager:
     def held_block_ids(self) -> dict[str, tuple[int, ...]]:
         """req_id -> the block ids held for it (a copy; the prefill worker checks its leases)."""
         return {
-            req_id: tuple(b.block_id for b in blocks) for req_id, (blocks, _) in self._held.items()
+            req_id: tuple(b.block_id for b in held.blocks) for req_id, held in self._held.items()
         }
 
     def block_ids(self, req_id: str) -> list[int]:
@@ -204,7 +274,7 @@ class KVCacheManager:
     def holders(self) -> dict[int, int]:
         """block_id -> number of request tables holding it (for integrity checks)."""
         refs: dict[int, int] = {}
-        tables = [*self._req_blocks.values(), *(blocks for blocks, _ in self._held.values())]
+        tables = [*self._req_blocks.values(), *(held.blocks for held in self._held.values())]
         for blocks in tables:
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1

@@ -11,6 +11,7 @@ import ray
 from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig
+from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
 from router.policy import make_prefill_policy
 from router.prefix_index import IndexUnavailable
@@ -127,6 +128,24 @@ def test_cache_salt_isolation(cluster, loop, tokenizer):
     assert a1[0].num_cached_tokens == 0 and b1[0].num_cached_tokens == 0
     assert a2[0].num_cached_tokens > 0
     assert tokens_of(a1) == tokens_of(b1) == tokens_of(a2)
+
+
+def test_retention_ranges_travel_to_both_workers_token_exact(cluster, loop, tokenizer):
+    """kv_retention reaches the prefill worker (its lease's blocks) and the decode worker (the
+    pulled prompt's blocks, freed at the end) without changing a token."""
+    prompt = shared_prefix_prompts(tokenizer, "Kappa", 1)[0]
+    ranges = (RetentionRange(0, 64, 90, duration_s=60.0), RetentionRange(64, None, 10))
+    kept = dataclasses.replace(request("keep", prompt), kv_retention=ranges)
+
+    async def run():
+        return await collect(cluster.backend, kept), await collect(
+            cluster.backend, request("plain", prompt, salt="other")
+        )
+
+    with_ranges, without = loop.run_until_complete(run())
+    assert with_ranges[-1].finished and with_ranges[-1].finish_reason == "length"
+    assert tokens_of(with_ranges) == tokens_of(without)
+    assert sum(d.transfer.num_blocks for d in with_ranges if d.transfer) > 0, "a real pull"
 
 
 def test_a_drifted_index_is_noticed_and_the_worker_republishes(cluster, loop, tokenizer):

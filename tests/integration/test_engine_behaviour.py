@@ -7,6 +7,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.kv_cache.block_pool import BlockStored
+from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
@@ -32,9 +33,30 @@ def test_shared_system_prompt_computes_only_suffix(make_engine, tokenizer):
     req = engine.add_request("second", second, GREEDY)
     run_to_completion(engine)
     computed = engine.stats.num_computed_tokens - before
-    assert req.num_cached_tokens == shared // 16 * 16
+    assert shared % 16, "the prompts diverge inside a block"
+    assert req.num_cached_tokens == shared  # full blocks + the diverging block's first tokens
+    assert engine.kv.num_partial_reused_tokens == shared % 16
     # Prompt suffix + one token per decode step after the first sampled token.
     assert computed == len(second) - req.num_cached_tokens + GREEDY.max_tokens - 1
+
+
+def test_partial_block_reuse_is_token_exact_and_can_be_turned_off(make_engine, tokenizer):
+    """The copied block's matching tokens give the same greedy output as computing them."""
+    first = system_prompt_request(tokenizer, "What is two plus two?")
+    second = system_prompt_request(tokenizer, "Name a color of the sky, please.")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    outputs = {}
+    for min_tokens in (1, 0):
+        engine = make_engine(partial_reuse_min_tokens=min_tokens)
+        engine.add_request("first", first, GREEDY)
+        run_to_completion(engine)
+        req = engine.add_request("second", second, GREEDY)
+        outputs[min_tokens] = run_to_completion(engine)["second"]
+        reused = shared if min_tokens else shared // 16 * 16
+        assert req.num_cached_tokens == reused, min_tokens
+    fresh = make_engine(enable_prefix_caching=False)
+    fresh.add_request("second", second, GREEDY)
+    assert outputs[1] == outputs[0] == run_to_completion(fresh)["second"]
 
 
 def test_cache_salt_isolates(make_engine, tokenizer):
@@ -46,7 +68,10 @@ def test_cache_salt_isolates(make_engine, tokenizer):
     same = engine.add_request("c", prompt, GREEDY, cache_salt="tenant-a")
     got = run_to_completion(engine)
     assert other.num_cached_tokens == 0
-    assert same.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    # "a"'s output filled the block its prompt ends in, so "c" reuses that block in part too:
+    # everything but the last prompt token (which yields the first logits).
+    assert len(prompt) % 16 + GREEDY.max_tokens - 1 >= 16
+    assert same.num_cached_tokens == len(prompt) - 1
     assert got["b"] == got["c"], "isolation must not change the output"
 
 
@@ -190,3 +215,42 @@ def test_kv_events_stored_in_chain_order(make_engine, tokenizer):
     assert hashes == req.block_hashes[: len(hashes)]
     assert len(hashes) >= len(prompt) // 16
     assert stored[0].parent_hash is None and stored[1].parent_hash == hashes[0]
+
+
+def test_token_range_retention_keeps_a_system_prompt_through_pool_pressure(make_engine, tokenizer):
+    """A system prompt given priority 90 survives three unrelated prompts that evict by LRU; the
+    same engine without the range loses it."""
+    first = system_prompt_request(tokenizer, "What is two plus two?")
+    later = system_prompt_request(tokenizer, "Name a color of the sky, please.")
+    shared = next(i for i, (a, b) in enumerate(zip(first, later, strict=False)) if a != b)
+    others = [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": " ".join(f"Rule {j} of set {i}." for j in range(60))},
+                {"role": "user", "content": "Hello"},
+            ]
+        )
+        for i in range(3)
+    ]
+    cached = {}
+    for keep in (True, False):
+        engine = make_engine(num_blocks=64)  # 1,024 tokens: room for two of these prompts
+        ranges = [RetentionRange(0, shared, 90)] if keep else []
+        engine.add_request("first", first, GREEDY, kv_retention=ranges)
+        run_to_completion(engine)
+        for i, prompt in enumerate(others):
+            engine.add_request(f"other{i}", prompt, GREEDY)
+            run_to_completion(engine)
+        req = engine.add_request("later", later, GREEDY)
+        run_to_completion(engine)
+        cached[keep] = req.num_cached_tokens
+    assert sum(len(p) + GREEDY.max_tokens for p in others) > 64 * 16 - len(first)  # pressure
+    assert cached[True] == shared  # every block of the system prompt, the diverging one in part
+    assert cached[False] < shared // 16 * 16, cached
+
+
+def test_bad_retention_ranges_are_refused_naming_the_field(make_engine, tokenizer):
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"kv_retention\[0\]\.priority"):
+        engine.add_request("r", [1, 2, 3], GREEDY, kv_retention=[RetentionRange(0, 2, 101)])
+    assert not engine.has_unfinished_requests

@@ -211,6 +211,10 @@ LONG_PROMPT = "many words " * 5000  # over SmolLM2's 8192-token context
 CHAT = [{"role": "user", "content": "Hello"}]
 
 # (endpoint, body, the field the 400 must name)
+RETAIN_101 = [{"start": 0, "end": 64, "priority": 101}]  # a priority is 0..100
+RETAIN_FIELD = "kv_retention[0].priority"
+RETAIN_BACKWARDS = [{"start": 0, "priority": 50}, {"start": 9, "end": 4, "priority": 50}]
+END_FIELD = "kv_retention[1].end"
 MALFORMED: list[tuple[str, dict, str]] = [
     ("chat", {"model": MODEL, "messages": CHAT, "max_tokens": "ten"}, "max_tokens"),
     ("chat", {"model": MODEL, "messages": CHAT, "max_tokens": -3}, "max_tokens"),
@@ -232,6 +236,8 @@ MALFORMED: list[tuple[str, dict, str]] = [
     ("chat", {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages"),
     ("completions", {"model": MODEL, "prompt": LONG_PROMPT}, "prompt"),
     ("completions", {"model": MODEL, "prompt": [5, 10**9]}, "prompt"),
+    ("chat", {"model": MODEL, "messages": CHAT, "kv_retention": RETAIN_101}, RETAIN_FIELD),
+    ("completions", {"model": MODEL, "prompt": "Hi", "kv_retention": RETAIN_BACKWARDS}, END_FIELD),
 ]
 
 
