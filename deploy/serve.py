@@ -125,6 +125,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "pool when --kv-cache-gib is not given (default 0.9)",
     )
     p.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=0.0,
+        help="a host-memory tier of each worker's prefix cache (pinned on CUDA): blocks evicted "
+        "from the device pool are kept there and copied back on a prefix hit (default 0: none)",
+    )
+    p.add_argument(
         "--partial-reuse-min-tokens",
         type=int,
         default=None,
@@ -248,6 +255,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory_bytes=kv_bytes,
             kv_cache_dtype=args.kv_cache_dtype,
             partial_reuse_min_tokens=args.partial_reuse_min_tokens,
+            host_kv_cache_bytes=int(args.host_kv_gib * (1 << 30)),
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

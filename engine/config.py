@@ -119,6 +119,9 @@ class CacheConfig:
     # is copied into a fresh one) when at least this many match; 0: full blocks only; None:
     # half a block, so a few shared chat-template tokens do not cost a block copy.
     partial_reuse_min_tokens: int | None = None
+    # A host-memory tier of the prefix cache (pinned on CUDA): cached blocks evicted from the
+    # device pool are copied there and copied back on a prefix hit. 0: none.
+    host_kv_cache_bytes: int = 0
 
     @property
     def partial_reuse_threshold(self) -> int:
@@ -139,6 +142,8 @@ class CacheConfig:
                 f"partial_reuse_min_tokens must be in [0, block_size={self.block_size}], got "
                 f"{self.partial_reuse_min_tokens}"
             )
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

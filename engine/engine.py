@@ -23,9 +23,11 @@ from engine.backend_builder import (
     sizes_by_memory,
     with_batch_limit,
 )
+from engine.block_copies import BlockCopies
 from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks, PrefilledChoices
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
@@ -85,6 +87,8 @@ class Engine:
         self.attention_backend = backend.name
         self.kv_cache = backend.kv_cache
         cache = config.cache
+        self.copies = BlockCopies(self.kv_cache, cache.host_kv_cache_bytes)
+        host_slots = self.copies.num_host_slots
         self.kv = KVCacheManager(
             pool.num_blocks,
             cache.block_size,
@@ -92,10 +96,11 @@ class Engine:
             cache.enable_prefix_caching,
             config.record_kv_events,
             cache.partial_reuse_threshold,
+            HostTier(host_slots) if host_slots else None,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
-        self.forks = ChoiceForks(self.scheduler, self.kv, self.kv_cache)
+        self.forks = ChoiceForks(self.scheduler, self.kv)
         self.runner = ModelRunner(
             model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
         )
@@ -322,8 +327,7 @@ class Engine:
     def _launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
         """Queue a step's forward pass and sampling. `after`: the step still in flight whose
         sampled tokens are this step's pending input tokens (gathered on the device)."""
-        for copy in self.kv.drain_copies():  # partial reuse: before this step writes the rest
-            self.kv_cache[copy.dst_block_id].copy_(self.kv_cache[copy.src_block_id])
+        self.copies.run(self.kv.drain_copies())  # the KV this step reads or completes
         fill = None
         if after is not None:
             rows = {req.req_id: row for row, req in enumerate(after.reqs) if req.num_pending_tokens}

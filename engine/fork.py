@@ -19,8 +19,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-import torch
-
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler import Scheduler
@@ -45,10 +43,9 @@ class ChoiceForks:
     waiting); a finished, aborted or preempted-and-finished choice leaves it (discard).
     _prefilled[parent] exists only while that parent's KV is loading (decode role)."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, kv_cache: torch.Tensor):
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager):
         self.scheduler = scheduler
         self.kv = kv
-        self.kv_cache = kv_cache  # [num_blocks, layers, 2, heads, block_size, head_dim]
         self._live: dict[str, list[str]] = {}
         self._prefilled: dict[str, PrefilledChoices] = {}
         self.num_forked = 0  # choices that shared their parent's prompt KV
@@ -139,8 +136,8 @@ class ChoiceForks:
             self.scheduler.add(child)
             return
         copy = self.kv.fork(parent.req_id, child, num_tokens)
-        if copy is not None:  # queued after the parent's forward pass on the same stream
-            self.kv_cache[copy.dst_block_id].copy_(self.kv_cache[copy.src_block_id])
+        if copy is not None:  # run with the copies already owed, before the child's first step
+            self.kv.queue_copy(copy)
         self.num_forked += 1
         self.scheduler.admit_running(child)
 

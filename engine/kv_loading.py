@@ -44,8 +44,9 @@ class RemoteKVLoader:
         req.status = RequestStatus.LOADING_KV
         self.loading[req.req_id] = req
         num_prompt_blocks = cdiv(req.num_prompt_tokens, self.kv.block_size)
-        block_ids = self.kv.block_ids(req.req_id)[len(match.blocks) : num_prompt_blocks]
-        return KVLoadPlan(req.req_id, tuple(block_ids), len(match.blocks), match.num_tokens)
+        num_local = match.num_tokens // self.kv.block_size  # on the device or copied back to it
+        block_ids = self.kv.block_ids(req.req_id)[num_local:num_prompt_blocks]
+        return KVLoadPlan(req.req_id, tuple(block_ids), num_local, match.num_tokens)
 
     def commit(self, req_id: str) -> None:
         """The pulled KV is in place: the request joins the running batch."""

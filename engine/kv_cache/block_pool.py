@@ -75,6 +75,9 @@ class BlockPool:
     ):
         self.num_blocks = num_blocks
         self.clock = clock
+        # Called with a cached block about to be evicted for reuse (its hash still set): the
+        # host tier's offload. Not called by evict_all_cached (a cold cache is wanted there).
+        self.on_evict: Callable[[KVBlock], None] | None = None
         self.enable_caching = enable_caching
         self.record_events = record_events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -122,7 +125,7 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(num_blocks):
-            block = self._uncached_free.popleft() if self._uncached_free else self._evict_one()
+            block = self._uncached_free.popleft() if self._uncached_free else self._evict_one(True)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -212,7 +215,7 @@ class BlockPool:
             self._remove_evictable(block)
             self._add_evictable(block, fallback)
 
-    def _evict_one(self) -> KVBlock:
+    def _evict_one(self, for_reuse: bool = False) -> KVBlock:
         if self._expiring:
             self._expire()
         for priority in sorted(self._evictable):
@@ -220,6 +223,8 @@ class BlockPool:
             if bucket:
                 _, block = bucket.popitem(last=False)
                 self._num_evictable -= 1
+                if for_reuse and self.on_evict is not None:
+                    self.on_evict(block)
                 self._uncache(block)
                 return block
         raise NoFreeBlocksError("no evictable block")

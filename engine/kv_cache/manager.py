@@ -1,8 +1,10 @@
-"""KVCacheManager: each request's block table, prefix matching (full blocks, then the matching
-tokens of a cached block the prompt diverges inside), caching of full blocks, and the block
-copies that partial reuse owes the device.
+"""KVCacheManager: each request's block table, prefix matching (full blocks on the device, then
+in the host tier, then the matching tokens of a cached block the prompt diverges inside),
+caching of full blocks, and the block copies these owe the storage (partial reuse, offload to
+the host tier, copy back on a host hit), queued in order for the engine.
 
-All physical bookkeeping lives in BlockPool; this class owns request -> blocks and the copies.
+All physical bookkeeping lives in BlockPool and HostTier; this class owns request -> blocks and
+the copies.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import NamedTuple
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.hashing import hash_blocks, root_hash
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.retention import RetentionRange, block_retention
 from engine.request import Request
 
@@ -23,9 +26,16 @@ class PrefixMatch:
     cached block whose first num_partial_tokens tokens continue it (copied into a fresh block)."""
 
     blocks: list[KVBlock] = field(default_factory=list)
-    num_tokens: int = 0  # full blocks' tokens + num_partial_tokens
+    num_tokens: int = 0  # full blocks' tokens (both tiers) + num_partial_tokens
     partial_src: KVBlock | None = None
     num_partial_tokens: int = 0
+    host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
+
+    def without_partial(self) -> PrefixMatch:
+        """The same match with whole blocks only (the copy's source needs a block of its own
+        while the new blocks are taken, which a full pool may not have)."""
+        num_tokens = self.num_tokens - self.num_partial_tokens
+        return PrefixMatch(self.blocks, num_tokens, host_hashes=self.host_hashes)
 
 
 NO_MATCH = PrefixMatch()
@@ -40,10 +50,13 @@ class HeldBlocks(NamedTuple):
 
 
 class BlockCopy(NamedTuple):
-    """A block whose KV (every layer) must be copied on the device: src -> dst."""
+    """A block whose KV (every layer) must be copied: src -> dst. kind "device": both are device
+    blocks; "to_host": a device block into a host slot; "from_host": a host slot into a device
+    block."""
 
     src_block_id: int
     dst_block_id: int
+    kind: str = "device"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -69,15 +82,21 @@ class KVCacheManager:
         enable_caching: bool = True,
         record_events: bool = False,
         partial_reuse_min_tokens: int = 0,
+        host_tier: HostTier | None = None,
     ):
         """partial_reuse_min_tokens: reuse the matching tokens of a cached block a prompt
-        diverges inside when at least this many match (0: full blocks only)."""
+        diverges inside when at least this many match (0: full blocks only). host_tier: where
+        cached blocks evicted from the device go, still findable by hash."""
         self.block_size = block_size
+        self.host_tier = host_tier
         self.partial_reuse_min_tokens = partial_reuse_min_tokens
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
+        self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
         self._pending_copies: list[BlockCopy] = []  # partial reuse: src -> fresh block
         self.model_id = model_id
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
+        if host_tier is not None and enable_caching:
+            self.pool.on_evict = self._offload
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
         self._num_cached_blocks: dict[str, int] = {}
@@ -114,10 +133,17 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_full = len(blocks) * self.block_size
+        host: list[int] = []
+        if self.host_tier is not None:
+            for block_hash in req.block_hashes[len(blocks) : max_blocks]:
+                if not self.host_tier.has(block_hash):
+                    break
+                host.append(block_hash)
+        num_full = (len(blocks) + len(host)) * self.block_size
         if not partial or self.partial_reuse_min_tokens < 1:
-            return PrefixMatch(blocks, num_full)
-        parent = blocks[-1].block_hash if blocks else root_hash(self.model_id, req.cache_salt)
+            return PrefixMatch(blocks, num_full, host_hashes=tuple(host))
+        chain = [*(b.block_hash for b in blocks), *host]
+        parent = chain[-1] if chain else root_hash(self.model_id, req.cache_salt)
         assert parent is not None
         wanted = req.all_token_ids[num_full : min(num_full + self.block_size, req.num_tokens - 1)]
         src, num_same = None, self.partial_reuse_min_tokens - 1
@@ -126,8 +152,8 @@ class KVCacheManager:
             if same > num_same:
                 src, num_same = child, same
         if src is None:
-            return PrefixMatch(blocks, num_full)
-        return PrefixMatch(blocks, num_full + num_same, src, num_same)
+            return PrefixMatch(blocks, num_full, host_hashes=tuple(host))
+        return PrefixMatch(blocks, num_full + num_same, src, num_same, tuple(host))
 
     def _num_new_blocks(self, req: Request, num_new_tokens: int, match: PrefixMatch) -> int:
         held = len(self._req_blocks.get(req.req_id, ())) + len(match.blocks)
@@ -138,6 +164,8 @@ class KVCacheManager:
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
     ) -> bool:
         revived = sum(1 for block in match.blocks if block.ref_cnt == 0)
+        if match.partial_src is not None and match.partial_src.ref_cnt == 0:
+            revived += 1  # held while the new blocks are taken
         need = self._num_new_blocks(req, num_new_tokens, match) + revived
         return need <= self.pool.num_free_blocks
 
@@ -153,19 +181,49 @@ class KVCacheManager:
             blocks.extend(match.blocks)
             block_ids.extend(block.block_id for block in match.blocks)
             self._num_cached_blocks[req.req_id] = len(blocks)
-        req.num_computed_tokens += match.num_tokens  # full blocks and a partial block's tokens
-        new_blocks = self.pool.allocate(num_new_blocks)
-        if match.partial_src is not None:  # copied before the step that writes the rest
-            copy = BlockCopy(match.partial_src.block_id, new_blocks[0].block_id)
-            self._pending_copies.append(copy)
+        req.num_computed_tokens += match.num_tokens  # both tiers and a partial block's tokens
+        src = match.partial_src
+        if src is not None:  # referenced while new blocks are taken: not evicted under us
+            self.pool.touch([src])
+        assert self.host_tier is not None or not match.host_hashes
+        slots = [self.host_tier.take(h) for h in match.host_hashes] if match.host_hashes else []
+        new_blocks = self.pool.allocate(num_new_blocks)  # may offload evicted blocks (queued)
+        for i, slot in enumerate(slots):  # copied back before the step that reads them
+            self._pending_copies.append(BlockCopy(slot, new_blocks[i].block_id, "from_host"))
+            self._cache(req, new_blocks[i], len(blocks) + i)
+        if slots:
+            self._num_cached_blocks[req.req_id] = len(blocks) + len(slots)
+            self.num_host_hit_blocks += len(slots)
+        if src is not None:  # copied before the step that writes the rest
+            dst = new_blocks[len(slots)]
+            self._pending_copies.append(BlockCopy(src.block_id, dst.block_id))
+            self.pool.free([src], src.priority)
             self.num_partial_reused_tokens += match.num_partial_tokens
         blocks.extend(new_blocks)
         block_ids.extend(block.block_id for block in new_blocks)
 
+    def _offload(self, block: KVBlock) -> None:
+        """BlockPool.on_evict: a cached block leaves the device; keep it in the host tier."""
+        assert self.host_tier is not None and block.block_hash is not None
+        slot = self.host_tier.store(block.block_hash, block.priority)
+        if slot is not None:
+            self._pending_copies.append(BlockCopy(block.block_id, slot, "to_host"))
+
+    def queue_copy(self, copy: BlockCopy) -> None:
+        """A copy (an n > 1 fork's partial block) queued after the ones already owed."""
+        self._pending_copies.append(copy)
+
     def drain_copies(self) -> list[BlockCopy]:
-        """The block copies allocations owe the device since the last call; the caller queues
-        them before the forward pass that writes into their destinations."""
+        """The block copies owed since the last call, in the order they must run; the caller
+        queues them, in that order on one stream, before the next forward pass. The host slots
+        they use are settled here (a stored slot keeps its block, a taken one is free)."""
         copies, self._pending_copies = self._pending_copies, []
+        if self.host_tier is not None:
+            for copy in copies:
+                if copy.kind == "to_host":
+                    self.host_tier.release(copy.dst_block_id, keep=True)
+                elif copy.kind == "from_host":
+                    self.host_tier.release(copy.src_block_id, keep=False)
         return copies
 
     def can_fork(self, parent_req_id: str, num_tokens: int) -> bool:
@@ -213,14 +271,16 @@ class KVCacheManager:
         if num_full <= start:
             return
         self.update_hashes(req)
-        root = root_hash(self.model_id, req.cache_salt) if start == 0 else None
-        bs = self.block_size
         for i in range(start, num_full):
-            parent = req.block_hashes[i - 1] if i else None
-            tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
-            key = parent if parent is not None else root
-            self.pool.cache_block(blocks[i], req.block_hashes[i], parent, tokens, key)
+            self._cache(req, blocks[i], i)
         self._num_cached_blocks[req.req_id] = num_full
+
+    def _cache(self, req: Request, block: KVBlock, i: int) -> None:
+        """Make block i of req findable (its hash, and its tokens under its parent)."""
+        parent = req.block_hashes[i - 1] if i else None
+        key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
+        tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+        self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
 
     def free(self, req: Request) -> None:
         """Release a request's blocks, tail first so that shared prefixes are evicted last."""
@@ -290,3 +350,7 @@ class KVCacheManager:
         for block_id, num in (extra_refs or {}).items():
             refs[block_id] = refs.get(block_id, 0) + num
         self.pool.check_integrity(refs)
+        if self.host_tier is not None:
+            owed = {c.dst_block_id for c in self._pending_copies if c.kind == "to_host"}
+            owed |= {c.src_block_id for c in self._pending_copies if c.kind == "from_host"}
+            self.host_tier.check_integrity(owed)

@@ -254,3 +254,31 @@ def test_bad_retention_ranges_are_refused_naming_the_field(make_engine, tokenize
     with pytest.raises(ValueError, match=r"kv_retention\[0\]\.priority"):
         engine.add_request("r", [1, 2, 3], GREEDY, kv_retention=[RetentionRange(0, 2, 101)])
     assert not engine.has_unfinished_requests
+
+
+def test_host_tier_is_token_exact_and_saves_recomputing_evicted_prefixes(make_engine, tokenizer):
+    """Four system prompts, asked in turn three times over a device pool that holds two: the
+    host tier keeps what the device evicts and copies it back, token for token the same."""
+    systems = [" ".join(f"Set {s} rule {j}: answer well." for j in range(45)) for s in range(4)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": f"Q{r}?"}]
+        )
+        for r in range(3)
+        for system in systems
+    ]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outputs, computed = {}, {}
+    for host_bytes in (0, 256 << 20):
+        engine = make_engine(num_blocks=64, host_kv_cache_bytes=host_bytes)
+        before = engine.stats.num_computed_tokens
+        got = []
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            got.append(run_to_completion(engine)[f"r{i}"])
+        outputs[host_bytes] = got
+        computed[host_bytes] = engine.stats.num_computed_tokens - before
+        if host_bytes:
+            assert engine.kv.host_tier is not None and engine.kv.num_host_hit_blocks > 0
+    assert outputs[256 << 20] == outputs[0]
+    assert computed[256 << 20] < 0.6 * computed[0], computed

@@ -68,6 +68,7 @@ def test_forked_choices_share_full_blocks_and_copy_the_partial_one(
     assert shared.ref_cnt == 3
     src, dst = tables[0][num_full], tables[1][num_full]
     offset = len(prompt) % block_size
+    engine.step()  # the copy is queued with the next step's, before its forward pass
     kv = engine.kv_cache  # the prompt's part of the copied block is the parent's KV
     assert kv[dst][:, :, :, :offset].equal(kv[src][:, :, :, :offset])
     run_choices(engine)

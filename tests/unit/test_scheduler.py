@@ -103,3 +103,20 @@ def test_abort_of_waiting_and_running_frees_blocks():
     sched.finish(sched.requests["b"], FinishReason.ABORT)
     assert not sched.has_unfinished
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_partial_reuse_gives_way_when_its_source_would_not_fit():
+    """A full pool admits the prompt with whole blocks instead of waiting for a block the
+    partial copy's source would hold (it never would: a hang)."""
+    kv = KVCacheManager(3, 4, "m", partial_reuse_min_tokens=1)
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)
+    sched = Scheduler(config, kv, 64)
+    first = Request("a", list(range(1, 9)), SamplingParams(max_tokens=1, temperature=0))
+    sched.add(first)
+    run_step(sched)
+    assert first.is_finished
+    second = Request("b", [1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0], SamplingParams(max_tokens=1))
+    sched.add(second)
+    out = sched.schedule()
+    assert [c.req.req_id for c in out.chunks] == ["b"]
+    assert second.num_cached_tokens == 4 and kv.drain_copies() == []
