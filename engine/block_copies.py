@@ -31,8 +31,10 @@ class BlockCopies:
     def num_host_slots(self) -> int:
         return 0 if self.host is None else self.host.shape[0]
 
-    def run(self, copies: Sequence[BlockCopy]) -> None:
-        """Queue the copies in order on the current stream (before the step that needs them)."""
+    def run(self, copies: Sequence[BlockCopy], wait: bool = False) -> None:
+        """Queue the copies in order on the current stream (before the step that needs them).
+        wait: return once they are done (before a NIXL pull, which the stream does not order,
+        writes into a block whose old KV an offload reads)."""
         cache, host = self.kv_cache, self.host
         for copy in copies:
             if copy.kind == "device":
@@ -43,3 +45,5 @@ class BlockCopies:
             else:
                 assert host is not None
                 cache[copy.dst_block_id].copy_(host[copy.src_block_id], non_blocking=True)
+        if wait and copies and cache.is_cuda:
+            torch.cuda.current_stream(cache.device).synchronize()

@@ -204,7 +204,8 @@ class Engine:
         if choices is not None:
             self.forks.expect_prefilled(req, choices)
         plan = self.loader.reserve(req)
-        if plan is not None:
+        if plan is not None:  # an offload of a block the pull will write must be done first
+            self.copies.run(self.kv.drain_copies(), wait=True)
             self._track(req)
         else:
             self.forks.forget_prefilled(req_id)
