@@ -102,12 +102,6 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv.can_allocate(req, num_new, match) and match.partial_src is not None:
-                match = match.without_partial()  # the copy's source would take a block
-                remaining = req.num_tokens - req.num_computed_tokens - match.num_tokens
-                num_new = min(remaining, budget)
-                if num_new < remaining and not self.config.enable_chunked_prefill:
-                    break
             if not self.kv.can_allocate(req, num_new, match):
                 break
             self.kv.allocate(req, num_new, match)

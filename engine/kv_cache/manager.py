@@ -31,12 +31,6 @@ class PrefixMatch:
     num_partial_tokens: int = 0
     host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
 
-    def without_partial(self) -> PrefixMatch:
-        """The same match with whole blocks only (the copy's source needs a block of its own
-        while the new blocks are taken, which a full pool may not have)."""
-        num_tokens = self.num_tokens - self.num_partial_tokens
-        return PrefixMatch(self.blocks, num_tokens, host_hashes=self.host_hashes)
-
 
 NO_MATCH = PrefixMatch()
 
@@ -92,7 +86,7 @@ class KVCacheManager:
         self.partial_reuse_min_tokens = partial_reuse_min_tokens
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
-        self._pending_copies: list[BlockCopy] = []  # partial reuse: src -> fresh block
+        self._pending_copies: list[BlockCopy] = []  # every copy owed, in the order to run
         self.model_id = model_id
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         if host_tier is not None and enable_caching:
@@ -164,8 +158,6 @@ class KVCacheManager:
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
     ) -> bool:
         revived = sum(1 for block in match.blocks if block.ref_cnt == 0)
-        if match.partial_src is not None and match.partial_src.ref_cnt == 0:
-            revived += 1  # held while the new blocks are taken
         need = self._num_new_blocks(req, num_new_tokens, match) + revived
         return need <= self.pool.num_free_blocks
 
@@ -182,23 +174,25 @@ class KVCacheManager:
             block_ids.extend(block.block_id for block in match.blocks)
             self._num_cached_blocks[req.req_id] = len(blocks)
         req.num_computed_tokens += match.num_tokens  # both tiers and a partial block's tokens
-        src = match.partial_src
-        if src is not None:  # referenced while new blocks are taken: not evicted under us
-            self.pool.touch([src])
         assert self.host_tier is not None or not match.host_hashes
         slots = [self.host_tier.take(h) for h in match.host_hashes] if match.host_hashes else []
-        new_blocks = self.pool.allocate(num_new_blocks)  # may offload evicted blocks (queued)
+        # Copies run in the order they are queued, and taking a block may evict (and offload)
+        # another: the partial block's copy is queued before any later block is taken, so no
+        # copy back can overwrite its source first (a source evicted for its own copy is fine:
+        # nothing writes it until the step).
+        partial = []
+        if match.partial_src is not None:
+            partial = self.pool.allocate(1)
+            self._pending_copies.append(BlockCopy(match.partial_src.block_id, partial[0].block_id))
+            self.num_partial_reused_tokens += match.num_partial_tokens
+        taken = self.pool.allocate(num_new_blocks - len(partial))
         for i, slot in enumerate(slots):  # copied back before the step that reads them
-            self._pending_copies.append(BlockCopy(slot, new_blocks[i].block_id, "from_host"))
-            self._cache(req, new_blocks[i], len(blocks) + i)
+            self._pending_copies.append(BlockCopy(slot, taken[i].block_id, "from_host"))
+            self._cache(req, taken[i], len(blocks) + i)
         if slots:
             self._num_cached_blocks[req.req_id] = len(blocks) + len(slots)
             self.num_host_hit_blocks += len(slots)
-        if src is not None:  # copied before the step that writes the rest
-            dst = new_blocks[len(slots)]
-            self._pending_copies.append(BlockCopy(src.block_id, dst.block_id))
-            self.pool.free([src], src.priority)
-            self.num_partial_reused_tokens += match.num_partial_tokens
+        new_blocks = [*taken[: len(slots)], *partial, *taken[len(slots) :]]
         blocks.extend(new_blocks)
         block_ids.extend(block.block_id for block in new_blocks)
 

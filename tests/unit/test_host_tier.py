@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import BlockCopy, KVCacheManager
+from engine.kv_cache.retention import RetentionRange
 from engine.request import Request
 
 BLOCK_SIZE = 4
@@ -69,25 +70,33 @@ def test_evicted_blocks_go_to_the_host_and_come_back_on_a_hit() -> None:
     assert kv.num_free_blocks == 4
 
 
-def test_a_partial_reuse_source_is_never_evicted_for_the_blocks_beside_it() -> None:
-    kv = KVCacheManager(4, BLOCK_SIZE, "m", partial_reuse_min_tokens=1, host_tier=HostTier(4))
-    finished(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8])  # blocks 0 and 1 cached, two uncached free
-    req = Request("b", [1, 2, 3, 4, 5, 6, *[0] * 6])  # 1 + 2 new blocks + the source: all 4
+def test_a_partial_copy_reads_its_source_before_any_copy_back_overwrites_it() -> None:
+    """The prompt's first block comes back from the host into the very block its partial copy
+    reads (the pool is full and evicts it): the partial copy is queued first."""
+    kv = KVCacheManager(3, BLOCK_SIZE, "m", partial_reuse_min_tokens=1, host_tier=HostTier(8))
+    now = [0.0]
+    kv.pool.clock = lambda: now[0]  # a unit test of the manager: the retention's clock
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8], retention=(RetentionRange(4, 8, 90, 10.0),))
+    kv.allocate(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    src = kv.block_ids("a")[1]
+    kv.free(a)
+    finished(kv, "x", [9, 9, 9, 9])  # the free block
+    now[0] = 11.0  # a's second block falls back to the default priority, behind x's
+    finished(kv, "y", [8, 8, 8, 8])  # evicts a's first block to the host
+    kv.drain_copies()
+    req = Request("b", [1, 2, 3, 4, 5, 6, *[0] * 5])  # host block, partial copy, a new one
     match = kv.match_prefix(req, partial=True)
-    assert match.partial_src is not None and kv.can_allocate(req, 6, match)
-    src = match.partial_src.block_id
-    kv.allocate(req, 6, match)
-    assert src not in kv.block_ids("b")  # the new blocks came from elsewhere
-    assert kv.drain_copies() == [BlockCopy(src, kv.block_ids("b")[1])]  # nothing offloaded
+    assert len(match.host_hashes) == 1 and match.partial_src is not None
+    assert match.partial_src.block_id == src
+    kv.allocate(req, 5, match)
+    copies = kv.drain_copies()
+    table = kv.block_ids("b")
+    assert table[0] == src  # the copy back lands in the partial copy's source
+    assert copies.index(BlockCopy(src, table[1])) < copies.index(
+        next(c for c in copies if c.kind == "from_host")
+    ), copies
     kv.free(req)
     kv.check_integrity()
-
-
-def test_a_full_pool_falls_back_to_whole_blocks() -> None:
-    kv = KVCacheManager(3, BLOCK_SIZE, "m", partial_reuse_min_tokens=1)
-    finished(kv, "a", [1, 2, 3, 4, 5, 6, 7, 8])
-    req = Request("b", [1, 2, 3, 4, 5, 6, *[0] * 5])  # 3 blocks: the source cannot stay too
-    match = kv.match_prefix(req, partial=True)
-    assert not kv.can_allocate(req, 5, match)
-    whole = match.without_partial()
-    assert whole.num_tokens == 4 and kv.can_allocate(req, 7, whole)
+    assert kv.num_free_blocks == 3

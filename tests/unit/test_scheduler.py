@@ -105,9 +105,9 @@ def test_abort_of_waiting_and_running_frees_blocks():
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
-def test_partial_reuse_gives_way_when_its_source_would_not_fit():
-    """A full pool admits the prompt with whole blocks instead of waiting for a block the
-    partial copy's source would hold (it never would: a hang)."""
+def test_partial_reuse_fits_a_full_pool():
+    """The prompt needs every block of the pool, its partial copy's source included: the copy
+    is queued before that block is taken again, so the prompt is admitted with the reuse."""
     kv = KVCacheManager(3, 4, "m", partial_reuse_min_tokens=1)
     config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)
     sched = Scheduler(config, kv, 64)
@@ -119,4 +119,5 @@ def test_partial_reuse_gives_way_when_its_source_would_not_fit():
     sched.add(second)
     out = sched.schedule()
     assert [c.req.req_id for c in out.chunks] == ["b"]
-    assert second.num_cached_tokens == 4 and kv.drain_copies() == []
+    assert second.num_cached_tokens == 6
+    assert [c.kind for c in kv.drain_copies()] == ["device"]
