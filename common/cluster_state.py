@@ -54,6 +54,10 @@ class WorkerStats:
     num_recomputed: int = 0  # decode: prompts recomputed because the pull failed
     num_orphans_aborted: int = 0  # decode: requests of routers that stopped polling
     num_local_prefills: int = 0  # decode: prompts it computed itself (conditional prefill)
+    # The prefix cache beyond whole device blocks (both roles).
+    num_partial_reused_tokens: int = 0  # tokens reused from a partly matching cached block
+    num_host_offloaded_blocks: int = 0  # cached blocks moved to the host tier when evicted
+    num_host_hit_blocks: int = 0  # prefix blocks copied back from the host tier
     num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
     # The KV handoff's state machines: blocks in each live state, and what they refused.
     num_blocks_held: int = 0  # prefill: leased, no read announced

@@ -68,6 +68,16 @@ def engine_load(engine: Engine) -> WorkerLoad:
     )
 
 
+def cache_counters(engine: Engine) -> dict[str, int]:
+    """The WorkerStats counters of the prefix cache beyond whole device blocks."""
+    kv = engine.kv
+    return {
+        "num_partial_reused_tokens": kv.num_partial_reused_tokens,
+        "num_host_offloaded_blocks": 0 if kv.host_tier is None else kv.host_tier.num_stored,
+        "num_host_hit_blocks": kv.num_host_hit_blocks,
+    }
+
+
 def served_model(engine: Engine) -> ServedModel:
     return ServedModel(
         model_id=engine.model_id,

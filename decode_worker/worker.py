@@ -29,6 +29,7 @@ from common.worker_runtime import (
     IndexUpkeep,
     WorkerLifecycle,
     build_worker_parts,
+    cache_counters,
     describe,
     engine_load,
     served_model,
@@ -204,6 +205,7 @@ class DecodeWorker:
                 num_refused_handshakes=puller.num_refused_handshakes,
                 num_stranded_blocks=puller.num_stranded_blocks(),
                 handoff_transitions=tuple((t.name, t.count) for t in puller.ledger.transitions()),
+                **cache_counters(engine),
             )
 
         return await self.thread.call(run)

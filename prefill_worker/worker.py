@@ -27,6 +27,7 @@ from common.worker_runtime import (
     IndexUpkeep,
     WorkerLifecycle,
     build_worker_parts,
+    cache_counters,
     describe,
     engine_load,
     served_model,
@@ -197,6 +198,7 @@ class PrefillWorker:
                 num_stale_releases=leases.num_stale,
                 num_stranded_blocks=leases.num_stranded(engine.kv.held_block_ids()),
                 handoff_transitions=tuple((t.name, t.count) for t in leases.transitions()),
+                **cache_counters(engine),
             )
 
         return await self.thread.call(run)

@@ -23,7 +23,7 @@ _BLOCK_STATES = {
     "num_blocks_reserved": "reserved",
     "num_blocks_reading": "reading",
 }
-_COUNTERS = {  # WorkerStats field -> (the role that counts it, metric name, help)
+_COUNTERS: dict[str, tuple[str | None, str, str]] = {  # field -> (role, name, help); None: both
     "num_expired_leases": (
         "prefill",
         "kvrelay_kv_expired_leases",
@@ -43,6 +43,21 @@ _COUNTERS = {  # WorkerStats field -> (the role that counts it, metric name, hel
         "decode",
         "kvrelay_orphan_requests_aborted",
         "Requests a decode worker aborted because their router stopped polling.",
+    ),
+    "num_partial_reused_tokens": (
+        None,
+        "kvrelay_prefix_partial_reused_tokens",
+        "Prompt tokens reused from a cached block the prompt diverges inside (copied).",
+    ),
+    "num_host_offloaded_blocks": (
+        None,
+        "kvrelay_host_kv_offloaded_blocks",
+        "Cached blocks a worker's device pool evicted into its host tier.",
+    ),
+    "num_host_hit_blocks": (
+        None,
+        "kvrelay_host_kv_hit_blocks",
+        "Prefix blocks a worker copied back from its host tier instead of recomputing.",
     ),
 }
 
@@ -90,7 +105,7 @@ class WorkerStatsCollector(Collector):
             for name, count in stats.handoff_transitions:
                 transitions.add_metric([worker_id, role, name], count)
             for field, family in counters.items():
-                if _COUNTERS[field][0] == role:
+                if _COUNTERS[field][0] in (role, None):
                     family.add_metric([worker_id, role], getattr(stats, field))
         yield blocks
         yield stranded

@@ -57,3 +57,15 @@ def test_a_worker_that_did_not_answer_loses_its_series() -> None:
     value = registry_with(collector).get_sample_value
     assert value("kvrelay_kv_stranded_blocks", {"worker_id": "p0", "role": "prefill"}) is None
     assert value("kvrelay_kv_stranded_blocks", {"worker_id": "p1", "role": "prefill"}) == 0
+
+
+def test_prefix_cache_counters_are_exported_for_both_roles() -> None:
+    collector = WorkerStatsCollector()
+    collector.update("p0", "prefill", stats(num_host_hit_blocks=5, num_partial_reused_tokens=9))
+    collector.update("d0", "decode", stats(num_host_offloaded_blocks=3))
+    value = registry_with(collector).get_sample_value
+    p0, d0 = {"worker_id": "p0", "role": "prefill"}, {"worker_id": "d0", "role": "decode"}
+    assert value("kvrelay_host_kv_hit_blocks_total", p0) == 5
+    assert value("kvrelay_prefix_partial_reused_tokens_total", p0) == 9
+    assert value("kvrelay_host_kv_offloaded_blocks_total", d0) == 3
+    assert value("kvrelay_host_kv_hit_blocks_total", d0) == 0
