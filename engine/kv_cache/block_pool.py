@@ -158,6 +158,9 @@ class BlockPool:
                 block.expiry_seq = next(self._expiry_seqs)
                 entry = (expires_at, block.expiry_seq, block, priority)
                 heapq.heappush(self._expiring, entry)
+        if len(self._expiring) > 2 * self.num_blocks:  # stale entries of blocks reused since
+            self._expiring = [e for e in self._expiring if e[2].expiry_seq == e[1]]
+            heapq.heapify(self._expiring)
 
     # ---- prefix cache --------------------------------------------------------------------
     def cache_block(

@@ -111,3 +111,15 @@ def test_the_manager_frees_each_block_with_its_ranges_priority_on_every_path() -
     priorities = sorted(b.priority for b in kv.pool.blocks if b.block_hash is not None)
     assert priorities == [5, 5, DEFAULT_PRIORITY, DEFAULT_PRIORITY, 80, 80]
     kv.check_integrity()
+
+
+def test_stale_expiry_entries_do_not_pile_up_without_evictions() -> None:
+    pool = BlockPool(2, clock=Clock())
+    [block] = pool.allocate(1)
+    pool.cache_block(block, 7, None)
+    for _ in range(100):  # a long-lived retention, the block hit again and again
+        pool.free([block], DEFAULT_PRIORITY, [(90, 3600.0)])
+        pool.touch([block])
+    pool.free([block], DEFAULT_PRIORITY, [(90, 3600.0)])
+    assert len(pool._expiring) <= 2 * pool.num_blocks + 1
+    pool.check_integrity()
