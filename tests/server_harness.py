@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -102,3 +103,15 @@ class ServerHarness(LoopThread):
         finally:
             self.backend.stop()
             self.close()
+
+
+@contextmanager
+def serving(engine: Engine, checkpoint: str | Path, **options: Any) -> Iterator[ServerHarness]:
+    """A ServerHarness over `engine` (options as ServerHarness takes them) for a fixture's
+    lifetime: stopped at the end, then the engine checked for leaked requests and blocks."""
+    harness = ServerHarness(engine, checkpoint, **options)
+    try:
+        yield harness
+    finally:
+        harness.stop()
+    engine.assert_no_leaks()

@@ -20,7 +20,7 @@ from router.access import ApiKeys, tenant_cache_salt
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness
+from tests.server_harness import ServerHarness, serving
 
 KEY_A1 = "sk-team-a-0123456789abcdef0123"
 KEY_A2 = "sk-team-a-fedcba9876543210fedc"  # a second key of the same tenant (rotation)
@@ -44,12 +44,8 @@ def harness(smollm_model, smollm_dir, tmp_path_factory) -> Iterator[ServerHarnes
     path.write_text(KEYS_FILE)
     path.chmod(0o600)
     engine = build_engine(smollm_model, num_blocks=64, max_model_len=256)
-    harness = ServerHarness(engine, smollm_dir, held=True, api_keys=ApiKeys.load(path))
-    try:
+    with serving(engine, smollm_dir, held=True, api_keys=ApiKeys.load(path)) as harness:
         yield harness
-    finally:
-        harness.stop()
-    engine.assert_no_leaks()
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import pytest
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness
+from tests.server_harness import ServerHarness, serving
 
 PROMPT = "The three largest rivers of Europe are"
 CHAT = [{"role": "user", "content": "Name three rivers."}]
@@ -23,12 +23,8 @@ GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos
 @pytest.fixture(scope="module")
 def harness(smollm_model, smollm_dir) -> Iterator[ServerHarness]:
     engine = build_engine(smollm_model, num_blocks=64, max_model_len=256)
-    harness = ServerHarness(engine, smollm_dir)
-    try:
+    with serving(engine, smollm_dir) as harness:
         yield harness
-    finally:
-        harness.stop()
-    engine.assert_no_leaks()
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness
+from tests.server_harness import ServerHarness, serving
 
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 256
@@ -51,15 +51,11 @@ def served(smollm_model, smollm_dir) -> Iterator[Served]:
     chat_ids = llm.chat_prompt(CHAT)
     chat = llm.generate([chat_ids], greedy)[0]
     prompt = llm.generate([PROMPT], greedy)[0]
-    harness = ServerHarness(engine, smollm_dir)
-    try:
+    with serving(engine, smollm_dir) as harness:
         yield Served(
             harness, engine.model_id, chat_ids, chat.token_ids, chat.text, prompt.token_ids,
             prompt.text,
         )  # fmt: skip
-    finally:
-        harness.stop()
-    engine.assert_no_leaks()
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
 from tests.held_backend import HeldBackend
-from tests.server_harness import ServerHarness
+from tests.server_harness import ServerHarness, serving
 
 MAX_QUEUED = 2
 MAX_TOKENS = 6
@@ -35,13 +35,11 @@ BODY = {
 @pytest.fixture(scope="module")
 def harness(smollm_model, smollm_dir) -> Iterator[ServerHarness]:
     engine = build_engine(smollm_model, num_blocks=64, max_model_len=256)
-    harness = ServerHarness(engine, smollm_dir, held=True, max_queued_requests=MAX_QUEUED)
-    try:
-        yield harness
-    finally:
-        harness.run(held(harness).release())
-        harness.stop()
-    engine.assert_no_leaks()
+    with serving(engine, smollm_dir, held=True, max_queued_requests=MAX_QUEUED) as harness:
+        try:
+            yield harness
+        finally:
+            harness.run(held(harness).release())
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.tls import ServerTLS
 from tests.conftest import build_engine
 from tests.held_backend import HeldBackend
-from tests.server_harness import ServerHarness
+from tests.server_harness import ServerHarness, serving
 from tests.tls_certs import TLSToolsMissing, make_server_certs
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -70,12 +70,8 @@ def served(smollm_model, smollm_dir, tmp_path_factory) -> Iterator[Served]:
         pytest.skip(str(e))
     tls = ServerTLS.load(certs.cert_file, certs.key_file)
     engine = build_engine(smollm_model, num_blocks=64, max_model_len=256)
-    harness = ServerHarness(engine, smollm_dir, held=True, tls=tls)
-    try:
+    with serving(engine, smollm_dir, held=True, tls=tls) as harness:
         yield Served(harness, certs.ca_file)
-    finally:
-        harness.stop()
-    engine.assert_no_leaks()
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.tokenizer import RouterTokenizer
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness
+from tests.server_harness import ServerHarness, serving
 
 MAX_MODEL_LEN = 256
 CHAT = [{"role": "user", "content": "Name three rivers."}]
@@ -25,12 +25,8 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def harness(smollm_model, smollm_dir) -> Iterator[ServerHarness]:
     engine = build_engine(smollm_model, num_blocks=64, max_model_len=MAX_MODEL_LEN)
-    harness = ServerHarness(engine, smollm_dir)
-    try:
+    with serving(engine, smollm_dir) as harness:
         yield harness
-    finally:
-        harness.stop()
-    engine.assert_no_leaks()
 
 
 @pytest.fixture(scope="module")
