@@ -72,8 +72,13 @@ class BlockPool:
         enable_caching: bool = True,
         record_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        sibling_key_len: int = 0,
     ):
+        """sibling_key_len: cached blocks registered with their tokens are listed under their
+        parent and their first sibling_key_len tokens (partial reuse looks up only blocks that
+        share at least that many tokens with a prompt)."""
         self.num_blocks = num_blocks
+        self.sibling_key_len = sibling_key_len
         self.clock = clock
         # Called with a cached block about to be evicted for reuse (its hash still set): the
         # host tier's offload. Not called by evict_all_cached (a cold cache is wanted there).
@@ -85,7 +90,8 @@ class BlockPool:
         self._evictable: dict[int, OrderedDict[int, KVBlock]] = {}
         self._num_evictable = 0
         self._cached: dict[int, KVBlock] = {}
-        self._children: dict[int, dict[int, KVBlock]] = {}  # parent key -> hash -> block
+        # (parent key, first sibling_key_len tokens) -> hash -> block
+        self._children: dict[tuple[int, tuple[int, ...]], dict[int, KVBlock]] = {}
         # (expires_at, seq, block, fallback priority) of evictable blocks kept for a while
         self._expiring: list[tuple[float, int, KVBlock, int]] = []
         self._expiry_seqs = itertools.count(1)
@@ -106,11 +112,13 @@ class BlockPool:
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 
-    def children(self, parent_key: int) -> list[KVBlock]:
-        """Cached blocks that extend the chain ending in parent_key (registered with tokens)."""
-        if not self.enable_caching:
+    def children(self, parent_key: int, token_ids: Sequence[int]) -> list[KVBlock]:
+        """Cached blocks that extend the chain ending in parent_key and begin with the first
+        sibling_key_len of token_ids (registered with their tokens)."""
+        if not self.enable_caching or len(token_ids) < self.sibling_key_len:
             return []
-        return list(self._children.get(parent_key, {}).values())
+        key = (parent_key, tuple(token_ids[: self.sibling_key_len]))
+        return list(self._children.get(key, {}).values())
 
     # ---- ref counting --------------------------------------------------------------------
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -181,7 +189,7 @@ class BlockPool:
         self._cached[block_hash] = block
         if token_ids and parent_key is not None:
             block.token_ids, block.parent_key = token_ids, parent_key
-            self._children.setdefault(parent_key, {})[block_hash] = block
+            self._children.setdefault(self._sibling_key(block), {})[block_hash] = block
         if self.record_events:
             self._events.append(BlockStored((block_hash,), parent_hash))
 
@@ -198,6 +206,10 @@ class BlockPool:
         return num
 
     # ---- internals -----------------------------------------------------------------------
+    def _sibling_key(self, block: KVBlock) -> tuple[int, tuple[int, ...]]:
+        assert block.parent_key is not None
+        return block.parent_key, block.token_ids[: self.sibling_key_len]
+
     def _add_evictable(self, block: KVBlock, priority: int) -> None:
         block.priority = priority
         self._evictable.setdefault(priority, OrderedDict())[block.block_id] = block
@@ -236,10 +248,11 @@ class BlockPool:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
         if block.parent_key is not None:
-            siblings = self._children[block.parent_key]
+            key = self._sibling_key(block)
+            siblings = self._children[key]
             del siblings[block.block_hash]
             if not siblings:
-                del self._children[block.parent_key]
+                del self._children[key]
         if self.record_events:
             self._events.append(BlockRemoved((block.block_hash,)))
         block.block_hash, block.token_ids, block.parent_key = None, (), None
@@ -269,10 +282,10 @@ class BlockPool:
                 assert block.block_hash is not None and block.ref_cnt == 0
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"cache map wrong for {block.block_id}"
-        for parent_key, siblings in self._children.items():
-            assert siblings, f"empty child list under {parent_key:x}"
+        for key, siblings in self._children.items():
+            assert siblings, f"empty child list under {key}"
             for block_hash, block in siblings.items():
                 assert self._cached.get(block_hash) is block, f"uncached child {block.block_id}"
-                assert block.parent_key == parent_key, f"child {block.block_id} under wrong parent"
+                assert self._sibling_key(block) == key, f"child {block.block_id} under wrong key"
         in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
         assert in_use + self.num_free_blocks == self.num_blocks, "blocks lost"

@@ -88,7 +88,9 @@ class KVCacheManager:
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
         self._pending_copies: list[BlockCopy] = []  # every copy owed, in the order to run
         self.model_id = model_id
-        self.pool = BlockPool(num_blocks, enable_caching, record_events)
+        self.pool = BlockPool(
+            num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
+        )
         if host_tier is not None and enable_caching:
             self.pool.on_evict = self._offload
         self._req_blocks: dict[str, list[KVBlock]] = {}
@@ -141,7 +143,7 @@ class KVCacheManager:
         assert parent is not None
         wanted = req.all_token_ids[num_full : min(num_full + self.block_size, req.num_tokens - 1)]
         src, num_same = None, self.partial_reuse_min_tokens - 1
-        for child in self.pool.children(parent):
+        for child in self.pool.children(parent, wanted):
             same = common_prefix_len(child.token_ids, wanted)
             if same > num_same:
                 src, num_same = child, same
@@ -270,8 +272,12 @@ class KVCacheManager:
         self._num_cached_blocks[req.req_id] = num_full
 
     def _cache(self, req: Request, block: KVBlock, i: int) -> None:
-        """Make block i of req findable (its hash, and its tokens under its parent)."""
+        """Make block i of req findable: its hash, and with partial reuse on, its tokens under
+        its parent."""
         parent = req.block_hashes[i - 1] if i else None
+        if self.partial_reuse_min_tokens < 1:
+            self.pool.cache_block(block, req.block_hashes[i], parent)
+            return
         key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
         tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
         self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
