@@ -11,7 +11,7 @@
 #   fp8-tests    FP8-weight and memory-budget GPU tests
 #   fp8-offline  the offline run with fp8 weights and fp8 KV, then vLLM's same run (.vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests or fp8-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar or host-tier}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -33,6 +33,12 @@ transfer_8b() {  # NAME [ARGS...]: transfer_bench GPU0 -> GPU1, 8B block geometr
     --num-layers 32 --num-kv-heads 8 --head-dim 128 "$@" \
     --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
   echo "$name rc=$?"
+}
+served_8b() {  # the 8B-shape folder (config + SmolLM2 tokenizer, no weights) for dummy loads
+  folder=/tmp/kvrelay-goodput-llama-3.1-8b
+  test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
+write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
+'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
 }
 case $phase in
   engine)
@@ -88,10 +94,7 @@ case $phase in
     tar czf "$out/goodput.tgz" -C "$out" goodput && rm -rf "$out/goodput"
     ;;
   vllm-serve)  # vLLM's server on the goodput model folder, the long-prompt workload (HTTP)
-    folder=/tmp/kvrelay-goodput-llama-3.1-8b
-    test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
-write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
-'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
+    served_8b
     timeout 560 bench/vllm_serve_peer.sh "$folder" "$out/vllm_long_prompt" --num-requests 90 \
       --input-len 3000 --output-len 150 --rate 4 8 12 --warmup 2 --slo-ttft-ms 1500 \
       --slo-tpot-ms 50
@@ -106,6 +109,24 @@ write_served_shape; from pathlib import Path; write_served_shape(Path('$folder')
     PYTHONPATH=/tmp/vsite timeout 300 python3 .vstage/vllm_bench.py --quantization fp8 \
       --kv-cache-dtype fp8 --lat-reps 3 --json "$out/vllm_fp8.json" > "$out/vllm_fp8.txt" 2>&1
     echo "vllm fp8 rc=$?"
+    ;;
+  grammar)  # the grammar-mask cost on the 8B shape, warmed up at every measured batch size
+    served_8b
+    timeout 250 python3 -m bench.grammar_bench --device cuda --model "$folder" \
+      --load-format dummy --json "$out/grammar.json" > "$out/grammar.txt" 2> "$out/grammar.err"
+    echo "grammar rc=$?"
+    ;;
+  host-tier)  # working set ~3x a 280-block pool; kvrelay with and without the tier, then vLLM
+    served_8b
+    timeout 200 python3 -m bench.host_tier_bench --device cuda --model "$folder" \
+      --load-format dummy --system-rules 200 --device-blocks 280 --host-kv-gib 4 \
+      --prompts-json "$out/host_tier_prompts.json" --json "$out/host_tier.json" \
+      > "$out/host_tier.txt" 2> "$out/host_tier.err"
+    echo "host tier rc=$?"
+    PYTHONPATH=/tmp/vsite timeout 330 python3 bench/vllm_host_tier_peer.py --model "$folder" \
+      --prompts "$out/host_tier_prompts.json" --num-gpu-blocks 280 --offload-gib 4 \
+      --json "$out/vllm_host_tier.json" > "$out/vllm_host_tier.txt" 2>&1
+    echo "vllm host tier rc=$?"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -51,6 +51,9 @@ def workload(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
 def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
     engine = build(args, host_bytes)
     prompts = workload(engine, args)
+    if args.prompts_json:
+        with open(args.prompts_json, "w") as f:
+            json.dump(prompts, f)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     computed_before = engine.stats.num_computed_tokens
     ttfts = []
@@ -92,6 +95,7 @@ def main() -> None:
     p.add_argument("--host-kv-gib", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--json")
+    p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()
     rows = [run(args, 0), run(args, int(args.host_kv_gib * (1 << 30)))]
     for row in rows:
