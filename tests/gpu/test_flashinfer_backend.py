@@ -83,9 +83,9 @@ class Recorder:
                 self.logits[req_id].append(row.float().cpu())
             return step
 
-        def forcing_sample(logits, rows):
+        def forcing_sample(logits, rows, bitmask=None):
             if self.forced is None:
-                return sample(logits, rows)
+                return sample(logits, rows, bitmask)
             tokens = [self.forced[r][len(self.logits[r]) - 1] for r in self._req_ids]
             return PendingSample(torch.tensor(tokens, device=logits.device), None)
 

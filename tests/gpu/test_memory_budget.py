@@ -51,7 +51,7 @@ def build(folder: Path, utilization: float, share: float = 1.0, **engine: object
 
 def run_heavy_steps(engine: Engine, tag: str) -> None:
     """A full-budget prefill, then a batch of sampling rows with every filter on."""
-    engine.add_request(f"{tag}-long", list(range(1, BUDGET_TOKENS)), HEAVY)
+    engine.add_request(f"{tag}-long", [1 + i % 500 for i in range(BUDGET_TOKENS - 1)], HEAVY)
     for i in range(64):
         engine.add_request(f"{tag}-{i}", [1 + i, 2, 3, 4], HEAVY)
     run_to_completion(engine)

@@ -56,11 +56,13 @@ def write_fp8_checkpoint(
     per_channel: bool = True,
     static: bool = False,
     quantize_lm_head: bool = False,
+    device: str = "cpu",
 ) -> Path:
     """Quantize a plain HF checkpoint's projections as llm-compressor (compressed-tensors) or
     ModelOpt store them: e4m3 weight; weight_scale float32 [N, 1] per channel, or per tensor
     (compressed-tensors: bf16 [1], the weight quantized with that rounded value; ModelOpt:
-    float32 []); input_scale per tensor when static."""
+    float32 []); input_scale per tensor when static. device: where to quantize (the loader's
+    device, for bit-equal codes: CPU and CUDA may round a division differently)."""
     dst.mkdir(parents=True, exist_ok=True)
     for file in src.iterdir():
         if file.is_file() and file.suffix != ".safetensors":
@@ -73,7 +75,7 @@ def write_fp8_checkpoint(
             out[name] = tensor
             continue
         if per_channel:
-            weight, scale = quantize_weight(tensor)
+            weight, scale = (t.cpu() for t in quantize_weight(tensor.to(device)))
         else:
             scale = tensor.float().abs().max() / FP8_MAX
             scale = scale.bfloat16().float() if layout == CT else scale
