@@ -120,11 +120,12 @@ case $phase in
     served_8b
     timeout 200 python3 -m bench.host_tier_bench --device cuda --model "$folder" \
       --load-format dummy --system-rules 200 --device-blocks 280 --host-kv-gib 4 \
-      --prompts-json "$out/host_tier_prompts.json" --json "$out/host_tier.json" \
+      --prompts-json /tmp/host_tier_prompts.json --json "$out/host_tier.json" \
+      --profile "$out/host_tier_profile.txt" \
       > "$out/host_tier.txt" 2> "$out/host_tier.err"
     echo "host tier rc=$?"
     PYTHONPATH=/tmp/vsite timeout 330 python3 bench/vllm_host_tier_peer.py --model "$folder" \
-      --prompts "$out/host_tier_prompts.json" --num-gpu-blocks 280 --offload-gib 4 \
+      --prompts /tmp/host_tier_prompts.json --num-gpu-blocks 280 --offload-gib 4 \
       --json "$out/vllm_host_tier.json" > "$out/vllm_host_tier.txt" 2>&1
     echo "vllm host tier rc=$?"
     ;;

@@ -10,10 +10,12 @@ engine with and without --host-kv-gib. Prints prompt tokens computed, host hits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
+from engine.kv_cache.manager import BlockCopy
 from engine.sampling_params import SamplingParams
 
 
@@ -48,6 +51,60 @@ def workload(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
     ]
 
 
+@contextlib.contextmanager
+def profiled(path: str | None, device: str) -> Iterator[None]:
+    """With a path: profile the block (CPU and CUDA) and write the top ops by time there."""
+    if path is None:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    table = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("self_cuda_time_total", "cpu_time_total"):
+            if key.startswith("self_cuda") and device != "cuda":
+                continue
+            f.write(table.table(sort_by=key, row_limit=25) + "\n")
+
+
+def copy_rates_gb_s(engine: Engine, num_blocks: int) -> dict[str, float]:
+    """The tier's copies of one prompt's worth of blocks, timed alone: the engine's per-block
+    loop each way, against one copy of the same bytes (the link's rate). Run after the
+    workload: it overwrites blocks' KV."""
+    copies, sync = engine.copies, getattr(torch, engine.config.device).synchronize
+    host = copies.host
+    assert host is not None
+    num_blocks = min(num_blocks, host.shape[0], copies.kv_cache.shape[0])
+    ids = list(range(num_blocks))
+    gigabytes = num_blocks * copies.kv_cache[0].nbytes / 1e9
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return round(gigabytes / (time.perf_counter() - start), 1)
+
+    def loop(kind: str) -> None:
+        copies.run([BlockCopy(i, i, kind) for i in ids])
+
+    return {
+        "to_host_per_block": timed(lambda: loop("to_host")),
+        "from_host_per_block": timed(lambda: loop("from_host")),
+        "from_host_one_copy": timed(
+            lambda: copies.kv_cache[:num_blocks].copy_(host[:num_blocks], non_blocking=True)
+        ),
+        "to_host_one_copy": timed(
+            lambda: host[:num_blocks].copy_(copies.kv_cache[:num_blocks], non_blocking=True)
+        ),
+        "blocks": num_blocks,
+    }
+
+
 def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
     engine = build(args, host_bytes)
     prompts = workload(engine, args)
@@ -58,14 +115,17 @@ def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
     computed_before = engine.stats.num_computed_tokens
     ttfts = []
     for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        engine.add_request(f"r{i}", prompt, params)
-        first = None
-        while engine.has_unfinished_requests:
-            if engine.step() and first is None:
-                first = time.perf_counter() - start
+        profiling = bool(args.profile and host_bytes and i == len(prompts) - 1)
+        with profiled(args.profile if profiling else None, args.device):
+            start = time.perf_counter()
+            engine.add_request(f"r{i}", prompt, params)
+            first = None
+            while engine.has_unfinished_requests:
+                if engine.step() and first is None:
+                    first = time.perf_counter() - start
         ttfts.append(1000 * (first or 0.0))
     engine.assert_no_leaks()
+    copy_rates = copy_rates_gb_s(engine, -(-len(prompts[-1]) // 16)) if host_bytes else {}
     prompt_tokens = sum(len(p) for p in prompts)
     decode_tokens = len(prompts) * (args.max_tokens - 1)
     computed = engine.stats.num_computed_tokens - computed_before - decode_tokens
@@ -78,6 +138,8 @@ def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
         "host_hit_blocks": engine.kv.num_host_hit_blocks,
         "offloaded_blocks": 0 if tier is None else tier.num_stored,
         "ttft_p50_ms": round(statistics.median(ttfts), 1),
+        "ttft_ms": [round(t, 1) for t in ttfts],
+        "copy_gb_s": copy_rates,
         "working_set_blocks": sum(-(-len(p) // 16) for p in prompts[: args.num_systems]),
         "device_blocks": args.device_blocks,
     }
@@ -95,6 +157,7 @@ def main() -> None:
     p.add_argument("--host-kv-gib", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--json")
+    p.add_argument("--profile", help="profile the last request with the tier; top ops here")
     p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()
     rows = [run(args, 0), run(args, int(args.host_kv_gib * (1 << 30)))]
