@@ -1,0 +1,119 @@
+"""The serving features CPU tests cover, on the CUDA path (FlashInfer, decode CUDA graphs,
+overlapped steps, pinned host tier): SmolLM2's json_schema outputs validate, n=3 greedy choices
+equal the single greedy output with the prompt computed once, logit_bias reaches the device
+logits, and the host tier copies back exactly what a device-pool hit would have read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams, StructuredOutput
+from tests.conftest import build_engine, run_to_completion
+from tests.integration.test_engine_fork import run_choices
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def cuda_engine(smollm_dir, **overrides) -> Engine:
+    return build_engine(model_path=str(smollm_dir), device="cuda", **overrides)
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    assert engine.tokenizer is not None
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def test_json_schema_outputs_validate_on_cuda(smollm_dir) -> None:
+    engine = cuda_engine(smollm_dir)
+    schema = StructuredOutput("json_schema", json.dumps(PERSON))
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=3, structured=schema)
+    for i in range(8):
+        engine.add_request(f"p{i}", chat(engine, f"Make up person number {i} as JSON."), params)
+    engine.add_request("free", chat(engine, "Say hello."), SamplingParams(max_tokens=8))
+    outputs = run_to_completion(engine)
+    assert engine.tokenizer is not None
+    for i in range(8):
+        person = json.loads(engine.tokenizer.decode(outputs[f"p{i}"]))
+        assert set(person) == {"name", "age"}, person
+        assert isinstance(person["name"], str) and len(person["name"]) <= 16
+        assert isinstance(person["age"], int) and 0 <= person["age"] <= 120
+    assert outputs["free"]
+    engine.assert_no_leaks()
+
+
+def test_n3_greedy_choices_equal_the_single_output_and_the_prompt_is_computed_once(
+    smollm_dir,
+) -> None:
+    engine = cuda_engine(smollm_dir)
+    prompt = chat(engine, "Name three rivers.")
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("one", prompt, greedy)
+    single = run_choices(engine)[("one", 0)]
+    engine.kv.pool.evict_all_cached()
+    before = engine.stats.num_computed_tokens
+    engine.add_request("three", prompt, SamplingParams(**{**greedy.__dict__, "n": 3}))
+    assert run_choices(engine) == {("three", i): single for i in range(3)}
+    assert engine.stats.num_computed_tokens - before == len(prompt) + 3 * (8 - 1)
+    engine.assert_no_leaks()
+
+
+def test_logit_bias_reaches_the_device_logits(smollm_dir) -> None:
+    engine = cuda_engine(smollm_dir)
+    prompt = chat(engine, "Count to ten.")
+    forced = 1234
+    bias = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={forced: 100})
+    engine.add_request("biased", prompt, bias)
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=6, temperature=0))
+    outputs = run_to_completion(engine)
+    assert outputs["biased"] == [forced] * 6
+    assert outputs["plain"] != outputs["biased"]
+    engine.assert_no_leaks()
+
+
+def test_host_tier_copies_back_what_a_device_hit_reads(smollm_dir, tokenizer) -> None:
+    """Four system prompts asked in turn three times: over a pool that holds two, with the
+    host tier, against a pool that holds all four (every later round a device hit). The same
+    cached KV either way, so the same tokens; the small pool really went through the tier."""
+    systems = [" ".join(f"Set {s} rule {j}: answer well." for j in range(45)) for s in range(4)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": f"Q{r}?"}]
+        )
+        for r in range(3)
+        for system in systems
+    ]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for num_blocks, host_bytes in ((512, 0), (64, 256 << 20)):
+        engine = cuda_engine(
+            smollm_dir,
+            num_blocks=num_blocks,
+            host_kv_cache_bytes=host_bytes,
+            partial_reuse_min_tokens=0,  # the same chunks computed either way
+        )
+        got = []
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            got.append(run_to_completion(engine)[f"r{i}"])
+        outputs[host_bytes] = got
+        if host_bytes:
+            assert engine.kv.num_host_hit_blocks > 0
+        engine.assert_no_leaks()
+    assert outputs[256 << 20] == outputs[0]
