@@ -205,7 +205,7 @@ class Engine:
             self.forks.expect_prefilled(req, choices)
         plan = self.loader.reserve(req)
         if plan is not None:  # an offload of a block the pull will write must be done first
-            self.copies.run(self.kv.drain_copies(), wait=True)
+            self.copies.run_owed(self.kv, wait=True)
             self._track(req)
         else:
             self.forks.forget_prefilled(req_id)
@@ -306,6 +306,7 @@ class Engine:
         started = time.perf_counter()
         computed_before = self.stats.num_computed_tokens
         outputs = self._step()
+        self.copies.offload_owed(self.kv)  # the blocks it committed, behind it
         num_computed = self.stats.num_computed_tokens - computed_before
         if num_computed:
             self.stats.rate.record(time.perf_counter() - started, num_computed)
@@ -328,7 +329,7 @@ class Engine:
     def _launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
         """Queue a step's forward pass and sampling. `after`: the step still in flight whose
         sampled tokens are this step's pending input tokens (gathered on the device)."""
-        self.copies.run(self.kv.drain_copies())  # the KV this step reads or completes
+        self.copies.run_owed(self.kv)  # the KV this step reads or completes
         fill = None
         if after is not None:
             rows = {req.req_id: row for row, req in enumerate(after.reqs) if req.num_pending_tokens}

@@ -1,10 +1,12 @@
 """KVCacheManager: each request's block table, prefix matching (full blocks on the device, then
 in the host tier, then the matching tokens of a cached block the prompt diverges inside),
-caching of full blocks, and the block copies these owe the storage (partial reuse, offload to
-the host tier, copy back on a host hit), queued in order for the engine.
+caching of full blocks, and the block copies these owe the storage (partial reuse, copy back
+on a host hit, an evicted block's offload still owed), queued in order for the engine; the
+committed blocks' copies into the host tier are owed to the engine's offload stream instead
+(WriteBehind).
 
-All physical bookkeeping lives in BlockPool and HostTier; this class owns request -> blocks and
-the copies.
+All physical bookkeeping lives in BlockPool, HostTier and WriteBehind; this class owns
+request -> blocks and the copies.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.retention import RetentionRange, block_retention
+from engine.kv_cache.write_behind import WriteBehind
 from engine.request import Request
 
 
@@ -41,16 +45,6 @@ class HeldBlocks(NamedTuple):
     blocks: list[KVBlock]
     priority: int
     retention: tuple[RetentionRange, ...]
-
-
-class BlockCopy(NamedTuple):
-    """A block whose KV (every layer) must be copied: src -> dst. kind "device": both are device
-    blocks; "to_host": a device block into a host slot; "from_host": a host slot into a device
-    block."""
-
-    src_block_id: int
-    dst_block_id: int
-    kind: str = "device"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -87,6 +81,7 @@ class KVCacheManager:
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
         self._pending_copies: list[BlockCopy] = []  # every copy owed, in the order to run
+        self.write_behind = WriteBehind() if host_tier is not None and enable_caching else None
         self.model_id = model_id
         self.pool = BlockPool(
             num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
@@ -177,17 +172,19 @@ class KVCacheManager:
             self._num_cached_blocks[req.req_id] = len(blocks)
         req.num_computed_tokens += match.num_tokens  # both tiers and a partial block's tokens
         assert self.host_tier is not None or not match.host_hashes
-        slots = [self.host_tier.take(h) for h in match.host_hashes] if match.host_hashes else []
+        slots = [self.host_tier.lend(h) for h in match.host_hashes] if match.host_hashes else []
+        for slot in slots:
+            self._wb.read_slot(slot)
         # Copies run in the order they are queued, and taking a block may evict (and offload)
         # another: the partial block's copy is queued before any later block is taken, so no
         # copy back can overwrite its source first (a source evicted for its own copy is fine:
         # nothing writes it until the step).
         partial = []
         if match.partial_src is not None:
-            partial = self.pool.allocate(1)
+            partial = self._allocate(1)
             self._pending_copies.append(BlockCopy(match.partial_src.block_id, partial[0].block_id))
             self.num_partial_reused_tokens += match.num_partial_tokens
-        taken = self.pool.allocate(num_new_blocks - len(partial))
+        taken = self._allocate(num_new_blocks - len(partial))
         for i, slot in enumerate(slots):  # copied back before the step that reads them
             self._pending_copies.append(BlockCopy(slot, taken[i].block_id, "from_host"))
             self._cache(req, taken[i], len(blocks) + i)
@@ -198,12 +195,49 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         block_ids.extend(block.block_id for block in new_blocks)
 
+    def _allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Fresh blocks; the next step waits for an offload still reading one of them."""
+        blocks = self.pool.allocate(num_blocks)
+        if self.write_behind is not None:
+            for block in blocks:
+                self.write_behind.reuse_block(block.block_id)
+        return blocks
+
+    @property
+    def _wb(self) -> WriteBehind:
+        assert self.write_behind is not None
+        return self.write_behind
+
     def _offload(self, block: KVBlock) -> None:
-        """BlockPool.on_evict: a cached block leaves the device; keep it in the host tier."""
+        """BlockPool.on_evict: a cached block leaves the device; it stays in the host tier."""
+        assert self.host_tier is not None and block.block_hash is not None
+        owed = self._wb.take_owed(block.block_id)
+        if owed is not None:  # committed but never copied: before the step that reuses it
+            self._pending_copies.append(owed)
+        if self.host_tier.has(block.block_hash):
+            self.host_tier.refresh(block.block_hash, block.priority)
+            return
+        slot = self.host_tier.store(block.block_hash, block.priority)  # none was free at commit
+        if slot is not None:
+            self._pending_copies.append(BlockCopy(block.block_id, slot, "to_host"))
+
+    def _write_behind(self, block: KVBlock) -> None:
+        """A block just committed: give it a host slot; its copy runs behind the step."""
         assert self.host_tier is not None and block.block_hash is not None
         slot = self.host_tier.store(block.block_hash, block.priority)
         if slot is not None:
-            self._pending_copies.append(BlockCopy(block.block_id, slot, "to_host"))
+            self._wb.owe(BlockCopy(block.block_id, slot, "to_host"))
+
+    def drain_offloads(self) -> list[BlockCopy]:
+        """The committed blocks' copies into the host tier, owed since the last call (the
+        caller queues them on the offload stream, after the steps queued so far)."""
+        if self.write_behind is None or not self.write_behind.owed:
+            return []
+        copies = self.write_behind.issue()
+        assert self.host_tier is not None
+        for copy in copies:
+            self.host_tier.release(copy.dst_block_id)
+        return copies
 
     def queue_copy(self, copy: BlockCopy) -> None:
         """A copy (an n > 1 fork's partial block) queued after the ones already owed."""
@@ -212,14 +246,14 @@ class KVCacheManager:
     def drain_copies(self) -> list[BlockCopy]:
         """The block copies owed since the last call, in the order they must run; the caller
         queues them, in that order on one stream, before the next forward pass. The host slots
-        they use are settled here (a stored slot keeps its block, a taken one is free)."""
+        they use are released here (stream order protects them from then on)."""
         copies, self._pending_copies = self._pending_copies, []
         if self.host_tier is not None:
             for copy in copies:
                 if copy.kind == "to_host":
-                    self.host_tier.release(copy.dst_block_id, keep=True)
+                    self.host_tier.release(copy.dst_block_id)
                 elif copy.kind == "from_host":
-                    self.host_tier.release(copy.src_block_id, keep=False)
+                    self.host_tier.release(copy.src_block_id)
         return copies
 
     def can_fork(self, parent_req_id: str, num_tokens: int) -> bool:
@@ -240,7 +274,7 @@ class KVCacheManager:
         blocks = list(shared)
         copy = None
         if num_tokens % self.block_size:
-            (fresh,) = self.pool.allocate(1)
+            (fresh,) = self._allocate(1)
             copy = BlockCopy(parent_blocks[num_full].block_id, fresh.block_id)
             blocks.append(fresh)
         self._req_blocks[child.req_id] = blocks
@@ -277,10 +311,13 @@ class KVCacheManager:
         parent = req.block_hashes[i - 1] if i else None
         if self.partial_reuse_min_tokens < 1:
             self.pool.cache_block(block, req.block_hashes[i], parent)
-            return
-        key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
-        tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-        self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
+        else:
+            key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
+            tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
+        tier = self.host_tier
+        if self.write_behind is not None and tier is not None and not tier.has(block.block_hash):
+            self._write_behind(block)
 
     def free(self, req: Request) -> None:
         """Release a request's blocks, tail first so that shared prefixes are evicted last."""
@@ -353,4 +390,5 @@ class KVCacheManager:
         if self.host_tier is not None:
             owed = {c.dst_block_id for c in self._pending_copies if c.kind == "to_host"}
             owed |= {c.src_block_id for c in self._pending_copies if c.kind == "from_host"}
+            owed |= {c.dst_block_id for c in (self.write_behind or WriteBehind()).owed.values()}
             self.host_tier.check_integrity(owed)
