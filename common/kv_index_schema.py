@@ -2,8 +2,11 @@
 
 Keys of one model (`{model}` is a literal Redis Cluster hash tag, so every key of a model lives
 in one slot and the scripts below stay valid on a cluster):
-    kvr:{model}:b:{hash}      SET   worker ids holding that block (hash as engine hash_hex)
-    kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup
+    kvr:{model}:b:{hash}      SET   worker ids holding that block (hash as engine hash_hex) in
+                                    device memory, and "{worker}#h" for those holding it in
+                                    their host tier (one member per tier)
+    kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup; "{hex}#h"
+                                    for its host tier
     kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, state, WorkerLoad fields,
                                     epoch; TTL
     kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
@@ -20,7 +23,8 @@ from engine.kv_cache.hashing import hash_hex
 
 KEY_PREFIX = "kvr"
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(WorkerLoad))
-_BAD_ID_CHARS = frozenset("{}*?[]\\ \t\r\n")
+_BAD_ID_CHARS = frozenset("{}*?[]\\ \t\r\n#")
+HOST = "#h"  # the suffix of a host-tier member: "{worker}#h" in a block SET, "{hex}#h" in wb:
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -82,32 +86,44 @@ def parse_worker(worker_id: str, fields: dict[str, str]) -> WorkerInfo:
     )
 
 
-# Longest-prefix overlap, shared by both read scripts. ids: candidate worker ids; block keys are
-# KEYS[first..#KEYS] in chain order. A worker's count stops at its first missing block, and the
-# loop stops at the first block no remaining candidate holds (one SMISMEMBER per block).
+# Longest-prefix overlap, shared by both read scripts, as the engine matches a prefix: leading
+# blocks in device memory, then the blocks after them in the host tier. ids: candidate worker
+# ids; block keys are KEYS[first..#KEYS] in chain order. A worker's count stops at its first
+# block held in neither tier (or a device-only block after a host one), and the loop stops at
+# the first block no remaining candidate holds (one SMISMEMBER per block). Returns a flat list:
+# device count, host count, for each id in order.
 _LUA_OVERLAP = """
 local function overlap(first, ids)
-  local counts, alive = {}, {}
-  for i = 1, #ids do counts[i] = 0; alive[i] = i end
+  local device, host, alive = {}, {}, {}
+  for i = 1, #ids do device[i] = 0; host[i] = 0; alive[i] = i end
   for k = first, #KEYS do
     if #alive == 0 then break end
     local args = {}
-    for j = 1, #alive do args[j] = ids[alive[j]] end
+    for j = 1, #alive do
+      args[2 * j - 1] = ids[alive[j]]
+      args[2 * j] = ids[alive[j]] .. '#h'
+    end
     local hits = redis.call('SMISMEMBER', KEYS[k], unpack(args))
     local still = {}
     for j = 1, #alive do
-      if hits[j] == 1 then
-        counts[alive[j]] = counts[alive[j]] + 1
-        still[#still + 1] = alive[j]
+      local i = alive[j]
+      if host[i] == 0 and hits[2 * j - 1] == 1 then
+        device[i] = device[i] + 1
+        still[#still + 1] = i
+      elseif hits[2 * j] == 1 then
+        host[i] = host[i] + 1
+        still[#still + 1] = i
       end
     end
     alive = still
   end
+  local counts = {}
+  for i = 1, #ids do counts[2 * i - 1] = device[i]; counts[2 * i] = host[i] end
   return counts
 end
 """
 
-# KEYS: block keys; ARGV: worker ids -> counts, in ARGV order.
+# KEYS: block keys; ARGV: worker ids -> (device, host) counts, flat, in ARGV order.
 OVERLAP_SCRIPT = _LUA_OVERLAP + "return overlap(1, ARGV)\n"
 
 # KEYS[1]: registry, KEYS[2..]: block keys; ARGV[1]: worker key prefix, ARGV[2]: role ('' = all).
@@ -132,19 +148,24 @@ return {ids, rows, overlap(2, ids), dead}
 # One engine step's writes, applied only if the worker HASH carries the writer's epoch (so a
 # delta that timed out and reached Redis late, after a resync, is dropped, not applied).
 # KEYS: worker HASH, worker blocks SET, registry; ARGV: block key prefix, worker id, epoch,
-# ttl ms, n, then n field/value pairs for the HASH, then (op, hash hex) pairs, op '+' or '-'.
+# ttl ms, n, then n field/value pairs for the HASH, then (op, hash hex) pairs, op '+' or '-'
+# (device) or 'h+' / 'h-' (host tier).
 # Returns 1, or 0 when the HASH is missing or has another epoch (the caller must resync).
 DELTA_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return 0 end
 local last = 5 + 2 * tonumber(ARGV[5])
 for i = last + 1, #ARGV - 1, 2 do
   local h = ARGV[i + 1]
-  if ARGV[i] == '+' then
-    redis.call('SADD', ARGV[1] .. h, ARGV[2])
-    redis.call('SADD', KEYS[2], h)
+  local op, member, entry = ARGV[i], ARGV[2], h
+  if string.sub(op, 1, 1) == 'h' then
+    op, member, entry = string.sub(op, 2), ARGV[2] .. '#h', h .. '#h'
+  end
+  if op == '+' then
+    redis.call('SADD', ARGV[1] .. h, member)
+    redis.call('SADD', KEYS[2], entry)
   else
-    redis.call('SREM', ARGV[1] .. h, ARGV[2])
-    redis.call('SREM', KEYS[2], h)
+    redis.call('SREM', ARGV[1] .. h, member)
+    redis.call('SREM', KEYS[2], entry)
   end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6, last))
@@ -161,7 +182,13 @@ return 1
 FORGET_SCRIPT = """
 if ARGV[3] == 'dead' and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
 local hashes = redis.call('SMEMBERS', KEYS[2])
-for _, h in ipairs(hashes) do redis.call('SREM', ARGV[1] .. h, ARGV[2]) end
+for _, h in ipairs(hashes) do
+  if string.sub(h, -2) == '#h' then
+    redis.call('SREM', ARGV[1] .. string.sub(h, 1, -3), ARGV[2] .. '#h')
+  else
+    redis.call('SREM', ARGV[1] .. h, ARGV[2])
+  end
+end
 redis.call('DEL', KEYS[2])
 if ARGV[3] ~= 'resync' then redis.call('SREM', KEYS[3], ARGV[2]) end
 if ARGV[3] == 'withdraw' then redis.call('DEL', KEYS[1]) end

@@ -25,6 +25,7 @@ from engine.kv_cache.hashing import hash_hex
 log = logging.getLogger(__name__)
 
 CachedHashes = Callable[[], Iterable[int]]
+HOST_OPS = {"+": "h+", "-": "h-"}
 
 
 class KVPublisher:
@@ -56,6 +57,7 @@ class KVPublisher:
         role: str,
         cached_hashes: CachedHashes,
         actor_name: str = "",
+        host_hashes: CachedHashes = tuple,
         nixl_agent: str = "",
         ttl_s: float = 10.0,
         socket_timeout_s: float = 0.5,
@@ -70,6 +72,7 @@ class KVPublisher:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
         self._cached_hashes = cached_hashes
+        self._host_hashes = host_hashes
         self._redis_url = check_url(redis_url)
         self._client = redis.Redis.from_url(
             redis_url,
@@ -162,6 +165,8 @@ class KVPublisher:
             op = "+" if isinstance(event, BlockStored) else "-"
             if not isinstance(event, BlockStored | BlockRemoved):
                 raise TypeError(f"unknown KV event {event!r}")
+            if event.tier == "host":
+                op = HOST_OPS[op]
             for block_hash in event.block_hashes:
                 args += (op, hash_hex(block_hash))
         return bool(self._delta(keys=self._keys, args=args))
@@ -169,6 +174,7 @@ class KVPublisher:
     def _resync(self, load: WorkerLoad) -> None:
         """Replace this worker's whole entry with its current state, in one MULTI."""
         hashes = [hash_hex(h) for h in self._cached_hashes()]
+        host = [hash_hex(h) for h in self._host_hashes()]
         self._num_epochs += 1
         self._epoch = f"{self._nonce}:{self._num_epochs}"
         pipe = self._client.pipeline(transaction=True)
@@ -176,8 +182,11 @@ class KVPublisher:
         self._forget(keys=self._keys, args=args, client=pipe)
         for h in hashes:
             pipe.sadd(self._block_prefix + h, self.worker_id)
-        if hashes:
-            pipe.sadd(self._keys[1], *hashes)
+        for h in host:
+            pipe.sadd(self._block_prefix + h, self.worker_id + schema.HOST)
+        entries = hashes + [h + schema.HOST for h in host]
+        if entries:
+            pipe.sadd(self._keys[1], *entries)
         pipe.hset(self._keys[0], mapping=self._fields(load))
         pipe.pexpire(self._keys[0], self.ttl_ms)
         pipe.sadd(self._keys[2], self.worker_id)
@@ -185,7 +194,10 @@ class KVPublisher:
         self._dirty = False
         self.num_resyncs += 1
         log.info(
-            "KV index: worker %s published its full state (%d blocks)", self.worker_id, len(hashes)
+            "KV index: worker %s published its full state (%d blocks, %d in its host tier)",
+            self.worker_id,
+            len(hashes),
+            len(host),
         )
 
     def _fields(self, load: WorkerLoad) -> dict[str, str | int]:

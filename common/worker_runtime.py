@@ -134,7 +134,7 @@ class IndexUpkeep:
         self._last_write = float("-inf")
 
     def tick(self, now: float) -> None:
-        events = self.engine.kv.pool.drain_events()
+        events = self.engine.kv.drain_events()
         if self.publisher is None:
             return
         self._pending += events
@@ -157,6 +157,7 @@ def make_publisher(
     """The worker's Redis publisher, or None when the cluster runs without Redis."""
     if not redis_url:
         return None
+    host = engine.kv.host_tier
     return KVPublisher(
         redis_url,
         engine.model_id,
@@ -164,6 +165,7 @@ def make_publisher(
         role,
         # A worker that records no KV events publishes no blocks, not a snapshot gone stale.
         cached_hashes=engine.kv.pool.cached_hashes if engine.kv.pool.record_events else tuple,
+        host_hashes=host.cached_hashes if host is not None and host.record_events else tuple,
         actor_name=actor_name,
         nixl_agent=agent_name,
     )

@@ -96,7 +96,7 @@ class Engine:
             cache.enable_prefix_caching,
             config.record_kv_events,
             cache.partial_reuse_threshold,
-            HostTier(host_slots) if host_slots else None,
+            HostTier(host_slots, config.record_kv_events) if host_slots else None,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)

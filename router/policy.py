@@ -35,8 +35,30 @@ def load_key(load: WorkerLoad) -> tuple[int, int]:
     return (load.queued_tokens, load.waiting + load.running)
 
 
+# A leading block found only in a worker's host tier saves its compute at the price of a copy
+# back over the host link (2 MiB in ~40 us at ~50 GB/s on an H200 for the 8B shape, against
+# ~0.4 ms to compute its 16 tokens): placement credits it at this fraction of a device block.
+HOST_HIT_CREDIT = 0.8
+
+
+class Overlap(dict[str, int]):
+    """worker_id -> how many leading prompt blocks it holds (device memory, then its host
+    tier); `host`: how many of those are only in its host tier (0 when absent)."""
+
+    def __init__(
+        self, total: Mapping[str, int] | None = None, host: Mapping[str, int] | None = None
+    ):
+        super().__init__(total or {})
+        self.host: dict[str, int] = dict(host or {})
+
+
 def _cached_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
     return max(0, overlap.get(worker.worker_id, 0)) * block_size
+
+
+def _host_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
+    host = getattr(overlap, "host", {})
+    return max(0, host.get(worker.worker_id, 0)) * block_size
 
 
 class PrefillPolicy(abc.ABC):
@@ -56,18 +78,23 @@ class PrefillPolicy(abc.ABC):
 
 
 class KVAwarePolicy(PrefillPolicy):
-    """score = cached_tokens_saved - load_weight * queued_tokens; ties go to the less loaded
+    """score = cached_tokens_saved - load_weight * queued_tokens, where a token cached only in
+    a worker's host tier saves host_credit of one in device memory; ties go to the less loaded
     worker (load_key), then the smaller worker_id. Deterministic."""
 
     name = "kv_aware"
 
-    def __init__(self, load_weight: float = 1.0) -> None:
+    def __init__(self, load_weight: float = 1.0, host_credit: float = HOST_HIT_CREDIT) -> None:
         if load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        if not 0 <= host_credit <= 1:
+            raise ValueError(f"host_credit must be in [0, 1], got {host_credit}")
         self.load_weight = load_weight
+        self.host_credit = host_credit
 
     def score(self, worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> float:
         saved = _cached_tokens(worker, overlap, block_size)
+        saved -= (1 - self.host_credit) * _host_tokens(worker, overlap, block_size)
         return saved - self.load_weight * worker.load.queued_tokens
 
     def choose(

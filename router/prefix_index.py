@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from common import kv_index_schema as schema
 from common.messages import WorkerInfo
 from common.redis_url import RedisFailure, check_url, describe_failure
+from router.policy import Overlap
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,10 +33,11 @@ class IndexUnavailable(RuntimeError):
 
 class IndexView(NamedTuple):
     """Live workers of one role, sorted by worker_id, and how many leading prompt blocks each
-    holds (every worker in `workers` has an entry; 0 when it holds none)."""
+    holds, of them how many only in its host tier (every worker in `workers` has an entry; 0
+    when it holds none)."""
 
     workers: list[WorkerInfo]
-    overlap: dict[str, int]
+    overlap: Overlap
 
 
 class PrefixIndex:
@@ -95,10 +97,8 @@ class PrefixIndex:
         workers = [parse(wid, row) for wid, row in zip(ids, rows, strict=True)]
         order = sorted(range(len(ids)), key=lambda i: ids[i])
         self._reap(dead)
-        return IndexView(
-            workers=[workers[i] for i in order],
-            overlap={ids[i]: int(counts[i]) for i in order},
-        )
+        overlap = _overlap([ids[i] for i in order], ids, counts)
+        return IndexView([workers[i] for i in order], overlap)
 
     async def probe(self) -> bool:
         """One read at startup, so a refused password or TLS setting is logged before the first
@@ -115,13 +115,14 @@ class PrefixIndex:
 
     async def prefix_overlap(
         self, block_hashes: Sequence[int], worker_ids: Sequence[str]
-    ) -> dict[str, int]:
-        """worker_id -> number of leading blocks of `block_hashes` it holds (stops at a gap)."""
+    ) -> Overlap:
+        """worker_id -> number of leading blocks of `block_hashes` it holds (stops at a gap),
+        device memory first, then its host tier (`.host`: how many of those)."""
         if not worker_ids:
-            return {}
+            return Overlap()
         keys = [schema.block_key(self.model_id, h) for h in block_hashes]
         counts = await self._call(lambda: self._overlap_script(keys=keys, args=list(worker_ids)))
-        return {wid: int(c) for wid, c in zip(worker_ids, counts, strict=True)}
+        return _overlap(list(worker_ids), list(worker_ids), counts)
 
     async def forget_worker(self, worker_id: str, force: bool = False) -> int:
         """Remove a worker's blocks and membership; unless `force`, only if its HASH has expired.
@@ -197,6 +198,14 @@ class PrefixIndex:
         if num_removed >= 0:
             log.info("KV index: forgot dead worker %s (%d blocks)", worker_id, num_removed)
         return num_removed
+
+
+def _overlap(wanted: Sequence[str], ids: Sequence[str], counts: Sequence[int]) -> Overlap:
+    """The overlap script's flat (device, host) counts per id, for the wanted ids."""
+    at = {worker_id: i for i, worker_id in enumerate(ids)}
+    device = {w: int(counts[2 * at[w]]) for w in wanted}
+    host = {w: int(counts[2 * at[w] + 1]) for w in wanted}
+    return Overlap({w: device[w] + host[w] for w in wanted}, host)
 
 
 def parse(worker_id: str, row: Sequence[str]) -> WorkerInfo:

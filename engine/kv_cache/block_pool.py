@@ -43,17 +43,20 @@ BlockRetention = tuple[int, float | None]  # (priority, expires_at on the pool's
 
 @dataclass(frozen=True)
 class BlockStored:
-    """A full block became findable by hash (parent_hash None: first block of a chain)."""
+    """A full block became findable by hash in a tier, "device" or "host" (parent_hash None:
+    first block of a chain)."""
 
     block_hashes: tuple[int, ...]
     parent_hash: int | None
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks with these hashes were evicted and can no longer be reused."""
+    """Blocks with these hashes were evicted from a tier and can no longer be reused there."""
 
     block_hashes: tuple[int, ...]
+    tier: str = "device"
 
 
 KVEvent = BlockStored | BlockRemoved

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+
 
 class HostTier:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, record_events: bool = False):
         self.num_slots = num_slots
+        self.record_events = record_events  # KV events (tier "host") for the cluster index
+        self._events: list[KVEvent] = []
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
         self._by_priority: dict[int, OrderedDict[int, int]] = {}  # priority -> hash -> slot
         self._slot_of: dict[int, tuple[int, int]] = {}  # hash -> (slot, priority)
@@ -31,6 +35,13 @@ class HostTier:
     def has(self, block_hash: int) -> bool:
         return block_hash in self._slot_of
 
+    def cached_hashes(self) -> list[int]:
+        return list(self._slot_of)
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
     def store(self, block_hash: int, priority: int) -> int | None:
         """A slot for a block's copy (lent until release); None when the hash is here already
         or every slot is lent. May evict the lowest-priority, oldest block."""
@@ -44,6 +55,8 @@ class HostTier:
         self._by_priority.setdefault(priority, OrderedDict())[block_hash] = slot
         self._lent[slot] += 1
         self.num_stored += 1
+        if self.record_events:
+            self._events.append(BlockStored((block_hash,), None, "host"))
         return slot
 
     def lend(self, block_hash: int) -> int:
@@ -76,6 +89,8 @@ class HostTier:
                 del bucket[block_hash]
                 del self._slot_of[block_hash]
                 self.num_dropped += 1
+                if self.record_events:
+                    self._events.append(BlockRemoved((block_hash,), "host"))
                 return slot
         return None
 

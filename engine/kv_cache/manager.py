@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.kv_cache.block_copy import BlockCopy
-from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.block_pool import BlockPool, KVBlock, KVEvent
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.retention import RetentionRange, block_retention
@@ -92,6 +92,13 @@ class KVCacheManager:
         self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
         self._num_cached_blocks: dict[str, int] = {}
         self._held: dict[str, HeldBlocks] = {}
+
+    def drain_events(self) -> list[KVEvent]:
+        """The KV events of both tiers since the last call (each tier's in order)."""
+        events = self.pool.drain_events()
+        if self.host_tier is not None:
+            events += self.host_tier.drain_events()
+        return events
 
     @property
     def num_free_blocks(self) -> int:
