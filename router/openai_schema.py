@@ -5,7 +5,7 @@ RequestSpec; stateless. Unsupported options are refused with a message, never ig
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,8 +36,6 @@ _NOT_BUILT: dict[str, Callable[[object], bool]] = {
     "prediction": _absent,
     "audio": _absent,
     "modalities": lambda v: _absent(v) or v == ["text"],
-    "guided_json": _absent,
-    "guided_choice": _absent,
     "guided_decoding_backend": _absent,
     "structured_outputs": _absent,
     "allowed_token_ids": _absent,
@@ -133,6 +131,8 @@ class _CommonRequest(_TopLevelBody):
     response_format: ResponseFormat | None = None  # text, json_object or json_schema
     guided_regex: str | None = None  # vLLM's extras: the output matches a regex
     guided_grammar: str | None = None  # or an EBNF grammar
+    guided_json: dict[str, Any] | str | None = None  # or a JSON schema
+    guided_choice: list[str] | None = None  # or exactly one of these strings
     cache_salt: str | None = None
     kv_retention: list[KVRetentionIn] | None = None  # ranges checked by the front end (400)
     user: str | None = None
@@ -181,7 +181,11 @@ class _CommonRequest(_TopLevelBody):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
             structured=structured_output(
-                self.response_format, self.guided_regex, self.guided_grammar
+                self.response_format,
+                self.guided_regex,
+                self.guided_grammar,
+                self.guided_json,
+                self.guided_choice,
             ),
             cache_salt=self.cache_salt,
             n=self.n,

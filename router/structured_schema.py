@@ -1,5 +1,6 @@
-"""Structured-output request fields (OpenAI's response_format, vLLM's guided_regex and
-guided_grammar, the gRPC StructuredOutput) turned into one StructuredOutput; stateless.
+"""Structured-output request fields (OpenAI's response_format, vLLM's guided_json,
+guided_choice, guided_regex and guided_grammar, the gRPC StructuredOutput) turned into one
+StructuredOutput; stateless.
 
 The router checks what it can without the engine (a JSON schema against the JSON Schema
 meta-schema, a regex's syntax); the engine's grammar compiler has the last word.
@@ -38,11 +39,15 @@ def structured_output(
     response_format: ResponseFormat | None,
     guided_regex: str | None = None,
     guided_grammar: str | None = None,
+    guided_json: dict[str, Any] | str | None = None,
+    guided_choice: list[str] | None = None,
 ) -> StructuredOutput | None:
     """The one grammar the fields ask for (None: free text); InvalidRequest naming the field
     for a bad spec or for more than one of them."""
     given = {
         "response_format": _from_response_format(response_format),
+        "guided_json": _from_guided_json(guided_json),
+        "guided_choice": _from_guided_choice(guided_choice),
         "guided_regex": None if guided_regex is None else StructuredOutput("regex", guided_regex),
         "guided_grammar": (
             None if guided_grammar is None else StructuredOutput("grammar", guided_grammar)
@@ -54,10 +59,35 @@ def structured_output(
             f"give at most one of {', '.join(asked)} (each constrains the whole output)",
             next(iter(asked)),
         )
-    spec = next(iter(asked.values()), None)
-    if spec is not None:
-        check_spec(spec)
+    if not asked:
+        return None
+    name, spec = next(iter(asked.items()))
+    check_spec(spec, None if name == "response_format" else name)
     return spec
+
+
+def _from_guided_json(guided_json: dict[str, Any] | str | None) -> StructuredOutput | None:
+    """vLLM's guided_json: a JSON schema, as an object or as JSON text."""
+    if guided_json is None:
+        return None
+    text = guided_json if isinstance(guided_json, str) else json.dumps(guided_json)
+    return StructuredOutput("json_schema", text)
+
+
+def _from_guided_choice(choices: list[str] | None) -> StructuredOutput | None:
+    """vLLM's guided_choice: the output is exactly one of the strings (an EBNF alternation of
+    string literals, so no character of a choice needs regex escaping)."""
+    if choices is None:
+        return None
+    if not choices or any(not c for c in choices):
+        raise InvalidRequest("guided_choice must be a list of non-empty strings", "guided_choice")
+    return StructuredOutput("grammar", "root ::= " + " | ".join(map(_ebnf_literal, choices)))
+
+
+def _ebnf_literal(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return f'"{escaped}"'
 
 
 def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:

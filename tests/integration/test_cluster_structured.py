@@ -100,6 +100,24 @@ def test_grpc_regex_and_json_object(stack):
     assert isinstance(json.loads(texts[1]), dict)
 
 
+def test_vllm_guided_json_and_guided_choice_extras(stack):
+    """vLLM's extras through the official client's extra_body, over the cluster."""
+    choices = ["yes", "no", 'it "depends"']
+    for extra in ({"guided_choice": choices}, {"guided_json": PERSON}):
+        reply = client(stack).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Is the sky blue? Describe someone."}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body=extra,
+        )
+        text = reply.choices[0].message.content or ""
+        if "guided_choice" in extra:
+            assert text in choices, text
+        else:
+            jsonschema.validate(json.loads(text), PERSON)
+
+
 def post(stack: ClusterHarness, body: dict) -> tuple[int, dict]:
     messages = [{"role": "user", "content": "hi"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 4, **body}
@@ -127,7 +145,7 @@ def post(stack: ClusterHarness, body: dict) -> tuple[int, dict]:
         # refused by the prefill worker's grammar compiler
         ({"extra_body": {"guided_regex": "(?<=a)b"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= nowhere"}}, "guided_grammar"),
-        ({"extra_body": {"guided_json": PERSON}}, "guided_json"),  # not built
+        ({"extra_body": {"guided_json": {"type": "objekt"}}}, "guided_json"),
     ],
 )
 def test_bad_specs_are_400_naming_the_field(stack, fields, param):

@@ -53,7 +53,6 @@ def test_completion_prompt_forms() -> None:
         ({**CHAT, "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
-        ({**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
         ({**CHAT, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({**CHAT, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
     ],

@@ -1,5 +1,6 @@
-"""Structured-output request fields: OpenAI's response_format, vLLM's guided_regex and
-guided_grammar, the gRPC StructuredOutput, and what stays refused; torch-free."""
+"""Structured-output request fields: OpenAI's response_format, vLLM's guided_json,
+guided_choice, guided_regex and guided_grammar, the gRPC StructuredOutput, and what stays
+refused; torch-free."""
 
 from __future__ import annotations
 
@@ -59,9 +60,26 @@ def test_regex_and_grammar_extras():
     assert chat_spec(guided_grammar=grammar).structured == StructuredOutput("grammar", grammar)
 
 
+def test_guided_json_and_guided_choice_extras():
+    as_object = chat_spec(guided_json=SCHEMA).structured
+    assert as_object is not None and as_object.kind == "json_schema"
+    assert json.loads(as_object.spec) == SCHEMA
+    as_text = chat_spec(guided_json=json.dumps(SCHEMA)).structured
+    assert as_text == StructuredOutput("json_schema", json.dumps(SCHEMA))
+    choice = chat_spec(guided_choice=["yes", 'say "no"', "a\\b\nc"]).structured
+    assert choice == StructuredOutput("grammar", 'root ::= "yes" | "say \\"no\\"" | "a\\\\b\\nc"')
+    assert choice is not None
+    check_structured(SamplingParams(structured=choice))  # xgrammar compiles it
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
+        ({"guided_json": {"type": "objekt"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -89,9 +107,8 @@ def test_bad_specs_are_refused_naming_the_field(fields, param):
 @pytest.mark.parametrize(
     "fields",
     [
-        {"guided_json": SCHEMA},
-        {"guided_choice": ["a", "b"]},
         {"structured_outputs": {"regex": "a"}},
+        {"guided_decoding_backend": "outlines"},
     ],
 )
 def test_what_is_not_built_stays_refused(fields):
