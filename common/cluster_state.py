@@ -49,6 +49,8 @@ class WorkerStats:
     num_cached_tokens: int = 0  # prefill: of those, found in its prefix cache
     num_computed_tokens: int = 0  # tokens its engine computed (prefill: prompts, once each)
     num_transferred_blocks: int = 0  # decode: blocks pulled over NIXL
+    num_host_read_blocks: int = 0  # decode: of those, read from a prefill worker's host tier
+    num_host_leased_blocks: int = 0  # prefill: blocks leased from its host tier (host leases)
     num_transferred_bytes: int = 0
     transfer_seconds: float = 0.0  # decode: summed time of those pulls
     num_recomputed: int = 0  # decode: prompts recomputed because the pull failed

@@ -85,6 +85,9 @@ class KVHandle:
     finish_reason: str | None = None
     first_top_logprobs: TopLogprobs = ()  # the first token's most likely tokens, when asked
     other_choices: tuple[FirstToken, ...] = ()
+    # host leases: the first num_host_blocks of block_ids are slots of the holder's host tier
+    # (read from its registered host memory), the rest device blocks
+    num_host_blocks: int = 0
 
     @property
     def needs_decode(self) -> bool:

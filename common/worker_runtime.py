@@ -48,7 +48,9 @@ def build_worker_parts(
     set_threads(num_threads)
     engine = Engine(engine_config)
     transfer = NixlTransfer(engine.model_id, agent_name=f"{worker_id}-nixl", **transfer_options)
-    transfer.register(engine.kv_cache)
+    # with host leases, decode workers read a prefill worker's host tier as well
+    host = engine.copies.host if engine.config.cache.host_leases else None
+    transfer.register(engine.kv_cache, host)
     publisher = make_publisher(redis_url, worker_id, engine, actor_name, role, transfer.agent_name)
     return WorkerParts(engine, transfer, publisher)
 

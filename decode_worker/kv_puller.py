@@ -73,6 +73,7 @@ class KVPuller:
         self._peers: dict[str, str | None] = {}  # prefill actor -> NIXL peer (None: refused)
         self._stats: dict[str, TransferStats] = {}
         self.num_transferred_blocks = 0
+        self.num_host_read_blocks = 0  # of them, from a prefill worker's host tier
         self.transfer_seconds = 0.0  # summed duration of completed pulls
         self.num_recomputed = 0
         self.num_refused_handshakes = 0
@@ -182,10 +183,12 @@ class KVPuller:
             return
         first = plan.first_block
         remote = handle.block_ids[first : first + len(plan.local_block_ids)]
+        num_host = min(max(0, handle.num_host_blocks - first), len(remote))  # lead the handle
         try:
             self.transfer.notify(peer, Notice(NoticeKind.BEGIN, req_id, pull.epoch).encode())
             done = Notice(NoticeKind.DONE, req_id, pull.epoch).encode()
-            xfer = self.transfer.read(peer, remote, plan.local_block_ids, done)
+            xfer = self.transfer.read(peer, remote, plan.local_block_ids, done, num_host)
+            self.num_host_read_blocks += num_host
         except (ValueError, KVTransferError) as e:
             self._recompute(pull, f"read refused: {e}")
             return

@@ -192,6 +192,7 @@ class DecodeWorker:
                 load=engine_load(engine),
                 num_requests=life.num_requests,
                 num_transferred_blocks=puller.num_transferred_blocks,
+                num_host_read_blocks=puller.num_host_read_blocks,
                 num_transferred_bytes=puller.num_transferred_blocks * puller.block_bytes,
                 transfer_seconds=puller.transfer_seconds,
                 num_recomputed=puller.num_recomputed,

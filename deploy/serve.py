@@ -132,6 +132,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "from the device pool are kept there and copied back on a prefix hit (default 0: none)",
     )
     p.add_argument(
+        "--host-leases",
+        action="store_true",
+        help="prefill workers lease the host-tier copies of a prompt's leading blocks to decode "
+        "workers (read from host memory over NIXL) instead of pinning their device blocks, so a "
+        "slow decode pull never holds device memory; needs --host-kv-gib",
+    )
+    p.add_argument(
         "--partial-reuse-min-tokens",
         type=int,
         default=None,
@@ -256,6 +263,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_dtype=args.kv_cache_dtype,
             partial_reuse_min_tokens=args.partial_reuse_min_tokens,
             host_kv_cache_bytes=int(args.host_kv_gib * (1 << 30)),
+            host_leases=args.host_leases,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

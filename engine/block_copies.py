@@ -56,10 +56,15 @@ class BlockCopies:
                 behind.settled()
         self.run(kv.drain_copies(), wait)
 
-    def offload_owed(self, kv: KVCacheManager) -> None:
+    def offload_owed(self, kv: KVCacheManager, sync: bool = False) -> None:
         """After a step: copy the blocks it committed into their host slots, on the offload
-        stream, behind the work queued so far."""
-        copies = kv.drain_offloads()
+        stream, behind the work queued so far. sync: return once every offload is done (a
+        host lease's slots are about to be read by another process)."""
+        self._offload(kv.drain_offloads())
+        if sync:
+            self._sync_offloads()
+
+    def _offload(self, copies: list[BlockCopy]) -> None:
         if not copies:
             return
         assert self.host is not None

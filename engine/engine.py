@@ -27,7 +27,6 @@ from engine.block_copies import BlockCopies
 from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks, PrefilledChoices
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
-from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
@@ -88,16 +87,8 @@ class Engine:
         self.kv_cache = backend.kv_cache
         cache = config.cache
         self.copies = BlockCopies(self.kv_cache, cache.host_kv_cache_bytes)
-        host_slots = self.copies.num_host_slots
-        self.kv = KVCacheManager(
-            pool.num_blocks,
-            cache.block_size,
-            self.model_id,
-            cache.enable_prefix_caching,
-            config.record_kv_events,
-            cache.partial_reuse_threshold,
-            HostTier(host_slots, config.record_kv_events) if host_slots else None,
-        )
+        slots, events = self.copies.num_host_slots, config.record_kv_events
+        self.kv = KVCacheManager.from_config(cache, pool.num_blocks, self.model_id, events, slots)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
         self.forks = ChoiceForks(self.scheduler, self.kv)
@@ -306,7 +297,8 @@ class Engine:
         started = time.perf_counter()
         computed_before = self.stats.num_computed_tokens
         outputs = self._step()
-        self.copies.offload_owed(self.kv)  # the blocks it committed, behind it
+        # the blocks it committed, behind it (done before a host lease's handle leaves)
+        self.copies.offload_owed(self.kv, sync=any(o.num_held_host_blocks for o in outputs))
         num_computed = self.stats.num_computed_tokens - computed_before
         if num_computed:
             self.stats.rate.record(time.perf_counter() - started, num_computed)
@@ -470,6 +462,7 @@ class Engine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             new_logprobs=None if logprob is None else [logprob],
             held_block_ids=tuple(held or ()),
+            num_held_host_blocks=self.kv.num_held_host_blocks(req.req_id) if held else 0,
             index=req.choice_index,
         )
 

@@ -31,6 +31,7 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[float] | None = None
     held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
+    num_held_host_blocks: int = 0  # of which the first ones are host-tier slots (host leases)
     index: int = 0  # which of the request's n choices (engine/fork.py)
     new_top_logprobs: list[TopLogprobs] | None = None  # one per new token, when asked
 

@@ -48,9 +48,14 @@ class AgentMetadata:
     block_bytes: int
     device_kind: str  # "cpu" or "cuda"
     device_id: int
+    host_base_addr: int = 0  # the host tier's registered memory (DRAM; 0 blocks: none)
+    host_num_blocks: int = 0
 
     def region(self) -> RegionLayout:
         return RegionLayout(self.base_addr, self.num_blocks, self.block_bytes, self.device_id)
+
+    def host_region(self) -> RegionLayout:
+        return RegionLayout(self.host_base_addr, self.host_num_blocks, self.block_bytes, 0)
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,9 @@ class KVTransfer(abc.ABC):
     """
 
     @abc.abstractmethod
-    def register(self, kv_tensor: object) -> None:
-        """Register the [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] KV tensor."""
+    def register(self, kv_tensor: object, host_tensor: object = None) -> None:
+        """Register the [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] KV tensor,
+        and the host tier's tensor of the same block shape when peers read leases from it."""
 
     @abc.abstractmethod
     def metadata(self) -> AgentMetadata:
@@ -103,8 +109,10 @@ class KVTransfer(abc.ABC):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         notif_msg: bytes = b"",
+        num_remote_host: int = 0,
     ) -> TransferHandle:
-        """Start one READ of remote_block_ids[i] into local_block_ids[i] for every i.
+        """Start one READ of remote_block_ids[i] into local_block_ids[i] for every i; the first
+        num_remote_host remote ids are slots of the peer's host tier, the rest device blocks.
 
         Raises ValueError for an unknown peer, unpaired or out-of-range ids; `notif_msg`, if
         given, reaches the peer (see `get_notifs`) once the read has completed.

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -99,7 +99,9 @@ class NixlTransfer(KVTransfer):
         self.progress_thread = progress_thread  # False only where nothing reads from us
         self._agent: Any = None  # nixl_agent
         self._reg_descs: Any = None
+        self._reg_host_descs: Any = None
         self._kv_tensor: torch.Tensor | None = None
+        self._host_tensor: torch.Tensor | None = None
         self._meta: AgentMetadata | None = None
         self._peers: dict[str, AgentMetadata] = {}
         self._reads: dict[int, _Read] = {}
@@ -112,7 +114,9 @@ class NixlTransfer(KVTransfer):
 
     # -- setup -------------------------------------------------------------------------------
 
-    def register(self, kv_tensor: torch.Tensor) -> None:  # type: ignore[override]
+    def register(  # type: ignore[override]
+        self, kv_tensor: torch.Tensor, host_tensor: torch.Tensor | None = None
+    ) -> None:
         if self._meta is not None:
             raise RuntimeError(f"agent {self.agent_name!r} already registered a KV tensor")
         device_kind, device_id = check_kv_tensor(kv_tensor)
@@ -130,6 +134,11 @@ class NixlTransfer(KVTransfer):
                 self._reg_descs = self._agent.register_memory(
                     [(base_addr, num_bytes, device_id, "")], mem_type, backends=[BACKEND]
                 )
+                if host_tensor is not None:
+                    host_bytes = host_tensor.numel() * host_tensor.element_size()
+                    self._reg_host_descs = self._agent.register_memory(
+                        [(host_tensor.data_ptr(), host_bytes, 0, "")], "DRAM", backends=[BACKEND]
+                    )
             nixl_md = self._agent.get_agent_metadata()
         except KVTransferError:
             raise
@@ -140,7 +149,14 @@ class NixlTransfer(KVTransfer):
                 f"for {self.agent_name!r}: {e!r}"
             ) from e
         self._kv_tensor = kv_tensor  # keep the memory alive while registered
+        self._host_tensor = host_tensor
         self._meta = _describe(self.agent_name, self.model_id, kv_tensor, bytes(nixl_md))
+        if host_tensor is not None:
+            self._meta = replace(
+                self._meta,
+                host_base_addr=host_tensor.data_ptr(),
+                host_num_blocks=int(host_tensor.shape[0]),
+            )
 
     def metadata(self) -> AgentMetadata:
         return self._require_meta()
@@ -190,21 +206,38 @@ class NixlTransfer(KVTransfer):
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         notif_msg: bytes = b"",
+        num_remote_host: int = 0,
     ) -> TransferHandle:
         local = self._require_meta()
         remote = self._peers.get(peer)
         if remote is None:
             raise ValueError(f"unknown peer {peer!r}; call add_peer with its metadata first")
-        local_descs, remote_descs = block_descriptors(
-            local.region(), local_block_ids, remote.region(), remote_block_ids
-        )
-        parts = split_descriptors(
-            local_descs,
-            remote_descs,
-            self.max_parts_per_read,
-            local.block_bytes,
-            self.min_part_bytes,
-        )
+        h = num_remote_host
+        if not 0 <= h <= min(len(remote_block_ids), len(local_block_ids)):
+            raise ValueError(f"num_remote_host {h} is out of range")
+        if h and not remote.host_num_blocks:
+            raise ValueError(f"peer {peer!r} registered no host tier to read from")
+        parts: list[tuple[DescriptorPairs, str]] = []
+        num_descs = 0  # coalesced, before any cutting into parts
+        if h:  # one part from the peer's host memory
+            host_pairs = block_descriptors(
+                local.region(), local_block_ids[:h], remote.host_region(), remote_block_ids[:h]
+            )
+            parts.append((host_pairs, "DRAM"))
+            num_descs += len(host_pairs[0])
+        if h < len(local_block_ids) or not h:
+            local_descs, remote_descs = block_descriptors(
+                local.region(), local_block_ids[h:], remote.region(), remote_block_ids[h:]
+            )
+            device_parts = split_descriptors(
+                local_descs,
+                remote_descs,
+                self.max_parts_per_read,
+                local.block_bytes,
+                self.min_part_bytes,
+            )
+            parts += [(pair, MEM_TYPES[remote.device_kind]) for pair in device_parts]
+            num_descs += len(local_descs)
         one_part = len(parts) == 1
         xfers = self._init_xfers(peer, parts, notif_msg if one_part else b"", len(local_block_ids))
         read = _Read(
@@ -215,7 +248,7 @@ class NixlTransfer(KVTransfer):
             notif_msg=b"" if one_part else notif_msg,
         )
         self._post(read)
-        handle = TransferHandle(self._next_xfer_id, peer, len(local_block_ids), len(local_descs))
+        handle = TransferHandle(self._next_xfer_id, peer, len(local_block_ids), num_descs)
         self._next_xfer_id += 1
         self._reads[handle.xfer_id] = read
         return handle
@@ -299,9 +332,12 @@ class NixlTransfer(KVTransfer):
             self.remove_peer(peer)
         try:
             self._agent.deregister_memory(self._reg_descs, backends=[BACKEND])
+            if self._reg_host_descs is not None:
+                self._agent.deregister_memory(self._reg_host_descs, backends=[BACKEND])
         except Exception as e:
             logger.warning("closing %r: deregister failed: %r", self.agent_name, e)
-        self._agent = self._reg_descs = self._kv_tensor = None
+        self._agent = self._reg_descs = self._reg_host_descs = None
+        self._kv_tensor = self._host_tensor = None
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -317,14 +353,18 @@ class NixlTransfer(KVTransfer):
         return read
 
     def _init_xfers(
-        self, peer: str, parts: list[DescriptorPairs], notif_msg: bytes, num_blocks: int
+        self,
+        peer: str,
+        parts: list[tuple[DescriptorPairs, str]],
+        notif_msg: bytes,
+        num_blocks: int,
     ) -> list[Any]:
-        """One NIXL READ handle per part (not posted); none is left behind if one is refused."""
+        """One NIXL READ handle per part (not posted), each with the remote memory type it
+        reads; none is left behind if one is refused."""
         local_mem = MEM_TYPES[self._require_meta().device_kind]
-        remote_mem = MEM_TYPES[self._peers[peer].device_kind]
         xfers: list[Any] = []
         try:
-            for local_descs, remote_descs in parts:
+            for (local_descs, remote_descs), remote_mem in parts:
                 xfers.append(
                     self._agent.initialize_xfer(
                         "READ",

@@ -89,6 +89,7 @@ class PrefillWorker:
         self.index_upkeep = IndexUpkeep(self.publisher, self.engine, config.heartbeat_s)
         self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
+        self.num_host_leased_blocks = 0  # leased from the host tier (host leases)
         self.num_cached_tokens = 0
         self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
@@ -187,6 +188,7 @@ class PrefillWorker:
                 load=engine_load(engine),
                 num_requests=life.num_requests,
                 num_prompt_tokens=self.num_prompt_tokens,
+                num_host_leased_blocks=self.num_host_leased_blocks,
                 num_cached_tokens=self.num_cached_tokens,
                 num_computed_tokens=engine.stats.num_computed_tokens,
                 num_in_flight=self._num_in_flight(engine),
@@ -308,7 +310,13 @@ class PrefillWorker:
             return handle
         lease_s = self.config.lease_s
         epoch = self.leases.grant(first.req_id, first.held_block_ids, lease_s, now).epoch
-        return replace(handle, block_ids=first.held_block_ids, epoch=epoch)
+        self.num_host_leased_blocks += first.num_held_host_blocks
+        return replace(
+            handle,
+            block_ids=first.held_block_ids,
+            epoch=epoch,
+            num_host_blocks=first.num_held_host_blocks,
+        )
 
     def _on_tick(self) -> bool:
         now = time.monotonic()

@@ -67,6 +67,12 @@ class HostTier:
         self.num_taken += 1
         return slot
 
+    def pin(self, block_hash: int) -> int:
+        """A prefill lease on a block's copy here: its slot, lent until release."""
+        slot, _ = self._slot_of[block_hash]
+        self._lent[slot] += 1
+        return slot
+
     def refresh(self, block_hash: int, priority: int) -> None:
         """The block left the device: here it now ranks by the priority it had there, newest."""
         slot, old = self._slot_of[block_hash]

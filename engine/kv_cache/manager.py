@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.config import CacheConfig
 from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.block_pool import BlockPool, KVBlock, KVEvent
 from engine.kv_cache.hashing import hash_blocks, root_hash
@@ -40,11 +41,14 @@ NO_MATCH = PrefixMatch()
 
 
 class HeldBlocks(NamedTuple):
-    """A finished request's blocks kept referenced (a prefill lease), with how to free them."""
+    """A finished request's blocks kept referenced (a prefill lease), with how to free them:
+    host_slots pin the host tier's copies of its first blocks, `blocks` are the rest (from
+    block index len(host_slots) on)."""
 
     blocks: list[KVBlock]
     priority: int
     retention: tuple[RetentionRange, ...]
+    host_slots: tuple[int, ...] = ()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -71,12 +75,15 @@ class KVCacheManager:
         record_events: bool = False,
         partial_reuse_min_tokens: int = 0,
         host_tier: HostTier | None = None,
+        host_leases: bool = False,
     ):
         """partial_reuse_min_tokens: reuse the matching tokens of a cached block a prompt
         diverges inside when at least this many match (0: full blocks only). host_tier: where
-        cached blocks evicted from the device go, still findable by hash."""
+        cached blocks evicted from the device go, still findable by hash. host_leases: hold()
+        pins the host copies of a request's leading blocks instead of their device blocks."""
         self.block_size = block_size
         self.host_tier = host_tier
+        self.host_leases = host_leases and host_tier is not None and enable_caching
         self.partial_reuse_min_tokens = partial_reuse_min_tokens
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
@@ -99,6 +106,28 @@ class KVCacheManager:
         if self.host_tier is not None:
             events += self.host_tier.drain_events()
         return events
+
+    @classmethod
+    def from_config(
+        cls,
+        cache: CacheConfig,
+        num_blocks: int,
+        model_id: str,
+        record_events: bool,
+        host_slots: int,
+    ) -> KVCacheManager:
+        """An engine's manager: its pool of num_blocks, a host tier of host_slots (0: none)."""
+        tier = HostTier(host_slots, record_events) if host_slots else None
+        return cls(
+            num_blocks,
+            cache.block_size,
+            model_id,
+            cache.enable_prefix_caching,
+            record_events,
+            cache.partial_reuse_threshold,
+            tier,
+            cache.host_leases,
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -334,22 +363,45 @@ class KVCacheManager:
         self._free_blocks(blocks, req.retention_priority, req.retention)
 
     def _free_blocks(
-        self, blocks: list[KVBlock], priority: int, retention: tuple[RetentionRange, ...]
+        self,
+        blocks: list[KVBlock],
+        priority: int,
+        retention: tuple[RetentionRange, ...],
+        first: int = 0,
     ) -> None:
-        """Tail first; each block keeps the priority its token ranges give it (else priority)."""
+        """Tail first; each block keeps the priority its token ranges give it (else priority).
+        first: the request's block index of blocks[0]."""
         kept = None
         if retention:
             now = self.pool.clock()
-            kept = block_retention(retention, len(blocks), self.block_size, priority, now)[::-1]
+            num = first + len(blocks)
+            kept = block_retention(retention, num, self.block_size, priority, now)[first:][::-1]
         self.pool.free(blocks[::-1], priority, kept)
 
     def hold(self, req: Request) -> list[int]:
-        """Keep a finished request's blocks referenced (a prefill lease) until release_held."""
+        """Keep a finished request's blocks referenced (a prefill lease) until release_held:
+        the ids of its host slots (with host leases: its leading blocks copied there, whose
+        device blocks are freed, still cached), then of its device blocks."""
         blocks = self._req_blocks.pop(req.req_id, [])
         self._req_block_ids.pop(req.req_id, None)
         self._num_cached_blocks.pop(req.req_id, None)
-        self._held[req.req_id] = HeldBlocks(blocks, req.retention_priority, req.retention)
-        return [block.block_id for block in blocks]
+        slots: list[int] = []
+        if self.host_leases:
+            assert self.host_tier is not None
+            for block in blocks:
+                if block.block_hash is None or not self.host_tier.has(block.block_hash):
+                    break
+                slots.append(self.host_tier.pin(block.block_hash))
+            self._free_blocks(blocks[: len(slots)], req.retention_priority, req.retention)
+            blocks = blocks[len(slots) :]
+        held = HeldBlocks(blocks, req.retention_priority, req.retention, tuple(slots))
+        self._held[req.req_id] = held
+        return [*slots, *(block.block_id for block in blocks)]
+
+    def num_held_host_blocks(self, req_id: str) -> int:
+        """How many of a held request's first ids (see hold) are host slots."""
+        held = self._held.get(req_id)
+        return 0 if held is None else len(held.host_slots)
 
     def is_held(self, req_id: str) -> bool:
         return req_id in self._held
@@ -358,7 +410,10 @@ class KVCacheManager:
         held = self._held.pop(req_id, None)
         if held is None:
             return False
-        self._free_blocks(held.blocks, held.priority, held.retention)
+        self._free_blocks(held.blocks, held.priority, held.retention, len(held.host_slots))
+        for slot in held.host_slots:
+            assert self.host_tier is not None
+            self.host_tier.release(slot)
         return True
 
     @property
@@ -368,7 +423,8 @@ class KVCacheManager:
     def held_block_ids(self) -> dict[str, tuple[int, ...]]:
         """req_id -> the block ids held for it (a copy; the prefill worker checks its leases)."""
         return {
-            req_id: tuple(b.block_id for b in held.blocks) for req_id, held in self._held.items()
+            req_id: (*held.host_slots, *(b.block_id for b in held.blocks))
+            for req_id, held in self._held.items()
         }
 
     def block_ids(self, req_id: str) -> list[int]:
@@ -398,4 +454,5 @@ class KVCacheManager:
             owed = {c.dst_block_id for c in self._pending_copies if c.kind == "to_host"}
             owed |= {c.src_block_id for c in self._pending_copies if c.kind == "from_host"}
             owed |= {c.dst_block_id for c in (self.write_behind or WriteBehind()).owed.values()}
+            owed |= {slot for held in self._held.values() for slot in held.host_slots}
             self.host_tier.check_integrity(owed)

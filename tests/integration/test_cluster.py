@@ -19,6 +19,7 @@ from tests.integration.cluster_support import (
     cluster_spec,
     collect,
     decode_from_extra_prefill,
+    decode_handle,
     leave_after,
     start_extra_prefill,
     tokens_of,
@@ -222,6 +223,40 @@ def test_incompatible_handshake_is_refused_and_request_recomputed(
     assert after.num_recomputed == before.num_recomputed + 1
     assert after.num_transferred_blocks == before.num_transferred_blocks
     assert after.num_refused_handshakes == before.num_refused_handshakes + 1
+
+
+def test_a_decode_pull_reads_the_prefill_workers_host_tier(cluster, loop, tokenizer, make_engine):
+    """Host leases: the prefill worker leases the host tier's copies of the prompt's full blocks
+    (their device blocks freed, still cached) and the decode worker reads them from its host
+    memory over NIXL, the partial last block from its device pool: token-exact, no recompute,
+    and both of the holder's tiers end leak-free."""
+    prompt = shared_prefix_prompts(tokenizer, "Hostlease", 1)[0]
+    cache = CacheConfig(num_blocks=64, host_kv_cache_bytes=64 << 20, host_leases=True)
+    holder = start_extra_prefill(
+        "host-lease-prefill", dataclasses.replace(cluster.spec.engine, cache=cache)
+    )
+    req = request("hostlease", prompt)
+
+    async def run():
+        handle = await holder.prefill.remote(req)
+        tokens, before, after = await decode_handle(cluster, req, handle)
+        for _ in range(200):  # the read's DONE notice releases the lease
+            if await holder.num_leases.remote() == 0:
+                break
+            await asyncio.sleep(0.05)
+        return handle, tokens, before, after, await holder.check_no_leaks.remote()
+
+    try:
+        handle, tokens, before, after, leaks = loop.run_until_complete(run())
+    finally:
+        ray.kill(holder)
+    num_full = len(prompt) // cache.block_size
+    assert handle.num_host_blocks == num_full > 0 and len(handle.block_ids) == num_full + 1
+    assert tokens == reference_tokens(make_engine, prompt)
+    assert after.num_host_read_blocks - before.num_host_read_blocks == num_full
+    assert after.num_transferred_blocks - before.num_transferred_blocks == num_full + 1
+    assert after.num_recomputed == before.num_recomputed
+    assert leaks.num_held_blocks == 0 and leaks.num_free_blocks == leaks.num_total_blocks
 
 
 def test_redis_down_then_back(cluster, loop, tokenizer):

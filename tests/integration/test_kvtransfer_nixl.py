@@ -42,6 +42,7 @@ class PeerConfig:
     timeout_s: float = 10.0
     ucx_tls: str | None = None  # None: kvtransfer picks
     device: str = "cpu"
+    host_blocks: int = 0  # a host tier registered beside the KV tensor (random content)
 
 
 # -- child side: one NixlTransfer per process ------------------------------------------------
@@ -70,8 +71,12 @@ class _PeerState:
         else:
             gen = torch.Generator().manual_seed(config.seed)
             self.kv = torch.randn(shape, generator=gen).to(config.device)
+        self.host = None
+        if config.host_blocks:
+            gen = torch.Generator().manual_seed((config.seed or 0) + 100)
+            self.host = torch.randn((config.host_blocks, *shape[1:]), generator=gen)
         self.transfer = NixlTransfer(config.model_id, self.name, timeout_s=config.timeout_s)
-        self.transfer.register(self.kv)
+        self.transfer.register(self.kv, self.host)
 
     def metadata(self) -> AgentMetadata:
         return self.transfer.metadata()
@@ -80,9 +85,14 @@ class _PeerState:
         return self.transfer.add_peer(meta)
 
     def read_and_wait(
-        self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int], notif: bytes = b""
+        self,
+        peer: str,
+        remote_ids: Sequence[int],
+        local_ids: Sequence[int],
+        notif: bytes = b"",
+        num_remote_host: int = 0,
     ) -> TransferHandle:
-        handle = self.transfer.read(peer, remote_ids, local_ids, notif)
+        handle = self.transfer.read(peer, remote_ids, local_ids, notif, num_remote_host)
         try:
             self.transfer.wait(handle)
         finally:
@@ -94,6 +104,10 @@ class _PeerState:
 
     def block_bytes(self, block_ids: Sequence[int]) -> list[bytes]:
         return [self.kv[i].cpu().numpy().tobytes() for i in block_ids]
+
+    def host_bytes(self, slots: Sequence[int]) -> list[bytes]:
+        assert self.host is not None
+        return [self.host[i].numpy().tobytes() for i in slots]
 
     def wait_notifs(self, count: int, timeout_s: float = 10.0) -> list[Notification]:
         notifs: list[Notification] = []
@@ -202,7 +216,7 @@ def peers() -> Iterator[dict[str, Peer]]:
     """holder (prefill side, random blocks), reader (decode side, zeros), stranger (varies)."""
     peers = start_peers(
         {
-            "holder": PeerConfig(seed=1),
+            "holder": PeerConfig(seed=1, host_blocks=16),
             "reader": PeerConfig(),
             "stranger": PeerConfig(seed=2),
         }
@@ -242,6 +256,29 @@ def test_read_pulls_non_adjacent_blocks(reader: Peer, holder: Peer) -> None:
     assert handle.num_descs == 4  # 1-3->5-7, 10->20, 40-41->0-1, 63->30
     assert_blocks_equal(reader, local_ids, holder, remote_ids)
     assert reader.call("block_bytes", [8, 21]) == before  # untouched neighbours
+
+
+def test_one_read_pulls_host_tier_slots_then_device_blocks(reader: Peer, holder: Peer) -> None:
+    """A host lease: the first remote ids are slots of the holder's host tier (DRAM), the rest
+    device blocks; one read, one notification once both parts are done."""
+    handle = reader.call(
+        "read_and_wait", "holder", [3, 4, 9, 50, 51], [40, 41, 42, 43, 44], b"host done", 3
+    )
+    assert handle.num_blocks == 5 and handle.num_descs == 3  # 3-4, 9 (host); 50-51 (device)
+    host = holder.call("host_bytes", [3, 4, 9])
+    assert reader.call("block_bytes", [40, 41, 42]) == host
+    assert reader.call("block_bytes", [40, 41, 42]) != holder.call("block_bytes", [3, 4, 9])
+    assert_blocks_equal(reader, [43, 44], holder, [50, 51])
+    assert Notification("reader", b"host done") in holder.call("wait_notifs", 1)
+
+
+def test_a_host_read_from_a_peer_without_a_host_tier_is_refused(peers: dict[str, Peer]) -> None:
+    holder, stranger = peers["holder"], peers["stranger"]
+    assert holder.call("add_peer", stranger.call("metadata")) == "stranger"
+    with pytest.raises(ValueError, match="no host tier"):
+        holder.call("read_and_wait", "stranger", [1], [1], b"", 1)
+    with pytest.raises(ValueError, match="out of range"):
+        holder.call("read_and_wait", "stranger", [1], [1], b"", 2)
 
 
 def test_read_whole_pool_is_one_descriptor(reader: Peer, holder: Peer) -> None:

@@ -134,3 +134,28 @@ def test_a_partial_copy_reads_its_source_before_any_copy_back_overwrites_it() ->
     kv.free(req)
     kv.check_integrity()
     assert kv.num_free_blocks == 3
+
+
+def test_a_host_lease_pins_the_host_copies_and_frees_their_device_blocks() -> None:
+    kv = KVCacheManager(4, BLOCK_SIZE, "m", host_tier=HostTier(8), host_leases=True)
+    tier = kv.host_tier
+    assert tier is not None
+    req = Request("p", list(range(1, 11)))  # 2 full blocks and a partial one
+    kv.allocate(req, 10)
+    req.num_computed_tokens = 10
+    kv.cache_full_blocks(req)
+    partial = kv.block_ids("p")[2]
+    ids = kv.hold(req)
+    assert kv.num_held_host_blocks("p") == 2 and ids[2] == partial  # slots first, then device
+    assert kv.held_block_ids() == {"p": tuple(ids)}
+    assert kv.num_free_blocks == 3  # the leading blocks are free on the device (still cached)
+    kv.drain_offloads()
+    kv.check_integrity()  # the leased slots count as lent
+    for i in range(4):  # 8 more blocks through an 8-slot tier: everything unpinned is evicted
+        finished(kv, f"x{i}", list(range(100 + 8 * i, 108 + 8 * i)))
+        kv.drain_copies()
+        kv.drain_offloads()
+    assert all(tier.has(h) for h in req.block_hashes[:2])  # pinned: never evicted
+    assert kv.release_held("p") and not kv.release_held("p")
+    kv.check_integrity()
+    assert kv.num_free_blocks == 4 and kv.num_held == 0
