@@ -75,6 +75,8 @@ class _PeerState:
         if config.host_blocks:
             gen = torch.Generator().manual_seed((config.seed or 0) + 100)
             self.host = torch.randn((config.host_blocks, *shape[1:]), generator=gen)
+            if config.device != "cpu":  # pinned, as a CUDA worker's host tier is
+                self.host = self.host.pin_memory()
         self.transfer = NixlTransfer(config.model_id, self.name, timeout_s=config.timeout_s)
         self.transfer.register(self.kv, self.host)
 
