@@ -24,6 +24,7 @@ from common.placement_rules import SloTargets
 from common.worker_stats import gather_stats
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
+from router.choice_migration import as_choice, resume_choices
 from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import LocalPrefill, Placement, PrefillPolicy, make_prefill_policy
@@ -120,25 +121,27 @@ class ClusterBackend(Backend):
         """The request's deltas. When its decode worker dies, the request is migrated: its
         prompt plus every token already sent is prefilled again (mostly a prefix-cache hit) and
         decoded on another worker, and the stream goes on with the next token. An n > 1 request
-        is not migrated: it ends with an error (its choices' tokens would each need a leg)."""
+        resumes each unfinished choice as a request of its own (router/choice_migration.py)."""
         sent: list[int] = []
+        by_choice: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}
         leg = request
         for num_migrations in range(self.max_migrations + 1):
             try:
                 async with contextlib.aclosing(self._leg(leg, request.req_id)) as deltas:
                     async for delta in deltas:
                         sent.extend(delta.token_ids)
+                        by_choice[delta.index].extend(delta.token_ids)
+                        if delta.finished:
+                            del by_choice[delta.index]
                         if num_migrations:  # prompt counts are the first leg's
-                            delta = replace(
-                                delta, req_id=request.req_id, num_prompt_tokens=0,
-                                num_cached_tokens=0,
-                            )  # fmt: skip
+                            delta = as_choice(delta, request.req_id, delta.index)
                         yield delta
                 return
             except _DecodeLost as lost:
                 if request.sampling.n > 1:
-                    error = f"{lost}; a request with n > 1 is not migrated"
-                    yield TokenDelta(request.req_id, (), True, "error", error=error)
+                    self._count_migration(request, lost, f"{len(by_choice)} open choices")
+                    async for delta in resume_choices(self.generate, request, by_choice):
+                        yield delta
                     return
                 if num_migrations == self.max_migrations:
                     error = f"{lost}; not migrated again ({self.max_migrations} migrations)"
@@ -148,13 +151,13 @@ class ClusterBackend(Backend):
                     yield TokenDelta(request.req_id, (), True, "length")
                     return
                 leg = _continuation(request, sent, num_migrations + 1)
-                self.num_migrations += 1
-                if self.metrics is not None:
-                    self.metrics.observe_migration()
-                logger.warning(
-                    "request %s: %s; migrating it with %d tokens sent", request.req_id, lost,
-                    len(sent),
-                )  # fmt: skip
+                self._count_migration(request, lost, f"{len(sent)} tokens sent")
+
+    def _count_migration(self, request: GenerateRequest, lost: Exception, what: str) -> None:
+        self.num_migrations += 1
+        if self.metrics is not None:
+            self.metrics.observe_migration()
+        logger.warning("request %s: %s; migrating it with %s", request.req_id, lost, what)
 
     async def _leg(self, request: GenerateRequest, client_req_id: str) -> AsyncIterator[TokenDelta]:
         """One prefill and one decode of `request` (both on one decode worker when the

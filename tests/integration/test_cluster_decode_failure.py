@@ -198,3 +198,52 @@ def test_past_the_migration_budget_a_stream_ends_with_a_clear_error(
     assert later[-1].finish_reason == "length" and tokens_of(later) == expected[0]
     assert later_workers and victim not in later_workers, later_workers
     loop.run_until_complete(wait_until_no_leaks(cluster))
+
+
+def test_a_dead_decode_workers_n3_requests_resume_every_open_choice(
+    cluster, loop, tokenizer, make_engine
+):
+    """n = 3, seeded sampling and greedy side by side: when the seeded request's decode worker
+    dies mid-stream, each of its open choices resumes as a request of its own on the other
+    worker (seed + i, from the tokens it sent), and every choice ends as in an undisturbed
+    run, with no duplicated or missing token."""
+    loop.run_until_complete(both_decode_workers_ready(cluster))
+    prompt = tuple(prompts_for(tokenizer, "forked")[0])
+    seeded = SamplingParams(max_tokens=48, temperature=0.9, seed=7, ignore_eos=True, n=3)
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, n=3)
+    killed: list[str] = []
+
+    async def run(req_id: str, params: SamplingParams, kill: bool):
+        choices: dict[int, list[int]] = {i: [] for i in range(3)}
+        reasons: dict[int, str | None] = {}
+        async for delta in cluster.backend.generate(GenerateRequest(req_id, prompt, params)):
+            assert delta.req_id == req_id and delta.error is None, delta
+            choices[delta.index].extend(delta.token_ids)
+            if delta.finished:
+                reasons[delta.index] = delta.finish_reason
+            if kill and not killed and all(len(t) >= 3 for t in choices.values()):
+                victim = cluster.backend.decode_worker_of(req_id)
+                assert victim is not None
+                killed.append(victim)
+                ray.kill(cluster.decode_actors[victim])
+        return choices, reasons
+
+    async def storm():
+        return await asyncio.wait_for(
+            asyncio.gather(run("storm", seeded, True), run("calm-greedy", greedy, False)),
+            HANG_BOUND_S,
+        )
+
+    undisturbed, _ = loop.run_until_complete(run("calm", seeded, False))
+    before = cluster.backend.num_migrations
+    (migrated, reasons), (greedy_choices, greedy_reasons) = loop.run_until_complete(storm())
+    assert killed, "the request finished before the kill"
+    assert cluster.backend.num_migrations > before
+    assert migrated == undisturbed and reasons == {0: "length", 1: "length", 2: "length"}
+    single = reference_batch(
+        make_engine, [list(prompt)], [SamplingParams(**{**greedy.__dict__, "n": 1})]
+    )
+    assert greedy_choices == {i: single[0] for i in range(3)}
+    assert set(greedy_reasons.values()) == {"length"}
+    loop.run_until_complete(both_decode_workers_ready(cluster))
+    loop.run_until_complete(wait_until_no_leaks(cluster))
