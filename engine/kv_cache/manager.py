@@ -351,8 +351,9 @@ class KVCacheManager:
             key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
             tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
-        tier = self.host_tier
-        if self.write_behind is not None and tier is not None and not tier.has(block.block_hash):
+        tier, block_hash = self.host_tier, block.block_hash  # None: another block has the hash
+        stored = tier is None or block_hash is None or tier.has(block_hash)
+        if self.write_behind is not None and not stored:
             self._write_behind(block)
 
     def free(self, req: Request) -> None:

@@ -159,3 +159,20 @@ def test_a_host_lease_pins_the_host_copies_and_frees_their_device_blocks() -> No
     assert kv.release_held("p") and not kv.release_held("p")
     kv.check_integrity()
     assert kv.num_free_blocks == 4 and kv.num_held == 0
+
+
+def test_a_duplicate_of_a_cached_block_gets_no_host_slot() -> None:
+    """Two requests compute the same prefix at once: the second's block is not cached (the
+    first writer wins), so it is neither given a slot nor copied."""
+    kv = KVCacheManager(8, BLOCK_SIZE, "m", host_tier=HostTier(8))
+    first, second = Request("a", [1, 2, 3, 4, 5]), Request("b", [1, 2, 3, 4, 6])
+    for req in (first, second):
+        kv.allocate(req, 5)
+        req.num_computed_tokens = 5
+    for req in (first, second):
+        kv.cache_full_blocks(req)
+    offloads = kv.drain_offloads()
+    assert [c.src_block_id for c in offloads] == [kv.block_ids("a")[0]]
+    for req in (first, second):
+        kv.free(req)
+    kv.check_integrity()
