@@ -37,8 +37,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.engine import Engine, EngineConfig
     from engine.sampling_params import SamplingParams
+    from engine.validation import check_sampling
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+    )
+    check_sampling(params, sys.maxsize)  # before torch and the model (the vocabulary: later)
+    from engine.engine import Engine, EngineConfig
 
     quantization = quantization_from_flag(args.quantization)
     config = EngineConfig(
@@ -55,15 +67,6 @@ def _generate(args: argparse.Namespace) -> int:
         if args.system:
             messages.insert(0, {"role": "system", "content": args.system})
         prompt = engine.tokenizer.apply_chat_template(messages)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-    )
     engine.add_request("cli", prompt, params)
     while engine.has_unfinished_requests:
         for out in engine.step():

@@ -259,7 +259,7 @@ def test_bad_retention_ranges_are_refused_naming_the_field(make_engine, tokenize
 def test_host_tier_is_token_exact_and_saves_recomputing_evicted_prefixes(make_engine, tokenizer):
     """Four system prompts, asked in turn three times over a device pool that holds two: the
     host tier keeps what the device evicts and copies it back, token for token the same."""
-    systems = [" ".join(f"Set {s} rule {j}: answer well." for j in range(45)) for s in range(4)]
+    systems = [" ".join(f"Set {s} rule {j}: answer well." for j in range(22)) for s in range(4)]
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": f"Q{r}?"}]
@@ -270,7 +270,7 @@ def test_host_tier_is_token_exact_and_saves_recomputing_evicted_prefixes(make_en
     params = SamplingParams(max_tokens=4, temperature=0.0)
     outputs, computed = {}, {}
     for host_bytes in (0, 256 << 20):
-        engine = make_engine(num_blocks=64, host_kv_cache_bytes=host_bytes)
+        engine = make_engine(num_blocks=32, host_kv_cache_bytes=host_bytes)
         before = engine.stats.num_computed_tokens
         got = []
         for i, prompt in enumerate(prompts):
