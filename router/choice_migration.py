@@ -16,15 +16,18 @@ from dataclasses import replace
 from common.messages import GenerateRequest, TokenDelta
 
 
-def choice_continuation(
-    request: GenerateRequest, index: int, sent: Sequence[int]
+def continuation(
+    request: GenerateRequest, sent: Sequence[int], req_id: str, index: int = 0
 ) -> GenerateRequest:
-    """Choice `index` of `request` after `sent` tokens, as a request of one choice."""
+    """The request of one choice that resumes choice `index` of `request` after `sent` tokens:
+    their KV is mostly in the prefix cache; a seeded sampler draws by position, so with the
+    choice's seed (seed + index) it continues the same random stream; the sent tokens stay
+    output for presence / frequency penalties (num_resumed_tokens)."""
     sampling = request.sampling
     seed = None if sampling.seed is None else sampling.seed + index
     return replace(
         request,
-        req_id=f"{request.req_id}@c{index}",
+        req_id=req_id,
         prompt_token_ids=request.prompt_token_ids + tuple(sent),
         sampling=replace(sampling, n=1, seed=seed, max_tokens=sampling.max_tokens - len(sent)),
         num_resumed_tokens=request.num_resumed_tokens + len(sent),
@@ -77,7 +80,8 @@ async def resume_choices(
         if len(sent) >= request.sampling.max_tokens:  # every token was out already
             yield TokenDelta(request.req_id, (), True, "length", index=index)
             continue
-        legs.append(_as_choice(generate(choice_continuation(request, index, sent)), request, index))
+        leg = continuation(request, sent, f"{request.req_id}@c{index}", index)
+        legs.append(_as_choice(generate(leg), request, index))
     async with contextlib.aclosing(merged(legs)) as deltas:  # type: ignore[type-var]
         async for delta in deltas:
             yield delta

@@ -24,7 +24,7 @@ from common.placement_rules import SloTargets
 from common.worker_stats import gather_stats
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
-from router.choice_migration import as_choice, resume_choices
+from router.choice_migration import as_choice, continuation, resume_choices
 from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import LocalPrefill, Placement, PrefillPolicy, make_prefill_policy
@@ -122,36 +122,36 @@ class ClusterBackend(Backend):
         prompt plus every token already sent is prefilled again (mostly a prefix-cache hit) and
         decoded on another worker, and the stream goes on with the next token. An n > 1 request
         resumes each unfinished choice as a request of its own (router/choice_migration.py)."""
-        sent: list[int] = []
-        by_choice: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}
+        sent: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}  # by choice
+        done: set[int] = set()
         leg = request
         for num_migrations in range(self.max_migrations + 1):
             try:
                 async with contextlib.aclosing(self._leg(leg, request.req_id)) as deltas:
                     async for delta in deltas:
-                        sent.extend(delta.token_ids)
-                        by_choice[delta.index].extend(delta.token_ids)
+                        sent[delta.index].extend(delta.token_ids)
                         if delta.finished:
-                            del by_choice[delta.index]
+                            done.add(delta.index)
                         if num_migrations:  # prompt counts are the first leg's
                             delta = as_choice(delta, request.req_id, delta.index)
                         yield delta
                 return
             except _DecodeLost as lost:
                 if request.sampling.n > 1:
-                    self._count_migration(request, lost, f"{len(by_choice)} open choices")
-                    async for delta in resume_choices(self.generate, request, by_choice):
+                    open_choices = {i: t for i, t in sent.items() if i not in done}
+                    self._count_migration(request, lost, f"{len(open_choices)} open choices")
+                    async for delta in resume_choices(self.generate, request, open_choices):
                         yield delta
                     return
                 if num_migrations == self.max_migrations:
                     error = f"{lost}; not migrated again ({self.max_migrations} migrations)"
                     yield TokenDelta(request.req_id, (), True, "error", error=error)
                     return
-                if len(sent) >= request.sampling.max_tokens:  # every token was out already
+                if len(sent[0]) >= request.sampling.max_tokens:  # every token was out already
                     yield TokenDelta(request.req_id, (), True, "length")
                     return
-                leg = _continuation(request, sent, num_migrations + 1)
-                self._count_migration(request, lost, f"{len(sent)} tokens sent")
+                leg = _continuation(request, sent[0], num_migrations + 1)
+                self._count_migration(request, lost, f"{len(sent[0])} tokens sent")
 
     def _count_migration(self, request: GenerateRequest, lost: Exception, what: str) -> None:
         self.num_migrations += 1
@@ -474,17 +474,8 @@ class ClusterBackend(Backend):
 
 
 def _continuation(request: GenerateRequest, sent: list[int], num: int) -> GenerateRequest:
-    """The request that resumes `request` after `sent` tokens: their KV is mostly in the prefix
-    cache; a seeded sampler draws by position, so it continues the same random stream; the sent
-    tokens stay output for presence / frequency penalties (num_resumed_tokens)."""
-    sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - len(sent))
-    return replace(
-        request,
-        req_id=f"{request.req_id}@m{num}",
-        prompt_token_ids=request.prompt_token_ids + tuple(sent),
-        sampling=sampling,
-        num_resumed_tokens=request.num_resumed_tokens + len(sent),
-    )
+    """The leg that resumes an n = 1 `request` after `sent` tokens, its `num`-th migration."""
+    return continuation(request, sent, f"{request.req_id}@m{num}")
 
 
 def _drain(queue: asyncio.Queue[TokenDelta]) -> None:

@@ -454,6 +454,7 @@ class KVCacheManager:
         if self.host_tier is not None:
             owed = {c.dst_block_id for c in self._pending_copies if c.kind == "to_host"}
             owed |= {c.src_block_id for c in self._pending_copies if c.kind == "from_host"}
-            owed |= {c.dst_block_id for c in (self.write_behind or WriteBehind()).owed.values()}
+            if self.write_behind is not None:
+                owed |= {c.dst_block_id for c in self.write_behind.owed.values()}
             owed |= {slot for held in self._held.values() for slot in held.host_slots}
             self.host_tier.check_integrity(owed)

@@ -13,6 +13,7 @@ import torch
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.conftest import build_engine, run_to_completion
+from tests.integration.test_engine_behaviour import system_prompt_rounds
 from tests.integration.test_engine_fork import run_choices
 
 pytestmark = [
@@ -91,14 +92,7 @@ def test_host_tier_copies_back_what_a_device_hit_reads(smollm_dir, tokenizer) ->
     """Four system prompts asked in turn three times: over a pool that holds two, with the
     host tier, against a pool that holds all four (every later round a device hit). The same
     cached KV either way, so the same tokens; the small pool really went through the tier."""
-    systems = [" ".join(f"Set {s} rule {j}: answer well." for j in range(45)) for s in range(4)]
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": f"Q{r}?"}]
-        )
-        for r in range(3)
-        for system in systems
-    ]
+    prompts = system_prompt_rounds(tokenizer, 45)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
     for num_blocks, host_bytes in ((512, 0), (64, 256 << 20)):

@@ -256,17 +256,24 @@ def test_bad_retention_ranges_are_refused_naming_the_field(make_engine, tokenize
     assert not engine.has_unfinished_requests
 
 
-def test_host_tier_is_token_exact_and_saves_recomputing_evicted_prefixes(make_engine, tokenizer):
-    """Four system prompts, asked in turn three times over a device pool that holds two: the
-    host tier keeps what the device evicts and copies it back, token for token the same."""
-    systems = [" ".join(f"Set {s} rule {j}: answer well." for j in range(22)) for s in range(4)]
-    prompts = [
+def system_prompt_rounds(tokenizer, num_rules: int) -> list[list[int]]:
+    """Four system prompts of num_rules rules (~9.5 tokens each), asked in turn three times."""
+    systems = [
+        " ".join(f"Set {s} rule {j}: answer well." for j in range(num_rules)) for s in range(4)
+    ]
+    return [
         tokenizer.apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": f"Q{r}?"}]
         )
         for r in range(3)
         for system in systems
     ]
+
+
+def test_host_tier_is_token_exact_and_saves_recomputing_evicted_prefixes(make_engine, tokenizer):
+    """Four system prompts, asked in turn three times over a device pool that holds two: the
+    host tier keeps what the device evicts and copies it back, token for token the same."""
+    prompts = system_prompt_rounds(tokenizer, 22)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     outputs, computed = {}, {}
     for host_bytes in (0, 256 << 20):
