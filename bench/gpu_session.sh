@@ -10,8 +10,10 @@
 #   vllm-serve  vLLM's server on the same model folder and long-prompt workload (needs .vstage)
 #   fp8-tests    FP8-weight and memory-budget GPU tests
 #   fp8-offline  the offline run with fp8 weights and fp8 KV, then vLLM's same run (.vstage)
+#   host-tier    the host-tier workload with and without the tier, then vLLM's CPU offload
+#   host-tier-beside  the same beside 8 long decodes: copies back beside the step or in it
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar or host-tier}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier or host-tier-beside}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -128,6 +130,15 @@ case $phase in
       --prompts /tmp/host_tier_prompts.json --num-gpu-blocks 280 --offload-gib 4 \
       --json "$out/vllm_host_tier.json" > "$out/vllm_host_tier.txt" 2>&1
     echo "vllm host tier rc=$?"
+    ;;
+  host-tier-beside)  # the same with 8 long decodes beside: copies back beside the step or in it
+    served_8b
+    timeout 300 python3 -m bench.host_tier_bench --device cuda --model "$folder" \
+      --load-format dummy --system-rules 200 --device-blocks 400 --host-kv-gib 4 \
+      --background 8 --compare-in-step --json "$out/host_tier_bg.json" \
+      --profile "$out/host_tier_bg_profile.txt" \
+      > "$out/host_tier_bg.txt" 2> "$out/host_tier_bg.err"
+    echo "host tier beside decodes rc=$?"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -1,8 +1,10 @@
 """BlockCopies: runs the block copies the KV cache manager owes, and owns the host tier's tensor
-(pinned on CUDA) and the offload stream. Copies a step needs (partial reuse and n > 1 forks on
-the device, copies back from the host tier, an evicted block's offload still owed) run in
-order on the step's stream before it; committed blocks' copies into the host tier run on the
-offload stream behind the steps, off their critical path.
+(pinned on CUDA), the offload stream and the copy-back stream. Copies a step needs (partial
+reuse and n > 1 forks on the device, copies back from the host tier, an evicted block's offload
+still owed) run in order before it: on the copy-back stream while the step in flight computes
+when only host-tier copies are owed and none touches a block that step may still use (the new
+step waits for them there), else on the step's stream. Committed blocks' copies into the host
+tier run on the offload stream behind the steps, off their critical path.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_cache.block_copy import BlockCopy
+from engine.kv_cache.block_copy import BlockCopy, can_run_ahead
 from engine.kv_cache.manager import KVCacheManager
 
 
@@ -25,6 +27,11 @@ class BlockCopies:
         self.host: torch.Tensor | None = None
         self._offload_stream: torch.cuda.Stream | None = None
         self._offloaded: torch.cuda.Event | None = None  # recorded after the last offloads
+        self._copy_back_stream: torch.cuda.Stream | None = None
+        self._copied_back: torch.cuda.Event | None = None  # after the last copies run ahead
+        self.copy_back_ahead = True  # False: every copy on the step's stream (benches compare)
+        self.num_copies_ahead = 0  # copies run on the copy-back stream
+        self.num_copies_in_step = 0  # copies run on the step's stream
         if num_slots:
             self.host = torch.empty(
                 (num_slots, *kv_cache.shape[1:]),
@@ -34,27 +41,59 @@ class BlockCopies:
             if kv_cache.is_cuda:
                 self._offload_stream = torch.cuda.Stream(kv_cache.device)
                 self._offloaded = torch.cuda.Event()
+                self._copy_back_stream = torch.cuda.Stream(kv_cache.device)
+                self._copied_back = torch.cuda.Event()
 
     @property
     def num_host_slots(self) -> int:
         return 0 if self.host is None else self.host.shape[0]
 
-    def run_owed(self, kv: KVCacheManager, wait: bool = False) -> None:
-        """Before a step: the copies kv owes it, in order on the current stream, after the
-        offloads it must wait for (a reused block or a read slot still in flight). wait: return
-        once all of them are done (before a NIXL pull, which no stream orders, writes into
-        blocks)."""
+    def run_owed(self, kv: KVCacheManager, wait: bool = False, writes: Sequence[int] = ()) -> None:
+        """Before a step: the copies kv owes it, in order, after the offloads they must wait
+        for (a reused block or a read slot still in flight); the step's stream waits for them.
+        wait: return once all of them are done, and once the queued steps are if one may still
+        write a block in `writes` (before a NIXL pull, which no stream orders, writes into
+        those blocks); else the step is being launched."""
         behind = kv.write_behind
+        wait_offloads = False
         if behind is not None and behind.in_flight:
             if wait:
                 self._sync_offloads()
                 behind.settled()
             elif behind.must_wait:
-                self._wait_for_offloads()
+                wait_offloads = True
                 behind.settled()
             elif self._offloads_done():
                 behind.settled()
-        self.run(kv.drain_copies(), wait)
+        copies = kv.drain_copies()
+        freed = set() if wait else kv.pool.take_freed()
+        ahead = self._copy_back_stream is not None and self.copy_back_ahead and not wait
+        if ahead and can_run_ahead(copies, freed):
+            self._run_ahead(copies, wait_offloads)
+            return
+        if wait_offloads:
+            self._wait_for_offloads()
+        self.run(copies, wait)
+        if wait and self.kv_cache.is_cuda and kv.pool.freed_lately(writes):
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+        self.num_copies_in_step += len(copies)
+        if self._copy_back_stream is not None and any(c.kind != "device" for c in copies):
+            # host slots these write or read: later copies run ahead come after them
+            self._copy_back_stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+
+    def _run_ahead(self, copies: list[BlockCopy], wait_offloads: bool) -> None:
+        """The copies on the copy-back stream, at once (beside the step in flight); the work
+        queued next on the step's stream waits for them."""
+        stream, done = self._copy_back_stream, self._copied_back
+        assert stream is not None and done is not None
+        if wait_offloads:
+            assert self._offloaded is not None
+            stream.wait_event(self._offloaded)
+        with torch.cuda.stream(stream):
+            self.run(copies)
+        done.record(stream)
+        torch.cuda.current_stream(self.kv_cache.device).wait_event(done)
+        self.num_copies_ahead += len(copies)
 
     def offload_owed(self, kv: KVCacheManager, sync: bool = False) -> None:
         """After a step: copy the blocks it committed into their host slots, on the offload

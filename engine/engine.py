@@ -196,7 +196,7 @@ class Engine:
             self.forks.expect_prefilled(req, choices)
         plan = self.loader.reserve(req)
         if plan is not None:  # an offload of a block the pull will write must be done first
-            self.copies.run_owed(self.kv, wait=True)
+            self.copies.run_owed(self.kv, wait=True, writes=plan.block_ids)
             self._track(req)
         else:
             self.forks.forget_prefilled(req_id)

@@ -1,7 +1,9 @@
-"""BlockCopy: one block copy the KV cache manager owes the engine (a value; owns no state)."""
+"""BlockCopy: one block copy the KV cache manager owes the engine (a value; owns no state), and
+which batches of them may run on a stream of their own."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 
@@ -13,3 +15,17 @@ class BlockCopy(NamedTuple):
     src_block_id: int
     dst_block_id: int
     kind: str = "device"
+
+
+def can_run_ahead(copies: Sequence[BlockCopy], freed: Collection[int]) -> bool:
+    """The copies may run on a copy stream while the step in flight computes (the next step
+    waits for them): only host-tier copies (a device copy may read a block that step still
+    writes, and must keep its order with the rest), none touching a device block freed after
+    that step was launched (it may still write its pending token there)."""
+    for copy in copies:
+        if copy.kind == "device":
+            return False
+        device_block = copy.src_block_id if copy.kind == "to_host" else copy.dst_block_id
+        if device_block in freed:
+            return False
+    return bool(copies)

@@ -99,6 +99,9 @@ class BlockPool:
         self._expiring: list[tuple[float, int, KVBlock, int]] = []
         self._expiry_seqs = itertools.count(1)
         self._events: list[KVEvent] = []
+        # blocks whose last reference went since take_freed(): work queued before may still
+        # read or write them (the engine's copy-back stream must not overwrite them early)
+        self._freed_since_take: set[int] = set()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -160,6 +163,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
+            self._freed_since_take.add(block.block_id)
             if block.block_hash is None:
                 self._uncached_free.append(block)
                 continue
@@ -172,6 +176,16 @@ class BlockPool:
         if len(self._expiring) > 2 * self.num_blocks:  # stale entries of blocks reused since
             self._expiring = [e for e in self._expiring if e[2].expiry_seq == e[1]]
             heapq.heapify(self._expiring)
+
+    def take_freed(self) -> set[int]:
+        """The ids of blocks left unreferenced since the last call (the engine calls it as it
+        launches a step: the ids freed after the step in flight was launched)."""
+        freed, self._freed_since_take = self._freed_since_take, set()
+        return freed
+
+    def freed_lately(self, block_ids: Sequence[int]) -> bool:
+        """Any of the blocks left unreferenced since the last take_freed()."""
+        return not self._freed_since_take.isdisjoint(block_ids)
 
     # ---- prefix cache --------------------------------------------------------------------
     def cache_block(

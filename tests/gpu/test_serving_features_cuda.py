@@ -111,3 +111,42 @@ def test_host_tier_copies_back_what_a_device_hit_reads(smollm_dir, tokenizer) ->
             assert engine.kv.num_host_hit_blocks > 0
         engine.assert_no_leaks()
     assert outputs[256 << 20] == outputs[0]
+
+
+def test_host_tier_copies_back_beside_the_step_in_flight(smollm_dir, tokenizer) -> None:
+    """Host hits arriving while two long decodes run: their copies back go on the copy-back
+    stream beside the step in flight. Every output (the hits' and the decodes') equals a run
+    with every copy on the step's stream, and a run on a pool that holds it all (no tier)."""
+    prompts = system_prompt_rounds(tokenizer, 45)
+    hit_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    long_params = SamplingParams(max_tokens=8 * len(prompts) + 8, temperature=0.0, ignore_eos=True)
+    runs: dict[str, dict[str, list[int]]] = {}
+    for name, num_blocks, host_bytes, ahead in (
+        ("device pool", 512, 0, True),
+        ("ahead", 96, 256 << 20, True),
+        ("in step", 96, 256 << 20, False),
+    ):
+        engine = cuda_engine(
+            smollm_dir,
+            num_blocks=num_blocks,
+            host_kv_cache_bytes=host_bytes,
+            partial_reuse_min_tokens=0,
+        )
+        engine.copies.copy_back_ahead = ahead
+        for j, text in enumerate(("Count from one to a hundred.", "Name every month, slowly.")):
+            engine.add_request(f"long{j}", chat(engine, text), long_params)
+        tokens: dict[str, list[int]] = {}
+        num_steps = 0
+        while engine.has_unfinished_requests:
+            if num_steps % 8 == 0 and num_steps // 8 < len(prompts):  # one hit at a time
+                engine.add_request(f"r{num_steps // 8}", prompts[num_steps // 8], hit_params)
+            for out in engine.step():
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            num_steps += 1
+        runs[name] = tokens
+        if host_bytes:
+            assert engine.kv.num_host_hit_blocks > 0
+            copies = engine.copies
+            assert (copies.num_copies_ahead > 0) is ahead, copies.num_copies_in_step
+        engine.assert_no_leaks()
+    assert runs["ahead"] == runs["in step"] == runs["device pool"]

@@ -81,3 +81,20 @@ def test_integrity_detects_wrong_refcount():
     pool.allocate(1)
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_take_freed_names_the_blocks_left_unreferenced_since_the_last_call():
+    """What the engine's copy-back stream must not overwrite early: blocks freed after the
+    step in flight was launched (shared blocks count once their last reference goes)."""
+    pool = BlockPool(6)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(b, 222, None)
+    pool.touch([b])  # a second reference
+    pool.free([a, b])
+    assert pool.take_freed() == {a.block_id}
+    assert not pool.freed_lately([a.block_id, b.block_id])
+    pool.free([b, c])  # b's last reference: it stays cached, still one to wait for
+    assert pool.freed_lately([b.block_id]) and not pool.freed_lately([a.block_id])
+    assert pool.take_freed() == {b.block_id, c.block_id}
+    assert pool.take_freed() == set()
+    pool.check_integrity()
