@@ -32,7 +32,8 @@ from engine.sampling_params import SamplingParams
 
 def build(args: argparse.Namespace, host_bytes: int) -> Engine:
     cache = CacheConfig(num_blocks=args.device_blocks, host_kv_cache_bytes=host_bytes)
-    scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8)
+    # room beside the background decodes: a measured request never waits for a seat
+    scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8 + args.background)
     config = EngineConfig(
         args.model, cache, scheduler, device=args.device, load_format=args.load_format
     )

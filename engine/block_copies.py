@@ -29,6 +29,7 @@ class BlockCopies:
         self._offloaded: torch.cuda.Event | None = None  # recorded after the last offloads
         self._copy_back_stream: torch.cuda.Stream | None = None
         self._copied_back: torch.cuda.Event | None = None  # after the last copies run ahead
+        self._queued: torch.cuda.Event | None = None
         self.copy_back_ahead = True  # False: every copy on the step's stream (benches compare)
         self.num_copies_ahead = 0  # copies run on the copy-back stream
         self.num_copies_in_step = 0  # copies run on the step's stream
@@ -43,6 +44,7 @@ class BlockCopies:
                 self._offloaded = torch.cuda.Event()
                 self._copy_back_stream = torch.cuda.Stream(kv_cache.device)
                 self._copied_back = torch.cuda.Event()
+                self._queued = torch.cuda.Event()  # recorded to ask whether the steps ran
 
     @property
     def num_host_slots(self) -> int:
@@ -68,7 +70,7 @@ class BlockCopies:
         copies = kv.drain_copies()
         freed = set() if wait else kv.pool.take_freed()
         ahead = self._copy_back_stream is not None and self.copy_back_ahead and not wait
-        if ahead and can_run_ahead(copies, freed):
+        if ahead and copies and can_run_ahead(copies, set() if self._steps_done() else freed):
             self._run_ahead(copies, wait_offloads)
             return
         if wait_offloads:
@@ -130,6 +132,13 @@ class BlockCopies:
                 cache[copy.dst_block_id].copy_(host[copy.src_block_id], non_blocking=True)
         if wait and copies and cache.is_cuda:
             torch.cuda.current_stream(cache.device).synchronize()
+
+    def _steps_done(self) -> bool:
+        """Everything queued on the step's stream so far has run (no block freed since the
+        last launch can still be written by a step)."""
+        assert self._queued is not None
+        self._queued.record(torch.cuda.current_stream(self.kv_cache.device))
+        return self._queued.query()
 
     def _offloads_done(self) -> bool:
         return self._offloaded is None or self._offloaded.query()
