@@ -135,7 +135,7 @@ case $phase in
     served_8b
     timeout 300 python3 -m bench.host_tier_bench --device cuda --model "$folder" \
       --load-format dummy --system-rules 200 --device-blocks 400 --host-kv-gib 4 \
-      --background 8 --compare-in-step --json "$out/host_tier_bg.json" \
+      --background 8 --rows none,in-step,ahead,in-step,ahead --json "$out/host_tier_bg.json" \
       --profile "$out/host_tier_bg_profile.txt" \
       > "$out/host_tier_bg.txt" 2> "$out/host_tier_bg.err"
     echo "host tier beside decodes rc=$?"

@@ -1,7 +1,7 @@
 """The host tier of the prefix cache on a shared-prefix workload whose working set is several
 times the device pool: K system prompts asked in turn, R rounds, one at a time (beside
 --background long decodes, if any); the same engine with and without --host-kv-gib, and with
-copies back on the step's stream instead of beside the step in flight (--compare-in-step).
+copies back on the step's stream instead of beside the step in flight (--rows).
 Prints prompt tokens computed, host hits and TTFT p50 (add to first token, in-process), and
 with --profile (CUDA) how much of the copies' time a kernel ran beside; owns no state.
 
@@ -154,6 +154,8 @@ def run(args: argparse.Namespace, host_bytes: int, ahead: bool = True) -> dict[s
         with profiled(profile, args.device, overlap):
             req_id, first, cached = f"r{i}", None, 0
             background.top_up()
+            for _ in range(args.background and 2):  # arrive while a decode step is in flight
+                background.seen(engine.step())
             start = time.perf_counter()
             engine.add_request(req_id, prompt, params)
             while engine.is_unfinished(req_id):
@@ -232,18 +234,27 @@ def main() -> None:
     p.add_argument("--host-kv-gib", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--background", type=int, default=0, help="long decodes run beside")
-    p.add_argument("--compare-in-step", action="store_true", help="also: copies back in step")
+    p.add_argument(
+        "--rows",
+        default="none,ahead",
+        help="engines to run in this order: none (no tier), ahead (copies back beside the step"
+        " in flight), in-step (on the step's stream); comma-separated, repeats allowed",
+    )
     p.add_argument("--json")
     p.add_argument("--profile", help="profile the last request with the tier; top ops here")
     p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()
     host_bytes = int(args.host_kv_gib * (1 << 30))
-    rows = [run(args, 0), run(args, host_bytes)]
-    if args.compare_in_step:
-        rows.append(run(args, host_bytes, ahead=False))
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    ratio = rows[1]["prompt_tokens_computed"] / max(1, rows[0]["prompt_tokens_computed"])
+    modes = args.rows.split(",")
+    if "none" not in modes or not set(modes) <= {"none", "ahead", "in-step"}:
+        p.error(f"--rows {args.rows!r}: none, ahead or in-step, comma-separated, with none")
+    rows = []
+    for mode in modes:
+        rows.append(run(args, 0 if mode == "none" else host_bytes, ahead=mode != "in-step"))
+        print(json.dumps(rows[-1]), flush=True)
+    without = next(row for row in rows if not row["host_kv_bytes"])
+    tiered = next((row for row in rows if row["host_kv_bytes"]), without)
+    ratio = tiered["prompt_tokens_computed"] / max(1, without["prompt_tokens_computed"])
     print(f"prompt tokens computed with the host tier / without: {ratio:.2f}")
     report = {
         "command": "python -m bench.host_tier_bench " + json.dumps(vars(args)),
