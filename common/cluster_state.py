@@ -60,6 +60,10 @@ class WorkerStats:
     num_partial_reused_tokens: int = 0  # tokens reused from a partly matching cached block
     num_host_offloaded_blocks: int = 0  # cached blocks moved to the host tier when evicted
     num_host_hit_blocks: int = 0  # prefix blocks copied back from the host tier
+    # Speculative decoding: request-steps that verified drafts, tokens drafted, accepted.
+    num_spec_verify_steps: int = 0
+    num_spec_drafted_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
     # The KV handoff's state machines: blocks in each live state, and what they refused.
     num_blocks_held: int = 0  # prefill: leased, no read announced

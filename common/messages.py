@@ -134,6 +134,8 @@ class TokenDelta:
     resumable: bool = False
     transfer: TransferStats | None = None  # on the decode worker's first delta only
     index: int = 0  # which of the request's n choices these tokens belong to
+    # speculative decoding: the request's drafted tokens accepted so far, on this worker
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -71,12 +71,16 @@ def engine_load(engine: Engine) -> WorkerLoad:
 
 
 def cache_counters(engine: Engine) -> dict[str, int]:
-    """The WorkerStats counters of the prefix cache beyond whole device blocks."""
+    """The WorkerStats counters of the prefix cache beyond whole device blocks, and of
+    speculative decoding."""
     kv = engine.kv
     return {
         "num_partial_reused_tokens": kv.num_partial_reused_tokens,
         "num_host_offloaded_blocks": 0 if kv.host_tier is None else kv.host_tier.num_stored,
         "num_host_hit_blocks": kv.num_host_hit_blocks,
+        "num_spec_verify_steps": engine.speculator.num_verify_steps,
+        "num_spec_drafted_tokens": engine.speculator.num_drafted_tokens,
+        "num_spec_accepted_tokens": engine.speculator.num_accepted_tokens,
     }
 
 

@@ -311,6 +311,7 @@ class DecodeWorker:
                     top_logprobs=tuple(out.new_top_logprobs or ()),
                     transfer=self.puller.take_stats(out.req_id),
                     index=out.index,
+                    num_accepted_tokens=out.num_accepted_tokens,
                 )
             )
         # A request ends with its last choice (n > 1: its other choices may end in this step).

@@ -12,6 +12,7 @@ from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
 from deploy.plan_cli import add_plan_parser
 from deploy.serve import add_serve_parser
+from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from engine.config import DEFAULT_MODEL
 from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
 
@@ -33,6 +34,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
     )
+    add_speculative_flags(p)
     p.set_defaults(func=_generate)
 
 
@@ -50,11 +52,16 @@ def _generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
     )
     check_sampling(params, sys.maxsize)  # before torch and the model (the vocabulary: later)
+    speculative = speculative_from_args(args)
     from engine.engine import Engine, EngineConfig
 
     quantization = quantization_from_flag(args.quantization)
     config = EngineConfig(
-        model=args.model, device=args.device, quantization=quantization, detokenize=True
+        model=args.model,
+        device=args.device,
+        quantization=quantization,
+        detokenize=True,
+        speculative=speculative,
     )
     engine = Engine(config)
     if engine.tokenizer is None:

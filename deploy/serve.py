@@ -17,6 +17,7 @@ from deploy import cluster_address
 from deploy.autoscale import AutoscaleConfig
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
+from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from deploy.worker_launch import check_gpus_per_worker
 from engine.config import (
     DEFAULT_MODEL,
@@ -152,6 +153,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=list(KV_CACHE_DTYPES),
         help="auto: the model's dtype; fp8: e4m3 (half the bytes per token; FlashInfer, CUDA)",
     )
+    add_speculative_flags(p)
     p.add_argument(
         "--max-num-seqs",
         type=int,
@@ -278,6 +280,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         quantization=quantization_from_flag(args.quantization),
         gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative=speculative_from_args(args),
     )
 
 

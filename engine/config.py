@@ -175,6 +175,38 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py). method None: off; "ngram": prompt lookup
+    (the tokens that followed the last n tokens' latest earlier match, prompt and output).
+
+    num_speculative_tokens: drafted tokens verified per step (K); ngram_min / ngram_max: the
+    match lengths tried, longest first; max_batch: speculation steps aside while more
+    requests than this are running (a large batch is bound by compute, not by weight reads).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    max_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method == "draft":
+            raise ValueError("speculative method 'draft' (a draft model) is not built yet")
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS} or None")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
+        if self.max_batch < 1:
+            raise ValueError("speculative max_batch must be >= 1")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -196,6 +228,7 @@ class EngineConfig:
     # and this engine gpu_share of that (Ray's fractional num_gpus: 0.5 when two share a GPU).
     gpu_memory_utilization: float = 0.9
     gpu_share: float = 1.0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)

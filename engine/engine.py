@@ -36,6 +36,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import Speculator
 from engine.step_inputs import TokenFill
 from engine.step_types import (
     EngineStats,
@@ -43,12 +44,13 @@ from engine.step_types import (
     RequestOutput,
     find_tokenizer,
     resumed_tokens,
+    row_offsets,
     served_model_id,
     with_top_logprobs,
 )
 from engine.stop_checker import StopChecker
 from engine.structured import new_grammars
-from engine.validation import InvalidField, check_request, structured_field
+from engine.validation import InvalidField, check_prefilled, check_request, structured_field
 
 
 class Engine:
@@ -92,6 +94,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
         self.forks = ChoiceForks(self.scheduler, self.kv)
+        self.speculator = Speculator(config.speculative, self.max_model_len, self.kv)
         self.runner = ModelRunner(
             model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
         )
@@ -174,18 +177,9 @@ class Engine:
         """
         if req_id in self.scheduler.requests or req_id in self.loader.loading:
             raise ValueError(f"request id {req_id!r} is already in use")
-        # Admission (the router, then the prefill engine) checked the request's rules; what is
-        # left is this engine's own limits, which may be smaller than the prefill engine's.
-        num_tokens = len(prompt_token_ids) + 1
-        if num_tokens > self.max_model_len or cdiv(num_tokens, self.kv.block_size) > (
-            self.kv.num_blocks
-        ):
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, more than this decode engine "
-                f"can hold (max_model_len {self.max_model_len}, {self.kv.num_blocks} blocks)"
-            )
-        if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+        blocks_needed = cdiv(len(prompt_token_ids) + 1, self.kv.block_size)
+        limits = (blocks_needed, self.kv.num_blocks, self.model_config.vocab_size)
+        check_prefilled(len(prompt_token_ids), first_token_id, self.max_model_len, limits)
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
         check_ranges(kv_retention)
         req.retention = tuple(kv_retention)
@@ -196,7 +190,7 @@ class Engine:
             self.forks.expect_prefilled(req, choices)
         plan = self.loader.reserve(req)
         if plan is not None:  # an offload of a block the pull will write must be done first
-            self.copies.run_owed(self.kv, wait=True, writes=plan.block_ids)
+            self.copies.run_owed(self.kv, wait=True, writes=plan.local_block_ids)
             self._track(req)
         else:
             self.forks.forget_prefilled(req_id)
@@ -315,6 +309,7 @@ class Engine:
         return self._finish(current)
 
     def _launch_scheduled(self) -> InFlightStep | None:
+        self.speculator.propose(self.scheduler.running)  # drafts verified by this step
         scheduled = self.scheduler.schedule()
         return self._launch(scheduled, None) if scheduled.chunks else None
 
@@ -332,7 +327,7 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += scheduled.num_batched_tokens
         reqs = [scheduled.chunks[i].req for i in step_logits.chunk_index]
-        rows = [self._sample_row(req) for req in reqs]
+        rows = [self._sample_row(req, j) for req, j in zip(reqs, row_offsets(reqs), strict=True)]
         bitmask = None if self.grammars is None else self.grammars.bitmask(reqs)
         forks = {  # copied before sampling, which may change the logits in place
             req.req_id: step_logits.logits[i : i + 1].clone()
@@ -340,12 +335,16 @@ class Engine:
             if self.forks.owes_choices(req)
         }
         sample = self.sampler.sample(step_logits.logits, rows, bitmask)
-        return InFlightStep(scheduled, reqs, sample, after is not None, fork_logits=forks)
+        drafts = {c.req.req_id: c.draft_token_ids for c in scheduled.chunks if c.draft_token_ids}
+        return InFlightStep(
+            scheduled, reqs, sample, after is not None, fork_logits=forks, drafts=drafts
+        )
 
-    def _sample_row(self, req: Request) -> SampleRow:
+    def _sample_row(self, req: Request, offset: int = 0) -> SampleRow:
+        """offset: the row's place after the request's first row (a verify step's drafts)."""
         generator = self._generators.get(req.req_id)
         if not req.sampling.has_penalties:
-            return SampleRow(req.sampling, generator, req.num_tokens)
+            return SampleRow(req.sampling, generator, req.num_tokens + offset)
         # Penalties read the token history: never run ahead of it (see _known_to_end_next).
         assert not req.num_pending_tokens, "a penalised request ran ahead"
         num_prompt = req.num_prompt_tokens - req.num_resumed_tokens
@@ -360,7 +359,7 @@ class Engine:
         its blocks are freed then (queued work that writes them runs before any new owner's).
         """
         live = [req for req in current.reqs if not req.is_finished]
-        if not live or any(self._known_to_end_next(req) for req in live):
+        if current.drafts or not live or any(self._known_to_end_next(req) for req in live):
             return None
         for req in live:
             req.num_pending_tokens += 1
@@ -375,9 +374,11 @@ class Engine:
         """req's next token ends it by length, or (prefill role) hands its blocks to a lease
         that a NIXL read may follow at once, or its next draw reads its token history
         (penalties) or its grammar's state (structured outputs: the mask needs the token before
-        it), which would miss the pending token: in each case, do not run ahead of it."""
+        it), which would miss the pending token, or it speculates (drafts need every token):
+        in each case, do not run ahead of it."""
         return (
             req.hold_kv
+            or self.speculator.wants(req, len(self.scheduler.running))
             or req.sampling.has_penalties
             or req.sampling.structured is not None
             or req.num_output_tokens + 1 >= req.sampling.max_tokens
@@ -394,12 +395,18 @@ class Engine:
         for i, req in enumerate(current.reqs):
             if req.is_finished:  # aborted, or it stopped one step earlier (we ran ahead)
                 continue
+            drafts = current.drafts.get(req.req_id)
+            if drafts is not None:  # a verify step: its rows are i .. i + len(drafts)
+                if not i or current.reqs[i - 1] is not req:
+                    tokens = result.token_ids[i : i + len(drafts) + 1]
+                    outputs.append(self.speculator.apply(req, drafts, tokens, self._append_token))
+                continue
             if req.req_id in current.fork_logits:  # before its own token: choices fork off
                 outputs.extend(self._fork(req, current.fork_logits[req.req_id]))
             logprob = result.logprobs[i] if result.logprobs and req.sampling.logprobs else None
             output = self._append_token(req, result.token_ids[i], logprob)
             outputs.append(with_top_logprobs(output, result, i, req.sampling.top_logprobs))
-        self.stats.num_generated_tokens += len(outputs)
+        self.stats.num_generated_tokens += sum(len(out.new_token_ids) for out in outputs)
         ahead = self._in_flight
         if ahead is not None and ahead.update_pending:
             self.scheduler.update(ahead.scheduled, skip_finished=True)
@@ -464,6 +471,7 @@ class Engine:
             held_block_ids=tuple(held or ()),
             num_held_host_blocks=self.kv.num_held_host_blocks(req.req_id) if held else 0,
             index=req.choice_index,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
 
     def _is_stop_token(self, token_id: int, params: SamplingParams) -> bool:
@@ -483,10 +491,6 @@ class Engine:
     def assert_no_leaks(self) -> None:
         """No request holds blocks and every block is free (cached or not)."""
         assert not self.has_unfinished_requests, "requests still in flight"
-        assert self.kv.num_held == 0, f"{self.kv.num_held} prefill leases not released"
         num_grammars = 0 if self.grammars is None else self.grammars.num_active
         assert num_grammars == 0, f"{num_grammars} grammar matchers left"
-        self.kv.check_integrity()
-        assert self.kv.num_free_blocks == self.kv.num_blocks, (
-            f"{self.kv.num_blocks - self.kv.num_free_blocks} blocks leaked"
-        )
+        self.kv.assert_all_free()

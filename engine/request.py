@@ -71,6 +71,11 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # Speculative decoding: tokens drafted for the next step (verified there, none is real yet)
+    # and how many drafted tokens were verified and accepted so far.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 

@@ -22,7 +22,7 @@ from engine.step_inputs import DecodeGraphs, StepInputs, TokenFill
 
 @dataclass(frozen=True)
 class StepLogits:
-    logits: torch.Tensor  # [num_sampling_chunks, vocab]
+    logits: torch.Tensor  # [num_rows, vocab]: one per sampling chunk, 1 + its drafts if any
     chunk_index: list[int]  # which chunk of the SchedulerOutput each row belongs to
 
 
@@ -54,7 +54,10 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             block_ids = self.kv.block_ids(req.req_id)
             inputs.seqs.append(SeqSpan(len(inputs.input_ids), chunk.num_new_tokens, end, block_ids))
-            if end > len(req.all_token_ids):
+            if chunk.draft_token_ids:  # a verify step: the last real token, then the drafts
+                inputs.input_ids.extend(req.all_token_ids[start:])
+                inputs.input_ids.extend(chunk.draft_token_ids)
+            elif end > len(req.all_token_ids):
                 _add_pending(inputs, chunk, fill)
             elif chunk.num_new_tokens == 1:
                 inputs.input_ids.append(req.all_token_ids[start])
@@ -75,15 +78,24 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepLogits:
         """Run the step's forward pass (queued on the device; nothing waits for it)."""
         inputs = self.build_inputs(output, fill)
-        chunk_index = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
+        chunk_index = [
+            i
+            for i, chunk in enumerate(output.chunks)
+            if chunk.samples
+            for _ in range(len(chunk.draft_token_ids) + 1)
+        ]
         graphs = self.graphs
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
             hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
         else:
             hidden = self._forward_eager(inputs, fill)
-        last_token = [seq.q_start + seq.q_len - 1 for seq in inputs.seqs]
-        rows = [last_token[i] for i in chunk_index]
+        rows = []
+        for i, chunk in enumerate(output.chunks):
+            if chunk.samples:
+                seq, num_drafts = inputs.seqs[i], len(chunk.draft_token_ids)
+                last = seq.q_start + seq.q_len - 1
+                rows.extend(range(last - num_drafts, last + 1))
         if rows == list(range(hidden.shape[0])):
             selected = hidden  # every token samples (pure decode): no gather
         else:

@@ -56,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # a dict {token_id: bias} is accepted too
     structured: StructuredOutput | None = None  # a grammar the output follows (None: free text)
+    speculative: bool = True  # False: this request never decodes speculatively
 
     def __post_init__(self) -> None:
         # Normalise lists given by callers into tuples so the object stays hashable.

@@ -23,18 +23,24 @@ class ScheduledChunk:
     """Tokens [start, start + num_new_tokens) of req, computed this step.
 
     samples is True when the chunk reaches the end of the request's known tokens, so its last
-    position's logits yield the next token.
+    position's logits yield the next token. draft_token_ids (speculative decoding): tokens
+    drafted after the known ones, computed too (the chunk's last len + 1 positions sample).
     """
 
     req: Request
     start: int
     num_new_tokens: int
     samples: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, req: Request, num_new_tokens: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        return cls(req, start, num_new_tokens, start + num_new_tokens == req.num_tokens)
+        end = start + num_new_tokens
+        drafts = tuple(req.draft_token_ids)
+        if drafts and end == req.num_tokens + len(drafts):
+            return cls(req, start, num_new_tokens, True, drafts)
+        return cls(req, start, num_new_tokens, end == req.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class Scheduler:
             if num_new == 0:
                 idx += 1
                 continue
+            if req.draft_token_ids and not self.kv.can_allocate(req, num_new):
+                num_new -= len(req.draft_token_ids)  # no room to verify drafts: decode plainly
+                req.draft_token_ids = []
             while not self.kv.can_allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -91,6 +100,8 @@ class Scheduler:
                 idx += 1
         if not preempted:
             budget = self._admit_waiting(budget, chunks)
+        for req in self.running:  # the chunks keep this step's drafts; none outlives it
+            req.draft_token_ids = []
         return SchedulerOutput(chunks, preempted)
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
@@ -116,11 +127,15 @@ class Scheduler:
 
     def _chunk_size(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
+        if req.draft_token_ids:  # verified whole or not at all: drop those the budget lacks
+            del req.draft_token_ids[max(0, budget - remaining) :]
+            remaining += len(req.draft_token_ids)
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
 
     def _preempt(self, req: Request) -> None:
+        req.draft_token_ids = []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -136,7 +151,8 @@ class Scheduler:
         for chunk in output.chunks:
             if skip_finished and chunk.req.is_finished:
                 continue
-            chunk.req.num_computed_tokens += chunk.num_new_tokens
+            # drafted tokens count once accepted (Engine: their KV is then known to be right)
+            chunk.req.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft_token_ids)
             self.kv.cache_full_blocks(chunk.req)
 
     def finish(

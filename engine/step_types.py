@@ -34,6 +34,7 @@ class RequestOutput:
     num_held_host_blocks: int = 0  # of which the first ones are host-tier slots (host leases)
     index: int = 0  # which of the request's n choices (engine/fork.py)
     new_top_logprobs: list[TopLogprobs] | None = None  # one per new token, when asked
+    num_accepted_tokens: int = 0  # speculative decoding: drafted tokens accepted so far
 
 
 @dataclass
@@ -47,6 +48,8 @@ class InFlightStep:
     pending_reqs: list[Request] = field(default_factory=list)  # a pending token each: ran ahead
     # n > 1: the prompt's last logits row of each request whose choices fork off this step.
     fork_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Speculative decoding: each verifying request's drafted tokens (its rows: 1 + len).
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,3 +93,21 @@ def with_top_logprobs(
     if not k or result.top_logprobs is None:
         return output
     return replace(output, new_top_logprobs=[result.top_logprobs[row][:k]])
+
+
+def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two of one request's steps' worth of tokens (a verify step's several
+    tokens; no logprobs: a speculating request returns none)."""
+    return replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+    )
+
+
+def row_offsets(reqs: list[Request]) -> list[int]:
+    """Each sampling row's place among its request's rows (a request's rows are adjacent)."""
+    offsets: list[int] = []
+    for i, req in enumerate(reqs):
+        offsets.append(offsets[-1] + 1 if i and reqs[i - 1] is req else 0)
+    return offsets

@@ -59,6 +59,25 @@ def check_prompt(
         )
 
 
+def check_prefilled(
+    num_prompt_tokens: int,
+    first_token_id: int,
+    max_model_len: int,
+    limits: tuple[int, int, int],
+) -> None:
+    """A decode engine's own limits for a prompt prefilled elsewhere (the router and the
+    prefill engine checked the request's rules; this engine's may be smaller). limits: the
+    blocks the prompt and its first token need, the pool's blocks, the vocabulary size."""
+    blocks_needed, num_blocks, vocab_size = limits
+    if num_prompt_tokens + 1 > max_model_len or blocks_needed > num_blocks:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens, more than this decode engine can hold "
+            f"(max_model_len {max_model_len}, {num_blocks} blocks)"
+        )
+    if not 0 <= first_token_id < vocab_size:
+        raise ValueError(f"first token {first_token_id} is outside the vocabulary")
+
+
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     if not _is_int(params.max_tokens) or params.max_tokens <= 0:
         raise InvalidField(

@@ -55,7 +55,8 @@ class ChoiceTrackers:
         first = self.trackers[0]
         num_cached = max(t.num_cached_tokens for t in self.trackers)
         num_output = sum(t.num_output_tokens for t in self.trackers)
-        return Usage(first.num_prompt_tokens, num_output, num_cached)
+        accepted = sum(t.usage().speculative_tokens_accepted for t in self.trackers)
+        return Usage(first.num_prompt_tokens, num_output, num_cached, accepted)
 
     def record_end(self) -> None:
         """Once, when the request leaves the router: one request in the metrics (choice 0's

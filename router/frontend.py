@@ -72,6 +72,7 @@ class RequestSpec:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None  # a grammar the output follows
+    speculative: bool = True  # False: no speculative decoding for this request
     cache_salt: str | None = None
     n: int = 1  # choices sampled from the prompt (computed once)
     kv_retention: tuple[RetentionRange, ...] = ()  # token ranges kept longer (or shorter)
@@ -183,6 +184,7 @@ class Frontend:
             repetition_penalty=spec.repetition_penalty,
             logit_bias=spec.logit_bias,
             structured=spec.structured,
+            speculative=spec.speculative,
             stop=spec.stop,
             n=spec.n,
         )

@@ -53,6 +53,7 @@ def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> R
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        speculative=s.speculative if s.HasField("speculative") else True,
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs,
         presence_penalty=s.presence_penalty,
@@ -96,6 +97,7 @@ def response_from_chunk(req_id: str, out: OutputChunk) -> pb.GenerateResponse:
                 prompt_tokens=u.prompt_tokens,
                 completion_tokens=u.completion_tokens,
                 cached_prompt_tokens=u.cached_tokens,
+                speculative_tokens_accepted=u.speculative_tokens_accepted,
             )
         )
     return response

@@ -32,6 +32,7 @@ def usage_json(usage: Usage) -> Json:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "speculative_tokens_accepted": usage.speculative_tokens_accepted,
     }
 
 

@@ -121,6 +121,7 @@ class _CommonRequest(_TopLevelBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # kvrelay's extra field: false turns speculative decoding off
     n: int = 1  # choices; its range is checked with the rest (engine/validation.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -174,6 +175,7 @@ class _CommonRequest(_TopLevelBody):
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             presence_penalty=self.presence_penalty or 0.0,

@@ -22,6 +22,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from a prefix cache
+    speculative_tokens_accepted: int = 0  # completion tokens that were drafted and verified
 
     @property
     def total_tokens(self) -> int:
@@ -48,6 +49,7 @@ class OutputTracker:
         self.arrival = prepared.arrival
         self.num_prompt_tokens = len(prepared.request.prompt_token_ids)
         self.num_cached_tokens = 0
+        self.num_accepted_tokens = 0  # speculative decoding, as the worker counts it
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self.backend_finished = False  # the backend ended the request (no abort needed)
@@ -64,6 +66,7 @@ class OutputTracker:
         self._observe_timing(len(delta.token_ids))
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, delta.num_accepted_tokens)
         token_ids: list[int] = []
         text = ""
         for token_id in delta.token_ids:
@@ -85,7 +88,9 @@ class OutputTracker:
         )
 
     def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+        accepted = min(self.num_accepted_tokens, self.num_output_tokens)
+        num_prompt, num_output = self.num_prompt_tokens, self.num_output_tokens
+        return Usage(num_prompt, num_output, self.num_cached_tokens, accepted)
 
     def _observe_timing(self, num_tokens: int) -> None:
         if not num_tokens:

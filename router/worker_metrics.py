@@ -59,6 +59,21 @@ _COUNTERS: dict[str, tuple[str | None, str, str]] = {  # field -> (role, name, h
         "kvrelay_host_kv_hit_blocks",
         "Prefix blocks a worker copied back from its host tier instead of recomputing.",
     ),
+    "num_spec_verify_steps": (
+        None,
+        "kvrelay_spec_verify_steps",
+        "Request-steps that verified drafted tokens (speculative decoding).",
+    ),
+    "num_spec_drafted_tokens": (
+        None,
+        "kvrelay_spec_draft_tokens",
+        "Tokens drafted for verification; acceptance rate = accepted / drafted.",
+    ),
+    "num_spec_accepted_tokens": (
+        None,
+        "kvrelay_spec_accepted_tokens",
+        "Drafted tokens verified and kept; mean accepted per step = accepted / verify steps.",
+    ),
 }
 
 

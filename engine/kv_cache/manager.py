@@ -458,3 +458,10 @@ class KVCacheManager:
                 owed |= {c.dst_block_id for c in self.write_behind.owed.values()}
             owed |= {slot for held in self._held.values() for slot in held.host_slots}
             self.host_tier.check_integrity(owed)
+
+    def assert_all_free(self) -> None:
+        """No lease is held and every block is free (cached or not), the tables consistent."""
+        assert self.num_held == 0, f"{self.num_held} prefill leases not released"
+        self.check_integrity()
+        num_used = self.num_blocks - self.num_free_blocks
+        assert num_used == 0, f"{num_used} blocks leaked"

@@ -1,10 +1,13 @@
 """The whole stack as `kvrelay serve` runs it: HTTP/gRPC router -> Ray prefill worker -> NIXL ->
-Ray decode worker, with a local redis-server. Outputs must equal the engine's greedy output."""
+Ray decode worker, with a local redis-server. Outputs must equal the engine's greedy output.
+The decode worker speculates (n-gram drafts; `kvrelay serve --speculative ngram`): every
+greedy test here is also a test that speculation leaves the output unchanged."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,21 +21,30 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.cluster_state import WorkerStats
 from common.placement_rules import SloTargets
 from common.worker_stats import gather_stats
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
-from tests.integration.cluster_support import ClusterHarness, cluster_spec
+from tests.integration.cluster_support import NUM_BLOCKS, ClusterHarness, cluster_spec
 
 MAX_TOKENS = 12
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [f"Give me a short fact about the number {i}." for i in range(16)]
 
 
+SPECULATIVE = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+PARAGRAPH = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, "
+    "and watched the ships pass safely through the narrow channel below the cliffs."
+)
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ClusterHarness]:
-    harness = ClusterHarness(cluster_spec(num_prefill=1, num_decode=1))
+    engine = EngineConfig(cache=CacheConfig(num_blocks=NUM_BLOCKS), speculative=SPECULATIVE)
+    harness = ClusterHarness(cluster_spec(num_prefill=1, num_decode=1, engine=engine))
     try:
         yield harness
     finally:
@@ -108,6 +120,38 @@ def test_grpc_concurrent_streams_are_token_exact(stack, reference):
     with ThreadPoolExecutor(16) as pool:
         tokens = list(pool.map(run, range(16)))
     assert tokens == [ids for _, ids, _ in reference]
+
+
+def test_speculative_decoding_through_the_cluster_is_token_exact_and_reported(stack, smollm_model):
+    """An answer that repeats its prompt: the decode worker's drafts are accepted, the output
+    equals the engine's without speculation, usage and /metrics count the accepted tokens;
+    the same request with speculative=false (an extra field) accepts none."""
+    messages = [{"role": "user", "content": f"Repeat this paragraph word for word: {PARAGRAPH}"}]
+    llm = LLM(engine=build_engine(smollm_model))
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    expected = llm.generate([llm.chat_prompt(messages)], greedy)
+    body = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    reply = client(stack).chat.completions.create(**body)
+    assert reply.choices[0].message.content == expected[0].text
+    accepted = reply.usage.model_extra["speculative_tokens_accepted"]
+    assert 10 <= accepted < reply.usage.completion_tokens, reply.usage
+    plain = client(stack).chat.completions.create(**body, extra_body={"speculative": False})
+    assert plain.choices[0].message.content == expected[0].text
+    assert plain.usage.model_extra["speculative_tokens_accepted"] == 0
+    stack.wait_until_no_leaks()
+
+    def decode_accepted() -> float:
+        with urllib.request.urlopen(stack.base_url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        family = families["kvrelay_spec_accepted_tokens"]
+        return sum(s.value for s in family.samples if s.labels["role"] == "decode")
+
+    for _ in range(100):  # the workers' figures reach the router with their next report
+        if decode_accepted() >= accepted:
+            break
+        time.sleep(0.1)
+    assert decode_accepted() >= accepted
 
 
 def test_repeated_prompt_reports_cached_tokens(stack, reference):

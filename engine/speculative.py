@@ -1,0 +1,117 @@
+"""Speculator: n-gram (prompt-lookup) speculative decoding. It drafts tokens for running
+requests, says which requests speculate, and turns a verify step's sampled rows into the tokens
+accepted; it owns the drafting and acceptance counters.
+
+Verification is exact: every row of a verify step is sampled from the target model as a
+normal decode would sample it (the same logits processing, and for seeded requests the same
+per-position draw), and a drafted token is accepted while it equals the token sampled at its
+position. For a drafter that proposes one token with certainty this is rejection sampling
+(accept d with probability p(d), else draw from p without d), so the output distribution is
+the target's; greedy output is the same as without speculation, token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engine.config import SpeculativeConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request
+from engine.step_types import RequestOutput, merged
+
+AppendToken = Callable[[Request, int, float | None], RequestOutput]
+
+
+def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the
+    longest n in [n_min, n_max] that matches); [] when none does."""
+    num = len(tokens)
+    for n in range(min(n_max, num - 1), n_min - 1, -1):
+        suffix = list(tokens[num - n :])
+        first = suffix[0]
+        # latest start i < num - n with tokens[i : i + n] == suffix
+        for i in range(num - n - 1, -1, -1):
+            if tokens[i] == first and list(tokens[i : i + n]) == suffix:
+                return list(tokens[i + n : i + n + k])
+    return []
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_verify_steps = 0  # request-steps that verified at least one drafted token
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.method is not None
+
+    def wants(self, req: Request, num_running: int) -> bool:
+        """req would speculate at its next decode step: it allows it, nothing it samples with
+        reads its token history or a grammar state per token (penalties, structured outputs),
+        it returns no logprobs, and the batch is small enough."""
+        params = req.sampling
+        return (
+            self.enabled
+            and params.speculative
+            and num_running <= self.config.max_batch
+            and not req.hold_kv
+            and not params.has_penalties
+            and params.structured is None
+            and not params.logprobs
+            and params.n == 1
+        )
+
+    def propose(self, running: list[Request]) -> None:
+        """Draft tokens for the running requests that decode next and speculate."""
+        if not self.enabled:
+            return
+        cfg = self.config
+        for req in running:
+            req.draft_token_ids = []
+            decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending_tokens
+            if not decoding or not self.wants(req, len(running)):
+                continue
+            # room for the drafts and one more token, by max_tokens and by max_model_len
+            room = min(
+                req.sampling.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+                cfg.num_speculative_tokens,
+            )
+            if room > 0:
+                tokens = req.all_token_ids
+                req.draft_token_ids = ngram_draft(tokens, room, cfg.ngram_min, cfg.ngram_max)
+
+    def accept(self, req: Request, drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
+        """The tokens a verify step yields: the drafted tokens that equal the token sampled at
+        their position, then the first sampled token that does not (or the one after the last
+        draft). sampled: one token per row, len(drafts) + 1 rows."""
+        num_accepted = 0
+        while num_accepted < len(drafts) and sampled[num_accepted] == drafts[num_accepted]:
+            num_accepted += 1
+        self.num_verify_steps += 1
+        self.num_drafted_tokens += len(drafts)
+        self.num_accepted_tokens += num_accepted
+        req.num_drafted_tokens += len(drafts)
+        req.num_accepted_tokens += num_accepted
+        return list(sampled[: num_accepted + 1])
+
+    def apply(
+        self, req: Request, drafts: Sequence[int], sampled: Sequence[int], append: AppendToken
+    ) -> RequestOutput:
+        """Append (with the engine's `append`, which stops what stops) the tokens a verify
+        step accepted, as one output; the accepted drafts' KV then counts as computed."""
+        tokens = self.accept(req, drafts, sampled)
+        output = None
+        for token_id in tokens:
+            new = append(req, token_id, None)
+            output = new if output is None else merged(output, new)
+            if new.finished:
+                return output
+        req.num_computed_tokens += len(tokens) - 1
+        self.kv.cache_full_blocks(req)
+        assert output is not None
+        return output

@@ -1,0 +1,148 @@
+"""Speculative decoding (n-gram drafting) in the engine: greedy output equals the output
+without speculation token for token (SmolLM2 on text that repeats its prompt, a tiny random
+model whose output loops), seeded sampling keeps the target's draws, drafts respect max_tokens
+and stop tokens, a request may turn it off, and no block leaks."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.sampling_params import SamplingParams
+from tests.conftest import build_engine, run_to_completion
+from tests.factories import make_tiny_checkpoint
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1)
+PARAGRAPH = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, "
+    "and watched the ships pass safely through the narrow channel below the cliffs."
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-spec"), vocab_size=64, seed=5)
+
+
+def generate(engine, prompts, params) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    out = run_to_completion(engine)
+    engine.assert_no_leaks()
+    return out
+
+
+def test_smollm2_greedy_output_is_the_same_with_ngram_drafting(make_engine, tokenizer):
+    """A rewrite of the prompt's paragraph (the answer repeats it) and an unrelated question,
+    batched: the same tokens with and without speculation, in fewer steps, drafts accepted."""
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat this paragraph word for word: {PARAGRAPH}"}]
+        ),
+        tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}]),
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = make_engine()
+    speculating = make_engine(speculative=NGRAM)
+    expected = generate(plain, prompts, params)
+    assert generate(speculating, prompts, params) == expected
+    spec = speculating.speculator
+    assert spec.num_accepted_tokens > 10, (spec.num_drafted_tokens, spec.num_accepted_tokens)
+    assert (
+        speculating.stats.num_generated_tokens
+        == plain.stats.num_generated_tokens
+        == sum(len(tokens) for tokens in expected.values())
+    )
+    alone = make_engine(speculative=NGRAM)  # the repeating answer alone: fewer steps than tokens
+    assert generate(alone, prompts[:1], params) == {"r0": expected["r0"]}
+    assert alone.stats.num_steps < len(expected["r0"]) - 5, alone.stats
+
+
+def test_tiny_model_greedy_output_is_the_same_over_prompts_and_draft_lengths(tiny):
+    """A random model's greedy output loops, so drafts are often right and often wrong: every
+    K gives the plain output, with blocks of 4 tokens crossed by accepted and rejected drafts."""
+    prompts = [[5, 17, 30, 42, 17, 5], list(range(1, 60, 3)), [7], [9, 9, 9, 9]]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
+    for k in (1, 3, 8):
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1)
+        engine = build_engine(model_path=str(tiny), block_size=4, speculative=config)
+        assert generate(engine, prompts, params) == expected, k
+        assert engine.speculator.num_accepted_tokens > 0
+        assert engine.speculator.num_drafted_tokens > engine.speculator.num_accepted_tokens
+
+
+def test_seeded_sampling_keeps_the_targets_draws(tiny):
+    """Temperature 0.5 over 120 seeds: every verified row draws its position's own seeded
+    sample, so the outputs match the plain engine's seed for seed (allowing a few float
+    differences between a verify chunk and a decode), and the token frequencies match."""
+    prompts = [[9, 9, 9, 9, 9, 9]]
+    outputs: dict[bool, list[list[int]]] = {False: [], True: []}
+    accepted = 0
+    for speculate in (False, True):
+        config = NGRAM if speculate else SpeculativeConfig()
+        engine = build_engine(model_path=str(tiny), block_size=4, speculative=config)
+        for seed in range(120):
+            params = SamplingParams(max_tokens=12, temperature=0.5, seed=seed)
+            outputs[speculate].append(generate(engine, prompts, params)["r0"])
+        accepted += engine.speculator.num_accepted_tokens
+    assert accepted > 50
+    same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
+    assert same >= 114, same
+    counts = [Counter(t for out in outputs[s] for t in out) for s in (False, True)]
+    total = sum(counts[0].values())
+    distance = sum(abs(counts[0][t] - counts[1][t]) for t in counts[0] | counts[1]) / (2 * total)
+    assert distance < 0.05, distance
+
+
+def test_drafts_stop_at_max_tokens_and_stop_tokens(tiny):
+    """A draft never runs past max_tokens, and a stop token inside accepted drafts ends the
+    request there, exactly as without speculation."""
+    prompt = [9, 9, 9, 9, 9, 9]
+    plain = generate(
+        build_engine(model_path=str(tiny)), [prompt], SamplingParams(max_tokens=30, temperature=0)
+    )["r0"]
+    stop_token = Counter(plain[4:]).most_common(1)[0][0]
+    for params in (
+        SamplingParams(max_tokens=7, temperature=0.0),
+        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(stop_token,)),
+    ):
+        expected = generate(build_engine(model_path=str(tiny)), [prompt], params)
+        engine = build_engine(model_path=str(tiny), speculative=NGRAM)
+        got = generate(engine, [prompt], params)
+        assert got == expected
+        assert len(got["r0"]) <= params.max_tokens
+
+
+def test_a_request_can_turn_speculation_off(tiny):
+    prompt = [9, 9, 9, 9]
+    engine = build_engine(model_path=str(tiny), speculative=NGRAM)
+    params = SamplingParams(max_tokens=24, temperature=0.0, speculative=False)
+    generate(engine, [prompt], params)
+    assert engine.speculator.num_drafted_tokens == 0
+    generate(engine, [prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    assert engine.speculator.num_drafted_tokens > 0
+
+
+def test_speculation_steps_aside_above_max_batch(tiny):
+    """More running requests than max_batch: nobody drafts (the steps run as plain decodes,
+    launched ahead), and the output is unchanged."""
+    prompts = [[9, 9, 9, i] for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = generate(build_engine(model_path=str(tiny)), prompts, params)
+    config = SpeculativeConfig(method="ngram", ngram_min=1, max_batch=4)
+    engine = build_engine(model_path=str(tiny), speculative=config)
+    assert generate(engine, prompts, params) == expected
+    assert engine.speculator.num_drafted_tokens == 0
+
+
+def test_bad_speculative_configs_are_refused():
+    with pytest.raises(ValueError, match="not built"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="one of"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=0)
