@@ -23,16 +23,20 @@ AppendToken = Callable[[Request, int, float | None], RequestOutput]
 
 
 def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the
-    longest n in [n_min, n_max] that matches); [] when none does."""
+    """Up to k tokens that followed an earlier occurrence of the last n tokens (the longest n
+    in [n_min, n_max] that matches): the latest occurrence with k tokens after it, else the one
+    with the most; [] when none matches."""
     num = len(tokens)
     for n in range(min(n_max, num - 1), n_min - 1, -1):
         suffix = list(tokens[num - n :])
-        first = suffix[0]
-        # latest start i < num - n with tokens[i : i + n] == suffix
-        for i in range(num - n - 1, -1, -1):
+        first, best = suffix[0], -1
+        for i in range(num - n - 1, -1, -1):  # starts i < num - n, latest first
             if tokens[i] == first and list(tokens[i : i + n]) == suffix:
-                return list(tokens[i + n : i + n + k])
+                if num - (i + n) >= k:
+                    return list(tokens[i + n : i + n + k])
+                best = i  # an earlier one has more tokens after it
+        if best >= 0:
+            return list(tokens[best + n : best + n + k])
     return []
 
 
