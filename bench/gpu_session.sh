@@ -12,8 +12,9 @@
 #   fp8-offline  the offline run with fp8 weights and fp8 KV, then vLLM's same run (.vstage)
 #   host-tier    the host-tier workload with and without the tier, then vLLM's CPU offload
 #   host-tier-beside  the same beside 8 long decodes: copies back beside the step or in it
+#   speculative  the n-gram speculation GPU test and bench.spec_bench on SmolLM2
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier or host-tier-beside}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside or speculative}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -139,6 +140,15 @@ case $phase in
       --profile "$out/host_tier_bg_profile.txt" \
       > "$out/host_tier_bg.txt" 2> "$out/host_tier_bg.err"
     echo "host tier beside decodes rc=$?"
+    ;;
+  speculative)  # n-gram speculation: the GPU test, then SmolLM2 batch 1 and 64 (no vLLM here)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_serving_features_cuda.py \
+      -k speculation > "$out/spec_tests.txt" 2>&1
+    echo "speculation tests rc=$?"
+    timeout 120 python3 -m bench.spec_bench --device cuda --prompts 4 --max-tokens 96 \
+      --batch-sizes 1 64 --input-len 256 --output-len 128 --json "$out/spec_bench.json" \
+      > "$out/spec_bench.txt" 2> "$out/spec_bench.err"
+    echo "spec bench rc=$?"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -150,3 +150,31 @@ def test_host_tier_copies_back_beside_the_step_in_flight(smollm_dir, tokenizer) 
             assert (copies.num_copies_ahead > 0) is ahead, copies.num_copies_in_step
         engine.assert_no_leaks()
     assert runs["ahead"] == runs["in step"] == runs["device pool"]
+
+
+def test_ngram_speculation_keeps_greedy_output_on_cuda(smollm_dir, tokenizer) -> None:
+    """Verify steps on the CUDA path (FlashInfer's paged prefill kernel over a running
+    sequence, eager beside the decode graphs): greedy SmolLM2 output with n-gram drafting
+    equals the output without, drafts are accepted, and no block leaks."""
+    from engine.config import SpeculativeConfig
+
+    paragraph = (
+        "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, "
+        "and watched the ships pass safely through the narrow channel below the cliffs."
+    )
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat this paragraph word for word: {paragraph}"}]
+        ),
+        tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}]),
+    ]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    outputs = []
+    for speculative in (SpeculativeConfig(), SpeculativeConfig(method="ngram")):
+        engine = cuda_engine(smollm_dir, speculative=speculative)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        outputs.append(run_to_completion(engine))
+        engine.assert_no_leaks()
+    assert engine.speculator.num_accepted_tokens > 10
+    assert outputs[1] == outputs[0]
