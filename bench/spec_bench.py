@@ -25,6 +25,7 @@ from bench.lib.engine_config import engine_config
 from engine.config import DEFAULT_MODEL, SpeculativeConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.speculation_cost import CostGuard
 
 PARAGRAPHS = [
     "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, and "
@@ -116,7 +117,10 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--json")
     args = p.parse_args()
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens)
+    # adaptive off: the rows measure speculation itself; "ngram, adaptive" adds the cost guard
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=args.num_speculative_tokens, adaptive=False
+    )
     config = engine_config(
         args.model,
         device=args.device,
@@ -147,6 +151,12 @@ def main() -> None:
             ),
             flush=True,
         )
+    engine.speculator.guard = CostGuard()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    batch1["ngram, adaptive"] = decode_ms_per_token(engine, prompts, params)
+    batch1["ngram, adaptive"]["guard_cost_s_per_token"] = engine.speculator.guard.cost
+    print(json.dumps({"batch1_ngram_adaptive": batch1["ngram, adaptive"]}), flush=True)
+    engine.speculator.guard = None
     rows = []
     for batch in args.batch_sizes:
         for speculative in (False, True):

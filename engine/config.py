@@ -185,7 +185,9 @@ class SpeculativeConfig:
 
     num_speculative_tokens: drafted tokens verified per step (K); ngram_min / ngram_max: the
     match lengths tried, longest first; max_batch: speculation steps aside while more
-    requests than this are running (a large batch is bound by compute, not by weight reads).
+    requests than this are running (a large batch is bound by compute, not by weight reads);
+    adaptive: also step aside while it measures dearer per token than plain decode steps on
+    this engine (engine/speculation_cost.py; tests that count drafts turn it off).
     """
 
     method: str | None = None
@@ -193,6 +195,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch: int = 8
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method == "draft":

@@ -293,9 +293,12 @@ class Engine:
         outputs = self._step()
         # the blocks it committed, behind it (done before a host lease's handle leaves)
         self.copies.offload_owed(self.kv, sync=any(o.num_held_host_blocks for o in outputs))
+        seconds = time.perf_counter() - started
         num_computed = self.stats.num_computed_tokens - computed_before
+        num_out = sum(len(out.new_token_ids) for out in outputs)
+        self.speculator.observe(seconds, num_out, num_computed, len(self.scheduler.running))
         if num_computed:
-            self.stats.rate.record(time.perf_counter() - started, num_computed)
+            self.stats.rate.record(seconds, num_computed)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -443,7 +446,7 @@ class Engine:
         grammar_ended = self.grammars is not None and self.grammars.advance(req.req_id, token_id)
         if stop and stop.matched is not None:
             reason, stop_reason = FinishReason.STOP, stop.matched
-        elif self._is_stop_token(token_id, params):
+        elif token_id in params.stop_token_ids or self._is_eos(token_id, params):
             reason, stop_reason = FinishReason.STOP, token_id
         elif grammar_ended:
             reason = FinishReason.STOP
@@ -474,9 +477,8 @@ class Engine:
             num_accepted_tokens=req.num_accepted_tokens,
         )
 
-    def _is_stop_token(self, token_id: int, params: SamplingParams) -> bool:
-        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
-        return is_eos or token_id in params.stop_token_ids
+    def _is_eos(self, token_id: int, params: SamplingParams) -> bool:
+        return not params.ignore_eos and token_id in self.eos_token_ids
 
     def _forget(self, req_id: str) -> None:
         self._generators.pop(req_id, None)

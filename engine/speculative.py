@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from engine.config import SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
+from engine.speculation_cost import CostGuard
 from engine.step_types import RequestOutput, merged
 
 AppendToken = Callable[[Request, int, float | None], RequestOutput]
@@ -45,6 +46,7 @@ class Speculator:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.guard = CostGuard() if config.adaptive else None
         self.num_verify_steps = 0  # request-steps that verified at least one drafted token
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
@@ -62,12 +64,23 @@ class Speculator:
             self.enabled
             and params.speculative
             and num_running <= self.config.max_batch
+            and (self.guard is None or self.guard.speculating)
             and not req.hold_kv
             and not params.has_penalties
             and params.structured is None
             and not params.logprobs
             and params.n == 1
         )
+
+    def observe(
+        self, seconds: float, num_generated: int, num_computed: int, num_running: int
+    ) -> None:
+        """One engine step's wall time and tokens, for the cost guard: counted when it was a
+        decode step of a batch speculation may apply to (not mostly prefill)."""
+        if self.guard is None or not self.enabled or not 0 < num_running <= self.config.max_batch:
+            return
+        if num_computed <= num_generated * (self.config.num_speculative_tokens + 1):
+            self.guard.observe(seconds, num_generated)
 
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for the running requests that decode next and speculate."""

@@ -34,7 +34,7 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [f"Give me a short fact about the number {i}." for i in range(16)]
 
 
-SPECULATIVE = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+SPECULATIVE = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
 PARAGRAPH = (
     "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, "
     "and watched the ships pass safely through the narrow channel below the cliffs."

@@ -12,10 +12,12 @@ import pytest
 
 from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
+from engine.speculation_cost import CostGuard
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint
 
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1)
+# adaptive off: these tests count drafts, which the cost guard may pause on a busy machine
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, adaptive=False)
 PARAGRAPH = (
     "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, "
     "and watched the ships pass safely through the narrow channel below the cliffs."
@@ -68,7 +70,9 @@ def test_tiny_model_greedy_output_is_the_same_over_prompts_and_draft_lengths(tin
     params = SamplingParams(max_tokens=48, temperature=0.0)
     expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
     for k in (1, 3, 8):
-        config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, ngram_min=1)
+        config = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=k, ngram_min=1, adaptive=False
+        )
         engine = build_engine(model_path=str(tiny), block_size=4, speculative=config)
         assert generate(engine, prompts, params) == expected, k
         assert engine.speculator.num_accepted_tokens > 0
@@ -133,7 +137,7 @@ def test_speculation_steps_aside_above_max_batch(tiny):
     prompts = [[9, 9, 9, i] for i in range(6)]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     expected = generate(build_engine(model_path=str(tiny)), prompts, params)
-    config = SpeculativeConfig(method="ngram", ngram_min=1, max_batch=4)
+    config = SpeculativeConfig(method="ngram", ngram_min=1, max_batch=4, adaptive=False)
     engine = build_engine(model_path=str(tiny), speculative=config)
     assert generate(engine, prompts, params) == expected
     assert engine.speculator.num_drafted_tokens == 0
@@ -146,3 +150,18 @@ def test_bad_speculative_configs_are_refused():
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=0)
+
+
+def test_the_cost_guard_switching_modes_keeps_the_output(tiny):
+    """The default (adaptive) engine with a guard that switches every few steps: speculating
+    and plain steps (run ahead) alternate within each request, and the output is unchanged."""
+    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5]]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
+    engine = build_engine(
+        model_path=str(tiny), block_size=4, speculative=SpeculativeConfig(method="ngram")
+    )
+    engine.speculator.guard = CostGuard(window=2, hold=3)
+    assert generate(engine, prompts, params) == expected
+    assert engine.speculator.guard.num_switches >= 4
+    assert engine.speculator.num_accepted_tokens > 0
