@@ -81,11 +81,16 @@ def decode_ms_per_token(engine: Engine, prompts: list[list[int]], params: Sampli
     }
 
 
-def throughput(engine: Engine, batch: int, args: argparse.Namespace, speculative: bool) -> dict:
+def throughput(
+    engine: Engine, batch: int, args: argparse.Namespace, speculative: bool, output_len: int = 0
+) -> dict:
     vocab = engine.model_config.vocab_size
     rng = random.Random(batch)
     params = SamplingParams(
-        max_tokens=args.output_len, temperature=0.0, ignore_eos=True, speculative=speculative
+        max_tokens=output_len or args.output_len,
+        temperature=0.0,
+        ignore_eos=True,
+        speculative=speculative,
     )
     accepted = engine.speculator.num_accepted_tokens
     start = time.perf_counter()
@@ -159,6 +164,7 @@ def main() -> None:
     engine.speculator.guard = None
     rows = []
     for batch in args.batch_sizes:
+        throughput(engine, batch, args, False, output_len=4)  # warm: this batch's first shapes
         for speculative in (False, True):
             rows.append(throughput(engine, batch, args, speculative))
             print(json.dumps(rows[-1]), flush=True)
