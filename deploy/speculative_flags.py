@@ -13,8 +13,16 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=SPECULATIVE_METHODS,
         help="speculative decoding on decode steps: ngram drafts the tokens that followed the "
-        "last few tokens' latest earlier match in the prompt and output, and verifies them in "
-        "one forward (greedy output unchanged); default: off",
+        "last few tokens' latest earlier match in the prompt and output, draft has "
+        "--draft-model continue each request; one forward verifies the drafts (greedy output "
+        "unchanged); default: off",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="with --speculative draft: a small model of the same tokenizer (HF folder, .gguf, "
+        "or default for SmolLM2), run beside each decode engine with its own KV pool",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -39,8 +47,11 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig:
         raise ValueError(f"--num-speculative-tokens must be in [1, 16], got {num}")
     if args.speculative_max_batch < 1:
         raise ValueError(f"--speculative-max-batch must be >= 1, got {args.speculative_max_batch}")
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise ValueError("--speculative draft needs --draft-model, and --draft-model needs it")
     return SpeculativeConfig(
         method=args.speculative,
+        draft_model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
         max_batch=args.speculative_max_batch,
     )

@@ -175,13 +175,15 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/speculative.py). method None: off; "ngram": prompt lookup
-    (the tokens that followed the last n tokens' latest earlier match, prompt and output).
+    (the tokens that followed the last n tokens' latest earlier match, prompt and output);
+    "draft": draft_model (a model of the same tokenizer, a path or "default" for SmolLM2)
+    continues each request greedily, run with a KV pool of draft_kv_cache_bytes.
 
     num_speculative_tokens: drafted tokens verified per step (K); ngram_min / ngram_max: the
     match lengths tried, longest first; max_batch: speculation steps aside while more
@@ -196,10 +198,14 @@ class SpeculativeConfig:
     ngram_max: int = 4
     max_batch: int = 8
     adaptive: bool = True
+    draft_model: str | None = None
+    draft_kv_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
-        if self.method == "draft":
-            raise ValueError("speculative method 'draft' (a draft model) is not built yet")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative method 'draft' needs a draft_model, and only it takes one"
+            )
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS} or None")
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -36,7 +36,7 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import Speculator
+from engine.speculative import Speculator, drafter
 from engine.step_inputs import TokenFill
 from engine.step_types import (
     EngineStats,
@@ -94,7 +94,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
         self.forks = ChoiceForks(self.scheduler, self.kv)
-        self.speculator = Speculator(config.speculative, self.max_model_len, self.kv)
+        draft = drafter(config, model, mc.vocab_size, self.max_model_len)
+        self.speculator = Speculator(config.speculative, self.max_model_len, self.kv, draft)
         self.runner = ModelRunner(
             model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
         )
@@ -344,7 +345,6 @@ class Engine:
         )
 
     def _sample_row(self, req: Request, offset: int = 0) -> SampleRow:
-        """offset: the row's place after the request's first row (a verify step's drafts)."""
         generator = self._generators.get(req.req_id)
         if not req.sampling.has_penalties:
             return SampleRow(req.sampling, generator, req.num_tokens + offset)

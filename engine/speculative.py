@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.config import SpeculativeConfig
+from torch import nn
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.draft_model import DraftModel
 from engine.kv_cache.manager import KVCacheManager
+from engine.loader import resolve_model
 from engine.request import Request
 from engine.speculation_cost import CostGuard
 from engine.step_types import RequestOutput, merged
@@ -42,9 +46,16 @@ def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[i
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, kv: KVCacheManager):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        kv: KVCacheManager,
+        draft_model: DraftModel | None = None,
+    ):
         self.config = config
         self.kv = kv
+        self.draft_model = draft_model
         self.max_model_len = max_model_len
         self.guard = CostGuard() if config.adaptive else None
         self.num_verify_steps = 0  # request-steps that verified at least one drafted token
@@ -87,6 +98,7 @@ class Speculator:
         if not self.enabled:
             return
         cfg = self.config
+        reqs, rooms = [], []
         for req in running:
             req.draft_token_ids = []
             decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending_tokens
@@ -99,8 +111,14 @@ class Speculator:
                 cfg.num_speculative_tokens,
             )
             if room > 0:
-                tokens = req.all_token_ids
-                req.draft_token_ids = ngram_draft(tokens, room, cfg.ngram_min, cfg.ngram_max)
+                reqs.append(req)
+                rooms.append(room)
+        if self.draft_model is not None:
+            self.draft_model.draft(reqs, rooms)
+            return
+        for req, room in zip(reqs, rooms, strict=True):
+            tokens = req.all_token_ids
+            req.draft_token_ids = ngram_draft(tokens, room, cfg.ngram_min, cfg.ngram_max)
 
     def accept(self, req: Request, drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
         """The tokens a verify step yields: the drafted tokens that equal the token sampled at
@@ -132,3 +150,15 @@ class Speculator:
         self.kv.cache_full_blocks(req)
         assert output is not None
         return output
+
+
+def drafter(
+    config: EngineConfig, model: nn.Module, vocab_size: int, max_model_len: int
+) -> DraftModel | None:
+    """The draft model a target engine's config asks for (its own weights if it names the same
+    checkpoint), or None."""
+    spec = config.speculative
+    if spec.method != "draft" or spec.draft_model is None:
+        return None
+    same = resolve_model(spec.draft_model) == resolve_model(config.model)
+    return DraftModel(config, vocab_size, max_model_len, shared=model if same else None)

@@ -157,7 +157,11 @@ class ClusterHarness(LoopThread):
         super().__init__()
         self.cluster = LocalCluster(spec)
         self.api_keys = api_keys
-        self.run(self._start(), timeout_s=300)
+        try:
+            self.run(self._start(), timeout_s=300)
+        except BaseException:  # a failed start must not leave the loop thread (pytest hangs)
+            self.stop()
+            raise
 
     async def _start(self) -> None:
         await self.cluster.start(progress=lambda message: None)

@@ -1,6 +1,9 @@
 """Structured outputs through the whole stack (router -> Ray prefill worker, which samples the
 first token under the grammar -> NIXL -> Ray decode worker, which replays it and goes on): the
-official openai client's json_schema outputs parse and validate; gRPC and refusals too."""
+official openai client's json_schema outputs parse and validate; gRPC and refusals too.
+The workers speculate with a draft model (SmolLM2 drafting for itself): requests with a
+grammar, penalties, logprobs or n > 1 step aside, and a plain greedy request through the
+cluster is token-exact with its drafts accepted."""
 
 from __future__ import annotations
 
@@ -14,9 +17,13 @@ import jsonschema
 import openai
 import pytest
 
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
-from tests.integration.cluster_support import ClusterHarness, cluster_spec
+from tests.conftest import build_engine
+from tests.integration.cluster_support import NUM_BLOCKS, ClusterHarness, cluster_spec
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 64
@@ -34,9 +41,13 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "sch
 PROMPTS = [f"Invent person number {i} and describe them as JSON." for i in range(20)]
 
 
+DRAFT = SpeculativeConfig(method="draft", draft_model="default", adaptive=False)
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ClusterHarness]:
-    harness = ClusterHarness(cluster_spec(num_prefill=1, num_decode=1))
+    engine = EngineConfig(cache=CacheConfig(num_blocks=NUM_BLOCKS), speculative=DRAFT)
+    harness = ClusterHarness(cluster_spec(num_prefill=1, num_decode=1, engine=engine))
     try:
         yield harness
     finally:
@@ -160,3 +171,17 @@ def test_bad_grpc_spec_is_invalid_argument(stack):
         list(pb_grpc.KVRelayStub(channel).Generate(request, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "regex" in info.value.details()
+
+
+def test_draft_model_speculation_through_the_cluster_is_token_exact(stack, smollm_model):
+    """A free-text greedy request: the decode worker's draft model drafts, nearly every draft
+    is accepted (it is the target model), and the text is the engine's without speculation."""
+    messages = [{"role": "user", "content": "Write four lines about autumn."}]
+    llm = LLM(engine=build_engine(smollm_model))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    expected = llm.generate([llm.chat_prompt(messages)], params)[0]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    reply = client(stack).chat.completions.create(**kwargs)
+    assert reply.choices[0].message.content == expected.text
+    accepted = reply.usage.model_extra["speculative_tokens_accepted"]
+    assert accepted >= 0.6 * reply.usage.completion_tokens, reply.usage

@@ -143,9 +143,56 @@ def test_speculation_steps_aside_above_max_batch(tiny):
     assert engine.speculator.num_drafted_tokens == 0
 
 
+def test_smollm2_drafting_for_itself_is_token_exact_and_almost_always_accepted(
+    make_engine, tokenizer
+):
+    """The draft model is the target (its weights shared): its greedy drafts are the target's
+    greedy tokens, so nearly all are accepted; the output is the plain one, and neither
+    engine leaks a block."""
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem."}]),
+        tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}]),
+    ]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = generate(make_engine(), prompts, params)
+    config = SpeculativeConfig(method="draft", draft_model="default", adaptive=False)
+    engine = make_engine(speculative=config)
+    assert generate(engine, prompts, params) == expected
+    spec = engine.speculator
+    assert spec.num_accepted_tokens >= 0.9 * spec.num_drafted_tokens > 20
+    assert engine.stats.num_steps < len(expected["r0"])
+    assert spec.draft_model is not None
+    spec.draft_model.engine.assert_no_leaks()
+
+
+def test_a_tiny_random_draft_for_a_tiny_random_target_is_token_exact(tiny, tmp_path):
+    """Another random model of the same vocabulary drafts: most drafts are wrong, some
+    right (both models loop), and the output is the plain one for every prompt."""
+    draft = make_tiny_checkpoint(tmp_path / "draft", vocab_size=64, seed=6, num_layers=1)
+    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5], list(range(1, 60, 3))]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
+    config = SpeculativeConfig(method="draft", draft_model=str(draft), adaptive=False)
+    engine = build_engine(model_path=str(tiny), block_size=4, speculative=config)
+    assert generate(engine, prompts, params) == expected
+    spec = engine.speculator
+    assert spec.num_drafted_tokens > 0
+    assert spec.draft_model is not None
+    spec.draft_model.engine.assert_no_leaks()
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny, tmp_path):
+    draft = make_tiny_checkpoint(tmp_path / "draft", vocab_size=128, weights=False)
+    config = SpeculativeConfig(method="draft", draft_model=str(draft))
+    with pytest.raises(ValueError, match="must share the target"):
+        build_engine(model_path=str(tiny), speculative=config, load_format="dummy")
+
+
 def test_bad_speculative_configs_are_refused():
-    with pytest.raises(ValueError, match="not built"):
+    with pytest.raises(ValueError, match="needs a draft_model"):
         SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="needs a draft_model"):
+        SpeculativeConfig(method="ngram", draft_model="default")
     with pytest.raises(ValueError, match="one of"):
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
