@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
-from datetime import UTC, datetime
 
 import torch
 
 from bench.lib.engine_config import engine_config
+from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams, StructuredOutput
@@ -139,17 +138,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     engine.assert_no_leaks()
-    report = {
-        "command": "python -m bench.grammar_bench " + " ".join(_argv(args)),
-        "device": str(engine.device),
-        "machine": platform.platform(),
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "rows": rows,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    report = report_header("python -m bench.grammar_bench " + " ".join(_argv(args)))
+    write_report(args.json, {**report, "device": str(engine.device), "rows": rows})
 
 
 def _argv(args: argparse.Namespace) -> list[str]:

@@ -15,15 +15,14 @@ import argparse
 import contextlib
 import itertools
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
+from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.kv_cache.manager import BlockCopy
@@ -256,17 +255,8 @@ def main() -> None:
     tiered = next((row for row in rows if row["host_kv_bytes"]), without)
     ratio = tiered["prompt_tokens_computed"] / max(1, without["prompt_tokens_computed"])
     print(f"prompt tokens computed with the host tier / without: {ratio:.2f}")
-    report = {
-        "command": "python -m bench.host_tier_bench " + json.dumps(vars(args)),
-        "machine": platform.platform(),
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "rows": rows,
-        "computed_ratio": ratio,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    report = report_header("python -m bench.host_tier_bench " + json.dumps(vars(args)))
+    write_report(args.json, {**report, "rows": rows, "computed_ratio": ratio})
 
 
 if __name__ == "__main__":

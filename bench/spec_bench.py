@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import random
 import time
-from datetime import UTC, datetime
-from typing import Any
 
 import torch
 
 from bench.lib.engine_config import engine_config
+from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL, SpeculativeConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -169,18 +167,9 @@ def main() -> None:
             rows.append(throughput(engine, batch, args, speculative))
             print(json.dumps(rows[-1]), flush=True)
     engine.assert_no_leaks()
-    report: dict[str, Any] = {
-        "command": "python -m bench.spec_bench " + json.dumps(vars(args)),
-        "machine": platform.platform(),
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "batch1": batch1,
-        "throughput": rows,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    report = report_header("python -m bench.spec_bench " + json.dumps(vars(args)))
+    report["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    write_report(args.json, {**report, "batch1": batch1, "throughput": rows})
 
 
 if __name__ == "__main__":

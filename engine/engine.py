@@ -290,13 +290,14 @@ class Engine:
         its host work (scheduling, inputs, attention plan) ran while this step's kernels did.
         """
         started = time.perf_counter()
-        computed_before = self.stats.num_computed_tokens
+        stats = self.stats
+        computed_before, generated_before = stats.num_computed_tokens, stats.num_generated_tokens
         outputs = self._step()
         # the blocks it committed, behind it (done before a host lease's handle leaves)
         self.copies.offload_owed(self.kv, sync=any(o.num_held_host_blocks for o in outputs))
         seconds = time.perf_counter() - started
-        num_computed = self.stats.num_computed_tokens - computed_before
-        num_out = sum(len(out.new_token_ids) for out in outputs)
+        num_computed = stats.num_computed_tokens - computed_before
+        num_out = stats.num_generated_tokens - generated_before
         self.speculator.observe(seconds, num_out, num_computed, len(self.scheduler.running))
         if num_computed:
             self.stats.rate.record(seconds, num_computed)

@@ -99,8 +99,7 @@ class Speculator:
             return
         cfg = self.config
         reqs, rooms = [], []
-        for req in running:
-            req.draft_token_ids = []
+        for req in running:  # none has drafts: Scheduler.schedule clears them after each step
             decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending_tokens
             if not decoding or not self.wants(req, len(running)):
                 continue

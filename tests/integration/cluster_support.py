@@ -15,6 +15,7 @@ from common.cluster_state import LeakCheck, WorkerStats
 from common.messages import GenerateRequest, KVHandle, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from router.access import ApiKeys
@@ -48,6 +49,11 @@ async def leave_after(backend, request: GenerateRequest, num_deltas: int) -> lis
             break
     await stream.aclose()
     return got
+
+
+def greedy_output(llm: LLM, prompt: list[int], max_tokens: int, **fields) -> Any:
+    """The offline engine's greedy output of one prompt (the cluster must give the same)."""
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, **fields))[0]
 
 
 def tokens_of(deltas: list[TokenDelta]) -> list[int]:

@@ -1,4 +1,5 @@
-"""Fixtures of the integration tests: an event loop per module for the cluster tests."""
+"""Fixtures of the integration tests: an event loop per module for the cluster tests, and an
+offline engine per module to compare the cluster's outputs with."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from engine.llm import LLM
+from tests.conftest import build_engine
+
 
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
@@ -14,3 +18,11 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+@pytest.fixture(scope="module")
+def sampling_llm(smollm_model) -> Iterator[LLM]:
+    """SmolLM2 in-process (the shared weights): the outputs a cluster test must equal."""
+    llm = LLM(engine=build_engine(smollm_model))
+    yield llm
+    llm.engine.assert_no_leaks()

@@ -18,16 +18,19 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.cluster_state import WorkerStats
 from common.placement_rules import SloTargets
-from common.worker_stats import gather_stats
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
-from tests.integration.cluster_support import NUM_BLOCKS, ClusterHarness, cluster_spec
+from tests.integration.cluster_support import (
+    NUM_BLOCKS,
+    ClusterHarness,
+    cluster_spec,
+    greedy_output,
+)
 
 MAX_TOKENS = 12
 MODEL = "SmolLM2-135M-Instruct"
@@ -122,14 +125,13 @@ def test_grpc_concurrent_streams_are_token_exact(stack, reference):
     assert tokens == [ids for _, ids, _ in reference]
 
 
-def test_speculative_decoding_through_the_cluster_is_token_exact_and_reported(stack, smollm_model):
+def test_speculative_decoding_through_the_cluster_is_token_exact_and_reported(stack, sampling_llm):
     """An answer that repeats its prompt: the decode worker's drafts are accepted, the output
     equals the engine's without speculation, usage and /metrics count the accepted tokens;
     the same request with speculative=false (an extra field) accepts none."""
     messages = [{"role": "user", "content": f"Repeat this paragraph word for word: {PARAGRAPH}"}]
-    llm = LLM(engine=build_engine(smollm_model))
     greedy = SamplingParams(max_tokens=40, temperature=0)
-    expected = llm.generate([llm.chat_prompt(messages)], greedy)
+    expected = sampling_llm.generate([sampling_llm.chat_prompt(messages)], greedy)
     body = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0)
     reply = client(stack).chat.completions.create(**body)
     assert reply.choices[0].message.content == expected[0].text
@@ -353,16 +355,8 @@ def test_routers_report_slo_attainment_to_the_controller(stack, reference):
 SAMPLING_PROMPT = "List the days of the week, then list them again:"
 
 
-@pytest.fixture(scope="module")
-def sampling_llm(smollm_model) -> Iterator[LLM]:
-    llm = LLM(engine=build_engine(smollm_model))
-    yield llm
-    llm.engine.assert_no_leaks()
-
-
 def engine_output(llm: LLM, prompt: list[int], **fields):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, **fields)
-    return llm.generate([prompt], params)[0]
+    return greedy_output(llm, prompt, MAX_TOKENS, **fields)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -498,107 +492,3 @@ def test_bad_grpc_sampling_values_are_invalid_argument(stack):
             assert any(name in info.value.details() for name in (
                 "repetition_penalty", "presence_penalty", "logit_bias", "top_logprobs",
             ))  # fmt: skip
-
-
-# ---- n > 1: the prompt prefilled once, its KV pulled once, the choices forked on the decode
-# worker ---------------------------------------------------------------------------------------
-def worker_stats(stack: ClusterHarness) -> tuple[WorkerStats, WorkerStats]:
-    """The (only) prefill worker's and decode worker's stats, read through their actors."""
-    workers = stack.cluster.backend.workers
-    (prefill,) = stack.run(gather_stats(workers.actors("prefill"))).values()
-    (decode,) = stack.run(gather_stats(workers.actors("decode"))).values()
-    return prefill, decode
-
-
-def moves(stats: WorkerStats) -> dict[str, int]:
-    return dict(stats.handoff_transitions)
-
-
-def n3_texts(stack: ClusterHarness, question: str, chat: bool, stream: bool, **fields):
-    """The texts of an n=3 request by choice index, and its usage."""
-    api = client(stack).chat.completions if chat else client(stack).completions
-    prompt = {"messages": [{"role": "user", "content": question}]} if chat else {"prompt": question}
-    kwargs = dict(model=MODEL, n=3, **prompt, **fields)
-    texts: dict[int, str] = {}
-    if not stream:
-        reply = api.create(**kwargs)
-        for choice in reply.choices:
-            texts[choice.index] = choice.message.content if chat else choice.text
-        return texts, reply.usage
-    usage = None
-    for chunk in api.create(**kwargs, stream=True, stream_options={"include_usage": True}):
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            text = (choice.delta.content if chat else choice.text) or ""
-            texts[choice.index] = texts.get(choice.index, "") + text
-    return texts, usage
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("chat", [False, True])
-def test_n3_greedy_prefills_once_pulls_once_and_gives_three_engine_outputs(
-    stack, sampling_llm, chat, stream
-):
-    question = f"Name a river of Europe (chat={chat}, stream={stream}) and one city on it."
-    if chat:
-        prompt_ids = sampling_llm.chat_prompt([{"role": "user", "content": question}])
-    else:
-        prompt_ids = sampling_llm.engine.tokenizer.encode(question)
-    want = engine_output(sampling_llm, prompt_ids, ignore_eos=True)
-    prefill_before, decode_before = worker_stats(stack)
-    texts, usage = n3_texts(
-        stack, question, chat, stream, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    stack.wait_until_no_leaks()
-    prefill, decode = worker_stats(stack)
-    assert texts == {i: want.text for i in range(3)}
-    assert usage.prompt_tokens == len(prompt_ids)
-    assert usage.completion_tokens == 3 * MAX_TOKENS
-    # Counted: the prompt computed once by the prefill worker, its blocks pulled once.
-    num_prompt = prefill.num_prompt_tokens - prefill_before.num_prompt_tokens
-    num_cached = prefill.num_cached_tokens - prefill_before.num_cached_tokens
-    assert num_prompt == len(prompt_ids)
-    computed = prefill.num_computed_tokens - prefill_before.num_computed_tokens
-    assert computed == len(prompt_ids) - num_cached
-    assert prefill.num_requests - prefill_before.num_requests == 1
-    assert decode.num_requests - decode_before.num_requests == 1
-    after, before = moves(decode), moves(decode_before)
-    assert after["queued->reserved"] - before["queued->reserved"] == 1
-    assert after["reading->committed"] - before["reading->committed"] == 1
-    assert decode.num_transferred_blocks > decode_before.num_transferred_blocks
-    assert decode.num_recomputed == decode_before.num_recomputed
-
-
-def test_n3_seeded_choices_are_reproducible_and_differ(stack):
-    fields = dict(max_tokens=8, temperature=1.0, seed=1234)
-    first, _ = n3_texts(stack, "Invent a name for a cat.", chat=False, stream=False, **fields)
-    second, _ = n3_texts(stack, "Invent a name for a cat.", chat=False, stream=True, **fields)
-    assert first == second and sorted(first) == [0, 1, 2]
-    assert len(set(first.values())) > 1, "choice i samples with seed + i"
-
-
-def test_n3_that_ends_on_the_first_tokens_needs_no_decode(stack):
-    _, decode_before = worker_stats(stack)
-    reply = client(stack).completions.create(
-        model=MODEL, prompt="Pick a letter:", n=3, max_tokens=1, temperature=0
-    )
-    assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert {c.finish_reason for c in reply.choices} == {"length"}
-    assert len({c.text for c in reply.choices}) == 1 and reply.usage.completion_tokens == 3
-    stack.wait_until_no_leaks()
-    assert worker_stats(stack)[1].num_requests == decode_before.num_requests
-
-
-def test_grpc_n3_streams_each_choice_with_its_index(stack, sampling_llm):
-    prompt_ids = sampling_llm.engine.tokenizer.encode("Three facts about owls, briefly:")
-    want = engine_output(sampling_llm, prompt_ids, ignore_eos=True)
-    sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=sampling, n=3)
-    with grpc.insecure_channel(stack.grpc_target) as channel:
-        responses = list(pb_grpc.KVRelayStub(channel).Generate(request, timeout=120))
-    tokens: dict[int, list[int]] = {}
-    for response in responses:
-        tokens.setdefault(response.index, []).extend(response.token_ids)
-    assert tokens == {i: want.token_ids for i in range(3)}
-    assert responses[-1].HasField("usage")
