@@ -13,8 +13,10 @@
 #   host-tier    the host-tier workload with and without the tier, then vLLM's CPU offload
 #   host-tier-beside  the same beside 8 long decodes: copies back beside the step or in it
 #   speculative  the n-gram speculation GPU test and bench.spec_bench on SmolLM2
+#   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
+#   vllm-spec  vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside or speculative}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b or vllm-spec}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -141,14 +143,29 @@ case $phase in
       > "$out/host_tier_bg.txt" 2> "$out/host_tier_bg.err"
     echo "host tier beside decodes rc=$?"
     ;;
-  speculative)  # n-gram speculation: the GPU test, then SmolLM2 batch 1 and 64 (no vLLM here)
+  speculative)  # n-gram speculation: the GPU test, then bench.spec_bench on SmolLM2 (batch 1)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_serving_features_cuda.py \
       -k speculation > "$out/spec_tests.txt" 2>&1
     echo "speculation tests rc=$?"
-    timeout 120 python3 -m bench.spec_bench --device cuda --prompts 4 --max-tokens 96 \
-      --batch-sizes 1 64 --input-len 256 --output-len 128 --json "$out/spec_bench.json" \
-      > "$out/spec_bench.txt" 2> "$out/spec_bench.err"
-    echo "spec bench rc=$?"
+    timeout 150 python3 -m bench.spec_bench --device cuda --prompts 4 --max-tokens 128 \
+      --batch-sizes --json "$out/spec_smollm2.json" > "$out/spec_smollm2.txt" 2> "$out/spec_smollm2.err"
+    echo "spec bench SmolLM2 rc=$?"
+    ;;
+  speculative-8b)  # the 8B shape: batch 1 (random weights, then a repeating stream), 64, 256
+    served_8b
+    timeout 560 python3 -m bench.spec_bench --device cuda --model "$folder" --load-format dummy \
+      --prompts 4 --max-tokens 128 --batch-sizes 64 256 --input-len 1000 --output-len 1000 \
+      --kv-cache-gib 72 --repeating-scale 0.05 --json "$out/spec_8b.json" \
+      > "$out/spec_8b.txt" 2> "$out/spec_8b.err"
+    echo "spec bench 8B rc=$?"
+    ;;
+  vllm-spec)  # vLLM's n-gram speculation on the 8B shape (SPEC=ngram|off), same prompts
+    served_8b
+    PYTHONPATH=/tmp/vsite timeout 560 python3 bench/vllm_spec_peer.py --model "$folder" \
+      --load-format dummy --speculative "${SPEC:-ngram}" --prompts 4 --max-tokens 128 \
+      --batch-sizes 64 256 --input-len 1000 --output-len 1000 \
+      --json "$out/vllm_spec_${SPEC:-ngram}.json" > "$out/vllm_spec_${SPEC:-ngram}.txt" 2>&1
+    echo "vllm spec ${SPEC:-ngram} rc=$?"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -2,8 +2,9 @@
 engine/backend_builder.py made; owns only the count of steps replayed from a graph.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
-forward pass (replaying a CUDA graph for pure-decode steps when one is captured), and returns
-the logits of the chunks that end a sequence's known tokens.
+forward pass (replaying a CUDA graph for pure-decode steps when one is captured; a speculative
+verify chunk runs as one decode row per token, so it keeps a step pure-decode), and returns the
+logits of the chunks that end a sequence's known tokens, and of each verified draft.
 """
 
 from __future__ import annotations
@@ -53,16 +54,25 @@ class ModelRunner:
             start = chunk.start
             end = start + chunk.num_new_tokens
             block_ids = self.kv.block_ids(req.req_id)
-            inputs.seqs.append(SeqSpan(len(inputs.input_ids), chunk.num_new_tokens, end, block_ids))
+            q_start = len(inputs.input_ids)
             if chunk.draft_token_ids:  # a verify step: the last real token, then the drafts
                 inputs.input_ids.extend(req.all_token_ids[start:])
                 inputs.input_ids.extend(chunk.draft_token_ids)
-            elif end > len(req.all_token_ids):
-                _add_pending(inputs, chunk, fill)
-            elif chunk.num_new_tokens == 1:
-                inputs.input_ids.append(req.all_token_ids[start])
+                # One decode row per token, each seeing the cache up to itself: every K/V is
+                # written before any row attends, so this is the causal verify, and a step of
+                # decodes and verifies stays a pure-decode step (a CUDA graph replays it).
+                inputs.seqs.extend(
+                    SeqSpan(q_start + i, 1, start + i + 1, block_ids)
+                    for i in range(chunk.num_new_tokens)
+                )
             else:
-                inputs.input_ids.extend(req.all_token_ids[start:end])
+                inputs.seqs.append(SeqSpan(q_start, chunk.num_new_tokens, end, block_ids))
+                if end > len(req.all_token_ids):
+                    _add_pending(inputs, chunk, fill)
+                elif chunk.num_new_tokens == 1:
+                    inputs.input_ids.append(req.all_token_ids[start])
+                else:
+                    inputs.input_ids.extend(req.all_token_ids[start:end])
             if chunk.num_new_tokens == 1:  # a decode: skip the range machinery
                 inputs.positions.append(start)
                 inputs.slot_block_ids.append(block_ids[start // bs])
@@ -90,12 +100,11 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             hidden = self._forward_eager(inputs, fill)
-        rows = []
-        for i, chunk in enumerate(output.chunks):
+        rows, end = [], 0
+        for chunk in output.chunks:  # tokens are packed in chunk order
+            end += chunk.num_new_tokens
             if chunk.samples:
-                seq, num_drafts = inputs.seqs[i], len(chunk.draft_token_ids)
-                last = seq.q_start + seq.q_len - 1
-                rows.extend(range(last - num_drafts, last + 1))
+                rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
         if rows == list(range(hidden.shape[0])):
             selected = hidden  # every token samples (pure decode): no gather
         else:

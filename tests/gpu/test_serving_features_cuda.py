@@ -153,9 +153,9 @@ def test_host_tier_copies_back_beside_the_step_in_flight(smollm_dir, tokenizer) 
 
 
 def test_ngram_speculation_keeps_greedy_output_on_cuda(smollm_dir, tokenizer) -> None:
-    """Verify steps on the CUDA path (FlashInfer's paged prefill kernel over a running
-    sequence, eager beside the decode graphs): greedy SmolLM2 output with n-gram drafting
-    equals the output without, drafts are accepted, and no block leaks."""
+    """Verify steps on the CUDA path (each verified token a decode row, the step replayed
+    from a decode graph): greedy SmolLM2 output with n-gram drafting equals the output
+    without, drafts are accepted, the verify steps ran as graphs, and no block leaks."""
     from engine.config import SpeculativeConfig
 
     paragraph = (
@@ -177,4 +177,6 @@ def test_ngram_speculation_keeps_greedy_output_on_cuda(smollm_dir, tokenizer) ->
         outputs.append(run_to_completion(engine))
         engine.assert_no_leaks()
     assert engine.speculator.num_accepted_tokens > 10
+    # every step but the prompts' prefill replayed a graph, verify steps included
+    assert engine.runner.num_graph_steps >= engine.stats.num_steps - len(prompts) > 0
     assert outputs[1] == outputs[0]

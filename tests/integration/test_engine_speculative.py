@@ -212,3 +212,40 @@ def test_the_cost_guard_switching_modes_keeps_the_output(tiny):
     assert generate(engine, prompts, params) == expected
     assert engine.speculator.guard.num_switches >= 4
     assert engine.speculator.num_accepted_tokens > 0
+
+
+class RecordingGraphs:
+    """A DecodeGraphs that runs the runner's eager forward and keeps each step's inputs: what
+    the runner hands a CUDA-graph replayer, seen on the CPU."""
+
+    def __init__(self, runner, max_rows: int = 64):
+        self.runner, self.max_rows, self.steps = runner, max_rows, []
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        return num_seqs if num_seqs <= self.max_rows else None
+
+    def run(self, inputs, fill=None):
+        self.steps.append(inputs)
+        return self.runner._forward_eager(inputs, fill)
+
+
+def test_verify_steps_are_pure_decode_steps_a_graph_replays(tiny):
+    """Each verified token is a decode row that sees the cache up to itself, so decode +
+    verify steps go to the decode graphs; the output is unchanged."""
+    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5]]
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
+    engine = build_engine(model_path=str(tiny), block_size=4, speculative=NGRAM)
+    graphs = engine.runner.graphs = RecordingGraphs(engine.runner)
+    assert generate(engine, prompts, params) == expected
+    verifies = [step for step in graphs.steps if len(step.seqs) > len(prompts)]
+    assert verifies and engine.speculator.num_accepted_tokens > 0
+    for step in verifies:
+        assert all(seq.q_len == 1 for seq in step.seqs)
+        by_blocks: dict[int, list[int]] = {}
+        for seq in step.seqs:  # one request's rows: consecutive contexts over the same blocks
+            by_blocks.setdefault(seq.block_ids[0], []).append(seq.ctx_len)
+        for ctx_lens in by_blocks.values():
+            assert ctx_lens == list(range(ctx_lens[0], ctx_lens[0] + len(ctx_lens)))
+        assert [seq.ctx_len - 1 for seq in step.seqs] == step.positions
+    assert engine.runner.num_graph_steps == len(graphs.steps) > len(verifies)
