@@ -155,7 +155,7 @@ case $phase in
     served_8b
     timeout 560 python3 -m bench.spec_bench --device cuda --model "$folder" --load-format dummy \
       --prompts 4 --max-tokens 128 --batch-sizes 64 256 --input-len 1000 --output-len 1000 \
-      --kv-cache-gib 72 --repeating-scale 0.05 --json "$out/spec_8b.json" \
+      --kv-cache-gib 72 --repeating-scale 0.05 --repeating-batch-sizes 64 --json "$out/spec_8b.json" \
       > "$out/spec_8b.txt" 2> "$out/spec_8b.err"
     echo "spec bench 8B rc=$?"
     ;;

@@ -68,9 +68,14 @@ def decode_ms_per_token(engine: Engine, prompts: list[list[int]], params: Sampli
 
 
 def throughput(
-    engine: Engine, batch: int, args: argparse.Namespace, speculative: bool, output_len: int = 0
+    engine: Engine,
+    batch: int,
+    args: argparse.Namespace,
+    speculative: bool,
+    output_len: int = 0,
+    seed: int = 0,
 ) -> dict:
-    prompts = random_batch(batch, args.input_len, engine.model_config.vocab_size)
+    prompts = random_batch(batch, args.input_len, engine.model_config.vocab_size, seed)
     params = SamplingParams(
         max_tokens=output_len or args.output_len,
         temperature=0.0,
@@ -111,6 +116,13 @@ def main() -> None:
         default=0.0,
         help="then scale the (random) weights by this and run batch 1 again: a repeating stream",
     )
+    p.add_argument(
+        "--repeating-batch-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --repeating-scale: throughput rows on the repeating stream, speculating",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     on_gpu = args.device.startswith("cuda")
@@ -150,6 +162,7 @@ def main() -> None:
         repeat_prompts = [[1, *prompt] for prompt in prompts]
         print(f"weights scaled by {args.repeating_scale}: a repeating stream", flush=True)
         report["batch1_repeating"] = batch1_rows(engine, repeat_prompts, args.max_tokens)
+        report["throughput_repeating"] = repeating_throughput(engine, args)
     engine.assert_no_leaks()
     if on_gpu:
         all_rows = batch1 | {
@@ -174,6 +187,21 @@ def batch1_rows(engine: Engine, prompts: list[list[int]], max_tokens: int) -> di
     print(json.dumps({"batch1 ngram, adaptive": batch1["ngram, adaptive"]}), flush=True)
     engine.speculator.guard = None
     return batch1
+
+
+def repeating_throughput(engine: Engine, args: argparse.Namespace) -> list[dict]:
+    """Throughput rows on the repeating stream, speculation allowed up to each batch size (new
+    prompts: the cached blocks hold the old weights' KV)."""
+    rows = []
+    for batch in args.repeating_batch_sizes:
+        spec = engine.speculator
+        spec.config = dataclasses.replace(spec.config, max_batch=batch)
+        throughput(engine, batch, args, False, output_len=4, seed=1 << 20)
+        for speculative in (False, True):
+            rows.append(throughput(engine, batch, args, speculative, seed=1 << 20))
+            rows[-1]["repeating"] = True
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def scale_weights(engine: Engine, factor: float) -> None:

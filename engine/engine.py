@@ -95,7 +95,8 @@ class Engine:
         self.loader = RemoteKVLoader(self.scheduler, self.kv)
         self.forks = ChoiceForks(self.scheduler, self.kv)
         draft = drafter(config, model, mc.vocab_size, self.max_model_len)
-        self.speculator = Speculator(config.speculative, self.max_model_len, self.kv, draft)
+        rows = backend.graphs.max_batch_size if backend.graphs else None  # a verify's cap
+        self.speculator = Speculator(config.speculative, self.max_model_len, self.kv, draft, rows)
         self.runner = ModelRunner(
             model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
         )

@@ -76,6 +76,10 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Misses in a row (no draft found, or none of one accepted) and the token count before which
+    # it does not try again (Speculator: a request that does not repeat keeps running ahead).
+    num_draft_misses: int = 0
+    draft_again_at: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 

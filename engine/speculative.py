@@ -25,6 +25,7 @@ from engine.speculation_cost import CostGuard
 from engine.step_types import RequestOutput, merged
 
 AppendToken = Callable[[Request, int, float | None], RequestOutput]
+MAX_MISS_PAUSE = 32  # tokens a request that keeps missing decodes plainly between tries
 
 
 def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -52,8 +53,12 @@ class Speculator:
         max_model_len: int,
         kv: KVCacheManager,
         draft_model: DraftModel | None = None,
+        max_rows: int | None = None,
     ):
+        """max_rows: the most rows a verify step may have and still replay a decode graph (the
+        largest captured batch); drafts are trimmed to fit it. None: no graphs, no limit."""
         self.config = config
+        self.max_rows = max_rows
         self.kv = kv
         self.draft_model = draft_model
         self.max_model_len = max_model_len
@@ -69,12 +74,14 @@ class Speculator:
     def wants(self, req: Request, num_running: int) -> bool:
         """req would speculate at its next decode step: it allows it, nothing it samples with
         reads its token history or a grammar state per token (penalties, structured outputs),
-        it returns no logprobs, and the batch is small enough."""
+        it returns no logprobs, the batch is small enough, and it is not pausing after misses."""
         params = req.sampling
         return (
             self.enabled
             and params.speculative
+            and req.num_tokens >= req.draft_again_at
             and num_running <= self.config.max_batch
+            and self.drafts_per_request(num_running) > 0
             and (self.guard is None or self.guard.speculating)
             and not req.hold_kv
             and not params.has_penalties
@@ -82,6 +89,14 @@ class Speculator:
             and not params.logprobs
             and params.n == 1
         )
+
+    def drafts_per_request(self, num_running: int) -> int:
+        """K, or fewer when a verify step of num_running requests would outgrow the largest
+        decode graph (each request's row, then its drafts' rows)."""
+        k = self.config.num_speculative_tokens
+        if self.max_rows is None:
+            return k
+        return min(k, self.max_rows // max(1, num_running) - 1)
 
     def observe(
         self, seconds: float, num_generated: int, num_computed: int, num_running: int
@@ -99,6 +114,7 @@ class Speculator:
             return
         cfg = self.config
         reqs, rooms = [], []
+        per_request = self.drafts_per_request(len(running))
         for req in running:  # none has drafts: Scheduler.schedule clears them after each step
             decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending_tokens
             if not decoding or not self.wants(req, len(running)):
@@ -107,17 +123,26 @@ class Speculator:
             room = min(
                 req.sampling.max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens - 1,
-                cfg.num_speculative_tokens,
+                per_request,
             )
             if room > 0:
                 reqs.append(req)
                 rooms.append(room)
         if self.draft_model is not None:
             self.draft_model.draft(reqs, rooms)
-            return
-        for req, room in zip(reqs, rooms, strict=True):
-            tokens = req.all_token_ids
-            req.draft_token_ids = ngram_draft(tokens, room, cfg.ngram_min, cfg.ngram_max)
+        else:
+            for req, room in zip(reqs, rooms, strict=True):
+                tokens = req.all_token_ids
+                req.draft_token_ids = ngram_draft(tokens, room, cfg.ngram_min, cfg.ngram_max)
+        for req in reqs:
+            if not req.draft_token_ids:
+                self._missed(req)
+
+    def _missed(self, req: Request) -> None:
+        """No draft, or none of it accepted: the request decodes plainly (and runs ahead) for
+        2, 4, 8 ... up to MAX_MISS_PAUSE tokens before it drafts again."""
+        req.num_draft_misses += 1
+        req.draft_again_at = req.num_tokens + min(MAX_MISS_PAUSE, 1 << req.num_draft_misses)
 
     def accept(self, req: Request, drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
         """The tokens a verify step yields: the drafted tokens that equal the token sampled at
@@ -131,6 +156,10 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         req.num_drafted_tokens += len(drafts)
         req.num_accepted_tokens += num_accepted
+        if num_accepted:
+            req.num_draft_misses = 0
+        else:
+            self._missed(req)
         return list(sampled[: num_accepted + 1])
 
     def apply(

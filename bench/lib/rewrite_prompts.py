@@ -24,9 +24,9 @@ def rewrite_turns(num: int) -> list[list[dict[str, str]]]:
     ]
 
 
-def random_batch(batch: int, input_len: int, vocab: int) -> list[list[int]]:
+def random_batch(batch: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """The throughput rows' prompts: batch random token-id prompts, the same for every engine."""
     import random
 
-    rng = random.Random(batch)
+    rng = random.Random(batch + seed)
     return [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(batch)]

@@ -61,3 +61,36 @@ def test_speculation_is_off_above_max_batch():
     req = running(SamplingParams(), [1, 1, 1])
     assert spec.wants(req, 2) and not spec.wants(req, 3)
     assert not Speculator(SpeculativeConfig(), 100, kv=None).wants(req, 1)  # type: ignore[arg-type]
+
+
+def test_a_request_that_keeps_missing_drafts_less_often():
+    """No draft found (or none accepted) pauses drafting for 2, 4, 8 ... tokens, in which the
+    request decodes plainly (so it runs ahead); a draft accepted ends the streak."""
+    spec = Speculator(SpeculativeConfig(method="ngram", ngram_min=1), 100, kv=None)  # type: ignore[arg-type]
+    req = running(SamplingParams(), [1, 2, 3])
+    spec.propose([req])
+    assert req.draft_token_ids == [] and not spec.wants(req, 1)
+    assert (req.num_draft_misses, req.draft_again_at) == (1, 5)
+    req.append_token(4)  # two tokens later (plain decodes) it tries again
+    req.append_token(5)
+    req.num_computed_tokens = req.num_tokens - 1
+    assert spec.wants(req, 1)
+    spec.propose([req])
+    assert (req.num_draft_misses, req.draft_again_at) == (2, 9)
+    assert spec.accept(req, [6, 7], [3, 3, 3]) == [3]  # drafted, none accepted: a miss too
+    assert req.num_draft_misses == 3
+    assert spec.accept(req, [6, 7], [6, 3, 3]) == [6, 3]
+    assert req.num_draft_misses == 0
+    for _ in range(10):
+        spec._missed(req)
+    assert req.draft_again_at == req.num_tokens + 32  # the pause stops growing
+
+
+def test_drafts_shrink_to_fit_the_largest_decode_graph():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, max_batch=64)
+    spec = Speculator(config, 100, kv=None, max_rows=12)  # type: ignore[arg-type]
+    assert [spec.drafts_per_request(n) for n in (1, 2, 3, 6, 7)] == [4, 4, 3, 1, 0]
+    reqs = [running(SamplingParams(), [7, 8] * 5 + [7]) for _ in range(3)]
+    spec.propose(reqs)
+    assert [r.draft_token_ids for r in reqs] == [[8, 7, 8]] * 3  # 3 x (1 + 3) rows = 12
+    assert not spec.wants(reqs[0], 7)  # 7 rows leave no room for a draft: decode plainly
