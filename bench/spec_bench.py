@@ -23,7 +23,7 @@ import torch
 from bench.lib.engine_config import engine_config
 from bench.lib.gpu_timing import copy_bandwidth
 from bench.lib.random_models import weight_bytes
-from bench.lib.rewrite_prompts import random_batch, rewrite_turns
+from bench.lib.rewrite_prompts import batch1_row, random_batch, rewrite_turns
 from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL, SpeculativeConfig
 from engine.engine import Engine
@@ -57,14 +57,7 @@ def decode_ms_per_token(engine: Engine, prompts: list[list[int]], params: Sampli
         tokens += count - 1
     drafted, accepted = spec.num_drafted_tokens - drafted, spec.num_accepted_tokens - accepted
     steps = spec.num_verify_steps - steps
-    return {
-        "ms_per_output_token": round(1000 * seconds / max(1, tokens), 3),
-        "output_tokens": tokens,
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-        "mean_accepted_per_verify_step": round(accepted / steps, 2) if steps else None,
-    }
+    return batch1_row(seconds, tokens, drafted, accepted, steps)
 
 
 def throughput(

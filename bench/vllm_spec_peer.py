@@ -20,7 +20,7 @@ for _key, _value in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):
     os.environ.setdefault(_key, _value)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.lib.rewrite_prompts import random_batch, rewrite_turns  # noqa: E402
+from bench.lib.rewrite_prompts import batch1_row, random_batch, rewrite_turns  # noqa: E402
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "verify_steps",
@@ -62,14 +62,7 @@ def batch1(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     drafted = after["drafted"] - before["drafted"]
     accepted = after["accepted"] - before["accepted"]
     steps = after["verify_steps"] - before["verify_steps"]
-    return {
-        "ms_per_output_token": round(1000 * seconds / max(1, tokens), 3),
-        "output_tokens": tokens,
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-        "mean_accepted_per_verify_step": round(accepted / steps, 2) if steps else None,
-    }
+    return batch1_row(seconds, tokens, drafted, accepted, steps)
 
 
 def throughput(llm, batch: int, args: argparse.Namespace, vocab: int) -> dict:

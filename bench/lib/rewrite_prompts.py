@@ -1,6 +1,7 @@
-"""The batch-1 speculation workload's chat turns: "rewrite this paragraph with one word
-changed", whose answer repeats its prompt; shared by bench.spec_bench and its vLLM peer (which
-imports nothing of kvrelay's engine). Stateless and dependency-free."""
+"""The speculation benches' workload and rows, shared by bench.spec_bench and its vLLM peer
+(which imports nothing of kvrelay's engine): the batch-1 chat turns ("rewrite this paragraph
+with one word changed", whose answer repeats its prompt), the throughput rows' random prompts,
+and the batch-1 row's figures. Stateless and dependency-free."""
 
 from __future__ import annotations
 
@@ -30,3 +31,16 @@ def random_batch(batch: int, input_len: int, vocab: int, seed: int = 0) -> list[
 
     rng = random.Random(batch + seed)
     return [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(batch)]
+
+
+def batch1_row(seconds: float, tokens: int, drafted: int, accepted: int, steps: int) -> dict:
+    """One batch-1 row: ms per output token (tokens after each request's first, over seconds
+    from its first to its last), the drafts, acceptance and accepted per verify step."""
+    return {
+        "ms_per_output_token": round(1000 * seconds / max(1, tokens), 3),
+        "output_tokens": tokens,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+        "mean_accepted_per_verify_step": round(accepted / steps, 2) if steps else None,
+    }
