@@ -1,8 +1,9 @@
 """FlashInfer paged decode attention alone, the way FlashInferAttention calls it: ms per layer
 and effective KV read bandwidth, bf16 against fp8 (e4m3) KV, tensor-core (prefill kernel)
-against CUDA-core decode kernels. Owns no state; needs a GPU and flashinfer.
+against CUDA-core fa2 decode kernels, and XQA (the engine's choice for an fp8 cache on Hopper).
+Owns no state; needs a GPU and flashinfer.
 
-    python -m bench.attention_bench [--shapes 1x512 488x1500] [--json out.json]
+    python -m bench.attention_bench [--shapes 1x512 256x1500 488x1500] [--json out.json]
 
 The cache is layer-packed and head-major like the engine's ([blocks, layers, 2, Hkv, 16, D],
 one layer's strided view), with each sequence's pages scattered over the pool.
@@ -83,14 +84,66 @@ def one_shape(batch: int, context: int) -> list[dict[str, Any]]:
                 f"{row['kv_GBps']:7.0f} GB/s",
                 flush=True,
             )
+        row = xqa_row(batch, context, q, layer, order.view(batch, pages_per_seq), kv_bytes)
+        if row is not None:
+            rows.append(row)
         del cache, layer
         torch.cuda.empty_cache()
     return rows
 
 
+def xqa_row(
+    batch: int,
+    context: int,
+    q: torch.Tensor,
+    layer: torch.Tensor,
+    table: torch.Tensor,
+    kv_bytes: int,
+) -> dict[str, Any] | None:
+    """XQA on the same pages (dense table), as engine/attention/xqa_decode.py calls it."""
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    from engine.attention.xqa_decode import XQA_WORKSPACE_BYTES
+
+    if torch.cuda.get_device_capability()[0] not in (9, 10, 12):
+        return None
+    workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        xqa_batch_decode_with_kv_cache(
+            q,
+            (layer[:, 0], layer[:, 1]),
+            workspace,
+            table,
+            lens,
+            table.shape[1] * BLOCK,
+            bmm1_scale=HEAD_DIM**-0.5,
+            out=out,
+            kv_layout="HND",
+        )
+
+    ms = time_ms(run)
+    row = {
+        "batch": batch,
+        "context": context,
+        "kv_dtype": str(layer.dtype).removeprefix("torch."),
+        "kernel": "xqa",
+        "ms_per_layer": ms,
+        "kv_GBps": kv_bytes / ms / 1e6,
+    }
+    print(
+        f"batch {batch:4d} ctx {context:5d} {row['kv_dtype']:14s} xqa              : "
+        f"{ms * 1e3:8.1f} us/layer, {row['kv_GBps']:7.0f} GB/s",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="*", default=["1x512", "64x1500", "488x1500"])
+    p.add_argument("--shapes", nargs="*", default=["1x512", "64x1500", "256x1500", "488x1500"])
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     rows = []

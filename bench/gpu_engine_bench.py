@@ -63,8 +63,8 @@ def build_engine(
     model: torch.nn.Module,
     *,
     cuda_graph: bool,
-    max_num_seqs: int,
-    kv_bytes: int,
+    max_num_seqs: int | None,
+    kv_bytes: int | None,
     kv_cache_dtype: str = "auto",
     async_scheduling: bool | None = None,
 ) -> Engine:
@@ -195,8 +195,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--kv-gib", type=float, default=72.0, help="KV pool of the graph engine")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--kv-gib",
+        type=float,
+        default=72.0,
+        help="KV pool of the graph engine; 0: sized by GPU memory (--gpu-memory-utilization 0.9)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="0: the engine's default for its pool"
+    )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
@@ -242,8 +249,8 @@ def main() -> None:
         folder,
         model,
         cuda_graph=True,
-        max_num_seqs=args.max_num_seqs,
-        kv_bytes=int(args.kv_gib * GiB),
+        max_num_seqs=args.max_num_seqs or None,
+        kv_bytes=int(args.kv_gib * GiB) or None,
         kv_cache_dtype=args.kv_cache_dtype,
     )
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)

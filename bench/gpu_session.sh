@@ -15,8 +15,11 @@
 #   speculative  the n-gram speculation GPU test and bench.spec_bench on SmolLM2
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec  vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
+#   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
+#   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
+#   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b or vllm-spec}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, fp8-check, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -166,6 +169,39 @@ case $phase in
       --batch-sizes 64 256 --input-len 1000 --output-len 1000 \
       --json "$out/vllm_spec_${SPEC:-ngram}.json" > "$out/vllm_spec_${SPEC:-ngram}.txt" 2>&1
     echo "vllm spec ${SPEC:-ngram} rc=$?"
+    ;;
+  fp8-check)  # this change's GPU tests (no SmolLM2: its GGUF is staged separately), then kernels
+    timeout 380 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_ops.py \
+      tests/gpu/test_flashinfer_backend.py tests/gpu/test_fp8_weights.py -k "not smollm2" \
+      > "$out/gpu_fp8_check.txt" 2>&1
+    echo "gpu tests rc=$?" >> "$out/gpu_fp8_check.txt"
+    timeout 150 python3 -m bench.attention_bench --json "$out/attention.json" \
+      > "$out/attention.txt" 2> "$out/attention.err"
+    echo "attention bench rc=$?"
+    ;;
+  offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row
+    for row in ${ROWS:-fp8w fp8kv bf16}; do
+      case $row in
+        fp8w) offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
+                --max-num-seqs "${SEQS_FP8W:-768}" ;;
+        fp8kv) offline_run offline_fp8kv --kv-cache-dtype fp8 --kv-gib 0 \
+                 --max-num-seqs "${SEQS_FP8KV:-704}" ;;
+        bf16) offline_run offline_bf16 --kv-gib 0 --max-num-seqs "${SEQS_BF16:-384}" ;;
+      esac
+    done
+    ;;
+  vllm-offline)  # vLLM 0.26.0's own defaults on the same rows
+    for row in ${ROWS:-fp8w fp8kv bf16}; do
+      case $row in
+        fp8w) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
+        fp8kv) flags="--kv-cache-dtype fp8" ;;
+        *) flags="" ;;
+      esac
+      # shellcheck disable=SC2086
+      PYTHONPATH=/tmp/vsite timeout 330 python3 .vstage/vllm_bench.py $flags --lat-reps 3 \
+        --json "$out/vllm_$row.json" > "$out/vllm_$row.txt" 2>&1
+      echo "vllm $row rc=$?"
+    done
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

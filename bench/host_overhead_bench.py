@@ -72,7 +72,7 @@ def main() -> None:
     plan = engine.runner.attention.plan
 
     def plan_with_page_table(metadata: AttentionMetadata) -> None:  # what FlashInfer also builds
-        page_table(metadata, torch.device("cpu"))
+        page_table(metadata.seqs, metadata.block_size, torch.device("cpu"))
         plan(metadata)
 
     engine.runner.attention.plan = plan_with_page_table

@@ -250,7 +250,10 @@ def build_backend(
     if not use_flashinfer:
         attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim)
         return DeviceSide(name, kv_cache, attention, None)
-    flashinfer = FlashInferAttention(kv_storage, mc.num_heads, mc.head_dim, dtype)
+    kv_scales = getattr(model, "kv_scales", None) if pool.kv_dtype != dtype else None
+    flashinfer = FlashInferAttention(
+        kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
+    )
     graphs = None
     if config.cuda_graph:
         max_num_seqs = config.scheduler.max_num_seqs

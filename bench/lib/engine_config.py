@@ -19,13 +19,14 @@ def engine_config(
     async_scheduling: bool | None = _ENGINE.async_scheduling,
     block_size: int = _CACHE.block_size,
     num_blocks: int | None = _CACHE.num_blocks,
-    kv_cache_memory_bytes: int = _CACHE.kv_cache_memory_bytes,
+    kv_cache_memory_bytes: int | None = _CACHE.kv_cache_memory_bytes,
     kv_cache_dtype: str = _CACHE.kv_cache_dtype,
     max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
-    max_num_seqs: int = _SCHEDULER.max_num_seqs,
+    max_num_seqs: int | None = _SCHEDULER.max_num_seqs,
     max_model_len: int | None = _SCHEDULER.max_model_len,
 ) -> EngineConfig:
-    """An EngineConfig; num_blocks None sizes the KV pool from kv_cache_memory_bytes."""
+    """An EngineConfig; num_blocks None sizes the KV pool from kv_cache_memory_bytes (None too:
+    from the GPU memory left), max_num_seqs None takes the engine's default for that pool."""
     cache = CacheConfig(
         block_size=block_size,
         num_blocks=num_blocks,

@@ -2,9 +2,11 @@
 
 Owns the FlashInfer workspace, an eager prefill wrapper (steps with any multi-token chunk, decode
 rows included), an eager decode wrapper (pure-decode steps) and, after enable_cuda_graphs(), one
-decode wrapper per captured batch size over shared static page-table buffers. The KV cache is
-bf16/fp16 (the model's dtype) or fp8 e4m3 (half the bytes per token, read with scale 1.0); new
-K/V reach it through one fused RoPE + write kernel per layer (rope_kv_kernel.py).
+decode wrapper per captured batch size over shared static page-table buffers, and with an fp8
+cache on Hopper the XQA decode kernel in their place (xqa_decode.py). The KV cache is bf16/fp16
+(the model's dtype) or fp8 e4m3 (half the bytes per token, stored as K / k_scale and V /
+v_scale per layer: the checkpoint's scales, else 1.0); new K/V reach it through one fused RoPE
++ write kernel per layer (rope_kv_kernel.py).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.rope_kv_kernel import rope_and_write_kv
+from engine.attention.xqa_decode import XqaDecode, decode_kernel_choice, use_xqa
 from engine.host_tensors import index_tensor
 
 if TYPE_CHECKING:
@@ -65,11 +68,11 @@ class PageTable:
     kv_last_page_len: torch.Tensor  # [B] valid tokens in each sequence's last page
 
 
-def page_table(metadata: AttentionMetadata, device: torch.device) -> PageTable:
-    """Build the CSR page table of a packed step (sequences in SeqSpan order)."""
-    bs = metadata.block_size
+def page_table(seqs: list[SeqSpan], block_size: int, device: torch.device) -> PageTable:
+    """Build the CSR page table of packed sequences (in SeqSpan order; queries from row 0)."""
+    bs = block_size
     qo_indptr, kv_indptr, indices, last_len = [0], [0], [], []
-    for seq in metadata.seqs:
+    for seq in seqs:
         num_pages = -(-seq.ctx_len // bs)
         qo_indptr.append(qo_indptr[-1] + seq.q_len)
         kv_indptr.append(kv_indptr[-1] + num_pages)
@@ -83,6 +86,14 @@ def page_table(metadata: AttentionMetadata, device: torch.device) -> PageTable:
     return PageTable(as_int32(qo_indptr), as_int32(kv_indptr), device_indices, as_int32(last_len))
 
 
+def num_leading_decodes(seqs: list[SeqSpan]) -> int:
+    """How many sequences at the front of a step are single-token decode rows."""
+    for i, seq in enumerate(seqs):
+        if seq.q_len != 1:
+            return i
+    return len(seqs)
+
+
 class FlashInferAttention(AttentionBackend):
     """Paged attention with FlashInfer (fa2 kernels, HND pages read through their strides).
 
@@ -92,7 +103,9 @@ class FlashInferAttention(AttentionBackend):
     wrapper; any other step runs one prefill wrapper over all its sequences (decode rows are
     1-row queries), so a mixed batch costs one plan and one kernel per layer, with no
     reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
-    wrapper's JIT module.
+    wrapper's JIT module. With XQA (an fp8 cache on Hopper) decode rows run on XQA instead,
+    in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper.
+    kv_scales: per layer (k_scale, v_scale) of an fp8 cache (default 1.0 each).
     """
 
     def __init__(
@@ -102,6 +115,7 @@ class FlashInferAttention(AttentionBackend):
         head_dim: int,
         q_dtype: torch.dtype | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
+        kv_scales: list[tuple[float, float]] | None = None,
     ):
         """q_dtype: the model's activations (default: the cache's dtype; needed for fp8 KV)."""
         import flashinfer
@@ -121,7 +135,18 @@ class FlashInferAttention(AttentionBackend):
         )
         self._decode = self._decode_wrapper()
         self._graph_decode: dict[int, Any] = {}
-        self._active: Any = None
+        num_layers = kv_cache.shape[1]
+        self.kv_scales = kv_scales or [(1.0, 1.0)] * num_layers
+        if len(self.kv_scales) != num_layers:
+            raise ValueError(f"{len(self.kv_scales)} KV scale pairs for {num_layers} layers")
+        if kv_cache.dtype != FP8_KV_DTYPE and any(p != (1.0, 1.0) for p in self.kv_scales):
+            raise ValueError("KV scales apply to an fp8 KV cache only")
+        self._xqa: XqaDecode | None = None
+        capability = torch.cuda.get_device_capability(self.device)
+        if use_xqa(decode_kernel_choice(), kv_cache.dtype, capability, self.block_size, head_dim):
+            self._xqa = XqaDecode(num_heads, head_dim, self.block_size, self.device, self.kv_scales)
+        self._num_xqa_rows = 0  # this step's leading decode rows that XQA attends
+        self._active: Any = None  # the FlashInfer wrapper for the other rows (None: no others)
         self._uploaded: torch.cuda.Event | None = None  # after the last plan's uploads
         self._slot_block_ids: torch.Tensor | None = None
         self._slot_offsets: torch.Tensor | None = None
@@ -148,12 +173,25 @@ class FlashInferAttention(AttentionBackend):
         self._uploaded = torch.cuda.Event()
         self._uploaded.record()
 
+    @property
+    def decode_kernel(self) -> str:
+        """ "xqa" or "fa2": what attends decode rows."""
+        return "fa2" if self._xqa is None else "xqa"
+
     def plan(self, metadata: AttentionMetadata) -> None:
         self._wait_for_last_plan_uploads()
-        table = page_table(metadata, self.device)
-        if all(seq.q_len == 1 for seq in metadata.seqs):
-            self._plan_decode(self._decode, table)
+        seqs = metadata.seqs
+        num_decodes = num_leading_decodes(seqs)
+        self._num_xqa_rows, self._active = 0, None
+        if self._xqa is not None and num_decodes:
+            self._xqa.plan(seqs[:num_decodes])
+            self._num_xqa_rows, seqs = num_decodes, seqs[num_decodes:]
+        if not seqs:
+            pass
+        elif all(seq.q_len == 1 for seq in seqs):
+            self._plan_decode(self._decode, page_table(seqs, self.block_size, self.device))
         else:
+            table = page_table(seqs, self.block_size, self.device)
             self._prefill.plan(
                 table.qo_indptr,
                 table.kv_indptr,
@@ -191,11 +229,15 @@ class FlashInferAttention(AttentionBackend):
         self._active = wrapper
 
     def enable_cuda_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
-        """Create one graph-safe decode wrapper per batch size (static page-table buffers).
+        """Create one graph-safe decode wrapper per batch size (static page-table buffers), or
+        XQA's static buffers for the largest.
 
         The buffers are shared: only one graph replays at a time, right after its own plan.
         """
         max_bs = max(batch_sizes)
+        if self._xqa is not None:
+            self._xqa.enable_graphs(max_bs, max_pages_per_seq)
+            return
         indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         last_len = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=self.device)
@@ -211,9 +253,15 @@ class FlashInferAttention(AttentionBackend):
 
         metadata's slot tensors must be the graph's static buffers: the captured writes read them.
         """
-        wrapper = self._graph_decode[len(metadata.seqs)]
         self._wait_for_last_plan_uploads()
-        self._plan_decode(wrapper, page_table(metadata, self.device))
+        if self._xqa is not None:
+            self._xqa.plan(metadata.seqs, graph=True)
+            self._num_xqa_rows, self._active = len(metadata.seqs), None
+        else:
+            wrapper = self._graph_decode[len(metadata.seqs)]
+            table = page_table(metadata.seqs, self.block_size, self.device)
+            self._plan_decode(wrapper, table)
+            self._num_xqa_rows = 0
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
         self._slot_offsets = metadata.slot_offsets
@@ -223,9 +271,10 @@ class FlashInferAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         kv = self.kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D], strided pages
-        kv[:, 0][self._slot_block_ids, :, self._slot_offsets] = k.to(kv.dtype)
-        kv[:, 1][self._slot_block_ids, :, self._slot_offsets] = v.to(kv.dtype)
-        return self._active.run(q, kv)
+        k_scale, v_scale = self.kv_scales[layer]
+        kv[:, 0][self._slot_block_ids, :, self._slot_offsets] = (k / k_scale).to(kv.dtype)
+        kv[:, 1][self._slot_block_ids, :, self._slot_offsets] = (v / v_scale).to(kv.dtype)
+        return self._attend(layer, q, kv)
 
     def forward_qkv(
         self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
@@ -240,5 +289,28 @@ class FlashInferAttention(AttentionBackend):
             self._slot_block_ids,
             self._slot_offsets,
             self.num_heads,
+            self.kv_scales[layer],
         )
-        return self._active.run(q, kv)
+        return self._attend(layer, q, kv)
+
+    def _attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D] over the planned rows: the leading XQA rows, then the wrapper's."""
+        num_xqa = self._num_xqa_rows
+        if num_xqa == 0:
+            return self._run_wrapper(layer, q, kv, None)
+        assert self._xqa is not None
+        out = torch.empty(
+            (q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device
+        )
+        self._xqa.run(layer, q[:num_xqa].contiguous(), kv, out[:num_xqa])
+        if self._active is not None:
+            self._run_wrapper(layer, q[num_xqa:], kv, out[num_xqa:])
+        return out
+
+    def _run_wrapper(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        k_scale, v_scale = self.kv_scales[layer]
+        if k_scale == 1.0 and v_scale == 1.0:
+            return self._active.run(q, kv, out=out)
+        return self._active.run(q, kv, out=out, k_scale=k_scale, v_scale=v_scale)

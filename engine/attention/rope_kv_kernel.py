@@ -3,7 +3,8 @@
 Owns no state; imports triton on first use. It replaces three kernels per layer on the GPU path
 (RoPE, then two scattered index writes for K and V): at batch 1 an 8B decode step is bound by
 its weight reads, and the ~100 small launches it saves are a measurable part of the step. The
-K/V store casts to the cache's dtype, so the same kernel fills a bf16 or an fp8 (e4m3) cache.
+K/V store casts to the cache's dtype, so the same kernel fills a bf16 or an fp8 (e4m3) cache;
+an fp8 cache stores K / k_scale and V / v_scale (the layer's KV scales).
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def _kernel() -> Any:
         kv_stride,
         head_stride,
         slot_stride,
+        k_inv_scale,
+        v_inv_scale,
         NUM_Q_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):
         """One program per (token, q or kv head): rotate-half RoPE in fp32; q heads are written
-        back in place, kv heads write rotated K and plain V into the token's cache slot."""
+        back in place, kv heads write rotated K and plain V (each times its inverse scale)
+        into the token's cache slot."""
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = tl.arange(0, HEAD_DIM // 2)
@@ -59,11 +63,13 @@ def _kernel() -> Any:
             block = tl.load(slot_block_ptr + token)
             slot = tl.load(slot_offset_ptr + token)
             dst = cache_ptr + block * block_stride + kv_head * head_stride + slot * slot_stride
-            tl.store(dst + half, out1.to(cache_ptr.dtype.element_ty))
-            tl.store(dst + HEAD_DIM // 2 + half, out2.to(cache_ptr.dtype.element_ty))
+            cache_dtype = cache_ptr.dtype.element_ty
+            tl.store(dst + half, (out1 * k_inv_scale).to(cache_dtype))
+            tl.store(dst + HEAD_DIM // 2 + half, (out2 * k_inv_scale).to(cache_dtype))
             dims = tl.arange(0, HEAD_DIM)
             v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + dims)
-            tl.store(dst + kv_stride + dims, v.to(cache_ptr.dtype.element_ty))
+            v = v.to(tl.float32) * v_inv_scale
+            tl.store(dst + kv_stride + dims, v.to(cache_dtype))
 
     return rope_write_kv
 
@@ -76,13 +82,15 @@ def rope_and_write_kv(
     slot_block_ids: torch.Tensor,
     slot_offsets: torch.Tensor,
     num_q_heads: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Rotate q in place, write rotated k and v into the paged cache; returns q [T, Hq, D].
 
     qkv: [T, (Hq + 2 Hkv) * D], rows contiguous; cos_sin: float32 [max_positions, D] (cos of
     the D/2 frequencies, then their sin); layer_cache: one layer's [num_blocks, 2, Hkv,
     block_size, D] view, D contiguous (any other strides); slot_*: [T] each token's block and
-    offset in it.
+    offset in it; kv_scales: the layer's (k_scale, v_scale), the cache holding K / k_scale
+    and V / v_scale.
     """
     _, two, num_kv_heads, _, head_dim = layer_cache.shape
     num_tokens = qkv.shape[0]
@@ -104,6 +112,8 @@ def rope_and_write_kv(
             layer_cache.stride(1),
             layer_cache.stride(2),
             layer_cache.stride(3),
+            1.0 / kv_scales[0],
+            1.0 / kv_scales[1],
             NUM_Q_HEADS=num_q_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,

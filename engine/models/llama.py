@@ -119,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, i, rope, quant) for i in range(config.num_layers)
         )
         self.fused_ops = False
+        # An FP8 checkpoint's per-layer (k_scale, v_scale) for an fp8 KV cache (the loader's).
+        self.kv_scales: list[tuple[float, float]] | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None

@@ -4,13 +4,16 @@ quantized parts, per-token activation quantization, and the device check.
 
 Forward: the input is quantized per row (one Triton kernel on CUDA; its own amax / 448, or the
 checkpoint's static scale for every row), then one torch._scaled_mm (cuBLASLt, row-wise scales:
-scale_a [M, 1], scale_b [1, N], both float32) writes bf16. Shapes only, no host syncs, so the
-decode CUDA graphs capture it.
+scale_a [M, 1], scale_b [1, N], both float32) writes bf16. Up to GEMV_MAX_ROWS rows (decode
+steps of a few sequences) one Triton kernel instead reads the e4m3 weight once and multiplies
+the bf16 input by it dequantized in registers (fp8_gemv.py; KVRELAY_FP8_GEMV=0 turns it off).
+Shapes only, no host syncs, so the decode CUDA graphs capture either.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -18,11 +21,13 @@ import torch
 from torch import nn
 
 from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
+from engine.quant.fp8_gemv import GEMV_MAX_ROWS
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
+GEMV_ENV = "KVRELAY_FP8_GEMV"  # "0": every FP8 matmul through cuBLASLt, few rows too
 
 
 class Fp8Weight(NamedTuple):
@@ -97,6 +102,24 @@ def quantize_rows(
 
 
 @functools.cache
+def gemv_enabled() -> bool:
+    """Whether Fp8Linear runs few-row inputs on fp8_gemv (read once; cache_clear to re-read)."""
+    return os.environ.get(GEMV_ENV, "1") != "0"
+
+
+def takes_gemv(rows: torch.Tensor) -> bool:
+    """Whether Fp8Linear runs these input rows on fp8_gemv (CUDA, few rows, not turned off)."""
+    return rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS and gemv_enabled()
+
+
+@functools.cache
+def _cuda_gemv() -> Callable[..., torch.Tensor]:
+    from engine.quant.fp8_gemv import fp8_gemv  # imports triton
+
+    return fp8_gemv
+
+
+@functools.cache
 def _cuda_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     from engine.quant.fp8_kernel import quantize_rows_cuda  # imports triton
 
@@ -130,6 +153,9 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if takes_gemv(rows):
+            out = _cuda_gemv()(rows, self.weight, self.weight_scale, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = quantize_rows(rows, self.input_scale)
         out = torch._scaled_mm(
             x_fp8,
@@ -142,11 +168,16 @@ class Fp8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """forward's math in float32, for tests: the same input quantization (torch ops), then
-        the dequantized input times the dequantized weight."""
+        """forward's math in float32, for tests: the input as forward takes it (quantized per
+        row with torch ops, or as it is where forward runs fp8_gemv), times the dequantized
+        weight."""
         rows = x.reshape(-1, self.in_features)
-        x_fp8, x_scale = quantize_rows_torch(rows, self.input_scale)
-        out = (x_fp8.float() * x_scale) @ self.dequantized_weight().t()
+        if takes_gemv(rows):
+            inputs = rows.float()
+        else:
+            x_fp8, x_scale = quantize_rows_torch(rows, self.input_scale)
+            inputs = x_fp8.float() * x_scale
+        out = inputs @ self.dequantized_weight().t()
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine.attention import flashinfer_backend
+from engine.attention.xqa_decode import DECODE_KERNEL_ENV
 from engine.engine import Engine
 from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
@@ -234,10 +235,12 @@ def fp8_rounded_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 (e4m3) cache moves logits about as much as rounding K/V through e4m3 does (a
-    wrong layout or scale would move them by the logits' own size); graphs equal eager.
+    wrong layout or scale would move them by the logits' own size); graphs equal eager. The
+    fa2 kernels here; test_xqa_decode_on_the_fp8_cache checks XQA against them.
 
     FlashInfer's fp8 kernel is not bit-equivalent to attention over rounded K/V (it rounds
     inside the attention too), so the emulation bounds the error instead of matching it."""
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "fa2")
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
@@ -270,3 +273,85 @@ def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert graph.runner.num_graph_steps > 0
     notes = first_divergence(eager_tokens, rec_eager.logits, graph_tokens, 0.01 * scale)
     print("fp8 graph vs eager greedy:", notes or "equal token for token")
+
+
+def fp8_run(
+    folder: Path, kernel: str, monkeypatch: pytest.MonkeyPatch, forced: dict[str, list[int]]
+) -> Recorder:
+    """The workload on an fp8 cache with decode rows on `kernel`, forced to `forced`."""
+    monkeypatch.setenv(DECODE_KERNEL_ENV, kernel)
+    engine = build(folder, "bfloat16", "flashinfer", kv_cache_dtype="fp8")
+    assert engine.runner.attention.decode_kernel == kernel
+    rec = Recorder(engine, forced=forced)
+    run_workload(engine)
+    return rec
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+    reason="XQA's fp8 kernel is Hopper's",
+)
+def test_xqa_decode_on_the_fp8_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """XQA (auto's choice for an fp8 cache on Hopper; it multiplies q and the probabilities in
+    e4m3 too) against fa2 on the same cache, in pure-decode and mixed steps (the workload's
+    chunked prefills beside decodes split into XQA rows and prefill rows); graphs equal eager."""
+    monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+    bf16 = build(tiny_llama, "bfloat16", "flashinfer")
+    rec_bf16 = Recorder(bf16)
+    ref_tokens, _ = run_workload(bf16)
+    scale = max(float(row.abs().max()) for rows in rec_bf16.logits.values() for row in rows)
+    rec_fa2 = fp8_run(tiny_llama, "fa2", monkeypatch, ref_tokens)
+    rec_xqa = fp8_run(tiny_llama, "xqa", monkeypatch, ref_tokens)
+    fa2_error = max_logit_error(rec_bf16.logits, rec_fa2.logits)
+    xqa_error = max_logit_error(rec_bf16.logits, rec_xqa.logits)
+    between = max_logit_error(rec_fa2.logits, rec_xqa.logits)
+    print(
+        f"max logit error against the bf16 cache: fa2 {fa2_error:.4f}, xqa {xqa_error:.4f}; "
+        f"xqa against fa2 {between:.4f} (max |logit| {scale:.3f})"
+    )
+    assert 0 < xqa_error <= 2 * fa2_error  # a wrong page, scale or row would be ~scale
+    monkeypatch.delenv(DECODE_KERNEL_ENV)
+    eager = build(tiny_llama, "bfloat16", "flashinfer", False, "fp8")
+    rec_eager = Recorder(eager)
+    eager_tokens, _ = run_workload(eager)
+    graph = build(tiny_llama, "bfloat16", "flashinfer", True, "fp8")
+    assert graph.runner.attention.decode_kernel == "xqa"
+    graph_tokens, _ = run_workload(graph)
+    assert graph.runner.num_graph_steps > 0
+    notes = first_divergence(eager_tokens, rec_eager.logits, graph_tokens, 0.01 * scale)
+    print("xqa graph vs eager greedy:", notes or "equal token for token")
+
+
+@pytest.mark.parametrize("kernel", ["fa2", "xqa"])
+def test_checkpoint_kv_scales_are_applied(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """A checkpoint's per-layer k_scale / v_scale: the cache holds K / k_scale and V / v_scale
+    and attention multiplies them back, so logits stay within the fp8 cache's own error of the
+    bf16 cache (forgetting either side would scale attention scores or outputs by 2-4x)."""
+    if kernel == "xqa" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("XQA's fp8 kernel is Hopper's")
+    from safetensors.torch import load_file, save_file
+
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    for file in tiny_llama.iterdir():
+        if file.suffix != ".safetensors":
+            (scaled / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(tiny_llama / "model.safetensors")
+    num_layers = sum(1 for name in tensors if name.endswith("input_layernorm.weight"))
+    for layer in range(num_layers):
+        attn = f"model.layers.{layer}.self_attn."
+        tensors[attn + "k_scale"] = torch.tensor([2.0])
+        tensors[attn + "v_scale"] = torch.tensor([0.25])
+    save_file(tensors, scaled / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+    bf16 = build(tiny_llama, "bfloat16", "flashinfer")
+    rec_bf16 = Recorder(bf16)
+    ref_tokens, _ = run_workload(bf16)
+    unscaled = fp8_run(tiny_llama, kernel, monkeypatch, ref_tokens)
+    rec_scaled = fp8_run(scaled, kernel, monkeypatch, ref_tokens)
+    error = max_logit_error(rec_bf16.logits, unscaled.logits)
+    scaled_error = max_logit_error(rec_bf16.logits, rec_scaled.logits)
+    print(f"{kernel}: fp8 cache error {error:.4f} unscaled, {scaled_error:.4f} with scales")
+    assert scaled_error <= 2 * error + 1e-3

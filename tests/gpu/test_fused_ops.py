@@ -44,9 +44,17 @@ def test_norms_and_activation() -> None:
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype) -> None:
-    """One Triton kernel: q rotated in place, rotated k and plain v in the strided layer view."""
+@pytest.mark.parametrize(
+    "cache_dtype, kv_scales",
+    [
+        (torch.bfloat16, (1.0, 1.0)),
+        (torch.float8_e4m3fn, (1.0, 1.0)),
+        (torch.float8_e4m3fn, (2.0, 0.5)),
+    ],
+)
+def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype, kv_scales: tuple[float, float]) -> None:
+    """One Triton kernel: q rotated in place, rotated k and plain v in the strided layer view
+    (an fp8 cache stores K / k_scale and V / v_scale)."""
     config = make_model_config(
         hidden_size=512, intermediate_size=1024, num_layers=1, head_dim=128, rope_theta=500000.0
     )
@@ -60,13 +68,16 @@ def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype) -> None:
     q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
     want_q, want_k = rope(positions, q.view(-1, 4, 128).float(), k.view(-1, 2, 128).float())
     cache = torch.zeros(20, 3, 2, 2, 16, 128, device="cuda", dtype=cache_dtype)  # 3 layers
-    got_q = rope_and_write_kv(qkv, positions, rope.cos_sin, cache[:, 1], block_ids, offsets, 4)
+    got_q = rope_and_write_kv(
+        qkv, positions, rope.cos_sin, cache[:, 1], block_ids, offsets, 4, kv_scales
+    )
     assert got_q.data_ptr() == qkv.data_ptr()  # q rotated in place
     torch.testing.assert_close(got_q.float(), want_q, **TOL)
     layer = cache[:, 1].float()
     tol = TOL if cache_dtype == torch.bfloat16 else dict(atol=0.07, rtol=0.07)  # e4m3: 3 bits
-    torch.testing.assert_close(layer[block_ids, 0, :, offsets], want_k, **tol)
-    want_v = v.view(-1, 2, 128).to(cache_dtype).float()
+    k_scale, v_scale = kv_scales
+    torch.testing.assert_close(layer[block_ids, 0, :, offsets], want_k / k_scale, **tol)
+    want_v = (v.view(-1, 2, 128).float() / v_scale).to(cache_dtype).float()
     assert torch.equal(layer[block_ids, 1, :, offsets], want_v)
     written = torch.zeros(20, 16, dtype=torch.bool, device="cuda")
     written[block_ids, offsets] = True

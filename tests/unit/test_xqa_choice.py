@@ -1,0 +1,61 @@
+"""The decode-kernel choice (XQA for an fp8 cache on Hopper, fa2 otherwise; forced by
+KVRELAY_DECODE_KERNEL), XQA's dense page table, and the split of a mixed step into its leading
+decode rows and the rest. Pure functions: no GPU, no FlashInfer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.base import SeqSpan
+from engine.attention.flashinfer_backend import num_leading_decodes
+from engine.attention.xqa_decode import (
+    DECODE_KERNEL_ENV,
+    decode_kernel_choice,
+    dense_page_table,
+    use_xqa,
+)
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
+
+
+def test_auto_takes_xqa_for_an_fp8_cache_on_hopper_only() -> None:
+    assert use_xqa("auto", FP8, HOPPER, 16, 128)
+    assert not use_xqa("auto", BF16, HOPPER, 16, 128)  # fa2 reads bf16 at the HBM rate
+    assert not use_xqa("auto", FP8, AMPERE, 16, 128)
+    assert not use_xqa("auto", FP8, BLACKWELL, 16, 128)
+    assert not use_xqa("auto", FP8, HOPPER, 8, 128)  # XQA pages are 16..128 tokens
+    assert not use_xqa("auto", FP8, HOPPER, 16, 96)
+
+
+def test_forcing_xqa_where_it_cannot_run_is_refused_and_fa2_never_uses_it() -> None:
+    assert use_xqa("xqa", BF16, BLACKWELL, 32, 64)
+    assert not use_xqa("fa2", FP8, HOPPER, 16, 128)
+    with pytest.raises(ValueError, match="SM90/SM100/SM120"):
+        use_xqa("xqa", FP8, AMPERE, 16, 128)
+    with pytest.raises(ValueError, match="block size in"):
+        use_xqa("xqa", FP8, HOPPER, 8, 128)
+
+
+def test_the_environment_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+    assert decode_kernel_choice() == "auto"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "fa2")
+    assert decode_kernel_choice() == "fa2"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "fa3")
+    with pytest.raises(ValueError, match=f"{DECODE_KERNEL_ENV} must be one of"):
+        decode_kernel_choice()
+
+
+def test_dense_page_table_pads_each_row_to_the_width() -> None:
+    seqs = [SeqSpan(0, 1, 17, [7, 3, 9]), SeqSpan(1, 1, 16, [4, 8]), SeqSpan(2, 1, 1, [5])]
+    # 17 tokens need 2 pages (the third block id is not part of the context yet)
+    assert dense_page_table(seqs, 16, 3) == [7, 3, 0, 4, 0, 0, 5, 0, 0]
+
+
+def test_leading_decode_rows_of_a_mixed_step() -> None:
+    decode, prefill = SeqSpan(0, 1, 5, [1]), SeqSpan(1, 8, 8, [2])
+    assert num_leading_decodes([decode, decode, prefill, decode]) == 2
+    assert num_leading_decodes([prefill, decode]) == 0
+    assert num_leading_decodes([decode, decode]) == 2
