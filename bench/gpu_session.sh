@@ -171,11 +171,11 @@ case $phase in
     echo "vllm spec ${SPEC:-ngram} rc=$?"
     ;;
   fp8-check)  # this change's GPU tests (no SmolLM2: its GGUF is staged separately), then kernels
-    timeout 380 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_ops.py \
+    timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_ops.py \
       tests/gpu/test_flashinfer_backend.py tests/gpu/test_fp8_weights.py -k "not smollm2" \
       > "$out/gpu_fp8_check.txt" 2>&1
     echo "gpu tests rc=$?" >> "$out/gpu_fp8_check.txt"
-    timeout 150 python3 -m bench.attention_bench --json "$out/attention.json" \
+    timeout 120 python3 -m bench.attention_bench --json "$out/attention.json" \
       > "$out/attention.txt" 2> "$out/attention.err"
     echo "attention bench rc=$?"
     ;;
