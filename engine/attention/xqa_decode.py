@@ -105,20 +105,22 @@ class XqaDecode:
         self._graph_lens = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
 
     def plan(self, seqs: Sequence[SeqSpan], graph: bool = False) -> None:
-        """Upload the page table of decode rows seqs (each q_len 1). graph: into the static
-        buffers at their full width (so a replay launches what was captured); else new
-        tensors as wide as this step's longest row."""
+        """Upload the page table of decode rows seqs (each q_len 1), as wide as this step's
+        longest row: into the static buffers for a graph (whose full width the kernel is told,
+        so a replay launches what was captured), else into new tensors."""
         num_rows = len(seqs)
         lens = index_tensor([seq.ctx_len for seq in seqs], torch.int32)
-        if graph:
-            assert self._graph_table is not None and self._graph_lens is not None
-            width = self._graph_table.shape[1]
-            table = self._graph_table[:num_rows]
-            table.copy_(self._host_table(seqs, width), non_blocking=True)
-            self._graph_lens[:num_rows].copy_(lens, non_blocking=True)
-            self._table, self._lens = table, self._graph_lens[:num_rows]
-            return
         width = max(-(-seq.ctx_len // self.block_size) for seq in seqs)
+        if graph:
+            # Only this step's columns are written: a row's pages past its length are never
+            # read, and a full-width table (max_model_len / block_size pages a row) would cost
+            # the host more than the step.
+            assert self._graph_table is not None and self._graph_lens is not None
+            host = self._host_table(seqs, width)
+            self._graph_table[:num_rows, :width].copy_(host, non_blocking=True)
+            self._graph_lens[:num_rows].copy_(lens, non_blocking=True)
+            self._table, self._lens = self._graph_table[:num_rows], self._graph_lens[:num_rows]
+            return
         self._table = to_device(self._host_table(seqs, width), self.device)
         self._lens = to_device(lens, self.device)
 
