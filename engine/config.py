@@ -114,7 +114,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype | "fp8": e4m3, scale 1 (FlashInfer)
+    # "auto": the model's dtype | "fp8": e4m3 (FlashInfer), the checkpoint's KV scales or 1.0
+    kv_cache_dtype: str = "auto"
     # A prompt that diverges inside a cached block reuses its first matching tokens (the block
     # is copied into a fresh one) when at least this many match; 0: full blocks only; None:
     # half a block, so a few shared chat-template tokens do not cost a block copy.

@@ -1,8 +1,9 @@
 """Reads a checkpoint's FP8 quantization config (compressed-tensors or NVIDIA ModelOpt) into a
 frozen Fp8Config and refuses every other layout by naming its field; owns no state, no torch.
 
-KV-cache scales a checkpoint may carry (compressed-tensors' kv_cache_scheme, ModelOpt's
-kv_cache_quant_algo) are not read: the KV cache follows --kv-cache-dtype (fp8 with scale 1).
+The KV cache follows --kv-cache-dtype; the per-layer KV-cache scales a checkpoint may carry
+(compressed-tensors' kv_cache_scheme, ModelOpt's kv_cache_quant_algo) are read from its tensors
+by kv_scales.py and used when that cache is fp8.
 """
 
 from __future__ import annotations
