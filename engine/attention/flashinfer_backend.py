@@ -144,7 +144,7 @@ class FlashInferAttention(AttentionBackend):
         self._xqa: XqaDecode | None = None
         capability = torch.cuda.get_device_capability(self.device)
         if use_xqa(decode_kernel_choice(), kv_cache.dtype, capability, self.block_size, head_dim):
-            self._xqa = XqaDecode(num_heads, head_dim, self.block_size, self.device, self.kv_scales)
+            self._xqa = XqaDecode(head_dim, self.block_size, self.device, self.kv_scales)
         self._num_xqa_rows = 0  # this step's leading decode rows that XQA attends
         self._active: Any = None  # the FlashInfer wrapper for the other rows (None: no others)
         self._uploaded: torch.cuda.Event | None = None  # after the last plan's uploads
@@ -175,7 +175,7 @@ class FlashInferAttention(AttentionBackend):
 
     @property
     def decode_kernel(self) -> str:
-        """ "xqa" or "fa2": what attends decode rows."""
+        """What attends decode rows: "xqa" or "fa2"."""
         return "fa2" if self._xqa is None else "xqa"
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -186,11 +186,9 @@ class FlashInferAttention(AttentionBackend):
         if self._xqa is not None and num_decodes:
             self._xqa.plan(seqs[:num_decodes])
             self._num_xqa_rows, seqs = num_decodes, seqs[num_decodes:]
-        if not seqs:
-            pass
-        elif all(seq.q_len == 1 for seq in seqs):
+        if seqs and all(seq.q_len == 1 for seq in seqs):
             self._plan_decode(self._decode, page_table(seqs, self.block_size, self.device))
-        else:
+        elif seqs:
             table = page_table(seqs, self.block_size, self.device)
             self._prefill.plan(
                 table.qo_indptr,

@@ -70,14 +70,12 @@ def dense_page_table(seqs: Sequence[SeqSpan], block_size: int, width: int) -> li
 class XqaDecode:
     """Plans and runs single-token decode rows on XQA.
 
-    plan() fills the table and lengths for one step (eager: only as wide as its longest row;
-    graph: the graph's static width, so a replay launches what was captured); run() attends
-    one layer. kv_scales: per layer (k_scale, v_scale) of the fp8 cache (1.0 without them).
+    plan() fills the table and lengths for one step; run() attends one layer. kv_scales: per
+    layer (k_scale, v_scale) of the fp8 cache (1.0 without them).
     """
 
     def __init__(
         self,
-        num_heads: int,
         head_dim: int,
         block_size: int,
         device: torch.device,
@@ -86,7 +84,6 @@ class XqaDecode:
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
         self._xqa = xqa_batch_decode_with_kv_cache
-        self.num_heads = num_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.device = device

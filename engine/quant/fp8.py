@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
-from engine.quant.fp8_gemv import GEMV_MAX_ROWS
+from engine.quant.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv  # imports triton on first use
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -113,13 +113,6 @@ def takes_gemv(rows: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _cuda_gemv() -> Callable[..., torch.Tensor]:
-    from engine.quant.fp8_gemv import fp8_gemv  # imports triton
-
-    return fp8_gemv
-
-
-@functools.cache
 def _cuda_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     from engine.quant.fp8_kernel import quantize_rows_cuda  # imports triton
 
@@ -154,7 +147,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if takes_gemv(rows):
-            out = _cuda_gemv()(rows, self.weight, self.weight_scale, self.bias)
+            out = fp8_gemv(rows, self.weight, self.weight_scale, self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = quantize_rows(rows, self.input_scale)
         out = torch._scaled_mm(
