@@ -67,6 +67,7 @@ def build_engine(
     kv_bytes: int | None,
     kv_cache_dtype: str = "auto",
     async_scheduling: bool | None = None,
+    max_num_batched_tokens: int = 8192,
 ) -> Engine:
     config = engine_config(
         str(folder),
@@ -76,7 +77,7 @@ def build_engine(
         async_scheduling=async_scheduling,
         kv_cache_memory_bytes=kv_bytes,
         kv_cache_dtype=kv_cache_dtype,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
     )
     start = time.perf_counter()
@@ -208,6 +209,9 @@ def main() -> None:
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
     )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="the graph engine's step budget"
+    )
     p.add_argument("--decode-steps", type=int, default=200)
     p.add_argument("--compare-steps", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=256)
@@ -252,6 +256,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs or None,
         kv_bytes=int(args.kv_gib * GiB) or None,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)
     log(json.dumps(result["decode_b1"]))

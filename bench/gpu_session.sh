@@ -179,14 +179,17 @@ case $phase in
       > "$out/attention.txt" 2> "$out/attention.err"
     echo "attention bench rc=$?"
     ;;
-  offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row
+  offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
+    # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)
+    # shellcheck disable=SC2086
     for row in ${ROWS:-fp8w fp8kv bf16}; do
       case $row in
         fp8w) offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
-                --max-num-seqs "${SEQS_FP8W:-768}" ;;
+                --max-num-seqs "${SEQS_FP8W:-768}" ${OFFLINE_ARGS:-} ;;
         fp8kv) offline_run offline_fp8kv --kv-cache-dtype fp8 --kv-gib 0 \
-                 --max-num-seqs "${SEQS_FP8KV:-704}" ;;
-        bf16) offline_run offline_bf16 --kv-gib 0 --max-num-seqs "${SEQS_BF16:-384}" ;;
+                 --max-num-seqs "${SEQS_FP8KV:-704}" ${OFFLINE_ARGS:-} ;;
+        bf16) offline_run offline_bf16 --kv-gib 0 --max-num-seqs "${SEQS_BF16:-384}" \
+                ${OFFLINE_ARGS:-} ;;
       esac
     done
     ;;
