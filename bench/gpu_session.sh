@@ -16,10 +16,11 @@
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec  vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
 #   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
+#   fp8-gemv   bench.fp8_gemv_bench: few-row FP8 GEMM kernels on the 8B projection shapes
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, fp8-check, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, fp8-check, fp8-gemv, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -178,6 +179,11 @@ case $phase in
     timeout 120 python3 -m bench.attention_bench --json "$out/attention.json" \
       > "$out/attention.txt" 2> "$out/attention.err"
     echo "attention bench rc=$?"
+    ;;
+  fp8-gemv)  # the engine's GEMV, cuBLASLt, the vector candidate and bf16 cuBLAS, M = 1..16
+    timeout 300 python3 -m bench.fp8_gemv_bench --json "$out/fp8_gemv.json" \
+      > "$out/fp8_gemv.txt" 2> "$out/fp8_gemv.err"
+    echo "fp8 gemv bench rc=$?"
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)

@@ -1,0 +1,126 @@
+"""Few-row FP8 GEMMs alone on the Llama-3.1-8B projection shapes: the engine's Triton GEMV
+(engine/quant/fp8_gemv.py, tl.dot over 16 padded rows), cuBLASLt's FP8 GEMM after the per-token
+quantization (Fp8Linear above 16 rows), the vector-load candidate (bench/lib/fp8_gemv_vector.py,
+best of a small tile sweep) and cuBLAS on bf16 weights. Each is timed as 20 calls replayed from
+one CUDA graph (no launch gaps); the table gives us per call and the weight bytes read per
+second, and the per-step sum over the 32 layers' four projections. Owns no state; needs a GPU.
+
+    python -m bench.fp8_gemv_bench [--rows 1 2 4 8 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.lib.fp8_gemv_vector import fp8_gemv_vector
+from engine.quant.fp8 import quantize_rows, quantize_weight
+from engine.quant.fp8_gemv import fp8_gemv
+
+SHAPES = {  # Llama-3.1-8B, one decoder layer: name -> (N, K)
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+}
+NUM_LAYERS = 32
+VECTOR_TILES = ((4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8))
+ITERS = 20
+
+
+def graph_us(op: Callable[[], Any]) -> float:
+    """Microseconds per call of op, replayed ITERS times from one CUDA graph."""
+    op()  # compile, autotune, cuBLAS handles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ITERS):
+            op()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * ITERS)
+
+
+def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:
+    gen = torch.Generator("cuda").manual_seed(0)
+    weight = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    q = quantize_weight(weight)
+    scale = q.scale.reshape(1, -1).contiguous()
+    bf16 = weight.bfloat16()
+    del weight
+    x = torch.randn(num_rows, k, device="cuda", generator=gen).bfloat16()
+    out = torch.empty(num_rows, n, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ (q.weight.float() * q.scale).t()
+
+    def cublaslt() -> torch.Tensor:
+        x_fp8, x_scale = quantize_rows(x, None)
+        return torch._scaled_mm(
+            x_fp8, q.weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=torch.bfloat16
+        )
+
+    times = {
+        "engine_gemv": graph_us(lambda: fp8_gemv(x, q.weight, scale, None)),
+        "cublaslt_fp8": graph_us(cublaslt),
+        "bf16_cublas": graph_us(lambda: F.linear(x, bf16)),
+    }
+    best_tile, best = None, float("inf")
+    for block_n, block_k, warps in VECTOR_TILES:
+        got = fp8_gemv_vector(x, q.weight, scale, block_n, block_k, warps, out)
+        error = float((got.float() - want).abs().max() / want.abs().max())
+        if error > 1e-2:
+            raise AssertionError(f"vector GEMV tile {block_n}x{block_k}: relative error {error}")
+        us = graph_us(
+            lambda bn=block_n, bk=block_k, w=warps: fp8_gemv_vector(
+                x, q.weight, scale, bn, bk, w, out
+            )
+        )
+        if us < best:
+            best_tile, best = (block_n, block_k, warps), us
+    times["vector_gemv"] = best
+    fp8_bytes = n * k
+    row = {"n": n, "k": k, "rows": num_rows, "us": times, "vector_tile": best_tile}
+    row["weight_GBps"] = {
+        name: (2 * fp8_bytes if name == "bf16_cublas" else fp8_bytes) / us / 1e3
+        for name, us in times.items()
+    }
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    rows = []
+    for num_rows in args.rows:
+        step_ms: dict[str, float] = {}
+        for name, (n, k) in SHAPES.items():
+            row = one_shape(n, k, num_rows) | {"name": name}
+            rows.append(row)
+            for kernel, us in row["us"].items():
+                step_ms[kernel] = step_ms.get(kernel, 0.0) + us * NUM_LAYERS / 1e3
+            cells = "  ".join(
+                f"{kernel} {us:7.1f} us {row['weight_GBps'][kernel]:6.0f} GB/s"
+                for kernel, us in row["us"].items()
+            )
+            print(f"M={num_rows:2d} {name:13s} {cells}  (vector tile {row['vector_tile']})")
+        totals = "  ".join(f"{kernel} {ms:.3f} ms" for kernel, ms in step_ms.items())
+        print(f"M={num_rows:2d} per step (32 layers x 4 projections): {totals}", flush=True)
+        rows.append({"rows": num_rows, "step_ms": step_ms})
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
