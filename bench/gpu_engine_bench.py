@@ -68,12 +68,14 @@ def build_engine(
     kv_cache_dtype: str = "auto",
     async_scheduling: bool | None = None,
     max_num_batched_tokens: int = 8192,
+    mixed_step_graphs: bool = False,
 ) -> Engine:
     config = engine_config(
         str(folder),
         device="cuda",
         dtype="bfloat16",
         cuda_graph=cuda_graph,
+        mixed_step_graphs=mixed_step_graphs,
         async_scheduling=async_scheduling,
         kv_cache_memory_bytes=kv_bytes,
         kv_cache_dtype=kv_cache_dtype,
@@ -144,6 +146,7 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
     for i, prompt in enumerate(prompts):
         engine.add_request(f"t{i}", prompt, params)
     graph_steps_before = engine.runner.num_graph_steps
+    mixed_steps_before = engine.runner.num_mixed_graph_steps
     num_output = num_tail_steps = 0
     calls = {"graph": 0, "eager": 0}  # step() calls by the step they launched
     seconds = {"graph": 0.0, "eager": 0.0}
@@ -186,9 +189,11 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         "graph_step_calls": calls["graph"],
         "graph_time_s": seconds["graph"],
         "graph_step_ms_mean": seconds["graph"] / max(calls["graph"], 1) * 1e3,
-        "eager_step_calls": calls["eager"],  # prefill chunks (with or without decodes)
+        # steps with prefill chunks (with or without decodes): eager, or piecewise graphs
+        "eager_step_calls": calls["eager"],
         "eager_time_s": seconds["eager"],
         "graph_steps": engine.runner.num_graph_steps - graph_steps_before,
+        "mixed_graph_steps": engine.runner.num_mixed_graph_steps - mixed_steps_before,
     }
 
 
@@ -211,6 +216,11 @@ def main() -> None:
     )
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="the graph engine's step budget"
+    )
+    p.add_argument(
+        "--mixed-step-graphs",
+        action="store_true",
+        help="the graph engine replays steps with prefill chunks from piecewise graphs",
     )
     p.add_argument("--decode-steps", type=int, default=200)
     p.add_argument("--compare-steps", type=int, default=30)
@@ -257,6 +267,7 @@ def main() -> None:
         kv_bytes=int(args.kv_gib * GiB) or None,
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        mixed_step_graphs=args.mixed_step_graphs,
     )
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)
     log(json.dumps(result["decode_b1"]))

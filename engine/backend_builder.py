@@ -29,6 +29,7 @@ from engine.memory_budget import (
     num_pool_blocks,
     profile_num_seqs,
 )
+from engine.mixed_step_graphs import MixedStepGraphs
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class DeviceSide(NamedTuple):
     kv_cache: torch.Tensor
     attention: AttentionBackend
     graphs: CUDAGraphDecoder | None  # decode graphs (FlashInfer with cuda_graph only)
+    mixed_graphs: MixedStepGraphs | None  # piecewise graphs of other steps (mixed_step_graphs)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -249,7 +251,7 @@ def build_backend(
     kv_cache = kv_storage[: pool.num_blocks]
     if not use_flashinfer:
         attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim)
-        return DeviceSide(name, kv_cache, attention, None)
+        return DeviceSide(name, kv_cache, attention, None, None)
     kv_scales = getattr(model, "kv_scales", None) if pool.kv_dtype != dtype else None
     flashinfer = FlashInferAttention(
         kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
@@ -265,7 +267,18 @@ def build_backend(
         )
         took = (torch.cuda.memory_reserved(device) - reserved) / MiB
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
-    return DeviceSide(name, kv_cache, flashinfer, graphs)
+    mixed_graphs = None
+    if config.cuda_graph and config.mixed_step_graphs:
+        reserved = torch.cuda.memory_reserved(device)
+        mixed_graphs = MixedStepGraphs(
+            model, flashinfer, config.scheduler.max_num_batched_tokens, pool.num_blocks
+        )
+        took = (torch.cuda.memory_reserved(device) - reserved) / MiB
+        _stderr(
+            f"kvrelay engine: piecewise graphs of {len(mixed_graphs.buckets)} token buckets "
+            f"took {took:.0f} MiB"
+        )
+    return DeviceSide(name, kv_cache, flashinfer, graphs, mixed_graphs)
 
 
 def _stderr(message: str) -> None:

@@ -97,9 +97,7 @@ class Engine:
         draft = drafter(config, model, mc.vocab_size, self.max_model_len)
         rows = backend.graphs.max_batch_size if backend.graphs else None  # a verify's cap
         self.speculator = Speculator(config.speculative, self.max_model_len, self.kv, draft, rows)
-        self.runner = ModelRunner(
-            model, backend.kv_cache, backend.attention, self.kv, cache.block_size, backend.graphs
-        )
+        self.runner = ModelRunner(model, backend, self.kv, cache.block_size)
         overlap = config.async_scheduling
         self.overlap_steps = backend.graphs is not None if overlap is None else overlap
         self._in_flight: InFlightStep | None = None

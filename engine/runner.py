@@ -1,8 +1,9 @@
-"""ModelRunner: runs steps on the model, KV cache, attention backend and decode graphs that
-engine/backend_builder.py made; owns only the count of steps replayed from a graph.
+"""ModelRunner: runs steps on the model, KV cache, attention backend and CUDA graphs that
+engine/backend_builder.py made; owns only the counts of steps replayed from graphs.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
-forward pass (replaying a CUDA graph for pure-decode steps when one is captured; a speculative
+forward pass (replaying a CUDA graph for pure-decode steps when one is captured, and the
+piecewise graphs of a token bucket for other steps when those are captured; a speculative
 verify chunk runs as one decode row per token, so it keeps a step pure-decode), and returns the
 logits of the chunks that end a sequence's known tokens, and of each verified draft.
 """
@@ -10,6 +11,7 @@ logits of the chunks that end a sequence's known tokens, and of each verified dr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,7 +20,10 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.host_tensors import index_tensor
 from engine.kv_cache.manager import KVCacheManager
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.step_inputs import DecodeGraphs, StepInputs, TokenFill
+from engine.step_inputs import DecodeGraphs, MixedGraphs, StepInputs, TokenFill
+
+if TYPE_CHECKING:
+    from engine.backend_builder import DeviceSide
 
 
 @dataclass(frozen=True)
@@ -28,23 +33,17 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: nn.Module,
-        kv_cache: torch.Tensor,
-        attention: AttentionBackend,
-        kv: KVCacheManager,
-        block_size: int,
-        graphs: DecodeGraphs | None = None,
-    ):
+    def __init__(self, model: nn.Module, side: DeviceSide, kv: KVCacheManager, block_size: int):
         self.model = model
-        self.kv_cache = kv_cache
-        self.attention = attention
+        self.kv_cache = side.kv_cache
+        self.attention: AttentionBackend = side.attention
         self.kv = kv
         self.block_size = block_size
-        self.device = kv_cache.device
-        self.graphs = graphs
+        self.device = side.kv_cache.device
+        self.graphs: DecodeGraphs | None = side.graphs
+        self.mixed_graphs: MixedGraphs | None = side.mixed_graphs
         self.num_graph_steps = 0
+        self.num_mixed_graph_steps = 0
 
     def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
         inputs = StepInputs([], [], [], [], [], [], [])
@@ -94,10 +93,13 @@ class ModelRunner:
             if chunk.samples
             for _ in range(len(chunk.draft_token_ids) + 1)
         ]
-        graphs = self.graphs
+        graphs, mixed = self.graphs, self.mixed_graphs
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
             hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
+        elif mixed is not None and not inputs.is_decode and mixed.bucket_for(len(inputs.input_ids)):
+            hidden = mixed.run(inputs, fill)
+            self.num_mixed_graph_steps += 1
         else:
             hidden = self._forward_eager(inputs, fill)
         rows, end = [], 0
