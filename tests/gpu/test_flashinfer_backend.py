@@ -96,6 +96,11 @@ class Recorder:
         engine.sampler.sample = forcing_sample
 
 
+def logit_scale(rec: Recorder) -> float:
+    """The largest |logit| a Recorder saw: the yardstick of logit errors."""
+    return max(float(row.abs().max()) for rows in rec.logits.values() for row in rows)
+
+
 def run_workload(engine: Engine) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Chunked prefills next to decodes, and a prompt whose first two blocks are cached."""
     gen = torch.Generator().manual_seed(7)
@@ -173,7 +178,7 @@ def test_flashinfer_matches_torch_backend(tiny_llama: Path) -> None:
         rec = Recorder(engine, forced=ref_tokens)
         assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
         errors[name] = max_logit_error(rec32.logits, rec.logits)
-    scale = max(float(row.abs().max()) for rows in rec32.logits.values() for row in rows)
+    scale = logit_scale(rec32)
     print(f"max |logit| {scale:.3f}; max error vs fp32: {errors}")
     # bf16 tolerance: no worse than the torch backend in bf16 (2x slack), and small absolutely.
     assert errors["flashinfer"] <= max(2 * errors["torch"], 0.02 * scale)
@@ -213,7 +218,7 @@ def test_cuda_graph_decode_equals_eager(tiny_llama: Path) -> None:
     rec_f = Recorder(forced, forced=eager_tokens)
     run_workload(forced)
     error = max_logit_error(rec_e.logits, rec_f.logits)
-    scale = max(float(row.abs().max()) for rows in rec_e.logits.values() for row in rows)
+    scale = logit_scale(rec_e)
     print(f"graph vs eager: max logit error {error:.5f} (max |logit| {scale:.3f})")
     assert error <= 0.05 * scale
     notes = first_divergence(eager_tokens, rec_e.logits, graph_tokens, max(2 * error, 1e-3))
@@ -255,7 +260,7 @@ def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert fp8.kv_cache.dtype == torch.float8_e4m3fn and fp8.kv_cache.element_size() == 1
     rec_fp8 = Recorder(fp8, forced=ref_tokens)
     run_workload(fp8)
-    scale = max(float(row.abs().max()) for rows in rec_bf16.logits.values() for row in rows)
+    scale = logit_scale(rec_bf16)
     rounding = max_logit_error(rec_bf16.logits, rec_emulated.logits)
     error = max_logit_error(rec_bf16.logits, rec_fp8.logits)
     to_emulation = max_logit_error(rec_emulated.logits, rec_fp8.logits)
@@ -301,7 +306,7 @@ def test_xqa_decode_on_the_fp8_cache(tiny_llama: Path, monkeypatch: pytest.Monke
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
-    scale = max(float(row.abs().max()) for rows in rec_bf16.logits.values() for row in rows)
+    scale = logit_scale(rec_bf16)
     rec_fa2 = fp8_run(tiny_llama, "fa2", monkeypatch, ref_tokens)
     rec_xqa = fp8_run(tiny_llama, "xqa", monkeypatch, ref_tokens)
     fa2_error = max_logit_error(rec_bf16.logits, rec_fa2.logits)
@@ -376,7 +381,7 @@ def test_mixed_step_graphs_equal_eager(
     rec_mixed = Recorder(mixed, forced=eager_tokens)
     run_workload(mixed)
     assert mixed.runner.num_mixed_graph_steps >= 3  # the workload's chunked prefills
-    scale = max(float(row.abs().max()) for rows in rec_eager.logits.values() for row in rows)
+    scale = logit_scale(rec_eager)
     error = max_logit_error(rec_eager.logits, rec_mixed.logits)
     print(f"mixed-step graphs vs eager: max logit error {error:.5f} (max |logit| {scale:.3f})")
     assert error <= 0.02 * scale  # the same kernels; GEMMs may tile padded rows differently

@@ -37,6 +37,7 @@ from tests.gpu.test_flashinfer_backend import (
     NUM_NEW_TOKENS,
     Recorder,
     first_divergence,
+    logit_scale,
     max_logit_error,
     run_workload,
     top2_margin,
@@ -87,10 +88,6 @@ def layer_on_gpu(weight: torch.Tensor, static: bool, bias: torch.Tensor | None) 
         state["bias"] = bias.bfloat16()
     layer.load_state_dict(state, strict=True, assign=True)
     return layer
-
-
-def logit_scale(rec: Recorder) -> float:
-    return max(float(row.abs().max()) for rows in rec.logits.values() for row in rows)
 
 
 @pytest.fixture(scope="module")
