@@ -127,6 +127,7 @@ class MixedStepGraphs:
         for size in reversed(self.buckets):  # largest first: the pool is sized once
             self._forward(size, PieceCutter(self._attn_out[:size], None, CapturedBucket()))
             torch.cuda.synchronize(device)  # warmed up: cuBLAS handles, Triton's autotuning
+            torch.cuda.empty_cache()  # the warm-up's activations: the graph pool takes their place
             bucket = CapturedBucket()
             cutter = PieceCutter(self._attn_out[:size], self._pool, bucket)
             stream.wait_stream(torch.cuda.current_stream(device))
