@@ -22,9 +22,9 @@ from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
 from engine.memory_budget import (
     CPU_KV_CACHE_BYTES,
-    GRAPH_RESERVE_BYTES,
     MiB,
     default_max_num_seqs,
+    graph_reserve_bytes,
     kv_pool_bytes,
     num_pool_blocks,
     profile_num_seqs,
@@ -131,7 +131,8 @@ def size_kv_pool_by_memory(
     backend = choose_backend(config.attention_backend, device, dtype)
     activation_peak = _activation_peak(config, model, model_config, device, dtype)
     free, total = torch.cuda.mem_get_info(device)
-    graph_reserve = GRAPH_RESERVE_BYTES if config.cuda_graph and backend == "flashinfer" else 0
+    decode_graphs = config.cuda_graph and backend == "flashinfer"
+    graph_reserve = graph_reserve_bytes(decode_graphs, config.mixed_step_graphs, activation_peak)
     budget = kv_pool_bytes(
         total,
         free,

@@ -24,9 +24,11 @@ from engine.loader import random_model
 from engine.memory_budget import (
     CPU_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_SEQS,
+    GRAPH_RESERVE_BYTES,
     GiB,
     MiB,
     default_max_num_seqs,
+    graph_reserve_bytes,
     kv_pool_bytes,
     num_pool_blocks,
     profile_num_seqs,
@@ -216,3 +218,10 @@ def test_the_memory_wrapper_turns_the_measures_into_blocks(monkeypatch, capsys) 
             torch.device("cpu"),
             torch.bfloat16,
         )
+
+
+def test_graph_reserve_holds_the_peak_again_for_piecewise_mixed_step_graphs() -> None:
+    peak = 3 * GiB
+    assert graph_reserve_bytes(True, False, peak) == GRAPH_RESERVE_BYTES
+    assert graph_reserve_bytes(True, True, peak) == GRAPH_RESERVE_BYTES + peak
+    assert graph_reserve_bytes(False, True, peak) == 0  # no graphs at all without cuda_graph
