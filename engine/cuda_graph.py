@@ -13,8 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
-from engine.host_tensors import index_tensor
-from engine.step_inputs import StepInputs, TokenFill
+from engine.step_inputs import StepInputs, TokenFill, padded_rows
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -90,15 +89,8 @@ class CUDAGraphDecoder:
         seqs: list[SeqSpan],
     ) -> None:
         """Fill the static inputs (padded to bs) and plan the attention of graph bs."""
-        num_pad = bs - len(seqs)
-        pad = [0] * num_pad
-        host = index_tensor(
-            [
-                input_ids + pad,
-                positions + pad,
-                slot_block_ids + [self.pad_block_id] * num_pad,
-                slot_offsets + pad,
-            ]
+        host = padded_rows(
+            input_ids, positions, slot_block_ids, slot_offsets, bs, self.pad_block_id
         )
         self._inputs[:, :bs].copy_(host, non_blocking=True)  # pageable: staged at once
         padding = [SeqSpan(i, 1, 1, [self.pad_block_id]) for i in range(len(seqs), bs)]

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata
-from engine.host_tensors import index_tensor
-from engine.step_inputs import StepInputs, TokenFill
+from engine.step_inputs import StepInputs, TokenFill, padded_rows
 
 if TYPE_CHECKING:
     from engine.attention.flashinfer_backend import FlashInferAttention
@@ -150,14 +149,13 @@ class MixedStepGraphs:
         size = self.bucket_for(num_tokens)
         if size is None:
             raise ValueError(f"{num_tokens} tokens exceed the largest captured bucket")
-        num_pad = size - num_tokens
-        host = index_tensor(
-            [
-                inputs.input_ids + [0] * num_pad,
-                inputs.positions + [0] * num_pad,
-                inputs.slot_block_ids + [self.pad_block_id] * num_pad,
-                inputs.slot_offsets + [0] * num_pad,
-            ]
+        host = padded_rows(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_block_ids,
+            inputs.slot_offsets,
+            size,
+            self.pad_block_id,
         )
         self._inputs[:, :size].copy_(host, non_blocking=True)  # pageable: staged at once
         inputs.write_pending(self._inputs[0, :size], fill)

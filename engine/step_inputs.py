@@ -58,6 +58,28 @@ class StepInputs:
         ids[index[0]] = fill.source[index[1]]
 
 
+def padded_rows(
+    input_ids: list[int],
+    positions: list[int],
+    slot_block_ids: list[int],
+    slot_offsets: list[int],
+    size: int,
+    pad_block_id: int,
+) -> torch.Tensor:
+    """A graph's static input rows on the host, [4, size]: ids, positions, KV slot blocks and
+    offsets, padded to size with token 0 at position 0 writing into the pad block."""
+    num_pad = size - len(input_ids)
+    pad = [0] * num_pad
+    return index_tensor(
+        [
+            input_ids + pad,
+            positions + pad,
+            slot_block_ids + [pad_block_id] * num_pad,
+            slot_offsets + pad,
+        ]
+    )
+
+
 class DecodeGraphs(Protocol):
     """Pure-decode steps replayed from captured graphs (engine.cuda_graph.CUDAGraphDecoder)."""
 
