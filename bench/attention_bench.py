@@ -69,76 +69,46 @@ def one_shape(batch: int, context: int) -> list[dict[str, Any]]:
                 kv_data_type=kv_dtype,
             )
             ms = time_ms(lambda wrapper=wrapper, layer=layer: wrapper.run(q, layer))
-            row = {
-                "batch": batch,
-                "context": context,
-                "kv_dtype": str(kv_dtype).removeprefix("torch."),
-                "tensor_cores": tensor_cores,
-                "ms_per_layer": ms,
-                "kv_GBps": kv_bytes / ms / 1e6,
-            }
-            rows.append(row)
-            print(
-                f"batch {batch:4d} ctx {context:5d} {row['kv_dtype']:14s} "
-                f"tensor cores {tensor_cores!s:5s}: {ms * 1e3:8.1f} us/layer, "
-                f"{row['kv_GBps']:7.0f} GB/s",
-                flush=True,
-            )
-        row = xqa_row(batch, context, q, layer, order.view(batch, pages_per_seq), kv_bytes)
-        if row is not None:
-            rows.append(row)
+            label = f"fa2, tensor cores {str(tensor_cores).lower()}"
+            rows.append(timed_row(batch, context, kv_dtype, label, ms, kv_bytes))
+            rows[-1]["tensor_cores"] = tensor_cores
+        if torch.cuda.get_device_capability()[0] in (9, 10, 12):  # where XQA runs
+            ms = xqa_ms(q, layer, order.view(batch, pages_per_seq).tolist(), context)
+            rows.append(timed_row(batch, context, kv_dtype, "xqa", ms, kv_bytes))
         del cache, layer
         torch.cuda.empty_cache()
     return rows
 
 
-def xqa_row(
-    batch: int,
-    context: int,
-    q: torch.Tensor,
-    layer: torch.Tensor,
-    table: torch.Tensor,
-    kv_bytes: int,
-) -> dict[str, Any] | None:
-    """XQA on the same pages (dense table), as engine/attention/xqa_decode.py calls it."""
-    from flashinfer.decode import xqa_batch_decode_with_kv_cache
-
-    from engine.attention.xqa_decode import XQA_WORKSPACE_BYTES
-
-    if torch.cuda.get_device_capability()[0] not in (9, 10, 12):
-        return None
-    workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-
-    def run() -> None:
-        xqa_batch_decode_with_kv_cache(
-            q,
-            (layer[:, 0], layer[:, 1]),
-            workspace,
-            table,
-            lens,
-            table.shape[1] * BLOCK,
-            bmm1_scale=HEAD_DIM**-0.5,
-            out=out,
-            kv_layout="HND",
-        )
-
-    ms = time_ms(run)
+def timed_row(
+    batch: int, context: int, kv_dtype: torch.dtype, kernel: str, ms: float, kv_bytes: int
+) -> dict[str, Any]:
+    """One measured kernel: printed as a line, returned as a JSON row."""
     row = {
         "batch": batch,
         "context": context,
-        "kv_dtype": str(layer.dtype).removeprefix("torch."),
-        "kernel": "xqa",
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "kernel": kernel,
         "ms_per_layer": ms,
         "kv_GBps": kv_bytes / ms / 1e6,
     }
     print(
-        f"batch {batch:4d} ctx {context:5d} {row['kv_dtype']:14s} xqa              : "
+        f"batch {batch:4d} ctx {context:5d} {row['kv_dtype']:14s} {kernel:23s}: "
         f"{ms * 1e3:8.1f} us/layer, {row['kv_GBps']:7.0f} GB/s",
         flush=True,
     )
     return row
+
+
+def xqa_ms(q: torch.Tensor, layer: torch.Tensor, pages: list[list[int]], context: int) -> float:
+    """ms per call of the engine's XQA decode (engine/attention/xqa_decode.py) on these pages."""
+    from engine.attention.base import SeqSpan
+    from engine.attention.xqa_decode import XqaDecode
+
+    xqa = XqaDecode(HEAD_DIM, BLOCK, q.device, [(1.0, 1.0)])
+    xqa.plan([SeqSpan(i, 1, context, row) for i, row in enumerate(pages)])
+    out = torch.empty_like(q)
+    return time_ms(lambda: xqa.run(0, q, layer, out))
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
-from engine.step_inputs import StepInputs, TokenFill, padded_rows
+from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -55,10 +55,7 @@ class CUDAGraphDecoder:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured batch size a step of num_seqs decodes runs at; None: run eager."""
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        return smallest_fit(self.sizes, num_seqs)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

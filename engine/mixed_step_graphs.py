@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata
-from engine.step_inputs import StepInputs, TokenFill, padded_rows
+from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
 if TYPE_CHECKING:
     from engine.attention.flashinfer_backend import FlashInferAttention
@@ -114,10 +114,7 @@ class MixedStepGraphs:
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The captured token count a step of num_tokens runs at; None: run eager."""
-        for size in self.buckets:
-            if size >= num_tokens:
-                return size
-        return None
+        return smallest_fit(self.buckets, num_tokens)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -58,6 +58,11 @@ class StepInputs:
         ids[index[0]] = fill.source[index[1]]
 
 
+def smallest_fit(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending captured sizes that holds n; None: none does (run eager)."""
+    return next((size for size in sizes if size >= n), None)
+
+
 def padded_rows(
     input_ids: list[int],
     positions: list[int],
