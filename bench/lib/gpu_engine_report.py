@@ -44,7 +44,7 @@ def print_table(result: dict[str, Any]) -> None:
     prof = d.get("profile", {})
     if "kernel_ms_by_kind" in prof:
         kinds = ", ".join(f"{k} {v:.3f}" for k, v in prof["kernel_ms_by_kind"].items())
-        print(f"decode b1 kernels (ms/step)  {kinds}; {prof['kernels_per_replay']:.0f} kernels")
+        print(f"decode b1 kernels (ms/step)  {kinds}; {prof['kernels_per_iter']:.0f} kernels")
     print("batch  graph ms  eager ms  eager/graph")
     for row in result.get("graph_vs_eager", []):
         print(
@@ -76,9 +76,19 @@ def print_table(result: dict[str, Any]) -> None:
             f"{' (truncated)' if t['truncated_at_time_budget'] else ''}; graph step "
             f"{t['graph_step_ms_mean']:.2f} ms mean"
         )
-        h = t["host_profile_mid_decode"]
-        if h.get("graph_replay_ms"):
+        for h in (t.get("profile_first_wave_decode", {}), t["host_profile_mid_decode"]):
+            if h.get("graph_replay_ms"):
+                kinds = ", ".join(
+                    f"{k} {ms:.2f}" for k, ms in h["graph_kernels"]["kernel_ms_by_kind"].items()
+                )
+                print(
+                    f"decode batch {h['batch']}: engine step {h['engine_step_ms']:.2f} ms, "
+                    f"graph replay {h['graph_replay_ms']:.2f} ms; kernels ms: {kinds}"
+                )
+        pre = t.get("kernel_profile_prefill_steps")
+        if pre and "error" not in pre:
+            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in pre["kernel_ms_by_kind"].items())
             print(
-                f"mid-decode batch {h['batch']}: engine step {h['engine_step_ms']:.2f} ms, "
-                f"graph replay {h['graph_replay_ms']:.2f} ms"
+                f"steps with prefill chunks ({pre['running_before']} running): "
+                f"{pre['step_wall_ms_profiled']:.1f} ms a step; kernels ms: {kinds}"
             )

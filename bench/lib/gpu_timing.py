@@ -82,6 +82,36 @@ def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> floa
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
+    """GPU kernel time by kind (matmul, attention, copy, other) per iteration of a profiled
+    region, with the top kernels by time."""
+    kinds: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name
+        low = name.lower()
+        if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
+            kind = "matmul"
+        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention", "xqa")):
+            kind = "attention"
+        elif "memcpy" in low or "memset" in low:
+            kind = "copy"
+        else:
+            kind = "elementwise/other"
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+        kinds[kind] = kinds.get(kind, 0.0) + us / iters / 1e3
+        kernels.setdefault(name[:90], []).append(us)
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "kernel_ms_by_kind": kinds,
+        "kernel_ms_total": sum(kinds.values()),
+        "kernels_per_iter": sum(len(v) for v in kernels.values()) / iters,
+        "top_kernels_ms": {name: sum(v) / iters / 1e3 for name, v in ranked},
+    }
+
+
 def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str, Any]:
     """GPU kernel time by kind inside replays of the last-planned graph (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -94,31 +124,29 @@ def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str,
             graph.replay()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / iters
-    kinds: dict[str, float] = {}
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.name
-        low = name.lower()
-        if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
-            kind = "matmul"
-        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention")):
-            kind = "attention"
-        elif "memcpy" in low or "memset" in low:
-            kind = "copy"
-        else:
-            kind = "elementwise/other"
-        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
-        kinds[kind] = kinds.get(kind, 0.0) + us / iters / 1e3
-        kernels.setdefault(name[:90], []).append(us)
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
-    return {
-        "kernel_ms_by_kind": kinds,
-        "kernel_ms_total": sum(kinds.values()),
-        "kernels_per_replay": sum(len(v) for v in kernels.values()) / iters,
-        "replay_wall_ms_profiled": wall * 1e3,
-        "top_kernels_ms": {name: sum(v) / iters / 1e3 for name, v in top},
+    return kernel_summary(prof, iters) | {"replay_wall_ms_profiled": wall * 1e3}
+
+
+def profile_prefill_steps(engine: Engine, num_steps: int = 3) -> dict[str, Any]:
+    """GPU kernel time by kind over the engine's next steps, taken while prompts still wait
+    (steps that carry prefill chunks beside the decodes), and their wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    running = len(engine.scheduler.running)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return kernel_summary(prof, num_steps, top=20) | {
+        "steps": num_steps,
+        "running_before": running,
+        "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+        "step_wall_ms_profiled": wall / num_steps * 1e3,
+        "seconds": time.perf_counter() - start,
     }
 
 

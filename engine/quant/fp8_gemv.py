@@ -1,21 +1,46 @@
 """fp8_gemv: y = x W^T for a few rows of bf16 x and an e4m3 W with per-channel scales, as one
-Triton kernel that dequantizes W in registers; owns no state (imports triton on first use).
+Triton kernel that dequantizes W in registers; owns no state but the kernel choice read once
+from the environment (imports triton on first use).
 
 A decode step of a few sequences is bound by reading the weights. cuBLASLt's FP8 GEMM picks a
 128 x 128 tile for one row and reads the weights at about half the HBM rate, after a kernel
-that quantizes the activations; this kernel skips that quantization (the activations stay
-bf16, which is also closer to the unquantized model) and streams W once, BLOCK_N output
-channels per program, tile shapes chosen per (N, K) by Triton's autotuner on first use.
+that quantizes the activations; these kernels skip that quantization (the activations stay
+bf16, which is also closer to the unquantized model) and stream W once, BLOCK_N output
+channels per program, tile shapes chosen per shape by Triton's autotuner on first use. Two
+kernels: "dot" pads the rows to 16 and multiplies on tensor cores (tl.dot); "vector" multiplies
+with plain vector loads and sums along K once at the end, for one or two rows. Inputs of up to
+KVRELAY_FP8_GEMV_VECTOR_ROWS rows (default VECTOR_ROWS_DEFAULT, at most VECTOR_MAX_ROWS) take
+"vector", the rest "dot".
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
 
-GEMV_MAX_ROWS = 16  # Fp8Linear takes this kernel up to here, cuBLASLt's FP8 GEMM above
+GEMV_MAX_ROWS = 16  # Fp8Linear takes these kernels up to here, cuBLASLt's FP8 GEMM above
+VECTOR_ROWS_ENV = "KVRELAY_FP8_GEMV_VECTOR_ROWS"
+VECTOR_ROWS_DEFAULT = 0
+VECTOR_MAX_ROWS = 2  # its fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth
+KERNELS = ("dot", "vector")
+
+
+@functools.cache
+def vector_rows() -> int:
+    """Inputs of up to this many rows take the vector kernel (read once; cache_clear to
+    re-read); a value that is not 0..VECTOR_MAX_ROWS is refused by the variable's name."""
+    raw = os.environ.get(VECTOR_ROWS_ENV, str(VECTOR_ROWS_DEFAULT))
+    if not raw.strip().isdigit() or int(raw) > VECTOR_MAX_ROWS:
+        raise ValueError(f"{VECTOR_ROWS_ENV} must be 0..{VECTOR_MAX_ROWS}, got {raw!r}")
+    return int(raw)
+
+
+def kernel_for(num_rows: int) -> str:
+    """The kernel fp8_gemv runs for this many input rows."""
+    return "vector" if num_rows <= vector_rows() else "dot"
 
 
 @functools.cache
@@ -92,17 +117,113 @@ def _kernel() -> Any:
     return fp8_gemv
 
 
+@functools.cache
+def _vector_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    configs = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+        for bn, bk, w in (
+            (4, 1024, 4),
+            (8, 512, 4),
+            (8, 1024, 4),
+            (8, 1024, 8),
+            (16, 512, 4),
+            (16, 1024, 8),
+            (32, 256, 4),
+            (8, 2048, 8),
+        )
+    ]
+
+    def fits_registers(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+        """At most 64 accumulator floats a thread (rows x BLOCK_N x BLOCK_K over the threads)."""
+        rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
+        return [
+            c
+            for c in configs
+            if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 32 * c.num_warps
+        ] or configs[:1]
+
+    @triton.autotune(
+        configs=configs,
+        key=["N", "K", "ROWS"],
+        prune_configs_by={"early_config_prune": fits_registers},
+    )
+    @triton.jit
+    def fp8_gemv_vector(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        x_row_stride,
+        out_row_stride,
+        HAS_BIAS: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One program per BLOCK_N output channels: acc[r, n, k] += x[r, k] * w[n, k] over
+        the K tiles in fp32, summed along k once at the end, times the channel scales."""
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, ROWS)
+        col_ok = cols < N
+        row_ok = rows < M
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            x = tl.load(
+                x_ptr + rows[:, None] * x_row_stride + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += x[:, None, :] * w[None, :, :]
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
+        out = tl.sum(acc, axis=2) * scale[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+    return fp8_gemv_vector
+
+
 def fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16 (M <= GEMV_MAX_ROWS, last dimension contiguous), weight e4m3 [N, K]
-    contiguous, weight_scale float32 with N elements, bias [N] or None -> [M, N] in x's dtype."""
+    contiguous, weight_scale float32 with N elements, bias [N] or None -> [M, N] in x's dtype.
+    kernel: "dot" or "vector" (at most VECTOR_MAX_ROWS rows); None: kernel_for(M)."""
     import triton
 
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_ROWS} rows, got {num_rows}")
+    kernel = kernel or kernel_for(num_rows)
+    if kernel not in KERNELS or (kernel == "vector" and num_rows > VECTOR_MAX_ROWS):
+        raise ValueError(
+            f"fp8_gemv kernel must be one of {KERNELS} (vector: <= {VECTOR_MAX_ROWS} rows), "
+            f"got {kernel!r} for {num_rows} rows"
+        )
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -112,18 +233,11 @@ def fp8_gemv(
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _kernel()[grid](
-        x,
-        weight,
-        weight_scale,
-        weight_scale if bias is None else bias,  # read only when HAS_BIAS
-        out,
-        num_rows,
-        n,
-        k,
-        x.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=GEMV_MAX_ROWS,
-    )
+    operands = (x, weight, weight_scale, weight_scale if bias is None else bias, out)  # bias
+    sizes = (num_rows, n, k, x.stride(0), out.stride(0))  # is read only when HAS_BIAS
+    if kernel == "vector":
+        rows = 1 << max(0, (num_rows - 1).bit_length())
+        _vector_kernel()[grid](*operands, *sizes, HAS_BIAS=bias is not None, ROWS=rows)
+    else:
+        _kernel()[grid](*operands, *sizes, HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS)
     return out

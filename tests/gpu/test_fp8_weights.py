@@ -29,7 +29,7 @@ from engine.quant.fp8 import (
     quantize_weight,
     takes_gemv,
 )
-from engine.quant.fp8_gemv import GEMV_MAX_ROWS
+from engine.quant.fp8_gemv import GEMV_MAX_ROWS, VECTOR_MAX_ROWS, fp8_gemv
 from engine.quant.fp8_kernel import quantize_rows_cuda
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
@@ -246,6 +246,27 @@ def test_fp8_gemv_matches_the_dequantized_weight(
     assert torch.equal(layer.forward_reference(x).float(), want.bfloat16().float())
     bf16 = nn.functional.linear(x, weight.bfloat16(), None if bias is None else bias.bfloat16())
     assert float((out - bf16.float()).norm() / bf16.float().norm()) < 0.06
+
+
+@pytest.mark.parametrize("num_rows", range(1, VECTOR_MAX_ROWS + 1))
+@pytest.mark.parametrize("in_features, out_features", [(4096, 6144), (14336, 4096), (576, 960)])
+def test_fp8_gemv_vector_kernel_matches_the_dequantized_weight(
+    num_rows: int, in_features: int, out_features: int
+) -> None:
+    """The vector-load kernel (one or two rows) computes what the tl.dot kernel does: x @
+    dequantized W^T up to bf16 rounding, bias included."""
+    gen = torch.Generator(CUDA).manual_seed(4)
+    weight = torch.randn(out_features, in_features, device=CUDA, generator=gen) * 0.02
+    bias = torch.randn(out_features, device=CUDA, generator=gen)
+    layer = layer_on_gpu(weight, False, bias)
+    x = torch.randn(num_rows, in_features, device=CUDA, generator=gen).bfloat16()
+    want = x.float() @ layer.dequantized_weight().t() + bias.bfloat16().float()
+    args = (x, layer.weight, layer.weight_scale, layer.bias)
+    vector, dot = fp8_gemv(*args, kernel="vector").float(), fp8_gemv(*args, kernel="dot").float()
+    assert float((vector - want).abs().max() / want.abs().max()) < 1e-2
+    assert float((vector - dot).abs().max() / want.abs().max()) < 1e-2
+    with pytest.raises(ValueError, match="vector"):
+        fp8_gemv(x.new_ones(VECTOR_MAX_ROWS + 1, in_features), *args[1:], kernel="vector")
 
 
 def test_fp8_gemv_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
