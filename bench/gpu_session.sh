@@ -16,13 +16,14 @@
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec  vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
 #   check      every GPU test; bench.gpu_warm builds the 8B runs' kernels beside them
+#   recheck    the memory-budget, piecewise-graph and FP8 GEMV GPU tests, then the fp8w offline row
 #   kernels    bench.attention_bench, bench.fp8_gemv_bench, batch-1 fp8 decode on the vector GEMV
 #   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
 #   fp8-gemv   bench.fp8_gemv_bench: few-row FP8 GEMM kernels on the 8B projection shapes
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, kernels, fp8-check, fp8-gemv, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -190,6 +191,12 @@ case $phase in
       tests/gpu/test_kvtransfer_cuda.py &
     wait
     gpu_tests tests_memory tests/gpu/test_memory_budget.py
+    ;;
+  recheck)  # after a memory or GEMV change: its GPU tests, then the fp8 weights + fp8 KV row
+    gpu_tests tests_recheck tests/gpu/test_memory_budget.py tests/gpu/test_fp8_weights.py \
+      tests/gpu/test_flashinfer_backend.py -k "memory or mixed_step or gemv or pool"
+    offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
+      --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 --mixed-step-graphs
     ;;
   kernels)  # decode attention and few-row FP8 GEMMs alone, then batch-1 fp8 decode in the engine
     # with the vector GEMV for one and two rows (the offline rows measure the default)

@@ -1,7 +1,7 @@
 """MixedStepGraphs: steps that carry prefill chunks, replayed from piecewise CUDA graphs; owns
-the static inputs (token ids, positions, KV slots), the static attention output and hidden-state
-output (all sized for the largest token bucket), and per bucket the captured pieces with the
-q|k|v tensor each attention call reads.
+the static inputs (token ids, positions, KV slots), the static q|k|v that each piece leaves for
+the attention call after it, the static attention output and hidden-state output (all sized for
+the largest token bucket), and per bucket the captured pieces.
 
 A decoder's forward is cut at its attention calls into 1 + num_layers pieces: embeddings to the
 first q|k|v projection, then o_proj, MLP and the next q|k|v projection, and so on. The model's
@@ -11,10 +11,16 @@ step of T tokens replays the pieces of the smallest bucket >= T with the real at
 run eagerly in between over the first T rows (its plan and kernels change with every step's
 sequences); the padding rows go through the GEMMs and norms only, their results are dropped
 and they write no KV. This removes the launches and host work of everything but attention.
+
+Each piece copies its q|k|v projection into one static buffer, which the attention call after
+it reads, so that no piece's output outlives the next piece: the pool then holds about one
+step's activations, not one q|k|v per layer per bucket (13 GiB for the 8B shape at 16,384
+tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,8 +48,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """One attention call of a captured forward: the layer, the q|k|v tensor the piece before
-    it writes (graph pool memory, kept alive here) and the model's rotary tables."""
+    """One attention call of a captured forward: the layer, the static q|k|v rows the piece
+    before it writes and the model's rotary tables."""
 
     layer: int
     qkv: torch.Tensor
@@ -59,17 +65,24 @@ class CapturedBucket:
 
 
 class PieceCutter:
-    """Stands in for the attention backend while a forward is captured (or warmed up): records
-    each call and returns the static output buffer that the next piece reads; when capturing,
-    ends the piece being captured and begins the next."""
+    """Stands in for the attention backend while a forward is captured (or warmed up): copies
+    each call's q|k|v into the static buffer (stash), records the call and returns the static
+    output buffer that the next piece reads; when capturing, ends the piece being captured and
+    begins the next."""
 
-    def __init__(self, out: torch.Tensor, pool: tuple[int, int] | None, bucket: CapturedBucket):
-        self.out, self.pool, self.bucket = out, pool, bucket
+    def __init__(
+        self,
+        out: torch.Tensor,
+        pool: tuple[int, int] | None,
+        bucket: CapturedBucket,
+        stash: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        self.out, self.pool, self.bucket, self.stash = out, pool, bucket, stash
 
     def forward_qkv(
         self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
-        self.bucket.calls.append(AttentionCall(layer, qkv, rope))
+        self.bucket.calls.append(AttentionCall(layer, self.stash(qkv), rope))
         if self.pool is not None:
             self.bucket.graphs[-1].capture_end()
             self.begin_piece()
@@ -108,6 +121,7 @@ class MixedStepGraphs:
                 dtype=attention.q_dtype,
                 device=device,
             )
+        self._qkv: torch.Tensor | None = None  # [max_tokens, q|k|v width], at the first call
         self._pool = torch.cuda.graph_pool_handle()
         self._captured: dict[int, CapturedBucket] = {}
         self._capture_all()
@@ -116,16 +130,26 @@ class MixedStepGraphs:
         """The captured token count a step of num_tokens runs at; None: run eager."""
         return smallest_fit(self.buckets, num_tokens)
 
+    def _stash(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Copy a piece's q|k|v projection [T, width] into the static buffer; its rows there."""
+        if self._qkv is None:  # the largest bucket's warm-up: not capturing yet
+            shape = (self.buckets[-1], *qkv.shape[1:])
+            self._qkv = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+        rows = self._qkv[: qkv.shape[0]]
+        rows.copy_(qkv)
+        return rows
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         device = self.attention.device
         stream = torch.cuda.Stream(device)
         for size in reversed(self.buckets):  # largest first: the pool is sized once
-            self._forward(size, PieceCutter(self._attn_out[:size], None, CapturedBucket()))
+            warm_up = PieceCutter(self._attn_out[:size], None, CapturedBucket(), self._stash)
+            self._forward(size, warm_up)
             torch.cuda.synchronize(device)  # warmed up: cuBLAS handles, Triton's autotuning
             torch.cuda.empty_cache()  # the warm-up's activations: the graph pool takes their place
             bucket = CapturedBucket()
-            cutter = PieceCutter(self._attn_out[:size], self._pool, bucket)
+            cutter = PieceCutter(self._attn_out[:size], self._pool, bucket, self._stash)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 cutter.begin_piece()

@@ -94,6 +94,22 @@ def num_leading_decodes(seqs: list[SeqSpan]) -> int:
     return len(seqs)
 
 
+def share_plan_buffers(wrapper: Any, owner: Any) -> None:
+    """Let a graph decode wrapper plan into owner's int workspace and its pinned host copy.
+
+    FlashInfer gives every wrapper its own 8 MiB of each: one wrapper per captured batch size
+    (up to ~130) held a GiB of GPU memory that the memory budget did not count. Sharing is safe
+    for the graph wrappers as for their page-table buffers: one graph replays at a time, right
+    after its own plan, and a plan first waits for the previous plan's uploads. A FlashInfer
+    without these attributes keeps its own buffers.
+    """
+    names = ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
+    if wrapper is owner or not all(hasattr(w, n) for w in (wrapper, owner) for n in names):
+        return
+    for name in names:
+        setattr(wrapper, name, getattr(owner, name))
+
+
 class FlashInferAttention(AttentionBackend):
     """Paged attention with FlashInfer (fa2 kernels, HND pages read through their strides).
 
@@ -239,12 +255,16 @@ class FlashInferAttention(AttentionBackend):
         indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         last_len = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=self.device)
+        first = None
         for bs in batch_sizes:
-            self._graph_decode[bs] = self._decode_wrapper(
+            wrapper = self._decode_wrapper(
                 paged_kv_indptr_buffer=indptr[: bs + 1],
                 paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_len[:bs],
             )
+            first = first or wrapper
+            share_plan_buffers(wrapper, first)
+            self._graph_decode[bs] = wrapper
 
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         """Plan a (padded) pure-decode step for the graph of exactly len(metadata.seqs) rows.
