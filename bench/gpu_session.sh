@@ -194,7 +194,7 @@ case $phase in
     ;;
   recheck)  # after a memory or GEMV change: its GPU tests, then the fp8 weights + fp8 KV row
     gpu_tests tests_recheck tests/gpu/test_memory_budget.py tests/gpu/test_fp8_weights.py \
-      tests/gpu/test_flashinfer_backend.py -k "memory or mixed_step or gemv or pool"
+      tests/gpu/test_flashinfer_backend.py -k "memory or card or mixed_step or gemv or pool"
     offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
       --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 --mixed-step-graphs
     ;;
