@@ -94,7 +94,8 @@ def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
         low = name.lower()
         if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
             kind = "matmul"
-        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention", "xqa")):
+        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention", "kernel_mha")):
+            # kernel_mha: XQA's decode kernel
             kind = "attention"
         elif "memcpy" in low or "memset" in low:
             kind = "copy"
