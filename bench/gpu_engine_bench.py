@@ -4,7 +4,9 @@
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
 graphs against the HBM roofline (bytes read per step / that bandwidth); engine decode step time
 with CUDA graphs vs eager at batch 1..8; offline throughput (ignore_eos) on a workload of
---num-requests x (--input-len in, --output-len out); and, through
+--num-requests x (--input-len in, --output-len out), with kernel profiles of three steps that
+carry prefill chunks and of decode replays at the first and the last wave's batch (their steps'
+time and tokens left out of the throughput); and, through
 bench/lib/gpu_vs_transformers.py, greedy tokens against transformers on small random bf16
 weights and offline throughput against transformers' generate on a smaller workload. The
 timing primitives are in bench/lib/gpu_timing.py. Owns no state; prints a table last and

@@ -262,7 +262,7 @@ class FlashInferAttention(AttentionBackend):
                 paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_len[:bs],
             )
-            first = first or wrapper
+            first = wrapper if first is None else first
             share_plan_buffers(wrapper, first)
             self._graph_decode[bs] = wrapper
 
