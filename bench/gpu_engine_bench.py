@@ -94,14 +94,21 @@ def build_engine(
     return engine
 
 
+def diagnosis(profiler: Any, engine: Engine) -> dict[str, Any]:
+    """profiler(engine)'s result, or its error: a profile is diagnosis, not a result. Either
+    way "seconds" says how long it took (the offline run leaves that time out)."""
+    start = time.perf_counter()
+    try:
+        return profiler(engine)
+    except Exception as exc:
+        return {"error": repr(exc), "seconds": time.perf_counter() - start}
+
+
 def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) -> dict[str, Any]:
     prompt_len = 512
     times = decode_step_times(engine, 1, prompt_len, args.decode_steps)
     replay = graph_replay_time(engine, 1)
-    try:
-        profile = kernel_profile(engine, 1)
-    except Exception as exc:  # the profile is diagnosis, not a result
-        profile = {"error": repr(exc)}
+    profile = diagnosis(lambda engine: kernel_profile(engine, 1), engine)
     finish_all(engine)
     model = engine.runner.model
     weights = weight_bytes(model, read_per_decode_step=True)
@@ -141,16 +148,6 @@ def graph_vs_eager(args: argparse.Namespace, graph: Engine, eager: Engine) -> li
         )
         log(f"batch {batch}: graph {t_graph * 1e3:.2f} ms, eager {t_eager * 1e3:.2f} ms")
     return rows
-
-
-def diagnosis(profiler: Any, engine: Engine) -> dict[str, Any]:
-    """profiler(engine)'s result, or its error: a profile is diagnosis, not a result. Either
-    way "seconds" says how long it took (the offline run leaves that time out)."""
-    start = time.perf_counter()
-    try:
-        return profiler(engine)
-    except Exception as exc:
-        return {"error": repr(exc), "seconds": time.perf_counter() - start}
 
 
 def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:

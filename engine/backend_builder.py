@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import chain
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +33,8 @@ from engine.memory_budget import (
 from engine.mixed_step_graphs import MixedStepGraphs
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -262,24 +265,33 @@ def build_backend(
         max_num_seqs = config.scheduler.max_num_seqs
         if max_num_seqs is None:
             raise ValueError("build_backend needs max_num_seqs (see with_batch_limit)")
-        reserved = torch.cuda.memory_reserved(device)
-        graphs = CUDAGraphDecoder(
-            model, flashinfer, max_num_seqs, pool.max_model_len, pool.num_blocks
+        graphs, took = _with_memory_taken(
+            device,
+            lambda: CUDAGraphDecoder(
+                model, flashinfer, max_num_seqs, pool.max_model_len, pool.num_blocks
+            ),
         )
-        took = (torch.cuda.memory_reserved(device) - reserved) / MiB
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
     mixed_graphs = None
     if config.cuda_graph and config.mixed_step_graphs:
-        reserved = torch.cuda.memory_reserved(device)
-        mixed_graphs = MixedStepGraphs(
-            model, flashinfer, config.scheduler.max_num_batched_tokens, pool.num_blocks
+        mixed_graphs, took = _with_memory_taken(
+            device,
+            lambda: MixedStepGraphs(
+                model, flashinfer, config.scheduler.max_num_batched_tokens, pool.num_blocks
+            ),
         )
-        took = (torch.cuda.memory_reserved(device) - reserved) / MiB
         _stderr(
             f"kvrelay engine: piecewise graphs of {len(mixed_graphs.buckets)} token buckets "
             f"took {took:.0f} MiB"
         )
     return DeviceSide(name, kv_cache, flashinfer, graphs, mixed_graphs)
+
+
+def _with_memory_taken(device: torch.device, build: Callable[[], T]) -> tuple[T, float]:
+    """build()'s result and the MiB of device memory the allocator reserved while it ran."""
+    reserved = torch.cuda.memory_reserved(device)
+    built = build()
+    return built, (torch.cuda.memory_reserved(device) - reserved) / MiB
 
 
 def _stderr(message: str) -> None:

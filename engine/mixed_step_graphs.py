@@ -121,7 +121,8 @@ class MixedStepGraphs:
                 dtype=attention.q_dtype,
                 device=device,
             )
-        self._qkv: torch.Tensor | None = None  # [max_tokens, q|k|v width], at the first call
+            qkv_width = (attention.num_heads + 2 * attention.num_kv_heads) * attention.head_dim
+            self._qkv = torch.zeros((max_tokens, qkv_width), dtype=attention.q_dtype, device=device)
         self._pool = torch.cuda.graph_pool_handle()
         self._captured: dict[int, CapturedBucket] = {}
         self._capture_all()
@@ -132,9 +133,6 @@ class MixedStepGraphs:
 
     def _stash(self, qkv: torch.Tensor) -> torch.Tensor:
         """Copy a piece's q|k|v projection [T, width] into the static buffer; its rows there."""
-        if self._qkv is None:  # the largest bucket's warm-up: not capturing yet
-            shape = (self.buckets[-1], *qkv.shape[1:])
-            self._qkv = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
         rows = self._qkv[: qkv.shape[0]]
         rows.copy_(qkv)
         return rows
