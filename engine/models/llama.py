@@ -21,7 +21,8 @@ from engine.config import ModelConfig
 from engine.models import fused_ops
 from engine.models.rope import RotaryEmbedding
 from engine.quant.config import Fp8Config
-from engine.quant.fp8 import make_linear
+from engine.quant.fp8 import QuantizedRows, make_linear, takes_quantized
+from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         self.rope = rope
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor | QuantizedRows, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         out = attn.forward_qkv(self.layer, self.qkv_proj(x), positions, self.rope)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -64,8 +65,10 @@ class MLP(nn.Module):
         self.down_proj = make_linear(inter, hidden, False, quant)
         self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.fused and takes_quantized(self.down_proj, gate_up):
+            return self.down_proj(silu_and_mul_quantize(gate_up, self.down_proj.input_scale))
         if self.fused:
             return self.down_proj(fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -96,15 +99,27 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the previous sublayer's output (the embeddings when residual is None)."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual, hidden = hidden, fused_ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            fused_ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(hidden, positions, attn)
-        norm = self.post_attention_layernorm
-        fused_ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
+        attn_input = normed_input(self.self_attn.qkv_proj, hidden, residual, self.input_layernorm)
+        residual = hidden if residual is None else residual
+        hidden = self.self_attn(attn_input, positions, attn)
+        mlp_input = normed_input(
+            self.mlp.gate_up_proj, hidden, residual, self.post_attention_layernorm
+        )
+        return self.mlp(mlp_input), residual
+
+
+def normed_input(
+    consumer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+) -> torch.Tensor | QuantizedRows:
+    """rmsnorm(residual + hidden) * weight, fused kernels only: residual += hidden in place
+    (no residual: the norm of hidden, which stays as it is); quantized in the same kernel when
+    the consumer is an Fp8Linear that would quantize it, else in hidden's storage."""
+    if takes_quantized(consumer, hidden):
+        return add_rms_norm_quantize(hidden, residual, norm.weight, norm.eps, consumer.input_scale)
+    if residual is None:
+        return fused_ops.rms_norm(hidden, norm.weight, norm.eps)
+    fused_ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+    return hidden
 
 
 class LlamaForCausalLM(nn.Module):

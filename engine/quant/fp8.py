@@ -4,10 +4,13 @@ quantized parts, per-token activation quantization, and the device check.
 
 Forward: the input is quantized per row (one Triton kernel on CUDA; its own amax / 448, or the
 checkpoint's static scale for every row), then one torch._scaled_mm (cuBLASLt, row-wise scales:
-scale_a [M, 1], scale_b [1, N], both float32) writes bf16. Up to GEMV_MAX_ROWS rows (decode
-steps of a few sequences) one Triton kernel instead reads the e4m3 weight once and multiplies
-the bf16 input by it dequantized in registers (fp8_gemv.py; KVRELAY_FP8_GEMV=0 turns it off).
-Shapes only, no host syncs, so the decode CUDA graphs capture either.
+scale_a [M, 1], scale_b [1, N], both float32) writes bf16. The input may come already quantized
+(QuantizedRows, from the kernel that made it: fp8_fused.py). cuBLASLt accumulates in Hopper's
+fast FP8 mode (as vLLM's and TensorRT-LLM's FP8 GEMMs do; KVRELAY_FP8_FAST_ACCUM=0 turns it
+off). Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) one Triton kernel instead
+reads the e4m3 weight once and multiplies the bf16 input by it dequantized in registers
+(fp8_gemv.py; KVRELAY_FP8_GEMV=0 turns it off). Shapes only, no host syncs, so the decode CUDA
+graphs capture either.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
 GEMV_ENV = "KVRELAY_FP8_GEMV"  # "0": every FP8 matmul through cuBLASLt, few rows too
+FAST_ACCUM_ENV = "KVRELAY_FP8_FAST_ACCUM"  # "0": cuBLASLt's FP8 GEMMs accumulate exactly
+
+
+class QuantizedRows(NamedTuple):
+    """An Fp8Linear's input already quantized: e4m3 [M, K] and float32 [M, 1], x ~ q * scale."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
 
 
 class Fp8Weight(NamedTuple):
@@ -107,9 +118,21 @@ def gemv_enabled() -> bool:
     return os.environ.get(GEMV_ENV, "1") != "0"
 
 
+@functools.cache
+def fast_accum() -> bool:
+    """Whether cuBLASLt's FP8 GEMMs use Hopper's fast accumulation (read once)."""
+    return os.environ.get(FAST_ACCUM_ENV, "1") != "0"
+
+
 def takes_gemv(rows: torch.Tensor) -> bool:
     """Whether Fp8Linear runs these input rows on fp8_gemv (CUDA, few rows, not turned off)."""
     return rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS and gemv_enabled()
+
+
+def takes_quantized(layer: nn.Module, rows: torch.Tensor) -> bool:
+    """Whether layer would quantize these input rows itself (an Fp8Linear on CUDA, not on its
+    GEMV): then a fused kernel may hand it QuantizedRows instead."""
+    return isinstance(layer, Fp8Linear) and rows.is_cuda and not takes_gemv(rows)
 
 
 @functools.cache
@@ -144,36 +167,45 @@ class Fp8Linear(nn.Module):
         self.register_parameter("input_scale", input_scale)
         self.register_parameter("bias", fixed(out_features, dtype=torch.bfloat16) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x [..., K] (bf16), or QuantizedRows [M, K] -> [..., N] / [M, N] bf16."""
+        if isinstance(x, QuantizedRows):
+            return self._scaled_mm(x)
         rows = x.reshape(-1, self.in_features)
         if takes_gemv(rows):
             out = fp8_gemv(rows, self.weight, self.weight_scale, self.bias)
-            return out.reshape(*x.shape[:-1], self.out_features)
-        x_fp8, x_scale = quantize_rows(rows, self.input_scale)
-        out = torch._scaled_mm(
-            x_fp8,
-            self.weight.t(),
-            scale_a=x_scale,
-            scale_b=self.weight_scale,
-            bias=self.bias,
-            out_dtype=x.dtype,
-        )
+        else:
+            out = self._scaled_mm(QuantizedRows(*quantize_rows(rows, self.input_scale)))
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+    def _scaled_mm(self, rows: QuantizedRows) -> torch.Tensor:
+        return torch._scaled_mm(
+            rows.q,
+            self.weight.t(),
+            scale_a=rows.scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum(),
+        )
+
+    def forward_reference(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """forward's math in float32, for tests: the input as forward takes it (quantized per
-        row with torch ops, or as it is where forward runs fp8_gemv), times the dequantized
-        weight."""
-        rows = x.reshape(-1, self.in_features)
-        if takes_gemv(rows):
-            inputs = rows.float()
+        row with torch ops, or as it is where forward runs fp8_gemv or it comes quantized),
+        times the dequantized weight."""
+        if isinstance(x, QuantizedRows):
+            inputs, shape = x.q.float() * x.scale, x.q.shape[:-1]
         else:
-            x_fp8, x_scale = quantize_rows_torch(rows, self.input_scale)
-            inputs = x_fp8.float() * x_scale
+            rows, shape = x.reshape(-1, self.in_features), x.shape[:-1]
+            if takes_gemv(rows):
+                inputs = rows.float()
+            else:
+                x_fp8, x_scale = quantize_rows_torch(rows, self.input_scale)
+                inputs = x_fp8.float() * x_scale
         out = inputs @ self.dequantized_weight().t()
         if self.bias is not None:
             out = out + self.bias.float()
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out.to(torch.bfloat16).reshape(*shape, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight [N, K] this layer stands for."""

@@ -23,6 +23,7 @@ from engine.quant.fp8 import (
     FP8_DTYPE,
     GEMV_ENV,
     Fp8Linear,
+    QuantizedRows,
     gemv_enabled,
     linear_state,
     quantize_rows_torch,
@@ -180,20 +181,30 @@ def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
     6-12%), and this random model amplifies such flips to ~0.1x its largest logit (0.88 of 6.84
     measured on the H200), which says nothing about the engine's path."""
     model = load(tiny)
-    calls: list[tuple[Fp8Linear, torch.Tensor, torch.Tensor]] = []
+    calls: list[tuple[Fp8Linear, torch.Tensor | QuantizedRows, torch.Tensor]] = []
     forward = Fp8Linear.forward
 
-    def recording_forward(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    def recording_forward(layer: Fp8Linear, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         out = forward(layer, x)
-        calls.append((layer, x.detach().clone(), out.detach().clone()))
+        if isinstance(x, QuantizedRows):
+            calls.append((layer, QuantizedRows(x.q.clone(), x.scale.clone()), out.clone()))
+        else:
+            calls.append((layer, x.detach().clone(), out.detach().clone()))
         return out
+
+    def rows(x: torch.Tensor | QuantizedRows) -> int:
+        return x.q.shape[0] if isinstance(x, QuantizedRows) else x.reshape(-1, x.shape[-1]).shape[0]
 
     fp8 = engine_on(model, tiny)
     with monkeypatch.context() as patch:
         patch.setattr(Fp8Linear, "forward", recording_forward)
         tokens, _ = run_workload(fp8)
-    row_counts = {x.reshape(-1, x.shape[-1]).shape[0] for _, x, _ in calls}
+    row_counts = {rows(x) for _, x, _ in calls}
     assert min(row_counts) <= GEMV_MAX_ROWS < max(row_counts)  # both paths ran
+    # Prefill chunks reach qkv_proj and gate_up_proj quantized by add + RMSNorm, and down_proj
+    # by SiLU-and-mul (fp8_fused.py); o_proj quantizes its input itself.
+    fused_inputs = {type(x) for _, x, _ in calls if rows(x) > GEMV_MAX_ROWS}
+    assert fused_inputs == {QuantizedRows, torch.Tensor}
     worst = 0.0
     for layer, x, out in calls:
         want = layer.forward_reference(x).float()

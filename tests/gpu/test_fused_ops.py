@@ -1,6 +1,8 @@
 """The GPU path's fused kernels against the torch ops they replace: FlashInfer's norms and
-activation (engine/models/fused_ops.py), and the Triton RoPE + paged KV write
-(engine/attention/rope_kv_kernel.py) into bf16 and fp8 caches."""
+activation (engine/models/fused_ops.py), the Triton RoPE + paged KV write
+(engine/attention/rope_kv_kernel.py) into bf16 and fp8 caches at both head blockings, and the
+FP8 input quantization fused into add + RMSNorm and SiLU-and-mul (engine/quant/fp8_fused.py)
+against the unfused chain."""
 
 from __future__ import annotations
 
@@ -8,10 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import rope_kv_kernel
 from engine.attention.rope_kv_kernel import rope_and_write_kv
 from engine.models import fused_ops
 from engine.models.llama import RMSNorm
 from engine.models.rope import RotaryEmbedding
+from engine.quant.fp8 import QuantizedRows
+from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
+from engine.quant.fp8_kernel import quantize_rows_cuda
 from tests.factories import make_model_config
 
 pytestmark = [
@@ -44,6 +50,7 @@ def test_norms_and_activation() -> None:
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
 
 
+@pytest.mark.parametrize("programs_wanted", [1024, 1], ids=["head", "token"])
 @pytest.mark.parametrize(
     "cache_dtype, kv_scales",
     [
@@ -52,9 +59,15 @@ def test_norms_and_activation() -> None:
         (torch.float8_e4m3fn, (2.0, 0.5)),
     ],
 )
-def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype, kv_scales: tuple[float, float]) -> None:
+def test_rope_and_kv_write_kernel(
+    cache_dtype: torch.dtype,
+    kv_scales: tuple[float, float],
+    programs_wanted: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """One Triton kernel: q rotated in place, rotated k and plain v in the strided layer view
-    (an fp8 cache stores K / k_scale and V / v_scale)."""
+    (an fp8 cache stores K / k_scale and V / v_scale); one program per head or per token."""
+    monkeypatch.setattr(rope_kv_kernel, "PROGRAMS_WANTED", programs_wanted)
     config = make_model_config(
         hidden_size=512, intermediate_size=1024, num_layers=1, head_dim=128, rope_theta=500000.0
     )
@@ -83,3 +96,49 @@ def test_rope_and_kv_write_kernel(cache_dtype: torch.dtype, kv_scales: tuple[flo
     written[block_ids, offsets] = True
     assert not cache[:, [0, 2]].float().any()  # other layers untouched
     assert not layer.permute(0, 3, 1, 2, 4)[~written].any()  # no other slot written
+
+
+def assert_same_quantization(got: QuantizedRows, want: QuantizedRows) -> None:
+    """Two quantizations of (nearly) the same rows: scales to float rounding, codes at most one
+    e4m3 step apart and almost all equal."""
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-2, atol=0.0)
+    got_x, want_x = got.q.float() * got.scale, want.q.float() * want.scale
+    assert (got_x - want_x).abs().le(want_x.abs() / 8 + 1e-3 * want.scale).all()
+    assert (got.q.float() == want.q.float()).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("add", [True, False], ids=["add", "first-layer"])
+@pytest.mark.parametrize("num_rows, width", [(1, 4096), (300, 4096), (37, 576)])
+def test_norm_quantize_matches_the_unfused_chain(
+    num_rows: int, width: int, add: bool, static: bool
+) -> None:
+    gen = torch.Generator("cuda").manual_seed(2)
+    x = torch.randn(num_rows, width, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(num_rows, width, device="cuda", generator=gen).bfloat16()
+    weight = torch.rand(width, device="cuda", generator=gen).bfloat16() + 0.5
+    static_scale = torch.tensor([[0.01]], device="cuda") if static else None
+    want_residual, normed = residual.clone(), x.clone()
+    if add:
+        fused_ops.add_rms_norm_(normed, want_residual, weight, 1e-5)
+    else:
+        normed = fused_ops.rms_norm(x, weight, 1e-5)
+    want = QuantizedRows(*quantize_rows_cuda(normed, static_scale))
+    got_residual, x_before = residual.clone(), x.clone()
+    got = add_rms_norm_quantize(x, got_residual if add else None, weight, 1e-5, static_scale)
+    assert got.q.dtype == torch.float8_e4m3fn and got.q.shape == (num_rows, width)
+    assert torch.equal(x, x_before)
+    assert torch.equal(got_residual, want_residual)  # residual + x, rounded the same way
+    assert_same_quantization(got, want)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("num_rows, inter", [(1, 14336), (300, 14336), (37, 1536)])
+def test_silu_quantize_matches_the_unfused_chain(num_rows: int, inter: int, static: bool) -> None:
+    gen = torch.Generator("cuda").manual_seed(3)
+    gate_up = torch.randn(num_rows, 2 * inter, device="cuda", generator=gen).bfloat16() * 2
+    static_scale = torch.tensor([[0.02]], device="cuda") if static else None
+    want = QuantizedRows(*quantize_rows_cuda(fused_ops.silu_and_mul(gate_up), static_scale))
+    got = silu_and_mul_quantize(gate_up, static_scale)
+    assert got.q.dtype == torch.float8_e4m3fn and got.q.shape == (num_rows, inter)
+    assert_same_quantization(got, want)

@@ -1,0 +1,143 @@
+"""Fp8Linear inputs quantized inside the kernel that makes them: add + RMSNorm + quantize, and
+SiLU-and-mul + quantize, one Triton kernel per call each. Owns no state; imports triton on
+first use.
+
+Unfused, a prefill step of the 8B shape runs an add + RMSNorm or a SiLU-and-mul kernel that
+writes bf16 rows, then quantize_rows reads them back and writes e4m3: ~6 % of the step. Here the
+row is quantized while it is still in registers. The math is the unfused chain's: the result is
+rounded to the activations' dtype before its amax is taken, so the e4m3 codes are those
+quantize_rows would give on the unfused output, up to float rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows
+
+NORM, ADD_NORM, SILU_AND_MUL = 0, 1, 2  # what the kernel computes before it quantizes
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def make_and_quantize_rows(
+        src_ptr,
+        src_row_stride,
+        residual_ptr,
+        residual_row_stride,
+        weight_ptr,
+        q_ptr,
+        scale_ptr,
+        static_scale_ptr,
+        num_cols,
+        eps,
+        OP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STATIC: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr,
+    ):
+        """One program per row. OP NORM: rmsnorm(src) * weight; ADD_NORM: residual += src,
+        then rmsnorm(the sum) * weight; SILU_AND_MUL: silu(src's first num_cols) * its next
+        num_cols. The row is rounded to src's dtype, then quantized as quantize_rows does:
+        scale = amax / FP8_MAX (or the static scale), q = row / scale clamped, stored e4m3."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < num_cols
+        src = src_ptr + row * src_row_stride + cols
+        x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        if OP == 2:  # SILU_AND_MUL
+            up = tl.load(src + num_cols, mask=mask, other=0.0).to(tl.float32)
+            y = x / (1.0 + tl.exp(-x)) * up
+        else:
+            if OP == 1:  # ADD_NORM
+                res = residual_ptr + row * residual_row_stride + cols
+                x += tl.load(res, mask=mask, other=0.0).to(tl.float32)
+                tl.store(res, x.to(residual_ptr.dtype.element_ty), mask=mask)
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
+            y = x * inv_rms * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y.to(src_ptr.dtype.element_ty).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_scale_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0), AMAX_FLOOR) / FP8_MAX
+        q = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+    return make_and_quantize_rows
+
+
+def _launch(
+    op: int,
+    src: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    num_cols: int,
+    static_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> QuantizedRows:
+    num_rows = src.shape[0]
+    out = QuantizedRows(
+        torch.empty((num_rows, num_cols), dtype=out_dtype, device=src.device),
+        torch.empty((num_rows, 1), dtype=torch.float32, device=src.device),
+    )
+    if num_rows:
+        block = 1 << (num_cols - 1).bit_length()  # the whole row in one program's registers
+        _kernel()[(num_rows,)](
+            src,
+            src.stride(0),
+            src if residual is None else residual,  # read only for ADD_NORM
+            src.stride(0) if residual is None else residual.stride(0),
+            src if weight is None else weight,  # read only for the norms
+            out.q,
+            out.scale,
+            out.scale if static_scale is None else static_scale,  # read only when STATIC
+            num_cols,
+            eps,
+            OP=op,
+            BLOCK=block,
+            STATIC=static_scale is not None,
+            FP8_MAX=FP8_MAX,
+            AMAX_FLOOR=AMAX_FLOOR,
+            num_warps=max(1, min(16, block // 512)),
+        )
+    return out
+
+
+def add_rms_norm_quantize(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    static_scale: torch.Tensor | None,
+    out_dtype: torch.dtype = FP8_DTYPE,
+) -> QuantizedRows:
+    """quantize_rows(rmsnorm(residual + x) * weight): residual (when given) becomes
+    residual + x in place, as fused_ops.add_rms_norm_ does; x is left as it is.
+
+    x, residual: [M, K], last dimension contiguous; static_scale: the consumer's one-element
+    float32 input scale, or None for per-row scales. out_dtype is for tests of the math only
+    (float32 keeps x / scale unrounded)."""
+    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("add_rms_norm_quantize needs rows with a contiguous last dimension")
+    op = NORM if residual is None else ADD_NORM
+    return _launch(op, x, residual, weight, eps, x.shape[1], static_scale, out_dtype)
+
+
+def silu_and_mul_quantize(
+    gate_up: torch.Tensor, static_scale: torch.Tensor | None, out_dtype: torch.dtype = FP8_DTYPE
+) -> QuantizedRows:
+    """quantize_rows(silu(gate) * up) for gate_up [M, 2I] (gate, then up; rows contiguous)."""
+    width = gate_up.shape[1]
+    if gate_up.stride(1) != 1 or width % 2:
+        raise ValueError(f"gate_up of shape {tuple(gate_up.shape)} is not [M, 2I] by rows")
+    return _launch(SILU_AND_MUL, gate_up, None, None, 0.0, width // 2, static_scale, out_dtype)

@@ -1,0 +1,132 @@
+"""The GPU path's Triton kernels on float32 tensors: on a GPU, or on the CPU in Triton's
+interpreter (which tests/conftest.py turns on where there is no GPU):
+the RoPE + paged KV write at every head blocking, and the fused add + RMSNorm + quantize and
+SiLU-and-mul + quantize kernels against torch math. Rounding to bf16 and e4m3 is left to the
+GPU tests (tests/gpu/test_fused_ops.py); here every dtype is float32, so the kernels' casts are
+exact and the math must match to float rounding."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import rope_kv_kernel
+from engine.models.rope import RotaryEmbedding
+from engine.quant import fp8_fused
+from engine.quant.fp8 import FP8_MAX
+from tests.factories import make_model_config
+
+pytest.importorskip("triton")
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
+)
+
+
+@pytest.mark.parametrize("programs_wanted", [1024, 16, 1], ids=["one-head", "blocks", "token"])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (9, 3)], ids=["pow2", "smollm2"])
+def test_rope_and_kv_write_at_every_head_blocking(
+    monkeypatch: pytest.MonkeyPatch, programs_wanted: int, num_heads: int, num_kv_heads: int
+) -> None:
+    monkeypatch.setattr(rope_kv_kernel, "PROGRAMS_WANTED", programs_wanted)
+    head_dim, num_tokens, block_size = 16, 12, 4
+    config = make_model_config(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope_theta=10000.0
+    )
+    rope = RotaryEmbedding(config, 256).to(DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(8 * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    block_ids, offsets = slots // block_size, slots % block_size
+    q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
+    want_q, want_k = rope(
+        positions, q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+    )
+    cache = torch.zeros(8, 2, 2, num_kv_heads, block_size, head_dim, device=DEVICE)  # 2 layers
+    kv_scales = (2.0, 0.5)
+    got_q = rope_kv_kernel.rope_and_write_kv(
+        qkv, positions, rope.cos_sin, cache[:, 1], block_ids, offsets, num_heads, kv_scales
+    )
+    heads = num_heads + num_kv_heads
+    per_program = rope_kv_kernel.heads_per_program(num_tokens, heads)
+    if programs_wanted == 1024:
+        assert per_program == 1
+    elif programs_wanted == 16:
+        assert 1 < per_program < heads  # blocks that split a token's heads, q and k mixed
+    else:
+        assert per_program >= heads  # one program per token
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, q_size:], torch.cat([k, v], dim=-1))  # k and v rows untouched
+    layer = cache[:, 1]
+    torch.testing.assert_close(layer[block_ids, 0, :, offsets], want_k / 2.0, atol=1e-5, rtol=0)
+    assert torch.equal(layer[block_ids, 1, :, offsets], v.view(-1, num_kv_heads, head_dim) / 0.5)
+    written = torch.zeros(8, block_size, dtype=torch.bool, device=DEVICE)
+    written[block_ids, offsets] = True
+    assert not cache[:, 0].any()  # the other layer untouched
+    assert not layer.permute(0, 3, 1, 2, 4)[~written].any()  # no other slot written
+
+
+def test_heads_per_program_fills_the_gpu_without_tiny_programs() -> None:
+    heads = 32 + 8  # the 8B shape's q + k heads
+    assert rope_kv_kernel.heads_per_program(1, heads) == 1
+    assert rope_kv_kernel.heads_per_program(768, heads) == 16  # 768 x 3 programs
+    assert rope_kv_kernel.heads_per_program(16384, heads) == 64  # one program per token
+
+
+def expected_quantization(y: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
+    scale = y.abs().amax(-1, keepdim=True) / FP8_MAX if static is None else static.reshape(1, 1)
+    return (y / scale).clamp(-FP8_MAX, FP8_MAX), scale.expand(y.shape[0], 1)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("add", [True, False], ids=["add", "first-layer"])
+def test_add_rms_norm_quantize_math(add: bool, static: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE)
+    residual = torch.randn(5, 96, generator=gen).to(DEVICE) if add else None
+    weight = (torch.rand(96, generator=gen) + 0.5).to(DEVICE)
+    static_scale = torch.tensor([[0.005]], device=DEVICE) if static else None
+    before = None if residual is None else residual.clone()
+    x_before = x.clone()
+    got = fp8_fused.add_rms_norm_quantize(
+        x, residual, weight, 1e-5, static_scale, out_dtype=torch.float32
+    )
+    summed = x_before if before is None else x_before + before
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+    want_q, want_scale = expected_quantization(normed, static_scale)
+    torch.testing.assert_close(got.scale, want_scale, atol=0, rtol=1e-5)
+    torch.testing.assert_close(got.q, want_q, atol=1e-3, rtol=1e-5)
+    assert torch.equal(x, x_before)  # the input is left as it is
+    if residual is not None:
+        torch.testing.assert_close(residual, summed)  # residual += x in place
+    if static:
+        assert got.q.abs().max() == FP8_MAX  # the static scale clips the large values
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_silu_and_mul_quantize_math(static: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(7, 2 * 80, generator=gen) * 3).to(DEVICE)
+    static_scale = torch.tensor([[0.005]], device=DEVICE) if static else None
+    got = fp8_fused.silu_and_mul_quantize(gate_up, static_scale, out_dtype=torch.float32)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want_q, want_scale = expected_quantization(F.silu(gate) * up, static_scale)
+    torch.testing.assert_close(got.scale, want_scale, atol=0, rtol=1e-5)
+    torch.testing.assert_close(got.q, want_q, atol=1e-3, rtol=1e-5)
+    assert got.q.shape == (7, 80) and got.q.is_contiguous()
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="gate_up"):
+        fp8_fused.silu_and_mul_quantize(torch.zeros(2, 5, device=DEVICE), None)
+    with pytest.raises(ValueError, match="contiguous"):
+        x = torch.zeros(4, 2, device=DEVICE).t()
+        fp8_fused.add_rms_norm_quantize(x, None, torch.ones(2, device=DEVICE), 1e-5, None)
