@@ -4,9 +4,10 @@ GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional tied embeddings. q/k/v
 projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With an
 Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, norms and the
 LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
-elementwise work runs as fused CUDA kernels (models/fused_ops.py) and the residual stream is
-carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
-reference. RoPE and the KV-cache write belong to the attention backend
+elementwise work runs as fused CUDA kernels (models/fused_ops.py), an Fp8Linear that would
+quantize its input gets it quantized by the norm or SiLU kernel before it (quant/fp8_fused.py),
+and the residual stream is carried next to the hidden states; otherwise plain torch ops, which
+are the CPU path and the reference. RoPE and the KV-cache write belong to the attention backend
 (AttentionBackend.forward_qkv), which may fuse them.
 """
 
