@@ -137,7 +137,7 @@ def takes_quantized(layer: nn.Module, rows: torch.Tensor) -> bool:
 
 @functools.cache
 def _cuda_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    from engine.quant.fp8_kernel import quantize_rows_cuda  # imports triton
+    from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
 
     return quantize_rows_cuda
 

@@ -1,13 +1,14 @@
-"""Fp8Linear inputs quantized inside the kernel that makes them: add + RMSNorm + quantize, and
-SiLU-and-mul + quantize, one Triton kernel per call each. Owns no state; imports triton on
-first use.
+"""Fp8Linear's input quantization on CUDA, one Triton kernel per call: per-row quantization of
+given rows (quantize_rows_cuda), or inside the kernel that makes the rows: add + RMSNorm +
+quantize, SiLU-and-mul + quantize. Owns no state; imports triton on first use.
 
 Unfused, an add + RMSNorm or a SiLU-and-mul kernel writes bf16 rows, then quantize_rows reads
-them back and writes e4m3. Here the row is quantized while it is still in registers: on an H200
-the 8B shape's 16,384-token step spends 17.9 ms in these kernels where the unfused chain took
-28.3 ms (bench/fp8_step_kernels_bench.py). The math is the unfused chain's: the result is
+them back and writes e4m3. Fused, the row is quantized while it is still in registers: on an
+H200 the 8B shape's 16,384-token step spends 17.9 ms in these kernels where the unfused chain
+took 28.3 ms (bench/fp8_step_kernels_bench.py). The math is the unfused chain's: the result is
 rounded to the activations' dtype before its amax is taken, so the e4m3 codes are those
-quantize_rows would give on the unfused output, up to float rounding.
+quantize_rows would give on the unfused output, up to float rounding. Per-row quantization
+alone is quantize_rows_torch's math in one launch instead of ~6 small torch kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows
 
-NORM, ADD_NORM, SILU_AND_MUL = 0, 1, 2  # what the kernel computes before it quantizes
+NORM, ADD_NORM, SILU_AND_MUL, AS_IS = 0, 1, 2, 3  # what the kernel does before it quantizes
 
 
 @functools.cache
@@ -47,14 +48,17 @@ def _kernel() -> Any:
     ):
         """One program per row. OP NORM: rmsnorm(src) * weight; ADD_NORM: residual += src,
         then rmsnorm(the sum) * weight; SILU_AND_MUL: silu(src's first num_cols) * its next
-        num_cols. The row is rounded to src's dtype, then quantized as quantize_rows does:
-        scale = amax / FP8_MAX (or the static scale), q = row / scale clamped, stored e4m3."""
+        num_cols; AS_IS: src. The row is rounded to src's dtype, then quantized as
+        quantize_rows does: scale = amax / FP8_MAX (or the static scale), q = row / scale
+        clamped, stored e4m3."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < num_cols
         src = src_ptr + row * src_row_stride + cols
         x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        if OP == 2:  # SILU_AND_MUL
+        if OP == 3:  # AS_IS
+            y = x
+        elif OP == 2:  # SILU_AND_MUL
             up = tl.load(src + num_cols, mask=mask, other=0.0).to(tl.float32)
             y = x / (1.0 + tl.exp(-x)) * up
         else:
@@ -112,6 +116,14 @@ def _launch(
             num_warps=max(1, min(16, block // 512)),
         )
     return out
+
+
+def quantize_rows_cuda(x: torch.Tensor, static_scale: torch.Tensor | None) -> QuantizedRows:
+    """quantize_rows_torch(x, static_scale) for x [M, K] (bf16) on CUDA: (e4m3 [M, K]
+    contiguous, float32 [M, 1])."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _launch(AS_IS, x, None, None, 0.0, x.shape[1], static_scale, FP8_DTYPE)
 
 
 def add_rms_norm_quantize(

@@ -30,8 +30,8 @@ from engine.quant.fp8 import (
     quantize_weight,
     takes_gemv,
 )
+from engine.quant.fp8_fused import quantize_rows_cuda
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS, VECTOR_MAX_ROWS, fp8_gemv
-from engine.quant.fp8_kernel import quantize_rows_cuda
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
 from tests.gpu.test_flashinfer_backend import (

@@ -16,8 +16,11 @@ from engine.models import fused_ops
 from engine.models.llama import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.quant.fp8 import QuantizedRows
-from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
-from engine.quant.fp8_kernel import quantize_rows_cuda
+from engine.quant.fp8_fused import (
+    add_rms_norm_quantize,
+    quantize_rows_cuda,
+    silu_and_mul_quantize,
+)
 from tests.factories import make_model_config
 
 pytestmark = [
@@ -123,7 +126,7 @@ def test_norm_quantize_matches_the_unfused_chain(
         fused_ops.add_rms_norm_(normed, want_residual, weight, 1e-5)
     else:
         normed = fused_ops.rms_norm(x, weight, 1e-5)
-    want = QuantizedRows(*quantize_rows_cuda(normed, static_scale))
+    want = quantize_rows_cuda(normed, static_scale)
     got_residual, x_before = residual.clone(), x.clone()
     got = add_rms_norm_quantize(x, got_residual if add else None, weight, 1e-5, static_scale)
     assert got.q.dtype == torch.float8_e4m3fn and got.q.shape == (num_rows, width)
@@ -138,7 +141,7 @@ def test_silu_quantize_matches_the_unfused_chain(num_rows: int, inter: int, stat
     gen = torch.Generator("cuda").manual_seed(3)
     gate_up = torch.randn(num_rows, 2 * inter, device="cuda", generator=gen).bfloat16() * 2
     static_scale = torch.tensor([[0.02]], device="cuda") if static else None
-    want = QuantizedRows(*quantize_rows_cuda(fused_ops.silu_and_mul(gate_up), static_scale))
+    want = quantize_rows_cuda(fused_ops.silu_and_mul(gate_up), static_scale)
     got = silu_and_mul_quantize(gate_up, static_scale)
     assert got.q.dtype == torch.float8_e4m3fn and got.q.shape == (num_rows, inter)
     assert_same_quantization(got, want)

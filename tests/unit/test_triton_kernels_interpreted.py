@@ -1,9 +1,9 @@
 """The GPU path's Triton kernels on float32 tensors: on a GPU, or on the CPU in Triton's
-interpreter (which tests/conftest.py turns on where there is no GPU):
-the RoPE + paged KV write at every head blocking, and the fused add + RMSNorm + quantize and
-SiLU-and-mul + quantize kernels against torch math. Rounding to bf16 and e4m3 is left to the
-GPU tests (tests/gpu/test_fused_ops.py); here every dtype is float32, so the kernels' casts are
-exact and the math must match to float rounding."""
+interpreter (which tests/conftest.py turns on where there is no GPU): the RoPE + paged KV write
+at every head blocking, and the input quantization of Fp8Linear (alone, and fused into add +
+RMSNorm and SiLU-and-mul) against torch math. Rounding to bf16 and e4m3 is left to the GPU
+tests (tests/gpu/test_fused_ops.py, test_fp8_weights.py); here every dtype is float32, so the
+kernels' casts are exact and the math must match to float rounding."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.attention import rope_kv_kernel
 from engine.models.rope import RotaryEmbedding
 from engine.quant import fp8_fused
-from engine.quant.fp8 import FP8_MAX
+from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
 from tests.factories import make_model_config
 
 pytest.importorskip("triton")
@@ -122,6 +122,24 @@ def test_silu_and_mul_quantize_math(static: bool) -> None:
     torch.testing.assert_close(got.scale, want_scale, atol=0, rtol=1e-5)
     torch.testing.assert_close(got.q, want_q, atol=1e-3, rtol=1e-5)
     assert got.q.shape == (7, 80) and got.q.is_contiguous()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_quantize_rows_math(static: bool) -> None:
+    """The per-row quantization alone (quantize_rows on CUDA), on rows strided in a wider
+    tensor, with an all-zero row (the AMAX_FLOOR scale, no division by zero)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 72, generator=gen) * 4).to(DEVICE)[:, :64]
+    x[2] = 0.0
+    static_scale = torch.tensor([[0.01]], device=DEVICE) if static else None
+    got = fp8_fused._launch(fp8_fused.AS_IS, x, None, None, 0.0, 64, static_scale, torch.float32)
+    want_q, want_scale = expected_quantization(x, static_scale)
+    if not static:
+        want_scale = want_scale.clamp(min=AMAX_FLOOR / FP8_MAX)
+        want_q = (x / want_scale).clamp(-FP8_MAX, FP8_MAX)
+    torch.testing.assert_close(got.scale, want_scale, atol=0, rtol=1e-5)
+    torch.testing.assert_close(got.q, want_q, atol=1e-3, rtol=1e-5)
+    assert not got.q[2].any()
 
 
 def test_bad_shapes_are_refused() -> None:
