@@ -21,10 +21,11 @@
 #   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
 #   fp8-gemv   bench.fp8_gemv_bench: few-row FP8 GEMM kernels on the 8B projection shapes
 #   fusion     bench.fp8_step_kernels_bench, then the fp8w row with and without piecewise graphs
+#   prefill-attention  bench.prefill_attention_bench: fa2 against fa3 at a 16,000-token step
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, prefill-attention, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -240,6 +241,11 @@ case $phase in
       offline_run "offline_fp8w${graphs:+_graphs}" --quantization fp8 --kv-cache-dtype fp8 \
         --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 $graphs
     done
+    ;;
+  prefill-attention)  # fa3 compiles its kernels on first use (minutes, once)
+    timeout 400 python3 -m bench.prefill_attention_bench --json "$out/prefill_attention.json" \
+      > "$out/prefill_attention.txt" 2> "$out/prefill_attention.err"
+    echo "prefill attention bench rc=$?"
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)
