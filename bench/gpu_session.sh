@@ -21,11 +21,12 @@
 #   fp8-check  the GPU tests of XQA decode, KV scales and the FP8 GEMV; bench.attention_bench
 #   fp8-gemv   bench.fp8_gemv_bench: few-row FP8 GEMM kernels on the 8B projection shapes
 #   fusion     bench.fp8_step_kernels_bench, then the fp8w row with and without piecewise graphs
+#   host-copies  bench.host_copy_bench: does a non-blocking copy from pageable memory wait?
 #   prefill-attention  bench.prefill_attention_bench: fa2 against fa3 at a 16,000-token step
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, prefill-attention, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -191,7 +192,7 @@ case $phase in
       tests/unit/test_triton_kernels_interpreted.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
-      tests/gpu/test_kvtransfer_cuda.py &
+      tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py &
     wait
     gpu_tests tests_memory tests/gpu/test_memory_budget.py
     ;;
@@ -241,6 +242,11 @@ case $phase in
       offline_run "offline_fp8w${graphs:+_graphs}" --quantization fp8 --kv-cache-dtype fp8 \
         --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 $graphs
     done
+    ;;
+  host-copies)  # whether a step's host -> GPU copies wait for the GPU: pageable against page-locked
+    timeout 60 python3 -m bench.host_copy_bench --json "$out/host_copy.json" \
+      > "$out/host_copy.txt" 2> "$out/host_copy.err"
+    echo "host copy bench rc=$?"
     ;;
   prefill-attention)  # fa3 compiles its kernels on first use (minutes, once)
     timeout 400 python3 -m bench.prefill_attention_bench --json "$out/prefill_attention.json" \

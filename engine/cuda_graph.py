@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
+from engine.host_tensors import copy_from_host
 from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
 
@@ -89,7 +90,7 @@ class CUDAGraphDecoder:
         host = padded_rows(
             input_ids, positions, slot_block_ids, slot_offsets, bs, self.pad_block_id
         )
-        self._inputs[:, :bs].copy_(host, non_blocking=True)  # pageable: staged at once
+        copy_from_host(self._inputs[:, :bs], host)
         padding = [SeqSpan(i, 1, 1, [self.pad_block_id]) for i in range(len(seqs), bs)]
         metadata = AttentionMetadata(
             seqs=seqs + padding,

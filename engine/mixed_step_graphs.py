@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata
+from engine.host_tensors import copy_from_host
 from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class MixedStepGraphs:
             size,
             self.pad_block_id,
         )
-        self._inputs[:, :size].copy_(host, non_blocking=True)  # pageable: staged at once
+        copy_from_host(self._inputs[:, :size], host)
         inputs.write_pending(self._inputs[0, :size], fill)
         positions = self._inputs[1, :num_tokens]
         self.attention.plan(

@@ -151,6 +151,28 @@ def profile_prefill_steps(engine: Engine, num_steps: int = 3) -> dict[str, Any]:
     }
 
 
+def gpu_idle_per_step(engine: Engine, num_steps: int) -> float:
+    """Milliseconds per engine step in which no kernel or copy runs on the GPU (CUPTI's kernel
+    spans, merged), over num_steps steady steps: host work the overlap did not hide."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()  # the step queued ahead runs out: each step below queues one
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, reach = 0.0, spans[0][0]
+    for start, end in spans:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return (reach - spans[0][0] - busy) / num_steps / 1e3
+
+
 def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
     """Host (cProfile) and device (graph replay) time of decode steps at the current batch."""
     import cProfile
@@ -167,6 +189,7 @@ def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
     padded = engine.runner.graphs.padded_size(batch) if engine.runner.graphs else None
     replay = graph_replay_time(engine, padded, iters=10) if padded else None
     kernels = kernel_profile(engine, padded, iters=3) if padded else None
+    idle = gpu_idle_per_step(engine, num_steps=5)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(num_steps):
@@ -179,6 +202,7 @@ def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
         "engine_step_ms": statistics.median(plain) * 1e3,
         "graph_replay_ms": None if replay is None else replay * 1e3,
         "graph_kernels": kernels,
+        "gpu_idle_ms_per_step": idle,
         "cprofile_tottime_top15": text.getvalue()[-4000:],
         "seconds": time.perf_counter() - start,
     }

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention.base import SeqSpan
-from engine.host_tensors import index_tensor, to_device
+from engine.host_tensors import copy_from_host, index_tensor, to_device
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 XQA_WORKSPACE_BYTES = 64 << 20  # 8 MiB of semaphores, then the multi-block scratch
@@ -114,8 +114,8 @@ class XqaDecode:
             # the host more than the step.
             assert self._graph_table is not None and self._graph_lens is not None
             host = self._host_table(seqs, width)
-            self._graph_table[:num_rows, :width].copy_(host, non_blocking=True)
-            self._graph_lens[:num_rows].copy_(lens, non_blocking=True)
+            copy_from_host(self._graph_table[:num_rows, :width], host)
+            copy_from_host(self._graph_lens[:num_rows], lens)
             self._table, self._lens = self._graph_table[:num_rows], self._graph_lens[:num_rows]
             return
         self._table = to_device(self._host_table(seqs, width), self.device)
