@@ -48,10 +48,26 @@ def run_backend(
         **({"o_data_type": torch.bfloat16} if fp8_q else {}),
     )
     scales: dict[str, Any] = {}
-    if fp8_q:
-        scales = {"q_scale": table["q_scale"], "k_scale": 1.0, "v_scale": 1.0}
-    out = wrapper.run(q, layer, **scales)
+    if fp8_q:  # plain floats first; FlashInfer builds that take only tensors get per-head ones
+        scales = {"q_scale": float(table["q_scale"]), "k_scale": 1.0, "v_scale": 1.0}
+        try:
+            out = wrapper.run(q, layer, **scales)
+        except TypeError:  # 0.7.4 refused a 0-d q_scale tensor beside float k/v scales
+            scales = per_head_scales(float(table["q_scale"]))
+            out = wrapper.run(q, layer, **scales)
+    else:
+        out = wrapper.run(q, layer)
     return out, time_ms(lambda: wrapper.run(q, layer, **scales), iters=10)
+
+
+def per_head_scales(q_scale: float) -> dict[str, torch.Tensor]:
+    """q, k and v scales as per-head float32 tensors (q: query heads; k, v: KV heads)."""
+    heads = {"q_scale": NUM_HEADS, "k_scale": NUM_KV_HEADS, "v_scale": NUM_KV_HEADS}
+    values = {"q_scale": q_scale, "k_scale": 1.0, "v_scale": 1.0}
+    return {
+        name: torch.full((n,), values[name], dtype=torch.float32, device="cuda")
+        for name, n in heads.items()
+    }
 
 
 def main() -> None:
@@ -89,7 +105,7 @@ def main() -> None:
             try:
                 out, ms = run_backend(backend, queries, layer, table)
             except Exception as error:  # a backend this FlashInfer lacks: reported, not fatal
-                row["error"] = f"{type(error).__name__}: {error}"[:300]
+                row["error"] = f"{type(error).__name__}: {error}"[:1500]
                 print(f"{row['kv']:20s} {backend}: {row['error']}", flush=True)
                 rows.append(row)
                 continue
