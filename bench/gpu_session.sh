@@ -243,7 +243,7 @@ case $phase in
         --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 $graphs
     done
     ;;
-  host-copies)  # whether a step's host -> GPU copies wait for the GPU: pageable against page-locked
+  host-copies)  # whether a step's host -> GPU copies wait for the GPU: pageable against the engine's
     timeout 60 python3 -m bench.host_copy_bench --json "$out/host_copy.json" \
       > "$out/host_copy.txt" 2> "$out/host_copy.err"
     echo "host copy bench rc=$?"

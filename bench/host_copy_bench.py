@@ -20,7 +20,7 @@ SIZES_KIB = (16, 64, 256, 1024, 4096)
 SLEEP_CYCLES = 100_000_000  # ~50 ms on an H200's 1.98 GHz clock
 
 
-def one_copy(num_bytes: int, page_locked: bool) -> dict[str, float | bool]:
+def one_copy(num_bytes: int, engine_path: bool) -> dict[str, float | bool]:
     host = torch.arange(num_bytes // 4, dtype=torch.int32)
     dst = torch.empty_like(host, device="cuda")
     torch.cuda.synchronize()
@@ -28,7 +28,7 @@ def one_copy(num_bytes: int, page_locked: bool) -> dict[str, float | bool]:
     slept = torch.cuda.Event()
     slept.record()
     start = time.perf_counter()
-    if page_locked:
+    if engine_path:
         copy_from_host(dst, host)
     else:
         dst.copy_(host, non_blocking=True)
@@ -47,11 +47,11 @@ def main() -> None:
     one_copy(1 << 20, False)
     rows = []
     for kib in SIZES_KIB:
-        for page_locked in (False, True):
-            trials = [one_copy(kib << 10, page_locked) for _ in range(5)]
+        for engine_path in (False, True):
+            trials = [one_copy(kib << 10, engine_path) for _ in range(5)]
             row = {
                 "kib": kib,
-                "source": "engine path" if page_locked else "pageable",
+                "source": "engine path" if engine_path else "pageable",
                 "host_ms_median": sorted(t["host_ms"] for t in trials)[2],
                 "waited_for_gpu": sum(bool(t["waited_for_gpu"]) for t in trials),
             }

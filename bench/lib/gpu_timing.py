@@ -153,7 +153,8 @@ def profile_prefill_steps(engine: Engine, num_steps: int = 3) -> dict[str, Any]:
 
 def gpu_idle_per_step(engine: Engine, num_steps: int) -> float:
     """Milliseconds per engine step in which no kernel or copy runs on the GPU (CUPTI's kernel
-    spans, merged), over num_steps steady steps: host work the overlap did not hide."""
+    spans, merged), over num_steps steady steps: the gaps between a graph's kernels and those
+    between steps (host work the overlap did not hide) alike."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()  # the step queued ahead runs out: each step below queues one
