@@ -6,7 +6,8 @@ row gives ms per layer, TFLOP/s and its largest difference from fa2 on the same 
 backend this FlashInfer refuses is reported, not fatal. Owns no state; needs a GPU and
 flashinfer.
 
-    python -m bench.prefill_attention_bench [--prompts 16] [--prompt-len 1000] [--json out.json]
+    python -m bench.prefill_attention_bench [--prompts 16] [--prompt-len 1000] [--kv bf16 fp8]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from bench.attention_bench import BLOCK, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, time_ms
 from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 from engine.quant.fp8 import FP8_MAX
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # --kv: the caches to time
 
 
 def run_backend(
@@ -74,6 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=1000)
+    p.add_argument("--kv", nargs="*", choices=sorted(KV_DTYPES), default=sorted(KV_DTYPES))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     prompts, length = args.prompts, args.prompt_len
@@ -94,7 +98,7 @@ def main() -> None:
     # causal: each prompt's L x L / 2 query-key pairs, QK^T and PV, 2 FLOP per multiply-add
     flops = prompts * length * length / 2 * NUM_HEADS * HEAD_DIM * 2 * 2
     rows = []
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for kv_dtype in (KV_DTYPES[name] for name in args.kv):
         shape = (num_blocks, NUM_LAYERS, 2, NUM_KV_HEADS, BLOCK, HEAD_DIM)
         cache = torch.randn(shape, device="cuda", generator=gen).to(kv_dtype)
         layer = cache[:, 1]
