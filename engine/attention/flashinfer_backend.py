@@ -30,6 +30,15 @@ WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
+PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
+HOPPER = (9, 0)
+
+
+def prefill_backend(capability: tuple[int, int]) -> str:
+    """The FlashInfer backend for steps with prefill chunks: fa3 on Hopper when turned on, else
+    fa2."""
+    wanted = os.environ.get(PREFILL_FA3_ENV, "0") == "1"
+    return "fa3" if wanted and capability == HOPPER else "fa2"
 
 
 def flashinfer_available() -> bool:
@@ -146,9 +155,15 @@ class FlashInferAttention(AttentionBackend):
         self.block_size = kv_cache.shape[4]
         self.device = kv_cache.device
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        capability = torch.cuda.get_device_capability(self.device)
+        self.prefill_kernel = prefill_backend(capability)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "HND", backend="fa2"
+            self._workspace, "HND", backend=self.prefill_kernel
         )
+        # fa3 takes an fp8 cache only with fp8 queries: they are quantized with scale 1.0
+        fp8_queries = self.prefill_kernel == "fa3" and kv_cache.dtype == FP8_KV_DTYPE
+        self._prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.q_dtype
+        self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
         self._decode = self._decode_wrapper()
         self._graph_decode: dict[int, Any] = {}
         num_layers = kv_cache.shape[1]
@@ -158,7 +173,6 @@ class FlashInferAttention(AttentionBackend):
         if kv_cache.dtype != FP8_KV_DTYPE and any(p != (1.0, 1.0) for p in self.kv_scales):
             raise ValueError("KV scales apply to an fp8 KV cache only")
         self._xqa: XqaDecode | None = None
-        capability = torch.cuda.get_device_capability(self.device)
         if use_xqa(decode_kernel_choice(), kv_cache.dtype, capability, self.block_size, head_dim):
             self._xqa = XqaDecode(head_dim, self.block_size, self.device, self.kv_scales)
         self._num_xqa_rows = 0  # this step's leading decode rows that XQA attends
@@ -217,14 +231,20 @@ class FlashInferAttention(AttentionBackend):
                 self.block_size,
                 causal=True,  # bottom-right aligned: queries sit after the cached prefix
                 sm_scale=self.scale,
-                q_data_type=self.q_dtype,
+                q_data_type=self._prefill_q_dtype,
                 kv_data_type=self.kv_cache.dtype,
                 non_blocking=True,  # a blocking copy would wait for the step in flight
+                **self._prefill_output_dtype(),
             )
             self._active = self._prefill
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
         self._slot_offsets = metadata.slot_offsets
+
+    def _prefill_output_dtype(self) -> dict[str, torch.dtype]:
+        """fp8 queries give bf16/fp16 output only when asked for."""
+        fp8_queries = self._prefill_q_dtype == FP8_KV_DTYPE
+        return {"o_data_type": self.q_dtype} if fp8_queries else {}
 
     def _plan_decode(self, wrapper: Any, table: PageTable) -> None:
         wrapper.plan(
@@ -329,6 +349,15 @@ class FlashInferAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:
         k_scale, v_scale = self.kv_scales[layer]
+        if self._active is self._prefill and self._prefill_q_dtype == FP8_KV_DTYPE:
+            q = self._fp8_queries(q)
         if k_scale == 1.0 and v_scale == 1.0:
             return self._active.run(q, kv, out=out)
         return self._active.run(q, kv, out=out, k_scale=k_scale, v_scale=v_scale)
+
+    def _fp8_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D] in e4m3 at scale 1.0 (clamped to +-448), one kernel."""
+        from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
+
+        rows = quantize_rows_cuda(q.reshape(q.shape[0], -1), self._unit_scale)
+        return rows.q.view(q.shape)

@@ -389,3 +389,39 @@ def test_mixed_step_graphs_equal_eager(
     free_tokens, _ = run_workload(free)
     notes = first_divergence(eager_tokens, rec_eager.logits, free_tokens, max(2 * error, 1e-3))
     print("mixed-step graphs vs eager greedy:", notes or "equal token for token")
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+    reason="fa3 is Hopper's",
+)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_fa3_prefill_against_fa2(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+) -> None:
+    """Prefill chunks on fa3 (KVRELAY_PREFILL_FA3=1; over an fp8 cache its queries are e4m3
+    too) against fa2 on the same cache and token trajectory: the chunked prefills, the cached
+    prefix and the decode rows beside them. Over the fp8 cache fa3 may add the error of fp8
+    queries, bounded as XQA's is; over bf16 both kernels compute the same bf16 attention."""
+    bf16 = build(tiny_llama, "bfloat16", "flashinfer")
+    rec_bf16 = Recorder(bf16)
+    ref_tokens, _ = run_workload(bf16)
+    scale = logit_scale(rec_bf16)
+    recs = {}
+    for kernel in ("fa2", "fa3"):
+        monkeypatch.setenv(flashinfer_backend.PREFILL_FA3_ENV, "1" if kernel == "fa3" else "0")
+        engine = build(tiny_llama, "bfloat16", "flashinfer", kv_cache_dtype=kv_cache_dtype)
+        assert engine.runner.attention.prefill_kernel == kernel
+        recs[kernel] = Recorder(engine, forced=ref_tokens)
+        run_workload(engine)
+    fa2_error = max_logit_error(rec_bf16.logits, recs["fa2"].logits)
+    fa3_error = max_logit_error(rec_bf16.logits, recs["fa3"].logits)
+    between = max_logit_error(recs["fa2"].logits, recs["fa3"].logits)
+    print(
+        f"{kv_cache_dtype} cache: max logit error against bf16 fa2: fa2 {fa2_error:.4f}, "
+        f"fa3 {fa3_error:.4f}; fa3 against fa2 {between:.4f} (max |logit| {scale:.3f})"
+    )
+    if kv_cache_dtype == "fp8":
+        assert 0 < fa3_error <= 2 * fa2_error  # a wrong page, scale or row would be ~scale
+    else:
+        assert between <= 0.02 * scale

@@ -1,6 +1,7 @@
 """The decode-kernel choice (XQA for an fp8 cache on Hopper, fa2 otherwise; forced by
-KVRELAY_DECODE_KERNEL), XQA's dense page table, and the split of a mixed step into its leading
-decode rows and the rest. Pure functions: no GPU, no FlashInfer."""
+KVRELAY_DECODE_KERNEL), the prefill kernel (fa3 on Hopper when KVRELAY_PREFILL_FA3=1), XQA's
+dense page table, and the split of a mixed step into its leading decode rows and the rest.
+Pure functions: no GPU, no FlashInfer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import pytest
 import torch
 
 from engine.attention.base import SeqSpan
-from engine.attention.flashinfer_backend import num_leading_decodes
+from engine.attention.flashinfer_backend import (
+    PREFILL_FA3_ENV,
+    num_leading_decodes,
+    prefill_backend,
+)
 from engine.attention.xqa_decode import (
     DECODE_KERNEL_ENV,
     decode_kernel_choice,
@@ -59,3 +64,14 @@ def test_leading_decode_rows_of_a_mixed_step() -> None:
     assert num_leading_decodes([decode, decode, prefill, decode]) == 2
     assert num_leading_decodes([prefill, decode]) == 0
     assert num_leading_decodes([decode, decode]) == 2
+
+
+def test_prefill_chunks_take_fa3_only_on_hopper_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PREFILL_FA3_ENV, raising=False)
+    assert prefill_backend(HOPPER) == "fa2"
+    monkeypatch.setenv(PREFILL_FA3_ENV, "1")
+    assert prefill_backend(HOPPER) == "fa3"
+    assert prefill_backend(AMPERE) == "fa2"
+    assert prefill_backend(BLACKWELL) == "fa2"  # FlashInfer's fa3 kernels are SM90's
+    monkeypatch.setenv(PREFILL_FA3_ENV, "0")
+    assert prefill_backend(HOPPER) == "fa2"
