@@ -23,11 +23,12 @@
 #   fusion     bench.fp8_step_kernels_bench, then the fp8w row with and without piecewise graphs
 #   host-copies  bench.host_copy_bench: does a non-blocking copy from pageable memory wait?
 #   prefill-attention  bench.prefill_attention_bench: fa2 against fa3 at a 16,000-token step
-#   gemm-options  bench.fp8_gemm_bench (cuBLASLt tuned, DeepGEMM), then fa3 fp8 prefill attention
+#   gemm-options  bench.fp8_gemm_bench (cuBLASLt tuned, DeepGEMM), then fa2 against fa3 prefill
+#   fa3-row    the fa3 prefill GPU test, then the fp8w row with prefill chunks on fa3
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -255,17 +256,22 @@ case $phase in
     echo "prefill attention bench rc=$?"
     ;;
   gemm-options)  # FP8 GEMM kernels other than the engine's (bench.fp8_gemm_bench) while fa3
-    # compiles its fp8 prefill kernels beside them on a tiny step; then fa2 against fa3, fp8 cache
-    { timeout 400 python3 -m bench.prefill_attention_bench --prompts 1 --prompt-len 64 --kv fp8 \
+    # compiles its prefill kernels beside them on a tiny step; then fa2 against fa3 on both caches
+    { timeout 400 python3 -m bench.prefill_attention_bench --prompts 1 --prompt-len 64 \
         > "$out/fa3_warm.txt" 2>&1; echo "fa3 warm-up rc=$?" >> "$out/fa3_warm.txt"; } &
     timeout 400 python3 -m bench.fp8_gemm_bench --json "$out/fp8_gemm.json" \
       > "$out/fp8_gemm.txt" 2> "$out/fp8_gemm.err"
     echo "fp8 gemm bench rc=$?"
     wait
-    timeout 120 python3 -m bench.prefill_attention_bench --kv fp8 \
+    timeout 120 python3 -m bench.prefill_attention_bench \
       --json "$out/prefill_attention.json" > "$out/prefill_attention.txt" \
       2> "$out/prefill_attention.err"
     echo "prefill attention bench rc=$?"
+    ;;
+  fa3-row)  # prefill chunks on fa3 (KVRELAY_PREFILL_FA3=1): its GPU test, then the fp8w row
+    gpu_tests tests_fa3 tests/gpu/test_flashinfer_backend.py -k fa3
+    KVRELAY_PREFILL_FA3=1 offline_run offline_fp8w_fa3 --quantization fp8 --kv-cache-dtype fp8 \
+      --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)
