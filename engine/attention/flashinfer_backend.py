@@ -6,7 +6,9 @@ decode wrapper per captured batch size over shared static page-table buffers, an
 cache on Hopper the XQA decode kernel in their place (xqa_decode.py). The KV cache is bf16/fp16
 (the model's dtype) or fp8 e4m3 (half the bytes per token, stored as K / k_scale and V /
 v_scale per layer: the checkpoint's scales, else 1.0); new K/V reach it through one fused RoPE
-+ write kernel per layer (rope_kv_kernel.py).
++ write kernel per layer (rope_kv_kernel.py). KVRELAY_PREFILL_FA3=1 runs the prefill wrapper on
+fa3 on Hopper (e4m3 queries over an fp8 cache); off by default: on the H200 its faster attention
+did not make the 8B offline run faster (bench/RESULTS.md, issue 12's sixth round).
 """
 
 from __future__ import annotations
