@@ -25,10 +25,11 @@
 #   prefill-attention  bench.prefill_attention_bench: fa2 against fa3 at a 16,000-token step
 #   gemm-options  bench.fp8_gemm_bench (cuBLASLt tuned, DeepGEMM), then fa2 against fa3 prefill
 #   fa3-row    the fa3 prefill GPU test, then the fp8w row with prefill chunks on fa3
+#   defer-row  the deferred-scales GPU tests, then the fp8w row with KVRELAY_FP8_DEFER_SCALES=1, 0
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -192,7 +193,8 @@ case $phase in
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
       tests/unit/test_triton_kernels_interpreted.py &
-    gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py "${only[@]}" &
+    gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
+      "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
       tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py &
     wait
@@ -272,6 +274,15 @@ case $phase in
     gpu_tests tests_fa3 tests/gpu/test_flashinfer_backend.py -k fa3
     KVRELAY_PREFILL_FA3=1 offline_run offline_fp8w_fa3 --quantization fp8 --kv-cache-dtype fp8 \
       --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384
+    ;;
+  defer-row)  # decode batches' FP8 GEMMs per tensor, scales applied by the next kernel
+    # (KVRELAY_FP8_DEFER_SCALES=1): its GPU tests, then the fp8w row with it and without, in turn
+    gpu_tests tests_defer tests/gpu/test_fp8_deferred_scales.py
+    for defer in 1 0; do
+      KVRELAY_FP8_DEFER_SCALES=$defer offline_run "offline_fp8w_defer$defer" --quantization fp8 \
+        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+        --max-num-batched-tokens 16384
+    done
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)

@@ -43,7 +43,11 @@ class AttentionBackend(abc.ABC):
     kv_cache layout: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
     (layer-packed: one block holds every layer's K and V, so it is one contiguous region;
     head-major inside: each head's block_size x head_dim tile is contiguous, FlashInfer's HND).
+    reads_scaled_rows: forward_qkv also takes an Fp8Linear's ScaledRows (engine/quant/fp8.py)
+    and applies their scales itself; other backends get the q|k|v values.
     """
+
+    reads_scaled_rows = False
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, head_dim: int):
         self.kv_cache = kv_cache

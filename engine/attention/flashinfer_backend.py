@@ -27,6 +27,7 @@ from engine.host_tensors import index_tensor
 
 if TYPE_CHECKING:
     from engine.models.rope import RotaryEmbedding
+    from engine.quant.fp8 import ScaledRows
 
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
@@ -134,6 +135,8 @@ class FlashInferAttention(AttentionBackend):
     in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper.
     kv_scales: per layer (k_scale, v_scale) of an fp8 cache (default 1.0 each).
     """
+
+    reads_scaled_rows = True  # rope_and_write_kv applies ScaledRows' scales as it reads
 
     def __init__(
         self,
@@ -317,7 +320,11 @@ class FlashInferAttention(AttentionBackend):
         return self._attend(layer, q, kv)
 
     def forward_qkv(
-        self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+        self,
+        layer: int,
+        qkv: torch.Tensor | ScaledRows,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
     ) -> torch.Tensor:
         kv = self.kv_cache[:, layer]
         assert self._slot_block_ids is not None and self._slot_offsets is not None

@@ -7,7 +7,8 @@ K/V store casts to the cache's dtype, so the same kernel fills a bf16 or an fp8 
 an fp8 cache stores K / k_scale and V / v_scale (the layer's KV scales). A program takes a
 block of a token's heads, sized by the token count: one head per program for a decode row (40
 programs at batch 1 on the 8B shape), the whole token for a 16,384-token prefill step, where
-one tiny program per (token, head) ran at a quarter of the bytes' rate.
+one tiny program per (token, head) ran at a quarter of the bytes' rate. q|k|v may come as an
+Fp8Linear's ScaledRows (unscaled product, row and column scales): the kernel scales as it reads.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import functools
 from typing import Any
 
 import torch
+
+from engine.quant.fp8 import ScaledRows
 
 
 @functools.cache
@@ -39,14 +42,19 @@ def _kernel() -> Any:
         slot_stride,
         k_inv_scale,
         v_inv_scale,
+        row_scale_ptr,
+        col_scale_ptr,
         NUM_Q_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEADS_PER_PROGRAM: tl.constexpr,
+        DEQUANT: tl.constexpr,
     ):
         """One program per (token, group of HEADS_PER_PROGRAM q or k heads, q heads first):
         rotate-half RoPE in fp32; q heads are written back in place, k heads write rotated K
-        and their kv head's plain V (each times its inverse scale) into the token's slot."""
+        and their kv head's plain V (each times its inverse scale) into the token's slot.
+        DEQUANT: qkv holds ScaledRows' raw product; each value read is first multiplied by its
+        token's and its column's scale and rounded to qkv's dtype."""
         token = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         is_q = heads < NUM_Q_HEADS
@@ -60,6 +68,14 @@ def _kernel() -> Any:
         src = row + heads[:, None] * HEAD_DIM + half[None, :]  # q then k heads, adjacent
         x1 = tl.load(src, mask=rotated, other=0.0).to(tl.float32)
         x2 = tl.load(src + HEAD_DIM // 2, mask=rotated, other=0.0).to(tl.float32)
+        if DEQUANT:
+            token_scale = tl.load(row_scale_ptr + token)
+            cols = heads[:, None] * HEAD_DIM + half[None, :]
+            scale1 = tl.load(col_scale_ptr + cols, mask=rotated, other=0.0) * token_scale
+            scale2 = tl.load(col_scale_ptr + cols + HEAD_DIM // 2, mask=rotated, other=0.0)
+            scale2 *= token_scale
+            x1 = (x1 * scale1).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+            x2 = (x2 * scale2).to(qkv_ptr.dtype.element_ty).to(tl.float32)
         out1 = x1 * cos - x2 * sin
         out2 = x2 * cos + x1 * sin
         q_mask = is_q[:, None]
@@ -75,8 +91,12 @@ def _kernel() -> Any:
         tl.store(k_dst, (out1 * k_inv_scale).to(cache_dtype), mask=k_mask)
         tl.store(k_dst + HEAD_DIM // 2, (out2 * k_inv_scale).to(cache_dtype), mask=k_mask)
         dims = tl.arange(0, HEAD_DIM)[None, :]
-        v_src = row + ((NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM)[:, None] + dims
-        v = tl.load(v_src, mask=k_mask, other=0.0).to(tl.float32) * v_inv_scale
+        v_cols = ((NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM)[:, None] + dims
+        v = tl.load(row + v_cols, mask=k_mask, other=0.0).to(tl.float32)
+        if DEQUANT:
+            v_scale = tl.load(col_scale_ptr + v_cols, mask=k_mask, other=0.0) * token_scale
+            v = (v * v_scale).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        v = v * v_inv_scale
         tl.store(dst[:, None] + kv_stride + dims, v.to(cache_dtype), mask=k_mask)
 
     return rope_write_kv
@@ -100,7 +120,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def rope_and_write_kv(
-    qkv: torch.Tensor,
+    qkv: torch.Tensor | ScaledRows,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -115,8 +135,11 @@ def rope_and_write_kv(
     the D/2 frequencies, then their sin); layer_cache: one layer's [num_blocks, 2, Hkv,
     block_size, D] view, D contiguous (any other strides); slot_*: [T] each token's block and
     offset in it; kv_scales: the layer's (k_scale, v_scale), the cache holding K / k_scale
-    and V / v_scale.
+    and V / v_scale. qkv may be an Fp8Linear's ScaledRows: the kernel applies its scales as it
+    reads, and the returned q (in its raw storage) holds scaled, rotated values.
     """
+    scaled = qkv if isinstance(qkv, ScaledRows) else None
+    qkv = qkv.raw if isinstance(qkv, ScaledRows) else qkv
     _, two, num_kv_heads, _, head_dim = layer_cache.shape
     num_tokens = qkv.shape[0]
     if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -141,10 +164,13 @@ def rope_and_write_kv(
             layer_cache.stride(3),
             1.0 / kv_scales[0],
             1.0 / kv_scales[1],
+            qkv if scaled is None else scaled.row_scale,  # read only when DEQUANT
+            qkv if scaled is None else scaled.col_scale,
             NUM_Q_HEADS=num_q_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
             HEADS_PER_PROGRAM=per_program,
+            DEQUANT=scaled is not None,
             num_warps=max(1, min(4, per_program * head_dim // 1024)),
         )
     return qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)

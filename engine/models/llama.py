@@ -6,8 +6,10 @@ Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, 
 LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
 elementwise work runs as fused CUDA kernels (models/fused_ops.py), an Fp8Linear that would
 quantize its input gets it quantized by the norm or SiLU kernel before it (quant/fp8_fused.py),
-and the residual stream is carried next to the hidden states; otherwise plain torch ops, which
-are the CPU path and the reference. RoPE and the KV-cache write belong to the attention backend
+an Fp8Linear that defers its scales (decode batches, KVRELAY_FP8_DEFER_SCALES=1) hands its
+output as ScaledRows to the kernel after it, which applies them, and the residual stream is
+carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
+reference. RoPE and the KV-cache write belong to the attention backend
 (AttentionBackend.forward_qkv), which may fuse them.
 """
 
@@ -22,7 +24,14 @@ from engine.config import ModelConfig
 from engine.models import fused_ops
 from engine.models.rope import RotaryEmbedding
 from engine.quant.config import Fp8Config
-from engine.quant.fp8 import QuantizedRows, make_linear, takes_quantized
+from engine.quant.fp8 import (
+    QuantizedRows,
+    ScaledRows,
+    defers_scales,
+    make_linear,
+    materialized,
+    takes_quantized,
+)
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 
 
@@ -50,12 +59,20 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(config.hidden_size, qkv_size, config.attention_bias, quant)
         self.o_proj = make_linear(self.q_size, config.hidden_size, config.o_proj_bias, quant)
         self.rope = rope
+        self.fused = False
 
     def forward(
         self, x: torch.Tensor | QuantizedRows, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        out = attn.forward_qkv(self.layer, self.qkv_proj(x), positions, self.rope)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    ) -> torch.Tensor | ScaledRows:
+        """ScaledRows only with fused kernels (see project)."""
+        if not self.fused:
+            out = attn.forward_qkv(self.layer, self.qkv_proj(x), positions, self.rope)
+            return self.o_proj(out.reshape(-1, self.q_size))
+        qkv = project(self.qkv_proj, x)
+        if not getattr(attn, "reads_scaled_rows", False):
+            qkv = materialized(qkv)
+        out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
+        return project(self.o_proj, out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -66,12 +83,15 @@ class MLP(nn.Module):
         self.down_proj = make_linear(inter, hidden, False, quant)
         self.fused = False
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused and takes_quantized(self.down_proj, gate_up):
-            return self.down_proj(silu_and_mul_quantize(gate_up, self.down_proj.input_scale))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledRows:
+        """ScaledRows only with fused kernels (see project)."""
         if self.fused:
-            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+            gate_up = project(self.gate_up_proj, x)
+            if takes_quantized(self.down_proj, gate_up):
+                quantized = silu_and_mul_quantize(gate_up, self.down_proj.input_scale)
+                return project(self.down_proj, quantized)
+            return self.down_proj(fused_ops.silu_and_mul(materialized(gate_up)))
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -94,11 +114,11 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | ScaledRows,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | ScaledRows, torch.Tensor]:
         """hidden: the previous sublayer's output (the embeddings when residual is None)."""
         attn_input = normed_input(self.self_attn.qkv_proj, hidden, residual, self.input_layernorm)
         residual = hidden if residual is None else residual
@@ -109,14 +129,27 @@ class DecoderLayer(nn.Module):
         return self.mlp(mlp_input), residual
 
 
+def project(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledRows:
+    """layer(x) for fused kernels: ScaledRows where layer defers its scales for these rows (the
+    kernel that reads them applies the scales), else the plain output."""
+    if defers_scales(layer, x):
+        return layer.forward_deferred(x)
+    return layer(x)
+
+
 def normed_input(
-    consumer: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    consumer: nn.Module,
+    hidden: torch.Tensor | ScaledRows,
+    residual: torch.Tensor | None,
+    norm: RMSNorm,
 ) -> torch.Tensor | QuantizedRows:
     """rmsnorm(residual + hidden) * weight, fused kernels only: residual += hidden in place
     (no residual: the norm of hidden, which stays as it is); quantized in the same kernel when
-    the consumer is an Fp8Linear that would quantize it, else in hidden's storage."""
+    the consumer is an Fp8Linear that would quantize it, else in hidden's storage. hidden may
+    be ScaledRows (read through its scales)."""
     if takes_quantized(consumer, hidden):
         return add_rms_norm_quantize(hidden, residual, norm.weight, norm.eps, consumer.input_scale)
+    hidden = materialized(hidden)
     if residual is None:
         return fused_ops.rms_norm(hidden, norm.weight, norm.eps)
     fused_ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
@@ -153,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x, residual = layer.forward_fused(x, residual, positions, attn)
             assert residual is not None
+            x = materialized(x)
             fused_ops.add_rms_norm_(x, residual, self.norm.weight, self.norm.eps)
             return x
         for layer in self.layers:
@@ -164,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = enabled
         for layer in self.layers:
             layer.mlp.fused = enabled
+            layer.self_attn.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -11,6 +11,13 @@ off). Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) one Triton kern
 reads the e4m3 weight once and multiplies the bf16 input by it dequantized in registers
 (fp8_gemv.py; KVRELAY_FP8_GEMV=0 turns it off). Shapes only, no host syncs, so the decode CUDA
 graphs capture either.
+
+With KVRELAY_FP8_DEFER_SCALES=1, inputs of up to DEFER_MAX_ROWS rows (decode batches) run
+cuBLASLt's per-tensor FP8 GEMM with unit scales instead, and forward_deferred hands back
+ScaledRows: the unscaled product and the row and column scales, which the kernel that reads it
+applies (fp8_fused.py, rope_kv_kernel.py). On the H200 that GEMM was 12-15% faster than the
+row-scaled one at 232-768 rows and slower at 16,384 (bench/fp8_gemm_bench.py); off by default
+until the whole run is measured.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
 GEMV_ENV = "KVRELAY_FP8_GEMV"  # "0": every FP8 matmul through cuBLASLt, few rows too
 FAST_ACCUM_ENV = "KVRELAY_FP8_FAST_ACCUM"  # "0": cuBLASLt's FP8 GEMMs accumulate exactly
+DEFER_SCALES_ENV = "KVRELAY_FP8_DEFER_SCALES"  # "1": decode batches' scales go to the reader
+DEFER_MAX_ROWS = 1024  # up to here the per-tensor GEMM won (232, 768 rows); 16,384 lost
 
 
 class QuantizedRows(NamedTuple):
@@ -39,6 +48,29 @@ class QuantizedRows(NamedTuple):
 
     q: torch.Tensor
     scale: torch.Tensor
+
+
+class ScaledRows(NamedTuple):
+    """An Fp8Linear's output with its scales not yet applied: value = raw * row_scale *
+    col_scale, raw bf16 [M, N] (the e4m3 codes' product), row_scale float32 [M, 1] (the
+    input's), col_scale float32 [1, N] (the weight's)."""
+
+    raw: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
+    def materialize(self) -> torch.Tensor:
+        """The bf16 value, as the row-scaled GEMM would have written it."""
+        return (self.raw.float() * self.row_scale * self.col_scale).to(self.raw.dtype)
+
+
+def materialized(x: torch.Tensor | ScaledRows) -> torch.Tensor:
+    """x itself, or the value of ScaledRows (for readers that do not apply scales)."""
+    return x.materialize() if isinstance(x, ScaledRows) else x
 
 
 class Fp8Weight(NamedTuple):
@@ -124,15 +156,43 @@ def fast_accum() -> bool:
     return os.environ.get(FAST_ACCUM_ENV, "1") != "0"
 
 
+@functools.cache
+def defer_enabled() -> bool:
+    """Whether decode batches' FP8 GEMMs leave their scales to the reader (read once)."""
+    return os.environ.get(DEFER_SCALES_ENV, "0") == "1"
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on device: both scales of the unscaled GEMM (made once, before capture)."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def defers_scales(layer: nn.Module, rows: torch.Tensor | QuantizedRows) -> bool:
+    """Whether layer's output for these rows may be ScaledRows: an Fp8Linear without bias, on
+    CUDA, a decode batch's size (more rows than its GEMV takes, at most DEFER_MAX_ROWS), turned
+    on."""
+    x = rows.q if isinstance(rows, QuantizedRows) else rows
+    return (
+        isinstance(layer, Fp8Linear)
+        and layer.bias is None
+        and x.is_cuda
+        and x.shape[0] <= DEFER_MAX_ROWS
+        and not takes_gemv(x)
+        and defer_enabled()
+    )
+
+
 def takes_gemv(rows: torch.Tensor) -> bool:
     """Whether Fp8Linear runs these input rows on fp8_gemv (CUDA, few rows, not turned off)."""
     return rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS and gemv_enabled()
 
 
-def takes_quantized(layer: nn.Module, rows: torch.Tensor) -> bool:
+def takes_quantized(layer: nn.Module, rows: torch.Tensor | ScaledRows) -> bool:
     """Whether layer would quantize these input rows itself (an Fp8Linear on CUDA, not on its
     GEMV): then a fused kernel may hand it QuantizedRows instead."""
-    return isinstance(layer, Fp8Linear) and rows.is_cuda and not takes_gemv(rows)
+    x = rows.raw if isinstance(rows, ScaledRows) else rows
+    return isinstance(layer, Fp8Linear) and x.is_cuda and not takes_gemv(x)
 
 
 @functools.cache
@@ -177,6 +237,18 @@ class Fp8Linear(nn.Module):
         else:
             out = self._scaled_mm(QuantizedRows(*quantize_rows(rows, self.input_scale)))
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_deferred(self, x: torch.Tensor | QuantizedRows) -> ScaledRows:
+        """x [M, K] (bf16, quantized here) or QuantizedRows -> ScaledRows [M, N]: the per-tensor
+        GEMM of the e4m3 codes at unit scales (callers check defers_scales first)."""
+        if not isinstance(x, QuantizedRows):
+            x = QuantizedRows(*quantize_rows(x, self.input_scale))
+        unit = _unit_scale(x.q.device)  # first made in the graphs' warm-up, outside capture
+        raw = torch._scaled_mm(
+            x.q, self.weight.t(), scale_a=unit, scale_b=unit,
+            out_dtype=torch.bfloat16, use_fast_accum=fast_accum(),
+        )  # fmt: skip
+        return ScaledRows(raw, x.scale, self.weight_scale)
 
     def _scaled_mm(self, rows: QuantizedRows) -> torch.Tensor:
         return torch._scaled_mm(

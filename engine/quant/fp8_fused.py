@@ -1,6 +1,7 @@
 """Fp8Linear's input quantization on CUDA, one Triton kernel per call: per-row quantization of
 given rows (quantize_rows_cuda), or inside the kernel that makes the rows: add + RMSNorm +
-quantize, SiLU-and-mul + quantize. Owns no state; imports triton on first use.
+quantize, SiLU-and-mul + quantize; the rows may be an Fp8Linear's ScaledRows, whose scales the
+kernel applies as it reads them. Owns no state; imports triton on first use.
 
 Unfused, an add + RMSNorm or a SiLU-and-mul kernel writes bf16 rows, then quantize_rows reads
 them back and writes e4m3. Fused, the row is quantized while it is still in registers: on an
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows
+from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
 
 NORM, ADD_NORM, SILU_AND_MUL, AS_IS = 0, 1, 2, 3  # what the kernel does before it quantizes
 
@@ -38,28 +39,40 @@ def _kernel() -> Any:
         q_ptr,
         scale_ptr,
         static_scale_ptr,
+        row_scale_ptr,
+        col_scale_ptr,
         num_cols,
         eps,
         OP: tl.constexpr,
         BLOCK: tl.constexpr,
         STATIC: tl.constexpr,
+        DEQUANT: tl.constexpr,
         FP8_MAX: tl.constexpr,
         AMAX_FLOOR: tl.constexpr,
     ):
         """One program per row. OP NORM: rmsnorm(src) * weight; ADD_NORM: residual += src,
         then rmsnorm(the sum) * weight; SILU_AND_MUL: silu(src's first num_cols) * its next
-        num_cols; AS_IS: src. The row is rounded to src's dtype, then quantized as
-        quantize_rows does: scale = amax / FP8_MAX (or the static scale), q = row / scale
-        clamped, stored e4m3."""
+        num_cols; AS_IS: src. DEQUANT: src holds ScaledRows' raw product, and each value read
+        from it is first multiplied by its row's and its column's scale and rounded to src's
+        dtype (the value the row-scaled GEMM would have stored). The row is rounded to src's
+        dtype, then quantized as quantize_rows does: scale = amax / FP8_MAX (or the static
+        scale), q = row / scale clamped, stored e4m3."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < num_cols
         src = src_ptr + row * src_row_stride + cols
         x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        if DEQUANT:
+            row_scale = tl.load(row_scale_ptr + row)
+            col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+            x = (x * row_scale * col_scale).to(src_ptr.dtype.element_ty).to(tl.float32)
         if OP == 3:  # AS_IS
             y = x
         elif OP == 2:  # SILU_AND_MUL
             up = tl.load(src + num_cols, mask=mask, other=0.0).to(tl.float32)
+            if DEQUANT:
+                up_scale = tl.load(col_scale_ptr + num_cols + cols, mask=mask, other=0.0)
+                up = (up * row_scale * up_scale).to(src_ptr.dtype.element_ty).to(tl.float32)
             y = x / (1.0 + tl.exp(-x)) * up
         else:
             if OP == 1:  # ADD_NORM
@@ -89,7 +102,9 @@ def _launch(
     num_cols: int,
     static_scale: torch.Tensor | None,
     out_dtype: torch.dtype,
+    src_scales: ScaledRows | None = None,
 ) -> QuantizedRows:
+    """src_scales: src is src_scales.raw, read through its row and column scales."""
     num_rows = src.shape[0]
     out = QuantizedRows(
         torch.empty((num_rows, num_cols), dtype=out_dtype, device=src.device),
@@ -106,11 +121,14 @@ def _launch(
             out.q,
             out.scale,
             out.scale if static_scale is None else static_scale,  # read only when STATIC
+            out.scale if src_scales is None else src_scales.row_scale,  # read only when DEQUANT
+            out.scale if src_scales is None else src_scales.col_scale,
             num_cols,
             eps,
             OP=op,
             BLOCK=block,
             STATIC=static_scale is not None,
+            DEQUANT=src_scales is not None,
             FP8_MAX=FP8_MAX,
             AMAX_FLOOR=AMAX_FLOOR,
             num_warps=max(1, min(16, block // 512)),
@@ -127,7 +145,7 @@ def quantize_rows_cuda(x: torch.Tensor, static_scale: torch.Tensor | None) -> Qu
 
 
 def add_rms_norm_quantize(
-    x: torch.Tensor,
+    x: torch.Tensor | ScaledRows,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
@@ -137,20 +155,28 @@ def add_rms_norm_quantize(
     """quantize_rows(rmsnorm(residual + x) * weight): residual (when given) becomes
     residual + x in place, as fused_ops.add_rms_norm_ does; x is left as it is.
 
-    x, residual: [M, K], last dimension contiguous; static_scale: the consumer's one-element
-    float32 input scale, or None for per-row scales. out_dtype is for tests of the math only
-    (float32 keeps x / scale unrounded)."""
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+    x, residual: [M, K], last dimension contiguous (x may be an Fp8Linear's ScaledRows, read
+    through its scales); static_scale: the consumer's one-element float32 input scale, or None
+    for per-row scales. out_dtype is for tests of the math only (float32 keeps x / scale
+    unrounded)."""
+    src, src_scales = (x.raw, x) if isinstance(x, ScaledRows) else (x, None)
+    if src.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("add_rms_norm_quantize needs rows with a contiguous last dimension")
     op = NORM if residual is None else ADD_NORM
-    return _launch(op, x, residual, weight, eps, x.shape[1], static_scale, out_dtype)
+    width = src.shape[1]
+    return _launch(op, src, residual, weight, eps, width, static_scale, out_dtype, src_scales)
 
 
 def silu_and_mul_quantize(
-    gate_up: torch.Tensor, static_scale: torch.Tensor | None, out_dtype: torch.dtype = FP8_DTYPE
+    gate_up: torch.Tensor | ScaledRows,
+    static_scale: torch.Tensor | None,
+    out_dtype: torch.dtype = FP8_DTYPE,
 ) -> QuantizedRows:
-    """quantize_rows(silu(gate) * up) for gate_up [M, 2I] (gate, then up; rows contiguous)."""
-    width = gate_up.shape[1]
-    if gate_up.stride(1) != 1 or width % 2:
-        raise ValueError(f"gate_up of shape {tuple(gate_up.shape)} is not [M, 2I] by rows")
-    return _launch(SILU_AND_MUL, gate_up, None, None, 0.0, width // 2, static_scale, out_dtype)
+    """quantize_rows(silu(gate) * up) for gate_up [M, 2I] (gate, then up; rows contiguous; or
+    an Fp8Linear's ScaledRows, read through its scales)."""
+    src, src_scales = (gate_up.raw, gate_up) if isinstance(gate_up, ScaledRows) else (gate_up, None)
+    width = src.shape[1]
+    if src.stride(1) != 1 or width % 2:
+        raise ValueError(f"gate_up of shape {tuple(src.shape)} is not [M, 2I] by rows")
+    half = width // 2
+    return _launch(SILU_AND_MUL, src, None, None, 0.0, half, static_scale, out_dtype, src_scales)
