@@ -174,12 +174,12 @@ def defers_scales(layer: nn.Module, rows: torch.Tensor | QuantizedRows) -> bool:
     on."""
     x = rows.q if isinstance(rows, QuantizedRows) else rows
     return (
-        isinstance(layer, Fp8Linear)
+        defer_enabled()
+        and isinstance(layer, Fp8Linear)
         and layer.bias is None
         and x.is_cuda
         and x.shape[0] <= DEFER_MAX_ROWS
         and not takes_gemv(x)
-        and defer_enabled()
     )
 
 
