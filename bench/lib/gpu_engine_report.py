@@ -84,7 +84,8 @@ def print_table(result: dict[str, Any]) -> None:
                 print(
                     f"decode batch {h['batch']}: engine step {h['engine_step_ms']:.2f} ms, "
                     f"graph replay {h['graph_replay_ms']:.2f} ms, GPU idle "
-                    f"{h.get('gpu_idle_ms_per_step', float('nan')):.2f} ms a step; "
+                    f"{h.get('gpu_idle_ms_per_step', float('nan')):.2f} ms a step ("
+                    f"{h.get('gpu_idle_ms_between_steps', float('nan')):.2f} between steps); "
                     f"kernels ms: {kinds}"
                 )
         pre = t.get("kernel_profile_prefill_steps")

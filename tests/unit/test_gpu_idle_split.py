@@ -1,0 +1,33 @@
+"""bench.lib.gpu_timing's idle arithmetic on made-up kernel spans: the gaps where no span runs
+(overlapping and nested spans merged), and their split into gaps between steps (the longest,
+one per step boundary) and gaps inside steps. Pure functions: no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.lib.gpu_timing import idle_gaps, split_idle
+
+
+def test_gaps_skip_overlapping_and_nested_spans() -> None:
+    spans = [(10.0, 20.0), (0.0, 5.0), (12.0, 15.0), (18.0, 25.0), (27.0, 30.0)]
+    assert idle_gaps(spans) == [5.0, 2.0]  # 5..10 and 25..27; 10..25 is one merged busy span
+
+
+def test_the_longest_gaps_are_the_step_boundaries() -> None:
+    # three steps: inside each two 1-unit gaps; between them host gaps of 6 and 4 units
+    spans = [(0, 10), (11, 20), (21, 30), (36, 40), (41, 50), (51, 60), (64, 70), (71, 80)]
+    spans += [(81, 90)]
+    gaps = idle_gaps([(float(a), float(b)) for a, b in spans])
+    split = split_idle(gaps, num_steps=3)
+    assert split["between_steps"] == pytest.approx((6 + 4) / 3)
+    assert split["within_steps"] == pytest.approx(6 / 3)
+    assert split["idle"] == pytest.approx(split["between_steps"] + split["within_steps"])
+
+
+def test_one_step_has_no_boundary() -> None:
+    assert split_idle([1.0, 2.0], num_steps=1) == {
+        "idle": 3.0,
+        "between_steps": 0.0,
+        "within_steps": 3.0,
+    }
