@@ -16,16 +16,14 @@ import torch
 from engine.quant import fp8
 from engine.quant.fp8_fused import quantize_rows_cuda
 from tests.gpu.test_flashinfer_backend import Recorder, logit_scale, max_logit_error, run_workload
-from tests.gpu.test_fp8_weights import CUDA, engine_on, layer_on_gpu, load, tiny  # noqa: F401
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-        reason="FP8 GEMMs need compute capability >= 8.9",
-    ),
-]
+from tests.gpu.test_fp8_weights import (  # noqa: F401 (tiny: a fixture; pytestmark: GPU, >= 8.9)
+    CUDA,
+    engine_on,
+    layer_on_gpu,
+    load,
+    pytestmark,
+    tiny,
+)
 
 
 @pytest.fixture
