@@ -328,7 +328,12 @@ class FlashInferAttention(AttentionBackend):
     ) -> torch.Tensor:
         kv = self.kv_cache[:, layer]
         assert self._slot_block_ids is not None and self._slot_offsets is not None
-        q = rope_and_write_kv(
+        # rotated q goes to its own contiguous rows: XQA needs them so, and a strided view of
+        # qkv cost one copy kernel per layer
+        q = torch.empty(
+            (qkv.shape[0], self.num_heads, self.head_dim), dtype=self.q_dtype, device=self.device
+        )
+        rope_and_write_kv(
             qkv,
             positions,
             rope.cos_sin,
@@ -337,6 +342,7 @@ class FlashInferAttention(AttentionBackend):
             self._slot_offsets,
             self.num_heads,
             self.kv_scales[layer],
+            q_out=q,
         )
         return self._attend(layer, q, kv)
 
@@ -349,6 +355,7 @@ class FlashInferAttention(AttentionBackend):
         out = torch.empty(
             (q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device
         )
+        # contiguous already when forward_qkv made q: no copy
         self._xqa.run(layer, q[:num_xqa].contiguous(), kv, out[:num_xqa])
         if self._active is not None:
             self._run_wrapper(layer, q[num_xqa:], kv, out[num_xqa:])

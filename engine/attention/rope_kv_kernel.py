@@ -30,6 +30,8 @@ def _kernel() -> Any:
     def rope_write_kv(
         qkv_ptr,
         qkv_row_stride,
+        q_out_ptr,
+        q_out_row_stride,
         positions_ptr,
         cos_sin_ptr,
         cos_sin_row_stride,
@@ -51,7 +53,8 @@ def _kernel() -> Any:
         DEQUANT: tl.constexpr,
     ):
         """One program per (token, group of HEADS_PER_PROGRAM q or k heads, q heads first):
-        rotate-half RoPE in fp32; q heads are written back in place, k heads write rotated K
+        rotate-half RoPE in fp32; q heads are written to q_out (qkv itself: in place), k heads
+        write rotated K
         and their kv head's plain V (each times its inverse scale) into the token's slot.
         DEQUANT: qkv holds ScaledRows' raw product; each value read is first multiplied by its
         token's and its column's scale and rounded to qkv's dtype."""
@@ -79,8 +82,9 @@ def _kernel() -> Any:
         out1 = x1 * cos - x2 * sin
         out2 = x2 * cos + x1 * sin
         q_mask = is_q[:, None]
-        tl.store(src, out1.to(qkv_ptr.dtype.element_ty), mask=q_mask)
-        tl.store(src + HEAD_DIM // 2, out2.to(qkv_ptr.dtype.element_ty), mask=q_mask)
+        q_dst = q_out_ptr + token * q_out_row_stride + heads[:, None] * HEAD_DIM + half[None, :]
+        tl.store(q_dst, out1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q_dst + HEAD_DIM // 2, out2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
         kv_heads = tl.where(is_k, heads - NUM_Q_HEADS, 0)
         block = tl.load(slot_block_ptr + token)
         slot = tl.load(slot_offset_ptr + token)
@@ -128,15 +132,17 @@ def rope_and_write_kv(
     slot_offsets: torch.Tensor,
     num_q_heads: int,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotate q in place, write rotated k and v into the paged cache; returns q [T, Hq, D].
+    """Rotate q (into q_out [T, Hq, D] when given, else in place), write rotated k and v into
+    the paged cache; returns q [T, Hq, D].
 
     qkv: [T, (Hq + 2 Hkv) * D], rows contiguous; cos_sin: float32 [max_positions, D] (cos of
     the D/2 frequencies, then their sin); layer_cache: one layer's [num_blocks, 2, Hkv,
     block_size, D] view, D contiguous (any other strides); slot_*: [T] each token's block and
     offset in it; kv_scales: the layer's (k_scale, v_scale), the cache holding K / k_scale
     and V / v_scale. qkv may be an Fp8Linear's ScaledRows: the kernel applies its scales as it
-    reads, and the returned q (in its raw storage) holds scaled, rotated values.
+    reads, and the returned q holds scaled, rotated values.
     """
     scaled = qkv if isinstance(qkv, ScaledRows) else None
     qkv = qkv.raw if isinstance(qkv, ScaledRows) else qkv
@@ -146,12 +152,19 @@ def rope_and_write_kv(
         raise ValueError(f"qkv of shape {tuple(qkv.shape)} does not match the cache's heads")
     if layer_cache.stride(4) != 1 or cos_sin.stride(1) != 1 or two != 2:
         raise ValueError("the cache's and cos_sin's last dimensions must be contiguous")
+    q_view = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    if q_out is None:
+        q_out = q_view
+    elif q_out.shape != q_view.shape or q_out.stride()[1:] != (head_dim, 1):
+        raise ValueError(f"q_out of shape {tuple(q_out.shape)} is not [T, Hq, D] by rows")
     if num_tokens:
         heads = num_q_heads + num_kv_heads
         per_program = heads_per_program(num_tokens, heads)
         _kernel()[(num_tokens, ceil_div(heads, per_program))](
             qkv,
             qkv.stride(0),
+            q_out,
+            q_out.stride(0),
             positions,
             cos_sin,
             cos_sin.stride(0),
@@ -173,4 +186,4 @@ def rope_and_write_kv(
             DEQUANT=scaled is not None,
             num_warps=max(1, min(4, per_program * head_dim // 1024)),
         )
-    return qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    return q_out

@@ -74,6 +74,38 @@ def test_rope_and_kv_write_at_every_head_blocking(
     assert not layer.permute(0, 3, 1, 2, 4)[~written].any()  # no other slot written
 
 
+def test_rope_writes_q_to_its_own_rows_when_given_them() -> None:
+    """q_out: rotated q lands there (contiguous rows), and qkv is left as it was."""
+    num_heads, num_kv_heads, head_dim, num_tokens, block_size = 4, 2, 16, 5, 4
+    config = make_model_config(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope_theta=10000.0
+    )
+    rope = RotaryEmbedding(config, 64).to(DEVICE)
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    qkv = qkv.to(DEVICE)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    block_ids = torch.arange(num_tokens, device=DEVICE) // block_size
+    offsets = torch.arange(num_tokens, device=DEVICE) % block_size
+    caches = [torch.zeros(2, 2, num_kv_heads, block_size, head_dim, device=DEVICE) for _ in "ab"]
+    before = qkv.clone()
+    q_out = torch.full((num_tokens, num_heads, head_dim), float("nan"), device=DEVICE)
+    got = rope_kv_kernel.rope_and_write_kv(
+        qkv, positions, rope.cos_sin, caches[0], block_ids, offsets, num_heads, q_out=q_out
+    )
+    assert got is q_out and torch.equal(qkv, before)
+    want = rope_kv_kernel.rope_and_write_kv(
+        qkv, positions, rope.cos_sin, caches[1], block_ids, offsets, num_heads
+    )
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[1])
+    head_major = torch.empty(num_tokens, head_dim, num_heads, device=DEVICE).transpose(1, 2)
+    with pytest.raises(ValueError, match="q_out"):  # the right shape, heads not by rows
+        rope_kv_kernel.rope_and_write_kv(
+            qkv, positions, rope.cos_sin, caches[0], block_ids, offsets, num_heads,
+            q_out=head_major,
+        )  # fmt: skip
+
+
 def test_heads_per_program_fills_the_gpu_without_tiny_programs() -> None:
     heads = 32 + 8  # the 8B shape's q + k heads
     assert rope_kv_kernel.heads_per_program(1, heads) == 1
