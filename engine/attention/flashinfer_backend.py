@@ -24,6 +24,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.rope_kv_kernel import rope_and_write_kv
 from engine.attention.xqa_decode import XqaDecode, decode_kernel_choice, use_xqa
 from engine.host_tensors import index_tensor
+from engine.quant.fp8 import unit_scale
 
 if TYPE_CHECKING:
     from engine.models.rope import RotaryEmbedding
@@ -168,7 +169,6 @@ class FlashInferAttention(AttentionBackend):
         # fa3 takes an fp8 cache only with fp8 queries: they are quantized with scale 1.0
         fp8_queries = self.prefill_kernel == "fa3" and kv_cache.dtype == FP8_KV_DTYPE
         self._prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.q_dtype
-        self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
         self._decode = self._decode_wrapper()
         self._graph_decode: dict[int, Any] = {}
         num_layers = kv_cache.shape[1]
@@ -375,5 +375,5 @@ class FlashInferAttention(AttentionBackend):
         """q [T, Hq, D] in e4m3 at scale 1.0 (clamped to +-448), one kernel."""
         from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
 
-        rows = quantize_rows_cuda(q.reshape(q.shape[0], -1), self._unit_scale)
+        rows = quantize_rows_cuda(q.reshape(q.shape[0], -1), unit_scale(self.device))
         return rows.q.view(q.shape)

@@ -163,8 +163,9 @@ def defer_enabled() -> bool:
 
 
 @functools.cache
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 1.0 on device: both scales of the unscaled GEMM (made once, before capture)."""
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on device (one per device, made on first use, which must come before any
+    graph capture): both scales of the unscaled GEMM, the static scale of fp8 queries."""
     return torch.ones((), dtype=torch.float32, device=device)
 
 
@@ -243,7 +244,7 @@ class Fp8Linear(nn.Module):
         GEMM of the e4m3 codes at unit scales (callers check defers_scales first)."""
         if not isinstance(x, QuantizedRows):
             x = QuantizedRows(*quantize_rows(x, self.input_scale))
-        unit = _unit_scale(x.q.device)  # first made in the graphs' warm-up, outside capture
+        unit = unit_scale(x.q.device)  # first made in the graphs' warm-up, outside capture
         raw = torch._scaled_mm(
             x.q, self.weight.t(), scale_a=unit, scale_b=unit,
             out_dtype=torch.bfloat16, use_fast_accum=fast_accum(),
