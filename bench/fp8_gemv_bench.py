@@ -1,7 +1,9 @@
 """Few-row FP8 GEMMs alone on the Llama-3.1-8B projection shapes: the engine's two Triton GEMV
 kernels (engine/quant/fp8_gemv.py: "dot", tl.dot over 16 padded rows, and "vector", plain
 vector loads, for up to VECTOR_MAX_ROWS rows; each autotuned), cuBLASLt's FP8 GEMM after the
-per-token quantization (Fp8Linear above 16 rows) and cuBLAS on bf16 weights. Each is timed as
+per-token quantization (Fp8Linear above 16 rows), cuBLAS on bf16 weights and the cheaper-decode
+candidates of bench/lib/fp8_gemv_candidates.py (f16dot, fp8dot with and without the activation
+quantization, bits for one row). Each is timed as
 20 calls replayed from one CUDA graph (no launch gaps); the table gives us per call and the
 weight bytes read per second, and the per-step sum over the 32 layers' four projections. Owns no
 state; needs a GPU.
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.lib import fp8_gemv_candidates as candidates
 from engine.quant.fp8 import quantize_rows, quantize_weight
 from engine.quant.fp8_gemv import VECTOR_MAX_ROWS, fp8_gemv
 
@@ -78,6 +81,7 @@ def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:
         if error > 1e-2:
             raise AssertionError(f"vector GEMV, {num_rows} rows: relative error {error}")
         times["gemv_vector"] = graph_us(lambda: fp8_gemv(x, q.weight, scale, None, kernel="vector"))
+    times |= candidate_times(x, q.weight, scale.reshape(-1), want)
     fp8_bytes = n * k
     row = {"n": n, "k": k, "rows": num_rows, "us": times}
     row["weight_GBps"] = {
@@ -85,6 +89,33 @@ def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:
         for name, us in times.items()
     }
     return row
+
+
+def candidate_times(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, want: torch.Tensor
+) -> dict[str, float]:
+    """us per call of bench/lib/fp8_gemv_candidates.py's kernels, each checked against want
+    first (a wrong one raises; one Triton cannot build is left out with its error printed)."""
+    x_fp8, x_scale = quantize_rows(x, None)
+    x_scale = x_scale.reshape(-1).contiguous()
+    ops = {
+        "f16dot": lambda: candidates.gemv_f16dot(x, weight, scale),
+        "fp8dot": lambda: candidates.gemv_fp8dot(x_fp8, x_scale, weight, scale),
+        "fp8dot_quant": lambda: candidates.gemv_fp8dot(*quantize_rows(x, None), weight, scale),
+    }
+    if x.shape[0] == 1:
+        ops["bits"] = lambda: candidates.gemv_bits(x, weight, scale)
+    times = {}
+    for name, op in ops.items():
+        try:
+            error = float((op().float() - want).abs().max() / want.abs().max())
+        except Exception as exc:  # a candidate Triton cannot compile is a result
+            print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        if error > (5e-2 if name.startswith("fp8dot") else 1e-2):
+            raise AssertionError(f"{name}, {x.shape[0]} rows: relative error {error}")
+        times[name] = graph_us(op)
+    return times
 
 
 def main() -> None:
