@@ -6,7 +6,7 @@ Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, 
 LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
 elementwise work runs as fused CUDA kernels (models/fused_ops.py), an Fp8Linear that would
 quantize its input gets it quantized by the norm or SiLU kernel before it (quant/fp8_fused.py),
-an Fp8Linear that defers its scales (decode batches, KVRELAY_FP8_DEFER_SCALES=1) hands its
+an Fp8Linear that defers its scales (decode batches; KVRELAY_FP8_DEFER_SCALES=0: none) hands its
 output as ScaledRows to the kernel after it, which applies them, and the residual stream is
 carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
 reference. RoPE and the KV-cache write belong to the attention backend

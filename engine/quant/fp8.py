@@ -7,17 +7,18 @@ checkpoint's static scale for every row), then one torch._scaled_mm (cuBLASLt, r
 scale_a [M, 1], scale_b [1, N], both float32) writes bf16. The input may come already quantized
 (QuantizedRows, from the kernel that made it: fp8_fused.py). cuBLASLt accumulates in Hopper's
 fast FP8 mode (as vLLM's and TensorRT-LLM's FP8 GEMMs do; KVRELAY_FP8_FAST_ACCUM=0 turns it
-off). Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) one Triton kernel instead
-reads the e4m3 weight once and multiplies the bf16 input by it dequantized in registers
-(fp8_gemv.py; KVRELAY_FP8_GEMV=0 turns it off). Shapes only, no host syncs, so the decode CUDA
-graphs capture either.
+off). Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) Triton kernels that read the
+e4m3 weight once at close to the HBM rate take over (KVRELAY_FP8_GEMV=0 turns both off):
+quantized rows multiply as e4m3 on tensor cores (fp8_dot_rows.py; the fused kernels quantize
+such rows too), a bf16 input (o_proj's, from attention) multiplies the weight dequantized in
+registers (fp8_gemv.py). Shapes only, no host syncs, so the decode CUDA graphs capture each.
 
-With KVRELAY_FP8_DEFER_SCALES=1, inputs of up to DEFER_MAX_ROWS rows (decode batches) run
-cuBLASLt's per-tensor FP8 GEMM with unit scales instead, and forward_deferred hands back
-ScaledRows: the unscaled product and the row and column scales, which the kernel that reads it
-applies (fp8_fused.py, rope_kv_kernel.py). On the H200 that GEMM was 12-15% faster than the
-row-scaled one at 232-768 rows and slower at 16,384 (bench/fp8_gemm_bench.py); off by default
-until the whole run is measured.
+Inputs of more rows than that and at most DEFER_MAX_ROWS (decode batches) run cuBLASLt's
+per-tensor FP8 GEMM with unit scales instead, and forward_deferred hands back ScaledRows: the
+unscaled product and the row and column scales, which the kernel that reads it applies
+(fp8_fused.py, rope_kv_kernel.py; KVRELAY_FP8_DEFER_SCALES=0 turns it off). On the H200 that
+GEMM was 12-15% faster than the row-scaled one at 232-768 rows and slower at 16,384
+(bench/fp8_gemm_bench.py); the 8B offline run went from 58.3 to 57.1 s with it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
+from engine.quant.fp8_dot_rows import fp8_dot_rows  # imports triton on first use
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv  # imports triton on first use
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -39,7 +41,7 @@ AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
 GEMV_ENV = "KVRELAY_FP8_GEMV"  # "0": every FP8 matmul through cuBLASLt, few rows too
 FAST_ACCUM_ENV = "KVRELAY_FP8_FAST_ACCUM"  # "0": cuBLASLt's FP8 GEMMs accumulate exactly
-DEFER_SCALES_ENV = "KVRELAY_FP8_DEFER_SCALES"  # "1": decode batches' scales go to the reader
+DEFER_SCALES_ENV = "KVRELAY_FP8_DEFER_SCALES"  # "0": decode batches' GEMMs scale their output
 DEFER_MAX_ROWS = 1024  # up to here the per-tensor GEMM won (232, 768 rows); 16,384 lost
 
 
@@ -159,7 +161,7 @@ def fast_accum() -> bool:
 @functools.cache
 def defer_enabled() -> bool:
     """Whether decode batches' FP8 GEMMs leave their scales to the reader (read once)."""
-    return os.environ.get(DEFER_SCALES_ENV, "0") == "1"
+    return os.environ.get(DEFER_SCALES_ENV, "1") != "0"
 
 
 @functools.cache
@@ -185,15 +187,16 @@ def defers_scales(layer: nn.Module, rows: torch.Tensor | QuantizedRows) -> bool:
 
 
 def takes_gemv(rows: torch.Tensor) -> bool:
-    """Whether Fp8Linear runs these input rows on fp8_gemv (CUDA, few rows, not turned off)."""
+    """Whether Fp8Linear runs these input rows on its few-row Triton kernels (CUDA, few rows,
+    not turned off): fp8_dot_rows when they come quantized, else fp8_gemv."""
     return rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS and gemv_enabled()
 
 
 def takes_quantized(layer: nn.Module, rows: torch.Tensor | ScaledRows) -> bool:
-    """Whether layer would quantize these input rows itself (an Fp8Linear on CUDA, not on its
-    GEMV): then a fused kernel may hand it QuantizedRows instead."""
+    """Whether layer takes these input rows quantized (an Fp8Linear on CUDA; few rows go to
+    fp8_dot_rows then): a fused kernel may hand it QuantizedRows instead of bf16."""
     x = rows.raw if isinstance(rows, ScaledRows) else rows
-    return isinstance(layer, Fp8Linear) and x.is_cuda and not takes_gemv(x)
+    return isinstance(layer, Fp8Linear) and x.is_cuda
 
 
 @functools.cache
@@ -231,6 +234,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """x [..., K] (bf16), or QuantizedRows [M, K] -> [..., N] / [M, N] bf16."""
         if isinstance(x, QuantizedRows):
+            if takes_gemv(x.q):
+                return fp8_dot_rows(x.q, x.scale, self.weight, self.weight_scale, self.bias)
             return self._scaled_mm(x)
         rows = x.reshape(-1, self.in_features)
         if takes_gemv(rows):

@@ -1,9 +1,10 @@
-"""FP8 GEMMs that leave their scales to the kernel after them (KVRELAY_FP8_DEFER_SCALES=1):
-Fp8Linear.forward_deferred against the row-scaled forward, and a tiny FP8 engine with deferred
-scales against the default one, eager, on decode graphs and on piecewise mixed-step graphs
-(where the recorded attention gets the scaled values). The GEMV is turned off so that decode
-rows reach cuBLASLt too; logits are compared on one forced token trajectory, as in
-tests/gpu/test_fp8_weights.py."""
+"""FP8 GEMMs that leave their scales to the kernel after them (the default for decode batches;
+KVRELAY_FP8_DEFER_SCALES=0 turns it off): Fp8Linear.forward_deferred against the row-scaled
+forward, and a tiny FP8 engine with deferred scales and one without, each against the bf16
+engine of its dequantized weights, eager, on decode graphs and on piecewise mixed-step graphs
+(where the recorded attention gets the scaled values). The few-row kernels are turned off so
+that small decode batches reach cuBLASLt too; logits are compared on one forced token
+trajectory, as in tests/gpu/test_fp8_weights.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.quant.fp8_fused import quantize_rows_cuda
 from tests.gpu.test_flashinfer_backend import Recorder, logit_scale, max_logit_error, run_workload
 from tests.gpu.test_fp8_weights import (  # noqa: F401 (tiny: a fixture; pytestmark: GPU, >= 8.9)
     CUDA,
+    dequantized_twin,
     engine_on,
     layer_on_gpu,
     load,
@@ -57,21 +59,24 @@ def test_forward_deferred_equals_the_row_scaled_forward(num_rows: int, static: b
 
 
 @pytest.mark.parametrize("mode", ["eager", "graphs", "piecewise"])
-def test_engine_with_deferred_scales_equals_the_default(
+def test_engine_with_deferred_scales_stays_as_close_to_bf16_as_without(
     tiny: Path,  # noqa: F811
     switches: None,
     monkeypatch: pytest.MonkeyPatch,
     mode: str,
 ) -> None:
+    """The tiny FP8 engine with deferred scales and without, each against the bf16 engine of
+    the dequantized weights on its token trajectory. The two FP8 engines are not compared with
+    each other: a rounding change flips e4m3 codes of later activations (steps of 6-12%), and
+    this random model amplifies that to ~0.1x its largest logit (0.82 of 7.34 measured on the
+    H200 at 31aec36) whatever the path; a wrong scale moves logits by their size."""
     options = {"eager": {}, "graphs": {"cuda_graph": True}}.get(
         mode, {"cuda_graph": True, "mixed_step_graphs": True}
     )
     model = load(tiny)
-    reference = engine_on(model, tiny, **options)
-    rec_reference = Recorder(reference)
-    tokens, _ = run_workload(reference)
-    monkeypatch.setenv(fp8.DEFER_SCALES_ENV, "1")
-    fp8.defer_enabled.cache_clear()
+    plain = engine_on(dequantized_twin(model, tiny), tiny, **options)
+    rec_plain = Recorder(plain)
+    tokens, _ = run_workload(plain)
     deferred_calls = []
     forward_deferred = fp8.Fp8Linear.forward_deferred
 
@@ -80,10 +85,17 @@ def test_engine_with_deferred_scales_equals_the_default(
         return forward_deferred(self, x)
 
     monkeypatch.setattr(fp8.Fp8Linear, "forward_deferred", counting)
-    deferred = engine_on(model, tiny, **options)
-    rec_deferred = Recorder(deferred, forced=tokens)
-    run_workload(deferred)
-    assert deferred_calls, "no GEMM deferred its scales"
-    error = max_logit_error(rec_reference.logits, rec_deferred.logits)
-    print(f"{mode}: deferred scales against row-scaled GEMMs, max logit error {error:.4f}")
-    assert error <= 0.02 * logit_scale(rec_reference)
+    errors = {}
+    for defer in (False, True):
+        monkeypatch.setenv(fp8.DEFER_SCALES_ENV, "1" if defer else "0")
+        fp8.defer_enabled.cache_clear()
+        deferred_calls.clear()
+        engine = engine_on(model, tiny, **options)
+        rec = Recorder(engine, forced=tokens)
+        run_workload(engine)
+        assert bool(deferred_calls) == defer, "deferral did not follow its switch"
+        errors[defer] = max_logit_error(rec_plain.logits, rec.logits)
+    scale = logit_scale(rec_plain)
+    print(f"{mode}: max logit error against bf16 weights: deferred {errors[True]:.4f}, ", end="")
+    print(f"row-scaled {errors[False]:.4f} (max |logit| {scale:.3f})")
+    assert errors[False] <= 0.4 * scale and errors[True] <= 0.4 * scale

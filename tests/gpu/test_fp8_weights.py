@@ -1,8 +1,9 @@
 """FP8 weights on the GPU: the Triton input quantization against its torch twin, Fp8Linear
-(torch._scaled_mm, and the Triton GEMV for few rows) against its float32 emulation and a bf16
-linear, CUDA-graph capture, a tiny
-random model through the engine, a compressed-tensors checkpoint written here against online
-quantization, and SmolLM2's real weights in FP8 against bf16 (greedy agreement, logit error).
+(torch._scaled_mm, and the Triton GEMV for few bf16 rows; few quantized rows are
+tests/gpu/test_fp8_dot_rows.py's) against its float32 emulation and a bf16 linear, CUDA-graph
+capture, a tiny random model through the engine, a compressed-tensors checkpoint written here
+against online quantization, and SmolLM2's real weights in FP8 against bf16 (greedy agreement,
+logit error).
 
 Engine comparisons follow tests/gpu/test_flashinfer_backend.py: logits are compared on one
 token trajectory (the reference's tokens forced into the other engine), and free-running greedy
@@ -20,10 +21,12 @@ from torch import nn
 from engine.engine import Engine
 from engine.loader import load_model, read_model_config
 from engine.quant.fp8 import (
+    DEFER_SCALES_ENV,
     FP8_DTYPE,
     GEMV_ENV,
     Fp8Linear,
     QuantizedRows,
+    defer_enabled,
     gemv_enabled,
     linear_state,
     quantize_rows_torch,
@@ -89,6 +92,16 @@ def layer_on_gpu(weight: torch.Tensor, static: bool, bias: torch.Tensor | None) 
         state["bias"] = bias.bfloat16()
     layer.load_state_dict(state, strict=True, assign=True)
     return layer
+
+
+def dequantized_twin(model: nn.Module, folder: Path) -> nn.Module:
+    """The bf16 model of folder with every Fp8Linear's weight replaced by its dequantized one."""
+    dequantized = load(folder, quantization=None)
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if isinstance(layer, Fp8Linear):
+                dequantized.get_submodule(name).weight.copy_(layer.dequantized_weight())
+    return dequantized
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +183,20 @@ def test_fp8_linear_replays_in_a_cuda_graph(static: bool) -> None:
 
 
 def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
-    tiny: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """Every FP8 projection the engine runs (Triton GEMV for decode rows, Triton quantization +
-    torch._scaled_mm for prefill chunks) against its float32 emulation on the very input it
-    got; then the whole engine against bf16 weights equal to the dequantized FP8 ones.
+    """Every FP8 projection the engine runs (fp8_dot_rows or the Triton GEMV for decode rows,
+    Triton quantization + torch._scaled_mm for prefill chunks) against its float32 emulation
+    on the very input it got; then the whole engine against bf16 weights equal to the
+    dequantized FP8 ones.
 
     The whole engine is not compared with an engine of emulated layers: the two agree per
     layer to ~1e-3, but a 1e-3 change in an activation flips some of its e4m3 codes (steps of
     6-12%), and this random model amplifies such flips to ~0.1x its largest logit (0.88 of 6.84
     measured on the H200), which says nothing about the engine's path."""
+    monkeypatch.setenv(DEFER_SCALES_ENV, "0")  # every call through forward (deferral:
+    defer_enabled.cache_clear()  # tests/gpu/test_fp8_deferred_scales.py)
+    request.addfinalizer(defer_enabled.cache_clear)
     model = load(tiny)
     calls: list[tuple[Fp8Linear, torch.Tensor | QuantizedRows, torch.Tensor]] = []
     forward = Fp8Linear.forward
@@ -201,10 +218,12 @@ def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
         tokens, _ = run_workload(fp8)
     row_counts = {rows(x) for _, x, _ in calls}
     assert min(row_counts) <= GEMV_MAX_ROWS < max(row_counts)  # both paths ran
-    # Prefill chunks reach qkv_proj and gate_up_proj quantized by add + RMSNorm, and down_proj
-    # by SiLU-and-mul (fp8_fused.py); o_proj quantizes its input itself.
-    fused_inputs = {type(x) for _, x, _ in calls if rows(x) > GEMV_MAX_ROWS}
-    assert fused_inputs == {QuantizedRows, torch.Tensor}
+    # qkv_proj and gate_up_proj get their rows quantized by add + RMSNorm, down_proj by
+    # SiLU-and-mul (fp8_fused.py), few rows (fp8_dot_rows) and many alike; o_proj gets bf16
+    # rows from attention (the GEMV for few, its own quantization for many).
+    for few in (True, False):
+        inputs = {type(x) for _, x, _ in calls if (rows(x) <= GEMV_MAX_ROWS) == few}
+        assert inputs == {QuantizedRows, torch.Tensor}
     worst = 0.0
     for layer, x, out in calls:
         want = layer.forward_reference(x).float()
@@ -212,12 +231,7 @@ def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
     print(f"{len(calls)} FP8 layer calls against their emulation: worst error {worst:.2e}")
     assert worst < 2e-2  # bf16 output rounding, and rare one-step input-rounding flips
 
-    dequantized = load(tiny, quantization=None)
-    with torch.no_grad():
-        for name, layer in model.named_modules():
-            if isinstance(layer, Fp8Linear):
-                dequantized.get_submodule(name).weight.copy_(layer.dequantized_weight())
-    plain = engine_on(dequantized, tiny)
+    plain = engine_on(dequantized_twin(model, tiny), tiny)
     rec_plain = Recorder(plain)
     plain_tokens, _ = run_workload(plain)
     forced_fp8 = engine_on(model, tiny)
@@ -226,8 +240,8 @@ def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
     scale = logit_scale(rec_plain)
     error = max_logit_error(rec_plain.logits, rec_fp8.logits)
     print(f"fp8 vs dequantized bf16 weights: max logit error {error:.4f} (max |logit| {scale:.3f})")
-    # Only the prefill activations' e4m3 rounding differs (decode rows stay bf16 on the GEMV),
-    # but this random model amplifies it; a wrong scale would move logits by their size.
+    # Only the activations' e4m3 rounding differs (o_proj's decode rows stay bf16 on the
+    # GEMV), but this random model amplifies it; a wrong scale would move logits by their size.
     assert error <= 0.4 * scale
     notes = first_divergence(plain_tokens, rec_plain.logits, tokens, max(3 * error, 1e-3))
     print("fp8 vs dequantized weights greedy:", notes or "equal token for token")

@@ -46,17 +46,19 @@ def test_scaled_rows_stand_for_raw_times_both_scales() -> None:
 
 
 def test_only_cuda_fp8_layers_defer_their_scales(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fp8.DEFER_SCALES_ENV, "1")
+    monkeypatch.delenv(fp8.DEFER_SCALES_ENV, raising=False)
+    fp8.defer_enabled.cache_clear()
+    assert fp8.defer_enabled()  # on by default
+    rows = torch.ones(64, 32)  # on the CPU: never deferred
+    assert not defers_scales(nn.Linear(32, 32), rows)
+    assert not defers_scales(Fp8Linear(32, 32, bias=False, static_input_scale=False), rows)
+    monkeypatch.setenv(fp8.DEFER_SCALES_ENV, "0")
     fp8.defer_enabled.cache_clear()
     try:
-        assert fp8.defer_enabled()
-        rows = torch.ones(64, 32)  # on the CPU: never deferred
-        assert not defers_scales(nn.Linear(32, 32), rows)
-        assert not defers_scales(Fp8Linear(32, 32, bias=False, static_input_scale=False), rows)
+        assert not fp8.defer_enabled()
     finally:
         monkeypatch.delenv(fp8.DEFER_SCALES_ENV)
         fp8.defer_enabled.cache_clear()
-    assert not fp8.defer_enabled()  # off by default
 
 
 @needs_triton

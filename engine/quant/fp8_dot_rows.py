@@ -1,0 +1,144 @@
+"""fp8_dot_rows: y = (x_q W_q^T) * x_scale * w_scale (+ b) for a few rows already quantized to
+e4m3 (QuantizedRows) and an e4m3 W, as one Triton kernel that multiplies the e4m3 codes on
+tensor cores; owns no state (imports triton on first use; tile shapes chosen per weight shape
+by Triton's autotuner on first use).
+
+For up to GEMV_MAX_ROWS rows the step is bound by reading the weights. cuBLASLt's FP8 GEMM picks
+a 128 x 128 tile there and reads them at about half the HBM rate; the bf16-input GEMV
+(fp8_gemv.py) converts every e4m3 weight to a wider type first, and that conversion, not HBM,
+bounds it (~2.7 TB/s on the H200). Here the codes go to the tensor cores as they are, 16 rows
+padded: on the H200 the 8B shape's four projections took 2.30 ms a step at one row against the
+GEMV's 2.76, and 2.23-2.33 ms at 2-16 rows against 3.29-3.49 (bench/fp8_gemv_bench.py, fp8dot).
+The inputs come quantized from the kernel that made them (fp8_fused.py), so the quantization
+costs no launch of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are masked
+MAX_ROWS = BLOCK_M
+
+
+def _configs() -> list[Any]:
+    import triton
+
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in (
+            (16, 256, 4, 4),
+            (32, 256, 4, 4),
+            (32, 512, 4, 3),
+            (64, 128, 4, 4),
+            (64, 256, 4, 3),
+            (64, 256, 8, 4),
+            (128, 128, 8, 3),
+            (32, 1024, 8, 2),
+        )
+    ]
+
+
+def _body() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_dot_rows_kernel(
+        x_ptr,
+        x_scale_ptr,
+        w_ptr,
+        w_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        out_row_stride,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One program per BLOCK_N output channels, all M rows: acc += x_q @ w_q^T over K on
+        e4m3 (fp32 accumulator), then the row and channel scales (and bias)."""
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_M)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(
+                x_ptr + rows[:, None] * K + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(x, tl.trans(w), acc)
+        row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
+        col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+        out = acc * row_scale[:, None] * col_scale[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+    return fp8_dot_rows_kernel
+
+
+@functools.cache
+def _kernel(tuned: bool) -> Any:
+    if not tuned:  # one fixed tile (Triton's interpreter has no autotuner)
+        return _body()
+    import triton
+
+    return triton.autotune(configs=_configs(), key=["N", "K"])(_body())
+
+
+def fp8_dot_rows(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    tile: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """q e4m3 [M, K] (M <= MAX_ROWS, contiguous) with scale float32 [M, 1], weight e4m3 [N, K]
+    contiguous, weight_scale float32 with N elements, bias [N] bf16 or None -> [M, N] bf16.
+    tile: (BLOCK_N, BLOCK_K) instead of the autotuner's choice (tests)."""
+    import triton
+
+    num_rows, k = q.shape
+    n = weight.shape[0]
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"fp8_dot_rows takes at most {MAX_ROWS} rows, got {num_rows}")
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = torch.empty((num_rows, n), dtype=torch.bfloat16, device=q.device)
+    if num_rows == 0:
+        return out
+    operands = (q, scale, weight, weight_scale, weight_scale if bias is None else bias, out)
+    sizes = (num_rows, n, k, out.stride(0))  # bias is read only when HAS_BIAS
+    if tile is None:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _kernel(True)[grid](*operands, *sizes, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M)
+    else:
+        block_n, block_k = tile
+        _kernel(False)[(triton.cdiv(n, block_n),)](
+            *operands, *sizes, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=block_k,
+        )  # fmt: skip
+    return out
