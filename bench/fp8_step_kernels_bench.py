@@ -3,10 +3,13 @@ prefill steps, batch-768 and batch-232 decodes), each alone, timed as bench.fp8_
 times them (graph replays): cuBLASLt's row-scaled FP8 GEMM with exact and with fast
 accumulation; the FP8 input quantization unfused (add + RMSNorm or SiLU-and-mul, then
 quantize_rows) against fused (engine/quant/fp8_fused.py); RoPE + KV write with one head per
-program against the token-blocked launch. Prints per-step milliseconds over the 32 layers.
-Owns no state; needs a GPU.
+program against the token-blocked launch; the engine's SiLU-and-mul + quantize against the
+chunked two-pass candidates of bench/lib/silu_quant_candidates.py, on bf16 rows and on an
+Fp8Linear's ScaledRows. Prints per-step milliseconds over the 32 layers. Owns no state; needs
+a GPU.
 
-    python -m bench.fp8_step_kernels_bench [--rows 16384 768 232] [--json out.json]
+    python -m bench.fp8_step_kernels_bench [--rows 16384 768 232] [--parts gemm quantization
+        rope silu] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any
 import torch
 
 from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES, graph_us
+from bench.lib.silu_quant_candidates import silu_quant_chunked
 from engine.attention import rope_kv_kernel
 from engine.models import fused_ops
-from engine.quant.fp8 import quantize_rows, quantize_weight
+from engine.quant.fp8 import ScaledRows, quantize_rows, quantize_weight
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 
 HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
@@ -100,36 +104,61 @@ def rope(num_rows: int, gen: torch.Generator) -> dict[str, float]:
     return {"per_head": per_head * NUM_LAYERS / 1e3, "blocked": blocked * NUM_LAYERS / 1e3}
 
 
+def silu_variants(num_rows: int, gen: torch.Generator) -> dict[str, float]:
+    """Per-step ms of SiLU-and-mul + quantize: the engine's kernel and the chunked candidates
+    (cCHUNK wWARPS, r: recompute, s: scratch), on bf16 rows and on ScaledRows (_scaled); each
+    candidate's codes are checked against the engine's first."""
+    gate_up = torch.randn(num_rows, 2 * INTER, device="cuda", generator=gen).bfloat16()
+    row_scale = torch.rand(num_rows, 1, device="cuda", generator=gen) * 0.02 + 1e-3
+    col_scale = torch.rand(1, 2 * INTER, device="cuda", generator=gen) * 0.02 + 1e-3
+    sources = {"": gate_up, "_scaled": ScaledRows(gate_up * 50, row_scale, col_scale)}
+    times = {}
+    for suffix, src in sources.items():
+        want = silu_and_mul_quantize(src, None)
+        times["engine" + suffix] = graph_us(lambda src=src: silu_and_mul_quantize(src, None))
+        for chunk in (1024, 2048):
+            for warps in (4, 8):
+                for scratch in (False, True):
+                    name = f"c{chunk}w{warps}{'s' if scratch else 'r'}{suffix}"
+                    got = silu_quant_chunked(src, chunk, warps, scratch)
+                    same = float((got.q.float() == want.q.float()).float().mean())
+                    if not torch.equal(got.scale, want.scale) or same < 0.999:
+                        raise AssertionError(f"{name}: {same:.4f} of the codes agree")
+                    times[name] = graph_us(
+                        lambda s=src, c=chunk, w=warps, k=scratch: silu_quant_chunked(s, c, w, k)
+                    )
+    return {name: us * NUM_LAYERS / 1e3 for name, us in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="*", default=[16384, 768, 232])
+    p.add_argument("--parts", nargs="*", default=list(PARTS), choices=list(PARTS))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     results = []
     for num_rows in args.rows:
-        row = {
-            "rows": num_rows,
-            "gemm": gemms(num_rows, gen),
-            "quantization_ms": quantization(num_rows, gen),
-            "rope_ms": rope(num_rows, gen),
-        }
+        row = {"rows": num_rows} | {part: PARTS[part](num_rows, gen) for part in args.parts}
         results.append(row)
-        gemm = row["gemm"]
-        print(
-            f"M={num_rows:5d} GEMMs exact {gemm['step_ms']['exact']:7.2f} ms "
-            f"({gemm['tflops']['exact']:5.0f} TFLOP/s), fast {gemm['step_ms']['fast']:7.2f} ms "
-            f"({gemm['tflops']['fast']:5.0f}); fast vs exact max rel "
-            f"{gemm['fast_vs_exact_max_rel']:.1e}",
-            flush=True,
-        )
-        cells = "  ".join(f"{k} {v:.3f}" for k, v in row["quantization_ms"].items())
-        print(f"M={num_rows:5d} quantization ms/step: {cells}", flush=True)
-        cells = "  ".join(f"{k} {v:.3f}" for k, v in row["rope_ms"].items())
-        print(f"M={num_rows:5d} rope + KV write ms/step: {cells}", flush=True)
+        if "gemm" in row:
+            gemm = row["gemm"]
+            print(
+                f"M={num_rows:5d} GEMMs exact {gemm['step_ms']['exact']:7.2f} ms "
+                f"({gemm['tflops']['exact']:5.0f} TFLOP/s), fast "
+                f"{gemm['step_ms']['fast']:7.2f} ms ({gemm['tflops']['fast']:5.0f}); fast vs "
+                f"exact max rel {gemm['fast_vs_exact_max_rel']:.1e}",
+                flush=True,
+            )
+        for part in ("quantization", "rope", "silu"):
+            if part in row:
+                cells = "  ".join(f"{k} {v:.3f}" for k, v in row[part].items())
+                print(f"M={num_rows:5d} {part} ms/step: {cells}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}))
 
+
+PARTS = {"gemm": gemms, "quantization": quantization, "rope": rope, "silu": silu_variants}
 
 if __name__ == "__main__":
     main()
