@@ -4,9 +4,10 @@ times them (graph replays): cuBLASLt's row-scaled FP8 GEMM with exact and with f
 accumulation; the FP8 input quantization unfused (add + RMSNorm or SiLU-and-mul, then
 quantize_rows) against fused (engine/quant/fp8_fused.py); RoPE + KV write with one head per
 program against the token-blocked launch; the engine's SiLU-and-mul + quantize against the
-chunked two-pass candidates of bench/lib/silu_quant_candidates.py, on bf16 rows and on an
-Fp8Linear's ScaledRows. Prints per-step milliseconds over the 32 layers. Owns no state; needs
-a GPU.
+chunked two-pass kernel of engine/quant/fp8_silu_chunked.py in several settings, on bf16 rows
+and on an Fp8Linear's ScaledRows (run it without KVRELAY_FP8_SILU_CHUNKED: "engine" is then
+the whole-row kernel). Prints per-step milliseconds over the 32 layers. Owns no state; needs a
+GPU.
 
     python -m bench.fp8_step_kernels_bench [--rows 16384 768 232] [--parts gemm quantization
         rope silu] [--json out.json]
@@ -22,11 +23,11 @@ from typing import Any
 import torch
 
 from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES, graph_us
-from bench.lib.silu_quant_candidates import silu_quant_chunked
 from engine.attention import rope_kv_kernel
 from engine.models import fused_ops
 from engine.quant.fp8 import ScaledRows, quantize_rows, quantize_weight
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
+from engine.quant.fp8_silu_chunked import ChunkedSilu
 
 HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 
@@ -105,7 +106,7 @@ def rope(num_rows: int, gen: torch.Generator) -> dict[str, float]:
 
 
 def silu_variants(num_rows: int, gen: torch.Generator) -> dict[str, float]:
-    """Per-step ms of SiLU-and-mul + quantize: the engine's kernel and the chunked candidates
+    """Per-step ms of SiLU-and-mul + quantize: the engine's whole-row kernel and the chunked one
     (cCHUNK wWARPS, r: recompute, s: scratch), on bf16 rows and on ScaledRows (_scaled); each
     candidate's codes are checked against the engine's first."""
     gate_up = torch.randn(num_rows, 2 * INTER, device="cuda", generator=gen).bfloat16()
@@ -120,12 +121,13 @@ def silu_variants(num_rows: int, gen: torch.Generator) -> dict[str, float]:
             for warps in (4, 8):
                 for scratch in (False, True):
                     name = f"c{chunk}w{warps}{'s' if scratch else 'r'}{suffix}"
-                    got = silu_quant_chunked(src, chunk, warps, scratch)
+                    how = ChunkedSilu(chunk, warps, scratch)
+                    got = silu_and_mul_quantize(src, None, chunked=how)
                     same = float((got.q.float() == want.q.float()).float().mean())
                     if not torch.equal(got.scale, want.scale) or same < 0.999:
                         raise AssertionError(f"{name}: {same:.4f} of the codes agree")
                     times[name] = graph_us(
-                        lambda s=src, c=chunk, w=warps, k=scratch: silu_quant_chunked(s, c, w, k)
+                        lambda s=src, h=how: silu_and_mul_quantize(s, None, chunked=h)
                     )
     return {name: us * NUM_LAYERS / 1e3 for name, us in times.items()}
 

@@ -9,7 +9,8 @@ H200 the 8B shape's 16,384-token step spends 17.9 ms in these kernels where the 
 took 28.3 ms (bench/fp8_step_kernels_bench.py). The math is the unfused chain's: the result is
 rounded to the activations' dtype before its amax is taken, so the e4m3 codes are those
 quantize_rows would give on the unfused output, up to float rounding. Per-row quantization
-alone is quantize_rows_torch's math in one launch instead of ~6 small torch kernels.
+alone is quantize_rows_torch's math in one launch instead of ~6 small torch kernels. Decode
+batches' SiLU may walk the row in chunks instead (fp8_silu_chunked.py, opt-in).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 
 import torch
 
+from engine.quant import fp8_silu_chunked
 from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
+from engine.quant.fp8_silu_chunked import ChunkedSilu
 
 NORM, ADD_NORM, SILU_AND_MUL, AS_IS = 0, 1, 2, 3  # what the kernel does before it quantizes
 
@@ -171,12 +174,28 @@ def silu_and_mul_quantize(
     gate_up: torch.Tensor | ScaledRows,
     static_scale: torch.Tensor | None,
     out_dtype: torch.dtype = FP8_DTYPE,
+    chunked: ChunkedSilu | None = None,
 ) -> QuantizedRows:
     """quantize_rows(silu(gate) * up) for gate_up [M, 2I] (gate, then up; rows contiguous; or
-    an Fp8Linear's ScaledRows, read through its scales)."""
+    an Fp8Linear's ScaledRows, read through its scales). chunked: run fp8_silu_chunked.py's
+    kernel so (default: as KVRELAY_FP8_SILU_CHUNKED says, for up to its MAX_ROWS rows)."""
     src, src_scales = (gate_up.raw, gate_up) if isinstance(gate_up, ScaledRows) else (gate_up, None)
     width = src.shape[1]
     if src.stride(1) != 1 or width % 2:
         raise ValueError(f"gate_up of shape {tuple(src.shape)} is not [M, 2I] by rows")
     half = width // 2
-    return _launch(SILU_AND_MUL, src, None, None, 0.0, half, static_scale, out_dtype, src_scales)
+    if chunked is None and src.shape[0] <= fp8_silu_chunked.MAX_ROWS:
+        chunked = fp8_silu_chunked.setting()
+    if chunked is None or not src.shape[0]:
+        return _launch(
+            SILU_AND_MUL, src, None, None, 0.0, half, static_scale, out_dtype, src_scales
+        )
+    out = QuantizedRows(
+        torch.empty((src.shape[0], half), dtype=out_dtype, device=src.device),
+        torch.empty((src.shape[0], 1), dtype=torch.float32, device=src.device),
+    )
+    row_scale, col_scale = (None, None) if src_scales is None else src_scales[1:]
+    fp8_silu_chunked.launch(
+        src, row_scale, col_scale, static_scale, *out, chunked, FP8_MAX, AMAX_FLOOR
+    )
+    return out

@@ -1,0 +1,157 @@
+"""SiLU-and-mul + per-row FP8 quantization that walks each row in chunks, for decode batches
+(opt-in: KVRELAY_FP8_SILU_CHUNKED); owns no state but the setting read once from the
+environment (imports triton on first use).
+
+fp8_fused.py's kernel holds a whole row in one program: for the 8B shape 14,336 values of gate
+and of up (and, reading an Fp8Linear's ScaledRows, both column-scale vectors), 16 warps of ~128
+registers a thread, so one program per SM at a time. At 16,384 rows that is near the HBM rate;
+at a decode batch of 768 rows it moved ~2.4 TB/s on an H200. Here a program of a few warps
+walks its row CHUNK columns at a time, twice: the first pass finds the row's amax of
+silu(gate) * up (rounded to the activations' dtype, as fp8_fused.py does), the second
+quantizes and stores. "recompute" reads gate and up again in the second pass (from L2 while
+the row is still there); "scratch" stores the bf16 product in the first pass and reads it
+back. The codes and scales equal fp8_fused.py's.
+
+KVRELAY_FP8_SILU_CHUNKED: "0" (default) off; "1" on with CHUNK_DEFAULT columns, WARPS_DEFAULT
+warps, recompute; or "CHUNK,WARPS,r|s". It applies to inputs of up to MAX_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+ENV = "KVRELAY_FP8_SILU_CHUNKED"
+CHUNK_DEFAULT, WARPS_DEFAULT = 2048, 4
+MAX_ROWS = 2048  # above, rows no longer fit L2 between the passes; the whole-row kernel is fast
+
+
+class ChunkedSilu(NamedTuple):
+    """How the chunked kernel runs: CHUNK columns a step, WARPS warps, scratch or recompute."""
+
+    chunk: int
+    warps: int
+    scratch: bool
+
+
+@functools.cache
+def setting() -> ChunkedSilu | None:
+    """The kernel's setting from KVRELAY_FP8_SILU_CHUNKED, or None when off (read once;
+    cache_clear to re-read); a malformed value is refused by the variable's name."""
+    raw = os.environ.get(ENV, "0").strip()
+    if raw == "0":
+        return None
+    if raw == "1":
+        return ChunkedSilu(CHUNK_DEFAULT, WARPS_DEFAULT, False)
+    parts = raw.split(",")
+    valid = (
+        len(parts) == 3
+        and all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts[:2])
+        and parts[2] in ("r", "s")
+    )
+    if not valid:
+        raise ValueError(f"{ENV} must be 0, 1 or CHUNK,WARPS,r|s (powers of two), got {raw!r}")
+    return ChunkedSilu(int(parts[0]), int(parts[1]), parts[2] == "s")
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_quantize_chunked(
+        src_ptr,
+        src_row_stride,
+        row_scale_ptr,
+        col_scale_ptr,
+        static_scale_ptr,
+        scratch_ptr,
+        q_ptr,
+        scale_ptr,
+        num_cols,
+        CHUNK: tl.constexpr,
+        DEQUANT: tl.constexpr,
+        STATIC: tl.constexpr,
+        SCRATCH: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr,
+    ):
+        """One program per row: pass 1 (dynamic scales only) the amax, pass 2 the codes."""
+        row = tl.program_id(0).to(tl.int64)
+        src = src_ptr + row * src_row_stride
+        out_dtype = src_ptr.dtype.element_ty
+        row_scale = 1.0
+        if DEQUANT:
+            row_scale = tl.load(row_scale_ptr + row)
+        if STATIC:
+            scale = tl.load(static_scale_ptr)
+        else:
+            amax = tl.zeros((CHUNK,), dtype=tl.float32)
+            for c0 in range(0, num_cols, CHUNK):
+                cols = c0 + tl.arange(0, CHUNK)
+                mask = cols < num_cols
+                gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(src + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                if DEQUANT:
+                    g_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+                    u_scale = tl.load(col_scale_ptr + num_cols + cols, mask=mask, other=0.0)
+                    gate = (gate * row_scale * g_scale).to(out_dtype).to(tl.float32)
+                    up = (up * row_scale * u_scale).to(out_dtype).to(tl.float32)
+                y = (gate / (1.0 + tl.exp(-gate)) * up).to(out_dtype)
+                if SCRATCH:
+                    tl.store(scratch_ptr + row * num_cols + cols, y, mask=mask)
+                amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+            scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / FP8_MAX
+        for c0 in range(0, num_cols, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < num_cols
+            if SCRATCH and not STATIC:
+                y = tl.load(scratch_ptr + row * num_cols + cols, mask=mask, other=0.0)
+            else:  # the first pass's product again
+                gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(src + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                if DEQUANT:
+                    g_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+                    u_scale = tl.load(col_scale_ptr + num_cols + cols, mask=mask, other=0.0)
+                    gate = (gate * row_scale * g_scale).to(out_dtype).to(tl.float32)
+                    up = (up * row_scale * u_scale).to(out_dtype).to(tl.float32)
+                y = (gate / (1.0 + tl.exp(-gate)) * up).to(out_dtype)
+            q = tl.minimum(tl.maximum(y.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + row * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+    return silu_quantize_chunked
+
+
+def launch(
+    src: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+    static_scale: torch.Tensor | None,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    how: ChunkedSilu,
+    fp8_max: float,
+    amax_floor: float,
+) -> None:
+    """Fill q [M, I] and scale [M, 1] from src [M, 2I] (gate, then up; rows contiguous), read
+    through row_scale [M, 1] and col_scale [1, 2I] when both are given (ScaledRows)."""
+    num_rows, half = src.shape[0], src.shape[1] // 2
+    scratch = torch.empty(
+        (num_rows, half) if how.scratch and static_scale is None else (1,),
+        dtype=src.dtype,
+        device=src.device,
+    )
+    _kernel()[(num_rows,)](
+        src, src.stride(0),
+        scale if row_scale is None else row_scale,  # read only when DEQUANT
+        scale if col_scale is None else col_scale,
+        scale if static_scale is None else static_scale,  # read only when STATIC
+        scratch, q, scale, half,
+        CHUNK=how.chunk, DEQUANT=row_scale is not None, STATIC=static_scale is not None,
+        SCRATCH=how.scratch, FP8_MAX=fp8_max, AMAX_FLOOR=amax_floor, num_warps=how.warps,
+    )  # fmt: skip

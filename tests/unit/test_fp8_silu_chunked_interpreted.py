@@ -1,0 +1,68 @@
+"""The chunked SiLU-and-mul + quantize kernel (engine/quant/fp8_silu_chunked.py) against the
+whole-row one in fp8_fused.py: the same codes and scales for bf16 rows and ScaledRows, dynamic
+and static scales, recompute and scratch, rows wider than a chunk and not a multiple of it;
+on a GPU, or on the CPU in Triton's interpreter (tests/conftest.py sets it). And its setting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.quant import fp8_silu_chunked
+from engine.quant.fp8 import ScaledRows
+from engine.quant.fp8_fused import silu_and_mul_quantize
+from engine.quant.fp8_silu_chunked import ChunkedSilu
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(
+    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("scratch", [False, True], ids=["recompute", "scratch"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["bf16", "scaled-rows"])
+def test_chunked_equals_the_whole_row_kernel(scaled: bool, static: bool, scratch: bool) -> None:
+    gen = torch.Generator().manual_seed(int(scaled) + 2 * int(static) + 4 * int(scratch))
+    num_rows, half = 3, 200  # 200 columns: three chunks of 64, the last one partly masked
+    gate_up = (torch.randn(num_rows, 2 * half, generator=gen) * 3).bfloat16()
+    gate_up[1] = 0.0  # an all-zero row: the amax floor
+    src: torch.Tensor | ScaledRows = gate_up.to(DEVICE)
+    if scaled:
+        row_scale = torch.rand(num_rows, 1, generator=gen) * 0.1 + 0.01
+        col_scale = torch.rand(1, 2 * half, generator=gen) * 0.1 + 0.01
+        src = ScaledRows(gate_up.to(DEVICE), row_scale.to(DEVICE), col_scale.to(DEVICE))
+    static_scale = torch.tensor([[0.02]], device=DEVICE) if static else None
+    want = silu_and_mul_quantize(src, static_scale, chunked=None)
+    got = silu_and_mul_quantize(src, static_scale, chunked=ChunkedSilu(64, 4, scratch))
+    assert torch.equal(got.scale, want.scale)
+    assert torch.equal(got.q.float(), want.q.float())
+    assert want.q.float().abs().max() > 0  # not all zero: the comparison means something
+
+
+def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    def read(value: str | None) -> ChunkedSilu | None:
+        if value is None:
+            monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
+        else:
+            monkeypatch.setenv(fp8_silu_chunked.ENV, value)
+        fp8_silu_chunked.setting.cache_clear()
+        return fp8_silu_chunked.setting()
+
+    try:
+        assert read(None) is None and read("0") is None  # off by default
+        default = ChunkedSilu(fp8_silu_chunked.CHUNK_DEFAULT, fp8_silu_chunked.WARPS_DEFAULT, False)
+        assert read("1") == default
+        assert read("1024,8,s") == ChunkedSilu(1024, 8, True)
+        for bad in ("yes", "1000,4,r", "1024,4", "1024,4,x", "0,4,r"):
+            with pytest.raises(ValueError, match=fp8_silu_chunked.ENV):
+                read(bad)
+    finally:
+        monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
+        fp8_silu_chunked.setting.cache_clear()
