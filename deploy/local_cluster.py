@@ -184,12 +184,18 @@ class LocalCluster:
             raise ValueError(gpu_shortage(workers, per_worker, needed, gpus))
 
     async def close(self) -> None:
+        """Stop the router side, the controller and its workers, the embedded Ray and Redis.
+        Each step runs whatever the one before it raised: a router-side failure is logged, and
+        the cluster behind it still goes down."""
         import ray
 
         if self.backend is not None:
-            await self.backend.close()
-            if self.backend.index is not None:
-                await self.backend.index.close()
+            try:
+                await self.backend.close()
+                if self.backend.index is not None:
+                    await self.backend.index.close()
+            except Exception as e:
+                logger.warning("router side of the cluster did not close cleanly: %r", e)
         pids: list[int] = []
         if self.controller is not None:
             try:

@@ -135,11 +135,17 @@ class PrefixIndex:
         return int(await self._call(lambda: self._forget_script(keys=keys, args=args)))
 
     async def close(self) -> None:
+        """Stop the reaping tasks and close the connections. Best effort: a connection that
+        will not close in time (a Redis that is down or slow) is logged, not raised, so that
+        whoever shuts down after the index still does."""
         tasks = list(self._reaping.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._client.aclose()
+        try:
+            await self._client.aclose()
+        except RedisError as e:
+            log.info("KV index: closing the Redis connections: %s", e)
 
     async def __aenter__(self) -> PrefixIndex:
         return self

@@ -296,3 +296,27 @@ def test_cache_salt_isolates_tenants(redis_url: str) -> None:
         return [await index.prefix_overlap(h, ["w"]) for h in (tenant_a, tenant_b, unsalted)]
 
     assert run(body, redis_url) == [{"w": 4}, {"w": 0}, {"w": 0}]
+
+
+def test_close_logs_a_connection_that_will_not_close(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a slow or gone Redis does to redis-py's aclose (TimeoutError, seen on a loaded CI
+    machine) is logged: whoever shuts down after the index (LocalCluster: the controller, Ray)
+    still runs."""
+
+    async def main() -> None:
+        index = PrefixIndex(redis_url, MODEL, retry_interval_s=0.0)
+        assert await index.live_workers() == []  # a real connection to close
+        real_aclose = index._client.aclose
+
+        async def timing_out() -> None:
+            await real_aclose()
+            raise redis.exceptions.TimeoutError("Timed out closing connection after 0.25")
+
+        index._client.aclose = timing_out
+        with caplog.at_level(logging.INFO, logger="router.prefix_index"):
+            await index.close()
+
+    asyncio.run(main())
+    assert "Timed out closing connection" in caplog.text
