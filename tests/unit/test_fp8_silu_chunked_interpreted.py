@@ -57,7 +57,7 @@ def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
     try:
         assert read(None) is None and read("0") is None  # off by default
-        default = ChunkedSilu(fp8_silu_chunked.CHUNK_DEFAULT, fp8_silu_chunked.WARPS_DEFAULT, False)
+        default = ChunkedSilu(fp8_silu_chunked.CHUNK_DEFAULT, fp8_silu_chunked.WARPS_DEFAULT, True)
         assert read("1") == default
         assert read("1024,8,s") == ChunkedSilu(1024, 8, True)
         for bad in ("yes", "1000,4,r", "1024,4", "1024,4,x", "0,4,r"):
