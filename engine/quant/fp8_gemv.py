@@ -1,6 +1,7 @@
 """fp8_gemv: y = x W^T for a few rows of bf16 x and an e4m3 W with per-channel scales, as one
 Triton kernel that dequantizes W in registers; owns no state but the kernel choice read once
-from the environment (imports triton on first use).
+from the environment (imports triton on first use). Few rows that come quantized take
+fp8_dot_rows.py instead (faster: no per-weight conversion); this is for bf16 inputs (o_proj's).
 
 A decode step of a few sequences is bound by reading the weights. cuBLASLt's FP8 GEMM picks a
 128 x 128 tile for one row and reads the weights at about half the HBM rate, after a kernel
