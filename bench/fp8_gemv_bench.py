@@ -2,8 +2,8 @@
 kernels (engine/quant/fp8_gemv.py: "dot", tl.dot over 16 padded rows, and "vector", plain
 vector loads, for up to VECTOR_MAX_ROWS rows; each autotuned), cuBLASLt's FP8 GEMM after the
 per-token quantization (Fp8Linear above 16 rows), cuBLAS on bf16 weights and the cheaper-decode
-candidates of bench/lib/fp8_gemv_candidates.py (f16dot, fp8dot with and without the activation
-quantization, bits for one row). Each is timed as
+candidates of bench/lib/fp8_gemv_candidates.py (f16dot, bits for one row) and the engine's
+fp8_dot_rows (fp8dot, with and without the activation quantization). Each is timed as
 20 calls replayed from one CUDA graph (no launch gaps); the table gives us per call and the
 weight bytes read per second, and the per-step sum over the 32 layers' four projections. Owns no
 state; needs a GPU.
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from bench.lib import fp8_gemv_candidates as candidates
 from engine.quant.fp8 import quantize_rows, quantize_weight
+from engine.quant.fp8_dot_rows import fp8_dot_rows
 from engine.quant.fp8_gemv import VECTOR_MAX_ROWS, fp8_gemv
 
 SHAPES = {  # Llama-3.1-8B, one decoder layer: name -> (N, K)
@@ -94,14 +95,14 @@ def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:
 def candidate_times(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, want: torch.Tensor
 ) -> dict[str, float]:
-    """us per call of bench/lib/fp8_gemv_candidates.py's kernels, each checked against want
+    """us per call of the candidates and of fp8_dot_rows, each checked against want
     first (a wrong one raises; one Triton cannot build is left out with its error printed)."""
     x_fp8, x_scale = quantize_rows(x, None)
     x_scale = x_scale.reshape(-1).contiguous()
     ops = {
         "f16dot": lambda: candidates.gemv_f16dot(x, weight, scale),
-        "fp8dot": lambda: candidates.gemv_fp8dot(x_fp8, x_scale, weight, scale),
-        "fp8dot_quant": lambda: candidates.gemv_fp8dot(*quantize_rows(x, None), weight, scale),
+        "fp8dot": lambda: fp8_dot_rows(x_fp8, x_scale, weight, scale, None),
+        "fp8dot_quant": lambda: fp8_dot_rows(*quantize_rows(x, None), weight, scale, None),
     }
     if x.shape[0] == 1:
         ops["bits"] = lambda: candidates.gemv_bits(x, weight, scale)

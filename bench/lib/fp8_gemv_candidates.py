@@ -2,8 +2,9 @@
 kernels (engine/quant/fp8_gemv.py), for bench.fp8_gemv_bench; owns no state (imports triton on
 first use).
 
-The engine's two kernels read the gate_up weights at ~2.7 TB/s whatever their tile shape, which
-fits a bound on converting e4m3 to bf16/f32 rather than on HBM. Three ways around it:
+The engine's GEMV kernels read the gate_up weights at ~2.7 TB/s whatever their tile shape, which
+fits a bound on converting e4m3 to bf16/f32 rather than on HBM. Three ways around it, the third
+of which the engine took (engine/quant/fp8_dot_rows.py; the bench times that one):
 - "f16dot": tl.dot on f16 operands. e4m3 -> f16 is one hardware instruction per two values;
   x (bf16) is scaled by X_SCALE before its f16 conversion so that activations up to
   65504 / X_SCALE stay finite, and the fp32 accumulator is scaled back.
@@ -11,6 +12,7 @@ fits a bound on converting e4m3 to bf16/f32 rather than on HBM. Three ways aroun
   exponent and mantissa bits shifted into a float32's are the value times 2**-120; x is
   scaled by 2**64 and the result by 2**56, so no product leaves float32's range.
 - "fp8dot": tl.dot on e4m3 operands, x quantized per row beforehand (as cuBLASLt's path).
+f16dot autotunes over fp8_dot_rows's tile shapes.
 """
 
 from __future__ import annotations
@@ -20,28 +22,12 @@ from typing import Any
 
 import torch
 
+from engine.quant.fp8_dot_rows import tile_configs
+
 X_SCALE = 1.0 / 64  # f16dot: x * X_SCALE is what gets converted to f16
 BITS_X_SCALE = 2.0**64  # bits: x * 2**64 * (weight bits as float32 = w * 2**-120) ...
 BITS_OUT_SCALE = 2.0**56  # ... = x * w * 2**-56, scaled back at the end
 BLOCK_M = 16  # tl.dot's smallest M
-
-
-def _dot_configs() -> list[Any]:
-    import triton
-
-    return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bk, w, s in (
-            (16, 256, 4, 4),
-            (32, 256, 4, 4),
-            (32, 512, 4, 3),
-            (64, 128, 4, 4),
-            (64, 256, 4, 3),
-            (64, 256, 8, 4),
-            (128, 128, 8, 3),
-            (32, 1024, 8, 2),
-        )
-    ]
 
 
 @functools.cache
@@ -49,7 +35,7 @@ def _f16dot_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.autotune(configs=_dot_configs(), key=["N", "K"])
+    @triton.autotune(configs=tile_configs(), key=["N", "K"])
     @triton.jit
     def f16dot(
         x_ptr,
@@ -92,55 +78,6 @@ def _f16dot_kernel() -> Any:
         )
 
     return f16dot
-
-
-@functools.cache
-def _fp8dot_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.autotune(configs=_dot_configs(), key=["N", "K"])
-    @triton.jit
-    def fp8dot(
-        x_ptr,
-        x_scale_ptr,
-        w_ptr,
-        scale_ptr,
-        out_ptr,
-        M,
-        N,
-        K,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-    ):
-        """acc[m, n] = sum_k x8[m, k] * w[n, k] on e4m3; out = acc * x_scale[m] * scale[n]."""
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_M)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_ptr + rows[:, None] * K + ks[None, :],
-                mask=(rows[:, None] < M) & (ks[None, :] < K),
-                other=0.0,
-            )
-            w = tl.load(
-                w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
-                mask=(cols[:, None] < N) & (ks[None, :] < K),
-                other=0.0,
-            )
-            acc = tl.dot(x, tl.trans(w), acc)
-        scale = tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
-        row_scale = tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
-        tl.store(
-            out_ptr + rows[:, None] * N + cols[None, :],
-            (acc * row_scale[:, None] * scale[None, :]).to(out_ptr.dtype.element_ty),
-            mask=(rows[:, None] < M) & (cols[None, :] < N),
-        )
-
-    return fp8dot
 
 
 @functools.cache
@@ -210,16 +147,6 @@ def gemv_f16dot(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     _f16dot_kernel()[_grid(n)](
         x, weight, scale, out, m, n, k, X_SCALE, 1.0 / X_SCALE, BLOCK_M=BLOCK_M
     )
-    return out
-
-
-def gemv_fp8dot(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
-) -> torch.Tensor:
-    """x_fp8 [M <= 16, K] e4m3 with x_scale float32 [M], weight e4m3 [N, K], scale [N] -> bf16."""
-    (m, k), n = x_fp8.shape, weight.shape[0]
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x_fp8.device)
-    _fp8dot_kernel()[_grid(n)](x_fp8, x_scale, weight, scale, out, m, n, k, BLOCK_M=BLOCK_M)
     return out
 
 

@@ -24,7 +24,8 @@ BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are
 MAX_ROWS = BLOCK_M
 
 
-def _configs() -> list[Any]:
+def tile_configs() -> list[Any]:
+    """The autotuner's tile shapes (BLOCK_N, BLOCK_K, warps, stages) for 16 padded rows."""
     import triton
 
     return [
@@ -105,7 +106,7 @@ def _kernel(tuned: bool) -> Any:
         return _body()
     import triton
 
-    return triton.autotune(configs=_configs(), key=["N", "K"])(_body())
+    return triton.autotune(configs=tile_configs(), key=["N", "K"])(_body())
 
 
 def fp8_dot_rows(
