@@ -98,7 +98,6 @@ def candidate_times(
     """us per call of the candidates and of fp8_dot_rows, each checked against want
     first (a wrong one raises; one Triton cannot build is left out with its error printed)."""
     x_fp8, x_scale = quantize_rows(x, None)
-    x_scale = x_scale.reshape(-1).contiguous()
     ops = {
         "f16dot": lambda: candidates.gemv_f16dot(x, weight, scale),
         "fp8dot": lambda: fp8_dot_rows(x_fp8, x_scale, weight, scale, None),

@@ -54,8 +54,8 @@ def _kernel() -> Any:
     ):
         """One program per (token, group of HEADS_PER_PROGRAM q or k heads, q heads first):
         rotate-half RoPE in fp32; q heads are written to q_out (qkv itself: in place), k heads
-        write rotated K
-        and their kv head's plain V (each times its inverse scale) into the token's slot.
+        write rotated K and their kv head's plain V (each times its inverse scale) into the
+        token's slot.
         DEQUANT: qkv holds ScaledRows' raw product; each value read is first multiplied by its
         token's and its column's scale and rounded to qkv's dtype."""
         token = tl.program_id(0).to(tl.int64)

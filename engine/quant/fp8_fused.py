@@ -96,6 +96,16 @@ def _kernel() -> Any:
     return make_and_quantize_rows
 
 
+def _empty_rows(
+    num_rows: int, num_cols: int, dtype: torch.dtype, device: torch.device
+) -> QuantizedRows:
+    """Room for num_rows quantized rows: codes [M, num_cols] of dtype, float32 scales [M, 1]."""
+    return QuantizedRows(
+        torch.empty((num_rows, num_cols), dtype=dtype, device=device),
+        torch.empty((num_rows, 1), dtype=torch.float32, device=device),
+    )
+
+
 def _launch(
     op: int,
     src: torch.Tensor,
@@ -109,10 +119,7 @@ def _launch(
 ) -> QuantizedRows:
     """src_scales: src is src_scales.raw, read through its row and column scales."""
     num_rows = src.shape[0]
-    out = QuantizedRows(
-        torch.empty((num_rows, num_cols), dtype=out_dtype, device=src.device),
-        torch.empty((num_rows, 1), dtype=torch.float32, device=src.device),
-    )
+    out = _empty_rows(num_rows, num_cols, out_dtype, src.device)
     if num_rows:
         block = 1 << (num_cols - 1).bit_length()  # the whole row in one program's registers
         _kernel()[(num_rows,)](
@@ -190,12 +197,7 @@ def silu_and_mul_quantize(
         return _launch(
             SILU_AND_MUL, src, None, None, 0.0, half, static_scale, out_dtype, src_scales
         )
-    out = QuantizedRows(
-        torch.empty((src.shape[0], half), dtype=out_dtype, device=src.device),
-        torch.empty((src.shape[0], 1), dtype=torch.float32, device=src.device),
-    )
+    out = _empty_rows(src.shape[0], half, out_dtype, src.device)
     row_scale, col_scale = (None, None) if src_scales is None else src_scales[1:]
-    fp8_silu_chunked.launch(
-        src, row_scale, col_scale, static_scale, *out, chunked, FP8_MAX, AMAX_FLOOR
-    )
+    fp8_silu_chunked.launch(src, row_scale, col_scale, static_scale, *out, chunked)
     return out

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+
 ENV = "KVRELAY_FP8_SILU_CHUNKED"
 CHUNK_DEFAULT, WARPS_DEFAULT = 2048, 8
 MAX_ROWS = 2048  # above, rows no longer fit L2 between the passes; the whole-row kernel is fast
@@ -141,8 +143,6 @@ def launch(
     q: torch.Tensor,
     scale: torch.Tensor,
     how: ChunkedSilu,
-    fp8_max: float,
-    amax_floor: float,
 ) -> None:
     """Fill q [M, I] and scale [M, 1] from src [M, 2I] (gate, then up; rows contiguous), read
     through row_scale [M, 1] and col_scale [1, 2I] when both are given (ScaledRows)."""
@@ -159,5 +159,5 @@ def launch(
         scale if static_scale is None else static_scale,  # read only when STATIC
         scratch, q, scale, half,
         CHUNK=how.chunk, DEQUANT=row_scale is not None, STATIC=static_scale is not None,
-        SCRATCH=how.scratch, FP8_MAX=fp8_max, AMAX_FLOOR=amax_floor, num_warps=how.warps,
+        SCRATCH=how.scratch, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=how.warps,
     )  # fmt: skip
