@@ -26,10 +26,11 @@
 #   gemm-options  bench.fp8_gemm_bench (cuBLASLt tuned, DeepGEMM), then fa2 against fa3 prefill
 #   fa3-row    the fa3 prefill GPU test, then the fp8w row with prefill chunks on fa3
 #   defer-row  the deferred-scales GPU tests, then the fp8w row with KVRELAY_FP8_DEFER_SCALES=1, 0
+#   pdl        the PDL GPU tests, then batch-1 fp8 decode with PDL and without (PDL_RUNS)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -194,6 +195,7 @@ case $phase in
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
       tests/unit/test_triton_kernels_interpreted.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
+      tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py \
       "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
       tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py &
@@ -282,6 +284,20 @@ case $phase in
       KVRELAY_FP8_DEFER_SCALES=$defer offline_run "offline_fp8w_defer$defer" --quantization fp8 \
         --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
         --max-num-batched-tokens 16384
+    done
+    ;;
+  pdl)  # programmatic dependent launch (engine/pdl.py): its GPU tests, then batch-1 decode of
+    # the 8B shape with fp8 weights + fp8 KV per PDL_RUNS entry "PDL,PREFETCH_MIB"
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_pdl.py \
+      > "$out/tests_pdl.txt" 2>&1
+    echo "tests_pdl rc=$?" | tee -a "$out/tests_pdl.txt"
+    for run in ${PDL_RUNS:-0,16 1,16 1,0}; do
+      name="b1_pdl${run/,/_}"
+      KVRELAY_PDL=${run%,*} KVRELAY_PDL_PREFETCH_MIB=${run#*,} timeout 150 python3 -m \
+        bench.gpu_engine_bench --skip compare hf-greedy hf-speed offline --quantization fp8 \
+        --kv-cache-dtype fp8 --kv-gib 8 --max-num-seqs 8 --json "$out/$name.json" \
+        > "$out/$name.txt" 2> "$out/$name.err"
+      echo "$name rc=$?"
     done
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;

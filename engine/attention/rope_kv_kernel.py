@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine import pdl
 from engine.quant.fp8 import ScaledRows
 
 
@@ -51,13 +52,18 @@ def _kernel() -> Any:
         HEAD_DIM: tl.constexpr,
         HEADS_PER_PROGRAM: tl.constexpr,
         DEQUANT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per (token, group of HEADS_PER_PROGRAM q or k heads, q heads first):
         rotate-half RoPE in fp32; q heads are written to q_out (qkv itself: in place), k heads
         write rotated K and their kv head's plain V (each times its inverse scale) into the
         token's slot.
         DEQUANT: qkv holds ScaledRows' raw product; each value read is first multiplied by its
-        token's and its column's scale and rounded to qkv's dtype."""
+        token's and its column's scale and rounded to qkv's dtype.
+        PDL: the next kernel may come in at once; this one waits for the one before."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         token = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         is_q = heads < NUM_Q_HEADS
@@ -160,6 +166,7 @@ def rope_and_write_kv(
     if num_tokens:
         heads = num_q_heads + num_kv_heads
         per_program = heads_per_program(num_tokens, heads)
+        use_pdl = pdl.enabled(qkv.device)
         _kernel()[(num_tokens, ceil_div(heads, per_program))](
             qkv,
             qkv.stride(0),
@@ -184,6 +191,8 @@ def rope_and_write_kv(
             HEAD_DIM=head_dim,
             HEADS_PER_PROGRAM=per_program,
             DEQUANT=scaled is not None,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
             num_warps=max(1, min(4, per_program * head_dim // 1024)),
         )
     return q_out

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from engine import pdl
+
 BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are masked
 MAX_ROWS = BLOCK_M
 
@@ -47,6 +49,10 @@ def _body() -> Any:
     import triton
     import triton.language as tl
 
+    from engine.pdl import prefetch_l2
+
+    prefetch = prefetch_l2()
+
     @triton.jit
     def fp8_dot_rows_kernel(
         x_ptr,
@@ -59,18 +65,27 @@ def _body() -> Any:
         N,
         K,
         out_row_stride,
+        prefetch_budget,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels, all M rows: acc += x_q @ w_q^T over K on
-        e4m3 (fp32 accumulator), then the row and channel scales (and bias)."""
+        e4m3 (fp32 accumulator), then the row and channel scales (and bias). PDL: the
+        program's rows of W (one contiguous slab) start into L2 before it waits for the
+        kernel before (engine/pdl.py), and the next kernel may come in after the loop."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
+        if PDL:
+            slab_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
+            budget = prefetch_budget // tl.num_programs(0)
+            prefetch(w_ptr + (pid * BLOCK_N).to(tl.int64) * K, slab_rows * K, budget)
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -86,6 +101,8 @@ def _body() -> Any:
                 other=0.0,
             )
             acc = tl.dot(x, tl.trans(w), acc)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
         col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
         out = acc * row_scale[:, None] * col_scale[None, :]
@@ -132,14 +149,20 @@ def fp8_dot_rows(
     if num_rows == 0:
         return out
     operands = (q, scale, weight, weight_scale, weight_scale if bias is None else bias, out)
-    sizes = (num_rows, n, k, out.stride(0))  # bias is read only when HAS_BIAS
-    if tile is None:
+    use_pdl = pdl.enabled(q.device)
+    sizes = (num_rows, n, k, out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "BLOCK_M": BLOCK_M,
+        "PDL": use_pdl,
+        "launch_pdl": use_pdl,
+    }
+    if tile is None:  # bias is read only when HAS_BIAS
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _kernel(True)[grid](*operands, *sizes, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M)
+        _kernel(True)[grid](*operands, *sizes, **flags)
     else:
         block_n, block_k = tile
         _kernel(False)[(triton.cdiv(n, block_n),)](
-            *operands, *sizes, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=block_k,
-        )  # fmt: skip
+            *operands, *sizes, **flags, BLOCK_N=block_n, BLOCK_K=block_k
+        )
     return out

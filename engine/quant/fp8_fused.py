@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine import pdl
 from engine.quant import fp8_silu_chunked
 from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
 from engine.quant.fp8_silu_chunked import ChunkedSilu
@@ -52,6 +53,7 @@ def _kernel() -> Any:
         DEQUANT: tl.constexpr,
         FP8_MAX: tl.constexpr,
         AMAX_FLOOR: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per row. OP NORM: rmsnorm(src) * weight; ADD_NORM: residual += src,
         then rmsnorm(the sum) * weight; SILU_AND_MUL: silu(src's first num_cols) * its next
@@ -59,7 +61,11 @@ def _kernel() -> Any:
         from it is first multiplied by its row's and its column's scale and rounded to src's
         dtype (the value the row-scaled GEMM would have stored). The row is rounded to src's
         dtype, then quantized as quantize_rows does: scale = amax / FP8_MAX (or the static
-        scale), q = row / scale clamped, stored e4m3."""
+        scale), q = row / scale clamped, stored e4m3. PDL: the next kernel may come in at once
+        (to prefetch its weights); this one waits for the one before (engine/pdl.py)."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < num_cols
@@ -122,6 +128,7 @@ def _launch(
     out = _empty_rows(num_rows, num_cols, out_dtype, src.device)
     if num_rows:
         block = 1 << (num_cols - 1).bit_length()  # the whole row in one program's registers
+        use_pdl = pdl.enabled(src.device)
         _kernel()[(num_rows,)](
             src,
             src.stride(0),
@@ -141,6 +148,8 @@ def _launch(
             DEQUANT=src_scales is not None,
             FP8_MAX=FP8_MAX,
             AMAX_FLOOR=AMAX_FLOOR,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
             num_warps=max(1, min(16, block // 512)),
         )
     return out

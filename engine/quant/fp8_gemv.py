@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from engine import pdl
+
 GEMV_MAX_ROWS = 16  # Fp8Linear takes these kernels up to here, cuBLASLt's FP8 GEMM above
 VECTOR_ROWS_ENV = "KVRELAY_FP8_GEMV_VECTOR_ROWS"
 VECTOR_ROWS_DEFAULT = 1  # measured: faster than "dot" for one row, slower for two
@@ -49,6 +51,9 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    from engine.pdl import prefetch_l2
+
+    prefetch = prefetch_l2()
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bn, bk, w, s in (
@@ -78,18 +83,26 @@ def _kernel() -> Any:
         K,
         x_row_stride,
         out_row_stride,
+        prefetch_budget,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels, all M (<= BLOCK_M) rows: acc += x_tile @
-        dequant(w_tile)^T over K in fp32, then the channel scales (and bias)."""
+        dequant(w_tile)^T over K in fp32, then the channel scales (and bias). PDL: as in
+        fp8_dot_rows (W's slab into L2, then wait; the next kernel in after the loop)."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
+        if PDL:
+            slab_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
+            budget = prefetch_budget // tl.num_programs(0)
+            prefetch(w_ptr + (pid * BLOCK_N).to(tl.int64) * K, slab_rows * K, budget)
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -105,6 +118,8 @@ def _kernel() -> Any:
                 other=0.0,
             )
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
         out = acc * scale[None, :]
         if HAS_BIAS:
@@ -123,6 +138,9 @@ def _vector_kernel() -> Any:
     import triton
     import triton.language as tl
 
+    from engine.pdl import prefetch_l2
+
+    prefetch = prefetch_l2()
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
         for bn, bk, w in (
@@ -163,18 +181,26 @@ def _vector_kernel() -> Any:
         K,
         x_row_stride,
         out_row_stride,
+        prefetch_budget,
         HAS_BIAS: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels: acc[r, n, k] += x[r, k] * w[n, k] over
-        the K tiles in fp32, summed along k once at the end, times the channel scales."""
+        the K tiles in fp32, summed along k once at the end, times the channel scales. PDL:
+        as in fp8_dot_rows."""
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
         col_ok = cols < N
         row_ok = rows < M
+        if PDL:
+            slab_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
+            budget = prefetch_budget // tl.num_programs(0)
+            prefetch(w_ptr + (pid * BLOCK_N).to(tl.int64) * K, slab_rows * K, budget)
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -190,6 +216,8 @@ def _vector_kernel() -> Any:
                 other=0.0,
             ).to(tl.float32)
             acc += x[:, None, :] * w[None, :, :]
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
         out = tl.sum(acc, axis=2) * scale[None, :]
         if HAS_BIAS:
@@ -235,10 +263,12 @@ def fp8_gemv(
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
     operands = (x, weight, weight_scale, weight_scale if bias is None else bias, out)  # bias
-    sizes = (num_rows, n, k, x.stride(0), out.stride(0))  # is read only when HAS_BIAS
+    use_pdl = pdl.enabled(x.device)  # bias is read only when HAS_BIAS
+    sizes = (num_rows, n, k, x.stride(0), out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
+    flags = {"HAS_BIAS": bias is not None, "PDL": use_pdl, "launch_pdl": use_pdl}
     if kernel == "vector":
         rows = 1 << max(0, (num_rows - 1).bit_length())
-        _vector_kernel()[grid](*operands, *sizes, HAS_BIAS=bias is not None, ROWS=rows)
+        _vector_kernel()[grid](*operands, *sizes, **flags, ROWS=rows)
     else:
-        _kernel()[grid](*operands, *sizes, HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS)
+        _kernel()[grid](*operands, *sizes, **flags, BLOCK_M=GEMV_MAX_ROWS)
     return out

@@ -1,0 +1,101 @@
+"""Programmatic dependent launch (PDL) for the engine's Triton kernels on Hopper and newer:
+whether they launch with it, and the Triton helper that streams a kernel's weights into L2
+before it waits; owns no state but the settings read once from the environment (imports triton
+on first use).
+
+A kernel launched with PDL may become resident while the kernel before it on the stream still
+runs, once every program of that one has called `gdc_launch_dependents` (or exited). It must
+then call `gdc_wait` (which returns when the kernel before has finished and its writes are
+visible) before it reads anything an earlier kernel wrote and before it writes anything. Since
+each PDL kernel finishes only after its own wait, the stream's order holds through a chain of
+them. What may run before the wait is only what reads no earlier kernel's output: here, L2
+prefetches of the weights.
+
+Where it pays: a decode step of one or a few sequences is ~300 small kernels, each bound by
+its latency or by its weight reads. With PDL the few-row GEMMs (fp8_dot_rows, fp8_gemv) ask
+L2 for the first bytes of their weights while the norm, RoPE, attention or SiLU kernel before
+them still runs; those kernels (and FlashInfer's XQA, which does the same) let the next one in
+at their start, the GEMMs after their main loop.
+
+KVRELAY_PDL: "1" (default) on where the GPU and Triton have it, "0" off.
+KVRELAY_PDL_PREFETCH_MIB: how many MiB of a GEMM's weights its programs prefetch in all
+(default PREFETCH_MIB_DEFAULT; 0: wait without prefetching).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+ENV = "KVRELAY_PDL"
+PREFETCH_ENV = "KVRELAY_PDL_PREFETCH_MIB"
+PREFETCH_MIB_DEFAULT = 16  # ~3.5 us of HBM: about a small kernel's time, well inside L2
+
+
+@functools.cache
+def wanted() -> bool:
+    """KVRELAY_PDL allows PDL (read once; cache_clear to re-read); other values are refused."""
+    raw = os.environ.get(ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+@functools.cache
+def prefetch_bytes() -> int:
+    """The weight bytes a PDL GEMM's programs prefetch into L2 in all (read once)."""
+    raw = os.environ.get(PREFETCH_ENV, str(PREFETCH_MIB_DEFAULT)).strip()
+    if not raw.isdigit() or int(raw) > 1024:
+        raise ValueError(f"{PREFETCH_ENV} must be a whole number of MiB, 0..1024, got {raw!r}")
+    return int(raw) << 20
+
+
+@functools.cache
+def _device_has_it(index: int) -> bool:
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        import triton.language as tl
+
+        cuda = tl.extra.cuda
+    except (ImportError, AttributeError):
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the engine's Triton kernels on device launch with PDL: KVRELAY_PDL allows it,
+    the device is a CUDA GPU of compute capability 9 or more, and Triton has the calls."""
+    if device.type != "cuda" or not wanted():
+        return False
+    return _device_has_it(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def prefetch_l2() -> Any:
+    """A @triton.jit helper, prefetch_l2(start, num_bytes, budget): ask L2 for the first
+    min(num_bytes, budget) bytes from start (rounded down to whole 128-byte lines), one line
+    per lane at a time; reads nothing into registers and waits for nothing."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefetch_l2(start, num_bytes, budget, LANES: tl.constexpr = 128):
+        base = start.to(tl.pointer_type(tl.int8))
+        num_lines = tl.minimum(num_bytes, budget) // 128
+        lanes = tl.arange(0, LANES)
+        for first in range(0, num_lines, LANES):
+            line = tl.minimum(first + lanes, num_lines - 1).to(tl.int64)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; // $0",
+                "=r,l",
+                [base + line * 128],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+
+    return prefetch_l2
