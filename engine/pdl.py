@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL) for the engine's Triton kernels on Hopper and newer:
-whether they launch with it, and the Triton helper that streams a kernel's weights into L2
+whether they launch with it, and the Triton helper that can stream a GEMM's weights into L2
 before it waits; owns no state but the settings read once from the environment (imports triton
 on first use).
 
@@ -12,14 +12,16 @@ them. What may run before the wait is only what reads no earlier kernel's output
 prefetches of the weights.
 
 Where it pays: a decode step of one or a few sequences is ~300 small kernels, each bound by
-its latency or by its weight reads. With PDL the few-row GEMMs (fp8_dot_rows, fp8_gemv) ask
-L2 for the first bytes of their weights while the norm, RoPE, attention or SiLU kernel before
-them still runs; those kernels (and FlashInfer's XQA, which does the same) let the next one in
-at their start, the GEMMs after their main loop.
+its latency or by its weight reads. With PDL a kernel's launch and start overlap the end of
+the one before: the norm, RoPE and SiLU kernels (and FlashInfer's XQA, which does the same) let
+the next one in at their start, the few-row GEMMs (fp8_dot_rows, fp8_gemv) after their main
+loop. On an H200 the 8B shape's batch-1 FP8 graph replay went from 3.03 to 2.75 ms
+(bench/RESULTS.md). The GEMMs can also ask L2 for the first bytes of their weights before they
+wait; that measured no gain (2.72-2.77 ms with 4 or 16 MiB, 2.99 with 48), so it is off.
 
 KVRELAY_PDL: "1" (default) on where the GPU and Triton have it, "0" off.
-KVRELAY_PDL_PREFETCH_MIB: how many MiB of a GEMM's weights its programs prefetch in all
-(default PREFETCH_MIB_DEFAULT; 0: wait without prefetching).
+KVRELAY_PDL_PREFETCH_MIB: how many MiB of a GEMM's weights its programs prefetch in all before
+they wait (default 0: none).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 ENV = "KVRELAY_PDL"
 PREFETCH_ENV = "KVRELAY_PDL_PREFETCH_MIB"
-PREFETCH_MIB_DEFAULT = 16  # ~3.5 us of HBM: about a small kernel's time, well inside L2
+PREFETCH_MIB_DEFAULT = 0  # measured: no gain at 4 or 16 MiB, a loss at 48
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """SiLU-and-mul + per-row FP8 quantization that walks each row in chunks, for decode batches
-(opt-in: KVRELAY_FP8_SILU_CHUNKED); owns no state but the setting read once from the
+(KVRELAY_FP8_SILU_CHUNKED); owns no state but the setting read once from the
 environment (imports triton on first use).
 
 fp8_fused.py's kernel holds a whole row in one program: for the 8B shape 14,336 values of gate
@@ -15,11 +15,12 @@ back. The codes and scales equal fp8_fused.py's.
 Alone on an H200 (bench/fp8_step_kernels_bench.py --parts silu, 8B shape, ms per step over 32
 layers): on ScaledRows the best setting (2048 columns, 8 warps, scratch) took 0.794 ms at 768
 rows against the whole-row kernel's 1.172, and 0.309 against 0.423 at 232; on bf16 rows it lost
-(0.758 against 0.649 at 768). Opt-in until a whole run shows the gain.
+(0.758 against 0.649 at 768). Over the whole fp8 offline run (decode batches' products come as
+ScaledRows) it took 57.6 s to 56.1 s, so it is on by default.
 
-KVRELAY_FP8_SILU_CHUNKED: "0" (default) off; "1" on with CHUNK_DEFAULT columns, WARPS_DEFAULT
-warps and scratch (that best setting); or "CHUNK,WARPS,r|s". It applies to inputs of up to
-MAX_ROWS rows.
+KVRELAY_FP8_SILU_CHUNKED: "1" (default) on with CHUNK_DEFAULT columns, WARPS_DEFAULT warps and
+scratch (that best setting); "CHUNK,WARPS,r|s"; "0" off. It applies to inputs of MIN_ROWS to
+MAX_ROWS rows: fewer (fp8_dot_rows' few rows) keep the whole-row kernel, launched with PDL.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
 ENV = "KVRELAY_FP8_SILU_CHUNKED"
 CHUNK_DEFAULT, WARPS_DEFAULT = 2048, 8
 MAX_ROWS = 2048  # above, rows no longer fit L2 between the passes; the whole-row kernel is fast
+MIN_ROWS = 17  # below, fp8_dot_rows' few rows: the whole-row kernel, launched with PDL
 
 
 class ChunkedSilu(NamedTuple):
@@ -49,7 +51,7 @@ class ChunkedSilu(NamedTuple):
 def setting() -> ChunkedSilu | None:
     """The kernel's setting from KVRELAY_FP8_SILU_CHUNKED, or None when off (read once;
     cache_clear to re-read); a malformed value is refused by the variable's name."""
-    raw = os.environ.get(ENV, "0").strip()
+    raw = os.environ.get(ENV, "1").strip()
     if raw == "0":
         return None
     if raw == "1":

@@ -39,7 +39,7 @@ def test_chunked_equals_the_whole_row_kernel(scaled: bool, static: bool, scratch
         col_scale = torch.rand(1, 2 * half, generator=gen) * 0.1 + 0.01
         src = ScaledRows(gate_up.to(DEVICE), row_scale.to(DEVICE), col_scale.to(DEVICE))
     static_scale = torch.tensor([[0.02]], device=DEVICE) if static else None
-    want = silu_and_mul_quantize(src, static_scale, chunked=None)
+    want = silu_and_mul_quantize(src, static_scale, chunked=None)  # 3 rows: the whole-row one
     got = silu_and_mul_quantize(src, static_scale, chunked=ChunkedSilu(64, 4, scratch))
     assert torch.equal(got.scale, want.scale)
     assert torch.equal(got.q.float(), want.q.float())
@@ -56,9 +56,9 @@ def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         return fp8_silu_chunked.setting()
 
     try:
-        assert read(None) is None and read("0") is None  # off by default
         default = ChunkedSilu(fp8_silu_chunked.CHUNK_DEFAULT, fp8_silu_chunked.WARPS_DEFAULT, True)
-        assert read("1") == default
+        assert read(None) == default and read("1") == default  # on by default
+        assert read("0") is None
         assert read("1024,8,s") == ChunkedSilu(1024, 8, True)
         for bad in ("yes", "1000,4,r", "1024,4", "1024,4,x", "0,4,r"):
             with pytest.raises(ValueError, match=fp8_silu_chunked.ENV):
@@ -66,3 +66,19 @@ def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
         fp8_silu_chunked.setting.cache_clear()
+
+
+@needs_triton
+def test_decode_batches_take_it_few_rows_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default rows from MIN_ROWS to MAX_ROWS take the chunked kernel; fewer rows (those
+    fp8_dot_rows multiplies) keep the whole-row one, which launches with PDL on a GPU."""
+    monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
+    fp8_silu_chunked.setting.cache_clear()
+    calls: list[int] = []
+    launch = fp8_silu_chunked.launch
+    monkeypatch.setattr(
+        fp8_silu_chunked, "launch", lambda src, *a: calls.append(src.shape[0]) or launch(src, *a)
+    )
+    for num_rows in (1, fp8_silu_chunked.MIN_ROWS - 1, fp8_silu_chunked.MIN_ROWS):
+        silu_and_mul_quantize(torch.randn(num_rows, 64).bfloat16().to(DEVICE), None)
+    assert calls == [fp8_silu_chunked.MIN_ROWS]
