@@ -164,6 +164,32 @@ def idle_gaps(spans: list[tuple[float, float]]) -> list[float]:
     return gaps
 
 
+def gaps_by_neighbours(
+    spans: list[tuple[float, float, str]], num_steps: int, top: int = 8
+) -> list[dict[str, Any]]:
+    """The idle gaps between (start, end, name) spans summed by what ran last before each gap
+    and what ran first after it: the top pairs by total, in ms per step, with their counts."""
+    ordered = sorted(spans)
+    totals: dict[tuple[str, str], list[float]] = {}
+    reach, last = ordered[0][1], ordered[0][2]
+    for start, end, name in ordered[1:]:
+        if start > reach:
+            totals.setdefault((last[:70], name[:70]), []).append(start - reach)
+        if end > reach:
+            reach, last = end, name
+    ranked = sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [
+        {
+            "before": before,
+            "after": after,
+            "ms_per_step": sum(gaps) / num_steps / 1e3,
+            "count": len(gaps),
+            "largest_us": max(gaps),
+        }
+        for (before, after), gaps in ranked
+    ]
+
+
 def split_idle(gaps: list[float], num_steps: int) -> dict[str, float]:
     """Idle time per step, in total and split: the num_steps - 1 longest gaps are taken as the
     boundaries between steps (host work the overlap did not hide), the rest as gaps inside a
@@ -178,10 +204,10 @@ def split_idle(gaps: list[float], num_steps: int) -> dict[str, float]:
     }
 
 
-def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, float]:
+def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, Any]:
     """Milliseconds per engine step in which no kernel or copy runs on the GPU (CUPTI's kernel
     spans, merged), over num_steps steady steps: in total, between steps and inside them
-    (split_idle)."""
+    (split_idle), and by the kernels on either side of the gaps (gaps_by_neighbours)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()  # the step queued ahead runs out: each step below queues one
@@ -190,12 +216,13 @@ def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, float]:
             engine.step()
         torch.cuda.synchronize()
     spans = [
-        (e.time_range.start, e.time_range.end)
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     ]
-    us = split_idle(idle_gaps(spans), num_steps)
-    return {name: value / 1e3 for name, value in us.items()}
+    us = split_idle(idle_gaps([(start, end) for start, end, _ in spans]), num_steps)
+    idle: dict[str, Any] = {name: value / 1e3 for name, value in us.items()}
+    return idle | {"gaps_by_neighbours": gaps_by_neighbours(spans, num_steps)}
 
 
 def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
@@ -230,6 +257,7 @@ def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
         "gpu_idle_ms_per_step": idle["idle"],
         "gpu_idle_ms_between_steps": idle["between_steps"],
         "gpu_idle_ms_within_steps": idle["within_steps"],
+        "gpu_idle_gaps_by_neighbours": idle["gaps_by_neighbours"],
         "cprofile_tottime_top15": text.getvalue()[-4000:],
         "seconds": time.perf_counter() - start,
     }

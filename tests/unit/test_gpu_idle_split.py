@@ -1,12 +1,13 @@
 """bench.lib.gpu_timing's idle arithmetic on made-up kernel spans: the gaps where no span runs
-(overlapping and nested spans merged), and their split into gaps between steps (the longest,
-one per step boundary) and gaps inside steps. Pure functions: no GPU."""
+(overlapping and nested spans merged), their split into gaps between steps (the longest,
+one per step boundary) and gaps inside steps, and their sums by the spans on either side. Pure
+functions: no GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.lib.gpu_timing import idle_gaps, split_idle
+from bench.lib.gpu_timing import gaps_by_neighbours, idle_gaps, split_idle
 
 
 def test_gaps_skip_overlapping_and_nested_spans() -> None:
@@ -31,3 +32,20 @@ def test_one_step_has_no_boundary() -> None:
         "between_steps": 0.0,
         "within_steps": 3.0,
     }
+
+
+def test_gaps_are_summed_by_the_kernels_on_either_side() -> None:
+    spans = [
+        (0.0, 10.0, "graph"),
+        (2.0, 4.0, "inside"),  # ends before "graph" does: not what ran last before the gap
+        (12.0, 13.0, "copy"),  # 2 us after "graph"
+        (13.0, 20.0, "graph"),  # no gap after "copy"
+        (22.0, 30.0, "copy"),  # 2 us after "graph" again
+        (35.0, 36.0, "sample"),  # 5 us after "copy"
+    ]
+    pairs = gaps_by_neighbours(spans, num_steps=2)
+    assert [(p["before"], p["after"], p["count"]) for p in pairs] == [
+        ("copy", "sample", 1),
+        ("graph", "copy", 2),
+    ]
+    assert pairs[1]["ms_per_step"] == 2.0 * 2 / 2 / 1e3 and pairs[1]["largest_us"] == 2.0
