@@ -348,7 +348,7 @@ class Engine:
         generator = self._generators.get(req.req_id)
         if not req.sampling.has_penalties:
             return SampleRow(req.sampling, generator, req.num_tokens + offset)
-        # Penalties read the token history: never run ahead of it (see _known_to_end_next).
+        # Penalties read the token history: never run ahead of it (see _cannot_run_ahead_of).
         assert not req.num_pending_tokens, "a penalised request ran ahead"
         num_prompt = req.num_prompt_tokens - req.num_resumed_tokens
         return SampleRow(req.sampling, generator, req.num_tokens, req.all_token_ids, num_prompt)
@@ -357,12 +357,13 @@ class Engine:
         """Schedule and queue the next step before `current`'s tokens are known: each request
         that samples in `current` gets a pending token, which the device fills in.
 
-        Only when no request of `current` can finish by length there (those are known now); one
-        that stops on a stop token or string is found a step late, its extra row is dropped and
-        its blocks are freed then (queued work that writes them runs before any new owner's).
+        A request whose pending token reaches its length limit is not in the next step (the
+        scheduler sees it has nothing left to compute); one that stops on a stop token or string
+        is found a step late, its extra row is dropped and its blocks are freed then (queued
+        work that writes them runs before any new owner's).
         """
         live = [req for req in current.reqs if not req.is_finished]
-        if current.drafts or not live or any(self._known_to_end_next(req) for req in live):
+        if current.drafts or not live or any(self._cannot_run_ahead_of(req) for req in live):
             return None
         for req in live:
             req.num_pending_tokens += 1
@@ -373,19 +374,17 @@ class Engine:
         self.stats.num_steps_ahead += 1
         return self._launch(scheduled, current)
 
-    def _known_to_end_next(self, req: Request) -> bool:
-        """req's next token ends it by length, or (prefill role) hands its blocks to a lease
-        that a NIXL read may follow at once, or its next draw reads its token history
-        (penalties) or its grammar's state (structured outputs: the mask needs the token before
-        it), which would miss the pending token, or it speculates (drafts need every token):
-        in each case, do not run ahead of it."""
+    def _cannot_run_ahead_of(self, req: Request) -> bool:
+        """req (prefill role) hands its blocks to a lease that a NIXL read may follow at once,
+        or its next draw reads its token history (penalties) or its grammar's state (structured
+        outputs: the mask needs the token before it), which would miss the pending token, or it
+        speculates (drafts need every token): in each case, do not run ahead of it. (One whose
+        next token ends it by length is simply left out of the step run ahead.)"""
         return (
             req.hold_kv
             or self.speculator.wants(req, len(self.scheduler.running))
             or req.sampling.has_penalties
             or req.sampling.structured is not None
-            or req.num_output_tokens + 1 >= req.sampling.max_tokens
-            or req.num_tokens + 1 >= self.max_model_len
         )
 
     def _finish(self, current: InFlightStep) -> list[RequestOutput]:

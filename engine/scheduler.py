@@ -126,6 +126,8 @@ class Scheduler:
         return budget
 
     def _chunk_size(self, req: Request, budget: int) -> int:
+        if req.num_pending_tokens and self._ends_with_pending(req):
+            return 0  # its last token is in flight (a step run ahead): nothing left to compute
         remaining = req.num_tokens - req.num_computed_tokens
         if req.draft_token_ids:  # verified whole or not at all: drop those the budget lacks
             del req.draft_token_ids[max(0, budget - remaining) :]
@@ -133,6 +135,12 @@ class Scheduler:
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """req's tokens, its pending ones counted, reach its length limit: max_tokens outputs
+        or max_model_len positions (the engine then finishes it as it appends them)."""
+        num_outputs = req.num_output_tokens + req.num_pending_tokens
+        return num_outputs >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []

@@ -146,3 +146,22 @@ def test_token_lists_hold_only_real_tokens_while_running_ahead(make_engine, toke
     assert (tokens, reasons, logprobs) == want
     assert num_pending_seen > 10 and engine.stats.num_steps_ahead > 10
     engine.check_integrity()
+
+
+def test_requests_that_end_by_length_do_not_stop_running_ahead(make_engine, tokenizer):
+    """A request whose pending token reaches max_tokens (or max_model_len) is left out of the
+    step launched ahead instead of holding that step back: every step but the first runs
+    ahead, outputs equal the plain engine's, the lengths are exact and no block leaks."""
+    requests = {
+        r: (prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for (r, (prompt, _)), n in zip(workload(tokenizer).items(), [3, 7, 8, 11, 200], strict=True)
+    }
+    max_model_len = len(requests["r4"][0]) + 13  # r4 ends by the model length, not max_tokens
+    want_tokens, want_reasons, _ = run(make_engine(max_model_len=max_model_len), requests)
+    engine = make_engine(max_model_len=max_model_len, async_scheduling=True)
+    got_tokens, got_reasons, _ = run(engine, requests)
+    assert got_tokens == want_tokens and got_reasons == want_reasons
+    assert [len(t) for t in got_tokens.values()] == [3, 7, 8, 11, 13]
+    assert set(got_reasons.values()) == {"length"}
+    assert engine.stats.num_steps_ahead == engine.stats.num_steps - 1
+    engine.check_integrity()
