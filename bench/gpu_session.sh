@@ -27,10 +27,11 @@
 #   fa3-row    the fa3 prefill GPU test, then the fp8w row with prefill chunks on fa3
 #   defer-row  the deferred-scales GPU tests, then the fp8w row with KVRELAY_FP8_DEFER_SCALES=1, 0
 #   pdl        the PDL GPU tests, then batch-1 fp8 decode with PDL and without (PDL_RUNS)
+#   page-lock  batch-1 fp8 decode, then the fp8w row, with step copies page-locked from 1 MiB and from 0
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -298,6 +299,21 @@ case $phase in
         --kv-cache-dtype fp8 --kv-gib 8 --max-num-seqs 8 --json "$out/$name.json" \
         > "$out/$name.txt" 2> "$out/$name.err"
       echo "$name rc=$?"
+    done
+    ;;
+  page-lock)  # step inputs copied from pageable memory under 1 MiB (default) or page-locked
+    # always (KVRELAY_PAGE_LOCK_FROM_BYTES=0): the host's cost per copy against the GPU's idle
+    for bytes in 1048576 0; do
+      KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes timeout 150 python3 -m bench.gpu_engine_bench --skip \
+        compare hf-greedy hf-speed offline --quantization fp8 --kv-cache-dtype fp8 --kv-gib 8 \
+        --max-num-seqs 8 --json "$out/b1_lock$bytes.json" > "$out/b1_lock$bytes.txt" \
+        2> "$out/b1_lock$bytes.err"
+      echo "b1 page-lock from $bytes rc=$?"
+    done
+    for bytes in 1048576 0; do
+      KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes offline_run "offline_fp8w_lock$bytes" --quantization fp8 \
+        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+        --max-num-batched-tokens 16384
     done
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
