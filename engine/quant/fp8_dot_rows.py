@@ -73,9 +73,10 @@ def _body() -> Any:
         PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels, all M rows: acc += x_q @ w_q^T over K on
-        e4m3 (fp32 accumulator), then the row and channel scales (and bias). PDL: the
-        program's rows of W (one contiguous slab) start into L2 before it waits for the
-        kernel before (engine/pdl.py), and the next kernel may come in after the loop."""
+        e4m3 (fp32 accumulator), then the row and channel scales (and bias). PDL: it waits
+        for the kernel before (engine/pdl.py), after asking L2 for its share of
+        prefetch_budget bytes of its rows of W (one contiguous slab); the next kernel may come
+        in after the loop."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -92,7 +92,7 @@ def _kernel() -> Any:
     ):
         """One program per BLOCK_N output channels, all M (<= BLOCK_M) rows: acc += x_tile @
         dequant(w_tile)^T over K in fp32, then the channel scales (and bias). PDL: as in
-        fp8_dot_rows (W's slab into L2, then wait; the next kernel in after the loop)."""
+        fp8_dot_rows (its share of W's prefetch, then wait; the next kernel in after the loop)."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -262,7 +262,7 @@ def fp8_gemv(
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    operands = (x, weight, weight_scale, weight_scale if bias is None else bias, out)  # bias
+    operands = (x, weight, weight_scale, weight_scale if bias is None else bias, out)
     use_pdl = pdl.enabled(x.device)  # bias is read only when HAS_BIAS
     sizes = (num_rows, n, k, x.stride(0), out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
     flags = {"HAS_BIAS": bias is not None, "PDL": use_pdl, "launch_pdl": use_pdl}
