@@ -330,7 +330,8 @@ case $phase in
       esac
     done
     ;;
-  vllm-offline)  # vLLM 0.26.0's own defaults on the same rows
+  vllm-offline)  # vLLM 0.26.0's own defaults on the same rows (~200-230 s of start-up a row, then
+    # the throughput run and batch-1 latency: call with a limit of at least 420 s a row)
     for row in ${ROWS:-fp8w fp8kv bf16}; do
       case $row in
         fp8w) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
@@ -338,7 +339,7 @@ case $phase in
         *) flags="" ;;
       esac
       # shellcheck disable=SC2086
-      PYTHONPATH=/tmp/vsite timeout 330 python3 .vstage/vllm_bench.py $flags --lat-reps 3 \
+      PYTHONPATH=/tmp/vsite timeout 420 python3 .vstage/vllm_bench.py $flags --lat-reps 3 \
         --json "$out/vllm_$row.json" > "$out/vllm_$row.txt" 2>&1
       echo "vllm $row rc=$?"
     done
