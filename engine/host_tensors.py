@@ -30,7 +30,7 @@ def page_lock_from_bytes() -> int:
     """Copies of this many bytes or more go through page-locked memory (read once from
     KVRELAY_PAGE_LOCK_FROM_BYTES, default PAGE_LOCK_FROM_BYTES; cache_clear to re-read)."""
     raw = os.environ.get(PAGE_LOCK_ENV, str(PAGE_LOCK_FROM_BYTES)).strip()
-    if not raw.isdigit():
+    if not raw.isdecimal():
         raise ValueError(f"{PAGE_LOCK_ENV} must be a whole number of bytes, got {raw!r}")
     return int(raw)
 

@@ -50,7 +50,7 @@ def wanted() -> bool:
 def prefetch_bytes() -> int:
     """The weight bytes a PDL GEMM's programs prefetch into L2 in all (read once)."""
     raw = os.environ.get(PREFETCH_ENV, str(PREFETCH_MIB_DEFAULT)).strip()
-    if not raw.isdigit() or int(raw) > 1024:
+    if not raw.isdecimal() or int(raw) > 1024:
         raise ValueError(f"{PREFETCH_ENV} must be a whole number of MiB, 0..1024, got {raw!r}")
     return int(raw) << 20
 

@@ -73,10 +73,15 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, preempt: bool = True) -> SchedulerOutput:
+        """The next step's chunks: running requests first, then waiting ones while budget,
+        seats and blocks last. preempt=False: a running request that finds no room is left
+        out of this step instead of preempting others, and nothing waiting is admitted (the
+        engine's step run ahead while some request's blocks are about to be freed)."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        starved = False
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
@@ -87,6 +92,10 @@ class Scheduler:
             if req.draft_token_ids and not self.kv.can_allocate(req, num_new):
                 num_new -= len(req.draft_token_ids)  # no room to verify drafts: decode plainly
                 req.draft_token_ids = []
+            if not preempt and not self.kv.can_allocate(req, num_new):
+                starved = True
+                idx += 1
+                continue
             while not self.kv.can_allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,7 +107,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk.of(req, num_new))
                 budget -= num_new
                 idx += 1
-        if not preempted:
+        if not preempted and not starved:
             budget = self._admit_waiting(budget, chunks)
         for req in self.running:  # the chunks keep this step's drafts; none outlives it
             req.draft_token_ids = []
@@ -126,7 +135,7 @@ class Scheduler:
         return budget
 
     def _chunk_size(self, req: Request, budget: int) -> int:
-        if req.num_pending_tokens and self._ends_with_pending(req):
+        if req.num_pending_tokens and self.ends_with_pending(req):
             return 0  # its last token is in flight (a step run ahead): nothing left to compute
         remaining = req.num_tokens - req.num_computed_tokens
         if req.draft_token_ids:  # verified whole or not at all: drop those the budget lacks
@@ -136,7 +145,7 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
-    def _ends_with_pending(self, req: Request) -> bool:
+    def ends_with_pending(self, req: Request) -> bool:
         """req's tokens, its pending ones counted, reach its length limit: max_tokens outputs
         or max_model_len positions (the engine then finishes it as it appends them)."""
         num_outputs = req.num_output_tokens + req.num_pending_tokens

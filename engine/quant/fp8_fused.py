@@ -10,8 +10,8 @@ took 28.3 ms (bench/fp8_step_kernels_bench.py). The math is the unfused chain's:
 rounded to the activations' dtype before its amax is taken, so the e4m3 codes are those
 quantize_rows would give on the unfused output, up to float rounding. Per-row quantization
 alone is quantize_rows_torch's math in one launch instead of ~6 small torch kernels. Decode
-batches of 17-2,048 rows walk the SiLU row in chunks instead (fp8_silu_chunked.py). On Hopper
-the kernel launches with PDL (engine/pdl.py).
+batches' deferred-scale products of 17-2,048 rows walk the SiLU row in chunks instead
+(fp8_silu_chunked.py). On Hopper the kernel launches with PDL (engine/pdl.py).
 """
 
 from __future__ import annotations
@@ -195,13 +195,14 @@ def silu_and_mul_quantize(
 ) -> QuantizedRows:
     """quantize_rows(silu(gate) * up) for gate_up [M, 2I] (gate, then up; rows contiguous; or
     an Fp8Linear's ScaledRows, read through its scales). chunked: run fp8_silu_chunked.py's
-    kernel so (default: as KVRELAY_FP8_SILU_CHUNKED says, for its MIN_ROWS..MAX_ROWS rows)."""
+    kernel so (default: as KVRELAY_FP8_SILU_CHUNKED says, for ScaledRows of its MIN_ROWS to
+    MAX_ROWS rows; on plain bf16 rows it measured slower)."""
     src, src_scales = (gate_up.raw, gate_up) if isinstance(gate_up, ScaledRows) else (gate_up, None)
     width = src.shape[1]
     if src.stride(1) != 1 or width % 2:
         raise ValueError(f"gate_up of shape {tuple(src.shape)} is not [M, 2I] by rows")
     half = width // 2
-    if chunked is None and fp8_silu_chunked.MIN_ROWS <= src.shape[0] <= fp8_silu_chunked.MAX_ROWS:
+    if chunked is None and src_scales is not None and fp8_silu_chunked.takes(src.shape[0]):
         chunked = fp8_silu_chunked.setting()
     if chunked is None or not src.shape[0]:
         return _launch(

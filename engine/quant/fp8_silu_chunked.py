@@ -19,8 +19,9 @@ rows against the whole-row kernel's 1.172, and 0.309 against 0.423 at 232; on bf
 ScaledRows) it took 57.6 s to 56.1 s, so it is on by default.
 
 KVRELAY_FP8_SILU_CHUNKED: "1" (default) on with CHUNK_DEFAULT columns, WARPS_DEFAULT warps and
-scratch (that best setting); "CHUNK,WARPS,r|s"; "0" off. It applies to inputs of MIN_ROWS to
-MAX_ROWS rows: fewer (fp8_dot_rows' few rows) keep the whole-row kernel, launched with PDL.
+scratch (that best setting); "CHUNK,WARPS,r|s"; "0" off. It applies to ScaledRows of MIN_ROWS to
+MAX_ROWS rows (takes): fewer rows (fp8_dot_rows' few) keep the whole-row kernel, launched with
+PDL, and so do plain bf16 rows, where it is slower.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def setting() -> ChunkedSilu | None:
     if not valid:
         raise ValueError(f"{ENV} must be 0, 1 or CHUNK,WARPS,r|s (powers of two), got {raw!r}")
     return ChunkedSilu(int(parts[0]), int(parts[1]), parts[2] == "s")
+
+
+def takes(num_rows: int) -> bool:
+    """Whether inputs of num_rows rows take the chunked kernel by default (ScaledRows only)."""
+    return MIN_ROWS <= num_rows <= MAX_ROWS
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from tests.gpu.test_fp8_weights import (  # noqa: F401 (their GPU marks and tiny
     tiny,
 )
 
-HIDDEN, INTERMEDIATE, LAYERS = 4096, 14336, 3  # the 8B shape's MLP: prefetches of MiBs
+HIDDEN, INTERMEDIATE, LAYERS = 4096, 14336, 3  # the 8B shape's MLP
 
 
 def require_pdl() -> None:
@@ -36,16 +36,20 @@ def require_pdl() -> None:
 
 @pytest.fixture
 def pdl_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """set(on): KVRELAY_PDL for the launches that follow."""
+    """set(on, prefetch_mib): KVRELAY_PDL (and the GEMMs' L2 prefetch) for what follows."""
 
     class Switch:
-        def set(self, on: bool) -> None:
+        def set(self, on: bool, prefetch_mib: int = 0) -> None:
             monkeypatch.setenv(pdl.ENV, "1" if on else "0")
+            monkeypatch.setenv(pdl.PREFETCH_ENV, str(prefetch_mib))
             pdl.wanted.cache_clear()
+            pdl.prefetch_bytes.cache_clear()
 
     yield Switch()
     monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
     pdl.wanted.cache_clear()
+    pdl.prefetch_bytes.cache_clear()
 
 
 def mlp_layers() -> list[tuple]:
@@ -76,8 +80,9 @@ def chain(layers: list[tuple], hidden: torch.Tensor, residual: torch.Tensor) -> 
     return hidden
 
 
+@pytest.mark.parametrize("prefetch_mib", [0, 16], ids=["no-prefetch", "prefetch"])
 @pytest.mark.parametrize("num_rows", [1, 5])
-def test_kernel_chain_is_the_same_with_pdl(pdl_switch, num_rows: int) -> None:
+def test_kernel_chain_is_the_same_with_pdl(pdl_switch, num_rows: int, prefetch_mib: int) -> None:
     require_pdl()
     layers = mlp_layers()
     gen = torch.Generator(CUDA).manual_seed(11)
@@ -88,7 +93,7 @@ def test_kernel_chain_is_the_same_with_pdl(pdl_switch, num_rows: int) -> None:
     for hidden, residual in inputs:
         res = residual.clone()
         want.append((chain(layers, hidden, res), res))  # compiles and autotunes without PDL
-    pdl_switch.set(True)
+    pdl_switch.set(True, prefetch_mib)  # 16 MiB: the GEMMs' L2 prefetches run too
     for (hidden, residual), (out, res) in zip(inputs, want, strict=True):
         got_res = residual.clone()
         assert torch.equal(chain(layers, hidden, got_res), out)

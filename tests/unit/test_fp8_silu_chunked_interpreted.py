@@ -69,16 +69,31 @@ def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_triton
-def test_decode_batches_take_it_few_rows_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default rows from MIN_ROWS to MAX_ROWS take the chunked kernel; fewer rows (those
-    fp8_dot_rows multiplies) keep the whole-row one, which launches with PDL on a GPU."""
+def test_decode_batches_take_it_few_rows_and_bf16_rows_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By default ScaledRows of MIN_ROWS to MAX_ROWS rows take the chunked kernel; fewer rows
+    (those fp8_dot_rows multiplies) and plain bf16 rows keep the whole-row one."""
     monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
     fp8_silu_chunked.setting.cache_clear()
-    calls: list[int] = []
+    calls: list[tuple[int, bool]] = []
     launch = fp8_silu_chunked.launch
-    monkeypatch.setattr(
-        fp8_silu_chunked, "launch", lambda src, *a: calls.append(src.shape[0]) or launch(src, *a)
-    )
-    for num_rows in (1, fp8_silu_chunked.MIN_ROWS - 1, fp8_silu_chunked.MIN_ROWS):
-        silu_and_mul_quantize(torch.randn(num_rows, 64).bfloat16().to(DEVICE), None)
-    assert calls == [fp8_silu_chunked.MIN_ROWS]
+
+    def counting(src: torch.Tensor, row_scale, *rest) -> None:
+        calls.append((src.shape[0], row_scale is not None))
+        launch(src, row_scale, *rest)
+
+    monkeypatch.setattr(fp8_silu_chunked, "launch", counting)
+
+    def scaled(num_rows: int) -> ScaledRows:
+        rows = torch.randn(num_rows, 64).bfloat16().to(DEVICE)
+        ones = torch.ones(num_rows, 1, device=DEVICE), torch.ones(1, 64, device=DEVICE)
+        return ScaledRows(rows, *ones)
+
+    try:
+        for num_rows in (1, fp8_silu_chunked.MIN_ROWS - 1, fp8_silu_chunked.MIN_ROWS):
+            silu_and_mul_quantize(scaled(num_rows), None)
+            silu_and_mul_quantize(torch.randn(num_rows, 64).bfloat16().to(DEVICE), None)
+    finally:
+        fp8_silu_chunked.setting.cache_clear()
+    assert calls == [(fp8_silu_chunked.MIN_ROWS, True)]

@@ -32,7 +32,7 @@ def test_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert host_tensors.page_lock_from_bytes() == 0
 
 
-@pytest.mark.parametrize("value", ["-1", "1MiB", ""])
+@pytest.mark.parametrize("value", ["-1", "1MiB", "", "\u00b2"])
 def test_bad_threshold_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(host_tensors.PAGE_LOCK_ENV, value)
     with pytest.raises(ValueError, match=host_tensors.PAGE_LOCK_ENV):

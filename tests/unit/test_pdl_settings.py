@@ -29,9 +29,9 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_turned_off_and_sized(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(pdl.ENV, "0")
-    monkeypatch.setenv(pdl.PREFETCH_ENV, " 0 ")
+    monkeypatch.setenv(pdl.PREFETCH_ENV, " 4 ")
     assert pdl.wanted() is False
-    assert pdl.prefetch_bytes() == 0
+    assert pdl.prefetch_bytes() == 4 << 20
 
 
 @pytest.mark.parametrize("value", ["yes", "2", ""])
@@ -41,7 +41,7 @@ def test_bad_switch_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: s
         pdl.wanted()
 
 
-@pytest.mark.parametrize("value", ["-1", "1.5", "4096", "lots"])
+@pytest.mark.parametrize("value", ["-1", "1.5", "4096", "lots", "\u00b2"])
 def test_bad_prefetch_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(pdl.PREFETCH_ENV, value)
     with pytest.raises(ValueError, match=pdl.PREFETCH_ENV):
