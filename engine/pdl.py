@@ -77,27 +77,31 @@ def enabled(device: torch.device) -> bool:
 
 
 @functools.cache
-def prefetch_l2() -> Any:
-    """A @triton.jit helper, prefetch_l2(start, num_bytes, budget): ask L2 for the first
-    min(num_bytes, budget) bytes from start (rounded down to whole 128-byte lines), one line
-    per lane at a time; reads nothing into registers and waits for nothing."""
+def prefetch_then_wait() -> Any:
+    """A @triton.jit helper for a GEMM program over BLOCK_N output channels of W [N, K] (1-byte
+    elements, rows contiguous), prefetch_then_wait(w_ptr, pid, N, K, budget, BLOCK_N): ask L2
+    for the first bytes of the program's rows of W (one contiguous slab; its share of budget
+    bytes over all programs, in whole 128-byte lines, one line per lane at a time), then
+    gdc_wait for the kernel before."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def prefetch_l2(start, num_bytes, budget, LANES: tl.constexpr = 128):
-        base = start.to(tl.pointer_type(tl.int8))
-        num_lines = tl.minimum(num_bytes, budget) // 128
-        lanes = tl.arange(0, LANES)
-        for first in range(0, num_lines, LANES):
+    def prefetch_then_wait(w_ptr, pid, N, K, budget, BLOCK_N: tl.constexpr):
+        slab = (w_ptr + (pid * BLOCK_N).to(tl.int64) * K).to(tl.pointer_type(tl.int8))
+        slab_bytes = tl.minimum(BLOCK_N, N - pid * BLOCK_N) * K
+        num_lines = tl.minimum(slab_bytes, budget // tl.num_programs(0)) // 128
+        lanes = tl.arange(0, 128)
+        for first in range(0, num_lines, 128):
             line = tl.minimum(first + lanes, num_lines - 1).to(tl.int64)
             tl.inline_asm_elementwise(
                 "prefetch.global.L2 [$1]; // $0",
                 "=r,l",
-                [base + line * 128],
+                [slab + line * 128],
                 dtype=tl.int32,
                 is_pure=False,
                 pack=1,
             )
+        tl.extra.cuda.gdc_wait()
 
-    return prefetch_l2
+    return prefetch_then_wait

@@ -49,9 +49,7 @@ def _body() -> Any:
     import triton
     import triton.language as tl
 
-    from engine.pdl import prefetch_l2
-
-    prefetch = prefetch_l2()
+    prefetch_then_wait = pdl.prefetch_then_wait()
 
     @triton.jit
     def fp8_dot_rows_kernel(
@@ -83,10 +81,7 @@ def _body() -> Any:
         row_ok = rows < M
         col_ok = cols < N
         if PDL:
-            slab_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
-            budget = prefetch_budget // tl.num_programs(0)
-            prefetch(w_ptr + (pid * BLOCK_N).to(tl.int64) * K, slab_rows * K, budget)
-            tl.extra.cuda.gdc_wait()
+            prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)

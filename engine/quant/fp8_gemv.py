@@ -51,9 +51,7 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    from engine.pdl import prefetch_l2
-
-    prefetch = prefetch_l2()
+    prefetch_then_wait = pdl.prefetch_then_wait()
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bn, bk, w, s in (
@@ -99,10 +97,7 @@ def _kernel() -> Any:
         row_ok = rows < M
         col_ok = cols < N
         if PDL:
-            slab_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
-            budget = prefetch_budget // tl.num_programs(0)
-            prefetch(w_ptr + (pid * BLOCK_N).to(tl.int64) * K, slab_rows * K, budget)
-            tl.extra.cuda.gdc_wait()
+            prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -138,9 +133,7 @@ def _vector_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    from engine.pdl import prefetch_l2
-
-    prefetch = prefetch_l2()
+    prefetch_then_wait = pdl.prefetch_then_wait()
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
         for bn, bk, w in (
@@ -197,10 +190,7 @@ def _vector_kernel() -> Any:
         col_ok = cols < N
         row_ok = rows < M
         if PDL:
-            slab_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
-            budget = prefetch_budget // tl.num_programs(0)
-            prefetch(w_ptr + (pid * BLOCK_N).to(tl.int64) * K, slab_rows * K, budget)
-            tl.extra.cuda.gdc_wait()
+            prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
