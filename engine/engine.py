@@ -358,10 +358,10 @@ class Engine:
         that samples in `current` gets a pending token, which the device fills in.
 
         A request whose pending token reaches its length limit is not in the next step (the
-        scheduler sees it has nothing left to compute), and while there is one, that step
-        preempts nothing for want of blocks (its blocks are about to be freed). One that stops
-        on a stop token or string is found a step late, its extra row is dropped and its blocks
-        are freed then (queued work that writes them runs before any new owner's).
+        scheduler sees it has nothing left to compute, and preempts nothing while its blocks
+        are about to be freed: Scheduler.schedule). One that stops on a stop token or string
+        is found a step late, its extra row is dropped and its blocks are freed then (queued
+        work that writes them runs before any new owner's).
         """
         live = [req for req in current.reqs if not req.is_finished]
         if current.drafts or not live or any(self._cannot_run_ahead_of(req) for req in live):
@@ -369,9 +369,7 @@ class Engine:
         for req in live:
             req.num_pending_tokens += 1
         current.pending_reqs = live
-        # A request whose pending token ends it still holds its blocks: no preemption for them.
-        ending = any(self.scheduler.ends_with_pending(req) for req in live)
-        scheduled = self.scheduler.schedule(preempt=not ending)
+        scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return None
         self.stats.num_steps_ahead += 1

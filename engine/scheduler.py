@@ -73,14 +73,15 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
-    def schedule(self, preempt: bool = True) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:
         """The next step's chunks: running requests first, then waiting ones while budget,
-        seats and blocks last. preempt=False: a running request that finds no room is left
-        out of this step instead of preempting others, and nothing waiting is admitted (the
-        engine's step run ahead while some request's blocks are about to be freed)."""
+        seats and blocks last. While a running request's last token is in flight (the engine's
+        step run ahead), its blocks are about to be freed: a request that finds no room is then
+        left out of this step instead of preempting others, and nothing waiting is admitted."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        preempt = not any(self.ends_with_pending(req) for req in self.running)
         starved = False
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -135,7 +136,7 @@ class Scheduler:
         return budget
 
     def _chunk_size(self, req: Request, budget: int) -> int:
-        if req.num_pending_tokens and self.ends_with_pending(req):
+        if self.ends_with_pending(req):
             return 0  # its last token is in flight (a step run ahead): nothing left to compute
         remaining = req.num_tokens - req.num_computed_tokens
         if req.draft_token_ids:  # verified whole or not at all: drop those the budget lacks
@@ -146,8 +147,10 @@ class Scheduler:
         return min(remaining, budget)
 
     def ends_with_pending(self, req: Request) -> bool:
-        """req's tokens, its pending ones counted, reach its length limit: max_tokens outputs
-        or max_model_len positions (the engine then finishes it as it appends them)."""
+        """req has tokens in flight, and with them reaches its length limit: max_tokens
+        outputs or max_model_len positions (the engine finishes it as it appends them)."""
+        if not req.num_pending_tokens:
+            return False
         num_outputs = req.num_output_tokens + req.num_pending_tokens
         return num_outputs >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len
 

@@ -125,9 +125,9 @@ def test_partial_reuse_fits_a_full_pool():
 
 def test_step_run_ahead_leaves_out_what_ends_and_preempts_nothing_while_it_does():
     """Two running decodes fill the pool: "ends" has its last token in flight (pending),
-    "grows" needs a new block for its next token. Scheduled ahead with preempt=False, "ends"
-    is left out (nothing to compute), "grows" waits a step instead of preempting, and nothing
-    waiting is admitted; once "ends" finishes, "grows" and "waits" share its blocks."""
+    "grows" needs a new block for its next token. In the step scheduled ahead "ends" is left
+    out (nothing to compute), "grows" waits a step instead of preempting, and nothing waiting
+    is admitted; once "ends" finishes, "grows" and "waits" share its blocks."""
     sched = make_scheduler(num_blocks=4, block_size=4, budget=32)
     sched.add(make_request("ends", 7, max_tokens=2))  # 2 blocks; its 2nd token ends it
     sched.add(make_request("grows", 8, max_tokens=10, first=500))  # 2 full blocks
@@ -138,7 +138,7 @@ def test_step_run_ahead_leaves_out_what_ends_and_preempts_nothing_while_it_does(
     for req in (ends, grows):
         req.num_pending_tokens += 1  # the engine's step in flight samples their next tokens
     assert sched.ends_with_pending(ends) and not sched.ends_with_pending(grows)
-    ahead = sched.schedule(preempt=False)
+    ahead = sched.schedule()
     assert ahead.chunks == [] and ahead.preempted_req_ids == []
     assert [r.req_id for r in sched.running] == ["ends", "grows"] and len(sched.waiting) == 1
     for req in (ends, grows):  # the step's tokens arrive
