@@ -302,15 +302,16 @@ case $phase in
     done
     ;;
   page-lock)  # step inputs copied from pageable memory under 1 MiB (default) or page-locked
-    # always (KVRELAY_PAGE_LOCK_FROM_BYTES=0): the host's cost per copy against the GPU's idle
-    for bytes in 1048576 0; do
+    # always (KVRELAY_PAGE_LOCK_FROM_BYTES=0): the host's cost per copy against the GPU's idle.
+    # B1_LOCKS, ROW_LOCKS: the thresholds of the batch-1 and the fp8w runs (both by default)
+    for bytes in ${B1_LOCKS-1048576 0}; do
       KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes timeout 150 python3 -m bench.gpu_engine_bench --skip \
         compare hf-greedy hf-speed offline --quantization fp8 --kv-cache-dtype fp8 --kv-gib 8 \
         --max-num-seqs 8 --json "$out/b1_lock$bytes.json" > "$out/b1_lock$bytes.txt" \
         2> "$out/b1_lock$bytes.err"
       echo "b1 page-lock from $bytes rc=$?"
     done
-    for bytes in 1048576 0; do
+    for bytes in ${ROW_LOCKS-1048576 0}; do
       KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes offline_run "offline_fp8w_lock$bytes" --quantization fp8 \
         --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
         --max-num-batched-tokens 16384
