@@ -26,6 +26,7 @@ from engine.backend_builder import (
 from engine.block_copies import BlockCopies
 from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks, PrefilledChoices
+from engine.gc_heap import freeze_heap
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
@@ -111,6 +112,7 @@ class Engine:
         self.grammars = None
         if self.tokenizer is not None:  # matchers and compiled grammars (structured outputs)
             self.grammars = new_grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:

@@ -1,0 +1,62 @@
+"""engine.gc_heap: when the start-up heap is frozen, and that a later freeze frees what an
+earlier engine left in reference cycles."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine import gc_heap
+
+
+@pytest.fixture(autouse=True)
+def unfrozen() -> Iterator[None]:
+    gc.unfreeze()
+    yield
+    gc.unfreeze()  # the test process's heap goes back to the collector
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_cpu_engines_leave_the_collector_alone() -> None:
+    assert gc_heap.freeze_heap(torch.device("cpu")) == 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_cuda_engine_freezes_what_is_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gc_heap.ENV, raising=False)
+    alive = Cycle()
+    frozen = gc_heap.freeze_heap(torch.device("cuda"))  # no CUDA call: runs on CPU machines
+    assert frozen == gc.get_freeze_count() > 0
+    # gc.get_objects() leaves out the frozen generation: the cycle is out of the walks.
+    assert all(obj is not alive for obj in gc.get_objects())
+
+
+def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gc_heap.ENV, "0")
+    assert gc_heap.freeze_heap(torch.device("cuda")) == 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_bad_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gc_heap.ENV, "yes")
+    with pytest.raises(ValueError, match="KVRELAY_GC_FREEZE must be 0 or 1"):
+        gc_heap.freeze_heap(torch.device("cuda"))
+
+
+def test_a_later_freeze_frees_the_cycles_an_earlier_one_pinned() -> None:
+    earlier = Cycle()
+    gone = weakref.ref(earlier)
+    gc_heap.freeze_now()
+    del earlier
+    gc.collect()
+    assert gone() is not None  # frozen: the collector does not walk it
+    gc_heap.freeze_now()  # the next engine's start-up
+    assert gone() is None
