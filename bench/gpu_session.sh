@@ -28,10 +28,11 @@
 #   defer-row  the deferred-scales GPU tests, then the fp8w row with KVRELAY_FP8_DEFER_SCALES=1, 0
 #   pdl        the PDL GPU tests, then batch-1 fp8 decode with PDL and without (PDL_RUNS)
 #   page-lock  batch-1 fp8 decode, then the fp8w row, with step copies page-locked from 1 MiB and from 0
+#   gc-freeze  the fp8w row with the start-up heap frozen (default) and not (GC_FREEZES)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -313,6 +314,14 @@ case $phase in
     done
     for bytes in ${ROW_LOCKS-1048576 0}; do
       KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes offline_run "offline_fp8w_lock$bytes" --quantization fp8 \
+        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+        --max-num-batched-tokens 16384
+    done
+    ;;
+  gc-freeze)  # the fp8w row with the engine's start-up heap frozen (default) and not
+    # (KVRELAY_GC_FREEZE=0): do the cyclic collector's pauses idle the GPU between steps?
+    for freeze in ${GC_FREEZES:-1 0}; do
+      KVRELAY_GC_FREEZE=$freeze offline_run "offline_fp8w_gc$freeze" --quantization fp8 \
         --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
         --max-num-batched-tokens 16384
     done
