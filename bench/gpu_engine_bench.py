@@ -2,7 +2,9 @@
 --quantization fp8: FP8 weights, the roofline then counts their bytes).
 
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
-graphs against the HBM roofline (bytes read per step / that bandwidth); engine decode step time
+graphs against the HBM roofline (bytes read / that bandwidth): the graph replay against the
+bytes the graph reads (every weight but the LM head's, and the KV), the replay plus the LM
+head and the whole engine step against all the step's bytes; engine decode step time
 with CUDA graphs vs eager at batch 1..8; offline throughput (ignore_eos) on a workload of
 --num-requests x (--input-len in, --output-len out), with kernel profiles of three steps that
 carry prefill chunks and of decode replays at the first and the last wave's batch (their steps'
@@ -40,12 +42,13 @@ from bench.lib.gpu_timing import (
     profile_decode_steps,
     profile_prefill_steps,
     random_prompts,
+    replay_and_head_time,
 )
 from bench.lib.gpu_vs_transformers import (
     greedy_against_transformers,
     throughput_against_transformers,
 )
-from bench.lib.random_models import weight_bytes, write_random_model
+from bench.lib.random_models import head_bytes, weight_bytes, write_random_model
 from engine.engine import Engine
 from engine.loader import random_model, read_model_config
 from engine.quant.config import (
@@ -105,28 +108,38 @@ def diagnosis(profiler: Any, engine: Engine) -> dict[str, Any]:
 
 
 def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) -> dict[str, Any]:
+    """Batch-1 decode against the HBM roofline. The decode graph stops at the final norm (the
+    LM head runs after it), so its replay is held to the bytes it reads (the LM head's weight
+    left out); the replay plus the LM head and the engine step to all the step's bytes."""
     prompt_len = 512
     times = decode_step_times(engine, 1, prompt_len, args.decode_steps)
     replay = graph_replay_time(engine, 1)
+    replay_and_head = replay_and_head_time(engine, 1)
     profile = diagnosis(lambda engine: kernel_profile(engine, 1), engine)
     finish_all(engine)
     model = engine.runner.model
     weights = weight_bytes(model, read_per_decode_step=True)
+    head = head_bytes(model)
     kv_itemsize = engine.kv_cache.element_size()
     kv = engine.model_config.kv_bytes_per_token(kv_itemsize) * (prompt_len + args.decode_steps // 2)
     roofline = (weights + kv) / bandwidth
+    graph_roofline = (weights - head + kv) / bandwidth
     step = statistics.median(times)
     return {
         "batch": 1,
         "context_tokens": prompt_len,
         "weight_bytes_read_per_step": weights,
+        "lm_head_bytes": head,
         "kv_bytes_read_per_step": kv,
         "roofline_ms": roofline * 1e3,
+        "graph_roofline_ms": graph_roofline * 1e3,
         "engine_step_ms_median": step * 1e3,
         "engine_step_ms_p90": sorted(times)[int(0.9 * len(times))] * 1e3,
         "graph_replay_ms": replay * 1e3,
+        "replay_and_head_ms": replay_and_head * 1e3,
         "engine_step_over_roofline": step / roofline,
-        "graph_replay_over_roofline": replay / roofline,
+        "graph_replay_over_graph_roofline": replay / graph_roofline,
+        "replay_and_head_over_roofline": replay_and_head / roofline,
         "profile": profile,
     }
 

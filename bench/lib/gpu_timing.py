@@ -82,6 +82,24 @@ def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> floa
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def replay_and_head_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
+    """Seconds per replay of the last-planned graph followed by the LM head over its hidden
+    states, as a decode step runs them (the graph stops at the final norm): device time."""
+    graph = engine.runner.graphs._graphs[batch_size]
+    hidden = engine.runner.graphs._hidden[:batch_size]
+    model = engine.runner.model
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    model.compute_logits(hidden)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+        model.compute_logits(hidden)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
 def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
     """GPU kernel time by kind (matmul, attention, copy, other) per iteration of a profiled
     region, with the top kernels by time."""

@@ -136,6 +136,13 @@ def write_random_model(
     return folder
 
 
+def head_bytes(model: nn.Module) -> int:
+    """Bytes of the LM head's weight (the embedding table when the two are tied)."""
+    head = getattr(model, "lm_head", None)
+    weight = model.embed_tokens.weight if head is None else head.weight
+    return weight.numel() * weight.element_size()
+
+
 def weight_bytes(model: nn.Module, *, read_per_decode_step: bool = False) -> int:
     """Bytes of all parameters; read_per_decode_step leaves out the embedding table (a decode
     step reads one row of it), unless it is tied to the LM head."""
