@@ -11,7 +11,6 @@ Each setting wants its own process (the frozen heap is process-wide): run it twi
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import tempfile
@@ -22,24 +21,11 @@ from typing import Any
 import torch
 
 from bench.lib.engine_config import engine_config
+from bench.lib.gc_pauses import GcPauses
 from bench.lib.random_models import write_random_model
 from engine.engine import Engine
 from engine.gc_heap import freeze_now
 from engine.sampling_params import SamplingParams
-
-
-class PauseClock:
-    """Collects each collection's duration by generation (a gc.callbacks entry)."""
-
-    def __init__(self) -> None:
-        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.pauses[info["generation"]].append(time.perf_counter() - self._start)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,29 +38,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     engine = Engine(config)
     frozen = freeze_now() if args.freeze else 0
-    clock = PauseClock()
-    gc.callbacks.append(clock)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     for i in range(args.num_requests):
         engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(args.input_len)], params)
     start, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests:
-        engine.step()
-        steps += 1
+    with GcPauses() as pauses:
+        while engine.has_unfinished_requests:
+            engine.step()
+            steps += 1
     wall = time.perf_counter() - start
-    gc.callbacks.remove(clock)
     engine.assert_no_leaks()
     return {
         "freeze": args.freeze,
         "frozen_objects": frozen,
         "steps": steps,
         "wall_s": wall,
-        "by_generation": {
-            g: {"count": len(p), "total_ms": sum(p) * 1e3, "max_ms": max(p, default=0.0) * 1e3}
-            for g, p in clock.pauses.items()
-        },
+        "by_generation": pauses.summary(),
     }
 
 

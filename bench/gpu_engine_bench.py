@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from bench.lib.engine_config import engine_config
+from bench.lib.gc_pauses import GcPauses
 from bench.lib.gpu_engine_report import environment, print_table
 from bench.lib.gpu_timing import (
     GiB,
@@ -183,31 +184,33 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         profiles = (host_profile, first_wave_profile, prefill_profile)
         return sum(profile.get("seconds", 0.0) for profile in profiles)
 
-    while engine.has_unfinished_requests:
-        if time.perf_counter() - start - profiled_seconds() > args.time_budget:
-            truncated = True
-            break
-        if num_tail_steps == args.output_len // 2 and not host_profile:
-            host_profile = diagnosis(profile_decode_steps, engine)
-            continue
-        if calls["eager"] == 20 and not prefill_profile and engine.scheduler.waiting:
-            prefill_profile = diagnosis(profile_prefill_steps, engine)
-            continue
-        if calls["graph"] == 400 and not first_wave_profile:
-            first_wave_profile = diagnosis(profile_decode_steps, engine)
-            continue
-        if not engine.scheduler.waiting:  # the last wave: nothing left to admit
-            num_tail_steps += 1
-        graph_steps = engine.runner.num_graph_steps
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        kind = "graph" if engine.runner.num_graph_steps > graph_steps else "eager"
-        calls[kind] += 1
-        seconds[kind] += time.perf_counter() - t0
-        num_output += sum(len(o.new_token_ids) for o in outputs)
+    with GcPauses() as pauses:  # the collector's pauses on the engine's thread
+        while engine.has_unfinished_requests:
+            if time.perf_counter() - start - profiled_seconds() > args.time_budget:
+                truncated = True
+                break
+            if num_tail_steps == args.output_len // 2 and not host_profile:
+                host_profile = diagnosis(profile_decode_steps, engine)
+                continue
+            if calls["eager"] == 20 and not prefill_profile and engine.scheduler.waiting:
+                prefill_profile = diagnosis(profile_prefill_steps, engine)
+                continue
+            if calls["graph"] == 400 and not first_wave_profile:
+                first_wave_profile = diagnosis(profile_decode_steps, engine)
+                continue
+            if not engine.scheduler.waiting:  # the last wave: nothing left to admit
+                num_tail_steps += 1
+            graph_steps = engine.runner.num_graph_steps
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            kind = "graph" if engine.runner.num_graph_steps > graph_steps else "eager"
+            calls[kind] += 1
+            seconds[kind] += time.perf_counter() - t0
+            num_output += sum(len(o.new_token_ids) for o in outputs)
     elapsed = time.perf_counter() - start - profiled_seconds()
     finish_all(engine)
     return {
+        "gc_pauses": pauses.summary(),
         "host_profile_mid_decode": {k: v for k, v in host_profile.items() if k != "seconds"},
         "profile_first_wave_decode": {
             k: v for k, v in first_wave_profile.items() if k != "seconds"

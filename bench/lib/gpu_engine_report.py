@@ -102,3 +102,13 @@ def print_table(result: dict[str, Any]) -> None:
                 f"steps with prefill chunks ({pre['running_before']} running): "
                 f"{pre['step_wall_ms_profiled']:.1f} ms a step; kernels ms: {kinds}"
             )
+        gc_pauses = t.get("gc_pauses")
+        if gc_pauses:
+            print(
+                "collector pauses: "
+                + "; ".join(
+                    f"generation {g}: {p['count']}, {p['total_ms']:.0f} ms, longest "
+                    f"{p['max_ms']:.1f} ms"
+                    for g, p in gc_pauses.items()
+                )
+            )
