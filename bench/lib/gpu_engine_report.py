@@ -100,7 +100,9 @@ def print_table(result: dict[str, Any]) -> None:
             kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in pre["kernel_ms_by_kind"].items())
             print(
                 f"steps with prefill chunks ({pre['running_before']} running): "
-                f"{pre['step_wall_ms_profiled']:.1f} ms a step; kernels ms: {kinds}"
+                f"{pre['step_wall_ms_profiled']:.1f} ms a step, GPU idle "
+                f"{pre.get('gpu_idle_ms_per_step', float('nan')):.2f} ms a step; "
+                f"kernels ms: {kinds}"
             )
         gc_pauses = t.get("gc_pauses")
         if gc_pauses:

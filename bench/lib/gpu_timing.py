@@ -148,23 +148,23 @@ def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str,
 
 def profile_prefill_steps(engine: Engine, num_steps: int = 3) -> dict[str, Any]:
     """GPU kernel time by kind over the engine's next steps, taken while prompts still wait
-    (steps that carry prefill chunks beside the decodes), and their wall time."""
+    (steps that carry prefill chunks beside the decodes) and queued as in steady running
+    (refill): their wall time and the GPU's idle time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
     start = time.perf_counter()
     running = len(engine.scheduler.running)
-    torch.cuda.synchronize()
+    refill(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = steady_steps(engine, num_steps)
+    idle = gpu_idle(prof, num_steps)
     return kernel_summary(prof, num_steps, top=20) | {
         "steps": num_steps,
         "running_before": running,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "step_wall_ms_profiled": wall / num_steps * 1e3,
+        "gpu_idle_ms_per_step": idle["idle"],
+        "gpu_idle_gaps_by_neighbours": idle["gaps_by_neighbours"],
         "seconds": time.perf_counter() - start,
     }
 
@@ -222,17 +222,28 @@ def split_idle(gaps: list[float], num_steps: int) -> dict[str, float]:
     }
 
 
-def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, Any]:
-    """Milliseconds per engine step in which no kernel or copy runs on the GPU (CUPTI's kernel
-    spans, merged), over num_steps steady steps: in total, between steps and inside them
-    (split_idle), and by the kernels on either side of the gaps (gaps_by_neighbours)."""
-    from torch.profiler import ProfilerActivity, profile
+def refill(engine: Engine) -> None:
+    """Drain the GPU, then queue one step ahead again. Profiles start after this: right after a
+    drain, the next step's host work (planning, uploading its inputs) would show as GPU time
+    lost, which in steady steps runs while the step before is on the GPU."""
+    torch.cuda.synchronize()
+    engine.step()
 
-    torch.cuda.synchronize()  # the step queued ahead runs out: each step below queues one
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(num_steps):
-            engine.step()
-        torch.cuda.synchronize()
+
+def steady_steps(engine: Engine, num_steps: int) -> float:
+    """num_steps engine steps, each queued while the one before runs; their wall seconds. In
+    steady GPU-bound steps a step() returns when the step before it has run, so the window
+    holds about num_steps steps of GPU work (the first one's tail and the last one's head)."""
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    return time.perf_counter() - start
+
+
+def gpu_idle(prof: Any, num_steps: int) -> dict[str, Any]:
+    """A profile's GPU idle time in ms per step (CUPTI's kernel and copy spans, merged): in
+    total, between steps and inside them (split_idle), and by the kernels on either side of
+    the gaps (gaps_by_neighbours)."""
     spans = [
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
@@ -241,6 +252,16 @@ def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, Any]:
     us = split_idle(idle_gaps([(start, end) for start, end, _ in spans]), num_steps)
     idle: dict[str, Any] = {name: value / 1e3 for name, value in us.items()}
     return idle | {"gaps_by_neighbours": gaps_by_neighbours(spans, num_steps)}
+
+
+def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, Any]:
+    """gpu_idle over num_steps steady engine steps (refill first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    refill(engine)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steady_steps(engine, num_steps)
+    return gpu_idle(prof, num_steps)
 
 
 def profile_decode_steps(engine: Engine, num_steps: int = 10) -> dict[str, Any]:
