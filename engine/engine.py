@@ -26,7 +26,7 @@ from engine.backend_builder import (
 from engine.block_copies import BlockCopies
 from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks, PrefilledChoices
-from engine.gc_heap import freeze_heap
+from engine.gc_heap import freeze_heap, thaw_heap
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
@@ -47,6 +47,7 @@ from engine.step_types import (
     resumed_tokens,
     row_offsets,
     served_model_id,
+    stop_token_ids,
     with_top_logprobs,
 )
 from engine.stop_checker import StopChecker
@@ -64,6 +65,7 @@ class Engine:
         self.model_id = mc.model_id
         self.tokenizer = find_tokenizer(folder)
         self.device = resolve_device(config.device)
+        thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
         dtype = resolve_dtype(config.dtype, self.device)
         by_memory = sizes_by_memory(config, self.device)
         # A pool sized by GPU memory is known only once the weights are in.
@@ -106,9 +108,7 @@ class Engine:
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}
         self._stops: dict[str, StopChecker] = {}
-        self.eos_token_ids = set(mc.eos_token_ids)
-        if self.tokenizer and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = stop_token_ids(mc.eos_token_ids, self.tokenizer)
         self.grammars = None
         if self.tokenizer is not None:  # matchers and compiled grammars (structured outputs)
             self.grammars = new_grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)

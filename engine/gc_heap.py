@@ -3,16 +3,17 @@ it registered the unfreeze at exit (and reads KVRELAY_GC_FREEZE on each call).
 
 With torch, Triton and FlashInfer imported and a model built, the heap holds hundreds of
 thousands of objects that live as long as the process. A full collection walks all of them:
-~110 ms on a small CPU with torch alone, ~220 ms in a CPU engine run at batch 512 (bench probe
-in bench/RESULTS.md), taken on the thread that queues the GPU's next step, so the GPU runs dry
-for whatever the pause exceeds the step it is already queued ahead by. gc.freeze() moves every
-object alive now into a generation the collector never walks; later objects (requests, their
-outputs) are collected as before.
+~110 ms on a small CPU with torch alone, 214 ms once in a 304-step CPU engine run
+(bench.gc_pause_bench), taken on the thread that queues the GPU's next step, so the GPU runs
+dry for whatever the pause exceeds the step it is already queued ahead by. gc.freeze() moves
+every object alive into a generation the collector never walks; later objects (requests,
+their outputs) are collected as before.
 
-freeze_heap() runs once an engine's device side is built. It first unfreezes and collects, so
-that what an earlier engine of the same process left in reference cycles is freed, not pinned
-for good; at exit the frozen heap is handed back so that finalizers run. KVRELAY_GC_FREEZE=0
-leaves the collector as Python sets it.
+A GPU engine calls thaw_heap() before it sizes its KV pool (what an earlier engine of the
+process froze and has since dropped in reference cycles, its pool among it, is freed then,
+not pinned for good) and freeze_heap() once it is built. At exit the frozen heap is handed
+back so that finalizers run. CPU engines, which tests build many to a process, and
+KVRELAY_GC_FREEZE=0 leave the collector as Python sets it.
 """
 
 from __future__ import annotations
@@ -35,12 +36,22 @@ def wanted() -> bool:
     return raw == "1"
 
 
+def _applies(device: torch.device) -> bool:
+    return device.type == "cuda" and wanted()
+
+
+def thaw_heap(device: torch.device) -> None:
+    """For an engine about to be built on a CUDA device: hand the frozen heap back to the
+    collector and collect (nothing on other devices or with KVRELAY_GC_FREEZE=0)."""
+    if _applies(device):
+        gc.unfreeze()
+        gc.collect()
+
+
 def freeze_heap(device: torch.device) -> int:
-    """freeze_now() for an engine on a CUDA device; 0, and nothing done, on other devices or
-    with KVRELAY_GC_FREEZE=0 (CPU engines are test and reference runs, many to a process)."""
-    if device.type != "cuda" or not wanted():
-        return 0
-    return freeze_now()
+    """freeze_now() for an engine just built on a CUDA device; 0, and nothing done, on other
+    devices or with KVRELAY_GC_FREEZE=0."""
+    return freeze_now() if _applies(device) else 0
 
 
 def freeze_now() -> int:

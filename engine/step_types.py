@@ -5,6 +5,7 @@ a resumed leg's token count, top logprobs onto an output. Owns no state.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -65,6 +66,14 @@ def find_tokenizer(folder: Path) -> Tokenizer | None:
     """The checkpoint's tokenizer; None when it ships none (token-id requests only)."""
     has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
     return Tokenizer(folder) if has_tokenizer else None
+
+
+def stop_token_ids(model_eos_ids: Iterable[int], tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end a request (unless ignore_eos): the model config's and the tokenizer's."""
+    ids = set(model_eos_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 def served_model_id(model: str) -> str:

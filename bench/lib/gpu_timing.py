@@ -82,6 +82,7 @@ def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> floa
     return start.elapsed_time(end) / 1e3 / iters
 
 
+@torch.inference_mode()  # the graph's static buffers are inference tensors
 def replay_and_head_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
     """Seconds per replay of the last-planned graph followed by the LM head over its hidden
     states, as a decode step runs them (the graph stops at the final norm): device time."""
@@ -149,14 +150,10 @@ def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str,
 def profile_prefill_steps(engine: Engine, num_steps: int = 3) -> dict[str, Any]:
     """GPU kernel time by kind over the engine's next steps, taken while prompts still wait
     (steps that carry prefill chunks beside the decodes) and queued as in steady running
-    (refill): their wall time and the GPU's idle time, per step."""
-    from torch.profiler import ProfilerActivity, profile
-
+    (profiled_steps): their wall time and the GPU's idle time, per step."""
     start = time.perf_counter()
     running = len(engine.scheduler.running)
-    refill(engine)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wall = steady_steps(engine, num_steps)
+    prof, wall = profiled_steps(engine, num_steps)
     idle = gpu_idle(prof, num_steps)
     return kernel_summary(prof, num_steps, top=20) | {
         "steps": num_steps,
@@ -222,22 +219,28 @@ def split_idle(gaps: list[float], num_steps: int) -> dict[str, float]:
     }
 
 
-def refill(engine: Engine) -> None:
-    """Drain the GPU, then queue one step ahead again. Profiles start after this: right after a
-    drain, the next step's host work (planning, uploading its inputs) would show as GPU time
-    lost, which in steady steps runs while the step before is on the GPU."""
+def profiled_steps(engine: Engine, num_steps: int) -> tuple[Any, float]:
+    """Profile (CUDA activity) num_steps engine steps queued as in steady running; returns the
+    profiler and those steps' wall seconds. The GPU is drained first, then one warm-up step,
+    with the profiler already on but not recording, queues a step ahead again: right after a
+    drain, a step's host work (planning, uploading its inputs) would show as GPU time lost,
+    which in steady steps runs while the step before is on the GPU. In GPU-bound steps each
+    step() returns when the step before it has run, so the wall is num_steps steps' GPU time."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
     torch.cuda.synchronize()
-    engine.step()
-
-
-def steady_steps(engine: Engine, num_steps: int) -> float:
-    """num_steps engine steps, each queued while the one before runs; their wall seconds. In
-    steady GPU-bound steps a step() returns when the step before it has run, so the window
-    holds about num_steps steps of GPU work (the first one's tail and the last one's head)."""
-    start = time.perf_counter()
-    for _ in range(num_steps):
+    plan = schedule(wait=0, warmup=1, active=num_steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
         engine.step()
-    return time.perf_counter() - start
+        prof.step()
+        start = time.perf_counter()
+        for _ in range(num_steps - 1):
+            engine.step()
+            prof.step()
+        engine.step()
+        wall = time.perf_counter() - start  # before the last prof.step(): it builds the trace
+        prof.step()
+    return prof, wall
 
 
 def gpu_idle(prof: Any, num_steps: int) -> dict[str, Any]:
@@ -255,12 +258,8 @@ def gpu_idle(prof: Any, num_steps: int) -> dict[str, Any]:
 
 
 def gpu_idle_per_step(engine: Engine, num_steps: int) -> dict[str, Any]:
-    """gpu_idle over num_steps steady engine steps (refill first)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    refill(engine)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        steady_steps(engine, num_steps)
+    """gpu_idle over num_steps steady engine steps (profiled_steps)."""
+    prof, _ = profiled_steps(engine, num_steps)
     return gpu_idle(prof, num_steps)
 
 

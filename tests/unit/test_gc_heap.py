@@ -1,5 +1,5 @@
-"""engine.gc_heap: when the start-up heap is frozen, and that a later freeze frees what an
-earlier engine left in reference cycles."""
+"""engine.gc_heap: when the start-up heap is frozen, and that a later engine's start-up frees
+what an earlier engine left in reference cycles."""
 
 from __future__ import annotations
 
@@ -60,3 +60,15 @@ def test_a_later_freeze_frees_the_cycles_an_earlier_one_pinned() -> None:
     assert gone() is not None  # frozen: the collector does not walk it
     gc_heap.freeze_now()  # the next engine's start-up
     assert gone() is None
+
+
+def test_a_cuda_engine_thaws_before_it_sizes_its_pool() -> None:
+    earlier = Cycle()  # an earlier engine's objects, dropped while frozen
+    gone = weakref.ref(earlier)
+    gc_heap.freeze_now()
+    del earlier
+    gc_heap.thaw_heap(torch.device("cpu"))
+    assert gone() is not None and gc.get_freeze_count() > 0  # CPU engines leave it alone
+    gc_heap.thaw_heap(torch.device("cuda"))
+    assert gone() is None
+    assert gc.get_freeze_count() == 0
