@@ -81,7 +81,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
-        preempt = not any(self.ends_with_pending(req) for req in self.running)
+        may_preempt: bool | None = None  # decided when a request first finds no room
         starved = False
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -93,11 +93,13 @@ class Scheduler:
             if req.draft_token_ids and not self.kv.can_allocate(req, num_new):
                 num_new -= len(req.draft_token_ids)  # no room to verify drafts: decode plainly
                 req.draft_token_ids = []
-            if not preempt and not self.kv.can_allocate(req, num_new):
-                starved = True
-                idx += 1
-                continue
             while not self.kv.can_allocate(req, num_new):
+                if may_preempt is None:
+                    may_preempt = not any(self.ends_with_pending(r) for r in self.running)
+                if not may_preempt:  # wait a step: an ending request's blocks come free
+                    starved = True
+                    idx += 1
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.req_id)
