@@ -43,7 +43,6 @@ from bench.lib.gpu_timing import (
     profile_decode_steps,
     profile_prefill_steps,
     random_prompts,
-    replay_and_head_time,
 )
 from bench.lib.gpu_vs_transformers import (
     greedy_against_transformers,
@@ -115,7 +114,7 @@ def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) 
     prompt_len = 512
     times = decode_step_times(engine, 1, prompt_len, args.decode_steps)
     replay = graph_replay_time(engine, 1)
-    replay_and_head = replay_and_head_time(engine, 1)
+    replay_and_head = graph_replay_time(engine, 1, with_head=True)
     profile = diagnosis(lambda engine: kernel_profile(engine, 1), engine)
     finish_all(engine)
     model = engine.runner.model

@@ -69,33 +69,27 @@ def finish_all(engine: Engine) -> None:
     engine.assert_no_leaks()
 
 
-def graph_replay_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
-    """Seconds per replay of the last-planned graph (device time, no host work)."""
-    graph = engine.runner.graphs._graphs[batch_size]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
 @torch.inference_mode()  # the graph's static buffers are inference tensors
-def replay_and_head_time(engine: Engine, batch_size: int, iters: int = 100) -> float:
-    """Seconds per replay of the last-planned graph followed by the LM head over its hidden
-    states, as a decode step runs them (the graph stops at the final norm): device time."""
+def graph_replay_time(
+    engine: Engine, batch_size: int, iters: int = 100, *, with_head: bool = False
+) -> float:
+    """Seconds per replay of the last-planned graph (device time, no host work); with_head:
+    each replay followed by the LM head over its hidden states, as a decode step runs them
+    (the graph stops at the final norm)."""
     graph = engine.runner.graphs._graphs[batch_size]
     hidden = engine.runner.graphs._hidden[:batch_size]
     model = engine.runner.model
+
+    def once() -> None:
+        graph.replay()
+        if with_head:
+            model.compute_logits(hidden)
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    model.compute_logits(hidden)
+    once()
     start.record()
     for _ in range(iters):
-        graph.replay()
-        model.compute_logits(hidden)
+        once()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
