@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.host_tensors import index_tensor, to_device
-from engine.logits_processing import process_logits
+from engine.logits_processing import needs_processing, process_logits
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -98,6 +98,11 @@ def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def plain_greedy(row: SampleRow) -> bool:
+    """Greedy, with no logits processing and no logprobs: the argmax is all it needs."""
+    return row.params.greedy and not needs_processing(row) and not row.params.logprobs
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None):
         self.device = device
@@ -116,7 +121,11 @@ class Sampler:
         """Sample on the device; nothing waits for the GPU until PendingSample.result().
 
         bitmask: the grammar rows' allowed tokens (engine/structured.py); the others get -inf
-        in `logits` (in place, on the device) before anything else, greedy rows included."""
+        in `logits` (in place, on the device) before anything else, greedy rows included.
+        logits may come in the model's dtype: a step of plain greedy rows takes the argmax
+        there (the same token: widening to float32 is exact), any other works in float32."""
+        if bitmask is not None or not all(plain_greedy(row) for row in rows):
+            logits = logits.float()
         if bitmask is not None:
             bitmask.apply(logits)
         logits = process_logits(logits, rows)  # penalties and logit_bias come first

@@ -201,5 +201,6 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] in the model's dtype (the sampler widens them when it needs to)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
