@@ -29,10 +29,12 @@
 #   pdl        the PDL GPU tests, then batch-1 fp8 decode with PDL and without (PDL_RUNS)
 #   page-lock  batch-1 fp8 decode, then the fp8w row, with step copies page-locked from 1 MiB and from 0
 #   gc-freeze  the fp8w row with the start-up heap frozen (default) and not (GC_FREEZES)
+#   ragged     the ragged-prefill GPU test, then the fp8w row with whole prompts over their own K/V
+#              (default) and through the paged cache (RAGGED_RUNS)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -322,6 +324,15 @@ case $phase in
     # (KVRELAY_GC_FREEZE=0): do the cyclic collector's pauses idle the GPU between steps?
     for freeze in ${GC_FREEZES:-1 0}; do
       KVRELAY_GC_FREEZE=$freeze offline_run "offline_fp8w_gc$freeze" --quantization fp8 \
+        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+        --max-num-batched-tokens 16384
+    done
+    ;;
+  ragged)  # whole prompts attend over their own K/V on the ragged wrapper (default; its GPU test
+    # compiles fa3's ragged kernels first) or through the paged cache (KVRELAY_PREFILL_RAGGED=0)
+    gpu_tests tests_ragged tests/gpu/test_flashinfer_backend.py -k "ragged or fa3"
+    for ragged in ${RAGGED_RUNS-1 0}; do
+      KVRELAY_PREFILL_RAGGED=$ragged offline_run "offline_fp8w_ragged$ragged" --quantization fp8 \
         --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
         --max-num-batched-tokens 16384
     done

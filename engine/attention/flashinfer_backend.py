@@ -9,6 +9,13 @@ v_scale per layer: the checkpoint's scales, else 1.0); new K/V reach it through 
 + write kernel per layer (rope_kv_kernel.py). KVRELAY_PREFILL_FA3=1 runs the prefill wrapper on
 fa3 on Hopper (e4m3 queries over an fp8 cache); off by default: on the H200 its faster attention
 did not make the 8B offline run faster (bench/RESULTS.md, issue 12's sixth round).
+
+Whole prompts (chunks with nothing cached before them) at the end of a step attend over their
+own K/V instead, as the RoPE kernel leaves them in the activations' dtype, through FlashInfer's
+ragged wrapper (fa3 on Hopper, else fa2): no page table, no fp8 pages to widen, and the
+unquantized K/V of the prompt itself. The paged wrapper keeps the rows before them (chunks
+that continue a prompt or follow a cached prefix, decode rows XQA does not take).
+KVRELAY_PREFILL_RAGGED=0 sends whole prompts through the paged cache too.
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
-from engine.attention.rope_kv_kernel import rope_and_write_kv
+from engine.attention.rope_kv_kernel import KvOut, rope_and_write_kv
 from engine.attention.xqa_decode import XqaDecode, decode_kernel_choice, use_xqa
 from engine.host_tensors import index_tensor
 from engine.quant.fp8 import unit_scale
@@ -35,6 +43,7 @@ FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
 PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
+PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "0": whole prompts attend through the paged cache
 HOPPER = (9, 0)
 
 
@@ -43,6 +52,24 @@ def prefill_backend(capability: tuple[int, int]) -> str:
     fa2."""
     wanted = os.environ.get(PREFILL_FA3_ENV, "0") == "1"
     return "fa3" if wanted and capability == HOPPER else "fa2"
+
+
+def ragged_backend(capability: tuple[int, int]) -> str | None:
+    """The FlashInfer backend that attends whole prompts over their own K/V (fa3 on Hopper,
+    else fa2), or None when KVRELAY_PREFILL_RAGGED=0 sends them through the paged cache."""
+    if os.environ.get(PREFILL_RAGGED_ENV, "1") == "0":
+        return None
+    return "fa3" if capability == HOPPER else "fa2"
+
+
+def whole_prompts_from(seqs: list[SeqSpan]) -> int:
+    """Where the step's trailing run of whole prompts starts (len(seqs): none). A whole
+    prompt is a chunk of more than one token with nothing cached before it: its attention
+    reads only its own K/V, which need not go through the paged cache."""
+    start = len(seqs)
+    while start and seqs[start - 1].q_len > 1 and seqs[start - 1].q_len == seqs[start - 1].ctx_len:
+        start -= 1
+    return start
 
 
 def flashinfer_available() -> bool:
@@ -133,8 +160,9 @@ class FlashInferAttention(AttentionBackend):
     1-row queries), so a mixed batch costs one plan and one kernel per layer, with no
     reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
     wrapper's JIT module. With XQA (an fp8 cache on Hopper) decode rows run on XQA instead,
-    in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper.
-    kv_scales: per layer (k_scale, v_scale) of an fp8 cache (default 1.0 each).
+    in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper,
+    but for the trailing whole prompts, which the ragged wrapper takes (see the module's
+    docstring). kv_scales: per layer (k_scale, v_scale) of an fp8 cache (default 1.0 each).
     """
 
     reads_scaled_rows = True  # rope_and_write_kv applies ScaledRows' scales as it reads
@@ -170,6 +198,13 @@ class FlashInferAttention(AttentionBackend):
         fp8_queries = self.prefill_kernel == "fa3" and kv_cache.dtype == FP8_KV_DTYPE
         self._prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.q_dtype
         self._decode = self._decode_wrapper()
+        self.ragged_kernel = ragged_backend(capability)
+        self._ragged: Any = None
+        if self.ragged_kernel is not None:
+            self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self._workspace, "NHD", backend=self.ragged_kernel
+            )
+        self._ragged_from_row: int | None = None  # this step's first whole-prompt row
         self._graph_decode: dict[int, Any] = {}
         num_layers = kv_cache.shape[1]
         self.kv_scales = kv_scales or [(1.0, 1.0)] * num_layers
@@ -221,6 +256,10 @@ class FlashInferAttention(AttentionBackend):
         if self._xqa is not None and num_decodes:
             self._xqa.plan(seqs[:num_decodes])
             self._num_xqa_rows, seqs = num_decodes, seqs[num_decodes:]
+        self._ragged_from_row = None
+        if self._ragged is not None and (split := whole_prompts_from(seqs)) < len(seqs):
+            self._plan_ragged(seqs[split:])
+            seqs = seqs[:split]
         if seqs and all(seq.q_len == 1 for seq in seqs):
             self._plan_decode(self._decode, page_table(seqs, self.block_size, self.device))
         elif seqs:
@@ -245,6 +284,24 @@ class FlashInferAttention(AttentionBackend):
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
         self._slot_offsets = metadata.slot_offsets
+
+    def _plan_ragged(self, prompts: list[SeqSpan]) -> None:
+        """Plan the step's trailing whole prompts: causal attention over their own K/V, which
+        forward_qkv has the RoPE kernel leave in the activations' dtype."""
+        indptr = index_tensor([0, *accumulate(seq.q_len for seq in prompts)], torch.int32)
+        self._ragged.plan(
+            indptr,
+            indptr,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.q_dtype,
+            non_blocking=True,
+        )
+        self._ragged_from_row = prompts[0].q_start
 
     def _prefill_output_dtype(self) -> dict[str, torch.dtype]:
         """fp8 queries give bf16/fp16 output only when asked for."""
@@ -297,6 +354,7 @@ class FlashInferAttention(AttentionBackend):
         metadata's slot tensors must be the graph's static buffers: the captured writes read them.
         """
         self._wait_for_last_plan_uploads()
+        self._ragged_from_row = None
         if self._xqa is not None:
             self._xqa.plan(metadata.seqs, graph=True)
             self._num_xqa_rows, self._active = len(metadata.seqs), None
@@ -317,7 +375,11 @@ class FlashInferAttention(AttentionBackend):
         k_scale, v_scale = self.kv_scales[layer]
         kv[:, 0][self._slot_block_ids, :, self._slot_offsets] = (k / k_scale).to(kv.dtype)
         kv[:, 1][self._slot_block_ids, :, self._slot_offsets] = (v / v_scale).to(kv.dtype)
-        return self._attend(layer, q, kv)
+        first = self._ragged_from_row
+        ragged = None
+        if first is not None:  # k, v [T, Hkv, D], rotated, the activations' dtype
+            ragged = KvOut(k[first:].contiguous(), v[first:].contiguous(), first)
+        return self._attend(layer, q, kv, ragged)
 
     def forward_qkv(
         self,
@@ -333,6 +395,10 @@ class FlashInferAttention(AttentionBackend):
         q = torch.empty(
             (qkv.shape[0], self.num_heads, self.head_dim), dtype=self.q_dtype, device=self.device
         )
+        ragged = None
+        if self._ragged_from_row is not None:
+            num_kv_heads, tokens = self.num_kv_heads, q.shape[0]
+            ragged = KvOut.empty(tokens, self._ragged_from_row, num_kv_heads, self.head_dim, q)
         rope_and_write_kv(
             qkv,
             positions,
@@ -343,22 +409,30 @@ class FlashInferAttention(AttentionBackend):
             self.num_heads,
             self.kv_scales[layer],
             q_out=q,
+            kv_out=ragged,
         )
-        return self._attend(layer, q, kv)
+        return self._attend(layer, q, kv, ragged)
 
-    def _attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D] over the planned rows: the leading XQA rows, then the wrapper's."""
+    def _attend(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, ragged: KvOut | None
+    ) -> torch.Tensor:
+        """q [T, Hq, D] over the planned rows: the leading XQA rows, then the wrapper's, then
+        the whole prompts' (over their own K/V in `ragged`)."""
         num_xqa = self._num_xqa_rows
-        if num_xqa == 0:
+        if num_xqa == 0 and ragged is None:
             return self._run_wrapper(layer, q, kv, None)
-        assert self._xqa is not None
         out = torch.empty(
             (q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device
         )
-        # contiguous already when forward_qkv made q: no copy
-        self._xqa.run(layer, q[:num_xqa].contiguous(), kv, out[:num_xqa])
+        end = q.shape[0] if ragged is None else ragged.first_token
+        if num_xqa:
+            assert self._xqa is not None
+            # contiguous already when forward_qkv made q: no copy
+            self._xqa.run(layer, q[:num_xqa].contiguous(), kv, out[:num_xqa])
         if self._active is not None:
-            self._run_wrapper(layer, q[num_xqa:], kv, out[num_xqa:])
+            self._run_wrapper(layer, q[num_xqa:end], kv, out[num_xqa:end])
+        if ragged is not None:
+            self._ragged.run(q[end:].contiguous(), ragged.k, ragged.v, out=out[end:])
         return out
 
     def _run_wrapper(

@@ -14,7 +14,7 @@ Fp8Linear's ScaledRows (unscaled product, row and column scales): the kernel sca
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,11 +47,15 @@ def _kernel() -> Any:
         v_inv_scale,
         row_scale_ptr,
         col_scale_ptr,
+        k_out_ptr,
+        v_out_ptr,
+        kv_out_first_token,
         NUM_Q_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEADS_PER_PROGRAM: tl.constexpr,
         DEQUANT: tl.constexpr,
+        KV_OUT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One program per (token, group of HEADS_PER_PROGRAM q or k heads, q heads first):
@@ -60,6 +64,9 @@ def _kernel() -> Any:
         token's slot.
         DEQUANT: qkv holds ScaledRows' raw product; each value read is first multiplied by its
         token's and its column's scale and rounded to qkv's dtype.
+        KV_OUT: tokens from kv_out_first_token on also write their rotated K and plain V,
+        unscaled, in q_out's dtype to k_out / v_out ([tokens, Hkv, D] contiguous, row 0 for
+        kv_out_first_token).
         PDL: the next kernel may come in at once; this one waits for the one before."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -100,16 +107,53 @@ def _kernel() -> Any:
         k_dst = dst[:, None] + half[None, :]
         tl.store(k_dst, (out1 * k_inv_scale).to(cache_dtype), mask=k_mask)
         tl.store(k_dst + HEAD_DIM // 2, (out2 * k_inv_scale).to(cache_dtype), mask=k_mask)
+        if KV_OUT:
+            out_mask = (is_k & (heads * 0 + token >= kv_out_first_token))[:, None]
+            out_row = (token - kv_out_first_token) * NUM_KV_HEADS * HEAD_DIM
+            k_out = k_out_ptr + out_row + kv_heads[:, None] * HEAD_DIM + half[None, :]
+            tl.store(k_out, out1.to(k_out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(k_out + HEAD_DIM // 2, out2.to(k_out_ptr.dtype.element_ty), mask=out_mask)
         dims = tl.arange(0, HEAD_DIM)[None, :]
         v_cols = ((NUM_Q_HEADS + NUM_KV_HEADS + kv_heads) * HEAD_DIM)[:, None] + dims
         v = tl.load(row + v_cols, mask=k_mask, other=0.0).to(tl.float32)
         if DEQUANT:
             v_scale = tl.load(col_scale_ptr + v_cols, mask=k_mask, other=0.0) * token_scale
             v = (v * v_scale).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        if KV_OUT:
+            v_row = (token - kv_out_first_token) * NUM_KV_HEADS * HEAD_DIM
+            v_out = v_out_ptr + v_row + kv_heads[:, None] * HEAD_DIM + dims
+            v_mask = (is_k & (heads * 0 + token >= kv_out_first_token))[:, None]
+            tl.store(v_out, v.to(v_out_ptr.dtype.element_ty), mask=v_mask)
         v = v * v_inv_scale
         tl.store(dst[:, None] + kv_stride + dims, v.to(cache_dtype), mask=k_mask)
 
     return rope_write_kv
+
+
+class KvOut(NamedTuple):
+    """Where rope_and_write_kv also leaves tokens' rotated K and V (unscaled, the activations'
+    dtype): k and v [T - first_token, Hkv, D] contiguous, row 0 for token first_token."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first_token: int
+
+    @staticmethod
+    def empty(
+        num_tokens: int, first_token: int, num_kv_heads: int, head_dim: int, like: torch.Tensor
+    ) -> KvOut:
+        shape = (num_tokens - first_token, num_kv_heads, head_dim)
+        k = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return KvOut(k, torch.empty_like(k), first_token)
+
+    def check(self, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        shape = (num_tokens - self.first_token, num_kv_heads, head_dim)
+        for t in (self.k, self.v):
+            if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dtype:
+                raise ValueError(
+                    f"kv_out of shape {tuple(t.shape)} ({t.dtype}) is not {shape} ({dtype}), "
+                    "contiguous"
+                )
 
 
 PROGRAMS_WANTED = 1024  # enough to fill the GPU; more only adds per-program cost
@@ -139,6 +183,7 @@ def rope_and_write_kv(
     num_q_heads: int,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     q_out: torch.Tensor | None = None,
+    kv_out: KvOut | None = None,
 ) -> torch.Tensor:
     """Rotate q (into q_out [T, Hq, D] when given, else in place), write rotated k and v into
     the paged cache; returns q [T, Hq, D].
@@ -148,7 +193,9 @@ def rope_and_write_kv(
     block_size, D] view, D contiguous (any other strides); slot_*: [T] each token's block and
     offset in it; kv_scales: the layer's (k_scale, v_scale), the cache holding K / k_scale
     and V / v_scale. qkv may be an Fp8Linear's ScaledRows: the kernel applies its scales as it
-    reads, and the returned q holds scaled, rotated values.
+    reads, and the returned q holds scaled, rotated values. kv_out: where tokens from its
+    first_token on also leave their rotated K and V unscaled, in q's dtype (ragged attention
+    over a step's own K/V reads them there).
     """
     scaled = qkv if isinstance(qkv, ScaledRows) else None
     qkv = qkv.raw if isinstance(qkv, ScaledRows) else qkv
@@ -163,6 +210,8 @@ def rope_and_write_kv(
         q_out = q_view
     elif q_out.shape != q_view.shape or q_out.stride()[1:] != (head_dim, 1):
         raise ValueError(f"q_out of shape {tuple(q_out.shape)} is not [T, Hq, D] by rows")
+    if kv_out is not None:
+        kv_out.check(num_tokens, num_kv_heads, head_dim, q_out.dtype)
     if num_tokens:
         heads = num_q_heads + num_kv_heads
         per_program = heads_per_program(num_tokens, heads)
@@ -186,11 +235,15 @@ def rope_and_write_kv(
             1.0 / kv_scales[1],
             qkv if scaled is None else scaled.row_scale,  # read only when DEQUANT
             qkv if scaled is None else scaled.col_scale,
+            q_out if kv_out is None else kv_out.k,  # written only when KV_OUT
+            q_out if kv_out is None else kv_out.v,
+            0 if kv_out is None else kv_out.first_token,
             NUM_Q_HEADS=num_q_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
             HEADS_PER_PROGRAM=per_program,
             DEQUANT=scaled is not None,
+            KV_OUT=kv_out is not None,
             PDL=use_pdl,
             launch_pdl=use_pdl,
             num_warps=max(1, min(4, per_program * head_dim // 1024)),

@@ -425,3 +425,46 @@ def test_fa3_prefill_against_fa2(
         assert 0 < fa3_error <= 2 * fa2_error  # a wrong page, scale or row would be ~scale
     else:
         assert between <= 0.02 * scale
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_whole_prompts_on_the_ragged_wrapper_against_the_paged_one(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+) -> None:
+    """Whole prompts attending over their own K/V (the ragged wrapper, the default) against
+    the same rows through the paged cache (KVRELAY_PREFILL_RAGGED=0), on one token
+    trajectory: whole prompts beside decode rows, continued chunks and a cached prefix in
+    the paged wrapper's part of the same steps. Over bf16 both compute the same attention;
+    over fp8 the ragged rows read the unquantized K/V, so they may only be closer to bf16."""
+    bf16 = build(tiny_llama, "bfloat16", "flashinfer")
+    rec_bf16 = Recorder(bf16)
+    ref_tokens, _ = run_workload(bf16)
+    scale = logit_scale(rec_bf16)
+    recs, ragged_calls = {}, []
+    for ragged in (False, True):
+        monkeypatch.setenv(flashinfer_backend.PREFILL_RAGGED_ENV, "1" if ragged else "0")
+        engine = build(tiny_llama, "bfloat16", "flashinfer", kv_cache_dtype=kv_cache_dtype)
+        attention = engine.runner.attention
+        assert (attention.ragged_kernel is not None) == ragged
+        if ragged:
+
+            def counted_run(*args, run=attention._ragged.run, **kwargs):
+                ragged_calls.append(args[0].shape[0])  # the whole prompts' rows
+                return run(*args, **kwargs)
+
+            monkeypatch.setattr(attention._ragged, "run", counted_run)
+        recs[ragged] = Recorder(engine, forced=ref_tokens)
+        run_workload(engine)
+    assert ragged_calls and max(ragged_calls) >= 40  # prompt a's 40 rows (with c's 24)
+    paged_error = max_logit_error(rec_bf16.logits, recs[False].logits)
+    ragged_error = max_logit_error(rec_bf16.logits, recs[True].logits)
+    between = max_logit_error(recs[False].logits, recs[True].logits)
+    print(
+        f"{kv_cache_dtype} cache: max logit error against bf16 paged: paged {paged_error:.4f}, "
+        f"ragged {ragged_error:.4f}; ragged against paged {between:.4f} (max |logit| "
+        f"{scale:.3f}; {len(ragged_calls)} ragged calls)"
+    )
+    if kv_cache_dtype == "fp8":
+        assert ragged_error <= 1.25 * paged_error  # a wrong row or prompt would be ~scale
+    else:
+        assert between <= 0.02 * scale

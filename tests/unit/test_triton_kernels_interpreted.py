@@ -106,6 +106,46 @@ def test_rope_writes_q_to_its_own_rows_when_given_them() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("programs_wanted", [1024, 1], ids=["one-head", "token"])
+@pytest.mark.parametrize("first_token", [0, 3])
+def test_rope_leaves_rotated_k_and_v_in_kv_out(
+    monkeypatch: pytest.MonkeyPatch, programs_wanted: int, first_token: int
+) -> None:
+    """kv_out: tokens from first_token on leave their rotated K and plain V, unscaled, there
+    (ragged prefill attention reads them); the cache and q get what they get without it."""
+    monkeypatch.setattr(rope_kv_kernel, "PROGRAMS_WANTED", programs_wanted)
+    num_heads, num_kv_heads, head_dim, num_tokens, block_size = 6, 2, 16, 7, 4
+    config = make_model_config(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope_theta=10000.0
+    )
+    rope = RotaryEmbedding(config, 64).to(DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    qkv = qkv.to(DEVICE)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    block_ids = torch.arange(num_tokens, device=DEVICE) // block_size
+    offsets = torch.arange(num_tokens, device=DEVICE) % block_size
+    caches = [torch.zeros(2, 2, num_kv_heads, block_size, head_dim, device=DEVICE) for _ in "ab"]
+    kv_scales = (2.0, 0.5)
+    kv_out = rope_kv_kernel.KvOut.empty(num_tokens, first_token, num_kv_heads, head_dim, qkv)
+    args = (positions, rope.cos_sin, caches[0], block_ids, offsets, num_heads, kv_scales)
+    got_q = rope_kv_kernel.rope_and_write_kv(qkv.clone(), *args, kv_out=kv_out)
+    plain_args = (positions, rope.cos_sin, caches[1], block_ids, offsets, num_heads, kv_scales)
+    want_q = rope_kv_kernel.rope_and_write_kv(qkv.clone(), *plain_args)
+    assert torch.equal(got_q, want_q) and torch.equal(caches[0], caches[1])
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    _, want_k = rope(
+        positions, qkv[:, :q_size].reshape(-1, num_heads, head_dim),
+        qkv[:, q_size : q_size + kv_size].reshape(-1, num_kv_heads, head_dim),
+    )  # fmt: skip
+    torch.testing.assert_close(kv_out.k, want_k[first_token:], atol=1e-5, rtol=1e-5)
+    want_v = qkv[first_token:, q_size + kv_size :].reshape(-1, num_kv_heads, head_dim)
+    assert torch.equal(kv_out.v, want_v)
+    with pytest.raises(ValueError, match="kv_out"):
+        short = rope_kv_kernel.KvOut(kv_out.k[1:], kv_out.v[1:], first_token)
+        rope_kv_kernel.rope_and_write_kv(qkv.clone(), *args, kv_out=short)
+
+
 def test_heads_per_program_fills_the_gpu_without_tiny_programs() -> None:
     heads = 32 + 8  # the 8B shape's q + k heads
     assert rope_kv_kernel.heads_per_program(1, heads) == 1

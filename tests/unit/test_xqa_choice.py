@@ -1,6 +1,8 @@
 """The decode-kernel choice (XQA for an fp8 cache on Hopper, fa2 otherwise; forced by
 KVRELAY_DECODE_KERNEL), the prefill kernel (fa3 on Hopper when KVRELAY_PREFILL_FA3=1), XQA's
-dense page table, and the split of a mixed step into its leading decode rows and the rest.
+dense page table, the split of a mixed step into its leading decode rows, the rows the paged
+prefill wrapper takes and the trailing whole prompts (the ragged wrapper's: fa3 on Hopper, fa2
+elsewhere, none when KVRELAY_PREFILL_RAGGED=0).
 Pure functions: no GPU, no FlashInfer."""
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import torch
 from engine.attention.base import SeqSpan
 from engine.attention.flashinfer_backend import (
     PREFILL_FA3_ENV,
+    PREFILL_RAGGED_ENV,
     num_leading_decodes,
     prefill_backend,
+    ragged_backend,
+    whole_prompts_from,
 )
 from engine.attention.xqa_decode import (
     DECODE_KERNEL_ENV,
@@ -75,3 +80,27 @@ def test_prefill_chunks_take_fa3_only_on_hopper_when_asked(monkeypatch: pytest.M
     assert prefill_backend(BLACKWELL) == "fa2"  # FlashInfer's fa3 kernels are SM90's
     monkeypatch.setenv(PREFILL_FA3_ENV, "0")
     assert prefill_backend(HOPPER) == "fa2"
+
+
+def span(q_len: int, ctx_len: int) -> SeqSpan:
+    return SeqSpan(0, q_len, ctx_len, [])
+
+
+def test_whole_prompts_are_the_trailing_chunks_with_nothing_cached_before_them() -> None:
+    decode, continued, after_cache = span(1, 40), span(24, 48), span(30, 62)
+    whole = [span(40, 40), span(5, 5)]
+    assert whole_prompts_from([decode, continued, *whole]) == 2
+    assert whole_prompts_from(whole) == 0
+    assert whole_prompts_from([*whole, after_cache]) == 3  # only a trailing run counts
+    assert whole_prompts_from([decode, span(1, 1)]) == 2  # a one-token prompt is a decode row
+    assert whole_prompts_from([]) == 0
+
+
+def test_ragged_backend_is_fa3_on_hopper_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(PREFILL_RAGGED_ENV, raising=False)
+    assert ragged_backend(HOPPER) == "fa3"
+    assert ragged_backend(AMPERE) == "fa2"
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "0")
+    assert ragged_backend(HOPPER) is None
