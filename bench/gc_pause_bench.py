@@ -5,12 +5,15 @@ every collection through gc.callbacks. Owns no state.
 
     python -m bench.gc_pause_bench [--freeze] [--num-requests 512] [--output-len 300]
 
-Each setting wants its own process (the frozen heap is process-wide): run it twice.
+--freeze also raises the young generation's threshold, as a GPU engine does (KVRELAY_GC_YOUNG,
+default 50,000; KVRELAY_GC_YOUNG=700 keeps Python's). Each setting wants its own process (the
+frozen heap is process-wide): run each once.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "freeze": args.freeze,
         "frozen_objects": frozen,
+        "thresholds": gc.get_threshold(),
         "steps": steps,
         "wall_s": wall,
         "by_generation": pauses.summary(),
@@ -70,7 +74,8 @@ def main() -> None:
     args = p.parse_args()
     result = run(args)
     print(
-        f"freeze={result['freeze']} ({result['frozen_objects']} objects frozen): "
+        f"freeze={result['freeze']} ({result['frozen_objects']} objects frozen, thresholds "
+        f"{result['thresholds']}): "
         f"{result['steps']} steps in {result['wall_s']:.1f} s"
     )
     for g, stats in result["by_generation"].items():

@@ -30,7 +30,7 @@
 #   page-lock  batch-1 fp8 decode, then the fp8w row, with step copies page-locked from 1 MiB and from 0
 #   gc-freeze  the fp8w row with the start-up heap frozen (default) and not (GC_FREEZES)
 #   ragged     the ragged-prefill GPU test, then the fp8w row with whole prompts over their own K/V
-#              (default) and through the paged cache (RAGGED_RUNS)
+#              and through the paged cache (the default) (RAGGED_RUNS)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
@@ -328,8 +328,8 @@ case $phase in
         --max-num-batched-tokens 16384
     done
     ;;
-  ragged)  # whole prompts attend over their own K/V on the ragged wrapper (default; its GPU test
-    # compiles fa3's ragged kernels first) or through the paged cache (KVRELAY_PREFILL_RAGGED=0)
+  ragged)  # whole prompts attend over their own K/V on the ragged wrapper (KVRELAY_PREFILL_RAGGED=1;
+    # its GPU test compiles fa3's ragged kernels first) or through the paged cache (0, the default)
     gpu_tests tests_ragged tests/gpu/test_flashinfer_backend.py -k "ragged or fa3"
     for ragged in ${RAGGED_RUNS-1 0}; do
       KVRELAY_PREFILL_RAGGED=$ragged offline_run "offline_fp8w_ragged$ragged" --quantization fp8 \

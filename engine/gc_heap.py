@@ -1,5 +1,6 @@
-"""Keeps Python's cyclic garbage collector off a GPU engine's start-up heap; owns only whether
-it registered the unfreeze at exit (and reads KVRELAY_GC_FREEZE on each call).
+"""Keeps Python's cyclic garbage collector off a GPU engine's start-up heap and its steps' short-
+lived objects; owns only whether it registered the unfreeze at exit (and reads
+KVRELAY_GC_FREEZE and KVRELAY_GC_YOUNG on each call).
 
 With torch, Triton and FlashInfer imported and a model built, the heap holds hundreds of
 thousands of objects that live as long as the process. A full collection walks all of them:
@@ -8,6 +9,12 @@ thousands of objects that live as long as the process. A full collection walks a
 dry for whatever the pause exceeds the step it is already queued ahead by. gc.freeze() moves
 every object alive into a generation the collector never walks; later objects (requests,
 their outputs) are collected as before.
+
+The young generation's threshold goes up too (KVRELAY_GC_YOUNG, default YOUNG_DEFAULT
+allocations, Python's is 700): a step of a large batch leaves a few thousand objects alive
+until the step after it, so at 700 they outlived two collections, landed in the oldest
+generation and set off a full collection every ~50 steps: 39 of them, 3.0 s in all, longest
+116 ms, in a 55 s 8B fp8 offline run on an H200 (bench/RESULTS.md, issue 12's tenth round).
 
 A GPU engine calls thaw_heap() before it sizes its KV pool (what an earlier engine of the
 process froze and has since dropped in reference cycles, its pool among it, is freed then,
@@ -25,6 +32,8 @@ import os
 import torch
 
 ENV = "KVRELAY_GC_FREEZE"
+YOUNG_ENV = "KVRELAY_GC_YOUNG"
+YOUNG_DEFAULT = 50_000
 _unfreeze_registered = False
 
 
@@ -34,6 +43,15 @@ def wanted() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def young_threshold() -> int:
+    """KVRELAY_GC_YOUNG: allocations between collections of the young generation (default
+    YOUNG_DEFAULT; a whole number >= 1)."""
+    raw = os.environ.get(YOUNG_ENV, str(YOUNG_DEFAULT)).strip()
+    if not raw.isdecimal() or int(raw) < 1:
+        raise ValueError(f"{YOUNG_ENV} must be a whole number >= 1, got {raw!r}")
+    return int(raw)
 
 
 def _applies(device: torch.device) -> bool:
@@ -55,12 +73,15 @@ def freeze_heap(device: torch.device) -> int:
 
 
 def freeze_now() -> int:
-    """Collect everything unreachable (the frozen heap included), then freeze what is left;
-    returns how many objects are frozen now."""
+    """Collect everything unreachable (the frozen heap included), then freeze what is left
+    and raise the young generation's threshold (young_threshold()); returns how many objects
+    are frozen now."""
     global _unfreeze_registered
+    young = young_threshold()  # a bad setting is refused before anything changes
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    gc.set_threshold(young, *gc.get_threshold()[1:])
     if not _unfreeze_registered:
         atexit.register(gc.unfreeze)
         _unfreeze_registered = True

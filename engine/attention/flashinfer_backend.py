@@ -14,8 +14,10 @@ Whole prompts (chunks with nothing cached before them) at the end of a step atte
 own K/V instead, as the RoPE kernel leaves them in the activations' dtype, through FlashInfer's
 ragged wrapper (fa3 on Hopper, else fa2): no page table, no fp8 pages to widen, and the
 unquantized K/V of the prompt itself. The paged wrapper keeps the rows before them (chunks
-that continue a prompt or follow a cached prefix, decode rows XQA does not take).
-KVRELAY_PREFILL_RAGGED=0 sends whole prompts through the paged cache too.
+that continue a prompt or follow a cached prefix, decode rows XQA does not take). Off by
+default, KVRELAY_PREFILL_RAGGED=1 turns it on: on the H200 a 16,384-token step's attention went
+from ~32 to ~9 ms, but its FP8 GEMMs ran ~10% slower beside it, as beside fa3's paged kernel,
+and the 8B fp8 offline run was 2.6% slower (bench/RESULTS.md, issue 12's tenth round).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
 PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
-PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "0": whole prompts attend through the paged cache
+PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "1": whole prompts over their own K/V (ragged)
 HOPPER = (9, 0)
 
 
@@ -55,9 +57,10 @@ def prefill_backend(capability: tuple[int, int]) -> str:
 
 
 def ragged_backend(capability: tuple[int, int]) -> str | None:
-    """The FlashInfer backend that attends whole prompts over their own K/V (fa3 on Hopper,
-    else fa2), or None when KVRELAY_PREFILL_RAGGED=0 sends them through the paged cache."""
-    if os.environ.get(PREFILL_RAGGED_ENV, "1") == "0":
+    """The FlashInfer backend that attends whole prompts over their own K/V when
+    KVRELAY_PREFILL_RAGGED=1 (fa3 on Hopper, else fa2), or None (the default): they go through
+    the paged cache like every other chunk."""
+    if os.environ.get(PREFILL_RAGGED_ENV, "0") != "1":
         return None
     return "fa3" if capability == HOPPER else "fa2"
 

@@ -431,9 +431,9 @@ def test_fa3_prefill_against_fa2(
 def test_whole_prompts_on_the_ragged_wrapper_against_the_paged_one(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
 ) -> None:
-    """Whole prompts attending over their own K/V (the ragged wrapper, the default) against
-    the same rows through the paged cache (KVRELAY_PREFILL_RAGGED=0), on one token
-    trajectory: whole prompts beside decode rows, continued chunks and a cached prefix in
+    """Whole prompts attending over their own K/V (the ragged wrapper,
+    KVRELAY_PREFILL_RAGGED=1) against the same rows through the paged cache (the default), on
+    one token trajectory: whole prompts beside decode rows, continued chunks and a cached prefix in
     the paged wrapper's part of the same steps. Over bf16 both compute the same attention;
     over fp8 the ragged rows read the unquantized K/V, so they may only be closer to bf16."""
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")

@@ -1,5 +1,6 @@
-"""engine.gc_heap: when the start-up heap is frozen, and that a later engine's start-up frees
-what an earlier engine left in reference cycles."""
+"""engine.gc_heap: when the start-up heap is frozen (and the young generation's threshold
+raised), and that a later engine's start-up frees what an earlier engine left in reference
+cycles."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from engine import gc_heap
 
 @pytest.fixture(autouse=True)
 def unfrozen() -> Iterator[None]:
+    thresholds = gc.get_threshold()
     gc.unfreeze()
     yield
     gc.unfreeze()  # the test process's heap goes back to the collector
+    gc.set_threshold(*thresholds)
 
 
 class Cycle:
@@ -72,3 +75,26 @@ def test_a_cuda_engine_thaws_before_it_sizes_its_pool() -> None:
     gc_heap.thaw_heap(torch.device("cuda"))
     assert gone() is None
     assert gc.get_freeze_count() == 0
+
+
+def test_a_cuda_engine_raises_the_young_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gc_heap.YOUNG_ENV, raising=False)
+    gc.set_threshold(700, 10, 10)
+    gc_heap.freeze_heap(torch.device("cpu"))
+    assert gc.get_threshold() == (700, 10, 10)  # CPU engines leave it alone
+    gc_heap.freeze_heap(torch.device("cuda"))
+    assert gc.get_threshold() == (gc_heap.YOUNG_DEFAULT, 10, 10)
+    monkeypatch.setenv(gc_heap.YOUNG_ENV, "700")
+    gc_heap.freeze_heap(torch.device("cuda"))
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "lots"])
+def test_a_bad_young_threshold_is_refused_before_anything_changes(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    monkeypatch.setenv(gc_heap.YOUNG_ENV, raw)
+    before = gc.get_threshold()
+    with pytest.raises(ValueError, match="KVRELAY_GC_YOUNG must be a whole number >= 1"):
+        gc_heap.freeze_heap(torch.device("cuda"))
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0

@@ -2,7 +2,7 @@
 KVRELAY_DECODE_KERNEL), the prefill kernel (fa3 on Hopper when KVRELAY_PREFILL_FA3=1), XQA's
 dense page table, the split of a mixed step into its leading decode rows, the rows the paged
 prefill wrapper takes and the trailing whole prompts (the ragged wrapper's: fa3 on Hopper, fa2
-elsewhere, none when KVRELAY_PREFILL_RAGGED=0).
+elsewhere, when KVRELAY_PREFILL_RAGGED=1).
 Pure functions: no GPU, no FlashInfer."""
 
 from __future__ import annotations
@@ -96,11 +96,9 @@ def test_whole_prompts_are_the_trailing_chunks_with_nothing_cached_before_them()
     assert whole_prompts_from([]) == 0
 
 
-def test_ragged_backend_is_fa3_on_hopper_and_can_be_turned_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_ragged_backend_is_fa3_on_hopper_when_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PREFILL_RAGGED_ENV, raising=False)
+    assert ragged_backend(HOPPER) is None  # off by default
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "1")
     assert ragged_backend(HOPPER) == "fa3"
     assert ragged_backend(AMPERE) == "fa2"
-    monkeypatch.setenv(PREFILL_RAGGED_ENV, "0")
-    assert ragged_backend(HOPPER) is None
