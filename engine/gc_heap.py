@@ -34,6 +34,7 @@ import torch
 ENV = "KVRELAY_GC_FREEZE"
 YOUNG_ENV = "KVRELAY_GC_YOUNG"
 YOUNG_DEFAULT = 50_000
+YOUNG_MAX = 2**31 - 1  # gc.set_threshold takes a C int
 _unfreeze_registered = False
 
 
@@ -47,10 +48,10 @@ def wanted() -> bool:
 
 def young_threshold() -> int:
     """KVRELAY_GC_YOUNG: allocations between collections of the young generation (default
-    YOUNG_DEFAULT; a whole number >= 1)."""
+    YOUNG_DEFAULT; a whole number in 1..YOUNG_MAX)."""
     raw = os.environ.get(YOUNG_ENV, str(YOUNG_DEFAULT)).strip()
-    if not raw.isdecimal() or int(raw) < 1:
-        raise ValueError(f"{YOUNG_ENV} must be a whole number >= 1, got {raw!r}")
+    if not raw.isdecimal() or not 1 <= int(raw) <= YOUNG_MAX:
+        raise ValueError(f"{YOUNG_ENV} must be a whole number in 1..{YOUNG_MAX}, got {raw!r}")
     return int(raw)
 
 

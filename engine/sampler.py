@@ -120,10 +120,12 @@ class Sampler:
     ) -> PendingSample:
         """Sample on the device; nothing waits for the GPU until PendingSample.result().
 
-        bitmask: the grammar rows' allowed tokens (engine/structured.py); the others get -inf
-        in `logits` (in place, on the device) before anything else, greedy rows included.
         logits may come in the model's dtype: a step of plain greedy rows takes the argmax
-        there (the same token: widening to float32 is exact), any other works in float32."""
+        there (the same token: widening to float32 is exact), any other works on a float32
+        copy (float32 logits are used as they are).
+        bitmask: the grammar rows' allowed tokens (engine/structured.py); the others get -inf
+        in the float32 logits (in place: in `logits` itself when it is float32) before anything
+        else, greedy rows included."""
         if bitmask is not None or not all(plain_greedy(row) for row in rows):
             logits = logits.float()
         if bitmask is not None:

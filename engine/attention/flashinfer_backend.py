@@ -163,9 +163,11 @@ class FlashInferAttention(AttentionBackend):
     1-row queries), so a mixed batch costs one plan and one kernel per layer, with no
     reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
     wrapper's JIT module. With XQA (an fp8 cache on Hopper) decode rows run on XQA instead,
-    in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper,
-    but for the trailing whole prompts, which the ragged wrapper takes (see the module's
-    docstring). kv_scales: per layer (k_scale, v_scale) of an fp8 cache (default 1.0 each).
+    in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper
+    (the decode wrapper when they are all decode rows). With KVRELAY_PREFILL_RAGGED=1 the
+    step's trailing whole prompts go to the ragged wrapper (see the module's docstring): up
+    to three plans and three attention kernels a layer. kv_scales: per layer (k_scale,
+    v_scale) of an fp8 cache (default 1.0 each).
     """
 
     reads_scaled_rows = True  # rope_and_write_kv applies ScaledRows' scales as it reads

@@ -27,7 +27,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # first_token changes from step to step: no variant per value's divisibility
+    @triton.jit(do_not_specialize=["kv_out_first_token"])
     def rope_write_kv(
         qkv_ptr,
         qkv_row_stride,

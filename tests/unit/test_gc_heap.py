@@ -89,12 +89,12 @@ def test_a_cuda_engine_raises_the_young_threshold(monkeypatch: pytest.MonkeyPatc
     assert gc.get_threshold() == (700, 10, 10)
 
 
-@pytest.mark.parametrize("raw", ["0", "-5", "lots"])
+@pytest.mark.parametrize("raw", ["0", "-5", "lots", "3000000000"])
 def test_a_bad_young_threshold_is_refused_before_anything_changes(
     monkeypatch: pytest.MonkeyPatch, raw: str
 ) -> None:
     monkeypatch.setenv(gc_heap.YOUNG_ENV, raw)
     before = gc.get_threshold()
-    with pytest.raises(ValueError, match="KVRELAY_GC_YOUNG must be a whole number >= 1"):
+    with pytest.raises(ValueError, match=r"KVRELAY_GC_YOUNG must be a whole number in 1\.\."):
         gc_heap.freeze_heap(torch.device("cuda"))
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0

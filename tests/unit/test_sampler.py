@@ -87,16 +87,22 @@ def test_a_seeded_draw_depends_on_seed_and_position_only():
     assert draw(40, seed=8) != draw(40) or draw(41, seed=8) != draw(41)
 
 
-def test_bf16_logits_greedy_in_place_and_float32_for_the_rest():
-    """Logits in the model's dtype: plain greedy rows take the argmax there (ties go to the
-    first index, as in float32); logprobs and sampling work on float32 logits."""
+def test_bf16_logits_widen_only_when_a_row_needs_more_than_the_argmax(monkeypatch):
+    """Logits in the model's dtype: plain greedy steps take the argmax there (ties go to the
+    first index, as in float32); logprobs and sampling work on a float32 copy, and the
+    caller's logits are left as they are."""
     bf16 = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 0.0, 0.0, 4.9]], dtype=torch.bfloat16)
+    before = bf16.clone()
+    widened = []
+    to_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.dtype) or to_float(t))
     greedy = SamplingParams(temperature=0)
     sampler = Sampler(torch.device("cpu"), seed=0)
     assert sampler(bf16, rows(greedy, greedy)).token_ids == [1, 0]
+    assert widened == []  # the argmax on bf16: no float32 copy
     result = sampler(bf16, rows(dataclasses.replace(greedy, logprobs=True), greedy))
     expected = torch.log_softmax(bf16[0].float(), -1)[1].item()
     assert result.token_ids == [1, 0] and math.isclose(result.logprobs[0], expected, rel_tol=1e-6)
-    pending = sampler.sample(bf16, rows(dataclasses.replace(greedy, logprobs=True), greedy))
-    assert pending.tokens.dtype == torch.long and pending.result().logprobs is not None
-    assert sampler(bf16, rows(SamplingParams(top_k=1), greedy)).token_ids == [1, 0]
+    assert torch.bfloat16 in widened
+    assert sampler(bf16[1:], rows(SamplingParams(top_k=1))).token_ids == [0]
+    assert torch.equal(bf16, before)
