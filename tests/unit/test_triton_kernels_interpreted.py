@@ -74,20 +74,30 @@ def test_rope_and_kv_write_at_every_head_blocking(
     assert not layer.permute(0, 3, 1, 2, 4)[~written].any()  # no other slot written
 
 
-def test_rope_writes_q_to_its_own_rows_when_given_them() -> None:
-    """q_out: rotated q lands there (contiguous rows), and qkv is left as it was."""
-    num_heads, num_kv_heads, head_dim, num_tokens, block_size = 4, 2, 16, 5, 4
+def small_rope_case(
+    num_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int, seed: int
+) -> tuple[RotaryEmbedding, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """RoPE tables, random q|k|v rows, their positions and slots (blocks of 4), two empty caches."""
+    block_size = 4
     config = make_model_config(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope_theta=10000.0
     )
     rope = RotaryEmbedding(config, 64).to(DEVICE)
-    gen = torch.Generator().manual_seed(6)
+    gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    qkv = qkv.to(DEVICE)
     positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
     block_ids = torch.arange(num_tokens, device=DEVICE) // block_size
     offsets = torch.arange(num_tokens, device=DEVICE) % block_size
     caches = [torch.zeros(2, 2, num_kv_heads, block_size, head_dim, device=DEVICE) for _ in "ab"]
+    return rope, qkv.to(DEVICE), positions, block_ids, offsets, caches
+
+
+def test_rope_writes_q_to_its_own_rows_when_given_them() -> None:
+    """q_out: rotated q lands there (contiguous rows), and qkv is left as it was."""
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 16, 5
+    rope, qkv, positions, block_ids, offsets, caches = small_rope_case(
+        num_heads, num_kv_heads, head_dim, num_tokens, seed=6
+    )
     before = qkv.clone()
     q_out = torch.full((num_tokens, num_heads, head_dim), float("nan"), device=DEVICE)
     got = rope_kv_kernel.rope_and_write_kv(
@@ -114,20 +124,15 @@ def test_rope_leaves_rotated_k_and_v_in_kv_out(
     """kv_out: tokens from first_token on leave their rotated K and plain V, unscaled, there
     (ragged prefill attention reads them); the cache and q get what they get without it."""
     monkeypatch.setattr(rope_kv_kernel, "PROGRAMS_WANTED", programs_wanted)
-    num_heads, num_kv_heads, head_dim, num_tokens, block_size = 6, 2, 16, 7, 4
-    config = make_model_config(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope_theta=10000.0
+    num_heads, num_kv_heads, head_dim, num_tokens = 6, 2, 16, 7
+    rope, qkv, positions, block_ids, offsets, caches = small_rope_case(
+        num_heads, num_kv_heads, head_dim, num_tokens, seed=11
     )
-    rope = RotaryEmbedding(config, 64).to(DEVICE)
-    gen = torch.Generator().manual_seed(11)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    qkv = qkv.to(DEVICE)
-    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
-    block_ids = torch.arange(num_tokens, device=DEVICE) // block_size
-    offsets = torch.arange(num_tokens, device=DEVICE) % block_size
-    caches = [torch.zeros(2, 2, num_kv_heads, block_size, head_dim, device=DEVICE) for _ in "ab"]
     kv_scales = (2.0, 0.5)
-    kv_out = rope_kv_kernel.KvOut.empty(num_tokens, first_token, num_kv_heads, head_dim, qkv)
+    # kv_out inside a larger buffer: a write for a token before first_token lands in the guard
+    rows, guard = num_tokens - first_token, first_token + 1
+    buffers = torch.full((2, guard + rows, num_kv_heads, head_dim), float("nan"), device=DEVICE)
+    kv_out = rope_kv_kernel.KvOut(buffers[0, guard:], buffers[1, guard:], first_token)
     args = (positions, rope.cos_sin, caches[0], block_ids, offsets, num_heads, kv_scales)
     got_q = rope_kv_kernel.rope_and_write_kv(qkv.clone(), *args, kv_out=kv_out)
     plain_args = (positions, rope.cos_sin, caches[1], block_ids, offsets, num_heads, kv_scales)
@@ -141,6 +146,7 @@ def test_rope_leaves_rotated_k_and_v_in_kv_out(
     torch.testing.assert_close(kv_out.k, want_k[first_token:], atol=1e-5, rtol=1e-5)
     want_v = qkv[first_token:, q_size + kv_size :].reshape(-1, num_kv_heads, head_dim)
     assert torch.equal(kv_out.v, want_v)
+    assert buffers[:, :guard].isnan().all()  # nothing written before first_token's row
     with pytest.raises(ValueError, match="kv_out"):
         short = rope_kv_kernel.KvOut(kv_out.k[1:], kv_out.v[1:], first_token)
         rope_kv_kernel.rope_and_write_kv(qkv.clone(), *args, kv_out=short)
