@@ -31,10 +31,12 @@
 #   gc-freeze  the fp8w row with the start-up heap frozen (default) and not (GC_FREEZES)
 #   ragged     the ragged-prefill GPU test, then the fp8w row with whole prompts over their own K/V
 #              and through the paged cache (the default) (RAGGED_RUNS)
+#   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
+#              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -336,6 +338,10 @@ case $phase in
         --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
         --max-num-batched-tokens 16384
     done
+    ;;
+  side-by-side)  # a same-lease claim in one call: a second call may find the machine taken back
+    ROWS=${ROW:-fp8w} OFFLINE_ARGS="--max-num-batched-tokens 16384" bash "$0" offline-mem
+    ROWS=${ROW:-fp8w} bash "$0" vllm-offline
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)
