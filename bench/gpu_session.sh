@@ -330,8 +330,9 @@ case $phase in
         --max-num-batched-tokens 16384
     done
     ;;
-  ragged)  # whole prompts attend over their own K/V on the ragged wrapper (KVRELAY_PREFILL_RAGGED=1;
-    # its GPU test compiles fa3's ragged kernels first) or through the paged cache (0, the default)
+  ragged)  # whole prompts attend over their own K/V on the ragged wrapper (KVRELAY_PREFILL_RAGGED=1,
+    # fa2 or fa3; its GPU test compiles fa3's ragged kernels first) or through the paged cache (0,
+    # the default). RAGGED_RUNS: the settings of the fp8w runs (default "1 0")
     gpu_tests tests_ragged tests/gpu/test_flashinfer_backend.py -k "ragged or fa3"
     for ragged in ${RAGGED_RUNS-1 0}; do
       KVRELAY_PREFILL_RAGGED=$ragged offline_run "offline_fp8w_ragged$ragged" --quantization fp8 \

@@ -15,9 +15,10 @@ own K/V instead, as the RoPE kernel leaves them in the activations' dtype, throu
 ragged wrapper (fa3 on Hopper, else fa2): no page table, no fp8 pages to widen, and the
 unquantized K/V of the prompt itself. The paged wrapper keeps the rows before them (chunks
 that continue a prompt or follow a cached prefix, decode rows XQA does not take). Off by
-default, KVRELAY_PREFILL_RAGGED=1 turns it on: on the H200 a 16,384-token step's attention went
-from ~32 to ~9 ms, but its FP8 GEMMs ran ~10% slower beside it, as beside fa3's paged kernel,
-and the 8B fp8 offline run was 2.6% slower (bench/RESULTS.md, issue 12's tenth round).
+default, KVRELAY_PREFILL_RAGGED=1 turns it on (=fa2 or =fa3 picks the kernel): on the H200 a
+16,384-token step's attention went from ~32 to ~9 ms on fa3, but its FP8 GEMMs ran ~10% slower
+beside it, as beside fa3's paged kernel, and the 8B fp8 offline run was 2.6% slower
+(bench/RESULTS.md, issue 12's tenth round).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
 PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
-PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "1": whole prompts over their own K/V (ragged)
+PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "1", "fa2", "fa3": whole prompts over own K/V
 HOPPER = (9, 0)
 
 
@@ -57,12 +58,17 @@ def prefill_backend(capability: tuple[int, int]) -> str:
 
 
 def ragged_backend(capability: tuple[int, int]) -> str | None:
-    """The FlashInfer backend that attends whole prompts over their own K/V when
-    KVRELAY_PREFILL_RAGGED=1 (fa3 on Hopper, else fa2), or None (the default): they go through
-    the paged cache like every other chunk."""
-    if os.environ.get(PREFILL_RAGGED_ENV, "0") != "1":
-        return None
-    return "fa3" if capability == HOPPER else "fa2"
+    """The FlashInfer backend that attends whole prompts over their own K/V, from
+    KVRELAY_PREFILL_RAGGED: "1" fa3 on Hopper, else fa2; "fa2" fa2; "fa3" fa3 (Hopper only);
+    "0" (the default) None: they go through the paged cache like every other chunk."""
+    choice = os.environ.get(PREFILL_RAGGED_ENV, "0").strip()
+    if choice not in ("0", "1", "fa2", "fa3"):
+        raise ValueError(f"{PREFILL_RAGGED_ENV} must be 0, 1, fa2 or fa3, got {choice!r}")
+    if choice == "fa3" and capability != HOPPER:
+        raise ValueError(f"{PREFILL_RAGGED_ENV}=fa3 needs a Hopper GPU (compute capability 9.0)")
+    if choice == "1":
+        return "fa3" if capability == HOPPER else "fa2"
+    return None if choice == "0" else choice
 
 
 def whole_prompts_from(seqs: list[SeqSpan]) -> int:

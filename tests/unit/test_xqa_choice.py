@@ -1,8 +1,8 @@
 """The decode-kernel choice (XQA for an fp8 cache on Hopper, fa2 otherwise; forced by
 KVRELAY_DECODE_KERNEL), the prefill kernel (fa3 on Hopper when KVRELAY_PREFILL_FA3=1), XQA's
 dense page table, the split of a mixed step into its leading decode rows, the rows the paged
-prefill wrapper takes and the trailing whole prompts (the ragged wrapper's: fa3 on Hopper, fa2
-elsewhere, when KVRELAY_PREFILL_RAGGED=1).
+prefill wrapper takes and the trailing whole prompts (the ragged wrapper's, when
+KVRELAY_PREFILL_RAGGED turns it on: 1 for fa3 on Hopper and fa2 elsewhere, or fa2 / fa3).
 Pure functions: no GPU, no FlashInfer."""
 
 from __future__ import annotations
@@ -102,3 +102,14 @@ def test_ragged_backend_is_fa3_on_hopper_when_turned_on(monkeypatch: pytest.Monk
     monkeypatch.setenv(PREFILL_RAGGED_ENV, "1")
     assert ragged_backend(HOPPER) == "fa3"
     assert ragged_backend(AMPERE) == "fa2"
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "fa2")
+    assert ragged_backend(HOPPER) == "fa2"
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "fa3")
+    assert ragged_backend(HOPPER) == "fa3"
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        ragged_backend(AMPERE)
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "0")
+    assert ragged_backend(HOPPER) is None
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "yes")
+    with pytest.raises(ValueError, match="KVRELAY_PREFILL_RAGGED must be 0, 1, fa2 or fa3"):
+        ragged_backend(HOPPER)
