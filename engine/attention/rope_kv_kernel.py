@@ -120,11 +120,9 @@ def _kernel() -> Any:
         if DEQUANT:
             v_scale = tl.load(col_scale_ptr + v_cols, mask=k_mask, other=0.0) * token_scale
             v = (v * v_scale).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-        if KV_OUT:
-            v_row = (token - kv_out_first_token) * NUM_KV_HEADS * HEAD_DIM
-            v_out = v_out_ptr + v_row + kv_heads[:, None] * HEAD_DIM + dims
-            v_mask = (is_k & (heads * 0 + token >= kv_out_first_token))[:, None]
-            tl.store(v_out, v.to(v_out_ptr.dtype.element_ty), mask=v_mask)
+        if KV_OUT:  # out_row and out_mask: the K store's above
+            v_out = v_out_ptr + out_row + kv_heads[:, None] * HEAD_DIM + dims
+            tl.store(v_out, v.to(v_out_ptr.dtype.element_ty), mask=out_mask)
         v = v * v_inv_scale
         tl.store(dst[:, None] + kv_stride + dims, v.to(cache_dtype), mask=k_mask)
 
