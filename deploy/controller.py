@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from common.cluster_state import (
     CONTROLLER_NAME,
@@ -390,6 +390,8 @@ class Controller:
         async def ping(record: _Record) -> None:
             try:
                 await asyncio.wait_for(record.actor.pid.remote(), 10.0)
+            except ActorUnavailableError as e:  # may come back; a dead one fails the next ping
+                logger.warning("controller: %s is unavailable for now: %s", record.worker_id, e)
             except RayActorError as e:
                 if record.state == WorkerState.GONE:
                     return
