@@ -31,12 +31,15 @@
 #   gc-freeze  the fp8w row with the start-up heap frozen (default) and not (GC_FREEZES)
 #   ragged     the ragged-prefill GPU test, then the fp8w row with whole prompts over their own K/V
 #              and through the paged cache (the default) (RAGGED_RUNS)
+#   gemm-shapes  bench.overlap_probe (attention beside GEMMs on two streams; the projections' time
+#              across row counts), then bench.bf16_gemm_bench (cuBLAS against cuBLASLt's and
+#              FlashInfer's picks for the bf16 rows' GEMMs; BF16_GEMM_ARGS, e.g. --extra)
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, gemm-shapes, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -340,6 +343,15 @@ case $phase in
         --max-num-batched-tokens 16384
     done
     ;;
+  gemm-shapes)
+    timeout 200 python3 -m bench.overlap_probe --json "$out/overlap_probe.json" \
+      > "$out/overlap_probe.txt" 2>&1
+    echo "overlap_probe rc=$?"
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m bench.bf16_gemm_bench ${BF16_GEMM_ARGS:-} --json "$out/bf16_gemm.json" \
+      > "$out/bf16_gemm.txt" 2>&1
+    echo "bf16_gemm_bench rc=$?"
+    ;;
   side-by-side)  # a same-lease claim in one call: a second call may find the machine taken back
     ROWS=${ROW:-fp8w} OFFLINE_ARGS="--max-num-batched-tokens 16384" bash "$0" offline-mem
     ROWS=${ROW:-fp8w} bash "$0" vllm-offline
@@ -352,7 +364,7 @@ case $phase in
         fp8w) offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
                 --max-num-seqs "${SEQS_FP8W:-768}" ${OFFLINE_ARGS:-} ;;
         fp8kv) offline_run offline_fp8kv --kv-cache-dtype fp8 --kv-gib 0 \
-                 --max-num-seqs "${SEQS_FP8KV:-704}" ${OFFLINE_ARGS:-} ;;
+                 --max-num-seqs "${SEQS_FP8KV:-768}" ${OFFLINE_ARGS:-} ;;
         bf16) offline_run offline_bf16 --kv-gib 0 --max-num-seqs "${SEQS_BF16:-384}" \
                 ${OFFLINE_ARGS:-} ;;
       esac

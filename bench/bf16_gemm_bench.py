@@ -1,0 +1,125 @@
+"""bf16 GEMMs other than the engine's on the 8B projections at the offline rows' step sizes, each
+timed as bench.fp8_gemv_bench times them (graph replays): the engine's `x @ W^T` (cuBLAS's
+heuristic pick); the same with torch's preferred BLAS set to cuBLASLt; FlashInfer's mm_bf16 on
+cuBLASLt at its heuristic pick and at the fastest of cuBLASLt's candidate algorithms
+(FlashInfer's autotuner); with --extra, FlashInfer's cuDNN and cuTile backends (cuTile
+autotunes per shape, minutes on a cold machine). The decode steps' GEMMs cost per row what a
+batch of 512 rows does only at some row counts (bench/overlap_probe.py: 17.4 ms a step at 704
+rows, 17.7 at 768, 10.5 at 512): is that the kernel choice? Prints per-step ms over the 32
+layers and TFLOP/s per candidate, and each candidate's largest error against the float32
+product; a candidate this install refuses is reported, not fatal. Owns no state; needs a GPU.
+
+    python -m bench.bf16_gemm_bench [--rows 16384 768 704 512 384 232] [--extra] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.fp8_gemm_bench import tune
+from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES, graph_us
+
+TUNED = ("flashinfer cublaslt tuned", "flashinfer cutile tuned")
+
+
+def candidates(
+    x: torch.Tensor, weight: torch.Tensor, extra: bool
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> op computing x @ weight^T in bf16."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device="cuda")
+    w_t = weight.t()  # (K, N), column-major: what mm_bf16 takes
+
+    def engine() -> torch.Tensor:
+        return x @ w_t
+
+    def torch_cublaslt() -> torch.Tensor:
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return x @ w_t
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+
+    def flashinfer_backend(backend: str) -> Callable[[], torch.Tensor]:
+        def op() -> torch.Tensor:
+            import flashinfer
+
+            return flashinfer.mm_bf16(x, w_t, out=out, backend=backend)
+
+        return op
+
+    ops = {
+        "engine (cuBLAS)": engine,
+        "torch on cuBLASLt": torch_cublaslt,
+        "flashinfer cublaslt heuristic": flashinfer_backend("cublaslt"),
+        "flashinfer cublaslt tuned": flashinfer_backend("cublaslt"),
+    }
+    if extra:
+        ops["flashinfer cudnn"] = flashinfer_backend("cudnn")
+        ops["flashinfer cutile tuned"] = flashinfer_backend("cutile")
+    return ops
+
+
+def one_step(num_rows: int, gen: torch.Generator, extra: bool) -> dict[str, Any]:
+    """Per-step ms, TFLOP/s and worst relative error of every candidate at num_rows rows."""
+    step_ms: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    worst: dict[str, float] = {}
+    flops = 0
+    for name, (n, k) in SHAPES.items():
+        weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        x = torch.randn(num_rows, k, device="cuda", generator=gen).bfloat16()
+        want = x.float() @ weight.float().t()
+        for label, op in candidates(x, weight, extra).items():
+            if label in errors:
+                continue
+            try:
+                if label in TUNED:
+                    tune(op)
+                rel = float((op().float() - want).abs().max() / want.abs().max())
+                us = graph_us(op)
+            except Exception as error:  # a backend this install lacks: reported, not fatal
+                errors[label] = f"{name}: {type(error).__name__}: {error}"[:800]
+                step_ms.pop(label, None)
+                print(f"M={num_rows} {label}: {errors[label]}", flush=True)
+                continue
+            step_ms[label] = step_ms.get(label, 0.0) + us * NUM_LAYERS / 1e3
+            worst[label] = max(worst.get(label, 0.0), rel)
+            print(f"M={num_rows:5d} {name:12s} {label:30s} {us:8.1f} us  rel err {rel:.1e}")
+        flops += 2 * num_rows * n * k * NUM_LAYERS
+        del weight, x, want
+    tflops = {label: flops / (ms / 1e3) / 1e12 for label, ms in step_ms.items()}
+    return {"rows": num_rows, "step_ms": step_ms, "tflops": tflops, "max_rel": worst} | (
+        {"errors": errors} if errors else {}
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="*", default=[16384, 768, 704, 512, 384, 232])
+    p.add_argument("--extra", action="store_true", help="also FlashInfer's cuDNN and cuTile")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    gen = torch.Generator("cuda").manual_seed(0)
+    results = []
+    for num_rows in args.rows:
+        row = one_step(num_rows, gen, args.extra)
+        results.append(row)
+        for label, ms in row["step_ms"].items():
+            print(
+                f"M={num_rows:5d} {label:30s} {ms:8.2f} ms a step  "
+                f"{row['tflops'][label]:6.0f} TFLOP/s  max rel err {row['max_rel'][label]:.1e}",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}))
+
+
+if __name__ == "__main__":
+    main()
