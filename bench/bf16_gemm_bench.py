@@ -7,7 +7,9 @@ autotunes per shape, minutes on a cold machine). The decode steps' GEMMs cost pe
 batch of 512 rows does only at some row counts (bench/overlap_probe.py: 17.4 ms a step at 704
 rows, 17.7 at 768, 10.5 at 512): is that the kernel choice? Prints per-step ms over the 32
 layers and TFLOP/s per candidate, and each candidate's largest error against the float32
-product; a candidate this install refuses is reported, not fatal. Owns no state; needs a GPU.
+product; a candidate this install refuses is reported, not fatal. A graph replays one weight
+20 times, so at few rows o_proj's and qkv's weights may stay in L2: compare candidates with one
+another, not with the engine's step. Owns no state; needs a GPU.
 
     python -m bench.bf16_gemm_bench [--rows 16384 768 704 512 384 232] [--extra] [--json out.json]
 """
@@ -22,16 +24,31 @@ from typing import Any
 
 import torch
 
-from bench.fp8_gemm_bench import tune
 from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES, graph_us
 
 TUNED = ("flashinfer cublaslt tuned", "flashinfer cutile tuned")
+BF16_GEMM_OP = "bf16_gemm"  # mm_bf16's name in FlashInfer's autotuner
+
+
+def tune(op: Callable[[], torch.Tensor], num_rows: int) -> None:
+    """Let FlashInfer's autotuner time op's candidates at exactly num_rows rows (its default
+    buckets would tune a larger M and round this one up to it, and a cuBLASLt tactic is an
+    index into the algorithm list of the exact M it was tuned at)."""
+    from flashinfer.autotuner import autotune
+
+    with autotune(True, tuning_buckets=(num_rows,)):
+        op()
+    torch.cuda.synchronize()
 
 
 def candidates(
     x: torch.Tensor, weight: torch.Tensor, extra: bool
 ) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> op computing x @ weight^T in bf16."""
+    """name -> op computing x @ weight^T in bf16. FlashInfer's ops pick their tactic when
+    called (at graph capture): the heuristic ones with the autotuner told to skip mm_bf16,
+    the tuned ones from what tune() found for exactly this row count."""
+    from flashinfer.autotuner import autotune
+
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device="cuda")
     w_t = weight.t()  # (K, N), column-major: what mm_bf16 takes
 
@@ -46,23 +63,29 @@ def candidates(
         finally:
             torch.backends.cuda.preferred_blas_library(previous)
 
-    def flashinfer_backend(backend: str) -> Callable[[], torch.Tensor]:
+    def flashinfer_backend(backend: str, tuned: bool) -> Callable[[], torch.Tensor]:
         def op() -> torch.Tensor:
             import flashinfer
 
-            return flashinfer.mm_bf16(x, w_t, out=out, backend=backend)
+            context = (
+                autotune(False, tuning_buckets=(x.shape[0],))
+                if tuned
+                else autotune(False, skip_ops={BF16_GEMM_OP})
+            )
+            with context:
+                return flashinfer.mm_bf16(x, w_t, out=out, backend=backend)
 
         return op
 
     ops = {
         "engine (cuBLAS)": engine,
         "torch on cuBLASLt": torch_cublaslt,
-        "flashinfer cublaslt heuristic": flashinfer_backend("cublaslt"),
-        "flashinfer cublaslt tuned": flashinfer_backend("cublaslt"),
+        "flashinfer cublaslt heuristic": flashinfer_backend("cublaslt", tuned=False),
+        "flashinfer cublaslt tuned": flashinfer_backend("cublaslt", tuned=True),
     }
     if extra:
-        ops["flashinfer cudnn"] = flashinfer_backend("cudnn")
-        ops["flashinfer cutile tuned"] = flashinfer_backend("cutile")
+        ops["flashinfer cudnn"] = flashinfer_backend("cudnn", tuned=False)
+        ops["flashinfer cutile tuned"] = flashinfer_backend("cutile", tuned=True)
     return ops
 
 
@@ -81,7 +104,7 @@ def one_step(num_rows: int, gen: torch.Generator, extra: bool) -> dict[str, Any]
                 continue
             try:
                 if label in TUNED:
-                    tune(op)
+                    tune(op, num_rows)
                 rel = float((op().float() - want).abs().max() / want.abs().max())
                 us = graph_us(op)
             except Exception as error:  # a backend this install lacks: reported, not fatal
@@ -91,7 +114,10 @@ def one_step(num_rows: int, gen: torch.Generator, extra: bool) -> dict[str, Any]
                 continue
             step_ms[label] = step_ms.get(label, 0.0) + us * NUM_LAYERS / 1e3
             worst[label] = max(worst.get(label, 0.0), rel)
-            print(f"M={num_rows:5d} {name:12s} {label:30s} {us:8.1f} us  rel err {rel:.1e}")
+            print(
+                f"M={num_rows:5d} {name:12s} {label:30s} {us:8.1f} us  rel err {rel:.1e}",
+                flush=True,
+            )
         flops += 2 * num_rows * n * k * NUM_LAYERS
         del weight, x, want
     tflops = {label: flops / (ms / 1e3) / 1e12 for label, ms in step_ms.items()}
@@ -117,8 +143,9 @@ def main() -> None:
                 f"{row['tflops'][label]:6.0f} TFLOP/s  max rel err {row['max_rel'][label]:.1e}",
                 flush=True,
             )
-    if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}))
+        if args.json:  # after every row count: a run cut short keeps what it measured
+            report = {"gpu": torch.cuda.get_device_name(), "rows": results}
+            args.json.write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
