@@ -34,12 +34,13 @@
 #   gemm-shapes  bench.overlap_probe (attention beside GEMMs on two streams; the projections' time
 #              across row counts), then bench.bf16_gemm_bench (cuBLAS against cuBLASLt's and
 #              FlashInfer's picks for the bf16 rows' GEMMs; BF16_GEMM_ARGS, e.g. --extra)
+#   row-variants  one offline row (ROW) once per environment setting in VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, gemm-shapes, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, gemm-shapes, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -66,6 +67,14 @@ gpu_tests() {  # NAME PYTEST_ARGS...: one pytest process into $out/NAME.txt
   local name=$1; shift
   timeout 420 python3 -m pytest -q -s -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
   echo "$name rc=$?" | tee -a "$out/$name.txt"
+}
+row_flags() {  # ROW: gpu_engine_bench's flags for that offline row (pool by memory, its batch)
+  case $1 in
+    fp8w) echo "--quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs ${SEQS_FP8W:-768}" ;;
+    fp8kv) echo "--kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs ${SEQS_FP8KV:-768}" ;;
+    bf16) echo "--kv-gib 0 --max-num-seqs ${SEQS_BF16:-384}" ;;
+    *) echo "unknown row $1" >&2; return 2 ;;
+  esac
 }
 served_8b() {  # the 8B-shape folder (config + SmolLM2 tokenizer, no weights) for dummy loads
   folder=/tmp/kvrelay-goodput-llama-3.1-8b
@@ -358,16 +367,21 @@ case $phase in
     ;;
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)
-    # shellcheck disable=SC2086
     for row in ${ROWS:-fp8w fp8kv bf16}; do
-      case $row in
-        fp8w) offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
-                --max-num-seqs "${SEQS_FP8W:-768}" ${OFFLINE_ARGS:-} ;;
-        fp8kv) offline_run offline_fp8kv --kv-cache-dtype fp8 --kv-gib 0 \
-                 --max-num-seqs "${SEQS_FP8KV:-768}" ${OFFLINE_ARGS:-} ;;
-        bf16) offline_run offline_bf16 --kv-gib 0 --max-num-seqs "${SEQS_BF16:-384}" \
-                ${OFFLINE_ARGS:-} ;;
-      esac
+      # shellcheck disable=SC2046,SC2086
+      offline_run "offline_$row" $(row_flags "$row") ${OFFLINE_ARGS:-}
+    done
+    ;;
+  row-variants)  # one offline row (ROW, default bf16) once per setting in VARIANTS: space-separated
+    # VAR=VALUE words, "-" for the defaults (e.g. VARIANTS="- TORCH_BLAS_PREFER_CUBLASLT=1
+    # KVRELAY_PREFILL_RAGGED=1"); 16,384-token steps; ~2 min a bf16 run
+    row=${ROW:-bf16}
+    for variant in ${VARIANTS:--}; do
+      tag=defaults
+      [ "$variant" = - ] || tag=$(printf %s "$variant" | tr -c 'A-Za-z0-9' _)
+      # shellcheck disable=SC2046
+      ( if [ "$variant" != - ]; then export "${variant?}"; fi
+        offline_run "offline_${row}_$tag" $(row_flags "$row") --max-num-batched-tokens 16384 )
     done
     ;;
   vllm-offline)  # vLLM 0.26.0's own defaults on the same rows (~200-230 s of start-up a row, then
