@@ -20,34 +20,24 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES, graph_us
+from bench.lib.gemm_timing import Candidates, print_step, time_candidates, tune_exact
 
 TUNED = ("flashinfer cublaslt tuned", "flashinfer cutile tuned")
 BF16_GEMM_OP = "bf16_gemm"  # mm_bf16's name in FlashInfer's autotuner
 
 
-def tune(op: Callable[[], torch.Tensor], num_rows: int) -> None:
-    """Let FlashInfer's autotuner time op's candidates at exactly num_rows rows (its default
-    buckets would tune a larger M and round this one up to it, and a cuBLASLt tactic is an
-    index into the algorithm list of the exact M it was tuned at)."""
+def candidates(x: torch.Tensor, weight: torch.Tensor, extra: bool) -> Candidates:
+    """label -> (op computing x @ W^T in bf16, its float32 product), W the bf16 weight.
+    FlashInfer's ops pick their tactic when called (at graph capture): the heuristic ones with
+    the autotuner told to skip mm_bf16, the tuned ones from what tune_exact found for exactly
+    this row count."""
     from flashinfer.autotuner import autotune
 
-    with autotune(True, tuning_buckets=(num_rows,)):
-        op()
-    torch.cuda.synchronize()
-
-
-def candidates(
-    x: torch.Tensor, weight: torch.Tensor, extra: bool
-) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> op computing x @ weight^T in bf16. FlashInfer's ops pick their tactic when
-    called (at graph capture): the heuristic ones with the autotuner told to skip mm_bf16,
-    the tuned ones from what tune() found for exactly this row count."""
-    from flashinfer.autotuner import autotune
+    weight = weight.bfloat16()
+    want = x.float() @ weight.float().t()
 
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device="cuda")
     w_t = weight.t()  # (K, N), column-major: what mm_bf16 takes
@@ -86,44 +76,7 @@ def candidates(
     if extra:
         ops["flashinfer cudnn"] = flashinfer_backend("cudnn", tuned=False)
         ops["flashinfer cutile tuned"] = flashinfer_backend("cutile", tuned=True)
-    return ops
-
-
-def one_step(num_rows: int, gen: torch.Generator, extra: bool) -> dict[str, Any]:
-    """Per-step ms, TFLOP/s and worst relative error of every candidate at num_rows rows."""
-    step_ms: dict[str, float] = {}
-    errors: dict[str, str] = {}
-    worst: dict[str, float] = {}
-    flops = 0
-    for name, (n, k) in SHAPES.items():
-        weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
-        x = torch.randn(num_rows, k, device="cuda", generator=gen).bfloat16()
-        want = x.float() @ weight.float().t()
-        for label, op in candidates(x, weight, extra).items():
-            if label in errors:
-                continue
-            try:
-                if label in TUNED:
-                    tune(op, num_rows)
-                rel = float((op().float() - want).abs().max() / want.abs().max())
-                us = graph_us(op)
-            except Exception as error:  # a backend this install lacks: reported, not fatal
-                errors[label] = f"{name}: {type(error).__name__}: {error}"[:800]
-                step_ms.pop(label, None)
-                print(f"M={num_rows} {label}: {errors[label]}", flush=True)
-                continue
-            step_ms[label] = step_ms.get(label, 0.0) + us * NUM_LAYERS / 1e3
-            worst[label] = max(worst.get(label, 0.0), rel)
-            print(
-                f"M={num_rows:5d} {name:12s} {label:30s} {us:8.1f} us  rel err {rel:.1e}",
-                flush=True,
-            )
-        flops += 2 * num_rows * n * k * NUM_LAYERS
-        del weight, x, want
-    tflops = {label: flops / (ms / 1e3) / 1e12 for label, ms in step_ms.items()}
-    return {"rows": num_rows, "step_ms": step_ms, "tflops": tflops, "max_rel": worst} | (
-        {"errors": errors} if errors else {}
-    )
+    return {label: (op, want) for label, op in ops.items()}
 
 
 def main() -> None:
@@ -135,14 +88,11 @@ def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     results = []
     for num_rows in args.rows:
-        row = one_step(num_rows, gen, args.extra)
+        row = time_candidates(
+            num_rows, gen, lambda x, w: candidates(x, w, args.extra), TUNED, tune_exact
+        )
         results.append(row)
-        for label, ms in row["step_ms"].items():
-            print(
-                f"M={num_rows:5d} {label:30s} {ms:8.2f} ms a step  "
-                f"{row['tflops'][label]:6.0f} TFLOP/s  max rel err {row['max_rel'][label]:.1e}",
-                flush=True,
-            )
+        print_step(row)
         if args.json:  # after every row count: a run cut short keeps what it measured
             report = {"gpu": torch.cuda.get_device_name(), "rows": results}
             args.json.write_text(json.dumps(report))

@@ -3,7 +3,10 @@ sizes (16,384, 768 and 232 rows), each timed as bench.fp8_gemv_bench times them 
 replays): the engine's torch._scaled_mm with row-wise scales (cuBLASLt's heuristic pick);
 the same with one scale per tensor; FlashInfer's cuBLASLt FP8 GEMM (one scale per tensor) at
 its heuristic pick and at the fastest of cuBLASLt's candidate algorithms (FlashInfer's
-autotuner); FlashInfer's SM90 block-scaled GEMM (DeepGEMM: 1 x 128 input and weight scale
+autotuner, at exactly each row count since the eleventh round of bench/RESULTS.md: before,
+its default buckets tuned 16,384 rows first and the smaller counts ran a tactic found for
+another M, and the "heuristic" column after the first count may have used a tuned one);
+FlashInfer's SM90 block-scaled GEMM (DeepGEMM: 1 x 128 input and weight scale
 groups). Prints per-step ms over the 32 layers and TFLOP/s per candidate, and each
 candidate's largest error against the float32 product of its own quantized operands; a
 candidate this install refuses is reported, not fatal. Owns no state; needs a Hopper GPU.
@@ -17,11 +20,10 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES, graph_us
+from bench.lib.gemm_timing import print_step, time_candidates, tune_exact
 from engine.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows, quantize_weight
 
 GROUP = 128  # the block-scaled GEMM's scale group along K
@@ -95,49 +97,6 @@ def candidates(
     }
 
 
-def tune(op: Callable[[], torch.Tensor]) -> None:
-    """Let FlashInfer's autotuner time cuBLASLt's candidate algorithms for op's shape."""
-    from flashinfer.autotuner import autotune
-
-    with autotune(True):
-        op()
-    torch.cuda.synchronize()
-
-
-def one_step(num_rows: int, gen: torch.Generator) -> dict[str, Any]:
-    """Per-step ms, TFLOP/s and worst relative error of every candidate at num_rows rows."""
-    step_ms: dict[str, float] = {}
-    errors: dict[str, str] = {}
-    worst: dict[str, float] = {}
-    flops = 0
-    for name, (n, k) in SHAPES.items():
-        weight = torch.randn(n, k, device="cuda", generator=gen) * 0.02
-        x = torch.randn(num_rows, k, device="cuda", generator=gen).bfloat16()
-        for label, (op, want) in candidates(x, weight).items():
-            if label in errors:
-                continue
-            try:
-                if label == "cublaslt tuned":
-                    tune(op)
-                got = op().float()
-                rel = float((got - want).abs().max() / want.abs().max())
-                us = graph_us(op)
-            except Exception as error:  # a kernel this install lacks: reported, not fatal
-                errors[label] = f"{name}: {type(error).__name__}: {error}"[:800]
-                step_ms.pop(label, None)
-                print(f"M={num_rows} {label}: {errors[label]}", flush=True)
-                continue
-            step_ms[label] = step_ms.get(label, 0.0) + us * NUM_LAYERS / 1e3
-            worst[label] = max(worst.get(label, 0.0), rel)
-            print(f"M={num_rows:5d} {name:12s} {label:20s} {us:8.1f} us  rel err {rel:.1e}")
-        flops += 2 * num_rows * n * k * NUM_LAYERS
-        del weight, x
-    tflops = {label: flops / (ms / 1e3) / 1e12 for label, ms in step_ms.items()}
-    return {"rows": num_rows, "step_ms": step_ms, "tflops": tflops, "max_rel": worst} | (
-        {"errors": errors} if errors else {}
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="*", default=[16384, 768, 232])
@@ -146,14 +105,9 @@ def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     results = []
     for num_rows in args.rows:
-        row = one_step(num_rows, gen)
+        row = time_candidates(num_rows, gen, candidates, {"cublaslt tuned"}, tune_exact)
         results.append(row)
-        for label, ms in row["step_ms"].items():
-            print(
-                f"M={num_rows:5d} {label:20s} {ms:8.2f} ms a step  "
-                f"{row['tflops'][label]:6.0f} TFLOP/s  max rel err {row['max_rel'][label]:.1e}",
-                flush=True,
-            )
+        print_step(row)
     if args.json:
         args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}))
 
