@@ -368,20 +368,22 @@ case $phase in
   offline-mem)  # 1000 x (1000/1000), the pool sized by GPU memory (0.9), a batch limit per row;
     # OFFLINE_ARGS: more gpu_engine_bench flags for every row (e.g. --max-num-batched-tokens 16384)
     for row in ${ROWS:-fp8w fp8kv bf16}; do
-      # shellcheck disable=SC2046,SC2086
-      offline_run "offline_$row" $(row_flags "$row") ${OFFLINE_ARGS:-}
+      flags=$(row_flags "$row") || continue
+      # shellcheck disable=SC2086
+      offline_run "offline_$row" $flags ${OFFLINE_ARGS:-}
     done
     ;;
   row-variants)  # one offline row (ROW, default bf16) once per setting in VARIANTS: space-separated
     # VAR=VALUE words, "-" for the defaults (e.g. VARIANTS="- TORCH_BLAS_PREFER_CUBLASLT=1
     # KVRELAY_PREFILL_RAGGED=1"); 16,384-token steps; ~2 min a bf16 run
     row=${ROW:-bf16}
+    flags=$(row_flags "$row") || exit 2
     for variant in ${VARIANTS:--}; do
       tag=defaults
       [ "$variant" = - ] || tag=$(printf %s "$variant" | tr -c 'A-Za-z0-9' _)
-      # shellcheck disable=SC2046
+      # shellcheck disable=SC2086
       ( if [ "$variant" != - ]; then export "${variant?}"; fi
-        offline_run "offline_${row}_$tag" $(row_flags "$row") --max-num-batched-tokens 16384 )
+        offline_run "offline_${row}_$tag" $flags --max-num-batched-tokens 16384 )
     done
     ;;
   vllm-offline)  # vLLM 0.26.0's own defaults on the same rows (~200-230 s of start-up a row, then
