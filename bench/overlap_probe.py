@@ -25,10 +25,12 @@ from collections.abc import Callable
 
 import torch
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, PAGE = 4096, 32, 8, 128, 14336, 32, 16
-PROJECTIONS = {"qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN)}
-PROJECTIONS |= {"gate_up": (HIDDEN, 2 * FFN), "down": (FFN, HIDDEN)}
+from bench.fp8_gemv_bench import NUM_LAYERS as LAYERS
+from bench.fp8_gemv_bench import SHAPES  # the 8B projections: name -> (N, K)
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
+AFTER_ATTENTION = ("o_proj", "gate_up_proj", "down_proj", "qkv_proj")  # a layer's order
 
 
 class Gemms:
@@ -40,11 +42,11 @@ class Gemms:
         dtype = FP8 if fp8 else torch.bfloat16
         self.weights = {
             name: (torch.randn(n, k, device=device) * 0.02).to(dtype)
-            for name, (k, n) in PROJECTIONS.items()
+            for name, (n, k) in SHAPES.items()
         }
         self.inputs = {
             name: (torch.randn(max_rows, k, device=device)).to(dtype)
-            for name, (k, n) in PROJECTIONS.items()
+            for name, (n, k) in SHAPES.items()
         }
         self.scale = torch.ones((), device=device)
 
@@ -57,7 +59,7 @@ class Gemms:
         return x @ w.t()
 
     def after_attention(self, rows: slice) -> None:
-        for name in ("o", "gate_up", "down", "qkv"):
+        for name in AFTER_ATTENTION:
             self.one(name, rows)
 
 
