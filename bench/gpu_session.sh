@@ -76,6 +76,7 @@ row_flags() {  # ROW: gpu_engine_bench's flags for that offline row (pool by mem
     *) echo "unknown row $1" >&2; return 2 ;;
   esac
 }
+fp8w=$(row_flags fp8w)  # the fp8 weights + fp8 KV row's flags, for the phases that vary it
 served_8b() {  # the 8B-shape folder (config + SmolLM2 tokenizer, no weights) for dummy loads
   folder=/tmp/kvrelay-goodput-llama-3.1-8b
   test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
@@ -223,8 +224,8 @@ case $phase in
   recheck)  # after a memory or GEMV change: its GPU tests, then the fp8 weights + fp8 KV row
     gpu_tests tests_recheck tests/gpu/test_memory_budget.py tests/gpu/test_fp8_weights.py \
       tests/gpu/test_flashinfer_backend.py -k "memory or card or mixed_step or gemv or pool"
-    offline_run offline_fp8w --quantization fp8 --kv-cache-dtype fp8 --kv-gib 0 \
-      --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 --mixed-step-graphs
+    # shellcheck disable=SC2086  # $fp8w: several flags
+    offline_run offline_fp8w $fp8w --max-num-batched-tokens 16384 --mixed-step-graphs
     ;;
   kernels)  # decode attention and few-row FP8 GEMMs alone, then batch-1 fp8 decode in the engine
     # with the vector GEMV for one and two rows (the offline rows measure the default)
@@ -263,8 +264,7 @@ case $phase in
     echo "step kernels bench rc=$?"
     for graphs in --mixed-step-graphs ""; do
       # shellcheck disable=SC2086
-      offline_run "offline_fp8w${graphs:+_graphs}" --quantization fp8 --kv-cache-dtype fp8 \
-        --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384 $graphs
+      offline_run "offline_fp8w${graphs:+_graphs}" $fp8w --max-num-batched-tokens 16384 $graphs
     done
     ;;
   host-copies)  # whether a step's host -> GPU copies wait for the GPU: pageable against the engine's
@@ -292,15 +292,15 @@ case $phase in
     ;;
   fa3-row)  # prefill chunks on fa3 (KVRELAY_PREFILL_FA3=1): its GPU test, then the fp8w row
     gpu_tests tests_fa3 tests/gpu/test_flashinfer_backend.py -k fa3
-    KVRELAY_PREFILL_FA3=1 offline_run offline_fp8w_fa3 --quantization fp8 --kv-cache-dtype fp8 \
-      --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" --max-num-batched-tokens 16384
+    # shellcheck disable=SC2086  # $fp8w: several flags
+    KVRELAY_PREFILL_FA3=1 offline_run offline_fp8w_fa3 $fp8w --max-num-batched-tokens 16384
     ;;
   defer-row)  # decode batches' FP8 GEMMs per tensor, scales applied by the next kernel
     # (KVRELAY_FP8_DEFER_SCALES=1): its GPU tests, then the fp8w row with it and without, in turn
     gpu_tests tests_defer tests/gpu/test_fp8_deferred_scales.py
     for defer in 1 0; do
-      KVRELAY_FP8_DEFER_SCALES=$defer offline_run "offline_fp8w_defer$defer" --quantization fp8 \
-        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+      # shellcheck disable=SC2086  # $fp8w: several flags
+      KVRELAY_FP8_DEFER_SCALES=$defer offline_run "offline_fp8w_defer$defer" $fp8w \
         --max-num-batched-tokens 16384
     done
     ;;
@@ -329,16 +329,16 @@ case $phase in
       echo "b1 page-lock from $bytes rc=$?"
     done
     for bytes in ${ROW_LOCKS-1048576 0}; do
-      KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes offline_run "offline_fp8w_lock$bytes" --quantization fp8 \
-        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+      # shellcheck disable=SC2086  # $fp8w: several flags
+      KVRELAY_PAGE_LOCK_FROM_BYTES=$bytes offline_run "offline_fp8w_lock$bytes" $fp8w \
         --max-num-batched-tokens 16384
     done
     ;;
   gc-freeze)  # the fp8w row with the engine's start-up heap frozen (default) and not
     # (KVRELAY_GC_FREEZE=0): do the cyclic collector's pauses idle the GPU between steps?
     for freeze in ${GC_FREEZES:-1 0}; do
-      KVRELAY_GC_FREEZE=$freeze offline_run "offline_fp8w_gc$freeze" --quantization fp8 \
-        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+      # shellcheck disable=SC2086  # $fp8w: several flags
+      KVRELAY_GC_FREEZE=$freeze offline_run "offline_fp8w_gc$freeze" $fp8w \
         --max-num-batched-tokens 16384
     done
     ;;
@@ -347,8 +347,8 @@ case $phase in
     # the default). RAGGED_RUNS: the settings of the fp8w runs (default "1 0")
     gpu_tests tests_ragged tests/gpu/test_flashinfer_backend.py -k "ragged or fa3"
     for ragged in ${RAGGED_RUNS-1 0}; do
-      KVRELAY_PREFILL_RAGGED=$ragged offline_run "offline_fp8w_ragged$ragged" --quantization fp8 \
-        --kv-cache-dtype fp8 --kv-gib 0 --max-num-seqs "${SEQS_FP8W:-768}" \
+      # shellcheck disable=SC2086  # $fp8w: several flags
+      KVRELAY_PREFILL_RAGGED=$ragged offline_run "offline_fp8w_ragged$ragged" $fp8w \
         --max-num-batched-tokens 16384
     done
     ;;
