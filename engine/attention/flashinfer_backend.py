@@ -14,11 +14,12 @@ Whole prompts (chunks with nothing cached before them) at the end of a step atte
 own K/V instead, as the RoPE kernel leaves them in the activations' dtype, through FlashInfer's
 ragged wrapper (fa3 on Hopper, else fa2): no page table, no fp8 pages to widen, and the
 unquantized K/V of the prompt itself. The paged wrapper keeps the rows before them (chunks
-that continue a prompt or follow a cached prefix, decode rows XQA does not take). Off by
-default, KVRELAY_PREFILL_RAGGED=1 turns it on (=fa2 or =fa3 picks the kernel): on the H200 a
-16,384-token step's attention went from ~32 to ~9 ms on fa3, but its FP8 GEMMs ran ~10% slower
-beside it, as beside fa3's paged kernel, and the 8B fp8 offline run was 2.6% slower
-(bench/RESULTS.md, issue 12's tenth round).
+that continue a prompt or follow a cached prefix, decode rows XQA does not take). On by
+default on Hopper over a bf16/fp16 cache (fa3): the 8B bf16 offline run's steps with prefill
+chunks spent 13.3 ms a step in attention instead of 41.2, and the run took 95.6 s instead of
+96.7 (issue 12's twelfth round). Off by default over an fp8 cache: there the FP8 GEMMs ran
+~10% slower beside fa3 and the 8B fp8 offline run was 2.6% slower (tenth round).
+KVRELAY_PREFILL_RAGGED overrides: 1 on (fa3 on Hopper, else fa2), fa2 / fa3 that kernel, 0 off.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
 PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
-PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "1", "fa2", "fa3": whole prompts over own K/V
+PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "auto", "0", "1", "fa2", "fa3": see ragged_backend
 HOPPER = (9, 0)
 
 
@@ -57,15 +58,18 @@ def prefill_backend(capability: tuple[int, int]) -> str:
     return "fa3" if wanted and capability == HOPPER else "fa2"
 
 
-def ragged_backend(capability: tuple[int, int]) -> str | None:
+def ragged_backend(capability: tuple[int, int], kv_dtype: torch.dtype) -> str | None:
     """The FlashInfer backend that attends whole prompts over their own K/V, from
-    KVRELAY_PREFILL_RAGGED: "1" fa3 on Hopper, else fa2; "fa2" fa2; "fa3" fa3 (Hopper only);
-    "0" (the default) None: they go through the paged cache like every other chunk."""
-    choice = os.environ.get(PREFILL_RAGGED_ENV, "0").strip()
-    if choice not in ("0", "1", "fa2", "fa3"):
-        raise ValueError(f"{PREFILL_RAGGED_ENV} must be 0, 1, fa2 or fa3, got {choice!r}")
+    KVRELAY_PREFILL_RAGGED: "auto" (the default) fa3 on Hopper over a bf16/fp16 cache, else
+    None; "1" fa3 on Hopper, else fa2; "fa2" fa2; "fa3" fa3 (Hopper only); "0" None. None:
+    they go through the paged cache like every other chunk."""
+    choice = os.environ.get(PREFILL_RAGGED_ENV, "auto").strip()
+    if choice not in ("auto", "0", "1", "fa2", "fa3"):
+        raise ValueError(f"{PREFILL_RAGGED_ENV} must be auto, 0, 1, fa2 or fa3, got {choice!r}")
     if choice == "fa3" and capability != HOPPER:
         raise ValueError(f"{PREFILL_RAGGED_ENV}=fa3 needs a Hopper GPU (compute capability 9.0)")
+    if choice == "auto":
+        return "fa3" if capability == HOPPER and kv_dtype in FLASHINFER_DTYPES else None
     if choice == "1":
         return "fa3" if capability == HOPPER else "fa2"
     return None if choice == "0" else choice
@@ -170,8 +174,8 @@ class FlashInferAttention(AttentionBackend):
     reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
     wrapper's JIT module. With XQA (an fp8 cache on Hopper) decode rows run on XQA instead,
     in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper
-    (the decode wrapper when they are all decode rows). With KVRELAY_PREFILL_RAGGED=1 the
-    step's trailing whole prompts go to the ragged wrapper (see the module's docstring): up
+    (the decode wrapper when they are all decode rows). With the ragged wrapper on (see
+    ragged_backend) the step's trailing whole prompts go to it (see the module's docstring): up
     to three plans and three attention kernels a layer. kv_scales: per layer (k_scale,
     v_scale) of an fp8 cache (default 1.0 each).
     """
@@ -209,7 +213,7 @@ class FlashInferAttention(AttentionBackend):
         fp8_queries = self.prefill_kernel == "fa3" and kv_cache.dtype == FP8_KV_DTYPE
         self._prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.q_dtype
         self._decode = self._decode_wrapper()
-        self.ragged_kernel = ragged_backend(capability)
+        self.ragged_kernel = ragged_backend(capability, kv_cache.dtype)
         self._ragged: Any = None
         if self.ragged_kernel is not None:
             self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(

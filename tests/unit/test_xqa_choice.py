@@ -1,8 +1,8 @@
 """The decode-kernel choice (XQA for an fp8 cache on Hopper, fa2 otherwise; forced by
 KVRELAY_DECODE_KERNEL), the prefill kernel (fa3 on Hopper when KVRELAY_PREFILL_FA3=1), XQA's
 dense page table, the split of a mixed step into its leading decode rows, the rows the paged
-prefill wrapper takes and the trailing whole prompts (the ragged wrapper's, when
-KVRELAY_PREFILL_RAGGED turns it on: 1 for fa3 on Hopper and fa2 elsewhere, or fa2 / fa3).
+prefill wrapper takes and the trailing whole prompts (the ragged wrapper's: fa3 on Hopper over
+a bf16/fp16 cache by default; KVRELAY_PREFILL_RAGGED: 1 fa3 on Hopper else fa2, fa2 / fa3, 0).
 Pure functions: no GPU, no FlashInfer."""
 
 from __future__ import annotations
@@ -96,20 +96,30 @@ def test_whole_prompts_are_the_trailing_chunks_with_nothing_cached_before_them()
     assert whole_prompts_from([]) == 0
 
 
-def test_ragged_backend_is_fa3_on_hopper_when_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ragged_backend_is_fa3_on_hopper_over_a_16_bit_cache_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(PREFILL_RAGGED_ENV, raising=False)
-    assert ragged_backend(HOPPER) is None  # off by default
+    assert ragged_backend(HOPPER, BF16) == "fa3"
+    assert ragged_backend(HOPPER, torch.float16) == "fa3"
+    assert ragged_backend(HOPPER, FP8) is None  # slower beside FP8 GEMMs
+    assert ragged_backend(AMPERE, BF16) is None  # fa2's ragged kernel: not measured
+    monkeypatch.setenv(PREFILL_RAGGED_ENV, "auto")
+    assert ragged_backend(HOPPER, BF16) == "fa3"
+
+
+def test_ragged_backend_follows_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PREFILL_RAGGED_ENV, "1")
-    assert ragged_backend(HOPPER) == "fa3"
-    assert ragged_backend(AMPERE) == "fa2"
+    assert ragged_backend(HOPPER, FP8) == "fa3"
+    assert ragged_backend(AMPERE, BF16) == "fa2"
     monkeypatch.setenv(PREFILL_RAGGED_ENV, "fa2")
-    assert ragged_backend(HOPPER) == "fa2"
+    assert ragged_backend(HOPPER, BF16) == "fa2"
     monkeypatch.setenv(PREFILL_RAGGED_ENV, "fa3")
-    assert ragged_backend(HOPPER) == "fa3"
+    assert ragged_backend(HOPPER, FP8) == "fa3"
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
-        ragged_backend(AMPERE)
+        ragged_backend(AMPERE, BF16)
     monkeypatch.setenv(PREFILL_RAGGED_ENV, "0")
-    assert ragged_backend(HOPPER) is None
+    assert ragged_backend(HOPPER, BF16) is None
     monkeypatch.setenv(PREFILL_RAGGED_ENV, "yes")
-    with pytest.raises(ValueError, match="KVRELAY_PREFILL_RAGGED must be 0, 1, fa2 or fa3"):
-        ragged_backend(HOPPER)
+    with pytest.raises(ValueError, match="KVRELAY_PREFILL_RAGGED must be auto, 0, 1, fa2 or fa3"):
+        ragged_backend(HOPPER, BF16)
