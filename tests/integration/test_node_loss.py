@@ -7,6 +7,7 @@ membership drops it, and the replacement starts on the spare decode node."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -111,7 +112,7 @@ async def no_leaks(backend) -> bool:
 
 
 def test_a_lost_decode_node_is_seen_its_streams_migrate_and_its_worker_is_replaced(
-    nodes, stack, loop
+    nodes, stack, loop, caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster, decode_nodes = nodes
     controller, backend = stack
@@ -129,7 +130,10 @@ def test_a_lost_decode_node_is_seen_its_streams_migrate_and_its_worker_is_replac
             if (worker := backend.decode_worker_of(req_id)) is not None:
                 placed.setdefault(req_id, worker)
         if not lost and all(len(d) >= 2 for d in received.values()):
-            lost.append(placed["lost0"])
+            # the node of the stream furthest from its end: some of its streams are in flight
+            # (a faster one may have received all its tokens already)
+            slowest = min(received, key=lambda req_id: len(tokens_of(received[req_id])))
+            lost.append(placed[slowest])
             [node] = [n for n in decode_nodes if n.node_id == node_of[lost[0]]]
             # The whole node goes at once: its worker is stopped first (so its streams cannot
             # finish while its raylet dies), then the raylet is killed, then the worker.
@@ -138,12 +142,21 @@ def test_a_lost_decode_node_is_seen_its_streams_migrate_and_its_worker_is_replac
             os.kill(pid_of[lost[0]], signal.SIGKILL)
 
     migrations_before = backend.num_migrations
-    results = loop.run_until_complete(stream_all(backend, "lost", kill_node_when_all_stream))
+    with caplog.at_level(logging.WARNING, logger="router.cluster_backend"):
+        results = loop.run_until_complete(stream_all(backend, "lost", kill_node_when_all_stream))
     assert lost, "the streams ended before the node was lost"
     victim = lost[0]
-    on_victim = sum(worker == victim for worker in placed.values())
-    assert 0 < on_victim < NUM_STREAMS, placed
-    assert backend.num_migrations - migrations_before == on_victim
+    on_victim = {req_id for req_id, worker in placed.items() if worker == victim}
+    assert 0 < len(on_victim) < NUM_STREAMS, placed
+    # Each of the victim's streams either had all its tokens before the node went or migrated
+    # (the token-exact check below holds for both); none on the other worker migrated.
+    migrated = {
+        record.args[0]
+        for record in caplog.records
+        if record.name == "router.cluster_backend" and "migrating it" in record.getMessage()
+    }
+    assert migrated and migrated <= on_victim, (migrated, placed)
+    assert backend.num_migrations - migrations_before == len(migrated)
     for i, deltas in enumerate(results):
         assert deltas[-1].finish_reason == "length", (i, deltas[-1])
         assert tokens_of(deltas) == baseline[i], f"stream {i} (on {placed[f'lost{i}']})"
