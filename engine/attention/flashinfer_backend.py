@@ -17,8 +17,9 @@ unquantized K/V of the prompt itself. The paged wrapper keeps the rows before th
 that continue a prompt or follow a cached prefix, decode rows XQA does not take). On by
 default on Hopper over a bf16/fp16 cache (fa3): the 8B bf16 offline run's steps with prefill
 chunks spent 13.3 ms a step in attention instead of 41.2, and the run took 95.6 s instead of
-96.7 (issue 12's twelfth round). Off by default over an fp8 cache: there the FP8 GEMMs ran
-~10% slower beside fa3 and the 8B fp8 offline run was 2.6% slower (tenth round).
+96.7 (issue 12's twelfth round). Off by default over an fp8 cache: with FP8 weights the FP8
+GEMMs ran ~10% slower beside fa3 and the 8B offline run was 2.6% slower (tenth round); bf16
+weights over an fp8 cache were not measured with it.
 KVRELAY_PREFILL_RAGGED overrides: 1 on (fa3 on Hopper, else fa2), fa2 / fa3 that kernel, 0 off.
 """
 

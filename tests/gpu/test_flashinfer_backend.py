@@ -402,7 +402,9 @@ def test_fa3_prefill_against_fa2(
     """Prefill chunks on fa3 (KVRELAY_PREFILL_FA3=1; over an fp8 cache its queries are e4m3
     too) against fa2 on the same cache and token trajectory: the chunked prefills, the cached
     prefix and the decode rows beside them. Over the fp8 cache fa3 may add the error of fp8
-    queries, bounded as XQA's is; over bf16 both kernels compute the same bf16 attention."""
+    queries, bounded as XQA's is; over bf16 both kernels compute the same bf16 attention.
+    Whole prompts stay on the paged kernels (KVRELAY_PREFILL_RAGGED=0), which this compares."""
+    monkeypatch.setenv(flashinfer_backend.PREFILL_RAGGED_ENV, "0")
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
@@ -432,11 +434,12 @@ def test_whole_prompts_on_the_ragged_wrapper_against_the_paged_one(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
 ) -> None:
     """Whole prompts attending over their own K/V (the ragged wrapper,
-    KVRELAY_PREFILL_RAGGED=1) against the same rows through the paged cache (the default), on
-    one token trajectory: whole prompts beside decode rows, continued chunks and a cached prefix in
-    the paged wrapper's part of the same steps. Over bf16 both compute the same attention;
-    over fp8 the ragged rows read the unquantized K/V, so they may only be closer to bf16."""
-    monkeypatch.delenv(flashinfer_backend.PREFILL_RAGGED_ENV, raising=False)
+    KVRELAY_PREFILL_RAGGED=1) against the same rows through the paged cache
+    (KVRELAY_PREFILL_RAGGED=0; the reference is bf16 paged too), on one token trajectory: whole
+    prompts beside decode rows, continued chunks and a cached prefix in the paged wrapper's
+    part of the same steps. Over bf16 both compute the same attention; over fp8 the ragged
+    rows read the unquantized K/V, so they may only be closer to bf16."""
+    monkeypatch.setenv(flashinfer_backend.PREFILL_RAGGED_ENV, "0")
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)

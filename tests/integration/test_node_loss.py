@@ -37,7 +37,8 @@ HEALTH_CHECKS = {
     "health_check_failure_threshold": 3,
 }
 NUM_STREAMS = 6
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+# long enough that the slowest stream is mid-way when the node goes; 6 x <= 139 tokens: 54 blocks
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 START_TIMEOUT_S = 240.0
 HANG_BOUND_S = 120.0
 
