@@ -75,6 +75,7 @@ def build_engine(
     async_scheduling: bool | None = None,
     max_num_batched_tokens: int = 8192,
     mixed_step_graphs: bool = False,
+    host_kv_bytes: int = 0,
 ) -> Engine:
     config = engine_config(
         str(folder),
@@ -85,6 +86,7 @@ def build_engine(
         async_scheduling=async_scheduling,
         kv_cache_memory_bytes=kv_bytes,
         kv_cache_dtype=kv_cache_dtype,
+        host_kv_cache_bytes=host_kv_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
     )
@@ -170,6 +172,7 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         engine.add_request(f"t{i}", prompt, params)
     graph_steps_before = engine.runner.num_graph_steps
     mixed_steps_before = engine.runner.num_mixed_graph_steps
+    preemptions_before = engine.scheduler.num_preemptions
     num_output = num_tail_steps = 0
     calls = {"graph": 0, "eager": 0}  # step() calls by the step they launched
     seconds = {"graph": 0.0, "eager": 0.0}
@@ -239,6 +242,7 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         "eager_time_s": seconds["eager"],
         "graph_steps": engine.runner.num_graph_steps - graph_steps_before,
         "mixed_graph_steps": engine.runner.num_mixed_graph_steps - mixed_steps_before,
+        "num_preemptions": engine.scheduler.num_preemptions - preemptions_before,
     }
 
 
@@ -254,6 +258,13 @@ def main() -> None:
     )
     p.add_argument(
         "--max-num-seqs", type=int, default=256, help="0: the engine's default for its pool"
+    )
+    p.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=0.0,
+        help="a host tier of the prefix cache: a preempted request's evicted blocks come back "
+        "from it instead of being recomputed",
     )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument(
@@ -313,6 +324,7 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         mixed_step_graphs=args.mixed_step_graphs,
+        host_kv_bytes=int(args.host_kv_gib * GiB),
     )
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)
     log(json.dumps(result["decode_b1"]))

@@ -22,6 +22,7 @@ def engine_config(
     num_blocks: int | None = _CACHE.num_blocks,
     kv_cache_memory_bytes: int | None = _CACHE.kv_cache_memory_bytes,
     kv_cache_dtype: str = _CACHE.kv_cache_dtype,
+    host_kv_cache_bytes: int = _CACHE.host_kv_cache_bytes,
     max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
     max_num_seqs: int | None = _SCHEDULER.max_num_seqs,
     max_model_len: int | None = _SCHEDULER.max_model_len,
@@ -33,6 +34,7 @@ def engine_config(
         num_blocks=num_blocks,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         kv_cache_dtype=kv_cache_dtype,
+        host_kv_cache_bytes=host_kv_cache_bytes,
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
