@@ -81,7 +81,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"offline {t['num_requests']} x ({t['input_len']} in, {t['output_len']} out): "
             f"{t['output_tokens_per_s']:.0f} output tok/s over {t['elapsed_s']:.1f} s"
             f"{' (truncated)' if t['truncated_at_time_budget'] else ''}; graph step "
-            f"{t['graph_step_ms_mean']:.2f} ms mean; {t.get('num_preemptions', 0)} preemptions"
+            f"{t['graph_step_ms_mean']:.2f} ms mean"
+            + (f"; {t['num_preemptions']} preemptions" if "num_preemptions" in t else "")
         )
         for h in (t.get("profile_first_wave_decode", {}), t["host_profile_mid_decode"]):
             if h.get("graph_replay_ms"):
