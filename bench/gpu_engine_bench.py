@@ -49,6 +49,7 @@ from bench.lib.gpu_vs_transformers import (
     throughput_against_transformers,
 )
 from bench.lib.random_models import head_bytes, weight_bytes, write_random_model
+from engine.blas_choice import chosen_libraries
 from engine.engine import Engine
 from engine.loader import random_model, read_model_config
 from engine.quant.config import (
@@ -326,6 +327,9 @@ def main() -> None:
         mixed_step_graphs=args.mixed_step_graphs,
         host_kv_bytes=int(args.host_kv_gib * GiB),
     )
+    blas = chosen_libraries(model)  # KVRELAY_BLAS_TUNE=1: what the graphs were captured on
+    if blas:
+        result["blas_by_rows"] = blas
     result["decode_b1"] = decode_roofline(args, graph, bandwidth)
     log(json.dumps(result["decode_b1"]))
     save()

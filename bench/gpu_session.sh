@@ -31,6 +31,7 @@
 #   gc-freeze  the fp8w row with the start-up heap frozen (default) and not (GC_FREEZES)
 #   ragged     the ragged-prefill GPU test, then the fp8w row with whole prompts over their own K/V
 #              and through the paged cache (the default) (RAGGED_RUNS)
+#   blas-tune  the BLAS-choice GPU tests, then one offline row (ROW) tuned and not (KVRELAY_BLAS_TUNE)
 #   gemm-shapes  bench.overlap_probe (attention beside GEMMs on two streams; the projections' time
 #              across row counts), then bench.bf16_gemm_bench (cuBLAS against cuBLASLt's and
 #              FlashInfer's picks for the bf16 rows' GEMMs; BF16_GEMM_ARGS, e.g. --extra)
@@ -40,7 +41,7 @@
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, gemm-shapes, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -214,7 +215,7 @@ case $phase in
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
       tests/unit/test_triton_kernels_interpreted.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
-      tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py \
+      tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
       "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
       tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py &
@@ -351,6 +352,11 @@ case $phase in
       KVRELAY_PREFILL_RAGGED=$ragged offline_run "offline_fp8w_ragged$ragged" $fp8w \
         --max-num-batched-tokens 16384
     done
+    ;;
+  blas-tune)  # the BLAS-choice GPU tests, then the bf16 row with each projection's library
+    # timed per decode batch size (KVRELAY_BLAS_TUNE=1) and with torch's default; ~6 min
+    gpu_tests tests_blas tests/gpu/test_blas_choice_cuda.py
+    VARIANTS="KVRELAY_BLAS_TUNE=1 -" ROW=${ROW:-bf16} bash "$0" row-variants
     ;;
   gemm-shapes)
     timeout 200 python3 -m bench.overlap_probe --json "$out/overlap_probe.json" \

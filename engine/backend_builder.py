@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
+from engine.blas_choice import blas_summary, tuning_wanted
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
@@ -272,6 +273,8 @@ def build_backend(
             ),
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
+        if tuning_wanted():
+            _stderr(f"kvrelay engine: BLAS library by decode batch size: {blas_summary(model)}")
     mixed_graphs = None
     if config.cuda_graph and config.mixed_step_graphs:
         mixed_graphs, took = _with_memory_taken(

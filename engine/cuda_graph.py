@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
+from engine.blas_choice import tune_rows, tuning_wanted
 from engine.host_tensors import copy_from_host
 from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
@@ -60,7 +61,10 @@ class CUDAGraphDecoder:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        tune = tuning_wanted()
         for bs in reversed(self.sizes):  # largest first: the pool is sized once
+            if tune:  # each projection's BLAS library at this size, before its graph records it
+                tune_rows(self.model, bs)
             self._plan(bs, [], [], [], [], [])
             self._forward(bs)  # warm-up outside capture (lazy cuBLAS / kernel init)
             torch.cuda.synchronize(self.attention.device)

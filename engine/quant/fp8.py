@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from engine.blas_choice import BlasLinear
 from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
 from engine.quant.fp8_dot_rows import fp8_dot_rows  # imports triton on first use
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv  # imports triton on first use
@@ -297,9 +298,9 @@ class Fp8Linear(nn.Module):
 def make_linear(
     in_features: int, out_features: int, bias: bool, quant: Fp8Config | None
 ) -> nn.Module:
-    """nn.Linear, or an Fp8Linear of the scheme."""
+    """A BlasLinear (nn.Linear with a per-row-count BLAS choice), or an Fp8Linear of the scheme."""
     if quant is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return BlasLinear(in_features, out_features, bias=bias)
     return Fp8Linear(in_features, out_features, bias, quant.static_input_scales)
 
 

@@ -1,0 +1,94 @@
+"""engine/blas_choice.py on the GPU: a BlasLinear on cuBLASLt gives cuBLAS's numbers within
+bf16 rounding at decode and prefill row counts; tune_rows timed on the device fills every
+layer's table with a library; a tiny bf16 engine whose decode graphs were captured after tuning
+(KVRELAY_BLAS_TUNE=1) has a choice at every captured size and generates what the untuned one
+does (greedy tokens equal, or parting only at a near-tie), its logits within bf16 rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import blas_choice
+from engine.blas_choice import BlasLinear, chosen_libraries, tune_rows
+from tests.gpu.test_flashinfer_backend import (
+    Recorder,
+    first_divergence,
+    logit_scale,
+    max_logit_error,
+    run_workload,
+)
+from tests.gpu.test_fp8_weights import (  # noqa: F401 (their GPU marks and tiny fixture)
+    CUDA,
+    engine_on,
+    load,
+    pytestmark,
+    tiny,
+)
+
+
+@pytest.fixture
+def tuning(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    monkeypatch.setenv(blas_choice.ENV, "1")
+    blas_choice.tuning_wanted.cache_clear()
+    yield monkeypatch
+    monkeypatch.delenv(blas_choice.ENV, raising=False)
+    blas_choice.tuning_wanted.cache_clear()
+
+
+@pytest.mark.parametrize("num_rows", [1, 64, 384, 2048])
+def test_cublaslt_gives_cublas_numbers(num_rows: int) -> None:
+    gen = torch.Generator(CUDA).manual_seed(0)
+    before = torch.backends.cuda.preferred_blas_library()
+    layer = BlasLinear(1024, 3072, bias=False).to(CUDA, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(3072, 1024, device=CUDA, generator=gen) * 0.03)
+        x = torch.randn(num_rows, 1024, device=CUDA, generator=gen).bfloat16()
+        want = layer(x).float()
+        layer.blas_by_rows[num_rows] = "cublaslt"
+        got = layer(x).float()
+    assert torch.backends.cuda.preferred_blas_library() == before
+    error = float((got - want).abs().max() / want.abs().max())
+    print(f"{num_rows} rows: cuBLASLt against cuBLAS, max relative error {error:.1e}")
+    assert error <= 2e-2
+
+
+def test_tune_rows_on_the_device_fills_every_table() -> None:
+    model = torch.nn.ModuleList(
+        [BlasLinear(2048, 2048, bias=False), BlasLinear(2048, 2048), BlasLinear(2048, 512)]
+    ).to(CUDA, torch.bfloat16)
+    chosen = tune_rows(model, 256)
+    assert chosen.keys() == {"2048x2048", "512x2048"}
+    assert all(layer.blas_by_rows[256] in blas_choice.LIBRARIES for layer in model)
+    print(f"256 rows: {chosen}")
+
+
+def test_tiny_engine_on_graphs_tuned_generates_what_the_untuned_one_does(
+    tuning: pytest.MonkeyPatch,
+    tiny: Path,  # noqa: F811
+) -> None:
+    tuning.setenv(blas_choice.ENV, "0")
+    blas_choice.tuning_wanted.cache_clear()
+    model = load(tiny, quantization=None)
+    plain = engine_on(model, tiny, cuda_graph=True)
+    assert chosen_libraries(model) == {}
+    rec_plain = Recorder(plain)
+    plain_tokens, _ = run_workload(plain)
+    tuning.setenv(blas_choice.ENV, "1")
+    blas_choice.tuning_wanted.cache_clear()
+    tuned = engine_on(model, tiny, cuda_graph=True)
+    table = chosen_libraries(model)
+    assert sorted(table) == sorted(tuned.runner.graphs.sizes)
+    rec_tuned = Recorder(tuned)
+    tuned_tokens, _ = run_workload(tuned)
+    assert tuned.runner.num_graph_steps > 0
+    scale = logit_scale(rec_plain)
+    error = max_logit_error(rec_plain.logits, rec_tuned.logits)
+    picks = [library for by_shape in table.values() for library in by_shape.values()]
+    print(f"tuned: {picks.count('cublaslt')} of {len(picks)} picks on cuBLASLt")
+    print(f"tuned engine vs untuned: max logit error {error:.4f} (max |logit| {scale:.2f})")
+    print(first_divergence(plain_tokens, rec_plain.logits, tuned_tokens, 0.05 * scale))
+    assert error <= 0.05 * scale

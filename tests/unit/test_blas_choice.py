@@ -1,0 +1,146 @@
+"""engine/blas_choice.py on the CPU: BlasLinear is an nn.Linear with the same parameters and
+results, runs on the library its table names for a row count (and only then), and torch's
+setting comes back after; tune_rows keeps the faster library of each shape's group (timed with
+a fake timer: the one module under test), a tie keeping the default; KVRELAY_BLAS_TUNE is read
+strictly and is off by default."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from engine import blas_choice
+from engine.blas_choice import (
+    BlasLinear,
+    Timer,
+    blas_summary,
+    chosen_libraries,
+    layers_by_shape,
+    preferred_blas,
+    tune_rows,
+    tuning_wanted,
+)
+
+
+@pytest.fixture
+def tune_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    yield monkeypatch
+    monkeypatch.delenv(blas_choice.ENV, raising=False)
+    tuning_wanted.cache_clear()
+
+
+def two_shapes() -> nn.ModuleList:
+    """Two (8 -> 16) projections and one (16 -> 8), as a model's layers would be."""
+    torch.manual_seed(0)
+    return nn.ModuleList([BlasLinear(8, 16, bias=False), BlasLinear(8, 16), BlasLinear(16, 8)])
+
+
+def test_blas_linear_is_a_linear_with_the_same_state_and_results() -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 16)
+    chosen = BlasLinear(8, 16)
+    assert isinstance(chosen, nn.Linear)
+    assert chosen.state_dict().keys() == plain.state_dict().keys()
+    chosen.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 8)
+    assert torch.equal(chosen(x), plain(x))
+
+
+def test_the_library_chosen_for_a_row_count_is_the_one_in_force(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def recording(library: str) -> Iterator[None]:
+        entered.append(library)
+        yield
+
+    monkeypatch.setattr(blas_choice, "preferred_blas", recording)
+    layer = BlasLinear(8, 16)
+    layer.blas_by_rows[3] = "cublaslt"
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert entered == ["cublaslt"]
+        layer(torch.randn(5, 8))  # no choice at 5 rows: torch's default, untouched
+    assert entered == ["cublaslt"]
+
+
+def test_preferred_blas_puts_torch_setting_back() -> None:
+    before = torch.backends.cuda.preferred_blas_library()
+    with pytest.raises(RuntimeError, match="inside"), preferred_blas("cublas"):
+        raise RuntimeError("inside")  # the one library a CPU build of torch accepts
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
+def fake_timer(num_rows: int, faster: dict[tuple[int, int], str], calls: list[tuple]) -> Timer:
+    """Seconds by (shape, library): the library `faster` names for a shape takes 1, the other
+    2; a shape it does not name takes 1 on both (a tie)."""
+
+    def timer(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> float:
+        shape = (layers[0].out_features, layers[0].in_features)
+        assert all((layer.out_features, layer.in_features) == shape for layer in layers)
+        assert x.shape == (num_rows, shape[1])
+        calls.append((shape, library, len(layers)))
+        if shape not in faster:
+            return 1.0
+        return 1.0 if faster[shape] == library else 2.0
+
+    return timer
+
+
+def test_tune_rows_keeps_the_faster_library_per_shape_and_a_tie_keeps_the_default() -> None:
+    model = two_shapes()
+    calls: list[tuple] = []
+    chosen = tune_rows(model, 384, fake_timer(384, {(16, 8): "cublaslt"}, calls))
+    assert chosen == {"16x8": "cublaslt", "8x16": "cublas"}
+    assert [layer.blas_by_rows for layer in model] == [
+        {384: "cublaslt"},
+        {384: "cublaslt"},
+        {384: "cublas"},
+    ]
+    reps = blas_choice.TIMED_REPS  # each library per group, over all of its layers at once
+    assert sorted(calls) == sorted(
+        [((16, 8), library, 2) for library in blas_choice.LIBRARIES for _ in range(reps)]
+        + [((8, 16), library, 1) for library in blas_choice.LIBRARIES for _ in range(reps)]
+    )
+    tune_rows(model, 8, fake_timer(8, {(8, 16): "cublaslt", (16, 8): "cublas"}, []))
+    assert chosen_libraries(model) == {
+        8: {"16x8": "cublas", "8x16": "cublaslt"},
+        384: {"16x8": "cublaslt", "8x16": "cublas"},
+    }
+    assert blas_summary(model) == (
+        "cublas 2, cublaslt 2 of 4 (size, shape) pairs; at 384: 16x8 cublaslt, 8x16 cublas"
+    )
+    assert blas_summary(two_shapes()) == "none tuned"
+
+
+def test_layers_by_shape_groups_only_blas_linears() -> None:
+    model = nn.ModuleList([*two_shapes(), nn.Linear(8, 16)])
+    groups = layers_by_shape(model)
+    assert {shape: len(layers) for shape, layers in groups.items()} == {(16, 8): 2, (8, 16): 1}
+
+
+@pytest.mark.parametrize(("raw", "want"), [("0", False), ("1", True), (" 1 ", True)])
+def test_tuning_setting(tune_env: pytest.MonkeyPatch, raw: str, want: bool) -> None:
+    tune_env.setenv(blas_choice.ENV, raw)
+    tuning_wanted.cache_clear()
+    assert tuning_wanted() is want
+
+
+def test_tuning_setting_refuses_other_values(tune_env: pytest.MonkeyPatch) -> None:
+    tune_env.setenv(blas_choice.ENV, "yes")
+    tuning_wanted.cache_clear()
+    with pytest.raises(ValueError, match="KVRELAY_BLAS_TUNE must be 0 or 1"):
+        tuning_wanted()
+
+
+def test_tuning_is_off_by_default(tune_env: pytest.MonkeyPatch) -> None:
+    tune_env.delenv(blas_choice.ENV, raising=False)
+    tuning_wanted.cache_clear()
+    assert tuning_wanted() is False
