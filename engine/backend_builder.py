@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
-from engine.blas_choice import blas_summary, tuning_wanted
+from engine.blas_choice import blas_summary, tune_rows, tuning_wanted
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
@@ -261,6 +261,8 @@ def build_backend(
     flashinfer = FlashInferAttention(
         kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
     )
+    if tuning_wanted():  # a full prefill step's rows; the decode graphs tune their own sizes
+        tune_rows(model, config.scheduler.max_num_batched_tokens)
     graphs = None
     if config.cuda_graph:
         max_num_seqs = config.scheduler.max_num_seqs
@@ -273,8 +275,8 @@ def build_backend(
             ),
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
-        if tuning_wanted():
-            _stderr(f"kvrelay engine: BLAS library by decode batch size: {blas_summary(model)}")
+    if tuning_wanted():
+        _stderr(f"kvrelay engine: BLAS library by step rows: {blas_summary(model)}")
     mixed_graphs = None
     if config.cuda_graph and config.mixed_step_graphs:
         mixed_graphs, took = _with_memory_taken(

@@ -1,19 +1,24 @@
-"""Which BLAS library (cuBLAS or cuBLASLt, both through torch) runs each bf16 / fp16 projection at
-each decode graph's row count: BlasLinear (an nn.Linear that owns its table of choices) and the
-timing that fills the tables before each graph is captured; owns no other state but the setting
-read once from the environment.
+"""Which GEMM library runs each bf16 / fp16 projection at each decode graph's row count (torch's
+cuBLAS, torch's cuBLASLt, or FlashInfer's mm_bf16 on cuBLASLt at the algorithm its autotuner found
+fastest for exactly that row count): BlasLinear (an nn.Linear that owns its table of choices) and
+the timing that fills the tables before each graph is captured; owns no other state but the setting
+read once from the environment (FlashInfer's autotuner keeps the algorithms it found).
 
 Why: torch's matmuls go to cuBLAS unless told otherwise, and cuBLAS's heuristic pick is not the
 fastest at every row count. On the H200, the 8B projections at 384 rows took 7.81 ms a step on
-cuBLAS against 7.67 on cuBLASLt, and cuBLAS's gate_up kernel at 384 rows comes with a device
-memset whose gaps idle the GPU ~0.18 ms a step; at 16,384 and 232 rows cuBLAS was the faster
-(bench/bf16_gemm_bench.py, bench/RESULTS.md). So the choice is timed per shape and row count
-on the machine, not fixed.
+cuBLAS against 7.67 on cuBLASLt, and cuBLAS's gate_up kernel at 384 rows comes with a device memset
+whose gaps idle the GPU ~0.18 ms a step; at 16,384 and 232 rows cuBLAS was the faster
+(bench/bf16_gemm_bench.py, bench/RESULTS.md). FlashInfer's tuned cuBLASLt was 6.5% faster at 768
+rows and 4% at 232. In the 8B bf16 offline run's 16,384-row prefill steps the qkv GEMM ran at ~520
+TFLOP/s against gate_up's ~840 (by its kernels' times). So the choice is timed per shape and row
+count on the machine, not fixed. FlashInfer is a candidate only for bf16 layers without a bias, on
+CUDA where it imports.
 
-KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time
-both libraries for each group of same-shaped projections at each captured decode batch size
-and keep the faster; some seconds more at start-up). Eager steps of other row
-counts (prefill chunks) keep the default. Off by default until an offline run has measured it.
+KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time the
+libraries for each group of same-shaped projections at each captured decode batch size and at a full
+prefill step's row count, max_num_batched_tokens, and keep the fastest; some seconds more at
+start-up). Steps of other row counts keep the default. Off by default until an offline run has
+measured it.
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ import os
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ENV = "KVRELAY_BLAS_TUNE"
-LIBRARIES = ("cublas", "cublaslt")
+TORCH_LIBRARIES = ("cublas", "cublaslt")  # torch's preferred BLAS backends
+FLASHINFER = "flashinfer"  # flashinfer.mm_bf16 on cuBLASLt, at its autotuned algorithm
+LIBRARIES = (*TORCH_LIBRARIES, FLASHINFER)
 TIMED_REPS = 3  # each library's time: the median of this many passes over a group's layers
 
 # (layers of one shape, their input, library) -> seconds of one pass over the layers
@@ -57,6 +65,45 @@ def preferred_blas(library: str) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
+@functools.cache
+def _flashinfer() -> Any:
+    """flashinfer, or None where it does not import (CPU installs)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return flashinfer
+
+
+def flashinfer_can_run(layer: nn.Linear) -> bool:
+    """mm_bf16 takes this layer: bf16 weight on CUDA, no bias, FlashInfer installed."""
+    return (
+        layer.bias is None
+        and layer.weight.is_cuda
+        and layer.weight.dtype == torch.bfloat16
+        and _flashinfer() is not None
+    )
+
+
+def flashinfer_linear(x: torch.Tensor, weight: torch.Tensor, tune: bool = False) -> torch.Tensor:
+    """x @ weight^T through mm_bf16 on cuBLASLt, at the algorithm FlashInfer's autotuner found
+    for exactly x's row count (tune=True: time its algorithms now and keep the fastest; a row
+    count never tuned gets cuBLASLt's heuristic pick)."""
+    flashinfer = _flashinfer()
+    from flashinfer.autotuner import autotune
+
+    with autotune(tune, tuning_buckets=(x.shape[0],)):
+        return flashinfer.mm_bf16(x, weight.t(), backend="cublaslt")
+
+
+def run_on(library: str, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer's product of x on `library`."""
+    if library == FLASHINFER:
+        return flashinfer_linear(x, layer.weight)
+    with preferred_blas(library):
+        return F.linear(x, layer.weight, layer.bias)
+
+
 class BlasLinear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys) that runs on the BLAS library chosen for
     its input's row count, where one was chosen; else on torch's default."""
@@ -69,8 +116,7 @@ class BlasLinear(nn.Linear):
         library = self.blas_by_rows.get(x.shape[0]) if self.blas_by_rows else None
         if library is None:
             return F.linear(x, self.weight, self.bias)
-        with preferred_blas(library):
-            return F.linear(x, self.weight, self.bias)
+        return run_on(library, x, self)
 
 
 def layers_by_shape(model: nn.Module) -> dict[tuple[int, int], list[BlasLinear]]:
@@ -89,31 +135,49 @@ def time_on_gpu(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> 
 
     def one_pass() -> None:
         for layer in layers:
-            F.linear(x, layer.weight, layer.bias)
+            run_on(library, x, layer)
 
-    with preferred_blas(library):
-        one_pass()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        one_pass()
-        end.record()
-        end.synchronize()
+    one_pass()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    one_pass()
+    end.record()
+    end.synchronize()
     return start.elapsed_time(end) / 1e3
 
 
+def candidates(layers: Sequence[BlasLinear], x: torch.Tensor) -> tuple[str, ...]:
+    """The libraries to time for this group: FlashInfer (after its autotuner has timed its
+    algorithms at x's row count) where it takes the layers."""
+    if not all(flashinfer_can_run(layer) for layer in layers):
+        return TORCH_LIBRARIES
+    try:  # one algorithm per shape and row count
+        flashinfer_linear(x, layers[0].weight, tune=True)
+    except Exception:  # a shape or GPU this FlashInfer's mm_bf16 refuses: torch's only
+        return TORCH_LIBRARIES
+    return LIBRARIES
+
+
 @torch.inference_mode()
-def tune_rows(model: nn.Module, num_rows: int, timer: Timer = time_on_gpu) -> dict[str, str]:
-    """Time each group of same-shaped projections at num_rows rows on every library and record
-    the fastest in their tables. Returns "out x in" -> the library chosen, for the log."""
+def tune_rows(
+    model: nn.Module,
+    num_rows: int,
+    timer: Timer = time_on_gpu,
+    libraries: Callable[[Sequence[BlasLinear], torch.Tensor], tuple[str, ...]] = candidates,
+) -> dict[str, str]:
+    """Time each group of same-shaped projections at num_rows rows on each of its candidate
+    libraries and record the fastest in their tables. Returns "out x in" -> the library
+    chosen, for the log."""
     chosen = {}
     for (out_features, in_features), layers in layers_by_shape(model).items():
         weight = layers[0].weight
         x = torch.randn(num_rows, in_features, dtype=weight.dtype, device=weight.device)
+        names = libraries(layers, x)
         seconds = {
             library: statistics.median(timer(layers, x, library) for _ in range(TIMED_REPS))
-            for library in LIBRARIES
+            for library in names
         }
-        best = min(LIBRARIES, key=seconds.__getitem__)  # a tie keeps the default (first)
+        best = min(names, key=seconds.__getitem__)  # a tie keeps the default (first)
         for layer in layers:
             layer.blas_by_rows[num_rows] = best
         chosen[f"{out_features}x{in_features}"] = best
@@ -136,7 +200,7 @@ def blas_summary(model: nn.Module) -> str:
     if not table:
         return "none tuned"
     picks = [library for by_shape in table.values() for library in by_shape.values()]
-    counts = ", ".join(f"{library} {picks.count(library)}" for library in LIBRARIES)
+    counts = ", ".join(f"{lib} {picks.count(lib)}" for lib in LIBRARIES if lib in picks)
     largest = max(table)
     at_largest = ", ".join(f"{shape} {library}" for shape, library in table[largest].items())
     return f"{counts} of {len(picks)} (size, shape) pairs; at {largest}: {at_largest}"

@@ -1,8 +1,9 @@
-"""engine/blas_choice.py on the GPU: a BlasLinear on cuBLASLt gives cuBLAS's numbers within
-bf16 rounding at decode and prefill row counts; tune_rows timed on the device fills every
-layer's table with a library; a tiny bf16 engine whose decode graphs were captured after tuning
-(KVRELAY_BLAS_TUNE=1) has a choice at every captured size and generates what the untuned one
-does (greedy tokens equal, or parting only at a near-tie), its logits within bf16 rounding."""
+"""engine/blas_choice.py on the GPU: a BlasLinear on cuBLASLt or on FlashInfer's tuned mm_bf16 gives
+cuBLAS's numbers within bf16 rounding at decode and prefill row counts; tune_rows timed on the
+device fills every layer's table with a library; a tiny bf16 engine built with KVRELAY_BLAS_TUNE=1
+has a choice at every captured decode size and at a full prefill step's rows, and generates what the
+untuned one does (greedy tokens equal, or parting only at a near-tie), its logits within bf16
+rounding."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def tuning(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     blas_choice.tuning_wanted.cache_clear()
 
 
+@pytest.mark.parametrize("library", ["cublaslt", "flashinfer"])
 @pytest.mark.parametrize("num_rows", [1, 64, 384, 2048])
-def test_cublaslt_gives_cublas_numbers(num_rows: int) -> None:
+def test_other_libraries_give_cublas_numbers(num_rows: int, library: str) -> None:
     gen = torch.Generator(CUDA).manual_seed(0)
     before = torch.backends.cuda.preferred_blas_library()
     layer = BlasLinear(1024, 3072, bias=False).to(CUDA, torch.bfloat16)
@@ -48,11 +50,14 @@ def test_cublaslt_gives_cublas_numbers(num_rows: int) -> None:
         layer.weight.copy_(torch.randn(3072, 1024, device=CUDA, generator=gen) * 0.03)
         x = torch.randn(num_rows, 1024, device=CUDA, generator=gen).bfloat16()
         want = layer(x).float()
-        layer.blas_by_rows[num_rows] = "cublaslt"
+        if library == "flashinfer":
+            assert blas_choice.flashinfer_can_run(layer)
+            blas_choice.flashinfer_linear(x, layer.weight, tune=True)
+        layer.blas_by_rows[num_rows] = library
         got = layer(x).float()
     assert torch.backends.cuda.preferred_blas_library() == before
     error = float((got - want).abs().max() / want.abs().max())
-    print(f"{num_rows} rows: cuBLASLt against cuBLAS, max relative error {error:.1e}")
+    print(f"{num_rows} rows: {library} against cuBLAS, max relative error {error:.1e}")
     assert error <= 2e-2
 
 
@@ -60,8 +65,13 @@ def test_tune_rows_on_the_device_fills_every_table() -> None:
     model = torch.nn.ModuleList(
         [BlasLinear(2048, 2048, bias=False), BlasLinear(2048, 2048), BlasLinear(2048, 512)]
     ).to(CUDA, torch.bfloat16)
+    groups = blas_choice.layers_by_shape(model)
+    x = torch.zeros(256, 2048, device=CUDA, dtype=torch.bfloat16)
+    assert blas_choice.candidates(groups[(2048, 2048)], x) == blas_choice.TORCH_LIBRARIES  # bias
+    assert blas_choice.candidates(groups[(512, 2048)], x) == blas_choice.LIBRARIES
     chosen = tune_rows(model, 256)
     assert chosen.keys() == {"2048x2048", "512x2048"}
+    assert chosen["2048x2048"] in blas_choice.TORCH_LIBRARIES
     assert all(layer.blas_by_rows[256] in blas_choice.LIBRARIES for layer in model)
     print(f"256 rows: {chosen}")
 
@@ -81,7 +91,8 @@ def test_tiny_engine_on_graphs_tuned_generates_what_the_untuned_one_does(
     blas_choice.tuning_wanted.cache_clear()
     tuned = engine_on(model, tiny, cuda_graph=True)
     table = chosen_libraries(model)
-    assert sorted(table) == sorted(tuned.runner.graphs.sizes)
+    prefill_rows = tuned.config.scheduler.max_num_batched_tokens
+    assert sorted(table) == sorted({*tuned.runner.graphs.sizes, prefill_rows})
     rec_tuned = Recorder(tuned)
     tuned_tokens, _ = run_workload(tuned)
     assert tuned.runner.num_graph_steps > 0

@@ -95,6 +95,7 @@ def fake_timer(num_rows: int, faster: dict[tuple[int, int], str], calls: list[tu
 
 
 def test_tune_rows_keeps_the_faster_library_per_shape_and_a_tie_keeps_the_default() -> None:
+    """On the CPU the candidates are torch's two libraries (FlashInfer needs bf16 on CUDA)."""
     model = two_shapes()
     calls: list[tuple] = []
     chosen = tune_rows(model, 384, fake_timer(384, {(16, 8): "cublaslt"}, calls))
@@ -106,8 +107,8 @@ def test_tune_rows_keeps_the_faster_library_per_shape_and_a_tie_keeps_the_defaul
     ]
     reps = blas_choice.TIMED_REPS  # each library per group, over all of its layers at once
     assert sorted(calls) == sorted(
-        [((16, 8), library, 2) for library in blas_choice.LIBRARIES for _ in range(reps)]
-        + [((8, 16), library, 1) for library in blas_choice.LIBRARIES for _ in range(reps)]
+        [((16, 8), library, 2) for library in blas_choice.TORCH_LIBRARIES for _ in range(reps)]
+        + [((8, 16), library, 1) for library in blas_choice.TORCH_LIBRARIES for _ in range(reps)]
     )
     tune_rows(model, 8, fake_timer(8, {(8, 16): "cublaslt", (16, 8): "cublas"}, []))
     assert chosen_libraries(model) == {
@@ -144,3 +145,35 @@ def test_tuning_is_off_by_default(tune_env: pytest.MonkeyPatch) -> None:
     tune_env.delenv(blas_choice.ENV, raising=False)
     tuning_wanted.cache_clear()
     assert tuning_wanted() is False
+
+
+def test_flashinfer_is_timed_where_its_candidates_say_so() -> None:
+    model = two_shapes()
+    timer = fake_timer(16, {(16, 8): "flashinfer", (8, 16): "cublaslt"}, [])
+    chosen = tune_rows(model, 16, timer, libraries=lambda layers, x: blas_choice.LIBRARIES)
+    assert chosen == {"16x8": "flashinfer", "8x16": "cublaslt"}
+
+
+def test_flashinfer_is_no_candidate_off_cuda_or_with_a_bias() -> None:
+    model = two_shapes()
+    groups = layers_by_shape(model)
+    x = torch.randn(4, 8)
+    assert blas_choice.candidates(groups[(16, 8)], x) == blas_choice.TORCH_LIBRARIES
+    assert not blas_choice.flashinfer_can_run(model[0])  # on the CPU
+    assert not blas_choice.flashinfer_can_run(model[1])  # and a bias
+
+
+def test_a_flashinfer_choice_runs_through_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, bool]] = []
+
+    def fake_flashinfer(x: torch.Tensor, weight: torch.Tensor, tune: bool = False) -> torch.Tensor:
+        calls.append((x.shape[0], tune))
+        return x @ weight.t()
+
+    monkeypatch.setattr(blas_choice, "flashinfer_linear", fake_flashinfer)
+    layer = BlasLinear(8, 16, bias=False)
+    layer.blas_by_rows[4] = "flashinfer"
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        assert torch.equal(layer(x), x @ layer.weight.t())
+    assert calls == [(4, False)]
