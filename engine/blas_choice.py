@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.env_flags import on_off
 
 ENV = "KVRELAY_BLAS_TUNE"
 TORCH_LIBRARIES = ("cublas", "cublaslt")  # torch's preferred BLAS backends
@@ -48,10 +49,7 @@ Timer = Callable[[Sequence["BlasLinear"], torch.Tensor, str], float]
 @functools.cache
 def tuning_wanted() -> bool:
     """KVRELAY_BLAS_TUNE asks for the timed choice (read once; cache_clear to re-read)."""
-    raw = os.environ.get(ENV, "0").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return on_off(ENV, default=False)
 
 
 @contextlib.contextmanager

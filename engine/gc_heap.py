@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from engine.env_flags import on_off
+
 ENV = "KVRELAY_GC_FREEZE"
 YOUNG_ENV = "KVRELAY_GC_YOUNG"
 YOUNG_DEFAULT = 50_000
@@ -40,10 +42,7 @@ _unfreeze_registered = False
 
 def wanted() -> bool:
     """KVRELAY_GC_FREEZE: "1" (default) freezes, "0" does not; other values are refused."""
-    raw = os.environ.get(ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return on_off(ENV, default=True)
 
 
 def young_threshold() -> int:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from engine.env_flags import on_off
+
 ENV = "KVRELAY_PDL"
 PREFETCH_ENV = "KVRELAY_PDL_PREFETCH_MIB"
 PREFETCH_MIB_DEFAULT = 0  # measured: no gain at 4 or 16 MiB, a loss at 48
@@ -40,10 +42,7 @@ PREFETCH_MIB_DEFAULT = 0  # measured: no gain at 4 or 16 MiB, a loss at 48
 @functools.cache
 def wanted() -> bool:
     """KVRELAY_PDL allows PDL (read once; cache_clear to re-read); other values are refused."""
-    raw = os.environ.get(ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return on_off(ENV, default=True)
 
 
 @functools.cache
