@@ -164,10 +164,14 @@ def tune_rows(
     libraries: Callable[[Sequence[BlasLinear], torch.Tensor], tuple[str, ...]] = candidates,
 ) -> dict[str, str]:
     """Time each group of same-shaped projections at num_rows rows on each of its candidate
-    libraries and record the fastest in their tables. Returns "out x in" -> the library
-    chosen, for the log."""
-    chosen = {}
+    libraries and record the fastest in their tables; a group already tuned at num_rows (the
+    memory probe's backend, another engine on the same model) keeps its choice untimed.
+    Returns "out x in" -> the library chosen, for the log."""
+    chosen: dict[str, str] = {}
     for (out_features, in_features), layers in layers_by_shape(model).items():
+        if all(num_rows in layer.blas_by_rows for layer in layers):
+            chosen[f"{out_features}x{in_features}"] = layers[0].blas_by_rows[num_rows]
+            continue
         weight = layers[0].weight
         x = torch.randn(num_rows, in_features, dtype=weight.dtype, device=weight.device)
         names = libraries(layers, x)

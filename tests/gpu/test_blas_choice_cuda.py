@@ -63,7 +63,11 @@ def test_other_libraries_give_cublas_numbers(num_rows: int, library: str) -> Non
 
 def test_tune_rows_on_the_device_fills_every_table() -> None:
     model = torch.nn.ModuleList(
-        [BlasLinear(2048, 2048, bias=False), BlasLinear(2048, 2048), BlasLinear(2048, 512)]
+        [
+            BlasLinear(2048, 2048, bias=False),
+            BlasLinear(2048, 2048),
+            BlasLinear(2048, 512, bias=False),
+        ]
     ).to(CUDA, torch.bfloat16)
     groups = blas_choice.layers_by_shape(model)
     x = torch.zeros(256, 2048, device=CUDA, dtype=torch.bfloat16)

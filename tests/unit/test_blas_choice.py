@@ -177,3 +177,12 @@ def test_a_flashinfer_choice_runs_through_flashinfer(monkeypatch: pytest.MonkeyP
         x = torch.randn(4, 8)
         assert torch.equal(layer(x), x @ layer.weight.t())
     assert calls == [(4, False)]
+
+
+def test_a_group_tuned_at_a_row_count_is_not_timed_again() -> None:
+    model = two_shapes()
+    tune_rows(model, 16, fake_timer(16, {(16, 8): "cublaslt"}, []))
+    calls: list[tuple] = []
+    again = tune_rows(model, 16, fake_timer(16, {(16, 8): "cublas"}, calls))
+    assert calls == []
+    assert again == {"16x8": "cublaslt", "8x16": "cublas"}
