@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import chain
@@ -261,8 +262,11 @@ def build_backend(
     flashinfer = FlashInferAttention(
         kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
     )
+    tune_seconds = 0.0
     if tuning_wanted():  # a full prefill step's rows; the decode graphs tune their own sizes
+        started = time.perf_counter()
         tune_rows(model, config.scheduler.max_num_batched_tokens)
+        tune_seconds = time.perf_counter() - started
     graphs = None
     if config.cuda_graph:
         max_num_seqs = config.scheduler.max_num_seqs
@@ -276,7 +280,11 @@ def build_backend(
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
     if tuning_wanted():
-        _stderr(f"kvrelay engine: BLAS library by step rows: {blas_summary(model)}")
+        tune_seconds += graphs.blas_tune_seconds if graphs is not None else 0.0
+        _stderr(
+            f"kvrelay engine: BLAS library by step rows ({tune_seconds:.1f} s timing them): "
+            f"{blas_summary(model)}"
+        )
     mixed_graphs = None
     if config.cuda_graph and config.mixed_step_graphs:
         mixed_graphs, took = _with_memory_taken(

@@ -17,14 +17,18 @@ CUDA where it imports.
 KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time the
 libraries for each group of same-shaped projections at each captured decode batch size and at a full
 prefill step's row count, max_num_batched_tokens, and keep the fastest; some seconds more at
-start-up). Steps of other row counts keep the default. Off by default until an offline run has
-measured it.
+start-up, logged). Steps of other row counts keep the default. Off by default until an offline run
+has measured it.
+
+torch's library setting is process-wide: BlasLinear switches it around its own product and puts it
+back, which is sound because one thread (the engine's) runs a model's GEMMs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +45,12 @@ TORCH_LIBRARIES = ("cublas", "cublaslt")  # torch's preferred BLAS backends
 FLASHINFER = "flashinfer"  # flashinfer.mm_bf16 on cuBLASLt, at its autotuned algorithm
 LIBRARIES = (*TORCH_LIBRARIES, FLASHINFER)
 TIMED_REPS = 3  # each library's time: the median of this many passes over a group's layers
+# Up to this many rows a pass is timed as a CUDA graph replay, as decode runs it (launched eagerly,
+# a few-row GEMM's time would be the host's launch time); above it, eagerly.
+GRAPH_TIMED_MAX_ROWS = 2048
+TUNE_SEED = 0  # the timed input's values (the library's time does not depend on them)
+
+logger = logging.getLogger(__name__)
 
 # (layers of one shape, their input, library) -> seconds of one pass over the layers
 Timer = Callable[[Sequence["BlasLinear"], torch.Tensor, str], float]
@@ -52,9 +62,18 @@ def tuning_wanted() -> bool:
     return on_off(ENV, default=False)
 
 
+def library_in_force() -> str:
+    """torch's preferred BLAS library now: "cublas" or "cublaslt" (also "default", "ck")."""
+    return torch.backends.cuda.preferred_blas_library().name.lower()
+
+
 @contextlib.contextmanager
 def preferred_blas(library: str) -> Iterator[None]:
-    """torch's matmuls on `library` inside the block (a process-wide setting, put back after)."""
+    """torch's matmuls on `library` inside the block (a process-wide setting, put back after;
+    untouched when `library` is already in force)."""
+    if library_in_force() == library:
+        yield
+        return
     previous = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(library)
     try:
@@ -106,8 +125,15 @@ class BlasLinear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys) that runs on the BLAS library chosen for
     its input's row count, where one was chosen; else on torch's default."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
-        super().__init__(in_features, out_features, bias=bias, **kwargs)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.blas_by_rows: dict[int, str] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,21 +153,33 @@ def layers_by_shape(model: nn.Module) -> dict[tuple[int, int], list[BlasLinear]]
 
 
 def time_on_gpu(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> float:
-    """Seconds of one pass of x through every layer on `library` (CUDA events; one pass first
-    to warm the library up). Passing through all of a shape's layers, each with its own weight,
-    reads the weights from HBM as a step does instead of from L2."""
+    """Seconds of one pass of x through every layer on `library`: the median of TIMED_REPS
+    replays of the pass captured as a CUDA graph (eager passes above GRAPH_TIMED_MAX_ROWS), after
+    one eager pass to warm the library up. Passing through all of a shape's layers, each with its
+    own weight, reads the weights from HBM as a step does instead of from L2."""
 
     def one_pass() -> None:
         for layer in layers:
             run_on(library, x, layer)
 
     one_pass()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    one_pass()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    torch.cuda.synchronize(x.device)
+    run = one_pass
+    if x.shape[0] <= GRAPH_TIMED_MAX_ROWS:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            one_pass()
+        graph.replay()  # the first replay uploads the graph
+        run = graph.replay
+    seconds = []
+    for _ in range(TIMED_REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(seconds)
 
 
 def candidates(layers: Sequence[BlasLinear], x: torch.Tensor) -> tuple[str, ...]:
@@ -151,34 +189,45 @@ def candidates(layers: Sequence[BlasLinear], x: torch.Tensor) -> tuple[str, ...]
         return TORCH_LIBRARIES
     try:  # one algorithm per shape and row count
         flashinfer_linear(x, layers[0].weight, tune=True)
-    except Exception:  # a shape or GPU this FlashInfer's mm_bf16 refuses: torch's only
+    except Exception as refusal:  # a shape or GPU this FlashInfer's mm_bf16 refuses: torch's only
+        shape = (layers[0].out_features, layers[0].in_features)
+        _report_refusal(shape, f"{type(refusal).__name__}: {refusal}")
         return TORCH_LIBRARIES
     return LIBRARIES
+
+
+@functools.cache
+def _report_refusal(shape: tuple[int, int], reason: str) -> None:
+    """Log, once per shape and reason, why FlashInfer is not a candidate for it."""
+    logger.warning("FlashInfer's mm_bf16 refused the %dx%d projections: %s", *shape, reason)
 
 
 @torch.inference_mode()
 def tune_rows(
     model: nn.Module,
     num_rows: int,
-    timer: Timer = time_on_gpu,
+    timer: Timer | None = None,
     libraries: Callable[[Sequence[BlasLinear], torch.Tensor], tuple[str, ...]] = candidates,
 ) -> dict[str, str]:
     """Time each group of same-shaped projections at num_rows rows on each of its candidate
     libraries and record the fastest in their tables; a group already tuned at num_rows (the
     memory probe's backend, another engine on the same model) keeps its choice untimed.
-    Returns "out x in" -> the library chosen, for the log."""
+    timer (default time_on_gpu) gives a library's seconds for a group. Returns "out x in" -> the
+    library chosen, for the log."""
+    timer = timer or time_on_gpu
+    generator: torch.Generator | None = None
     chosen: dict[str, str] = {}
     for (out_features, in_features), layers in layers_by_shape(model).items():
         if all(num_rows in layer.blas_by_rows for layer in layers):
             chosen[f"{out_features}x{in_features}"] = layers[0].blas_by_rows[num_rows]
             continue
         weight = layers[0].weight
-        x = torch.randn(num_rows, in_features, dtype=weight.dtype, device=weight.device)
+        if generator is None:
+            generator = torch.Generator(weight.device).manual_seed(TUNE_SEED)
+        x = torch.randn(num_rows, in_features, generator=generator, device=weight.device)
+        x = x.to(weight.dtype)
         names = libraries(layers, x)
-        seconds = {
-            library: statistics.median(timer(layers, x, library) for _ in range(TIMED_REPS))
-            for library in names
-        }
+        seconds = {library: timer(layers, x, library) for library in names}
         best = min(names, key=seconds.__getitem__)  # a tie keeps the default (first)
         for layer in layers:
             layer.blas_by_rows[num_rows] = best

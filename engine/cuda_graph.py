@@ -8,6 +8,8 @@ reserved padding block, which the KV cache manager never hands out.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -53,6 +55,7 @@ class CUDAGraphDecoder:
         attention.enable_cuda_graphs(self.sizes, -(-max_model_len // self.block_size))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool: tuple[int, int] | None = None
+        self.blas_tune_seconds = 0.0  # start-up time spent timing libraries (KVRELAY_BLAS_TUNE)
         self._capture_all()
 
     def padded_size(self, num_seqs: int) -> int | None:
@@ -64,7 +67,9 @@ class CUDAGraphDecoder:
         tune = tuning_wanted()
         for bs in reversed(self.sizes):  # largest first: the pool is sized once
             if tune:  # each projection's BLAS library at this size, before its graph records it
+                started = time.perf_counter()
                 tune_rows(self.model, bs)
+                self.blas_tune_seconds += time.perf_counter() - started
             self._plan(bs, [], [], [], [], [])
             self._forward(bs)  # warm-up outside capture (lazy cuBLAS / kernel init)
             torch.cuda.synchronize(self.attention.device)

@@ -1,7 +1,8 @@
 """engine/blas_choice.py on the CPU: BlasLinear is an nn.Linear with the same parameters and
 results, runs on the library its table names for a row count (and only then), and torch's
-setting comes back after; tune_rows keeps the faster library of each shape's group (timed with
-a fake timer: the one module under test), a tie keeping the default; KVRELAY_BLAS_TUNE is read
+setting comes back after (and is left alone when already right; torch's setting faked, as a CPU
+build takes only cuBLAS); tune_rows keeps the faster library of each shape's group (timed with a
+fake timer: the one module under test), a tie keeping the default; KVRELAY_BLAS_TUNE is read
 strictly and is off by default."""
 
 from __future__ import annotations
@@ -71,11 +72,49 @@ def test_the_library_chosen_for_a_row_count_is_the_one_in_force(
     assert entered == ["cublaslt"]
 
 
-def test_preferred_blas_puts_torch_setting_back() -> None:
-    before = torch.backends.cuda.preferred_blas_library()
-    with pytest.raises(RuntimeError, match="inside"), preferred_blas("cublas"):
-        raise RuntimeError("inside")  # the one library a CPU build of torch accepts
-    assert torch.backends.cuda.preferred_blas_library() == before
+class FakeBlasSetting:
+    """torch's preferred-BLAS getter / setter over a plain value (a CPU build of torch takes only
+    cuBLAS), recording each library set."""
+
+    def __init__(self) -> None:
+        self.value = torch._C._BlasBackend.Cublas
+        self.set: list[str] = []
+
+    def __call__(self, backend: str | torch._C._BlasBackend | None = None) -> torch._C._BlasBackend:
+        if backend is not None:
+            name = backend if isinstance(backend, str) else backend.name.lower()
+            self.set.append(name)
+            self.value = torch.backends.cuda._BlasBackends[name]
+        return self.value
+
+
+@pytest.fixture
+def blas_setting(monkeypatch: pytest.MonkeyPatch) -> FakeBlasSetting:
+    fake = FakeBlasSetting()
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
+    return fake
+
+
+def test_preferred_blas_switches_inside_and_puts_the_setting_back_on_error(
+    blas_setting: FakeBlasSetting,
+) -> None:
+    with pytest.raises(RuntimeError, match="inside"), preferred_blas("cublaslt"):
+        assert blas_choice.library_in_force() == "cublaslt"
+        raise RuntimeError("inside")
+    assert blas_choice.library_in_force() == "cublas"
+    assert blas_setting.set == ["cublaslt", "cublas"]
+
+
+def test_preferred_blas_leaves_the_library_in_force_untouched(
+    blas_setting: FakeBlasSetting,
+) -> None:
+    with preferred_blas("cublas"):
+        assert blas_choice.library_in_force() == "cublas"
+    assert blas_setting.set == []
+
+
+def test_library_in_force_names_torch_setting() -> None:
+    assert blas_choice.library_in_force() in {"cublas", "cublaslt", "default"}
 
 
 def fake_timer(num_rows: int, faster: dict[tuple[int, int], str], calls: list[tuple]) -> Timer:
@@ -105,10 +144,9 @@ def test_tune_rows_keeps_the_faster_library_per_shape_and_a_tie_keeps_the_defaul
         {384: "cublaslt"},
         {384: "cublas"},
     ]
-    reps = blas_choice.TIMED_REPS  # each library per group, over all of its layers at once
-    assert sorted(calls) == sorted(
-        [((16, 8), library, 2) for library in blas_choice.TORCH_LIBRARIES for _ in range(reps)]
-        + [((8, 16), library, 1) for library in blas_choice.TORCH_LIBRARIES for _ in range(reps)]
+    assert sorted(calls) == sorted(  # each library once per group, over all of its layers
+        [((16, 8), library, 2) for library in blas_choice.TORCH_LIBRARIES]
+        + [((8, 16), library, 1) for library in blas_choice.TORCH_LIBRARIES]
     )
     tune_rows(model, 8, fake_timer(8, {(8, 16): "cublaslt", (16, 8): "cublas"}, []))
     assert chosen_libraries(model) == {
