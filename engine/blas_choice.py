@@ -12,13 +12,13 @@ whose gaps idle the GPU ~0.18 ms a step; at 16,384 and 232 rows cuBLAS was the f
 rows and 4% at 232. In the 8B bf16 offline run's 16,384-row prefill steps the qkv GEMM ran at ~520
 TFLOP/s against gate_up's ~840 (by its kernels' times). So the choice is timed per shape and row
 count on the machine, not fixed. FlashInfer is a candidate only for bf16 layers without a bias, on
-CUDA where it imports.
+CUDA where it imports, at decode graph row counts (see candidates).
 
 KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time the
 libraries for each group of same-shaped projections at each captured decode batch size and at a full
 prefill step's row count, max_num_batched_tokens, and keep the fastest; some seconds more at
-start-up, logged). Steps of other row counts keep the default. Off by default until an offline run
-has measured it.
+start-up, logged). Steps of other row counts keep the default. Off by default: the 8B bf16 offline
+run on an H200 moved +0.5% and +0.0% for 23-25 s more start-up (bench/RESULTS.md).
 
 torch's library setting is process-wide: BlasLinear switches it around its own product and puts it
 back, which is sound because one thread (the engine's) runs a model's GEMMs.
@@ -184,8 +184,13 @@ def time_on_gpu(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> 
 
 def candidates(layers: Sequence[BlasLinear], x: torch.Tensor) -> tuple[str, ...]:
     """The libraries to time for this group: FlashInfer (after its autotuner has timed its
-    algorithms at x's row count) where it takes the layers."""
-    if not all(flashinfer_can_run(layer) for layer in layers):
+    algorithms at x's row count) where it takes the layers and the rows are a decode graph's
+    (at most GRAPH_TIMED_MAX_ROWS). In eager steps it did not pay: with FlashInfer on three of
+    four projections, the 8B bf16 run's 16,384-row prefill steps gained 5.0 ms of GEMM kernel time
+    and idled the GPU 5.4 ms more a step (on torch's libraries only, 2.6 ms more; cause not
+    isolated; bench/RESULTS.md, fourteenth round)."""
+    eager_rows = x.shape[0] > GRAPH_TIMED_MAX_ROWS
+    if eager_rows or not all(flashinfer_can_run(layer) for layer in layers):
         return TORCH_LIBRARIES
     try:  # one algorithm per shape and row count
         flashinfer_linear(x, layers[0].weight, tune=True)
