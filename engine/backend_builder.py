@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import chain
@@ -19,7 +18,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
-from engine.blas_choice import blas_summary, tune_rows, tuning_wanted
+from engine.blas_choice import blas_summary, tuning_wanted
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
@@ -262,11 +261,6 @@ def build_backend(
     flashinfer = FlashInferAttention(
         kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
     )
-    tune_seconds = 0.0
-    if tuning_wanted():  # a full prefill step's rows; the decode graphs tune their own sizes
-        started = time.perf_counter()
-        tune_rows(model, config.scheduler.max_num_batched_tokens)
-        tune_seconds = time.perf_counter() - started
     graphs = None
     if config.cuda_graph:
         max_num_seqs = config.scheduler.max_num_seqs
@@ -279,11 +273,10 @@ def build_backend(
             ),
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
-    if tuning_wanted():
-        tune_seconds += graphs.blas_tune_seconds if graphs is not None else 0.0
+    if tuning_wanted() and graphs is not None:
         _stderr(
-            f"kvrelay engine: BLAS library by step rows ({tune_seconds:.1f} s timing them): "
-            f"{blas_summary(model)}"
+            f"kvrelay engine: BLAS library by decode batch size "
+            f"({graphs.blas_tune_seconds:.1f} s timing them): {blas_summary(model)}"
         )
     mixed_graphs = None
     if config.cuda_graph and config.mixed_step_graphs:

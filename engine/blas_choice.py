@@ -1,4 +1,4 @@
-"""Which GEMM library runs each bf16 / fp16 projection at each decode graph's row count (torch's
+"""Which GEMM library runs each bf16 / fp16 projection at each decode graph's batch size (torch's
 cuBLAS, torch's cuBLASLt, or FlashInfer's mm_bf16 on cuBLASLt at the algorithm its autotuner found
 fastest for exactly that row count): BlasLinear (an nn.Linear that owns its table of choices) and
 the timing that fills the tables before each graph is captured; owns no other state but the setting
@@ -9,16 +9,17 @@ fastest at every row count. On the H200, the 8B projections at 384 rows took 7.8
 cuBLAS against 7.67 on cuBLASLt, and cuBLAS's gate_up kernel at 384 rows comes with a device memset
 whose gaps idle the GPU ~0.18 ms a step; at 16,384 and 232 rows cuBLAS was the faster
 (bench/bf16_gemm_bench.py, bench/RESULTS.md). FlashInfer's tuned cuBLASLt was 6.5% faster at 768
-rows and 4% at 232. In the 8B bf16 offline run's 16,384-row prefill steps the qkv GEMM ran at ~520
-TFLOP/s against gate_up's ~840 (by its kernels' times). So the choice is timed per shape and row
-count on the machine, not fixed. FlashInfer is a candidate only for bf16 layers without a bias, on
-CUDA where it imports, at decode graph row counts (see candidates).
+rows and 4% at 232. So the choice is timed per shape and row count on the machine, not fixed.
+FlashInfer is a candidate only for bf16 layers without a bias, on CUDA where it imports.
+
+Prefill steps (eager, max_num_batched_tokens rows) keep torch's default: tuned as well, they
+gained no GEMM time worth their added GPU idle (bench/RESULTS.md, fourteenth round).
 
 KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time the
-libraries for each group of same-shaped projections at each captured decode batch size and at a full
-prefill step's row count, max_num_batched_tokens, and keep the fastest; some seconds more at
-start-up, logged). Steps of other row counts keep the default. Off by default: the 8B bf16 offline
-run on an H200 moved +0.5% and +0.0% for 23-25 s more start-up (bench/RESULTS.md).
+libraries for each group of same-shaped projections at each captured decode batch size, as a
+graph replay, and keep the fastest; ~20 s more start-up for the 8B shape's 51 sizes, logged).
+Steps of other row counts keep the default. Off by default: the 8B bf16 offline run on an H200
+moved +0.5% and +0.0% with the prefill rows tuned too (bench/RESULTS.md).
 
 torch's library setting is process-wide: BlasLinear switches it around its own product and puts it
 back, which is sound because one thread (the engine's) runs a model's GEMMs.
@@ -44,10 +45,7 @@ ENV = "KVRELAY_BLAS_TUNE"
 TORCH_LIBRARIES = ("cublas", "cublaslt")  # torch's preferred BLAS backends
 FLASHINFER = "flashinfer"  # flashinfer.mm_bf16 on cuBLASLt, at its autotuned algorithm
 LIBRARIES = (*TORCH_LIBRARIES, FLASHINFER)
-TIMED_REPS = 3  # each library's time: the median of this many passes over a group's layers
-# Up to this many rows a pass is timed as a CUDA graph replay, as decode runs it (launched eagerly,
-# a few-row GEMM's time would be the host's launch time); above it, eagerly.
-GRAPH_TIMED_MAX_ROWS = 2048
+TIMED_REPS = 3  # each library's time: the median of this many replays of a pass over a group
 TUNE_SEED = 0  # the timed input's values (the library's time does not depend on them)
 
 logger = logging.getLogger(__name__)
@@ -154,9 +152,10 @@ def layers_by_shape(model: nn.Module) -> dict[tuple[int, int], list[BlasLinear]]
 
 def time_on_gpu(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> float:
     """Seconds of one pass of x through every layer on `library`: the median of TIMED_REPS
-    replays of the pass captured as a CUDA graph (eager passes above GRAPH_TIMED_MAX_ROWS), after
-    one eager pass to warm the library up. Passing through all of a shape's layers, each with its
-    own weight, reads the weights from HBM as a step does instead of from L2."""
+    replays of the pass captured as a CUDA graph, as decode runs it (launched eagerly, a few-row
+    GEMM's time would be the host's launch time), after one eager pass to warm the library up.
+    Passing through all of a shape's layers, each with its own weight, reads the weights from
+    HBM as a step does instead of from L2."""
 
     def one_pass() -> None:
         for layer in layers:
@@ -164,18 +163,15 @@ def time_on_gpu(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> 
 
     one_pass()
     torch.cuda.synchronize(x.device)
-    run = one_pass
-    if x.shape[0] <= GRAPH_TIMED_MAX_ROWS:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            one_pass()
-        graph.replay()  # the first replay uploads the graph
-        run = graph.replay
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        one_pass()
+    graph.replay()  # the first replay uploads the graph
     seconds = []
     for _ in range(TIMED_REPS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        graph.replay()
         end.record()
         end.synchronize()
         seconds.append(start.elapsed_time(end) / 1e3)
@@ -184,13 +180,8 @@ def time_on_gpu(layers: Sequence[BlasLinear], x: torch.Tensor, library: str) -> 
 
 def candidates(layers: Sequence[BlasLinear], x: torch.Tensor) -> tuple[str, ...]:
     """The libraries to time for this group: FlashInfer (after its autotuner has timed its
-    algorithms at x's row count) where it takes the layers and the rows are a decode graph's
-    (at most GRAPH_TIMED_MAX_ROWS). In eager steps it did not pay: with FlashInfer on three of
-    four projections, the 8B bf16 run's 16,384-row prefill steps gained 5.0 ms of GEMM kernel time
-    and idled the GPU 5.4 ms more a step (on torch's libraries only, 2.6 ms more; cause not
-    isolated; bench/RESULTS.md, fourteenth round)."""
-    eager_rows = x.shape[0] > GRAPH_TIMED_MAX_ROWS
-    if eager_rows or not all(flashinfer_can_run(layer) for layer in layers):
+    algorithms at x's row count) where it takes the layers."""
+    if not all(flashinfer_can_run(layer) for layer in layers):
         return TORCH_LIBRARIES
     try:  # one algorithm per shape and row count
         flashinfer_linear(x, layers[0].weight, tune=True)
@@ -215,8 +206,8 @@ def tune_rows(
     libraries: Callable[[Sequence[BlasLinear], torch.Tensor], tuple[str, ...]] = candidates,
 ) -> dict[str, str]:
     """Time each group of same-shaped projections at num_rows rows on each of its candidate
-    libraries and record the fastest in their tables; a group already tuned at num_rows (the
-    memory probe's backend, another engine on the same model) keeps its choice untimed.
+    libraries and record the fastest in their tables; a group already tuned at num_rows
+    (another engine built on the same model) keeps its choice untimed.
     timer (default time_on_gpu) gives a library's seconds for a group. Returns "out x in" -> the
     library chosen, for the log."""
     timer = timer or time_on_gpu

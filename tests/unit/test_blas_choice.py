@@ -224,23 +224,3 @@ def test_a_group_tuned_at_a_row_count_is_not_timed_again() -> None:
     again = tune_rows(model, 16, fake_timer(16, {(16, 8): "cublas"}, calls))
     assert calls == []
     assert again == {"16x8": "cublaslt", "8x16": "cublas"}
-
-
-def test_flashinfer_is_a_candidate_only_at_graph_row_counts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Prefill steps run eagerly, where mm_bf16's host time idles the GPU: torch's only there."""
-    tuned_at: list[int] = []
-
-    def fake_flashinfer(x: torch.Tensor, weight: torch.Tensor, tune: bool = False) -> torch.Tensor:
-        tuned_at.append(x.shape[0])
-        return x @ weight.t()
-
-    monkeypatch.setattr(blas_choice, "flashinfer_can_run", lambda layer: True)
-    monkeypatch.setattr(blas_choice, "flashinfer_linear", fake_flashinfer)
-    layers = [BlasLinear(8, 4, bias=False)]
-    graph_rows = blas_choice.GRAPH_TIMED_MAX_ROWS
-    assert blas_choice.candidates(layers, torch.zeros(graph_rows, 8)) == blas_choice.LIBRARIES
-    eager = torch.zeros(graph_rows + 1, 8)
-    assert blas_choice.candidates(layers, eager) == blas_choice.TORCH_LIBRARIES
-    assert tuned_at == [graph_rows]
