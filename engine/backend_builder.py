@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
+from engine.blas_choice import ENV as BLAS_ENV
 from engine.blas_choice import blas_summary, tuning_wanted
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CUDAGraphDecoder
@@ -217,7 +218,7 @@ def run_profile_step(
         slot_offsets += [p % block_size for p in range(n)]
     probe = KVPoolSize(sum(len(seq.block_ids) for seq in seqs), _kv_dtype(config, dtype), max_len)
     no_graphs = replace(config, cuda_graph=False)
-    side = build_backend(no_graphs, model, model_config, device, dtype, probe)
+    side = build_backend(no_graphs, model, model_config, device, dtype, probe, memory_probe=True)
     slots = index_tensor([slot_block_ids, slot_offsets], device=device)
     side.attention.plan(AttentionMetadata(seqs, slots[0], slots[1], block_size))
     positions = index_tensor([p for n in lens for p in range(n)], device=device)
@@ -236,8 +237,10 @@ def build_backend(
     device: torch.device,
     dtype: torch.dtype,
     pool: KVPoolSize,
+    memory_probe: bool = False,
 ) -> DeviceSide:
-    """Allocate the KV storage and build the attention backend (and graphs) over it."""
+    """Allocate the KV storage and build the attention backend (and graphs) over it
+    (memory_probe: the memory probe's backend, which logs nothing)."""
     name = choose_backend(config.attention_backend, device, dtype)
     use_flashinfer = name == "flashinfer"
     if pool.kv_dtype != dtype and not use_flashinfer:
@@ -256,6 +259,8 @@ def build_backend(
     kv_cache = kv_storage[: pool.num_blocks]
     if not use_flashinfer:
         attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim)
+        if not memory_probe:
+            report_blas_tuning(model, None)
         return DeviceSide(name, kv_cache, attention, None, None)
     kv_scales = getattr(model, "kv_scales", None) if pool.kv_dtype != dtype else None
     flashinfer = FlashInferAttention(
@@ -273,11 +278,6 @@ def build_backend(
             ),
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
-    if tuning_wanted() and graphs is not None:
-        _stderr(
-            f"kvrelay engine: BLAS library by decode batch size "
-            f"({graphs.blas_tune_seconds:.1f} s timing them): {blas_summary(model)}"
-        )
     mixed_graphs = None
     if config.cuda_graph and config.mixed_step_graphs:
         mixed_graphs, took = _with_memory_taken(
@@ -290,6 +290,8 @@ def build_backend(
             f"kvrelay engine: piecewise graphs of {len(mixed_graphs.buckets)} token buckets "
             f"took {took:.0f} MiB"
         )
+    if not memory_probe:
+        report_blas_tuning(model, graphs)
     return DeviceSide(name, kv_cache, flashinfer, graphs, mixed_graphs)
 
 
@@ -298,6 +300,20 @@ def _with_memory_taken(device: torch.device, build: Callable[[], T]) -> tuple[T,
     reserved = torch.cuda.memory_reserved(device)
     built = build()
     return built, (torch.cuda.memory_reserved(device) - reserved) / MiB
+
+
+def report_blas_tuning(model: nn.Module, graphs: CUDAGraphDecoder | None) -> None:
+    """Under KVRELAY_BLAS_TUNE=1, log the libraries chosen and the seconds spent, or that the
+    setting did nothing (it tunes decode CUDA graphs, and this engine captured none)."""
+    if not tuning_wanted():
+        return
+    if graphs is None:
+        _stderr(f"kvrelay engine: {BLAS_ENV}=1 ignored: this engine captures no decode CUDA graphs")
+        return
+    _stderr(
+        f"kvrelay engine: BLAS library by decode batch size "
+        f"({graphs.blas_tune_seconds:.1f} s timing them): {blas_summary(model)}"
+    )
 
 
 def _stderr(message: str) -> None:

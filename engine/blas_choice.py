@@ -2,7 +2,9 @@
 cuBLAS, torch's cuBLASLt, or FlashInfer's mm_bf16 on cuBLASLt at the algorithm its autotuner found
 fastest for exactly that row count): BlasLinear (an nn.Linear that owns its table of choices) and
 the timing that fills the tables before each graph is captured; owns no other state but the setting
-read once from the environment (FlashInfer's autotuner keeps the algorithms it found).
+read once from the environment, whether the tables are in force (only while a decode graph is
+warmed up and captured) and the shapes whose FlashInfer refusal it logged (FlashInfer's
+autotuner keeps the algorithms it found).
 
 Why: torch's matmuls go to cuBLAS unless told otherwise, and cuBLAS's heuristic pick is not the
 fastest at every row count. On the H200, the 8B projections at 384 rows took 7.81 ms a step on
@@ -12,8 +14,10 @@ whose gaps idle the GPU ~0.18 ms a step; at 16,384 and 232 rows cuBLAS was the f
 rows and 4% at 232. So the choice is timed per shape and row count on the machine, not fixed.
 FlashInfer is a candidate only for bf16 layers without a bias, on CUDA where it imports.
 
-Prefill steps (eager, max_num_batched_tokens rows) keep torch's default: tuned as well, they
-gained no GEMM time worth their added GPU idle (bench/RESULTS.md, fourteenth round).
+Every step not replayed from a decode graph (eager prefill and mixed steps, piecewise graphs) keeps
+torch's default, whatever its row count: the tables are read only inside choices_in_force. Tuned as
+well, the 8B run's prefill steps gained no GEMM time worth their added GPU idle (bench/RESULTS.md,
+fourteenth round).
 
 KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time the
 libraries for each group of same-shaped projections at each captured decode batch size, as a
@@ -28,6 +32,7 @@ back, which is sound because one thread (the engine's) runs a model's GEMMs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import statistics
@@ -49,6 +54,8 @@ TIMED_REPS = 3  # each library's time: the median of this many replays of a pass
 TUNE_SEED = 0  # the timed input's values (the library's time does not depend on them)
 
 logger = logging.getLogger(__name__)
+_tables_in_force = contextvars.ContextVar("kvrelay_blas_tables_in_force", default=False)
+_refusals_logged: set[tuple[int, int]] = set()  # shapes whose FlashInfer refusal was logged
 
 # (layers of one shape, their input, library) -> seconds of one pass over the layers
 Timer = Callable[[Sequence["BlasLinear"], torch.Tensor, str], float]
@@ -119,9 +126,21 @@ def run_on(library: str, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 
+@contextlib.contextmanager
+def choices_in_force() -> Iterator[None]:
+    """Inside the block (a decode graph's warm-up and capture), BlasLinear layers run on the
+    library their tables name for the row count; outside, on torch's default."""
+    token = _tables_in_force.set(True)
+    try:
+        yield
+    finally:
+        _tables_in_force.reset(token)
+
+
 class BlasLinear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys) that runs on the BLAS library chosen for
-    its input's row count, where one was chosen; else on torch's default."""
+    """nn.Linear (same parameters and state-dict keys) that, inside choices_in_force, runs on the
+    BLAS library chosen for its input's row count, where one was chosen; else on torch's
+    default."""
 
     def __init__(
         self,
@@ -135,7 +154,8 @@ class BlasLinear(nn.Linear):
         self.blas_by_rows: dict[int, str] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        library = self.blas_by_rows.get(x.shape[0]) if self.blas_by_rows else None
+        tables = self.blas_by_rows and _tables_in_force.get()
+        library = self.blas_by_rows.get(x.shape[0]) if tables else None
         if library is None:
             return F.linear(x, self.weight, self.bias)
         return run_on(library, x, self)
@@ -187,15 +207,17 @@ def candidates(layers: Sequence[BlasLinear], x: torch.Tensor) -> tuple[str, ...]
         flashinfer_linear(x, layers[0].weight, tune=True)
     except Exception as refusal:  # a shape or GPU this FlashInfer's mm_bf16 refuses: torch's only
         shape = (layers[0].out_features, layers[0].in_features)
-        _report_refusal(shape, f"{type(refusal).__name__}: {refusal}")
+        if shape not in _refusals_logged:  # once per shape, not once per batch size
+            _refusals_logged.add(shape)
+            logger.warning(
+                "FlashInfer's mm_bf16 refused the %dx%d projections (torch's libraries only): "
+                "%s: %s",
+                *shape,
+                type(refusal).__name__,
+                refusal,
+            )
         return TORCH_LIBRARIES
     return LIBRARIES
-
-
-@functools.cache
-def _report_refusal(shape: tuple[int, int], reason: str) -> None:
-    """Log, once per shape and reason, why FlashInfer is not a candidate for it."""
-    logger.warning("FlashInfer's mm_bf16 refused the %dx%d projections: %s", *shape, reason)
 
 
 @torch.inference_mode()

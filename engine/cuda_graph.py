@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
-from engine.blas_choice import tune_rows, tuning_wanted
+from engine.blas_choice import choices_in_force, tune_rows, tuning_wanted
 from engine.host_tensors import copy_from_host
 from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
@@ -71,12 +71,13 @@ class CUDAGraphDecoder:
                 tune_rows(self.model, bs)
                 self.blas_tune_seconds += time.perf_counter() - started
             self._plan(bs, [], [], [], [], [])
-            self._forward(bs)  # warm-up outside capture (lazy cuBLAS / kernel init)
-            torch.cuda.synchronize(self.attention.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls of other threads (e.g. a KV transfer agent) stay legal.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._forward(bs)
+            with choices_in_force():  # the BLAS libraries tuned for bs go into its graph
+                self._forward(bs)  # warm-up outside capture (lazy cuBLAS / kernel init)
+                torch.cuda.synchronize(self.attention.device)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (e.g. a KV transfer agent) stay legal.
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    self._forward(bs)
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[bs] = graph

@@ -2,8 +2,9 @@
 cuBLAS's numbers within bf16 rounding at decode and prefill row counts; tune_rows timed on the
 device (graph replays) fills every layer's table with a library; a tiny bf16 engine built with
 KVRELAY_BLAS_TUNE=1, its timer rigged so that cuBLASLt and FlashInfer win at some sizes, has those
-choices at every captured decode size (and none at a prefill step's rows), and, forced along the
-untuned engine's tokens, gives its logits within bf16 rounding."""
+choices at every captured decode size (and none at a prefill step's rows), captured those libraries
+into its graphs and ran none in its eager steps, and, forced along the untuned engine's tokens,
+gives its logits within bf16 rounding."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_other_libraries_give_cublas_numbers(num_rows: int, library: str) -> Non
             assert blas_choice.flashinfer_can_run(layer)
             blas_choice.flashinfer_linear(x, layer.weight, tune=True)
         layer.blas_by_rows[num_rows] = library
-        got = layer(x).float()
+        with blas_choice.choices_in_force():
+            got = layer(x).float()
     assert torch.backends.cuda.preferred_blas_library() == before
     error = float((got - want).abs().max() / want.abs().max())
     print(f"{num_rows} rows: {library} against cuBLAS, max relative error {error:.1e}")
@@ -76,6 +78,8 @@ def test_tune_rows_on_the_device_fills_every_table() -> None:
     x = torch.zeros(256, 2048, device=CUDA, dtype=torch.bfloat16)
     assert blas_choice.candidates(groups[(2048, 2048)], x) == blas_choice.TORCH_LIBRARIES  # bias
     assert blas_choice.candidates(groups[(512, 2048)], x) == blas_choice.LIBRARIES
+    seconds = blas_choice.time_on_gpu(groups[(512, 2048)], x, "cublaslt")
+    assert 0 < seconds < 1  # one graph replay of a 2048 -> 512 GEMM of 256 rows
     chosen = tune_rows(model, 256)
     assert chosen.keys() == {"2048x2048", "512x2048"}
     assert chosen["2048x2048"] in blas_choice.TORCH_LIBRARIES
@@ -103,14 +107,26 @@ def test_tiny_engine_on_graphs_tuned_gives_the_untuned_engines_logits(
     tuning.setenv(blas_choice.ENV, "1")
     blas_choice.tuning_wanted.cache_clear()
     tuning.setattr(blas_choice, "time_on_gpu", rigged_timer)
+    ran: set[tuple[int, str]] = set()  # (rows, library) of each product on a chosen library
+    run_on = blas_choice.run_on
+
+    def recording_run_on(library: str, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        ran.add((x.shape[0], library))
+        return run_on(library, x, layer)
+
+    tuning.setattr(blas_choice, "run_on", recording_run_on)
     tuned = engine_on(model, tiny, cuda_graph=True)
     table = chosen_libraries(model)
     assert sorted(table) == tuned.runner.graphs.sizes  # prefill rows keep torch's default
     assert tuned.config.scheduler.max_num_batched_tokens not in table
     for num_rows, by_shape in table.items():  # every group took the rigged winner
         assert set(by_shape.values()) == {blas_choice.LIBRARIES[num_rows % 3]}, num_rows
+    # The graphs captured the chosen libraries (and no step ran one outside them).
+    assert ran == {(num_rows, blas_choice.LIBRARIES[num_rows % 3]) for num_rows in table}
     rec_tuned = Recorder(tuned, forced=plain_tokens)
-    assert run_workload(tuned)[0] == plain_tokens  # forced: the same trajectory
+    ran.clear()
+    run_workload(tuned)
+    assert ran == set()  # eager steps (prefill, mixed) on torch's default
     assert tuned.runner.num_graph_steps > 0
     scale = logit_scale(rec_plain)
     error = max_logit_error(rec_plain.logits, rec_tuned.logits)

@@ -1,13 +1,15 @@
 """engine/blas_choice.py on the CPU: BlasLinear is an nn.Linear with the same parameters and
-results, runs on the library its table names for a row count (and only then), and torch's
-setting comes back after (and is left alone when already right; torch's setting faked, as a CPU
-build takes only cuBLAS); tune_rows keeps the faster library of each shape's group (timed with a
-fake timer: the one module under test), a tie keeping the default; KVRELAY_BLAS_TUNE is read
-strictly and is off by default."""
+results, runs on the library its table names for a row count (and only then, and only inside
+choices_in_force); FlashInfer's refusal leaves torch's libraries and is logged once a shape;
+torch's setting comes back after (and is left alone when already right; torch's setting faked, as
+a CPU build takes only cuBLAS); tune_rows keeps the faster library of each shape's group (timed
+with a fake timer: the one module under test), a tie keeping the default; KVRELAY_BLAS_TUNE is
+read strictly and is off by default."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -19,6 +21,7 @@ from engine.blas_choice import (
     BlasLinear,
     Timer,
     blas_summary,
+    choices_in_force,
     chosen_libraries,
     layers_by_shape,
     preferred_blas,
@@ -66,9 +69,12 @@ def test_the_library_chosen_for_a_row_count_is_the_one_in_force(
     layer.blas_by_rows[3] = "cublaslt"
     with torch.no_grad():
         x = torch.randn(3, 8)
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        with choices_in_force():
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+            assert entered == ["cublaslt"]
+            layer(torch.randn(5, 8))  # no choice at 5 rows: torch's default, untouched
         assert entered == ["cublaslt"]
-        layer(torch.randn(5, 8))  # no choice at 5 rows: torch's default, untouched
+        layer(x)  # outside a decode graph's capture: torch's default at any row count
     assert entered == ["cublaslt"]
 
 
@@ -113,8 +119,10 @@ def test_preferred_blas_leaves_the_library_in_force_untouched(
     assert blas_setting.set == []
 
 
-def test_library_in_force_names_torch_setting() -> None:
-    assert blas_choice.library_in_force() in {"cublas", "cublaslt", "default"}
+def test_library_in_force_names_torch_setting(blas_setting: FakeBlasSetting) -> None:
+    assert blas_choice.library_in_force() == "cublas"
+    blas_setting.value = torch._C._BlasBackend.Cublaslt
+    assert blas_choice.library_in_force() == "cublaslt"
 
 
 def fake_timer(num_rows: int, faster: dict[tuple[int, int], str], calls: list[tuple]) -> Timer:
@@ -211,10 +219,32 @@ def test_a_flashinfer_choice_runs_through_flashinfer(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(blas_choice, "flashinfer_linear", fake_flashinfer)
     layer = BlasLinear(8, 16, bias=False)
     layer.blas_by_rows[4] = "flashinfer"
-    with torch.no_grad():
+    with torch.no_grad(), choices_in_force():
         x = torch.randn(4, 8)
         assert torch.equal(layer(x), x @ layer.weight.t())
     assert calls == [(4, False)]
+
+
+def test_a_flashinfer_refusal_leaves_torch_libraries_and_is_logged_once_per_shape(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refusing(x: torch.Tensor, weight: torch.Tensor, tune: bool = False) -> torch.Tensor:
+        raise RuntimeError(f"no algorithm for {x.shape[0]} rows")
+
+    monkeypatch.setattr(blas_choice, "flashinfer_can_run", lambda layer: True)
+    monkeypatch.setattr(blas_choice, "flashinfer_linear", refusing)
+    monkeypatch.setattr(blas_choice, "_refusals_logged", set())
+    layers = [BlasLinear(8, 4, bias=False)]
+    with caplog.at_level(logging.WARNING, logger=blas_choice.__name__):
+        for num_rows in (4, 16):
+            assert blas_choice.candidates(layers, torch.zeros(num_rows, 8)) == (
+                blas_choice.TORCH_LIBRARIES
+            )
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert refusals == [
+        "FlashInfer's mm_bf16 refused the 4x8 projections (torch's libraries only): "
+        "RuntimeError: no algorithm for 4 rows"
+    ]
 
 
 def test_a_group_tuned_at_a_row_count_is_not_timed_again() -> None:
@@ -224,3 +254,20 @@ def test_a_group_tuned_at_a_row_count_is_not_timed_again() -> None:
     again = tune_rows(model, 16, fake_timer(16, {(16, 8): "cublas"}, calls))
     assert calls == []
     assert again == {"16x8": "cublaslt", "8x16": "cublas"}
+
+
+def test_the_setting_says_so_where_no_decode_graph_is_captured(
+    tune_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.backend_builder import report_blas_tuning
+
+    tune_env.setenv(blas_choice.ENV, "1")
+    tuning_wanted.cache_clear()
+    report_blas_tuning(two_shapes(), None)
+    assert "KVRELAY_BLAS_TUNE=1 ignored: this engine captures no decode CUDA graphs" in (
+        capsys.readouterr().err
+    )
+    tune_env.setenv(blas_choice.ENV, "0")
+    tuning_wanted.cache_clear()
+    report_blas_tuning(two_shapes(), None)
+    assert capsys.readouterr().err == ""
