@@ -359,14 +359,15 @@ class Engine:
         """Schedule and queue the next step before `current`'s tokens are known: each request
         that samples in `current` gets a pending token, which the device fills in.
 
-        A request whose pending token reaches its length limit is not in the next step (the
-        scheduler sees it has nothing left to compute, and preempts nothing while its blocks
-        are about to be freed: Scheduler.schedule). One that stops on a stop token or string
+        A request whose pending token ends it (its length limit; the prefill role's first
+        token) is not in the next step (the scheduler sees it has nothing left to compute, and
+        preempts nothing while its blocks are about to be freed or leased: Scheduler.schedule).
+        A step where nothing samples runs ahead too. One that stops on a stop token or string
         is found a step late, its extra row is dropped and its blocks are freed then (queued
         work that writes them runs before any new owner's).
         """
         live = [req for req in current.reqs if not req.is_finished]
-        if current.drafts or not live or any(self._cannot_run_ahead_of(req) for req in live):
+        if current.drafts or any(self._cannot_run_ahead_of(req) for req in live):
             return None
         for req in live:
             req.num_pending_tokens += 1
@@ -378,13 +379,12 @@ class Engine:
         return self._launch(scheduled, current)
 
     def _cannot_run_ahead_of(self, req: Request) -> bool:
-        """req (prefill role) hands its blocks to a lease that a NIXL read may follow at once,
-        or its next draw reads its token history (penalties) or its grammar's state (structured
-        outputs: the mask needs the token before it), which would miss the pending token, or it
-        speculates (drafts need every token): in each case, do not run ahead of it. (One whose
-        next token ends it by length is simply left out of the step run ahead.)"""
+        """req's next draw reads its token history (penalties) or grammar state (structured
+        outputs), which would miss the pending token, or it speculates (drafts need every
+        token), or its lease (prefill role) waits for host-tier copies queued behind the step
+        run ahead: do not run ahead of it. (Held KV is complete once the first token is read.)"""
         return (
-            req.hold_kv
+            (req.hold_kv and self.copies.host is not None)
             or self.speculator.wants(req, len(self.scheduler.running))
             or req.sampling.has_penalties
             or req.sampling.structured is not None

@@ -149,12 +149,17 @@ class Scheduler:
         return min(remaining, budget)
 
     def ends_with_pending(self, req: Request) -> bool:
-        """req has tokens in flight, and with them reaches its length limit: max_tokens
-        outputs or max_model_len positions (the engine finishes it as it appends them)."""
+        """req has tokens in flight, and with them reaches its end: max_tokens outputs or
+        max_model_len positions, or its first token if it holds its KV for another worker (the
+        prefill role: it finishes with that token). The engine finishes it as it appends them."""
         if not req.num_pending_tokens:
             return False
         num_outputs = req.num_output_tokens + req.num_pending_tokens
-        return num_outputs >= req.sampling.max_tokens or req.num_tokens >= self.max_model_len
+        return (
+            req.hold_kv
+            or num_outputs >= req.sampling.max_tokens
+            or req.num_tokens >= self.max_model_len
+        )
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from engine.request import Request
 from engine.runner import StepLogits
 from engine.sampling_params import SamplingParams
@@ -164,4 +166,50 @@ def test_requests_that_end_by_length_do_not_stop_running_ahead(make_engine, toke
     assert [len(t) for t in got_tokens.values()] == [3, 7, 8, 11, 13]
     assert set(got_reasons.values()) == {"length"}
     assert engine.stats.num_steps_ahead == engine.stats.num_steps - 1
+    engine.check_integrity()
+
+
+def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokenizer):
+    """A held request (prefill role) ends with its first token, so the step run ahead leaves it
+    out instead of waiting for it, and a step where nothing samples (a long prompt's middle
+    chunk) runs ahead too (and, sampling nothing, is not waited for). First tokens, finish reasons
+    and the leased blocks' KV (unused slots included: no step wrote past a prompt) equal the
+    plain engine's, and nothing is left once the leases are released."""
+    texts = [
+        "The history of the printing press begins " * 6,
+        "def fibonacci(n):",
+        "List three colours: red,",
+        "Once upon a time, in a small village, " * 3,
+    ]
+    prompts = {f"p{i}": tokenizer.encode(text) for i, text in enumerate(texts)}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def prefill_all(engine) -> dict[str, tuple[list[int], str | None, torch.Tensor]]:
+        for req_id, prompt in prompts.items():
+            engine.add_request(req_id, prompt, params, hold_kv=True)
+        outs = {}
+        while engine.has_unfinished_requests:
+            outs.update({out.req_id: out for out in engine.step()})
+        assert all(out.finished and out.held_block_ids for out in outs.values())
+        leased = {
+            r: (out.new_token_ids, out.finish_reason, engine.kv_cache[list(out.held_block_ids)])
+            for r, out in outs.items()
+        }
+        assert engine.kv.num_held == len(prompts)
+        for req_id in prompts:
+            assert engine.release_kv(req_id)
+        return leased
+
+    want = prefill_all(make_engine(max_num_batched_tokens=16))
+    engine = make_engine(max_num_batched_tokens=16, async_scheduling=True)
+    got = prefill_all(engine)
+    assert engine.overlap_steps and engine.stats.num_steps > len(prompts)
+    # Run ahead of: p0's first chunk (nothing samples), p0's last chunk beside p1's first (p0
+    # samples its leased token), p1 and p2 ending beside p3's first chunk. Waiting for every
+    # held request, as the engine did before, runs ahead of none.
+    assert engine.stats.num_steps_ahead >= 3
+    assert {r: leased[:2] for r, leased in got.items()} == {r: w[:2] for r, w in want.items()}
+    assert {reason for _, reason, _ in got.values()} == {"prefilled"}
+    for req_id, (_, _, kv) in got.items():
+        assert torch.equal(kv, want[req_id][2]), req_id
     engine.check_integrity()

@@ -149,3 +149,32 @@ def test_step_run_ahead_leaves_out_what_ends_and_preempts_nothing_while_it_does(
     assert {c.req.req_id: c.num_new_tokens for c in out.chunks} == {"grows": 2, "waits": 4}
     assert out.preempted_req_ids == []
     sched.kv.check_integrity()
+
+
+def test_a_held_request_ends_with_its_pending_first_token():
+    """The prefill role's request (hold_kv) finishes with its first token whatever max_tokens
+    says, so with that token in flight the step scheduled ahead leaves it out (no decode row
+    writes into the blocks about to be leased) while the other request keeps prefilling."""
+    sched = make_scheduler(budget=8)
+    held = make_request("held", 6, max_tokens=50)
+    held.hold_kv = True
+    sched.add(held)
+    sched.add(make_request("next", 12, first=300))
+    out = sched.schedule()  # held's whole prompt (it samples) and 2 tokens of next's
+    sched.update(out)
+    assert [(c.req.req_id, c.num_new_tokens, c.samples) for c in out.chunks] == [
+        ("held", 6, True),
+        ("next", 2, False),
+    ]
+    assert not sched.ends_with_pending(held)
+    held.num_pending_tokens += 1  # the step in flight samples its first token
+    assert sched.ends_with_pending(held)
+    ahead = sched.schedule()
+    assert [(c.req.req_id, c.num_new_tokens) for c in ahead.chunks] == [("next", 8)]
+    assert ahead.preempted_req_ids == [] and held.num_computed_tokens == 6
+    held.num_pending_tokens -= 1
+    held.append_token(7)
+    assert sched.finish(held, FinishReason.PREFILLED)  # its blocks' ids, under a lease
+    sched.update(ahead)
+    assert sched.kv.release_held("held")
+    sched.kv.check_integrity()
