@@ -213,3 +213,15 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
     for req_id, (_, _, kv) in got.items():
         assert torch.equal(kv, want[req_id][2]), req_id
     engine.check_integrity()
+
+    # With a host tier a lease waits for its host copies, which would queue behind a step run
+    # ahead: only the steps where nothing samples (p0's first chunk, p3's middle one) run
+    # ahead of others there.
+    block_bytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+    tiered = make_engine(
+        max_num_batched_tokens=16, async_scheduling=True, host_kv_cache_bytes=16 * block_bytes
+    )
+    assert tiered.copies.host is not None
+    got = prefill_all(tiered)
+    assert {r: leased[:2] for r, leased in got.items()} == {r: w[:2] for r, w in want.items()}
+    assert tiered.stats.num_steps_ahead == 2
