@@ -35,13 +35,15 @@
 #   gemm-shapes  bench.overlap_probe (attention beside GEMMs on two streams; the projections' time
 #              across row counts), then bench.bf16_gemm_bench (cuBLAS against cuBLASLt's and
 #              FlashInfer's picks for the bf16 rows' GEMMs; BF16_GEMM_ARGS, e.g. --extra)
+#   prefill-role  bench.prefill_role_bench: held prompts (a prefill worker's) with overlapped
+#              steps and without, 8B shape, 128 x 3,000 tokens (~2 min)
 #   row-variants  one offline row (ROW) once per environment setting in VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -357,6 +359,11 @@ case $phase in
     # timed per decode batch size (KVRELAY_BLAS_TUNE=1) and with torch's default; ~6 min
     gpu_tests tests_blas tests/gpu/test_blas_choice_cuda.py
     VARIANTS="KVRELAY_BLAS_TUNE=1 -" ROW=${ROW:-bf16} bash "$0" row-variants
+    ;;
+  prefill-role)  # the prefill role's run-ahead past the requests it leases, on and off
+    timeout 300 python3 -m bench.prefill_role_bench --json "$out/prefill_role.json" \
+      > "$out/prefill_role.txt" 2>&1
+    echo "prefill_role rc=$?"
     ;;
   gemm-shapes)
     timeout 200 python3 -m bench.overlap_probe --json "$out/overlap_probe.json" \
