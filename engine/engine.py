@@ -381,10 +381,10 @@ class Engine:
     def _cannot_run_ahead_of(self, req: Request) -> bool:
         """req's next draw reads its token history (penalties) or grammar state (structured
         outputs), which would miss the pending token, or it speculates (drafts need every
-        token), or its lease (prefill role) waits for host-tier copies queued behind the step
-        run ahead: do not run ahead of it. (Held KV is complete once the first token is read.)"""
+        token), or (prefill role) its host lease's copies or its forks' first draws would queue
+        behind the step run ahead: do not run ahead of it. (Held KV is whole once read.)"""
         return (
-            (req.hold_kv and self.copies.host is not None)
+            (req.hold_kv and (self.kv.host_leases or self.forks.owes_choices(req)))
             or self.speculator.wants(req, len(self.scheduler.running))
             or req.sampling.has_penalties
             or req.sampling.structured is not None

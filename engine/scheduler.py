@@ -76,8 +76,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's chunks: running requests first, then waiting ones while budget,
         seats and blocks last. While a running request's last token is in flight (the engine's
-        step run ahead), its blocks are about to be freed: a request that finds no room is then
-        left out of this step instead of preempting others, and nothing waiting is admitted."""
+        step run ahead), its blocks are about to be freed, or leased (prefill role), and it must
+        not be preempted: a request that finds no room is then left out of this step instead of
+        preempting others, and nothing waiting is admitted."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -96,7 +97,7 @@ class Scheduler:
             while not self.kv.can_allocate(req, num_new):
                 if may_preempt is None:
                     may_preempt = not any(self.ends_with_pending(r) for r in self.running)
-                if not may_preempt:  # wait a step: an ending request's blocks come free
+                if not may_preempt:  # wait a step: the ending request is out of the batch then
                     starved = True
                     idx += 1
                     break

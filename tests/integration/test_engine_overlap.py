@@ -172,9 +172,9 @@ def test_requests_that_end_by_length_do_not_stop_running_ahead(make_engine, toke
 def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokenizer):
     """A held request (prefill role) ends with its first token, so the step run ahead leaves it
     out instead of waiting for it, and a step where nothing samples (a long prompt's middle
-    chunk) runs ahead too (and, sampling nothing, is not waited for). First tokens, finish reasons
-    and the leased blocks' KV (unused slots included: no step wrote past a prompt) equal the
-    plain engine's, and nothing is left once the leases are released."""
+    chunk) runs ahead too. First tokens, finish reasons and the leased blocks' KV (unused
+    slots included: no step wrote past a prompt) equal the plain engine's, and nothing is left
+    once the leases are released."""
     texts = [
         "The history of the printing press begins " * 6,
         "def fibonacci(n):",
@@ -184,7 +184,9 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
     prompts = {f"p{i}": tokenizer.encode(text) for i, text in enumerate(texts)}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
-    def prefill_all(engine) -> dict[str, tuple[list[int], str | None, torch.Tensor]]:
+    def prefill_all(
+        engine, params: SamplingParams = params
+    ) -> dict[str, tuple[list[int], str | None, torch.Tensor]]:
         for req_id, prompt in prompts.items():
             engine.add_request(req_id, prompt, params, hold_kv=True)
         outs = {}
@@ -214,14 +216,24 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
         assert torch.equal(kv, want[req_id][2]), req_id
     engine.check_integrity()
 
-    # With a host tier a lease waits for its host copies, which would queue behind a step run
-    # ahead: only the steps where nothing samples (p0's first chunk, p3's middle one) run
-    # ahead of others there.
+    # With host leases a lease waits for its host copies, and a parent with n > 1 choices
+    # forks them from its logits after the step: either would queue behind a step run ahead,
+    # so only the steps where nothing samples (p0's first chunk, p3's middle one) run ahead of
+    # others there.
     block_bytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
     tiered = make_engine(
-        max_num_batched_tokens=16, async_scheduling=True, host_kv_cache_bytes=16 * block_bytes
+        max_num_batched_tokens=16,
+        async_scheduling=True,
+        host_kv_cache_bytes=16 * block_bytes,
+        host_leases=True,
     )
-    assert tiered.copies.host is not None
+    assert tiered.kv.host_leases
     got = prefill_all(tiered)
     assert {r: leased[:2] for r, leased in got.items()} == {r: w[:2] for r, w in want.items()}
     assert tiered.stats.num_steps_ahead == 2
+    tiered.check_integrity()
+    forking = make_engine(max_num_batched_tokens=16, async_scheduling=True)
+    got = prefill_all(forking, SamplingParams(n=2, max_tokens=8, temperature=0, ignore_eos=True))
+    assert {r: leased[0] for r, leased in got.items()} == {r: w[0] for r, w in want.items()}
+    assert forking.stats.num_steps_ahead == 2
+    forking.check_integrity()

@@ -178,3 +178,31 @@ def test_a_held_request_ends_with_its_pending_first_token():
     sched.update(ahead)
     assert sched.kv.release_held("held")
     sched.kv.check_integrity()
+
+
+def test_the_step_run_ahead_never_preempts_a_held_request_about_to_be_leased():
+    """The pool is full and "grows" needs a new block for its pending token; the newest
+    running request, the preemption victim, is a held one whose first token is in flight.
+    Preempting it would lease empty blocks: the step run ahead leaves "grows" out instead."""
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=32)
+    sched.add(make_request("grows", 8, max_tokens=10, first=500))  # 2 full blocks
+    held = make_request("held", 7, max_tokens=50)  # 2 blocks
+    held.hold_kv = True
+    sched.add(held)
+    sched.update(sched.schedule())  # both prompts computed; both sample
+    grows = sched.requests["grows"]
+    assert sched.kv.num_free_blocks == 0
+    for req in (grows, held):
+        req.num_pending_tokens += 1  # the step in flight samples their next tokens
+    ahead = sched.schedule()
+    assert ahead.chunks == [] and ahead.preempted_req_ids == []
+    assert [r.req_id for r in sched.running] == ["grows", "held"]
+    for req in (grows, held):  # the step's tokens arrive; held leaves the batch, leased
+        req.num_pending_tokens -= 1
+        req.append_token(7)
+    assert sched.finish(held, FinishReason.PREFILLED)
+    assert sched.kv.release_held("held")  # the decode side has read its blocks
+    out = sched.schedule()
+    assert [(c.req.req_id, c.num_new_tokens) for c in out.chunks] == [("grows", 1)]
+    assert out.preempted_req_ids == []
+    sched.kv.check_integrity()
