@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, folder: Path, model: torch.nn.Module, over
     config = engine_config(
         str(folder),
         device=args.device,
-        dtype="bfloat16" if args.device.startswith("cuda") else "float32",
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),  # the model's
         cuda_graph=args.device.startswith("cuda"),
         async_scheduling=overlap,
         kv_cache_memory_bytes=gib(args.kv_gib),

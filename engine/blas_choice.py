@@ -16,14 +16,15 @@ FlashInfer is a candidate only for bf16 layers without a bias, on CUDA where it 
 
 Every step not replayed from a decode graph (eager prefill and mixed steps, piecewise graphs) keeps
 torch's default, whatever its row count: the tables are read only inside choices_in_force. Tuned as
-well, the 8B run's prefill steps gained no GEMM time worth their added GPU idle (bench/RESULTS.md,
-fourteenth round).
+well, the 8B run's prefill steps gained nothing measurable (bench/RESULTS.md, fourteenth round; the
+extra GPU idle seen then was within the fifteenth round's run-to-run spread).
 
 KVRELAY_BLAS_TUNE: "0" (default: every projection on torch's default library) or "1" (time the
 libraries for each group of same-shaped projections at each captured decode batch size, as a
 graph replay, and keep the fastest; ~20 s more start-up for the 8B shape's 51 sizes, logged).
 Steps of other row counts keep the default. Off by default: the 8B bf16 offline run on an H200
-moved +0.5% and +0.0% with the prefill rows tuned too (bench/RESULTS.md).
+moved +0.5% and +0.0% with the prefill rows tuned too, +0.05% with decode sizes only
+(bench/RESULTS.md).
 
 torch's library setting is process-wide: BlasLinear switches it around its own product and puts it
 back, which is sound because one thread (the engine's) runs a model's GEMMs.

@@ -15,9 +15,12 @@ def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=2
     return Scheduler(config, kv, max_len)
 
 
-def make_request(req_id: str, num_prompt: int, max_tokens: int = 4, first: int = 0) -> Request:
+def make_request(
+    req_id: str, num_prompt: int, max_tokens: int = 4, first: int = 0, hold_kv: bool = False
+) -> Request:
     tokens = [(first + i) % 1000 for i in range(num_prompt)]
-    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, temperature=0))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return Request(req_id, tokens, params, hold_kv=hold_kv)
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -156,8 +159,7 @@ def test_a_held_request_ends_with_its_pending_first_token():
     says, so with that token in flight the step scheduled ahead leaves it out (no decode row
     writes into the blocks about to be leased) while the other request keeps prefilling."""
     sched = make_scheduler(budget=8)
-    held = make_request("held", 6, max_tokens=50)
-    held.hold_kv = True
+    held = make_request("held", 6, max_tokens=50, hold_kv=True)
     sched.add(held)
     sched.add(make_request("next", 12, first=300))
     out = sched.schedule()  # held's whole prompt (it samples) and 2 tokens of next's
@@ -186,8 +188,7 @@ def test_the_step_run_ahead_never_preempts_a_held_request_about_to_be_leased():
     Preempting it would lease empty blocks: the step run ahead leaves "grows" out instead."""
     sched = make_scheduler(num_blocks=4, block_size=4, budget=32)
     sched.add(make_request("grows", 8, max_tokens=10, first=500))  # 2 full blocks
-    held = make_request("held", 7, max_tokens=50)  # 2 blocks
-    held.hold_kv = True
+    held = make_request("held", 7, max_tokens=50, hold_kv=True)  # 2 blocks
     sched.add(held)
     sched.update(sched.schedule())  # both prompts computed; both sample
     grows = sched.requests["grows"]
