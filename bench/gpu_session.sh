@@ -37,13 +37,16 @@
 #              FlashInfer's picks for the bf16 rows' GEMMs; BF16_GEMM_ARGS, e.g. --extra)
 #   prefill-role  bench.prefill_role_bench: held prompts (a prefill worker's) with overlapped
 #              steps and without, 8B shape, 128 x 3,000 tokens (~2 min)
+#   fused-gemv  the fused few-row bf16 GEMVs' GPU tests, then batch-1 bf16 decode with them
+#              (KVRELAY_BF16_GEMV_ROWS=1, the default) and without (0), then vLLM's batch 1
+#              (when .vstage is installed)
 #   row-variants  one offline row (ROW) once per environment setting in VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -364,6 +367,21 @@ case $phase in
     timeout 300 python3 -m bench.prefill_role_bench --json "$out/prefill_role.json" \
       > "$out/prefill_role.txt" 2>&1
     echo "prefill_role rc=$?"
+    ;;
+  fused-gemv)  # engine/models/fused_gemv.py: its tests, batch-1 bf16 on and off, vLLM's batch 1
+    gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py
+    for rows in ${GEMV_RUNS:-1 0}; do
+      KVRELAY_BF16_GEMV_ROWS=$rows timeout 300 python3 -m bench.gpu_engine_bench --skip compare \
+        hf-greedy hf-speed offline --kv-gib 8 --max-num-seqs 8 --json "$out/b1_gemv$rows.json" \
+        > "$out/b1_gemv$rows.txt" 2>&1
+      echo "batch-1 bf16, KVRELAY_BF16_GEMV_ROWS=$rows rc=$?"
+    done
+    if [ -f /tmp/vsite/.ok ]; then  # its batch-1 latency; the throughput part kept tiny
+      PYTHONPATH=/tmp/vsite timeout 420 python3 .vstage/vllm_bench.py --num-requests 16 \
+        --input-len 128 --output-len 16 --lat-reps 3 --json "$out/vllm_b1.json" \
+        > "$out/vllm_b1.txt" 2>&1
+      echo "vllm batch-1 rc=$?"
+    fi
     ;;
   gemm-shapes)
     timeout 200 python3 -m bench.overlap_probe --json "$out/overlap_probe.json" \

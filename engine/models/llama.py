@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.models import fused_ops
+from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import (
@@ -128,6 +128,25 @@ class DecoderLayer(nn.Module):
         )
         return self.mlp(mlp_input), residual
 
+    def forward_gemv(
+        self, residual: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> None:
+        """The few-row path (models/fused_gemv.py): residual, the stream, is updated in place;
+        the norms, SiLU and the residual adds run inside the projections' GEMVs."""
+        att, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
+        out = attn.forward_qkv(att.layer, qkv, positions, att.rope)
+        fused_gemv.gemv_add_(out.reshape(-1, att.q_size), att.o_proj.weight, residual)
+        norm = self.post_attention_layernorm
+        gate_up = mlp.gate_up_proj.weight
+        hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
+        fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
+
+    def projections(self) -> list[nn.Module]:
+        att, mlp = self.self_attn, self.mlp
+        return [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
 
 def project(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledRows:
     """layer(x) for fused kernels: ScaledRows where layer defers its scales for these rows (the
@@ -168,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, i, rope, quant) for i in range(config.num_layers)
         )
         self.fused_ops = False
+        self._plain_projections: dict[torch.dtype, list[nn.Module]] = {}
         # An FP8 checkpoint's per-layer (k_scale, v_scale) for an fp8 KV cache (the loader's).
         self.kv_scales: list[tuple[float, float]] | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -181,6 +201,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.fused_ops and fused_gemv.takes(x, self.plain_projections(x.dtype)):
+            for layer in self.layers:  # x, a fresh tensor, is the residual stream from here
+                layer.forward_gemv(x, positions, attn)
+            return fused_ops.rms_norm(x, self.norm.weight, self.norm.eps)
         if self.fused_ops:
             residual = None
             for layer in self.layers:
@@ -192,6 +216,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, attn)
         return self.norm(x)
+
+    def plain_projections(self, dtype: torch.dtype) -> list[nn.Module]:
+        """Every layer's projections if all are unquantized Linears without bias in dtype (the
+        fused GEMVs' condition, checked once per dtype), else []: no fused GEMVs."""
+        if dtype not in self._plain_projections:
+            every = [p for layer in self.layers for p in layer.projections()]
+            plain = all(fused_gemv.plain_linear(p, dtype) for p in every)
+            self._plain_projections[dtype] = every if plain else []
+        return self._plain_projections[dtype]
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Switch the elementwise work to FlashInfer's fused CUDA kernels (or back)."""

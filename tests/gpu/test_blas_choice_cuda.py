@@ -16,6 +16,7 @@ import torch
 
 from engine import blas_choice
 from engine.blas_choice import BlasLinear, chosen_libraries, tune_rows
+from engine.models import fused_gemv
 from tests.gpu.test_flashinfer_backend import (
     Recorder,
     logit_scale,
@@ -42,6 +43,8 @@ def tuning(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     yield monkeypatch
     monkeypatch.delenv(blas_choice.ENV, raising=False)
     blas_choice.tuning_wanted.cache_clear()
+    monkeypatch.delenv(fused_gemv.ROWS_ENV, raising=False)
+    fused_gemv.max_rows.cache_clear()
 
 
 @pytest.mark.parametrize("library", ["cublaslt", "flashinfer"])
@@ -99,6 +102,8 @@ def test_tiny_engine_on_graphs_tuned_gives_the_untuned_engines_logits(
 ) -> None:
     tuning.setenv(blas_choice.ENV, "0")
     blas_choice.tuning_wanted.cache_clear()
+    tuning.setenv(fused_gemv.ROWS_ENV, "0")  # batch 1 on a BLAS library too, not the fused GEMVs
+    fused_gemv.max_rows.cache_clear()
     model = load(tiny, quantization=None)
     plain = engine_on(model, tiny, cuda_graph=True)
     assert chosen_libraries(model) == {}

@@ -1,0 +1,125 @@
+"""The fused few-row GEMVs (engine/models/fused_gemv.py) on float32 tensors, in Triton's
+interpreter on the CPU (tests/conftest.py turns it on where there is no GPU) or on a GPU:
+RMSNorm before, SiLU-and-mul after and the in-place residual add against torch math, at row
+counts and sizes that leave partial tiles; and when a step takes them (rows, device, plain
+projections, KVRELAY_BF16_GEMV_ROWS). bf16 rounding and the engine are left to
+tests/gpu/test_fused_gemv_cuda.py."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models import fused_gemv
+from engine.quant.fp8 import Fp8Linear
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+interpreted_or_gpu = pytest.mark.skipif(
+    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
+)
+EPS = 1e-5
+
+
+@pytest.fixture
+def rows_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """set(value): KVRELAY_BF16_GEMV_ROWS for what follows (re-read)."""
+
+    class Env:
+        def set(self, value: str) -> None:
+            monkeypatch.setenv(fused_gemv.ROWS_ENV, value)
+            fused_gemv.max_rows.cache_clear()
+
+    yield Env()
+    monkeypatch.delenv(fused_gemv.ROWS_ENV, raising=False)
+    fused_gemv.max_rows.cache_clear()
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def rms_normed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("num_rows", [1, 2])
+@pytest.mark.parametrize("n, k", [(37, 300), (16, 128)], ids=["partial-tiles", "whole-tiles"])
+def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int) -> None:
+    h, norm, w = randn(num_rows, k, seed=1), randn(k, seed=2), randn(n, k, seed=3)
+    got = fused_gemv.normed_gemv(h, norm, EPS, w)
+    want = rms_normed(h, norm) @ w.T
+    assert got.shape == (num_rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: int) -> None:
+    n, k = 37, 300
+    h, norm, w = randn(num_rows, k, seed=4), randn(k, seed=5), randn(2 * n, k, seed=6)
+    got = fused_gemv.normed_gemv_silu(h, norm, EPS, w)
+    gate_up = rms_normed(h, norm) @ w.T
+    want = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert got.shape == (num_rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> None:
+    n, k = 37, 300
+    x, w, residual = randn(num_rows, k, seed=7), randn(n, k, seed=8), randn(num_rows, n, seed=9)
+    want = residual + x @ w.T
+    storage = residual.data_ptr()
+    fused_gemv.gemv_add_(x, w, residual)
+    assert residual.data_ptr() == storage
+    torch.testing.assert_close(residual, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_kernels_refuse_what_they_cannot_take() -> None:
+    x = torch.zeros(fused_gemv.MAX_ROWS + 1, 8)
+    with pytest.raises(ValueError, match="at most 2 rows"):
+        fused_gemv.gemv_add_(x, torch.zeros(4, 8), torch.zeros(x.shape[0], 4))
+    with pytest.raises(ValueError, match=r"contiguous \[6, 8\]"):  # an odd gate_up
+        fused_gemv.normed_gemv_silu(torch.zeros(1, 8), torch.ones(8), EPS, torch.zeros(7, 8))
+    with pytest.raises(ValueError, match=r"contiguous \[4, 8\]"):
+        fused_gemv.gemv_add_(torch.zeros(1, 8), torch.zeros(8, 4).t(), torch.zeros(1, 4))
+
+
+def test_which_steps_take_the_fused_gemvs(rows_env) -> None:
+    plain = [nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)]
+    cuda_row = torch.zeros(1, 8, dtype=torch.bfloat16, device="meta")
+    assert not fused_gemv.takes(torch.zeros(1, 8, dtype=torch.bfloat16), plain), "CPU tensor"
+    assert fused_gemv.plain_linear(plain[0], torch.bfloat16)
+    assert not fused_gemv.plain_linear(nn.Linear(8, 8, dtype=torch.bfloat16), torch.bfloat16)
+    assert not fused_gemv.plain_linear(plain[0], torch.float16), "another dtype"
+    assert not fused_gemv.plain_linear(Fp8Linear(16, 16, False, False), torch.bfloat16)
+    assert not fused_gemv.takes(cuda_row, plain)  # a meta tensor is not CUDA either
+    rows_env.set("0")
+    assert fused_gemv.max_rows() == 0
+    rows_env.set("2")
+    assert fused_gemv.max_rows() == 2
+    for bad in ("3", "-1", "one"):
+        rows_env.set(bad)
+        with pytest.raises(ValueError, match=fused_gemv.ROWS_ENV):
+            fused_gemv.max_rows()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA tensor")
+def test_a_cuda_step_takes_them_by_its_rows(rows_env) -> None:
+    plain = [nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)]
+    one, three = (torch.zeros(n, 8, dtype=torch.bfloat16, device="cuda") for n in (1, 3))
+    assert fused_gemv.takes(one, plain)
+    assert not fused_gemv.takes(three, plain)
+    assert not fused_gemv.takes(one, []), "a projection that is not plain"
+    rows_env.set("0")
+    assert not fused_gemv.takes(one, plain)
