@@ -30,7 +30,7 @@ from engine import pdl
 ROWS_ENV = "KVRELAY_BF16_GEMV_ROWS"
 ROWS_DEFAULT = 1
 MAX_ROWS = 2  # the fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth (x2 for SiLU)
-INTERPRETER_TILE = {"BLOCK_N": 8, "BLOCK_K": 128}
+INTERPRETER_TILE = {"BLOCK_N": 8, "BLOCK_K": 128, "AHEAD": True}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32: the CPU interpreter's tests
 
 
@@ -68,20 +68,9 @@ def _kernel() -> Any:
     import triton.language as tl
 
     configs = [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-        for bn, bk, w in (
-            (2, 1024, 4),
-            (2, 2048, 8),
-            (4, 512, 4),
-            (4, 1024, 4),
-            (4, 2048, 8),
-            (8, 256, 4),
-            (8, 512, 4),
-            (8, 1024, 8),
-            (16, 256, 4),
-            (16, 512, 8),
-            (32, 256, 8),
-        )
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "AHEAD": ahead}, num_warps=w)
+        for bn, bk, w in ((2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (16, 512, 8))
+        for ahead in (False, True)
     ]
 
     def fits_registers(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
@@ -116,28 +105,51 @@ def _kernel() -> Any:
         ADD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        AHEAD: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels, all M (<= ROWS) rows, over the whole of K:
         acc[r, n, k] += x[r, k] (* norm[k]) * w[n, k] in fp32, summed along k at the end.
         NORM: times rsqrt(mean(x^2) + eps), the sum of squares taken in the same pass. SILU: w
         has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out +=
-        res (res may be out: each program reads and writes only its own channels). PDL: wait
-        for the kernel before, let the next one in after the loop."""
+        res (res may be out: each program reads and writes only its own channels). AHEAD: each
+        weight tile is requested one K step before it is used (the first before the wait), so
+        two are in flight. PDL: wait for the kernel before, let the next one in after the
+        loop."""
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
         col_ok = cols < N
         row_ok = rows < M
-        if PDL:
-            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        gate_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        up_rows = gate_rows + N * K
+        ks = tl.arange(0, BLOCK_K)
+        w_ok = col_ok[:, None] & (ks < K)[None, :]
+        if AHEAD:  # the first tiles before the wait: no kernel writes the weights
+            gate = tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)
+            up = gate
+            if SILU:
+                up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            if AHEAD:  # this tile was loaded last time round; ask for the next one first
+                gate_now, up_now = gate, up
+                next_ok = col_ok[:, None] & (ks + BLOCK_K < K)[None, :]
+                gate = tl.load(gate_rows + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
+                if SILU:
+                    up = tl.load(up_rows + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
+            else:
+                gate_now = tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)
+                up_now = gate_now
+                if SILU:
+                    up_now = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
             x = tl.load(
                 x_ptr + rows[:, None] * x_row_stride + ks[None, :],
                 mask=row_ok[:, None] & k_ok[None, :],
@@ -146,12 +158,9 @@ def _kernel() -> Any:
             if NORM:
                 squares += x * x
                 x = x * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
+            acc += x[:, None, :] * gate_now.to(tl.float32)[None, :, :]
             if SILU:
-                up = tl.load(w_rows + N * K + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-                acc_up += x[:, None, :] * up[None, :, :]
+                acc_up += x[:, None, :] * up_now.to(tl.float32)[None, :, :]
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         inv_rms = tl.full((ROWS,), 1.0, tl.float32)

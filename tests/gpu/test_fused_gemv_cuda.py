@@ -41,7 +41,8 @@ def test_bf16_kernels_on_the_8b_shapes_match_torch(num_rows: int) -> None:
     normed = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)).bfloat16()
     normed = (normed.float() * norm.float()).bfloat16()  # FlashInfer's rounding: x, then x * w
     qkv, gate_up = weight(QKV, HIDDEN, gen), weight(2 * INTERMEDIATE, HIDDEN, gen)
-    errors = {"qkv": close_to(fused_gemv.normed_gemv(h, norm, EPS, qkv), normed.float() @ qkv.T)}
+    want = normed.float() @ qkv.float().T
+    errors = {"qkv": close_to(fused_gemv.normed_gemv(h, norm, EPS, qkv), want)}
     product = normed.float() @ gate_up.float().T
     want = F.silu(product[:, :INTERMEDIATE]) * product[:, INTERMEDIATE:]
     errors["gate_up"] = close_to(fused_gemv.normed_gemv_silu(h, norm, EPS, gate_up), want)
