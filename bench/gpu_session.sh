@@ -218,7 +218,8 @@ case $phase in
     { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
-      tests/unit/test_triton_kernels_interpreted.py &
+      tests/unit/test_triton_kernels_interpreted.py tests/gpu/test_fused_gemv_cuda.py \
+      tests/unit/test_fused_gemv.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
       "${only[@]}" &
