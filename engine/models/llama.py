@@ -9,8 +9,10 @@ quantize its input gets it quantized by the norm or SiLU kernel before it (quant
 an Fp8Linear that defers its scales (decode batches; KVRELAY_FP8_DEFER_SCALES=0: none) hands its
 output as ScaledRows to the kernel after it, which applies them, and the residual stream is
 carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
-reference. RoPE and the KV-cache write belong to the attention backend
-(AttentionBackend.forward_qkv), which may fuse them.
+reference. With fused kernels, a step of one row (models/fused_gemv.py's limit) over unquantized
+bias-free projections runs each layer as four fused GEMVs around RoPE and attention instead.
+RoPE and the KV-cache write belong to the attention backend (AttentionBackend.forward_qkv),
+which may fuse them.
 """
 
 from __future__ import annotations
