@@ -4,12 +4,14 @@ stand-ins with the same in-place contracts, so this runs on CPU and checks only 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.models import fused_ops
+from engine.models import fused_gemv, fused_ops
 from engine.models.llama import LlamaForCausalLM
 from tests.factories import make_model_config
 
@@ -71,3 +73,44 @@ def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     assert torch.equal(again, plain)
     assert not torch.equal(plain, model.embed_tokens(ids))  # the layers did something
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels interpreted on CPU"
+)
+def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
+    fake_kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine/models/fused_gemv.py's path (each layer as four GEMVs, the residual stream changed
+    in place) against the plain path, for a one-token step; the kernels run in Triton's
+    interpreter, in float32, so the wiring must match to float rounding."""
+    pytest.importorskip("triton")
+    config = make_model_config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, head_dim=8
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config, 128)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    launches: list[int] = []
+    launch = fused_gemv._launch
+
+    def counted(*args, **kwargs) -> torch.Tensor:
+        launches.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_gemv, "_launch", counted)
+    monkeypatch.setattr(  # CPU tensors: the interpreter stands in for the GPU
+        fused_gemv, "takes", lambda x, plain: x.shape[0] == 1 and bool(plain)
+    )
+    ids, positions = torch.tensor([5]), torch.tensor([17])
+    with torch.no_grad():
+        plain = model(ids, positions, EchoAttention())
+        model.use_fused_ops(True)
+        fused = model(ids, positions, EchoAttention())
+        assert len(launches) == 4 * config.num_layers
+        model(torch.tensor([5, 6]), torch.tensor([17, 18]), EchoAttention())  # two rows: not
+        assert len(launches) == 4 * config.num_layers
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(plain, model.embed_tokens(ids))
