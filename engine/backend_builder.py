@@ -250,6 +250,8 @@ def build_backend(
         )
     if hasattr(model, "use_fused_ops"):
         model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm and activation
+    if use_flashinfer and not memory_probe and hasattr(model, "warm_up_fused_gemvs"):
+        model.warm_up_fused_gemvs()  # tuned before the pool is allocated, not mid-serving
     mc = model_config
     # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
     num_storage_blocks = pool.num_blocks + 1 if use_flashinfer else pool.num_blocks

@@ -65,8 +65,11 @@ class CUDAGraphDecoder:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         tune = tuning_wanted()
+        # Each projection's BLAS library at a size, before its graph records it; sizes that
+        # run on the fused GEMVs (models/fused_gemv.py) make no BLAS call.
+        fused_gemv_rows = getattr(self.model, "fused_gemv_rows", list)()
         for bs in reversed(self.sizes):  # largest first: the pool is sized once
-            if tune:  # each projection's BLAS library at this size, before its graph records it
+            if tune and bs not in fused_gemv_rows:
                 started = time.perf_counter()
                 tune_rows(self.model, bs)
                 self.blas_tune_seconds += time.perf_counter() - started

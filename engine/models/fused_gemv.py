@@ -30,8 +30,10 @@ from engine import pdl
 ROWS_ENV = "KVRELAY_BF16_GEMV_ROWS"
 ROWS_DEFAULT = 1
 MAX_ROWS = 2  # the fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth (x2 for SiLU)
-INTERPRETER_TILE = {"BLOCK_N": 8, "BLOCK_K": 128, "AHEAD": True}
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float32: the CPU interpreter's tests
+DTYPES = (torch.bfloat16, torch.float16)  # of the models that take them
+# (BLOCK_N, BLOCK_K, num_warps) the autotuner tries, each with AHEAD on and off
+TILES = ((2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (16, 512, 8))
+INTERPRETER_TILE = {"BLOCK_N": 8, "BLOCK_K": 128, "AHEAD": True, "num_warps": 4}
 
 
 @functools.cache
@@ -69,7 +71,7 @@ def _kernel() -> Any:
 
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "AHEAD": ahead}, num_warps=w)
-        for bn, bk, w in ((2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (16, 512, 8))
+        for bn, bk, w in TILES
         for ahead in (False, True)
     ]
 
@@ -125,7 +127,7 @@ def _kernel() -> Any:
         acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
         gate_rows = w_ptr + cols[:, None].to(tl.int64) * K
-        up_rows = gate_rows + N * K
+        up_rows = w_ptr + (cols[:, None] + N).to(tl.int64) * K
         ks = tl.arange(0, BLOCK_K)
         w_ok = col_ok[:, None] & (ks < K)[None, :]
         if AHEAD:  # the first tiles before the wait: no kernel writes the weights
@@ -200,7 +202,10 @@ def _launch(
     eps: float = 0.0,
     silu: bool = False,
     residual: torch.Tensor | None = None,
+    tile: dict[str, Any] | None = None,
 ) -> torch.Tensor:
+    """tile: run these BLOCK_N, BLOCK_K, AHEAD and num_warps instead of the autotuner's pick
+    (tests; in Triton's interpreter a fixed tile is always used)."""
     import triton
 
     num_rows, k = x.shape
@@ -208,6 +213,12 @@ def _launch(
         raise ValueError(f"the fused GEMVs take at most {MAX_ROWS} rows, got {num_rows}")
     if weight.shape != ((2 if silu else 1) * n, k) or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [{(2 if silu else 1) * n}, {k}]")
+    if out.shape != (num_rows, n) or out.stride(-1) != 1:
+        raise ValueError(f"the output must be [{num_rows}, {n}] with contiguous rows")
+    if norm is not None and (norm.shape != (k,) or not norm.is_contiguous()):
+        raise ValueError(f"the norm's weight must be contiguous [{k}]")
+    if residual is not None and residual is not out:
+        raise ValueError("the residual add writes into the residual itself")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if num_rows == 0:
@@ -218,9 +229,10 @@ def _launch(
 
     use_pdl = pdl.enabled(x.device)
     res = out if residual is None else residual  # read only when ADD
-    tuned, interpreted = _kernel()
-    # Triton's interpreter (the CPU tests) cannot time configs: one fixed tile there.
-    kernel, tile = (tuned, {}) if x.is_cuda else (interpreted, INTERPRETER_TILE)
+    tuned, untuned = _kernel()
+    if tile is None and not x.is_cuda:  # Triton's interpreter cannot time configs
+        tile = INTERPRETER_TILE
+    kernel = tuned if tile is None else untuned
     kernel[grid](
         x,
         weight,
@@ -240,7 +252,7 @@ def _launch(
         ADD=residual is not None,
         PDL=use_pdl,
         launch_pdl=use_pdl,
-        **tile,
+        **(tile or {}),
     )
     return out
 
@@ -264,5 +276,8 @@ def normed_gemv_silu(
 
 
 def gemv_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """In place: residual += x @ weight^T (x [M, K], weight [N, K], residual [M, N])."""
+    """In place: residual += x @ weight^T (x [M, K], weight [N, K], residual [M, N]; x must
+    not share residual's storage: other programs would read what one has written)."""
+    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+        raise ValueError("gemv_add_'s input shares the residual's storage")
     return _launch(x, weight, residual, weight.shape[0], residual=residual)

@@ -145,6 +145,20 @@ class DecoderLayer(nn.Module):
         hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
         fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
 
+    def warm_up_gemv(self, num_rows: int) -> None:
+        """Run forward_gemv's four kernels once on zeros (they compile and tune on first use)."""
+        att, mlp = self.self_attn, self.mlp
+        weight = att.qkv_proj.weight
+        residual = weight.new_zeros(num_rows, weight.shape[1])
+        norm = self.input_layernorm
+        fused_gemv.normed_gemv(residual, norm.weight, norm.eps, weight)
+        fused_gemv.gemv_add_(weight.new_zeros(num_rows, att.q_size), att.o_proj.weight, residual)
+        norm = self.post_attention_layernorm
+        hidden = fused_gemv.normed_gemv_silu(
+            residual, norm.weight, norm.eps, mlp.gate_up_proj.weight
+        )
+        fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
+
     def projections(self) -> list[nn.Module]:
         att, mlp = self.self_attn, self.mlp
         return [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
@@ -227,6 +241,24 @@ class LlamaForCausalLM(nn.Module):
             plain = all(fused_gemv.plain_linear(p, dtype) for p in every)
             self._plain_projections[dtype] = every if plain else []
         return self._plain_projections[dtype]
+
+    def fused_gemv_rows(self) -> list[int]:
+        """The step row counts that run on the fused GEMVs (none without fused ops)."""
+        weight = self.embed_tokens.weight
+        plain = self.plain_projections(weight.dtype)
+        rows = range(1, fused_gemv.max_rows() + 1)
+        fits = [n for n in rows if fused_gemv.takes(weight.new_empty(n, weight.shape[1]), plain)]
+        return fits if self.fused_ops else []
+
+    def warm_up_fused_gemvs(self) -> list[int]:
+        """Compile and tune the fused GEMVs for every row count that takes them now, not in
+        the first such step (an engine without CUDA graphs has no other warm-up); returns
+        those row counts."""
+        rows = self.fused_gemv_rows()
+        with torch.inference_mode():
+            for num_rows in rows:
+                self.layers[0].warm_up_gemv(num_rows)
+        return rows
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Switch the elementwise work to FlashInfer's fused CUDA kernels (or back)."""

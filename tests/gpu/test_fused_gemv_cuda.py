@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import pdl
 from engine.engine import Engine
 from engine.models import fused_gemv
 from engine.sampling_params import SamplingParams
@@ -38,8 +39,8 @@ def test_bf16_kernels_on_the_8b_shapes_match_torch(num_rows: int) -> None:
     gen = torch.Generator(CUDA).manual_seed(0)
     h = torch.randn(num_rows, HIDDEN, device=CUDA, generator=gen).bfloat16()
     norm = (torch.rand(HIDDEN, device=CUDA, generator=gen) + 0.5).bfloat16()
-    normed = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)).bfloat16()
-    normed = (normed.float() * norm.float()).bfloat16()  # FlashInfer's rounding: x, then x * w
+    inv_rms = torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)
+    normed = (h.float() * inv_rms * norm.float()).bfloat16()  # the unfused GEMMs' bf16 input
     qkv, gate_up = weight(QKV, HIDDEN, gen), weight(2 * INTERMEDIATE, HIDDEN, gen)
     want = normed.float() @ qkv.float().T
     errors = {"qkv": close_to(fused_gemv.normed_gemv(h, norm, EPS, qkv), want)}
@@ -54,6 +55,27 @@ def test_bf16_kernels_on_the_8b_shapes_match_torch(num_rows: int) -> None:
         errors[name] = close_to(residual, want)
     print(f"{num_rows} rows, worst error / max |value|: {errors}")
     assert max(errors.values()) < 1e-2  # bf16 rounding of the inputs the reference rounds too
+
+
+@pytest.mark.parametrize("tile", fused_gemv.TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "in-step"])
+def test_every_tile_the_autotuner_may_pick_is_right(tile: tuple[int, int, int], ahead: bool):
+    """Each machine's autotuner may pick another tile: every one, untuned, on the 8B shapes."""
+    block_n, block_k, warps = tile
+    chosen = {"BLOCK_N": block_n, "BLOCK_K": block_k, "AHEAD": ahead, "num_warps": warps}
+    gen = torch.Generator(CUDA).manual_seed(2)
+    h = torch.randn(1, HIDDEN, device=CUDA, generator=gen).bfloat16()
+    norm = (torch.rand(HIDDEN, device=CUDA, generator=gen) + 0.5).bfloat16()
+    normed = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS) * norm.float()
+    gate_up, down = weight(2 * INTERMEDIATE, HIDDEN, gen), weight(HIDDEN, INTERMEDIATE, gen)
+    out = h.new_empty(1, INTERMEDIATE)
+    fused_gemv._launch(h, gate_up, out, INTERMEDIATE, norm=norm, eps=EPS, silu=True, tile=chosen)
+    product = normed @ gate_up.float().T
+    want = F.silu(product[:, :INTERMEDIATE]) * product[:, INTERMEDIATE:]
+    assert close_to(out, want) < 1e-2
+    residual = h.clone()
+    fused_gemv._launch(out, down, residual, HIDDEN, residual=residual, tile=chosen)
+    assert close_to(residual, h.float() + out.float() @ down.float().T) < 1e-2
 
 
 def layer_chain(gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -74,11 +96,20 @@ def layer_chain(gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
-def test_a_layer_chain_replayed_from_a_graph_equals_it_run_eagerly() -> None:
+def test_a_layer_chain_replayed_from_a_graph_equals_it_run_eagerly_without_pdl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With PDL each kernel may start before the one before ends: a read before its wait
+    would see the previous replay's rows. Without PDL (eager, the same tiles) is the truth."""
     gen = torch.Generator(CUDA).manual_seed(1)
     run = layer_chain(gen)
     inputs = [torch.randn(1, HIDDEN, device=CUDA, generator=gen).bfloat16() for _ in range(3)]
+    monkeypatch.setenv(pdl.ENV, "0")
+    pdl.wanted.cache_clear()
     want = [run(x.clone()) for x in inputs]  # compiles and autotunes outside the graph
+    monkeypatch.delenv(pdl.ENV)
+    pdl.wanted.cache_clear()
+    run(inputs[0].clone())  # the PDL variants compile outside the graph too
     static = inputs[0].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -124,6 +155,10 @@ def test_tiny_bf16_engine_on_graphs_with_fused_gemvs(
 
     monkeypatch.setattr(fused_gemv, "_launch", counted)
     rows_env.set("1")
+    eager = engine_on(model, tiny, cuda_graph=False)
+    assert len(launches) >= 4, "an eager engine tunes the four kernels at its start"
+    assert eager.runner.graphs is None
+    launches.clear()
     fused = engine_on(model, tiny, cuda_graph=True)
     assert len(launches) >= 4 * len(model.layers), "the batch-1 graph did not capture them"
     rec_forced = Recorder(fused, forced=plain_tokens)

@@ -107,6 +107,19 @@ def test_the_kernels_refuse_what_they_cannot_take() -> None:
         fused_gemv.gemv_add_(torch.zeros(1, 8), torch.zeros(8, 4).t(), torch.zeros(1, 4))
 
 
+def test_the_launcher_refuses_operands_it_would_misread() -> None:
+    x, w = torch.zeros(1, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="shares the residual's storage"):
+        both = torch.zeros(1, 12)
+        fused_gemv.gemv_add_(both[:, :8], w, both[:, 8:])
+    with pytest.raises(ValueError, match=r"output must be \[1, 4\]"):
+        fused_gemv._launch(x, w, torch.zeros(1, 5), 4)
+    with pytest.raises(ValueError, match=r"norm's weight must be contiguous \[8\]"):
+        fused_gemv.normed_gemv(x, torch.ones(9), EPS, w)
+    with pytest.raises(ValueError, match="writes into the residual itself"):
+        fused_gemv._launch(x, w, torch.zeros(1, 4), 4, residual=torch.zeros(1, 4))
+
+
 def test_which_steps_take_the_fused_gemvs(rows_env) -> None:
     plain = [nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)]
     cuda_row = torch.zeros(1, 8, dtype=torch.bfloat16, device="meta")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.models import fused_gemv, fused_ops
 from engine.models.llama import LlamaForCausalLM
+from engine.quant.config import Fp8Config
 from tests.factories import make_model_config
 
 
@@ -114,3 +115,26 @@ def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
         assert len(launches) == 4 * config.num_layers
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     assert not torch.equal(plain, model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize(
+    "overrides, quant",
+    [
+        ({"attention_bias": True}, None),  # Qwen2's q/k/v bias
+        ({"o_proj_bias": True}, None),
+        ({}, Fp8Config("online", True, False)),
+    ],
+    ids=["qkv-bias", "o-bias", "fp8"],
+)
+def test_models_with_biased_or_quantized_projections_keep_the_plain_kernels(
+    overrides: dict, quant: Fp8Config | None
+) -> None:
+    config = make_model_config(hidden_size=32, intermediate_size=48, head_dim=8, **overrides)
+    model = LlamaForCausalLM(config, 128, quant)
+    assert model.plain_projections(torch.float32) == []
+    model.use_fused_ops(True)
+    assert model.fused_gemv_rows() == []
+    plain = LlamaForCausalLM(make_model_config(hidden_size=32, intermediate_size=48), 128)
+    assert len(plain.plain_projections(torch.float32)) == 4 * plain.config.num_layers
+    plain.use_fused_ops(True)
+    assert plain.fused_gemv_rows() == []  # a CPU model: the GEMVs are CUDA kernels
