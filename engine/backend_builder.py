@@ -250,8 +250,11 @@ def build_backend(
         )
     if hasattr(model, "use_fused_ops"):
         model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm and activation
-    if use_flashinfer and not memory_probe and hasattr(model, "warm_up_fused_gemvs"):
-        model.warm_up_fused_gemvs()  # tuned before the pool is allocated, not mid-serving
+    # The fused GEMVs are tuned now, not mid-serving, and before the pool is allocated: the
+    # tuner's scratch (Triton's 256 MiB L2 flush buffer) goes back to the device.
+    warm_up = getattr(model, "warm_up_fused_gemvs", None)
+    if use_flashinfer and not memory_probe and warm_up is not None and warm_up():
+        torch.cuda.empty_cache()
     mc = model_config
     # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
     num_storage_blocks = pool.num_blocks + 1 if use_flashinfer else pool.num_blocks
