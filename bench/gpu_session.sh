@@ -7,6 +7,8 @@
 #   transfer  bench.transfer_bench GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 #   goodput   1P+1D sharing one GPU, disaggregated then aggregated (gpu_goodput_bench)
+#   goodput-gpus  every GPU here: P prefill + the rest decode workers against one aggregated
+#             server a GPU (gpu_goodput_bench --gpus N; GOODPUT_GPUS, PREFILL_WORKERS)
 #   vllm-serve  vLLM's server on the same model folder and long-prompt workload (needs .vstage)
 #   fp8-tests    FP8-weight and memory-budget GPU tests
 #   fp8-offline  the offline run with fp8 weights and fp8 KV, then vLLM's same run (.vstage)
@@ -46,7 +48,7 @@
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -141,6 +143,23 @@ case $phase in
     done
     cp /tmp/serve_bench_server_*.log "$out/goodput/" 2>/dev/null
     tar czf "$out/goodput.tgz" -C "$out" goodput && rm -rf "$out/goodput"
+    ;;
+  goodput-gpus)  # issue 17: aggregated (a one-GPU server a GPU) against disaggregated (P prefill
+    # + the rest decode workers, a worker a GPU) on GOODPUT_GPUS (default: every GPU here)
+    n=${GOODPUT_GPUS:-$(nvidia-smi -L | wc -l)}
+    for setup in ${GOODPUT_SETUPS:-disaggregated aggregated}; do
+      # shellcheck disable=SC2086  # the rates: several words
+      timeout 560 python3 -m bench.gpu_goodput_bench --gpus "$n" --setups "$setup" \
+        --rate ${GOODPUT_RATES:-6 10 14} --num-requests 120 --num-conversations 64 \
+        ${PREFILL_WORKERS:+--prefill-workers $PREFILL_WORKERS} \
+        --tokenizer-from .cache/smollm2-tokenizer --json-dir "$out/goodput$n" \
+        --server-args "${GOODPUT_SERVER_ARGS:---kv-cache-gib 40}" \
+        > "$out/goodput${n}_$setup.txt" 2> "$out/goodput${n}_$setup.err"
+      echo "goodput on $n GPUs, $setup rc=$?"
+      cp "$out/goodput$n/goodput.json" "$out/goodput$n/goodput_$setup.json"
+    done
+    cp /tmp/serve_bench_server_*.log "$out/goodput$n/" 2>/dev/null
+    tar czf "$out/goodput$n.tgz" -C "$out" "goodput$n" && rm -rf "$out/goodput$n"
     ;;
   vllm-serve)  # vLLM's server on the goodput model folder, the long-prompt workload (HTTP)
     served_8b

@@ -12,8 +12,18 @@ PREFILLS_METRIC = "kvrelay_prefills"
 
 
 def prefill_counts(url: str, timeout: float = 5.0) -> dict[str, float] | None:
-    """{where: prompts} from `url`/metrics; None when the server exposes no kvrelay_prefills
-    (another server, e.g. vLLM) or cannot be read (a benchmark's cross-check, never its error)."""
+    """{where: prompts} from `url`/metrics (several comma-separated urls: their sums); None
+    when a server exposes no kvrelay_prefills (another server, e.g. vLLM) or cannot be read (a
+    benchmark's cross-check, never its error)."""
+    if "," in url:
+        parts = [prefill_counts(u, timeout) for u in url.split(",")]
+        if any(p is None for p in parts):
+            return None
+        total: dict[str, float] = {}
+        for part in parts:
+            for where, count in (part or {}).items():
+                total[where] = total.get(where, 0.0) + count
+        return dict(sorted(total.items()))
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=timeout) as reply:
             text = reply.read().decode()

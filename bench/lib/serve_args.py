@@ -19,8 +19,16 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("target")
     g.add_argument("--transport", choices=["http", "grpc"], default="http")
-    g.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP base URL (loopback)")
-    g.add_argument("--target", default="127.0.0.1:50051", help="gRPC host:port (loopback)")
+    g.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="HTTP base URL (loopback); several, comma-separated: each conversation goes to one",
+    )
+    g.add_argument(
+        "--target",
+        default="127.0.0.1:50051",
+        help="gRPC host:port (loopback); several, comma-separated, as --url",
+    )
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--model", default=None, help="model id (default: the first /v1/models)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json for --endpoint chat")
@@ -135,8 +143,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.transport == "grpc" and args.endpoint == "chat":
         raise ValueError("--endpoint chat is HTTP only")
     if not args.launch:
-        check_loopback(urlsplit(args.url).hostname or "")
-        check_loopback(args.target.rsplit(":", 1)[0].strip("[]"))
+        for url in args.url.split(","):
+            check_loopback(urlsplit(url).hostname or "")
+        for target in args.target.split(","):
+            check_loopback(target.rsplit(":", 1)[0].strip("[]"))
 
 
 def check_multi_turn(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -259,6 +260,28 @@ class GrpcClient(Client):
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class SpreadClient:
+    """Several servers behind one client, as a load balancer with session affinity spreads
+    them: each conversation (a single-turn workload: each request) goes to one server, chosen
+    round-robin by its number."""
+
+    def __init__(self, clients: Sequence[Client]):
+        if not clients:
+            raise ValueError("SpreadClient needs at least one client")
+        self.clients = list(clients)
+
+    def client_for(self, request: BenchRequest) -> Client:
+        key = request.conversation if request.conversation >= 0 else request.index
+        return self.clients[key % len(self.clients)]
+
+    async def send(self, request: BenchRequest) -> RequestResult:
+        return await self.client_for(request).send(request)
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
 
 
 async def served_model_id(url: str) -> str:

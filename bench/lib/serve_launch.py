@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -52,12 +52,16 @@ class LaunchedServer:
         server_root: Path = ROOT,
         log: Callable[[str], None] = _stderr,
         state_dir: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str = "",
     ):
         """worker_niceness: RAY_worker_niceness for the server (None: Ray's default, 15).
         server_root: the kvrelay checkout to run (cwd and PYTHONPATH of the server; e.g. a
         `git archive` snapshot, so edits in progress in this tree do not reach the run).
         state_dir: where the server records its Ray address (KVRELAY_STATE_DIR; None: the
-        default, shared with any other `kvrelay serve` of this user)."""
+        default, shared with any other `kvrelay serve` of this user). env: more environment
+        for the server (e.g. CUDA_VISIBLE_DEVICES). name: tells its log file apart from those
+        of other servers this process launches."""
         self.args = [
             *("--prefill", str(prefill), "--decode", str(decode), "--policy", policy),
             *extra_args,
@@ -67,7 +71,10 @@ class LaunchedServer:
         self.log = log
         self.http_port = self.grpc_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.gettempdir()) / f"serve_bench_server_{os.getpid()}.log"
+        suffix = f"_{name}" if name else ""
+        self.log_path = (
+            Path(tempfile.gettempdir()) / f"serve_bench_server_{os.getpid()}{suffix}.log"
+        )
         self.startup_s = 0.0
         self.server_root = Path(server_root).resolve()
         self.env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -77,6 +84,7 @@ class LaunchedServer:
             self.env["RAY_worker_niceness"] = str(worker_niceness)
         if state_dir is not None:
             self.env["KVRELAY_STATE_DIR"] = str(state_dir)
+        self.env.update(env or {})
 
     @property
     def http_url(self) -> str:

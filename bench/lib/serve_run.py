@@ -21,6 +21,7 @@ from bench.lib.serve_client import (
     HttpClient,
     RequestResult,
     Sampling,
+    SpreadClient,
     grpc_model_id,
     served_model_id,
 )
@@ -59,7 +60,7 @@ class Progress:
 
 
 async def run_timed(
-    client: Client,
+    client: Client | SpreadClient,
     conversations: Sequence[Conversation],
     offsets: Sequence[float],
     concurrency: int,
@@ -114,11 +115,22 @@ async def run_timed(
     return results, t0, (max(ends) - t0) if ends else 0.0
 
 
-def make_client(args: argparse.Namespace, url: str, target: str, model: str) -> Client:
+def make_client(
+    args: argparse.Namespace, url: str, target: str, model: str
+) -> Client | SpreadClient:
+    """A client of the server at url / target, or of several (comma-separated, in the same
+    order) spread by conversation."""
     sampling = Sampling(args.temperature, not args.no_ignore_eos, args.sampling_seed)
     if args.transport == "grpc":
-        return GrpcClient(target, sampling, args.request_timeout)
-    return HttpClient(url, model, sampling, args.request_timeout, chat=args.endpoint == "chat")
+        clients: list[Client] = [
+            GrpcClient(t, sampling, args.request_timeout) for t in target.split(",")
+        ]
+    else:
+        chat = args.endpoint == "chat"
+        clients = [
+            HttpClient(u, model, sampling, args.request_timeout, chat=chat) for u in url.split(",")
+        ]
+    return clients[0] if len(clients) == 1 else SpreadClient(clients)
 
 
 class BenchRun(NamedTuple):
@@ -141,7 +153,10 @@ async def run_conversations(
     """Warmup requests, then each conversation started at its args.rate arrival time."""
     model = args.model
     if not model:
-        model = await (served_model_id(url) if args.transport == "http" else grpc_model_id(target))
+        first_url, first_target = url.split(",")[0], target.split(",")[0]
+        model = await (
+            served_model_id(first_url) if args.transport == "http" else grpc_model_id(first_target)
+        )
     client = make_client(args, url, target, model)
     try:
         warmups = warmup_requests(args)
