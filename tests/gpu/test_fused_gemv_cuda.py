@@ -19,7 +19,7 @@ from engine.models import fused_gemv
 from engine.sampling_params import SamplingParams
 from tests.gpu.test_flashinfer_backend import Recorder, first_divergence, logit_scale
 from tests.gpu.test_fp8_weights import CUDA, engine_on, load, pytestmark, tiny  # noqa: F401
-from tests.unit.test_fused_gemv import rows_env  # noqa: F401 (fixture)
+from tests.unit.test_fused_gemv import gemv_launches, rows_env  # noqa: F401 (fixtures)
 
 EPS = 1e-5
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
@@ -138,22 +138,16 @@ def solo_requests(engine: Engine) -> dict[str, list[int]]:
 
 def test_tiny_bf16_engine_on_graphs_with_fused_gemvs(
     rows_env,  # noqa: F811
+    gemv_launches: list[int],  # noqa: F811
     tiny: Path,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    launches = gemv_launches
     model = load(tiny, quantization=None)
     rows_env.set("0")
     plain = engine_on(model, tiny, cuda_graph=True)
     rec_plain = Recorder(plain)
     plain_tokens = solo_requests(plain)
-    launches: list[int] = []
-    launch = fused_gemv._launch
-
-    def counted(*args, **kwargs) -> torch.Tensor:
-        launches.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(fused_gemv, "_launch", counted)
+    assert launches == [], "KVRELAY_BF16_GEMV_ROWS=0 ran a fused GEMV"
     rows_env.set("1")
     eager = engine_on(model, tiny, cuda_graph=False)
     assert len(launches) >= 4, "an eager engine tunes the four kernels at its start"

@@ -42,6 +42,20 @@ def rows_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     fused_gemv.max_rows.cache_clear()
 
 
+@pytest.fixture
+def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per fused-GEMV launch from here on (a kernel call, captured or run)."""
+    launches: list[int] = []
+    launch = fused_gemv._launch
+
+    def counted(*args, **kwargs) -> torch.Tensor:
+        launches.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_gemv, "_launch", counted)
+    return launches
+
+
 def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 

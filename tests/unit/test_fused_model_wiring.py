@@ -15,6 +15,7 @@ from engine.models import fused_gemv, fused_ops
 from engine.models.llama import LlamaForCausalLM
 from engine.quant.config import Fp8Config
 from tests.factories import make_model_config
+from tests.unit.test_fused_gemv import gemv_launches  # noqa: F401 (fixture)
 
 
 class EchoAttention(AttentionBackend):
@@ -53,15 +54,20 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_ops, "silu_and_mul", fake_silu_and_mul)
 
 
-def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
+def random_model(seed: int) -> LlamaForCausalLM:
     config = make_model_config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, head_dim=8
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config, 128)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.3)
+    return model
+
+
+def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
+    model = random_model(0)
     ids = torch.randint(0, 64, (11,))
     positions = torch.randint(0, 128, (11,))
     with torch.no_grad():
@@ -80,28 +86,16 @@ def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels interpreted on CPU"
 )
 def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
-    fake_kernels: None, monkeypatch: pytest.MonkeyPatch
+    fake_kernels: None,
+    gemv_launches: list[int],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """engine/models/fused_gemv.py's path (each layer as four GEMVs, the residual stream changed
     in place) against the plain path, for a one-token step; the kernels run in Triton's
     interpreter, in float32, so the wiring must match to float rounding."""
     pytest.importorskip("triton")
-    config = make_model_config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, head_dim=8
-    )
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config, 128)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)
-    launches: list[int] = []
-    launch = fused_gemv._launch
-
-    def counted(*args, **kwargs) -> torch.Tensor:
-        launches.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(fused_gemv, "_launch", counted)
+    model = random_model(1)
+    config, launches = model.config, gemv_launches
     monkeypatch.setattr(  # CPU tensors: the interpreter stands in for the GPU
         fused_gemv, "takes", lambda x, plain: x.shape[0] == 1 and bool(plain)
     )
