@@ -12,7 +12,10 @@ sharing one GPU; in "aggregated" the decode worker computes every prompt and the
 idles. --gpus N > 1: "disaggregated" is one `kvrelay serve --prefill P --decode N-P` (P:
 --prefill-workers, default N-1), a worker a GPU; "aggregated" is N such one-GPU aggregated
 servers, one on each GPU (CUDA_VISIBLE_DEVICES), with each conversation sent to one of them
-round-robin (a load balancer with session affinity).
+round-robin (a load balancer with session affinity); both setups on the same GPUs (the first N
+that CUDA_VISIBLE_DEVICES lists) and, required here, the same --kv-cache-gib pool a worker.
+Only the disaggregated setup gets the objectives (the router queues or refuses what would miss
+them) unless --aggregated-slo: read goodput next to the "fail" column.
 
     python -m bench.gpu_goodput_bench --json-dir $OUT/goodput
     python -m bench.gpu_goodput_bench --setups disaggregated --workloads long-prompt \\
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve_bench
-from bench.lib.prefill_counts import prefill_counts
+from bench.lib.prefill_counts import counts_between, prefill_counts
 from bench.lib.serve_launch import LaunchedServer, machine_info, nvidia_gpus
 
 SETUPS = ("aggregated", "disaggregated")
@@ -78,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--gpus N > 1: disaggregated prefill workers (default N - 1; the rest decode)",
     )
+    p.add_argument(
+        "--aggregated-slo",
+        action="store_true",
+        help="give the aggregated servers the objectives too (the router then queues or refuses "
+        "there as well; off: only the disaggregated setup sheds load, as in the one-GPU rounds)",
+    )
+    p.add_argument(
+        "--max-duration", type=float, default=300.0, help="s, a rate's run; the rest is cancelled"
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--aggregated-chunk", type=int, default=2048, help="prompt tokens per step")
     p.add_argument("--disaggregated-chunk", type=int, default=512)
@@ -89,23 +103,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_flags(args: argparse.Namespace, setup: str) -> list[str]:
     """The `kvrelay serve` flags of a setup (the model and GPU flags come first)."""
+    objectives = [
+        *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}")
+    ]
     if setup == "aggregated":  # every prompt on the decode worker, nothing to transfer
         return [
             *("--local-prefill-max-tokens", "1000000"),
             *("--local-prefill-chunk-tokens", str(args.aggregated_chunk)),
+            *(objectives if args.aggregated_slo else []),
         ]
     return [
         *("--local-prefill-max-tokens", "256", "--local-prefill-min-cached", "0.5"),
         "--local-prefill-on-slo-miss",
         *("--local-prefill-chunk-tokens", str(args.disaggregated_chunk)),
-        *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"),
+        *objectives,
     ]
 
 
-def workload_args(args: argparse.Namespace, workload: str) -> list[str]:
+def workload_args(args: argparse.Namespace, workload: str, num_servers: int = 1) -> list[str]:
+    """serve_bench's flags; at least one warm-up request a server (they go round-robin)."""
     rates = [f"{r:g}" for r in args.rate]
     common = [
-        *("--transport", "grpc", "--rate", *rates, "--warmup", "2"),
+        *("--transport", "grpc", "--rate", *rates, "--warmup", str(max(2, num_servers))),
+        *("--max-duration", f"{args.max_duration:g}"),
         *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"),
     ]
     if workload == "long-prompt":
@@ -122,20 +142,28 @@ def workload_args(args: argparse.Namespace, workload: str) -> list[str]:
     ]
 
 
+def visible_gpus(count: int) -> list[str]:
+    """The first `count` GPUs this process may use (CUDA_VISIBLE_DEVICES's, else 0..count-1)."""
+    inherited = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    inherited = [g for g in inherited if g]
+    return (inherited or [str(i) for i in range(count)])[:count]
+
+
 def layouts(args: argparse.Namespace, setup: str) -> list[tuple[int, int, list[str], dict]]:
     """The servers of a setup: (prefill workers, decode workers, their GPU flags, environment)."""
     cuda = args.device.startswith("cuda")
     shared = ["--gpus-per-worker", "0.5"] if cuda else []  # both workers on one GPU
     if args.gpus <= 1:
         return [(1, 1, shared, {})]
-    if setup == "disaggregated":
+    gpus = visible_gpus(args.gpus) if cuda else []
+    if setup == "disaggregated":  # a worker a GPU, on the same GPUs as the aggregated servers
         prefill = args.prefill_workers or args.gpus - 1
-        return [(prefill, args.gpus - prefill, [], {})]  # a worker a GPU
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if cuda else {}
+        return [(prefill, args.gpus - prefill, [], env)]
     # One aggregated server a GPU; its idle prefill worker only holds memory.
-    return [
-        (1, 1, shared, {"CUDA_VISIBLE_DEVICES": str(gpu)} if cuda else {})
-        for gpu in range(args.gpus)
-    ]
+    if not cuda:
+        return [(1, 1, [], {}) for _ in range(args.gpus)]
+    return [(1, 1, shared, {"CUDA_VISIBLE_DEVICES": gpu}) for gpu in gpus]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -143,6 +171,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--gpus must be >= 1")
     if args.prefill_workers is not None and not 0 < args.prefill_workers < args.gpus:
         raise SystemExit(f"--prefill-workers must be 1..{args.gpus - 1} with --gpus {args.gpus}")
+    if args.gpus > 1 and "--kv-cache-gib" not in args.server_args.split():
+        raise SystemExit(  # by memory, a worker sharing a GPU gets half the pool of one alone
+            "--gpus > 1 needs --server-args '--kv-cache-gib G': the same pool for every worker"
+        )
 
 
 def run_setup(args: argparse.Namespace, setup: str, folder: Path, report: dict[str, Any]) -> None:
@@ -177,15 +209,21 @@ def run_setup(args: argparse.Namespace, setup: str, folder: Path, report: dict[s
         for workload in args.workloads:
             path = args.json_dir / f"{setup}_{workload}.json"
             argv = [
-                *workload_args(args, workload),
+                *workload_args(args, workload, len(servers)),
                 *("--url", urls, "--target", targets),
                 *("--label", f"{setup} {workload}", "--json", str(path)),
             ]
             log(f"== {setup}: {workload}")
-            entry[workload] = {"rc": serve_bench.main(argv), "json": str(path)}
-            entry[workload]["rows"] = rows_of(path)
-            # each server's prompts so far by where they were prefilled (warm-ups included)
-            entry[workload]["prefills_by_server"] = [prefill_counts(s.http_url) for s in servers]
+            before = [prefill_counts(srv.http_url) for srv in servers]
+            rc = serve_bench.main(argv)
+            entry[workload] = {"rc": rc, "json": str(path), "rows": rows_of(path)}
+            # each server's prompts of this workload by where they were prefilled (warm-ups in)
+            after = [prefill_counts(srv.http_url) for srv in servers]
+            entry[workload]["prefills_by_server"] = [
+                counts_between(b, a) for b, a in zip(before, after, strict=True)
+            ]
+            if rc == 130:  # serve_bench was interrupted (SIGTERM, Ctrl-C): stop here
+                raise KeyboardInterrupt
     entry["wall_s"] = time.monotonic() - started
 
 
@@ -233,33 +271,59 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.lib.served_shape import write_served_shape
-
+    """0, or 1 when a setup or a workload's run failed, 130 when interrupted."""
     args = build_parser().parse_args(argv)
     check_args(args)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run_setups(args, list(argv or sys.argv[1:]))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_setups(args: argparse.Namespace, argv: list[str]) -> int:
+    from bench.lib.served_shape import write_served_shape
+
     args.json_dir.mkdir(parents=True, exist_ok=True)
     folder = args.model_dir or Path(tempfile.gettempdir()) / f"kvrelay-goodput-{args.shape}"
     report: dict[str, Any] = {
         "title": f"aggregated vs disaggregated on {args.gpus} GPU(s)",
         "layouts": {setup: layouts(args, setup) for setup in args.setups},
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "argv": list(argv or sys.argv[1:]),
+        "argv": argv,
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "machine": machine_info() | {"gpus": nvidia_gpus()},
         "model": write_served_shape(folder, args.shape, log, args.tokenizer_from),
         "setups": {},
     }
     out = args.json_dir / "goodput.json"
+    rc = 0
     for setup in args.setups:
         try:
             run_setup(args, setup, folder, report)
+        except KeyboardInterrupt:  # its servers are stopped; what was measured is kept
+            log(f"{setup}: interrupted")
+            report["setups"].setdefault(setup, {})["error"] = "interrupted"
+            rc = 130
         except Exception as e:  # the other setup still runs
             log(f"{setup} failed: {type(e).__name__}: {e}")
             report["setups"][setup] = {"error": f"{type(e).__name__}: {e}"}
+            rc = rc or 1
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        if rc == 130:
+            break
     print(format_table(report))
     log(f"wrote {out}")
-    return 0
+    failed = any(w.get("rc") for e in report["setups"].values() for w in workloads_of(e))
+    return rc or (1 if failed else 0)
+
+
+def workloads_of(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    return [entry[w] for w in WORKLOADS if isinstance(entry.get(w), dict)]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a `timeout`): stop the servers on the way out
 
 
 if __name__ == "__main__":

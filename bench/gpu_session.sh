@@ -145,21 +145,27 @@ case $phase in
     tar czf "$out/goodput.tgz" -C "$out" goodput && rm -rf "$out/goodput"
     ;;
   goodput-gpus)  # issue 17: aggregated (a one-GPU server a GPU) against disaggregated (P prefill
-    # + the rest decode workers, a worker a GPU) on GOODPUT_GPUS (default: every GPU here)
+    # + the rest decode workers, a worker a GPU) on GOODPUT_GPUS (default: every GPU here). One
+    # setup a call (GOODPUT_SETUPS=disaggregated, then aggregated): each takes up to ~5 min.
+    # Rates and requests scale with the GPUs; GOODPUT_AGG_SLO=1 gives the aggregated servers the
+    # objectives too (admission control on both sides)
     n=${GOODPUT_GPUS:-$(nvidia-smi -L | wc -l)}
-    for setup in ${GOODPUT_SETUPS:-disaggregated aggregated}; do
+    rates=${GOODPUT_RATES:-"$((3 * n)) $((5 * n)) $((7 * n))"}
+    for setup in ${GOODPUT_SETUPS:-disaggregated}; do
       # shellcheck disable=SC2086  # the rates: several words
-      timeout 560 python3 -m bench.gpu_goodput_bench --gpus "$n" --setups "$setup" \
-        --rate ${GOODPUT_RATES:-6 10 14} --num-requests 120 --num-conversations 64 \
+      timeout -k 20 280 python3 -m bench.gpu_goodput_bench --gpus "$n" --setups "$setup" \
+        --rate $rates --num-requests "${GOODPUT_REQUESTS:-$((60 * n))}" \
+        --num-conversations "$((24 * n))" --max-duration 60 \
         ${PREFILL_WORKERS:+--prefill-workers $PREFILL_WORKERS} \
-        --tokenizer-from .cache/smollm2-tokenizer --json-dir "$out/goodput$n" \
+        ${GOODPUT_AGG_SLO:+--aggregated-slo} \
+        --tokenizer-from .cache/smollm2-tokenizer --json-dir "$out/goodput${n}_$setup" \
         --server-args "${GOODPUT_SERVER_ARGS:---kv-cache-gib 40}" \
         > "$out/goodput${n}_$setup.txt" 2> "$out/goodput${n}_$setup.err"
       echo "goodput on $n GPUs, $setup rc=$?"
-      cp "$out/goodput$n/goodput.json" "$out/goodput$n/goodput_$setup.json"
+      cp /tmp/serve_bench_server_*"_$setup"*.log "$out/goodput${n}_$setup/" 2>/dev/null
+      tar czf "$out/goodput${n}_$setup.tgz" -C "$out" "goodput${n}_$setup" \
+        && rm -rf "$out/goodput${n}_$setup"
     done
-    cp /tmp/serve_bench_server_*.log "$out/goodput$n/" 2>/dev/null
-    tar czf "$out/goodput$n.tgz" -C "$out" "goodput$n" && rm -rf "$out/goodput$n"
     ;;
   vllm-serve)  # vLLM's server on the goodput model folder, the long-prompt workload (HTTP)
     served_8b

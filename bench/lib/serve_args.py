@@ -142,10 +142,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("need 0 <= --min-token-id < --max-token-id")
     if args.transport == "grpc" and args.endpoint == "chat":
         raise ValueError("--endpoint chat is HTTP only")
+    urls, targets = args.url.split(","), args.target.split(",")
+    if len(urls) > 1 and len(targets) > 1 and len(urls) != len(targets):
+        raise ValueError("--url and --target must list the same servers, in the same order")
     if not args.launch:
-        for url in args.url.split(","):
+        for url in urls:
             check_loopback(urlsplit(url).hostname or "")
-        for target in args.target.split(","):
+        for target in targets:
             check_loopback(target.rsplit(":", 1)[0].strip("[]"))
 
 

@@ -280,8 +280,11 @@ class SpreadClient:
         return await self.client_for(request).send(request)
 
     async def close(self) -> None:
-        for client in self.clients:
-            await client.close()
+        """Close every client, even when one of them fails to close (then raise its error)."""
+        errors = await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        for error in errors:
+            if isinstance(error, BaseException):
+                raise error
 
 
 async def served_model_id(url: str) -> str:
