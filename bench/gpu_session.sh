@@ -7,6 +7,7 @@
 #   transfer  bench.transfer_bench GPU0 -> GPU1 over READ sizes, progress delays and split parts
 #   cluster   kvtransfer GPU0 -> GPU1 against a peer copy, then the 2-GPU cluster bench
 #   goodput   1P+1D sharing one GPU, disaggregated then aggregated (gpu_goodput_bench)
+#   scale-gpus  resizing under load on GPUs: SCALE_PREFILL prefill + 1 decode, decode -> 2 -> 1
 #   goodput-gpus  every GPU here: P prefill + the rest decode workers against one aggregated
 #             server a GPU (gpu_goodput_bench --gpus N; GOODPUT_GPUS, PREFILL_WORKERS)
 #   vllm-serve  vLLM's server on the same model folder and long-prompt workload (needs .vstage)
@@ -48,7 +49,7 @@
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, scale-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -166,6 +167,17 @@ case $phase in
       tar czf "$out/goodput${n}_$setup.tgz" -C "$out" "goodput${n}_$setup" \
         && rm -rf "$out/goodput${n}_$setup"
     done
+    ;;
+  scale-gpus)  # issue 17: a decode worker added then removed under a steady load of
+    # 3,000-token prompts, SCALE_PREFILL prefill + 1 decode worker a GPU at the start (the
+    # decode pool's second worker needs one more GPU: SCALE_PREFILL + 2 in all; default 2)
+    served_8b
+    timeout -k 20 560 python3 -m bench.scale_bench --device cuda --model "$folder" \
+      --load-format dummy --prefill "${SCALE_PREFILL:-2}" --decode 1 \
+      --resizes "decode:2 decode:1" --input-len 3000 --num-prompts 2000 --max-tokens 150 \
+      --rate "${SCALE_RATE:-6}" --quiet-s 60 --kv-cache-gib 40 \
+      --json "$out/scale_gpus.json" > "$out/scale_gpus.txt" 2> "$out/scale_gpus.err"
+    echo "scale on GPUs rc=$?"
     ;;
   vllm-serve)  # vLLM's server on the goodput model folder, the long-prompt workload (HTTP)
     served_8b

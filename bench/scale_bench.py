@@ -1,9 +1,13 @@
-"""Resizing under load: an embedded cluster serves a steady request rate while the decode pool
-goes 1 -> 2 -> 1 and the prefill pool 1 -> 2 -> 1 through the controller (what `kvrelay scale`
-calls). Reports the time from `scale` to the new worker ready and serving, the drain time, and
-the request latency percentiles during and outside the resizes. Owns nothing beyond one run.
+"""Resizing under load: an embedded cluster serves a steady request rate while its pools are
+resized through the controller (what `kvrelay scale` calls; by default the decode pool goes
+1 -> 2 -> 1, then the prefill pool 1 -> 2 -> 1). Reports the time from `scale` to the new
+worker ready and serving, the drain time, failed requests, the largest stranded-block figure
+seen and whether every worker's blocks were free at the end, and TTFT / TPOT / e2e percentiles
+before, during and after the resizes. Owns nothing beyond one run.
 
     python -m bench.scale_bench --rate 2 --json scale.json
+    python -m bench.scale_bench --device cuda --model /tmp/served-8b --load-format dummy \\
+        --prefill 2 --decode 1 --resizes decode:2 --input-len 3000 --max-tokens 150 --rate 8
 """
 
 from __future__ import annotations
@@ -13,18 +17,22 @@ import asyncio
 import json
 import os
 import platform
+import random
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from bench.lib.cluster_watch import settle
+from bench.lib.cluster_watch import settle, wait_all_free
 from bench.lib.steady_load import BackendClient, RequestRecord, SteadyLoad
+from bench.lib.stranded_watch import StrandedWatch
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerState, WorkerStatus
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling_params import SamplingParams
 
 HANG_BOUND_S = 600.0  # a request still running this long after its start is cancelled
+FREE_TIMEOUT_S = 60.0  # after the load: how long every worker's blocks may take to come free
 
 
 def log(message: str) -> None:
@@ -50,38 +58,82 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "n": len(ordered)}
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from deploy.local_cluster import ClusterSpec, LocalCluster
+def parse_resizes(text: str) -> list[tuple[str, int]]:
+    """ "decode:2 decode:1" -> [("decode", 2), ("decode", 1)]; a bad word is refused by name."""
+    steps = []
+    for word in text.split():
+        role, _, size = word.partition(":")
+        if role not in ("prefill", "decode") or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--resizes: {word!r} is not prefill:N or decode:N with N >= 1")
+        steps.append((role, int(size)))
+    return steps
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """CPU: a fixed 512-block pool; a GPU: the pool sized by memory unless --kv-cache-gib."""
+    if args.kv_cache_gib > 0:
+        cache = CacheConfig(kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
+    else:
+        cache = CacheConfig(num_blocks=512 if args.device == "cpu" else None)
+    return EngineConfig(
+        model=args.model, cache=cache, device=args.device, load_format=args.load_format
+    )
+
+
+def load_prompts(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[int, ...]]:
+    """--input-len 0: 32 short chat prompts; else --num-prompts prompts of that many random
+    token ids (the load cycles through them: as many as it sends keeps the prefix cache cold)."""
+    if args.input_len > 0:
+        rng = random.Random(0)
+        length = args.input_len
+        return [
+            tuple(rng.randrange(100, 20000) for _ in range(length)) for _ in range(args.num_prompts)
+        ]
     from engine.tokenizer import Tokenizer
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's 15 starves workers on 2 cores
-    spec = ClusterSpec(
-        engine=EngineConfig(cache=CacheConfig(num_blocks=512)),
-        threads_per_worker=1,
-        drain_grace_s=args.drain_grace,
-    )
-    cluster = await LocalCluster(spec).start(progress=log)
-    tokenizer = Tokenizer(cluster.model.checkpoint_dir)
-    prompts = [
+    tokenizer = Tokenizer(checkpoint_dir)
+    return [
         tuple(tokenizer.apply_chat_template([{"role": "user", "content": f"Fact {i} please."}]))
         for i in range(32)
     ]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from deploy.local_cluster import ClusterSpec, LocalCluster
+
+    os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's 15 starves workers on 2 cores
+    spec = ClusterSpec(
+        engine=engine_config(args),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        threads_per_worker=1 if args.device == "cpu" else None,
+        drain_grace_s=args.drain_grace,
+        gpus_per_worker=args.gpus_per_worker,
+    )
+    cluster = await LocalCluster(spec).start(progress=log)
+    prompts = load_prompts(args, cluster.model.checkpoint_dir)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     load = SteadyLoad(BackendClient(cluster.backend, prompts, params), len(prompts), args.rate, "b")
     runner = asyncio.create_task(load.run())
+    stranded = StrandedWatch(cluster)
+    stranded.start()
     resizes = []
+    accounts: dict[str, Any] = {}
+    free_after_s = 0.0
     try:
         await asyncio.sleep(args.quiet_s)
-        for role, size in (("decode", 2), ("decode", 1), ("prefill", 2), ("prefill", 1)):
+        for role, size in parse_resizes(args.resizes):
             log(f"scale {role} -> {size}")
+            status: ClusterStatus = await cluster.controller.status.remote()
+            grows = size > status.pool(role).desired
             called = time.time()
             await cluster.controller.scale.remote(ScaleRequest(**{role: size}))
             await settle(cluster.controller)
-            status: ClusterStatus = await cluster.controller.status.remote()
+            status = await cluster.controller.status.remote()
             settled = time.time()
-            worker = status.pool(role).workers[-1] if size == 2 else None
+            worker = status.pool(role).workers[-1] if grows else None
             entry: dict[str, Any] = {"role": role, "to": size, "start": called, "end": settled}
-            if size == 2 and worker is not None:
+            if grows and worker is not None:
                 entry["scale_to_ready_s"] = at(worker, WorkerState.READY) - called
                 await until_served(cluster.controller, worker.worker_id)
                 status = await cluster.controller.status.remote()
@@ -101,7 +153,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         load.stop()
         await runner
         await load.drain(HANG_BOUND_S)
-        await cluster.close()
+        await stranded.stop()
+        try:
+            accounts, free_after_s = await wait_all_free(cluster, FREE_TIMEOUT_S)
+        finally:
+            await cluster.close()
 
     def during(sample: RequestRecord) -> bool:
         end = sample.end or time.time()
@@ -109,6 +165,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     inside = [s for s in load.records if during(s)]
     outside = [s for s in load.records if not during(s)]
+    first = min((r["start"] for r in resizes), default=time.time())
+    last = max((r["end"] for r in resizes), default=time.time())
+    before = [s for s in outside if (s.end or time.time()) <= first]
+    after = [s for s in outside if s.start >= last]
     return {
         "command": "python -m bench.scale_bench " + " ".join(sys.argv[1:]),
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
@@ -118,14 +178,35 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_requests": len(load.records),
         "num_failed": sum(not s.completed for s in load.records),
         "resizes": resizes,
-        "latency_during_resize": {
-            "e2e_s": percentiles([s.end - s.start for s in inside if s.end]),
-            "ttft_s": percentiles([ttft(s) for s in inside]),
+        "cluster": {
+            "device": args.device,
+            "model": args.model,
+            "prefill": args.prefill,
+            "decode": args.decode,
+            "input_len": args.input_len or "short chat prompts",
         },
-        "latency_outside_resize": {
-            "e2e_s": percentiles([s.end - s.start for s in outside if s.end]),
-            "ttft_s": percentiles([ttft(s) for s in outside]),
-        },
+        "max_stranded_blocks": stranded.max_stranded,
+        "all_blocks_free_at_end": bool(accounts) and all(a.clean for a in accounts.values()),
+        "all_free_after_s": round(free_after_s, 1),
+        "latency_during_resize": latency(inside),
+        "latency_outside_resize": latency(outside),
+        "latency_before_resizes": latency(before),
+        "latency_after_resizes": latency(after),
+    }
+
+
+def tpot(sample: RequestRecord) -> float | None:
+    """Seconds a token after the first, for a request that ended with more than one."""
+    if sample.end is None or sample.first is None or len(sample.token_ids) < 2:
+        return None
+    return (sample.end - sample.first) / (len(sample.token_ids) - 1)
+
+
+def latency(samples: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    return {
+        "e2e_s": percentiles([s.end - s.start for s in samples if s.end]),
+        "ttft_s": percentiles([ttft(s) for s in samples]),
+        "tpot_s": percentiles([t for s in samples if (t := tpot(s)) is not None]),
     }
 
 
@@ -140,14 +221,32 @@ async def until_served(controller: Any, worker_id: str, timeout_s: float = 60) -
         await asyncio.sleep(0.1)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--quiet-s", type=float, default=10.0, help="steady load between resizes")
     parser.add_argument("--drain-grace", type=float, default=2.0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--model", default="default", help="a model folder, or 'default'")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers at the start")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers at the start")
+    parser.add_argument(
+        "--resizes",
+        default="decode:2 decode:1 prefill:2 prefill:1",
+        help="the pool sizes to scale to, in order, each after --quiet-s of steady load",
+    )
+    parser.add_argument("--input-len", type=int, default=0, help="0: short chat prompts")
+    parser.add_argument("--num-prompts", type=int, default=32, help="with --input-len")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="0: the default pool")
+    parser.add_argument("--gpus-per-worker", type=float, default=None)
     parser.add_argument("--json", default=None, help="write the results here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        parse_resizes(args.resizes)
+    except ValueError as e:
+        parser.error(str(e))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     results = asyncio.run(run(args))
     text = json.dumps(results, indent=2)
