@@ -59,7 +59,8 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def parse_resizes(text: str) -> list[tuple[str, int]]:
-    """ "decode:2 decode:1" -> [("decode", 2), ("decode", 1)]; a bad word is refused by name."""
+    """The --resizes plan, "decode:2 decode:1" -> [("decode", 2), ("decode", 1)]; a word that
+    is not role:size is refused by name."""
     steps = []
     for word in text.split():
         role, _, size = word.partition(":")
