@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import platform
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -25,10 +24,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.lib.cluster_watch import settle, wait_all_free
+from bench.lib.engine_config import engine_config, gib
+from bench.lib.gpu_timing import random_prompts
 from bench.lib.steady_load import BackendClient, RequestRecord, SteadyLoad
 from bench.lib.stranded_watch import StrandedWatch
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerState, WorkerStatus
-from engine.config import CacheConfig, EngineConfig
+from common.messages import ServedModel
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 HANG_BOUND_S = 600.0  # a request still running this long after its start is cancelled
@@ -70,29 +72,26 @@ def parse_resizes(text: str) -> list[tuple[str, int]]:
     return steps
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def cluster_engine(args: argparse.Namespace) -> EngineConfig:
     """CPU: a fixed 512-block pool; a GPU: the pool sized by memory unless --kv-cache-gib."""
-    if args.kv_cache_gib > 0:
-        cache = CacheConfig(kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
-    else:
-        cache = CacheConfig(num_blocks=512 if args.device == "cpu" else None)
-    return EngineConfig(
-        model=args.model, cache=cache, device=args.device, load_format=args.load_format
+    return engine_config(
+        args.model,
+        device=args.device,
+        load_format=args.load_format,
+        num_blocks=512 if args.device == "cpu" and args.kv_cache_gib <= 0 else None,
+        kv_cache_memory_bytes=gib(args.kv_cache_gib) if args.kv_cache_gib > 0 else None,
     )
 
 
-def load_prompts(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[int, ...]]:
+def load_prompts(args: argparse.Namespace, model: ServedModel) -> list[tuple[int, ...]]:
     """--input-len 0: 32 short chat prompts; else --num-prompts prompts of that many random
     token ids (the load cycles through them: as many as it sends keeps the prefix cache cold)."""
     if args.input_len > 0:
-        rng = random.Random(0)
-        length = args.input_len
-        return [
-            tuple(rng.randrange(100, 20000) for _ in range(length)) for _ in range(args.num_prompts)
-        ]
+        prompts = random_prompts(args.num_prompts, args.input_len, model.vocab_size, seed=0)
+        return [tuple(prompt) for prompt in prompts]
     from engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(checkpoint_dir)
+    tokenizer = Tokenizer(model.checkpoint_dir)
     return [
         tuple(tokenizer.apply_chat_template([{"role": "user", "content": f"Fact {i} please."}]))
         for i in range(32)
@@ -104,7 +103,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's 15 starves workers on 2 cores
     spec = ClusterSpec(
-        engine=engine_config(args),
+        engine=cluster_engine(args),
         num_prefill=args.prefill,
         num_decode=args.decode,
         threads_per_worker=1 if args.device == "cpu" else None,
@@ -112,7 +111,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         gpus_per_worker=args.gpus_per_worker,
     )
     cluster = await LocalCluster(spec).start(progress=log)
-    prompts = load_prompts(args, cluster.model.checkpoint_dir)
+    prompts = load_prompts(args, cluster.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     load = SteadyLoad(BackendClient(cluster.backend, prompts, params), len(prompts), args.rate, "b")
     runner = asyncio.create_task(load.run())
