@@ -17,6 +17,8 @@ which may fuse them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,28 +137,32 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """The few-row path (models/fused_gemv.py): residual, the stream, is updated in place;
         the norms, SiLU and the residual adds run inside the projections' GEMVs."""
+        att = self.self_attn
+
+        def attend(qkv: torch.Tensor) -> torch.Tensor:
+            return attn.forward_qkv(att.layer, qkv, positions, att.rope)
+
+        self._gemv_layer(residual, attend)
+
+    def warm_up_gemv(self, num_rows: int) -> None:
+        """Run forward_gemv's four kernels once on zeros (they compile and tune on first use);
+        attention's output stands in as zeros."""
+        weight = self.self_attn.qkv_proj.weight
+        residual = weight.new_zeros(num_rows, weight.shape[1])
+        self._gemv_layer(residual, lambda qkv: qkv.new_zeros(num_rows, self.self_attn.q_size))
+
+    def _gemv_layer(
+        self, residual: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """The layer's four fused GEMVs around attend(qkv) -> attention's output."""
         att, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
-        out = attn.forward_qkv(att.layer, qkv, positions, att.rope)
+        out = attend(qkv)
         fused_gemv.gemv_add_(out.reshape(-1, att.q_size), att.o_proj.weight, residual)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
         hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
-        fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
-
-    def warm_up_gemv(self, num_rows: int) -> None:
-        """Run forward_gemv's four kernels once on zeros (they compile and tune on first use)."""
-        att, mlp = self.self_attn, self.mlp
-        weight = att.qkv_proj.weight
-        residual = weight.new_zeros(num_rows, weight.shape[1])
-        norm = self.input_layernorm
-        fused_gemv.normed_gemv(residual, norm.weight, norm.eps, weight)
-        fused_gemv.gemv_add_(weight.new_zeros(num_rows, att.q_size), att.o_proj.weight, residual)
-        norm = self.post_attention_layernorm
-        hidden = fused_gemv.normed_gemv_silu(
-            residual, norm.weight, norm.eps, mlp.gate_up_proj.weight
-        )
         fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
 
     def projections(self) -> list[nn.Module]:
