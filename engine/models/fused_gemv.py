@@ -92,14 +92,12 @@ def _kernel() -> Any:
         x_ptr,
         w_ptr,
         norm_ptr,
-        res_ptr,
         out_ptr,
         M,
         N,
         K,
         eps,
         x_row_stride,
-        res_row_stride,
         out_row_stride,
         ROWS: tl.constexpr,
         NORM: tl.constexpr,
@@ -113,8 +111,9 @@ def _kernel() -> Any:
         """One program per BLOCK_N output channels, all M (<= ROWS) rows, over the whole of K:
         acc[r, n, k] += x[r, k] (* norm[k]) * w[n, k] in fp32, summed along k at the end.
         NORM: times rsqrt(mean(x^2) + eps), the sum of squares taken in the same pass. SILU: w
-        has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out +=
-        res (res may be out: each program reads and writes only its own channels). AHEAD: each
+        has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out += its
+        own values (the residual, in place: each program reads and writes only its own
+        channels). AHEAD: each
         weight tile is requested one K step before it is used (the first before the wait), so
         two are in flight. PDL: wait for the kernel before, let the next one in after the
         loop."""
@@ -175,7 +174,7 @@ def _kernel() -> Any:
         out_ok = row_ok[:, None] & col_ok[None, :]
         if ADD:
             res = tl.load(
-                res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=out_ok, other=0.0
+                out_ptr + rows[:, None] * out_row_stride + cols[None, :], mask=out_ok, other=0.0
             )
             out += res.to(tl.float32)
         tl.store(
@@ -188,7 +187,7 @@ def _kernel() -> Any:
         configs=configs,
         key=["N", "K", "ROWS", "NORM", "SILU", "ADD"],
         prune_configs_by={"early_config_prune": fits_registers},
-        restore_value=["res_ptr"],  # timing an in-place add must not add it many times
+        restore_value=["out_ptr"],  # timing an in-place add must not add it many times
     )(fused_gemv)
     return tuned, fused_gemv
 
@@ -228,7 +227,6 @@ def _launch(
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
     use_pdl = pdl.enabled(x.device)
-    res = out if residual is None else residual  # read only when ADD
     tuned, untuned = _kernel()
     if tile is None and not x.is_cuda:  # Triton's interpreter cannot time configs
         tile = INTERPRETER_TILE
@@ -237,14 +235,12 @@ def _launch(
         x,
         weight,
         weight if norm is None else norm,  # read only when NORM
-        res,
         out,
         num_rows,
         n,
         k,
         eps,
         x.stride(0),
-        res.stride(0),
         out.stride(0),
         ROWS=1 << max(0, (num_rows - 1).bit_length()),
         NORM=norm is not None,
