@@ -40,7 +40,13 @@ from bench.lib.cluster_plan import (
     log,
     plan_runs,
 )
-from bench.lib.serve_launch import command_line, machine_info, nvidia_gpus, package_versions
+from bench.lib.serve_launch import (
+    command_line,
+    interrupt_on_signal,
+    machine_info,
+    nvidia_gpus,
+    package_versions,
+)
 
 
 def default_gpu_ids() -> str:
@@ -95,14 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     budget_end = STARTED + args.time_budget
     try:
         runs = plan_runs(args)

@@ -40,7 +40,7 @@ from typing import Any
 
 from bench import serve_bench
 from bench.lib.prefill_counts import counts_between, prefill_counts
-from bench.lib.serve_launch import LaunchedServer, machine_info, nvidia_gpus
+from bench.lib.serve_launch import LaunchedServer, interrupt_on_signal, machine_info, nvidia_gpus
 
 SETUPS = ("aggregated", "disaggregated")
 WORKLOADS = ("long-prompt", "multi-turn")
@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """0, or 1 when a setup or a workload's run failed, 130 when interrupted."""
     args = build_parser().parse_args(argv)
     check_args(args)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, interrupt_on_signal)
     try:
         return run_setups(args, list(argv or sys.argv[1:]))
     finally:
@@ -320,10 +320,6 @@ def run_setups(args: argparse.Namespace, argv: list[str]) -> int:
 
 def workloads_of(entry: dict[str, Any]) -> list[dict[str, Any]]:
     return [entry[w] for w in WORKLOADS if isinstance(entry.get(w), dict)]
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM (a `timeout`): stop the servers on the way out
 
 
 if __name__ == "__main__":

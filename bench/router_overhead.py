@@ -40,7 +40,13 @@ from bench.lib.serve_client import (
     check_loopback,
     served_model_id,
 )
-from bench.lib.serve_launch import ROOT, LaunchedServer, command_line, machine_info
+from bench.lib.serve_launch import (
+    ROOT,
+    LaunchedServer,
+    command_line,
+    interrupt_on_signal,
+    machine_info,
+)
 
 # Router histograms (sum, count) read from /metrics around each measured window.
 ROUTER_METRICS = {
@@ -211,10 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def measure(args: argparse.Namespace) -> tuple[dict[str, list[Timing]], dict[str, Any]]:
     """Start the direct engine (and, with --launch, the cluster), run the rounds, stop both."""
     nice = args.direct_nice
@@ -254,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"error: unknown transports {sorted(bad)}")
         return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     machine = machine_info()
     try:
         timings, extra = measure(args)

@@ -40,7 +40,12 @@ from bench.lib.pool_watch import PoolSample, PoolWatch
 from bench.lib.prefill_counts import counts_between, prefill_counts
 from bench.lib.prefix_probe import prefill_holders, redis_url_from_log
 from bench.lib.serve_args import build_parser, check_args, rate_runs
-from bench.lib.serve_launch import LaunchedServer, command_line, machine_info
+from bench.lib.serve_launch import (
+    LaunchedServer,
+    command_line,
+    interrupt_on_signal,
+    machine_info,
+)
 from bench.lib.serve_plots import (
     INSTALL_HINT,
     PlotRun,
@@ -179,10 +184,6 @@ def probe_prefixes(
     return probe
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(__doc__).parse_args(argv)
     try:
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Ctrl-C and SIGTERM stop the run (and a launched server), even when started in the
     # background with SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     report: dict[str, Any] = {
         "label": args.label,
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),

@@ -33,6 +33,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def interrupt_on_signal(signum: int, frame: object) -> None:
+    """A signal handler (SIGTERM, e.g. from `timeout`) that stops a bench as Ctrl-C does, so
+    its `finally` and `with` blocks stop the servers it launched."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
