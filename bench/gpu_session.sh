@@ -44,12 +44,13 @@
 #              (KVRELAY_BF16_GEMV_ROWS=1, the default) and without (0), then vLLM's batch 1
 #              (when .vstage is installed)
 #   row-variants  one offline row (ROW) once per environment setting in VARIANTS
+#   b1-variants  batch-1 decode of the 8B shape per row in B1_ROWS and setting in B1_VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, scale-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, scale-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, b1-variants, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -256,7 +257,8 @@ case $phase in
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
       tests/unit/test_triton_kernels_interpreted.py &
-    gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py &
+    gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py \
+      tests/gpu/test_weight_prefetch_cuda.py tests/unit/test_weight_prefetch.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
       "${only[@]}" &
@@ -420,6 +422,24 @@ case $phase in
         > "$out/vllm_b1.txt" 2>&1
       echo "vllm batch-1 rc=$?"
     fi
+    ;;
+  b1-variants)  # batch-1 decode of the 8B shape (~40 s a run) for each row in B1_ROWS (bf16,
+    # fp8w: fp8 weights + fp8 KV) once per setting in B1_VARIANTS: space-separated VAR=VALUE
+    # words, "-" for the defaults (e.g. B1_VARIANTS="- KVRELAY_ATTN_PREFETCH_MIB=0")
+    for row in ${B1_ROWS:-bf16 fp8w}; do
+      flags=""; [ "$row" = fp8w ] && flags="--quantization fp8 --kv-cache-dtype fp8"
+      for variant in ${B1_VARIANTS:--}; do
+        tag=defaults
+        [ "$variant" = - ] || tag=$(printf %s "$variant" | tr -c 'A-Za-z0-9' _)
+        name="b1_${row}_$tag"
+        # shellcheck disable=SC2086
+        ( if [ "$variant" != - ]; then export "${variant?}"; fi
+          timeout 200 python3 -m bench.gpu_engine_bench --skip compare hf-greedy hf-speed \
+            offline $flags --kv-gib 8 --max-num-seqs 8 --json "$out/$name.json" \
+            > "$out/$name.txt" 2> "$out/$name.err"
+          echo "$name rc=$?" )
+      done
+    done
     ;;
   gemm-shapes)
     timeout 200 python3 -m bench.overlap_probe --json "$out/overlap_probe.json" \
