@@ -257,8 +257,7 @@ case $phase in
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
       tests/unit/test_triton_kernels_interpreted.py &
-    gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py \
-      tests/gpu/test_weight_prefetch_cuda.py tests/unit/test_weight_prefetch.py &
+    gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
       "${only[@]}" &
@@ -425,7 +424,7 @@ case $phase in
     ;;
   b1-variants)  # batch-1 decode of the 8B shape (~40 s a run) for each row in B1_ROWS (bf16,
     # fp8w: fp8 weights + fp8 KV) once per setting in B1_VARIANTS: space-separated VAR=VALUE
-    # words, "-" for the defaults (e.g. B1_VARIANTS="- KVRELAY_ATTN_PREFETCH_MIB=0")
+    # words, "-" for the defaults (e.g. B1_VARIANTS="- KVRELAY_BF16_GEMV_ROWS=0")
     for row in ${B1_ROWS:-bf16 fp8w}; do
       flags=""; [ "$row" = fp8w ] && flags="--quantization fp8 --kv-cache-dtype fp8"
       for variant in ${B1_VARIANTS:--}; do

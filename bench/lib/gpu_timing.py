@@ -15,7 +15,6 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
 GiB = 1 << 30
-SIDE_KERNEL = "prefetch_lines"  # models/weight_prefetch.py's kernel
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 4 * GiB, iters: int = 20) -> float:
@@ -155,11 +154,8 @@ def layer_timeline(spans: list[tuple[float, float, str]], iters: int) -> list[di
     `iters` identical replays: the shortest period of kernel names that repeats over the middle
     half of a replay, and for each kernel of one period (starting at the middle) its median
     time and the median gap from its end to the next kernel's start (negative: they overlap),
-    over every repeat in the middle half of every replay. [] when no period is found. The
-    side stream's L2 prefetches (models/weight_prefetch.py), whose place among the others
-    varies, are left out of the period and given last, their median time alone."""
-    side = [end - start for start, end, name in spans if SIDE_KERNEL in name]
-    ordered = sorted(span for span in spans if SIDE_KERNEL not in span[2])
+    over every repeat in the middle half of every replay. [] when no period is found."""
+    ordered = sorted(spans)
     per_iter = len(ordered) // max(1, iters)
     names = [name for _, _, name in ordered[:per_iter]]
     middle = range(per_iter // 4, 3 * per_iter // 4)
@@ -190,9 +186,7 @@ def layer_timeline(spans: list[tuple[float, float, str]], iters: int) -> list[di
             "gap_after_us": statistics.median(gaps[slot]),
         }
         for slot in range(period)
-    ] + (
-        [{"kernel": SIDE_KERNEL + " (side stream)", "us": statistics.median(side)}] if side else []
-    )
+    ]
 
 
 def profile_prefill_steps(engine: Engine, num_steps: int = 3) -> dict[str, Any]:

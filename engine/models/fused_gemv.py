@@ -32,7 +32,17 @@ ROWS_DEFAULT = 1
 MAX_ROWS = 2  # the fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth (x2 for SiLU)
 DTYPES = (torch.bfloat16, torch.float16)  # of the models that take them
 # (BLOCK_N, BLOCK_K, num_warps) the autotuner tries, each with AHEAD on and off
-TILES = ((2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (16, 512, 8))
+# (the 4096-wide ones: a whole 8B row of K a load, for the short-K qkv and o shapes)
+TILES = (
+    (2, 1024, 4),
+    (4, 1024, 4),
+    (4, 2048, 8),
+    (8, 512, 4),
+    (16, 512, 8),
+    (1, 4096, 4),
+    (2, 4096, 8),
+    (2, 2048, 4),
+)
 INTERPRETER_TILE = {"BLOCK_N": 8, "BLOCK_K": 128, "AHEAD": True, "num_warps": 4}
 
 

@@ -10,9 +10,7 @@ an Fp8Linear that defers its scales (decode batches; KVRELAY_FP8_DEFER_SCALES=0:
 output as ScaledRows to the kernel after it, which applies them, and the residual stream is
 carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
 reference. With fused kernels, a step of one row (models/fused_gemv.py's limit) over unquantized
-bias-free projections runs each layer as four fused GEMVs around RoPE and attention instead,
-and in steps of few rows o_proj's weight is asked into L2 while attention runs
-(models/weight_prefetch.py).
+bias-free projections runs each layer as four fused GEMVs around RoPE and attention instead.
 RoPE and the KV-cache write belong to the attention backend (AttentionBackend.forward_qkv),
 which may fuse them.
 """
@@ -27,7 +25,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
-from engine.models import fused_gemv, fused_ops, weight_prefetch
+from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import (
@@ -77,11 +75,7 @@ class Attention(nn.Module):
         qkv = project(self.qkv_proj, x)
         if not getattr(attn, "reads_scaled_rows", False):
             qkv = materialized(qkv)
-        out = weight_prefetch.during(
-            self.o_proj.weight,
-            qkv.shape[0],
-            lambda: attn.forward_qkv(self.layer, qkv, positions, self.rope),
-        )
+        out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
         return project(self.o_proj, out.reshape(-1, self.q_size))
 
 
@@ -164,7 +158,7 @@ class DecoderLayer(nn.Module):
         att, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
-        out = weight_prefetch.during(att.o_proj.weight, qkv.shape[0], lambda: attend(qkv))
+        out = attend(qkv)
         fused_gemv.gemv_add_(out.reshape(-1, att.q_size), att.o_proj.weight, residual)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight

@@ -51,9 +51,9 @@ def test_gaps_are_summed_by_the_kernels_on_either_side() -> None:
     assert pairs[1]["ms_per_step"] == 2.0 * 2 / 2 / 1e3 and pairs[1]["largest_us"] == 2.0
 
 
-def made_up_replays(iters: int, layers: int, side: bool) -> list[tuple[float, float, str]]:
+def made_up_replays(iters: int, layers: int) -> list[tuple[float, float, str]]:
     """iters replays of: embed, layers x (gemv 10 us, rope 2 us, attn 5 us), norm; 1 us gaps
-    except attn -> next gemv, which overlap by 0.5 us; with side: a prefetch beside each rope."""
+    except attn -> next gemv, which overlap by 0.5 us."""
     spans: list[tuple[float, float, str]] = []
     clock = 0.0
     for _ in range(iters):
@@ -61,24 +61,18 @@ def made_up_replays(iters: int, layers: int, side: bool) -> list[tuple[float, fl
         order += [("gemv", 10.0, 1.0), ("rope", 2.0, 1.0), ("attn", 5.0, -0.5)] * layers
         order += [("norm", 1.0, 1.0)]
         for name, length, gap in order:
-            if side and name == "rope":
-                spans.append((clock + 0.1, clock + 4.0, "prefetch_lines"))
             spans.append((clock, clock + length, name))
             clock += length + gap
     return spans
 
 
-@pytest.mark.parametrize("side", [False, True])
-def test_layer_timeline_finds_the_period_and_each_kernels_time(side: bool) -> None:
-    timeline = layer_timeline(made_up_replays(iters=3, layers=12, side=side), iters=3)
+def test_layer_timeline_finds_the_period_and_each_kernels_time() -> None:
+    timeline = layer_timeline(made_up_replays(iters=3, layers=12), iters=3)
     by_name = {row["kernel"]: row for row in timeline}
-    assert len(timeline) == 3 + side
+    assert len(timeline) == 3
     assert by_name["gemv"]["us"] == pytest.approx(10.0)
     assert by_name["attn"]["gap_after_us"] == pytest.approx(-0.5)
     assert by_name["rope"]["gap_after_us"] == pytest.approx(1.0)
-    assert ("prefetch_lines (side stream)" in by_name) == side
-    if side:
-        assert by_name["prefetch_lines (side stream)"]["us"] == pytest.approx(3.9)
 
 
 def test_layer_timeline_without_a_period_is_empty() -> None:
