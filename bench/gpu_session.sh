@@ -44,13 +44,14 @@
 #              (KVRELAY_BF16_GEMV_ROWS=1, the default) and without (0), then vLLM's batch 1
 #              (when .vstage is installed)
 #   row-variants  one offline row (ROW) once per environment setting in VARIANTS
+#   gemv-tiles  bench.fused_gemv_bench: each fused bf16 GEMV tile alone on the 8B projections
 #   b1-variants  batch-1 decode of the 8B shape per row in B1_ROWS and setting in B1_VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
 #   offline-mem  offline runs with the pool sized by GPU memory (ROWS: fp8w fp8kv bf16)
 #   vllm-offline  vLLM's offline runs of the same rows (ROWS: fp8w fp8kv bf16; needs .vstage)
 set -uo pipefail
-phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, scale-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, b1-variants, row-variants, side-by-side, offline-mem or vllm-offline}
+phase=${1:?phase: engine, offline, attention, transfer, cluster, goodput, goodput-gpus, scale-gpus, vllm-serve, fp8-tests, fp8-offline, grammar, host-tier, host-tier-beside, speculative, speculative-8b, vllm-spec, check, recheck, kernels, fp8-check, fp8-gemv, fusion, host-copies, prefill-attention, gemm-options, fa3-row, defer-row, pdl, page-lock, gc-freeze, ragged, blas-tune, gemm-shapes, prefill-role, fused-gemv, gemv-tiles, b1-variants, row-variants, side-by-side, offline-mem or vllm-offline}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -421,6 +422,11 @@ case $phase in
         > "$out/vllm_b1.txt" 2>&1
       echo "vllm batch-1 rc=$?"
     fi
+    ;;
+  gemv-tiles)  # bench.fused_gemv_bench: every fused-GEMV tile on the 8B projections (~2 min)
+    timeout 400 python3 -m bench.fused_gemv_bench --json "$out/gemv_tiles.json" \
+      > "$out/gemv_tiles.txt" 2>&1
+    echo "fused_gemv_bench rc=$?"
     ;;
   b1-variants)  # batch-1 decode of the 8B shape (~40 s a run) for each row in B1_ROWS (bf16,
     # fp8w: fp8 weights + fp8 KV) once per setting in B1_VARIANTS: space-separated VAR=VALUE
