@@ -1,10 +1,10 @@
 """The one-row fused bf16 GEMVs (engine/models/fused_gemv.py) alone on the Llama-3.1-8B decoder
 layer's four projections, each with its fusion (qkv: RMSNorm; o: residual add; gate/up: RMSNorm
-and SiLU; down: residual add), once per tile (every TILES entry and CANDIDATES, AHEAD on and
-off) and as the autotuner picks, next to cuBLAS's plain product (F.linear, no fusion). Each is
-timed as a chain of calls over enough copies of the weight that none is still in L2 when it is
-read again (the chain replayed from one CUDA graph, PDL as the engine launches them); the table
-gives us a call and the weight bytes read a second. Owns no state; needs a GPU.
+and SiLU; down: residual add), with the engine's tile (tile_for) and once per tile in TILES,
+next to cuBLAS's plain product (F.linear, no fusion). Each is timed as a chain of calls over
+enough copies of the weight that none is still in L2 when it is read again (the chain replayed
+from one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
+bytes read a second. Owns no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--json out.json]
 """
@@ -24,7 +24,16 @@ from engine.models import fused_gemv
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
 EPS = 1e-5
-CANDIDATES = ((1, 2048, 4), (4, 4096, 16), (8, 1024, 8), (1, 1024, 2))
+TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
+    (2, 1024, 4),
+    (4, 1024, 4),
+    (4, 2048, 8),
+    (8, 512, 4),
+    (16, 512, 8),
+    (8, 1024, 8),
+    (1, 1024, 2),
+    (2, 2048, 4),
+)
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
 REPLAYS = 5
 
@@ -32,7 +41,7 @@ REPLAYS = 5
 def chain_us(calls: list[Callable[[], Any]]) -> float:
     """Microseconds per call of the chain, replayed REPLAYS times from one CUDA graph."""
     for call in calls[:1]:
-        call()  # compile, autotune, cuBLAS handles
+        call()  # compile, cuBLAS handles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -49,9 +58,9 @@ def chain_us(calls: list[Callable[[], Any]]) -> float:
 
 
 def projection_calls(
-    name: str, weights: list[torch.Tensor], num_rows: int, tile: dict[str, Any] | None
+    name: str, weights: list[torch.Tensor], num_rows: int, tile: tuple[int, int, int] | None
 ) -> list[Callable[[], Any]]:
-    """One fused call per weight copy of projection `name` (tile None: the autotuner's)."""
+    """One fused call per weight copy of projection `name` (tile None: the engine's)."""
     k = weights[0].shape[1]
     x = torch.randn(num_rows, k, device="cuda").bfloat16()
     norm = (torch.rand(k, device="cuda") + 0.5).bfloat16()
@@ -85,12 +94,9 @@ def one_projection(name: str, n_rows: int, k: int, num_rows: int) -> dict[str, A
         print(f"  {name:8s} {label:22s} {us:8.2f} us  {size / us / 1e3:7.0f} GB/s", flush=True)
 
     record("cublas", [lambda w=w: F.linear(x, w) for w in weights])
-    record("autotuned", projection_calls(name, weights, num_rows, None))
-    for block_n, block_k, warps in dict.fromkeys(fused_gemv.TILES + CANDIDATES):
-        for ahead in (False, True):
-            tile = {"BLOCK_N": block_n, "BLOCK_K": block_k, "AHEAD": ahead, "num_warps": warps}
-            label = f"{block_n}x{block_k}w{warps}{'a' if ahead else ''}"
-            record(label, projection_calls(name, weights, num_rows, tile))
+    record("engine", projection_calls(name, weights, num_rows, None))
+    for tile in TILES:
+        record("x".join(map(str, tile)), projection_calls(name, weights, num_rows, tile))
     del weights
     torch.cuda.empty_cache()
     return result

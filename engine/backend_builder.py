@@ -250,8 +250,8 @@ def build_backend(
         )
     if hasattr(model, "use_fused_ops"):
         model.use_fused_ops(use_flashinfer)  # FlashInfer's fused norm and activation
-    # The fused GEMVs are tuned now, not mid-serving, and before the pool is allocated: the
-    # tuner's scratch (Triton's 256 MiB L2 flush buffer) goes back to the device.
+    # The fused GEMVs compile now, not mid-serving, and before the pool is allocated: their
+    # warm-up's zeros go back to the device.
     warm_up = getattr(model, "warm_up_fused_gemvs", None)
     if use_flashinfer and not memory_probe and warm_up is not None and warm_up():
         torch.cuda.empty_cache()

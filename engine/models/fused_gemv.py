@@ -12,6 +12,12 @@ that reads the input (every program reads the whole, L2-resident, input row), th
 rows of an output channel are read by the same program, and the residual is added where the
 output is written. No split-K: each program owns BLOCK_N output channels over all of K.
 
+Tiles: fixed per projection kind (tile_for), from bench.fused_gemv_bench on an H200, each call
+timed in a chain over weights L2 cannot hold, launched with PDL as the engine does: a normed
+projection without SiLU (qkv) reads fastest 8 channels x 512 a step, the others 4 x 1024.
+Triton's autotuner, timing each call alone, picked tiles 7-24% slower for the qkv and o shapes
+there, and asking for each weight tile a step ahead lost in the chain too, so neither is used.
+
 KVRELAY_BF16_GEMV_ROWS: steps of at most this many token rows take these kernels (default
 ROWS_DEFAULT; 0: never, cuBLAS and FlashInfer's fused norms as before; at most MAX_ROWS).
 """
@@ -31,19 +37,10 @@ ROWS_ENV = "KVRELAY_BF16_GEMV_ROWS"
 ROWS_DEFAULT = 1
 MAX_ROWS = 2  # the fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth (x2 for SiLU)
 DTYPES = (torch.bfloat16, torch.float16)  # of the models that take them
-# (BLOCK_N, BLOCK_K, num_warps) the autotuner tries, each with AHEAD on and off
-# (the 4096-wide ones: a whole 8B row of K a load, for the short-K qkv and o shapes)
-TILES = (
-    (2, 1024, 4),
-    (4, 1024, 4),
-    (4, 2048, 8),
-    (8, 512, 4),
-    (16, 512, 8),
-    (1, 4096, 4),
-    (2, 4096, 8),
-    (2, 2048, 4),
-)
-INTERPRETER_TILE = {"BLOCK_N": 8, "BLOCK_K": 128, "AHEAD": True, "num_warps": 4}
+NORMED_TILE = (8, 512, 4)  # (BLOCK_N, BLOCK_K, num_warps): qkv_proj's (norm, no SiLU)
+OTHER_TILE = (4, 1024, 4)  # o_proj, gate_up_proj (norm + SiLU), down_proj
+ACCUMULATOR_FLOATS_PER_THREAD = 64  # rows x BLOCK_N x BLOCK_K (x2 with SiLU) over the threads
+INTERPRETER_TILE = (8, 128, 4)  # Triton's interpreter: small, so that tests cover partial tiles
 
 
 @functools.cache
@@ -74,28 +71,25 @@ def takes(x: torch.Tensor, plain_projections: list[nn.Module]) -> bool:
     return rows_ok and x.is_cuda and x.dtype in DTYPES and bool(plain_projections)
 
 
+def padded_rows(num_rows: int) -> int:
+    """The kernel's ROWS for num_rows rows: the next power of two."""
+    return 1 << max(0, (num_rows - 1).bit_length())
+
+
+def tile_for(num_rows: int, norm: bool, silu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a call: NORMED_TILE or OTHER_TILE, BLOCK_N halved
+    until the accumulator fits ACCUMULATOR_FLOATS_PER_THREAD a thread."""
+    block_n, block_k, warps = NORMED_TILE if norm and not silu else OTHER_TILE
+    per_channel = padded_rows(num_rows) * block_k * (2 if silu else 1)
+    while block_n > 1 and block_n * per_channel > ACCUMULATOR_FLOATS_PER_THREAD * 32 * warps:
+        block_n //= 2
+    return block_n, block_k, warps
+
+
 @functools.cache
 def _kernel() -> Any:
     import triton
     import triton.language as tl
-
-    configs = [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "AHEAD": ahead}, num_warps=w)
-        for bn, bk, w in TILES
-        for ahead in (False, True)
-    ]
-
-    def fits_registers(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-        """At most 64 accumulator floats a thread (rows x BLOCK_N x BLOCK_K, twice with SiLU)."""
-        rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
-        silu = kwargs.get("SILU", named_args.get("SILU", False))
-        per = rows * (2 if silu else 1)
-        fit = [
-            c
-            for c in configs
-            if per * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 32 * c.num_warps
-        ]
-        return fit or configs[:1]
 
     @triton.jit
     def fused_gemv(
@@ -115,18 +109,14 @@ def _kernel() -> Any:
         ADD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        AHEAD: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels, all M (<= ROWS) rows, over the whole of K:
         acc[r, n, k] += x[r, k] (* norm[k]) * w[n, k] in fp32, summed along k at the end.
         NORM: times rsqrt(mean(x^2) + eps), the sum of squares taken in the same pass. SILU: w
-        has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out += its
-        own values (the residual, in place: each program reads and writes only its own
-        channels). AHEAD: each
-        weight tile is requested one K step before it is used (the first before the wait), so
-        two are in flight. PDL: wait for the kernel before, let the next one in after the
-        loop."""
+        has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out +=
+        its own values (the residual, in place: each program reads and writes only its own
+        channels). PDL: wait for the kernel before, let the next one in after the loop."""
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -137,30 +127,16 @@ def _kernel() -> Any:
         squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
         gate_rows = w_ptr + cols[:, None].to(tl.int64) * K
         up_rows = w_ptr + (cols[:, None] + N).to(tl.int64) * K
-        ks = tl.arange(0, BLOCK_K)
-        w_ok = col_ok[:, None] & (ks < K)[None, :]
-        if AHEAD:  # the first tiles before the wait: no kernel writes the weights
-            gate = tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)
-            up = gate
-            if SILU:
-                up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w_ok = col_ok[:, None] & k_ok[None, :]
-            if AHEAD:  # this tile was loaded last time round; ask for the next one first
-                gate_now, up_now = gate, up
-                next_ok = col_ok[:, None] & (ks + BLOCK_K < K)[None, :]
-                gate = tl.load(gate_rows + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
-                if SILU:
-                    up = tl.load(up_rows + BLOCK_K + ks[None, :], mask=next_ok, other=0.0)
-            else:
-                gate_now = tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)
-                up_now = gate_now
-                if SILU:
-                    up_now = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
+            gate = tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)
+            up = gate
+            if SILU:
+                up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
             x = tl.load(
                 x_ptr + rows[:, None] * x_row_stride + ks[None, :],
                 mask=row_ok[:, None] & k_ok[None, :],
@@ -169,9 +145,9 @@ def _kernel() -> Any:
             if NORM:
                 squares += x * x
                 x = x * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += x[:, None, :] * gate_now.to(tl.float32)[None, :, :]
+            acc += x[:, None, :] * gate.to(tl.float32)[None, :, :]
             if SILU:
-                acc_up += x[:, None, :] * up_now.to(tl.float32)[None, :, :]
+                acc_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         inv_rms = tl.full((ROWS,), 1.0, tl.float32)
@@ -193,13 +169,7 @@ def _kernel() -> Any:
             mask=out_ok,
         )
 
-    tuned = triton.autotune(
-        configs=configs,
-        key=["N", "K", "ROWS", "NORM", "SILU", "ADD"],
-        prune_configs_by={"early_config_prune": fits_registers},
-        restore_value=["out_ptr"],  # timing an in-place add must not add it many times
-    )(fused_gemv)
-    return tuned, fused_gemv
+    return fused_gemv
 
 
 def _launch(
@@ -211,10 +181,10 @@ def _launch(
     eps: float = 0.0,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    tile: dict[str, Any] | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """tile: run these BLOCK_N, BLOCK_K, AHEAD and num_warps instead of the autotuner's pick
-    (tests; in Triton's interpreter a fixed tile is always used)."""
+    """tile: run this (BLOCK_N, BLOCK_K, num_warps) instead of tile_for's (tests, benches;
+    Triton's interpreter always runs INTERPRETER_TILE)."""
     import triton
 
     num_rows, k = x.shape
@@ -232,16 +202,11 @@ def _launch(
         x = x.contiguous()
     if num_rows == 0:
         return out
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(n, meta["BLOCK_N"]),)
-
-    use_pdl = pdl.enabled(x.device)
-    tuned, untuned = _kernel()
-    if tile is None and not x.is_cuda:  # Triton's interpreter cannot time configs
+    if not x.is_cuda:
         tile = INTERPRETER_TILE
-    kernel = tuned if tile is None else untuned
-    kernel[grid](
+    block_n, block_k, warps = tile or tile_for(num_rows, norm is not None, silu)
+    use_pdl = pdl.enabled(x.device)
+    _kernel()[(triton.cdiv(n, block_n),)](
         x,
         weight,
         weight if norm is None else norm,  # read only when NORM
@@ -252,13 +217,15 @@ def _launch(
         eps,
         x.stride(0),
         out.stride(0),
-        ROWS=1 << max(0, (num_rows - 1).bit_length()),
+        ROWS=padded_rows(num_rows),
         NORM=norm is not None,
         SILU=silu,
         ADD=residual is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         PDL=use_pdl,
+        num_warps=warps,
         launch_pdl=use_pdl,
-        **(tile or {}),
     )
     return out
 

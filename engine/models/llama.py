@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
         self._gemv_layer(residual, attend)
 
     def warm_up_gemv(self, num_rows: int) -> None:
-        """Run forward_gemv's four kernels once on zeros (they compile and tune on first use);
+        """Run forward_gemv's four kernels once on zeros (they compile on first use);
         attention's output stands in as zeros."""
         weight = self.self_attn.qkv_proj.weight
         residual = weight.new_zeros(num_rows, weight.shape[1])
@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         return fits if self.fused_ops else []
 
     def warm_up_fused_gemvs(self) -> list[int]:
-        """Compile and tune the fused GEMVs for every row count that takes them now, not in
+        """Compile the fused GEMVs for every row count that takes them now, not in
         the first such step (an engine without CUDA graphs has no other warm-up); returns
         those row counts."""
         rows = self.fused_gemv_rows()

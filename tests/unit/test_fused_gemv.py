@@ -60,14 +60,6 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-@pytest.fixture(params=[True, False], ids=["ahead", "in-step"])
-def ahead(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The interpreter's tile asks for each weight tile a step ahead, or not (on a GPU the
-    autotuner picks)."""
-    monkeypatch.setitem(fused_gemv.INTERPRETER_TILE, "AHEAD", request.param)
-    return request.param
-
-
 def rms_normed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight
 
@@ -75,9 +67,7 @@ def rms_normed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @interpreted_or_gpu
 @pytest.mark.parametrize("num_rows", [1, 2])
 @pytest.mark.parametrize("n, k", [(37, 300), (16, 128)], ids=["partial-tiles", "whole-tiles"])
-def test_normed_gemv_is_the_norm_then_the_product(
-    ahead: bool, num_rows: int, n: int, k: int
-) -> None:
+def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int) -> None:
     h, norm, w = randn(num_rows, k, seed=1), randn(k, seed=2), randn(n, k, seed=3)
     got = fused_gemv.normed_gemv(h, norm, EPS, w)
     want = rms_normed(h, norm) @ w.T
@@ -87,9 +77,7 @@ def test_normed_gemv_is_the_norm_then_the_product(
 
 @interpreted_or_gpu
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(
-    ahead: bool, num_rows: int
-) -> None:
+def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: int) -> None:
     n, k = 37, 300
     h, norm, w = randn(num_rows, k, seed=4), randn(k, seed=5), randn(2 * n, k, seed=6)
     got = fused_gemv.normed_gemv_silu(h, norm, EPS, w)
@@ -101,7 +89,7 @@ def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(
 
 @interpreted_or_gpu
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_gemv_add_adds_the_product_into_the_residual_in_place(ahead: bool, num_rows: int) -> None:
+def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> None:
     n, k = 37, 300
     x, w, residual = randn(num_rows, k, seed=7), randn(n, k, seed=8), randn(num_rows, n, seed=9)
     want = residual + x @ w.T
@@ -162,3 +150,18 @@ def test_a_cuda_step_takes_them_by_its_rows(rows_env) -> None:
     assert not fused_gemv.takes(one, []), "a projection that is not plain"
     rows_env.set("0")
     assert not fused_gemv.takes(one, plain)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_each_projection_kind_gets_its_measured_tile_within_the_register_budget(
+    num_rows: int,
+) -> None:
+    kinds = {"qkv": (True, False), "gate_up": (True, True), "o_down": (False, False)}
+    tiles = {name: fused_gemv.tile_for(num_rows, *kind) for name, kind in kinds.items()}
+    if num_rows == 1:
+        assert tiles["qkv"] == fused_gemv.NORMED_TILE
+        assert tiles["gate_up"] == tiles["o_down"] == fused_gemv.OTHER_TILE
+    for name, (block_n, block_k, warps) in tiles.items():
+        floats = num_rows * block_n * block_k * (2 if name == "gate_up" else 1)
+        assert floats <= fused_gemv.ACCUMULATOR_FLOATS_PER_THREAD * 32 * warps, name
+    assert tiles["gate_up"][0] == fused_gemv.OTHER_TILE[0] // num_rows  # halved for 2 rows
