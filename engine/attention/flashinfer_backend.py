@@ -47,24 +47,9 @@ WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
-# Pure-decode steps' KV split on fa2 with tensor cores: unset, FlashInfer's planner splits each
-# sequence's KV to fill the GPU and merges the parts in a second kernel; "0": no split (one
-# kernel); N: N pages a part.
-DECODE_SPLIT_ENV = "KVRELAY_DECODE_SPLIT_PAGES"
 PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
 PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "auto", "0", "1", "fa2", "fa3": see ragged_backend
 HOPPER = (9, 0)
-
-
-def decode_split_args() -> dict[str, Any]:
-    """The decode wrappers' plan() arguments for KVRELAY_DECODE_SPLIT_PAGES (a value that is
-    not a whole number is refused by the variable's name)."""
-    raw = os.environ.get(DECODE_SPLIT_ENV, "").strip()
-    if not raw:
-        return {}
-    if not raw.isdecimal():
-        raise ValueError(f"{DECODE_SPLIT_ENV} must be a whole number of pages, got {raw!r}")
-    return {"disable_split_kv": True} if int(raw) == 0 else {"fixed_split_size": int(raw)}
 
 
 def prefill_backend(capability: tuple[int, int]) -> str:
@@ -228,7 +213,6 @@ class FlashInferAttention(AttentionBackend):
         # fa3 takes an fp8 cache only with fp8 queries: they are quantized with scale 1.0
         fp8_queries = self.prefill_kernel == "fa3" and kv_cache.dtype == FP8_KV_DTYPE
         self._prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.q_dtype
-        self._decode_split = decode_split_args()
         self._decode = self._decode_wrapper()
         self.ragged_kernel = ragged_backend(capability, kv_cache.dtype)
         self._ragged: Any = None
@@ -353,7 +337,6 @@ class FlashInferAttention(AttentionBackend):
             q_data_type=self.q_dtype,
             kv_data_type=self.kv_cache.dtype,
             non_blocking=True,
-            **self._decode_split,
         )
         self._active = wrapper
 
