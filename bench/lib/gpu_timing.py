@@ -153,8 +153,10 @@ def layer_timeline(spans: list[tuple[float, float, str]], iters: int) -> list[di
     """One layer's kernels as the replays ran them, from (start, end, name) spans in us of
     `iters` identical replays: the shortest period of kernel names that repeats over the middle
     half of a replay, and for each kernel of one period (starting at the middle) its median
-    time and the median gap from its end to the next kernel's start (negative: they overlap),
-    over every repeat in the middle half of every replay. [] when no period is found."""
+    time, the median gap from its end to the next kernel's start (negative: they overlap) and
+    its share, the median time from the previous kernel's end to its own (what it adds to the
+    replay where kernels overlap under PDL; the shares of a layer sum to its time), over every
+    repeat in the middle half of every replay. [] when no period is found."""
     ordered = sorted(spans)
     per_iter = len(ordered) // max(1, iters)
     names = [name for _, _, name in ordered[:per_iter]]
@@ -171,6 +173,7 @@ def layer_timeline(spans: list[tuple[float, float, str]], iters: int) -> list[di
         return []
     times: list[list[float]] = [[] for _ in range(period)]
     gaps: list[list[float]] = [[] for _ in range(period)]
+    shares: list[list[float]] = [[] for _ in range(period)]
     for replay in range(iters):
         base = replay * per_iter
         for j in range(per_iter // 4, 3 * per_iter // 4 - 1):
@@ -178,12 +181,14 @@ def layer_timeline(spans: list[tuple[float, float, str]], iters: int) -> list[di
             slot = (j - per_iter // 2) % period
             times[slot].append(end - start)
             gaps[slot].append(ordered[base + j + 1][0] - end)
+            shares[slot].append(end - ordered[base + j - 1][1])
     first = per_iter // 2
     return [
         {
             "kernel": names[first + slot][:60],
             "us": statistics.median(times[slot]),
             "gap_after_us": statistics.median(gaps[slot]),
+            "share_us": statistics.median(shares[slot]),
         }
         for slot in range(period)
     ]

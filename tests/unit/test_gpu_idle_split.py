@@ -73,6 +73,9 @@ def test_layer_timeline_finds_the_period_and_each_kernels_time() -> None:
     assert by_name["gemv"]["us"] == pytest.approx(10.0)
     assert by_name["attn"]["gap_after_us"] == pytest.approx(-0.5)
     assert by_name["rope"]["gap_after_us"] == pytest.approx(1.0)
+    assert by_name["gemv"]["share_us"] == pytest.approx(10.0 - 0.5)  # overlaps attn before it
+    assert by_name["rope"]["share_us"] == pytest.approx(1.0 + 2.0)
+    assert sum(row["share_us"] for row in timeline) == pytest.approx(18.5)  # a layer, gaps in
 
 
 def test_layer_timeline_without_a_period_is_empty() -> None:
