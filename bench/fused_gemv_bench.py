@@ -1,12 +1,15 @@
-"""The one-row fused bf16 GEMVs (engine/models/fused_gemv.py) alone on the Llama-3.1-8B decoder
-layer's four projections, each with its fusion (qkv: RMSNorm; o: residual add; gate/up: RMSNorm
-and SiLU; down: residual add), with the engine's tile (tile_for) and once per tile in TILES,
-next to cuBLAS's plain product (F.linear, no fusion). Each is timed as a chain of calls over
-enough copies of the weight that none is still in L2 when it is read again (the chain replayed
-from one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
+"""Few-row projections alone on the Llama-3.1-8B decoder layer's shapes, as a decode step chains
+them. bf16: the fused GEMVs (engine/models/fused_gemv.py) with their fusions (qkv: RMSNorm; o:
+residual add; gate/up: RMSNorm and SiLU, and once without SiLU, as one 28,672-channel GEMV;
+down: residual add), with the engine's tile and once per tile in TILES, next to cuBLAS
+(F.linear, no fusion). --fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized
+rows (engine/quant/fp8_dot_rows.py) as autotuned and once per tile of its autotuner, and
+fp8_gemv (bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough
+copies of the weight that none is still in L2 when it is read again (the chain replayed from
+one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
 bytes read a second. Owns no state; needs a GPU.
 
-    python -m bench.fused_gemv_bench [--rows 1] [--json out.json]
+    python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,9 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import fused_gemv
+from engine.quant.fp8 import quantize_rows, quantize_weight
+from engine.quant.fp8_dot_rows import fp8_dot_rows, tile_configs
+from engine.quant.fp8_gemv import fp8_gemv
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
 EPS = 1e-5
+SHAPES = {  # name -> (weight rows, K, RMSNorm before, SiLU after)
+    "qkv": (QKV, HIDDEN, True, False),
+    "o": (HIDDEN, HIDDEN, False, False),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN, True, True),
+    "gate_up_nosilu": (2 * INTERMEDIATE, HIDDEN, True, False),
+    "down": (HIDDEN, INTERMEDIATE, False, False),
+}
 TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
     (2, 1024, 4),
     (4, 1024, 4),
@@ -36,12 +49,13 @@ TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
 )
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
 REPLAYS = 5
+Calls = list[Callable[[], Any]]
 
 
-def chain_us(calls: list[Callable[[], Any]]) -> float:
+def chain_us(calls: Calls) -> float:
     """Microseconds per call of the chain, replayed REPLAYS times from one CUDA graph."""
     for call in calls[:1]:
-        call()  # compile, cuBLAS handles
+        call()  # compile, autotune, cuBLAS handles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -57,17 +71,31 @@ def chain_us(calls: list[Callable[[], Any]]) -> float:
     return start.elapsed_time(end) * 1e3 / (REPLAYS * len(calls))
 
 
-def projection_calls(
+def recorder(name: str, weight_bytes: int, result: dict[str, Any]) -> Callable[[str, Calls], None]:
+    """record(label, calls): time the chain into result["us"][label] and print a row."""
+
+    def record(label: str, calls: Calls) -> None:
+        try:
+            us = chain_us(calls)
+        except Exception as error:  # a tile that does not compile is a result too
+            result["us"][label] = f"error: {type(error).__name__}: {str(error)[:120]}"
+            return
+        result["us"][label] = us
+        rate = weight_bytes / us / 1e3
+        print(f"  {name:15s} {label:16s} {us:8.2f} us  {rate:7.0f} GB/s", flush=True)
+
+    return record
+
+
+def bf16_calls(
     name: str, weights: list[torch.Tensor], num_rows: int, tile: tuple[int, int, int] | None
-) -> list[Callable[[], Any]]:
+) -> Calls:
     """One fused call per weight copy of projection `name` (tile None: the engine's)."""
-    k = weights[0].shape[1]
+    _, k, normed, silu = SHAPES[name]
     x = torch.randn(num_rows, k, device="cuda").bfloat16()
     norm = (torch.rand(k, device="cuda") + 0.5).bfloat16()
-    n = weights[0].shape[0] // (2 if name == "gate_up" else 1)
+    n = weights[0].shape[0] // (2 if silu else 1)
     out = torch.zeros(num_rows, n, device="cuda").bfloat16()
-    silu = name == "gate_up"
-    normed = name in ("qkv", "gate_up")
 
     def call(weight: torch.Tensor) -> Callable[[], Any]:
         if normed:
@@ -77,27 +105,54 @@ def projection_calls(
     return [call(w) for w in weights]
 
 
-def one_projection(name: str, n_rows: int, k: int, num_rows: int) -> dict[str, Any]:
+def copies_of(weight_bytes: int) -> int:
+    return max(2, -(-CHAIN_BYTES // weight_bytes))
+
+
+def one_bf16(name: str, num_rows: int) -> dict[str, Any]:
+    n_rows, k, _, _ = SHAPES[name]
     size = n_rows * k * 2
-    copies = max(2, -(-CHAIN_BYTES // size))
-    weights = [torch.randn(n_rows, k, device="cuda").bfloat16() * 0.02 for _ in range(copies)]
+    weights = [
+        torch.randn(n_rows, k, device="cuda").bfloat16() * 0.02 for _ in range(copies_of(size))
+    ]
     x = torch.randn(num_rows, k, device="cuda").bfloat16()
-    result: dict[str, Any] = {"weight_mib": size / 2**20, "copies": copies, "us": {}}
-
-    def record(label: str, calls: list[Callable[[], Any]]) -> None:
-        try:
-            us = chain_us(calls)
-        except Exception as error:  # a tile that does not compile is a result too
-            result["us"][label] = f"error: {type(error).__name__}: {str(error)[:120]}"
-            return
-        result["us"][label] = us
-        print(f"  {name:8s} {label:22s} {us:8.2f} us  {size / us / 1e3:7.0f} GB/s", flush=True)
-
+    result: dict[str, Any] = {"weight_mib": size / 2**20, "copies": len(weights), "us": {}}
+    record = recorder(name, size, result)
     record("cublas", [lambda w=w: F.linear(x, w) for w in weights])
-    record("engine", projection_calls(name, weights, num_rows, None))
+    record("engine", bf16_calls(name, weights, num_rows, None))
     for tile in TILES:
-        record("x".join(map(str, tile)), projection_calls(name, weights, num_rows, tile))
-    del weights
+        record("x".join(map(str, tile)), bf16_calls(name, weights, num_rows, tile))
+    weights.clear()
+    torch.cuda.empty_cache()
+    return result
+
+
+def one_fp8(name: str, num_rows: int) -> dict[str, Any]:
+    n_rows, k, _, _ = SHAPES[name]
+    size = n_rows * k
+    weights = [
+        quantize_weight(torch.randn(n_rows, k, device="cuda") * 0.02)
+        for _ in range(copies_of(size))
+    ]
+    x = torch.randn(num_rows, k, device="cuda").bfloat16()
+    q, scale = quantize_rows(x, None)
+    result: dict[str, Any] = {"weight_mib": size / 2**20, "copies": len(weights), "us": {}}
+    record = recorder(name, size, result)
+
+    def dot_rows(tile: tuple[int, ...] | None) -> Calls:
+        return [lambda w=w: fp8_dot_rows(q, scale, w.weight, w.scale, None, tile) for w in weights]
+
+    record("dot_rows", dot_rows(None))
+    for config in tile_configs():
+        tile = (
+            config.kwargs["BLOCK_N"],
+            config.kwargs["BLOCK_K"],
+            config.num_warps,
+            config.num_stages,
+        )
+        record("x".join(map(str, tile)), dot_rows(tile))
+    record("gemv", [lambda w=w: fp8_gemv(x, w.weight, w.scale, None) for w in weights])
+    weights.clear()
     torch.cuda.empty_cache()
     return result
 
@@ -105,18 +160,16 @@ def one_projection(name: str, n_rows: int, k: int, num_rows: int) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--fp8", action="store_true", help="the FP8 weights' kernels")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    shapes = {
-        "qkv": (QKV, HIDDEN),
-        "o": (HIDDEN, HIDDEN),
-        "gate_up": (2 * INTERMEDIATE, HIDDEN),
-        "down": (HIDDEN, INTERMEDIATE),
-    }
     results = {"device": torch.cuda.get_device_name(), "rows": args.rows, "projections": {}}
-    for name, (n_rows, k) in shapes.items():
+    for name, (n_rows, k, _, _) in SHAPES.items():
+        if args.fp8 and name == "gate_up_nosilu":
+            continue  # the FP8 kernels have no SiLU inside
         print(f"{name}: [{n_rows}, {k}]", flush=True)
-        results["projections"][name] = one_projection(name, n_rows, k, args.rows)
+        one = one_fp8 if args.fp8 else one_bf16
+        results["projections"][name] = one(name, args.rows)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -44,7 +44,7 @@
 #              (KVRELAY_BF16_GEMV_ROWS=1, the default) and without (0), then vLLM's batch 1
 #              (when .vstage is installed)
 #   row-variants  one offline row (ROW) once per environment setting in VARIANTS
-#   gemv-tiles  bench.fused_gemv_bench: each fused bf16 GEMV tile alone on the 8B projections
+#   gemv-tiles  bench.fused_gemv_bench: each few-row kernel tile (bf16, then FP8) on the 8B projections
 #   b1-variants  batch-1 decode of the 8B shape per row in B1_ROWS and setting in B1_VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
@@ -423,10 +423,15 @@ case $phase in
       echo "vllm batch-1 rc=$?"
     fi
     ;;
-  gemv-tiles)  # bench.fused_gemv_bench: every fused-GEMV tile on the 8B projections (~2 min)
-    timeout 400 python3 -m bench.fused_gemv_bench --json "$out/gemv_tiles.json" \
-      > "$out/gemv_tiles.txt" 2>&1
-    echo "fused_gemv_bench rc=$?"
+  gemv-tiles)  # bench.fused_gemv_bench: every few-row kernel tile on the 8B projections in a
+    # chain, bf16 (~1 min) then FP8 (--fp8)
+    for kind in bf16 fp8; do
+      flag=""; [ "$kind" = fp8 ] && flag=--fp8
+      # shellcheck disable=SC2086
+      timeout 300 python3 -m bench.fused_gemv_bench $flag --json "$out/gemv_tiles_$kind.json" \
+        > "$out/gemv_tiles_$kind.txt" 2>&1
+      echo "fused_gemv_bench $kind rc=$?"
+    done
     ;;
   b1-variants)  # batch-1 decode of the 8B shape (~40 s a run) for each row in B1_ROWS (bf16,
     # fp8w: fp8 weights + fp8 KV) once per setting in B1_VARIANTS: space-separated VAR=VALUE

@@ -128,11 +128,12 @@ def fp8_dot_rows(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    tile: tuple[int, int] | None = None,
+    tile: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """q e4m3 [M, K] (M <= MAX_ROWS, contiguous) with scale float32 [M, 1], weight e4m3 [N, K]
     contiguous, weight_scale float32 with N elements, bias [N] bf16 or None -> [M, N] bf16.
-    tile: (BLOCK_N, BLOCK_K) instead of the autotuner's choice (tests)."""
+    tile: (BLOCK_N, BLOCK_K[, num_warps, num_stages]) instead of the autotuner's choice (tests,
+    benches; Triton's defaults for the two left out)."""
     import triton
 
     num_rows, k = q.shape
@@ -157,8 +158,9 @@ def fp8_dot_rows(
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _kernel(True)[grid](*operands, *sizes, **flags)
     else:
-        block_n, block_k = tile
+        block_n, block_k, *launch = tile
+        options = dict(zip(("num_warps", "num_stages"), launch, strict=False))
         _kernel(False)[(triton.cdiv(n, block_n),)](
-            *operands, *sizes, **flags, BLOCK_N=block_n, BLOCK_K=block_k
+            *operands, *sizes, **flags, BLOCK_N=block_n, BLOCK_K=block_k, **options
         )
     return out
