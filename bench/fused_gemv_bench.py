@@ -1,14 +1,13 @@
 """Few-row projections alone on the Llama-3.1-8B decoder layer's shapes, as a decode step chains
 them. bf16: the fused GEMVs (engine/models/fused_gemv.py) with their fusions (qkv: RMSNorm; o:
 residual add; gate/up: RMSNorm and SiLU, and once without SiLU, as one 28,672-channel GEMV;
-down: residual add), with the engine's tile and once per tile in TILES (each summing along K
-at the end, as the engine does, and at each step), next to cuBLAS (F.linear, no fusion).
---fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized rows
-(engine/quant/fp8_dot_rows.py) as autotuned and once per tile of its autotuner, and fp8_gemv
-(bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough copies of the
-weight that none is still in L2 when it is read again (the chain replayed from one CUDA graph,
-PDL as the engine launches them); the table gives us a call and the weight bytes read a
-second. Owns no state; needs a GPU.
+down: residual add), with the engine's tile and once per tile in TILES, next to cuBLAS
+(F.linear, no fusion). --fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized
+rows (engine/quant/fp8_dot_rows.py) as autotuned and once per tile of its autotuner, and
+fp8_gemv (bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough
+copies of the weight that none is still in L2 when it is read again (the chain replayed from
+one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
+bytes read a second. Owns no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
@@ -89,7 +88,7 @@ def recorder(name: str, weight_bytes: int, result: dict[str, Any]) -> Callable[[
 
 
 def bf16_calls(
-    name: str, weights: list[torch.Tensor], num_rows: int, tile: tuple[int, ...] | None
+    name: str, weights: list[torch.Tensor], num_rows: int, tile: tuple[int, int, int] | None
 ) -> Calls:
     """One fused call per weight copy of projection `name` (tile None: the engine's)."""
     _, k, normed, silu = SHAPES[name]
@@ -122,9 +121,7 @@ def one_bf16(name: str, num_rows: int) -> dict[str, Any]:
     record("cublas", [lambda w=w: F.linear(x, w) for w in weights])
     record("engine", bf16_calls(name, weights, num_rows, None))
     for tile in TILES:
-        for sum_each_step in (False, True):  # label suffix s: summed along K at each step
-            label = "x".join(map(str, tile)) + ("s" if sum_each_step else "")
-            record(label, bf16_calls(name, weights, num_rows, (*tile, sum_each_step)))
+        record("x".join(map(str, tile)), bf16_calls(name, weights, num_rows, tile))
     weights.clear()
     torch.cuda.empty_cache()
     return result

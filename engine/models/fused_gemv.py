@@ -40,7 +40,7 @@ DTYPES = (torch.bfloat16, torch.float16)  # of the models that take them
 NORMED_TILE = (8, 512, 4)  # (BLOCK_N, BLOCK_K, num_warps): qkv_proj's (norm, no SiLU)
 OTHER_TILE = (4, 1024, 4)  # o_proj, gate_up_proj (norm + SiLU), down_proj
 ACCUMULATOR_FLOATS_PER_THREAD = 64  # rows x BLOCK_N x BLOCK_K (x2 with SiLU) over the threads
-INTERPRETER_TILE: tuple[int, ...] = (8, 128, 4)  # the interpreter's: tests cover partial tiles
+INTERPRETER_TILE = (8, 128, 4)  # Triton's interpreter: small, so that tests cover partial tiles
 
 
 @functools.cache
@@ -109,12 +109,10 @@ def _kernel() -> Any:
         ADD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        SUM_EACH_STEP: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One program per BLOCK_N output channels, all M (<= ROWS) rows, over the whole of K:
-        acc[r, n, k] += x[r, k] (* norm[k]) * w[n, k] in fp32, summed along k at the end
-        (SUM_EACH_STEP: at each K step, into acc[r, n]: fewer registers, more reductions).
+        acc[r, n, k] += x[r, k] (* norm[k]) * w[n, k] in fp32, summed along k at the end.
         NORM: times rsqrt(mean(x^2) + eps), the sum of squares taken in the same pass. SILU: w
         has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out +=
         its own values (the residual, in place: each program reads and writes only its own
@@ -124,12 +122,8 @@ def _kernel() -> Any:
         rows = tl.arange(0, ROWS)
         col_ok = cols < N
         row_ok = rows < M
-        if SUM_EACH_STEP:
-            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        else:
-            acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-            acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
         gate_rows = w_ptr + cols[:, None].to(tl.int64) * K
         up_rows = w_ptr + (cols[:, None] + N).to(tl.int64) * K
@@ -151,28 +145,17 @@ def _kernel() -> Any:
             if NORM:
                 squares += x * x
                 x = x * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            product = x[:, None, :] * gate.to(tl.float32)[None, :, :]
-            if SUM_EACH_STEP:
-                acc += tl.sum(product, axis=2)
-            else:
-                acc += product
+            acc += x[:, None, :] * gate.to(tl.float32)[None, :, :]
             if SILU:
-                product_up = x[:, None, :] * up.to(tl.float32)[None, :, :]
-                if SUM_EACH_STEP:
-                    acc_up += tl.sum(product_up, axis=2)
-                else:
-                    acc_up += product_up
+                acc_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         inv_rms = tl.full((ROWS,), 1.0, tl.float32)
         if NORM:
             inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
-        if not SUM_EACH_STEP:
-            acc = tl.sum(acc, axis=2)
-            acc_up = tl.sum(acc_up, axis=2)
-        out = acc * inv_rms[:, None]
+        out = tl.sum(acc, axis=2) * inv_rms[:, None]
         if SILU:
-            up_out = acc_up * inv_rms[:, None]
+            up_out = tl.sum(acc_up, axis=2) * inv_rms[:, None]
             out = out / (1.0 + tl.exp(-out)) * up_out
         out_ok = row_ok[:, None] & col_ok[None, :]
         if ADD:
@@ -198,10 +181,10 @@ def _launch(
     eps: float = 0.0,
     silu: bool = False,
     residual: torch.Tensor | None = None,
-    tile: tuple[int, ...] | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """tile: run this (BLOCK_N, BLOCK_K, num_warps[, SUM_EACH_STEP]) instead of tile_for's
-    (tests, benches; Triton's interpreter always runs INTERPRETER_TILE)."""
+    """tile: run this (BLOCK_N, BLOCK_K, num_warps) instead of tile_for's (tests, benches;
+    Triton's interpreter always runs INTERPRETER_TILE)."""
     import triton
 
     num_rows, k = x.shape
@@ -221,7 +204,7 @@ def _launch(
         return out
     if not x.is_cuda:
         tile = INTERPRETER_TILE
-    block_n, block_k, warps, *sum_each_step = tile or tile_for(num_rows, norm is not None, silu)
+    block_n, block_k, warps = tile or tile_for(num_rows, norm is not None, silu)
     use_pdl = pdl.enabled(x.device)
     _kernel()[(triton.cdiv(n, block_n),)](
         x,
@@ -240,7 +223,6 @@ def _launch(
         ADD=residual is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        SUM_EACH_STEP=bool(sum_each_step and sum_each_step[0]),
         PDL=use_pdl,
         num_warps=warps,
         launch_pdl=use_pdl,

@@ -56,18 +56,6 @@ def gemv_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return launches
 
 
-@pytest.fixture(params=[False, True], ids=["sum-at-end", "sum-each-step"])
-def summing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The kernels' products summed along K at the end (the engine's) or at each K step: the
-    interpreter's tile and, on a GPU, tile_for's pick carry the choice."""
-    monkeypatch.setattr(
-        fused_gemv, "INTERPRETER_TILE", (*fused_gemv.INTERPRETER_TILE, request.param)
-    )
-    pick = fused_gemv.tile_for
-    monkeypatch.setattr(fused_gemv, "tile_for", lambda *args: (*pick(*args), request.param))
-    return request.param
-
-
 def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
@@ -79,9 +67,7 @@ def rms_normed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @interpreted_or_gpu
 @pytest.mark.parametrize("num_rows", [1, 2])
 @pytest.mark.parametrize("n, k", [(37, 300), (16, 128)], ids=["partial-tiles", "whole-tiles"])
-def test_normed_gemv_is_the_norm_then_the_product(
-    summing: bool, num_rows: int, n: int, k: int
-) -> None:
+def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int) -> None:
     h, norm, w = randn(num_rows, k, seed=1), randn(k, seed=2), randn(n, k, seed=3)
     got = fused_gemv.normed_gemv(h, norm, EPS, w)
     want = rms_normed(h, norm) @ w.T
@@ -91,9 +77,7 @@ def test_normed_gemv_is_the_norm_then_the_product(
 
 @interpreted_or_gpu
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(
-    summing: bool, num_rows: int
-) -> None:
+def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: int) -> None:
     n, k = 37, 300
     h, norm, w = randn(num_rows, k, seed=4), randn(k, seed=5), randn(2 * n, k, seed=6)
     got = fused_gemv.normed_gemv_silu(h, norm, EPS, w)
@@ -105,7 +89,7 @@ def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(
 
 @interpreted_or_gpu
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_gemv_add_adds_the_product_into_the_residual_in_place(summing: bool, num_rows: int) -> None:
+def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> None:
     n, k = 37, 300
     x, w, residual = randn(num_rows, k, seed=7), randn(n, k, seed=8), randn(num_rows, n, seed=9)
     want = residual + x @ w.T
