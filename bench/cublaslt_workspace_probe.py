@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES
+from bench.lib.gpu_timing import replay_ms
 from engine.quant.fp8 import FP8_DTYPE
 
 REPLAYS = 20
@@ -54,15 +55,9 @@ def measure(rows: int) -> dict[str, object]:
     from torch.profiler import ProfilerActivity, profile
 
     graph, gemms = graph_of_step(rows)
-    for _ in range(3):
+    for _ in range(2):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / REPLAYS
+    step_ms = replay_ms(graph, REPLAYS)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             graph.replay()
@@ -76,7 +71,7 @@ def measure(rows: int) -> dict[str, object]:
     return {
         "rows": rows,
         "gemms": gemms,
-        "replay_ms": replay_ms,
+        "replay_ms": step_ms,
         "kernels": [{"name": n, "us": round(t, 1), "count": round(c)} for n, (t, c) in kernels],
     }
 

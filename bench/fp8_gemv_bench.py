@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.lib import fp8_gemv_candidates as candidates
+from bench.lib.gpu_timing import chain_us
 from engine.quant.fp8 import quantize_rows, quantize_weight
 from engine.quant.fp8_dot_rows import fp8_dot_rows
 from engine.quant.fp8_gemv import VECTOR_MAX_ROWS, fp8_gemv
@@ -38,21 +39,8 @@ ITERS = 20
 
 
 def graph_us(op: Callable[[], Any]) -> float:
-    """Microseconds per call of op, replayed ITERS times from one CUDA graph."""
-    op()  # compile, autotune, cuBLAS handles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ITERS):
-            op()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * ITERS)
+    """Microseconds per call of op, called ITERS times in one CUDA graph, replayed 5 times."""
+    return chain_us([op] * ITERS)
 
 
 def one_shape(n: int, k: int, num_rows: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.lib.gpu_timing import chain_us
 from engine.models import fused_gemv
 from engine.quant.fp8 import quantize_rows, quantize_weight
 from engine.quant.fp8_dot_rows import fp8_dot_rows, tile_configs
@@ -48,27 +49,7 @@ TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
     (2, 2048, 4),
 )
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
-REPLAYS = 5
 Calls = list[Callable[[], Any]]
-
-
-def chain_us(calls: Calls) -> float:
-    """Microseconds per call of the chain, replayed REPLAYS times from one CUDA graph."""
-    for call in calls[:1]:
-        call()  # compile, autotune, cuBLAS handles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * len(calls))
 
 
 def recorder(name: str, weight_bytes: int, result: dict[str, Any]) -> Callable[[str, Calls], None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,6 +94,32 @@ def graph_replay_time(
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds per replay of a captured graph: one replay to warm up, then `replays`
+    timed back to back with CUDA events."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def chain_us(calls: list[Callable[[], Any]], replays: int = 5) -> float:
+    """Microseconds per call of a chain of calls captured into one CUDA graph (the first call
+    runs once before, outside it: compiles, autotunes, cuBLAS handles)."""
+    for call in calls[:1]:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return replay_ms(graph, replays) * 1e3 / len(calls)
 
 
 def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
