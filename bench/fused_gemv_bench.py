@@ -60,6 +60,7 @@ def recorder(name: str, weight_bytes: int, result: dict[str, Any]) -> Callable[[
             us = chain_us(calls)
         except Exception as error:  # a tile that does not compile is a result too
             result["us"][label] = f"error: {type(error).__name__}: {str(error)[:120]}"
+            print(f"  {name:15s} {label:16s} {result['us'][label]}", flush=True)
             return
         result["us"][label] = us
         rate = weight_bytes / us / 1e3

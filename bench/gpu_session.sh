@@ -44,7 +44,7 @@
 #              (KVRELAY_BF16_GEMV_ROWS=1, the default) and without (0), then vLLM's batch 1
 #              (when .vstage is installed)
 #   row-variants  one offline row (ROW) once per environment setting in VARIANTS
-#   gemv-tiles  bench.fused_gemv_bench: each few-row kernel tile (bf16, then FP8) on the 8B projections
+#   gemv-tiles  bench.fused_gemv_bench: each few-row kernel tile (bf16, then FP8), 8B shapes
 #   b1-variants  batch-1 decode of the 8B shape per row in B1_ROWS and setting in B1_VARIANTS
 #   side-by-side  one row of kvrelay's offline run, then vLLM's same row, in one call (ROW:
 #              fp8w, fp8kv or bf16; needs .vstage; ~7 min for fp8w)
@@ -78,6 +78,9 @@ gpu_tests() {  # NAME PYTEST_ARGS...: one pytest process into $out/NAME.txt
   local name=$1; shift
   timeout 420 python3 -m pytest -q -s -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
   echo "$name rc=$?" | tee -a "$out/$name.txt"
+}
+variant_tag() {  # VARIANT: its file-name tag ("defaults" for "-", VAR=VALUE words made safe)
+  if [ "$1" = - ]; then echo defaults; else printf %s "$1" | tr -c 'A-Za-z0-9' _; fi
 }
 row_flags() {  # ROW: gpu_engine_bench's flags for that offline row (pool by memory, its batch)
   case $1 in
@@ -410,12 +413,7 @@ case $phase in
     ;;
   fused-gemv)  # engine/models/fused_gemv.py: its tests, batch-1 bf16 on and off, vLLM's batch 1
     gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py
-    for rows in ${GEMV_RUNS:-1 0}; do
-      KVRELAY_BF16_GEMV_ROWS=$rows timeout 300 python3 -m bench.gpu_engine_bench --skip compare \
-        hf-greedy hf-speed offline --kv-gib 8 --max-num-seqs 8 --json "$out/b1_gemv$rows.json" \
-        > "$out/b1_gemv$rows.txt" 2>&1
-      echo "batch-1 bf16, KVRELAY_BF16_GEMV_ROWS=$rows rc=$?"
-    done
+    B1_ROWS=bf16 B1_VARIANTS="- KVRELAY_BF16_GEMV_ROWS=0" bash "$0" b1-variants
     if [ -f /tmp/vsite/.ok ]; then  # its batch-1 latency; the throughput part kept tiny
       PYTHONPATH=/tmp/vsite timeout 420 python3 .vstage/vllm_bench.py --num-requests 16 \
         --input-len 128 --output-len 16 --lat-reps 3 --json "$out/vllm_b1.json" \
@@ -423,25 +421,23 @@ case $phase in
       echo "vllm batch-1 rc=$?"
     fi
     ;;
-  gemv-tiles)  # bench.fused_gemv_bench: every few-row kernel tile on the 8B projections in a
-    # chain, bf16 (~1 min) then FP8 (--fp8)
-    for kind in bf16 fp8; do
-      flag=""; [ "$kind" = fp8 ] && flag=--fp8
+  gemv-tiles)  # bench.fused_gemv_bench: the few-row kernels' tiles in a chain, bf16 then --fp8
+    for flag in "" --fp8; do
+      name=gemv_tiles${flag:+_fp8}
       # shellcheck disable=SC2086
-      timeout 300 python3 -m bench.fused_gemv_bench $flag --json "$out/gemv_tiles_$kind.json" \
-        > "$out/gemv_tiles_$kind.txt" 2>&1
-      echo "fused_gemv_bench $kind rc=$?"
+      timeout 300 python3 -m bench.fused_gemv_bench $flag --json "$out/$name.json" \
+        > "$out/$name.txt" 2>&1
+      echo "$name rc=$?"
     done
     ;;
   b1-variants)  # batch-1 decode of the 8B shape (~40 s a run) for each row in B1_ROWS (bf16,
     # fp8w: fp8 weights + fp8 KV) once per setting in B1_VARIANTS: space-separated VAR=VALUE
     # words, "-" for the defaults (e.g. B1_VARIANTS="- KVRELAY_BF16_GEMV_ROWS=0")
     for row in ${B1_ROWS:-bf16 fp8w}; do
-      flags=""; [ "$row" = fp8w ] && flags="--quantization fp8 --kv-cache-dtype fp8"
+      case $row in bf16) flags="" ;; fp8w) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
+        *) echo "B1_ROWS: unknown row $row (bf16 or fp8w)" >&2; exit 2 ;; esac
       for variant in ${B1_VARIANTS:--}; do
-        tag=defaults
-        [ "$variant" = - ] || tag=$(printf %s "$variant" | tr -c 'A-Za-z0-9' _)
-        name="b1_${row}_$tag"
+        name="b1_${row}_$(variant_tag "$variant")"
         # shellcheck disable=SC2086
         ( if [ "$variant" != - ]; then export "${variant?}"; fi
           timeout 200 python3 -m bench.gpu_engine_bench --skip compare hf-greedy hf-speed \
@@ -478,11 +474,9 @@ case $phase in
     row=${ROW:-bf16}
     flags=$(row_flags "$row") || exit 2
     for variant in ${VARIANTS:--}; do
-      tag=defaults
-      [ "$variant" = - ] || tag=$(printf %s "$variant" | tr -c 'A-Za-z0-9' _)
       # shellcheck disable=SC2086
       ( if [ "$variant" != - ]; then export "${variant?}"; fi
-        offline_run "offline_${row}_$tag" $flags --max-num-batched-tokens 16384 )
+        offline_run "offline_${row}_$(variant_tag "$variant")" $flags --max-num-batched-tokens 16384 )
     done
     ;;
   vllm-offline)  # vLLM 0.26.0's own defaults on the same rows (~200-230 s of start-up a row, then

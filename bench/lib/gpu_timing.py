@@ -1,6 +1,7 @@
 """Timing primitives for one engine on a GPU: device copy bandwidth, wall time of decode steps,
-CUDA-graph replay time, kernel time by kind inside a replay, and host + device time of decode
-steps mid-run. Stateless: the requests live in the caller's engine.
+CUDA-graph replay time, kernel time by kind inside a replay and one layer's kernel timeline,
+host + device time of decode steps mid-run, and a chain of calls timed from one graph (for
+kernel benches). Stateless: the requests live in the caller's engine.
 """
 
 from __future__ import annotations
@@ -183,10 +184,16 @@ def layer_timeline(spans: list[tuple[float, float, str]], iters: int) -> list[di
     time, the median gap from its end to the next kernel's start (negative: they overlap) and
     its share, the median time from the previous kernel's end to its own (what it adds to the
     replay where kernels overlap under PDL; the shares of a layer sum to its time), over every
-    repeat in the middle half of every replay. [] when no period is found."""
+    repeat in the middle half of every replay. [] when no period is found, and when the spans
+    are not `iters` replays of one sequence of kernels (too few, or a replay that differs)."""
     ordered = sorted(spans)
-    per_iter = len(ordered) // max(1, iters)
+    per_iter = len(ordered) // iters if iters > 0 else 0
+    if per_iter < 4 or per_iter * iters != len(ordered):
+        return []
     names = [name for _, _, name in ordered[:per_iter]]
+    replay_names = (ordered[r * per_iter : (r + 1) * per_iter] for r in range(iters))
+    if any([name for _, _, name in replay] != names for replay in replay_names):
+        return []
     middle = range(per_iter // 4, 3 * per_iter // 4)
     period = next(
         (

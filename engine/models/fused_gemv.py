@@ -184,7 +184,7 @@ def _launch(
     tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """tile: run this (BLOCK_N, BLOCK_K, num_warps) instead of tile_for's (tests, benches;
-    Triton's interpreter always runs INTERPRETER_TILE)."""
+    Triton's interpreter runs INTERPRETER_TILE unless given one)."""
     import triton
 
     num_rows, k = x.shape
@@ -202,7 +202,7 @@ def _launch(
         x = x.contiguous()
     if num_rows == 0:
         return out
-    if not x.is_cuda:
+    if tile is None and not x.is_cuda:
         tile = INTERPRETER_TILE
     block_n, block_k, warps = tile or tile_for(num_rows, norm is not None, silu)
     use_pdl = pdl.enabled(x.device)

@@ -1,7 +1,7 @@
-"""bench.lib.gpu_timing's idle arithmetic on made-up kernel spans: the gaps where no span runs
+"""bench.lib.gpu_timing's arithmetic on made-up kernel spans: the gaps where no span runs
 (overlapping and nested spans merged), their split into gaps between steps (the longest,
-one per step boundary) and gaps inside steps, and their sums by the spans on either side. Pure
-functions: no GPU."""
+one per step boundary) and gaps inside steps, their sums by the spans on either side, and one
+layer's kernel timeline from replays of a graph. Pure functions: no GPU."""
 
 from __future__ import annotations
 
@@ -81,3 +81,12 @@ def test_layer_timeline_finds_the_period_and_each_kernels_time() -> None:
 def test_layer_timeline_without_a_period_is_empty() -> None:
     spans = [(float(i), i + 0.5, f"k{i}") for i in range(40)]
     assert layer_timeline(spans, iters=1) == []
+
+
+def test_layer_timeline_refuses_spans_that_are_not_whole_equal_replays() -> None:
+    spans = made_up_replays(iters=3, layers=12)
+    assert layer_timeline(spans, iters=0) == []
+    assert layer_timeline(spans[:3], iters=1) == []  # too few to have a middle
+    assert layer_timeline(spans[:-1], iters=3) == []  # a replay cut short
+    odd = [(a, b, "memset" if i == 50 else name) for i, (a, b, name) in enumerate(spans)]
+    assert layer_timeline(odd, iters=3) == []  # the second replay ran another kernel
