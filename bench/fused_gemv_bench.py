@@ -2,12 +2,14 @@
 them. bf16: the fused GEMVs (engine/models/fused_gemv.py) with their fusions (qkv: RMSNorm; o:
 residual add; gate/up: RMSNorm and SiLU, and once without SiLU, as one 28,672-channel GEMV;
 down: residual add), with the engine's tile and once per tile in TILES, next to cuBLAS
-(F.linear, no fusion). --fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized
-rows (engine/quant/fp8_dot_rows.py) as autotuned and once per tile of its autotuner, and
-fp8_gemv (bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough
-copies of the weight that none is still in L2 when it is read again (the chain replayed from
-one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
-bytes read a second. Owns no state; needs a GPU.
+(F.linear, no fusion), then bench/lib/gemv_candidates.py's variants (the sum at each K step,
+gate/up rows interleaved by blocks, down forming the SiLU as it reads gate/up's output).
+--fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized rows
+(engine/quant/fp8_dot_rows.py) as autotuned and once per tile of its autotuner, and fp8_gemv
+(bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough copies of the
+weight that none is still in L2 when it is read again (the chain replayed from one CUDA graph,
+PDL as the engine launches them); the table gives us a call and the weight bytes read a
+second. Owns no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.lib.gemv_candidates import candidate_gemv, interleave
 from bench.lib.gpu_timing import chain_us
 from engine.models import fused_gemv
 from engine.quant.fp8 import quantize_rows, quantize_weight
@@ -48,6 +51,7 @@ TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
     (1, 1024, 2),
     (2, 2048, 4),
 )
+CANDIDATE_TILES = ((4, 1024, 4), (8, 512, 4), (2, 1024, 4))  # the engine's and close ones
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
 Calls = list[Callable[[], Any]]
 
@@ -87,6 +91,47 @@ def bf16_calls(
     return [call(w) for w in weights]
 
 
+def candidate_calls(
+    name: str,
+    weights: list[torch.Tensor],
+    num_rows: int,
+    tile: tuple[int, int, int],
+    **switch: bool,
+) -> Calls:
+    """One call of bench/lib/gemv_candidates.py's kernel per weight copy, with its fusions
+    and the given switches."""
+    _, k, normed, silu = SHAPES[name]
+    width = 2 * k if switch.get("silu_input") else k
+    x = torch.randn(num_rows, width, device="cuda").bfloat16()
+    norm = (torch.rand(k, device="cuda") + 0.5).bfloat16() if normed else None
+    n = weights[0].shape[0] // (2 if silu else 1)
+    out = torch.zeros(num_rows, n, device="cuda").bfloat16()
+    fusions = {"norm": norm, "eps": EPS, "silu": silu, "add": not normed}
+    return [lambda w=w: candidate_gemv(x, w, out, tile, **fusions, **switch) for w in weights]
+
+
+def time_candidates(
+    name: str, weights: list[torch.Tensor], num_rows: int, record: Callable[[str, Calls], None]
+) -> None:
+    """Each CANDIDATE_TILES tile with its products summed at each K step; gate/up from
+    weights interleaved by blocks (both ways of summing); down forming the SiLU from gate/up's
+    plain output as it reads it."""
+    for tile in CANDIDATE_TILES:
+        label = "x".join(map(str, tile))
+        record(f"{label} sum", candidate_calls(name, weights, num_rows, tile, sum_each_step=True))
+        if name == "gate_up":
+            mixed = [interleave(w, tile[0]) for w in weights]
+            for each in (False, True):
+                calls = candidate_calls(
+                    name, mixed, num_rows, tile, interleaved=True, sum_each_step=each
+                )
+                record(f"{label} inter{' sum' if each else ''}", calls)
+            mixed.clear()
+        if name == "down":
+            calls = candidate_calls(name, weights, num_rows, tile, silu_input=True)
+            record(f"{label} silu-in", calls)
+
+
 def copies_of(weight_bytes: int) -> int:
     return max(2, -(-CHAIN_BYTES // weight_bytes))
 
@@ -104,6 +149,7 @@ def one_bf16(name: str, num_rows: int) -> dict[str, Any]:
     record("engine", bf16_calls(name, weights, num_rows, None))
     for tile in TILES:
         record("x".join(map(str, tile)), bf16_calls(name, weights, num_rows, tile))
+    time_candidates(name, weights, num_rows, record)
     weights.clear()
     torch.cuda.empty_cache()
     return result
