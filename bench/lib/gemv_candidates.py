@@ -14,7 +14,9 @@ seventeenth round). Three changes that may account for it, each a switch of one 
 - SILU_INPUT (without NORM): the input is gate/up's plain output [M, 2K] and the kernel forms
   silu(gate) * up as it reads it, so gate/up can run as a plain normed GEMV and no kernel of
   its own does the SiLU.
-Tiles are (BLOCK_N, BLOCK_K, num_warps) as the engine's.
+Tiles are (BLOCK_N, BLOCK_K, num_warps) as the engine's. The kernel is the engine's with the
+switches added, kept apart so that the engine's kernel stays the one its GPU tests ran: the
+switch that wins on the GPU moves into engine/models/fused_gemv.py, and this module goes.
 """
 
 from __future__ import annotations

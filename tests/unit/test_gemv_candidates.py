@@ -5,21 +5,14 @@ torch math, at sizes that leave partial K tiles; and the interleaving itself."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bench.lib.gemv_candidates import candidate_gemv, interleave
+from tests.unit.test_fused_gemv import DEVICE, interpreted_or_gpu
 
-pytest.importorskip("triton")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
+pytestmark = interpreted_or_gpu
 EPS = 1e-5
 TILE = (8, 128, 4)  # BLOCK_N, BLOCK_K, warps: K = 300 leaves a partial K tile
 
