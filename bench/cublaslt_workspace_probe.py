@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.fp8_gemv_bench import NUM_LAYERS, SHAPES
-from bench.lib.gpu_timing import replay_ms
+from bench.lib.gpu_timing import event_ms
 from engine.quant.fp8 import FP8_DTYPE
 
 REPLAYS = 20
@@ -57,7 +57,7 @@ def measure(rows: int) -> dict[str, object]:
     graph, gemms = graph_of_step(rows)
     for _ in range(2):
         graph.replay()
-    step_ms = replay_ms(graph, REPLAYS)
+    step_ms = event_ms(graph.replay, REPLAYS)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             graph.replay()

@@ -87,27 +87,20 @@ def graph_replay_time(
         if with_head:
             model.compute_logits(hidden)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    once()
-    start.record()
-    for _ in range(iters):
-        once()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    return event_ms(once, iters) / 1e3
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Milliseconds per replay of a captured graph: one replay to warm up, then `replays`
-    timed back to back with CUDA events."""
-    graph.replay()
+def event_ms(work: Callable[[], Any], repeats: int) -> float:
+    """Milliseconds of GPU time per call of work (e.g. a graph's replay): one call to warm up,
+    then `repeats` timed back to back with CUDA events."""
+    work()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(replays):
-        graph.replay()
+    for _ in range(repeats):
+        work()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / replays
+    return start.elapsed_time(end) / repeats
 
 
 def chain_us(calls: list[Callable[[], Any]], replays: int = 5) -> float:
@@ -120,7 +113,16 @@ def chain_us(calls: list[Callable[[], Any]], replays: int = 5) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    return replay_ms(graph, replays) * 1e3 / len(calls)
+    return event_ms(graph.replay, replays) * 1e3 / len(calls)
+
+
+def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
+    """A profile's GPU kernels and copies as (start, end, name), in us."""
+    return [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
 
 
 def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
@@ -166,11 +168,7 @@ def kernel_profile(engine: Engine, batch_size: int, iters: int = 5) -> dict[str,
             graph.replay()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / iters
-    spans = [
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    ]
+    spans = cuda_spans(prof)
     return kernel_summary(prof, iters) | {
         "replay_wall_ms_profiled": wall * 1e3,
         "layer_timeline": layer_timeline(spans, iters),
@@ -328,11 +326,7 @@ def gpu_idle(prof: Any, num_steps: int) -> dict[str, Any]:
     """A profile's GPU idle time in ms per step (CUPTI's kernel and copy spans, merged): in
     total, between steps and inside them (split_idle), and by the kernels on either side of
     the gaps (gaps_by_neighbours)."""
-    spans = [
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    ]
+    spans = cuda_spans(prof)
     us = split_idle(idle_gaps([(start, end) for start, end, _ in spans]), num_steps)
     idle: dict[str, Any] = {name: value / 1e3 for name, value in us.items()}
     return idle | {"gaps_by_neighbours": gaps_by_neighbours(spans, num_steps)}
