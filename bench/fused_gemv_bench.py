@@ -73,18 +73,28 @@ def recorder(name: str, weight_bytes: int, result: dict[str, Any]) -> Callable[[
     return record
 
 
+def operands(
+    name: str, weights: list[torch.Tensor], num_rows: int, silu_input: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]:
+    """A call's input (gate/up's plain output, twice as wide, with silu_input), the norm's
+    weight (None: projection `name` has no norm before it, its output is added in place), the
+    output channels and the output."""
+    _, k, normed, silu = SHAPES[name]
+    x = torch.randn(num_rows, (2 if silu_input else 1) * k, device="cuda").bfloat16()
+    norm = (torch.rand(k, device="cuda") + 0.5).bfloat16() if normed else None
+    n = weights[0].shape[0] // (2 if silu else 1)
+    return x, norm, n, torch.zeros(num_rows, n, device="cuda").bfloat16()
+
+
 def bf16_calls(
     name: str, weights: list[torch.Tensor], num_rows: int, tile: tuple[int, int, int] | None
 ) -> Calls:
     """One fused call per weight copy of projection `name` (tile None: the engine's)."""
-    _, k, normed, silu = SHAPES[name]
-    x = torch.randn(num_rows, k, device="cuda").bfloat16()
-    norm = (torch.rand(k, device="cuda") + 0.5).bfloat16()
-    n = weights[0].shape[0] // (2 if silu else 1)
-    out = torch.zeros(num_rows, n, device="cuda").bfloat16()
+    x, norm, n, out = operands(name, weights, num_rows)
+    silu = SHAPES[name][3]
 
     def call(weight: torch.Tensor) -> Callable[[], Any]:
-        if normed:
+        if norm is not None:
             return lambda: fused_gemv._launch(x, weight, out, n, norm, EPS, silu, tile=tile)
         return lambda: fused_gemv._launch(x, weight, out, n, residual=out, tile=tile)
 
@@ -100,13 +110,8 @@ def candidate_calls(
 ) -> Calls:
     """One call of bench/lib/gemv_candidates.py's kernel per weight copy, with its fusions
     and the given switches."""
-    _, k, normed, silu = SHAPES[name]
-    width = 2 * k if switch.get("silu_input") else k
-    x = torch.randn(num_rows, width, device="cuda").bfloat16()
-    norm = (torch.rand(k, device="cuda") + 0.5).bfloat16() if normed else None
-    n = weights[0].shape[0] // (2 if silu else 1)
-    out = torch.zeros(num_rows, n, device="cuda").bfloat16()
-    fusions = {"norm": norm, "eps": EPS, "silu": silu, "add": not normed}
+    x, norm, _, out = operands(name, weights, num_rows, switch.get("silu_input", False))
+    fusions = {"norm": norm, "eps": EPS, "silu": SHAPES[name][3], "add": norm is None}
     return [lambda w=w: candidate_gemv(x, w, out, tile, **fusions, **switch) for w in weights]
 
 
