@@ -101,11 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def slo_flags(args: argparse.Namespace) -> list[str]:
+    """The SLO as flags, which `kvrelay serve` (its objectives) and serve_bench (what counts
+    as good) both take."""
+    return ["--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
+
+
 def setup_flags(args: argparse.Namespace, setup: str) -> list[str]:
     """The `kvrelay serve` flags of a setup (the model and GPU flags come first)."""
-    objectives = [
-        *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}")
-    ]
+    objectives = slo_flags(args)
     if setup == "aggregated":  # every prompt on the decode worker, nothing to transfer
         return [
             *("--local-prefill-max-tokens", "1000000"),
@@ -126,7 +130,7 @@ def workload_args(args: argparse.Namespace, workload: str, num_servers: int = 1)
     common = [
         *("--transport", "grpc", "--rate", *rates, "--warmup", str(max(2, num_servers))),
         *("--max-duration", f"{args.max_duration:g}"),
-        *("--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"),
+        *slo_flags(args),
     ]
     if workload == "long-prompt":
         return [
