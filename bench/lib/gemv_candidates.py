@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from engine import pdl
+from engine.models import fused_gemv
 
 
 def interleave(gate_up: torch.Tensor, block: int) -> torch.Tensor:
@@ -182,7 +183,7 @@ def candidate_gemv(
         eps,
         x.stride(0),
         out.stride(0),
-        ROWS=1 << max(0, (num_rows - 1).bit_length()),
+        ROWS=fused_gemv.padded_rows(num_rows),
         NORM=norm is not None,
         SILU=silu,
         ADD=add,
