@@ -432,14 +432,14 @@ case $phase in
     ;;
   b1-variants)  # batch-1 decode of the 8B shape (~40 s a run) for each row in B1_ROWS (bf16,
     # fp8w: fp8 weights + fp8 KV) once per setting in B1_VARIANTS: space-separated VAR=VALUE
-    # words, "-" for the defaults (e.g. B1_VARIANTS="- KVRELAY_BF16_GEMV_ROWS=0")
+    # words ("A=1,B=2": both), "-" for the defaults (e.g. B1_VARIANTS="- KVRELAY_BF16_GEMV_ROWS=0")
     for row in ${B1_ROWS:-bf16 fp8w}; do
       case $row in bf16) flags="" ;; fp8w) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
         *) echo "B1_ROWS: unknown row $row (bf16 or fp8w)" >&2; exit 2 ;; esac
       for variant in ${B1_VARIANTS:--}; do
         name="b1_${row}_$(variant_tag "$variant")"
         # shellcheck disable=SC2086
-        ( if [ "$variant" != - ]; then export "${variant?}"; fi
+        ( if [ "$variant" != - ]; then for v in ${variant//,/ }; do export "${v?}"; done; fi
           timeout 200 python3 -m bench.gpu_engine_bench --skip compare hf-greedy hf-speed \
             offline $flags --kv-gib 8 --max-num-seqs 8 --json "$out/$name.json" \
             > "$out/$name.txt" 2> "$out/$name.err"

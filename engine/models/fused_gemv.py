@@ -32,8 +32,11 @@ import torch
 from torch import nn
 
 from engine import pdl
+from engine.env_flags import on_off
 
 ROWS_ENV = "KVRELAY_BF16_GEMV_ROWS"
+GATE_UP_BLAS_ENV = "KVRELAY_GATE_UP_BLAS"
+GATE_UP_BLAS_DEFAULT = False
 ROWS_DEFAULT = 1
 MAX_ROWS = 2  # the fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth (x2 for SiLU)
 DTYPES = (torch.bfloat16, torch.float16)  # of the models that take them
@@ -51,6 +54,14 @@ def max_rows() -> int:
     if not raw.isdigit() or int(raw) > MAX_ROWS:
         raise ValueError(f"{ROWS_ENV} must be 0..{MAX_ROWS}, got {raw!r}")
     return int(raw)
+
+
+@functools.cache
+def gate_up_on_blas() -> bool:
+    """Whether the few-row path runs gate_up_proj as a plain cuBLAS product of the scaled,
+    unnormalized residual (o_proj's GEMV writes it), with the norm's 1/rms and the SiLU in
+    silu_and_mul_rms after it, instead of the fused normed_gemv_silu (read once)."""
+    return on_off(GATE_UP_BLAS_ENV, GATE_UP_BLAS_DEFAULT)
 
 
 def plain_linear(layer: nn.Module, dtype: torch.dtype) -> bool:
@@ -97,6 +108,7 @@ def _kernel() -> Any:
         w_ptr,
         norm_ptr,
         out_ptr,
+        scaled_ptr,
         M,
         N,
         K,
@@ -107,6 +119,7 @@ def _kernel() -> Any:
         NORM: tl.constexpr,
         SILU: tl.constexpr,
         ADD: tl.constexpr,
+        SCALED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
@@ -116,7 +129,9 @@ def _kernel() -> Any:
         NORM: times rsqrt(mean(x^2) + eps), the sum of squares taken in the same pass. SILU: w
         has 2N rows, gate (n) and up (N + n) in one program, out = silu(gate) * up. ADD: out +=
         its own values (the residual, in place: each program reads and writes only its own
-        channels). PDL: wait for the kernel before, let the next one in after the loop."""
+        channels). SCALED (with ADD): also scaled = out * norm[n], the next RMSNorm's weight
+        applied to the new residual (its 1/rms is left to the kernel after the next product).
+        PDL: wait for the kernel before, let the next one in after the loop."""
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -163,6 +178,15 @@ def _kernel() -> Any:
                 out_ptr + rows[:, None] * out_row_stride + cols[None, :], mask=out_ok, other=0.0
             )
             out += res.to(tl.float32)
+        if SCALED:
+            weight_of_col = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(
+                scaled_ptr + rows[:, None] * out_row_stride + cols[None, :],
+                (out.to(out_ptr.dtype.element_ty).to(tl.float32) * weight_of_col[None, :]).to(
+                    out_ptr.dtype.element_ty
+                ),
+                mask=out_ok,
+            )
         tl.store(
             out_ptr + rows[:, None] * out_row_stride + cols[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -182,9 +206,11 @@ def _launch(
     silu: bool = False,
     residual: torch.Tensor | None = None,
     tile: tuple[int, int, int] | None = None,
+    scaled: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """tile: run this (BLOCK_N, BLOCK_K, num_warps) instead of tile_for's (tests, benches;
-    Triton's interpreter runs INTERPRETER_TILE unless given one)."""
+    Triton's interpreter runs INTERPRETER_TILE unless given one). scaled (with residual):
+    (buffer shaped as out, weight [n]) to receive the new residual times weight."""
     import triton
 
     num_rows, k = x.shape
@@ -198,6 +224,15 @@ def _launch(
         raise ValueError(f"the norm's weight must be contiguous [{k}]")
     if residual is not None and residual is not out:
         raise ValueError("the residual add writes into the residual itself")
+    if scaled is not None and (
+        residual is None
+        or norm is not None
+        or scaled[0].shape != out.shape
+        or scaled[0].stride() != out.stride()
+        or scaled[1].shape != (n,)
+        or not scaled[1].is_contiguous()
+    ):
+        raise ValueError(f"the scaled copy needs the residual add, out's layout and a [{n}] weight")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if num_rows == 0:
@@ -209,8 +244,10 @@ def _launch(
     _kernel()[(triton.cdiv(n, block_n),)](
         x,
         weight,
-        weight if norm is None else norm,  # read only when NORM
+        # read only when NORM (over K) or SCALED (over N)
+        (scaled[1] if scaled is not None else weight) if norm is None else norm,
         out,
+        out if scaled is None else scaled[0],
         num_rows,
         n,
         k,
@@ -221,6 +258,7 @@ def _launch(
         NORM=norm is not None,
         SILU=silu,
         ADD=residual is not None,
+        SCALED=scaled is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=use_pdl,
@@ -254,3 +292,101 @@ def gemv_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> 
     if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
         raise ValueError("gemv_add_'s input shares the residual's storage")
     return _launch(x, weight, residual, weight.shape[0], residual=residual)
+
+
+def gemv_add_scaled_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    scaled: torch.Tensor,
+) -> torch.Tensor:
+    """gemv_add_, and scaled = the new residual * norm_weight (the next RMSNorm's weight; its
+    1/rms is left to silu_and_mul_rms): scaled is shaped as residual, norm_weight [N]."""
+    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+        raise ValueError("gemv_add_'s input shares the residual's storage")
+    n = weight.shape[0]
+    return _launch(x, weight, residual, n, residual=residual, scaled=(scaled, norm_weight))
+
+
+@functools.cache
+def _silu_rms_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_and_mul_rms(
+        gate_up_ptr,
+        residual_ptr,
+        out_ptr,
+        N,
+        K,
+        eps,
+        gate_up_row_stride,
+        residual_row_stride,
+        out_row_stride,
+        BLOCK: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """Program (row, block): r = 1/rms of the residual row (read whole, from L2), then
+        out = silu(r * gate) * (r * up) over BLOCK channels. PDL: let the next kernel in at the
+        start (it waits for this one to finish anyway)."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        col_ok = cols < N
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(residual_ptr + row * residual_row_stride + ks, mask=ks < K, other=0.0)
+            squares += x.to(tl.float32) * x.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        at = gate_up_ptr + row * gate_up_row_stride + cols
+        gate = tl.load(at, mask=col_ok, other=0.0).to(tl.float32) * inv_rms
+        up = tl.load(at + N, mask=col_ok, other=0.0).to(tl.float32) * inv_rms
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), col_ok)
+
+    return silu_and_mul_rms
+
+
+SILU_RMS_BLOCK = 1024  # channels a program; it reads the residual row from L2 first
+
+
+def silu_and_mul_rms(gate_up: torch.Tensor, residual: torch.Tensor, eps: float) -> torch.Tensor:
+    """silu(r * g) * (r * u), r = 1/rms(residual) per row: gate_up [M, 2N] (g its first N
+    columns) is the product of the norm's weight-scaled, not yet normalized, input
+    (gemv_add_scaled_'s); residual [M, K] that input before scaling -> [M, N]."""
+    import triton
+
+    num_rows, two_n = gate_up.shape
+    if residual.shape[0] != num_rows or two_n % 2:
+        raise ValueError(f"gate_up [{num_rows}, 2N] and residual [{num_rows}, K] do not pair")
+    if gate_up.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError("gate_up's and the residual's rows must be contiguous")
+    n, k = two_n // 2, residual.shape[1]
+    out = gate_up.new_empty((num_rows, n))
+    if num_rows == 0:
+        return out
+    use_pdl = pdl.enabled(gate_up.device)
+    block = SILU_RMS_BLOCK if gate_up.is_cuda else 128
+    _silu_rms_kernel()[(num_rows, triton.cdiv(n, block))](
+        gate_up,
+        residual,
+        out,
+        n,
+        k,
+        eps,
+        gate_up.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        BLOCK_K=min(4096, triton.next_power_of_2(k)) if gate_up.is_cuda else 128,
+        PDL=use_pdl,
+        num_warps=4,
+        launch_pdl=use_pdl,
+    )
+    return out

@@ -158,11 +158,17 @@ class DecoderLayer(nn.Module):
         att, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
-        out = attend(qkv)
-        fused_gemv.gemv_add_(out.reshape(-1, att.q_size), att.o_proj.weight, residual)
+        out = attend(qkv).reshape(-1, att.q_size)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
-        hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
+        if fused_gemv.gate_up_on_blas():
+            scaled = torch.empty_like(residual)
+            fused_gemv.gemv_add_scaled_(out, att.o_proj.weight, residual, norm.weight, scaled)
+            products = F.linear(scaled, gate_up)
+            hidden = fused_gemv.silu_and_mul_rms(products, residual, norm.eps)
+        else:
+            fused_gemv.gemv_add_(out, att.o_proj.weight, residual)
+            hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
         fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
 
     def projections(self) -> list[nn.Module]:

@@ -1,7 +1,7 @@
 """fp8_dot_rows: y = (x_q W_q^T) * x_scale * w_scale (+ b) for a few rows already quantized to
 e4m3 (QuantizedRows) and an e4m3 W, as one Triton kernel that multiplies the e4m3 codes on
-tensor cores; owns no state (imports triton on first use; tile shapes chosen per weight shape
-by Triton's autotuner on first use).
+tensor cores; owns no state but the tile choice read once from the environment (imports triton
+on first use).
 
 For up to GEMV_MAX_ROWS rows the step is bound by reading the weights. cuBLASLt's FP8 GEMM picks
 a 128 x 128 tile there and reads them at about half the HBM rate; the bf16-input GEMV
@@ -16,6 +16,7 @@ costs no launch of its own.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -24,6 +25,28 @@ from engine import pdl
 
 BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are masked
 MAX_ROWS = BLOCK_M
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by weight width, from bench.fused_gemv_bench --fp8
+# on an H200 (each call timed in a chain over weights L2 cannot hold): the 8B shape's gate_up
+# (28,672 channels) reads fastest 64 x 256 a step, qkv and down 32 x 512.
+WIDE_TILE = (64, 256, 4, 3)
+NARROW_TILE = (32, 512, 4, 3)
+WIDE_CHANNELS = 16384  # weights of at least this many output channels take WIDE_TILE
+TILES_ENV = "KVRELAY_FP8_DOT_TILES"  # "fixed" (default): tile_for's; "tuned": the autotuner's
+
+
+@functools.cache
+def tuned() -> bool:
+    """Whether Triton's autotuner picks the tiles (KVRELAY_FP8_DOT_TILES=tuned) instead of
+    tile_for (read once)."""
+    choice = os.environ.get(TILES_ENV, "fixed").strip()
+    if choice not in ("fixed", "tuned"):
+        raise ValueError(f"{TILES_ENV} must be fixed or tuned, got {choice!r}")
+    return choice == "tuned"
+
+
+def tile_for(num_channels: int) -> tuple[int, int, int, int]:
+    """The fixed tile of a weight with num_channels output channels."""
+    return WIDE_TILE if num_channels >= WIDE_CHANNELS else NARROW_TILE
 
 
 def tile_configs() -> list[Any]:
@@ -154,6 +177,8 @@ def fp8_dot_rows(
         "PDL": use_pdl,
         "launch_pdl": use_pdl,
     }
+    if tile is None and not tuned():
+        tile = tile_for(n)
     if tile is None:  # bias is read only when HAS_BIAS
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _kernel(True)[grid](*operands, *sizes, **flags)

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from engine.quant import fp8_dot_rows as dot_rows
 from engine.quant.fp8 import quantize_rows_torch, quantize_weight
 from engine.quant.fp8_dot_rows import MAX_ROWS, fp8_dot_rows
 
@@ -47,3 +48,21 @@ def test_more_rows_than_the_kernel_takes_are_refused() -> None:
     q = torch.zeros(MAX_ROWS + 1, 16, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         fp8_dot_rows(q, torch.ones(MAX_ROWS + 1, 1), q[:16], torch.ones(1, 16), None)
+
+
+def test_fixed_tiles_by_width_unless_the_autotuner_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert dot_rows.tile_for(28672) == dot_rows.WIDE_TILE  # the 8B shape's gate_up
+    assert dot_rows.tile_for(6144) == dot_rows.tile_for(4096) == dot_rows.NARROW_TILE
+    for value, want in (("fixed", False), ("tuned", True), ("auto", None)):
+        monkeypatch.setenv(dot_rows.TILES_ENV, value)
+        dot_rows.tuned.cache_clear()
+        if want is None:
+            with pytest.raises(ValueError, match=dot_rows.TILES_ENV):
+                dot_rows.tuned()
+        else:
+            assert dot_rows.tuned() is want
+    monkeypatch.delenv(dot_rows.TILES_ENV)
+    dot_rows.tuned.cache_clear()
+    assert not dot_rows.tuned()

@@ -99,6 +99,37 @@ def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> 
     torch.testing.assert_close(residual, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+@interpreted_or_gpu
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_gemv_add_scaled_also_writes_the_new_residual_times_the_norm_weight(
+    num_rows: int,
+) -> None:
+    n, k = 37, 300
+    x, w, residual = randn(num_rows, k, seed=20), randn(n, k, seed=21), randn(num_rows, n, seed=22)
+    norm, scaled = randn(n, seed=23), torch.full((num_rows, n), float("nan"), device=DEVICE)
+    want = residual + x @ w.T
+    fused_gemv.gemv_add_scaled_(x, w, residual, norm, scaled)
+    tolerance = {"rtol": 1e-4, "atol": 1e-4 * float(want.abs().max())}
+    torch.testing.assert_close(residual, want, **tolerance)
+    torch.testing.assert_close(scaled, want * norm, rtol=1e-4, atol=1e-4 * float(norm.abs().max()))
+
+
+@interpreted_or_gpu
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_silu_and_mul_rms_normalizes_the_products_of_the_scaled_residual(num_rows: int) -> None:
+    """The gate_up-on-cuBLAS path: the product of residual * norm, then 1/rms and the SiLU, is
+    the fused normed_gemv_silu's function."""
+    n, k = 300, 200  # more channels than a program's block, K more than one step
+    h, norm, w = randn(num_rows, k, seed=24), randn(k, seed=25), randn(2 * n, k, seed=26)
+    got = fused_gemv.silu_and_mul_rms((h * norm) @ w.T, h, EPS)
+    gate_up = rms_normed(h, norm) @ w.T
+    want = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert got.shape == (num_rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="do not pair"):
+        fused_gemv.silu_and_mul_rms(torch.zeros(num_rows, 2 * n), torch.zeros(num_rows + 1, k), EPS)
+
+
 def test_the_kernels_refuse_what_they_cannot_take() -> None:
     x = torch.zeros(fused_gemv.MAX_ROWS + 1, 8)
     with pytest.raises(ValueError, match="at most 2 rows"):
@@ -120,6 +151,11 @@ def test_the_launcher_refuses_operands_it_would_misread() -> None:
         fused_gemv.normed_gemv(x, torch.ones(9), EPS, w)
     with pytest.raises(ValueError, match="writes into the residual itself"):
         fused_gemv._launch(x, w, torch.zeros(1, 4), 4, residual=torch.zeros(1, 4))
+    residual = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match=r"scaled copy needs .* a \[4\] weight"):
+        fused_gemv.gemv_add_scaled_(x, w, residual, torch.ones(5), torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="scaled copy needs"):  # no residual add
+        fused_gemv._launch(x, w, residual, 4, scaled=(torch.zeros(1, 4), torch.ones(4)))
 
 
 def test_which_steps_take_the_fused_gemvs(rows_env) -> None:

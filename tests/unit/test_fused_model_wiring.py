@@ -85,15 +85,19 @@ def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels interpreted on CPU"
 )
+@pytest.mark.parametrize("gate_up_on_blas", [False, True], ids=["fused-gate-up", "blas-gate-up"])
 def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
     fake_kernels: None,
     gemv_launches: list[int],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
+    gate_up_on_blas: bool,
 ) -> None:
-    """engine/models/fused_gemv.py's path (each layer as four GEMVs, the residual stream changed
-    in place) against the plain path, for a one-token step; the kernels run in Triton's
-    interpreter, in float32, so the wiring must match to float rounding."""
+    """engine/models/fused_gemv.py's path (each layer as four GEMVs, or three and gate_up on
+    BLAS, the residual stream changed in place) against the plain path, for a one-token step;
+    the kernels run in Triton's interpreter, in float32, so the wiring must match to float
+    rounding."""
     pytest.importorskip("triton")
+    monkeypatch.setattr(fused_gemv, "gate_up_on_blas", lambda: gate_up_on_blas)
     model = random_model(1)
     config, launches = model.config, gemv_launches
     monkeypatch.setattr(  # CPU tensors: the interpreter stands in for the GPU
@@ -104,9 +108,10 @@ def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
         plain = model(ids, positions, EchoAttention())
         model.use_fused_ops(True)
         fused = model(ids, positions, EchoAttention())
-        assert len(launches) == 4 * config.num_layers
+        per_layer = 3 if gate_up_on_blas else 4
+        assert len(launches) == per_layer * config.num_layers
         model(torch.tensor([5, 6]), torch.tensor([17, 18]), EchoAttention())  # two rows: not
-        assert len(launches) == 4 * config.num_layers
+        assert len(launches) == per_layer * config.num_layers
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     assert not torch.equal(plain, model.embed_tokens(ids))
 
