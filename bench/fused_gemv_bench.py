@@ -2,11 +2,12 @@
 them. bf16: the fused GEMVs (engine/models/fused_gemv.py) with their fusions (qkv: RMSNorm; o:
 residual add; gate/up: RMSNorm and SiLU, and once without SiLU, as one 28,672-channel GEMV;
 down: residual add), with the engine's tile and once per tile in TILES, next to cuBLAS
-(F.linear, no fusion), then bench/lib/gemv_candidates.py's variants (the sum at each K step,
-gate/up rows interleaved by blocks, down forming the SiLU as it reads gate/up's output).
+(F.linear, no fusion; for gate/up also with KVRELAY_GATE_UP_BLAS's SiLU kernel after it), then
+bench/lib/gemv_candidates.py's variants (the sum at each K step, gate/up rows interleaved by
+blocks, down forming the SiLU as it reads gate/up's output).
 --fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized rows
-(engine/quant/fp8_dot_rows.py) as autotuned and once per tile of its autotuner, and fp8_gemv
-(bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough copies of the
+(engine/quant/fp8_dot_rows.py) with the engine's tile and once per tile of its autotuner's
+list, and fp8_gemv (bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough copies of the
 weight that none is still in L2 when it is read again (the chain replayed from one CUDA graph,
 PDL as the engine launches them); the table gives us a call and the weight bytes read a
 second. Owns no state; needs a GPU.
@@ -152,6 +153,9 @@ def one_bf16(name: str, num_rows: int) -> dict[str, Any]:
     record = recorder(name, size, result)
     record("cublas", [lambda w=w: F.linear(x, w) for w in weights])
     record("engine", bf16_calls(name, weights, num_rows, None))
+    if name == "gate_up":  # KVRELAY_GATE_UP_BLAS=1: cuBLAS, then 1/rms and the SiLU
+        calls = [lambda w=w: fused_gemv.silu_and_mul_rms(F.linear(x, w), x, EPS) for w in weights]
+        record("cublas+silu_rms", calls)
     for tile in TILES:
         record("x".join(map(str, tile)), bf16_calls(name, weights, num_rows, tile))
     time_candidates(name, weights, num_rows, record)

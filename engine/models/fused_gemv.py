@@ -1,6 +1,6 @@
 """Few-row decode projections of bf16 / fp16 weights as Triton GEMVs with their neighbours fused
 in: the RMSNorm before qkv_proj and gate_up_proj, SiLU-and-mul after gate_up_proj, the residual
-add after o_proj and down_proj. Owns no state but the row limit read once from the environment
+add after o_proj and down_proj. Owns no state but the settings read once from the environment
 (imports triton on first use).
 
 Why: a batch-1 decode step of the 8B shape is bound by reading 14 GB of weights, yet on an H200
@@ -20,6 +20,10 @@ there, and asking for each weight tile a step ahead lost in the chain too, so ne
 
 KVRELAY_BF16_GEMV_ROWS: steps of at most this many token rows take these kernels (default
 ROWS_DEFAULT; 0: never, cuBLAS and FlashInfer's fused norms as before; at most MAX_ROWS).
+KVRELAY_GATE_UP_BLAS=1: gate/up as cuBLAS's product of the residual times the norm's weight
+(o_proj's GEMV writes it beside the residual), 1/rms and the SiLU in silu_and_mul_rms after; in
+a chain cuBLAS read gate/up's weights in 56.9 us where normed_gemv_silu took 64.1 (H200), but
+the engine's step with it is not measured yet, so it is off by default.
 """
 
 from __future__ import annotations
