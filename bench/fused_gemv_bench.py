@@ -7,10 +7,10 @@ bench/lib/gemv_candidates.py's variants (the sum at each K step, gate/up rows in
 blocks, down forming the SiLU as it reads gate/up's output).
 --fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized rows
 (engine/quant/fp8_dot_rows.py) with the engine's tile and once per tile of its autotuner's
-list, and fp8_gemv (bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over enough copies of the
-weight that none is still in L2 when it is read again (the chain replayed from one CUDA graph,
-PDL as the engine launches them); the table gives us a call and the weight bytes read a
-second. Owns no state; needs a GPU.
+list, and fp8_gemv (bf16 rows, o_proj's) as autotuned. Each is timed as a chain of calls over
+enough copies of the weight that none is still in L2 when it is read again (the chain replayed
+from one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
+bytes read a second. Owns no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
