@@ -9,10 +9,10 @@ blocks, down forming the SiLU as it reads gate/up's output).
 (engine/quant/fp8_dot_rows.py) with the engine's tile and once per tile of its autotuner's
 list, and fp8_gemv (bf16 rows, o_proj's) as autotuned; for one row also the engine's whole
 path to each projection's output (its input's quantizing kernel included) against
-bench/lib/fp8_prologue_candidates.py's GEMV that quantizes its input itself. Each is timed as a chain of calls over
-enough copies of the weight that none is still in L2 when it is read again (the chain replayed
-from one CUDA graph, PDL as the engine launches them); the table gives us a call and the weight
-bytes read a second. Owns no state; needs a GPU.
+bench/lib/fp8_prologue_candidates.py's GEMV that quantizes its input itself. Each is timed
+as a chain of calls over enough copies of the weight that none is still in L2 when it is read
+again (the chain replayed from one CUDA graph, PDL as the engine launches them); the table gives
+us a call and the weight bytes read a second. Owns no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
