@@ -9,10 +9,10 @@ blocks, down forming the SiLU as it reads gate/up's output).
 (engine/quant/fp8_dot_rows.py) with the engine's tile and once per tile of its autotuner's
 list, and fp8_gemv (bf16 rows, o_proj's) as autotuned; for one row also the engine's whole
 path to each projection's output (its input's quantizing kernel included) against
-bench/lib/fp8_prologue_candidates.py's GEMV that quantizes its input itself. Each is timed
-as a chain of calls over enough copies of the weight that none is still in L2 when it is read
-again (the chain replayed from one CUDA graph, PDL as the engine launches them); the table gives
-us a call and the weight bytes read a second. Owns no state; needs a GPU.
+engine/quant/fp8_one_row.py's GEMV that quantizes its input itself (KVRELAY_FP8_ONE_ROW). Each
+is timed as a chain of calls over enough copies of the weight that none is still in L2 when it
+is read again (the chain replayed from one CUDA graph, PDL as the engine launches them); the
+table gives us a call and the weight bytes read a second. Owns no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.lib.fp8_prologue_candidates import fp8_prologue_dot
 from bench.lib.gemv_candidates import candidate_gemv, interleave
 from bench.lib.gpu_timing import chain_us
 from engine.models import fused_gemv
@@ -36,6 +35,7 @@ from engine.quant.fp8 import Fp8Weight, quantize_rows, quantize_weight
 from engine.quant.fp8_dot_rows import fp8_dot_rows, tile_configs
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 from engine.quant.fp8_gemv import fp8_gemv
+from engine.quant.fp8_one_row import row_dot
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
 EPS = 1e-5
@@ -57,7 +57,7 @@ TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
     (2, 2048, 4),
 )
 CANDIDATE_TILES = ((4, 1024, 4), (8, 512, 4), (2, 1024, 4))  # the engine's and close ones
-FP8_PROLOGUE_TILES = ((32, 512, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 4))
+FP8_ONE_ROW_TILES = ((32, 512, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 4))
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
 Calls = list[Callable[[], Any]]
 
@@ -169,13 +169,15 @@ def one_bf16(name: str, num_rows: int) -> dict[str, Any]:
     return result
 
 
-def time_fp8_prologue(
+def time_fp8_one_row(
     name: str, weights: list[Fp8Weight], record: Callable[[str, Calls], None]
 ) -> None:
     """One row: the engine's whole path to this projection's output ("path": the kernel that
     quantizes its input, then fp8_dot_rows; o_proj: fp8_gemv) against
-    bench/lib/fp8_prologue_candidates.py's GEMV, which quantizes its input itself and takes
-    the norm (qkv, gate/up), the SiLU (gate/up) and the residual add (o, down) in."""
+    engine/quant/fp8_one_row.py's GEMV (KVRELAY_FP8_ONE_ROW), which quantizes its input itself
+    and takes the norm (qkv, gate/up), the SiLU (gate/up) and the residual add (o, down) in,
+    once per tile in FP8_ONE_ROW_TILES (the engine's: fp8_dot_rows.tile_for of the output's
+    width)."""
     _, k, normed, silu = SHAPES[name]
     x = torch.randn(1, k, device="cuda").bfloat16()
     norm = (torch.rand(k, device="cuda") + 0.5).bfloat16() if normed else None
@@ -193,12 +195,12 @@ def time_fp8_prologue(
     n = weights[0].weight.shape[0] // (2 if silu else 1)
     out = torch.zeros(1, n, device="cuda").bfloat16()
     fusions = {"norm": norm, "eps": EPS, "silu": silu, "add": not normed}
-    for tile in FP8_PROLOGUE_TILES:
+    for tile in FP8_ONE_ROW_TILES:
         calls = [
-            lambda w=w, tile=tile: fp8_prologue_dot(x, w.weight, w.scale, out, tile, **fusions)
+            lambda w=w, tile=tile: row_dot(x, w.weight, w.scale, out, tile, **fusions)
             for w in weights
         ]
-        record("prologue " + "x".join(map(str, tile)), calls)
+        record("one_row " + "x".join(map(str, tile)), calls)
 
 
 def one_fp8(name: str, num_rows: int) -> dict[str, Any]:
@@ -227,7 +229,7 @@ def one_fp8(name: str, num_rows: int) -> dict[str, Any]:
         record("x".join(map(str, tile)), dot_rows(tile))
     record("gemv", [lambda w=w: fp8_gemv(x, w.weight, w.scale, None) for w in weights])
     if num_rows == 1:
-        time_fp8_prologue(name, weights, record)
+        time_fp8_one_row(name, weights, record)
     weights.clear()
     torch.cuda.empty_cache()
     return result

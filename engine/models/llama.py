@@ -10,7 +10,8 @@ an Fp8Linear that defers its scales (decode batches; KVRELAY_FP8_DEFER_SCALES=0:
 output as ScaledRows to the kernel after it, which applies them, and the residual stream is
 carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
 reference. With fused kernels, a step of one row (models/fused_gemv.py's limit) over unquantized
-bias-free projections runs each layer as four fused GEMVs around RoPE and attention instead.
+bias-free projections runs each layer as four fused GEMVs around RoPE and attention instead;
+with KVRELAY_FP8_ONE_ROW=1 so does one over per-token-scaled FP8 ones (quant/fp8_one_row.py).
 RoPE and the KV-cache write belong to the attention backend (AttentionBackend.forward_qkv),
 which may fuse them.
 """
@@ -27,6 +28,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
+from engine.quant import fp8_one_row
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import (
     QuantizedRows,
@@ -147,8 +149,8 @@ class DecoderLayer(nn.Module):
     def warm_up_gemv(self, num_rows: int) -> None:
         """Run forward_gemv's four kernels once on zeros (they compile on first use);
         attention's output stands in as zeros."""
-        weight = self.self_attn.qkv_proj.weight
-        residual = weight.new_zeros(num_rows, weight.shape[1])
+        norm = self.input_layernorm.weight  # in the activations' dtype (FP8 weights are not)
+        residual = norm.new_zeros(num_rows, norm.shape[0])
         self._gemv_layer(residual, lambda qkv: qkv.new_zeros(num_rows, self.self_attn.q_size))
 
     def _gemv_layer(
@@ -156,6 +158,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """The layer's four fused GEMVs around attend(qkv) -> attention's output."""
         att, mlp = self.self_attn, self.mlp
+        if fp8_one_row.row_linear(att.qkv_proj):
+            self._fp8_row_layer(residual, attend)
+            return
         norm = self.input_layernorm
         qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
         out = attend(qkv).reshape(-1, att.q_size)
@@ -170,6 +175,18 @@ class DecoderLayer(nn.Module):
             fused_gemv.gemv_add_(out, att.o_proj.weight, residual)
             hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
         fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
+
+    def _fp8_row_layer(
+        self, residual: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """_gemv_layer over FP8 weights (quant/fp8_one_row.py): the GEMVs quantize their input."""
+        att, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        out = attend(fp8_one_row.normed_dot(residual, norm.weight, norm.eps, att.qkv_proj))
+        fp8_one_row.dot_add_(out.reshape(-1, att.q_size), att.o_proj, residual)
+        norm = self.post_attention_layernorm
+        hidden = fp8_one_row.normed_dot_silu(residual, norm.weight, norm.eps, mlp.gate_up_proj)
+        fp8_one_row.dot_add_(hidden, mlp.down_proj, residual)
 
     def projections(self) -> list[nn.Module]:
         att, mlp = self.self_attn, self.mlp
@@ -216,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.fused_ops = False
         self._plain_projections: dict[torch.dtype, list[nn.Module]] = {}
+        self._fp8_row_projections: list[nn.Module] | None = None
         # An FP8 checkpoint's per-layer (k_scale, v_scale) for an fp8 KV cache (the loader's).
         self.kv_scales: list[tuple[float, float]] | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -229,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        if self.fused_ops and fused_gemv.takes(x, self.plain_projections(x.dtype)):
+        if self.fused_ops and self.takes_row_kernels(x):
             for layer in self.layers:  # x, a fresh tensor, is the residual stream from here
                 layer.forward_gemv(x, positions, attn)
             return fused_ops.rms_norm(x, self.norm.weight, self.norm.eps)
@@ -254,12 +272,24 @@ class LlamaForCausalLM(nn.Module):
             self._plain_projections[dtype] = every if plain else []
         return self._plain_projections[dtype]
 
+    def fp8_row_projections(self) -> list[nn.Module]:
+        """Every layer's projections if all are FP8 ones quant/fp8_one_row.py takes, else []."""
+        if self._fp8_row_projections is None:
+            every = [p for layer in self.layers for p in layer.projections()]
+            self._fp8_row_projections = every if all(map(fp8_one_row.row_linear, every)) else []
+        return self._fp8_row_projections
+
+    def takes_row_kernels(self, x: torch.Tensor) -> bool:
+        """Whether a step whose hidden states are x runs each layer as four fused GEMVs:
+        bf16 (models/fused_gemv.py) or FP8 (quant/fp8_one_row.py) ones."""
+        bf16 = fused_gemv.takes(x, self.plain_projections(x.dtype))
+        return bf16 or fp8_one_row.takes(x, self.fp8_row_projections())
+
     def fused_gemv_rows(self) -> list[int]:
         """The step row counts that run on the fused GEMVs (none without fused ops)."""
         weight = self.embed_tokens.weight
-        plain = self.plain_projections(weight.dtype)
-        rows = range(1, fused_gemv.max_rows() + 1)
-        fits = [n for n in rows if fused_gemv.takes(weight.new_empty(n, weight.shape[1]), plain)]
+        rows = range(1, max(fused_gemv.max_rows(), 1) + 1)  # the FP8 kernels take one row
+        fits = [n for n in rows if self.takes_row_kernels(weight.new_empty(n, weight.shape[1]))]
         return fits if self.fused_ops else []
 
     def warm_up_fused_gemvs(self) -> list[int]:

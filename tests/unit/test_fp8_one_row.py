@@ -1,4 +1,4 @@
-"""bench/lib/fp8_prologue_candidates.py's GEMV that quantizes its own input against the engine's
+"""engine/quant/fp8_one_row.py's GEMV that quantizes its own input against the engine's other
 path (quantize_rows of the made row, then the product of the dequantized operands): on a GPU,
 or on the CPU in Triton's interpreter (tests/conftest.py sets it)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.lib.fp8_prologue_candidates import fp8_prologue_dot
 from engine.quant.fp8 import quantize_rows_torch, quantize_weight
+from engine.quant.fp8_one_row import row_dot
 
 pytest.importorskip("triton")
 
@@ -42,7 +42,7 @@ def operands(num_rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ..
 def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, n: int, **kw) -> torch.Tensor:
     out = kw.pop("out", torch.zeros(x.shape[0], n, dtype=torch.bfloat16))
     out = out.to(DEVICE)
-    fp8_prologue_dot(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), out, TILE, **kw)
+    row_dot(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), out, TILE, **kw)
     return out.float().cpu()
 
 
@@ -83,8 +83,8 @@ def test_it_refuses_what_it_would_misread() -> None:
     weight, scale, x, _ = operands(1, 8, 32, seed=4)
     out = torch.zeros(1, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"contiguous \[16, 32\]"):
-        fp8_prologue_dot(x, weight, scale, out, TILE, silu=True)
+        row_dot(x, weight, scale, out, TILE, silu=True)
     with pytest.raises(ValueError, match="one scale per output channel"):
-        fp8_prologue_dot(x, weight, scale[:4], out, TILE)
+        row_dot(x, weight, scale[:4], out, TILE)
     with pytest.raises(ValueError, match="one row each"):
-        fp8_prologue_dot(torch.zeros(2, 32), weight, scale, torch.zeros(2, 8), TILE)
+        row_dot(torch.zeros(2, 32), weight, scale, torch.zeros(2, 8), TILE)

@@ -1,20 +1,22 @@
-"""A few-row FP8 GEMV candidate that quantizes its own input, for bench.fused_gemv_bench --fp8;
-owns no state (imports triton on first use).
+"""One-row decode steps over FP8 weights as four Triton GEMVs a layer that quantize their own
+input, with their neighbours fused in as the bf16 ones (engine/models/fused_gemv.py) do: the
+RMSNorm before qkv_proj and gate_up_proj, SiLU-and-mul after gate_up_proj, the residual add after
+o_proj and down_proj. Owns no state but the setting read once from the environment (imports
+triton on first use).
 
-On the H200 a batch-1 step of the 8B shape with FP8 weights is 9 kernels a layer: add + RMSNorm
-+ quantize, qkv, RoPE, attention, o (bf16 GEMV), add + RMSNorm + quantize, gate/up,
-SiLU-and-mul + quantize, down. The three quantizing kernels took 8.1 us of a layer's 87
-(bench/RESULTS.md, issue 12's seventeenth round). Here the GEMV does their work itself, as the
-bf16 fused GEMVs do (engine/models/fused_gemv.py): each program reads the whole bf16 input row
-(from L2) for its per-row scale (the amax of what the row becomes, / 448), then quantizes each
-input tile as it multiplies it with fp8_dot_rows's tensor-core product, and may
-- NORM: take rmsnorm(x) * weight as the row (the amax of it is the amax of x * weight times the
-  row's 1/rms: the same up to float rounding);
-- SILU: read gate and up rows (weight [2N, K]) and give silu(gate) * up, down's bf16 input;
-- ADD: add its output into the residual in place (o and down), so the next NORM reads it.
-A layer is then 4 GEMVs, RoPE and attention. Kept apart from the engine until the chain bench
-says it is faster; the engine's rounding (quantize_rows: the row rounded to bf16, then scaled)
-is kept, so outputs match the engine's path to float rounding.
+Why: with FP8 weights a batch-1 step of the 8B shape on an H200 is 9 kernels a layer (add +
+RMSNorm + quantize, qkv, RoPE, attention, o, add + RMSNorm + quantize, gate/up, SiLU-and-mul +
+quantize, down), and the three quantizing kernels alone took 8.1 us of a layer's 87
+(bench/RESULTS.md, issue 12's seventeenth round). Here each program reads the whole bf16 input
+row (from L2) for its scale (the amax of the row to be quantized, / 448), then quantizes each
+input tile as it multiplies it with the e4m3 weight tile on tensor cores (fp8_dot_rows's
+product; the row broadcast to the 16 rows a tensor-core product needs): a layer is 4 GEMVs,
+RoPE and attention. The rounding is quantize_rows's (the row rounded to bf16, then scaled); with
+a norm the scale is amax(x * weight) times the row's 1/rms, equal up to float rounding.
+
+KVRELAY_FP8_ONE_ROW=1: steps of one row over a model whose projections are all dynamically
+scaled (per-token) bias-free Fp8Linears take these kernels; off by default until measured in
+the engine (bench.fused_gemv_bench --fp8 times them against the engine's path per projection).
 """
 
 from __future__ import annotations
@@ -23,12 +25,35 @@ import functools
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine import pdl
-from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+from engine.env_flags import on_off
+from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX, Fp8Linear
 from engine.quant.fp8_dot_rows import BLOCK_M
+from engine.quant.fp8_dot_rows import tile_for as dot_rows_tile
 
+ENV = "KVRELAY_FP8_ONE_ROW"
 PROLOGUE_BLOCK = 4096  # input columns a prologue step reads (32 a thread at 4 warps)
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether one-row steps may take these kernels (read once; cache_clear to re-read)."""
+    return on_off(ENV, False)
+
+
+def row_linear(layer: nn.Module) -> bool:
+    """layer is an Fp8Linear these kernels take: per-token (dynamic) input scales, no bias."""
+    return isinstance(layer, Fp8Linear) and layer.input_scale is None and layer.bias is None
+
+
+def takes(x: torch.Tensor, row_projections: list[nn.Module]) -> bool:
+    """Whether a step whose hidden states are x runs on these kernels: enabled, one bf16 row on
+    a CUDA device, and the model's projections all row_linear (row_projections: them, or []
+    when any is not)."""
+    one_row = x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.dtype == torch.bfloat16
+    return one_row and enabled() and bool(row_projections)
 
 
 @functools.cache
@@ -37,7 +62,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def fp8_prologue_dot(
+    def fp8_one_row_dot(
         x_ptr,
         norm_ptr,
         w_ptr,
@@ -115,10 +140,53 @@ def _kernel() -> Any:
             out += tl.load(out_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
-    return fp8_prologue_dot
+    return fp8_one_row_dot
 
 
-def fp8_prologue_dot(
+def normed_dot(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, layer: Fp8Linear
+) -> torch.Tensor:
+    """layer(rmsnorm(x) * norm_weight) for the row x [1, K] -> [1, N]."""
+    out = x.new_empty((1, layer.out_features))
+    return _launch(x, layer, out, norm=norm_weight, eps=eps)
+
+
+def normed_dot_silu(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: Fp8Linear
+) -> torch.Tensor:
+    """silu(g) * u of gate_up(rmsnorm(x) * norm_weight), g its first N = out_features / 2
+    channels and u the rest: x [1, K] -> [1, N]."""
+    out = x.new_empty((1, gate_up.out_features // 2))
+    return _launch(x, gate_up, out, norm=norm_weight, eps=eps, silu=True)
+
+
+def dot_add_(x: torch.Tensor, layer: Fp8Linear, residual: torch.Tensor) -> torch.Tensor:
+    """In place: residual += layer(x) for the row x [1, K], residual [1, N] (not x's storage)."""
+    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+        raise ValueError("dot_add_'s input shares the residual's storage")
+    return _launch(x, layer, residual, add=True)
+
+
+def _launch(
+    x: torch.Tensor,
+    layer: Fp8Linear,
+    out: torch.Tensor,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    add: bool = False,
+    tile: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """tile: (BLOCK_N, BLOCK_K, warps, stages) instead of fp8_dot_rows's fixed tile for the
+    output's width (tests, benches)."""
+    return row_dot(
+        x, layer.weight, layer.weight_scale, out, tile or dot_rows_tile(out.shape[-1]),
+        norm=norm, eps=eps, silu=silu, add=add,
+    )  # fmt: skip
+
+
+def row_dot(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -143,8 +211,9 @@ def fp8_prologue_dot(
         raise ValueError(f"weight must be contiguous [{(2 if silu else 1) * n}, {k}]")
     if weight_scale.numel() != weight.shape[0]:
         raise ValueError("the weight needs one scale per output channel")
-    if not x.is_contiguous() or not out.is_contiguous():
-        raise ValueError("x and out must be contiguous")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    x = x.contiguous()
     use_pdl = pdl.enabled(x.device)
     _kernel()[(triton.cdiv(n, block_n),)](
         x,
