@@ -2,7 +2,9 @@
 projection shapes against torch's product of the same bf16 operands; a layer's chain of them
 replayed from a CUDA graph (with PDL where the GPU has it) against the same chain run eagerly;
 and a tiny bf16 model through the engine on graphs with them (KVRELAY_BF16_GEMV_ROWS=1, the
-default) against without (0): logits along one token trajectory, and greedy tokens."""
+default) against without (0): logits along one token trajectory, and greedy tokens; the same
+logits with gate/up on cuBLAS (KVRELAY_GATE_UP_BLAS=1), and a tiny FP8 model's with the one-row
+FP8 GEMVs (KVRELAY_FP8_ONE_ROW=1) against its default path."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from engine import pdl
 from engine.engine import Engine
 from engine.models import fused_gemv
+from engine.quant import fp8_one_row
 from engine.sampling_params import SamplingParams
 from tests.gpu.test_flashinfer_backend import Recorder, first_divergence, logit_scale
 from tests.gpu.test_fp8_weights import CUDA, engine_on, load, pytestmark, tiny  # noqa: F401
@@ -176,3 +179,56 @@ def test_tiny_bf16_engine_on_graphs_with_fused_gemvs(
     free_tokens = solo_requests(free)
     notes = first_divergence(plain_tokens, rec_plain.logits, free_tokens, 0.02 * scale)
     print("\n".join(notes) or "greedy tokens equal")
+
+
+def forced_logit_error(
+    model: torch.nn.Module, folder: Path, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> tuple[float, float]:
+    """(max logit error, logit scale) of an engine on graphs with `variable`=1 against one
+    without, along the latter's greedy tokens of solo_requests."""
+    plain = engine_on(model, folder, cuda_graph=True)
+    rec_plain = Recorder(plain)
+    plain_tokens = solo_requests(plain)
+    monkeypatch.setenv(variable, "1")
+    fused_gemv.gate_up_on_blas.cache_clear()
+    fp8_one_row.enabled.cache_clear()
+    try:
+        variant = engine_on(model, folder, cuda_graph=True)
+        rec_variant = Recorder(variant, forced=plain_tokens)
+        solo_requests(variant)
+        assert variant.runner.num_graph_steps > 0
+    finally:
+        monkeypatch.delenv(variable)
+        fused_gemv.gate_up_on_blas.cache_clear()
+        fp8_one_row.enabled.cache_clear()
+    errors = [
+        float((a - b).abs().max())
+        for r in rec_plain.logits
+        for a, b in zip(rec_plain.logits[r], rec_variant.logits[r], strict=True)
+    ]
+    return max(errors), logit_scale(rec_plain)
+
+
+def test_tiny_bf16_engine_with_gate_up_on_blas(
+    tiny: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVRELAY_GATE_UP_BLAS=1 (gate/up as cuBLAS's product of the norm-weighted residual, 1/rms
+    and the SiLU after) against the fused normed_gemv_silu, batch-1 steps on graphs."""
+    error, scale = forced_logit_error(load(tiny, None), tiny, monkeypatch, "KVRELAY_GATE_UP_BLAS")
+    print(f"bf16 engine, gate/up on cuBLAS vs fused: max logit error {error:.4f} of {scale:.2f}")
+    assert error <= 0.02 * scale
+
+
+def test_tiny_fp8_engine_with_the_one_row_kernels(
+    tiny: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVRELAY_FP8_ONE_ROW=1 (four GEMVs a layer that quantize their own input) against the
+    default FP8 path, batch-1 steps on graphs: o_proj's input is quantized there too, so the
+    bound is the FP8 graph-vs-eager test's."""
+    model = load(tiny)
+    assert model.fp8_row_projections(), "the online-quantized model takes them"
+    error, scale = forced_logit_error(model, tiny, monkeypatch, fp8_one_row.ENV)
+    print(f"fp8 engine, one-row kernels vs default: max logit error {error:.4f} of {scale:.2f}")
+    assert error <= 0.05 * scale
