@@ -66,7 +66,8 @@ class CUDAGraphDecoder:
     def _capture_all(self) -> None:
         tune = tuning_wanted()
         # Each projection's BLAS library at a size, before its graph records it; sizes that
-        # run on the fused GEMVs (models/fused_gemv.py) make no BLAS call.
+        # run on the fused GEMVs (models/fused_gemv.py) make no BLAS call (but gate/up's with
+        # KVRELAY_GATE_UP_BLAS=1, which keeps its default library).
         fused_gemv_rows = getattr(self.model, "fused_gemv_rows", list)()
         for bs in reversed(self.sizes):  # largest first: the pool is sized once
             if tune and bs not in fused_gemv_rows:

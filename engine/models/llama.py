@@ -156,7 +156,9 @@ class DecoderLayer(nn.Module):
     def _gemv_layer(
         self, residual: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """The layer's four fused GEMVs around attend(qkv) -> attention's output."""
+        """The layer's four fused GEMVs around attend(qkv) -> attention's output (with
+        KVRELAY_GATE_UP_BLAS=1, not in fp16: gate/up as a BLAS product of the unnormalized,
+        weighted residual, whose range fp16 may not hold, then silu_and_mul_rms)."""
         att, mlp = self.self_attn, self.mlp
         if fp8_one_row.row_linear(att.qkv_proj):
             self._fp8_row_layer(residual, attend)
@@ -166,10 +168,10 @@ class DecoderLayer(nn.Module):
         out = attend(qkv).reshape(-1, att.q_size)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
-        if fused_gemv.gate_up_on_blas():
+        if fused_gemv.gate_up_on_blas() and residual.dtype != torch.float16:  # fp16: range
             scaled = torch.empty_like(residual)
             fused_gemv.gemv_add_scaled_(out, att.o_proj.weight, residual, norm.weight, scaled)
-            products = F.linear(scaled, gate_up)
+            products = mlp.gate_up_proj(scaled)  # unnormalized: rms(residual) x the product
             hidden = fused_gemv.silu_and_mul_rms(products, residual, norm.eps)
         else:
             fused_gemv.gemv_add_(out, att.o_proj.weight, residual)

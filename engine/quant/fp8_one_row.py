@@ -11,8 +11,9 @@ quantize, down), and the three quantizing kernels alone took 8.1 us of a layer's
 row (from L2) for its scale (the amax of the row to be quantized, / 448), then quantizes each
 input tile as it multiplies it with the e4m3 weight tile on tensor cores (fp8_dot_rows's
 product; the row broadcast to the 16 rows a tensor-core product needs): a layer is 4 GEMVs,
-RoPE and attention. The rounding is quantize_rows's (the row rounded to bf16, then scaled); with
-a norm the scale is amax(x * weight) times the row's 1/rms, equal up to float rounding.
+RoPE and attention. The rounding is quantize_rows's (the row rounded to bf16, then scaled, then
+rounded to e4m3's grid); with a norm the scale is amax(x * weight) times the row's 1/rms, equal up
+to float rounding.
 
 KVRELAY_FP8_ONE_ROW=1: steps of one row over a model whose projections are all dynamically
 scaled (per-token) bias-free Fp8Linears take these kernels; off by default until measured in
@@ -30,7 +31,7 @@ from torch import nn
 from engine import pdl
 from engine.env_flags import on_off
 from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX, Fp8Linear
-from engine.quant.fp8_dot_rows import BLOCK_M
+from engine.quant.fp8_dot_rows import BLOCK_M, WIDE_TILE
 from engine.quant.fp8_dot_rows import tile_for as dot_rows_tile
 
 ENV = "KVRELAY_FP8_ONE_ROW"
@@ -80,6 +81,8 @@ def _kernel() -> Any:
         PROLOGUE: tl.constexpr,
         FP8_MAX: tl.constexpr,
         AMAX_FLOOR: tl.constexpr,
+        E4M3_MIN_NORMAL: tl.constexpr,
+        SUBNORMAL_SHIFT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One row. Prologue: 1/rms (NORM) and the amax of the row to be quantized, so scale =
@@ -116,12 +119,15 @@ def _kernel() -> Any:
                 weight = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = (x * inv_rms * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
             v = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-            # to 3 mantissa bits, to nearest even, in float32, so that the cast to e4m3 is
-            # exact (Triton's interpreter rounds that cast wrongly when the mantissa carries
-            # into the exponent); below e4m3's normal range the cast rounds once more
+            # v rounded to e4m3's grid, to nearest even, in float32, so that the cast to e4m3
+            # is exact (Triton's interpreter rounds that cast wrongly when the mantissa carries
+            # into the exponent): 3 mantissa bits in the normal range; below 2^-6 the
+            # subnormals' fixed step 2^-9, by adding and taking away 1.5 * 2^14 (whose float32
+            # step that is)
             bits = v.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # = 0xFFF00000
-            v = bits.to(tl.float32, bitcast=True)
+            subnormal = (v + SUBNORMAL_SHIFT) - SUBNORMAL_SHIFT
+            v = tl.where(tl.abs(v) < E4M3_MIN_NORMAL, subnormal, bits.to(tl.float32, bitcast=True))
             q = tl.broadcast_to(v.to(tl.float8e4nv)[None, :], (BLOCK_M, BLOCK_K))
             w_ok = col_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :], mask=w_ok, other=0.0)
@@ -178,12 +184,20 @@ def _launch(
     add: bool = False,
     tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """tile: (BLOCK_N, BLOCK_K, warps, stages) instead of fp8_dot_rows's fixed tile for the
-    output's width (tests, benches)."""
+    """tile: (BLOCK_N, BLOCK_K, warps, stages) instead of tile_for's (tests, benches)."""
     return row_dot(
-        x, layer.weight, layer.weight_scale, out, tile or dot_rows_tile(out.shape[-1]),
+        x, layer.weight, layer.weight_scale, out, tile or tile_for(out.shape[-1], silu),
         norm=norm, eps=eps, silu=silu, add=add,
     )  # fmt: skip
+
+
+def tile_for(num_channels: int, silu: bool) -> tuple[int, int, int, int]:
+    """fp8_dot_rows's fixed tile for num_channels output channels; with SiLU (two weight rows
+    a channel) the wide one at half the channels, so that a step reads as many rows."""
+    if silu:
+        block_n, block_k, warps, stages = WIDE_TILE
+        return block_n // 2, block_k, warps, stages
+    return dot_rows_tile(num_channels)
 
 
 def row_dot(
@@ -233,6 +247,8 @@ def row_dot(
         PROLOGUE=min(PROLOGUE_BLOCK, triton.next_power_of_2(k)),
         FP8_MAX=FP8_MAX,
         AMAX_FLOOR=AMAX_FLOOR,
+        E4M3_MIN_NORMAL=2.0**-6,
+        SUBNORMAL_SHIFT=1.5 * 2.0**14,  # float32's step at this size is e4m3's subnormal one
         PDL=use_pdl,
         num_warps=warps,
         num_stages=stages,

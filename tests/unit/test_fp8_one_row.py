@@ -88,3 +88,21 @@ def test_it_refuses_what_it_would_misread() -> None:
         row_dot(x, weight, scale[:4], out, TILE)
     with pytest.raises(ValueError, match="one row each"):
         row_dot(torch.zeros(2, 32), weight, scale, torch.zeros(2, 8), TILE)
+
+
+def test_the_codes_are_e4m3s_nearest_from_subnormals_to_448() -> None:
+    """An identity weight hands the codes back: the row's amax is 448 (scale 1), the rest
+    spread over e4m3's whole range, subnormals (below 2^-6) and halfway cases included; each
+    must be torch's round-to-nearest-even cast."""
+    k = 256
+    gen = torch.Generator().manual_seed(5)
+    magnitudes = torch.logspace(-12, 8.8, k - 1, base=2.0)  # 2^-12 .. ~445
+    ties = torch.tensor([7.5, 9.5, 13.0, 0.5 + 2**-10]) * 2.0**-9  # halfway between codes
+    magnitudes[: len(ties)] = ties
+    signs = torch.randint(0, 2, (k - 1,), generator=gen) * 2 - 1
+    x = torch.cat([torch.tensor([448.0]), magnitudes * signs]).bfloat16().reshape(1, k)
+    weight = torch.eye(k).to(torch.float8_e4m3fn)
+    got = run(x, weight, torch.ones(k), k)
+    want = x.float().to(torch.float8_e4m3fn).float()
+    assert (want.abs() < 2**-6).sum() > 20, "subnormals covered"
+    assert torch.equal(got, want)
