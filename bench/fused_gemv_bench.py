@@ -7,12 +7,13 @@ bench/lib/gemv_candidates.py's variants (the sum at each K step, gate/up rows in
 blocks, down forming the SiLU as it reads gate/up's output).
 --fp8: the FP8 weights' kernels instead: fp8_dot_rows over quantized rows
 (engine/quant/fp8_dot_rows.py) with the engine's tile and once per tile of its autotuner's
-list, and fp8_gemv (bf16 rows, o_proj's) as autotuned; for one row also the engine's whole
-path to each projection's output (its input's quantizing kernel included) against
-engine/quant/fp8_one_row.py's GEMV that quantizes its input itself (KVRELAY_FP8_ONE_ROW). Each
-is timed as a chain of calls over enough copies of the weight that none is still in L2 when it
-is read again (the chain replayed from one CUDA graph, PDL as the engine launches them); the
-table gives us a call and the weight bytes read a second. Owns no state; needs a GPU.
+list and of FP8_DEEP_TILES, and fp8_gemv (bf16 rows, o_proj's) as autotuned; for one row also
+the engine's whole path to each projection's output (its input's quantizing kernel included)
+against engine/quant/fp8_one_row.py's GEMV that quantizes its input itself
+(KVRELAY_FP8_ONE_ROW). Each is timed as a chain of calls over enough copies of the weight that
+none is still in L2 when it is read again (the chain replayed from one CUDA graph, PDL as the
+engine launches them); the table gives us a call and the weight bytes read a second. Owns no
+state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
@@ -57,7 +58,18 @@ TILES = (  # (BLOCK_N, BLOCK_K, num_warps)
     (2, 2048, 4),
 )
 CANDIDATE_TILES = ((4, 1024, 4), (8, 512, 4), (2, 1024, 4))  # the engine's and close ones
-FP8_ONE_ROW_TILES = ((32, 512, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 4))
+# (BLOCK_N, BLOCK_K, warps, stages). Beyond the autotuner's list: more bytes in flight a program
+# (stages x BLOCK_N x BLOCK_K), for the narrow projections (qkv, o, down), whose 32-channel
+# tiles leave 128-192 programs for 132 SMs and read their weights at ~2.4 TB/s.
+FP8_DEEP_TILES = ((16, 1024, 4, 4), (16, 512, 4, 6), (32, 512, 4, 5), (32, 256, 4, 6))
+FP8_ONE_ROW_TILES = (
+    (32, 512, 4, 3),
+    (64, 256, 4, 3),
+    (32, 256, 4, 3),
+    (16, 512, 4, 3),
+    (32, 256, 4, 4),
+    *FP8_DEEP_TILES,
+)
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
 Calls = list[Callable[[], Any]]
 
@@ -219,13 +231,11 @@ def one_fp8(name: str, num_rows: int) -> dict[str, Any]:
         return [lambda w=w: fp8_dot_rows(q, scale, w.weight, w.scale, None, tile) for w in weights]
 
     record("dot_rows", dot_rows(None))
-    for config in tile_configs():
-        tile = (
-            config.kwargs["BLOCK_N"],
-            config.kwargs["BLOCK_K"],
-            config.num_warps,
-            config.num_stages,
-        )
+    listed = [
+        (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+        for c in tile_configs()
+    ]
+    for tile in (*listed, *FP8_DEEP_TILES):
         record("x".join(map(str, tile)), dot_rows(tile))
     record("gemv", [lambda w=w: fp8_gemv(x, w.weight, w.scale, None) for w in weights])
     if num_rows == 1:
