@@ -20,8 +20,9 @@ there, and asking for each weight tile a step ahead lost in the chain too, so ne
 
 KVRELAY_BF16_GEMV_ROWS: steps of at most this many token rows take these kernels (default
 ROWS_DEFAULT; 0: never, cuBLAS and FlashInfer's fused norms as before; at most MAX_ROWS).
-KVRELAY_GATE_UP_BLAS=1: gate/up as cuBLAS's product of the residual times the norm's weight
-(o_proj's GEMV writes it beside the residual), 1/rms and the SiLU in silu_and_mul_rms after; in
+KVRELAY_GATE_UP_BLAS=1 (not for fp16 models, whose range the unnormalized product may leave):
+gate/up as cuBLAS's product of the residual times the norm's weight (o_proj's GEMV writes it
+beside the residual), 1/rms and the SiLU in silu_and_mul_rms after; in
 a chain cuBLAS read gate/up's weights in 56.9 us where normed_gemv_silu took 64.1 (H200), but
 the engine's step with it is not measured yet, so it is off by default.
 """
