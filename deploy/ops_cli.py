@@ -172,7 +172,7 @@ async def _router(
         servers = options.build_servers(backend, tokenizer, metrics)
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
-        backend.membership.router = RouterStatus(backend.router_id, http_url, grpc_address)
+        await backend.membership.announce(RouterStatus(backend.router_id, http_url, grpc_address))
         _say(f"kvrelay: router {backend.router_id} serving {config.model.model_id}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")

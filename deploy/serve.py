@@ -360,8 +360,8 @@ async def _serve(
         servers = options.build_servers(cluster.backend, tokenizer, metrics)
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
-        cluster.backend.membership.router = RouterStatus(
-            cluster.backend.router_id, http_url, grpc_address
+        await cluster.backend.membership.announce(
+            RouterStatus(cluster.backend.router_id, http_url, grpc_address)
         )
         cluster_address.record_local(_ray_address(), http_url, grpc_address)
         _say(f"kvrelay: serving {cluster.model.model_id}")

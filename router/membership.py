@@ -37,6 +37,16 @@ class MembershipSync:
         members = await self.controller.members.remote(router)
         self.workers.sync(members)
 
+    async def announce(self, router: RouterStatus) -> None:
+        """Take router (e.g. once its servers listen and have addresses) and tell the
+        controller now, not at the next interval, so that `kvrelay status` shows it as soon as
+        the router says it serves; a controller that does not answer hears it at a later sync."""
+        self.router = router
+        try:
+            await asyncio.wait_for(self.sync_once(), 5.0)
+        except Exception as e:  # the loop keeps trying
+            logger.info("router %s: first sync after its servers started failed: %s", router, e)
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run())
