@@ -1,14 +1,15 @@
 """Few quantized rows on the GPU: Fp8Linear hands QuantizedRows of up to GEMV_MAX_ROWS rows to
-fp8_dot_rows (e4m3 codes on tensor cores, tile shapes autotuned) and the result equals the
-float32 product of the dequantized operands up to bf16 rounding, eager and replayed from a
-CUDA graph; a bf16 input of as many rows still takes the GEMV."""
+fp8_dot_rows (e4m3 codes on tensor cores, a fixed tile by weight width) and the result equals
+the float32 product of the dequantized operands up to bf16 rounding, eager and replayed from a
+CUDA graph, with the wide tile and with the autotuner's picks too; a bf16 input of as many rows
+still takes the GEMV."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.quant import fp8
+from engine.quant import fp8, fp8_dot_rows
 from engine.quant.fp8 import QuantizedRows, takes_quantized
 from engine.quant.fp8_fused import quantize_rows_cuda
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS
@@ -65,3 +66,26 @@ def test_fp8_dot_rows_replays_in_a_cuda_graph() -> None:
         x.copy_(torch.randn(3, 512, device=CUDA, generator=gen).bfloat16())
         graph.replay()
         torch.testing.assert_close(out, layer(QuantizedRows(*quantize_rows_cuda(x, None))))
+
+
+@pytest.mark.parametrize("tiles", ["fixed", "tuned"])
+def test_the_wide_tile_and_the_autotuners_pick_are_right(
+    monkeypatch: pytest.MonkeyPatch, tiles: str
+) -> None:
+    """A weight wide enough for WIDE_TILE (and the autotuner's pick, KVRELAY_FP8_DOT_TILES=
+    tuned) against the dequantized product."""
+    monkeypatch.setenv(fp8_dot_rows.TILES_ENV, tiles)
+    fp8_dot_rows.tuned.cache_clear()
+    try:
+        gen = torch.Generator(CUDA).manual_seed(11)
+        channels = fp8_dot_rows.WIDE_CHANNELS + 96  # a partial last tile
+        weight = torch.randn(channels, 512, device=CUDA, generator=gen) * 0.02
+        layer = layer_on_gpu(weight, False, None)
+        x = torch.randn(2, 512, device=CUDA, generator=gen).bfloat16()
+        rows = QuantizedRows(*quantize_rows_cuda(x, None))
+        out = layer(rows).float()
+        want = layer.forward_reference(rows).float()
+        assert float((out - want).abs().max() / want.abs().max()) < 1e-2
+    finally:
+        monkeypatch.delenv(fp8_dot_rows.TILES_ENV)
+        fp8_dot_rows.tuned.cache_clear()
