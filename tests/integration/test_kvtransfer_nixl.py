@@ -350,6 +350,24 @@ def test_handshake_mismatch_is_refused(
         reader.call("read_and_wait", "stranger", [0], [0])
 
 
+def stop_all_threads(pid: int) -> None:
+    """SIGSTOP pid and return once every thread of it shows as stopped: the signal is only
+    delivered at each thread's next scheduling point, and on a busy machine a UCX progress
+    thread could still answer a READ posted right after the kill."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            path = f"/proc/{pid}/task/{task}/stat"
+            with contextlib.suppress(FileNotFoundError), open(path) as stat:  # may have exited
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s")
+
+
 def test_stalled_then_dead_peer_fail_clearly() -> None:
     """Over tcp the holder must progress UCX for a READ to finish, so SIGSTOP stalls it."""
     tls = "tcp,self,cuda_copy" if torch.cuda.is_available() else "tcp,self"  # NIXL wants cuda_copy
@@ -359,7 +377,7 @@ def test_stalled_then_dead_peer_fail_clearly() -> None:
     try:
         survivor.call("add_peer", doomed.call("metadata"))
         survivor.call("read_and_wait", "doomed", [0], [0])
-        os.kill(doomed.proc.pid, signal.SIGSTOP)
+        stop_all_threads(doomed.proc.pid)
         try:
             with pytest.raises(KVTransferError, match=r"timed out after 1\.0 s"):
                 survivor.call("read_and_wait", "doomed", [1, 2], [1, 2])
