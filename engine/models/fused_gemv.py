@@ -22,9 +22,9 @@ KVRELAY_BF16_GEMV_ROWS: steps of at most this many token rows take these kernels
 ROWS_DEFAULT; 0: never, cuBLAS and FlashInfer's fused norms as before; at most MAX_ROWS).
 KVRELAY_GATE_UP_BLAS=1 (not for fp16 models, whose range the unnormalized product may leave):
 gate/up as cuBLAS's product of the residual times the norm's weight (o_proj's GEMV writes it
-beside the residual), 1/rms and the SiLU in silu_and_mul_rms after; in
-a chain cuBLAS read gate/up's weights in 56.9 us where normed_gemv_silu took 64.1 (H200), but
-the engine's step with it is not measured yet, so it is off by default.
+beside the residual), 1/rms and the SiLU in silu_and_mul_rms after; in a chain cuBLAS read
+gate/up's weights in 56.9 us where normed_gemv_silu took 64.1 (H200), but the engine's step with
+it is not measured yet, so it is off by default.
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def takes(x: torch.Tensor, plain_projections: list[nn.Module]) -> bool:
     when any is not)."""
     rows_ok = x.dim() == 2 and 0 < x.shape[0] <= max_rows()
     return rows_ok and x.is_cuda and x.dtype in DTYPES and bool(plain_projections)
+
+
+def share_storage(*tensors: torch.Tensor) -> bool:
+    """Whether any two of tensors are views of one storage (an in-place kernel refuses them:
+    its programs would read what others have written)."""
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    return len(set(storages)) < len(storages)
 
 
 def padded_rows(num_rows: int) -> int:
@@ -294,7 +301,7 @@ def normed_gemv_silu(
 def gemv_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """In place: residual += x @ weight^T (x [M, K], weight [N, K], residual [M, N]; x must
     not share residual's storage: other programs would read what one has written)."""
-    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+    if share_storage(x, residual):
         raise ValueError("gemv_add_'s input shares the residual's storage")
     return _launch(x, weight, residual, weight.shape[0], residual=residual)
 
@@ -308,8 +315,7 @@ def gemv_add_scaled_(
 ) -> torch.Tensor:
     """gemv_add_, and scaled = the new residual * norm_weight (the next RMSNorm's weight; its
     1/rms is left to silu_and_mul_rms): scaled is shaped as residual, norm_weight [N]."""
-    storages = {t.untyped_storage().data_ptr() for t in (x, residual, scaled)}
-    if len(storages) < 3:
+    if share_storage(x, residual, scaled):
         raise ValueError(
             "gemv_add_scaled_'s input, residual and scaled copy must not share storage"
         )

@@ -30,6 +30,7 @@ from torch import nn
 
 from engine import pdl
 from engine.env_flags import on_off
+from engine.models.fused_gemv import share_storage
 from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX, Fp8Linear
 from engine.quant.fp8_dot_rows import BLOCK_M, WIDE_TILE
 from engine.quant.fp8_dot_rows import tile_for as dot_rows_tile
@@ -168,7 +169,7 @@ def normed_dot_silu(
 
 def dot_add_(x: torch.Tensor, layer: Fp8Linear, residual: torch.Tensor) -> torch.Tensor:
     """In place: residual += layer(x) for the row x [1, K], residual [1, N] (not x's storage)."""
-    if x.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+    if share_storage(x, residual):
         raise ValueError("dot_add_'s input shares the residual's storage")
     return _launch(x, layer, residual, add=True)
 
