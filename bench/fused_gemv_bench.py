@@ -195,13 +195,13 @@ def time_fp8_one_row(
     norm = (torch.rand(k, device="cuda") + 0.5).bfloat16() if normed else None
     if name == "o":
         engine = [lambda w=w: fp8_gemv(x, w.weight, w.scale, None) for w in weights]
-    elif normed:
-        residual = torch.randn_like(x)
-        quantize = lambda: add_rms_norm_quantize(x, residual, norm, EPS, None)  # noqa: E731
-        engine = [lambda w=w: fp8_dot_rows(*quantize(), w.weight, w.scale, None) for w in weights]
-    else:  # down: its input is gate/up's product, made into silu(gate) * up and quantized
-        gate_up = torch.randn(1, 2 * k, device="cuda").bfloat16()
-        quantize = lambda: silu_and_mul_quantize(gate_up, None)  # noqa: E731
+    else:
+        if normed:
+            residual = torch.randn_like(x)
+            quantize = lambda: add_rms_norm_quantize(x, residual, norm, EPS, None)  # noqa: E731
+        else:  # down: its input is gate/up's product, made into silu(gate) * up and quantized
+            gate_up = torch.randn(1, 2 * k, device="cuda").bfloat16()
+            quantize = lambda: silu_and_mul_quantize(gate_up, None)  # noqa: E731
         engine = [lambda w=w: fp8_dot_rows(*quantize(), w.weight, w.scale, None) for w in weights]
     record("path", engine)
     n = weights[0].weight.shape[0] // (2 if silu else 1)
