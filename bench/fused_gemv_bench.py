@@ -10,10 +10,11 @@ blocks, down forming the SiLU as it reads gate/up's output).
 list and of FP8_DEEP_TILES, and fp8_gemv (bf16 rows, o_proj's) as autotuned; for one row also
 the engine's whole path to each projection's output (its input's quantizing kernel included)
 against engine/quant/fp8_one_row.py's GEMV that quantizes its input itself
-(KVRELAY_FP8_ONE_ROW). Each is timed as a chain of calls over enough copies of the weight that
-none is still in L2 when it is read again (the chain replayed from one CUDA graph, PDL as the
-engine launches them); the table gives us a call and the weight bytes read a second. Owns no
-state; needs a GPU.
+(KVRELAY_FP8_ONE_ROW); the narrow projections (qkv, o, down) also with K split in FP8_SPLITS
+parts (KVRELAY_FP8_SPLIT_K). Each is timed as a chain of calls over enough copies of the weight
+that none is still in L2 when it is read again (the chain replayed from one CUDA graph, PDL as
+the engine launches them); the table gives us a call and the weight bytes read a second. Owns
+no state; needs a GPU.
 
     python -m bench.fused_gemv_bench [--rows 1] [--fp8] [--json out.json]
 """
@@ -33,10 +34,11 @@ from bench.lib.gemv_candidates import candidate_gemv, interleave
 from bench.lib.gpu_timing import chain_us
 from engine.models import fused_gemv
 from engine.quant.fp8 import Fp8Weight, quantize_rows, quantize_weight
-from engine.quant.fp8_dot_rows import fp8_dot_rows, tile_configs
+from engine.quant.fp8_dot_rows import WIDE_CHANNELS, fp8_dot_rows, tile_configs, tile_for
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 from engine.quant.fp8_gemv import fp8_gemv
 from engine.quant.fp8_one_row import row_dot
+from engine.quant.fp8_one_row import tile_for as one_row_tile
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
 EPS = 1e-5
@@ -70,6 +72,9 @@ FP8_ONE_ROW_TILES = (
     (32, 256, 4, 4),
     *FP8_DEEP_TILES,
 )
+# K's parts (engine/quant/split_k.py) the narrow FP8 projections are timed at, on the engine's
+# tile: more programs than their 128-192 tiles, each over part of K
+FP8_SPLITS = (2, 3, 4, 6, 8)
 CHAIN_BYTES = 512 << 20  # each chain reads at least this much weight: 10x the H200's L2
 Calls = list[Callable[[], Any]]
 
@@ -213,6 +218,17 @@ def time_fp8_one_row(
             for w in weights
         ]
         record("one_row " + "x".join(map(str, tile)), calls)
+    if silu:
+        return
+    tile = one_row_tile(n, silu)
+    for parts in FP8_SPLITS:
+        calls = [
+            lambda w=w, parts=parts: row_dot(
+                x, w.weight, w.scale, out, tile, split_k=parts, **fusions
+            )
+            for w in weights
+        ]
+        record(f"one_row split {parts}", calls)
 
 
 def one_fp8(name: str, num_rows: int) -> dict[str, Any]:
@@ -231,6 +247,14 @@ def one_fp8(name: str, num_rows: int) -> dict[str, Any]:
         return [lambda w=w: fp8_dot_rows(q, scale, w.weight, w.scale, None, tile) for w in weights]
 
     record("dot_rows", dot_rows(None))
+    if n_rows < WIDE_CHANNELS:  # the narrow ones: split K on the engine's tile
+        for parts in FP8_SPLITS:
+            record(f"dot_rows split {parts}", [
+                lambda w=w, parts=parts: fp8_dot_rows(
+                    q, scale, w.weight, w.scale, None, tile_for(n_rows), parts
+                )
+                for w in weights
+            ])  # fmt: skip
     listed = [
         (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
         for c in tile_configs()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine import pdl
+from engine.quant import split_k as splits
 
 BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are masked
 MAX_ROWS = BLOCK_M
@@ -84,6 +85,8 @@ def _body() -> Any:
         w_scale_ptr,
         bias_ptr,
         out_ptr,
+        ws_ptr,
+        counter_ptr,
         M,
         N,
         K,
@@ -93,13 +96,14 @@ def _body() -> Any:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One program per BLOCK_N output channels, all M rows: acc += x_q @ w_q^T over K on
-        e4m3 (fp32 accumulator), then the row and channel scales (and bias). PDL: it waits
-        for the kernel before (engine/pdl.py), after asking L2 for its share of
-        prefetch_budget bytes of its rows of W (one contiguous slab); the next kernel may come
-        in after the loop."""
+        """One program per BLOCK_N output channels (and part of K: SPLIT_K, split_k.py), all
+        M rows: acc += x_q @ w_q^T over K on e4m3 (fp32 accumulator), then the row and channel
+        scales (and bias). PDL: it waits for the kernel before (engine/pdl.py), after asking
+        L2 for its share of prefetch_budget bytes of its rows of W (one contiguous slab); the
+        next kernel may come in after the loop."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,8 +111,13 @@ def _body() -> Any:
         col_ok = cols < N
         if PDL:
             prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
+        if SPLIT_K == 1:
+            k_start = 0
+            k_end = K
+        else:
+            k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(
@@ -124,16 +133,22 @@ def _body() -> Any:
             acc = tl.dot(x, tl.trans(w), acc)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
-        col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-        out = acc * row_scale[:, None] * col_scale[None, :]
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            out_ptr + rows[:, None] * out_row_stride + cols[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
-        )
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        last = True
+        if SPLIT_K > 1:  # the workspace is [SPLIT_K, M, N]
+            at = rows[:, None] * N + cols[None, :]
+            last, acc = splits.sum_parts(acc, ws_ptr, counter_ptr, at, tile_ok, pid, M * N, SPLIT_K)
+        if last:
+            row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
+            col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+            out = acc * row_scale[:, None] * col_scale[None, :]
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(
+                out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=tile_ok,
+            )
 
     return fp8_dot_rows_kernel
 
@@ -154,11 +169,13 @@ def fp8_dot_rows(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     tile: tuple[int, ...] | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """q e4m3 [M, K] (M <= MAX_ROWS, contiguous) with scale float32 [M, 1], weight e4m3 [N, K]
     contiguous, weight_scale float32 with N elements, bias [N] bf16 or None -> [M, N] bf16.
-    tile: (BLOCK_N, BLOCK_K[, num_warps, num_stages]) instead of the autotuner's choice (tests,
-    benches; Triton's defaults for the two left out)."""
+    tile: (BLOCK_N, BLOCK_K[, num_warps, num_stages]) instead of the fixed one (tests, benches;
+    Triton's defaults for the two left out); split_k: K's parts (split_k.py) instead of
+    split_for's (fixed tiles only)."""
     import triton
 
     num_rows, k = q.shape
@@ -170,9 +187,7 @@ def fp8_dot_rows(
     out = torch.empty((num_rows, n), dtype=torch.bfloat16, device=q.device)
     if num_rows == 0:
         return out
-    operands = (q, scale, weight, weight_scale, weight_scale if bias is None else bias, out)
     use_pdl = pdl.enabled(q.device)
-    sizes = (num_rows, n, k, out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
     flags = {
         "HAS_BIAS": bias is not None,
         "BLOCK_M": BLOCK_M,
@@ -181,13 +196,28 @@ def fp8_dot_rows(
     }
     if tile is None and not tuned():
         tile = tile_for(n)
-    if tile is None:  # bias is read only when HAS_BIAS
+    operands = (q, scale, weight, weight_scale, weight_scale if bias is None else bias, out)
+    if tile is None:  # bias is read only when HAS_BIAS; the workspace and counters unused
+        if split_k not in (None, 1):
+            raise ValueError("split_k needs a fixed tile")
+        sizes = (num_rows, n, k, out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _kernel(True)[grid](*operands, *sizes, **flags)
-    else:
-        block_n, block_k, *launch = tile
-        options = dict(zip(("num_warps", "num_stages"), launch, strict=False))
-        _kernel(False)[(triton.cdiv(n, block_n),)](
-            *operands, *sizes, **flags, BLOCK_N=block_n, BLOCK_K=block_k, **options
-        )
+        _kernel(True)[grid](*operands, out, out, *sizes, **flags, SPLIT_K=1)
+        return out
+    block_n, block_k, *launch = tile
+    num_tiles = triton.cdiv(n, block_n)
+    if split_k is None:
+        split_k = splits.split_for(num_tiles, k, block_k, splits.num_sms(q.device))
+    split_k = splits.checked_split(split_k, k, block_k)
+    workspace, counters = out, out  # read only when SPLIT_K > 1
+    if split_k > 1:
+        workspace = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=q.device)
+        counters = splits.counters(q.device, num_tiles)
+    # a split program reads part of its rows: the L2 prefetch of their first bytes is left out
+    prefetch = pdl.prefetch_bytes() if use_pdl and split_k == 1 else 0
+    options = dict(zip(("num_warps", "num_stages"), launch, strict=False))
+    _kernel(False)[(num_tiles, split_k)](
+        *operands, workspace, counters, num_rows, n, k, out.stride(0), prefetch, **flags,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, **options,
+    )  # fmt: skip
     return out

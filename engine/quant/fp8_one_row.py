@@ -31,6 +31,7 @@ from torch import nn
 from engine import pdl
 from engine.env_flags import on_off
 from engine.models.fused_gemv import share_storage
+from engine.quant import split_k as splits
 from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX, Fp8Linear
 from engine.quant.fp8_dot_rows import BLOCK_M, WIDE_TILE
 from engine.quant.fp8_dot_rows import tile_for as dot_rows_tile
@@ -70,9 +71,12 @@ def _kernel() -> Any:
         w_ptr,
         w_scale_ptr,
         out_ptr,
+        ws_ptr,
+        counter_ptr,
         N,
         K,
         eps,
+        SPLIT_K: tl.constexpr,
         NORM: tl.constexpr,
         SILU: tl.constexpr,
         ADD: tl.constexpr,
@@ -90,7 +94,8 @@ def _kernel() -> Any:
         amax / FP8_MAX. Loop over K: the row's tile made (normed, rounded to x's dtype),
         divided by the scale, cast to e4m3 and broadcast to the BLOCK_M rows a tensor-core
         product needs (only the first is stored), times the e4m3 weight tile. Epilogue: the
-        row and channel scales, SiLU pairing, residual add."""
+        row and channel scales, SiLU pairing, residual add. SPLIT_K > 1 (not with SiLU): the
+        program's part of K (split_k.py), the last part's program does the epilogue."""
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -110,9 +115,14 @@ def _kernel() -> Any:
             inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         row_amax = (tl.max(amax, axis=0) * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
         scale = tl.maximum(row_amax, AMAX_FLOOR) / FP8_MAX
+        if SPLIT_K == 1:
+            k_start = 0
+            k_end = K
+        else:
+            k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -138,14 +148,18 @@ def _kernel() -> Any:
                 acc_up = tl.dot(q, tl.trans(tl.load(up_at, mask=w_ok, other=0.0)), acc_up)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-        out = tl.max(acc, axis=0) * scale * col_scale  # the rows are equal: take one
-        if SILU:
-            up_scale = tl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
-            out = out / (1.0 + tl.exp(-out)) * (tl.max(acc_up, axis=0) * scale * up_scale)
-        if ADD:
-            out += tl.load(out_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+        dots = tl.max(acc, axis=0)  # the rows are equal: take one
+        last = True
+        if SPLIT_K > 1:  # the workspace is [SPLIT_K, N]
+            last, dots = splits.sum_parts(dots, ws_ptr, counter_ptr, cols, col_ok, pid, N, SPLIT_K)
+        if last:
+            out = dots * scale * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+            if SILU:
+                up_scale = tl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
+                out = out / (1.0 + tl.exp(-out)) * (tl.max(acc_up, axis=0) * scale * up_scale)
+            if ADD:
+                out += tl.load(out_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
     return fp8_one_row_dot
 
@@ -183,11 +197,9 @@ def _launch(
     eps: float = 0.0,
     silu: bool = False,
     add: bool = False,
-    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """tile: (BLOCK_N, BLOCK_K, warps, stages) instead of tile_for's (tests, benches)."""
     return row_dot(
-        x, layer.weight, layer.weight_scale, out, tile or tile_for(out.shape[-1], silu),
+        x, layer.weight, layer.weight_scale, out, tile_for(out.shape[-1], silu),
         norm=norm, eps=eps, silu=silu, add=add,
     )  # fmt: skip
 
@@ -212,10 +224,12 @@ def row_dot(
     eps: float = 1e-5,
     silu: bool = False,
     add: bool = False,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """out [1, N] (=, or += with add) the product of the row x [1, K] bf16 (rmsnorm(x) * norm
     with a norm), quantized in the kernel, and weight e4m3 ([N, K]; [2N, K] gate then up with
-    silu) with float32 per-channel weight_scale; tile (BLOCK_N, BLOCK_K, warps, stages)."""
+    silu) with float32 per-channel weight_scale; tile (BLOCK_N, BLOCK_K, warps, stages);
+    split_k: K's parts (split_k.py; not with silu) instead of split_for's."""
     import triton
 
     block_n, block_k, warps, stages = tile
@@ -230,15 +244,28 @@ def row_dot(
         raise ValueError("out must be contiguous")
     x = x.contiguous()
     use_pdl = pdl.enabled(x.device)
-    _kernel()[(triton.cdiv(n, block_n),)](
+    num_tiles = triton.cdiv(n, block_n)
+    if split_k is None:
+        split_k = 1 if silu else splits.split_for(num_tiles, k, block_k, splits.num_sms(x.device))
+    if silu and split_k != 1:
+        raise ValueError("the SiLU pairing takes no split_k")
+    split_k = splits.checked_split(split_k, k, block_k)
+    workspace, counters = out, out  # read only when SPLIT_K > 1
+    if split_k > 1:
+        workspace = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
+        counters = splits.counters(x.device, num_tiles)
+    _kernel()[(num_tiles, split_k)](
         x,
         weight_scale if norm is None else norm,  # read only when NORM
         weight,
         weight_scale.reshape(-1),
         out,
+        workspace,
+        counters,
         n,
         k,
         eps,
+        SPLIT_K=split_k,
         NORM=norm is not None,
         SILU=silu,
         ADD=add,

@@ -4,7 +4,8 @@ replayed from a CUDA graph (with PDL where the GPU has it) against the same chai
 and a tiny bf16 model through the engine on graphs with them (KVRELAY_BF16_GEMV_ROWS=1, the
 default) against without (0): logits along one token trajectory, and greedy tokens; the same
 logits with gate/up on cuBLAS (KVRELAY_GATE_UP_BLAS=1), and a tiny FP8 model's with the one-row
-FP8 GEMVs (KVRELAY_FP8_ONE_ROW=1) against its default path."""
+FP8 GEMVs (KVRELAY_FP8_ONE_ROW=1) and with K split (KVRELAY_FP8_SPLIT_K=1) against its default
+path."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from engine import pdl
 from engine.engine import Engine
 from engine.models import fused_gemv
-from engine.quant import fp8_one_row
+from engine.quant import fp8_dot_rows, fp8_one_row, split_k
 from engine.sampling_params import SamplingParams
 from tests.gpu.test_flashinfer_backend import Recorder, first_divergence, logit_scale
 from tests.gpu.test_fp8_weights import CUDA, engine_on, load, pytestmark, tiny  # noqa: F401
@@ -181,6 +182,13 @@ def test_tiny_bf16_engine_on_graphs_with_fused_gemvs(
     print("\n".join(notes) or "greedy tokens equal")
 
 
+def clear_settings() -> None:
+    """Forget the options read once from the environment."""
+    fused_gemv.gate_up_on_blas.cache_clear()
+    fp8_one_row.enabled.cache_clear()
+    split_k.enabled.cache_clear()
+
+
 def forced_logit_error(
     model: torch.nn.Module,
     folder: Path,
@@ -199,8 +207,7 @@ def forced_logit_error(
     counted = lambda *a, **k: calls.append(1) or function(*a, **k)  # noqa: E731
     monkeypatch.setattr(*kernel, counted)
     monkeypatch.setenv(variable, "1")
-    fused_gemv.gate_up_on_blas.cache_clear()
-    fp8_one_row.enabled.cache_clear()
+    clear_settings()
     try:
         variant = engine_on(model, folder, cuda_graph=True)
         assert len(calls) >= len(model.layers), f"{variable}=1: the graphs did not capture it"
@@ -209,8 +216,7 @@ def forced_logit_error(
         assert variant.runner.num_graph_steps > 0
     finally:
         monkeypatch.delenv(variable)
-        fused_gemv.gate_up_on_blas.cache_clear()
-        fp8_one_row.enabled.cache_clear()
+        clear_settings()
     errors = [
         float((a - b).abs().max())
         for r in rec_plain.logits
@@ -245,3 +251,19 @@ def test_tiny_fp8_engine_with_the_one_row_kernels(
     error, scale = forced_logit_error(model, tiny, monkeypatch, fp8_one_row.ENV, kernel)
     print(f"fp8 engine, one-row kernels vs default: max logit error {error:.4f} of {scale:.2f}")
     assert 0 < error <= 0.05 * scale  # o_proj's input is quantized on this path only
+
+
+def test_tiny_fp8_engine_with_k_split(
+    tiny: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVRELAY_FP8_SPLIT_K=1 against the default FP8 path, few-row steps on graphs (the
+    fp8_dot_rows products). The tiny model's K (256, 512) is one step of the engine's tiles, so
+    both engines run on 64-wide K steps, which split_for cuts into 2-4 parts: the same sums
+    in another order."""
+    monkeypatch.setattr(fp8_dot_rows, "NARROW_TILE", (32, 64, 4, 3))
+    monkeypatch.setattr(fp8_dot_rows, "WIDE_TILE", (64, 64, 4, 3))
+    model = load(tiny)
+    error, scale = forced_logit_error(model, tiny, monkeypatch, split_k.ENV, (split_k, "counters"))
+    print(f"fp8 engine, K split vs not: max logit error {error:.4f} of {scale:.2f}")
+    assert error <= 0.02 * scale

@@ -1,0 +1,172 @@
+"""Compiling the engine's few-row Triton kernels for the H200 (sm_90) on a machine without a GPU,
+through ptxas (Triton ships it), so that a kernel that would not build, or would build without
+its pipelined loads, fails on the CPU before a GPU lease is spent on it; owns no state.
+
+Run as `python -m tests.hopper_compile` (without TRITON_INTERPRET: functions made under
+Triton's interpreter, its own standard library's included, cannot be compiled): compiles every
+case in CASES with the constants the engine launches it with on the 8B shape, PDL on, and
+prints one JSON object, case name -> facts (shared memory, pipelined loads, PTX instruction
+counts) or {"error": ...}. tests/unit/test_kernels_compile_for_hopper.py checks them."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90
+INT_ARGS_ALIGNED = ("N", "K")  # int arguments the engine's launches give as multiples of 16
+HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
+PTX_FACTS = {  # fact name -> PTX instruction pattern counted
+    "split_count_in": r"atom\.global\.gpu\.acq_rel\.add\.u32",
+    "split_count_reset": r"atom\.global\.gpu\.relaxed\.exch\.b32",
+    "pdl": r"griddepcontrol\.\w+",
+    "exp2": r"ex2\.approx[\w.]*",
+}
+
+
+def have_hopper_compiler() -> bool:
+    """Whether this triton can compile for sm_90 here (its NVIDIA backend and ptxas)."""
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+def compile_for_hopper(
+    kernel: Any,
+    pointers: dict[str, str],
+    constexprs: dict[str, Any],
+    *,
+    floats: tuple[str, ...] = ("eps",),
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> Any:
+    """kernel (a @triton.jit function) compiled for sm_90: pointers name -> element type
+    ("bf16", "fp8e4nv", "fp32", "i32"), constexprs name -> value, floats the fp32 scalars, the
+    other arguments i32. As Triton specializes a real launch: pointers 16-byte aligned, and
+    INT_ARGS_ALIGNED divisible by 16 (the 8B shape's are)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    unknown = (set(constexprs) | set(pointers)) - set(names)
+    if unknown:
+        raise ValueError(f"not arguments of {kernel.__name__}: {sorted(unknown)}")
+    signature, attrs = {}, {}
+    for index, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+            if name in INT_ARGS_ALIGNED:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    constants = {(names.index(name),): value for name, value in constexprs.items()}
+    source = ASTSource(kernel, signature, constants, attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def facts(compiled: Any) -> dict[str, int]:
+    """What the checks read of a compiled kernel: its shared memory, its asynchronous global ->
+    shared copies in Triton's GPU IR (the software pipeline's loads), PTX_FACTS' counts."""
+    ptx = compiled.asm["ptx"]
+    found = {name: len(re.findall(pattern, ptx)) for name, pattern in PTX_FACTS.items()}
+    found["shared"] = compiled.metadata.shared
+    found["pipelined_loads"] = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")
+    return found
+
+
+def fp8_dot_rows_case(channels: int, split_k: int) -> Any:
+    from engine.quant import fp8_dot_rows
+
+    block_n, block_k, warps, stages = fp8_dot_rows.tile_for(channels)
+    pointers = dict(
+        x_ptr="fp8e4nv", x_scale_ptr="fp32", w_ptr="fp8e4nv", w_scale_ptr="fp32",
+        bias_ptr="fp32", out_ptr="bf16", ws_ptr="fp32", counter_ptr="i32",
+    )  # fmt: skip
+    constexprs = dict(
+        HAS_BIAS=False, BLOCK_M=fp8_dot_rows.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, PDL=True,
+    )  # fmt: skip
+    kernel = fp8_dot_rows._kernel(False)
+    return compile_for_hopper(kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
+
+
+def fp8_one_row_case(fusions: str, split_k: int) -> Any:
+    from engine.quant import fp8_dot_rows, fp8_one_row
+    from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+
+    silu = "silu" in fusions
+    channels = INTERMEDIATE if silu else QKV if "norm" in fusions else HIDDEN
+    block_n, block_k, warps, stages = fp8_one_row.tile_for(channels, silu)
+    pointers = dict(
+        x_ptr="bf16", norm_ptr="bf16", w_ptr="fp8e4nv", w_scale_ptr="fp32", out_ptr="bf16",
+        ws_ptr="fp32", counter_ptr="i32",
+    )  # fmt: skip
+    constexprs = dict(
+        SPLIT_K=split_k, NORM="norm" in fusions, SILU=silu, ADD="add" in fusions,
+        BLOCK_M=fp8_dot_rows.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        PROLOGUE=fp8_one_row.PROLOGUE_BLOCK, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
+        E4M3_MIN_NORMAL=2.0**-6, SUBNORMAL_SHIFT=1.5 * 2.0**14, PDL=True,
+    )  # fmt: skip
+    kernel = fp8_one_row._kernel()
+    return compile_for_hopper(kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
+
+
+def scaled_gemv_case() -> Any:
+    """o_proj's one-row bf16 GEMV with the residual add that also writes the residual times the
+    next norm's weight (KVRELAY_GATE_UP_BLAS)."""
+    from engine.models import fused_gemv
+
+    block_n, block_k, warps = fused_gemv.tile_for(1, norm=False, silu=False)
+    pointers = dict(x_ptr="bf16", w_ptr="bf16", norm_ptr="bf16", out_ptr="bf16", scaled_ptr="bf16")
+    constexprs = dict(
+        ROWS=1, NORM=False, SILU=False, ADD=True, SCALED=True, BLOCK_N=block_n,
+        BLOCK_K=block_k, PDL=True,
+    )  # fmt: skip
+    return compile_for_hopper(fused_gemv._kernel(), pointers, constexprs, num_warps=warps)
+
+
+def silu_rms_case() -> Any:
+    """KVRELAY_GATE_UP_BLAS's SiLU after cuBLAS's gate/up, with the norm's 1/rms."""
+    from engine.models import fused_gemv
+
+    pointers = dict(gate_up_ptr="bf16", residual_ptr="bf16", out_ptr="bf16")
+    constexprs = dict(BLOCK=fused_gemv.SILU_RMS_BLOCK, BLOCK_K=HIDDEN, PDL=True)
+    return compile_for_hopper(fused_gemv._silu_rms_kernel(), pointers, constexprs)
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "fp8_dot_rows narrow": lambda: fp8_dot_rows_case(QKV, 1),
+    "fp8_dot_rows narrow split 4": lambda: fp8_dot_rows_case(QKV, 4),
+    "fp8_dot_rows wide": lambda: fp8_dot_rows_case(2 * INTERMEDIATE, 1),
+    "fp8_dot_rows wide split 2": lambda: fp8_dot_rows_case(2 * INTERMEDIATE, 2),
+    "fp8_one_row norm": lambda: fp8_one_row_case("norm", 1),
+    "fp8_one_row norm split 3": lambda: fp8_one_row_case("norm", 3),
+    "fp8_one_row norm+silu": lambda: fp8_one_row_case("norm+silu", 1),
+    "fp8_one_row add": lambda: fp8_one_row_case("add", 1),
+    "fp8_one_row add split 4": lambda: fp8_one_row_case("add", 4),
+    "fused_gemv add+scaled": scaled_gemv_case,
+    "silu_and_mul_rms": silu_rms_case,
+}
+
+
+def main() -> None:
+    results: dict[str, dict[str, Any]] = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = facts(case())
+        except Exception as error:  # reported per case; the test names it
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
