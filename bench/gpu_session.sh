@@ -106,7 +106,7 @@ case $phase in
       --json "$out/gpu_engine_bench.json" > "$out/gpu_engine_bench.txt" 2> "$out/gpu_engine_bench.err"
     echo "engine bench rc=$?"
     ;;
-  attention)  # FlashInfer decode kernels alone (bf16/fp8 KV, tensor cores or not), fp8 tests
+  attention)  # decode kernels alone (bf16/fp8 KV: FlashInfer, XQA, split-KV), fp8 tests
     timeout 200 python3 -m bench.attention_bench --json "$out/attention.json" \
       > "$out/attention.txt" 2> "$out/attention.err"
     echo "attention bench rc=$?"
@@ -260,11 +260,12 @@ case $phase in
     { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
-      tests/unit/test_triton_kernels_interpreted.py &
+      tests/unit/test_triton_kernels_interpreted.py tests/gpu/test_split_kv_decode_cuda.py \
+      tests/unit/test_split_kv_decode.py &
     gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
-      "${only[@]}" &
+      tests/unit/test_split_k.py "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
       tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py &
     wait

@@ -41,13 +41,14 @@ def compile_for_hopper(
     constexprs: dict[str, Any],
     *,
     floats: tuple[str, ...] = ("eps",),
+    aligned: tuple[str, ...] = INT_ARGS_ALIGNED,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> Any:
     """kernel (a @triton.jit function) compiled for sm_90: pointers name -> element type
     ("bf16", "fp8e4nv", "fp32", "i32"), constexprs name -> value, floats the fp32 scalars, the
     other arguments i32. As Triton specializes a real launch: pointers 16-byte aligned, and
-    INT_ARGS_ALIGNED divisible by 16 (the 8B shape's are)."""
+    the ints in aligned divisible by 16 (the 8B shape's are)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -65,7 +66,7 @@ def compile_for_hopper(
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-            if name in INT_ARGS_ALIGNED:
+            if name in aligned:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     constants = {(names.index(name),): value for name, value in constexprs.items()}
     source = ASTSource(kernel, signature, constants, attrs)
@@ -143,6 +144,31 @@ def silu_rms_case() -> Any:
     return compile_for_hopper(fused_gemv._silu_rms_kernel(), pointers, constexprs)
 
 
+def split_kv_case(cache: str, parts: int) -> Any:
+    """The split-KV decode kernel (KVRELAY_DECODE_KERNEL=triton) on the 8B shape's heads over
+    16-token pages of a bf16 or e4m3 cache."""
+    from engine.attention import split_kv_decode as decode
+
+    pointers = dict(
+        q_ptr="bf16", k_ptr=cache, v_ptr=cache, table_ptr="i32", lens_ptr="i32",
+        out_ptr="bf16", ws_ptr="fp32", counter_ptr="i32",
+    )  # fmt: skip
+    constexprs = dict(
+        NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=decode.GROUP_ROWS, HEAD_DIM=128, PAGE=16,
+        BLOCK_T=decode.PAGES_PER_STEP * 16, PARTS=parts, DOT_FP32=False, PDL=True,
+    )  # fmt: skip
+    floats = ("score_scale", "v_scale")
+    aligned = ("block_stride", "head_stride")  # multiples of a page's elements
+    return compile_for_hopper(
+        decode._kernel(),
+        pointers,
+        constexprs,
+        floats=floats,
+        aligned=aligned,
+        num_stages=decode.NUM_STAGES,
+    )
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "fp8_dot_rows narrow": lambda: fp8_dot_rows_case(QKV, 1),
     "fp8_dot_rows narrow split 4": lambda: fp8_dot_rows_case(QKV, 4),
@@ -155,6 +181,9 @@ CASES: dict[str, Callable[[], Any]] = {
     "fp8_one_row add split 4": lambda: fp8_one_row_case("add", 4),
     "fused_gemv add+scaled": scaled_gemv_case,
     "silu_and_mul_rms": silu_rms_case,
+    "split_kv_decode bf16": lambda: split_kv_case("bf16", 1),
+    "split_kv_decode bf16 split 16": lambda: split_kv_case("bf16", 16),
+    "split_kv_decode fp8 split 16": lambda: split_kv_case("fp8e4nv", 16),
 }
 
 

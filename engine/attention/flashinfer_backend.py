@@ -3,7 +3,8 @@
 Owns the FlashInfer workspace, an eager prefill wrapper (steps with any multi-token chunk, decode
 rows included), an eager decode wrapper (pure-decode steps) and, after enable_cuda_graphs(), one
 decode wrapper per captured batch size over shared static page-table buffers, and with an fp8
-cache on Hopper the XQA decode kernel in their place (xqa_decode.py). The KV cache is bf16/fp16
+cache on Hopper the XQA decode kernel in their place (xqa_decode.py; KVRELAY_DECODE_KERNEL=triton:
+the split-KV Triton kernel of split_kv_decode.py, either cache). The KV cache is bf16/fp16
 (the model's dtype) or fp8 e4m3 (half the bytes per token, stored as K / k_scale and V /
 v_scale per layer: the checkpoint's scales, else 1.0); new K/V reach it through one fused RoPE
 + write kernel per layer (rope_kv_kernel.py). KVRELAY_PREFILL_FA3=1 runs the prefill wrapper on
@@ -34,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
+from engine.attention.dense_table import DenseTableDecode
 from engine.attention.rope_kv_kernel import KvOut, rope_and_write_kv
+from engine.attention.split_kv_decode import SplitKvDecode
 from engine.attention.xqa_decode import XqaDecode, decode_kernel_choice, use_xqa
 from engine.host_tensors import index_tensor
 from engine.quant.fp8 import unit_scale
@@ -173,8 +176,9 @@ class FlashInferAttention(AttentionBackend):
     wrapper; any other step runs one prefill wrapper over all its sequences (decode rows are
     1-row queries), so a mixed batch costs one plan and one kernel per layer, with no
     reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
-    wrapper's JIT module. With XQA (an fp8 cache on Hopper) decode rows run on XQA instead,
-    in mixed steps too: the leading decode rows go to XQA, the rest to the prefill wrapper
+    wrapper's JIT module. With XQA (an fp8 cache on Hopper; or the Triton split-KV kernel when
+    asked for) decode rows run on it instead, in mixed steps too: the leading decode rows go to
+    it, the rest to the prefill wrapper
     (the decode wrapper when they are all decode rows). With the ragged wrapper on (see
     ragged_backend) the step's trailing whole prompts go to it (see the module's docstring): up
     to three plans and three attention kernels a layer. kv_scales: per layer (k_scale,
@@ -228,10 +232,16 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"{len(self.kv_scales)} KV scale pairs for {num_layers} layers")
         if kv_cache.dtype != FP8_KV_DTYPE and any(p != (1.0, 1.0) for p in self.kv_scales):
             raise ValueError("KV scales apply to an fp8 KV cache only")
-        self._xqa: XqaDecode | None = None
-        if use_xqa(decode_kernel_choice(), kv_cache.dtype, capability, self.block_size, head_dim):
-            self._xqa = XqaDecode(head_dim, self.block_size, self.device, self.kv_scales)
-        self._num_xqa_rows = 0  # this step's leading decode rows that XQA attends
+        # decode rows on a kernel that takes a dense page table: XQA, or the Triton split-KV one
+        self._table_decode: DenseTableDecode | None = None
+        choice = decode_kernel_choice()
+        if choice == "triton":
+            self._table_decode = SplitKvDecode(
+                head_dim, self.block_size, self.device, self.kv_scales
+            )
+        elif use_xqa(choice, kv_cache.dtype, capability, self.block_size, head_dim):
+            self._table_decode = XqaDecode(head_dim, self.block_size, self.device, self.kv_scales)
+        self._num_table_rows = 0  # this step's leading decode rows that _table_decode attends
         self._active: Any = None  # the FlashInfer wrapper for the other rows (None: no others)
         self._uploaded: torch.cuda.Event | None = None  # after the last plan's uploads
         self._slot_block_ids: torch.Tensor | None = None
@@ -261,17 +271,17 @@ class FlashInferAttention(AttentionBackend):
 
     @property
     def decode_kernel(self) -> str:
-        """What attends decode rows: "xqa" or "fa2"."""
-        return "fa2" if self._xqa is None else "xqa"
+        """What attends decode rows: "xqa", "triton" or "fa2"."""
+        return "fa2" if self._table_decode is None else self._table_decode.name
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._wait_for_last_plan_uploads()
         seqs = metadata.seqs
         num_decodes = num_leading_decodes(seqs)
-        self._num_xqa_rows, self._active = 0, None
-        if self._xqa is not None and num_decodes:
-            self._xqa.plan(seqs[:num_decodes])
-            self._num_xqa_rows, seqs = num_decodes, seqs[num_decodes:]
+        self._num_table_rows, self._active = 0, None
+        if self._table_decode is not None and num_decodes:
+            self._table_decode.plan(seqs[:num_decodes])
+            self._num_table_rows, seqs = num_decodes, seqs[num_decodes:]
         self._ragged_from_row = None
         if self._ragged is not None and (split := whole_prompts_from(seqs)) < len(seqs):
             self._plan_ragged(seqs[split:])
@@ -342,13 +352,13 @@ class FlashInferAttention(AttentionBackend):
 
     def enable_cuda_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
         """Create one graph-safe decode wrapper per batch size (static page-table buffers), or
-        XQA's static buffers for the largest.
+        XQA's (or the split-KV kernel's) static buffers for the largest.
 
         The buffers are shared: only one graph replays at a time, right after its own plan.
         """
         max_bs = max(batch_sizes)
-        if self._xqa is not None:
-            self._xqa.enable_graphs(max_bs, max_pages_per_seq)
+        if self._table_decode is not None:
+            self._table_decode.enable_graphs(max_bs, max_pages_per_seq)
             return
         indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         last_len = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
@@ -371,14 +381,14 @@ class FlashInferAttention(AttentionBackend):
         """
         self._wait_for_last_plan_uploads()
         self._ragged_from_row = None
-        if self._xqa is not None:
-            self._xqa.plan(metadata.seqs, graph=True)
-            self._num_xqa_rows, self._active = len(metadata.seqs), None
+        if self._table_decode is not None:
+            self._table_decode.plan(metadata.seqs, graph=True)
+            self._num_table_rows, self._active = len(metadata.seqs), None
         else:
             wrapper = self._graph_decode[len(metadata.seqs)]
             table = page_table(metadata.seqs, self.block_size, self.device)
             self._plan_decode(wrapper, table)
-            self._num_xqa_rows = 0
+            self._num_table_rows = 0
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
         self._slot_offsets = metadata.slot_offsets
@@ -432,21 +442,21 @@ class FlashInferAttention(AttentionBackend):
     def _attend(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, ragged: KvOut | None
     ) -> torch.Tensor:
-        """q [T, Hq, D] over the planned rows: the leading XQA rows, then the wrapper's, then
-        the whole prompts' (over their own K/V in `ragged`)."""
-        num_xqa = self._num_xqa_rows
-        if num_xqa == 0 and ragged is None:
+        """q [T, Hq, D] over the planned rows: the leading XQA (split-KV) rows, then the
+        wrapper's, then the whole prompts' (over their own K/V in `ragged`)."""
+        num_table = self._num_table_rows
+        if num_table == 0 and ragged is None:
             return self._run_wrapper(layer, q, kv, None)
         out = torch.empty(
             (q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device
         )
         end = q.shape[0] if ragged is None else ragged.first_token
-        if num_xqa:
-            assert self._xqa is not None
+        if num_table:
+            assert self._table_decode is not None
             # contiguous already when forward_qkv made q: no copy
-            self._xqa.run(layer, q[:num_xqa].contiguous(), kv, out[:num_xqa])
+            self._table_decode.run(layer, q[:num_table].contiguous(), kv, out[:num_table])
         if self._active is not None:
-            self._run_wrapper(layer, q[num_xqa:end], kv, out[num_xqa:end])
+            self._run_wrapper(layer, q[num_table:end], kv, out[num_table:end])
         if ragged is not None:
             self._ragged.run(q[end:].contiguous(), ragged.k, ragged.v, out=out[end:])
         return out

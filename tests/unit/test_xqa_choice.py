@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.attention.base import SeqSpan
+from engine.attention.dense_table import dense_page_table
 from engine.attention.flashinfer_backend import (
     PREFILL_FA3_ENV,
     PREFILL_RAGGED_ENV,
@@ -19,12 +20,7 @@ from engine.attention.flashinfer_backend import (
     ragged_backend,
     whole_prompts_from,
 )
-from engine.attention.xqa_decode import (
-    DECODE_KERNEL_ENV,
-    decode_kernel_choice,
-    dense_page_table,
-    use_xqa,
-)
+from engine.attention.xqa_decode import DECODE_KERNEL_ENV, decode_kernel_choice, use_xqa
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
@@ -42,6 +38,7 @@ def test_auto_takes_xqa_for_an_fp8_cache_on_hopper_only() -> None:
 def test_forcing_xqa_where_it_cannot_run_is_refused_and_fa2_never_uses_it() -> None:
     assert use_xqa("xqa", BF16, BLACKWELL, 32, 64)
     assert not use_xqa("fa2", FP8, HOPPER, 16, 128)
+    assert not use_xqa("triton", FP8, HOPPER, 16, 128)  # the split-KV kernel instead
     with pytest.raises(ValueError, match="SM90/SM100/SM120"):
         use_xqa("xqa", FP8, AMPERE, 16, 128)
     with pytest.raises(ValueError, match="block size in"):
@@ -53,6 +50,8 @@ def test_the_environment_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> N
     assert decode_kernel_choice() == "auto"
     monkeypatch.setenv(DECODE_KERNEL_ENV, "fa2")
     assert decode_kernel_choice() == "fa2"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "triton")
+    assert decode_kernel_choice() == "triton"
     monkeypatch.setenv(DECODE_KERNEL_ENV, "fa3")
     with pytest.raises(ValueError, match=f"{DECODE_KERNEL_ENV} must be one of"):
         decode_kernel_choice()

@@ -1,0 +1,104 @@
+"""engine/attention/split_kv_decode.py's Triton kernel (decode rows, each row's KV cut into
+parts that the last program merges) against torch's attention over the same pages of a
+layer-packed cache, bf16 and fp8 (with per-layer scales), one part and many (empty ones
+included), eager tables and a graph's static ones: on a GPU, or on the CPU in Triton's
+interpreter (tests/conftest.py sets it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.attention.base import SeqSpan
+from engine.attention.split_kv_decode import SplitKvDecode, parts_for
+from engine.quant import split_k
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
+)
+PAGE, HEAD_DIM, KV_HEADS, GROUP, LAYERS, BLOCKS = 16, 32, 2, 4, 2, 24
+LAYER = 1  # the second layer's strided view: pages stride over both layers
+
+
+def cache_and_rows(
+    ctx_lens: list[int], dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, list[SeqSpan]]:
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(BLOCKS, LAYERS, 2, KV_HEADS, PAGE, HEAD_DIM, generator=gen)
+    cache = (cache * 2).to(dtype)
+    order = torch.randperm(BLOCKS, generator=gen).tolist()  # pages scattered
+    seqs, used = [], 0
+    for row, ctx in enumerate(ctx_lens):
+        pages = -(-ctx // PAGE)
+        seqs.append(SeqSpan(row, 1, ctx, order[used : used + pages]))
+        used += pages
+    q = torch.randn(len(ctx_lens), KV_HEADS * GROUP, HEAD_DIM, generator=gen).bfloat16()
+    return cache.to(DEVICE), q.to(DEVICE), seqs
+
+
+def reference(
+    cache: torch.Tensor, q: torch.Tensor, seqs: list[SeqSpan], scales: tuple[float, float]
+) -> torch.Tensor:
+    layer = cache[:, LAYER].float().cpu()
+    out = []
+    for row, seq in enumerate(seqs):
+        pages = layer[seq.block_ids]  # [pages, 2, Hkv, PAGE, D]
+        k = pages[:, 0].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[:, : seq.ctx_len]
+        v = pages[:, 1].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[:, : seq.ctx_len]
+        k, v = k * scales[0], v * scales[1]
+        qr = q[row].float().cpu().view(KV_HEADS, GROUP, HEAD_DIM)
+        weights = torch.softmax(qr @ k.transpose(1, 2) * HEAD_DIM**-0.5, dim=-1)
+        out.append((weights @ v).reshape(KV_HEADS * GROUP, HEAD_DIM))
+    return torch.stack(out)
+
+
+def attend(
+    cache: torch.Tensor, q: torch.Tensor, seqs: list[SeqSpan], scales: tuple[float, float],
+    num_sms: int, graph: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    decode = SplitKvDecode(HEAD_DIM, PAGE, DEVICE, [(1.0, 1.0), scales])
+    decode.num_sms = num_sms  # parts_for's input: how many parts each row's KV is cut into
+    if graph:
+        decode.enable_graphs(8, 16)
+    decode.plan(seqs, graph=graph)
+    out = torch.empty_like(q)
+    decode.run(LAYER, q, cache[:, LAYER], out)
+    return out.float().cpu()
+
+
+@pytest.mark.parametrize("num_sms", [1, 12, 64], ids=["one-part", "some-parts", "many-parts"])
+def test_bf16_cache_matches_torch(num_sms: int) -> None:
+    ctx_lens = [1, 17, 70]  # one token; a page and one; past four pages, partial last
+    cache, q, seqs = cache_and_rows(ctx_lens, torch.bfloat16, seed=num_sms)
+    got = attend(cache, q, seqs, (1.0, 1.0), num_sms)
+    want = reference(cache, q, seqs, (1.0, 1.0))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert not split_k.counters(DEVICE, 1).any(), "an arrival counter was left set"
+
+
+def test_fp8_cache_applies_the_layers_scales() -> None:
+    scales = (0.5, 2.0)
+    cache, q, seqs = cache_and_rows([33, 5], torch.float8_e4m3fn, seed=3)
+    got = attend(cache, q, seqs, scales, num_sms=16)
+    want = reference(cache, q, seqs, scales)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    unscaled = reference(cache, q, seqs, (1.0, 1.0))
+    assert (got - unscaled).abs().max() > 0.5, "the scales were applied"
+
+
+def test_a_graphs_static_table_gives_the_same() -> None:
+    cache, q, seqs = cache_and_rows([40, 9], torch.bfloat16, seed=5)
+    eager = attend(cache, q, seqs, (1.0, 1.0), num_sms=8)
+    graphed = attend(cache, q, seqs, (1.0, 1.0), num_sms=8, graph=True)
+    assert torch.equal(eager, graphed)
+
+
+def test_parts_aim_at_the_sm_count() -> None:
+    assert parts_for(1, 8, 132) == 16  # the 8B shape at batch 1 on an H200
+    assert parts_for(4, 8, 132) == 4
+    assert parts_for(64, 8, 132) == 1
+    assert parts_for(1, 1, 1000) == 32  # at most MAX_PARTS
