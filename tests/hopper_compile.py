@@ -144,7 +144,7 @@ def silu_rms_case() -> Any:
     return compile_for_hopper(fused_gemv._silu_rms_kernel(), pointers, constexprs)
 
 
-def split_kv_case(cache: str, parts: int) -> Any:
+def split_kv_case(cache: str) -> Any:
     """The split-KV decode kernel (KVRELAY_DECODE_KERNEL=triton) on the 8B shape's heads over
     16-token pages of a bf16 or e4m3 cache."""
     from engine.attention import split_kv_decode as decode
@@ -155,7 +155,7 @@ def split_kv_case(cache: str, parts: int) -> Any:
     )  # fmt: skip
     constexprs = dict(
         NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=decode.GROUP_ROWS, HEAD_DIM=128, PAGE=16,
-        BLOCK_T=decode.PAGES_PER_STEP * 16, PARTS=parts, DOT_FP32=False, PDL=True,
+        BLOCK_T=decode.PAGES_PER_STEP * 16, DOT_FP32=False, PDL=True,
     )  # fmt: skip
     floats = ("score_scale", "v_scale")
     aligned = ("block_stride", "head_stride")  # multiples of a page's elements
@@ -181,9 +181,9 @@ CASES: dict[str, Callable[[], Any]] = {
     "fp8_one_row add split 4": lambda: fp8_one_row_case("add", 4),
     "fused_gemv add+scaled": scaled_gemv_case,
     "silu_and_mul_rms": silu_rms_case,
-    "split_kv_decode bf16": lambda: split_kv_case("bf16", 1),
-    "split_kv_decode bf16 split 16": lambda: split_kv_case("bf16", 16),
-    "split_kv_decode fp8 split 16": lambda: split_kv_case("fp8e4nv", 16),
+    # the parts are a runtime argument: one kernel, the merge always in it
+    "split_kv_decode split, bf16 cache": lambda: split_kv_case("bf16"),
+    "split_kv_decode split, fp8 cache": lambda: split_kv_case("fp8e4nv"),
 }
 
 

@@ -38,6 +38,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.dense_table import DenseTableDecode
 from engine.attention.rope_kv_kernel import KvOut, rope_and_write_kv
 from engine.attention.split_kv_decode import SplitKvDecode
+from engine.attention.split_kv_decode import check_shape as check_split_kv_shape
 from engine.attention.xqa_decode import XqaDecode, decode_kernel_choice, use_xqa
 from engine.host_tensors import index_tensor
 from engine.quant.fp8 import unit_scale
@@ -236,6 +237,8 @@ class FlashInferAttention(AttentionBackend):
         self._table_decode: DenseTableDecode | None = None
         choice = decode_kernel_choice()
         if choice == "triton":
+            group = num_heads // self.num_kv_heads
+            check_split_kv_shape(head_dim, self.block_size, group, kv_cache.dtype, self.device)
             self._table_decode = SplitKvDecode(
                 head_dim, self.block_size, self.device, self.kv_scales
             )

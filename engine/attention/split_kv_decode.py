@@ -12,8 +12,9 @@ the parts in order and writes the output, so there is no second kernel. Parts ar
 rows x KV heads x parts is about the SM count. An fp8 (e4m3) cache is read as is, converted to
 the queries' dtype in registers; k_scale goes into the score scale and v_scale into the output.
 
-KVRELAY_DECODE_KERNEL=triton (xqa_decode.py) takes it for every decode row; off by default until
-measured against FlashInfer's in the engine.
+KVRELAY_DECODE_KERNEL=triton (xqa_decode.py) takes it for a step's leading decode rows (all of a
+pure-decode step's); off by default until measured against FlashInfer's in the engine. The
+number of parts is a runtime argument, so a step of any row count runs the one compiled kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from engine import pdl
 from engine.attention.dense_table import DenseTableDecode
+from engine.attention.xqa_decode import DECODE_KERNEL_ENV
 from engine.quant import split_k
 
 GROUP_ROWS = 16  # query heads of a KV head padded to this (the smallest tensor-core M)
@@ -45,7 +47,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the table's width and the parts change from step to step: no variant per value
+    @triton.jit(do_not_specialize=["table_row_stride", "parts"])
     def split_kv_decode(
         q_ptr,
         k_ptr,
@@ -60,18 +63,19 @@ def _kernel() -> Any:
         head_stride,
         score_scale,
         v_scale,
+        parts,
         NUM_KV_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_T: tl.constexpr,
-        PARTS: tl.constexpr,
         DOT_FP32: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Program (row * NUM_KV_HEADS + kv head, part). score_scale: head_dim^-0.5 * k_scale
-        * log2(e). The workspace holds per (row, kv head, part) GROUP x (HEAD_DIM + 2) floats:
+        """Program (row * NUM_KV_HEADS + kv head, part of `parts`, each a run of the row's
+        pages as even as they divide). score_scale: head_dim^-0.5 * k_scale * log2(e). With
+        parts > 1 the workspace holds per (row, kv head, part) GROUP x (HEAD_DIM + 2) floats:
         the weighted V, then the max and the sum of the part's exponentials. DOT_FP32: the
         products in float32 (Triton's interpreter multiplies bf16 wrongly), else in q's
         dtype on tensor cores."""
@@ -89,9 +93,9 @@ def _kernel() -> Any:
         if DOT_FP32:
             q = q.to(tl.float32)
         ctx = tl.load(lens_ptr + row)
-        pages_per_part = tl.cdiv(tl.cdiv(ctx, PAGE), PARTS)
-        t_start = part * pages_per_part * PAGE
-        t_end = tl.minimum(ctx, t_start + pages_per_part * PAGE)
+        num_pages = tl.cdiv(ctx, PAGE)
+        t_start = part * num_pages // parts * PAGE
+        t_end = tl.minimum(ctx, (part + 1) * num_pages // parts * PAGE)
         top = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
@@ -114,23 +118,23 @@ def _kernel() -> Any:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         out_at = out_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :]
-        if PARTS == 1:
+        if parts == 1:
             out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
             tl.store(out_at, out.to(out_ptr.dtype.element_ty), group_ok[:, None])
         else:
             part_floats = GROUP * (HEAD_DIM + 2)
-            mine = ws_ptr + (row_head * PARTS + part) * part_floats
+            mine = ws_ptr + (row_head * parts + part) * part_floats
             tl.store(mine + groups[:, None] * HEAD_DIM + dims[None, :], acc, group_ok[:, None])
             tl.store(mine + GROUP * HEAD_DIM + groups, top, group_ok)
             tl.store(mine + GROUP * (HEAD_DIM + 1) + groups, total, group_ok)
             tl.debug_barrier()  # every thread's part stored before the count is released
             arrived = tl.atomic_add(counter_ptr + row_head, 1, sem="acq_rel", scope="gpu")
-            if arrived == PARTS - 1:  # the last: merge the parts in order
+            if arrived == parts - 1:  # the last: merge the parts in order
                 top = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
                 total = tl.zeros((GROUP_PAD,), tl.float32)
                 acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-                for other in range(PARTS):
-                    theirs = ws_ptr + (row_head * PARTS + other) * part_floats
+                for other in range(parts):
+                    theirs = ws_ptr + (row_head * parts + other) * part_floats
                     their_top = tl.load(
                         theirs + GROUP * HEAD_DIM + groups, group_ok, float("-inf"),
                         cache_modifier=".cg",
@@ -158,11 +162,30 @@ def _kernel() -> Any:
     return split_kv_decode
 
 
+def check_shape(
+    head_dim: int, block_size: int, group: int, kv_dtype: torch.dtype, device: torch.device
+) -> None:
+    """Refuse what the kernel cannot take, naming KVRELAY_DECODE_KERNEL: head_dim and the
+    page size powers of two (head_dim >= 16, pages >= 8 tokens: a loop step of two pages is a
+    tensor-core product of >= 16 tokens), at most GROUP_ROWS query heads a KV head, and an fp8
+    cache only where Triton has e4m3 (compute capability 8.9 and up)."""
+    setting = f"{DECODE_KERNEL_ENV}=triton"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"{setting} needs head_dim a power of two >= 16, got {head_dim}")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"{setting} needs a block size a power of two >= 8, got {block_size}")
+    if not 1 <= group <= GROUP_ROWS:
+        raise ValueError(f"{setting} takes 1..{GROUP_ROWS} query heads a KV head, got {group}")
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"{setting} reads an fp8 cache on compute capability 8.9 and up only")
+
+
 class SplitKvDecode(DenseTableDecode):
     """Runs single-token decode rows on the split-KV kernel over the planned dense table.
 
     run() attends one layer. kv_scales: per layer (k_scale, v_scale) of an fp8 cache (1.0
-    without them).
+    without them); num_sms: what parts_for aims at (the device's SM count; tests set it).
     """
 
     name = "triton"
@@ -187,9 +210,15 @@ class SplitKvDecode(DenseTableDecode):
         contiguous)."""
         table, lens = self.planned()
         num_rows, num_heads, head_dim = q.shape
-        num_kv_heads = layer_cache.shape[2]
-        if layer_cache.stride(3) != head_dim or layer_cache.stride(4) != 1:
-            raise ValueError("a page's tokens of one head must be contiguous rows of head_dim")
+        _, two, num_kv_heads, page, cache_head_dim = layer_cache.shape
+        contiguous_tokens = layer_cache.stride(3) == head_dim and layer_cache.stride(4) == 1
+        if (two, page, cache_head_dim) != (2, self.block_size, head_dim) or not contiguous_tokens:
+            raise ValueError(
+                f"the cache view must be [blocks, 2, Hkv, {self.block_size}, {head_dim}] with "
+                f"a head's tokens contiguous, got {tuple(layer_cache.shape)}"
+            )
+        if head_dim != self.head_dim or out.shape != q.shape:
+            raise ValueError(f"q and out must be [rows, Hq, {self.head_dim}] alike")
         if not q.is_contiguous() or not out.is_contiguous() or num_heads % num_kv_heads:
             raise ValueError("q and out must be contiguous, with whole groups of query heads")
         group = num_heads // num_kv_heads
@@ -197,18 +226,17 @@ class SplitKvDecode(DenseTableDecode):
             raise ValueError(f"at most {GROUP_ROWS} query heads a KV head, got {group}")
         k_scale, v_scale = self.kv_scales[layer]
         parts = parts_for(num_rows, num_kv_heads, self.num_sms)
-        workspace, counters = out, lens  # read only with parts > 1
-        if parts > 1:
-            floats = num_rows * num_kv_heads * parts * group * (head_dim + 2)
-            workspace = torch.empty(floats, dtype=torch.float32, device=q.device)
-            counters = split_k.counters(q.device, num_rows * num_kv_heads)
+        # one compiled kernel whatever the parts: a float32 workspace (of one float when unused)
+        floats = num_rows * num_kv_heads * parts * group * (head_dim + 2) if parts > 1 else 1
+        workspace = torch.empty(floats, dtype=torch.float32, device=q.device)
+        counters = split_k.counters(q.device, num_rows * num_kv_heads if parts > 1 else 1)
         use_pdl = pdl.enabled(q.device)
         _kernel()[(num_rows * num_kv_heads, parts)](
             q, layer_cache[:, 0], layer_cache[:, 1], table, lens, out, workspace, counters,
             table.stride(0), layer_cache.stride(0), layer_cache.stride(2),
-            head_dim**-0.5 * k_scale * math.log2(math.e), v_scale,
+            head_dim**-0.5 * k_scale * math.log2(math.e), v_scale, parts,
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=GROUP_ROWS, HEAD_DIM=head_dim,
-            PAGE=self.block_size, BLOCK_T=PAGES_PER_STEP * self.block_size, PARTS=parts,
+            PAGE=self.block_size, BLOCK_T=PAGES_PER_STEP * self.block_size,
             DOT_FP32=not q.is_cuda, PDL=use_pdl, num_warps=4, num_stages=NUM_STAGES,
             launch_pdl=use_pdl,
         )  # fmt: skip

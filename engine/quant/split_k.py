@@ -13,8 +13,8 @@ eighteenth round). More programs a tile put more loads in flight.
 
 KVRELAY_FP8_SPLIT_K=1 (off by default until measured in the engine): split_for's rule picks the
 parts; bench.fused_gemv_bench --fp8 times fixed splits per projection. The split calls on one
-device must not run concurrently (they share the counters): the engine runs its projections on
-one stream.
+device (and split_kv_decode's attention, which counts its parts on the same counters) must not
+run concurrently: the engine runs a step's kernels on one stream.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from engine.env_flags import on_off
 
 ENV = "KVRELAY_FP8_SPLIT_K"
 PROGRAMS_PER_SM = 4  # split_for's aim: about this many programs an SM
-MIN_STEPS_PER_PART = 2  # each part at least this many BLOCK_K steps (else the loop is all ramp)
+MIN_STEPS_PER_PART = 2  # split_for's parts: this many BLOCK_K steps at least (else all ramp)
 COUNTER_SLOTS = 8192  # output tiles a split call may have (a 128k vocabulary at 16 a tile fits)
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -55,15 +55,21 @@ def num_sms(device: torch.device) -> int:
     """The device's SM count (the CPU's interpreter: 1)."""
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def counters(device: torch.device, num_tiles: int) -> torch.Tensor:
-    """The device's arrival counters (int32, COUNTER_SLOTS, all zero between calls). Made on
+    """The device's arrival counters (int32, COUNTER_SLOTS, all zero between calls), one for
+    each of num_tiles (an output tile's, or split_kv_decode's row and KV head's) parts. Made on
     the first call, which must not be inside a CUDA graph's capture (the engine's eager warm-up
     steps come first)."""
     if num_tiles > COUNTER_SLOTS:
-        raise ValueError(f"a split-K product takes at most {COUNTER_SLOTS} tiles, got {num_tiles}")
+        raise ValueError(f"a split call takes at most {COUNTER_SLOTS} counters, got {num_tiles}")
     found = _counters.get(device)
     if found is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -73,9 +79,9 @@ def counters(device: torch.device, num_tiles: int) -> torch.Tensor:
 
 
 def checked_split(split_k: int, k: int, block_k: int) -> int:
-    """split_k after checking it: 1 <= split_k <= the number of BLOCK_K steps."""
+    """split_k after checking it: 1, or up to the number of BLOCK_K steps (no part empty)."""
     steps = -(-k // block_k)
-    if not 1 <= split_k <= steps:
+    if split_k != 1 and not 1 <= split_k <= steps:
         raise ValueError(f"split_k must be 1..{steps} for K={k} in steps of {block_k}")
     return split_k
 

@@ -9,10 +9,12 @@ import triton.language as tl
 @triton.jit
 def part_bounds(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """(k_start, k_end): this program's K range, program_id(1) of SPLIT_K parts, each a
-    whole number of BLOCK_K steps."""
-    steps_per_part = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-    k_start = tl.program_id(1) * steps_per_part * BLOCK_K
-    return k_start, tl.minimum(K, k_start + steps_per_part * BLOCK_K)
+    whole number of BLOCK_K steps, as even as they divide (none empty when there are at
+    least SPLIT_K steps)."""
+    steps = tl.cdiv(K, BLOCK_K)
+    part = tl.program_id(1)
+    k_start = part * steps // SPLIT_K * BLOCK_K
+    return k_start, tl.minimum(K, (part + 1) * steps // SPLIT_K * BLOCK_K)
 
 
 @triton.jit

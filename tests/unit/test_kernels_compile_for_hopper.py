@@ -45,7 +45,7 @@ def test_kernel_builds_for_hopper(built: dict[str, dict[str, Any]], case: str) -
     assert got["pdl"] > 0, "PDL's wait is in"
     if case.startswith(("fp8_", "split_kv")):
         assert got["pipelined_loads"] > 0, "the weight (KV) tiles are not loaded ahead"
-        split = " split " in case
+        split = " split" in case
         assert got["split_count_in"] == (1 if split else 0)
         assert got["split_count_reset"] == (1 if split else 0)
     if "silu" in case:

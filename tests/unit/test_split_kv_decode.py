@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.attention.base import SeqSpan
-from engine.attention.split_kv_decode import SplitKvDecode, parts_for
+from engine.attention.split_kv_decode import SplitKvDecode, check_shape, parts_for
 from engine.quant import split_k
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,3 +102,29 @@ def test_parts_aim_at_the_sm_count() -> None:
     assert parts_for(4, 8, 132) == 4
     assert parts_for(64, 8, 132) == 1
     assert parts_for(1, 1, 1000) == 32  # at most MAX_PARTS
+
+
+def test_shapes_it_cannot_take_are_refused_by_the_setting() -> None:
+    cpu = torch.device("cpu")
+    check_shape(128, 16, 4, torch.bfloat16, cpu)  # the 8B shape
+    for head_dim, block_size, group, match in (
+        (96, 16, 4, "head_dim a power of two"),
+        (128, 12, 4, "block size a power of two"),
+        (128, 4, 4, "block size a power of two >= 8"),
+        (128, 16, 32, "1..16 query heads"),
+    ):
+        with pytest.raises(ValueError) as refused:
+            check_shape(head_dim, block_size, group, torch.bfloat16, cpu)
+        assert "KVRELAY_DECODE_KERNEL=triton" in str(refused.value)
+        assert match in str(refused.value)
+
+
+def test_a_cache_view_it_would_misread_is_refused() -> None:
+    cache, q, seqs = cache_and_rows([20], torch.bfloat16, seed=7)
+    decode = SplitKvDecode(HEAD_DIM, PAGE, DEVICE, [(1.0, 1.0)] * LAYERS)
+    decode.plan(seqs)
+    nhd = cache[:, LAYER].transpose(2, 3)  # [blocks, 2, PAGE, Hkv, D]: tokens before heads
+    with pytest.raises(ValueError, match="cache view must be"):
+        decode.run(LAYER, q, nhd, torch.empty_like(q))
+    with pytest.raises(ValueError, match="alike"):
+        decode.run(LAYER, q, cache[:, LAYER], torch.empty_like(q[:, :4]))
