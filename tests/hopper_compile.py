@@ -57,6 +57,9 @@ def compile_for_hopper(
     unknown = (set(constexprs) | set(pointers)) - set(names)
     if unknown:
         raise ValueError(f"not arguments of {kernel.__name__}: {sorted(unknown)}")
+    missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
+    if missing:
+        raise ValueError(f"{kernel.__name__}'s constexprs not given: {sorted(missing)}")
     signature, attrs = {}, {}
     for index, name in enumerate(names):
         if name in constexprs:
@@ -154,7 +157,8 @@ def split_kv_case(cache: str) -> Any:
         out_ptr="bf16", ws_ptr="fp32", counter_ptr="i32",
     )  # fmt: skip
     constexprs = dict(
-        NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=decode.GROUP_ROWS, HEAD_DIM=128, PAGE=16,
+        NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=decode.GROUP_ROWS, MAX_PARTS=decode.MAX_PARTS,
+        HEAD_DIM=128, PAGE=16,
         BLOCK_T=decode.PAGES_PER_STEP * 16, DOT_FP32=False, PDL=True,
     )  # fmt: skip
     floats = ("score_scale", "v_scale")

@@ -67,6 +67,7 @@ def _kernel() -> Any:
         NUM_KV_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
+        MAX_PARTS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -88,7 +89,8 @@ def _kernel() -> Any:
         dims = tl.arange(0, HEAD_DIM)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        q_rows = (row * NUM_KV_HEADS + head) * GROUP + groups
+        q_rows_base = (row * NUM_KV_HEADS + head) * GROUP
+        q_rows = q_rows_base + groups
         q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + dims[None, :], group_ok[:, None], 0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
@@ -129,35 +131,34 @@ def _kernel() -> Any:
             tl.store(mine + GROUP * (HEAD_DIM + 1) + groups, total, group_ok)
             tl.debug_barrier()  # every thread's part stored before the count is released
             arrived = tl.atomic_add(counter_ptr + row_head, 1, sem="acq_rel", scope="gpu")
-            if arrived == parts - 1:  # the last: merge the parts in order
-                top = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-                total = tl.zeros((GROUP_PAD,), tl.float32)
-                acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-                for other in range(parts):
-                    theirs = ws_ptr + (row_head * parts + other) * part_floats
-                    their_top = tl.load(
-                        theirs + GROUP * HEAD_DIM + groups, group_ok, float("-inf"),
-                        cache_modifier=".cg",
-                    )  # fmt: skip
-                    new_top = tl.maximum(top, their_top)
-                    # both parts empty (-inf): weigh both by 0, not by exp2(nan)
-                    shift = tl.where(new_top > float("-inf"), new_top, 0.0)
-                    keep = tl.exp2(top - shift)
-                    take = tl.exp2(their_top - shift)
-                    their_total = tl.load(
-                        theirs + GROUP * (HEAD_DIM + 1) + groups, group_ok, 0.0,
-                        cache_modifier=".cg",
-                    )  # fmt: skip
-                    their_acc = tl.load(
-                        theirs + groups[:, None] * HEAD_DIM + dims[None, :], group_ok[:, None],
-                        0.0, cache_modifier=".cg",
-                    )  # fmt: skip
-                    total = total * keep + their_total * take
-                    acc = acc * keep[:, None] + their_acc * take[:, None]
-                    top = new_top
+            if arrived == parts - 1:  # the last: merge the parts, in order
+                # every part's max and sum in one load each, [MAX_PARTS, GROUP_PAD]; then each
+                # query head's weighted V of every part in one load: all independent loads,
+                # so the merge waits for L2 about once, not once a part
+                slots = tl.arange(0, MAX_PARTS)
+                at = ws_ptr + (row_head * parts + slots[:, None]) * part_floats + groups[None, :]
+                ok = (slots < parts)[:, None] & group_ok[None, :]
+                tops = tl.load(at + GROUP * HEAD_DIM, ok, float("-inf"), cache_modifier=".cg")
+                sums = tl.load(at + GROUP * (HEAD_DIM + 1), ok, 0.0, cache_modifier=".cg")
+                top = tl.max(tops, axis=0)
+                # an empty part's max is -inf: weigh it by 0, not by exp2(nan) (no part of a
+                # padded query head has a finite max)
+                weights = tl.exp2(tops - tl.where(top > float("-inf"), top, 0.0)[None, :])
+                total = tl.sum(weights * sums, axis=0)
+                total = tl.where(total > 0, total, 1.0)
                 tl.atomic_xchg(counter_ptr + row_head, 0, sem="relaxed", scope="gpu")
-                out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
-                tl.store(out_at, out.to(out_ptr.dtype.element_ty), group_ok[:, None])
+                parts_ok = (slots < parts)[:, None]
+                for g in tl.static_range(GROUP):
+                    mine_g = groups[None, :] == g
+                    weight = tl.sum(tl.where(mine_g, weights, 0.0), axis=1)  # [MAX_PARTS]
+                    rows_at = ws_ptr + (row_head * parts + slots[:, None]) * part_floats
+                    accs = tl.load(
+                        rows_at + g * HEAD_DIM + dims[None, :], parts_ok, 0.0, cache_modifier=".cg"
+                    )  # [MAX_PARTS, HEAD_DIM]
+                    total_g = tl.sum(tl.where(groups == g, total, 0.0), axis=0)
+                    out = tl.sum(accs * weight[:, None], axis=0) / total_g * v_scale
+                    g_at = out_ptr + (q_rows_base + g) * HEAD_DIM + dims
+                    tl.store(g_at, out.to(out_ptr.dtype.element_ty))
 
     return split_kv_decode
 
@@ -235,7 +236,8 @@ class SplitKvDecode(DenseTableDecode):
             q, layer_cache[:, 0], layer_cache[:, 1], table, lens, out, workspace, counters,
             table.stride(0), layer_cache.stride(0), layer_cache.stride(2),
             head_dim**-0.5 * k_scale * math.log2(math.e), v_scale, parts,
-            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=GROUP_ROWS, HEAD_DIM=head_dim,
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=GROUP_ROWS, MAX_PARTS=MAX_PARTS,
+            HEAD_DIM=head_dim,
             PAGE=self.block_size, BLOCK_T=PAGES_PER_STEP * self.block_size,
             DOT_FP32=not q.is_cuda, PDL=use_pdl, num_warps=4, num_stages=NUM_STAGES,
             launch_pdl=use_pdl,
