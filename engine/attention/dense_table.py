@@ -28,13 +28,24 @@ def dense_page_table(seqs: Sequence[SeqSpan], block_size: int, width: int) -> li
 
 
 class DenseTableDecode:
-    """plan() uploads one step's table and lengths; subclasses' run() attends one layer."""
+    """plan() uploads one step's table and lengths; subclasses' run() attends one layer.
+
+    kv_scales: per layer (k_scale, v_scale) of an fp8 cache (1.0 without them).
+    """
 
     name = ""  # the decode kernel's name (KVRELAY_DECODE_KERNEL's value)
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        head_dim: int,
+        block_size: int,
+        device: torch.device,
+        kv_scales: Sequence[tuple[float, float]],
+    ):
+        self.head_dim = head_dim
         self.block_size = block_size
         self.device = device
+        self.kv_scales = list(kv_scales)
         self._graph_table: torch.Tensor | None = None  # [max graph rows, max pages per seq]
         self._graph_lens: torch.Tensor | None = None
         self._table: torch.Tensor | None = None  # this step's [rows, width]

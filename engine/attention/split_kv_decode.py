@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -185,23 +184,11 @@ def check_shape(
 class SplitKvDecode(DenseTableDecode):
     """Runs single-token decode rows on the split-KV kernel over the planned dense table.
 
-    run() attends one layer. kv_scales: per layer (k_scale, v_scale) of an fp8 cache (1.0
-    without them); num_sms: what parts_for aims at (the device's SM count; tests set it).
+    run() attends one layer.
     """
 
     name = "triton"
-
-    def __init__(
-        self,
-        head_dim: int,
-        block_size: int,
-        device: torch.device,
-        kv_scales: Sequence[tuple[float, float]],
-    ):
-        super().__init__(block_size, device)
-        self.head_dim = head_dim
-        self.kv_scales = list(kv_scales)
-        self.num_sms = split_k.num_sms(device) if device.type == "cuda" else 4
+    num_sms: int | None = None  # what parts_for aims at (None: the device's SM count, 4 on CPU)
 
     def run(
         self, layer: int, q: torch.Tensor, layer_cache: torch.Tensor, out: torch.Tensor
@@ -226,7 +213,8 @@ class SplitKvDecode(DenseTableDecode):
         if group > GROUP_ROWS:
             raise ValueError(f"at most {GROUP_ROWS} query heads a KV head, got {group}")
         k_scale, v_scale = self.kv_scales[layer]
-        parts = parts_for(num_rows, num_kv_heads, self.num_sms)
+        sms = self.num_sms or (split_k.num_sms(q.device) if q.is_cuda else 4)
+        parts = parts_for(num_rows, num_kv_heads, sms)
         # one compiled kernel whatever the parts: a float32 workspace (of one float when unused)
         floats = num_rows * num_kv_heads * parts * group * (head_dim + 2) if parts > 1 else 1
         workspace = torch.empty(floats, dtype=torch.float32, device=q.device)

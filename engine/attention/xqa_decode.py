@@ -12,7 +12,7 @@ one; the layer-packed cache is passed as strided K and V views (the kernel takes
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -57,26 +57,18 @@ def use_xqa(
 class XqaDecode(DenseTableDecode):
     """Runs single-token decode rows on XQA over the planned dense table (DenseTableDecode).
 
-    run() attends one layer. kv_scales: per layer (k_scale, v_scale) of the fp8 cache (1.0
-    without them).
+    run() attends one layer.
     """
 
     name = "xqa"
 
-    def __init__(
-        self,
-        head_dim: int,
-        block_size: int,
-        device: torch.device,
-        kv_scales: Sequence[tuple[float, float]],
-    ):
+    def __init__(self, *args: Any, **kwargs: Any):
+        """DenseTableDecode's arguments; then FlashInfer's XQA and its zeroed workspace."""
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
-        super().__init__(block_size, device)
+        super().__init__(*args, **kwargs)
         self._xqa = xqa_batch_decode_with_kv_cache
-        self.head_dim = head_dim
-        self.kv_scales = list(kv_scales)
-        self._workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
 
     def run(
         self, layer: int, q: torch.Tensor, layer_cache: torch.Tensor, out: torch.Tensor
