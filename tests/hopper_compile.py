@@ -1,6 +1,7 @@
-"""Compiling the engine's few-row Triton kernels for the H200 (sm_90) on a machine without a GPU,
-through ptxas (Triton ships it), so that a kernel that would not build, or would build without
-its pipelined loads, fails on the CPU before a GPU lease is spent on it; owns no state.
+"""Compiling the engine's Triton kernels of a decode step for the H200 (sm_90) on a machine
+without a GPU, through ptxas (Triton ships it), so that a kernel that would not build, or would
+build without its pipelined loads, fails on the CPU before a GPU lease is spent on it; owns no
+state.
 
 Run as `python -m tests.hopper_compile` (without TRITON_INTERPRET: functions made under
 Triton's interpreter, its own standard library's included, cannot be compiled): compiles every
@@ -173,6 +174,62 @@ def split_kv_case(cache: str) -> Any:
     )
 
 
+def bf16_gemv_case(projection: str) -> Any:
+    """The default one-row bf16 path's fused GEMV for the 8B shape's qkv (RMSNorm in), gate/up
+    (RMSNorm in, SiLU out) or down (residual add)."""
+    from engine.models import fused_gemv
+
+    norm, silu = projection in ("qkv", "gate_up"), projection == "gate_up"
+    block_n, block_k, warps = fused_gemv.tile_for(1, norm=norm, silu=silu)
+    pointers = dict(x_ptr="bf16", w_ptr="bf16", norm_ptr="bf16", out_ptr="bf16", scaled_ptr="bf16")
+    constexprs = dict(
+        ROWS=1, NORM=norm, SILU=silu, ADD=not norm, SCALED=False, BLOCK_N=block_n,
+        BLOCK_K=block_k, PDL=True,
+    )  # fmt: skip
+    return compile_for_hopper(fused_gemv._kernel(), pointers, constexprs, num_warps=warps)
+
+
+def rope_kv_case(cache: str) -> Any:
+    """RoPE + the paged K/V write for one decode row of the 8B shape (40 heads)."""
+    from engine.attention import rope_kv_kernel
+
+    per_program = rope_kv_kernel.heads_per_program(1, 40)
+    pointers = dict(
+        qkv_ptr="bf16", q_out_ptr="bf16", positions_ptr="i64", cos_sin_ptr="fp32",
+        slot_block_ptr="i64", slot_offset_ptr="i64", cache_ptr=cache, row_scale_ptr="bf16",
+        col_scale_ptr="bf16", k_out_ptr="bf16", v_out_ptr="bf16",
+    )  # fmt: skip
+    constexprs = dict(
+        NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PER_PROGRAM=per_program,
+        DEQUANT=False, KV_OUT=False, PDL=True,
+    )  # fmt: skip
+    strides = ("qkv_row_stride", "q_out_row_stride", "cos_sin_row_stride", "block_stride")
+    aligned = (*strides, "kv_stride", "head_stride", "slot_stride")
+    return compile_for_hopper(
+        rope_kv_kernel._kernel(), pointers, constexprs, floats=("k_inv_scale", "v_inv_scale"),
+        aligned=aligned, num_warps=max(1, min(4, per_program * 128 // 1024)),
+    )  # fmt: skip
+
+
+def add_norm_quantize_case() -> Any:
+    """The FP8 path's residual add + RMSNorm + per-token e4m3 quantization of a 4,096 row."""
+    from engine.quant import fp8_fused
+    from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+
+    pointers = dict(
+        src_ptr="bf16", residual_ptr="bf16", weight_ptr="bf16", q_ptr="fp8e4nv",
+        scale_ptr="fp32", static_scale_ptr="fp32", row_scale_ptr="fp32", col_scale_ptr="fp32",
+    )  # fmt: skip
+    constexprs = dict(
+        OP=fp8_fused.ADD_NORM, BLOCK=HIDDEN, STATIC=False, DEQUANT=False, FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR, PDL=True,
+    )  # fmt: skip
+    aligned = ("src_row_stride", "residual_row_stride", "num_cols")
+    return compile_for_hopper(
+        fp8_fused._kernel(), pointers, constexprs, aligned=aligned, num_warps=HIDDEN // 512
+    )
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "fp8_dot_rows narrow": lambda: fp8_dot_rows_case(QKV, 1),
     "fp8_dot_rows narrow split 4": lambda: fp8_dot_rows_case(QKV, 4),
@@ -185,6 +242,12 @@ CASES: dict[str, Callable[[], Any]] = {
     "fp8_one_row add split 4": lambda: fp8_one_row_case("add", 4),
     "fused_gemv add+scaled": scaled_gemv_case,
     "silu_and_mul_rms": silu_rms_case,
+    "fused_gemv qkv norm": lambda: bf16_gemv_case("qkv"),
+    "fused_gemv gate_up norm+silu": lambda: bf16_gemv_case("gate_up"),
+    "fused_gemv down add": lambda: bf16_gemv_case("down"),
+    "rope_kv decode, bf16 cache": lambda: rope_kv_case("bf16"),
+    "rope_kv decode, fp8 cache": lambda: rope_kv_case("fp8e4nv"),
+    "add_rms_norm_quantize": add_norm_quantize_case,
     # the parts are a runtime argument: one kernel, the merge always in it
     "split_kv_decode split, bf16 cache": lambda: split_kv_case("bf16"),
     "split_kv_decode split, fp8 cache": lambda: split_kv_case("fp8e4nv"),

@@ -1,8 +1,9 @@
-"""The few-row Triton kernels built for the H200 (sm_90) on the CPU, in one child process
+"""The decode step's Triton kernels built for the H200 (sm_90) on the CPU, in one child process
 (tests/hopper_compile.py: Triton's interpreter, which tests/conftest.py turns on here, makes
 functions that cannot be compiled): fp8_dot_rows and fp8_one_row's GEMV, unsplit and with K
-split (engine/quant/split_k.py), the bf16 path's KVRELAY_GATE_UP_BLAS kernels, and the split-KV
-decode attention (KVRELAY_DECODE_KERNEL=triton) over a bf16 and an fp8 cache. Each must compile
+split (engine/quant/split_k.py), the bf16 path's fused GEMVs and KVRELAY_GATE_UP_BLAS kernels,
+RoPE + the KV write, the FP8 path's add + RMSNorm + quantize, and the split-KV decode attention
+(KVRELAY_DECODE_KERNEL=triton) over a bf16 and an fp8 cache. Each must compile
 through ptxas and fit an SM's shared memory; the FP8 products and the attention must stream
 their weight (KV) tiles through the software pipeline (asynchronous copies); a split one must
 count its parts in with one atomic add a program and put the counter back with one exchange,
