@@ -1,19 +1,22 @@
-"""Compiling the engine's Triton kernels of a decode step for the H200 (sm_90) on a machine
-without a GPU, through ptxas (Triton ships it), so that a kernel that would not build, or would
-build without its pipelined loads, fails on the CPU before a GPU lease is spent on it; owns no
-state.
+"""Compiling the engine's Triton kernels of a decode step for the H200 (sm_90) on a machine without
+a GPU, through ptxas (Triton ships it), so that a kernel that would not build, or would build
+without its pipelined loads, fails on the CPU before a GPU lease is spent on it; owns no state.
 
-Run as `python -m tests.hopper_compile` (without TRITON_INTERPRET: functions made under
-Triton's interpreter, its own standard library's included, cannot be compiled): compiles every
-case in CASES with the constants the engine launches it with on the 8B shape, PDL on, and
-prints one JSON object, case name -> facts (shared memory, pipelined loads, PTX instruction
-counts) or {"error": ...}. tests/unit/test_kernels_compile_for_hopper.py checks them."""
+Run as `python -m tests.hopper_compile` (without TRITON_INTERPRET: functions made under Triton's
+interpreter, its own standard library's included, cannot be compiled): compiles every case in
+CASES with the constants the engine launches it with on the 8B shape, PDL on, and prints one
+JSON object, case name -> facts (shared memory, pipelined loads, PTX instruction counts,
+registers and spills) or {"error": ...}. tests/unit/test_kernels_compile_for_hopper.py checks
+them."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90
@@ -80,12 +83,33 @@ def compile_for_hopper(
 
 def facts(compiled: Any) -> dict[str, int]:
     """What the checks read of a compiled kernel: its shared memory, its asynchronous global ->
-    shared copies in Triton's GPU IR (the software pipeline's loads), PTX_FACTS' counts."""
+    shared copies in Triton's GPU IR (the software pipeline's loads), PTX_FACTS' counts, and
+    from the cubin (cuobjdump) its registers a thread and local memory (spills) a thread."""
     ptx = compiled.asm["ptx"]
     found = {name: len(re.findall(pattern, ptx)) for name, pattern in PTX_FACTS.items()}
     found["shared"] = compiled.metadata.shared
     found["pipelined_loads"] = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")
+    found |= resource_usage(compiled.asm["cubin"])
     return found
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """{"registers": per thread, "local_bytes": per thread} of a cubin, read by the cuobjdump
+    that Triton ships."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        dump = subprocess.run(
+            [str(tool), "--dump-resource-usage", str(path)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    usage = re.search(r"REG:(\d+) .*LOCAL:(\d+)", dump)
+    if usage is None:
+        raise ValueError(f"no resource usage in cuobjdump's output: {dump[-500:]}")
+    return {"registers": int(usage[1]), "local_bytes": int(usage[2])}
 
 
 def fp8_dot_rows_case(channels: int, split_k: int) -> Any:

@@ -3,11 +3,12 @@
 functions that cannot be compiled): fp8_dot_rows and fp8_one_row's GEMV, unsplit and with K
 split (engine/quant/split_k.py), the bf16 path's fused GEMVs and KVRELAY_GATE_UP_BLAS kernels,
 RoPE + the KV write, the FP8 path's add + RMSNorm + quantize, and the split-KV decode attention
-(KVRELAY_DECODE_KERNEL=triton) over a bf16 and an fp8 cache. Each must compile
-through ptxas and fit an SM's shared memory; the FP8 products and the attention must stream
-their weight (KV) tiles through the software pipeline (asynchronous copies); a split one must
-count its parts in with one atomic add a program and put the counter back with one exchange,
-an unsplit one must have neither. Runtime behaviour is the interpreter's tests' and the GPU's."""
+(KVRELAY_DECODE_KERNEL=triton) over a bf16 and an fp8 cache. Each must compile through ptxas,
+fit an SM's shared memory and spill no registers to local memory; the FP8 products and the
+attention must stream their weight (KV) tiles through the software pipeline (asynchronous
+copies); a split one must count its parts in with one atomic add a program and put the counter
+back with one exchange, an unsplit one must have neither. Runtime behaviour is the interpreter's
+tests' and the GPU's."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_kernel_builds_for_hopper(built: dict[str, dict[str, Any]], case: str) -
     got = built[case]
     assert "error" not in got, got.get("error")
     assert got["shared"] <= HOPPER_SHARED_LIMIT
+    assert got["local_bytes"] == 0, f"{got['registers']} registers a thread, and spills"
     assert got["pdl"] > 0, "PDL's wait is in"
     if case.startswith(("fp8_", "split_kv")):
         assert got["pipelined_loads"] > 0, "the weight (KV) tiles are not loaded ahead"
