@@ -260,14 +260,14 @@ case $phase in
     { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     gpu_tests tests_attention tests/gpu/test_fused_ops.py tests/gpu/test_flashinfer_backend.py \
-      tests/unit/test_triton_kernels_interpreted.py tests/gpu/test_split_kv_decode_cuda.py \
-      tests/unit/test_split_kv_decode.py &
+      tests/unit/test_triton_kernels_interpreted.py &
     gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
       tests/unit/test_split_k.py "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
-      tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py &
+      tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py \
+      tests/gpu/test_split_kv_decode_cuda.py tests/unit/test_split_kv_decode.py &
     wait
     gpu_tests tests_memory tests/gpu/test_memory_budget.py
     ;;
