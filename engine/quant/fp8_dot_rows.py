@@ -111,11 +111,7 @@ def _body() -> Any:
         col_ok = cols < N
         if PDL:
             prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
-        if SPLIT_K == 1:
-            k_start = 0
-            k_end = K
-        else:
-            k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
+        k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -206,13 +202,9 @@ def fp8_dot_rows(
         return out
     block_n, block_k, *launch = tile
     num_tiles = triton.cdiv(n, block_n)
-    if split_k is None:
-        split_k = splits.split_for(num_tiles, k, block_k, splits.num_sms(q.device))
-    split_k = splits.checked_split(split_k, k, block_k)
-    workspace, counters = out, out  # read only when SPLIT_K > 1
-    if split_k > 1:
-        workspace = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=q.device)
-        counters = splits.counters(q.device, num_tiles)
+    split_k, workspace, counters = splits.launch_parts(
+        split_k, num_tiles, k, block_k, (num_rows, n), out
+    )
     # a split program reads part of its rows: the L2 prefetch of their first bytes is left out
     prefetch = pdl.prefetch_bytes() if use_pdl and split_k == 1 else 0
     options = dict(zip(("num_warps", "num_stages"), launch, strict=False))

@@ -115,11 +115,7 @@ def _kernel() -> Any:
             inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
         row_amax = (tl.max(amax, axis=0) * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
         scale = tl.maximum(row_amax, AMAX_FLOOR) / FP8_MAX
-        if SPLIT_K == 1:
-            k_start = 0
-            k_end = K
-        else:
-            k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
+        k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -245,15 +241,11 @@ def row_dot(
     x = x.contiguous()
     use_pdl = pdl.enabled(x.device)
     num_tiles = triton.cdiv(n, block_n)
-    if split_k is None:
-        split_k = 1 if silu else splits.split_for(num_tiles, k, block_k, splits.num_sms(x.device))
-    if silu and split_k != 1:
+    if silu and split_k not in (None, 1):
         raise ValueError("the SiLU pairing takes no split_k")
-    split_k = splits.checked_split(split_k, k, block_k)
-    workspace, counters = out, out  # read only when SPLIT_K > 1
-    if split_k > 1:
-        workspace = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
-        counters = splits.counters(x.device, num_tiles)
+    split_k, workspace, counters = splits.launch_parts(
+        1 if silu else split_k, num_tiles, k, block_k, (n,), out
+    )
     _kernel()[(num_tiles, split_k)](
         x,
         weight_scale if norm is None else norm,  # read only when NORM

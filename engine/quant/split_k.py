@@ -78,6 +78,27 @@ def counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     return found
 
 
+def launch_parts(
+    split_k: int | None,
+    num_tiles: int,
+    k: int,
+    block_k: int,
+    part_shape: tuple[int, ...],
+    unused: torch.Tensor,
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(split_k, workspace, counters) of a split kernel's launch: split_k (split_for's when
+    None) checked; when it splits, a float32 workspace [split_k, *part_shape] and the device's
+    counters, else `unused` for both (the kernel reads neither)."""
+    device = unused.device
+    if split_k is None:
+        split_k = split_for(num_tiles, k, block_k, num_sms(device))
+    split_k = checked_split(split_k, k, block_k)
+    if split_k == 1:
+        return 1, unused, unused
+    workspace = torch.empty((split_k, *part_shape), dtype=torch.float32, device=device)
+    return split_k, workspace, counters(device, num_tiles)
+
+
 def checked_split(split_k: int, k: int, block_k: int) -> int:
     """split_k after checking it: 1, or up to the number of BLOCK_K steps (no part empty)."""
     steps = -(-k // block_k)

@@ -10,11 +10,16 @@ import triton.language as tl
 def part_bounds(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """(k_start, k_end): this program's K range, program_id(1) of SPLIT_K parts, each a
     whole number of BLOCK_K steps, as even as they divide (none empty when there are at
-    least SPLIT_K steps)."""
-    steps = tl.cdiv(K, BLOCK_K)
-    part = tl.program_id(1)
-    k_start = part * steps // SPLIT_K * BLOCK_K
-    return k_start, tl.minimum(K, (part + 1) * steps // SPLIT_K * BLOCK_K)
+    least SPLIT_K steps); unsplit, (0, K) as constants of the loop."""
+    if SPLIT_K == 1:
+        k_start = 0
+        k_end = K
+    else:
+        steps = tl.cdiv(K, BLOCK_K)
+        part = tl.program_id(1)
+        k_start = part * steps // SPLIT_K * BLOCK_K
+        k_end = tl.minimum(K, (part + 1) * steps // SPLIT_K * BLOCK_K)
+    return k_start, k_end
 
 
 @triton.jit
