@@ -125,6 +125,20 @@ def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
     ]
 
 
+# kernel names that are matrix products (dot_rows, row_dot: the FP8 few-row products)
+MATMUL_KERNELS = (
+    "gemm",
+    "gemv",
+    "nvjet",
+    "cutlass",
+    "xmma",
+    "cublas",
+    "splitk",
+    "dot_rows",
+    "row_dot",
+)
+
+
 def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
     """GPU kernel time by kind (matmul, attention, copy, other) per iteration of a profiled
     region, with the top kernels by time."""
@@ -135,7 +149,7 @@ def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
             continue
         name = event.name
         low = name.lower()
-        if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
+        if any(k in low for k in MATMUL_KERNELS):
             kind = "matmul"
         elif any(k in low for k in ("prefill", "decode", "merge_state", "attention", "kernel_mha")):
             # kernel_mha: XQA's decode kernel

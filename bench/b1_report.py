@@ -1,0 +1,112 @@
+"""Batch-1 decode runs side by side: reads the `b1_<row>_<setting>.json` files that
+`bench/gpu_session.sh b1-variants` writes (bench.gpu_engine_bench's `decode_b1`) and prints,
+for each row (bf16, fp8w), one line a setting (graph replay, its roofline, the ratio against
+the issue's target, engine step, kernels a replay) and a layer's kernel shares of every
+setting. Owns no state; needs no GPU.
+
+    python -m bench.b1_report DIR [DIR ...] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+# the issue's targets for the graph replay against its roofline, by row
+TARGETS = {"bf16": 1.2, "fp8w": 1.3}
+
+
+def load_runs(folders: list[Path]) -> list[dict[str, Any]]:
+    """One entry a b1_*.json with a decode_b1 result (row, setting, the result), each row's
+    defaults first."""
+    runs = []
+    for folder in folders:
+        for path in sorted(folder.glob("b1_*.json")):
+            row, _, setting = path.stem.removeprefix("b1_").partition("_")
+            try:
+                result = json.loads(path.read_text())["decode_b1"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                print(f"{path}: no decode_b1 result ({type(exc).__name__}: {exc})")
+                continue
+            runs.append({"row": row, "setting": setting or "defaults", "b1": result})
+    return sorted(runs, key=lambda run: (run["row"], run["setting"] != "defaults"))
+
+
+def summary_line(run: dict[str, Any]) -> list[str]:
+    """The cells of a setting's line: replay, roofline, ratio (and its target), step, kernels."""
+    b1 = run["b1"]
+    replay, roofline = b1["graph_replay_ms"], b1["graph_roofline_ms"]
+    ratio = replay / roofline
+    target = TARGETS.get(run["row"])
+    verdict = "" if target is None else (" meets" if ratio <= target else f" misses {target}x")
+    short = "" if target is None or ratio <= target else f" by {replay - target * roofline:.3f} ms"
+    kernels = b1.get("profile", {}).get("kernels_per_iter")
+    return [
+        run["setting"],
+        f"{replay:.3f}",
+        f"{roofline:.3f}",
+        f"{ratio:.3f}x{verdict}{short}",
+        f"{b1['engine_step_ms_median']:.3f}",
+        "" if kernels is None else f"{kernels:.0f}",
+    ]
+
+
+def layer_shares(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """A layer's kernels (first run's order) with each run's share in us; a kernel another run
+    lacks is blank there, and kernels only later runs have follow the first run's."""
+    timelines = [run["b1"].get("profile", {}).get("layer_timeline") or [] for run in runs]
+    names: list[str] = []
+    for timeline in timelines:
+        names += [k["kernel"] for k in timeline if k["kernel"] not in names]
+    rows = []
+    for name in names:
+        cells = [name]
+        for timeline in timelines:
+            shares = [k["share_us"] for k in timeline if k["kernel"] == name]
+            cells.append(f"{sum(shares):.1f}" if shares else "")
+        rows.append(cells)
+    totals = [f"{sum(k['share_us'] for k in t):.1f}" if t else "" for t in timelines]
+    rows.append(["layer total", *totals])
+    return ["kernel", *(run["setting"] for run in runs)], rows
+
+
+def table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *rows]
+    )
+
+
+def report(runs: list[dict[str, Any]], markdown: bool = False) -> str:
+    """Every row's settings and their layer shares, as text (or markdown) tables."""
+    parts = []
+    for row in dict.fromkeys(run["row"] for run in runs):
+        mine = [run for run in runs if run["row"] == row]
+        header = ["setting", "replay ms", "roofline ms", "replay / roofline", "step ms", "kernels"]
+        parts.append(f"batch-1 decode, {row}")
+        parts.append(table(header, [summary_line(run) for run in mine], markdown))
+        parts.append(f"a layer's kernel shares (us), {row}")
+        parts.append(table(*layer_shares(mine), markdown))
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--markdown", action="store_true", help="markdown tables")
+    args = parser.parse_args()
+    runs = load_runs(args.folders)
+    if not runs:
+        folders = ", ".join(map(str, args.folders))
+        raise SystemExit(f"no b1_*.json with a decode_b1 result in {folders}")
+    print(report(runs, args.markdown))
+
+
+if __name__ == "__main__":
+    main()
