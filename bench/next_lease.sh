@@ -13,6 +13,10 @@
 #   check    every GPU test (bench/gpu_session.sh check, ~8 min; the new kernels' among them)
 #   kernels  the few-row kernels' tiles and K splits in a chain (gemv-tiles: bf16, then FP8),
 #            then decode attention alone: FlashInfer, XQA and the split-KV kernel (~5 min)
+# Staging first: ../shared/device/stage.sh grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+# xgrammar, then bench/gpu_stage_extras.sh (its header says how the .cache/gguf pieces ride
+# along with the stage calls); the parts' calls carry .cache/gguf/6, .cache/smollm2-tokenizer and
+# .flashinfer-cache (the JIT cache of the last lease, as flashinfer_cache.tgz).
 # A setting that wins becomes the default (the decode kernel at the batch sizes where it wins);
 # one that loses is removed.
 set -uo pipefail
