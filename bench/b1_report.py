@@ -1,8 +1,8 @@
 """Batch-1 decode runs side by side: reads the `b1_<row>_<setting>.json` files that
 `bench/gpu_session.sh b1-variants` writes (bench.gpu_engine_bench's `decode_b1`) and prints,
 for each row (bf16, fp8w), one line a setting (graph replay, its roofline, the ratio against
-the issue's target, engine step, kernels a replay) and a layer's kernel shares of every
-setting. Owns no state; needs no GPU.
+the issue's target, engine step, kernels a replay) and each setting's kernels of a layer, in
+order, with their shares. Owns no state; needs no GPU.
 
     python -m bench.b1_report DIR [DIR ...] [--markdown]
 """
@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-# the issue's targets for the graph replay against its roofline, by row
+# the issue's targets for the graph replay against its roofline, by row (b1-variants' rows)
 TARGETS = {"bf16": 1.2, "fp8w": 1.3}
+KERNEL_CHARS = 36  # a kernel's name in the layer table, cut to this
 
 
 def load_runs(folders: list[Path]) -> list[dict[str, Any]]:
@@ -25,6 +26,9 @@ def load_runs(folders: list[Path]) -> list[dict[str, Any]]:
     for folder in folders:
         for path in sorted(folder.glob("b1_*.json")):
             row, _, setting = path.stem.removeprefix("b1_").partition("_")
+            if row not in TARGETS:  # another bench's b1_*.json (older rounds named theirs so)
+                print(f"{path}: not a b1-variants run (row {row!r}), left out")
+                continue
             try:
                 result = json.loads(path.read_text())["decode_b1"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -53,23 +57,24 @@ def summary_line(run: dict[str, Any]) -> list[str]:
     ]
 
 
-def layer_shares(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """A layer's kernels (first run's order) with each run's share in us; a kernel another run
-    lacks is blank there, and kernels only later runs have follow the first run's."""
+def layer_kernels(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """A layer's kernels in order, the settings side by side: line i holds each setting's i-th
+    kernel and its share in us. Settings can differ in kernels (and one kernel can serve
+    several projections), so each cell names its kernel rather than lining up by name."""
     timelines = [run["b1"].get("profile", {}).get("layer_timeline") or [] for run in runs]
-    names: list[str] = []
-    for timeline in timelines:
-        names += [k["kernel"] for k in timeline if k["kernel"] not in names]
+    depth = max((len(timeline) for timeline in timelines), default=0)
     rows = []
-    for name in names:
-        cells = [name]
+    for i in range(depth):
+        cells = [str(i + 1)]
         for timeline in timelines:
-            shares = [k["share_us"] for k in timeline if k["kernel"] == name]
-            cells.append(f"{sum(shares):.1f}" if shares else "")
+            step = timeline[i] if i < len(timeline) else None
+            cells.append(
+                "" if step is None else f"{step['kernel'][:KERNEL_CHARS]} {step['share_us']:.1f}"
+            )
         rows.append(cells)
     totals = [f"{sum(k['share_us'] for k in t):.1f}" if t else "" for t in timelines]
-    rows.append(["layer total", *totals])
-    return ["kernel", *(run["setting"] for run in runs)], rows
+    rows.append(["layer", *totals])
+    return ["#", *(run["setting"] for run in runs)], rows
 
 
 def table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
@@ -91,8 +96,8 @@ def report(runs: list[dict[str, Any]], markdown: bool = False) -> str:
         header = ["setting", "replay ms", "roofline ms", "replay / roofline", "step ms", "kernels"]
         parts.append(f"batch-1 decode, {row}")
         parts.append(table(header, [summary_line(run) for run in mine], markdown))
-        parts.append(f"a layer's kernel shares (us), {row}")
-        parts.append(table(*layer_shares(mine), markdown))
+        parts.append(f"a layer's kernels in order, share in us, {row}")
+        parts.append(table(*layer_kernels(mine), markdown))
     return "\n\n".join(parts)
 
 

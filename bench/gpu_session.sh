@@ -38,8 +38,7 @@
 #   gemm-shapes  bench.overlap_probe (attention beside GEMMs on two streams; the projections' time
 #              across row counts), then bench.bf16_gemm_bench (cuBLAS against cuBLASLt's and
 #              FlashInfer's picks for the bf16 rows' GEMMs; BF16_GEMM_ARGS, e.g. --extra)
-#   prefill-role  bench.prefill_role_bench: held prompts (a prefill worker's) with overlapped
-#              steps and without, 8B shape, 128 x 3,000 tokens (~2 min)
+#   prefill-role  bench.prefill_role_bench: 128 held 3,000-token prompts, steps overlapped or not
 #   fused-gemv  the fused few-row bf16 GEMVs' GPU tests, then batch-1 bf16 decode with them
 #              (KVRELAY_BF16_GEMV_ROWS=1, the default) and without (0), then vLLM's batch 1
 #              (when .vstage is installed)
@@ -264,7 +263,8 @@ case $phase in
     gpu_tests tests_fused_gemv tests/gpu/test_fused_gemv_cuda.py tests/unit/test_fused_gemv.py &
     gpu_tests tests_fp8 tests/gpu/test_fp8_weights.py tests/gpu/test_fp8_deferred_scales.py \
       tests/gpu/test_fp8_dot_rows.py tests/gpu/test_pdl.py tests/gpu/test_blas_choice_cuda.py \
-      tests/unit/test_split_k.py "${only[@]}" &
+      tests/unit/test_split_k.py tests/unit/test_fp8_one_row.py tests/unit/test_fp8_*_interpreted.py \
+      tests/unit/test_deferred_scales_interpreted.py "${only[@]}" &
     gpu_tests tests_serving tests/gpu/test_serving_features_cuda.py \
       tests/gpu/test_kvtransfer_cuda.py tests/gpu/test_host_copies.py \
       tests/gpu/test_split_kv_decode_cuda.py tests/unit/test_split_kv_decode.py &

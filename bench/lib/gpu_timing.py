@@ -125,7 +125,8 @@ def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
     ]
 
 
-# kernel names that are matrix products (dot_rows, row_dot: the FP8 few-row products)
+# kernel names that are matrix products (dot_rows, row_dot: the FP8 few-row products, counted
+# as "elementwise/other" before 2026-12-05)
 MATMUL_KERNELS = (
     "gemm",
     "gemv",
@@ -137,6 +138,20 @@ MATMUL_KERNELS = (
     "dot_rows",
     "row_dot",
 )
+# kernel_mha: XQA's decode kernel; split_kv_decode: engine/attention/split_kv_decode.py
+ATTENTION_KERNELS = ("prefill", "decode", "merge_state", "attention", "kernel_mha")
+
+
+def kernel_kind(name: str) -> str:
+    """matmul, attention, copy or elementwise/other, by a GPU kernel's name."""
+    low = name.lower()
+    if any(k in low for k in MATMUL_KERNELS):
+        return "matmul"
+    if any(k in low for k in ATTENTION_KERNELS):
+        return "attention"
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    return "elementwise/other"
 
 
 def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
@@ -148,16 +163,7 @@ def kernel_summary(prof: Any, iters: int, top: int = 12) -> dict[str, Any]:
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name
-        low = name.lower()
-        if any(k in low for k in MATMUL_KERNELS):
-            kind = "matmul"
-        elif any(k in low for k in ("prefill", "decode", "merge_state", "attention", "kernel_mha")):
-            # kernel_mha: XQA's decode kernel
-            kind = "attention"
-        elif "memcpy" in low or "memset" in low:
-            kind = "copy"
-        else:
-            kind = "elementwise/other"
+        kind = kernel_kind(name)
         us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
         kinds[kind] = kinds.get(kind, 0.0) + us / iters / 1e3
         kernels.setdefault(name[:90], []).append(us)

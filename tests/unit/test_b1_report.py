@@ -8,6 +8,10 @@ from pathlib import Path
 from bench.b1_report import load_runs, report
 
 
+def step(kernel: str, share_us: float) -> dict:
+    return {"kernel": kernel, "us": share_us, "gap_after_us": 0.1, "share_us": share_us}
+
+
 def write_run(folder: Path, name: str, replay: float, roofline: float, timeline: list) -> None:
     b1 = {
         "graph_replay_ms": replay,
@@ -18,17 +22,19 @@ def write_run(folder: Path, name: str, replay: float, roofline: float, timeline:
     (folder / f"b1_{name}.json").write_text(json.dumps({"decode_b1": b1}))
 
 
-def test_report_gives_each_setting_its_ratio_and_kernel_shares(tmp_path: Path) -> None:
-    qkv = {"kernel": "fused_gemv", "us": 15.0, "gap_after_us": 0.1, "share_us": 15.0}
-    fa2 = {"kernel": "BatchPrefillWithPagedKV", "us": 6.8, "gap_after_us": 0.1, "share_us": 6.8}
-    ours = {"kernel": "split_kv_decode", "us": 3.0, "gap_after_us": 0.1, "share_us": 3.0}
-    write_run(tmp_path, "bf16_defaults", 4.136, 3.338, [qkv, fa2])
-    write_run(tmp_path, "bf16_KVRELAY_DECODE_KERNEL_triton", 3.9, 3.338, [qkv, ours])
+def test_report_gives_each_setting_its_ratio_and_layer(tmp_path: Path) -> None:
+    # one kernel serving two projections (fused_gemv: qkv, then o) must stay two lines
+    fa2 = [step("fused_gemv", 15.0), step("BatchPrefillWithPagedKV", 6.8), step("fused_gemv", 10.8)]
+    ours = [step("fused_gemv", 15.0), step("split_kv_decode", 3.0), step("fused_gemv", 10.2)]
+    write_run(tmp_path, "bf16_defaults", 4.136, 3.338, fa2)
+    write_run(tmp_path, "bf16_KVRELAY_DECODE_KERNEL_triton", 3.9, 3.338, ours)
     write_run(tmp_path, "fp8w_defaults", 2.791, 1.657, [])
-    (tmp_path / "b1_bf16_broken.json").write_text("{}")  # a run that timed out: skipped
+    (tmp_path / "b1_bf16_broken.json").write_text("{}")  # a run that timed out: left out
+    write_run(tmp_path, "lock0", 2.8, 1.657, [])  # an older bench's file: left out
 
     runs = load_runs([tmp_path])
     text = report(runs)
+    lines = text.splitlines()
 
     assert [(r["row"], r["setting"]) for r in runs] == [
         ("bf16", "defaults"),
@@ -38,7 +44,9 @@ def test_report_gives_each_setting_its_ratio_and_kernel_shares(tmp_path: Path) -
     assert "1.239x misses 1.2x by 0.130 ms" in text
     assert "1.168x meets" in text
     assert "1.684x misses 1.3x by 0.637 ms" in text
-    fa2_line = next(line for line in text.splitlines() if line.startswith("BatchPrefill"))
-    assert fa2_line.split() == ["BatchPrefillWithPagedKV", "6.8"]  # blank for the triton run
-    layer = next(line for line in text.splitlines() if line.startswith("layer total"))
-    assert layer.split()[2:] == ["21.8", "18.0"]
+    second = next(line for line in lines if line.startswith("2 "))
+    assert second.split() == ["2", "BatchPrefillWithPagedKV", "6.8", "split_kv_decode", "3.0"]
+    third = next(line for line in lines if line.startswith("3 "))
+    assert third.split() == ["3", "fused_gemv", "10.8", "fused_gemv", "10.2"]
+    layer = next(line for line in lines if line.startswith("layer "))
+    assert layer.split() == ["layer", "32.6", "28.2"]

@@ -1,13 +1,20 @@
 """bench.lib.gpu_timing's arithmetic on made-up kernel spans: the gaps where no span runs
 (overlapping and nested spans merged), their split into gaps between steps (the longest,
 one per step boundary) and gaps inside steps, their sums by the spans on either side, and one
-layer's kernel timeline from replays of a graph. Pure functions: no GPU."""
+layer's kernel timeline from replays of a graph, and the kinds kernels are counted under.
+Pure functions: no GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.lib.gpu_timing import gaps_by_neighbours, idle_gaps, layer_timeline, split_idle
+from bench.lib.gpu_timing import (
+    gaps_by_neighbours,
+    idle_gaps,
+    kernel_kind,
+    layer_timeline,
+    split_idle,
+)
 
 
 def test_gaps_skip_overlapping_and_nested_spans() -> None:
@@ -90,3 +97,21 @@ def test_layer_timeline_refuses_spans_that_are_not_whole_equal_replays() -> None
     assert layer_timeline(spans[:-1], iters=3) == []  # a replay cut short
     odd = [(a, b, "memset" if i == 50 else name) for i, (a, b, name) in enumerate(spans)]
     assert layer_timeline(odd, iters=3) == []  # the second replay ran another kernel
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("fp8_dot_rows_kernel", "matmul"),  # the FP8 few-row products are Triton kernels
+        ("fp8_one_row_dot", "matmul"),
+        ("fused_gemv", "matmul"),
+        ("nvjet_tst_128x64_64x5_1x2_h_bz_coopA_TNN", "matmul"),
+        ("split_kv_decode", "attention"),
+        ("kernel_mha", "attention"),
+        ("Memcpy HtoD (Pinned -> Device)", "copy"),
+        ("rope_write_kv", "elementwise/other"),
+        ("silu_and_mul_rms", "elementwise/other"),
+    ],
+)
+def test_kernels_are_counted_under_their_kind(name: str, kind: str) -> None:
+    assert kernel_kind(name) == kind
