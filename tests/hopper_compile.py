@@ -143,7 +143,8 @@ def fp8_one_row_case(fusions: str, split_k: int) -> Any:
         SPLIT_K=split_k, NORM="norm" in fusions, SILU=silu, ADD="add" in fusions,
         BLOCK_M=fp8_dot_rows.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         PROLOGUE=fp8_one_row.PROLOGUE_BLOCK, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-        E4M3_MIN_NORMAL=2.0**-6, SUBNORMAL_SHIFT=1.5 * 2.0**14, PDL=True,
+        E4M3_MIN_NORMAL=fp8_one_row.E4M3_MIN_NORMAL, SUBNORMAL_SHIFT=fp8_one_row.SUBNORMAL_SHIFT,
+        PDL=True,
     )  # fmt: skip
     kernel = fp8_one_row._kernel()
     return compile_for_hopper(kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
@@ -231,7 +232,7 @@ def rope_kv_case(cache: str) -> Any:
     aligned = (*strides, "kv_stride", "head_stride", "slot_stride")
     return compile_for_hopper(
         rope_kv_kernel._kernel(), pointers, constexprs, floats=("k_inv_scale", "v_inv_scale"),
-        aligned=aligned, num_warps=max(1, min(4, per_program * 128 // 1024)),
+        aligned=aligned, num_warps=rope_kv_kernel.warps_for(per_program, 128),
     )  # fmt: skip
 
 
@@ -250,8 +251,9 @@ def add_norm_quantize_case() -> Any:
     )  # fmt: skip
     aligned = ("src_row_stride", "residual_row_stride", "num_cols")
     return compile_for_hopper(
-        fp8_fused._kernel(), pointers, constexprs, aligned=aligned, num_warps=HIDDEN // 512
-    )
+        fp8_fused._kernel(), pointers, constexprs, aligned=aligned,
+        num_warps=fp8_fused.warps_for(HIDDEN),
+    )  # fmt: skip
 
 
 CASES: dict[str, Callable[[], Any]] = {

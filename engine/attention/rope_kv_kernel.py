@@ -158,6 +158,11 @@ class KvOut(NamedTuple):
 PROGRAMS_WANTED = 1024  # enough to fill the GPU; more only adds per-program cost
 
 
+def warps_for(heads_per_program: int, head_dim: int) -> int:
+    """The launch's warps: one per 1,024 elements a program rotates, 1..4."""
+    return max(1, min(4, heads_per_program * head_dim // 1024))
+
+
 def heads_per_program(num_tokens: int, num_heads: int) -> int:
     """How many of a token's q + k heads one program rotates: a power of two, as many as keep
     ~PROGRAMS_WANTED programs (prefill chunks: the whole token; one decode row: one head)."""
@@ -245,6 +250,6 @@ def rope_and_write_kv(
             KV_OUT=kv_out is not None,
             PDL=use_pdl,
             launch_pdl=use_pdl,
-            num_warps=max(1, min(4, per_program * head_dim // 1024)),
+            num_warps=warps_for(per_program, head_dim),
         )
     return q_out

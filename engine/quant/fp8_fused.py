@@ -113,6 +113,11 @@ def _empty_rows(
     )
 
 
+def warps_for(block: int) -> int:
+    """The launch's warps for a row of block (a power of two) columns: one per 512, 1..16."""
+    return max(1, min(16, block // 512))
+
+
 def _launch(
     op: int,
     src: torch.Tensor,
@@ -151,7 +156,7 @@ def _launch(
             AMAX_FLOOR=AMAX_FLOOR,
             PDL=use_pdl,
             launch_pdl=use_pdl,
-            num_warps=max(1, min(16, block // 512)),
+            num_warps=warps_for(block),
         )
     return out
 

@@ -38,6 +38,8 @@ from engine.quant.fp8_dot_rows import tile_for as dot_rows_tile
 
 ENV = "KVRELAY_FP8_ONE_ROW"
 PROLOGUE_BLOCK = 4096  # input columns a prologue step reads (32 a thread at 4 warps)
+E4M3_MIN_NORMAL = 2.0**-6  # below it e4m3 has subnormals, a fixed step of 2^-9
+SUBNORMAL_SHIFT = 1.5 * 2.0**14  # float32's step at this size is e4m3's subnormal one
 
 
 @functools.cache
@@ -267,8 +269,8 @@ def row_dot(
         PROLOGUE=min(PROLOGUE_BLOCK, triton.next_power_of_2(k)),
         FP8_MAX=FP8_MAX,
         AMAX_FLOOR=AMAX_FLOOR,
-        E4M3_MIN_NORMAL=2.0**-6,
-        SUBNORMAL_SHIFT=1.5 * 2.0**14,  # float32's step at this size is e4m3's subnormal one
+        E4M3_MIN_NORMAL=E4M3_MIN_NORMAL,
+        SUBNORMAL_SHIFT=SUBNORMAL_SHIFT,
         PDL=use_pdl,
         num_warps=warps,
         num_stages=stages,
