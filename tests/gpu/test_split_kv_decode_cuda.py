@@ -24,6 +24,7 @@ from tests.gpu.test_flashinfer_backend import (  # noqa: F401 (tiny_llama: a fix
     run_workload,
     tiny_llama,
 )
+from tests.unit.test_split_kv_decode import reference
 
 CUDA = torch.device("cuda")
 PAGE, HEAD_DIM, KV_HEADS, HEADS = 16, 128, 8, 32
@@ -47,15 +48,9 @@ def test_the_8b_heads_against_torch(ctx_lens: list[int], dtype: torch.dtype) -> 
     scales = (0.75, 1.5) if dtype != torch.bfloat16 else (1.0, 1.0)
     decode = SplitKvDecode(HEAD_DIM, PAGE, CUDA, [(1.0, 1.0), scales])
     decode.plan(seqs)
-    out = decode.run(1, q, cache[:, 1], torch.empty_like(q)).float()
-    for row, seq in enumerate(seqs):
-        pages = cache[seq.block_ids, 1].float()  # [pages, 2, Hkv, PAGE, D]
-        kv = pages.permute(1, 2, 0, 3, 4).reshape(2, KV_HEADS, -1, HEAD_DIM)[:, :, : seq.ctx_len]
-        k = kv[0].repeat_interleave(HEADS // KV_HEADS, 0) * scales[0]
-        v = kv[1].repeat_interleave(HEADS // KV_HEADS, 0) * scales[1]
-        weights = torch.softmax(q[row].float()[:, None] @ k.transpose(1, 2) * HEAD_DIM**-0.5, -1)
-        want = (weights @ v)[:, 0]
-        torch.testing.assert_close(out[row], want, rtol=2e-2, atol=2e-2)
+    out = decode.run(1, q, cache[:, 1], torch.empty_like(q)).float().cpu()
+    want = reference(cache[:, 1], q, seqs, scales)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     assert not split_k.counters(CUDA, 1).any()
 
 

@@ -41,18 +41,22 @@ def cache_and_rows(
 
 
 def reference(
-    cache: torch.Tensor, q: torch.Tensor, seqs: list[SeqSpan], scales: tuple[float, float]
+    layer_cache: torch.Tensor, q: torch.Tensor, seqs: list[SeqSpan], scales: tuple[float, float]
 ) -> torch.Tensor:
-    layer = cache[:, LAYER].float().cpu()
+    """torch's attention of q [rows, Hq, D] over each row's pages of one layer's [blocks, 2,
+    Hkv, page, D] cache view, K and V times scales: float32, on the CPU (the GPU test's too)."""
+    layer = layer_cache.float().cpu()
+    kv_heads, head_dim = layer.shape[2], layer.shape[4]
+    group = q.shape[1] // kv_heads
     out = []
     for row, seq in enumerate(seqs):
-        pages = layer[seq.block_ids]  # [pages, 2, Hkv, PAGE, D]
-        k = pages[:, 0].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[:, : seq.ctx_len]
-        v = pages[:, 1].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[:, : seq.ctx_len]
+        pages = layer[seq.block_ids]  # [pages, 2, Hkv, page, D]
+        k = pages[:, 0].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, : seq.ctx_len]
+        v = pages[:, 1].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[:, : seq.ctx_len]
         k, v = k * scales[0], v * scales[1]
-        qr = q[row].float().cpu().view(KV_HEADS, GROUP, HEAD_DIM)
-        weights = torch.softmax(qr @ k.transpose(1, 2) * HEAD_DIM**-0.5, dim=-1)
-        out.append((weights @ v).reshape(KV_HEADS * GROUP, HEAD_DIM))
+        qr = q[row].float().cpu().view(kv_heads, group, head_dim)
+        weights = torch.softmax(qr @ k.transpose(1, 2) * head_dim**-0.5, dim=-1)
+        out.append((weights @ v).reshape(kv_heads * group, head_dim))
     return torch.stack(out)
 
 
@@ -75,7 +79,7 @@ def test_bf16_cache_matches_torch(num_sms: int) -> None:
     ctx_lens = [1, 17, 70]  # one token; a page and one; past four pages, partial last
     cache, q, seqs = cache_and_rows(ctx_lens, torch.bfloat16, seed=num_sms)
     got = attend(cache, q, seqs, (1.0, 1.0), num_sms)
-    want = reference(cache, q, seqs, (1.0, 1.0))
+    want = reference(cache[:, LAYER], q, seqs, (1.0, 1.0))
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert not split_k.counters(DEVICE, 1).any(), "an arrival counter was left set"
 
@@ -84,9 +88,9 @@ def test_fp8_cache_applies_the_layers_scales() -> None:
     scales = (0.5, 2.0)
     cache, q, seqs = cache_and_rows([33, 5], torch.float8_e4m3fn, seed=3)
     got = attend(cache, q, seqs, scales, num_sms=16)
-    want = reference(cache, q, seqs, scales)
+    want = reference(cache[:, LAYER], q, seqs, scales)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    unscaled = reference(cache, q, seqs, (1.0, 1.0))
+    unscaled = reference(cache[:, LAYER], q, seqs, (1.0, 1.0))
     assert (got - unscaled).abs().max() > 0.5, "the scales were applied"
 
 
