@@ -6,8 +6,6 @@ Also ScaledRows' own math and which layers defer their scales."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -17,14 +15,9 @@ from engine.models.rope import RotaryEmbedding
 from engine.quant import fp8, fp8_fused
 from engine.quant.fp8 import Fp8Linear, ScaledRows, defers_scales, materialized
 from tests.factories import make_model_config
+from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
 
 
 def scaled_rows(num_rows: int, num_cols: int, seed: int) -> ScaledRows:
@@ -61,7 +54,7 @@ def test_only_cuda_fp8_layers_defer_their_scales(monkeypatch: pytest.MonkeyPatch
         fp8.defer_enabled.cache_clear()
 
 
-@needs_triton
+@needs_triton_kernels
 @pytest.mark.parametrize("add", [True, False], ids=["add", "first-layer"])
 def test_add_rms_norm_quantize_reads_scaled_rows(add: bool) -> None:
     x = scaled_rows(5, 96, seed=1)
@@ -79,7 +72,7 @@ def test_add_rms_norm_quantize_reads_scaled_rows(add: bool) -> None:
         torch.testing.assert_close(residual, want_residual, atol=1e-6, rtol=1e-6)
 
 
-@needs_triton
+@needs_triton_kernels
 def test_silu_and_mul_quantize_reads_scaled_rows() -> None:
     gate_up = scaled_rows(7, 2 * 80, seed=3)  # gate and up columns scaled apart
     got = fp8_fused.silu_and_mul_quantize(gate_up, None, out_dtype=torch.float32)
@@ -88,7 +81,7 @@ def test_silu_and_mul_quantize_reads_scaled_rows() -> None:
     torch.testing.assert_close(got.q, want.q, atol=1e-3, rtol=1e-5)
 
 
-@needs_triton
+@needs_triton_kernels
 @pytest.mark.parametrize("programs_wanted", [1024, 1], ids=["one-head", "token"])
 def test_rope_and_kv_write_reads_scaled_rows(
     monkeypatch: pytest.MonkeyPatch, programs_wanted: int

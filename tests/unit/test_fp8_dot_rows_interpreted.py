@@ -4,22 +4,17 @@ interpreter (tests/conftest.py sets it)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine.quant import fp8_dot_rows as dot_rows
 from engine.quant.fp8 import quantize_rows_torch, quantize_weight
 from engine.quant.fp8_dot_rows import MAX_ROWS, fp8_dot_rows
+from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
+pytestmark = needs_triton_kernels
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])

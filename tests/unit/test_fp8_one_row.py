@@ -4,22 +4,17 @@ or on the CPU in Triton's interpreter (tests/conftest.py sets it)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.quant.fp8 import quantize_rows_torch, quantize_weight
 from engine.quant.fp8_one_row import row_dot
+from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
+pytestmark = needs_triton_kernels
 TILE = (16, 64, 4, 2)  # n and k below are neither a multiple of it: the masks are exercised
 EPS = 1e-5
 

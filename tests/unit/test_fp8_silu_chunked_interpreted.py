@@ -5,8 +5,6 @@ on a GPU, or on the CPU in Triton's interpreter (tests/conftest.py sets it). And
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,17 +12,12 @@ from engine.quant import fp8_silu_chunked
 from engine.quant.fp8 import ScaledRows
 from engine.quant.fp8_fused import silu_and_mul_quantize
 from engine.quant.fp8_silu_chunked import ChunkedSilu
+from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
 
-
-@needs_triton
+@needs_triton_kernels
 @pytest.mark.parametrize("scratch", [False, True], ids=["recompute", "scratch"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["bf16", "scaled-rows"])
@@ -68,7 +61,7 @@ def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         fp8_silu_chunked.setting.cache_clear()
 
 
-@needs_triton
+@needs_triton_kernels
 def test_decode_batches_take_it_few_rows_and_bf16_rows_do_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -7,7 +7,6 @@ tests/gpu/test_fused_gemv_cuda.py."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -17,14 +16,10 @@ from torch import nn
 
 from engine.models import fused_gemv
 from engine.quant.fp8 import Fp8Linear
+from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-interpreted_or_gpu = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
 EPS = 1e-5
 
 
@@ -64,7 +59,7 @@ def rms_normed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight
 
 
-@interpreted_or_gpu
+@needs_triton_kernels
 @pytest.mark.parametrize("num_rows", [1, 2])
 @pytest.mark.parametrize("n, k", [(37, 300), (16, 128)], ids=["partial-tiles", "whole-tiles"])
 def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int) -> None:
@@ -75,7 +70,7 @@ def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@interpreted_or_gpu
+@needs_triton_kernels
 @pytest.mark.parametrize("num_rows", [1, 2])
 def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: int) -> None:
     n, k = 37, 300
@@ -87,7 +82,7 @@ def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@interpreted_or_gpu
+@needs_triton_kernels
 @pytest.mark.parametrize("num_rows", [1, 2])
 def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> None:
     n, k = 37, 300
@@ -99,7 +94,7 @@ def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> 
     torch.testing.assert_close(residual, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@interpreted_or_gpu
+@needs_triton_kernels
 @pytest.mark.parametrize("num_rows", [1, 2])
 def test_gemv_add_scaled_also_writes_the_new_residual_times_the_norm_weight(
     num_rows: int,
@@ -114,7 +109,7 @@ def test_gemv_add_scaled_also_writes_the_new_residual_times_the_norm_weight(
     torch.testing.assert_close(scaled, want * norm, rtol=1e-4, atol=1e-4 * float(norm.abs().max()))
 
 
-@interpreted_or_gpu
+@needs_triton_kernels
 @pytest.mark.parametrize("num_rows", [1, 2])
 def test_silu_and_mul_rms_normalizes_the_products_of_the_scaled_residual(num_rows: int) -> None:
     """The gate_up-on-cuBLAS path: the product of residual * norm, then 1/rms and the SiLU, is

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.lib.gemv_candidates import candidate_gemv, interleave
-from tests.unit.test_fused_gemv import DEVICE, interpreted_or_gpu
+from tests.triton_device import DEVICE, needs_triton_kernels
 
-pytestmark = interpreted_or_gpu
+pytestmark = needs_triton_kernels
 EPS = 1e-5
 TILE = (8, 128, 4)  # BLOCK_N, BLOCK_K, warps: K = 300 leaves a partial K tile
 

@@ -5,8 +5,6 @@ Triton's interpreter (tests/conftest.py sets it)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,13 +12,9 @@ from engine.quant import split_k
 from engine.quant.fp8 import quantize_rows_torch, quantize_weight
 from engine.quant.fp8_dot_rows import fp8_dot_rows
 from engine.quant.fp8_one_row import row_dot
+from tests.triton_device import DEVICE, needs_triton_kernels
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-5
-needs_kernels = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
 
 
 @pytest.fixture
@@ -64,7 +58,7 @@ def counters_at_zero() -> bool:
     return not split_k.counters(DEVICE, 1).any()
 
 
-@needs_kernels
+@needs_triton_kernels
 @pytest.mark.parametrize("num_rows", [1, 3])
 def test_dot_rows_split_matches_unsplit(num_rows: int) -> None:
     gen = torch.Generator().manual_seed(num_rows)
@@ -83,7 +77,7 @@ def test_dot_rows_split_matches_unsplit(num_rows: int) -> None:
         assert torch.equal(got, again), "the parts are summed in a fixed order"
 
 
-@needs_kernels
+@needs_triton_kernels
 def test_dot_rows_takes_the_rule_when_on(split_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(9)
     n, k = 16, 256
@@ -103,7 +97,7 @@ def test_dot_rows_takes_the_rule_when_on(split_on: None, monkeypatch: pytest.Mon
     assert counters_at_zero()
 
 
-@needs_kernels
+@needs_triton_kernels
 @pytest.mark.parametrize("fusion", ["norm", "add"])
 def test_one_row_split_matches_unsplit(fusion: str) -> None:
     gen = torch.Generator().manual_seed(11)
@@ -129,7 +123,7 @@ def test_one_row_split_matches_unsplit(fusion: str) -> None:
         assert not torch.equal(want, residual.float()), "the product went into the residual"
 
 
-@needs_kernels
+@needs_triton_kernels
 def test_one_row_silu_takes_no_split() -> None:
     weight = quantize_weight(torch.randn(32, 64) * 0.02)
     out = torch.zeros(1, 16, dtype=torch.bfloat16, device=DEVICE)

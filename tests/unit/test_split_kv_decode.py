@@ -6,20 +6,15 @@ interpreter (tests/conftest.py sets it)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine.attention.base import SeqSpan
 from engine.attention.split_kv_decode import SplitKvDecode, check_shape, parts_for
 from engine.quant import split_k
+from tests.triton_device import DEVICE, needs_triton_kernels
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
+pytestmark = needs_triton_kernels
 PAGE, HEAD_DIM, KV_HEADS, GROUP, LAYERS, BLOCKS = 16, 32, 2, 4, 2, 24
 LAYER = 1  # the second layer's strided view: pages stride over both layers
 

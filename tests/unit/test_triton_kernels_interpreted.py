@@ -7,8 +7,6 @@ kernels' casts are exact and the math must match to float rounding."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,15 +16,12 @@ from engine.models.rope import RotaryEmbedding
 from engine.quant import fp8_fused
 from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
 from tests.factories import make_model_config
+from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")
 
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on the CPU, Triton kernels run only in its interpreter (tests/conftest.py sets it)",
-)
+pytestmark = needs_triton_kernels
 
 
 @pytest.mark.parametrize("programs_wanted", [1024, 16, 1], ids=["one-head", "blocks", "token"])
