@@ -14,6 +14,7 @@ from engine.quant.fp8 import QuantizedRows, takes_quantized
 from engine.quant.fp8_fused import quantize_rows_cuda
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS
 from tests.gpu.test_fp8_weights import CUDA, layer_on_gpu, pytestmark  # noqa: F401 (GPU, >= 8.9)
+from tests.unit.test_split_k import split_on  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -93,41 +94,31 @@ def test_the_wide_tile_and_the_autotuners_pick_are_right(
 
 @pytest.mark.parametrize("num_rows", [1, 5])
 def test_split_k_is_right_eager_and_replayed(
-    monkeypatch: pytest.MonkeyPatch, num_rows: int
+    split_on: None,  # noqa: F811 (the fixture)
+    num_rows: int,
 ) -> None:
     """KVRELAY_FP8_SPLIT_K=1 on the 8B shape's down_proj (K = 14,336 in parts, the last part's
     program summing them): the dequantized product eager, the eager result from a CUDA graph
     replayed with new rows, and the arrival counters back at zero after each."""
-    monkeypatch.setenv(split_k.ENV, "1")
-    split_k.enabled.cache_clear()
-    try:
-        gen = torch.Generator(CUDA).manual_seed(13)
-        layer = layer_on_gpu(
-            torch.randn(4096, 14336, device=CUDA, generator=gen) * 0.02, False, None
-        )
-        tiles = -(-4096 // fp8_dot_rows.tile_for(4096)[0])
-        assert (
-            split_k.split_for(tiles, 14336, fp8_dot_rows.tile_for(4096)[1], split_k.num_sms(CUDA))
-            > 1
-        )
-        x = torch.randn(num_rows, 14336, device=CUDA, generator=gen).bfloat16()
-        rows = QuantizedRows(*quantize_rows_cuda(x, None))
-        out = layer(rows).float()
-        want = layer.forward_reference(rows).float()
-        assert float((out - want).abs().max() / want.abs().max()) < 1e-2
+    gen = torch.Generator(CUDA).manual_seed(13)
+    layer = layer_on_gpu(torch.randn(4096, 14336, device=CUDA, generator=gen) * 0.02, False, None)
+    block_n, block_k = fp8_dot_rows.tile_for(4096)[:2]
+    assert split_k.split_for(-(-4096 // block_n), 14336, block_k, split_k.num_sms(CUDA)) > 1
+    x = torch.randn(num_rows, 14336, device=CUDA, generator=gen).bfloat16()
+    rows = QuantizedRows(*quantize_rows_cuda(x, None))
+    out = layer(rows).float()
+    want = layer.forward_reference(rows).float()
+    assert float((out - want).abs().max() / want.abs().max()) < 1e-2
+    assert not split_k.counters(CUDA, 1).any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = layer(QuantizedRows(*quantize_rows_cuda(x, None)))
+    for _ in range(3):
+        x.copy_(torch.randn(num_rows, 14336, device=CUDA, generator=gen).bfloat16())
+        graph.replay()
+        eager = layer(QuantizedRows(*quantize_rows_cuda(x, None)))
+        assert torch.equal(replayed, eager), "the parts are summed in a fixed order"
         assert not split_k.counters(CUDA, 1).any()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = layer(QuantizedRows(*quantize_rows_cuda(x, None)))
-        for _ in range(3):
-            x.copy_(torch.randn(num_rows, 14336, device=CUDA, generator=gen).bfloat16())
-            graph.replay()
-            eager = layer(QuantizedRows(*quantize_rows_cuda(x, None)))
-            assert torch.equal(replayed, eager), "the parts are summed in a fixed order"
-            assert not split_k.counters(CUDA, 1).any()
-    finally:
-        monkeypatch.delenv(split_k.ENV)
-        split_k.enabled.cache_clear()
 
 
 def test_one_row_split_k_adds_into_the_residual() -> None:
