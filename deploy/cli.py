@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
 from deploy.plan_cli import add_plan_parser
-from deploy.serve import add_serve_parser
+from deploy.serve import serve
+from deploy.serve_flags import add_serve_parser
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from engine.config import DEFAULT_MODEL
 from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    add_serve_parser(sub)
+    add_serve_parser(sub, serve)
     add_ops_parsers(sub)
     add_up_parser(sub)
     add_down_parser(sub)
