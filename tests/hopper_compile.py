@@ -130,7 +130,7 @@ def fp8_dot_rows_case(channels: int, split_k: int) -> Any:
 
 def fp8_one_row_case(fusions: str, split_k: int) -> Any:
     from engine.quant import fp8_dot_rows, fp8_one_row
-    from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+    from engine.quant.fp8_types import AMAX_FLOOR, FP8_MAX
 
     silu = "silu" in fusions
     channels = INTERMEDIATE if silu else QKV if "norm" in fusions else HIDDEN
@@ -239,7 +239,7 @@ def rope_kv_case(cache: str) -> Any:
 def add_norm_quantize_case() -> Any:
     """The FP8 path's residual add + RMSNorm + per-token e4m3 quantization of a 4,096 row."""
     from engine.quant import fp8_fused
-    from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+    from engine.quant.fp8_types import AMAX_FLOOR, FP8_MAX
 
     pointers = dict(
         src_ptr="bf16", residual_ptr="bf16", weight_ptr="bf16", q_ptr="fp8e4nv",

@@ -45,7 +45,7 @@ from engine.quant.fp8 import unit_scale
 
 if TYPE_CHECKING:
     from engine.models.rope import RotaryEmbedding
-    from engine.quant.fp8 import ScaledRows
+    from engine.quant.fp8_types import ScaledRows
 
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)

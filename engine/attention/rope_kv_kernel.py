@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from engine import pdl
-from engine.quant.fp8 import ScaledRows
+from engine.quant.fp8_types import ScaledRows
 
 
 @functools.cache

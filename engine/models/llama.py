@@ -30,15 +30,9 @@ from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
 from engine.quant import fp8_one_row
 from engine.quant.config import Fp8Config
-from engine.quant.fp8 import (
-    QuantizedRows,
-    ScaledRows,
-    defers_scales,
-    make_linear,
-    materialized,
-    takes_quantized,
-)
+from engine.quant.fp8 import defers_scales, make_linear, takes_quantized
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
+from engine.quant.fp8_types import QuantizedRows, ScaledRows, materialized
 
 
 class RMSNorm(nn.Module):

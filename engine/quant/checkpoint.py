@@ -11,7 +11,6 @@ import torch
 
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import (
-    FP8_DTYPE,
     Fp8Weight,
     dequantize_weight,
     fuse_weights,
@@ -19,6 +18,7 @@ from engine.quant.fp8 import (
     per_row_scale,
     quantize_weight,
 )
+from engine.quant.fp8_types import FP8_DTYPE
 
 Take = Callable[[str], torch.Tensor]  # removes and returns a checkpoint tensor by name
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,46 +34,15 @@ from torch import nn
 from engine.blas_choice import BlasLinear
 from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
 from engine.quant.fp8_dot_rows import fp8_dot_rows  # imports triton on first use
+from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv  # imports triton on first use
+from engine.quant.fp8_types import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
 GEMV_ENV = "KVRELAY_FP8_GEMV"  # "0": every FP8 matmul through cuBLASLt, few rows too
 FAST_ACCUM_ENV = "KVRELAY_FP8_FAST_ACCUM"  # "0": cuBLASLt's FP8 GEMMs accumulate exactly
 DEFER_SCALES_ENV = "KVRELAY_FP8_DEFER_SCALES"  # "0": decode batches' GEMMs scale their output
 DEFER_MAX_ROWS = 1024  # up to here the per-tensor GEMM won (232, 768 rows); 16,384 lost
-
-
-class QuantizedRows(NamedTuple):
-    """An Fp8Linear's input already quantized: e4m3 [M, K] and float32 [M, 1], x ~ q * scale."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-
-class ScaledRows(NamedTuple):
-    """An Fp8Linear's output with its scales not yet applied: value = raw * row_scale *
-    col_scale, raw bf16 [M, N] (the e4m3 codes' product), row_scale float32 [M, 1] (the
-    input's), col_scale float32 [1, N] (the weight's)."""
-
-    raw: torch.Tensor
-    row_scale: torch.Tensor
-    col_scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.raw.shape
-
-    def materialize(self) -> torch.Tensor:
-        """The bf16 value, as the row-scaled GEMM would have written it."""
-        return (self.raw.float() * self.row_scale * self.col_scale).to(self.raw.dtype)
-
-
-def materialized(x: torch.Tensor | ScaledRows) -> torch.Tensor:
-    """x itself, or the value of ScaledRows (for readers that do not apply scales)."""
-    return x.materialize() if isinstance(x, ScaledRows) else x
 
 
 class Fp8Weight(NamedTuple):
@@ -143,7 +112,7 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows_torch's result, as one Triton kernel on CUDA."""
     if x.is_cuda:
-        return _cuda_quantizer()(x, static_scale)
+        return quantize_rows_cuda(x, static_scale)
     return quantize_rows_torch(x, static_scale)
 
 
@@ -198,13 +167,6 @@ def takes_quantized(layer: nn.Module, rows: torch.Tensor | ScaledRows) -> bool:
     fp8_dot_rows then): a fused kernel may hand it QuantizedRows instead of bf16."""
     x = rows.raw if isinstance(rows, ScaledRows) else rows
     return isinstance(layer, Fp8Linear) and x.is_cuda
-
-
-@functools.cache
-def _cuda_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
-
-    return quantize_rows_cuda
 
 
 class Fp8Linear(nn.Module):

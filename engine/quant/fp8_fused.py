@@ -23,8 +23,8 @@ import torch
 
 from engine import pdl
 from engine.quant import fp8_silu_chunked
-from engine.quant.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
 from engine.quant.fp8_silu_chunked import ChunkedSilu
+from engine.quant.fp8_types import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
 
 NORM, ADD_NORM, SILU_AND_MUL, AS_IS = 0, 1, 2, 3  # what the kernel does before it quantizes
 

@@ -32,9 +32,10 @@ from engine import pdl
 from engine.env_flags import on_off
 from engine.models.fused_gemv import share_storage
 from engine.quant import split_k as splits
-from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX, Fp8Linear
+from engine.quant.fp8 import Fp8Linear
 from engine.quant.fp8_dot_rows import BLOCK_M, WIDE_TILE
 from engine.quant.fp8_dot_rows import tile_for as dot_rows_tile
+from engine.quant.fp8_types import AMAX_FLOOR, FP8_MAX
 
 ENV = "KVRELAY_FP8_ONE_ROW"
 PROLOGUE_BLOCK = 4096  # input columns a prologue step reads (32 a thread at 4 warps)

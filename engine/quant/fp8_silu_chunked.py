@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+from engine.quant.fp8_types import AMAX_FLOOR, FP8_MAX
 
 ENV = "KVRELAY_FP8_SILU_CHUNKED"
 CHUNK_DEFAULT, WARPS_DEFAULT = 2048, 8

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine.quant import fp8, fp8_dot_rows, fp8_one_row, split_k
-from engine.quant.fp8 import QuantizedRows, takes_quantized
+from engine.quant.fp8 import takes_quantized
 from engine.quant.fp8_fused import quantize_rows_cuda
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS
+from engine.quant.fp8_types import QuantizedRows
 from tests.gpu.test_fp8_weights import CUDA, layer_on_gpu, pytestmark  # noqa: F401 (GPU, >= 8.9)
 from tests.unit.test_split_k import split_on  # noqa: F401 (a fixture)
 

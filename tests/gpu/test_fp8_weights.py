@@ -22,10 +22,8 @@ from engine.engine import Engine
 from engine.loader import load_model, read_model_config
 from engine.quant.fp8 import (
     DEFER_SCALES_ENV,
-    FP8_DTYPE,
     GEMV_ENV,
     Fp8Linear,
-    QuantizedRows,
     defer_enabled,
     gemv_enabled,
     linear_state,
@@ -35,6 +33,7 @@ from engine.quant.fp8 import (
 )
 from engine.quant.fp8_fused import quantize_rows_cuda
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS, VECTOR_MAX_ROWS, fp8_gemv
+from engine.quant.fp8_types import FP8_DTYPE, QuantizedRows
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
 from tests.gpu.test_flashinfer_backend import (

@@ -15,12 +15,12 @@ from engine.attention.rope_kv_kernel import rope_and_write_kv
 from engine.models import fused_ops
 from engine.models.llama import RMSNorm
 from engine.models.rope import RotaryEmbedding
-from engine.quant.fp8 import QuantizedRows
 from engine.quant.fp8_fused import (
     add_rms_norm_quantize,
     quantize_rows_cuda,
     silu_and_mul_quantize,
 )
+from engine.quant.fp8_types import QuantizedRows
 from tests.factories import make_model_config
 
 pytestmark = [

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine import pdl
-from engine.quant.fp8 import QuantizedRows
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
+from engine.quant.fp8_types import QuantizedRows
 from tests.gpu.test_flashinfer_backend import Recorder, logit_scale, max_logit_error, run_workload
 from tests.gpu.test_fp8_weights import (  # noqa: F401 (their GPU marks and tiny fixture)
     CUDA,

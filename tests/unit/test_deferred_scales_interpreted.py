@@ -13,7 +13,8 @@ from torch import nn
 from engine.attention import rope_kv_kernel
 from engine.models.rope import RotaryEmbedding
 from engine.quant import fp8, fp8_fused
-from engine.quant.fp8 import Fp8Linear, ScaledRows, defers_scales, materialized
+from engine.quant.fp8 import Fp8Linear, defers_scales
+from engine.quant.fp8_types import ScaledRows, materialized
 from tests.factories import make_model_config
 from tests.triton_device import DEVICE, needs_triton_kernels
 

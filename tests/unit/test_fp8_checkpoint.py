@@ -20,7 +20,8 @@ from torch import nn
 import engine.loader as loader
 from engine.loader import load_model, read_model_config
 from engine.quant.config import Fp8Config
-from engine.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_weight
+from engine.quant.fp8 import Fp8Linear, quantize_weight
+from engine.quant.fp8_types import FP8_DTYPE, FP8_MAX
 from engine.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint

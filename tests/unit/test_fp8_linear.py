@@ -10,8 +10,6 @@ import torch
 from engine.blas_choice import BlasLinear
 from engine.quant import fp8
 from engine.quant.fp8 import (
-    FP8_DTYPE,
-    FP8_MAX,
     Fp8Linear,
     Fp8Weight,
     check_fp8_device,
@@ -23,6 +21,7 @@ from engine.quant.fp8 import (
     quantize_rows_torch,
     quantize_weight,
 )
+from engine.quant.fp8_types import FP8_DTYPE, FP8_MAX
 
 HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: rounding moves a normal value by <= 1/16 of it
 SUBNORMAL_STEP = 2.0**-9  # the spacing below e4m3's smallest normal (2**-6), in scale units

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.quant import fp8_silu_chunked
-from engine.quant.fp8 import ScaledRows
 from engine.quant.fp8_fused import silu_and_mul_quantize
 from engine.quant.fp8_silu_chunked import ChunkedSilu
+from engine.quant.fp8_types import ScaledRows
 from tests.triton_device import DEVICE, needs_triton_kernels
 
 pytest.importorskip("triton")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine.attention import rope_kv_kernel
 from engine.models.rope import RotaryEmbedding
 from engine.quant import fp8_fused
-from engine.quant.fp8 import AMAX_FLOOR, FP8_MAX
+from engine.quant.fp8_types import AMAX_FLOOR, FP8_MAX
 from tests.factories import make_model_config
 from tests.triton_device import DEVICE, needs_triton_kernels
 
