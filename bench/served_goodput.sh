@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issue 52, first item: served goodput on one GPU, kvrelay's one-GPU deployment beside vLLM
+# 0.26's OpenAI server with its defaults, the same serve_bench client over HTTP for both, the
+# long-prompt workload (3,000 random tokens in, 150 out, Poisson arrivals) at each of RATES, SLO
+# TTFT <= 1.5 s and TPOT <= 50 ms. Runs on the GPU machine after staging (bench/lease_stage.sh,
+# or ../shared/device/stage.sh + ../shared/device/vllm/stage.sh), with the stage's exports set.
+# Results go under $OUT/sg/ (JSON, tables, server logs); pack them with `bench/served_goodput.sh
+# pack` (a call returns at most 8 files).
+#   kvrelay  `kvrelay serve --prefill 1 --decode 1 --gpus-per-worker 0.5`, the decode worker
+#            computing every prompt beside its decodes (until aggregated workers exist, the best
+#            one-GPU deployment: the prefill worker idles and holds its half of the memory), the
+#            pools sized by memory (--gpu-memory-utilization GPU_UTIL, default 0.9), once per
+#            config in CONFIGS (default "graphs eager"):
+#              eager     2,048-token prompt chunks, mixed steps eager (issue 14's aggregated setup)
+#              graphs    the same with --mixed-step-graphs (piecewise graphs for mixed steps)
+#              graphs4k  graphs with 4,096-token prompt chunks
+#            A config is skipped when fewer than MIN_LEFT_S (240) seconds are left before
+#            DEADLINE (epoch seconds; default: none).
+#   vllm     vLLM's server on the same model folder (bench/vllm_serve_peer.sh), the same load
+#   offline  kvrelay's engine offline (bench.gpu_engine_bench) on the same workload, all at
+#            once, with the served decode worker's step budget (128 + 2,048) and KV pool (read
+#            from the last kvrelay server log; OFFLINE_KV_GIB overrides): what the served path
+#            costs over its own engine. OFFLINE_FLAGS: more flags (e.g. --mixed-step-graphs)
+#   pack     $OUT/sg -> $OUT/served_goodput.tgz, the FlashInfer JIT cache -> $OUT
+# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate).
+set -uo pipefail
+part=${1:?part: kvrelay, vllm, offline or pack}
+out=${OUT:?set OUT}/sg
+mkdir -p "$out"
+rates=${RATES:-4 8 12 16}
+load=(--num-requests "${REQUESTS:-120}" --input-len 3000 --output-len 150 --warmup 2
+  --slo-ttft-ms 1500 --slo-tpot-ms 50 --max-duration 150)
+folder=/tmp/kvrelay-goodput-llama-3.1-8b  # the 8B shape, SmolLM2's tokenizer, no weights
+test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
+write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
+'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
+left() { if [ -n "${DEADLINE:-}" ]; then echo $((DEADLINE - $(date +%s))); else echo 99999; fi; }
+config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
+  case $1 in
+    eager) echo "--local-prefill-chunk-tokens 2048" ;;
+    graphs) echo "--local-prefill-chunk-tokens 2048 --mixed-step-graphs" ;;
+    graphs4k) echo "--local-prefill-chunk-tokens 4096 --mixed-step-graphs" ;;
+    *) echo "unknown config $1" >&2; return 2 ;;
+  esac
+}
+case $part in
+  kvrelay)
+    for config in ${CONFIGS:-graphs eager}; do
+      flags=$(config_flags "$config") || continue
+      if [ "$(left)" -lt "${MIN_LEFT_S:-240}" ]; then echo "kvrelay $config: skipped, $(left) s left"; continue; fi
+      started=$(date +%s)
+      # shellcheck disable=SC2086,SC2206  # rates and flags: several words
+      timeout -k 20 $(( $(left) < 560 ? $(left) - 10 : 550 )) python3 -m bench.serve_bench \
+        --launch --transport http --prefill 1 --decode 1 --worker-niceness 0 \
+        --startup-timeout 300 --rate $rates "${load[@]}" --label "kvrelay $config" \
+        --server-args "--model $folder --load-format dummy --device cuda --gpus-per-worker 0.5 \
+--gpu-memory-utilization ${GPU_UTIL:-0.9} --max-num-seqs 128 --max-model-len 4096 \
+--local-prefill-max-tokens 1000000 $flags" \
+        --json "$out/kvrelay_$config.json" > "$out/kvrelay_$config.txt" 2> "$out/kvrelay_$config.err"
+      echo "kvrelay $config rc=$? in $(( $(date +%s) - started )) s"
+      log=$(ls -t /tmp/serve_bench_server_*.log 2>/dev/null | head -1)
+      [ -n "$log" ] && mv "$log" "$out/kvrelay_$config.server.log"
+      grep -h "KV pool\|ready in" "$out/kvrelay_$config.server.log" "$out/kvrelay_$config.err" 2>/dev/null | cut -c1-300
+    done
+    ;;
+  vllm)
+    # shellcheck disable=SC2086  # the rates: several words
+    timeout -k 20 $(( $(left) < 570 ? $(left) - 10 : 560 )) bench/vllm_serve_peer.sh "$folder" \
+      "$out/vllm" --rate $rates "${load[@]}"
+    grep -h "KV cache\|max_num_batched_tokens\|max_num_seqs" "$out/vllm.server.log" | cut -c1-300 | head -8
+    ;;
+  offline)
+    kv=${OFFLINE_KV_GIB:-$(grep -ho "KV pool [0-9.]* GiB" "$(ls -t "$out"/kvrelay_*.server.log | head -1)" \
+      | awk '{print $3}' | sort -n | head -1)}
+    echo "offline: KV pool ${kv:?no pool size found} GiB"
+    # shellcheck disable=SC2086  # OFFLINE_FLAGS: several words
+    timeout -k 10 $(( $(left) < 300 ? $(left) - 10 : 290 )) python3 -m bench.gpu_engine_bench \
+      --skip compare hf-greedy hf-speed --num-requests "${OFFLINE_REQUESTS:-240}" \
+      --input-len 3000 --output-len 150 --max-num-seqs 128 --max-num-batched-tokens 2176 \
+      --kv-gib "$kv" --time-budget 200 ${OFFLINE_FLAGS:-} --json "$out/offline_3000_150.json" \
+      > "$out/offline_3000_150.txt" 2> "$out/offline_3000_150.err"
+    echo "offline rc=$?"
+    tail -n 6 "$out/offline_3000_150.txt" "$out/offline_3000_150.err"
+    ;;
+  pack)
+    tar czf "$OUT/served_goodput.tgz" -C "$OUT" sg && rm -rf "$out"
+    tar czf "$OUT/flashinfer_cache.tgz" -C ~/.cache flashinfer 2>/dev/null || true
+    ls -l "$OUT"
+    ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
+for f in "$out"/*.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done 2>/dev/null | tail -n 150
