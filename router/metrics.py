@@ -1,14 +1,15 @@
 """RouterMetrics: the router's Prometheus metrics, in a CollectorRegistry of its own per instance.
 
 The front ends record request latencies, token counts, finish reasons and refusals (invalid,
-overloaded, unauthenticated); the cluster backend records KV-transfer time and bytes,
-per-worker load and prefix-index availability through the hooks below. `render()` gives the
+overloaded, unauthenticated); the cluster backend records KV-transfer time and bytes and
+prefix-index availability through the hooks below; each worker's load and handoff figures are
+its own report, asked for at each scrape (WorkerStatsCollector). `render()` gives the
 text exposition for `GET /metrics`.
 """
 
 from __future__ import annotations
 
-import contextlib
+from typing import NamedTuple
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from common.messages import TransferStats, WorkerInfo
+from common.messages import TransferStats
 from router.recent_latency import RecentLatencies
 from router.worker_metrics import WorkerStatsCollector
 
@@ -28,12 +29,16 @@ _LATENCY_BUCKETS = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_LOAD_FIELDS = (
-    "running", "waiting", "free_blocks", "total_blocks", "queued_tokens", "prefill_tok_s",
-    "step_us",
-)  # fmt: skip
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterTotals(NamedTuple):
+    """The router's running totals, for the periodic stats line."""
+
+    num_streamed_tokens: int  # output tokens that reached clients' streams (see totals())
+    num_finished: int  # requests that ended, however
+    num_in_flight: int  # requests running now
 
 
 class RouterMetrics:
@@ -156,19 +161,13 @@ class RouterMetrics:
             "Prefills that reused less than the index promised (the worker re-publishes).",
             registry=r,
         )
-        self.worker_load = Gauge(
-            "kvrelay_worker_load",
-            "A worker's load as last reported (field: running, waiting, free_blocks, ...).",
-            ["worker_id", "role", "field"],
-            registry=r,
-        )
         self.index_available = Gauge(
             "kvrelay_prefix_index_available",
             "1 while the Redis prefix index answers; 0 while routing by load alone.",
             registry=r,
         )
         self.index_available.set(1)
-        # The workers' own figures (KV handoff states and refusals), refreshed per scrape.
+        # The workers' own figures (load, KV handoff states and refusals), refreshed per scrape.
         self.worker_stats = WorkerStatsCollector()
         r.register(self.worker_stats)
 
@@ -204,19 +203,23 @@ class RouterMetrics:
     def observe_migration(self) -> None:
         self.migrations.inc()
 
-    def set_worker_load(self, worker: WorkerInfo) -> None:
-        for name in _LOAD_FIELDS:
-            labels = {"worker_id": worker.worker_id, "role": worker.role, "field": name}
-            self.worker_load.labels(**labels).set(getattr(worker.load, name))
-
-    def remove_worker(self, worker: WorkerInfo) -> None:
-        for name in _LOAD_FIELDS:
-            with contextlib.suppress(KeyError):
-                self.worker_load.remove(worker.worker_id, worker.role, name)
-
     def set_index_available(self, available: bool) -> None:
         self.index_available.set(1 if available else 0)
+
+    def totals(self) -> RouterTotals:
+        """Totals so far. Streamed tokens: one for each request's first output (the TTFT count)
+        plus one for each token after it (the inter-token count), so counted as they stream,
+        not when the request ends (a first output of several tokens counts as one)."""
+        streamed = _sum(self.ttft, "_count") + _sum(self.itl, "_count")
+        finished = _sum(self.requests, "_total")
+        return RouterTotals(int(streamed), int(finished), int(_sum(self.running, "")))
 
     def render(self) -> bytes:
         """Prometheus text exposition of this instance's registry."""
         return generate_latest(self.registry)
+
+
+def _sum(metric: Counter | Gauge | Histogram, suffix: str) -> float:
+    """The sum of a metric's samples named with `suffix` (over all its labels)."""
+    [family] = metric.collect()
+    return sum(s.value for s in family.samples if s.name == family.name + suffix)

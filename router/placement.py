@@ -58,7 +58,7 @@ class Placer:
         if self.index is not None:
             try:
                 view = await self.index.view(role, hashes)
-                self._record_index(True, view.workers)
+                self._record_index(True)
                 if self._index_down_logged:
                     logger.warning("Redis index is back: routing by KV overlap again")
                     self._index_down_logged = False
@@ -69,19 +69,16 @@ class Placer:
                 if workers:
                     return workers, view.overlap
             except IndexUnavailable as e:
-                self._record_index(False, [])
+                self._record_index(False)
                 self.num_index_unavailable += 1
                 if not self._index_down_logged:
                     logger.warning("Redis index unavailable (%s): routing by load alone", e)
                     self._index_down_logged = True
         return [w for w in self.workers.known(role) if w.worker_id not in excluded], None
 
-    def _record_index(self, available: bool, workers: list[WorkerInfo]) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.set_index_available(available)
-        for worker in workers:
-            self.metrics.set_worker_load(worker)
+    def _record_index(self, available: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.set_index_available(available)
 
     # ---- the first placement of a leg ------------------------------------------------------
     async def route(

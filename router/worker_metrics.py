@@ -1,6 +1,7 @@
 """WorkerStatsCollector: the last WorkerStats each worker answered with, exported as Prometheus
-series (KV handoff blocks per state, expired leases, stale releases, refused handshakes,
-stranded blocks, handoff transitions) when the router's /metrics is scraped.
+series (load: running, waiting, free blocks...; KV handoff blocks per state, expired leases,
+stale releases, refused handshakes, stranded blocks, handoff transitions) when the router's
+/metrics is scraped.
 
 The figures are the workers' own: a worker's counters are cumulative in that worker, so they
 are exported as counters labelled by worker; a worker that is gone or did not answer the last
@@ -10,11 +11,15 @@ scrape has no series (a restarted worker starts its counters at 0 under a new wo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import fields
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.cluster_state import WorkerStats
+from common.messages import WorkerLoad
+
+_LOAD_FIELDS = tuple(f.name for f in fields(WorkerLoad))  # running, waiting, free_blocks, ...
 
 # WorkerStats field -> the handoff state its blocks are in (prefill: lease, decode: pull).
 _BLOCK_STATES = {
@@ -91,7 +96,27 @@ class WorkerStatsCollector(Collector):
         for worker_id in set(self._stats) - worker_ids:
             del self._stats[worker_id]
 
+    def last(self) -> dict[str, tuple[str, WorkerStats]]:
+        """Worker id -> (role, its last stats), of the workers that answered the last refresh."""
+        return dict(self._stats)
+
     def collect(self) -> Iterator[Metric]:
+        yield self._load()
+        yield from self._handoff()
+
+    def _load(self) -> Metric:
+        load = GaugeMetricFamily(
+            "kvrelay_worker_load",
+            "A worker's load as it reported it at this scrape (field: running, waiting,"
+            " free_blocks, total_blocks, queued_tokens, prefill_tok_s, step_us).",
+            labels=["worker_id", "role", "field"],
+        )
+        for worker_id, (role, stats) in sorted(self._stats.items()):
+            for name in _LOAD_FIELDS:
+                load.add_metric([worker_id, role, name], getattr(stats.load, name))
+        return load
+
+    def _handoff(self) -> Iterator[Metric]:
         blocks = GaugeMetricFamily(
             "kvrelay_kv_handoff_blocks",
             "Blocks in each KV handoff state (prefill: held, being_read; decode: reserved,"

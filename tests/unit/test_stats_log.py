@@ -1,0 +1,86 @@
+"""The periodic stats line: what it says of an interval, and that it is silent while idle (pure
+functions over samples; the router's totals from a real RouterMetrics)."""
+
+from __future__ import annotations
+
+from common.cluster_state import WorkerState, WorkerStats
+from common.messages import WorkerLoad
+from router.metrics import RouterMetrics, RouterTotals
+from router.stats_log import StatsSample, WorkerSample, is_busy, sample_of, stats_line
+
+IDLE_LOAD = WorkerLoad(free_blocks=100, total_blocks=100)
+
+
+def sample(
+    at_s: float,
+    streamed: int = 0,
+    finished: int = 0,
+    in_flight: int = 0,
+    workers: dict[str, WorkerSample] | None = None,
+) -> StatsSample:
+    workers = workers or {
+        "p0": WorkerSample("prefill", IDLE_LOAD, 0, 0),
+        "d0": WorkerSample("decode", IDLE_LOAD, 0, 0),
+    }
+    return StatsSample(at_s, RouterTotals(streamed, finished, in_flight), workers)
+
+
+def test_a_busy_interval_gives_throughput_requests_and_each_pools_kv_use_and_hits() -> None:
+    before = sample(100.0, streamed=50, finished=3)
+    now = sample(
+        110.0,
+        streamed=250,
+        finished=8,
+        in_flight=2,
+        workers={
+            "p0": WorkerSample("prefill", IDLE_LOAD, 1000, 400),
+            "d0": WorkerSample("decode", WorkerLoad(2, 1, 60, 100), 0, 0),
+            "d1": WorkerSample("decode", WorkerLoad(1, 0, 90, 100), 0, 0),
+        },
+    )
+    assert stats_line(before, now) == (
+        "stats: prompt 100.0 tok/s, generation 20.0 tok/s, 0.50 req/s, in flight 2"
+        " | prefill (1 worker): running 0, waiting 0, KV 0.0%, prefix hits 40%"
+        " | decode (2 workers): running 3, waiting 1, KV 25.0%"
+    )
+
+
+def test_silent_while_idle_and_one_line_after_the_last_busy_interval() -> None:
+    idle = sample(0.0)
+    assert stats_line(idle, sample(10.0)) is None
+    # Traffic ended inside the interval: nothing runs now, but tokens moved -> one last line.
+    assert is_busy(sample(10.0), sample(20.0, streamed=5, finished=1))
+    # Then idle again: the counters did not move and nothing runs or waits.
+    assert not is_busy(sample(20.0, streamed=5, finished=1), sample(30.0, streamed=5, finished=1))
+
+
+def test_busy_when_only_running_or_waiting_requests_or_prefills_moved() -> None:
+    waiting = {"d0": WorkerSample("decode", WorkerLoad(0, 1, 100, 100), 0, 0)}
+    assert is_busy(sample(0.0), sample(10.0, workers=waiting))
+    assert is_busy(sample(0.0), sample(10.0, in_flight=1))
+    prefilled = {"p0": WorkerSample("prefill", IDLE_LOAD, 64, 0)}
+    assert is_busy(sample(0.0, workers=prefilled), sample(10.0, workers=prefilled)) is False
+    assert is_busy(sample(0.0), sample(10.0, workers=prefilled))
+
+
+def test_a_worker_that_joins_counts_from_zero_and_one_that_left_counts_nothing() -> None:
+    before = sample(0.0, workers={"p0": WorkerSample("prefill", IDLE_LOAD, 5000, 5000)})
+    now = sample(10.0, streamed=1, workers={"p1": WorkerSample("prefill", IDLE_LOAD, 100, 50)})
+    line = stats_line(before, now)
+    assert line is not None
+    assert "prompt 10.0 tok/s" in line and "prefix hits 50%" in line
+    assert "decode (0 workers): running 0, waiting 0, KV 0.0%" in line
+
+
+def test_samples_read_the_routers_real_totals_and_the_workers_stats() -> None:
+    metrics = RouterMetrics()
+    metrics.ttft.observe(0.2)  # a first token
+    for _ in range(4):
+        metrics.itl.observe(0.01)  # four more
+    metrics.observe_finished("stop", 10, 0, 5, 1.0)
+    metrics.running.inc()
+    stats = WorkerStats(WorkerState.READY, WorkerLoad(1, 0, 10, 20), num_prompt_tokens=10)
+    metrics.worker_stats.update("p0", "prefill", stats)
+    got = sample_of(1.0, metrics.totals(), metrics.worker_stats.last())
+    assert got.router == RouterTotals(num_streamed_tokens=5, num_finished=1, num_in_flight=1)
+    assert got.workers == {"p0": WorkerSample("prefill", WorkerLoad(1, 0, 10, 20), 10, 0)}
