@@ -1,5 +1,7 @@
-"""Finding the Ray cluster a command talks to: `--address`, else the one a local `kvrelay serve`
-started (it records its Ray address in a small JSON file while it runs). Owns that file."""
+"""Finding the Ray cluster a command talks to: `--address`, else a local `kvrelay serve` (each
+records its name, Ray address and URLs in its own JSON file in the state folder while it runs).
+Owns those files: a serve writes and removes only its own; a dead serve's file is removed by
+whoever finds it."""
 
 from __future__ import annotations
 
@@ -7,63 +9,143 @@ import contextlib
 import json
 import logging
 import os
+import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.cluster_state import NAMESPACE
 
-
-def state_file() -> Path:
-    base = os.environ.get("KVRELAY_STATE_DIR") or f"/tmp/kvrelay-{os.getuid()}"
-    return Path(base) / "serve.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+CHOOSE = "choose one with --name NAME or --address RAY_ADDRESS"
 
 
-def record_local(ray_address: str, http_url: str, grpc_address: str) -> None:
-    """`kvrelay serve` says where its cluster is, for `kvrelay scale|status|router`."""
-    path = state_file()
+@dataclass(frozen=True)
+class LocalServe:
+    """One running `kvrelay serve` on this machine, as its state file says."""
+
+    name: str
+    ray_address: str
+    pid: int
+    started: str  # the process's start time (/proc): a reused pid is not taken for it
+    http: str
+    grpc: str
+
+    def describe(self) -> str:
+        return f"{self.name:<12} http {self.http}  grpc {self.grpc}  (pid {self.pid})"
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("KVRELAY_STATE_DIR") or f"/tmp/kvrelay-{os.getuid()}")
+
+
+def state_file(name: str) -> Path:
+    return state_dir() / f"serve-{name}.json"
+
+
+def check_name(name: str) -> str:
+    """A cluster name usable in a file name; ValueError naming --name otherwise."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"--name {name!r}: use 1-64 letters, digits, '.', '_' or '-', beginning with a "
+            "letter or digit"
+        )
+    return name
+
+
+def check_free(name: str) -> None:
+    """ValueError when a live serve on this machine has this name (before a new one starts)."""
+    for serve in running():
+        if serve.name == name:
+            raise ValueError(
+                f"a `kvrelay serve` named {name!r} already runs on this machine: "
+                f"{serve.describe()}; give this one another --name (or --http-port)"
+            )
+
+
+def record_local(name: str, ray_address: str, http_url: str, grpc_address: str) -> Path:
+    """`kvrelay serve` says where its cluster is, for `kvrelay scale|status|router`. ValueError
+    when a live serve already has this name (a dead one's file is replaced)."""
+    check_name(name)
+    path = state_file(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    info = {"ray_address": ray_address, "pid": os.getpid(), "http": http_url, "grpc": grpc_address}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
+    me = LocalServe(name, ray_address, os.getpid(), _started(os.getpid()), http_url, grpc_address)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(me)))
+    try:
+        for _ in range(3):
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)  # atomic: fails if the name is taken
+                return path
+            other = _read(path)
+            if other is not None and _alive(other):
+                raise ValueError(
+                    f"a `kvrelay serve` named {name!r} already runs on this machine: "
+                    f"{other.describe()}; give this one another --name"
+                )
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a dead serve's (or an unreadable) file
+        raise ValueError(f"could not record this serve in {path}")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def forget_local() -> None:
-    """On exit: remove the file if it is still ours."""
-    path = state_file()
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
+def forget_local(name: str) -> None:
+    """On exit: remove this serve's file if it is still its own."""
+    path = state_file(name)
+    info = _read(path)
+    if info is not None and info.pid == os.getpid():
+        path.unlink(missing_ok=True)
 
 
-def resolve(address: str | None) -> str:
-    """The Ray address to connect to; ValueError saying what to do when there is none."""
+def running() -> list[LocalServe]:
+    """The serves running on this machine, by name; the files of dead ones are removed."""
+    live = []
+    for path in sorted(state_dir().glob("serve-*.json")):
+        info = _read(path)
+        if info is None:
+            continue
+        if _alive(info):
+            live.append(info)
+        else:
+            with contextlib.suppress(OSError):
+                if _read(path) == info:  # not replaced meanwhile by a new serve of that name
+                    path.unlink()
+    return live
+
+
+def resolve(address: str | None, name: str | None = None) -> str:
+    """The Ray address to connect to: `address`, else the local serve named `name`, else the
+    only local serve; ValueError saying what to do when there is none or several."""
     if address:
         return address
-    path = state_file()
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
+    live = running()
+    listing = "".join(f"\n  {serve.describe()}" for serve in live)
+    if name is not None:
+        for serve in live:
+            if serve.name == name:
+                return serve.ray_address
+        running_text = f"; running here:{listing}" if live else ""
+        raise ValueError(f"no local `kvrelay serve` named {name!r}{running_text}")
+    if not live:
         raise ValueError(
-            "no local `kvrelay serve` is running (nothing at "
-            f"{path}); start one, or pass --address of a Ray cluster that runs kvrelay"
-        ) from None
-    if not process_alive(int(info.get("pid", 0))):
-        raise ValueError(
-            f"the local `kvrelay serve` recorded in {path} (pid {info.get('pid')}) has exited; "
-            "start one, or pass --address"
+            f"no local `kvrelay serve` is running (nothing in {state_dir()}); start one, or "
+            "pass --address of a Ray cluster that runs kvrelay"
         )
-    return str(info["ray_address"])
+    if len(live) > 1:
+        raise ValueError(f"{len(live)} `kvrelay serve` run on this machine; {CHOOSE}:{listing}")
+    return live[0].ray_address
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, name: str | None = None) -> None:
     """Join the cluster's Ray as a driver in kvrelay's namespace (quietly)."""
+    target = resolve(address, name)  # refused (none, several) before Ray is imported
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
-        address=resolve(address),
+        address=target,
         namespace=NAMESPACE,
         log_to_driver=False,
         logging_level=logging.WARNING,
@@ -85,3 +167,23 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _alive(serve: LocalServe) -> bool:
+    return process_alive(serve.pid) and _started(serve.pid) == serve.started
+
+
+def _started(pid: int) -> str:
+    """The process's start time in clock ticks since boot ("" where /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _read(path: Path) -> LocalServe | None:
+    try:
+        return LocalServe(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None

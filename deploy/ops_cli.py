@@ -17,8 +17,9 @@ from deploy.router_flags import RouterOptions, add_router_flags, router_options
 
 ADDRESS_HELP = (
     "Ray cluster address (host:port of its GCS, or 'auto'); default: the cluster of the "
-    "`kvrelay serve` running on this machine"
+    "`kvrelay serve` running on this machine (refused when several run: give --name)"
 )
+NAME_HELP = "the local `kvrelay serve` of this --name (its HTTP port when it was given none)"
 
 
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
@@ -27,27 +28,34 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
     p.add_argument("--no-wait", action="store_true", help="return at once")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait (default 1800)")
-    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _add_target(p)
     p.set_defaults(func=scale)
 
     p = sub.add_parser("status", help="the pools, their workers, the routers and Redis")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _add_target(p)
     p.set_defaults(func=status)
 
     p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
-    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _add_target(p)
     add_router_flags(p)
     p.set_defaults(func=router)
 
 
-def _controller(address: str | None):
+def _add_target(p: argparse.ArgumentParser) -> None:
+    """Which cluster: --address of its Ray, or --name of a local serve (default: the only one)."""
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--address", default=None, help=ADDRESS_HELP)
+    target.add_argument("--name", default=None, help=NAME_HELP)
+
+
+def _controller(args: argparse.Namespace):
     from deploy.controller import find_controller
 
-    cluster_address.connect(address)
+    cluster_address.connect(args.address, args.name)
     return find_controller()
 
 
@@ -62,7 +70,7 @@ def scale(args: argparse.Namespace) -> int:
 async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
     from deploy.progress import ScaleFailed, follow
 
-    controller = _controller(args.address)
+    controller = _controller(args)
     before: ClusterStatus = await controller.status.remote(with_stats=False)
     seen = {
         (w.worker_id, i)
@@ -87,7 +95,7 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
 
 # ---- status --------------------------------------------------------------------------------
 def status(args: argparse.Namespace) -> int:
-    controller = _controller(args.address)
+    controller = _controller(args)
 
     async def fetch() -> ClusterStatus:
         return await controller.status.remote()
@@ -147,7 +155,7 @@ def _worker_line(worker: WorkerStatus) -> str:
 def router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = router_options(args)  # a bad key file or certificate: refused before connecting
-    controller = _controller(args.address)
+    controller = _controller(args)
     return asyncio.run(_router(controller, options, args.host, args.http_port, args.grpc_port))
 
 

@@ -14,20 +14,34 @@ from common.cluster_state import RouterStatus
 from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, router_options
-from deploy.serve_flags import spec_from_args
+from deploy.serve_flags import serve_name, spec_from_args
 
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
-    return asyncio.run(_serve(spec, options, args.host, args.http_port, args.grpc_port))
+    name = serve_name(args)
+    if name is not None:
+        cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts
+    return asyncio.run(
+        _serve(
+            spec, options, args.host, args.http_port, args.grpc_port, name, args.log_stats_interval
+        )
+    )
 
 
 async def _serve(
-    spec: ClusterSpec, options: RouterOptions, host: str, http_port: int, grpc_port: int
+    spec: ClusterSpec,
+    options: RouterOptions,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    name: str | None,
+    stats_interval_s: float,
 ) -> int:
     from router.metrics import RouterMetrics
+    from router.stats_log import StatsLog
     from router.tokenizer import RouterTokenizer
 
     stop = asyncio.Event()
@@ -35,7 +49,7 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(spec)
-    servers = None
+    servers = stats_log = recorded = None
     try:
         await cluster.start(progress=_say)
         metrics = RouterMetrics()
@@ -47,17 +61,25 @@ async def _serve(
         await cluster.backend.membership.announce(
             RouterStatus(cluster.backend.router_id, http_url, grpc_address)
         )
-        cluster_address.record_local(_ray_address(), http_url, grpc_address)
+        name = name or str(servers.http.port)
+        cluster_address.record_local(name, _ray_address(), http_url, grpc_address)
+        recorded = name
+        stats_log = StatsLog(metrics, cluster.backend.refresh_metrics, stats_interval_s)
+        stats_log.start()
         _say(f"kvrelay: serving {cluster.model.model_id}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
+        _say(f"  name           {name} (`kvrelay status --name {name}` when several run)")
         for line in [*options.describe(), *placement_lines(spec)]:
             _say(line)
         _say("  `kvrelay status` / `kvrelay scale --decode N` from another shell; Ctrl-C to stop")
         await stop.wait()
         _say("kvrelay: shutting down")
     finally:
-        cluster_address.forget_local()
+        if stats_log is not None:
+            await stats_log.close()
+        if recorded is not None:
+            cluster_address.forget_local(recorded)
         if servers is not None:
             await servers.stop()
         await cluster.close()

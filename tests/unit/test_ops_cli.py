@@ -20,7 +20,6 @@ from common.cluster_state import (
     WorkerStatus,
 )
 from common.messages import WorkerLoad
-from deploy import cluster_address
 from deploy.cli import main
 from deploy.ops_cli import format_status
 
@@ -70,18 +69,3 @@ def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:
     assert as_json["pools"][0]["workers"][0]["stats"]["prefix_hit_rate"] == 0.25
     assert as_json["pools"][1]["workers"][1]["exit_check"]["num_free_blocks"] == 100
     json.dumps(as_json)  # plain JSON types only
-
-
-def test_the_local_cluster_is_found_while_its_serve_runs(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KVRELAY_STATE_DIR", str(tmp_path))
-    with pytest.raises(ValueError, match="no local `kvrelay serve` is running"):
-        cluster_address.resolve(None)
-    assert cluster_address.resolve("10.0.0.1:6379") == "10.0.0.1:6379"
-    cluster_address.record_local("127.0.0.1:6380", "http://x/v1", "x:1")
-    assert cluster_address.resolve(None) == "127.0.0.1:6380"
-    cluster_address.forget_local()
-    assert not (tmp_path / "serve.json").exists()
-    # an address file left by a serve that has exited is not followed
-    (tmp_path / "serve.json").write_text(json.dumps({"ray_address": "a:1", "pid": 2**22 + 7}))
-    with pytest.raises(ValueError, match="has exited"):
-        cluster_address.resolve(None)

@@ -1,0 +1,204 @@
+"""The engine flags of `kvrelay serve` (model, KV cache, scheduler, device, kernels) and the
+EngineConfig every worker's engine gets from them. Holds no state."""
+
+from __future__ import annotations
+
+import argparse
+
+from deploy.speculative_flags import add_speculative_flags, speculative_from_args
+from deploy.worker_launch import check_gpus_per_worker
+from engine.config import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, as a positional argument (as `vllm serve MODEL`) or --model."""
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"model name, .gguf file or HF folder (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL",
+        help="MODEL as a flag (default: the positional MODEL's; given both, they must agree)",
+    )
+
+
+def model_from_args(args: argparse.Namespace) -> str:
+    """The model of MODEL or --model; ValueError when both are given and differ."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ValueError(
+            f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}"
+        )
+    return args.model or args.model_flag or DEFAULT_MODEL
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens a KV block holds (a power of two)"
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV pool size per worker (default: on CUDA what --gpu-memory-utilization leaves after "
+        "the weights, the activation peak and the CUDA graphs; on CPU 1 GiB)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="U",
+        help="the part of each GPU's memory kvrelay's workers on it use together; it sizes the KV "
+        "pool when --kv-cache-gib is not given (default 0.9)",
+    )
+    p.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=0.0,
+        help="a host-memory tier of each worker's prefix cache (pinned on CUDA): blocks evicted "
+        "from the device pool are kept there and copied back on a prefix hit (default 0: none)",
+    )
+    p.add_argument(
+        "--host-leases",
+        action="store_true",
+        help="prefill workers lease the host-tier copies of a prompt's leading blocks to decode "
+        "workers (read from host memory over NIXL) instead of pinning their device blocks, so a "
+        "slow decode pull never holds device memory; needs --host-kv-gib",
+    )
+    p.add_argument(
+        "--partial-reuse-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a prompt that diverges inside a cached block reuses its matching tokens (the block "
+        "is copied) when at least N match; 0: whole blocks only (default: half a block)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="auto: the model's dtype; fp8: e4m3 (half the bytes per token; FlashInfer, CUDA)",
+    )
+    add_speculative_flags(p)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences a worker runs at once (default: 64 for a fixed-size pool, as on CPU; for a "
+        "pool sized by GPU memory one per 1024 tokens it holds, at most 1024)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens a worker computes in one step (prompt chunks and decodes together)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest prompt + output a request may have (default: the model's context)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda when Ray has the GPUs every worker needs, else cpu), cpu, or cuda "
+        "(--gpus-per-worker of a GPU per worker)",
+    )
+    p.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=None,
+        metavar="F",
+        help="CUDA: the part of a GPU each worker gets, 0 < F <= 1 (default 1); a fraction "
+        "shares a card, e.g. 0.5 puts a prefill and a decode worker on one GPU, each with "
+        "F of --gpu-memory-utilization of its memory",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "flashinfer"],
+        help="auto: FlashInfer on CUDA when installed, else torch",
+    )
+    p.add_argument(
+        "--no-cuda-graph", action="store_true", help="run decode eagerly (no CUDA graphs)"
+    )
+    p.add_argument(
+        "--mixed-step-graphs",
+        action="store_true",
+        help="replay steps with prefill chunks from piecewise CUDA graphs (attention eager "
+        "between the pieces; FlashInfer with CUDA graphs only, else ignored)",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="do not schedule a step while the previous one runs on the GPU",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the model's shape (speed runs; config.json is enough)",
+    )
+    p.add_argument(
+        "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
+    )
+
+
+def engine_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Every worker's engine; a bad size or fraction is refused naming its flag."""
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization:g}"
+        )
+    if args.gpus_per_worker is not None:
+        check_gpus_per_worker(args.gpus_per_worker)
+        if args.device == "cpu":
+            raise ValueError("--gpus-per-worker applies to CUDA workers, not --device cpu")
+    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
+    return EngineConfig(
+        model=model_from_args(args),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=kv_bytes,
+            kv_cache_dtype=args.kv_cache_dtype,
+            partial_reuse_min_tokens=args.partial_reuse_min_tokens,
+            host_kv_cache_bytes=int(args.host_kv_gib * (1 << 30)),
+            host_leases=args.host_leases,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+        ),
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        cuda_graph=not args.no_cuda_graph,
+        mixed_step_graphs=args.mixed_step_graphs,
+        async_scheduling=False if args.no_async_scheduling else None,
+        load_format=args.load_format,
+        quantization=quantization_from_flag(args.quantization),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative=speculative_from_args(args),
+    )
