@@ -7,6 +7,7 @@ percentiles, throughput and the prefix hit rate; with --json also PNG plots besi
 `kvrelay serve` process it starts and, with --watch-pools, the pool watcher).
 
     python -m bench.serve_bench --launch --transport http --num-requests 64 --rate 4
+    kvrelay bench --launch --num-requests 64 --rate 4     # the same, from an installed checkout
     python -m bench.serve_bench --launch --num-requests 64 --rate 1 2 4 --json out.json \\
         --slo-ttft-ms 1000 --slo-tpot-ms 50
     python -m bench.serve_bench --url http://127.0.0.1:8000 --workload shared-prefix \\
@@ -184,8 +185,11 @@ def probe_prefixes(
     return probe
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(__doc__).parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """The command line (`prog`: the name its help shows, e.g. "kvrelay bench")."""
+    parser = build_parser(__doc__)
+    parser.prog = prog or parser.prog
+    args = parser.parse_args(argv)
     try:
         check_args(args)
     except ValueError as e:

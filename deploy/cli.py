@@ -1,5 +1,6 @@
 """The `kvrelay` command line (holds no state): `kvrelay generate "prompt"`, `kvrelay serve`,
-and the operator commands `kvrelay scale|status|router|up|down`."""
+`kvrelay bench` (a checkout's bench/serve_bench.py), and the operator commands
+`kvrelay scale|status|router|up|down|plan`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
 
 from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
@@ -84,11 +87,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # Listed here for `kvrelay --help`; main() hands `kvrelay bench ...` to serve_bench whole.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="load a running (or --launch'ed) cluster and report goodput, TTFT, TPOT, "
+        "throughput: bench/serve_bench.py of this checkout, same flags (kvrelay bench --help)",
+    )
+
+
+def bench(argv: Sequence[str]) -> int:
+    """`kvrelay bench ...`: bench/serve_bench.py of the checkout this kvrelay runs from (bench/
+    is not installed: the load generator launches and compares checkouts, so it lives in one)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "serve_bench.py").is_file():
+        print(
+            f"error: kvrelay bench runs bench/serve_bench.py of a kvrelay checkout, and this "
+            f"kvrelay is installed from {root}, which has none; install kvrelay from a "
+            "checkout (pip install -e .) or run python -m bench.serve_bench in one",
+            file=sys.stderr,
+        )
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench import serve_bench
+
+    return serve_bench.main(argv, prog="kvrelay bench")
+
+
+def version() -> str:
+    try:
+        return metadata.version("kvrelay")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     add_serve_parser(sub, serve)
+    _add_bench(sub)
     add_ops_parsers(sub)
     add_up_parser(sub)
     add_down_parser(sub)
@@ -98,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every flag after it is serve_bench's, --help included
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
