@@ -1,5 +1,6 @@
-"""The router flags `kvrelay serve` and `kvrelay router` share (request bound, API keys, TLS) and
-the RouterOptions they become, read and checked before any process starts. Holds no state."""
+"""The router flags `kvrelay serve` and `kvrelay router` share (request bound, body limit, API keys,
+TLS) and the RouterOptions they become, read and checked before any process starts. Holds no
+state."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class RouterOptions:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     api_keys: ApiKeys | None = None  # None: every caller is admitted, cache_salt as sent
     tls: ServerTLS | None = None  # None: plain HTTP and gRPC
+    max_body_mib: float | None = None  # None: derived from the context length (request_size.py)
 
     def build_servers(
         self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
@@ -37,12 +39,15 @@ class RouterOptions:
             metrics,
             max_queued_requests=self.max_queued_requests,
             api_keys=self.api_keys,
+            max_body_mib=self.max_body_mib,
         )
         return RouterServers(frontend, self.tls)
 
     def describe(self) -> list[str]:
         """What `kvrelay serve` / `kvrelay router` print under the addresses."""
         lines = [f"  admission      at most {self.max_queued_requests} requests, then 503"]
+        if self.max_body_mib is not None:
+            lines.append(f"  body limit     {self.max_body_mib:g} MiB, then 413")
         if self.tls is not None:
             lines.append(f"  TLS            {self.tls.cert_file}")
         if self.api_keys is not None:
@@ -60,6 +65,15 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         help="requests this router holds at once, queued or running (default "
         f"{DEFAULT_MAX_QUEUED_REQUESTS}); one more gets HTTP 503 + Retry-After / gRPC "
         "RESOURCE_EXHAUSTED at once",
+    )
+    p.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="the largest request body read, HTTP or gRPC; a larger one gets HTTP 413 / gRPC "
+        "RESOURCE_EXHAUSTED naming the limit (default: 32 bytes a token of context, at least "
+        "4 MiB)",
     )
     p.add_argument(
         "--api-keys",
@@ -80,12 +94,15 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
 def router_options(args: argparse.Namespace) -> RouterOptions:
     """RouterOptions from the flags; ValueError naming the flag (or the key file's line)."""
     from router.access import ApiKeys
+    from router.request_size import check_max_body_mib
     from router.tls import ServerTLS
 
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    check_max_body_mib(args.max_body_mib)
     return RouterOptions(
         max_queued_requests=args.max_queued_requests,
         api_keys=ApiKeys.load(args.api_keys) if args.api_keys else None,
         tls=ServerTLS.load(args.tls_cert, args.tls_key),
+        max_body_mib=args.max_body_mib,
     )

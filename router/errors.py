@@ -1,5 +1,5 @@
-"""Errors the front ends map to protocol statuses (HTTP 400/401/500/503, gRPC INVALID_ARGUMENT,
-UNAUTHENTICATED, INTERNAL, RESOURCE_EXHAUSTED); they hold only their message."""
+"""Errors the front ends map to protocol statuses (HTTP 400/401/413/500/503, gRPC
+INVALID_ARGUMENT, UNAUTHENTICATED, INTERNAL, RESOURCE_EXHAUSTED); they hold only their message."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class BodyTooLarge(ValueError):
+    """A request body over the router's limit (HTTP 413); refused before it is read whole."""
+
+    def __init__(self, max_body_bytes: int, num_bytes: int | None = None):
+        size = "" if num_bytes is None else f" ({num_bytes} bytes)"
+        self.message = (
+            f"the request body{size} is larger than this server's limit of {max_body_bytes} "
+            f"bytes ({max_body_bytes / 2**20:g} MiB, set by --max-body-mib)"
+        )
+        super().__init__(self.message)
 
 
 class BackendError(RuntimeError):

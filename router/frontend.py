@@ -1,7 +1,8 @@
 """Frontend: request handling shared by the HTTP and gRPC servers; owns the set of in-flight
 request ids and, through Admission, the bound on requests held. Checks API keys, validates and
-tokenizes a RequestSpec into a GenerateRequest, then turns the backend's TokenDelta stream into
-text chunks (stop strings applied here), usage and metrics.
+tokenizes a RequestSpec into a GenerateRequest (off the event loop, through its PromptEncoder),
+then turns the backend's TokenDelta stream into text chunks (stop strings applied here), usage
+and metrics.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from common.messages import GenerateRequest, TokenDelta
-from engine.kv_cache.retention import InvalidRetention, RetentionRange, check_ranges
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.kv_cache.retention import InvalidRetention, check_ranges
+from engine.sampling_params import SamplingParams
 from engine.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
@@ -26,6 +27,9 @@ from router.choices import ChoiceTrackers
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, Usage
+from router.prompt_encoder import PromptEncoder
+from router.request_size import max_body_bytes
+from router.request_spec import ChatMessage, Prepared, RequestSpec
 from router.tokenizer import RouterTokenizer
 
 __all__ = [
@@ -42,57 +46,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """A request as a front end parsed it; exactly one of prompt, messages, prompt_token_ids."""
-
-    model: str | None = None  # None or "": the served model
-    prompt: str | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    max_tokens: int | None = None  # None: what fits in the context (or the default cap)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    structured: StructuredOutput | None = None  # a grammar the output follows
-    speculative: bool = True  # False: no speculative decoding for this request
-    cache_salt: str | None = None
-    n: int = 1  # choices sampled from the prompt (computed once)
-    kv_retention: tuple[RetentionRange, ...] = ()  # token ranges kept longer (or shorter)
-    req_id: str | None = None  # None: the front end makes one
-    tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
-
-    @property
-    def input_param(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A validated request ready for the backend, plus what stays in the router."""
-
-    request: GenerateRequest
-    stop: tuple[str, ...]
-    arrival: float  # time.monotonic() when the request arrived
-
-
 class Frontend:
     """Validation, tokenization and output streaming over one Backend."""
 
@@ -105,10 +58,12 @@ class Frontend:
         max_tokens_cap: int | None = None,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         api_keys: ApiKeys | None = None,
+        max_body_mib: float | None = None,
     ):
         """max_tokens_cap: the default max_tokens when a request sets none (None: no cap).
         max_queued_requests: how many requests the router holds at once (parsing, queued or
-        running); one more is refused with Overloaded. api_keys: None admits every caller."""
+        running); one more is refused with Overloaded. api_keys: None admits every caller.
+        max_body_mib: the largest request body read (None: derived from the context length)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
@@ -117,6 +72,9 @@ class Frontend:
         self.max_tokens_cap = max_tokens_cap
         self.api_keys = api_keys
         self.admission = Admission(max_queued_requests, self.metrics)
+        self.max_body_bytes = max_body_bytes(backend.max_model_len, max_body_mib)
+        self.encoder = PromptEncoder(tokenizer, backend.max_model_len)
+        self.created = int(time.time())  # when this router began serving the model (/v1/models)
         self._in_flight: set[str] = set()
 
     # ---- access --------------------------------------------------------------------------
@@ -143,11 +101,12 @@ class Frontend:
         self.metrics.rejected.inc()
         return error
 
-    def prepare(self, spec: RequestSpec, arrival: float | None = None) -> Prepared:
-        """Validate and tokenize; raises InvalidRequest with a message naming the field."""
+    async def prepare(self, spec: RequestSpec, arrival: float | None = None) -> Prepared:
+        """Validate and tokenize (on the encoder's threads); raises InvalidRequest with a message
+        naming the field."""
         arrival = time.monotonic() if arrival is None else arrival
         try:
-            return self._prepare(spec, arrival)
+            return await self._prepare(spec, arrival)
         except InvalidRequest as e:
             raise self.reject(e) from None
 
@@ -160,13 +119,13 @@ class Frontend:
                 "model_not_found",
             )
 
-    def _prepare(self, spec: RequestSpec, arrival: float) -> Prepared:
+    async def _prepare(self, spec: RequestSpec, arrival: float) -> Prepared:
         self.check_model(spec.model)
-        prompt_ids = self._prompt_ids(spec)
+        prompt_ids = await self._prompt_ids(spec)
         max_len = self.backend.max_model_len
+        room = max(1, max_len - len(prompt_ids))
         max_tokens = spec.max_tokens
         if max_tokens is None:
-            room = max(1, max_len - len(prompt_ids))
             max_tokens = min(room, self.max_tokens_cap or room)
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -191,7 +150,9 @@ class Frontend:
         try:
             check_request(prompt_ids, sampling, self.backend.vocab_size, max_len, spec.input_param)
         except InvalidField as e:
-            raise InvalidRequest(e.message, e.field, e.code) from None
+            field = spec.max_tokens_param if e.field == "max_tokens" else e.field
+            raise InvalidRequest(e.message.replace("max_tokens", field), field, e.code) from None
+        _check_room(spec, len(prompt_ids), max_len)
         if sampling.n > self.backend.max_choices:
             raise InvalidRequest(
                 f"n={sampling.n} is not supported by this deployment "
@@ -218,21 +179,18 @@ class Frontend:
             raise RuntimeError("API keys are configured but the request has no tenant")
         return spec.cache_salt
 
-    def _prompt_ids(self, spec: RequestSpec) -> list[int]:
+    async def _prompt_ids(self, spec: RequestSpec) -> list[int]:
         inputs = [spec.prompt, spec.messages, spec.prompt_token_ids]
         if sum(x is not None for x in inputs) != 1:
             raise InvalidRequest("give exactly one of a prompt, chat messages or token ids")
+        if spec.prompt_token_ids is not None:
+            return list(spec.prompt_token_ids)
+        if spec.messages is not None and not spec.messages:
+            raise InvalidRequest("messages must not be empty", "messages")
+        messages = None
         if spec.messages is not None:
-            if not spec.messages:
-                raise InvalidRequest("messages must not be empty", "messages")
             messages = [{"role": m.role, "content": m.content} for m in spec.messages]
-            try:
-                return self.tokenizer.apply_chat_template(messages)
-            except ValueError as e:
-                raise InvalidRequest(str(e), "messages") from None
-        if spec.prompt is not None:
-            return self.tokenizer.encode(spec.prompt)
-        return list(spec.prompt_token_ids or ())
+        return await self.encoder.prompt_ids(spec.prompt, messages)
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
@@ -288,6 +246,21 @@ class Frontend:
 
     def model_ids(self) -> list[str]:
         return [self.model_id]
+
+
+def _check_room(spec: RequestSpec, num_prompt_tokens: int, max_model_len: int) -> None:
+    """max_tokens must fit in what the context leaves after the prompt (refused, never capped)."""
+    room = max_model_len - num_prompt_tokens
+    if spec.max_tokens is not None and spec.max_tokens > room:
+        field = spec.max_tokens_param
+        raise InvalidRequest(
+            f"{field}={spec.max_tokens} is more than the context leaves: this model's context "
+            f"length (max_model_len) is {max_model_len} tokens and the prompt has "
+            f"{num_prompt_tokens} tokens, so at most {room} can be generated; lower {field} "
+            "(or leave it out to generate up to the context length)",
+            field,
+            "context_length_exceeded",
+        )
 
 
 async def _close(stream: AsyncIterator[object]) -> None:

@@ -2,7 +2,8 @@
 reflection beside it, over TLS when given credentials; owns the grpc.aio server. Request state
 lives in the Frontend; a cancelled call aborts its request in the backend. With API keys,
 Generate, ListModels, Tokenize and Detokenize need metadata `authorization: Bearer KEY` (or
-`x-api-key: KEY`); Health, grpc.health.v1 and reflection stay open.
+`x-api-key: KEY`); Health, grpc.health.v1 and reflection stay open. A message over the
+Frontend's body limit is refused by gRPC itself (RESOURCE_EXHAUSTED naming both sizes).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from google.protobuf.message import DecodeError, Message
 
 from engine.kv_cache.retention import RetentionRange
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
-from router.frontend import ChatMessage, Frontend, RequestSpec
+from router.frontend import Frontend
 from router.grpc_health import BackendHealth, add_standard_services
 from router.output import OutputChunk
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
+from router.request_spec import ChatMessage, RequestSpec
 from router.structured_schema import structured_from_proto
 from router.tokenize_api import TokenizeSpec, detokenize, tokenize
 
@@ -132,7 +134,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             frontend.reject(InvalidRequest(request.error))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
-            prepared = frontend.prepare(spec_from_proto(request, tenant))
+            prepared = await frontend.prepare(spec_from_proto(request, tenant))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         req_id = prepared.request.req_id
@@ -189,7 +191,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             else None,
         )
         try:
-            ids = tokenize(self.frontend, spec)
+            ids = await tokenize(self.frontend, spec)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         max_len = self.frontend.backend.max_model_len
@@ -200,7 +202,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
     ) -> pb.DetokenizeResponse:
         await self._authenticate(context)
         try:
-            text = detokenize(self.frontend, request.model or None, list(request.tokens))
+            text = await detokenize(self.frontend, request.model or None, list(request.tokens))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         return pb.DetokenizeResponse(prompt=text)
@@ -262,7 +264,8 @@ class GrpcServer:
     With credentials it serves TLS only."""
 
     def __init__(self, frontend: Frontend, credentials: grpc.ServerCredentials | None = None):
-        self.server = grpc.aio.server()
+        limit = frontend.max_body_bytes
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
         add_servicer(KVRelayServicer(frontend), self.server)
         self.health: BackendHealth = add_standard_services(self.server, frontend.backend)
         self.credentials = credentials

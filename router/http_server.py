@@ -1,16 +1,16 @@
 """OpenAI-compatible HTTP front end (aiohttp): /v1/chat/completions, /v1/completions (SSE when
-stream=true), /v1/models, /tokenize, /detokenize, /health (liveness), /ready, /metrics; HTTPS
-when given an SSL context. Owns the aiohttp app and runner; request state lives in the
-Frontend. With API keys, every path but /health, /ready and /metrics needs
-`Authorization: Bearer KEY` (401 otherwise). A client that disconnects cancels its handler,
-which aborts the request.
+stream=true), /v1/models, /tokenize, /detokenize, /health (liveness), /ready, /metrics,
+/openapi.json; HTTPS when given an SSL context. Owns the aiohttp app and runner; request state
+lives in the Frontend. With API keys, every path but /health, /ready, /metrics and /openapi.json
+needs `Authorization: Bearer KEY` (401 otherwise). A body over the Frontend's limit gets 413. A
+client that disconnects cancels its handler, which aborts the request.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
-import logging
 import ssl
 import time
 import uuid
@@ -21,25 +21,20 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
+from router.errors import BackendError, InvalidRequest, Overloaded
 from router.frontend import Frontend, Prepared
+from router.http_middleware import FRONTEND_KEY, TENANT_KEY, api_keys, body_limit, errors_as_json
+from router.http_middleware import json_response as _json
 from router.metrics import CONTENT_TYPE
 from router.openai_format import ResponseContext, error_body, invalid_body
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, invalid_from_validation
+from router.openapi import openapi_document
 from router.output import OutputChunk, Usage
 from router.readiness import check_readiness
 from router.tokenize_api import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
-logger = logging.getLogger(__name__)
-
-FRONTEND_KEY = web.AppKey("frontend", Frontend)
-TENANT_KEY = web.RequestKey("tenant", str)
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered without an API key
+OPENAPI_KEY = web.AppKey("openapi", dict)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-def _json(body: dict[str, Any], status: int = 200) -> web.Response:
-    return web.json_response(body, status=status, dumps=lambda x: json.dumps(x, ensure_ascii=False))
 
 
 def _bad_request(error: InvalidRequest) -> web.Response:
@@ -49,39 +44,6 @@ def _bad_request(error: InvalidRequest) -> web.Response:
 def _sse(body: dict[str, Any] | str) -> bytes:
     data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure answers in OpenAI's error shape (404s and 405s included)."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return _json(error_body(e.reason, "invalid_request_error", code=e.status), e.status)
-    except Exception:
-        logger.exception("unhandled error serving %s", request.path)
-        return _json(error_body("internal server error", "internal_error"), 500)
-
-
-@web.middleware
-async def _api_keys(request: web.Request, handler: Any) -> web.StreamResponse:
-    """With API keys configured, the key's tenant goes with the request; no key: 401."""
-    frontend = request.app[FRONTEND_KEY]
-    if frontend.api_keys is None or request.path in OPEN_PATHS:
-        return await handler(request)
-    headers = request.headers
-    try:
-        tenant = frontend.authenticate(headers.get("Authorization"), headers.get("x-api-key"))
-    except Unauthenticated as e:
-        body = error_body(e.message, "invalid_request_error", code="invalid_api_key")
-        response = _json(body, 401)
-        response.headers["WWW-Authenticate"] = 'Bearer realm="kvrelay"'
-        return response
-    if tenant is not None:
-        request[TENANT_KEY] = tenant
-    return await handler(request)
 
 
 def _overloaded(error: Overloaded) -> web.Response:
@@ -103,7 +65,7 @@ async def _parse(
         raise frontend.reject(invalid_from_validation(e)) from None
     except InvalidRequest as e:
         raise frontend.reject(e) from None
-    return body, frontend.prepare(spec, arrival)
+    return body, await frontend.prepare(spec, arrival)
 
 
 async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -128,7 +90,7 @@ async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web
         chat=chat,
         tokenizer=frontend.tokenizer,
         want_logprobs=prepared.request.sampling.logprobs,
-        echo_text=_echo_text(body, prepared, frontend),
+        echo_text=await _echo_text(body, prepared, frontend),
         num_choices=prepared.request.sampling.n,
     )
     if body.stream:
@@ -136,7 +98,7 @@ async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web
     return await _collect(frontend, prepared, ctx)
 
 
-def _echo_text(
+async def _echo_text(
     body: ChatCompletionRequest | CompletionRequest, prepared: Prepared, frontend: Frontend
 ) -> str:
     """Completions with echo: the prompt's text (its token ids decoded when sent as ids)."""
@@ -144,7 +106,7 @@ def _echo_text(
         return ""
     text = body.prompt_text()
     if text is None:
-        text = frontend.tokenizer.decode(list(prepared.request.prompt_token_ids))
+        text = await frontend.encoder.decode(prepared.request.prompt_token_ids)
     return text
 
 
@@ -228,7 +190,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND_KEY]
     try:
         body = TokenizeBody.model_validate_json(await request.read())
-        ids = tokenize(frontend, body.to_spec())
+        ids = await tokenize(frontend, body.to_spec())
     except ValidationError as e:
         return _bad_request(frontend.reject(invalid_from_validation(e)))
     except InvalidRequest as e:
@@ -242,7 +204,7 @@ async def detokenize_route(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND_KEY]
     try:
         body = DetokenizeBody.model_validate_json(await request.read())
-        text = detokenize(frontend, body.model, body.tokens)
+        text = await detokenize(frontend, body.model, body.tokens)
     except ValidationError as e:
         return _bad_request(frontend.reject(invalid_from_validation(e)))
     except InvalidRequest as e:
@@ -257,7 +219,7 @@ async def list_models(request: web.Request) -> web.Response:
         {
             "id": model_id,
             "object": "model",
-            "created": 0,
+            "created": frontend.created,
             "owned_by": "kvrelay",
             "max_model_len": backend.max_model_len,
         }
@@ -290,11 +252,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return _json(request.app[OPENAPI_KEY])
+
+
 def build_app(frontend: Frontend) -> web.Application:
     app = web.Application(
-        middlewares=[_errors_as_json, _api_keys], client_max_size=64 * 1024 * 1024
+        middlewares=[errors_as_json, api_keys, body_limit],
+        client_max_size=frontend.max_body_bytes,
     )
     app[FRONTEND_KEY] = frontend
+    app[OPENAPI_KEY] = openapi_document(importlib.metadata.version("kvrelay"))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -303,6 +271,7 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.kv_cache.retention import RetentionRange
 from router.errors import InvalidRequest
-from router.frontend import ChatMessage, RequestSpec
+from router.request_spec import ChatMessage, RequestSpec
 from router.structured_schema import ResponseFormat, structured_output
 
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
@@ -160,13 +160,19 @@ class _CommonRequest(_TopLevelBody):
         return tuple(pairs)
 
     def _spec(
-        self, max_tokens: int | None, logprobs: bool, top_logprobs: int, **prompt: object
+        self,
+        max_tokens: int | None,
+        logprobs: bool,
+        top_logprobs: int,
+        max_tokens_param: str = "max_tokens",
+        **prompt: object,
     ) -> RequestSpec:
         self._check_supported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return RequestSpec(
             model=self.model,
             max_tokens=max_tokens,
+            max_tokens_param=max_tokens_param,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
@@ -204,11 +210,11 @@ class ChatCompletionRequest(_CommonRequest):
 
     def to_spec(self, req_id: str) -> RequestSpec:
         messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
-        max_tokens = self.max_completion_tokens
+        max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
-            max_tokens = self.max_tokens
+            max_tokens, param = self.max_tokens, "max_tokens"
         top = self.top_logprobs or 0
-        return self._spec(max_tokens, self.logprobs, top, messages=messages, req_id=req_id)
+        return self._spec(max_tokens, self.logprobs, top, param, messages=messages, req_id=req_id)
 
 
 class CompletionRequest(_CommonRequest):

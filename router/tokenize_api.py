@@ -1,5 +1,6 @@
 """/tokenize and /detokenize (vLLM's shapes) over the router's tokenizer, shared by the HTTP and
-gRPC front ends; stateless (TokenizeSpec in, token ids or text out).
+gRPC front ends; stateless (TokenizeSpec in, token ids or text out), the work done on the
+Frontend's PromptEncoder threads.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import InvalidRequest
-from router.frontend import ChatMessage, Frontend
+from router.frontend import Frontend
 from router.openai_schema import ChatMessageIn
+from router.request_spec import ChatMessage
 
 
 @dataclass(frozen=True)
@@ -51,35 +53,29 @@ class DetokenizeBody(_Body):
     tokens: list[int] = Field(default_factory=list)
 
 
-def tokenize(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
+async def tokenize(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
     """The token ids the served model would see for spec's prompt or chat; raises
     InvalidRequest naming the field."""
     try:
         frontend.check_model(spec.model)
-        return _token_ids(frontend, spec)
+        return await _token_ids(frontend, spec)
     except InvalidRequest as e:
         raise frontend.reject(e) from None
 
 
-def _token_ids(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
+async def _token_ids(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
     if (spec.prompt is None) == (spec.messages is None):
         raise InvalidRequest("give exactly one of prompt or messages", "prompt")
-    tokenizer = frontend.tokenizer
     if spec.prompt is not None:
         add = True if spec.add_special_tokens is None else spec.add_special_tokens
-        return tokenizer.encode(spec.prompt, add_special_tokens=add)
+        return await frontend.encoder.tokenize(spec.prompt, None, add)
     if not spec.messages:
         raise InvalidRequest("messages must not be empty", "messages")
-    try:
-        text = tokenizer.render_chat(
-            [{"role": m.role, "content": m.content} for m in spec.messages]
-        )
-    except ValueError as e:
-        raise InvalidRequest(str(e), "messages") from None
-    return tokenizer.encode(text, add_special_tokens=bool(spec.add_special_tokens))
+    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+    return await frontend.encoder.tokenize(None, messages, bool(spec.add_special_tokens))
 
 
-def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[int]) -> str:
+async def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[int]) -> str:
     """The text of token_ids, special tokens included (so tokenize/detokenize round-trip);
     raises InvalidRequest naming the field."""
     vocab_size = frontend.tokenizer.vocab_size
@@ -93,4 +89,4 @@ def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[int]) 
             )
     except InvalidRequest as e:
         raise frontend.reject(e) from None
-    return frontend.tokenizer.decode(token_ids, skip_special_tokens=False)
+    return await frontend.encoder.decode(token_ids, skip_special_tokens=False)

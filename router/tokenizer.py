@@ -1,6 +1,8 @@
 """Torch-free tokenizer for the router: RouterTokenizer (tokenizer.json + chat template of one
-checkpoint folder). Per-request text state (IncrementalDetokenizer, StopChecker) is the engine's
-own, re-exported here; those modules import no torch either.
+checkpoint folder). Its encode and decode release the GIL, so they can run on a thread beside
+the router's event loop (router/prompt_encoder.py). Per-request text state
+(IncrementalDetokenizer, StopChecker) is the engine's own, re-exported here; those modules import
+no torch either.
 
 Matches the engine's transformers tokenizer token for token; imports neither torch nor
 transformers, only `tokenizers` and `jinja2`.
@@ -23,6 +25,7 @@ from tokenizers import Tokenizer
 
 from engine.stop_checker import StopChecker
 from engine.tokenizer import IncrementalDetokenizer
+from router.token_bound import TokenBound
 
 __all__ = ["IncrementalDetokenizer", "RouterTokenizer", "StopChecker"]
 
@@ -107,6 +110,7 @@ class RouterTokenizer:
         self._template = compile_chat_template(source) if source else None
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(folder))
+        self.bound = TokenBound.of(self._tok)
 
     def _eos_ids(self, folder: Path) -> set[int]:
         ids: set[int] = set()
@@ -123,7 +127,13 @@ class RouterTokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt
+        # tokenized on a worker thread leaves the event loop running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_num_tokens(self, text: str) -> int:
+        """At least how many tokens text encodes to (a proved bound; 0 when none is proved)."""
+        return self.bound.min_num_tokens(text)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """Chat messages -> prompt text ending with the assistant turn's opening."""
@@ -142,4 +152,5 @@ class RouterTokenizer:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = [list(token_ids)]
+        return self._tok.decode_batch(ids, skip_special_tokens=skip_special_tokens)[0]

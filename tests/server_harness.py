@@ -1,6 +1,7 @@
 """ServerHarness: the router's HTTP and gRPC servers over an EngineBackend (optionally behind a
 HeldBackend), on 127.0.0.1 free ports, served by an event loop on a background thread (so tests
-can use blocking clients); with API keys, a request bound or TLS when asked.
+can use blocking clients); with API keys, a request bound, a body limit, TLS or a tokenizer of
+the test's own when asked.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class ServerHarness(LoopThread):
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         api_keys: ApiKeys | None = None,
         tls: ServerTLS | None = None,
+        tokenizer: RouterTokenizer | None = None,
+        max_body_mib: float | None = None,
     ):
         super().__init__()
         self.engine = engine
@@ -79,10 +82,11 @@ class ServerHarness(LoopThread):
         self.metrics = RouterMetrics()
         self.frontend = Frontend(
             self.held or self.backend,
-            RouterTokenizer(checkpoint),
+            tokenizer or RouterTokenizer(checkpoint),
             self.metrics,
             max_queued_requests=max_queued_requests,
             api_keys=api_keys,
+            max_body_mib=max_body_mib,
         )
         self.run(self._start(tls))
 

@@ -268,7 +268,7 @@ def test_http_client_disconnect_mid_stream_aborts_the_request(served: Served) ->
     stream = served.client().chat.completions.create(
         model=served.model,
         messages=CHAT,
-        max_tokens=MAX_MODEL_LEN,
+        max_tokens=MAX_MODEL_LEN // 2,  # long enough to be cut; the prompt leaves room
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -283,7 +283,7 @@ def test_http_client_disconnect_mid_stream_aborts_the_request(served: Served) ->
 
 
 def test_grpc_cancel_aborts_the_request(served: Served) -> None:
-    sampling = pb.SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True)
+    sampling = pb.SamplingParams(max_tokens=MAX_MODEL_LEN // 2, ignore_eos=True)
     request = pb.GenerateRequest(request_id="grpc-cancel", prompt=PROMPT, sampling=sampling)
     with grpc.insecure_channel(served.harness.grpc_target) as channel:
         call = served.stub(channel).Generate(request, timeout=60)
@@ -296,7 +296,7 @@ def test_grpc_cancel_aborts_the_request(served: Served) -> None:
 def test_http_client_gone_during_a_non_streaming_request_aborts_it(served: Served) -> None:
     backend = served.harness.backend
     started, aborted_before = backend.num_started, set(backend.aborted)
-    body = json.dumps({**CHAT_BODY, "max_tokens": MAX_MODEL_LEN, "ignore_eos": True}).encode()
+    body = json.dumps({**CHAT_BODY, "max_tokens": MAX_MODEL_LEN // 2, "ignore_eos": True}).encode()
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
     with socket.create_connection(("127.0.0.1", served.harness.servers.http.port)) as sock:
         sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + body)

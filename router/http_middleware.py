@@ -1,0 +1,80 @@
+"""The HTTP front end's aiohttp middlewares and app keys: every failure in OpenAI's error shape,
+the body limit (413 naming it, before the body is read), API keys (the tenant goes with the
+request); hold no state beyond the app's Frontend."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from router.errors import BodyTooLarge, Unauthenticated
+from router.frontend import Frontend
+from router.openai_format import error_body
+
+logger = logging.getLogger(__name__)
+
+FRONTEND_KEY = web.AppKey("frontend", Frontend)
+TENANT_KEY = web.RequestKey("tenant", str)
+# Answered without an API key: probes, metrics and the API's description.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+
+
+def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=lambda x: json.dumps(x, ensure_ascii=False))
+
+
+def too_large(error: BodyTooLarge) -> web.Response:
+    body = error_body(error.message, "invalid_request_error", code="request_too_large")
+    return json_response(body, 413)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure answers in OpenAI's error shape (404s and 405s included)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_response(error_body(e.reason, "invalid_request_error", code=e.status), e.status)
+    except Exception:
+        logger.exception("unhandled error serving %s", request.path)
+        return json_response(error_body("internal server error", "internal_error"), 500)
+
+
+@web.middleware
+async def body_limit(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A body over the limit gets 413 naming it: at once when Content-Length says so, else when
+    reading passes the limit (aiohttp's client_max_size, set to the same number)."""
+    frontend = request.app[FRONTEND_KEY]
+    limit = frontend.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        frontend.metrics.rejected.inc()
+        return too_large(BodyTooLarge(limit, request.content_length))
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        frontend.metrics.rejected.inc()
+        return too_large(BodyTooLarge(limit))
+
+
+@web.middleware
+async def api_keys(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With API keys configured, the key's tenant goes with the request; no key: 401."""
+    frontend = request.app[FRONTEND_KEY]
+    if frontend.api_keys is None or request.path in OPEN_PATHS:
+        return await handler(request)
+    headers = request.headers
+    try:
+        tenant = frontend.authenticate(headers.get("Authorization"), headers.get("x-api-key"))
+    except Unauthenticated as e:
+        body = error_body(e.message, "invalid_request_error", code="invalid_api_key")
+        response = json_response(body, 401)
+        response.headers["WWW-Authenticate"] = 'Bearer realm="kvrelay"'
+        return response
+    if tenant is not None:
+        request[TENANT_KEY] = tenant
+    return await handler(request)
