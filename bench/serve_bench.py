@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> Outcome:
         with watching(args, None) as watch:
             return run_all(args, args.url, args.target, lambda: args.redis_url, watch)
     with contextlib.ExitStack() as stack:
-        state_dir = None  # --watch-pools: a serve.json of its own, found whatever else runs
+        state_dir = None  # --watch-pools: a state folder of its own, found whatever else runs
         if args.watch_pools:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory("serve_bench")))
         server = LaunchedServer(
