@@ -56,10 +56,7 @@ def check_free(name: str) -> None:
     """ValueError when a live serve on this machine has this name (before a new one starts)."""
     for serve in running():
         if serve.name == name:
-            raise ValueError(
-                f"a `kvrelay serve` named {name!r} already runs on this machine: "
-                f"{serve.describe()}; give this one another --name (or --http-port)"
-            )
+            raise _taken(serve)
 
 
 def record_local(name: str, ray_address: str, http_url: str, grpc_address: str) -> Path:
@@ -78,10 +75,7 @@ def record_local(name: str, ray_address: str, http_url: str, grpc_address: str) 
                 return path
             other = _read(path)
             if other is not None and _alive(other):
-                raise ValueError(
-                    f"a `kvrelay serve` named {name!r} already runs on this machine: "
-                    f"{other.describe()}; give this one another --name"
-                )
+                raise _taken(other)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a dead serve's (or an unreadable) file
         raise ValueError(f"could not record this serve in {path}")
@@ -167,6 +161,13 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _taken(serve: LocalServe) -> ValueError:
+    return ValueError(
+        f"a `kvrelay serve` named {serve.name!r} already runs on this machine: "
+        f"{serve.describe()}; give this one another --name (or --http-port)"
+    )
 
 
 def _alive(serve: LocalServe) -> bool:

@@ -1,5 +1,6 @@
-"""`kvrelay serve`'s flags and the checked configuration they become (ClusterSpec, EngineConfig,
-SLO targets, autoscale bounds), read before any process starts. Holds no state."""
+"""`kvrelay serve`'s flags and the checked configuration they become (the ClusterSpec, with the
+engine's from engine_flags.py; SLO targets, autoscale bounds, the cluster's local name), read
+before any process starts. Holds no state."""
 
 from __future__ import annotations
 
