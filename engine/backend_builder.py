@@ -33,7 +33,8 @@ from engine.memory_budget import (
     profile_num_seqs,
 )
 from engine.mixed_step_graphs import MixedStepGraphs
-from engine.sampler import Sampler, SampleRow
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")

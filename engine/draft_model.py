@@ -10,7 +10,8 @@ then K - 1 decode steps, batched over the requests.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.request import Request
@@ -19,7 +20,53 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from torch import nn
 
-    from engine.engine import Engine
+    from engine.config import ModelConfig
+    from engine.step_types import RequestOutput
+
+
+class DraftEngine(Protocol):
+    """What a draft model asks of the engine that runs it (an engine.engine.Engine)."""
+
+    model_config: ModelConfig
+
+    def add_request(
+        self, req_id: str, prompt: Sequence[int], params: SamplingParams
+    ) -> Request: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    @property
+    def has_unfinished_requests(self) -> bool: ...
+
+
+# Builds the draft engine from its config and the weights it shares (Engine itself).
+EngineFactory = Callable[[EngineConfig, "nn.Module | None"], DraftEngine]
+
+
+def draft_engine_config(target: EngineConfig, max_model_len: int, shares: bool) -> EngineConfig:
+    """The draft engine's config: the target's block size, device, dtype and seed, the draft
+    checkpoint, its own small pool, no graphs, no overlap, no speculation of its own."""
+    spec = target.speculative
+    assert spec.draft_model is not None
+    return EngineConfig(
+        model=spec.draft_model,
+        cache=CacheConfig(
+            block_size=target.cache.block_size,
+            kv_cache_memory_bytes=spec.draft_kv_cache_bytes,
+            partial_reuse_min_tokens=0,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=spec.max_batch,
+            max_model_len=max_model_len if shares else None,
+        ),
+        device=target.device,
+        dtype=target.dtype,
+        cuda_graph=False,
+        async_scheduling=False,
+        load_format=target.load_format,
+        seed=target.seed,
+        speculative=SpeculativeConfig(),
+    )
 
 
 class DraftModel:
@@ -28,39 +75,19 @@ class DraftModel:
         target: EngineConfig,
         vocab_size: int,
         max_model_len: int,
+        make_engine: EngineFactory,
         shared: nn.Module | None = None,
     ):
         """target: the target engine's config (its speculative.draft_model names the draft)
         and vocabulary size, and its max_model_len (the draft's, when it shares the weights);
-        shared: the target's own weights, when it drafts for itself."""
-        from engine.engine import Engine  # the draft engine is an Engine (no import cycle)
-
-        spec = target.speculative
-        assert spec.draft_model is not None
-        config = EngineConfig(
-            model=spec.draft_model,
-            cache=CacheConfig(
-                block_size=target.cache.block_size,
-                kv_cache_memory_bytes=spec.draft_kv_cache_bytes,
-                partial_reuse_min_tokens=0,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=spec.max_batch,
-                max_model_len=None if shared is None else max_model_len,
-            ),
-            device=target.device,
-            dtype=target.dtype,
-            cuda_graph=False,
-            async_scheduling=False,
-            load_format=target.load_format,
-            seed=target.seed,
-            speculative=SpeculativeConfig(),
-        )
-        self.engine: Engine = Engine(config, model=shared)
+        make_engine: builds the draft engine; shared: the target's own weights, when it
+        drafts for itself."""
+        config = draft_engine_config(target, max_model_len, shared is not None)
+        self.engine = make_engine(config, shared)
         draft_vocab = self.engine.model_config.vocab_size
         if draft_vocab != vocab_size:
             raise ValueError(
-                f"the draft model {spec.draft_model!r} has a vocabulary of {draft_vocab} tokens, "
+                f"the draft model {config.model!r} has a vocabulary of {draft_vocab} tokens, "
                 f"the target {vocab_size}: a draft model must share the target's tokenizer"
             )
 

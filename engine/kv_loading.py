@@ -62,11 +62,12 @@ class RemoteKVLoader:
         req.num_computed_tokens = 0
         self.scheduler.readmit(req)
 
-    def abort(self, req_id: str) -> bool:
+    def abort(self, req_id: str) -> Request | None:
+        """Free the blocks of req_id if it is loading; returns it (None: it was not)."""
         req = self.loading.pop(req_id, None)
         if req is None:
-            return False
+            return None
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = FinishReason.ABORT
-        return True
+        return req

@@ -55,10 +55,18 @@ def default_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF_FILE
 
 
+def _names_default(model: str) -> bool:
+    return model.lower() in (
+        "default",
+        DEFAULT_MODEL.lower(),
+        f"huggingfacetb/{DEFAULT_MODEL}".lower(),
+    )
+
+
 def resolve_model(name_or_path: str | os.PathLike, progress: Progress = _stderr) -> Path:
     """Return an HF checkpoint folder for a model name, a GGUF file or a folder."""
     text = str(name_or_path)
-    if text.lower() in ("default", DEFAULT_MODEL.lower(), f"huggingfacetb/{DEFAULT_MODEL}".lower()):
+    if _names_default(text):
         return convert_gguf(default_gguf_path(), progress)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -69,6 +77,14 @@ def resolve_model(name_or_path: str | os.PathLike, progress: Progress = _stderr)
         f"model {text!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
         "nor a folder with config.json and *.safetensors"
     )
+
+
+def served_model_id(model: str) -> str:
+    """The id a model is served under: the default model's name, a GGUF file's stem, or the
+    checkpoint folder's name."""
+    if _names_default(model):
+        return DEFAULT_MODEL
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
 
 
 def _file_digest(path: Path) -> str:

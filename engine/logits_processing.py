@@ -6,14 +6,11 @@ is stated in engine/sampling_params.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.host_tensors import index_tensor, to_device
-
-if TYPE_CHECKING:
-    from engine.sampler import SampleRow
+from engine.sample_row import SampleRow
 
 
 def needs_processing(row: SampleRow) -> bool:

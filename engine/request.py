@@ -1,15 +1,22 @@
 """Request: one sequence's tokens, pending-token count, progress (num_computed_tokens), block
-hashes and status."""
+hashes and status, and what it decodes with: its seeded generator, stop checker and grammar
+matcher (set by engine/output_processor.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
+from engine.stop_checker import StopChecker
+
+if TYPE_CHECKING:  # torch-free at run time
+    import torch
+    import xgrammar as xgr
 
 
 class RequestStatus(enum.Enum):
@@ -67,8 +74,9 @@ class Request:
     num_pending_tokens: int = 0  # sampled by a step in flight; their ids are on the device
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Prompt tokens found in the prefix cache at first admission; written by the scheduler only.
-    num_cached_tokens: int = -1
+    # Prompt tokens found in the prefix cache at first admission (None until then); written by
+    # the scheduler only.
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Speculative decoding: tokens drafted for the next step (verified there, none is real yet)
@@ -82,6 +90,11 @@ class Request:
     draft_again_at: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # While the engine decodes it (OutputProcessor.start .. release): a seeded request's own
+    # generator, its text and stop strings, its grammar's matcher (structured outputs).
+    generator: torch.Generator | None = None
+    stop_checker: StopChecker | None = None
+    grammar: xgr.GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

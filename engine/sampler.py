@@ -9,7 +9,6 @@ worker draws the first, a decode worker the rest; a migrated request resumes on 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,23 +16,12 @@ import torch
 
 from engine.host_tensors import index_tensor, to_device
 from engine.logits_processing import needs_processing, process_logits
-from engine.sampling_params import SamplingParams
+from engine.sample_row import SampleRow
 
 if TYPE_CHECKING:
     from engine.structured import TokenBitmask
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    params: SamplingParams
-    generator: torch.Generator | None  # the request's own (seeded) generator, if it has a seed
-    position: int = 0  # where the sampled token goes in the sequence (prompt + output so far)
-    # Penalties only: every real token so far (prompt + output; no pending one), and how many
-    # of them are prompt (the rest count as output for presence / frequency).
-    token_ids: Sequence[int] = ()
-    num_prompt_tokens: int = 0
 
 
 _MASK_63 = (1 << 63) - 1

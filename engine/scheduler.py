@@ -129,7 +129,7 @@ class Scheduler:
             if not self.kv.can_allocate(req, num_new, match):
                 break
             self.kv.allocate(req, num_new, match)
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens is None:
                 req.num_cached_tokens = match.num_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -13,16 +13,17 @@ the target's; greedy output is the same as without speculation, token for token.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from torch import nn
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.draft_model import DraftModel
+from engine.draft_model import DraftModel, EngineFactory
 from engine.kv_cache.manager import KVCacheManager
 from engine.loader import resolve_model
 from engine.request import Request
 from engine.speculation_cost import CostGuard
-from engine.step_types import RequestOutput, merged
+from engine.step_types import RequestOutput
 
 AppendToken = Callable[[Request, int, float | None], RequestOutput]
 MAX_MISS_PAUSE = 32  # tokens a request that keeps missing decodes plainly between tries
@@ -180,13 +181,27 @@ class Speculator:
         return output
 
 
+def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two of one request's steps' worth of tokens (a verify step's several
+    tokens; no logprobs: a speculating request returns none)."""
+    return replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+    )
+
+
 def drafter(
-    config: EngineConfig, model: nn.Module, vocab_size: int, max_model_len: int
+    config: EngineConfig,
+    model: nn.Module,
+    vocab_size: int,
+    max_model_len: int,
+    make_engine: EngineFactory,
 ) -> DraftModel | None:
     """The draft model a target engine's config asks for (its own weights if it names the same
-    checkpoint), or None."""
+    checkpoint), run by an engine make_engine builds; or None."""
     spec = config.speculative
     if spec.method != "draft" or spec.draft_model is None:
         return None
     same = resolve_model(spec.draft_model) == resolve_model(config.model)
-    return DraftModel(config, vocab_size, max_model_len, shared=model if same else None)
+    return DraftModel(config, vocab_size, max_model_len, make_engine, model if same else None)

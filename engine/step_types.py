@@ -1,22 +1,19 @@
-"""The values an Engine step deals in (RequestOutput, InFlightStep, EngineStats) and the small
-pure helpers around them: which tokenizer a checkpoint ships, the id a model is served under,
-a resumed leg's token count, top logprobs onto an output. Owns no state.
+"""The values an Engine step deals in: RequestOutput (what a step produced for a request),
+InFlightStep (a step queued on the device), EngineStats (step counters) and EngineSnapshot (load
+and leak counts). Types only; owns no state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from engine.loader import DEFAULT_MODEL
 from engine.request import Request
-from engine.sampler import PendingSample, SampleResult, TopLogprobs
+from engine.sampler import PendingSample, TopLogprobs
 from engine.scheduler import SchedulerOutput
 from engine.step_rate import StepRate
-from engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -62,61 +59,15 @@ class EngineStats:
     rate: StepRate = field(default_factory=StepRate)  # recent step times and token rate
 
 
-def find_tokenizer(folder: Path) -> Tokenizer | None:
-    """The checkpoint's tokenizer; None when it ships none (token-id requests only)."""
-    has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
-    return Tokenizer(folder) if has_tokenizer else None
+class EngineSnapshot(NamedTuple):
+    """An engine's load and leak counts between two steps (Engine.snapshot)."""
 
-
-def stop_token_ids(model_eos_ids: Iterable[int], tokenizer: Tokenizer | None) -> set[int]:
-    """The ids that end a request (unless ignore_eos): the model config's and the tokenizer's."""
-    ids = set(model_eos_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def served_model_id(model: str) -> str:
-    if model.lower() in (
-        "default",
-        DEFAULT_MODEL.lower(),
-        f"huggingfacetb/{DEFAULT_MODEL}".lower(),
-    ):
-        return DEFAULT_MODEL
-    return Path(model).stem if model.endswith(".gguf") else Path(model).name
-
-
-def resumed_tokens(num_resumed_tokens: int, num_prompt_tokens: int) -> int:
-    """A migrated leg's count of prompt tokens that are an earlier leg's output (checked)."""
-    if not 0 <= num_resumed_tokens < num_prompt_tokens:
-        raise ValueError(
-            f"num_resumed_tokens must be in [0, {num_prompt_tokens}), got {num_resumed_tokens}"
-        )
-    return num_resumed_tokens
-
-
-def with_top_logprobs(
-    output: RequestOutput, result: SampleResult, row: int, k: int
-) -> RequestOutput:
-    """output with row's k most likely tokens attached (unchanged when none were asked)."""
-    if not k or result.top_logprobs is None:
-        return output
-    return replace(output, new_top_logprobs=[result.top_logprobs[row][:k]])
-
-
-def merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two of one request's steps' worth of tokens (a verify step's several
-    tokens; no logprobs: a speculating request returns none)."""
-    return replace(
-        later,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text,
-    )
-
-
-def row_offsets(reqs: list[Request]) -> list[int]:
-    """Each sampling row's place among its request's rows (a request's rows are adjacent)."""
-    offsets: list[int] = []
-    for i, req in enumerate(reqs):
-        offsets.append(offsets[-1] + 1 if i and reqs[i - 1] is req else 0)
-    return offsets
+    num_running: int
+    num_waiting: int  # queued, or (decode role) loading their prompt's KV
+    num_requests: int  # known to the engine: queued, running or loading (0 once drained)
+    num_free_blocks: int
+    num_total_blocks: int
+    num_queued_tokens: int  # known tokens of queued and running requests not computed yet
+    num_held_requests: int  # prefill role: finished requests whose blocks are leased
+    tokens_per_s: float  # tokens computed per second of recent steps (0: not measured yet)
+    step_s: float  # mean wall time of a recent step (0: not measured yet)

@@ -1,5 +1,6 @@
-"""Structured outputs: owns the grammar compiler and its cache of compiled grammars (by kind and
-spec), and each request's GrammarMatcher (by req_id), advanced on every accepted token.
+"""Structured outputs: owns the grammar compiler, its cache of compiled grammars (by kind and
+spec) and the count of live matchers; each request's GrammarMatcher lives on its Request and is
+advanced on every accepted token.
 
 Grammars come from xgrammar. A step's token bitmask is filled on the host for the rows with a
 grammar (batched over threads), then applied to the logits on the device before sampling.
@@ -85,58 +86,44 @@ class GrammarCompiler:
 
 
 class Grammars:
-    """The live GrammarMatcher of each request with a grammar.
+    """Starts and releases the GrammarMatcher of each request with a grammar (kept on the
+    Request; advance() moves it on), and fills a step's bitmask from them.
 
-    Invariant: a request's matcher has accepted exactly its output tokens so far (those a
+    Invariants: a request's matcher has accepted exactly its output tokens so far (those a
     continuation's prompt carries, then each one appended), so the next bitmask is the grammar
-    state after them. The engine never runs a step ahead of a request with a grammar.
+    state after them; num_active counts the requests holding a matcher. The engine never runs
+    a step ahead of a request with a grammar.
     """
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self.vocab_size = compiler.vocab_size
-        self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        self.num_active = 0
         self._batch = xgr.BatchGrammarMatcher(max_threads=2)
 
-    @property
-    def num_active(self) -> int:
-        return len(self._matchers)
-
-    def start(self, req_id: str, spec: StructuredOutput, output_token_ids: Sequence[int]) -> None:
-        """Build req_id's matcher and replay the output tokens so far into it (a decode worker's
+    def start(self, req: Request, spec: StructuredOutput, output_token_ids: Sequence[int]) -> None:
+        """Give req its matcher and replay the output tokens so far into it (a decode worker's
         handoff: the first token; a migrated request: every token already sent)."""
         matcher = xgr.GrammarMatcher(self.compiler.compile(spec))
         replay(matcher, output_token_ids)
-        self._matchers[req_id] = matcher
+        req.grammar = matcher
+        self.num_active += 1
 
-    def has(self, req_id: str) -> bool:
-        return req_id in self._matchers
-
-    def advance(self, req_id: str, token_id: int) -> bool:
-        """Advance req_id's matcher (if it has one) by an appended token. True: the grammar is
-        done (it accepted a stop token), or it refused the token (which its mask forbade);
-        either way the request stops."""
-        matcher = self._matchers.get(req_id)
-        if matcher is None:
-            return False
-        if not matcher.accept_token(token_id):
-            logger.warning("request %s: token %d breaks its grammar; stopping it", req_id, token_id)
-            return True
-        return matcher.is_terminated()
-
-    def forget(self, req_id: str) -> None:
-        self._matchers.pop(req_id, None)
+    def release(self, req: Request) -> None:
+        if req.grammar is not None:
+            req.grammar = None
+            self.num_active -= 1
 
     def bitmask(self, reqs: Sequence[Request]) -> TokenBitmask | None:
         """The next-token bitmask of a step's sampling rows (host, int32 [rows, vocab/32]);
         None when no row has a grammar. Rows without one allow every token."""
-        if not self._matchers:
+        if not self.num_active:
             return None
-        rows = [i for i, req in enumerate(reqs) if req.req_id in self._matchers]
+        rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
         if not rows:
             return None
         mask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
-        matchers = [self._matchers[reqs[i].req_id] for i in rows]
+        matchers = [reqs[i].grammar for i in rows]
         self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
         return TokenBitmask(mask, rows)
 
@@ -160,6 +147,18 @@ class TokenBitmask:
 def new_grammars(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> Grammars:
     """An engine's grammars: vocab_size is the logits' width, stop_token_ids its EOS ids."""
     return Grammars(GrammarCompiler(tokenizer, vocab_size, stop_token_ids))
+
+
+def advance(req: Request, token_id: int) -> bool:
+    """Advance req's matcher (it has one) by an appended token. True: the grammar is done (it
+    accepted a stop token), or it refused the token (which its mask forbade); either way the
+    request stops."""
+    matcher = req.grammar
+    assert matcher is not None
+    if not matcher.accept_token(token_id):
+        logger.warning("request %s: token %d breaks its grammar; stopping it", req.req_id, token_id)
+        return True
+    return matcher.is_terminated()
 
 
 def replay(matcher: xgr.GrammarMatcher, token_ids: Sequence[int]) -> None:

@@ -1,4 +1,5 @@
-"""Tokenizer (HF tokenizer + chat template); IncrementalDetokenizer (one request's text state).
+"""Tokenizer (HF tokenizer + chat template), the checkpoint's tokenizer and stop ids;
+IncrementalDetokenizer (one request's text state).
 
 Importing this module is torch-free (transformers loads only when a Tokenizer is built), so the
 router shares IncrementalDetokenizer with the engine.
@@ -6,7 +7,7 @@ router shares IncrementalDetokenizer with the engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +17,20 @@ class Decoder(Protocol):
 
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def find_tokenizer(folder: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None when it ships none (token-id requests only)."""
+    has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+    return Tokenizer(folder) if has_tokenizer else None
+
+
+def stop_token_ids(model_eos_ids: Iterable[int], tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end a request (unless ignore_eos): the model config's and the tokenizer's."""
+    ids = set(model_eos_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 class Tokenizer:

@@ -184,3 +184,12 @@ def check_structured(params: SamplingParams) -> None:
             raise InvalidField(f"{field}: the schema is not valid JSON ({e})", field) from None
         if not isinstance(schema, dict):
             raise InvalidField(f"{field}: the schema must be a JSON object", field)
+
+
+def resumed_tokens(num_resumed_tokens: int, num_prompt_tokens: int) -> int:
+    """A migrated leg's count of prompt tokens that are an earlier leg's output (checked)."""
+    if not 0 <= num_resumed_tokens < num_prompt_tokens:
+        raise ValueError(
+            f"num_resumed_tokens must be in [0, {num_prompt_tokens}), got {num_resumed_tokens}"
+        )
+    return num_resumed_tokens

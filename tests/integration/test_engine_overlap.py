@@ -92,7 +92,7 @@ def test_abort_while_a_step_runs_ahead(make_engine, tokenizer):
     for _ in range(4):
         for out in engine.step():
             got[out.req_id].extend(out.new_token_ids)
-    assert engine._in_flight is not None  # a step is queued ahead of what step() returned
+    assert engine.run_ahead.in_flight is not None  # a step is queued ahead of what step() returned
     assert engine.abort("r0")
     engine.check_integrity()
     for req_id, tokens in run_to_completion(engine).items():

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from engine.sampler import Sampler, SampleRow
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 
 

@@ -9,7 +9,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from common.messages import GenerateRequest
 from engine.logits_processing import process_logits, token_counts
-from engine.sampler import Sampler, SampleRow
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.validation import InvalidField, check_sampling
 from router.cluster_backend import _continuation

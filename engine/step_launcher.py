@@ -1,0 +1,82 @@
+"""StepLauncher: queues one step on the device (the KV copies it reads, the forward pass, the
+grammars' bitmask and sampling) and returns it in flight; keeps the logits row each n > 1 request
+forks its choices from. Owns no state but the step counters it adds to.
+"""
+
+from __future__ import annotations
+
+from engine.block_copies import BlockCopies
+from engine.fork import ChoiceForks
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sample_row import sample_row
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import Speculator
+from engine.step_inputs import TokenFill
+from engine.step_types import EngineStats, InFlightStep
+from engine.structured import Grammars
+
+
+class StepLauncher:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        copies: BlockCopies,
+        speculator: Speculator,
+        forks: ChoiceForks,
+        grammars: Grammars | None,
+        stats: EngineStats,
+    ):
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.runner = runner
+        self.sampler = sampler
+        self.copies = copies
+        self.speculator = speculator
+        self.forks = forks
+        self.grammars = grammars
+        self.stats = stats
+
+    def launch_scheduled(self) -> InFlightStep | None:
+        """Draft, schedule and queue the next step; None when nothing is left to compute."""
+        self.speculator.propose(self.scheduler.running)  # drafts verified by this step
+        scheduled = self.scheduler.schedule()
+        return self.launch(scheduled, None) if scheduled.chunks else None
+
+    def launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
+        """Queue a step's forward pass and sampling. `after`: the step still in flight whose
+        sampled tokens are this step's pending input tokens (gathered on the device)."""
+        self.copies.run_owed(self.kv)  # the KV this step reads or completes
+        fill = None
+        if after is not None:
+            rows = {req.req_id: row for row, req in enumerate(after.reqs) if req.num_pending_tokens}
+            fill = TokenFill(rows, after.sample.tokens)
+        step_logits = self.runner.execute(scheduled, fill)
+        if after is None:  # else once the pending tokens are real: full blocks get hashed
+            self.scheduler.update(scheduled)
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens += scheduled.num_batched_tokens
+        reqs = [scheduled.chunks[i].req for i in step_logits.chunk_index]
+        rows = [sample_row(req, j) for req, j in zip(reqs, row_offsets(reqs), strict=True)]
+        bitmask = None if self.grammars is None else self.grammars.bitmask(reqs)
+        forks = {  # copied before sampling, which may change the logits in place
+            req.req_id: step_logits.logits[i : i + 1].clone()
+            for i, req in enumerate(reqs)
+            if self.forks.owes_choices(req)
+        }
+        sample = self.sampler.sample(step_logits.logits, rows, bitmask)
+        drafts = {c.req.req_id: c.draft_token_ids for c in scheduled.chunks if c.draft_token_ids}
+        return InFlightStep(
+            scheduled, reqs, sample, after is not None, fork_logits=forks, drafts=drafts
+        )
+
+
+def row_offsets(reqs: list[Request]) -> list[int]:
+    """Each sampling row's place among its request's rows (a request's rows are adjacent)."""
+    offsets: list[int] = []
+    for i, req in enumerate(reqs):
+        offsets.append(offsets[-1] + 1 if i and reqs[i - 1] is req else 0)
+    return offsets
