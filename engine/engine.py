@@ -1,7 +1,7 @@
 """Engine: add_request / step / abort over one model and one KV pool.
 
 The engine owns its parts (scheduler, runner, sampler, KV manager and copies, loader, forks,
-speculator) and the step counters; backend_builder.py makes its device side, step_launcher.py
+speculator) and the step counters; model_setup.py builds its device side, step_launcher.py
 queues a step, overlap.py runs one ahead, output_processor.py turns tokens into outputs. It is
 single-threaded: callers serialise their calls.
 """
@@ -13,17 +13,16 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from engine.backend_builder import DeviceSide, build_backend, resolve_device
-from engine.block_copies import BlockCopies
+from engine.backend_builder import DeviceSide, resolve_device
 from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks, PrefilledChoices
 from engine.gc_heap import freeze_heap, thaw_heap
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
-from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.kv_cache.manager import cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.loader import read_model_config, resolve_model, served_model_id
-from engine.model_setup import load_and_size
+from engine.model_setup import build_device_parts
 from engine.output_processor import OutputProcessor
 from engine.overlap import RunAhead
 from engine.request import FinishReason, Request
@@ -50,18 +49,11 @@ class Engine:
         self.tokenizer = find_tokenizer(folder)
         self.device = resolve_device(config.device)
         thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
-        model, pool, config, dtype = load_and_size(config, mc, folder, self.device, model)
-        self.config = config
-        self.max_model_len = pool.max_model_len
-        backend = build_backend(config, model, mc, self.device, dtype, pool)
-        self.attention_backend = backend.name
-        self.kv_cache = backend.kv_cache
-        self.copies = BlockCopies(self.kv_cache, config.cache.host_kv_cache_bytes)
-        slots, events = self.copies.num_host_slots, config.record_kv_events
-        self.kv = KVCacheManager.from_config(
-            config.cache, pool.num_blocks, self.model_id, events, slots
-        )
-        self._build_step_parts(model, backend)
+        parts = build_device_parts(config, mc, folder, self.device, model)
+        self.config, self.max_model_len = parts.config, parts.max_model_len
+        self.attention_backend, self.kv_cache = parts.backend.name, parts.backend.kv_cache
+        self.copies, self.kv = parts.copies, parts.kv
+        self._build_step_parts(parts.model, parts.backend)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     def _build_step_parts(self, model: nn.Module, backend: DeviceSide) -> None:
@@ -270,15 +262,13 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Load and leak counts now (between steps)."""
         sched, loading = self.scheduler, self.loader.loading
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
         return EngineSnapshot(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(loading),
             num_requests=len(sched.requests) + len(loading),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
-            num_queued_tokens=queued,
+            num_queued_tokens=sched.num_queued_tokens,
             num_held_requests=self.kv.num_held,
             tokens_per_s=self.stats.rate.tokens_per_s,
             step_s=self.stats.rate.step_s,

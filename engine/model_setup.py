@@ -1,6 +1,6 @@
-"""Loads an engine's model (or checks the one it shares) and sizes its KV pool, in the order that
-sizing by GPU memory needs: the weights first, then the pool from what memory they leave. Owns no
-state.
+"""Sets up an engine's device side in the order that sizing by GPU memory needs: loads the model
+(or checks the one it shares), sizes the KV pool from what memory the weights leave, then builds
+the backend, the block copier and the KV manager over it. Owns no state: the engine keeps them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from engine.backend_builder import (
+    DeviceSide,
     KVPoolSize,
+    build_backend,
     model_len_limit,
     resolve_dtype,
     size_kv_pool,
@@ -20,7 +22,9 @@ from engine.backend_builder import (
     sizes_by_memory,
     with_batch_limit,
 )
+from engine.block_copies import BlockCopies
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.manager import KVCacheManager
 from engine.loader import load_model
 
 
@@ -29,6 +33,33 @@ class LoadedModel(NamedTuple):
     pool: KVPoolSize
     config: EngineConfig  # the engine's, its batch limit (max_num_seqs) set from the pool
     dtype: torch.dtype
+
+
+class DeviceParts(NamedTuple):
+    config: EngineConfig  # the engine's, its batch limit (max_num_seqs) set from the pool
+    model: nn.Module
+    max_model_len: int
+    backend: DeviceSide
+    copies: BlockCopies
+    kv: KVCacheManager
+
+
+def build_device_parts(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    folder: Path,
+    device: torch.device,
+    model: nn.Module | None = None,
+) -> DeviceParts:
+    """An engine's model, KV pool and what runs a step over them (see load_and_size)."""
+    model, pool, config, dtype = load_and_size(config, model_config, folder, device, model)
+    backend = build_backend(config, model, model_config, device, dtype, pool)
+    copies = BlockCopies(backend.kv_cache, config.cache.host_kv_cache_bytes)
+    slots, events = copies.num_host_slots, config.record_kv_events
+    kv = KVCacheManager.from_config(
+        config.cache, pool.num_blocks, model_config.model_id, events, slots
+    )
+    return DeviceParts(config, model, pool.max_model_len, backend, copies, kv)
 
 
 def load_and_size(

@@ -24,7 +24,7 @@ from engine.step_types import InFlightStep, RequestOutput
 from engine.stop_checker import StopChecker
 from engine.structured import Grammars
 from engine.structured import advance as advance_grammar
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Decoder
 from engine.validation import InvalidField, structured_field
 
 
@@ -35,7 +35,7 @@ class OutputProcessor:
         forks: ChoiceForks,
         speculator: Speculator,
         sampler: Sampler,
-        tokenizer: Tokenizer | None,
+        tokenizer: Decoder | None,
         eos_token_ids: set[int],
         grammars: Grammars | None,
         detokenize: bool,

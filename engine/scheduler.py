@@ -67,6 +67,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_queued_tokens(self) -> int:
+        """Known tokens of the waiting and running requests that are not computed yet."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return waiting + sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
