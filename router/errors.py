@@ -5,9 +5,12 @@ from __future__ import annotations
 
 
 class InvalidRequest(ValueError):
-    """Input the server refuses (HTTP 400 / INVALID_ARGUMENT); names the offending field."""
+    """Input the server refuses (HTTP 400 / INVALID_ARGUMENT); names the offending field, in
+    `param` and in the message (prefixed with it where the message does not name it)."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        if param and param not in message:
+            message = f"{param}: {message}"
         super().__init__(message)
         self.message = message
         self.param = param

@@ -268,6 +268,9 @@ def invalid_from_validation(error: ValidationError) -> InvalidRequest:
     if first["type"] == "json_invalid":
         return InvalidRequest(f"the body is not valid JSON: {first['msg']}", None, "invalid_json")
     loc = tuple(first["loc"])
+    if not loc:  # the body as a whole: not an object
+        message = f"the request body must be a JSON object: {first['msg']}"
+        return InvalidRequest(message, None, "invalid_body")
     tag_at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
     if tag_at is None:
         param = _dotted(loc)

@@ -13,6 +13,7 @@ from common.messages import GenerateRequest, TokenDelta
 from engine.engine import Engine
 from engine.engine_thread import EngineThread
 from engine.step_types import RequestOutput
+from engine.validation import InvalidField
 from router.backend import Backend
 
 T = TypeVar("T")
@@ -82,6 +83,8 @@ class EngineBackend(Backend):
             salt = request.cache_salt
             try:
                 await self.call(lambda e: e.add_request(req_id, prompt, sampling, salt))
+            except InvalidField:  # refused (a grammar that does not compile): the workers
+                raise  # raise it to the router too, which answers 400 naming the field
             except ValueError as e:
                 finished = True
                 yield TokenDelta(req_id, (), True, "error", error=str(e))
