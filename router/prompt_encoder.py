@@ -51,9 +51,6 @@ class PromptEncoder:
     async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self.tokenizer.decode, token_ids, skip_special_tokens)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     # ---- on the pool's threads -----------------------------------------------------------
     def _render(self, messages: Messages) -> str:
         try:
