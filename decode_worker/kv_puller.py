@@ -1,6 +1,6 @@
 """KVPuller (decode side of the KV handoff): owns the PullLedger of its requests' pulls (queued
-for blocks, reserved, reading), the peers it reads from and each request's transfer stats until
-they are sent.
+for blocks, reserved, reading) and a record of each peer it reads from; each step says which
+requests it refused and how the others' KV arrived.
 
 Life cycle of one request (kvtransfer/handoff.py has the states): submit() queues it -> admitted
 when the pool has room (FIFO; the engine reuses its own prefix cache, so only missing blocks are
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from common.messages import GenerateRequest, KVHandle, TransferStats
@@ -45,6 +46,31 @@ class Refused(NamedTuple):
     error: str
 
 
+class Arrival(NamedTuple):
+    """How a request's prompt KV arrived (read, local, or recomputed), for its first delta."""
+
+    req_id: str
+    transfer: TransferStats
+
+
+class PullerStep(NamedTuple):
+    """What one KVPuller.step ended: requests refused, and requests whose KV is in place."""
+
+    refused: list[Refused]
+    arrived: list[Arrival]
+
+
+@dataclass
+class Peer:
+    """A prefill worker this puller reads from: its NIXL metadata (None until it is sent), its
+    NIXL peer name once a handshake succeeded, refused once one failed for good (an
+    incompatible layout, or no metadata when its first pull needed it)."""
+
+    meta: AgentMetadata | None = None
+    nixl_name: str | None = None
+    refused: bool = False
+
+
 class Handoff(NamedTuple):
     """What a pull carries: the request and the prefill worker's handle."""
 
@@ -69,9 +95,8 @@ class KVPuller:
         self.release_lease = release_lease
         self.block_bytes = transfer.metadata().block_bytes
         self.ledger: PullLedger[Handoff] = PullLedger()
-        self._peer_meta: dict[str, AgentMetadata] = {}
-        self._peers: dict[str, str | None] = {}  # prefill actor -> NIXL peer (None: refused)
-        self._stats: dict[str, TransferStats] = {}
+        self._peers: dict[str, Peer] = {}  # prefill actor name -> its record
+        self._arrived: list[Arrival] = []  # during a step: the arrivals it returns
         self.num_transferred_blocks = 0
         self.num_host_read_blocks = 0  # of them, from a prefill worker's host tier
         self.transfer_seconds = 0.0  # summed duration of completed pulls
@@ -80,20 +105,22 @@ class KVPuller:
 
     # ---- interface -----------------------------------------------------------------------
     def knows_peer(self, actor_name: str) -> bool:
-        return actor_name in self._peer_meta
+        peer = self._peers.get(actor_name)
+        return peer is not None and peer.meta is not None
 
     def add_peer_metadata(self, actor_name: str, meta: AgentMetadata) -> None:
-        self._peer_meta[actor_name] = meta
+        self._peers.setdefault(actor_name, Peer()).meta = meta
 
     def connect(self, actor_name: str, meta: AgentMetadata) -> None:
         """Handshake with a prefill worker ahead of its first pull; raises
         IncompatiblePeerError (or KVTransferError) instead of recomputing later."""
         try:
-            self._peers[actor_name] = self.transfer.add_peer(meta)
+            nixl_name = self.transfer.add_peer(meta)
         except IncompatiblePeerError:
             self.num_refused_handshakes += 1
             raise
-        self._peer_meta[actor_name] = meta
+        peer = self._peers.setdefault(actor_name, Peer())
+        peer.meta, peer.nixl_name, peer.refused = meta, nixl_name, False
 
     def submit(self, request: GenerateRequest, handle: KVHandle, received_at: float) -> None:
         """received_at: time.monotonic() when the handle reached this worker (the pull's
@@ -104,11 +131,13 @@ class KVPuller:
             request.req_id, handle.epoch, handle.lease_s, received_at, Handoff(request, handle)
         )
 
-    def step(self) -> list[Refused]:
-        """Admit what fits, poll the reads in flight; returns the requests refused."""
+    def step(self) -> PullerStep:
+        """Admit what fits, poll the reads in flight; returns the requests refused and those
+        whose KV is now in place."""
         refused = self._admit()
         self._poll()
-        return refused
+        arrived, self._arrived = self._arrived, []
+        return PullerStep(refused, arrived)
 
     def abort(self, req_id: str) -> None:
         pull = self.ledger.abort(req_id)
@@ -116,11 +145,6 @@ class KVPuller:
             if pull.xfer is not None:
                 self._release_xfer(pull.xfer)
             self.release_lease(pull.payload.handle)
-        self._stats.pop(req_id, None)
-
-    def take_stats(self, req_id: str) -> TransferStats | None:
-        """How the request's KV arrived, once (for its first delta)."""
-        return self._stats.pop(req_id, None)
 
     @property
     def busy(self) -> bool:
@@ -172,7 +196,7 @@ class KVPuller:
         if not plan.local_block_ids:
             self.engine.commit_kv(req_id)
             self.ledger.commit(req_id)
-            self._stats[req_id] = TransferStats()
+            self._arrived.append(Arrival(req_id, TransferStats()))
             self.release_lease(handle)
             return
         peer = self._peer(handle.actor_name)
@@ -216,31 +240,36 @@ class KVPuller:
         self.num_transferred_blocks += num_blocks
         seconds = time.monotonic() - pull.read_started_at
         self.transfer_seconds += seconds
-        self._stats[pull.req_id] = TransferStats(
+        transfer = TransferStats(
             num_blocks=num_blocks, num_bytes=num_blocks * self.block_bytes, seconds=seconds
         )
+        self._arrived.append(Arrival(pull.req_id, transfer))
 
     def _recompute(self, pull: Pull[Handoff], why: str) -> None:
         logger.warning("request %s: %s; recomputing its prompt locally", pull.req_id, why)
         self.engine.fail_kv(pull.req_id)
         self.ledger.fail(pull.req_id)
         self.num_recomputed += 1
-        self._stats[pull.req_id] = TransferStats(recomputed=True)
+        self._arrived.append(Arrival(pull.req_id, TransferStats(recomputed=True)))
         self.release_lease(pull.payload.handle)
 
     def _peer(self, actor_name: str) -> str | None:
-        if actor_name not in self._peers:
-            meta = self._peer_meta.get(actor_name)
-            try:
-                self._peers[actor_name] = self.transfer.add_peer(meta) if meta else None
-            except IncompatiblePeerError as e:
-                logger.error("refusing KV from %s: %s", actor_name, e)
-                self.num_refused_handshakes += 1
-                self._peers[actor_name] = None
-            except KVTransferError as e:
-                logger.error("cannot connect to %s: %s", actor_name, e)
-                return None
-        return self._peers[actor_name]
+        """The NIXL peer to read from; None when the worker is refused or unreachable now."""
+        peer = self._peers.setdefault(actor_name, Peer())
+        if peer.nixl_name is not None or peer.refused:
+            return peer.nixl_name
+        if peer.meta is None:
+            peer.refused = True
+            return None
+        try:
+            peer.nixl_name = self.transfer.add_peer(peer.meta)
+        except IncompatiblePeerError as e:
+            logger.error("refusing KV from %s: %s", actor_name, e)
+            self.num_refused_handshakes += 1
+            peer.refused = True
+        except KVTransferError as e:
+            logger.error("cannot connect to %s: %s", actor_name, e)
+        return peer.nixl_name
 
     def _release_xfer(self, xfer: TransferHandle) -> None:
         try:

@@ -1,5 +1,5 @@
 """DecodeWorker (Ray actor): owns an Engine in decode role, its NIXL agent, its KVPuller, the
-per-router mailboxes and which router each request answers to.
+per-router mailboxes and each request's Route (which router it answers to).
 
 submit() hands a prefilled request to the KVPuller (admission, NIXL read, recompute fallback);
 the engine thread steps the puller and the engine and pushes one batch of deltas per step to
@@ -24,7 +24,14 @@ from common.cluster_state import (
     WorkerStats,
     WorkerUnavailable,
 )
-from common.messages import GenerateRequest, KVHandle, ServedModel, TokenDelta, WorkerLoad
+from common.messages import (
+    GenerateRequest,
+    KVHandle,
+    ServedModel,
+    TokenDelta,
+    TransferStats,
+    WorkerLoad,
+)
 from common.worker_runtime import (
     IndexUpkeep,
     WorkerLifecycle,
@@ -64,6 +71,17 @@ class DecodeWorkerConfig:
     )
 
 
+@dataclass
+class Route:
+    """Where one request's tokens go: its router; whether its prompt was computed here
+    (conditional prefill: its cached part is then this worker's to report); how its KV arrived,
+    until its first delta carries that."""
+
+    router_id: str
+    prefilled_here: bool = False
+    transfer: TransferStats | None = None
+
+
 class DecodeWorker:
     def __init__(self, config: DecodeWorkerConfig, actor_name: str = ""):
         from engine.engine_thread import EngineThread
@@ -85,8 +103,7 @@ class DecodeWorker:
         )
         self.puller = KVPuller(self.engine, self.transfer, _release_lease)
         self.mailboxes = Mailboxes()
-        self._routes: dict[str, str] = {}  # req_id -> router_id
-        self._prefilled_here: set[str] = set()  # of those, the ones whose prompt runs here
+        self._routes: dict[str, Route] = {}  # req_id -> where its tokens go
         # Its prefix cache, when published, goes in batches: a Redis round trip per decode
         # step would cost the decodes their pace.
         self.index_upkeep = IndexUpkeep(
@@ -122,7 +139,7 @@ class DecodeWorker:
                 return
             self.lifecycle.admit(request.req_id)
             self.mailboxes.expect(router_id)
-            self._routes[request.req_id] = router_id
+            self._routes[request.req_id] = Route(router_id)
             self.puller.submit(request, handle, received_at)
 
         await self.thread.call(run)
@@ -148,8 +165,7 @@ class DecodeWorker:
                 kv_retention=request.kv_retention,
             )
             self.mailboxes.expect(router_id)
-            self._routes[request.req_id] = router_id
-            self._prefilled_here.add(request.req_id)
+            self._routes[request.req_id] = Route(router_id, prefilled_here=True)
             self.num_local_prefills += 1
 
         await self.thread.call(run)
@@ -251,14 +267,18 @@ class DecodeWorker:
         self.puller.abort(req_id)
         engine.abort(req_id)
         self._routes.pop(req_id, None)
-        self._prefilled_here.discard(req_id)
 
     def _on_tick(self) -> bool:
-        for refused in self.puller.step():
-            router_id = self._routes.pop(refused.req_id, None)
-            if router_id is not None:
+        ended = self.puller.step()
+        for refused in ended.refused:
+            route = self._routes.pop(refused.req_id, None)
+            if route is not None:
                 delta = TokenDelta(refused.req_id, (), True, "error", error=refused.error)
-                self.mailboxes.push(router_id, [delta])
+                self.mailboxes.push(route.router_id, [delta])
+        for arrival in ended.arrived:
+            route = self._routes.get(arrival.req_id)
+            if route is not None:
+                route.transfer = arrival.transfer
         now = time.time()
         if now >= self._next_orphan_check:
             self._abort_orphans()
@@ -273,7 +293,7 @@ class DecodeWorker:
         silent = self.mailboxes.silent_routers(self.config.router_timeout_s, ORPHAN_CHECK_S)
         timeout_s = self.config.router_timeout_s
         for router_id in silent:
-            orphans = [req_id for req_id, r in self._routes.items() if r == router_id]
+            orphans = [req_id for req_id, r in self._routes.items() if r.router_id == router_id]
             error = f"decode worker {self.config.worker_id} aborted it: its router did not poll"
             error += f" for {timeout_s:.0f} s"
             for req_id in orphans:
@@ -294,12 +314,13 @@ class DecodeWorker:
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         by_router: dict[str, list[TokenDelta]] = {}
         for out in outputs:
-            router_id = self._routes.get(out.req_id)
-            if router_id is None:
+            route = self._routes.get(out.req_id)
+            if route is None:
                 continue
+            transfer, route.transfer = route.transfer, None  # once: with its first delta
             # The prompt's cached part is the prefill worker's to report, unless it ran here.
-            here = out.req_id in self._prefilled_here
-            by_router.setdefault(router_id, []).append(
+            here = route.prefilled_here
+            by_router.setdefault(route.router_id, []).append(
                 TokenDelta(
                     out.req_id,
                     tuple(out.new_token_ids),
@@ -309,7 +330,7 @@ class DecodeWorker:
                     num_cached_tokens=out.num_cached_tokens if here else 0,
                     logprobs=tuple(out.new_logprobs or ()),
                     top_logprobs=tuple(out.new_top_logprobs or ()),
-                    transfer=self.puller.take_stats(out.req_id),
+                    transfer=transfer,
                     index=out.index,
                     num_accepted_tokens=out.num_accepted_tokens,
                 )
@@ -318,7 +339,6 @@ class DecodeWorker:
         for req_id in {out.req_id for out in outputs if out.finished}:
             if not self.engine.is_unfinished(req_id):
                 self._routes.pop(req_id, None)
-                self._prefilled_here.discard(req_id)
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
 
