@@ -13,7 +13,7 @@ from router.output import OutputChunk, OutputTracker, Usage
 from router.tokenizer import RouterTokenizer
 
 if TYPE_CHECKING:
-    from router.frontend import Prepared
+    from router.request_spec import Prepared
 
 
 class ChoiceTrackers:

@@ -22,7 +22,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router.errors import BackendError, InvalidRequest, Overloaded
-from router.frontend import Frontend, Prepared
+from router.frontend import Frontend
+from router.request_spec import Prepared
 from router.http_middleware import FRONTEND_KEY, TENANT_KEY, api_keys, body_limit, errors_as_json
 from router.http_middleware import json_response as _json
 from router.metrics import CONTENT_TYPE

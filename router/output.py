@@ -14,7 +14,7 @@ from router.metrics import RouterMetrics
 from router.tokenizer import RouterTokenizer, StopChecker
 
 if TYPE_CHECKING:
-    from router.frontend import Prepared
+    from router.request_spec import Prepared
 
 
 @dataclass(frozen=True)

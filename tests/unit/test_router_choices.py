@@ -8,7 +8,7 @@ import pytest
 from common.messages import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
 from router.choices import ChoiceTrackers
-from router.frontend import Prepared
+from router.request_spec import Prepared
 from router.metrics import RouterMetrics
 from router.tokenizer import RouterTokenizer
 
