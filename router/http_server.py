@@ -23,7 +23,6 @@ from pydantic import ValidationError
 
 from router.errors import BackendError, InvalidRequest, Overloaded
 from router.frontend import Frontend
-from router.request_spec import Prepared
 from router.http_middleware import FRONTEND_KEY, TENANT_KEY, api_keys, body_limit, errors_as_json
 from router.http_middleware import json_response as _json
 from router.metrics import CONTENT_TYPE
@@ -32,6 +31,7 @@ from router.openai_schema import ChatCompletionRequest, CompletionRequest, inval
 from router.openapi import openapi_document
 from router.output import OutputChunk, Usage
 from router.readiness import check_readiness
+from router.request_spec import Prepared
 from router.tokenize_api import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 OPENAPI_KEY = web.AppKey("openapi", dict)

@@ -8,8 +8,8 @@ import pytest
 from common.messages import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
 from router.choices import ChoiceTrackers
-from router.request_spec import Prepared
 from router.metrics import RouterMetrics
+from router.request_spec import Prepared
 from router.tokenizer import RouterTokenizer
 
 PROMPT = (1, 2, 3, 4)
