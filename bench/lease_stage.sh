@@ -53,7 +53,7 @@ case $cmd in
   kvrelay)
     read -r a _ < /tmp/lease/sizes
     rm -rf /tmp/kv && mkdir -p /tmp/kv && tar xzf .lease/src.tgz -C /tmp/kv
-    cat /tmp/lease/chunk.* | head -c "$a" | tar x -C /tmp/kv
+    (set +o pipefail; cat /tmp/lease/chunk.* | head -c "$a" | tar x -C /tmp/kv)  # cat: SIGPIPE
     mkdir -p /tmp/stage && cat /tmp/kv/.stage[0-9]*/part.* | tar x -C /tmp/stage
     rm -rf /tmp/kv/.stage[0-9]*
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -70,7 +70,7 @@ ENV
     ;;
   vllm)
     read -r a b_size < /tmp/lease/sizes
-    cat /tmp/lease/chunk.* | tail -c +"$((a + 1))" | head -c "$b_size" | tar x -C /tmp/kv
+    (set +o pipefail; cat /tmp/lease/chunk.* | tail -c +"$((a + 1))" | head -c "$b_size" | tar x -C /tmp/kv)
     (cd /tmp/kv/.vstage && mkdir -p all && cp p*/* all/ && cd all && sha256sum -c --quiet SHA256SUMS)
     mkdir -p /tmp/vstage/w
     cat /tmp/kv/.vstage/all/vllm_stage.tar.xz.part* | python3 -c "import sys, tarfile; \

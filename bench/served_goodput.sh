@@ -10,10 +10,12 @@
 #            computing every prompt beside its decodes (until aggregated workers exist, the best
 #            one-GPU deployment: the prefill worker idles and holds its half of the memory), the
 #            pools sized by memory (--gpu-memory-utilization GPU_UTIL, default 0.9), once per
-#            config in CONFIGS (default "graphs eager"):
+#            config in CONFIGS (default "eager8k eager"):
 #              eager     2,048-token prompt chunks, mixed steps eager (issue 14's aggregated setup)
 #              graphs    the same with --mixed-step-graphs (piecewise graphs for mixed steps)
 #              graphs4k  graphs with 4,096-token prompt chunks
+#              eager4k, eager8k  eager with 4,096- or 8,192-token chunks (8,192: vLLM's default
+#                        step budget on this GPU; the best served config on 2026-12-06)
 #            A config is skipped when fewer than MIN_LEFT_S (240) seconds are left before
 #            DEADLINE (epoch seconds; default: none).
 #   vllm     vLLM's server on the same model folder (bench/vllm_serve_peer.sh), the same load
@@ -22,7 +24,8 @@
 #            from the last kvrelay server log; OFFLINE_KV_GIB overrides): what the served path
 #            costs over its own engine. OFFLINE_FLAGS: more flags (e.g. --mixed-step-graphs)
 #   pack     $OUT/sg -> $OUT/served_goodput.tgz, the FlashInfer JIT cache -> $OUT
-# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate).
+# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds the k-th rate of
+# the list with seed + k (arrivals and prompts): compare setups only over the same RATES list.
 set -uo pipefail
 part=${1:?part: kvrelay, vllm, offline or pack}
 out=${OUT:?set OUT}/sg
@@ -40,12 +43,14 @@ config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
     eager) echo "--local-prefill-chunk-tokens 2048" ;;
     graphs) echo "--local-prefill-chunk-tokens 2048 --mixed-step-graphs" ;;
     graphs4k) echo "--local-prefill-chunk-tokens 4096 --mixed-step-graphs" ;;
+    eager4k) echo "--local-prefill-chunk-tokens 4096" ;;
+    eager8k) echo "--local-prefill-chunk-tokens 8192" ;;
     *) echo "unknown config $1" >&2; return 2 ;;
   esac
 }
 case $part in
   kvrelay)
-    for config in ${CONFIGS:-graphs eager}; do
+    for config in ${CONFIGS:-eager8k eager}; do
       flags=$(config_flags "$config") || continue
       if [ "$(left)" -lt "${MIN_LEFT_S:-240}" ]; then echo "kvrelay $config: skipped, $(left) s left"; continue; fi
       started=$(date +%s)
