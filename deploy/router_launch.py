@@ -48,6 +48,7 @@ async def build_backend(
         return None if metrics is None else metrics.recent.attainment(time.monotonic(), slo)
 
     sync.report_attainment = attainment
+    sync.on_dead = backend.lost_worker  # its streams end and it leaves the index too
     await sync.sync_once()
     sync.start()
     backend.membership = sync

@@ -1,8 +1,10 @@
 """ClusterBackend: places each request on a prefill worker (KV-aware, from the Redis index) and a
-decode worker, and demultiplexes decode workers' per-step delta batches into request streams.
+decode worker, runs each leg of it (prefill, handoff, decode) and migrates it when its decode
+worker dies.
 
-Owns the per-request streams (queue and decode worker), one long-poll task per decode worker,
-and index-health state; the placement accounting lives in its WorkerSet.
+Owns the legs' cleanup and the forgetting of dead workers; the streams and long-polls live in
+its DecodeStreams, the placement accounting in its WorkerSet, the stopping state in its
+ServingGate.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -25,28 +27,24 @@ from common.worker_stats import gather_stats
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
 from router.choice_migration import as_choice, continuation, resume_choices
+from router.decode_streams import DecodeStreams, Stream
 from router.metrics import RouterMetrics
 from router.placement import Placer
-from router.policy import LocalPrefill, Placement, PrefillPolicy, make_prefill_policy
+from router.policy import (
+    LocalPrefill,
+    NoWorkerAvailable,
+    Placement,
+    PrefillPolicy,
+    make_prefill_policy,
+)
 from router.prefix_index import PrefixIndex
+from router.readiness import empty_pools
+from router.serving_gate import ClusterUnavailable, ServingGate, StreamsEnded
 from router.slo import LocalRoute
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
-MAX_POLL_ERRORS = 3  # consecutive failed long-polls (not an actor death) that count as death
-POLL_RETRY_S = 0.5
 MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
-
-
-@dataclass
-class _Stream:
-    """One leg of a request being decoded (the first, or one after a migration): where its
-    deltas go, which decode worker sends them, and whether that worker was lost."""
-
-    queue: asyncio.Queue[TokenDelta]
-    decode_worker_id: str
-    client_req_id: str
-    lost: bool = False
 
 
 class _DecodeLost(Exception):
@@ -84,8 +82,7 @@ class ClusterBackend(Backend):
             slo,
         )
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
-        self._streams: dict[str, _Stream] = {}
-        self._pollers: dict[str, asyncio.Task[None]] = {}
+        self.streams = DecodeStreams(self.router_id, self.lost_worker, workers.state_of)
         self._forgetting: dict[str, asyncio.Task[None]] = {}
         self.last_placements: dict[str, str] = {}  # req_id -> prefill worker (for tests/logs)
         self.num_migrations = 0  # decode legs resumed on another worker (for tests/metrics)
@@ -94,6 +91,7 @@ class ClusterBackend(Backend):
         self._background: set[asyncio.Task[None]] = set()
         self._metrics: RouterMetrics | None = None
         self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
+        self.gate = ServingGate()  # refuses new requests / ends open ones when the router stops
 
     @property
     def metrics(self) -> RouterMetrics | None:
@@ -121,10 +119,16 @@ class ClusterBackend(Backend):
         """The request's deltas. When its decode worker dies, the request is migrated: its
         prompt plus every token already sent is prefilled again (mostly a prefix-cache hit) and
         decoded on another worker, and the stream goes on with the next token. An n > 1 request
-        resumes each unfinished choice as a request of its own (router/choice_migration.py)."""
+        resumes each unfinished choice as a request of its own (router/choice_migration.py).
+
+        Refused with ClusterUnavailable (a 503) while the gate refuses, or when no worker can
+        take it before anything was sent; once the gate ends the streams, each open choice ends
+        at once with the gate's finish_reason."""
+        self.gate.check()
         sent: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}  # by choice
         done: set[int] = set()
         leg = request
+        num_yielded = 0
         for num_migrations in range(self.max_migrations + 1):
             try:
                 async with contextlib.aclosing(self._leg(leg, request.req_id)) as deltas:
@@ -134,8 +138,23 @@ class ClusterBackend(Backend):
                             done.add(delta.index)
                         if num_migrations:  # prompt counts are the first leg's
                             delta = as_choice(delta, request.req_id, delta.index)
+                        num_yielded += 1
                         yield delta
                 return
+            except StreamsEnded as ended:
+                end = ended.end
+                for index in sorted(set(sent) - done):
+                    yield TokenDelta(
+                        request.req_id, (), True, end.finish_reason, error=end.reason, index=index
+                    )
+                    if end.finish_reason == "error":  # an error ends the whole request
+                        return
+                return
+            except (NoWorkerAvailable, WorkerUnavailable, RayActorError) as e:
+                if num_yielded:  # a migrated leg found no worker: the stream ends with an error
+                    yield TokenDelta(request.req_id, (), True, "error", error=f"{e}")
+                    return
+                raise self._unavailable(request.req_id, e) from None
             except _DecodeLost as lost:
                 if request.sampling.n > 1:
                     open_choices = {i: t for i, t in sent.items() if i not in done}
@@ -200,13 +219,13 @@ class ClusterBackend(Backend):
                     self.last_placements[req_id] = prefill.worker_id
                     try:
                         prefill_actor = self._actor_of(prefill)  # found by the placer
-                        handle = await prefill_actor.prefill.remote(request)
+                        handle = await self.gate.unless_ended(prefill_actor.prefill.remote(request))
                         received = time.monotonic()
                         break
                     except (RayActorError, WorkerUnavailable) as e:
                         prefill_actor = None
                         if isinstance(e, RayActorError):
-                            self._lost(prefill.worker_id)
+                            self.lost_worker(prefill.worker_id)
                         excluded |= {prefill.worker_id}
                         if len(excluded) >= MAX_PLACEMENTS:
                             raise
@@ -231,13 +250,16 @@ class ClusterBackend(Backend):
                     yield delta
             while True:
                 delta = await queue.get()
+                if delta.finish_reason == "abort" and self.gate.ended is not None:
+                    raise StreamsEnded(self.gate.ended)  # end_streams() put it there
                 if delta.transfer is not None and self.metrics is not None:
                     self.metrics.observe_transfer(delta.transfer)
                 if delta.finish_reason == "error":
                     # A prefill lease may be unread: release it (idempotent). Nothing is left
                     # on the decode side.
                     stage = "handed" if handle is not None else "done"
-                    if self._streams[req_id].lost or delta.resumable:
+                    stream = self.streams.get(req_id)
+                    if (stream is not None and stream.lost) or delta.resumable:
                         raise _DecodeLost(delta.error or f"decode worker {decode.worker_id} died")
                 elif delta.finished and delta.finish_reason != "abort" and num_open == 1:
                     stage = "done"  # an abort delta is local: the decode side still needs telling
@@ -246,7 +268,7 @@ class ClusterBackend(Backend):
                 if num_open == 0 or delta.finish_reason in ("abort", "error"):
                     return
         finally:
-            self._streams.pop(req_id, None)
+            self.streams.close(req_id)
             self.last_placements.pop(req_id, None)
             if decode is not None:
                 self.workers.done(decode.worker_id)
@@ -271,11 +293,11 @@ class ClusterBackend(Backend):
         decode = routed.placement.worker
         try:
             actor = self._actor_of(decode)
-            self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)
-            self._ensure_poller(decode, actor)
+            self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
+            self.streams.ensure_poller(decode.worker_id, actor)
             await actor.prefill_here.remote(request, self.router_id)
         except BaseException as e:
-            self._streams.pop(request.req_id, None)
+            self.streams.close(request.req_id)
             self.workers.done(decode.worker_id)
             _drain(queue)
             if isinstance(e, asyncio.CancelledError):  # the worker may have taken it already
@@ -285,7 +307,7 @@ class ClusterBackend(Backend):
             if not isinstance(e, RayActorError | WorkerUnavailable):
                 raise
             if isinstance(e, RayActorError):
-                self._lost(decode.worker_id)
+                self.lost_worker(decode.worker_id)
             logger.info("request %s: %s; prefilling it in the prefill pool", request.req_id, e)
             return None
         self.num_local_prefills += 1
@@ -334,18 +356,18 @@ class ClusterBackend(Backend):
             decode = await self.placer.place_decode(request, excluded)
             try:
                 actor = self._actor_of(decode)
-                self._streams[request.req_id] = _Stream(queue, decode.worker_id, client_req_id)
-                self._ensure_poller(decode, actor)
+                self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
+                self.streams.ensure_poller(decode.worker_id, actor)
                 # What is left of the lease: the decode worker reckons its deadline from when
                 # it gets the handle, so the time spent here must not count twice.
                 left = max(0.0, handle.lease_s - (time.monotonic() - received))
                 await actor.submit.remote(request, replace(handle, lease_s=left), self.router_id)
                 return decode, actor
             except (RayActorError, WorkerUnavailable) as e:
-                self._streams.pop(request.req_id, None)
+                self.streams.close(request.req_id)
                 self.workers.done(decode.worker_id)
                 if isinstance(e, RayActorError):
-                    self._lost(decode.worker_id)
+                    self.lost_worker(decode.worker_id)
                 _drain(queue)  # the dead worker's notice (its poller may see it first) is stale
                 excluded |= {decode.worker_id}
                 if len(excluded) >= MAX_PLACEMENTS:
@@ -353,6 +375,12 @@ class ClusterBackend(Backend):
                 logger.info(
                     "request %s: %s; handing it to another decode worker", request.req_id, e
                 )
+
+    def _open_stream(self, req_id: str, stream: Stream) -> None:
+        """Register a leg's stream; one opened after the streams were ended ends at once."""
+        self.streams.open(req_id, stream)
+        if self.gate.ended is not None:
+            stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
 
     def _actor_of(self, worker: WorkerInfo) -> Any:
         try:
@@ -362,67 +390,14 @@ class ClusterBackend(Backend):
 
     def decode_worker_of(self, req_id: str) -> str | None:
         """The decode worker streaming a request (None before its handoff or after its end)."""
-        stream = self._stream_of(req_id)
+        stream = self.streams.of_client(req_id)
         return None if stream is None else stream.decode_worker_id
 
-    def _stream_of(self, client_req_id: str) -> _Stream | None:
-        """The current leg of a client's request (its id, or a migration's)."""
-        stream = self._streams.get(client_req_id)
-        if stream is not None:
-            return stream
-        return next((s for s in self._streams.values() if s.client_req_id == client_req_id), None)
-
-    def _ensure_poller(self, decode: WorkerInfo, actor: Any) -> None:
-        task = self._pollers.get(decode.worker_id)
-        if task is None or task.done():
-            self._pollers[decode.worker_id] = asyncio.create_task(
-                self._poll(decode.worker_id, actor)
-            )
-
-    async def _poll(self, worker_id: str, actor: Any) -> None:
-        """One long-poll at a time per decode worker: a batch of deltas per engine step.
-
-        The actor's death ends the worker's streams at once; another error is retried a few
-        times (a transient one must not blacklist a live worker) before it counts as death."""
-        num_errors = 0
-        while True:
-            try:
-                deltas = await actor.next_deltas.remote(self.router_id, 1.0)
-            except RayActorError as e:
-                if self.workers.state_of(worker_id) == "draining":
-                    logger.info("decode worker %s drained and left the cluster", worker_id)
-                else:
-                    logger.error("decode worker %s died: %s", worker_id, e)
-                self._lost(worker_id)
-                return
-            except Exception as e:
-                num_errors += 1
-                logger.warning(
-                    "decode worker %s: long-poll failed (%s), try %d", worker_id, e, num_errors
-                )
-                if num_errors >= MAX_POLL_ERRORS:
-                    self._lost(worker_id)
-                    return
-                await asyncio.sleep(POLL_RETRY_S)
-                continue
-            num_errors = 0
-            for delta in deltas:
-                stream = self._streams.get(delta.req_id)
-                if stream is not None:
-                    stream.queue.put_nowait(delta)
-
-    def _lost(self, worker_id: str) -> None:
+    def lost_worker(self, worker_id: str) -> None:
         """A worker's actor died: it leaves placement and the index at once, and only the
         streams it was serving end, each with an error naming it."""
         self.workers.mark_dead(worker_id)
-        poller = self._pollers.pop(worker_id, None)
-        if poller is not None and poller is not asyncio.current_task():
-            poller.cancel()
-        for req_id, stream in self._streams.items():
-            if stream.decode_worker_id == worker_id:
-                stream.lost = True
-                error = f"decode worker {worker_id} died while serving this request"
-                stream.queue.put_nowait(TokenDelta(req_id, (), True, "error", error=error))
+        self.streams.lost(worker_id)
         if self.index is not None and worker_id not in self._forgetting:
             task = asyncio.create_task(self._forget(worker_id))
             self._forgetting[worker_id] = task
@@ -436,18 +411,49 @@ class ClusterBackend(Backend):
             self._forgetting.pop(worker_id, None)
 
     async def abort(self, req_id: str) -> None:
-        stream = self._stream_of(req_id)
+        stream = self.streams.of_client(req_id)
         if stream is not None:
             stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
 
+    # ---- stopping ------------------------------------------------------------------------
+    def stop_taking(self, reason: str) -> None:
+        """Refuse new requests from now on (503 naming `reason`); open ones go on."""
+        self.gate.refuse(reason)
+
+    def end_streams(self, reason: str, finish_reason: str = "abort") -> int:
+        """End every open request now: each open choice gets a last delta with
+        `finish_reason` ("abort": shut down; "error": the cluster was lost) and the workers are
+        told to drop it. Returns how many streams were open."""
+        self.gate.end(reason, finish_reason)
+        return self.streams.abort_all()
+
+    def lose_cluster(self, reason: str) -> None:
+        """The Ray cluster behind this router is gone: no worker counts as ready any more, new
+        requests get 503 naming `reason`, open ones end with an error."""
+        for role in ("prefill", "decode"):
+            for worker_id in self.workers.actors(role):
+                self.workers.mark_dead(worker_id)
+        self.end_streams(reason, "error")
+
+    def _unavailable(self, req_id: str, error: Exception) -> ClusterUnavailable:
+        """A request no worker could take, before anything was sent: a 503 saying why, logged
+        in one line (it is the cluster's state, not a fault of this request)."""
+        why = self.gate.refusal or empty_pools(self._health_details())
+        message = f"no worker can take the request now: {why or error}"
+        logger.info("request %s refused: %s", req_id, message)
+        return ClusterUnavailable(message)
+
     async def health(self) -> dict[str, object]:
-        prefill = self.workers.known("prefill")
-        decode = self.workers.known("decode")
+        details = self._health_details()
+        if self.gate.refusal is not None:
+            return {"ok": False, "reason": self.gate.refusal, **details}
+        return {"ok": bool(details["prefill_workers"] and details["decode_workers"]), **details}
+
+    def _health_details(self) -> dict[str, object]:
         index_ok = self.index is None or self.index.available
         return {
-            "ok": bool(prefill and decode),
-            "prefill_workers": len(prefill),
-            "decode_workers": len(decode),
+            "prefill_workers": len(self.workers.known("prefill")),
+            "decode_workers": len(self.workers.known("decode")),
             "redis": "absent" if self.index is None else ("ok" if index_ok else "unavailable"),
         }
 
@@ -468,9 +474,7 @@ class ClusterBackend(Backend):
     async def close(self) -> None:
         if self.membership is not None:
             await self.membership.close()
-        for task in self._pollers.values():
-            task.cancel()
-        self._pollers.clear()
+        self.streams.stop()
 
 
 def _continuation(request: GenerateRequest, sent: list[int], num: int) -> GenerateRequest:

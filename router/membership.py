@@ -1,6 +1,7 @@
 """MembershipSync: keeps one router's WorkerSet in step with the controller's membership (the
 workers to know when Redis is down, which are ready or draining) and tells the controller the
-router is alive. Owns the sync task only."""
+router is alive; while the controller does not answer, it checks the known workers itself.
+Owns the sync task only."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from common.cluster_state import RouterStatus, SloAttainment
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from common.cluster_state import ROLES, RouterStatus, SloAttainment
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 5.0  # a worker probe that takes longer proves nothing either way
 
 
 class MembershipSync:
     """One call per interval; a controller that does not answer leaves the last view in place
-    (the router keeps serving from Redis and the workers it knows)."""
+    (the router keeps serving from Redis and the workers it knows), less the workers whose actor
+    is found dead meanwhile: each interval it asks them directly, and a dead one goes to
+    `on_dead` (which must take it out of the WorkerSet)."""
 
     def __init__(
         self, controller: Any, workers: WorkerSet, router: RouterStatus, interval_s: float = 1.0
@@ -29,6 +35,8 @@ class MembershipSync:
         self.interval_s = interval_s
         # What the router tells the controller of its recent requests against the objectives.
         self.report_attainment: Callable[[], SloAttainment | None] = lambda: None
+        # A worker seen dead while the controller is away (the backend ends its streams too).
+        self.on_dead: Callable[[str], None] = workers.mark_dead
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
@@ -69,6 +77,30 @@ class MembershipSync:
                 self._failing = False
             except Exception as e:
                 if not self._failing:
-                    logger.warning("controller unreachable (%s): keeping the last membership", e)
+                    logger.warning(
+                        "controller unreachable (%s): keeping the last membership, less the "
+                        "workers found dead",
+                        e,
+                    )
                 self._failing = True
+                await self.probe_workers()
             await asyncio.sleep(self.interval_s)
+
+    async def probe_workers(self) -> list[str]:
+        """Ask every known worker for its pid (in parallel, PROBE_TIMEOUT_S each); the ones
+        whose actor Ray reports dead go to on_dead. Returns their ids. A slow or temporarily
+        unavailable worker is kept."""
+        actors = {wid: a for role in ROLES for wid, a in self.workers.actors(role).items()}
+        results = await asyncio.gather(
+            *(asyncio.wait_for(a.pid.remote(), PROBE_TIMEOUT_S) for a in actors.values()),
+            return_exceptions=True,
+        )
+        dead = [
+            worker_id
+            for worker_id, result in zip(actors, results, strict=True)
+            if isinstance(result, RayActorError) and not isinstance(result, ActorUnavailableError)
+        ]
+        for worker_id in dead:
+            logger.warning("worker %s died (found while the controller is unreachable)", worker_id)
+            self.on_dead(worker_id)
+        return dead

@@ -33,10 +33,16 @@ async def check_readiness(backend: Backend) -> Readiness:
 def _reason(details: dict[str, object]) -> str:
     if isinstance(details.get("reason"), str):
         return str(details["reason"])
+    return empty_pools(details) or "the backend reports it cannot serve"
+
+
+def empty_pools(details: dict[str, object]) -> str | None:
+    """Which pools have no ready worker ("no ready worker in the decode pool"), from health
+    details that count each pool's ready workers as `{pool}_workers`; None: every pool has one."""
     empty = [
         k.removesuffix("_workers") for k, v in details.items() if k.endswith("_workers") and v == 0
     ]
-    if empty:
-        pools = " and ".join(empty)
-        return f"no ready worker in the {pools} pool" + ("s" if len(empty) > 1 else "")
-    return "the backend reports it cannot serve"
+    if not empty:
+        return None
+    pools = " and ".join(empty)
+    return f"no ready worker in the {pools} pool" + ("s" if len(empty) > 1 else "")
