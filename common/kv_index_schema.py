@@ -6,7 +6,9 @@ in one slot and the scripts below stay valid on a cluster):
                                     device memory, and "{worker}#h" for those holding it in
                                     their host tier (one member per tier)
     kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup; "{hex}#h"
-                                    for its host tier
+                                    for its host tier; TTL BLOCKS_TTL_FACTOR x the HASH's,
+                                    refreshed with it (whoever finds the HASH expired can
+                                    still remove the worker's block entries meanwhile)
     kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, state, WorkerLoad fields,
                                     epoch; TTL
     kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
@@ -25,6 +27,7 @@ KEY_PREFIX = "kvr"
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(WorkerLoad))
 _BAD_ID_CHARS = frozenset("{}*?[]\\ \t\r\n#")
 HOST = "#h"  # the suffix of a host-tier member: "{worker}#h" in a block SET, "{hex}#h" in wb:
+BLOCKS_TTL_FACTOR = 60  # a wb: SET lives this many times its worker HASH's TTL past the last write
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -170,9 +173,10 @@ for i = last + 1, #ARGV - 1, 2 do
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6, last))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * BLOCKS_TTL_FACTOR)
 redis.call('SADD', KEYS[3], ARGV[2])
 return 1
-"""
+""".replace("BLOCKS_TTL_FACTOR", str(BLOCKS_TTL_FACTOR))
 
 # Remove a worker's blocks from the index. KEYS: worker HASH, worker blocks SET, registry;
 # ARGV: block key prefix, worker id, mode. mode 'dead': only if the HASH has expired, and drop

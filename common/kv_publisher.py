@@ -187,6 +187,7 @@ class KVPublisher:
         entries = hashes + [h + schema.HOST for h in host]
         if entries:
             pipe.sadd(self._keys[1], *entries)
+            pipe.pexpire(self._keys[1], self.ttl_ms * schema.BLOCKS_TTL_FACTOR)
         pipe.hset(self._keys[0], mapping=self._fields(load))
         pipe.pexpire(self._keys[0], self.ttl_ms)
         pipe.sadd(self._keys[2], self.worker_id)

@@ -177,8 +177,15 @@ def make_publisher(
     )
 
 
-def shut_down(thread: Any, publisher: KVPublisher | None, transfer: Any) -> None:
-    """Stop a worker's engine thread, withdraw it from the index, close its NIXL agent."""
+def shut_down(
+    lifecycle: WorkerLifecycle, thread: Any, publisher: KVPublisher | None, transfer: Any
+) -> None:
+    """Once per worker: stop taking requests, stop its engine thread, withdraw it from the index
+    (its HASH, block entries and registration: gone for every router at once), close its NIXL
+    agent. A drained worker, which stopped taking requests already, is withdrawn the same."""
+    if lifecycle.stopped:
+        return
+    lifecycle.closed = lifecycle.stopped = True
     thread.stop()
     if publisher is not None:
         publisher.withdraw()
@@ -199,7 +206,8 @@ class WorkerLifecycle:
         self.ready_at: float | None = None
         self.first_request_at: float | None = None
         self.num_requests = 0
-        self.closed = False
+        self.closed = False  # takes no more requests (retired by a drain, or shut down)
+        self.stopped = False  # shut down: engine stopped, withdrawn from the index
 
     def set_state(self, state: WorkerState, engine: Engine) -> float:
         """Switch state and publish it at once (routers read it on their next placement)."""

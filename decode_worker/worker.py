@@ -257,10 +257,7 @@ class DecodeWorker:
         )
 
     def shutdown(self) -> None:
-        if self.lifecycle.closed:
-            return
-        self.lifecycle.closed = True
-        shut_down(self.thread, self.publisher, self.transfer)
+        shut_down(self.lifecycle, self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
     def _abort(self, engine: Engine, req_id: str) -> None:

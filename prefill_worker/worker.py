@@ -234,10 +234,7 @@ class PrefillWorker:
         )
 
     def shutdown(self) -> None:
-        if self.lifecycle.closed:
-            return
-        self.lifecycle.closed = True
-        shut_down(self.thread, self.publisher, self.transfer)
+        shut_down(self.lifecycle, self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
     def _release(self, engine: Engine, req_id: str, epoch: int) -> bool:
