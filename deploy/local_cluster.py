@@ -1,32 +1,33 @@
 """LocalCluster: an embedded kvrelay cluster on one machine (local Ray, optional local
 redis-server, the controller actor and its prefill and decode workers, one in-process router's
-ClusterBackend). Owns those processes and stops them all in close()."""
+ClusterBackend). Owns those processes and stops them all in close(): none outlives it."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
-import signal
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from common.cluster_state import CONTROLLER_NAME, NAMESPACE
+from common.cluster_state import CONTROLLER_NAME, NAMESPACE, WorkerState
 from common.placement_rules import LocalPrefill, SloTargets
 from common.redis_url import redact
 from deploy.autoscale import AutoscaleConfig
-from deploy.cluster_address import process_alive
 from deploy.controller import ControllerConfig, start_controller
+from deploy.controller_redis import forget_in_index
 from deploy.progress import follow
+from deploy.ray_local import EmbeddedRay, ProcessId, cluster_processes, embedded_ray, reap
 from deploy.router_launch import build_backend
 from deploy.worker_launch import WorkerTemplate, check_gpus_per_worker, gpus_needed
 from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 LOCAL_POOL_SLOTS = 64  # workers of each pool an embedded (single-node) Ray can host
+STATUS_TIMEOUT_S = 10.0  # close(): asking the controller which workers it has
+SHUTDOWN_TIMEOUT_S = 45.0  # close(): every worker withdrawn and stopped (each has 30 s)
+REAP_GRACE_S = 10.0  # close(): an embedded Ray's processes exit by themselves within this
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class LocalCluster:
         self.backend: Any = None
         self.model: Any = None  # common.messages.ServedModel, once started
         self._owns_ray = False
+        self._ray: EmbeddedRay | None = None  # the Ray this process started, if it did
 
     @property
     def prefill_actors(self) -> dict[str, Any]:
@@ -104,6 +106,7 @@ class LocalCluster:
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources
                 ray.init(address=spec.ray_address, namespace=NAMESPACE)
             self._owns_ray = True
+            self._ray = embedded_ray()
         if spec.engine.device == "auto":
             spec = self.spec = replace(
                 spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
@@ -183,10 +186,17 @@ class LocalCluster:
         if gpus < (needed := gpus_needed(workers, per_worker)):
             raise ValueError(gpu_shortage(workers, per_worker, needed, gpus))
 
+    def lost(self) -> str | None:
+        """Why the embedded Ray is gone (its raylet or GCS server exited); None while it runs,
+        or when this cluster runs on a Ray it did not start."""
+        return None if self._ray is None else self._ray.lost()
+
     async def close(self) -> None:
-        """Stop the router side, the controller and its workers, the embedded Ray and Redis.
-        Each step runs whatever the one before it raised: a router-side failure is logged, and
-        the cluster behind it still goes down."""
+        """Stop the router side, the controller and its workers (each withdraws from Redis
+        first), the embedded Ray and every process it started (waited for, killed after
+        REAP_GRACE_S), then Redis. Each step runs whatever the one before it raised, and none
+        waits on a lost cluster for long: a router-side failure is logged, and the cluster
+        behind it still goes down."""
         import ray
 
         if self.backend is not None:
@@ -196,22 +206,46 @@ class LocalCluster:
                     await self.backend.index.close()
             except Exception as e:
                 logger.warning("router side of the cluster did not close cleanly: %r", e)
-        pids: list[int] = []
-        if self.controller is not None:
-            try:
-                status = await self.controller.status.remote(with_stats=False)
-                pids = [w.pid for pool in status.pools for w in pool.workers if w.pid]
-                await self.controller.shutdown.remote()
-                ray.kill(self.controller, no_restart=True)
-            except Exception as e:
-                logger.info("controller shutdown: %s", e)
-            self.controller = None
+        await self._stop_workers(ray)
+        processes: list[ProcessId] = []
         if self._owns_ray and ray.is_initialized():
+            if self._ray is not None:
+                processes = cluster_processes(self._ray)
             ray.shutdown()
-            if self.spec.ray_address == "local":  # the workers are processes of this machine
-                await _reap(pids)  # one Ray has not stopped yet must not outlive us
+            if self._ray is not None:  # workers a lost raylet left behind are found too
+                killed = await reap([*processes, *cluster_processes(self._ray)], REAP_GRACE_S)
+                if killed:
+                    logger.warning("killed Ray processes that outlived the cluster: %s", killed)
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()
+
+    async def _stop_workers(self, ray: Any) -> None:
+        """The controller stops every worker (each withdraws from the index), then goes; the
+        index entries of any that could not withdraw (dead, or Ray lost) are removed here."""
+        if self.controller is None:
+            return
+        worker_ids: list[str] = []
+        try:
+            status = await asyncio.wait_for(
+                self.controller.status.remote(with_stats=False), STATUS_TIMEOUT_S
+            )
+            worker_ids = [
+                w.worker_id
+                for pool in status.pools
+                for w in pool.workers
+                if w.state != WorkerState.GONE  # a gone one withdrew, or was removed, already
+            ]
+            await asyncio.wait_for(self.controller.shutdown.remote(), SHUTDOWN_TIMEOUT_S)
+        except Exception as e:
+            logger.info("controller shutdown: %r", e)
+        try:
+            ray.kill(self.controller, no_restart=True)
+        except Exception as e:
+            logger.info("controller kill: %r", e)
+        self.controller = None
+        if self.model is not None:
+            for worker_id in worker_ids:  # idempotent: a withdrawn worker has nothing left
+                await forget_in_index(self.redis_url, self.model.model_id, worker_id)
 
 
 def gpu_shortage(num_workers: int, gpus_per_worker: float, needed: int, num_gpus: int) -> str:
@@ -221,16 +255,3 @@ def gpu_shortage(num_workers: int, gpus_per_worker: float, needed: int, num_gpus
         f"sees {num_gpus} here. Run fewer workers, or share GPUs (--gpus-per-worker 0.5 puts "
         "two workers on one card), or --device cpu"
     )
-
-
-async def _reap(pids: list[int], grace_s: float = 10.0) -> None:
-    """Wait for the worker processes of an embedded Ray to exit; SIGKILL any still there."""
-    deadline = time.monotonic() + grace_s
-    alive = [pid for pid in pids if process_alive(pid)]
-    while alive and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-        alive = [pid for pid in alive if process_alive(pid)]
-    for pid in alive:
-        logger.warning("worker process %d did not exit with Ray; killing it", pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)

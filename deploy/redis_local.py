@@ -2,7 +2,9 @@
 
 Owns one redis-server process, its port, its temp dir (log, config) and, optionally, its password
 and TLS files. No persistence: the KV index is soft state that workers re-publish in full
-whenever Redis comes back empty.
+whenever Redis comes back empty. The server runs in a session of its own, so a Ctrl-C meant for
+its owner does not stop it before the owner's workers have withdrawn from it; what an owner
+killed outright leaves behind is removed by the next LocalRedis (deploy/redis_stale.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from types import TracebackType
 from urllib.parse import quote
 
 from common.redis_url import redact
+from deploy.redis_stale import clean_stale, dir_prefix
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +188,8 @@ class LocalRedis:
             return self
         binary = find_redis_server(self.binary)
         if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-redis-")
+            clean_stale()
+            self._tmp = tempfile.TemporaryDirectory(prefix=dir_prefix())
         for attempt in range(_PORT_ATTEMPTS):
             if self.port is None:
                 self.port = free_port(self.host)
@@ -246,7 +250,9 @@ class LocalRedis:
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
         args += ["--logfile", str(log_path)]
         with log_path.open("ab") as out:  # early errors go to stderr, before --logfile is open
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         # until it answers as this child (not another server on the port), with password / TLS
         while server_pid(self.host, self.port, 0.2, self.password, self.tls) != self._proc.pid:

@@ -1,13 +1,13 @@
 """`kvrelay serve`: an embedded cluster (local Ray, local redis-server unless --redis-url, N prefill
-and M decode workers) behind the router's HTTP and gRPC servers, until Ctrl-C. Owns no state
-beyond the running servers; every process it started is stopped on exit."""
+and M decode workers) behind the router's HTTP and gRPC servers, until Ctrl-C or SIGTERM (a
+drain with a deadline, deploy/serve_stop.py) or until its Ray cluster is lost (exit status 1).
+Owns no state beyond the running servers; every process it started is stopped on exit."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from common.cluster_state import RouterStatus
@@ -15,6 +15,10 @@ from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, router_options
 from deploy.serve_flags import serve_name, spec_from_args
+from deploy.serve_stop import StopSignals, drain, refuse_while_lost, until_stop_or_lost
+
+logger = logging.getLogger(__name__)
+SERVERS_STOP_S = 10.0  # the HTTP and gRPC servers close within this, open connections or not
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -26,7 +30,14 @@ def serve(args: argparse.Namespace) -> int:
         cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts
     return asyncio.run(
         _serve(
-            spec, options, args.host, args.http_port, args.grpc_port, name, args.log_stats_interval
+            spec,
+            options,
+            args.host,
+            args.http_port,
+            args.grpc_port,
+            name,
+            args.log_stats_interval,
+            args.drain_seconds,
         )
     )
 
@@ -39,19 +50,20 @@ async def _serve(
     grpc_port: int,
     name: str | None,
     stats_interval_s: float,
+    drain_s: float,
 ) -> int:
     from router.metrics import RouterMetrics
     from router.stats_log import StatsLog
     from router.tokenizer import RouterTokenizer
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals()
+    signals.install()
     cluster = LocalCluster(spec)
     servers = stats_log = recorded = None
+    status = 0
     try:
         await cluster.start(progress=_say)
+        signals.install()  # ray.init() took SIGTERM for itself
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
         tokenizer = RouterTokenizer(cluster.model.checkpoint_dir)
@@ -73,18 +85,26 @@ async def _serve(
         for line in [*options.describe(), *placement_lines(spec)]:
             _say(line)
         _say("  `kvrelay status` / `kvrelay scale --decode N` from another shell; Ctrl-C to stop")
-        await stop.wait()
-        _say("kvrelay: shutting down")
+        lost = await until_stop_or_lost(signals, cluster.lost)
+        if lost is None:
+            admission = servers.frontend.admission
+            await drain(cluster.backend, admission, drain_s, signals.now, _say)
+        else:
+            status = 1
+            await refuse_while_lost(cluster.backend, lost, drain_s, signals.now, _say)
     finally:
         if stats_log is not None:
             await stats_log.close()
         if recorded is not None:
             cluster_address.forget_local(recorded)
         if servers is not None:
-            await servers.stop()
+            try:
+                await asyncio.wait_for(servers.stop(), SERVERS_STOP_S)
+            except TimeoutError:
+                logger.warning("the servers did not close in %.0f s", SERVERS_STOP_S)
         await cluster.close()
-    _say("kvrelay: stopped")
-    return 0
+    _say("kvrelay: stopped" if status == 0 else "kvrelay: stopped (the Ray cluster was lost)")
+    return status
 
 
 def placement_lines(spec: ClusterSpec) -> list[str]:

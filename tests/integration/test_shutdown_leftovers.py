@@ -1,0 +1,90 @@
+"""What a worker or a serve leaves when it dies without cleaning up: a worker's block SET expires
+some time after its HASH (refreshed by every write, like the HASH), late enough that whoever
+finds the worker dead still removes its block entries (real redis-server); the temp dir and the
+redis-server of a LocalRedis whose owner was SIGKILLed are removed by the next LocalRedis."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from common import kv_index_schema as schema
+from common.kv_publisher import KVPublisher
+from common.messages import WorkerLoad
+from deploy.cluster_address import process_alive
+from deploy.redis_local import LocalRedis, ping
+from engine.kv_cache.block_pool import BlockPool
+from router.prefix_index import PrefixIndex
+
+MODEL = "test-model"
+BOUND_S = 30.0  # a bound on each wait, never a timing claim
+
+
+def test_a_workers_block_set_has_a_ttl_past_its_hash_and_is_refreshed(redis_url):
+    pool = BlockPool(8, record_events=True)
+    publisher = KVPublisher(
+        redis_url, MODEL, "w0", "prefill", cached_hashes=pool.cached_hashes, ttl_s=0.5
+    )
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    blocks_key = schema.worker_blocks_key(MODEL, "w0")
+
+    def cache(block_hash: int) -> None:
+        [block] = pool.allocate(1)
+        pool.cache_block(block, block_hash, None)
+        pool.free([block])
+        assert publisher.publish(pool.drain_events(), WorkerLoad())
+
+    cache(11)  # the first write publishes the full state
+    first = client.pttl(blocks_key)
+    assert first > client.pttl(schema.worker_key(MODEL, "w0")) > 0
+    assert first <= 500 * schema.BLOCKS_TTL_FACTOR
+    cache(12)  # a delta refreshes it
+    assert client.smembers(blocks_key) == {"000000000000000b", "000000000000000c"}
+    assert client.pttl(blocks_key) > 0
+
+    deadline = time.monotonic() + BOUND_S  # the worker dies: its HASH expires first
+    while client.exists(schema.worker_key(MODEL, "w0")):
+        assert time.monotonic() < deadline, "the HASH never expired"
+        time.sleep(0.05)
+    assert client.exists(blocks_key)
+
+    async def forget() -> int:
+        async with PrefixIndex(redis_url, MODEL) as index:
+            return await index.forget_worker("w0")
+
+    assert asyncio.run(forget()) == 2  # a reaper still finds its block entries
+    assert not client.keys("kvr:*")
+    publisher.close()
+
+
+def test_the_next_local_redis_cleans_up_after_a_killed_owner():
+    child = subprocess.run(
+        [sys.executable, "-c", OWNER_KILLED_WHILE_SERVING],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == -9, child.stderr
+    tmp, pid, port = child.stdout.split()
+    orphan, stale = int(pid), Path(tmp)
+    assert stale.is_dir() and process_alive(orphan) and ping("127.0.0.1", int(port))
+
+    with LocalRedis():
+        assert not stale.exists()
+        deadline = time.monotonic() + BOUND_S
+        while process_alive(orphan):
+            assert time.monotonic() < deadline, "the orphaned redis-server still runs"
+            time.sleep(0.05)
+
+
+# A LocalRedis owner that dies by SIGKILL once its server runs (nothing of its own cleans up).
+OWNER_KILLED_WHILE_SERVING = """
+import os, signal
+from deploy.redis_local import LocalRedis
+server = LocalRedis().start()
+print(server._tmp.name, server.pid, server.port, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
