@@ -4,17 +4,15 @@
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
 graphs against the HBM roofline (bytes read / that bandwidth): the graph replay against the
 bytes the graph reads (every weight but the LM head's, and the KV), the replay plus the LM
-head and the whole engine step against all the step's bytes; engine decode step time
-with CUDA graphs vs eager at batch 1..8; offline throughput (ignore_eos) on a workload of
---num-requests x (--input-len in, --output-len out), with kernel profiles of three steps that
-carry prefill chunks and of decode replays at the first and the last wave's batch (their steps'
-time and tokens left out of the throughput); and, through
-bench/lib/gpu_vs_transformers.py, greedy tokens against transformers on small random bf16
-weights and offline throughput against transformers' generate on a smaller workload. The
+head and the whole engine step against all the step's bytes ("b1"); and offline throughput
+(ignore_eos) on a workload of --num-requests x (--input-len in, --output-len out), with kernel
+profiles of three steps that carry prefill chunks and of decode replays at the first and the
+last wave's batch (their steps' time and tokens left out of the throughput) ("offline"). The
 timing primitives are in bench/lib/gpu_timing.py. Owns no state; prints a table last and
 writes full JSON to --json (rewritten after every section).
 
     python -m bench.gpu_engine_bench --json $OUT/gpu_engine_bench.json
+    python -m bench.gpu_engine_bench --skip offline --kv-gib 8 --max-num-seqs 8   # batch 1 only
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from typing import Any
 import torch
 
 from bench.lib.engine_config import engine_config
-from bench.lib.gc_pauses import GcPauses
 from bench.lib.gpu_engine_report import environment, print_table
 from bench.lib.gpu_timing import (
     GiB,
@@ -44,12 +41,7 @@ from bench.lib.gpu_timing import (
     profile_prefill_steps,
     random_prompts,
 )
-from bench.lib.gpu_vs_transformers import (
-    greedy_against_transformers,
-    throughput_against_transformers,
-)
 from bench.lib.random_models import head_bytes, weight_bytes, write_random_model
-from engine.blas_choice import chosen_libraries
 from engine.engine import Engine
 from engine.loader import random_model, read_model_config
 from engine.quant.config import (
@@ -69,22 +61,17 @@ def build_engine(
     folder: Path,
     model: torch.nn.Module,
     *,
-    cuda_graph: bool,
     max_num_seqs: int | None,
     kv_bytes: int | None,
     kv_cache_dtype: str = "auto",
-    async_scheduling: bool | None = None,
     max_num_batched_tokens: int = 8192,
-    mixed_step_graphs: bool = False,
     host_kv_bytes: int = 0,
 ) -> Engine:
     config = engine_config(
         str(folder),
         device="cuda",
         dtype="bfloat16",
-        cuda_graph=cuda_graph,
-        mixed_step_graphs=mixed_step_graphs,
-        async_scheduling=async_scheduling,
+        cuda_graph=True,
         kv_cache_memory_bytes=kv_bytes,
         kv_cache_dtype=kv_cache_dtype,
         host_kv_cache_bytes=host_kv_bytes,
@@ -94,7 +81,7 @@ def build_engine(
     start = time.perf_counter()
     engine = Engine(config, model=model)
     log(
-        f"engine (cuda_graph={cuda_graph}, max_num_seqs={max_num_seqs}, KV {kv_cache_dtype}) "
+        f"engine (max_num_seqs={max_num_seqs}, KV {kv_cache_dtype}) "
         f"built in {time.perf_counter() - start:.1f} s, backend {engine.attention_backend}"
     )
     return engine
@@ -147,32 +134,12 @@ def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) 
     }
 
 
-def graph_vs_eager(args: argparse.Namespace, graph: Engine, eager: Engine) -> list[dict[str, Any]]:
-    rows = []
-    for batch in range(1, 9):
-        t_graph = statistics.median(decode_step_times(graph, batch, 256, args.compare_steps, batch))
-        finish_all(graph)
-        t_eager = statistics.median(decode_step_times(eager, batch, 256, args.compare_steps, batch))
-        finish_all(eager)
-        rows.append(
-            {
-                "batch": batch,
-                "graph_step_ms": t_graph * 1e3,
-                "eager_step_ms": t_eager * 1e3,
-                "eager_over_graph": t_eager / t_graph,
-            }
-        )
-        log(f"batch {batch}: graph {t_graph * 1e3:.2f} ms, eager {t_eager * 1e3:.2f} ms")
-    return rows
-
-
 def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     prompts = random_prompts(args.num_requests, args.input_len, engine.model_config.vocab_size, 99)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"t{i}", prompt, params)
     graph_steps_before = engine.runner.num_graph_steps
-    mixed_steps_before = engine.runner.num_mixed_graph_steps
     preemptions_before = engine.scheduler.num_preemptions
     num_output = num_tail_steps = 0
     calls = {"graph": 0, "eager": 0}  # step() calls by the step they launched
@@ -187,34 +154,31 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         profiles = (host_profile, first_wave_profile, prefill_profile)
         return sum(profile.get("seconds", 0.0) for profile in profiles)
 
-    with GcPauses(counting=False) as pauses:  # the collector's pauses in the timed steps
-        while engine.has_unfinished_requests:
-            if time.perf_counter() - start - profiled_seconds() > args.time_budget:
-                truncated = True
-                break
-            if num_tail_steps == args.output_len // 2 and not host_profile:
-                host_profile = diagnosis(profile_decode_steps, engine)
-                continue
-            if calls["eager"] == 20 and not prefill_profile and engine.scheduler.waiting:
-                prefill_profile = diagnosis(profile_prefill_steps, engine)
-                continue
-            if calls["graph"] == 400 and not first_wave_profile:
-                first_wave_profile = diagnosis(profile_decode_steps, engine)
-                continue
-            if not engine.scheduler.waiting:  # the last wave: nothing left to admit
-                num_tail_steps += 1
-            graph_steps = engine.runner.num_graph_steps
-            t0 = time.perf_counter()
-            with pauses.counting():
-                outputs = engine.step()
-            kind = "graph" if engine.runner.num_graph_steps > graph_steps else "eager"
-            calls[kind] += 1
-            seconds[kind] += time.perf_counter() - t0
-            num_output += sum(len(o.new_token_ids) for o in outputs)
+    while engine.has_unfinished_requests:
+        if time.perf_counter() - start - profiled_seconds() > args.time_budget:
+            truncated = True
+            break
+        if num_tail_steps == args.output_len // 2 and not host_profile:
+            host_profile = diagnosis(profile_decode_steps, engine)
+            continue
+        if calls["eager"] == 20 and not prefill_profile and engine.scheduler.waiting:
+            prefill_profile = diagnosis(profile_prefill_steps, engine)
+            continue
+        if calls["graph"] == 400 and not first_wave_profile:
+            first_wave_profile = diagnosis(profile_decode_steps, engine)
+            continue
+        if not engine.scheduler.waiting:  # the last wave: nothing left to admit
+            num_tail_steps += 1
+        graph_steps = engine.runner.num_graph_steps
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        kind = "graph" if engine.runner.num_graph_steps > graph_steps else "eager"
+        calls[kind] += 1
+        seconds[kind] += time.perf_counter() - t0
+        num_output += sum(len(o.new_token_ids) for o in outputs)
     elapsed = time.perf_counter() - start - profiled_seconds()
     finish_all(engine)
     return {
-        "gc_pauses": pauses.summary(),
         "host_profile_mid_decode": {k: v for k, v in host_profile.items() if k != "seconds"},
         "profile_first_wave_decode": {
             k: v for k, v in first_wave_profile.items() if k != "seconds"
@@ -238,11 +202,10 @@ def offline_throughput(args: argparse.Namespace, engine: Engine) -> dict[str, An
         "graph_step_calls": calls["graph"],
         "graph_time_s": seconds["graph"],
         "graph_step_ms_mean": seconds["graph"] / max(calls["graph"], 1) * 1e3,
-        # steps with prefill chunks (with or without decodes): eager, or piecewise graphs
+        # steps with prefill chunks (with or without decodes): eager
         "eager_step_calls": calls["eager"],
         "eager_time_s": seconds["eager"],
         "graph_steps": engine.runner.num_graph_steps - graph_steps_before,
-        "mixed_graph_steps": engine.runner.num_mixed_graph_steps - mixed_steps_before,
         "num_preemptions": engine.scheduler.num_preemptions - preemptions_before,
     }
 
@@ -274,23 +237,12 @@ def main() -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="the graph engine's step budget"
     )
-    p.add_argument(
-        "--mixed-step-graphs",
-        action="store_true",
-        help="the graph engine replays steps with prefill chunks from piecewise graphs",
-    )
     p.add_argument("--decode-steps", type=int, default=200)
-    p.add_argument("--compare-steps", type=int, default=30)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
     p.add_argument("--time-budget", type=float, default=120.0, help="seconds, offline run")
-    p.add_argument("--hf-requests", type=int, default=64, help="transformers throughput run")
-    p.add_argument("--hf-input-len", type=int, default=1000)
-    p.add_argument("--hf-output-len", type=int, default=200)
-    p.add_argument(
-        "--skip", nargs="*", default=[], choices=["compare", "offline", "hf-greedy", "hf-speed"]
-    )
+    p.add_argument("--skip", nargs="*", default=[], choices=["b1", "offline"])
     args = p.parse_args()
     device = torch.device("cuda")
     result: dict[str, Any] = {"env": environment(), "shape": args.shape}
@@ -300,10 +252,6 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))
 
-    if "hf-greedy" not in args.skip:
-        result["hf_greedy"] = greedy_against_transformers()
-        log(json.dumps(result["hf_greedy"]))
-        save()
     bandwidth = copy_bandwidth(device)
     result["copy_bandwidth_GBps"] = bandwidth / 1e9
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
@@ -319,32 +267,15 @@ def main() -> None:
     graph = build_engine(
         folder,
         model,
-        cuda_graph=True,
         max_num_seqs=args.max_num_seqs or None,
         kv_bytes=int(args.kv_gib * GiB) or None,
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        mixed_step_graphs=args.mixed_step_graphs,
         host_kv_bytes=int(args.host_kv_gib * GiB),
     )
-    blas = chosen_libraries(model)  # KVRELAY_BLAS_TUNE=1: what the graphs were captured on
-    if blas:
-        result["blas_by_rows"] = blas
-    result["decode_b1"] = decode_roofline(args, graph, bandwidth)
-    log(json.dumps(result["decode_b1"]))
-    save()
-    if "compare" not in args.skip:
-        eager = build_engine(  # overlapped like the graph engine: the ratio is the graphs'
-            folder, model, cuda_graph=False, max_num_seqs=8, kv_bytes=4 * GiB, async_scheduling=True
-        )
-        result["graph_vs_eager"] = graph_vs_eager(args, graph, eager)
-        del eager
-        save()
-    if "hf-speed" not in args.skip:
-        result["hf_speed"] = throughput_against_transformers(
-            folder, graph, args.hf_requests, args.hf_input_len, args.hf_output_len
-        )
-        log(json.dumps(result["hf_speed"]))
+    if "b1" not in args.skip:
+        result["decode_b1"] = decode_roofline(args, graph, bandwidth)
+        log(json.dumps(result["decode_b1"]))
         save()
     if "offline" not in args.skip:
         result["offline"] = offline_throughput(args, graph)

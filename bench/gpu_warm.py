@@ -1,10 +1,9 @@
-"""Build, before a GPU session's timed runs, the JIT-compiled kernels those runs load: FlashInfer's
-attention modules (fa2 prefill and decode, XQA, fa3's ragged prefill over a bf16 cache on
-Hopper) and the Triton kernels (RoPE + KV write, FP8 quantization and GEMV), each variant in
-its own process at once, so that the compiles share the machine's cores instead of queueing
-inside the first timed run. Each process runs a 2-layer model of the 8B shape through mixed
-and decode steps with CUDA graphs. Owns no state; the compiled modules land in FlashInfer's and
-Triton's caches (~/.cache). Needs a GPU.
+"""Build, before a GPU session's timed runs, the JIT-compiled kernels those runs load (FlashInfer's
+attention modules, the Triton kernels), each row's kernels (bf16, fp8 KV, fp8 weights + fp8 KV)
+in a process of its own at once, so that the compiles share the machine's cores instead of
+queueing inside the first timed run. Each process runs a 2-layer model of the 8B shape through
+mixed and decode steps with CUDA graphs. Owns no state; the compiled modules land in
+FlashInfer's and Triton's caches (~/.cache). Needs a GPU.
 
     python -m bench.gpu_warm [--variants bf16 fp8kv fp8w]
 """

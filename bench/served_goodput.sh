@@ -11,21 +11,19 @@
 #            one-GPU deployment: the prefill worker idles and holds its half of the memory), the
 #            pools sized by memory (--gpu-memory-utilization GPU_UTIL, default 0.9), once per
 #            config in CONFIGS (default "eager8k eager"):
-#              eager     2,048-token prompt chunks, mixed steps eager (issue 14's aggregated setup)
-#              graphs    the same with --mixed-step-graphs (piecewise graphs for mixed steps)
-#              graphs4k  graphs with 4,096-token prompt chunks
-#              eager4k, eager8k  eager with 4,096- or 8,192-token chunks (8,192: vLLM's default
-#                        step budget on this GPU; the best served config on 2026-12-06)
+#              eager     2,048-token prompt chunks (issue 14's aggregated setup)
+#              eager4k, eager8k  4,096- or 8,192-token chunks (8,192: vLLM's default step
+#                        budget on this GPU; the best served config on 2026-12-06)
 #            A config is skipped when fewer than MIN_LEFT_S (240) seconds are left before
 #            DEADLINE (epoch seconds; default: none).
 #   vllm     vLLM's server on the same model folder (bench/vllm_serve_peer.sh), the same load
 #   offline  kvrelay's engine offline (bench.gpu_engine_bench) on the same workload, all at
 #            once, with the served decode worker's step budget (128 + 2,048) and KV pool (read
 #            from the last kvrelay server log; OFFLINE_KV_GIB overrides): what the served path
-#            costs over its own engine. OFFLINE_FLAGS: more flags (e.g. --mixed-step-graphs)
+#            costs over its own engine, and batch-1 decode. OFFLINE_FLAGS: more flags
 #   pack     $OUT/sg -> $OUT/served_goodput.tgz, the FlashInfer JIT cache -> $OUT
-# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds the k-th rate of
-# the list with seed + k (arrivals and prompts): compare setups only over the same RATES list.
+# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds each rate's run
+# by the rate's value (arrivals and prompts), so runs at one rate compare across RATES lists.
 set -uo pipefail
 part=${1:?part: kvrelay, vllm, offline or pack}
 out=${OUT:?set OUT}/sg
@@ -41,8 +39,6 @@ left() { if [ -n "${DEADLINE:-}" ]; then echo $((DEADLINE - $(date +%s))); else 
 config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
   case $1 in
     eager) echo "--local-prefill-chunk-tokens 2048" ;;
-    graphs) echo "--local-prefill-chunk-tokens 2048 --mixed-step-graphs" ;;
-    graphs4k) echo "--local-prefill-chunk-tokens 4096 --mixed-step-graphs" ;;
     eager4k) echo "--local-prefill-chunk-tokens 4096" ;;
     eager8k) echo "--local-prefill-chunk-tokens 8192" ;;
     *) echo "unknown config $1" >&2; return 2 ;;
@@ -80,7 +76,7 @@ case $part in
     echo "offline: KV pool ${kv:?no pool size found} GiB"
     # shellcheck disable=SC2086  # OFFLINE_FLAGS: several words
     timeout -k 10 $(( $(left) < 300 ? $(left) - 10 : 290 )) python3 -m bench.gpu_engine_bench \
-      --skip compare hf-greedy hf-speed --num-requests "${OFFLINE_REQUESTS:-240}" \
+      --num-requests "${OFFLINE_REQUESTS:-240}" \
       --input-len 3000 --output-len 150 --max-num-seqs 128 --max-num-batched-tokens 2176 \
       --kv-gib "$kv" --time-budget 200 ${OFFLINE_FLAGS:-} --json "$out/offline_3000_150.json" \
       > "$out/offline_3000_150.txt" 2> "$out/offline_3000_150.err"

@@ -1,26 +1,24 @@
-#!/usr/bin/env python3
 """vLLM's peer for bench.spec_bench: the same batch-1 rewrite prompts (bench/lib/rewrite_prompts.py
 through the model folder's chat template) and the same random-prompt batches, with vLLM's n-gram
 speculation (speculative_config method "ngram") or without; prints batch-1 ms per output token
 (first token to last, per token after the first), acceptance from vLLM's own counters, and output
 tok/s at each batch; owns no state.
 
-On the GPU machine (vLLM staged into /tmp/vsite, ../shared/device/vllm/), once per mode:
-    PYTHONPATH=/tmp/vsite python3 bench/vllm_spec_peer.py --model FOLDER --load-format dummy \
+On the GPU machine (vLLM staged into /tmp/vsite, ../shared/device/vllm/), from the repo root,
+once per mode:
+    PYTHONPATH=/tmp/vsite python3 -m bench.vllm_spec_peer --model FOLDER --load-format dummy \
         --speculative ngram --batch-sizes 64 256 --input-len 1000 --output-len 1000 --json out.json
 """
 
 import argparse
 import json
 import os
-import sys
 import time
 
-for _key, _value in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):
-    os.environ.setdefault(_key, _value)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.lib.rewrite_prompts import batch1_row, random_batch, rewrite_turns
 
-from bench.lib.rewrite_prompts import batch1_row, random_batch, rewrite_turns  # noqa: E402
+for _key, _value in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):
+    os.environ.setdefault(_key, _value)  # before vLLM is imported (inside the functions)
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "verify_steps",

@@ -16,7 +16,6 @@ def engine_config(
     dtype: str = _ENGINE.dtype,
     load_format: str = _ENGINE.load_format,
     cuda_graph: bool = _ENGINE.cuda_graph,
-    mixed_step_graphs: bool = _ENGINE.mixed_step_graphs,
     async_scheduling: bool | None = _ENGINE.async_scheduling,
     block_size: int = _CACHE.block_size,
     num_blocks: int | None = _CACHE.num_blocks,
@@ -49,7 +48,6 @@ def engine_config(
         dtype=dtype,
         load_format=load_format,
         cuda_graph=cuda_graph,
-        mixed_step_graphs=mixed_step_graphs,
         async_scheduling=async_scheduling,
     )
 

@@ -1,7 +1,6 @@
 """Timing primitives for one engine on a GPU: device copy bandwidth, wall time of decode steps,
 CUDA-graph replay time, kernel time by kind inside a replay and one layer's kernel timeline,
-host + device time of decode steps mid-run, and a chain of calls timed from one graph (for
-kernel benches). Stateless: the requests live in the caller's engine.
+and host + device time of decode steps mid-run. Stateless: the requests live in the caller's engine.
 """
 
 from __future__ import annotations
@@ -103,19 +102,6 @@ def event_ms(work: Callable[[], Any], repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def chain_us(calls: list[Callable[[], Any]], replays: int = 5) -> float:
-    """Microseconds per call of a chain of calls captured into one CUDA graph (the first call
-    runs once before, outside it: compiles, autotunes, cuBLAS handles)."""
-    for call in calls[:1]:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return event_ms(graph.replay, replays) * 1e3 / len(calls)
-
-
 def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
     """A profile's GPU kernels and copies as (start, end, name), in us."""
     return [
@@ -125,8 +111,8 @@ def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
     ]
 
 
-# kernel names that are matrix products (dot_rows, row_dot: the FP8 few-row products, counted
-# as "elementwise/other" before 2026-12-05)
+# kernel names that are matrix products (dot_rows: the FP8 few-row products, gemv: the fused
+# few-row GEMVs)
 MATMUL_KERNELS = (
     "gemm",
     "gemv",
@@ -136,9 +122,8 @@ MATMUL_KERNELS = (
     "cublas",
     "splitk",
     "dot_rows",
-    "row_dot",
 )
-# kernel_mha: XQA's decode kernel; split_kv_decode: engine/attention/split_kv_decode.py
+# kernel_mha: XQA's decode kernel
 ATTENTION_KERNELS = ("prefill", "decode", "merge_state", "attention", "kernel_mha")
 
 

@@ -1,5 +1,5 @@
-"""serve_bench's command line (also how gpu_cluster_bench describes its workloads), the checks
-on it and its split into one run per --rate; stateless.
+"""serve_bench's command line, the checks on it and its split into one run per --rate;
+stateless.
 """
 
 from __future__ import annotations
@@ -94,7 +94,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--min-token-id", type=int, default=100)
     g.add_argument("--max-token-id", type=int, default=20000, help="exclusive")
     g.add_argument(
-        "--seed", type=int, default=0, help="workload and arrival seed (run k of --rate: seed + k)"
+        "--seed",
+        type=int,
+        default=0,
+        help="workload and arrival seed (a rate's run: seed + 1000 x its rate)",
     )
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -167,12 +170,18 @@ def check_multi_turn(args: argparse.Namespace) -> None:
         raise ValueError("--think-time-s must be >= 0")
 
 
+def rate_seed(seed: int, rate: float) -> int:
+    """The seed of the run at `rate`: by the rate's value (seed + 1000 x rate, rounded), not its
+    place in --rate, so runs at one rate draw the same arrivals and prompts whatever list they
+    came in, and a server's runs at different rates share no prompts."""
+    return seed + round(rate * 1000)
+
+
 def rate_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """One copy of args per --rate, with that `rate`; run k uses seed + k, so the runs of one
-    server share no prompts (no prefix cache hits from an earlier run)."""
+    """One copy of args per --rate, with that `rate` and its seed (rate_seed)."""
     runs = []
-    for k, rate in enumerate(args.rates):
+    for rate in args.rates:
         run = copy.copy(args)
-        run.rate, run.seed = rate, args.seed + k
+        run.rate, run.seed = rate, rate_seed(args.seed, rate)
         runs.append(run)
     return runs

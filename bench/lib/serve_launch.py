@@ -275,15 +275,3 @@ def nvidia_gpus() -> list[dict[str, str]]:
         for line in out.splitlines()
         if line.strip()
     ]
-
-
-def package_versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    versions: dict[str, str | None] = {}
-    for name in ("torch", "flashinfer-python", "ray", "nixl", "grpcio", "ucxx-cu12"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions

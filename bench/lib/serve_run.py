@@ -29,7 +29,6 @@ from bench.lib.serve_stats import Slo, summarize
 from bench.lib.serve_workload import (
     Conversation,
     arrival_offsets,
-    single_turns,
     warmup_requests,
     with_chat_text,
 )
@@ -138,13 +137,6 @@ class BenchRun(NamedTuple):
 
     report: dict[str, Any]
     results: list[RequestResult]
-
-
-async def run_bench(
-    args: argparse.Namespace, requests: Sequence[BenchRequest], url: str, target: str
-) -> BenchRun:
-    """Warmup requests, then `requests` at args.rate (a scalar: one of serve_args.rate_runs)."""
-    return await run_conversations(args, single_turns(requests), url, target)
 
 
 async def run_conversations(

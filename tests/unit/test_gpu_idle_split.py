@@ -103,10 +103,9 @@ def test_layer_timeline_refuses_spans_that_are_not_whole_equal_replays() -> None
     ("name", "kind"),
     [
         ("fp8_dot_rows_kernel", "matmul"),  # the FP8 few-row products are Triton kernels
-        ("fp8_one_row_dot", "matmul"),
         ("fused_gemv", "matmul"),
         ("nvjet_tst_128x64_64x5_1x2_h_bz_coopA_TNN", "matmul"),
-        ("split_kv_decode", "attention"),
+        ("BatchDecodeWithPagedKVCacheKernel", "attention"),
         ("kernel_mha", "attention"),
         ("Memcpy HtoD (Pinned -> Device)", "copy"),
         ("rope_write_kv", "elementwise/other"),

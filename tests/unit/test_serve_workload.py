@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from bench.lib.serve_args import build_parser, check_args
+from bench.lib.serve_args import build_parser, check_args, rate_runs
 from bench.lib.serve_client import BenchRequest, Client, RequestResult, Sampling
 from bench.lib.serve_run import run_timed
 from bench.lib.serve_workload import (
@@ -25,6 +25,19 @@ def make_args(*argv: str):
     check_args(args)
     args.rate, args.seed = args.rates[0], args.seed
     return args
+
+
+def test_a_rates_run_is_seeded_by_its_value_not_its_place_in_the_list() -> None:
+    def seeds(*rates: str) -> dict[float, int]:
+        args = build_parser().parse_args(["--seed", "7", "--rate", *rates])
+        return {run.rate: run.seed for run in rate_runs(args)}
+
+    short, long = seeds("8", "12", "16"), seeds("4", "8", "12", "16")
+    assert short == {rate: long[rate] for rate in short}  # 8 req/s draws alike in both lists
+    assert len(set(long.values())) == 4  # one server's runs share no prompts
+    assert seeds("0.5", "1.5") == {0.5: 507, 1.5: 1507}
+    args = build_parser().parse_args(["--seed", "7", "--rate", "12", "8"])
+    assert [run.rate for run in rate_runs(args)] == [12, 8]  # in the order given
 
 
 def sharegpt_args(*argv: str):
