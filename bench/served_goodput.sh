@@ -22,6 +22,8 @@
 #            from the last kvrelay server log; OFFLINE_KV_GIB overrides): what the served path
 #            costs over its own engine, and batch-1 decode. OFFLINE_FLAGS: more flags
 #   pack     $OUT/sg -> $OUT/served_goodput.tgz, the FlashInfer JIT cache -> $OUT
+# WORKLOAD: long-prompt (the default) or sharegpt (ShareGPT-like lognormal lengths, prompts up to
+# 2,048 tokens and outputs up to 1,024; its files are named *_sharegpt; rates in RATES as above).
 # RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds each rate's run
 # by the rate's value (arrivals and prompts), so runs at one rate compare across RATES lists.
 set -uo pipefail
@@ -29,8 +31,13 @@ part=${1:?part: kvrelay, vllm, offline or pack}
 out=${OUT:?set OUT}/sg
 mkdir -p "$out"
 rates=${RATES:-4 8 12 16}
-load=(--num-requests "${REQUESTS:-120}" --input-len 3000 --output-len 150 --warmup 2
-  --slo-ttft-ms 1500 --slo-tpot-ms 50 --max-duration 150)
+load=(--num-requests "${REQUESTS:-120}" --warmup 2 --slo-ttft-ms 1500 --slo-tpot-ms 50
+  --max-duration 150)
+case ${WORKLOAD:-long-prompt} in
+  long-prompt) load+=(--input-len 3000 --output-len 150); tag="" ;;
+  sharegpt) load+=(--workload sharegpt --max-input-len 2048 --max-output-len 1024); tag=_sharegpt ;;
+  *) echo "unknown WORKLOAD ${WORKLOAD} (long-prompt or sharegpt)" >&2; exit 2 ;;
+esac
 folder=/tmp/kvrelay-goodput-llama-3.1-8b  # the 8B shape, SmolLM2's tokenizer, no weights
 test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
 write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
@@ -53,22 +60,23 @@ case $part in
       # shellcheck disable=SC2086,SC2206  # rates and flags: several words
       timeout -k 20 $(( $(left) < 560 ? $(left) - 10 : 550 )) python3 -m bench.serve_bench \
         --launch --transport http --prefill 1 --decode 1 --worker-niceness 0 \
-        --startup-timeout 300 --rate $rates "${load[@]}" --label "kvrelay $config" \
+        --startup-timeout 300 --rate $rates "${load[@]}" --label "kvrelay $config${tag}" \
         --server-args "--model $folder --load-format dummy --device cuda --gpus-per-worker 0.5 \
 --gpu-memory-utilization ${GPU_UTIL:-0.9} --max-num-seqs 128 --max-model-len 4096 \
 --local-prefill-max-tokens 1000000 $flags" \
-        --json "$out/kvrelay_$config.json" > "$out/kvrelay_$config.txt" 2> "$out/kvrelay_$config.err"
-      echo "kvrelay $config rc=$? in $(( $(date +%s) - started )) s"
+        --json "$out/kvrelay_$config$tag.json" > "$out/kvrelay_$config$tag.txt" \
+        2> "$out/kvrelay_$config$tag.err"
+      echo "kvrelay $config$tag rc=$? in $(( $(date +%s) - started )) s"
       log=$(ls -t /tmp/serve_bench_server_*.log 2>/dev/null | head -1)
-      [ -n "$log" ] && mv "$log" "$out/kvrelay_$config.server.log"
-      grep -h "KV pool\|ready in" "$out/kvrelay_$config.server.log" "$out/kvrelay_$config.err" 2>/dev/null | cut -c1-300
+      [ -n "$log" ] && mv "$log" "$out/kvrelay_$config$tag.server.log"
+      grep -h "KV pool\|ready in" "$out/kvrelay_$config$tag.server.log" "$out/kvrelay_$config$tag.err" 2>/dev/null | cut -c1-300
     done
     ;;
   vllm)
     # shellcheck disable=SC2086  # the rates: several words
     timeout -k 20 $(( $(left) < 570 ? $(left) - 10 : 560 )) bench/vllm_serve_peer.sh "$folder" \
-      "$out/vllm" --rate $rates "${load[@]}"
-    grep -h "KV cache\|max_num_batched_tokens\|max_num_seqs" "$out/vllm.server.log" | cut -c1-300 | head -8
+      "$out/vllm$tag" --rate $rates "${load[@]}"
+    grep -h "KV cache\|max_num_batched_tokens\|max_num_seqs" "$out/vllm$tag.server.log" | cut -c1-300 | head -8
     ;;
   offline)
     kv=${OFFLINE_KV_GIB:-$(grep -ho "KV pool [0-9.]* GiB" "$(ls -t "$out"/kvrelay_*.server.log | head -1)" \
