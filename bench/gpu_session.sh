@@ -33,9 +33,9 @@ fi
 python3 -c "import pytest" 2>/dev/null \
   || python3 -m pip install -q --no-index --no-deps --target /tmp/site .cache/wheels/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.csv"
-offline_run() {  # NAME [ARGS...]: gpu_engine_bench's 1000-request offline run into $out/NAME.*
+offline_run() {  # NAME [ARGS...]: gpu_engine_bench (batch 1, then 1000 requests offline) into $out/NAME.*
   local name=$1; shift
-  timeout 280 python3 -m bench.gpu_engine_bench --skip b1 --num-requests 1000 \
+  timeout 280 python3 -m bench.gpu_engine_bench --num-requests 1000 \
     --time-budget 200 "$@" --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
   echo "$name rc=$?"
 }
