@@ -289,3 +289,25 @@ def test_host_tier_is_token_exact_and_saves_recomputing_evicted_prefixes(make_en
             assert engine.kv.host_tier is not None and engine.kv.num_host_hit_blocks > 0
     assert outputs[256 << 20] == outputs[0]
     assert computed[256 << 20] < 0.6 * computed[0], computed
+
+
+def test_snapshot_counts_load_and_drains_to_nothing(make_engine, tokenizer):
+    engine = make_engine()
+    idle = engine.snapshot()
+    assert (idle.num_running, idle.num_waiting, idle.num_requests) == (0, 0, 0)
+    assert idle.num_free_blocks == idle.num_total_blocks == engine.kv.num_blocks
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    engine.add_request("a", prompt, GREEDY)
+    engine.add_request("b", prompt[:5], GREEDY)
+    queued = engine.snapshot()
+    assert (queued.num_waiting, queued.num_requests) == (2, 2)
+    assert queued.num_queued_tokens == len(prompt) + 5
+    engine.step()
+    running = engine.snapshot()
+    assert running.num_running == 2 and running.num_waiting == 0
+    assert running.num_free_blocks < running.num_total_blocks
+    assert running.tokens_per_s > 0 and running.step_s > 0
+    run_to_completion(engine)
+    done = engine.snapshot()
+    assert (done.num_running, done.num_requests, done.num_held_requests) == (0, 0, 0)
+    assert done.num_queued_tokens == 0
