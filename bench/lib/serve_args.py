@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -97,7 +98,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=0,
-        help="workload and arrival seed (a rate's run: seed + 1000 x its rate)",
+        help="workload and arrival seed (a rate's run: seed + 1000 x its rate; inf: seed)",
     )
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -171,10 +172,11 @@ def check_multi_turn(args: argparse.Namespace) -> None:
 
 
 def rate_seed(seed: int, rate: float) -> int:
-    """The seed of the run at `rate`: by the rate's value (seed + 1000 x rate, rounded), not its
-    place in --rate, so runs at one rate draw the same arrivals and prompts whatever list they
-    came in, and a server's runs at different rates share no prompts."""
-    return seed + round(rate * 1000)
+    """The seed of the run at `rate`: by the rate's value (seed + 1000 x rate, rounded; all at
+    once, inf: seed), not its place in --rate, so runs at one rate draw the same arrivals and
+    prompts whatever list they came in, and a server's runs at different rates share no
+    prompts."""
+    return seed if math.isinf(rate) else seed + round(rate * 1000)
 
 
 def rate_runs(args: argparse.Namespace) -> list[argparse.Namespace]:

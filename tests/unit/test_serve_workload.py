@@ -35,7 +35,7 @@ def test_a_rates_run_is_seeded_by_its_value_not_its_place_in_the_list() -> None:
     short, long = seeds("8", "12", "16"), seeds("4", "8", "12", "16")
     assert short == {rate: long[rate] for rate in short}  # 8 req/s draws alike in both lists
     assert len(set(long.values())) == 4  # one server's runs share no prompts
-    assert seeds("0.5", "1.5") == {0.5: 507, 1.5: 1507}
+    assert seeds("0.5", "1.5", "inf") == {0.5: 507, 1.5: 1507, float("inf"): 7}  # inf: at once
     args = build_parser().parse_args(["--seed", "7", "--rate", "12", "8"])
     assert [run.rate for run in rate_runs(args)] == [12, 8]  # in the order given
 
