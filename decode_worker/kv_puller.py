@@ -33,8 +33,8 @@ from kvtransfer.handshake import IncompatiblePeerError
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from engine.fork import PrefilledChoices
     from engine.kv_loading import KVLoadPlan
+    from engine.request import PrefilledChoices
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ def _choices(handle: KVHandle) -> PrefilledChoices | None:
     """n > 1: the choices the prefill worker's first tokens leave to decode (None: n = 1)."""
     if not handle.other_choices:
         return None
-    from engine.fork import PrefilledChoices
+    from engine.request import PrefilledChoices
 
     first_token_ids = {
         index: choice.token_id

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.backend_builder import DeviceSide, resolve_device
 from engine.config import EngineConfig, ModelConfig
-from engine.fork import ChoiceForks, PrefilledChoices
+from engine.fork import ChoiceForks
 from engine.gc_heap import freeze_heap, thaw_heap
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import cdiv
@@ -25,7 +25,7 @@ from engine.loader import read_model_config, resolve_model, served_model_id
 from engine.model_setup import build_device_parts
 from engine.output_processor import OutputProcessor
 from engine.overlap import RunAhead
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, PrefilledChoices, Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -169,7 +169,6 @@ class Engine:
         if plan is not None:  # an offload of a block the pull will write must be done first
             self.copies.run_owed(self.kv, wait=True, writes=plan.local_block_ids)
         else:
-            self.forks.forget_prefilled(req_id)
             self.output.release(req)
         return plan
 
@@ -205,7 +204,6 @@ class Engine:
     def abort(self, req_id: str) -> bool:
         """Abort a request and its other choices (n > 1); False when none of them was known."""
         aborted = [self._abort_one(choice_id) for choice_id in self.forks.live_choices(req_id)]
-        self.forks.forget_prefilled(req_id)
         return self._abort_one(req_id) or any(aborted)
 
     def _abort_one(self, req_id: str) -> bool:

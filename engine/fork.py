@@ -17,20 +17,10 @@ each with its first token already appended.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
 
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request
+from engine.request import PrefilledChoices, Request
 from engine.scheduler import Scheduler
-
-
-class PrefilledChoices(NamedTuple):
-    """A prefilled parent's choices as its prefill engine left them: the first token of each
-    choice 1..n-1 that goes on decoding (index -> token id), and the finish reason of choice 0
-    when its first token ended it (the parent then only carries the KV)."""
-
-    first_token_ids: dict[int, int]
-    parent_finish_reason: str | None = None
 
 
 def choice_req_id(req_id: str, index: int) -> str:
@@ -40,14 +30,12 @@ def choice_req_id(req_id: str, index: int) -> str:
 
 class ChoiceForks:
     """Invariant: every id in _live[parent] names a choice in the scheduler (running or
-    waiting); a finished, aborted or preempted-and-finished choice leaves it (discard).
-    _prefilled[parent] exists only while that parent's KV is loading (decode role)."""
+    waiting); a finished, aborted or preempted-and-finished choice leaves it (discard)."""
 
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager):
         self.scheduler = scheduler
         self.kv = kv
         self._live: dict[str, list[str]] = {}
-        self._prefilled: dict[str, PrefilledChoices] = {}
         self.num_forked = 0  # choices that shared their parent's prompt KV
         self.num_recomputed = 0  # choices queued to recompute a partial block (no room)
 
@@ -76,17 +64,17 @@ class ChoiceForks:
 
     def expect_prefilled(self, parent: Request, choices: PrefilledChoices) -> None:
         """Decode role: parent (choice 0, its first token appended) is loading its prompt KV;
-        fork_prefilled makes `choices` once it is in."""
+        fork_prefilled makes `choices` (kept on the parent until then) once it is in."""
         bad = [i for i in choices.first_token_ids if not 0 < i < parent.sampling.n]
         if bad:
             raise ValueError(f"choice indexes {bad} are outside [1, n) for n={parent.sampling.n}")
-        self._prefilled[parent.req_id] = choices
+        parent.prefilled_choices = choices
 
     def fork_prefilled(self, parent: Request) -> tuple[list[Request], str | None]:
         """Decode role, parent's KV committed (or queued for recompute): schedule its choices
         that go on, each sharing the prompt's KV (or recomputing it) with its own first token
         appended. Returns them and choice 0's finish reason when it ended at prefill."""
-        choices = self._prefilled.pop(parent.req_id, None)
+        choices, parent.prefilled_choices = parent.prefilled_choices, None
         if choices is None:
             return [], None
         num_full = parent.num_prompt_tokens // self.kv.block_size
@@ -101,10 +89,6 @@ class ChoiceForks:
         for child in children:
             self._place(parent, child)
         return children, choices.parent_finish_reason
-
-    def forget_prefilled(self, req_id: str) -> None:
-        """The prefilled parent was aborted before its KV came in."""
-        self._prefilled.pop(req_id, None)
 
     def _child(self, parent: Request, index: int) -> Request:
         params = replace(parent.sampling, n=1)

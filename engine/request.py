@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.retention import RetentionRange
@@ -31,6 +31,15 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     PREFILLED = "prefilled"  # prefill role: the prompt is done, decoding goes on elsewhere
+
+
+class PrefilledChoices(NamedTuple):
+    """A prefilled parent's choices as its prefill engine left them (engine/fork.py): the first
+    token of each choice 1..n-1 that goes on decoding (index -> token id), and the finish reason
+    of choice 0 when its first token ended it (the parent then only carries the KV)."""
+
+    first_token_ids: dict[int, int]
+    parent_finish_reason: str | None = None
 
 
 @dataclass(eq=False)
@@ -67,6 +76,8 @@ class Request:
     # n > 1 (engine/fork.py): choice i > 0 of request choice_of (its outputs carry that id).
     choice_of: str | None = None
     choice_index: int = 0
+    # Decode role, n > 1: the choices to fork once this parent's pulled KV is in.
+    prefilled_choices: PrefilledChoices | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.engine import Engine
-from engine.fork import PrefilledChoices
+from engine.request import PrefilledChoices
 from engine.sampling_params import SamplingParams
 from engine.step_types import RequestOutput
 from tests.conftest import EngineFactory
