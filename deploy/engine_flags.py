@@ -142,12 +142,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--no-cuda-graph", action="store_true", help="run decode eagerly (no CUDA graphs)"
     )
     p.add_argument(
-        "--mixed-step-graphs",
-        action="store_true",
-        help="replay steps with prefill chunks from piecewise CUDA graphs (attention eager "
-        "between the pieces; FlashInfer with CUDA graphs only, else ignored)",
-    )
-    p.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="do not schedule a step while the previous one runs on the GPU",
@@ -195,7 +189,6 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         cuda_graph=not args.no_cuda_graph,
-        mixed_step_graphs=args.mixed_step_graphs,
         async_scheduling=False if args.no_async_scheduling else None,
         load_format=args.load_format,
         quantization=quantization_from_flag(args.quantization),

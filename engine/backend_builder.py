@@ -18,8 +18,6 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
-from engine.blas_choice import ENV as BLAS_ENV
-from engine.blas_choice import blas_summary, tuning_wanted
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph import CUDAGraphDecoder
 from engine.host_tensors import index_tensor
@@ -32,7 +30,6 @@ from engine.memory_budget import (
     num_pool_blocks,
     profile_num_seqs,
 )
-from engine.mixed_step_graphs import MixedStepGraphs
 from engine.sample_row import SampleRow
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -58,7 +55,6 @@ class DeviceSide(NamedTuple):
     kv_cache: torch.Tensor
     attention: AttentionBackend
     graphs: CUDAGraphDecoder | None  # decode graphs (FlashInfer with cuda_graph only)
-    mixed_graphs: MixedStepGraphs | None  # piecewise graphs of other steps (mixed_step_graphs)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,7 +134,7 @@ def size_kv_pool_by_memory(
     activation_peak = _activation_peak(config, model, model_config, device, dtype)
     free, total = torch.cuda.mem_get_info(device)
     decode_graphs = config.cuda_graph and backend == "flashinfer"
-    graph_reserve = graph_reserve_bytes(decode_graphs, config.mixed_step_graphs, activation_peak)
+    graph_reserve = graph_reserve_bytes(decode_graphs)
     budget = kv_pool_bytes(
         total,
         free,
@@ -265,9 +261,7 @@ def build_backend(
     kv_cache = kv_storage[: pool.num_blocks]
     if not use_flashinfer:
         attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim)
-        if not memory_probe:
-            report_blas_tuning(model, None)
-        return DeviceSide(name, kv_cache, attention, None, None)
+        return DeviceSide(name, kv_cache, attention, None)
     kv_scales = getattr(model, "kv_scales", None) if pool.kv_dtype != dtype else None
     flashinfer = FlashInferAttention(
         kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
@@ -284,21 +278,7 @@ def build_backend(
             ),
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
-    mixed_graphs = None
-    if config.cuda_graph and config.mixed_step_graphs:
-        mixed_graphs, took = _with_memory_taken(
-            device,
-            lambda: MixedStepGraphs(
-                model, flashinfer, config.scheduler.max_num_batched_tokens, pool.num_blocks
-            ),
-        )
-        _stderr(
-            f"kvrelay engine: piecewise graphs of {len(mixed_graphs.buckets)} token buckets "
-            f"took {took:.0f} MiB"
-        )
-    if not memory_probe:
-        report_blas_tuning(model, graphs)
-    return DeviceSide(name, kv_cache, flashinfer, graphs, mixed_graphs)
+    return DeviceSide(name, kv_cache, flashinfer, graphs)
 
 
 def _with_memory_taken(device: torch.device, build: Callable[[], T]) -> tuple[T, float]:
@@ -306,20 +286,6 @@ def _with_memory_taken(device: torch.device, build: Callable[[], T]) -> tuple[T,
     reserved = torch.cuda.memory_reserved(device)
     built = build()
     return built, (torch.cuda.memory_reserved(device) - reserved) / MiB
-
-
-def report_blas_tuning(model: nn.Module, graphs: CUDAGraphDecoder | None) -> None:
-    """Under KVRELAY_BLAS_TUNE=1, log the libraries chosen and the seconds spent, or that the
-    setting did nothing (it tunes decode CUDA graphs, and this engine captured none)."""
-    if not tuning_wanted():
-        return
-    if graphs is None:
-        _stderr(f"kvrelay engine: {BLAS_ENV}=1 ignored: this engine captures no decode CUDA graphs")
-        return
-    _stderr(
-        f"kvrelay engine: BLAS library by decode batch size "
-        f"({graphs.blas_tune_seconds:.1f} s timing them): {blas_summary(model)}"
-    )
 
 
 def _stderr(message: str) -> None:

@@ -226,11 +226,6 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 elsewhere
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA when importable) | "torch"
     cuda_graph: bool = True  # decode CUDA graphs (FlashInfer backend only; ignored on CPU)
-    # Steps with prefill chunks replayed from piecewise CUDA graphs per token bucket, attention
-    # eager between the pieces (with cuda_graph, FlashInfer only; ignored elsewhere). Off by
-    # default: equal to eager on the GPU tests, but not yet measured apart from larger steps
-    # (bench/RESULTS.md), nor run beside speculation, the host tier or grammars on a GPU.
-    mixed_step_graphs: bool = False
     async_scheduling: bool | None = None  # overlap step N+1's host work with step N on the GPU
     # (None: on when decode runs through CUDA graphs)
     load_format: str = "auto"  # "auto": the checkpoint's weights | "dummy": random (speed runs)

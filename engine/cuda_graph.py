@@ -8,14 +8,11 @@ reserved padding block, which the KV cache manager never hands out.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
-from engine.blas_choice import choices_in_force, tune_rows, tuning_wanted
 from engine.host_tensors import copy_from_host
 from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
@@ -55,7 +52,6 @@ class CUDAGraphDecoder:
         attention.enable_cuda_graphs(self.sizes, -(-max_model_len // self.block_size))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool: tuple[int, int] | None = None
-        self.blas_tune_seconds = 0.0  # start-up time spent timing libraries (KVRELAY_BLAS_TUNE)
         self._capture_all()
 
     def padded_size(self, num_seqs: int) -> int | None:
@@ -64,24 +60,14 @@ class CUDAGraphDecoder:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        tune = tuning_wanted()
-        # Each projection's BLAS library at a size, before its graph records it; sizes that
-        # run on the fused GEMVs (models/fused_gemv.py) make no BLAS call (but gate/up's with
-        # KVRELAY_GATE_UP_BLAS=1, which keeps its default library).
-        fused_gemv_rows = getattr(self.model, "fused_gemv_rows", list)()
         for bs in reversed(self.sizes):  # largest first: the pool is sized once
-            if tune and bs not in fused_gemv_rows:
-                started = time.perf_counter()
-                tune_rows(self.model, bs)
-                self.blas_tune_seconds += time.perf_counter() - started
             self._plan(bs, [], [], [], [], [])
-            with choices_in_force():  # the BLAS libraries tuned for bs go into its graph
-                self._forward(bs)  # warm-up outside capture (lazy cuBLAS / kernel init)
-                torch.cuda.synchronize(self.attention.device)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: CUDA calls of other threads (e.g. a KV transfer agent) stay legal.
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    self._forward(bs)
+            self._forward(bs)  # warm-up outside capture (lazy cuBLAS / kernel init)
+            torch.cuda.synchronize(self.attention.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (e.g. a KV transfer agent) stay legal.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._forward(bs)
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[bs] = graph

@@ -1,6 +1,6 @@
 """Host list -> tensor conversion for per-step index tables, copied to the GPU without waiting
-for it (large ones through page-locked memory); owns no state but the size threshold read once
-from the environment (the page-locked blocks belong to torch's caching host allocator).
+for it (large ones through page-locked memory); owns no state (the page-locked blocks belong to
+torch's caching host allocator).
 
 torch.tensor() walks a Python list element by element (~1.6 ms for 30k ints); going through
 a numpy array is ~4x faster, which matters for page tables rebuilt every step at large batch.
@@ -8,8 +8,6 @@ a numpy array is ~4x faster, which matters for page tables rebuilt every step at
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,20 +17,9 @@ _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 # Measured on an H200 (bench.host_copy_bench): a non-blocking copy from pageable memory returned
 # at once up to 1 MiB and waited for the queued kernels at 4 MiB; below the limit it is also
 # cheaper on the host than pinning first (0.02-0.03 ms against 0.03-0.1 ms). But on the GPU a
-# batch-768 decode step sat idle ~0.4 ms between two such pageable copies (bench/RESULTS.md,
-# eighth round): KVRELAY_PAGE_LOCK_FROM_BYTES=0 page-locks every copy, to measure that trade.
-PAGE_LOCK_ENV = "KVRELAY_PAGE_LOCK_FROM_BYTES"
+# batch-768 decode step sat idle ~0.4 ms between two such pageable copies; page-locking every
+# copy did not make the 8B fp8 offline run faster and left the GPU idle longer between steps.
 PAGE_LOCK_FROM_BYTES = 1 << 20
-
-
-@functools.cache
-def page_lock_from_bytes() -> int:
-    """Copies of this many bytes or more go through page-locked memory (read once from
-    KVRELAY_PAGE_LOCK_FROM_BYTES, default PAGE_LOCK_FROM_BYTES; cache_clear to re-read)."""
-    raw = os.environ.get(PAGE_LOCK_ENV, str(PAGE_LOCK_FROM_BYTES)).strip()
-    if not raw.isdecimal():
-        raise ValueError(f"{PAGE_LOCK_ENV} must be a whole number of bytes, got {raw!r}")
-    return int(raw)
 
 
 def index_tensor(
@@ -57,7 +44,7 @@ def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
     holds it: past that, it first waits for the stream to drain, and planning step N+1 while
     step N runs would stall until N ends. A copy of PAGE_LOCK_FROM_BYTES or more goes from a
     page-locked block of torch's caching host allocator instead, which records the copy and
-    reuses the block only after it has run (page_lock_from_bytes: the threshold).
+    reuses the block only after it has run.
     """
     if dst.device.type == "cpu":
         dst.copy_(host)
@@ -67,6 +54,6 @@ def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
 
 def page_locked(host: torch.Tensor) -> torch.Tensor:
     """host itself when small or already page-locked, else a page-locked copy of it."""
-    if host.is_pinned() or host.numel() * host.element_size() < page_lock_from_bytes():
+    if host.is_pinned() or host.numel() * host.element_size() < PAGE_LOCK_FROM_BYTES:
         return host
     return host.pin_memory()

@@ -214,16 +214,18 @@ def load_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     quantization: str | None = None,
+    fp8_fast_accum: bool = True,
 ) -> nn.Module:
     """Build the model without initialising weights, then assign the checkpoint's tensors
     ("auto") or random ones ("dummy": config.json is all that is read; for speed runs).
 
     An FP8 checkpoint (config.json's quantization_config, ModelOpt's hf_quant_config.json)
-    loads as FP8; quantization "fp8" quantizes a plain checkpoint at load (EngineConfig). KV-cache
-    scales in the checkpoint (engine/quant/kv_scales.py) become model.kv_scales."""
+    loads as FP8; quantization "fp8" quantizes a plain checkpoint at load (EngineConfig). Its
+    GEMMs accumulate fast or exactly as fp8_fast_accum says (Settings). KV-cache scales in the
+    checkpoint (engine/quant/kv_scales.py) become model.kv_scales."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    quant = resolve_quantization(quantization, read_quant_config(folder))
+    quant = resolve_quantization(quantization, read_quant_config(folder), fp8_fast_accum)
     if load_format == "dummy":
         return random_model(config, max_positions, device, dtype, quant=quant)
     model = _meta_model(config, max_positions, device, dtype, quant)

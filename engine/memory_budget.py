@@ -3,9 +3,8 @@ memory may take, and the batch limit (max_num_seqs) an engine picks for its pool
 
 An engine on a GPU may use `utilization * share` of the card's memory: `share` is the part of
 the card it was given (1 alone, 0.5 when two workers share it). From that budget go the weights,
-the activation peak of the largest step and a reserve for the CUDA graphs (the decode graphs',
-and the piecewise mixed-step graphs' copy of that peak when they are on); the rest is the
-KV pool, and never more than the card has free now (other processes, other engines on it) once
+the activation peak of the largest step and a reserve for the decode CUDA graphs; the rest is
+the KV pool, and never more than the card has free now (other processes, other engines on it) once
 the activation peak and the graphs are set aside again.
 """
 
@@ -104,11 +103,9 @@ def kv_pool_bytes(
     )
 
 
-def graph_reserve_bytes(decode_graphs: bool, mixed_step_graphs: bool, activation_peak: int) -> int:
-    """What CUDA graphs hold for good: the decode graphs' reserve, and with piecewise graphs of
-    mixed steps the activations of the largest step (their pool keeps the largest bucket's)."""
-    reserve = GRAPH_RESERVE_BYTES if decode_graphs else 0
-    return reserve + (activation_peak if decode_graphs and mixed_step_graphs else 0)
+def graph_reserve_bytes(decode_graphs: bool) -> int:
+    """What CUDA graphs hold for good: the decode graphs' reserve."""
+    return GRAPH_RESERVE_BYTES if decode_graphs else 0
 
 
 def num_pool_blocks(pool_bytes: int, block_bytes: int, num_extra_blocks: int = 0) -> int:

@@ -2,8 +2,7 @@
 engine/backend_builder.py made; owns only the counts of steps replayed from graphs.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
-forward pass (replaying a CUDA graph for pure-decode steps when one is captured, and the
-piecewise graphs of a token bucket for other steps when those are captured; a speculative
+forward pass (replaying a CUDA graph for pure-decode steps when one is captured; a speculative
 verify chunk runs as one decode row per token, so it keeps a step pure-decode), and returns the
 logits of the chunks that end a sequence's known tokens, and of each verified draft.
 """
@@ -20,7 +19,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.host_tensors import index_tensor
 from engine.kv_cache.manager import KVCacheManager
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.step_inputs import DecodeGraphs, MixedGraphs, StepInputs, TokenFill
+from engine.step_inputs import DecodeGraphs, StepInputs, TokenFill
 
 if TYPE_CHECKING:
     from engine.backend_builder import DeviceSide
@@ -41,9 +40,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = side.kv_cache.device
         self.graphs: DecodeGraphs | None = side.graphs
-        self.mixed_graphs: MixedGraphs | None = side.mixed_graphs
         self.num_graph_steps = 0
-        self.num_mixed_graph_steps = 0
 
     def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
         inputs = StepInputs([], [], [], [], [], [], [])
@@ -93,13 +90,10 @@ class ModelRunner:
             if chunk.samples
             for _ in range(len(chunk.draft_token_ids) + 1)
         ]
-        graphs, mixed = self.graphs, self.mixed_graphs
+        graphs = self.graphs
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
             hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
-        elif mixed is not None and not inputs.is_decode and mixed.bucket_for(len(inputs.input_ids)):
-            hidden = mixed.run(inputs, fill)
-            self.num_mixed_graph_steps += 1
         else:
             hidden = self._forward_eager(inputs, fill)
         rows, end = [], 0

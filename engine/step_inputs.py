@@ -1,7 +1,7 @@
 """One step's packed model inputs (StepInputs), the input tokens still on the device (TokenFill)
-and what the runner needs of the graph replayers (DecodeGraphs, MixedGraphs); owns no state.
+and what the runner needs of the decode graph replayer (DecodeGraphs); owns no state.
 
-The runner builds StepInputs and the CUDA-graph replayers replay them: all import this module,
+The runner builds StepInputs and the CUDA-graph replayer replays them: both import this module,
 neither side imports the other.
 """
 
@@ -94,16 +94,4 @@ class DecodeGraphs(Protocol):
 
     def run(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         """Replay one pure-decode step; returns the hidden states [len(inputs.seqs), hidden]."""
-        ...
-
-
-class MixedGraphs(Protocol):
-    """Steps with prefill chunks replayed piecewise (engine.mixed_step_graphs.MixedStepGraphs)."""
-
-    def bucket_for(self, num_tokens: int) -> int | None:
-        """The captured token count a step of num_tokens runs at; None: run eager."""
-        ...
-
-    def run(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
-        """Replay one step's pieces; returns the hidden states [len(inputs.input_ids), hidden]."""
         ...

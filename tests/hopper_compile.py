@@ -23,8 +23,6 @@ HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90
 INT_ARGS_ALIGNED = ("N", "K")  # int arguments the engine's launches give as multiples of 16
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
 PTX_FACTS = {  # fact name -> PTX instruction pattern counted
-    "split_count_in": r"atom\.global\.gpu\.acq_rel\.add\.u32",
-    "split_count_reset": r"atom\.global\.gpu\.relaxed\.exch\.b32",
     "pdl": r"griddepcontrol\.\w+",
     "exp2": r"ex2\.approx[\w.]*",
 }
@@ -112,91 +110,19 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {"registers": int(usage[1]), "local_bytes": int(usage[2])}
 
 
-def fp8_dot_rows_case(channels: int, split_k: int) -> Any:
+def fp8_dot_rows_case(channels: int) -> Any:
     from engine.quant import fp8_dot_rows
 
     block_n, block_k, warps, stages = fp8_dot_rows.tile_for(channels)
     pointers = dict(
         x_ptr="fp8e4nv", x_scale_ptr="fp32", w_ptr="fp8e4nv", w_scale_ptr="fp32",
-        bias_ptr="fp32", out_ptr="bf16", ws_ptr="fp32", counter_ptr="i32",
+        bias_ptr="fp32", out_ptr="bf16",
     )  # fmt: skip
     constexprs = dict(
-        HAS_BIAS=False, BLOCK_M=fp8_dot_rows.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, PDL=True,
+        HAS_BIAS=False, BLOCK_M=fp8_dot_rows.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True,
     )  # fmt: skip
-    kernel = fp8_dot_rows._kernel(False)
+    kernel = fp8_dot_rows._kernel()
     return compile_for_hopper(kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
-
-
-def fp8_one_row_case(fusions: str, split_k: int) -> Any:
-    from engine.quant import fp8_dot_rows, fp8_one_row
-    from engine.quant.fp8_types import AMAX_FLOOR, FP8_MAX
-
-    silu = "silu" in fusions
-    channels = INTERMEDIATE if silu else QKV if "norm" in fusions else HIDDEN
-    block_n, block_k, warps, stages = fp8_one_row.tile_for(channels, silu)
-    pointers = dict(
-        x_ptr="bf16", norm_ptr="bf16", w_ptr="fp8e4nv", w_scale_ptr="fp32", out_ptr="bf16",
-        ws_ptr="fp32", counter_ptr="i32",
-    )  # fmt: skip
-    constexprs = dict(
-        SPLIT_K=split_k, NORM="norm" in fusions, SILU=silu, ADD="add" in fusions,
-        BLOCK_M=fp8_dot_rows.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROLOGUE=fp8_one_row.PROLOGUE_BLOCK, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-        E4M3_MIN_NORMAL=fp8_one_row.E4M3_MIN_NORMAL, SUBNORMAL_SHIFT=fp8_one_row.SUBNORMAL_SHIFT,
-        PDL=True,
-    )  # fmt: skip
-    kernel = fp8_one_row._kernel()
-    return compile_for_hopper(kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
-
-
-def scaled_gemv_case() -> Any:
-    """o_proj's one-row bf16 GEMV with the residual add that also writes the residual times the
-    next norm's weight (KVRELAY_GATE_UP_BLAS)."""
-    from engine.models import fused_gemv
-
-    block_n, block_k, warps = fused_gemv.tile_for(1, norm=False, silu=False)
-    pointers = dict(x_ptr="bf16", w_ptr="bf16", norm_ptr="bf16", out_ptr="bf16", scaled_ptr="bf16")
-    constexprs = dict(
-        ROWS=1, NORM=False, SILU=False, ADD=True, SCALED=True, BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=True,
-    )  # fmt: skip
-    return compile_for_hopper(fused_gemv._kernel(), pointers, constexprs, num_warps=warps)
-
-
-def silu_rms_case() -> Any:
-    """KVRELAY_GATE_UP_BLAS's SiLU after cuBLAS's gate/up, with the norm's 1/rms."""
-    from engine.models import fused_gemv
-
-    pointers = dict(gate_up_ptr="bf16", residual_ptr="bf16", out_ptr="bf16")
-    constexprs = dict(BLOCK=fused_gemv.SILU_RMS_BLOCK, BLOCK_K=HIDDEN, PDL=True)
-    return compile_for_hopper(fused_gemv._silu_rms_kernel(), pointers, constexprs)
-
-
-def split_kv_case(cache: str) -> Any:
-    """The split-KV decode kernel (KVRELAY_DECODE_KERNEL=triton) on the 8B shape's heads over
-    16-token pages of a bf16 or e4m3 cache."""
-    from engine.attention import split_kv_decode as decode
-
-    pointers = dict(
-        q_ptr="bf16", k_ptr=cache, v_ptr=cache, table_ptr="i32", lens_ptr="i32",
-        out_ptr="bf16", ws_ptr="fp32", counter_ptr="i32",
-    )  # fmt: skip
-    constexprs = dict(
-        NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=decode.GROUP_ROWS, MAX_PARTS=decode.MAX_PARTS,
-        HEAD_DIM=128, PAGE=16,
-        BLOCK_T=decode.PAGES_PER_STEP * 16, DOT_FP32=False, PDL=True,
-    )  # fmt: skip
-    floats = ("score_scale", "v_scale")
-    aligned = ("block_stride", "head_stride")  # multiples of a page's elements
-    return compile_for_hopper(
-        decode._kernel(),
-        pointers,
-        constexprs,
-        floats=floats,
-        aligned=aligned,
-        num_stages=decode.NUM_STAGES,
-    )
 
 
 def bf16_gemv_case(projection: str) -> Any:
@@ -205,11 +131,10 @@ def bf16_gemv_case(projection: str) -> Any:
     from engine.models import fused_gemv
 
     norm, silu = projection in ("qkv", "gate_up"), projection == "gate_up"
-    block_n, block_k, warps = fused_gemv.tile_for(1, norm=norm, silu=silu)
-    pointers = dict(x_ptr="bf16", w_ptr="bf16", norm_ptr="bf16", out_ptr="bf16", scaled_ptr="bf16")
+    block_n, block_k, warps = fused_gemv.tile_for(norm=norm, silu=silu)
+    pointers = dict(x_ptr="bf16", w_ptr="bf16", norm_ptr="bf16", out_ptr="bf16")
     constexprs = dict(
-        ROWS=1, NORM=norm, SILU=silu, ADD=not norm, SCALED=False, BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=True,
+        ROWS=1, NORM=norm, SILU=silu, ADD=not norm, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True,
     )  # fmt: skip
     return compile_for_hopper(fused_gemv._kernel(), pointers, constexprs, num_warps=warps)
 
@@ -257,26 +182,14 @@ def add_norm_quantize_case() -> Any:
 
 
 CASES: dict[str, Callable[[], Any]] = {
-    "fp8_dot_rows narrow": lambda: fp8_dot_rows_case(QKV, 1),
-    "fp8_dot_rows narrow split 4": lambda: fp8_dot_rows_case(QKV, 4),
-    "fp8_dot_rows wide": lambda: fp8_dot_rows_case(2 * INTERMEDIATE, 1),
-    "fp8_dot_rows wide split 2": lambda: fp8_dot_rows_case(2 * INTERMEDIATE, 2),
-    "fp8_one_row norm": lambda: fp8_one_row_case("norm", 1),
-    "fp8_one_row norm split 3": lambda: fp8_one_row_case("norm", 3),
-    "fp8_one_row norm+silu": lambda: fp8_one_row_case("norm+silu", 1),
-    "fp8_one_row add": lambda: fp8_one_row_case("add", 1),
-    "fp8_one_row add split 4": lambda: fp8_one_row_case("add", 4),
-    "fused_gemv add+scaled": scaled_gemv_case,
-    "silu_and_mul_rms": silu_rms_case,
+    "fp8_dot_rows narrow": lambda: fp8_dot_rows_case(QKV),
+    "fp8_dot_rows wide": lambda: fp8_dot_rows_case(2 * INTERMEDIATE),
     "fused_gemv qkv norm": lambda: bf16_gemv_case("qkv"),
     "fused_gemv gate_up norm+silu": lambda: bf16_gemv_case("gate_up"),
     "fused_gemv down add": lambda: bf16_gemv_case("down"),
     "rope_kv decode, bf16 cache": lambda: rope_kv_case("bf16"),
     "rope_kv decode, fp8 cache": lambda: rope_kv_case("fp8e4nv"),
     "add_rms_norm_quantize": add_norm_quantize_case,
-    # the parts are a runtime argument: one kernel, the merge always in it
-    "split_kv_decode split, bf16 cache": lambda: split_kv_case("bf16"),
-    "split_kv_decode split, fp8 cache": lambda: split_kv_case("fp8e4nv"),
 }
 
 

@@ -1,5 +1,5 @@
 """DenseTableDecode: the page table of single-token decode rows as a dense [rows, pages] tensor
-with the rows' lengths, for the decode kernels that take it (XQA's, the Triton split-KV one);
+with the rows' lengths, for the decode kernel that takes it (XQA's);
 owns this step's table and lengths and the static buffers the decode graphs read.
 
 FlashInfer's wrappers take a CSR page table instead. One instance serves eager steps (a table
@@ -33,7 +33,7 @@ class DenseTableDecode:
     kv_scales: per layer (k_scale, v_scale) of an fp8 cache (1.0 without them).
     """
 
-    name = ""  # the decode kernel's name (KVRELAY_DECODE_KERNEL's value)
+    name = ""  # the decode kernel's name (FlashInferAttention.decode_kernel)
 
     def __init__(
         self,

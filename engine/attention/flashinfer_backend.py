@@ -3,31 +3,27 @@
 Owns the FlashInfer workspace, an eager prefill wrapper (steps with any multi-token chunk, decode
 rows included), an eager decode wrapper (pure-decode steps) and, after enable_cuda_graphs(), one
 decode wrapper per captured batch size over shared static page-table buffers, and with an fp8
-cache on Hopper the XQA decode kernel in their place (xqa_decode.py; KVRELAY_DECODE_KERNEL=triton:
-the split-KV Triton kernel of split_kv_decode.py, either cache). The KV cache is bf16/fp16
+cache on Hopper the XQA decode kernel in their place (xqa_decode.py). The KV cache is bf16/fp16
 (the model's dtype) or fp8 e4m3 (half the bytes per token, stored as K / k_scale and V /
 v_scale per layer: the checkpoint's scales, else 1.0); new K/V reach it through one fused RoPE
-+ write kernel per layer (rope_kv_kernel.py). KVRELAY_PREFILL_FA3=1 runs the prefill wrapper on
-fa3 on Hopper (e4m3 queries over an fp8 cache); off by default: on the H200 its faster attention
-did not make the 8B offline run faster (bench/RESULTS.md, issue 12's sixth round).
++ write kernel per layer (rope_kv_kernel.py). Prefill chunks run on fa2 (fa3's faster attention
+did not make the 8B offline run on an H200 faster; bench/RESULTS.md as of 31b779a).
 
 Whole prompts (chunks with nothing cached before them) at the end of a step attend over their
 own K/V instead, as the RoPE kernel leaves them in the activations' dtype, through FlashInfer's
-ragged wrapper (fa3 on Hopper, else fa2): no page table, no fp8 pages to widen, and the
-unquantized K/V of the prompt itself. The paged wrapper keeps the rows before them (chunks
-that continue a prompt or follow a cached prefix, decode rows XQA does not take). On by
-default on Hopper over a bf16/fp16 cache (fa3): the 8B bf16 offline run's steps with prefill
-chunks spent 13.3 ms a step in attention instead of 41.2, and the run took 95.6 s instead of
-96.7 (issue 12's twelfth round). Off by default over an fp8 cache: with FP8 weights the FP8
-GEMMs ran ~10% slower beside fa3 and the 8B offline run was 2.6% slower (tenth round); bf16
-weights over an fp8 cache were not measured with it.
-KVRELAY_PREFILL_RAGGED overrides: 1 on (fa3 on Hopper, else fa2), fa2 / fa3 that kernel, 0 off.
+ragged wrapper (fa3): no page table, no fp8 pages to widen, and the unquantized K/V of the
+prompt itself. The paged wrapper keeps the rows before them (chunks that continue a prompt or
+follow a cached prefix, decode rows XQA does not take). On Hopper over a bf16/fp16 cache only
+(ragged_backend): the 8B bf16 offline run's steps with prefill chunks spent 13.3 ms a step in
+attention instead of 41.2, and the run took 95.6 s instead of 96.7 (issue 12's twelfth round).
+Not over an fp8 cache: with FP8 weights the FP8 GEMMs ran ~10% slower beside fa3 and the 8B
+offline run was 2.6% slower (tenth round); bf16 weights over an fp8 cache were not measured
+with it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -37,11 +33,8 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.dense_table import DenseTableDecode
 from engine.attention.rope_kv_kernel import KvOut, rope_and_write_kv
-from engine.attention.split_kv_decode import SplitKvDecode
-from engine.attention.split_kv_decode import check_shape as check_split_kv_shape
-from engine.attention.xqa_decode import XqaDecode, decode_kernel_choice, use_xqa
+from engine.attention.xqa_decode import XqaDecode, use_xqa
 from engine.host_tensors import index_tensor
-from engine.quant.fp8 import unit_scale
 
 if TYPE_CHECKING:
     from engine.models.rope import RotaryEmbedding
@@ -50,34 +43,14 @@ if TYPE_CHECKING:
 WORKSPACE_BYTES = 256 << 20
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
-DECODE_TENSOR_CORES_ENV = "KVRELAY_DECODE_TENSOR_CORES"  # "0": FlashInfer's CUDA-core decode
-PREFILL_FA3_ENV = "KVRELAY_PREFILL_FA3"  # "1": prefill chunks on fa3 (Hopper; fp8 queries for fp8)
-PREFILL_RAGGED_ENV = "KVRELAY_PREFILL_RAGGED"  # "auto", "0", "1", "fa2", "fa3": see ragged_backend
+PREFILL_KERNEL = "fa2"  # FlashInfer's backend for the paged prefill wrapper
 HOPPER = (9, 0)
 
 
-def prefill_backend(capability: tuple[int, int]) -> str:
-    """The FlashInfer backend for steps with prefill chunks: fa3 on Hopper when turned on, else
-    fa2."""
-    wanted = os.environ.get(PREFILL_FA3_ENV, "0") == "1"
-    return "fa3" if wanted and capability == HOPPER else "fa2"
-
-
 def ragged_backend(capability: tuple[int, int], kv_dtype: torch.dtype) -> str | None:
-    """The FlashInfer backend that attends whole prompts over their own K/V, from
-    KVRELAY_PREFILL_RAGGED: "auto" (the default) fa3 on Hopper over a bf16/fp16 cache, else
-    None; "1" fa3 on Hopper, else fa2; "fa2" fa2; "fa3" fa3 (Hopper only); "0" None. None:
-    they go through the paged cache like every other chunk."""
-    choice = os.environ.get(PREFILL_RAGGED_ENV, "auto").strip()
-    if choice not in ("auto", "0", "1", "fa2", "fa3"):
-        raise ValueError(f"{PREFILL_RAGGED_ENV} must be auto, 0, 1, fa2 or fa3, got {choice!r}")
-    if choice == "fa3" and capability != HOPPER:
-        raise ValueError(f"{PREFILL_RAGGED_ENV}=fa3 needs a Hopper GPU (compute capability 9.0)")
-    if choice == "auto":
-        return "fa3" if capability == HOPPER and kv_dtype in FLASHINFER_DTYPES else None
-    if choice == "1":
-        return "fa3" if capability == HOPPER else "fa2"
-    return None if choice == "0" else choice
+    """The FlashInfer backend that attends whole prompts over their own K/V: fa3 on Hopper over
+    a bf16/fp16 cache, else None (they go through the paged cache like every other chunk)."""
+    return "fa3" if capability == HOPPER and kv_dtype in FLASHINFER_DTYPES else None
 
 
 def whole_prompts_from(seqs: list[SeqSpan]) -> int:
@@ -177,10 +150,10 @@ class FlashInferAttention(AttentionBackend):
     wrapper; any other step runs one prefill wrapper over all its sequences (decode rows are
     1-row queries), so a mixed batch costs one plan and one kernel per layer, with no
     reordering of tokens. The decode wrapper uses tensor cores: it shares the prefill
-    wrapper's JIT module. With XQA (an fp8 cache on Hopper; or the Triton split-KV kernel when
-    asked for) decode rows run on it instead, in mixed steps too: the leading decode rows go to
-    it, the rest to the prefill wrapper
-    (the decode wrapper when they are all decode rows). With the ragged wrapper on (see
+    wrapper's JIT module (FlashInfer's CUDA-core decode was no faster at batch 1 on an H200).
+    With XQA (an fp8 cache on Hopper) decode rows run on it instead, in mixed steps too: the
+    leading decode rows go to it, the rest to the prefill wrapper (the decode wrapper when they
+    are all decode rows). With the ragged wrapper on (see
     ragged_backend) the step's trailing whole prompts go to it (see the module's docstring): up
     to three plans and three attention kernels a layer. kv_scales: per layer (k_scale,
     v_scale) of an fp8 cache (default 1.0 each).
@@ -211,13 +184,9 @@ class FlashInferAttention(AttentionBackend):
         self.device = kv_cache.device
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         capability = torch.cuda.get_device_capability(self.device)
-        self.prefill_kernel = prefill_backend(capability)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "HND", backend=self.prefill_kernel
+            self._workspace, "HND", backend=PREFILL_KERNEL
         )
-        # fa3 takes an fp8 cache only with fp8 queries: they are quantized with scale 1.0
-        fp8_queries = self.prefill_kernel == "fa3" and kv_cache.dtype == FP8_KV_DTYPE
-        self._prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.q_dtype
         self._decode = self._decode_wrapper()
         self.ragged_kernel = ragged_backend(capability, kv_cache.dtype)
         self._ragged: Any = None
@@ -233,16 +202,9 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"{len(self.kv_scales)} KV scale pairs for {num_layers} layers")
         if kv_cache.dtype != FP8_KV_DTYPE and any(p != (1.0, 1.0) for p in self.kv_scales):
             raise ValueError("KV scales apply to an fp8 KV cache only")
-        # decode rows on a kernel that takes a dense page table: XQA, or the Triton split-KV one
+        # decode rows on a kernel that takes a dense page table: XQA
         self._table_decode: DenseTableDecode | None = None
-        choice = decode_kernel_choice()
-        if choice == "triton":
-            group = num_heads // self.num_kv_heads
-            check_split_kv_shape(head_dim, self.block_size, group, kv_cache.dtype, self.device)
-            self._table_decode = SplitKvDecode(
-                head_dim, self.block_size, self.device, self.kv_scales
-            )
-        elif use_xqa(choice, kv_cache.dtype, capability, self.block_size, head_dim):
+        if use_xqa(kv_cache.dtype, capability, self.block_size, head_dim):
             self._table_decode = XqaDecode(head_dim, self.block_size, self.device, self.kv_scales)
         self._num_table_rows = 0  # this step's leading decode rows that _table_decode attends
         self._active: Any = None  # the FlashInfer wrapper for the other rows (None: no others)
@@ -255,7 +217,7 @@ class FlashInferAttention(AttentionBackend):
             self._workspace,
             "HND",
             use_cuda_graph=bool(graph_buffers),
-            use_tensor_cores=os.environ.get(DECODE_TENSOR_CORES_ENV, "1") != "0",
+            use_tensor_cores=True,
             backend="fa2",
             **graph_buffers,
         )
@@ -274,7 +236,7 @@ class FlashInferAttention(AttentionBackend):
 
     @property
     def decode_kernel(self) -> str:
-        """What attends decode rows: "xqa", "triton" or "fa2"."""
+        """What attends decode rows: "xqa" or "fa2"."""
         return "fa2" if self._table_decode is None else self._table_decode.name
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -304,10 +266,9 @@ class FlashInferAttention(AttentionBackend):
                 self.block_size,
                 causal=True,  # bottom-right aligned: queries sit after the cached prefix
                 sm_scale=self.scale,
-                q_data_type=self._prefill_q_dtype,
+                q_data_type=self.q_dtype,
                 kv_data_type=self.kv_cache.dtype,
                 non_blocking=True,  # a blocking copy would wait for the step in flight
-                **self._prefill_output_dtype(),
             )
             self._active = self._prefill
         self._mark_plan_uploads()
@@ -332,11 +293,6 @@ class FlashInferAttention(AttentionBackend):
         )
         self._ragged_from_row = prompts[0].q_start
 
-    def _prefill_output_dtype(self) -> dict[str, torch.dtype]:
-        """fp8 queries give bf16/fp16 output only when asked for."""
-        fp8_queries = self._prefill_q_dtype == FP8_KV_DTYPE
-        return {"o_data_type": self.q_dtype} if fp8_queries else {}
-
     def _plan_decode(self, wrapper: Any, table: PageTable) -> None:
         wrapper.plan(
             table.kv_indptr,
@@ -355,7 +311,7 @@ class FlashInferAttention(AttentionBackend):
 
     def enable_cuda_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
         """Create one graph-safe decode wrapper per batch size (static page-table buffers), or
-        XQA's (or the split-KV kernel's) static buffers for the largest.
+        XQA's static buffers for the largest.
 
         The buffers are shared: only one graph replays at a time, right after its own plan.
         """
@@ -445,7 +401,7 @@ class FlashInferAttention(AttentionBackend):
     def _attend(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, ragged: KvOut | None
     ) -> torch.Tensor:
-        """q [T, Hq, D] over the planned rows: the leading XQA (split-KV) rows, then the
+        """q [T, Hq, D] over the planned rows: the leading XQA rows, then the
         wrapper's, then the whole prompts' (over their own K/V in `ragged`)."""
         num_table = self._num_table_rows
         if num_table == 0 and ragged is None:
@@ -468,15 +424,6 @@ class FlashInferAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:
         k_scale, v_scale = self.kv_scales[layer]
-        if self._active is self._prefill and self._prefill_q_dtype == FP8_KV_DTYPE:
-            q = self._fp8_queries(q)
         if k_scale == 1.0 and v_scale == 1.0:
             return self._active.run(q, kv, out=out)
         return self._active.run(q, kv, out=out, k_scale=k_scale, v_scale=v_scale)
-
-    def _fp8_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D] in e4m3 at scale 1.0 (clamped to +-448), one kernel."""
-        from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
-
-        rows = quantize_rows_cuda(q.reshape(q.shape[0], -1), unit_scale(self.device))
-        return rows.q.view(q.shape)

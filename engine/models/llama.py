@@ -6,14 +6,12 @@ Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, 
 LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
 elementwise work runs as fused CUDA kernels (models/fused_ops.py), an Fp8Linear that would
 quantize its input gets it quantized by the norm or SiLU kernel before it (quant/fp8_fused.py),
-an Fp8Linear that defers its scales (decode batches; KVRELAY_FP8_DEFER_SCALES=0: none) hands its
-output as ScaledRows to the kernel after it, which applies them, and the residual stream is
-carried next to the hidden states; otherwise plain torch ops, which are the CPU path and the
-reference. With fused kernels, a step of one row (models/fused_gemv.py's limit) over unquantized
-bias-free projections runs each layer as four fused GEMVs around RoPE and attention instead;
-with KVRELAY_FP8_ONE_ROW=1 so does one over per-token-scaled FP8 ones (quant/fp8_one_row.py).
-RoPE and the KV-cache write belong to the attention backend (AttentionBackend.forward_qkv),
-which may fuse them.
+an Fp8Linear that defers its scales (decode batches) hands its output as ScaledRows to the
+kernel after it, which applies them, and the residual stream is carried next to the hidden
+states; otherwise plain torch ops, which are the CPU path and the reference. With fused kernels,
+a step of one row (models/fused_gemv.py's limit) over unquantized bias-free projections runs
+each layer as four fused GEMVs around RoPE and attention instead. RoPE and the KV-cache write
+belong to the attention backend (AttentionBackend.forward_qkv), which may fuse them.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
-from engine.quant import fp8_one_row
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import defers_scales, make_linear, takes_quantized
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
@@ -150,39 +147,16 @@ class DecoderLayer(nn.Module):
     def _gemv_layer(
         self, residual: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """The layer's four fused GEMVs around attend(qkv) -> attention's output (with
-        KVRELAY_GATE_UP_BLAS=1, not in fp16: gate/up as a BLAS product of the unnormalized,
-        weighted residual, whose range fp16 may not hold, then silu_and_mul_rms)."""
+        """The layer's four fused GEMVs around attend(qkv) -> attention's output."""
         att, mlp = self.self_attn, self.mlp
-        if fp8_one_row.row_linear(att.qkv_proj):
-            self._fp8_row_layer(residual, attend)
-            return
         norm = self.input_layernorm
         qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
         out = attend(qkv).reshape(-1, att.q_size)
+        fused_gemv.gemv_add_(out, att.o_proj.weight, residual)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
-        if fused_gemv.gate_up_on_blas() and residual.dtype != torch.float16:  # fp16: range
-            scaled = torch.empty_like(residual)
-            fused_gemv.gemv_add_scaled_(out, att.o_proj.weight, residual, norm.weight, scaled)
-            products = mlp.gate_up_proj(scaled)  # unnormalized: rms(residual) x the product
-            hidden = fused_gemv.silu_and_mul_rms(products, residual, norm.eps)
-        else:
-            fused_gemv.gemv_add_(out, att.o_proj.weight, residual)
-            hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
+        hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
         fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
-
-    def _fp8_row_layer(
-        self, residual: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
-        """_gemv_layer over FP8 weights (quant/fp8_one_row.py): the GEMVs quantize their input."""
-        att, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        out = attend(fp8_one_row.normed_dot(residual, norm.weight, norm.eps, att.qkv_proj))
-        fp8_one_row.dot_add_(out.reshape(-1, att.q_size), att.o_proj, residual)
-        norm = self.post_attention_layernorm
-        hidden = fp8_one_row.normed_dot_silu(residual, norm.weight, norm.eps, mlp.gate_up_proj)
-        fp8_one_row.dot_add_(hidden, mlp.down_proj, residual)
 
     def projections(self) -> list[nn.Module]:
         att, mlp = self.self_attn, self.mlp
@@ -229,7 +203,6 @@ class LlamaForCausalLM(nn.Module):
         )
         self.fused_ops = False
         self._plain_projections: dict[torch.dtype, list[nn.Module]] = {}
-        self._fp8_row_projections: list[nn.Module] | None = None
         # An FP8 checkpoint's per-layer (k_scale, v_scale) for an fp8 KV cache (the loader's).
         self.kv_scales: list[tuple[float, float]] | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -268,23 +241,15 @@ class LlamaForCausalLM(nn.Module):
             self._plain_projections[dtype] = every if plain else []
         return self._plain_projections[dtype]
 
-    def fp8_row_projections(self) -> list[nn.Module]:
-        """Every layer's projections if all are FP8 ones quant/fp8_one_row.py takes, else []."""
-        if self._fp8_row_projections is None:
-            every = [p for layer in self.layers for p in layer.projections()]
-            self._fp8_row_projections = every if all(map(fp8_one_row.row_linear, every)) else []
-        return self._fp8_row_projections
-
     def takes_row_kernels(self, x: torch.Tensor) -> bool:
-        """Whether a step whose hidden states are x runs each layer as four fused GEMVs:
-        bf16 (models/fused_gemv.py) or FP8 (quant/fp8_one_row.py) ones."""
-        bf16 = fused_gemv.takes(x, self.plain_projections(x.dtype))
-        return bf16 or fp8_one_row.takes(x, self.fp8_row_projections())
+        """Whether a step whose hidden states are x runs each layer as four fused GEMVs
+        (models/fused_gemv.py)."""
+        return fused_gemv.takes(x, self.plain_projections(x.dtype))
 
     def fused_gemv_rows(self) -> list[int]:
         """The step row counts that run on the fused GEMVs (none without fused ops)."""
         weight = self.embed_tokens.weight
-        rows = range(1, max(fused_gemv.max_rows(), 1) + 1)  # the FP8 kernels take one row
+        rows = range(1, fused_gemv.MAX_ROWS + 1)
         fits = [n for n in rows if self.takes_row_kernels(weight.new_empty(n, weight.shape[1]))]
         return fits if self.fused_ops else []
 

@@ -9,7 +9,7 @@ by kv_scales.py and used when that cache is fp8.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,14 @@ class Fp8Config:
     its rows, which is exact and lets fused q/k/v keep their parts' scales).
     static_input_scales: activations are quantized with the checkpoint's per-tensor
     input_scale; else with a scale per token computed on the fly (dynamic).
+    fast_accum: cuBLASLt's FP8 GEMMs accumulate in Hopper's fast mode (Settings.fp8_fast_accum;
+    False: exactly, ~5% slower GEMMs).
     """
 
     method: str
     per_channel_weights: bool
     static_input_scales: bool
+    fast_accum: bool = True
 
     @property
     def from_checkpoint(self) -> bool:
@@ -70,14 +73,14 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def resolve_quantization(
-    quantization: str | None, checkpoint: Fp8Config | None
+    quantization: str | None, checkpoint: Fp8Config | None, fast_accum: bool = True
 ) -> Fp8Config | None:
     """The scheme a model loads with: the checkpoint's own (an explicit "fp8" on an FP8
-    checkpoint changes nothing), else online FP8 for "fp8", else None (plain weights)."""
+    checkpoint changes nothing), else online FP8 for "fp8", else None (plain weights); its
+    GEMMs accumulate fast or exactly as fast_accum says."""
     check_quantization(quantization)
-    if checkpoint is not None:
-        return checkpoint
-    return ONLINE_FP8 if quantization == "fp8" else None
+    scheme = checkpoint or (ONLINE_FP8 if quantization == "fp8" else None)
+    return None if scheme is None else replace(scheme, fast_accum=fast_accum)
 
 
 def read_quant_config(folder: Path) -> Fp8Config | None:

@@ -6,32 +6,30 @@ Forward: the input is quantized per row (one Triton kernel on CUDA; its own amax
 checkpoint's static scale for every row), then one torch._scaled_mm (cuBLASLt, row-wise scales:
 scale_a [M, 1], scale_b [1, N], both float32) writes bf16. The input may come already quantized
 (QuantizedRows, from the kernel that made it: fp8_fused.py). cuBLASLt accumulates in Hopper's
-fast FP8 mode (as vLLM's and TensorRT-LLM's FP8 GEMMs do; KVRELAY_FP8_FAST_ACCUM=0 turns it
-off). Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) Triton kernels that read the
-e4m3 weight once at close to the HBM rate take over (KVRELAY_FP8_GEMV=0 turns both off):
-quantized rows multiply as e4m3 on tensor cores (fp8_dot_rows.py; the fused kernels quantize
-such rows too), a bf16 input (o_proj's, from attention) multiplies the weight dequantized in
-registers (fp8_gemv.py). Shapes only, no host syncs, so the decode CUDA graphs capture each.
+fast FP8 mode (as vLLM's and TensorRT-LLM's FP8 GEMMs do) unless the layer was made with
+fast_accum False (Settings.fp8_fast_accum: exact accumulation, ~5% slower GEMMs). Up to
+GEMV_MAX_ROWS rows (decode steps of a few sequences) Triton kernels that read the e4m3 weight
+once at close to the HBM rate take over: quantized rows multiply as e4m3 on tensor cores
+(fp8_dot_rows.py; the fused kernels quantize such rows too), a bf16 input (o_proj's, from
+attention) multiplies the weight dequantized in registers (fp8_gemv.py). Shapes only, no host
+syncs, so the decode CUDA graphs capture each.
 
 Inputs of more rows than that and at most DEFER_MAX_ROWS (decode batches) run cuBLASLt's
 per-tensor FP8 GEMM with unit scales instead, and forward_deferred hands back ScaledRows: the
 unscaled product and the row and column scales, which the kernel that reads it applies
-(fp8_fused.py, rope_kv_kernel.py; KVRELAY_FP8_DEFER_SCALES=0 turns it off). On the H200 that
-GEMM was 12-15% faster than the row-scaled one at 232-768 rows and slower at 16,384
-(bench/fp8_gemm_bench.py); the 8B offline run went from 58.3 to 57.1 s with it.
+(fp8_fused.py, rope_kv_kernel.py). On the H200 that GEMM was 12-15% faster than the row-scaled
+one at 232-768 rows and slower at 16,384; the 8B offline run went from 58.3 to 57.1 s with it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from engine.blas_choice import BlasLinear
 from engine.quant.config import MIN_FP8_CAPABILITY, Fp8Config, fp8_device_error
 from engine.quant.fp8_dot_rows import fp8_dot_rows  # imports triton on first use
 from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
@@ -39,9 +37,6 @@ from engine.quant.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv  # imports triton on f
 from engine.quant.fp8_types import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
 
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
-GEMV_ENV = "KVRELAY_FP8_GEMV"  # "0": every FP8 matmul through cuBLASLt, few rows too
-FAST_ACCUM_ENV = "KVRELAY_FP8_FAST_ACCUM"  # "0": cuBLASLt's FP8 GEMMs accumulate exactly
-DEFER_SCALES_ENV = "KVRELAY_FP8_DEFER_SCALES"  # "0": decode batches' GEMMs scale their output
 DEFER_MAX_ROWS = 1024  # up to here the per-tensor GEMM won (232, 768 rows); 16,384 lost
 
 
@@ -117,38 +112,18 @@ def quantize_rows(
 
 
 @functools.cache
-def gemv_enabled() -> bool:
-    """Whether Fp8Linear runs few-row inputs on fp8_gemv (read once; cache_clear to re-read)."""
-    return os.environ.get(GEMV_ENV, "1") != "0"
-
-
-@functools.cache
-def fast_accum() -> bool:
-    """Whether cuBLASLt's FP8 GEMMs use Hopper's fast accumulation (read once)."""
-    return os.environ.get(FAST_ACCUM_ENV, "1") != "0"
-
-
-@functools.cache
-def defer_enabled() -> bool:
-    """Whether decode batches' FP8 GEMMs leave their scales to the reader (read once)."""
-    return os.environ.get(DEFER_SCALES_ENV, "1") != "0"
-
-
-@functools.cache
 def unit_scale(device: torch.device) -> torch.Tensor:
     """A float32 1.0 on device (one per device, made on first use, which must come before any
-    graph capture): both scales of the unscaled GEMM, the static scale of fp8 queries."""
+    graph capture): both scales of the unscaled GEMM."""
     return torch.ones((), dtype=torch.float32, device=device)
 
 
 def defers_scales(layer: nn.Module, rows: torch.Tensor | QuantizedRows) -> bool:
     """Whether layer's output for these rows may be ScaledRows: an Fp8Linear without bias, on
-    CUDA, a decode batch's size (more rows than its GEMV takes, at most DEFER_MAX_ROWS), turned
-    on."""
+    CUDA, a decode batch's size (more rows than its GEMV takes, at most DEFER_MAX_ROWS)."""
     x = rows.q if isinstance(rows, QuantizedRows) else rows
     return (
-        defer_enabled()
-        and isinstance(layer, Fp8Linear)
+        isinstance(layer, Fp8Linear)
         and layer.bias is None
         and x.is_cuda
         and x.shape[0] <= DEFER_MAX_ROWS
@@ -157,9 +132,9 @@ def defers_scales(layer: nn.Module, rows: torch.Tensor | QuantizedRows) -> bool:
 
 
 def takes_gemv(rows: torch.Tensor) -> bool:
-    """Whether Fp8Linear runs these input rows on its few-row Triton kernels (CUDA, few rows,
-    not turned off): fp8_dot_rows when they come quantized, else fp8_gemv."""
-    return rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS and gemv_enabled()
+    """Whether Fp8Linear runs these input rows on its few-row Triton kernels (CUDA, few rows):
+    fp8_dot_rows when they come quantized, else fp8_gemv."""
+    return rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS
 
 
 def takes_quantized(layer: nn.Module, rows: torch.Tensor | ScaledRows) -> bool:
@@ -174,9 +149,17 @@ class Fp8Linear(nn.Module):
     torch._scaled_mm wants) and weight_scale float32 [1, N]; input_scale float32 [1, 1] when
     the checkpoint's scheme is static, else None (per-token scales at run time). bias (Qwen2's
     q/k/v) is bf16. Runs in bf16 on CUDA GPUs of compute capability >= 8.9. Both dimensions
-    must be multiples of 16 (cuBLASLt FP8)."""
+    must be multiples of 16 (cuBLASLt FP8). fast_accum: cuBLASLt's GEMMs accumulate in Hopper's
+    fast FP8 mode (False: exactly, ~5% slower)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, static_input_scale: bool):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        static_input_scale: bool,
+        fast_accum: bool = True,
+    ):
         super().__init__()
         if in_features % 16 or out_features % 16:
             raise ValueError(
@@ -184,6 +167,7 @@ class Fp8Linear(nn.Module):
                 f"{out_features}"
             )
         self.in_features, self.out_features = in_features, out_features
+        self.fast_accum = fast_accum
 
         def fixed(*shape: int, dtype: torch.dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -215,7 +199,7 @@ class Fp8Linear(nn.Module):
         unit = unit_scale(x.q.device)  # first made in the graphs' warm-up, outside capture
         raw = torch._scaled_mm(
             x.q, self.weight.t(), scale_a=unit, scale_b=unit,
-            out_dtype=torch.bfloat16, use_fast_accum=fast_accum(),
+            out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum,
         )  # fmt: skip
         return ScaledRows(raw, x.scale, self.weight_scale)
 
@@ -227,7 +211,7 @@ class Fp8Linear(nn.Module):
             scale_b=self.weight_scale,
             bias=self.bias,
             out_dtype=torch.bfloat16,
-            use_fast_accum=fast_accum(),
+            use_fast_accum=self.fast_accum,
         )
 
     def forward_reference(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
@@ -260,10 +244,10 @@ class Fp8Linear(nn.Module):
 def make_linear(
     in_features: int, out_features: int, bias: bool, quant: Fp8Config | None
 ) -> nn.Module:
-    """A BlasLinear (nn.Linear with a per-row-count BLAS choice), or an Fp8Linear of the scheme."""
+    """An nn.Linear, or an Fp8Linear of the scheme."""
     if quant is None:
-        return BlasLinear(in_features, out_features, bias=bias)
-    return Fp8Linear(in_features, out_features, bias, quant.static_input_scales)
+        return nn.Linear(in_features, out_features, bias=bias)
+    return Fp8Linear(in_features, out_features, bias, quant.static_input_scales, quant.fast_accum)
 
 
 def linear_state(

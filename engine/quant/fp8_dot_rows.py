@@ -1,7 +1,6 @@
 """fp8_dot_rows: y = (x_q W_q^T) * x_scale * w_scale (+ b) for a few rows already quantized to
 e4m3 (QuantizedRows) and an e4m3 W, as one Triton kernel that multiplies the e4m3 codes on
-tensor cores; owns no state but the tile choice read once from the environment (imports triton
-on first use).
+tensor cores; owns no state (imports triton on first use).
 
 For up to GEMV_MAX_ROWS rows the step is bound by reading the weights. cuBLASLt's FP8 GEMM picks
 a 128 x 128 tile there and reads them at about half the HBM rate; the bf16-input GEMV
@@ -12,19 +11,17 @@ GEMV's 2.76, and 2.23-2.33 ms at 2-16 rows against 3.29-3.49 (bench/fp8_gemv_ben
 The inputs come quantized from the kernel that made them (fp8_fused.py), so the quantization
 costs no launch of its own. Tiles are fixed by weight width (tile_for), from a chain of calls
 over weights L2 cannot hold: Triton's autotuner, timing each call alone, took gate/up's 28,672
-channels in 34.4 us where 64 x 256 a step took 31.0 (KVRELAY_FP8_DOT_TILES=tuned still asks it).
+channels in 34.4 us where 64 x 256 a step took 31.0.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
 from engine import pdl
-from engine.quant import split_k as splits
 
 BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are masked
 MAX_ROWS = BLOCK_M
@@ -34,17 +31,6 @@ MAX_ROWS = BLOCK_M
 WIDE_TILE = (64, 256, 4, 3)
 NARROW_TILE = (32, 512, 4, 3)
 WIDE_CHANNELS = 16384  # weights of at least this many output channels take WIDE_TILE
-TILES_ENV = "KVRELAY_FP8_DOT_TILES"  # "fixed" (default): tile_for's; "tuned": the autotuner's
-
-
-@functools.cache
-def tuned() -> bool:
-    """Whether Triton's autotuner picks the tiles (KVRELAY_FP8_DOT_TILES=tuned) instead of
-    tile_for (read once)."""
-    choice = os.environ.get(TILES_ENV, "fixed").strip()
-    if choice not in ("fixed", "tuned"):
-        raise ValueError(f"{TILES_ENV} must be fixed or tuned, got {choice!r}")
-    return choice == "tuned"
 
 
 def tile_for(num_channels: int) -> tuple[int, int, int, int]:
@@ -52,30 +38,10 @@ def tile_for(num_channels: int) -> tuple[int, int, int, int]:
     return WIDE_TILE if num_channels >= WIDE_CHANNELS else NARROW_TILE
 
 
-def tile_configs() -> list[Any]:
-    """The autotuner's tile shapes (BLOCK_N, BLOCK_K, warps, stages) for 16 padded rows."""
-    import triton
-
-    return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bk, w, s in (
-            (16, 256, 4, 4),
-            (32, 256, 4, 4),
-            (32, 512, 4, 3),
-            (64, 128, 4, 4),
-            (64, 256, 4, 3),
-            (64, 256, 8, 4),
-            (128, 128, 8, 3),
-            (32, 1024, 8, 2),
-        )
-    ]
-
-
-def _body() -> Any:
+@functools.cache
+def _kernel() -> Any:
     import triton
     import triton.language as tl
-
-    prefetch_then_wait = pdl.prefetch_then_wait()
 
     @triton.jit
     def fp8_dot_rows_kernel(
@@ -85,35 +51,28 @@ def _body() -> Any:
         w_scale_ptr,
         bias_ptr,
         out_ptr,
-        ws_ptr,
-        counter_ptr,
         M,
         N,
         K,
         out_row_stride,
-        prefetch_budget,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One program per BLOCK_N output channels (and part of K: SPLIT_K, split_k.py), all
-        M rows: acc += x_q @ w_q^T over K on e4m3 (fp32 accumulator), then the row and channel
-        scales (and bias). PDL: it waits for the kernel before (engine/pdl.py), after asking
-        L2 for its share of prefetch_budget bytes of its rows of W (one contiguous slab); the
-        next kernel may come in after the loop."""
+        """One program per BLOCK_N output channels, all M rows: acc += x_q @ w_q^T over K on
+        e4m3 (fp32 accumulator), then the row and channel scales (and bias). PDL: it waits for
+        the kernel before (engine/pdl.py); the next kernel may come in after the loop."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
         if PDL:
-            prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
-        k_start, k_end = splits.part_bounds(K, SPLIT_K, BLOCK_K)
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(
@@ -129,33 +88,18 @@ def _body() -> Any:
             acc = tl.dot(x, tl.trans(w), acc)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        last = True
-        if SPLIT_K > 1:  # the workspace is [SPLIT_K, M, N]
-            at = rows[:, None] * N + cols[None, :]
-            last, acc = splits.sum_parts(acc, ws_ptr, counter_ptr, at, tile_ok, pid, M * N, SPLIT_K)
-        if last:
-            row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
-            col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-            out = acc * row_scale[:, None] * col_scale[None, :]
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(
-                out_ptr + rows[:, None] * out_row_stride + cols[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=tile_ok,
-            )
+        row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
+        col_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+        out = acc * row_scale[:, None] * col_scale[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
 
     return fp8_dot_rows_kernel
-
-
-@functools.cache
-def _kernel(tuned: bool) -> Any:
-    if not tuned:  # one fixed tile (Triton's interpreter has no autotuner)
-        return _body()
-    import triton
-
-    return triton.autotune(configs=tile_configs(), key=["N", "K"])(_body())
 
 
 def fp8_dot_rows(
@@ -165,13 +109,11 @@ def fp8_dot_rows(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     tile: tuple[int, ...] | None = None,
-    split_k: int | None = None,
 ) -> torch.Tensor:
     """q e4m3 [M, K] (M <= MAX_ROWS, contiguous) with scale float32 [M, 1], weight e4m3 [N, K]
     contiguous, weight_scale float32 with N elements, bias [N] bf16 or None -> [M, N] bf16.
-    tile: (BLOCK_N, BLOCK_K[, num_warps, num_stages]) instead of the fixed one (tests, benches;
-    Triton's defaults for the two left out); split_k: K's parts (split_k.py) instead of
-    split_for's (fixed tiles only)."""
+    tile: (BLOCK_N, BLOCK_K[, num_warps, num_stages]) instead of the fixed one (tests; Triton's
+    defaults for the two left out)."""
     import triton
 
     num_rows, k = q.shape
@@ -184,32 +126,12 @@ def fp8_dot_rows(
     if num_rows == 0:
         return out
     use_pdl = pdl.enabled(q.device)
-    flags = {
-        "HAS_BIAS": bias is not None,
-        "BLOCK_M": BLOCK_M,
-        "PDL": use_pdl,
-        "launch_pdl": use_pdl,
-    }
-    if tile is None and not tuned():
-        tile = tile_for(n)
-    operands = (q, scale, weight, weight_scale, weight_scale if bias is None else bias, out)
-    if tile is None:  # bias is read only when HAS_BIAS; the workspace and counters unused
-        if split_k not in (None, 1):
-            raise ValueError("split_k needs a fixed tile")
-        sizes = (num_rows, n, k, out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _kernel(True)[grid](*operands, out, out, *sizes, **flags, SPLIT_K=1)
-        return out
-    block_n, block_k, *launch = tile
-    num_tiles = triton.cdiv(n, block_n)
-    split_k, workspace, counters = splits.launch_parts(
-        split_k, num_tiles, k, block_k, (num_rows, n), out
-    )
-    # a split program reads part of its rows: the L2 prefetch of their first bytes is left out
-    prefetch = pdl.prefetch_bytes() if use_pdl and split_k == 1 else 0
+    block_n, block_k, *launch = tile or tile_for(n)
     options = dict(zip(("num_warps", "num_stages"), launch, strict=False))
-    _kernel(False)[(num_tiles, split_k)](
-        *operands, workspace, counters, num_rows, n, k, out.stride(0), prefetch, **flags,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, **options,
+    _kernel()[(triton.cdiv(n, block_n),)](
+        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out,
+        num_rows, n, k, out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=use_pdl, launch_pdl=use_pdl, **options,
     )  # fmt: skip
     return out

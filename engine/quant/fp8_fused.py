@@ -200,15 +200,15 @@ def silu_and_mul_quantize(
 ) -> QuantizedRows:
     """quantize_rows(silu(gate) * up) for gate_up [M, 2I] (gate, then up; rows contiguous; or
     an Fp8Linear's ScaledRows, read through its scales). chunked: run fp8_silu_chunked.py's
-    kernel so (default: as KVRELAY_FP8_SILU_CHUNKED says, for ScaledRows of its MIN_ROWS to
-    MAX_ROWS rows; on plain bf16 rows it measured slower)."""
+    kernel so (default: its CHUNKED for ScaledRows of its MIN_ROWS to MAX_ROWS rows; on plain
+    bf16 rows it measured slower)."""
     src, src_scales = (gate_up.raw, gate_up) if isinstance(gate_up, ScaledRows) else (gate_up, None)
     width = src.shape[1]
     if src.stride(1) != 1 or width % 2:
         raise ValueError(f"gate_up of shape {tuple(src.shape)} is not [M, 2I] by rows")
     half = width // 2
     if chunked is None and src_scales is not None and fp8_silu_chunked.takes(src.shape[0]):
-        chunked = fp8_silu_chunked.setting()
+        chunked = fp8_silu_chunked.CHUNKED
     if chunked is None or not src.shape[0]:
         return _launch(
             SILU_AND_MUL, src, None, None, 0.0, half, static_scale, out_dtype, src_scales

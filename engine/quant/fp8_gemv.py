@@ -1,7 +1,7 @@
 """fp8_gemv: y = x W^T for a few rows of bf16 x and an e4m3 W with per-channel scales, as one
-Triton kernel that dequantizes W in registers; owns no state but the kernel choice read once
-from the environment (imports triton on first use). Few rows that come quantized take
-fp8_dot_rows.py instead (faster: no per-weight conversion); this is for bf16 inputs (o_proj's).
+Triton kernel that dequantizes W in registers; owns no state (imports triton on first use). Few
+rows that come quantized take fp8_dot_rows.py instead (faster: no per-weight conversion); this
+is for bf16 inputs (o_proj's).
 
 A decode step of a few sequences is bound by reading the weights. cuBLASLt's FP8 GEMM picks a
 128 x 128 tile for one row and reads the weights at about half the HBM rate, after a kernel
@@ -10,14 +10,13 @@ bf16, which is also closer to the unquantized model) and stream W once, BLOCK_N 
 channels per program, tile shapes chosen per shape by Triton's autotuner on first use. Two
 kernels: "dot" pads the rows to 16 and multiplies on tensor cores (tl.dot); "vector" multiplies
 with plain vector loads and sums along K once at the end, for one or two rows. Inputs of up to
-KVRELAY_FP8_GEMV_VECTOR_ROWS rows (default VECTOR_ROWS_DEFAULT, at most VECTOR_MAX_ROWS) take
-"vector", the rest "dot".
+VECTOR_ROWS rows take "vector" (measured faster than "dot" for one row, slower for two), the
+rest "dot".
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -25,25 +24,14 @@ import torch
 from engine import pdl
 
 GEMV_MAX_ROWS = 16  # Fp8Linear takes these kernels up to here, cuBLASLt's FP8 GEMM above
-VECTOR_ROWS_ENV = "KVRELAY_FP8_GEMV_VECTOR_ROWS"
-VECTOR_ROWS_DEFAULT = 1  # measured: faster than "dot" for one row, slower for two
+VECTOR_ROWS = 1  # measured: "vector" faster than "dot" for one row, slower for two
 VECTOR_MAX_ROWS = 2  # its fp32 accumulator is rows x BLOCK_N x BLOCK_K registers' worth
 KERNELS = ("dot", "vector")
 
 
-@functools.cache
-def vector_rows() -> int:
-    """Inputs of up to this many rows take the vector kernel (read once; cache_clear to
-    re-read); a value that is not 0..VECTOR_MAX_ROWS is refused by the variable's name."""
-    raw = os.environ.get(VECTOR_ROWS_ENV, str(VECTOR_ROWS_DEFAULT))
-    if not raw.strip().isdigit() or int(raw) > VECTOR_MAX_ROWS:
-        raise ValueError(f"{VECTOR_ROWS_ENV} must be 0..{VECTOR_MAX_ROWS}, got {raw!r}")
-    return int(raw)
-
-
 def kernel_for(num_rows: int) -> str:
     """The kernel fp8_gemv runs for this many input rows."""
-    return "vector" if num_rows <= vector_rows() else "dot"
+    return "vector" if num_rows <= VECTOR_ROWS else "dot"
 
 
 @functools.cache
@@ -51,7 +39,6 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    prefetch_then_wait = pdl.prefetch_then_wait()
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bn, bk, w, s in (
@@ -81,7 +68,6 @@ def _kernel() -> Any:
         K,
         x_row_stride,
         out_row_stride,
-        prefetch_budget,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -90,14 +76,14 @@ def _kernel() -> Any:
     ):
         """One program per BLOCK_N output channels, all M (<= BLOCK_M) rows: acc += x_tile @
         dequant(w_tile)^T over K in fp32, then the channel scales (and bias). PDL: as in
-        fp8_dot_rows (its share of W's prefetch, then wait; the next kernel in after the loop)."""
+        fp8_dot_rows (wait for the kernel before; the next kernel in after the loop)."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
         col_ok = cols < N
         if PDL:
-            prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -133,7 +119,6 @@ def _vector_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    prefetch_then_wait = pdl.prefetch_then_wait()
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
         for bn, bk, w in (
@@ -174,7 +159,6 @@ def _vector_kernel() -> Any:
         K,
         x_row_stride,
         out_row_stride,
-        prefetch_budget,
         HAS_BIAS: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -190,7 +174,7 @@ def _vector_kernel() -> Any:
         col_ok = cols < N
         row_ok = rows < M
         if PDL:
-            prefetch_then_wait(w_ptr, pid, N, K, prefetch_budget, BLOCK_N)
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -254,7 +238,7 @@ def fp8_gemv(
 
     operands = (x, weight, weight_scale, weight_scale if bias is None else bias, out)
     use_pdl = pdl.enabled(x.device)  # bias is read only when HAS_BIAS
-    sizes = (num_rows, n, k, x.stride(0), out.stride(0), pdl.prefetch_bytes() if use_pdl else 0)
+    sizes = (num_rows, n, k, x.stride(0), out.stride(0))
     flags = {"HAS_BIAS": bias is not None, "PDL": use_pdl, "launch_pdl": use_pdl}
     if kernel == "vector":
         rows = 1 << max(0, (num_rows - 1).bit_length())

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from engine.attention import flashinfer_backend
-from engine.attention.xqa_decode import DECODE_KERNEL_ENV
 from engine.engine import Engine
 from engine.sampler import PendingSample
 from engine.sampling_params import SamplingParams
@@ -29,6 +28,22 @@ pytestmark = [
 ]
 
 NUM_NEW_TOKENS = 24
+
+
+def decode_on_fa2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows on FlashInfer's fa2 kernel whatever the cache and GPU (the engine picks XQA
+    for an fp8 cache on Hopper: xqa_decode.use_xqa), to compare the two."""
+    monkeypatch.setattr(flashinfer_backend, "use_xqa", lambda *args: False)
+
+
+def ragged_prompts(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Whole prompts on the ragged wrapper (fa3 on Hopper, else fa2) whatever the cache, or
+    through the paged cache (the engine's choice: ragged_backend), to compare the two."""
+
+    def backend(capability: tuple[int, int], kv_dtype: torch.dtype) -> str | None:
+        return ("fa3" if capability == flashinfer_backend.HOPPER else "fa2") if on else None
+
+    monkeypatch.setattr(flashinfer_backend, "ragged_backend", backend)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +68,6 @@ def build(
     cuda_graph: bool = False,
     kv_cache_dtype: str = "auto",
     async_scheduling: bool = False,  # the Recorder reads each step's logits as it is launched
-    mixed_step_graphs: bool = False,
 ) -> Engine:
     return build_engine(
         model_path=str(folder),
@@ -62,7 +76,6 @@ def build(
         attention_backend=backend,
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
-        mixed_step_graphs=mixed_step_graphs,
         num_blocks=128,
         kv_cache_dtype=kv_cache_dtype,
         max_num_batched_tokens=64,
@@ -247,7 +260,7 @@ def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
     FlashInfer's fp8 kernel is not bit-equivalent to attention over rounded K/V (it rounds
     inside the attention too), so the emulation bounds the error instead of matching it."""
-    monkeypatch.setenv(DECODE_KERNEL_ENV, "fa2")
+    decode_on_fa2(monkeypatch)
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
@@ -285,9 +298,12 @@ def test_fp8_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None
 def fp8_run(
     folder: Path, kernel: str, monkeypatch: pytest.MonkeyPatch, forced: dict[str, list[int]]
 ) -> Recorder:
-    """The workload on an fp8 cache with decode rows on `kernel`, forced to `forced`."""
-    monkeypatch.setenv(DECODE_KERNEL_ENV, kernel)
-    engine = build(folder, "bfloat16", "flashinfer", kv_cache_dtype="fp8")
+    """The workload on an fp8 cache with decode rows on `kernel` (fa2, or xqa: the engine's
+    choice on Hopper), forced to `forced`."""
+    with monkeypatch.context() as patch:
+        if kernel == "fa2":
+            decode_on_fa2(patch)
+        engine = build(folder, "bfloat16", "flashinfer", kv_cache_dtype="fp8")
     assert engine.runner.attention.decode_kernel == kernel
     rec = Recorder(engine, forced=forced)
     run_workload(engine)
@@ -299,10 +315,10 @@ def fp8_run(
     reason="XQA's fp8 kernel is Hopper's",
 )
 def test_xqa_decode_on_the_fp8_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """XQA (auto's choice for an fp8 cache on Hopper; it multiplies q and the probabilities in
-    e4m3 too) against fa2 on the same cache, in pure-decode and mixed steps (the workload's
-    chunked prefills beside decodes split into XQA rows and prefill rows); graphs equal eager."""
-    monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+    """XQA (the engine's choice for an fp8 cache on Hopper; it multiplies q and the
+    probabilities in e4m3 too) against fa2 on the same cache, in pure-decode and mixed steps
+    (the workload's chunked prefills beside decodes split into XQA rows and prefill rows);
+    graphs equal eager."""
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
@@ -317,7 +333,6 @@ def test_xqa_decode_on_the_fp8_cache(tiny_llama: Path, monkeypatch: pytest.Monke
         f"xqa against fa2 {between:.4f} (max |logit| {scale:.3f})"
     )
     assert 0 < xqa_error <= 2 * fa2_error  # a wrong page, scale or row would be ~scale
-    monkeypatch.delenv(DECODE_KERNEL_ENV)
     eager = build(tiny_llama, "bfloat16", "flashinfer", False, "fp8")
     rec_eager = Recorder(eager)
     eager_tokens, _ = run_workload(eager)
@@ -352,7 +367,6 @@ def test_checkpoint_kv_scales_are_applied(
         tensors[attn + "k_scale"] = torch.tensor([2.0])
         tensors[attn + "v_scale"] = torch.tensor([0.25])
     save_file(tensors, scaled / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
@@ -365,88 +379,23 @@ def test_checkpoint_kv_scales_are_applied(
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "overlapped"])
-def test_mixed_step_graphs_equal_eager(
-    tiny_llama: Path, kv_cache_dtype: str, async_scheduling: bool
-) -> None:
-    """Steps with prefill chunks replayed from piecewise graphs (the attention run eagerly
-    between the pieces over the real rows, padding rows dropped) give the eager engine's
-    logits on one trajectory and its greedy tokens; nothing leaks (run_workload checks)."""
-    eager = build(tiny_llama, "bfloat16", "flashinfer", True, kv_cache_dtype)
-    rec_eager = Recorder(eager)
-    eager_tokens, _ = run_workload(eager)
-    assert eager.runner.mixed_graphs is None
-    mixed = build(tiny_llama, "bfloat16", "flashinfer", True, kv_cache_dtype, False, True)
-    assert mixed.runner.mixed_graphs is not None
-    rec_mixed = Recorder(mixed, forced=eager_tokens)
-    run_workload(mixed)
-    assert mixed.runner.num_mixed_graph_steps >= 3  # the workload's chunked prefills
-    scale = logit_scale(rec_eager)
-    error = max_logit_error(rec_eager.logits, rec_mixed.logits)
-    print(f"mixed-step graphs vs eager: max logit error {error:.5f} (max |logit| {scale:.3f})")
-    assert error <= 0.02 * scale  # the same kernels; GEMMs may tile padded rows differently
-    free = build(tiny_llama, "bfloat16", "flashinfer", True, kv_cache_dtype, async_scheduling, True)
-    free_tokens, _ = run_workload(free)
-    notes = first_divergence(eager_tokens, rec_eager.logits, free_tokens, max(2 * error, 1e-3))
-    print("mixed-step graphs vs eager greedy:", notes or "equal token for token")
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-    reason="fa3 is Hopper's",
-)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_fa3_prefill_against_fa2(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
-) -> None:
-    """Prefill chunks on fa3 (KVRELAY_PREFILL_FA3=1; over an fp8 cache its queries are e4m3
-    too) against fa2 on the same cache and token trajectory: the chunked prefills, the cached
-    prefix and the decode rows beside them. Over the fp8 cache fa3 may add the error of fp8
-    queries, bounded as XQA's is; over bf16 both kernels compute the same bf16 attention.
-    Whole prompts stay on the paged kernels (KVRELAY_PREFILL_RAGGED=0), which this compares."""
-    monkeypatch.setenv(flashinfer_backend.PREFILL_RAGGED_ENV, "0")
-    bf16 = build(tiny_llama, "bfloat16", "flashinfer")
-    rec_bf16 = Recorder(bf16)
-    ref_tokens, _ = run_workload(bf16)
-    scale = logit_scale(rec_bf16)
-    recs = {}
-    for kernel in ("fa2", "fa3"):
-        monkeypatch.setenv(flashinfer_backend.PREFILL_FA3_ENV, "1" if kernel == "fa3" else "0")
-        engine = build(tiny_llama, "bfloat16", "flashinfer", kv_cache_dtype=kv_cache_dtype)
-        assert engine.runner.attention.prefill_kernel == kernel
-        recs[kernel] = Recorder(engine, forced=ref_tokens)
-        run_workload(engine)
-    fa2_error = max_logit_error(rec_bf16.logits, recs["fa2"].logits)
-    fa3_error = max_logit_error(rec_bf16.logits, recs["fa3"].logits)
-    between = max_logit_error(recs["fa2"].logits, recs["fa3"].logits)
-    print(
-        f"{kv_cache_dtype} cache: max logit error against bf16 fa2: fa2 {fa2_error:.4f}, "
-        f"fa3 {fa3_error:.4f}; fa3 against fa2 {between:.4f} (max |logit| {scale:.3f})"
-    )
-    if kv_cache_dtype == "fp8":
-        assert 0 < fa3_error <= 2 * fa2_error  # a wrong page, scale or row would be ~scale
-    else:
-        assert between <= 0.02 * scale
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_whole_prompts_on_the_ragged_wrapper_against_the_paged_one(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
 ) -> None:
-    """Whole prompts attending over their own K/V (the ragged wrapper,
-    KVRELAY_PREFILL_RAGGED=1) against the same rows through the paged cache
-    (KVRELAY_PREFILL_RAGGED=0; the reference is bf16 paged too), on one token trajectory: whole
+    """Whole prompts attending over their own K/V (the ragged wrapper, on here whatever the
+    cache) against the same rows through the paged cache (the reference is bf16 paged too),
+    on one token trajectory: whole
     prompts beside decode rows, continued chunks and a cached prefix in the paged wrapper's
     part of the same steps. Over bf16 both compute the same attention; over fp8 the ragged
     rows read the unquantized K/V, so they may only be closer to bf16."""
-    monkeypatch.setenv(flashinfer_backend.PREFILL_RAGGED_ENV, "0")
+    ragged_prompts(monkeypatch, False)
     bf16 = build(tiny_llama, "bfloat16", "flashinfer")
     rec_bf16 = Recorder(bf16)
     ref_tokens, _ = run_workload(bf16)
     scale = logit_scale(rec_bf16)
     recs, ragged_calls = {}, []
     for ragged in (False, True):
-        monkeypatch.setenv(flashinfer_backend.PREFILL_RAGGED_ENV, "1" if ragged else "0")
+        ragged_prompts(monkeypatch, ragged)
         engine = build(tiny_llama, "bfloat16", "flashinfer", kv_cache_dtype=kv_cache_dtype)
         attention = engine.runner.attention
         assert (attention.ragged_kernel is not None) == ragged

@@ -1,19 +1,18 @@
-"""FP8 GEMMs that leave their scales to the kernel after them (the default for decode batches;
-KVRELAY_FP8_DEFER_SCALES=0 turns it off): Fp8Linear.forward_deferred against the row-scaled
-forward, and a tiny FP8 engine with deferred scales and one without, each against the bf16
-engine of its dequantized weights, eager, on decode graphs and on piecewise mixed-step graphs
-(where the recorded attention gets the scaled values). The few-row kernels are turned off so
-that small decode batches reach cuBLASLt too; logits are compared on one forced token
-trajectory, as in tests/gpu/test_fp8_weights.py."""
+"""FP8 GEMMs that leave their scales to the kernel after them (decode batches):
+Fp8Linear.forward_deferred against the row-scaled forward, and a tiny FP8 engine with deferred
+scales and one without (as larger steps run), each against the bf16 engine of its dequantized
+weights, eager and on decode graphs. The few-row kernels are turned off so that small decode
+batches reach cuBLASLt too; logits are compared on one forced token trajectory, as in
+tests/gpu/test_fp8_weights.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.models import llama
 from engine.quant import fp8
 from engine.quant.fp8_fused import quantize_rows_cuda
 from tests.gpu.test_flashinfer_backend import Recorder, logit_scale, max_logit_error, run_workload
@@ -29,16 +28,10 @@ from tests.gpu.test_fp8_weights import (  # noqa: F401 (tiny: a fixture; pytestm
 
 
 @pytest.fixture
-def switches(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """KVRELAY_FP8_GEMV=0; the test sets KVRELAY_FP8_DEFER_SCALES; both re-read on use."""
-    monkeypatch.setenv(fp8.GEMV_ENV, "0")
-    fp8.gemv_enabled.cache_clear()
-    fp8.defer_enabled.cache_clear()
-    yield
-    monkeypatch.delenv(fp8.GEMV_ENV)
-    monkeypatch.delenv(fp8.DEFER_SCALES_ENV, raising=False)
-    fp8.gemv_enabled.cache_clear()
-    fp8.defer_enabled.cache_clear()
+def switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No input takes the few-row kernels: every FP8 matmul runs on cuBLASLt (as steps of more
+    than fp8_gemv.GEMV_MAX_ROWS rows do)."""
+    monkeypatch.setattr(fp8, "takes_gemv", lambda rows: False)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -58,7 +51,7 @@ def test_forward_deferred_equals_the_row_scaled_forward(num_rows: int, static: b
     assert error <= 0.03 * float(want.abs().max())
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs", "piecewise"])
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
 def test_engine_with_deferred_scales_stays_as_close_to_bf16_as_without(
     tiny: Path,  # noqa: F811
     switches: None,
@@ -70,9 +63,7 @@ def test_engine_with_deferred_scales_stays_as_close_to_bf16_as_without(
     each other: a rounding change flips e4m3 codes of later activations (steps of 6-12%), and
     this random model amplifies that to ~0.1x its largest logit (0.82 of 7.34 measured on the
     H200 at 31aec36) whatever the path; a wrong scale moves logits by their size."""
-    options = {"eager": {}, "graphs": {"cuda_graph": True}}.get(
-        mode, {"cuda_graph": True, "mixed_step_graphs": True}
-    )
+    options = {"eager": {}, "graphs": {"cuda_graph": True}}[mode]
     model = load(tiny)
     plain = engine_on(dequantized_twin(model, tiny), tiny, **options)
     rec_plain = Recorder(plain)
@@ -86,14 +77,15 @@ def test_engine_with_deferred_scales_stays_as_close_to_bf16_as_without(
 
     monkeypatch.setattr(fp8.Fp8Linear, "forward_deferred", counting)
     errors = {}
+    defers_scales = llama.defers_scales
     for defer in (False, True):
-        monkeypatch.setenv(fp8.DEFER_SCALES_ENV, "1" if defer else "0")
-        fp8.defer_enabled.cache_clear()
+        # without: every FP8 product row-scaled, as steps of more than DEFER_MAX_ROWS run
+        monkeypatch.setattr(llama, "defers_scales", defers_scales if defer else lambda *a: False)
         deferred_calls.clear()
         engine = engine_on(model, tiny, **options)
         rec = Recorder(engine, forced=tokens)
         run_workload(engine)
-        assert bool(deferred_calls) == defer, "deferral did not follow its switch"
+        assert bool(deferred_calls) == defer, "deferral did not follow the test's choice"
         errors[defer] = max_logit_error(rec_plain.logits, rec.logits)
     scale = logit_scale(rec_plain)
     print(f"{mode}: max logit error against bf16 weights: deferred {errors[True]:.4f}, ", end="")

@@ -20,12 +20,9 @@ from torch import nn
 
 from engine.engine import Engine
 from engine.loader import load_model, read_model_config
+from engine.models import llama
 from engine.quant.fp8 import (
-    DEFER_SCALES_ENV,
-    GEMV_ENV,
     Fp8Linear,
-    defer_enabled,
-    gemv_enabled,
     linear_state,
     quantize_rows_torch,
     quantize_weight,
@@ -182,7 +179,7 @@ def test_fp8_linear_replays_in_a_cuda_graph(static: bool) -> None:
 
 
 def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
-    tiny: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every FP8 projection the engine runs (fp8_dot_rows or the Triton GEMV for decode rows,
     Triton quantization + torch._scaled_mm for prefill chunks) against its float32 emulation
@@ -193,9 +190,8 @@ def test_tiny_fp8_engine_layers_match_their_emulation_and_dequantized_weights(
     layer to ~1e-3, but a 1e-3 change in an activation flips some of its e4m3 codes (steps of
     6-12%), and this random model amplifies such flips to ~0.1x its largest logit (0.88 of 6.84
     measured on the H200), which says nothing about the engine's path."""
-    monkeypatch.setenv(DEFER_SCALES_ENV, "0")  # every call through forward (deferral:
-    defer_enabled.cache_clear()  # tests/gpu/test_fp8_deferred_scales.py)
-    request.addfinalizer(defer_enabled.cache_clear)
+    # every call through forward (deferral: tests/gpu/test_fp8_deferred_scales.py)
+    monkeypatch.setattr(llama, "defers_scales", lambda *args: False)
     model = load(tiny)
     calls: list[tuple[Fp8Linear, torch.Tensor | QuantizedRows, torch.Tensor]] = []
     forward = Fp8Linear.forward
@@ -293,15 +289,8 @@ def test_fp8_gemv_vector_kernel_matches_the_dequantized_weight(
         fp8_gemv(x.new_ones(VECTOR_MAX_ROWS + 1, in_features), *args[1:], kernel="vector")
 
 
-def test_fp8_gemv_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_few_cuda_rows_take_the_fp8_gemv() -> None:
     x = torch.ones(2, 64, device=CUDA, dtype=torch.bfloat16)
-    gemv_enabled.cache_clear()
-    monkeypatch.setenv(GEMV_ENV, "0")
-    try:
-        assert not takes_gemv(x)
-    finally:
-        monkeypatch.delenv(GEMV_ENV)
-        gemv_enabled.cache_clear()
     assert takes_gemv(x) and not takes_gemv(x.cpu()) and not takes_gemv(x.new_ones(17, 64))
 
 

@@ -1,11 +1,9 @@
-"""The fused few-row GEMVs (engine/models/fused_gemv.py) on the GPU: in bf16 on the 8B
+"""The fused one-row GEMVs (engine/models/fused_gemv.py) on the GPU: in bf16 on the 8B
 projection shapes against torch's product of the same bf16 operands; a layer's chain of them
 replayed from a CUDA graph (with PDL where the GPU has it) against the same chain run eagerly;
-and a tiny bf16 model through the engine on graphs with them (KVRELAY_BF16_GEMV_ROWS=1, the
-default) against without (0): logits along one token trajectory, and greedy tokens; the same
-logits with gate/up on cuBLAS (KVRELAY_GATE_UP_BLAS=1), and a tiny FP8 model's with the one-row
-FP8 GEMVs (KVRELAY_FP8_ONE_ROW=1) and with K split (KVRELAY_FP8_SPLIT_K=1) against its default
-path."""
+and a tiny bf16 model through the engine on graphs with them (the engine's path for one-row
+steps) against without (cuBLAS, as larger steps run): logits along one token trajectory, and
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -19,11 +17,10 @@ import torch.nn.functional as F
 from engine import pdl
 from engine.engine import Engine
 from engine.models import fused_gemv
-from engine.quant import fp8_dot_rows, fp8_one_row, split_k
 from engine.sampling_params import SamplingParams
 from tests.gpu.test_flashinfer_backend import Recorder, first_divergence, logit_scale
 from tests.gpu.test_fp8_weights import CUDA, engine_on, load, pytestmark, tiny  # noqa: F401
-from tests.unit.test_fused_gemv import gemv_launches, rows_env  # noqa: F401 (fixtures)
+from tests.unit.test_fused_gemv import gemv_launches  # noqa: F401 (a fixture)
 
 EPS = 1e-5
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3.1-8B
@@ -114,11 +111,9 @@ def test_a_layer_chain_replayed_from_a_graph_equals_it_run_eagerly_without_pdl(
     gen = torch.Generator(CUDA).manual_seed(1)
     run = layer_chain(gen)
     inputs = [torch.randn(1, HIDDEN, device=CUDA, generator=gen).bfloat16() for _ in range(3)]
-    monkeypatch.setenv(pdl.ENV, "0")
-    pdl.wanted.cache_clear()
-    want = [run(x.clone()) for x in inputs]  # compiles outside the graph
-    monkeypatch.delenv(pdl.ENV)
-    pdl.wanted.cache_clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(pdl, "enabled", lambda device: False)  # as on a GPU without PDL
+        want = [run(x.clone()) for x in inputs]  # compiles outside the graph
     run(inputs[0].clone())  # the PDL variants compile outside the graph too
     static = inputs[0].clone()
     graph = torch.cuda.CUDAGraph()
@@ -147,18 +142,18 @@ def solo_requests(engine: Engine) -> dict[str, list[int]]:
 
 
 def test_tiny_bf16_engine_on_graphs_with_fused_gemvs(
-    rows_env,  # noqa: F811
     gemv_launches: list[int],  # noqa: F811
     tiny: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     launches = gemv_launches
     model = load(tiny, quantization=None)
-    rows_env.set("0")
-    plain = engine_on(model, tiny, cuda_graph=True)
-    rec_plain = Recorder(plain)
-    plain_tokens = solo_requests(plain)
-    assert launches == [], "KVRELAY_BF16_GEMV_ROWS=0 ran a fused GEMV"
-    rows_env.set("1")
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_gemv, "takes", lambda x, plain: False)  # cuBLAS, as larger steps
+        plain = engine_on(model, tiny, cuda_graph=True)
+        rec_plain = Recorder(plain)
+        plain_tokens = solo_requests(plain)
+    assert launches == [], "a step off the fused GEMVs ran one"
     eager = engine_on(model, tiny, cuda_graph=False)
     assert len(launches) >= 4, "an eager engine compiles the four kernels at its start"
     assert eager.runner.graphs is None
@@ -180,90 +175,3 @@ def test_tiny_bf16_engine_on_graphs_with_fused_gemvs(
     free_tokens = solo_requests(free)
     notes = first_divergence(plain_tokens, rec_plain.logits, free_tokens, 0.02 * scale)
     print("\n".join(notes) or "greedy tokens equal")
-
-
-def clear_settings() -> None:
-    """Forget the options read once from the environment."""
-    fused_gemv.gate_up_on_blas.cache_clear()
-    fp8_one_row.enabled.cache_clear()
-    split_k.enabled.cache_clear()
-
-
-def forced_logit_error(
-    model: torch.nn.Module,
-    folder: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    variable: str,
-    kernel: tuple[object, str],
-) -> tuple[float, float]:
-    """(max logit error, logit scale) of an engine on graphs with `variable`=1 against one
-    without, along the latter's greedy tokens of solo_requests; kernel (module, name): a
-    function only the variant calls, which its graphs must have captured."""
-    plain = engine_on(model, folder, cuda_graph=True)
-    rec_plain = Recorder(plain)
-    plain_tokens = solo_requests(plain)
-    calls: list[int] = []
-    function = getattr(*kernel)
-    counted = lambda *a, **k: calls.append(1) or function(*a, **k)  # noqa: E731
-    monkeypatch.setattr(*kernel, counted)
-    monkeypatch.setenv(variable, "1")
-    clear_settings()
-    try:
-        variant = engine_on(model, folder, cuda_graph=True)
-        assert len(calls) >= len(model.layers), f"{variable}=1: the graphs did not capture it"
-        rec_variant = Recorder(variant, forced=plain_tokens)
-        solo_requests(variant)
-        assert variant.runner.num_graph_steps > 0
-    finally:
-        monkeypatch.delenv(variable)
-        clear_settings()
-    errors = [
-        float((a - b).abs().max())
-        for r in rec_plain.logits
-        for a, b in zip(rec_plain.logits[r], rec_variant.logits[r], strict=True)
-    ]
-    return max(errors), logit_scale(rec_plain)
-
-
-def test_tiny_bf16_engine_with_gate_up_on_blas(
-    tiny: Path,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """KVRELAY_GATE_UP_BLAS=1 (gate/up as cuBLAS's product of the norm-weighted residual, 1/rms
-    and the SiLU after) against the fused normed_gemv_silu, batch-1 steps on graphs."""
-    kernel = (fused_gemv, "silu_and_mul_rms")
-    model = load(tiny, None)
-    error, scale = forced_logit_error(model, tiny, monkeypatch, "KVRELAY_GATE_UP_BLAS", kernel)
-    print(f"bf16 engine, gate/up on cuBLAS vs fused: max logit error {error:.4f} of {scale:.2f}")
-    assert error <= 0.02 * scale
-
-
-def test_tiny_fp8_engine_with_the_one_row_kernels(
-    tiny: Path,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """KVRELAY_FP8_ONE_ROW=1 (four GEMVs a layer that quantize their own input) against the
-    default FP8 path, batch-1 steps on graphs: o_proj's input is quantized on this path (the
-    default's o_proj GEMV reads it in bf16), so the bound is the FP8 graph-vs-eager test's."""
-    model = load(tiny)
-    assert model.fp8_row_projections(), "the online-quantized model takes them"
-    kernel = (fp8_one_row, "row_dot")
-    error, scale = forced_logit_error(model, tiny, monkeypatch, fp8_one_row.ENV, kernel)
-    print(f"fp8 engine, one-row kernels vs default: max logit error {error:.4f} of {scale:.2f}")
-    assert 0 < error <= 0.05 * scale  # o_proj's input is quantized on this path only
-
-
-def test_tiny_fp8_engine_with_k_split(
-    tiny: Path,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """KVRELAY_FP8_SPLIT_K=1 against the default FP8 path, few-row steps on graphs (the
-    fp8_dot_rows products). The tiny model's K (256, 512) is one step of the engine's tiles, so
-    both engines run on 64-wide K steps, which split_for cuts into 2-4 parts: the same sums
-    in another order."""
-    monkeypatch.setattr(fp8_dot_rows, "NARROW_TILE", (32, 64, 4, 3))
-    monkeypatch.setattr(fp8_dot_rows, "WIDE_TILE", (64, 64, 4, 3))
-    model = load(tiny)
-    error, scale = forced_logit_error(model, tiny, monkeypatch, split_k.ENV, (split_k, "counters"))
-    print(f"fp8 engine, K split vs not: max logit error {error:.4f} of {scale:.2f}")
-    assert error <= 0.02 * scale

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.attention import rope_kv_kernel
 from engine.models.rope import RotaryEmbedding
-from engine.quant import fp8, fp8_fused
+from engine.quant import fp8_fused
 from engine.quant.fp8 import Fp8Linear, defers_scales
 from engine.quant.fp8_types import ScaledRows, materialized
 from tests.factories import make_model_config
@@ -39,20 +39,10 @@ def test_scaled_rows_stand_for_raw_times_both_scales() -> None:
     assert materialized(plain) is plain
 
 
-def test_only_cuda_fp8_layers_defer_their_scales(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(fp8.DEFER_SCALES_ENV, raising=False)
-    fp8.defer_enabled.cache_clear()
-    assert fp8.defer_enabled()  # on by default
+def test_only_cuda_fp8_layers_defer_their_scales() -> None:
     rows = torch.ones(64, 32)  # on the CPU: never deferred
     assert not defers_scales(nn.Linear(32, 32), rows)
     assert not defers_scales(Fp8Linear(32, 32, bias=False, static_input_scale=False), rows)
-    monkeypatch.setenv(fp8.DEFER_SCALES_ENV, "0")
-    fp8.defer_enabled.cache_clear()
-    try:
-        assert not fp8.defer_enabled()
-    finally:
-        monkeypatch.delenv(fp8.DEFER_SCALES_ENV)
-        fp8.defer_enabled.cache_clear()
 
 
 @needs_triton_kernels

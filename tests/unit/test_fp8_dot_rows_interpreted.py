@@ -45,19 +45,6 @@ def test_more_rows_than_the_kernel_takes_are_refused() -> None:
         fp8_dot_rows(q, torch.ones(MAX_ROWS + 1, 1), q[:16], torch.ones(1, 16), None)
 
 
-def test_fixed_tiles_by_width_unless_the_autotuner_is_asked_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_fixed_tiles_by_width() -> None:
     assert dot_rows.tile_for(28672) == dot_rows.WIDE_TILE  # the 8B shape's gate_up
     assert dot_rows.tile_for(6144) == dot_rows.tile_for(4096) == dot_rows.NARROW_TILE
-    for value, want in (("fixed", False), ("tuned", True), ("auto", None)):
-        monkeypatch.setenv(dot_rows.TILES_ENV, value)
-        dot_rows.tuned.cache_clear()
-        if want is None:
-            with pytest.raises(ValueError, match=dot_rows.TILES_ENV):
-                dot_rows.tuned()
-        else:
-            assert dot_rows.tuned() is want
-    monkeypatch.delenv(dot_rows.TILES_ENV)
-    dot_rows.tuned.cache_clear()
-    assert not dot_rows.tuned()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from engine.blas_choice import BlasLinear
 from engine.quant import fp8
 from engine.quant.fp8 import (
     Fp8Linear,
@@ -174,7 +174,7 @@ def test_fp8_is_refused_off_cuda() -> None:
 
 
 def test_make_linear_and_shape_rules() -> None:
-    assert type(make_linear(32, 16, False, None)) is BlasLinear
+    assert type(make_linear(32, 16, False, None)) is nn.Linear
     with pytest.raises(ValueError, match="divisible by 16"):
         Fp8Linear(24, 16, bias=False, static_input_scale=False)
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """The chunked SiLU-and-mul + quantize kernel (engine/quant/fp8_silu_chunked.py) against the
 whole-row one in fp8_fused.py: the same codes and scales for bf16 rows and ScaledRows, dynamic
-and static scales, recompute and scratch, rows wider than a chunk and not a multiple of it;
-on a GPU, or on the CPU in Triton's interpreter (tests/conftest.py sets it). And its setting."""
+and static scales, rows wider than a chunk and not a multiple of it; on a GPU, or on the CPU in
+Triton's interpreter (tests/conftest.py sets it). And which rows take it."""
 
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ pytest.importorskip("triton")
 
 
 @needs_triton_kernels
-@pytest.mark.parametrize("scratch", [False, True], ids=["recompute", "scratch"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["bf16", "scaled-rows"])
-def test_chunked_equals_the_whole_row_kernel(scaled: bool, static: bool, scratch: bool) -> None:
-    gen = torch.Generator().manual_seed(int(scaled) + 2 * int(static) + 4 * int(scratch))
+def test_chunked_equals_the_whole_row_kernel(scaled: bool, static: bool) -> None:
+    gen = torch.Generator().manual_seed(int(scaled) + 2 * int(static) + 4)
     num_rows, half = 3, 200  # 200 columns: three chunks of 64, the last one partly masked
     gate_up = (torch.randn(num_rows, 2 * half, generator=gen) * 3).bfloat16()
     gate_up[1] = 0.0  # an all-zero row: the amax floor
@@ -33,42 +32,18 @@ def test_chunked_equals_the_whole_row_kernel(scaled: bool, static: bool, scratch
         src = ScaledRows(gate_up.to(DEVICE), row_scale.to(DEVICE), col_scale.to(DEVICE))
     static_scale = torch.tensor([[0.02]], device=DEVICE) if static else None
     want = silu_and_mul_quantize(src, static_scale, chunked=None)  # 3 rows: the whole-row one
-    got = silu_and_mul_quantize(src, static_scale, chunked=ChunkedSilu(64, 4, scratch))
+    got = silu_and_mul_quantize(src, static_scale, chunked=ChunkedSilu(64, 4))
     assert torch.equal(got.scale, want.scale)
     assert torch.equal(got.q.float(), want.q.float())
     assert want.q.float().abs().max() > 0  # not all zero: the comparison means something
-
-
-def test_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    def read(value: str | None) -> ChunkedSilu | None:
-        if value is None:
-            monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
-        else:
-            monkeypatch.setenv(fp8_silu_chunked.ENV, value)
-        fp8_silu_chunked.setting.cache_clear()
-        return fp8_silu_chunked.setting()
-
-    try:
-        default = ChunkedSilu(fp8_silu_chunked.CHUNK_DEFAULT, fp8_silu_chunked.WARPS_DEFAULT, True)
-        assert read(None) == default and read("1") == default  # on by default
-        assert read("0") is None
-        assert read("1024,8,s") == ChunkedSilu(1024, 8, True)
-        for bad in ("yes", "1000,4,r", "1024,4", "1024,4,x", "0,4,r"):
-            with pytest.raises(ValueError, match=fp8_silu_chunked.ENV):
-                read(bad)
-    finally:
-        monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
-        fp8_silu_chunked.setting.cache_clear()
 
 
 @needs_triton_kernels
 def test_decode_batches_take_it_few_rows_and_bf16_rows_do_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """By default ScaledRows of MIN_ROWS to MAX_ROWS rows take the chunked kernel; fewer rows
-    (those fp8_dot_rows multiplies) and plain bf16 rows keep the whole-row one."""
-    monkeypatch.delenv(fp8_silu_chunked.ENV, raising=False)
-    fp8_silu_chunked.setting.cache_clear()
+    """ScaledRows of MIN_ROWS to MAX_ROWS rows take the chunked kernel; fewer rows (those
+    fp8_dot_rows multiplies) and plain bf16 rows keep the whole-row one."""
     calls: list[tuple[int, bool]] = []
     launch = fp8_silu_chunked.launch
 
@@ -83,10 +58,7 @@ def test_decode_batches_take_it_few_rows_and_bf16_rows_do_not(
         ones = torch.ones(num_rows, 1, device=DEVICE), torch.ones(1, 64, device=DEVICE)
         return ScaledRows(rows, *ones)
 
-    try:
-        for num_rows in (1, fp8_silu_chunked.MIN_ROWS - 1, fp8_silu_chunked.MIN_ROWS):
-            silu_and_mul_quantize(scaled(num_rows), None)
-            silu_and_mul_quantize(torch.randn(num_rows, 64).bfloat16().to(DEVICE), None)
-    finally:
-        fp8_silu_chunked.setting.cache_clear()
+    for num_rows in (1, fp8_silu_chunked.MIN_ROWS - 1, fp8_silu_chunked.MIN_ROWS):
+        silu_and_mul_quantize(scaled(num_rows), None)
+        silu_and_mul_quantize(torch.randn(num_rows, 64).bfloat16().to(DEVICE), None)
     assert calls == [(fp8_silu_chunked.MIN_ROWS, True)]

@@ -1,13 +1,10 @@
-"""The fused few-row GEMVs (engine/models/fused_gemv.py) on float32 tensors, in Triton's
+"""The fused one-row GEMVs (engine/models/fused_gemv.py) on float32 tensors, in Triton's
 interpreter on the CPU (tests/conftest.py turns it on where there is no GPU) or on a GPU:
-RMSNorm before, SiLU-and-mul after and the in-place residual add against torch math, at row
-counts and sizes that leave partial tiles; and when a step takes them (rows, device, plain
-projections, KVRELAY_BF16_GEMV_ROWS). bf16 rounding and the engine are left to
-tests/gpu/test_fused_gemv_cuda.py."""
+RMSNorm before, SiLU-and-mul after and the in-place residual add against torch math, at sizes
+that leave partial tiles; and when a step takes them (rows, device, plain projections). bf16
+rounding and the engine are left to tests/gpu/test_fused_gemv_cuda.py."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,20 +18,6 @@ from tests.triton_device import DEVICE, needs_triton_kernels
 pytest.importorskip("triton")
 
 EPS = 1e-5
-
-
-@pytest.fixture
-def rows_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """set(value): KVRELAY_BF16_GEMV_ROWS for what follows (re-read)."""
-
-    class Env:
-        def set(self, value: str) -> None:
-            monkeypatch.setenv(fused_gemv.ROWS_ENV, value)
-            fused_gemv.max_rows.cache_clear()
-
-    yield Env()
-    monkeypatch.delenv(fused_gemv.ROWS_ENV, raising=False)
-    fused_gemv.max_rows.cache_clear()
 
 
 @pytest.fixture
@@ -60,9 +43,9 @@ def rms_normed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @needs_triton_kernels
-@pytest.mark.parametrize("num_rows", [1, 2])
 @pytest.mark.parametrize("n, k", [(37, 300), (16, 128)], ids=["partial-tiles", "whole-tiles"])
-def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int) -> None:
+def test_normed_gemv_is_the_norm_then_the_product(n: int, k: int) -> None:
+    num_rows = 1
     h, norm, w = randn(num_rows, k, seed=1), randn(k, seed=2), randn(n, k, seed=3)
     got = fused_gemv.normed_gemv(h, norm, EPS, w)
     want = rms_normed(h, norm) @ w.T
@@ -71,9 +54,8 @@ def test_normed_gemv_is_the_norm_then_the_product(num_rows: int, n: int, k: int)
 
 
 @needs_triton_kernels
-@pytest.mark.parametrize("num_rows", [1, 2])
-def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: int) -> None:
-    n, k = 37, 300
+def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel() -> None:
+    num_rows, n, k = 1, 37, 300
     h, norm, w = randn(num_rows, k, seed=4), randn(k, seed=5), randn(2 * n, k, seed=6)
     got = fused_gemv.normed_gemv_silu(h, norm, EPS, w)
     gate_up = rms_normed(h, norm) @ w.T
@@ -83,9 +65,8 @@ def test_normed_gemv_silu_pairs_each_gate_channel_with_its_up_channel(num_rows: 
 
 
 @needs_triton_kernels
-@pytest.mark.parametrize("num_rows", [1, 2])
-def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> None:
-    n, k = 37, 300
+def test_gemv_add_adds_the_product_into_the_residual_in_place() -> None:
+    num_rows, n, k = 1, 37, 300
     x, w, residual = randn(num_rows, k, seed=7), randn(n, k, seed=8), randn(num_rows, n, seed=9)
     want = residual + x @ w.T
     storage = residual.data_ptr()
@@ -94,40 +75,9 @@ def test_gemv_add_adds_the_product_into_the_residual_in_place(num_rows: int) -> 
     torch.testing.assert_close(residual, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-@needs_triton_kernels
-@pytest.mark.parametrize("num_rows", [1, 2])
-def test_gemv_add_scaled_also_writes_the_new_residual_times_the_norm_weight(
-    num_rows: int,
-) -> None:
-    n, k = 37, 300
-    x, w, residual = randn(num_rows, k, seed=20), randn(n, k, seed=21), randn(num_rows, n, seed=22)
-    norm, scaled = randn(n, seed=23), torch.full((num_rows, n), float("nan"), device=DEVICE)
-    want = residual + x @ w.T
-    fused_gemv.gemv_add_scaled_(x, w, residual, norm, scaled)
-    tolerance = {"rtol": 1e-4, "atol": 1e-4 * float(want.abs().max())}
-    torch.testing.assert_close(residual, want, **tolerance)
-    torch.testing.assert_close(scaled, want * norm, rtol=1e-4, atol=1e-4 * float(norm.abs().max()))
-
-
-@needs_triton_kernels
-@pytest.mark.parametrize("num_rows", [1, 2])
-def test_silu_and_mul_rms_normalizes_the_products_of_the_scaled_residual(num_rows: int) -> None:
-    """The gate_up-on-cuBLAS path: the product of residual * norm, then 1/rms and the SiLU, is
-    the fused normed_gemv_silu's function."""
-    n, k = 300, 200  # more channels than a program's block, K more than one step
-    h, norm, w = randn(num_rows, k, seed=24), randn(k, seed=25), randn(2 * n, k, seed=26)
-    got = fused_gemv.silu_and_mul_rms((h * norm) @ w.T, h, EPS)
-    gate_up = rms_normed(h, norm) @ w.T
-    want = F.silu(gate_up[:, :n]) * gate_up[:, n:]
-    assert got.shape == (num_rows, n)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-    with pytest.raises(ValueError, match="do not pair"):
-        fused_gemv.silu_and_mul_rms(torch.zeros(num_rows, 2 * n), torch.zeros(num_rows + 1, k), EPS)
-
-
 def test_the_kernels_refuse_what_they_cannot_take() -> None:
     x = torch.zeros(fused_gemv.MAX_ROWS + 1, 8)
-    with pytest.raises(ValueError, match="at most 2 rows"):
+    with pytest.raises(ValueError, match="at most 1 row"):
         fused_gemv.gemv_add_(x, torch.zeros(4, 8), torch.zeros(x.shape[0], 4))
     with pytest.raises(ValueError, match=r"contiguous \[6, 8\]"):  # an odd gate_up
         fused_gemv.normed_gemv_silu(torch.zeros(1, 8), torch.ones(8), EPS, torch.zeros(7, 8))
@@ -146,14 +96,9 @@ def test_the_launcher_refuses_operands_it_would_misread() -> None:
         fused_gemv.normed_gemv(x, torch.ones(9), EPS, w)
     with pytest.raises(ValueError, match="writes into the residual itself"):
         fused_gemv._launch(x, w, torch.zeros(1, 4), 4, residual=torch.zeros(1, 4))
-    residual = torch.zeros(1, 4)
-    with pytest.raises(ValueError, match=r"scaled copy needs .* a \[4\] weight"):
-        fused_gemv.gemv_add_scaled_(x, w, residual, torch.ones(5), torch.zeros(1, 4))
-    with pytest.raises(ValueError, match="scaled copy needs"):  # no residual add
-        fused_gemv._launch(x, w, residual, 4, scaled=(torch.zeros(1, 4), torch.ones(4)))
 
 
-def test_which_steps_take_the_fused_gemvs(rows_env) -> None:
+def test_which_steps_take_the_fused_gemvs() -> None:
     plain = [nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)]
     cuda_row = torch.zeros(1, 8, dtype=torch.bfloat16, device="meta")
     assert not fused_gemv.takes(torch.zeros(1, 8, dtype=torch.bfloat16), plain), "CPU tensor"
@@ -162,40 +107,22 @@ def test_which_steps_take_the_fused_gemvs(rows_env) -> None:
     assert not fused_gemv.plain_linear(plain[0], torch.float16), "another dtype"
     assert not fused_gemv.plain_linear(Fp8Linear(16, 16, False, False), torch.bfloat16)
     assert not fused_gemv.takes(cuda_row, plain)  # a meta tensor is not CUDA either
-    rows_env.set("0")
-    assert fused_gemv.max_rows() == 0
-    rows_env.set("2")
-    assert fused_gemv.max_rows() == 2
-    for bad in ("3", "-1", "one"):
-        rows_env.set(bad)
-        with pytest.raises(ValueError, match=fused_gemv.ROWS_ENV):
-            fused_gemv.max_rows()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA tensor")
-def test_a_cuda_step_takes_them_by_its_rows(rows_env) -> None:
+def test_a_cuda_step_takes_them_by_its_rows() -> None:
     plain = [nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)]
-    one, three = (torch.zeros(n, 8, dtype=torch.bfloat16, device="cuda") for n in (1, 3))
+    one, two = (torch.zeros(n, 8, dtype=torch.bfloat16, device="cuda") for n in (1, 2))
     assert fused_gemv.takes(one, plain)
-    assert not fused_gemv.takes(three, plain)
+    assert not fused_gemv.takes(two, plain)
     assert not fused_gemv.takes(one, []), "a projection that is not plain"
-    rows_env.set("0")
-    assert not fused_gemv.takes(one, plain)
 
 
-@pytest.mark.parametrize("num_rows", [1, 2])
-def test_each_projection_kind_gets_its_measured_tile_within_the_register_budget(
-    num_rows: int,
-) -> None:
+def test_each_projection_kind_gets_its_measured_tile_within_the_register_budget() -> None:
     kinds = {"qkv": (True, False), "gate_up": (True, True), "o_down": (False, False)}
-    tiles = {name: fused_gemv.tile_for(num_rows, *kind) for name, kind in kinds.items()}
-    if num_rows == 1:
-        assert tiles["qkv"] == fused_gemv.NORMED_TILE
-        assert tiles["gate_up"] == tiles["o_down"] == fused_gemv.OTHER_TILE
+    tiles = {name: fused_gemv.tile_for(*kind) for name, kind in kinds.items()}
+    assert tiles["qkv"] == fused_gemv.NORMED_TILE
+    assert tiles["gate_up"] == tiles["o_down"] == fused_gemv.OTHER_TILE
     for name, (block_n, block_k, warps) in tiles.items():
-        floats = num_rows * block_n * block_k * (2 if name == "gate_up" else 1)
+        floats = block_n * block_k * (2 if name == "gate_up" else 1)
         assert floats <= fused_gemv.ACCUMULATOR_FLOATS_PER_THREAD * 32 * warps, name
-    if num_rows == 2:  # only what would overflow is halved
-        assert tiles["qkv"] == fused_gemv.NORMED_TILE  # exactly at the budget
-        assert tiles["o_down"] == fused_gemv.OTHER_TILE
-        assert tiles["gate_up"] == (2, 1024, 4)

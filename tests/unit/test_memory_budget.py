@@ -220,8 +220,6 @@ def test_the_memory_wrapper_turns_the_measures_into_blocks(monkeypatch, capsys) 
         )
 
 
-def test_graph_reserve_holds_the_peak_again_for_piecewise_mixed_step_graphs() -> None:
-    peak = 3 * GiB
-    assert graph_reserve_bytes(True, False, peak) == GRAPH_RESERVE_BYTES
-    assert graph_reserve_bytes(True, True, peak) == GRAPH_RESERVE_BYTES + peak
-    assert graph_reserve_bytes(False, True, peak) == 0  # no graphs at all without cuda_graph
+def test_graph_reserve_is_the_decode_graphs_reserve() -> None:
+    assert graph_reserve_bytes(True) == GRAPH_RESERVE_BYTES
+    assert graph_reserve_bytes(False) == 0  # no graphs at all without cuda_graph

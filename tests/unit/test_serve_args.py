@@ -18,7 +18,6 @@ def test_defaults_pick_dtype_and_backend_by_device() -> None:
     assert spec.engine.dtype == "auto"
     assert spec.engine.attention_backend == "auto"
     assert spec.engine.cuda_graph is True
-    assert spec.engine.mixed_step_graphs is False
     assert spec.engine.cache.kv_cache_dtype == "auto"
     assert spec.engine.async_scheduling is None  # on where decode runs through CUDA graphs
     assert (spec.num_prefill, spec.num_decode) == (1, 1)
@@ -28,13 +27,12 @@ def test_gpu_flags() -> None:
     spec = parse(
         "--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "flashinfer",
         "--no-cuda-graph", "--no-async-scheduling", "--prefill", "2", "--load-format", "dummy",
-        "--kv-cache-dtype", "fp8", "--mixed-step-graphs",
+        "--kv-cache-dtype", "fp8",
     )  # fmt: skip
     assert spec.engine.device == "cuda"
     assert spec.engine.dtype == "bfloat16"
     assert spec.engine.attention_backend == "flashinfer"
     assert spec.engine.cuda_graph is False
-    assert spec.engine.mixed_step_graphs is True
     assert spec.num_prefill == 2
     assert spec.engine.load_format == "dummy"
     assert spec.engine.cache.kv_cache_dtype == "fp8"
