@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.cluster_state import NAMESPACE
+from engine.settings import Settings
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 CHOOSE = "choose one with --name NAME or --address RAY_ADDRESS"
@@ -35,7 +36,8 @@ class LocalServe:
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("KVRELAY_STATE_DIR") or f"/tmp/kvrelay-{os.getuid()}")
+    """The state folder (KVRELAY_STATE_DIR, default /tmp/kvrelay-<uid>; engine/settings.py)."""
+    return Settings.from_env().state_dir
 
 
 def state_file(name: str) -> Path:

@@ -260,7 +260,13 @@ def build_backend(
     kv_storage = torch.zeros(shape, dtype=pool.kv_dtype, device=device)
     kv_cache = kv_storage[: pool.num_blocks]
     if not use_flashinfer:
-        attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim)
+        use_kernel = config.settings.cpu_kernel
+        if not use_kernel and not memory_probe and device.type == "cpu":
+            _stderr(
+                "kvrelay engine: KVRELAY_CPU_KERNEL=0: decode attention uses the slower torch "
+                "gather path instead of the C++ kernel"
+            )
+        attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim, use_kernel)
         return DeviceSide(name, kv_cache, attention, None)
     kv_scales = getattr(model, "kv_scales", None) if pool.kv_dtype != dtype else None
     flashinfer = FlashInferAttention(

@@ -1,4 +1,5 @@
-"""Small frozen configs: the model's shape, the KV cache's geometry, the scheduler's limits."""
+"""Small frozen configs: the model's shape, the KV cache's geometry, the scheduler's limits, and
+EngineConfig, which carries them with the user's settings (engine/settings.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from engine.memory_budget import check_fraction
 from engine.quant.config import check_quantization, fp8_device_error
+from engine.settings import Settings
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -239,6 +241,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     gpu_share: float = 1.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # The KVRELAY_* choices (engine/settings.py), read from the environment where the config is
+    # built (the driver) and carried as they are to the workers the config is sent to.
+    settings: Settings = field(default_factory=Settings.from_env)
 
     def __post_init__(self) -> None:
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)

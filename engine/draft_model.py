@@ -44,8 +44,8 @@ EngineFactory = Callable[[EngineConfig, "nn.Module | None"], DraftEngine]
 
 
 def draft_engine_config(target: EngineConfig, max_model_len: int, shares: bool) -> EngineConfig:
-    """The draft engine's config: the target's block size, device, dtype and seed, the draft
-    checkpoint, its own small pool, no graphs, no overlap, no speculation of its own."""
+    """The draft engine's config: the target's block size, device, dtype, seed and settings, the
+    draft checkpoint, its own small pool, no graphs, no overlap, no speculation of its own."""
     spec = target.speculative
     assert spec.draft_model is not None
     return EngineConfig(
@@ -66,6 +66,7 @@ def draft_engine_config(target: EngineConfig, max_model_len: int, shares: bool) 
         load_format=target.load_format,
         seed=target.seed,
         speculative=SpeculativeConfig(),
+        settings=target.settings,
     )
 
 

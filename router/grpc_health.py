@@ -18,10 +18,10 @@ from router.readiness import check_readiness
 
 logger = logging.getLogger(__name__)
 
-KVRELAY_SERVICE = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name  # "kvrelay.v1.KVRelay"
+RELAY_SERVICE = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name  # "kvrelay.v1.KVRelay"
 HEALTH_SERVICE = health.SERVICE_NAME
 REFLECTION_SERVICE = reflection.SERVICE_NAME
-CHECKED_SERVICES = ("", KVRELAY_SERVICE)  # "": the server as a whole
+CHECKED_SERVICES = ("", RELAY_SERVICE)  # "": the server as a whole
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -74,6 +74,6 @@ def add_standard_services(server: grpc.aio.Server, backend: Backend) -> BackendH
     """Health checking and reflection on `server`; start() the returned servicer with it."""
     servicer = BackendHealth(backend)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    names = (KVRELAY_SERVICE, HEALTH_SERVICE, REFLECTION_SERVICE)
+    names = (RELAY_SERVICE, HEALTH_SERVICE, REFLECTION_SERVICE)
     reflection.enable_server_reflection(names, server)
     return servicer

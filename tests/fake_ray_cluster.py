@@ -24,7 +24,7 @@ from deploy.redis_local import free_port
 
 FAKE_CLUSTER_YAML = Path(__file__).resolve().parents[1] / "deploy" / "fake-cluster.yaml"
 RAY_CLI = str(Path(sys.executable).with_name("ray"))  # this interpreter's Ray, not PATH's
-MARKER_ENV = "KVRELAY_FAKE_CLUSTER_ID"  # inherited by every process of one fake cluster
+MARKER_ENV = "FAKE_RAY_CLUSTER_ID"  # inherited by every process of one fake cluster
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 

@@ -2,16 +2,15 @@
 
 Owns the process-wide build result: the loaded op, or the reason it is unavailable. The build
 goes through torch's JIT extension loader (g++ and ninja) into torch's extensions folder;
-later processes load the cached library in well under a second. KVRELAY_CPU_KERNEL=0 turns the
-kernel off; without it, decode attention falls back to the slower torch gather path, with a
-warning that says why.
+later processes load the cached library in well under a second. Without it, decode attention
+falls back to the slower torch gather path, with a warning that says why. An engine whose
+settings turn it off (KVRELAY_CPU_KERNEL=0, Settings.cpu_kernel) never asks for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import threading
 import time
@@ -20,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from engine.settings import Settings
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-DISABLE_ENV = "KVRELAY_CPU_KERNEL"
 
 _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
@@ -87,13 +87,10 @@ def paged_decode_op() -> Callable[..., torch.Tensor] | None:
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get(DISABLE_ENV, "1") == "0":
-                _unavailable = f"{DISABLE_ENV}=0"
-            else:
-                try:
-                    _op = _build()
-                except Exception as e:  # no compiler, no ninja, build error
-                    _unavailable = f"{type(e).__name__}: {str(e).strip()[-500:]}"
+            try:
+                _op = _build()
+            except Exception as e:  # no compiler, no ninja, build error
+                _unavailable = f"{type(e).__name__}: {str(e).strip()[-500:]}"
             if _unavailable:
                 logger.warning(
                     "CPU paged-decode kernel unavailable (%s); decode attention uses the "
@@ -111,8 +108,12 @@ def unavailable_reason() -> str | None:
 def main() -> int:
     """`python -m engine.attention.cpu_kernels` (make's deps step): build or load the kernel now,
     once, instead of inside the first workers; say whether it is there. Never fails: without the
-    kernel, decode attention still runs (slower), and the warning says why."""
+    kernel, decode attention still runs (slower), and the warning says why. With
+    KVRELAY_CPU_KERNEL=0 it builds nothing."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not Settings.from_env().cpu_kernel:
+        print("CPU paged-decode kernel: off (KVRELAY_CPU_KERNEL=0)")
+        return 0
     ready = paged_decode_op() is not None
     print(
         "CPU paged-decode kernel: "

@@ -92,7 +92,7 @@ def test_setup_installs_kvrelay_redis_and_this_ray(name: str) -> None:
 
 def onprem_prefill_ips(config: dict[str, Any]) -> list[str]:
     command = config["worker_start_ray_commands"][-1]
-    return re.search(r'KVRELAY_PREFILL_IPS="([^"]*)"', command).group(1).split()
+    return re.search(r'PREFILL_IPS="([^"]*)"', command).group(1).split()
 
 
 def test_onprem_prefill_ips_are_worker_ips_and_leave_some_for_decode() -> None:

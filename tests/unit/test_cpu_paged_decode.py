@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import cpu_kernels
+from engine.attention import cpu_kernels, torch_backend
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.torch_backend import TorchAttention
+from engine.settings import Settings
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -59,12 +60,17 @@ def test_kernel_matches_torch_path(dtype: torch.dtype, num_heads: int, num_kv_he
     assert torch.equal(fast.kv_cache, reference.kv_cache)  # same K/V writes
 
 
-def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_op", None)
-    monkeypatch.setattr(cpu_kernels, "_unavailable", None)
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    assert cpu_kernels.paged_decode_op() is None
-    assert cpu_kernels.unavailable_reason() == "KVRELAY_CPU_KERNEL=0"
+def test_an_engine_whose_settings_turn_it_off_runs_the_torch_path(
+    make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVRELAY_CPU_KERNEL=0 (Settings.cpu_kernel False): the engine never asks for the kernel
+    (on a machine where it cannot be built) and decodes on the torch gather path."""
+
+    def refused() -> None:
+        raise AssertionError("the kernel was asked for")
+
+    monkeypatch.setattr(torch_backend, "paged_decode_op", refused)
+    engine = make_engine(settings=Settings(cpu_kernel=False))
+    assert engine.runner.attention.decode_kernel == "torch"
     cache, _ = random_step(2, [3], num_blocks=4, seed=0)
-    assert TorchAttention(cache, 2, HEAD_DIM).decode_kernel == "torch"
+    assert TorchAttention(cache, 2, HEAD_DIM, use_kernel=False).decode_kernel == "torch"
