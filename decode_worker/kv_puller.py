@@ -2,7 +2,7 @@
 for blocks, reserved, reading) and a record of each peer it reads from; each step says which
 requests it refused and how the others' KV arrived.
 
-Life cycle of one request (kvtransfer/handoff.py has the states): submit() queues it -> admitted
+Life cycle of one request (kvtransfer/pulls.py has the states): submit() queues it -> admitted
 when the pool has room (FIFO; the engine reuses its own prefix cache, so only missing blocks are
 read) -> a BEGIN notice to the prefill worker, then one NIXL READ whose DONE notice releases the
 lease -> poll() sees it done: commit, or failed: recompute the prompt locally. Every path that
@@ -28,8 +28,9 @@ from kvtransfer.base import (
     TransferHandle,
     TransferState,
 )
-from kvtransfer.handoff import Notice, NoticeKind, Pull, PullLedger, PullState
+from kvtransfer.handoff import Notice, NoticeKind
 from kvtransfer.handshake import IncompatiblePeerError
+from kvtransfer.pulls import Pull, PullLedger, PullState
 
 if TYPE_CHECKING:
     from engine.engine import Engine

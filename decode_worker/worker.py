@@ -45,7 +45,7 @@ from common.worker_runtime import (
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
-from kvtransfer.handoff import PullState
+from kvtransfer.pulls import PullState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine

@@ -56,7 +56,7 @@ class BlockCopies:
         wait: return once all of them are done, and once the queued steps are if one may still
         write a block in `writes` (before a NIXL pull, which no stream orders, writes into
         those blocks); else the step is being launched."""
-        behind = kv.write_behind
+        behind = kv.owed.write_behind
         wait_offloads = False
         if behind is not None and behind.in_flight:
             if wait:
@@ -67,7 +67,7 @@ class BlockCopies:
                 behind.settled()
             elif self._offloads_done():
                 behind.settled()
-        copies = kv.drain_copies()
+        copies = kv.owed.drain_copies()
         freed = set() if wait else kv.pool.take_freed()
         ahead = self._copy_back_stream is not None and self.copy_back_ahead and not wait
         if ahead and copies and can_run_ahead(copies, set() if self._steps_done() else freed):
@@ -99,9 +99,9 @@ class BlockCopies:
 
     def offload_owed(self, kv: KVCacheManager, sync: bool = False) -> None:
         """After a step: copy the blocks it committed into their host slots, on the offload
-        stream, behind the work queued so far. sync: return once every offload is done (a
-        host lease's slots are about to be read by another process)."""
-        self._offload(kv.drain_offloads())
+        stream, behind the work queued so far. sync: return once every offload is done (kept
+        blocks' host slots are about to be read by another process)."""
+        self._offload(kv.owed.drain_offloads())
         if sync:
             self._sync_offloads()
 

@@ -105,27 +105,28 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         retention_priority: int = DEFAULT_PRIORITY,
-        hold_kv: bool = False,
+        keep_blocks: bool = False,
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
     ) -> Request:
         """Queue a request.
 
-        hold_kv (prefill role): the request ends after its first token and keeps its blocks
-        under a lease (release_kv drops it). Its finish reason is the true one when that token
-        ends it (stop, length), else "prefilled": the decode continues elsewhere. With n > 1
-        each choice's first token comes out (index 1..n-1 holding no block; one lease).
+        keep_blocks: the request ends after its first token and keeps its blocks, named in
+        that output (kept_block_ids), until release_blocks frees them. Its finish reason is the
+        true one when that token ends it (stop, length), else "first_token" (the caller goes on
+        from there). With n > 1 each choice's first token comes out (choices 1..n-1 with no
+        block: choice 0's are the ones kept).
         num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
         kv_retention: token ranges whose blocks keep their own priority once freed.
         """
-        if self.kv.is_held(req_id):
-            raise ValueError(f"request id {req_id!r} is already in use (its blocks are leased)")
+        if req_id in self.kv.kept:
+            raise ValueError(f"request id {req_id!r} is already in use (its blocks are kept)")
         if self.forks.live_choices(req_id):
             raise ValueError(f"request id {req_id!r} is already in use (by its other choices)")
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
         check_ranges(kv_retention)
         req.retention = tuple(kv_retention)
-        req.hold_kv = hold_kv
+        req.keep_blocks = keep_blocks
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         self.output.start(req)  # before queueing: a grammar the compiler refuses raises here
         try:
@@ -146,7 +147,7 @@ class Engine:
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
     ) -> KVLoadPlan | None:
-        """Decode role: reserve blocks for a prompt prefilled elsewhere; None if no room now.
+        """Admit a prompt computed elsewhere: reserve its blocks; None if no room now.
 
         The caller pulls the remote blocks named by the plan, then calls commit_kv (or fail_kv
         to recompute locally). n > 1: `choices` (the prefill engine's first tokens of the
@@ -182,9 +183,9 @@ class Engine:
         self.loader.fail(req_id)
         self.output.fork_prefilled(req)
 
-    def release_kv(self, req_id: str) -> bool:
-        """Prefill role: drop the lease on a finished request's blocks."""
-        return self.kv.release_held(req_id)
+    def release_blocks(self, req_id: str) -> bool:
+        """Free the blocks a keep_blocks request kept; False when none are kept for req_id."""
+        return self.kv.release_kept(req_id)
 
     def _new_request(
         self,
@@ -241,8 +242,8 @@ class Engine:
             self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
             outputs = self.output.process(current)  # its tokens appended; what stops, stops
             self.run_ahead.settle()
-        # the blocks it committed, behind it (done before a host lease's handle leaves)
-        self.copies.offload_owed(self.kv, sync=any(o.num_held_host_blocks for o in outputs))
+        # the blocks it committed, behind it (done before kept host copies are read elsewhere)
+        self.copies.offload_owed(self.kv, sync=any(o.num_kept_host_blocks for o in outputs))
         self._record_step(time.perf_counter() - started, num_computed_before, outputs)
         return outputs
 
@@ -267,7 +268,7 @@ class Engine:
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
             num_queued_tokens=sched.num_queued_tokens,
-            num_held_requests=self.kv.num_held,
+            num_kept_requests=len(self.kv.kept),
             tokens_per_s=self.stats.rate.tokens_per_s,
             step_s=self.stats.rate.step_s,
         )
@@ -276,7 +277,7 @@ class Engine:
         self.kv.check_integrity()
 
     def assert_no_leaks(self) -> None:
-        """No request holds blocks and every block is free (cached or not)."""
+        """No request has blocks, none are kept, and every block is free (cached or not)."""
         assert not self.has_unfinished_requests, "requests still in flight"
         num_grammars = 0 if self.grammars is None else self.grammars.num_active
         assert num_grammars == 0, f"{num_grammars} grammar matchers left"

@@ -9,9 +9,9 @@ get a device copy of its last partial block, draw their first token from the sam
 ordinary Request (id `{req_id}#{i}`) whose outputs carry the parent's id and its index.
 
 Across the pools: the prefill engine samples every choice's first token from the prompt's logits
-(first_token_choices: the choices end there, the parent's lease is the only one); the decode
-engine forks the choices that go on (fork_prefilled) once the parent's pulled KV is committed,
-each with its first token already appended.
+(first_token_choices, for a keep_blocks parent: the choices end there, with no block; only
+the parent's blocks are kept); the decode engine forks the choices that go on (fork_prefilled)
+once the parent's pulled KV is committed, each with its first token already appended.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ class ChoiceForks:
         return children
 
     def first_token_choices(self, parent: Request) -> list[Request]:
-        """Prefill role: parent's choices 1..n-1, unscheduled and holding no block: each only
+        """A keep_blocks parent's choices 1..n-1, unscheduled and with no block: each only
         samples its first token (from the parent's prompt logits) and ends with it."""
         children = [self._child(parent, i) for i in range(1, parent.sampling.n)]
         for child in children:
-            child.hold_kv = True
+            child.keep_blocks = True
         return children
 
     def expect_prefilled(self, parent: Request, choices: PrefilledChoices) -> None:
-        """Decode role: parent (choice 0, its first token appended) is loading its prompt KV;
+        """A prefilled parent (choice 0, its first token appended) is loading its prompt KV;
         fork_prefilled makes `choices` (kept on the parent until then) once it is in."""
         bad = [i for i in choices.first_token_ids if not 0 < i < parent.sampling.n]
         if bad:
@@ -71,7 +71,7 @@ class ChoiceForks:
         parent.prefilled_choices = choices
 
     def fork_prefilled(self, parent: Request) -> tuple[list[Request], str | None]:
-        """Decode role, parent's KV committed (or queued for recompute): schedule its choices
+        """A prefilled parent's KV is committed (or queued for recompute): schedule its choices
         that go on, each sharing the prompt's KV (or recomputing it) with its own first token
         appended. Returns them and choice 0's finish reason when it ended at prefill."""
         choices, parent.prefilled_choices = parent.prefilled_choices, None
@@ -121,7 +121,7 @@ class ChoiceForks:
             return
         copy = self.kv.fork(parent.req_id, child, num_tokens)
         if copy is not None:  # run with the copies already owed, before the child's first step
-            self.kv.queue_copy(copy)
+            self.kv.owed.queue(copy)
         self.num_forked += 1
         self.scheduler.admit_running(child)
 

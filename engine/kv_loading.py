@@ -1,4 +1,4 @@
-"""RemoteKVLoader (decode role): owns the requests whose prompt KV is being pulled from a peer.
+"""RemoteKVLoader: owns the requests whose prompt KV is being pulled from a peer.
 
 Life cycle: reserve() allocates local blocks (reusing the local prefix cache, so only missing
 blocks are pulled) -> the caller moves the KV -> commit() puts the request in the running batch,

@@ -3,7 +3,7 @@
 (start: its seeded generator, stop checker and grammar matcher, kept on the Request; release).
 
 Per token it appends, detokenizes, advances the grammar and stops what stops (the finish takes
-the request out of the scheduler: its blocks are freed, or leased in the prefill role). It forks
+the request out of the scheduler: its blocks are freed, or kept for the caller). It forks
 the choices of an n > 1 request off its prompt's logits, and hands a verify step's rows to the
 Speculator.
 """
@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from engine.fork import ChoiceForks
+from engine.kv_cache.kept_blocks import Kept
 from engine.request import FinishReason, Request
 from engine.sample_row import sample_row
 from engine.sampler import Sampler, SampleResult
@@ -129,12 +130,12 @@ class OutputProcessor:
             reason = FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        elif req.hold_kv:
-            reason = FinishReason.PREFILLED
-        held: list[int] | None = None
+        elif req.keep_blocks:
+            reason = FinishReason.FIRST_TOKEN
+        kept = None
         if reason is not None:
             new_text += stop.finish() if stop else ""
-            held = self._finish(req, reason, stop_reason)
+            kept = self._finish(req, reason, stop_reason)
         return RequestOutput(
             req_id=req.choice_of or req.req_id,
             new_token_ids=[token_id],
@@ -144,29 +145,29 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             new_logprobs=None if logprob is None else [logprob],
-            held_block_ids=tuple(held or ()),
-            num_held_host_blocks=self.kv.num_held_host_blocks(req.req_id) if held else 0,
+            kept_block_ids=() if kept is None else kept.block_ids,
+            num_kept_host_blocks=0 if kept is None else kept.num_host_blocks,
             index=req.choice_index,
             num_accepted_tokens=req.num_accepted_tokens,
         )
 
     def _finish(
         self, req: Request, reason: FinishReason, stop_reason: str | int | None
-    ) -> list[int] | None:
-        """End req; the ids of its blocks when it keeps them under a lease (prefill role)."""
-        held = None
-        if req.req_id in self.scheduler.requests:  # not a prefill role's extra first token
-            held = self.scheduler.finish(req, reason, stop_reason)
+    ) -> Kept | None:
+        """End req; its blocks when it keeps them (keep_blocks)."""
+        kept = None
+        if req.req_id in self.scheduler.requests:  # not a first-token-only choice (no blocks)
+            kept = self.scheduler.finish(req, reason, stop_reason)
         self.release(req)
         self.forks.discard(req)
-        return held
+        return kept
 
     # ---- n > 1 ------------------------------------------------------------------------------
     def _fork(self, parent: Request, logits: torch.Tensor) -> list[RequestOutput]:
         """parent's prompt is computed: fork its other choices, each drawing its first token
         from the same prompt logits with its own generator."""
-        # The prefill role only samples the choices' first tokens: its parent holds the lease.
-        fork = self.forks.first_token_choices if parent.hold_kv else self.forks.fork
+        # keep_blocks: the choices only draw their first tokens; the parent's blocks are kept.
+        fork = self.forks.first_token_choices if parent.keep_blocks else self.forks.fork
         children = fork(parent)
         for child in children:
             self.start(child)
@@ -177,7 +178,7 @@ class OutputProcessor:
         return [self._append_row(child, result, i) for i, child in enumerate(children)]
 
     def fork_prefilled(self, parent: Request) -> None:
-        """Decode role, parent's KV in (or queued for recompute): its choices go on; a choice 0
+        """A prefilled parent's KV is in (or queued for recompute): its choices go on; a choice 0
         that ended at prefill only carried the KV and leaves quietly (its end was reported
         there)."""
         children, parent_reason = self.forks.fork_prefilled(parent)

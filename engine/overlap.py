@@ -48,9 +48,9 @@ class RunAhead:
         """Schedule and queue the next step before `current`'s tokens are known: each request
         that samples in `current` gets a pending token, which the device fills in.
 
-        A request whose pending token ends it (its length limit; the prefill role's first
+        A request whose pending token ends it (its length limit; a keep_blocks request's first
         token) is not in the next step (the scheduler sees it has nothing left to compute, and
-        preempts nothing while its blocks are about to be freed or leased: Scheduler.schedule).
+        preempts nothing while its blocks are about to be freed or kept: Scheduler.schedule).
         A step where nothing samples runs ahead too. One that stops on a stop token or string
         is found a step late, its extra row is dropped and its blocks are freed then (queued
         work that writes them runs before any new owner's).
@@ -71,10 +71,10 @@ class RunAhead:
     def _cannot_run_ahead_of(self, req: Request) -> bool:
         """req's next draw reads its token history (penalties) or grammar state (structured
         outputs), which would miss the pending token, or it speculates (drafts need every
-        token), or (prefill role) its host lease's copies or its forks' first draws would queue
-        behind the step run ahead: do not run ahead of it. (Held KV is whole once read.)"""
+        token), or (keep_blocks) the host copies it keeps or its forks' first draws would queue
+        behind the step run ahead: do not run ahead of it. (Kept KV is whole once read.)"""
         return (
-            (req.hold_kv and (self.kv.host_leases or self.forks.owes_choices(req)))
+            (req.keep_blocks and (self.kv.keep_on_host or self.forks.owes_choices(req)))
             or self.speculator.wants(req, len(self.scheduler.running))
             or req.sampling.has_penalties
             or req.sampling.structured is not None

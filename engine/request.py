@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # torch-free at run time
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    LOADING_KV = "loading_kv"  # decode role: blocks allocated, remote KV being pulled
+    LOADING_KV = "loading_kv"  # blocks allocated, its prompt's KV being pulled from a peer
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -30,7 +30,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
-    PREFILLED = "prefilled"  # prefill role: the prompt is done, decoding goes on elsewhere
+    FIRST_TOKEN = "first_token"  # keep_blocks: ended at its first token, nothing else ended it
 
 
 class PrefilledChoices(NamedTuple):
@@ -68,15 +68,16 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Retention by token range (engine/kv_cache/retention.py): its blocks' priorities when freed.
     retention: tuple[RetentionRange, ...] = ()
-    # Prefill role: the request ends after its first token, keeping its blocks under a lease.
-    hold_kv: bool = False
+    # The request ends after its first token and keeps its blocks for the caller until it
+    # releases them (Engine.release_blocks): how a prefill worker hands a prompt's KV over.
+    keep_blocks: bool = False
     # The prompt's last tokens that an earlier leg generated (a migrated request resumes with its
     # sent tokens as prompt): presence / frequency penalties count them as output.
     num_resumed_tokens: int = 0
     # n > 1 (engine/fork.py): choice i > 0 of request choice_of (its outputs carry that id).
     choice_of: str | None = None
     choice_index: int = 0
-    # Decode role, n > 1: the choices to fork once this parent's pulled KV is in.
+    # n > 1, its prompt's KV pulled from a peer: the choices to fork once that KV is in.
     prefilled_choices: PrefilledChoices | None = None
 
     output_token_ids: list[int] = field(default_factory=list)

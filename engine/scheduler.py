@@ -14,7 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache.manager import NO_MATCH, KVCacheManager
+from engine.kv_cache.kept_blocks import Kept
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.prefix_cache import NO_MATCH
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -82,7 +84,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's chunks: running requests first, then waiting ones while budget,
         seats and blocks last. While a running request's last token is in flight (the engine's
-        step run ahead), its blocks are about to be freed, or leased (prefill role), and it must
+        step run ahead), its blocks are about to be freed, or kept (keep_blocks), and it must
         not be preempted: a request that finds no room is then left out of this step instead of
         preempting others, and nothing waiting is admitted."""
         budget = self.config.max_num_batched_tokens
@@ -157,13 +159,13 @@ class Scheduler:
 
     def ends_with_pending(self, req: Request) -> bool:
         """req has tokens in flight, and with them reaches its end: max_tokens outputs or
-        max_model_len positions, or its first token if it holds its KV for another worker (the
-        prefill role: it finishes with that token). The engine finishes it as it appends them."""
+        max_model_len positions, or its first token if it keeps its blocks (keep_blocks: it
+        finishes with that token). The engine finishes it as it appends them."""
         if not req.num_pending_tokens:
             return False
         num_outputs = req.num_output_tokens + req.num_pending_tokens
         return (
-            req.hold_kv
+            req.keep_blocks
             or num_outputs >= req.sampling.max_tokens
             or req.num_tokens >= self.max_model_len
         )
@@ -191,11 +193,11 @@ class Scheduler:
 
     def finish(
         self, req: Request, reason: FinishReason, stop_reason: str | int | None = None
-    ) -> list[int] | None:
+    ) -> Kept | None:
         """Take req out of the batch (or the queue) and free its blocks.
 
-        A hold_kv request that was not aborted keeps its blocks under a lease instead; their
-        ids are returned (release them with kv.release_held).
+        A keep_blocks request that was not aborted keeps its blocks instead: they are returned
+        (kv.release_kept frees them).
         """
         if req.is_finished:
             return None
@@ -208,8 +210,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.cache_full_blocks(req)
         del self.requests[req.req_id]
-        if req.hold_kv and reason is not FinishReason.ABORT:
-            return self.kv.hold(req)
+        if req.keep_blocks and reason is not FinishReason.ABORT:
+            return self.kv.keep(req)
         self.kv.free(req)
         return None
 

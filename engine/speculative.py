@@ -84,7 +84,7 @@ class Speculator:
             and num_running <= self.config.max_batch
             and self.drafts_per_request(num_running) > 0
             and (self.guard is None or self.guard.speculating)
-            and not req.hold_kv
+            and not req.keep_blocks
             and not params.has_penalties
             and params.structured is None
             and not params.logprobs

@@ -28,8 +28,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[float] | None = None
-    held_block_ids: tuple[int, ...] = ()  # prefill role: blocks kept under a lease
-    num_held_host_blocks: int = 0  # of which the first ones are host-tier slots (host leases)
+    kept_block_ids: tuple[int, ...] = ()  # keep_blocks: the blocks kept (Engine.release_blocks)
+    num_kept_host_blocks: int = 0  # of which the first ones are host-tier slots (keep_on_host)
     index: int = 0  # which of the request's n choices (engine/fork.py)
     new_top_logprobs: list[TopLogprobs] | None = None  # one per new token, when asked
     num_accepted_tokens: int = 0  # speculative decoding: drafted tokens accepted so far
@@ -63,11 +63,11 @@ class EngineSnapshot(NamedTuple):
     """An engine's load and leak counts between two steps (Engine.snapshot)."""
 
     num_running: int
-    num_waiting: int  # queued, or (decode role) loading their prompt's KV
+    num_waiting: int  # queued, or loading their prompt's KV from a peer
     num_requests: int  # known to the engine: queued, running or loading (0 once drained)
     num_free_blocks: int
     num_total_blocks: int
     num_queued_tokens: int  # known tokens of queued and running requests not computed yet
-    num_held_requests: int  # prefill role: finished requests whose blocks are leased
+    num_kept_requests: int  # finished requests whose blocks are kept (keep_blocks)
     tokens_per_s: float  # tokens computed per second of recent steps (0: not measured yet)
     step_s: float  # mean wall time of a recent step (0: not measured yet)

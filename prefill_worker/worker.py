@@ -1,8 +1,10 @@
-"""PrefillWorker (Ray actor): owns an Engine in prefill role, its NIXL agent, its LeaseLedger
-(kvtransfer/handoff.py) and its KV publisher. prefill() returns a KVHandle naming the lease's
-epoch; the blocks stay pinned until the decode worker's READ completes (its DONE notice releases
-the lease), release(req_id, epoch) is called, or the lease expires on this worker's monotonic
-clock (a BEGIN notice from the reader extends it while the read may be in flight).
+"""PrefillWorker (Ray actor): owns an Engine in prefill role, its NIXL agent, its KVHolder
+(kvtransfer/kv_holder.py: the leases over the engine's kept blocks) and its KV publisher. The
+role is how it uses the engine: each prompt runs with keep_blocks (it ends after its first
+token, its blocks kept), and prefill() returns a KVHandle naming a lease on them; the blocks stay
+kept until the decode worker's READ completes (its DONE notice releases the lease),
+release(req_id, epoch) is called, or the lease expires on this worker's monotonic clock (a BEGIN
+notice from the reader extends it while the read may be in flight).
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ from common.worker_runtime import (
 )
 from engine.config import EngineConfig
 from engine.request import FinishReason
-from kvtransfer.base import AgentMetadata, Notification
-from kvtransfer.handoff import HandoffError, LeaseLedger, LeaseState, Notice, NoticeKind
+from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
+from kvtransfer.kv_holder import KVHolder
+from kvtransfer.leases import LeaseState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine
     from engine.step_types import RequestOutput
 
 logger = logging.getLogger(__name__)
-PREFILLED = FinishReason.PREFILLED.value
+FIRST_TOKEN = FinishReason.FIRST_TOKEN.value  # the first token ended nothing: decode goes on
 RESYNC_MIN_INTERVAL_S = 5.0
 
 
@@ -84,12 +87,11 @@ class PrefillWorker:
             config.redis_url,
             config.num_threads,
         )
-        self.leases = LeaseLedger()
+        self.holder = KVHolder(self.engine.release_blocks, config.lease_s)
         self._waiters: dict[str, _Waiter] = {}
         self.index_upkeep = IndexUpkeep(self.publisher, self.engine, config.heartbeat_s)
         self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
-        self.num_host_leased_blocks = 0  # leased from the host tier (host leases)
         self.num_cached_tokens = 0
         self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
@@ -108,7 +110,7 @@ class PrefillWorker:
                 request.prompt_token_ids,
                 request.sampling,
                 request.cache_salt,
-                hold_kv=True,
+                keep_blocks=True,
                 num_resumed_tokens=request.num_resumed_tokens,
                 kv_retention=request.kv_retention,
             )
@@ -125,7 +127,7 @@ class PrefillWorker:
         """Drop the lease on a request's blocks (the decode side has them, or gave up) if
         `epoch` names it; a stale one (the lease ended, or req_id was leased again since) is
         ignored and counted. True when it freed the blocks."""
-        return await self.thread.call(lambda engine: self._release(engine, req_id, epoch))
+        return await self.thread.call(lambda engine: self.holder.release(req_id, epoch))
 
     async def abort(self, req_id: str) -> None:
         """Stop a prefill, or end its lease unless a read of it is in flight (that read's
@@ -133,8 +135,7 @@ class PrefillWorker:
 
         def run(engine: Engine) -> None:
             engine.abort(req_id)
-            if self.leases.revoke(req_id) is not None:
-                engine.release_kv(req_id)
+            self.holder.abort(req_id)
             waiter = self._waiters.pop(req_id, None)
             if waiter:
                 waiter.loop.call_soon_threadsafe(_cancel, waiter.future)
@@ -159,7 +160,7 @@ class PrefillWorker:
         return describe(self.engine, self.worker_id, "prefill")
 
     async def num_leases(self) -> int:
-        return await self.thread.call(lambda engine: engine.kv.num_held)
+        return await self.thread.call(lambda engine: len(engine.kv.kept))
 
     async def resync_index(self) -> bool:
         """A router saw this worker's index entries drift: re-publish the full state (at most
@@ -182,13 +183,13 @@ class PrefillWorker:
 
     async def stats(self) -> WorkerStats:
         def run(engine: Engine) -> WorkerStats:
-            life, leases = self.lifecycle, self.leases
+            life, leases = self.lifecycle, self.holder.leases
             return WorkerStats(
                 state=life.state,
                 load=engine_load(engine),
                 num_requests=life.num_requests,
                 num_prompt_tokens=self.num_prompt_tokens,
-                num_host_leased_blocks=self.num_host_leased_blocks,
+                num_host_leased_blocks=self.holder.num_host_leased_blocks,
                 num_cached_tokens=self.num_cached_tokens,
                 num_computed_tokens=engine.stats.num_computed_tokens,
                 num_in_flight=self._num_in_flight(engine),
@@ -198,7 +199,7 @@ class PrefillWorker:
                 num_blocks_being_read=leases.num_blocks(LeaseState.BEING_READ),
                 num_expired_leases=leases.num_expired,
                 num_stale_releases=leases.num_stale,
-                num_stranded_blocks=leases.num_stranded(engine.kv.held_block_ids()),
+                num_stranded_blocks=leases.num_stranded(engine.kv.kept.block_ids()),
                 handoff_transitions=tuple((t.name, t.count) for t in leases.transitions()),
                 **cache_counters(engine),
             )
@@ -219,46 +220,30 @@ class PrefillWorker:
         return await self.thread.call(self._leak_check)
 
     def _num_in_flight(self, engine: Engine) -> int:
-        return len(engine.scheduler.requests) + len(self._waiters) + self.leases.num_live
+        return len(engine.scheduler.requests) + len(self._waiters) + self.holder.num_live
 
     def _leak_check(self, engine: Engine) -> LeakCheck:
         engine.check_integrity()
-        held = engine.kv.held_block_ids()
-        self.leases.check_integrity(held)
+        kept = engine.kv.kept.block_ids()
+        self.holder.check_integrity(kept)
         return LeakCheck(
             num_free_blocks=engine.kv.num_free_blocks,
             num_total_blocks=engine.kv.num_blocks,
-            num_held_blocks=engine.kv.num_held,
+            num_held_blocks=len(kept),
             num_requests=len(engine.scheduler.requests),
-            num_stranded_blocks=self.leases.num_stranded(held),
+            num_stranded_blocks=self.holder.num_stranded(kept),
         )
 
     def shutdown(self) -> None:
         shut_down(self.lifecycle, self.thread, self.publisher, self.transfer)
 
     # ---- engine thread -------------------------------------------------------------------
-    def _release(self, engine: Engine, req_id: str, epoch: int) -> bool:
-        if self.leases.release(req_id, epoch) is None:
-            logger.info("ignored a stale release of %s (epoch %x)", req_id, epoch)
-            return False
-        return engine.release_kv(req_id)
-
-    def _on_notice(self, notif: Notification, now: float) -> None:
-        try:
-            notice = Notice.decode(notif.msg)
-            if notice.kind is NoticeKind.BEGIN:
-                self.leases.begin_read(notice.req_id, notice.epoch, now)
-            else:
-                self._release(self.engine, notice.req_id, notice.epoch)
-        except (ValueError, HandoffError) as e:
-            logger.warning("ignored a notification from %s: %s", notif.peer, e)
-
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
             waiter = self._waiters.get(out.req_id)
             if waiter is None:  # aborted meanwhile: nobody reads its blocks
-                self.engine.release_kv(out.req_id)
+                self.holder.drop(out.req_id)
                 continue
             waiter.outputs.append(out)
             if len(waiter.outputs) < waiter.num_choices:
@@ -269,7 +254,7 @@ class PrefillWorker:
 
     def _handle(self, outputs: list[RequestOutput], now: float) -> KVHandle:
         """The KVHandle of a request's first tokens (one per choice, in index order). The
-        engine decided: "prefilled" keeps the blocks for a decode worker; any other reason
+        engine decided: "first_token" keeps the blocks for a decode worker; any other reason
         (eos, a stop token, the length) means that token ended its choice. The one lease (on
         choice 0's blocks, shared by all) is kept while any choice goes on."""
         first = outputs[0]
@@ -303,34 +288,23 @@ class PrefillWorker:
             self.num_prompt_tokens += first.num_prompt_tokens
             self.num_cached_tokens += first.num_cached_tokens
         if not handle.needs_decode:
-            self.engine.release_kv(first.req_id)
+            self.holder.drop(first.req_id)
             return handle
-        lease_s = self.config.lease_s
-        epoch = self.leases.grant(first.req_id, first.held_block_ids, lease_s, now).epoch
-        self.num_host_leased_blocks += first.num_held_host_blocks
-        return replace(
-            handle,
-            block_ids=first.held_block_ids,
-            epoch=epoch,
-            num_host_blocks=first.num_held_host_blocks,
-        )
+        block_ids, num_host = first.kept_block_ids, first.num_kept_host_blocks
+        epoch = self.holder.grant(first.req_id, block_ids, num_host, now).epoch
+        return replace(handle, block_ids=block_ids, epoch=epoch, num_host_blocks=num_host)
 
     def _on_tick(self) -> bool:
         now = time.monotonic()
         for notif in self.transfer.get_notifs():  # before expiry: a BEGIN that came is honoured
-            self._on_notice(notif, now)
-        for lease in self.leases.expire(now):
-            held_s = lease.expires_at - lease.granted_at  # > lease_s: a read was announced
-            logger.warning(
-                "lease of %s expired after %.1f s; freeing its blocks", lease.req_id, held_s
-            )
-            self.engine.release_kv(lease.req_id)
+            self.holder.on_notification(notif, now)
+        self.holder.expire(now)
         self.index_upkeep.tick(now)
         return False
 
 
 def _finish_of(out: RequestOutput) -> str | None:
-    return None if out.finish_reason == PREFILLED else out.finish_reason
+    return None if out.finish_reason == FIRST_TOKEN else out.finish_reason
 
 
 def _settle(future: asyncio.Future, value: object) -> None:

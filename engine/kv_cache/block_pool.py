@@ -278,8 +278,8 @@ class BlockPool:
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Raise AssertionError when the invariants above do not hold.
 
-        expected_refs maps block_id -> number of holders known to the caller (request tables,
-        leases); blocks not in it must be unreferenced.
+        expected_refs maps block_id -> number of references known to the caller (request
+        tables, kept blocks); blocks not in it must be unreferenced.
         """
         expected_refs = expected_refs or {}
         free_ids = [b.block_id for b in self._uncached_free]

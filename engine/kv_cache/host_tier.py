@@ -68,7 +68,7 @@ class HostTier:
         return slot
 
     def pin(self, block_hash: int) -> int:
-        """A prefill lease on a block's copy here: its slot, lent until release."""
+        """A kept request's pin on a block's copy here: its slot, lent until release."""
         slot, _ = self._slot_of[block_hash]
         self._lent[slot] += 1
         return slot
@@ -103,11 +103,11 @@ class HostTier:
     def check_integrity(self, in_copies: set[int] | None = None) -> None:
         """Every slot is free or holds exactly one hash, and only the slots of copies still owed
         (in_copies) are lent."""
-        held = [slot for slot, _ in self._slot_of.values()]
+        used = [slot for slot, _ in self._slot_of.values()]
         assert set(self._lent) == (in_copies or set()), f"host slots lent: {sorted(self._lent)}"
-        assert len(set(held)) == len(held), "a host slot holds two blocks"
-        assert not set(held) & set(self._free), "a host slot both free and holding a block"
-        assert set(self._lent) <= set(held), "a lent host slot holds no block"
-        assert len(held) + len(self._free) == self.num_slots, "host slots lost"
+        assert len(set(used)) == len(used), "a host slot holds two blocks"
+        assert not set(used) & set(self._free), "a host slot both free and holding a block"
+        assert set(self._lent) <= set(used), "a lent host slot holds no block"
+        assert len(used) + len(self._free) == self.num_slots, "host slots lost"
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())
-        assert by_priority == len(held), "host eviction order out of step"
+        assert by_priority == len(used), "host eviction order out of step"

@@ -309,5 +309,5 @@ def test_snapshot_counts_load_and_drains_to_nothing(make_engine, tokenizer):
     assert running.tokens_per_s > 0 and running.step_s > 0
     run_to_completion(engine)
     done = engine.snapshot()
-    assert (done.num_running, done.num_requests, done.num_held_requests) == (0, 0, 0)
+    assert (done.num_running, done.num_requests, done.num_kept_requests) == (0, 0, 0)
     assert done.num_queued_tokens == 0

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 def prefill(engine: Engine, req_id: str, prompt: list[int], params: SamplingParams):
     """Run a hold_kv request to its first tokens: (outputs by choice index, computed tokens)."""
     before = engine.stats.num_computed_tokens
-    engine.add_request(req_id, prompt, params, hold_kv=True)
+    engine.add_request(req_id, prompt, params, keep_blocks=True)
     outputs: dict[int, RequestOutput] = {}
     while engine.has_unfinished_requests:
         outputs.update((out.index, out) for out in engine.step())
@@ -41,15 +41,15 @@ def hand_over(
         req_id, prompt, first.new_token_ids[0], params, choices=choices
     )
     assert plan is not None
-    remote = first.held_block_ids[plan.first_block : plan.first_block + len(plan.local_block_ids)]
+    remote = first.kept_block_ids[plan.first_block : plan.first_block + len(plan.local_block_ids)]
     for src, dst in zip(remote, plan.local_block_ids, strict=True):
         target.kv_cache[dst].copy_(source.kv_cache[src])
     (target.fail_kv if fail else target.commit_kv)(req_id)
-    assert source.release_kv(req_id)
+    assert source.release_blocks(req_id)
 
 
 def out_goes_on(out: RequestOutput) -> bool:
-    return out.finish_reason == "prefilled"
+    return out.finish_reason == "first_token"
 
 
 def test_prefill_samples_n_first_tokens_under_one_lease_and_decode_forks_them(
@@ -68,8 +68,8 @@ def test_prefill_samples_n_first_tokens_under_one_lease_and_decode_forks_them(
     assert sorted(outputs) == [0, 1, 2]
     assert all(out.req_id == "r" and out_goes_on(out) for out in outputs.values())
     assert [out.new_token_ids for out in outputs.values()] == [single[:1]] * 3
-    assert source.kv.num_held == 1 and outputs[0].held_block_ids
-    assert not outputs[1].held_block_ids and not outputs[2].held_block_ids
+    assert len(source.kv.kept) == 1 and outputs[0].kept_block_ids
+    assert not outputs[1].kept_block_ids and not outputs[2].kept_block_ids
 
     before = target.stats.num_computed_tokens
     hand_over(source, target, "r", prompt, params, outputs)
@@ -97,7 +97,7 @@ def seeded_params(source: Engine, prompt: list[int]) -> tuple[SamplingParams, li
     for seed in range(50):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, seed=seed, n=3)
         outputs, _ = prefill(source, f"probe{seed}", prompt, params)
-        assert source.release_kv(f"probe{seed}")
+        assert source.release_blocks(f"probe{seed}")
         firsts = [outputs[i].new_token_ids[0] for i in range(3)]
         if firsts[0] not in firsts[1:] and len(set(firsts)) == 3:
             return params, firsts
@@ -113,9 +113,9 @@ def test_a_choice_ending_on_its_first_token_keeps_the_lease_for_the_others(
     params = replace(params, stop_token_ids=(firsts[0],), ignore_eos=True)
     outputs, _ = prefill(source, "r", prompt, params)
     assert [outputs[i].new_token_ids[0] for i in range(3)] == firsts  # seed + i, as before
-    assert outputs[0].finish_reason == "stop" and outputs[0].held_block_ids
+    assert outputs[0].finish_reason == "stop" and outputs[0].kept_block_ids
     assert out_goes_on(outputs[1]) and out_goes_on(outputs[2])
-    assert source.kv.num_held == 1
+    assert len(source.kv.kept) == 1
     hand_over(source, target, "r", prompt, params, outputs)
     tokens = run_choices(target)
     assert sorted(tokens) == [("r", 1), ("r", 2)], "choice 0 ended at prefill"
@@ -130,8 +130,8 @@ def test_every_choice_ending_on_its_first_token_needs_no_decode(
     prompt = source.tokenize_prompt(PROMPT)
     outputs, _ = prefill(source, "r", prompt, replace(GREEDY, max_tokens=1, n=3))
     assert [out.finish_reason for out in outputs.values()] == ["length"] * 3
-    assert source.kv.num_held == 1  # the worker releases it: no choice goes on
-    assert source.release_kv("r")
+    assert len(source.kv.kept) == 1  # the worker releases it: no choice goes on
+    assert source.release_blocks("r")
 
 
 def test_abort_while_the_prompt_kv_loads_drops_the_choices(make_engine: EngineFactory) -> None:
@@ -145,4 +145,4 @@ def test_abort_while_the_prompt_kv_loads_drops_the_choices(make_engine: EngineFa
     )
     assert plan is not None and target.is_unfinished("r")
     assert target.abort("r") and not target.is_unfinished("r")
-    assert source.release_kv("r")
+    assert source.release_blocks("r")

@@ -188,18 +188,18 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
         engine, params: SamplingParams = params
     ) -> dict[str, tuple[list[int], str | None, torch.Tensor]]:
         for req_id, prompt in prompts.items():
-            engine.add_request(req_id, prompt, params, hold_kv=True)
+            engine.add_request(req_id, prompt, params, keep_blocks=True)
         outs = {}
         while engine.has_unfinished_requests:
             outs.update({out.req_id: out for out in engine.step()})
-        assert all(out.finished and out.held_block_ids for out in outs.values())
+        assert all(out.finished and out.kept_block_ids for out in outs.values())
         leased = {
-            r: (out.new_token_ids, out.finish_reason, engine.kv_cache[list(out.held_block_ids)])
+            r: (out.new_token_ids, out.finish_reason, engine.kv_cache[list(out.kept_block_ids)])
             for r, out in outs.items()
         }
-        assert engine.kv.num_held == len(prompts)
+        assert len(engine.kv.kept) == len(prompts)
         for req_id in prompts:
-            assert engine.release_kv(req_id)
+            assert engine.release_blocks(req_id)
         return leased
 
     want = prefill_all(make_engine(max_num_batched_tokens=16))
@@ -211,7 +211,7 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
     # held request, as the engine did before, runs ahead of none.
     assert engine.stats.num_steps_ahead >= 3
     assert {r: leased[:2] for r, leased in got.items()} == {r: w[:2] for r, w in want.items()}
-    assert {reason for _, reason, _ in got.values()} == {"prefilled"}
+    assert {reason for _, reason, _ in got.values()} == {"first_token"}
     for req_id, (_, _, kv) in got.items():
         assert torch.equal(kv, want[req_id][2]), req_id
     engine.check_integrity()
@@ -227,7 +227,7 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
         host_kv_cache_bytes=16 * block_bytes,
         host_leases=True,
     )
-    assert tiered.kv.host_leases
+    assert tiered.kv.keep_on_host
     got = prefill_all(tiered)
     assert {r: leased[:2] for r, leased in got.items()} == {r: w[:2] for r, w in want.items()}
     assert tiered.stats.num_steps_ahead == 2

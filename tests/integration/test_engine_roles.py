@@ -14,11 +14,13 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def prefill(engine, req_id, prompt):
-    engine.add_request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    engine.add_request(
+        req_id, prompt, SamplingParams(max_tokens=1, temperature=0), keep_blocks=True
+    )
     outs = [o for _ in range(100) if engine.has_unfinished_requests for o in engine.step()]
     [out] = [o for o in outs if o.req_id == req_id]
-    assert out.finished and out.held_block_ids
-    return out.new_token_ids[0], list(out.held_block_ids)
+    assert out.finished and out.kept_block_ids
+    return out.new_token_ids[0], list(out.kept_block_ids)
 
 
 def test_prefill_then_decode_matches_single_engine(make_engine, tokenizer):
@@ -30,13 +32,13 @@ def test_prefill_then_decode_matches_single_engine(make_engine, tokenizer):
     prefill_engine, decode_engine = make_engine(), make_engine()
     first, remote_ids = prefill(prefill_engine, "r", prompt)
     assert first == expected[0]
-    assert prefill_engine.kv.num_held == 1
+    assert len(prefill_engine.kv.kept) == 1
     plan = decode_engine.add_prefilled_request("r", prompt, first, PARAMS)
     assert plan is not None and plan.first_block == 0
     assert len(plan.local_block_ids) == len(remote_ids)
     decode_engine.kv_cache[list(plan.local_block_ids)] = prefill_engine.kv_cache[remote_ids]
     decode_engine.commit_kv("r")
-    assert prefill_engine.release_kv("r") and not prefill_engine.release_kv("r")
+    assert prefill_engine.release_blocks("r") and not prefill_engine.release_blocks("r")
     assert [first, *run_to_completion(decode_engine)["r"]] == expected
 
 
@@ -52,7 +54,7 @@ def test_decode_reuses_local_prefix_and_pulls_only_missing(make_engine, tokenize
         remote = remote_ids[plan.first_block : plan.first_block + len(plan.local_block_ids)]
         decode_engine.kv_cache[list(plan.local_block_ids)] = prefill_engine.kv_cache[remote]
         decode_engine.commit_kv(req_id)
-        prefill_engine.release_kv(req_id)
+        prefill_engine.release_blocks(req_id)
         run_to_completion(decode_engine)
         if req_id == "a":
             assert plan.first_block == 0
@@ -70,7 +72,7 @@ def test_failed_pull_recomputes_locally(make_engine, tokenizer):
     first, _ = prefill(prefill_engine, "r", prompt)
     assert decode_engine.add_prefilled_request("r", prompt, first, PARAMS) is not None
     decode_engine.fail_kv("r")  # nothing was copied: the blocks hold garbage
-    prefill_engine.release_kv("r")
+    prefill_engine.release_blocks("r")
     assert [first, *run_to_completion(decode_engine)["r"]] == expected
 
 
@@ -80,10 +82,10 @@ def test_abort_while_loading_and_aborted_prefill_frees(make_engine, tokenizer):
     first, _ = prefill(prefill_engine, "r", prompt)
     decode_engine.add_prefilled_request("r", prompt, first, PARAMS)
     assert decode_engine.abort("r")
-    prefill_engine.release_kv("r")
-    prefill_engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    prefill_engine.release_blocks("r")
+    prefill_engine.add_request("p", prompt, SamplingParams(max_tokens=1), keep_blocks=True)
     assert prefill_engine.abort("p")
-    assert prefill_engine.kv.num_held == 0
+    assert len(prefill_engine.kv.kept) == 0
 
 
 def test_no_room_returns_none(make_engine, tokenizer):
@@ -98,7 +100,7 @@ def test_prefill_only_requests_report_the_engines_finish_reason(make_engine, tok
     engine = make_engine()
     prompt = tokenizer.encode("Count to three:")
     cases = {
-        "more": (SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "prefilled"),
+        "more": (SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "first_token"),
         "one": (SamplingParams(max_tokens=1, temperature=0), "length"),
         "stop": (
             SamplingParams(
@@ -110,12 +112,12 @@ def test_prefill_only_requests_report_the_engines_finish_reason(make_engine, tok
         ),
     }
     for req_id, (params, _) in cases.items():
-        engine.add_request(req_id, prompt, params, hold_kv=True)
+        engine.add_request(req_id, prompt, params, keep_blocks=True)
     outs = {o.req_id: o for _ in range(50) if engine.has_unfinished_requests for o in engine.step()}
     assert {r: o.finish_reason for r, o in outs.items()} == {r: c[1] for r, c in cases.items()}
-    assert all(o.finished and o.held_block_ids for o in outs.values())
+    assert all(o.finished and o.kept_block_ids for o in outs.values())
     for req_id in cases:
-        engine.release_kv(req_id)
+        engine.release_blocks(req_id)
 
 
 def test_a_leased_request_id_is_refused_and_the_decode_engine_checks_its_own_limits(
@@ -125,8 +127,8 @@ def test_a_leased_request_id_is_refused_and_the_decode_engine_checks_its_own_lim
     prompt = tokenizer.encode("Hold these blocks for the decode side.")
     prefill(prefill_engine, "r", prompt)
     with pytest.raises(ValueError, match="already in use"):
-        prefill_engine.add_request("r", prompt, PARAMS, hold_kv=True)
-    assert prefill_engine.release_kv("r")
+        prefill_engine.add_request("r", prompt, PARAMS, keep_blocks=True)
+    assert prefill_engine.release_blocks("r")
     small = make_engine(num_blocks=4)  # 64 tokens at most
     with pytest.raises(ValueError, match="more than this decode engine can hold"):
         small.add_prefilled_request("long", list(range(1, 100)), 5, PARAMS)

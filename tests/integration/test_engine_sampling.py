@@ -145,9 +145,9 @@ def test_a_split_prefill_and_a_migrated_leg_count_output_tokens_alike(make_tiny)
     engine = make_tiny()
     whole = engine_greedy(engine, params)[0]
     prefill = make_tiny()
-    prefill.add_request("p", prompt, params, hold_kv=True)
+    prefill.add_request("p", prompt, params, keep_blocks=True)
     (first,) = run_to_completion(prefill)["p"]
-    prefill.release_kv("p")
+    prefill.release_blocks("p")
     decode = make_tiny()
     assert decode.add_prefilled_request("p", prompt, first, params) is not None
     decode.fail_kv("p")  # no transfer here: the decode engine recomputes the prompt

@@ -45,8 +45,8 @@ class TieredWorker:
         req.num_computed_tokens = len(tokens)
         self.kv.cache_full_blocks(req)
         self.kv.free(req)
-        self.kv.drain_copies()
-        self.kv.drain_offloads()
+        self.kv.owed.drain_copies()
+        self.kv.owed.drain_offloads()
         return req.block_hashes
 
     def step(self) -> bool:

@@ -1,5 +1,6 @@
-"""The KV handoff's state machines (kvtransfer/handoff.py): every legal path, illegal moves
-refused, epoch fencing, expiry and the being-read extension on a clock passed in, counts."""
+"""The KV handoff's state machines (kvtransfer/handoff.py, leases.py, pulls.py): every legal
+path, illegal moves refused, epoch fencing, expiry and the being-read extension on a clock passed
+in, counts."""
 
 from __future__ import annotations
 
@@ -10,19 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvtransfer.base import TransferHandle
-from kvtransfer.handoff import (
-    DEADLINE_MARGIN,
-    LEASE_TRANSITIONS,
-    NONCE_BITS,
-    PULL_TRANSITIONS,
-    HandoffError,
-    LeaseLedger,
-    LeaseState,
-    Notice,
-    NoticeKind,
-    PullLedger,
-    PullState,
-)
+from kvtransfer.handoff import DEADLINE_MARGIN, NONCE_BITS, HandoffError, Notice, NoticeKind
+from kvtransfer.leases import LEASE_TRANSITIONS, LeaseLedger, LeaseState
+from kvtransfer.pulls import PULL_TRANSITIONS, PullLedger, PullState
 
 L, P = LeaseState, PullState
 BLOCKS = (4, 5, 6)
@@ -172,7 +163,7 @@ def test_stranded_blocks_are_held_blocks_no_lease_accounts_for() -> None:
     assert ledger.num_stranded({"r": BLOCKS}) == 0
     assert ledger.num_stranded({"r": BLOCKS, "lost": (1, 2)}) == 2
     assert ledger.num_stranded({"r": (*BLOCKS, 8)}) == 1
-    with pytest.raises(AssertionError, match="the engine holds"):
+    with pytest.raises(AssertionError, match="the engine keeps"):
         ledger.check_integrity({})  # a lease on blocks the engine does not hold
 
 
@@ -308,7 +299,8 @@ def test_notices_round_trip_and_refuse_foreign_messages() -> None:
 
 
 def test_the_module_is_torch_free() -> None:
-    code = "import sys, kvtransfer.handoff; assert 'torch' not in sys.modules, 'torch imported'"
+    modules = "kvtransfer.handoff, kvtransfer.leases, kvtransfer.pulls, kvtransfer.kv_holder"
+    code = f"import sys, {modules}; assert 'torch' not in sys.modules, 'torch imported'"
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

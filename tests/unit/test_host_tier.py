@@ -50,15 +50,15 @@ def finished(kv: KVCacheManager, req_id: str, tokens: list[int]) -> None:
 
 def test_committed_blocks_are_copied_behind_the_step_and_come_back_on_a_hit() -> None:
     kv = KVCacheManager(4, BLOCK_SIZE, "m", host_tier=HostTier(8))
-    behind = kv.write_behind
+    behind = kv.owed.write_behind
     assert behind is not None and kv.host_tier is not None
     finished(kv, "a", list(range(1, 9)))  # 2 cached blocks, each given a host slot at once
-    assert kv.drain_copies() == []  # nothing on the step's stream
-    a_offloads = kv.drain_offloads()
+    assert kv.owed.drain_copies() == []  # nothing on the step's stream
+    a_offloads = kv.owed.drain_offloads()
     assert [c.kind for c in a_offloads] == ["to_host", "to_host"] and kv.host_tier.num_cached == 2
     assert behind.in_flight and not behind.must_wait
     finished(kv, "b", list(range(100, 116)))  # 4 blocks: a's two are evicted while in flight
-    assert kv.drain_copies() == []  # their copies are in host memory (or on their way)
+    assert kv.owed.drain_copies() == []  # their copies are in host memory (or on their way)
     assert behind.must_wait  # the next step overwrites blocks an offload may still read
     behind.settled()
     kv.check_integrity()
@@ -67,7 +67,7 @@ def test_committed_blocks_are_copied_behind_the_step_and_come_back_on_a_hit() ->
     assert match.blocks == [] and len(match.host_hashes) == 2 and match.num_tokens == 8
     kv.allocate(again, 1, match)
     assert again.num_computed_tokens == 8
-    copies = kv.drain_copies()
+    copies = kv.owed.drain_copies()
     # b's blocks are evicted before their offloads were issued: those copies move onto the
     # step's stream, ahead of a's copies back into the same blocks
     kinds = [c.kind for c in copies]
@@ -77,7 +77,7 @@ def test_committed_blocks_are_copied_behind_the_step_and_come_back_on_a_hit() ->
     assert {(c.src_block_id, c.dst_block_id) for c in copies[-2:]} <= {
         (s, d) for s in a_slots for d in table[:2]
     }
-    assert [c.kind for c in kv.drain_offloads()] == ["to_host"]  # b's last block, still cached
+    assert [c.kind for c in kv.owed.drain_offloads()] == ["to_host"]  # b's last block, still cached
     assert kv.num_host_hit_blocks == 2 and kv.host_tier.num_cached == 6  # the tiers overlap
     kv.check_integrity()
     kv.free(again)
@@ -118,14 +118,14 @@ def test_a_partial_copy_reads_its_source_before_any_copy_back_overwrites_it() ->
     finished(kv, "x", [9, 9, 9, 9])  # the free block
     now[0] = 11.0  # a's second block falls back to the default priority, behind x's
     finished(kv, "y", [8, 8, 8, 8])  # evicts a's first block (in the host since its commit)
-    kv.drain_copies()
-    kv.drain_offloads()
+    kv.owed.drain_copies()
+    kv.owed.drain_offloads()
     req = Request("b", [1, 2, 3, 4, 5, 6, *[0] * 5])  # host block, partial copy, a new one
     match = kv.match_prefix(req, partial=True)
     assert len(match.host_hashes) == 1 and match.partial_src is not None
     assert match.partial_src.block_id == src
     kv.allocate(req, 5, match)
-    copies = kv.drain_copies()
+    copies = kv.owed.drain_copies()
     table = kv.block_ids("b")
     assert table[0] == src  # the copy back lands in the partial copy's source
     assert copies.index(BlockCopy(src, table[1])) < copies.index(
@@ -136,8 +136,8 @@ def test_a_partial_copy_reads_its_source_before_any_copy_back_overwrites_it() ->
     assert kv.num_free_blocks == 3
 
 
-def test_a_host_lease_pins_the_host_copies_and_frees_their_device_blocks() -> None:
-    kv = KVCacheManager(4, BLOCK_SIZE, "m", host_tier=HostTier(8), host_leases=True)
+def test_kept_blocks_on_host_pin_the_host_copies_and_free_their_device_blocks() -> None:
+    kv = KVCacheManager(4, BLOCK_SIZE, "m", host_tier=HostTier(8), keep_on_host=True)
     tier = kv.host_tier
     assert tier is not None
     req = Request("p", list(range(1, 11)))  # 2 full blocks and a partial one
@@ -145,20 +145,21 @@ def test_a_host_lease_pins_the_host_copies_and_frees_their_device_blocks() -> No
     req.num_computed_tokens = 10
     kv.cache_full_blocks(req)
     partial = kv.block_ids("p")[2]
-    ids = kv.hold(req)
-    assert kv.num_held_host_blocks("p") == 2 and ids[2] == partial  # slots first, then device
-    assert kv.held_block_ids() == {"p": tuple(ids)}
+    kept = kv.keep(req)
+    ids = kept.block_ids
+    assert kept.num_host_blocks == 2 and ids[2] == partial  # slots first, then device
+    assert kv.kept.block_ids() == {"p": tuple(ids)}
     assert kv.num_free_blocks == 3  # the leading blocks are free on the device (still cached)
-    kv.drain_offloads()
-    kv.check_integrity()  # the leased slots count as lent
+    kv.owed.drain_offloads()
+    kv.check_integrity()  # the kept slots count as lent
     for i in range(4):  # 8 more blocks through an 8-slot tier: everything unpinned is evicted
         finished(kv, f"x{i}", list(range(100 + 8 * i, 108 + 8 * i)))
-        kv.drain_copies()
-        kv.drain_offloads()
+        kv.owed.drain_copies()
+        kv.owed.drain_offloads()
     assert all(tier.has(h) for h in req.block_hashes[:2])  # pinned: never evicted
-    assert kv.release_held("p") and not kv.release_held("p")
+    assert kv.release_kept("p") and not kv.release_kept("p")
     kv.check_integrity()
-    assert kv.num_free_blocks == 4 and kv.num_held == 0
+    assert kv.num_free_blocks == 4 and len(kv.kept) == 0
 
 
 def test_a_duplicate_of_a_cached_block_gets_no_host_slot() -> None:
@@ -171,7 +172,7 @@ def test_a_duplicate_of_a_cached_block_gets_no_host_slot() -> None:
         req.num_computed_tokens = 5
     for req in (first, second):
         kv.cache_full_blocks(req)
-    offloads = kv.drain_offloads()
+    offloads = kv.owed.drain_offloads()
     assert [c.src_block_id for c in offloads] == [kv.block_ids("a")[0]]
     for req in (first, second):
         kv.free(req)

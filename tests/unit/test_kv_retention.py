@@ -104,8 +104,8 @@ def test_the_manager_frees_each_block_with_its_ranges_priority_on_every_path() -
         req.num_computed_tokens = 12
         kv.cache_full_blocks(req)
         if hold:
-            kv.hold(req)
-            kv.release_held(req_id)
+            kv.keep(req)
+            kv.release_kept(req_id)
         else:
             kv.free(req)
     priorities = sorted(b.priority for b in kv.pool.blocks if b.block_hash is not None)

@@ -36,8 +36,8 @@ def test_diverging_inside_a_block_reuses_its_matching_tokens() -> None:
     assert req.num_computed_tokens == 6
     table = kv.block_ids("b")
     assert table[0] == 0 and table[1] != src.block_id  # shared first block, a fresh second
-    assert kv.drain_copies() == [BlockCopy(src.block_id, table[1])]
-    assert kv.drain_copies() == []  # each copy once
+    assert kv.owed.drain_copies() == [BlockCopy(src.block_id, table[1])]
+    assert kv.owed.drain_copies() == []  # each copy once
     assert kv.num_partial_reused_tokens == 2
     kv.check_integrity()
     kv.free(req)
@@ -52,7 +52,7 @@ def test_longest_matching_sibling_is_chosen_and_the_last_token_is_left_to_comput
     req = Request("c", [1, 2, 3, 4, 5, 6, 7])  # every token of it is cached under "a"
     assert admit(kv, req) == 6  # not 7: the last prompt token yields the first logits
     under_a = next(b for b in kv.pool.blocks if b.token_ids == (5, 6, 7, 8))
-    assert kv.drain_copies()[0].src_block_id == under_a.block_id  # 2 tokens match, not 1
+    assert kv.owed.drain_copies()[0].src_block_id == under_a.block_id  # 2 tokens match, not 1
     kv.free(req)
     kv.check_integrity()
 
@@ -70,11 +70,11 @@ def test_threshold_salt_and_the_off_switch() -> None:
     assert kv.num_partial_reused_tokens == 3
     for req in (short, other, first):
         kv.free(req)
-    kv.drain_copies()
+    kv.owed.drain_copies()
     off = KVCacheManager(16, BLOCK_SIZE, "m")  # partial_reuse_min_tokens=0
     cached(off, "a", [1, 2, 3, 4, 5, 6, 7, 8])
     req = Request("b", [1, 2, 3, 4, 5, 6, 0, 0])
-    assert admit(off, req) == 4 and off.drain_copies() == []
+    assert admit(off, req) == 4 and off.owed.drain_copies() == []
     off.free(req)
     kv.check_integrity()
     off.check_integrity()
@@ -86,6 +86,6 @@ def test_an_evicted_block_is_no_longer_offered_for_partial_reuse() -> None:
     kv.pool.evict_all_cached()
     kv.check_integrity()
     req = Request("b", [1, 2, 3, 0, 0])
-    assert admit(kv, req) == 0 and kv.drain_copies() == []
+    assert admit(kv, req) == 0 and kv.owed.drain_copies() == []
     kv.free(req)
     kv.check_integrity()

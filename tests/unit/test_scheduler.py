@@ -16,11 +16,11 @@ def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=2
 
 
 def make_request(
-    req_id: str, num_prompt: int, max_tokens: int = 4, first: int = 0, hold_kv: bool = False
+    req_id: str, num_prompt: int, max_tokens: int = 4, first: int = 0, keep_blocks: bool = False
 ) -> Request:
     tokens = [(first + i) % 1000 for i in range(num_prompt)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    return Request(req_id, tokens, params, hold_kv=hold_kv)
+    return Request(req_id, tokens, params, keep_blocks=keep_blocks)
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -123,7 +123,7 @@ def test_partial_reuse_fits_a_full_pool():
     out = sched.schedule()
     assert [c.req.req_id for c in out.chunks] == ["b"]
     assert second.num_cached_tokens == 6
-    assert [c.kind for c in kv.drain_copies()] == ["device"]
+    assert [c.kind for c in kv.owed.drain_copies()] == ["device"]
 
 
 def test_step_run_ahead_leaves_out_what_ends_and_preempts_nothing_while_it_does():
@@ -155,11 +155,12 @@ def test_step_run_ahead_leaves_out_what_ends_and_preempts_nothing_while_it_does(
 
 
 def test_a_held_request_ends_with_its_pending_first_token():
-    """The prefill role's request (hold_kv) finishes with its first token whatever max_tokens
-    says, so with that token in flight the step scheduled ahead leaves it out (no decode row
-    writes into the blocks about to be leased) while the other request keeps prefilling."""
+    """A keep_blocks request (the prefill role's) finishes with its first token whatever
+    max_tokens says, so with that token in flight the step scheduled ahead leaves it out (no
+    decode row writes into the blocks about to be kept) while the other request keeps
+    prefilling."""
     sched = make_scheduler(budget=8)
-    held = make_request("held", 6, max_tokens=50, hold_kv=True)
+    held = make_request("held", 6, max_tokens=50, keep_blocks=True)
     sched.add(held)
     sched.add(make_request("next", 12, first=300))
     out = sched.schedule()  # held's whole prompt (it samples) and 2 tokens of next's
@@ -176,19 +177,21 @@ def test_a_held_request_ends_with_its_pending_first_token():
     assert ahead.preempted_req_ids == [] and held.num_computed_tokens == 6
     held.num_pending_tokens -= 1
     held.append_token(7)
-    assert sched.finish(held, FinishReason.PREFILLED)  # its blocks' ids, under a lease
+    kept = sched.finish(held, FinishReason.FIRST_TOKEN)
+    assert kept is not None and kept.block_ids  # its blocks, kept for the caller
     sched.update(ahead)
-    assert sched.kv.release_held("held")
+    assert sched.kv.release_kept("held")
     sched.kv.check_integrity()
 
 
 def test_the_step_run_ahead_never_preempts_a_held_request_about_to_be_leased():
     """The pool is full and "grows" needs a new block for its pending token; the newest
-    running request, the preemption victim, is a held one whose first token is in flight.
-    Preempting it would lease empty blocks: the step run ahead leaves "grows" out instead."""
+    running request, the preemption victim, is a keep_blocks one whose first token is in
+    flight. Preempting it would keep empty blocks: the step run ahead leaves "grows" out
+    instead."""
     sched = make_scheduler(num_blocks=4, block_size=4, budget=32)
     sched.add(make_request("grows", 8, max_tokens=10, first=500))  # 2 full blocks
-    held = make_request("held", 7, max_tokens=50, hold_kv=True)  # 2 blocks
+    held = make_request("held", 7, max_tokens=50, keep_blocks=True)  # 2 blocks
     sched.add(held)
     sched.update(sched.schedule())  # both prompts computed; both sample
     grows = sched.requests["grows"]
@@ -201,8 +204,9 @@ def test_the_step_run_ahead_never_preempts_a_held_request_about_to_be_leased():
     for req in (grows, held):  # the step's tokens arrive; held leaves the batch, leased
         req.num_pending_tokens -= 1
         req.append_token(7)
-    assert sched.finish(held, FinishReason.PREFILLED)
-    assert sched.kv.release_held("held")  # the decode side has read its blocks
+    kept = sched.finish(held, FinishReason.FIRST_TOKEN)
+    assert kept is not None and kept.block_ids
+    assert sched.kv.release_kept("held")  # the decode side has read its blocks
     out = sched.schedule()
     assert [(c.req.req_id, c.num_new_tokens) for c in out.chunks] == [("grows", 1)]
     assert out.preempted_req_ids == []

@@ -1,0 +1,120 @@
+"""PrefixCache: finding and committing cached blocks by content over the device pool and the host
+tier. It owns no table of its own: the hash -> block index is BlockPool's and HostTier's; here are
+the rules that read and write them (chained hashes of a request's full blocks, the longest cached
+prefix in both tiers, a partly matching block under the last one, committing a computed block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.hashing import hash_blocks, root_hash
+from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.owed_copies import OwedCopies
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks covering the longest known prefix of a request's tokens; partial_src: a
+    cached block whose first num_partial_tokens tokens continue it (copied into a fresh block)."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0  # full blocks' tokens (both tiers) + num_partial_tokens
+    partial_src: KVBlock | None = None
+    num_partial_tokens: int = 0
+    host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
+
+
+NO_MATCH = PrefixMatch()
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    """Invariant: a block is committed under the hash of its own tokens chained to its
+    predecessors' (salted by the request's cache_salt and the model id), so a match returns only
+    blocks whose KV is that of the prompt's leading tokens."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        model_id: str,
+        partial_reuse_min_tokens: int,
+        host_tier: HostTier | None,
+        owed: OwedCopies,
+    ):
+        self.pool = pool
+        self.block_size = block_size
+        self.model_id = model_id
+        self.partial_reuse_min_tokens = partial_reuse_min_tokens
+        self.host_tier = host_tier
+        self.owed = owed
+
+    def update_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes to every full block of its real tokens (all_token_ids: a
+        pending token has no id, so no hash covers it)."""
+        if len(req.block_hashes) < len(req.all_token_ids) // self.block_size:
+            req.block_hashes = hash_blocks(
+                req.all_token_ids, self.block_size, self.model_id, req.cache_salt, req.block_hashes
+            )
+
+    def match(self, req: Request, partial: bool = False) -> PrefixMatch:
+        """Longest cached prefix, leaving at least the last token to compute (it yields logits).
+
+        partial: past the full blocks, also the cached block under the last one whose tokens
+        match the prompt's next ones longest (at least partial_reuse_min_tokens of them)."""
+        if not self.pool.enable_caching:
+            return NO_MATCH
+        self.update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        host: list[int] = []
+        if self.host_tier is not None:
+            for block_hash in req.block_hashes[len(blocks) : max_blocks]:
+                if not self.host_tier.has(block_hash):
+                    break
+                host.append(block_hash)
+        num_full = (len(blocks) + len(host)) * self.block_size
+        if not partial or self.partial_reuse_min_tokens < 1:
+            return PrefixMatch(blocks, num_full, host_hashes=tuple(host))
+        chain = [*(b.block_hash for b in blocks), *host]
+        parent = chain[-1] if chain else root_hash(self.model_id, req.cache_salt)
+        assert parent is not None
+        wanted = req.all_token_ids[num_full : min(num_full + self.block_size, req.num_tokens - 1)]
+        src, num_same = None, self.partial_reuse_min_tokens - 1
+        for child in self.pool.children(parent, wanted):
+            same = common_prefix_len(child.token_ids, wanted)
+            if same > num_same:
+                src, num_same = child, same
+        if src is None:
+            return PrefixMatch(blocks, num_full, host_hashes=tuple(host))
+        return PrefixMatch(blocks, num_full + num_same, src, num_same, tuple(host))
+
+    def commit(self, req: Request, block: KVBlock, i: int) -> None:
+        """Make block i of req findable: its hash, and with partial reuse on, its tokens under
+        its parent (a block committed here is copied into the host tier behind the step)."""
+        parent = req.block_hashes[i - 1] if i else None
+        if self.partial_reuse_min_tokens < 1:
+            self.pool.cache_block(block, req.block_hashes[i], parent)
+        else:
+            key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
+            tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
+        self.owed.committed(block)
