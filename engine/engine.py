@@ -8,6 +8,7 @@ single-threaded: callers serialise their calls.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 
@@ -42,7 +43,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, model: nn.Module | None = None):
         """model: weights already loaded from the same checkpoint (shared across engines)."""
         config = config or EngineConfig()
-        self.checkpoint_dir = folder = resolve_model(config.model)
+        print(f"kvrelay engine: {config.settings.describe()}", file=sys.stderr, flush=True)
+        self.checkpoint_dir = folder = resolve_model(
+            config.model, cache_dir=config.settings.cache_dir
+        )
         self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
         mc = self.model_config
         self.model_id = mc.model_id

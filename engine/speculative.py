@@ -203,5 +203,8 @@ def drafter(
     spec = config.speculative
     if spec.method != "draft" or spec.draft_model is None:
         return None
-    same = resolve_model(spec.draft_model) == resolve_model(config.model)
+    cache_dir = config.settings.cache_dir
+    same = resolve_model(spec.draft_model, cache_dir=cache_dir) == resolve_model(
+        config.model, cache_dir=cache_dir
+    )
     return DraftModel(config, vocab_size, max_model_len, make_engine, model if same else None)
