@@ -23,6 +23,7 @@ from router.output import OutputChunk
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.request_spec import ChatMessage, RequestSpec
+from router.serving_gate import ClusterUnavailable
 from router.structured_schema import structured_from_proto
 from router.tokenize_api import TokenizeSpec, detokenize, tokenize
 
@@ -121,7 +122,9 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                         yield response
         except Overloaded as e:  # raised on entering admit(), before anything was sent
             pushback = (("grpc-retry-pushback-ms", str(e.retry_after_s * 1000)),)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, pushback)
+            busy = not isinstance(e, ClusterUnavailable)  # else: shutting down, cluster lost
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, e.message, pushback)
 
     async def _generate(
         self,

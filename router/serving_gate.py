@@ -16,8 +16,8 @@ RETRY_AFTER_S = 1
 
 class ClusterUnavailable(Overloaded):
     """The cluster cannot take a request now (shutting down, its Ray cluster lost, no live
-    worker in a pool): HTTP 503 + Retry-After / gRPC RESOURCE_EXHAUSTED, refused before anything
-    is sent, with a message saying why."""
+    worker in a pool): HTTP 503 + Retry-After / gRPC UNAVAILABLE, refused before anything is
+    sent, with a message saying why."""
 
     def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S):
         RuntimeError.__init__(self, message)
