@@ -1,5 +1,6 @@
 """KV block transfer between workers: interface (base), descriptor layout, handshake, NIXL impl,
-and the handoff's state machines (handoff: LeaseLedger, PullLedger; torch-free).
+and the handoff's state machines (torch-free: handoff, leases: LeaseLedger, kv_holder: KVHolder,
+pulls: PullLedger).
 
 `from kvtransfer.nixl_transfer import NixlTransfer` for the implementation (imports torch; NIXL
 itself is imported only when a tensor is registered).

@@ -235,12 +235,12 @@ class KVCacheManager:
     ) -> None:
         """Tail first; each block keeps the priority its token ranges give it (else priority).
         first: the request's block index of blocks[0]."""
-        kept = None
+        retained = None
         if retention:
             now = self.pool.clock()
             num = first + len(blocks)
-            kept = block_retention(retention, num, self.block_size, priority, now)[first:][::-1]
-        self.pool.free(blocks[::-1], priority, kept)
+            retained = block_retention(retention, num, self.block_size, priority, now)[first:]
+        self.pool.free(blocks[::-1], priority, None if retained is None else retained[::-1])
 
     def keep(self, req: Request) -> Kept:
         """Keep a finished request's blocks referenced for its caller until release_kept. With
