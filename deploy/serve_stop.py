@@ -8,7 +8,11 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.admission import Admission
+    from router.cluster_backend import ClusterBackend
 
 WATCH_S = 0.5  # how often the embedded Ray's raylet and GCS server are looked at
 FINAL_WRITE_S = 5.0  # after the streams were ended: time for their last events to be written
@@ -48,11 +52,15 @@ async def until_stop_or_lost(signals: StopSignals, lost: Callable[[], str | None
 
 
 async def drain(
-    backend: Any, admission: Any, drain_s: float, now: asyncio.Event, say: Callable[[str], None]
+    backend: ClusterBackend,
+    admission: Admission,
+    drain_s: float,
+    now: asyncio.Event,
+    say: Callable[[str], None],
 ) -> None:
-    """New requests get 503 at once; the open ones have `drain_s` seconds (less if `now` is
-    set) to finish, then each open stream ends with finish_reason "abort" and is given
-    FINAL_WRITE_S to send it. backend: a ClusterBackend; admission: the Frontend's Admission."""
+    """New requests get 503 at once; the open ones (those the Frontend's Admission holds) have
+    `drain_s` seconds (less if `now` is set) to finish, then each open stream ends with
+    finish_reason "abort" and is given FINAL_WRITE_S to send it."""
     backend.stop_taking(SHUTTING_DOWN)
     num_open = admission.num_admitted
     if num_open:
@@ -75,7 +83,11 @@ async def drain(
 
 
 async def refuse_while_lost(
-    backend: Any, why: str, drain_s: float, now: asyncio.Event, say: Callable[[str], None]
+    backend: ClusterBackend,
+    why: str,
+    drain_s: float,
+    now: asyncio.Event,
+    say: Callable[[str], None],
 ) -> None:
     """The Ray cluster is gone: one line says so; open streams end with an error, and /ready and
     new requests answer 503 naming the cause for `drain_s` seconds (less if `now` is set), so
