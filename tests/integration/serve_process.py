@@ -1,6 +1,7 @@
 """Test support: a real `kvrelay serve` in a session of its own (its output collected as it
-comes), plain HTTP calls to it, an SSE stream read event by event, and the processes of its
-cluster (found from its raylet: its descendants, and every worker that raylet started)."""
+comes), stopped by Ctrl-C or killed, plain HTTP calls to it, an SSE stream read event by event,
+and the processes of its cluster (found from its raylet: its descendants, and every worker that
+raylet started)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -27,19 +29,33 @@ CHAT = {
 }
 
 
-class ServeProcess:
-    """`kvrelay serve --http-port P --grpc-port Q ARGS`, small KV pools, one thread a worker."""
+def serve_env(state_dir: Path) -> dict[str, str]:
+    """The environment of a test's kvrelay commands: Ray without auth, unbuffered output, and
+    the local serves' state files in `state_dir` (that test's serves only)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env["KVRELAY_STATE_DIR"] = str(state_dir)
+    return env
 
-    def __init__(self, state_dir: Path, *args: str):
+
+class Reply(NamedTuple):
+    status: int
+    body: dict
+    headers: dict[str, str]
+
+
+class ServeProcess:
+    """`kvrelay serve --http-port P --grpc-port Q ARGS` on free ports, a small KV pool
+    (`kv_cache_gib`), one thread a worker."""
+
+    def __init__(self, state_dir: Path, *args: str, kv_cache_gib: float = 0.2):
         self.http_port, self.grpc_port = free_port(), free_port()
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-        env["KVRELAY_STATE_DIR"] = str(state_dir)
+        self.url = f"http://127.0.0.1:{self.http_port}/v1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "serve", "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), "--kv-cache-gib", "0.2",
+             "--grpc-port", str(self.grpc_port), "--kv-cache-gib", str(kv_cache_gib),
              "--threads-per-worker", "1", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-            start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=serve_env(state_dir), cwd=REPO, start_new_session=True,
         )  # fmt: skip
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -104,6 +120,16 @@ class ServeProcess:
                 continue
         return list({p.pid: p for p in [*self.descendants(), *workers]}.values())
 
+    def stop(self, timeout_s: float = 120) -> int:
+        """Ctrl-C to serve alone; its exit status (its whole session is killed if it does not
+        exit within timeout_s, and the TimeoutExpired raised)."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.wait_exit(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
     def kill(self) -> None:
         """Whatever a test left running: its whole session, at once."""
         if self.proc.poll() is None:
@@ -111,23 +137,27 @@ class ServeProcess:
             self.proc.wait(30)
 
     # ---- HTTP ------------------------------------------------------------------------------
-    def get(self, path: str) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=30)
+    def request(self, method: str, path: str, body: dict | None = None) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
         try:
-            conn.request("GET", path)
+            if body is None:
+                conn.request(method, path)
+            else:
+                headers = {"Content-Type": "application/json"}
+                conn.request(method, path, json.dumps(body), headers)
             response = conn.getresponse()
-            return response.status, json.loads(response.read() or b"{}")
+            data = json.loads(response.read() or b"{}")
+            return Reply(response.status, data, dict(response.getheaders()))
         finally:
             conn.close()
 
+    def get(self, path: str) -> tuple[int, dict]:
+        reply = self.request("GET", path)
+        return reply.status, reply.body
+
     def post(self, path: str, body: dict) -> tuple[int, dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            return response.status, json.loads(response.read() or b"{}")
-        finally:
-            conn.close()
+        reply = self.request("POST", path, body)
+        return reply.status, reply.body
 
     def until_status(self, path: str, status: int, bound_s: float) -> dict:
         """Poll GET path until it answers `status`; its body."""

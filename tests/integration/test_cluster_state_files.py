@@ -7,68 +7,23 @@ periodic stats line."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from deploy.redis_local import free_port
+from tests.integration.serve_process import ServeProcess, serve_env
 
-# The cheapest cluster that is still a real one: no Redis, small KV pools, one thread a worker.
-CHEAP = ["--no-redis", "--kv-cache-gib", "0.05", "--threads-per-worker", "1"]
+# The cheapest cluster that is still a real one: no Redis, smaller KV pools (ServeProcess runs
+# one thread a worker).
+CHEAP = ("--no-redis",)
+CHEAP_KV_GIB = 0.05
+START_S = 420  # two serves start at once on a shared CPU machine
 
 
-class Serve:
-    """`kvrelay serve ARGS` in its own session; its output lines are collected as they come."""
-
-    def __init__(self, env: dict[str, str], *args: str):
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.http_port}/v1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), *CHEAP, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-        with self._changed:
-            self.lines.append("")  # EOF
-            self._changed.notify_all()
-
-    def wait_for(self, text: str, timeout_s: float) -> str:
-        """The first output line containing `text` (AssertionError on exit or timeout)."""
-
-        def found() -> str | None:
-            hits = [line for line in self.lines if text in line]
-            if hits or (self.lines and self.lines[-1] == ""):
-                return hits[0] if hits else "EOF"
-            return None
-
-        with self._changed:
-            line = self._changed.wait_for(found, timeout_s)
-        assert line and line != "EOF", f"no {text!r} in:\n" + "".join(self.lines)
-        return line
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
+def serve(state_dir: Path, *args: str) -> ServeProcess:
+    return ServeProcess(state_dir, *CHEAP, *args, kv_cache_gib=CHEAP_KV_GIB)
 
 
 def kvrelay(env: dict[str, str], *argv: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
@@ -85,21 +40,19 @@ def router_urls(status: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    env["KVRELAY_STATE_DIR"] = str(tmp_path)  # this test's serves only
-    return env
+    return serve_env(tmp_path)  # this test's serves only
 
 
 def test_two_clusters_side_by_side_are_each_found_by_name(env, tmp_path):
-    alpha = Serve(env, "--name", "alpha", "--log-stats-interval", "1")
-    unnamed = Serve(env)
+    alpha = serve(tmp_path, "--name", "alpha", "--log-stats-interval", "1")
+    unnamed = serve(tmp_path)
     serves = [alpha, unnamed]
     port_name = str(unnamed.http_port)
     try:
-        for serve in serves:
-            serve.wait_for("Ctrl-C to stop", timeout_s=420)
-        assert "name           alpha" in "".join(alpha.lines)
-        assert f"name           {port_name}" in "".join(unnamed.lines)
+        for each in serves:
+            each.wait_for("Ctrl-C to stop", timeout_s=START_S)
+        assert "name           alpha" in alpha.output()
+        assert f"name           {port_name}" in unnamed.output()
         assert {p.name for p in tmp_path.glob("serve-*.json")} == {
             "serve-alpha.json",
             f"serve-{port_name}.json",
@@ -109,9 +62,9 @@ def test_two_clusters_side_by_side_are_each_found_by_name(env, tmp_path):
         assert guessed.returncode != 0
         assert "2 `kvrelay serve` run on this machine" in guessed.stderr
         assert "--name NAME or --address" in guessed.stderr
-        for name, serve in (("alpha", alpha), (port_name, unnamed)):
-            assert name in guessed.stderr and serve.url in guessed.stderr
-            assert router_urls(kvrelay(env, "status", "--json", "--name", name)) == [serve.url]
+        for name, each in (("alpha", alpha), (port_name, unnamed)):
+            assert name in guessed.stderr and each.url in guessed.stderr
+            assert router_urls(kvrelay(env, "status", "--json", "--name", name)) == [each.url]
 
         # kvrelay bench drives a few requests into alpha; alpha logs what it served.
         bench = kvrelay(
@@ -123,15 +76,19 @@ def test_two_clusters_side_by_side_are_each_found_by_name(env, tmp_path):
         line = alpha.wait_for("router.stats_log INFO stats: prompt", timeout_s=60)
         assert "tok/s" in line and "req/s" in line
         assert "prefill (1 worker): running" in line and "decode (1 worker): running" in line
-        assert not [x for x in unnamed.lines if "stats: prompt" in x], "idle: no stats line"
+        assert "stats: prompt" not in unnamed.output(), "idle: no stats line"
 
         assert unnamed.stop() == 0
         assert not (tmp_path / f"serve-{port_name}.json").exists()
         assert (tmp_path / "serve-alpha.json").exists(), "a serve removes only its own state"
         assert router_urls(kvrelay(env, "status", "--json")) == [alpha.url]  # the only one
     finally:
-        for serve in serves:
-            if serve.proc.poll() is None:
-                serve.stop()
+        try:
+            for each in serves:
+                if each.proc.poll() is None:
+                    each.stop()
+        finally:
+            for each in serves:
+                each.kill()  # only one that did not stop
     assert alpha.proc.returncode == 0
     assert not list(tmp_path.glob("serve-*.json"))
