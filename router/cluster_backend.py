@@ -39,7 +39,7 @@ from router.policy import (
 )
 from router.prefix_index import PrefixIndex
 from router.readiness import empty_pools
-from router.serving_gate import ClusterUnavailable, ServingGate, StreamsEnded
+from router.serving_gate import UNAVAILABLE, ClusterUnavailable, ServingGate, StreamsEnded
 from router.slo import LocalRoute
 from router.worker_set import WorkerSet
 
@@ -433,6 +433,7 @@ class ClusterBackend(Backend):
         for role in ("prefill", "decode"):
             for worker_id in self.workers.actors(role):
                 self.workers.mark_dead(worker_id)
+        self.gate.refuse(reason, UNAVAILABLE)
         self.end_streams(reason, "error")
 
     def _unavailable(self, req_id: str, error: Exception) -> ClusterUnavailable:
@@ -441,7 +442,7 @@ class ClusterBackend(Backend):
         why = self.gate.refusal or empty_pools(self._health_details())
         message = f"no worker can take the request now: {why or error}"
         logger.info("request %s refused: %s", req_id, message)
-        return ClusterUnavailable(message)
+        return self.gate.unavailable(message)
 
     async def health(self) -> dict[str, object]:
         details = self._health_details()

@@ -44,11 +44,14 @@ class Unauthenticated(PermissionError):
 
 class Overloaded(RuntimeError):
     """The router already holds its bound of requests (HTTP 503 + Retry-After /
-    RESOURCE_EXHAUSTED); refused at once, before the backend sees it."""
+    RESOURCE_EXHAUSTED, error code "overloaded"); refused at once, before the backend sees it.
+    A subclass may carry another code and no Retry-After (None)."""
+
+    code = "overloaded"
 
     def __init__(self, max_requests: int, retry_after_s: int):
         self.max_requests = max_requests
-        self.retry_after_s = retry_after_s
+        self.retry_after_s: int | None = retry_after_s
         self.message = (
             f"the router is at its limit of {max_requests} requests in flight or queued; "
             f"retry in {retry_after_s} s"

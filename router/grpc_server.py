@@ -121,7 +121,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                     async for response in responses:
                         yield response
         except Overloaded as e:  # raised on entering admit(), before anything was sent
-            pushback = (("grpc-retry-pushback-ms", str(e.retry_after_s * 1000)),)
+            wait_s = e.retry_after_s  # None: refused for good (no pushback)
+            pushback = () if wait_s is None else (("grpc-retry-pushback-ms", str(wait_s * 1000)),)
             busy = not isinstance(e, ClusterUnavailable)  # else: shutting down, cluster lost
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, e.message, pushback)

@@ -48,8 +48,11 @@ def _sse(body: dict[str, Any] | str) -> bytes:
 
 
 def _overloaded(error: Overloaded) -> web.Response:
-    response = _json(error_body(error.message, "server_error", code="overloaded"), 503)
-    response.headers["Retry-After"] = str(error.retry_after_s)
+    """503 with the error's code: "overloaded" (the router's bound, the objectives),
+    "shutting_down" or "unavailable" (router/serving_gate.py); Retry-After where it has one."""
+    response = _json(error_body(error.message, "server_error", code=error.code), 503)
+    if error.retry_after_s is not None:
+        response.headers["Retry-After"] = str(error.retry_after_s)
     return response
 
 

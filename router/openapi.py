@@ -54,7 +54,8 @@ _ERRORS = {
     "400": "Invalid request: `error.param` names the field",
     "401": "Missing or unknown API key",
     "413": "Body over the server's limit (--max-body-mib)",
-    "503": "Overloaded or not ready (Retry-After)",
+    "503": "Not taken now: `error.code` overloaded (Retry-After), unavailable (Retry-After: no "
+    "live worker; none: the cluster is lost) or shutting_down",
 }
 
 

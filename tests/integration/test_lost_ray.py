@@ -1,8 +1,9 @@
 """A lost Ray cluster does not look healthy. A real `kvrelay serve` whose raylet is killed: /ready
 turns 503 within seconds, naming the cause, with no worker counted in either pool; requests get
-503 with a clear message and no traceback in the log; serve says so in one line and exits 1,
-leaving no process of its cluster behind. And a router whose controller is gone still follows
-the workers: those found dead leave their pools (in-process cluster: real Ray, Redis, SmolLM2)."""
+503 with a clear message (code "unavailable", no Retry-After) and no traceback in the log; serve
+says so in one line and exits 1, leaving no process of its cluster behind. And a router whose
+controller is gone still follows the workers: those found dead leave their pools, and a request
+then gets 503 "unavailable" with a Retry-After (in-process cluster: real Ray, Redis, SmolLM2)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import psutil
 import pytest
 import ray
 
+from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
+from engine.sampling_params import SamplingParams
+from router.serving_gate import ClusterUnavailable
 from tests.integration.cluster_support import cluster_spec
 from tests.integration.serve_process import CHAT, ServeProcess
 
@@ -34,9 +38,11 @@ def test_a_killed_raylet_turns_ready_to_503_and_serve_exits_1(tmp_path):
         assert ready["reason"] == f"the Ray cluster is lost: its raylet (pid {raylet.pid}) exited"
         assert ready["prefill_workers"] == 0 and ready["decode_workers"] == 0
         for _ in range(3):
-            status, body = serve.post("/v1/chat/completions", {**CHAT, "max_tokens": 4})
-            assert status == 503, body
-            assert "the Ray cluster is lost" in body["error"]["message"], body
+            reply = serve.request("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 4})
+            assert reply.status == 503, reply.body
+            assert "the Ray cluster is lost" in reply.body["error"]["message"], reply.body
+            assert reply.body["error"]["code"] == "unavailable", reply.body  # not overloaded
+            assert "Retry-After" not in reply.headers  # it exits: no retry here helps
         assert serve.wait_exit(LOST_WINDOW_S + 60) == 1
     finally:
         serve.kill()
@@ -76,4 +82,9 @@ def test_without_its_controller_a_router_still_follows_its_workers(cluster, loop
 
     health = loop.run_until_complete(run())
     assert health == {"ok": False, "prefill_workers": 0, "decode_workers": 0, "redis": "ok"}
+    # A request now finds no worker: 503 "unavailable" with a Retry-After (one may come back).
+    request = GenerateRequest("no-worker", (1, 2, 3), SamplingParams(max_tokens=4))
+    with pytest.raises(ClusterUnavailable, match="no worker can take the request now") as info:
+        loop.run_until_complete(anext(backend.generate(request)))
+    assert (info.value.code, info.value.retry_after_s) == ("unavailable", 1)
     cluster.controller = None  # killed above: close() skips it

@@ -1,10 +1,11 @@
 """Stopping `kvrelay serve` with a long stream open (real processes: Ray, workers, redis-server,
 router): Ctrl-C (SIGINT to its whole process group, as a terminal sends it) and SIGTERM (to its
 pid, as `kill`, Kubernetes and systemd's main-process mode send it) drain it. /ready and new
-requests answer 503 (gRPC UNAVAILABLE) at once; the open streams end once --drain-seconds pass,
-an SSE one with finish_reason "abort" and [DONE], a gRPC one with FINISH_REASON_ABORT; every
-worker withdraws from Redis before redis-server stops; serve exits 0 within the deadline plus a
-few seconds, leaving no process of its cluster and no redis-server temp dir behind."""
+requests answer 503 (code "shutting_down", no Retry-After; gRPC UNAVAILABLE, no retry pushback)
+at once; the open streams end once --drain-seconds pass, an SSE one with finish_reason "abort"
+and [DONE], a gRPC one with FINISH_REASON_ABORT; every worker withdraws from Redis before
+redis-server stops; serve exits 0 within the deadline plus a few seconds, leaving no process of
+its cluster and no redis-server temp dir behind."""
 
 from __future__ import annotations
 
@@ -48,12 +49,15 @@ def test_a_stop_drains_open_streams_within_the_deadline(tmp_path, signum, to_gro
 
         ready = serve.until_status("/ready", 503, bound_s=DRAIN_S)
         assert ready["reason"] == "the server is shutting down"
-        status, refused = serve.post("/v1/chat/completions", {**_chat(), "max_tokens": 4})
-        assert status == 503 and "shutting down" in refused["error"]["message"]
+        refused = serve.request("POST", "/v1/chat/completions", {**_chat(), "max_tokens": 4})
+        assert refused.status == 503 and "shutting down" in refused.body["error"]["message"]
+        assert refused.body["error"]["code"] == "shutting_down", refused.body  # not overloaded
+        assert "Retry-After" not in refused.headers  # this server will not serve again
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(_grpc_request(4), timeout=30))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
         assert "shutting down" in info.value.details()
+        assert "grpc-retry-pushback-ms" not in dict(info.value.trailing_metadata())
 
         events = stream.read_to_end()
         assert events[-1] == "[DONE]", events[-3:]

@@ -70,9 +70,10 @@ def test_a_stopping_router_ends_each_open_choice_with_abort(cluster, loop, token
             task = asyncio.create_task(collect(backend.generate(request), got))
             await until(lambda: {d.index for d in got if d.token_ids} == {0, 1}, "both choices")
             backend.stop_taking(REASON)
-            with pytest.raises(ClusterUnavailable, match=REASON):
+            with pytest.raises(ClusterUnavailable, match=REASON) as info:
                 later = GenerateRequest("too-late", prompt(tokenizer, "late"), params)
                 await anext(backend.generate(later))
+            assert (info.value.code, info.value.retry_after_s) == ("shutting_down", None)
             assert not task.done()  # the open request goes on meanwhile
             assert backend.end_streams(REASON) == 1
             await asyncio.wait_for(task, BOUND_S)
