@@ -4,7 +4,7 @@ Keys of one model (`{model}` is a literal Redis Cluster hash tag, so every key o
 in one slot and the scripts below stay valid on a cluster):
     kvr:{model}:b:{hash}      SET   worker ids holding that block (hash as engine hash_hex) in
                                     device memory, and "{worker}#h" for those holding it in
-                                    their host tier (one member per tier)
+                                    their host tier (one member per tier); shared TTL (below)
     kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup; "{hex}#h"
                                     for its host tier; TTL BLOCKS_TTL_FACTOR x the HASH's,
                                     refreshed with it (whoever finds the HASH expired can
@@ -12,7 +12,14 @@ in one slot and the scripts below stay valid on a cluster):
     kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, state, WorkerLoad fields,
                                     epoch; TTL
     kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
-                                    an id whose HASH expired is dead and gets forgotten)
+                                    an id whose HASH expired is dead and gets forgotten);
+                                    shared TTL
+Shared keys (block SETs, the registry) are written by several workers: each writer makes the
+key live at least its own blocks TTL (BLOCKS_TTL_FACTOR x its HASH's) from now and never
+shortens a longer one, so a shared key expires when the last of its writers' TTLs runs out. A
+block SET is kept alive by the writes of its block and, for blocks held long, by each worker's
+refresh of all its block SETs every half blocks TTL (KVPublisher). So nothing in Redis outlives
+its workers without a TTL, and no key of a live worker expires.
 Needs Redis >= 6.2 (SMISMEMBER).
 """
 
@@ -148,15 +155,34 @@ return {ids, rows, overlap(2, ids), dead}
 """
 )
 
+# A shared key lives at least `ttl` ms from now, a longer TTL kept (PTTL is -1 for a key with
+# none, -2 for a missing one, which PEXPIRE leaves missing); and every block SET a worker's
+# blocks SET names (its members with the '#h' of a host-tier entry cut off) likewise.
+_LUA_KEEP = """
+local function keep(key, ttl)
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+end
+local function keep_blocks(prefix, blocks_key, ttl)
+  for _, h in ipairs(redis.call('SMEMBERS', blocks_key)) do
+    if string.sub(h, -2) == '#h' then h = string.sub(h, 1, -3) end
+    keep(prefix .. h, ttl)
+  end
+end
+"""
+
 # One engine step's writes, applied only if the worker HASH carries the writer's epoch (so a
 # delta that timed out and reached Redis late, after a resync, is dropped, not applied).
 # KEYS: worker HASH, worker blocks SET, registry; ARGV: block key prefix, worker id, epoch,
-# ttl ms, n, then n field/value pairs for the HASH, then (op, hash hex) pairs, op '+' or '-'
-# (device) or 'h+' / 'h-' (host tier).
+# ttl ms, refresh ('1': keep every block SET of the worker alive too, else ''), n, then n
+# field/value pairs for the HASH, then (op, hash hex) pairs, op '+' or '-' (device) or 'h+' /
+# 'h-' (host tier). A block SET written to ('+') is kept alive for the blocks TTL.
 # Returns 1, or 0 when the HASH is missing or has another epoch (the caller must resync).
-DELTA_SCRIPT = """
+DELTA_SCRIPT = (
+    _LUA_KEEP
+    + """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return 0 end
-local last = 5 + 2 * tonumber(ARGV[5])
+local blocks_ttl = tonumber(ARGV[4]) * BLOCKS_TTL_FACTOR
+local last = 6 + 2 * tonumber(ARGV[6])
 for i = last + 1, #ARGV - 1, 2 do
   local h = ARGV[i + 1]
   local op, member, entry = ARGV[i], ARGV[2], h
@@ -165,18 +191,33 @@ for i = last + 1, #ARGV - 1, 2 do
   end
   if op == '+' then
     redis.call('SADD', ARGV[1] .. h, member)
+    keep(ARGV[1] .. h, blocks_ttl)
     redis.call('SADD', KEYS[2], entry)
   else
     redis.call('SREM', ARGV[1] .. h, member)
     redis.call('SREM', KEYS[2], entry)
   end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6, last))
+if ARGV[5] == '1' then keep_blocks(ARGV[1], KEYS[2], blocks_ttl) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 7, last))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * BLOCKS_TTL_FACTOR)
+redis.call('PEXPIRE', KEYS[2], blocks_ttl)
 redis.call('SADD', KEYS[3], ARGV[2])
+keep(KEYS[3], blocks_ttl)
 return 1
 """.replace("BLOCKS_TTL_FACTOR", str(BLOCKS_TTL_FACTOR))
+)
+
+# After a full publish (in its MULTI): every block SET of the worker and the registry live at
+# least the blocks TTL. KEYS: worker blocks SET, registry; ARGV: block key prefix, blocks TTL ms.
+KEEP_SCRIPT = (
+    _LUA_KEEP
+    + """
+keep_blocks(ARGV[1], KEYS[1], tonumber(ARGV[2]))
+keep(KEYS[2], tonumber(ARGV[2]))
+return 1
+"""
+)
 
 # Remove a worker's blocks from the index. KEYS: worker HASH, worker blocks SET, registry;
 # ARGV: block key prefix, worker id, mode. mode 'dead': only if the HASH has expired, and drop

@@ -38,6 +38,10 @@ class KVPublisher:
       ValueError from the constructor;
     - each call is one round trip (one script run: the step's events in order, the load and
       the TTL refresh, applied atomically), plus one MULTI with the full state when needed;
+    - every key it writes has a TTL (kv_index_schema): its own HASH and blocks SET are
+      refreshed by every call; the block SETs it writes to and the registry, shared with other
+      workers, are kept alive at least its blocks TTL by each write, and every block SET it
+      holds a block in by one call every half blocks TTL (in that call's script run);
     - a write is applied only under the epoch of the worker's latest full publish, so a step
       that timed out and reached Redis late cannot undo a newer resync;
     - after a failure, or when the worker's HASH is found missing (first publish, Redis restarted
@@ -62,6 +66,7 @@ class KVPublisher:
         ttl_s: float = 10.0,
         socket_timeout_s: float = 0.5,
         retry_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model_id = model_id
         self.worker_id = worker_id
@@ -71,6 +76,7 @@ class KVPublisher:
         self.state = "joining"  # a WorkerState value; the worker sets it, routers read it
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
+        self._clock = clock  # seconds, monotonic: when to retry, when to keep block SETs alive
         self._cached_hashes = cached_hashes
         self._host_hashes = host_hashes
         self._redis_url = check_url(redis_url)
@@ -85,6 +91,9 @@ class KVPublisher:
         )
         self._delta = self._client.register_script(schema.DELTA_SCRIPT)
         self._forget = self._client.register_script(schema.FORGET_SCRIPT)
+        self._keep = self._client.register_script(schema.KEEP_SCRIPT)
+        self.blocks_ttl_ms = self.ttl_ms * schema.BLOCKS_TTL_FACTOR
+        self._keep_blocks_at = 0.0  # when every block SET of this worker is next kept alive
         self._keys = schema.worker_keys(model_id, worker_id)  # HASH, blocks SET, registry
         self._block_prefix = schema.block_key_prefix(model_id)
         # the HASH's epoch changes at every resync; deltas carry it, so a late one is dropped
@@ -141,7 +150,7 @@ class KVPublisher:
     # ---- internals -----------------------------------------------------------------------
     def _run(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
         with self._lock:
-            if self._failure is not None and time.monotonic() < self._retry_at:
+            if self._failure is not None and self._clock() < self._retry_at:
                 return False
             try:
                 if self._dirty or not self._write_delta(events, load):
@@ -157,8 +166,9 @@ class KVPublisher:
     def _write_delta(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
         """Apply events + load + TTL in one script call; False if the index needs a resync."""
         fields = self._fields(load)
+        keep_blocks = self._clock() >= self._keep_blocks_at
         args: list[str | int] = [self._block_prefix, self.worker_id, self._epoch, self.ttl_ms]
-        args.append(len(fields))
+        args += ("1" if keep_blocks else "", len(fields))
         for name, value in fields.items():
             args += (name, value)
         for event in events:
@@ -169,7 +179,16 @@ class KVPublisher:
                 op = HOST_OPS[op]
             for block_hash in event.block_hashes:
                 args += (op, hash_hex(block_hash))
-        return bool(self._delta(keys=self._keys, args=args))
+        if not self._delta(keys=self._keys, args=args):
+            return False
+        if keep_blocks:
+            self._blocks_kept()
+        return True
+
+    def _blocks_kept(self) -> None:
+        """Every block SET of this worker was just kept alive for the blocks TTL: again in half
+        of it (long before any of them expires)."""
+        self._keep_blocks_at = self._clock() + self.blocks_ttl_ms / 2000
 
     def _resync(self, load: WorkerLoad) -> None:
         """Replace this worker's whole entry with its current state, in one MULTI."""
@@ -187,11 +206,14 @@ class KVPublisher:
         entries = hashes + [h + schema.HOST for h in host]
         if entries:
             pipe.sadd(self._keys[1], *entries)
-            pipe.pexpire(self._keys[1], self.ttl_ms * schema.BLOCKS_TTL_FACTOR)
+            pipe.pexpire(self._keys[1], self.blocks_ttl_ms)
         pipe.hset(self._keys[0], mapping=self._fields(load))
         pipe.pexpire(self._keys[0], self.ttl_ms)
         pipe.sadd(self._keys[2], self.worker_id)
+        keep_args = [self._block_prefix, self.blocks_ttl_ms]
+        self._keep(keys=self._keys[1:], args=keep_args, client=pipe)
         pipe.execute()
+        self._blocks_kept()
         self._dirty = False
         self.num_resyncs += 1
         log.info(
@@ -209,7 +231,7 @@ class KVPublisher:
     def _on_failure(self, exc: BaseException) -> None:
         self._dirty = True
         self.num_failures += 1
-        self._retry_at = time.monotonic() + self.retry_interval_s
+        self._retry_at = self._clock() + self.retry_interval_s
         failure = describe_failure(self._redis_url, exc)
         last, self._failure = self._failure, failure
         if last is not None and last.kind == failure.kind:

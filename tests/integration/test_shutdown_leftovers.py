@@ -1,7 +1,9 @@
 """What a worker or a serve leaves when it dies without cleaning up: a worker's block SET expires
 some time after its HASH (refreshed by every write, like the HASH), late enough that whoever
-finds the worker dead still removes its block entries (real redis-server); the temp dir and the
-redis-server of a LocalRedis whose owner was SIGKILLed are removed by the next LocalRedis."""
+finds the worker dead still removes its block entries; every key a worker writes has a TTL, the
+block SETs and the registry that several workers share the longest of their writers', kept alive
+while a worker holds a block however long ago it wrote it (real redis-server); the temp dir and
+the redis-server of a LocalRedis whose owner was SIGKILLed are removed by the next LocalRedis."""
 
 from __future__ import annotations
 
@@ -60,6 +62,58 @@ def test_a_workers_block_set_has_a_ttl_past_its_hash_and_is_refreshed(redis_url)
     assert asyncio.run(forget()) == 2  # a reaper still finds its block entries
     assert not client.keys("kvr:*")
     publisher.close()
+
+
+class Worker:
+    """A publisher over a pool of its own, on a clock the test moves."""
+
+    def __init__(self, redis_url: str, worker_id: str, ttl_s: float, clock):
+        self.pool = BlockPool(8, record_events=True)
+        self.publisher = KVPublisher(
+            redis_url, MODEL, worker_id, "prefill", self.pool.cached_hashes, ttl_s=ttl_s,
+            clock=clock,
+        )  # fmt: skip
+
+    def cache(self, block_hash: int) -> None:
+        [block] = self.pool.allocate(1)
+        self.pool.cache_block(block, block_hash, None)
+        self.pool.free([block])
+        assert self.publisher.publish(self.pool.drain_events(), WorkerLoad())
+
+
+def test_every_key_has_a_ttl_and_a_shared_one_the_longest_of_its_writers(redis_url):
+    now = [0.0]
+    short = Worker(redis_url, "w0", ttl_s=1.0, clock=lambda: now[0])  # blocks TTL 60 s
+    long = Worker(redis_url, "w1", ttl_s=2.0, clock=lambda: now[0])  # blocks TTL 120 s
+    short_ms = short.publisher.blocks_ttl_ms
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    def block_ttl(block_hash: int) -> int:
+        return client.pttl(schema.block_key(MODEL, block_hash))
+
+    long.cache(11)  # a full publish (MULTI)
+    short.cache(11)  # a full publish: block 11 keeps the longer TTL of w1
+    short.cache(12)  # a delta: block 12 gets w0's
+    short.cache(13)
+    assert short_ms < block_ttl(11) <= long.publisher.blocks_ttl_ms
+    assert 0 < block_ttl(12) <= short_ms
+    keys = client.keys("kvr:*")
+    assert len(keys) == 8  # 3 block SETs, 2 HASHes, 2 blocks SETs, the registry
+    assert {key: client.pttl(key) > 0 for key in keys} == dict.fromkeys(keys, True)
+    assert client.pttl(schema.registry_key(MODEL)) > short_ms  # the longest writer's too
+
+    # Block 12 was written long ago (its SET about to expire); block 13's SET was left without
+    # a TTL by an older kvrelay. Heartbeats keep them only once half of w0's blocks TTL passed.
+    client.pexpire(schema.block_key(MODEL, 12), 1000)
+    client.persist(schema.block_key(MODEL, 13))
+    assert short.publisher.heartbeat(WorkerLoad())
+    assert block_ttl(12) <= 1000 and block_ttl(13) == -1  # one write's keys only, so far
+    now[0] += short_ms / 2000
+    assert short.publisher.heartbeat(WorkerLoad())
+    assert 1000 < block_ttl(12) <= short_ms and 0 < block_ttl(13) <= short_ms
+    assert block_ttl(11) > short_ms, "a refresh never shortens a longer TTL"
+    for worker in (short, long):
+        worker.publisher.close()
 
 
 def test_the_next_local_redis_cleans_up_after_a_killed_owner():

@@ -3,7 +3,8 @@
 A router that stops ends its open requests with a final delta per choice, whether they are
 decoding or still in their prefill, and refuses new ones with a 503 reason; a scaled-down
 prefill worker leaves Redis as the scale call returns (its HASH, block SET, registration and
-every block entry), and every key left in Redis has a TTL or belongs to a live worker."""
+every block entry), and every key left in Redis has a TTL, the shared ones naming live workers
+only."""
 
 from __future__ import annotations
 
@@ -136,22 +137,22 @@ def test_a_scaled_down_prefill_worker_leaves_redis_at_once(cluster, loop):
     assert not client.sismember(schema.registry_key(model), gone)
     for key in client.scan_iter(f"{schema.block_key_prefix(model)}*"):
         assert gone not in {m.removesuffix(schema.HOST) for m in client.smembers(key)}, key
-    assert_each_key_has_a_ttl_or_a_live_worker(client, model)
+    assert_each_key_has_a_ttl_and_names_live_workers(client, model)
     loop.run_until_complete(wait_until_no_leaks(cluster))
 
 
-def assert_each_key_has_a_ttl_or_a_live_worker(client: redis.Redis, model: str) -> None:
-    """Keys without a TTL are shared SETs (the registry, each block's holders) whose every
-    member is a worker whose HASH is live."""
+def assert_each_key_has_a_ttl_and_names_live_workers(client: redis.Redis, model: str) -> None:
+    """Every key has a TTL (the SETs several workers share too: the registry, each block's
+    holders), and every worker a shared SET names has a live HASH."""
     live = {
         key.removeprefix(schema.worker_key_prefix(model))
         for key in client.scan_iter(f"{schema.worker_key_prefix(model)}*")
     }
     assert live == {"kvrelay-prefill-0", "kvrelay-decode-0"}
-    for key in client.scan_iter("kvr:*"):
-        if client.pttl(key) > 0:
-            continue
+    keys = list(client.scan_iter("kvr:*"))
+    assert any(key.startswith(schema.block_key_prefix(model)) for key in keys), "blocks published"
+    assert [key for key in keys if client.pttl(key) <= 0] == [], "keys without a TTL"
+    for key in keys:
         shared = key == schema.registry_key(model) or key.startswith(schema.block_key_prefix(model))
-        assert shared, f"{key} has no TTL"
-        holders = {m.removesuffix(schema.HOST) for m in client.smembers(key)}
+        holders = {m.removesuffix(schema.HOST) for m in client.smembers(key)} if shared else set()
         assert holders <= live, f"{key} names {holders - live}, which are not live"
