@@ -1,5 +1,6 @@
 """`kvrelay scale`, `kvrelay status` and `kvrelay router`: operator commands against a running
-cluster's controller (through Ray). Holds no state."""
+cluster's controller (through Ray); a router stops as serve's does, draining on Ctrl-C or
+SIGTERM (deploy/serve_stop.py). Holds no state."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 
@@ -164,13 +164,12 @@ async def _router(
 ) -> int:
     from common.cluster_state import RouterStatus
     from deploy.router_launch import build_backend
+    from deploy.serve_stop import StopSignals, close_servers, drain
     from router.metrics import RouterMetrics
     from router.tokenizer import RouterTokenizer
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals()
+    signals.install()  # after ray.init() (in _controller), which took SIGTERM for itself
     backend, config = await build_backend(controller)
     servers = None
     try:
@@ -186,10 +185,11 @@ async def _router(
         _say(f"  gRPC           {grpc_address}")
         for line in options.describe():
             _say(line)
-        await stop.wait()
+        await signals.stop.wait()
+        await drain(backend, servers.frontend.admission, options.drain_s, signals.now, _say)
     finally:
         if servers is not None:
-            await servers.stop()
+            await close_servers(servers)
         await backend.close()
         if backend.index is not None:
             await backend.index.close()

@@ -1,6 +1,6 @@
 """The router flags `kvrelay serve` and `kvrelay router` share (request bound, body limit, API keys,
-TLS) and the RouterOptions they become, read and checked before any process starts. Holds no
-state."""
+TLS, the drain on Ctrl-C) and the RouterOptions they become, read and checked before any process
+starts. Holds no state."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from deploy.serve_stop import DEFAULT_DRAIN_S
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
 
 if TYPE_CHECKING:  # the servers' modules load only when a router starts (the CLI stays light)
@@ -25,6 +26,7 @@ class RouterOptions:
     api_keys: ApiKeys | None = None  # None: every caller is admitted, cache_salt as sent
     tls: ServerTLS | None = None  # None: plain HTTP and gRPC
     max_body_mib: float | None = None  # None: derived from the context length (request_size.py)
+    drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
 
     def build_servers(
         self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
@@ -89,6 +91,17 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         help="PEM certificate chain: serve HTTPS and gRPC over TLS only (needs --tls-key)",
     )
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's PEM key")
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_DRAIN_S,
+        metavar="S",
+        help="on Ctrl-C or SIGTERM: refuse new requests (503) at once, let open ones finish for "
+        'up to S seconds, then end each with finish_reason "abort" (gRPC FINISH_REASON_ABORT) '
+        "and stop; a second Ctrl-C ends them at once. If `kvrelay serve`'s embedded Ray "
+        "cluster is lost, /ready and new requests answer 503 for S seconds before it exits with "
+        "status 1",
+    )
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
@@ -100,9 +113,12 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     check_max_body_mib(args.max_body_mib)
+    if args.drain_seconds < 0:
+        raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     return RouterOptions(
         max_queued_requests=args.max_queued_requests,
         api_keys=ApiKeys.load(args.api_keys) if args.api_keys else None,
         tls=ServerTLS.load(args.tls_cert, args.tls_key),
         max_body_mib=args.max_body_mib,
+        drain_s=args.drain_seconds,
     )

@@ -15,10 +15,13 @@ from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, router_options
 from deploy.serve_flags import serve_name, spec_from_args
-from deploy.serve_stop import StopSignals, drain, refuse_while_lost, until_stop_or_lost
-
-logger = logging.getLogger(__name__)
-SERVERS_STOP_S = 10.0  # the HTTP and gRPC servers close within this, open connections or not
+from deploy.serve_stop import (
+    StopSignals,
+    close_servers,
+    drain,
+    refuse_while_lost,
+    until_stop_or_lost,
+)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -37,7 +40,6 @@ def serve(args: argparse.Namespace) -> int:
             args.grpc_port,
             name,
             args.log_stats_interval,
-            args.drain_seconds,
         )
     )
 
@@ -50,7 +52,6 @@ async def _serve(
     grpc_port: int,
     name: str | None,
     stats_interval_s: float,
-    drain_s: float,
 ) -> int:
     from router.metrics import RouterMetrics
     from router.stats_log import StatsLog
@@ -88,20 +89,17 @@ async def _serve(
         lost = await until_stop_or_lost(signals, cluster.lost)
         if lost is None:
             admission = servers.frontend.admission
-            await drain(cluster.backend, admission, drain_s, signals.now, _say)
+            await drain(cluster.backend, admission, options.drain_s, signals.now, _say)
         else:
             status = 1
-            await refuse_while_lost(cluster.backend, lost, drain_s, signals.now, _say)
+            await refuse_while_lost(cluster.backend, lost, options.drain_s, signals.now, _say)
     finally:
         if stats_log is not None:
             await stats_log.close()
         if recorded is not None:
             cluster_address.forget_local(recorded)
         if servers is not None:
-            try:
-                await asyncio.wait_for(servers.stop(), SERVERS_STOP_S)
-            except TimeoutError:
-                logger.warning("the servers did not close in %.0f s", SERVERS_STOP_S)
+            await close_servers(servers)
         await cluster.close()
     _say("kvrelay: stopped" if status == 0 else "kvrelay: stopped (the Ray cluster was lost)")
     return status

@@ -16,8 +16,6 @@ from deploy.local_cluster import ClusterSpec
 from deploy.router_flags import add_router_flags
 from router.stats_log import DEFAULT_INTERVAL_S
 
-DEFAULT_DRAIN_S = 5.0
-
 
 def add_serve_parser(
     sub: argparse._SubParsersAction, run: Callable[[argparse.Namespace], int]
@@ -135,16 +133,6 @@ def add_serve_parser(
         help="log one line of throughput, requests and KV use per pool every S seconds while "
         "busy (0: never)",
     )
-    p.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=DEFAULT_DRAIN_S,
-        metavar="S",
-        help="on Ctrl-C or SIGTERM: refuse new requests (503) at once, let open ones finish for "
-        'up to S seconds, then end each with finish_reason "abort" (gRPC FINISH_REASON_ABORT) '
-        "and stop; a second Ctrl-C ends them at once. If the embedded Ray cluster is lost, "
-        "/ready and new requests answer 503 for S seconds before serve exits with status 1",
-    )
     p.add_argument("--ray-address", default="local", help='"local" starts Ray here')
     add_router_flags(p)
     p.set_defaults(func=run)
@@ -202,8 +190,6 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
-    if args.drain_seconds < 0:
-        raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     if args.log_stats_interval < 0:
         raise ValueError(
             f"--log-stats-interval must be >= 0 (0: never), got {args.log_stats_interval:g}"

@@ -1,11 +1,13 @@
-"""How `kvrelay serve` comes to a stop: StopSignals (owns the two events Ctrl-C and SIGTERM set:
-stop, then stop now), the watch on its embedded Ray, and the drain with its deadline (holds no
-state of its own: the backend's gate refuses and ends requests, the frontend counts them)."""
+"""How `kvrelay serve` and `kvrelay router` come to a stop: StopSignals (owns the two events
+Ctrl-C and SIGTERM set: stop, then stop now), the watch on serve's embedded Ray, the drain with
+its deadline and the servers' close (holds no state of its own: the backend's gate refuses and
+ends requests, the frontend counts them)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -13,7 +15,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from router.admission import Admission
     from router.cluster_backend import ClusterBackend
+    from router.serve import RouterServers
 
+logger = logging.getLogger(__name__)
+DEFAULT_DRAIN_S = 5.0  # --drain-seconds
+SERVERS_STOP_S = 10.0  # the HTTP and gRPC servers close within this, open connections or not
 WATCH_S = 0.5  # how often the embedded Ray's raylet and GCS server are looked at
 FINAL_WRITE_S = 5.0  # after the streams were ended: time for their last events to be written
 SHUTTING_DOWN = "the server is shutting down"
@@ -95,6 +101,14 @@ async def refuse_while_lost(
     say(f"kvrelay: the Ray cluster is lost ({why}); stopping with exit status 1")
     backend.lose_cluster(f"the Ray cluster is lost: {why}")
     await _first(now.wait(), timeout_s=drain_s)
+
+
+async def close_servers(servers: RouterServers) -> None:
+    """Close the HTTP and gRPC servers, within SERVERS_STOP_S whatever their connections."""
+    try:
+        await asyncio.wait_for(servers.stop(), SERVERS_STOP_S)
+    except TimeoutError:
+        logger.warning("the servers did not close in %.0f s", SERVERS_STOP_S)
 
 
 async def _first(*waits: Awaitable[Any], timeout_s: float) -> bool:

@@ -1,5 +1,8 @@
 """Two `kvrelay router` processes on the same pools and Redis: both route KV-aware from the same
-index, and killing one leaves the other serving (real Ray, Redis, NIXL, SmolLM2, openai client)."""
+index, and killing one leaves the other serving; SIGTERM drains a router as it drains serve: /ready
+and new requests answer 503 "shutting_down" at once, its open stream ends with finish_reason
+"abort" once --drain-seconds pass, and it exits 0 (real Ray, Redis, NIXL, SmolLM2, openai
+client)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +31,7 @@ from tests.integration.cluster_support import cluster_spec, wait_until_no_leaks
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 NUM_PREFIXES = 4
+DRAIN_S = 3  # each router's --drain-seconds
 
 
 class RouterProcess:
@@ -48,6 +53,8 @@ class RouterProcess:
                 str(self.grpc_port),
                 "--address",
                 ray.get_runtime_context().gcs_address,
+                "--drain-seconds",
+                str(DRAIN_S),
             ],
             env=env,
             stdout=self.log,
@@ -73,6 +80,18 @@ class RouterProcess:
         url = f"http://127.0.0.1:{self.http_port}/health"
         with urllib.request.urlopen(url, timeout=2) as reply:
             return json.loads(reply.read())
+
+    def call(self, path: str, body: dict | None = None) -> tuple[int, dict, dict[str, str]]:
+        """GET path (POST body as JSON when given): status, JSON body, headers; 4xx/5xx too."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.http_port}{path}", data, {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, json.loads(reply.read()), dict(reply.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
 
     def log_text(self) -> str:
         self.log.flush()
@@ -187,3 +206,38 @@ def test_two_routers_share_the_index_and_survive_each_other(cluster, loop, route
     loop.run_until_complete(wait_until_no_leaks(cluster, timeout_s=60))
     decode = next(iter(cluster.decode_actors.values()))
     assert ray.get(decode.stats.remote()).num_orphans_aborted == 1
+
+
+def test_sigterm_drains_a_router(cluster, loop, routers):
+    router = routers[1]
+    stream = router.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+        max_tokens=2000,  # far longer than the drain
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    while not (chunk := next(chunks)).choices or not chunk.choices[0].delta.content:
+        pass  # until decoded tokens arrive
+    router.proc.send_signal(signal.SIGTERM)
+
+    deadline = time.monotonic() + 30  # a bound on the poll only
+    while (ready := router.call("/ready"))[0] != 503:
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.05)
+    assert ready[1]["reason"] == "the server is shutting down", ready
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    status, body, headers = router.call("/v1/chat/completions", chat)
+    assert status == 503 and body["error"]["code"] == "shutting_down", body
+    assert "Retry-After" not in headers
+
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "abort", rest[-3:]
+    assert router.proc.wait(DRAIN_S + 60) == 0
+    log = Path(router.log.name).read_text()
+    assert "kvrelay: shutting down: new requests get 503; 1 open request(s)" in log, log
+    assert "kvrelay: ended 1 open request(s) with finish_reason abort" in log, log
+    assert "kvrelay: router stopped" in log, log
+    loop.run_until_complete(wait_until_no_leaks(cluster, timeout_s=60))

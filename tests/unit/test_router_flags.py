@@ -1,5 +1,5 @@
-"""The router flags of `kvrelay serve` and `kvrelay router` (request bound, API keys, TLS): their
-defaults, and bad values refused with a clear error before anything starts."""
+"""The router flags of `kvrelay serve` and `kvrelay router` (request bound, API keys, TLS, drain):
+their defaults, and bad values refused with a clear error before anything starts."""
 
 from __future__ import annotations
 
@@ -74,6 +74,14 @@ def test_tls_needs_both_files_that_match(tmp_path: Path, certs) -> None:
 def test_a_bound_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="--max-queued-requests must be >= 1, got 0"):
         options("serve", "--max-queued-requests", "0")
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_both_drain_for_drain_seconds(command: str) -> None:
+    assert options(command).drain_s == 5.0
+    assert options(command, "--drain-seconds", "0.5").drain_s == 0.5
+    with pytest.raises(ValueError, match="--drain-seconds must be >= 0, got -1"):
+        options(command, "--drain-seconds", "-1")
 
 
 @pytest.mark.parametrize("command", ["serve", "router"])
