@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class FirstToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: TopLogprobs = ()
-    finish_reason: str | None = None  # set when this token ends the choice (as KVHandle's)
+    finish_reason: FinishReason | None = None  # set when this token ends the choice (as KVHandle's)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class KVHandle:
     lease_s: float  # how long the lease lasts unless a read starts
     num_cached_tokens: int = 0
     first_logprob: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     first_top_logprobs: TopLogprobs = ()  # the first token's most likely tokens, when asked
     other_choices: tuple[FirstToken, ...] = ()
     # host leases: the first num_host_blocks of block_ids are slots of the holder's host tier
@@ -123,13 +124,13 @@ class TokenDelta:
     req_id: str
     token_ids: tuple[int, ...]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None  # set on a choice's last delta
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: tuple[float, ...] = ()
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token id, when asked
-    error: str | None = None  # set with finish_reason "error": why the request failed
-    # With "error": the worker gave the request up for a reason not its own (its router went
+    error: str | None = None  # set with FinishReason.ERROR: why the request failed
+    # With ERROR: the worker gave the request up for a reason not its own (its router went
     # silent); the router resumes it elsewhere as after a worker death, with the tokens sent.
     resumable: bool = False
     transfer: TransferStats | None = None  # on the decode worker's first delta only

@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from common.cluster_state import WorkerStats
+from common.worker_actors import WorkerActor
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0  # a worker slower than this (frozen, dying) is left out of that answer
 
 
 async def gather_stats(
-    actors: Mapping[str, Any], timeout_s: float = STATS_TIMEOUT_S
+    actors: Mapping[str, WorkerActor], timeout_s: float = STATS_TIMEOUT_S
 ) -> dict[str, WorkerStats]:
     """Worker id -> its `stats()`, asked in parallel. A worker that is dead, slower than
     `timeout_s` or failing is left out (and logged at debug level)."""

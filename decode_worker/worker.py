@@ -45,6 +45,7 @@ from common.worker_runtime import (
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
+from engine.finish_reason import FinishReason
 from kvtransfer.pulls import PullState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
@@ -133,7 +134,7 @@ class DecodeWorker:
                 self.puller.add_peer_metadata(handle.actor_name, meta)
             if request.req_id in self._routes:  # another stream owns that id here: keep it
                 error = f"request id {request.req_id!r} is already in use on {self.worker_id}"
-                delta = TokenDelta(request.req_id, (), True, "error", error=error)
+                delta = TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=error)
                 self.mailboxes.push(router_id, [delta])
                 _release_lease(handle)
                 return
@@ -270,7 +271,9 @@ class DecodeWorker:
         for refused in ended.refused:
             route = self._routes.pop(refused.req_id, None)
             if route is not None:
-                delta = TokenDelta(refused.req_id, (), True, "error", error=refused.error)
+                delta = TokenDelta(
+                    refused.req_id, (), True, FinishReason.ERROR, error=refused.error
+                )
                 self.mailboxes.push(route.router_id, [delta])
         for arrival in ended.arrived:
             route = self._routes.get(arrival.req_id)
@@ -295,7 +298,10 @@ class DecodeWorker:
             error += f" for {timeout_s:.0f} s"
             for req_id in orphans:
                 self._abort(self.engine, req_id)
-            ends = [TokenDelta(i, (), True, "error", error=error, resumable=True) for i in orphans]
+            ends = [
+                TokenDelta(i, (), True, FinishReason.ERROR, error=error, resumable=True)
+                for i in orphans
+            ]
             if ends:
                 self.mailboxes.push(router_id, ends)
             self.num_orphans_aborted += len(orphans)

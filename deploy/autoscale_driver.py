@@ -10,6 +10,7 @@ import logging
 from dataclasses import replace
 from typing import Any, Protocol
 
+from common.worker_actors import WorkerActor
 from common.worker_stats import gather_stats
 from deploy.autoscale import ROLES, AutoscaleConfig, Autoscaler, Decision, PoolSample
 
@@ -20,7 +21,7 @@ SAMPLE_S = 1.0
 class Pools(Protocol):
     """What the driver needs of the controller."""
 
-    def ready_workers(self, role: str) -> list[tuple[Any, float]]:
+    def ready_workers(self, role: str) -> list[tuple[WorkerActor, float]]:
         """(actor, when the controller saw it turn ready, on its monotonic clock) of each."""
 
     def settled(self, role: str) -> bool:

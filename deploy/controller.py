@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -36,6 +36,7 @@ from common.cluster_state import (
 )
 from common.messages import ServedModel
 from common.placement_rules import LocalPrefill, SloTargets
+from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
 from common.worker_stats import gather_stats
 from deploy import worker_launch
 from deploy.autoscale import AutoscaleConfig
@@ -71,7 +72,7 @@ class _Record:
 
     worker_id: str
     role: str
-    actor: Any
+    actor: WorkerActor  # a PrefillActor or a DecodeActor, as role says
     transitions: list[Transition] = field(default_factory=list)
     description: WorkerDescription | None = None  # set once loaded
     exit_check: LeakCheck | None = None
@@ -228,7 +229,7 @@ class Controller:
                 await asyncio.wait_for(self._wake.wait(), RECONCILE_S)
 
     # ---- what the autoscaler uses (deploy/autoscale_driver.Pools) --------------------------
-    def ready_workers(self, role: str) -> list[tuple[Any, float]]:
+    def ready_workers(self, role: str) -> list[tuple[WorkerActor, float]]:
         return [
             (r.actor, r.ready_seen)
             for r in self._records.values()
@@ -299,17 +300,20 @@ class Controller:
                 f"model loaded, KV pool registered with NIXL on {description.node_ip}",
             )
             prefill, decode = await self._pair_for(record)
-            await worker_launch.handshake(decode.actor, [prefill.worker_id])
+            await worker_launch.handshake(cast(DecodeActor, decode.actor), [prefill.worker_id])
             if record.role == "decode":  # it will pull from every prefill worker: check them all
                 others = [r.worker_id for r in self._loaded("prefill") if r is not prefill]
-                await worker_launch.handshake(record.actor, others)
+                await worker_launch.handshake(cast(DecodeActor, record.actor), others)
             else:  # every decode worker will pull from it: each checks it now
                 for other in [r for r in self._loaded("decode") if r is not decode]:
-                    await worker_launch.handshake(other.actor, [record.worker_id])
+                    await worker_launch.handshake(
+                        cast(DecodeActor, other.actor), [record.worker_id]
+                    )
             partner = decode if record.role == "prefill" else prefill
             record.move(WorkerState.JOINING, f"handshake checked (with {partner.worker_id})")
             request = worker_launch.warmup_request(record.worker_id, description.model)
-            await worker_launch.warm_up(prefill.actor, decode.actor, request)
+            actors = cast(PrefillActor, prefill.actor), cast(DecodeActor, decode.actor)
+            await worker_launch.warm_up(*actors, request)
             record.move(WorkerState.JOINING, "warm-up request done")
             at = await record.actor.set_state.remote(WorkerState.READY)
             record.move(WorkerState.READY, "taking traffic", at=at)

@@ -16,7 +16,9 @@ import ray
 
 from common.cluster_state import NAMESPACE, WARMUP_REQ_PREFIX, LeakCheck, WorkerState
 from common.messages import GenerateRequest, ServedModel
+from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
 from engine.config import EngineConfig
+from engine.finish_reason import FinishReason
 from engine.memory_budget import DEFAULT_MAX_NUM_SEQS
 from engine.sampling_params import SamplingParams
 
@@ -101,7 +103,7 @@ def actor_options(role: str, worker_id: str, template: WorkerTemplate) -> dict[s
     }
 
 
-def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
+def spawn(role: str, worker_id: str, template: WorkerTemplate) -> WorkerActor:
     """A named worker actor on a node of its pool (pending until such a node exists)."""
     engine = worker_engine_config(role, template)
     if role == "prefill":
@@ -132,7 +134,7 @@ def spawn(role: str, worker_id: str, template: WorkerTemplate) -> Any:
     return ray.remote(worker_cls).options(**options).remote(config, worker_id)
 
 
-async def handshake(decode_actor: Any, prefill_actor_names: list[str]) -> None:
+async def handshake(decode_actor: DecodeActor, prefill_actor_names: list[str]) -> None:
     """The decode worker checks protocol and KV layout with each prefill worker now."""
     await asyncio.gather(*(decode_actor.check_peer.remote(name) for name in prefill_actor_names))
 
@@ -147,7 +149,9 @@ def warmup_request(worker_id: str, model: ServedModel) -> GenerateRequest:
     )
 
 
-async def warm_up(prefill_actor: Any, decode_actor: Any, request: GenerateRequest) -> None:
+async def warm_up(
+    prefill_actor: PrefillActor, decode_actor: DecodeActor, request: GenerateRequest
+) -> None:
     """One request end to end: prefill, KV handoff over NIXL, decode. Raises on any failure."""
     handle = await prefill_actor.prefill.remote(request)
     if handle.finish_reason is not None:
@@ -157,7 +161,7 @@ async def warm_up(prefill_actor: Any, decode_actor: Any, request: GenerateReques
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
     while time.monotonic() < deadline:
         for delta in await decode_actor.next_deltas.remote(mailbox, 1.0):
-            if delta.finish_reason == "error":
+            if delta.finish_reason == FinishReason.ERROR:
                 raise RuntimeError(f"warm-up request failed: {delta.error}")
             if delta.finished:
                 return
@@ -165,7 +169,9 @@ async def warm_up(prefill_actor: Any, decode_actor: Any, request: GenerateReques
     raise TimeoutError(f"warm-up request got no answer in {WARMUP_TIMEOUT_S:.0f} s")
 
 
-async def drain(actor: Any, grace_s: float, timeout_s: float) -> tuple[LeakCheck | None, str]:
+async def drain(
+    actor: WorkerActor, grace_s: float, timeout_s: float
+) -> tuple[LeakCheck | None, str]:
     """Stop placements, wait for in-flight work (decodes finish, leases are pulled or expire),
     then retire the worker. Returns its leak check (None if it never went idle) and a note."""
     await actor.set_state.remote(WorkerState.DRAINING)
@@ -181,7 +187,7 @@ async def drain(actor: Any, grace_s: float, timeout_s: float) -> tuple[LeakCheck
         await asyncio.sleep(0.2)
 
 
-async def stop(actor: Any, loaded: bool = True) -> None:
+async def stop(actor: WorkerActor, loaded: bool = True) -> None:
     """Withdraw the worker from Redis, close its NIXL agent, end its process. A worker that has
     not loaded yet (loaded=False) has published nothing, and its shutdown call would wait for
     its constructor: its process is ended at once."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine import Engine, EngineConfig
+from engine.finish_reason import FinishReason
 from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -19,7 +20,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when params.top_logprobs

@@ -141,7 +141,7 @@ class OutputProcessor:
             new_token_ids=[token_id],
             new_text=new_text,
             finished=reason is not None,
-            finish_reason=reason.value if reason else None,
+            finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             new_logprobs=None if logprob is None else [logprob],

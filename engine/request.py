@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from engine.finish_reason import FinishReason
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling_params import SamplingParams
@@ -26,20 +27,13 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(enum.Enum):
-    STOP = "stop"  # eos, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"
-    FIRST_TOKEN = "first_token"  # keep_blocks: ended at its first token, nothing else ended it
-
-
 class PrefilledChoices(NamedTuple):
     """A prefilled parent's choices as its prefill engine left them (engine/fork.py): the first
     token of each choice 1..n-1 that goes on decoding (index -> token id), and the finish reason
     of choice 0 when its first token ended it (the parent then only carries the KV)."""
 
     first_token_ids: dict[int, int]
-    parent_finish_reason: str | None = None
+    parent_finish_reason: FinishReason | None = None
 
 
 @dataclass(eq=False)

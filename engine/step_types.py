@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.finish_reason import FinishReason
 from engine.request import Request
 from engine.sampler import PendingSample, TopLogprobs
 from engine.scheduler import SchedulerOutput
@@ -24,7 +25,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[float] | None = None

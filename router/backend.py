@@ -13,9 +13,9 @@ class Backend(abc.ABC):
     """What the front ends call; the cluster backend routes to Ray workers.
 
     Invariant: generate() yields deltas in order and ends after exactly one delta with
-    finished=True per choice (n > 1: deltas name their choice in `index`; an "error" delta
-    ends the whole request); cancelling the iterator (client gone) aborts the request
-    everywhere.
+    finished=True per choice (n > 1: deltas name their choice in `index`; a delta with
+    FinishReason.ERROR ends the whole request); cancelling the iterator (client gone) aborts
+    the request everywhere.
     """
 
     model_id: str

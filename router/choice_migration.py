@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 
 from common.messages import GenerateRequest, TokenDelta
+from engine.finish_reason import FinishReason
 
 
 def continuation(
@@ -78,7 +79,7 @@ async def resume_choices(
     legs = []
     for index, sent in open_choices.items():
         if len(sent) >= request.sampling.max_tokens:  # every token was out already
-            yield TokenDelta(request.req_id, (), True, "length", index=index)
+            yield TokenDelta(request.req_id, (), True, FinishReason.LENGTH, index=index)
             continue
         leg = continuation(request, sent, f"{request.req_id}@c{index}", index)
         legs.append(_as_choice(generate(leg), request, index))

@@ -16,18 +16,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ray.exceptions import RayActorError
 
 from common.cluster_state import WorkerUnavailable
 from common.messages import GenerateRequest, KVHandle, TokenDelta, WorkerInfo
 from common.placement_rules import SloTargets
+from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
 from common.worker_stats import gather_stats
+from engine.finish_reason import FinishReason
 from engine.kv_cache.hashing import hash_blocks
 from router.backend import Backend
 from router.choice_migration import as_choice, continuation, resume_choices
 from router.decode_streams import DecodeStreams, Stream
+from router.leg import Leg, LegStage
 from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import (
@@ -147,12 +150,12 @@ class ClusterBackend(Backend):
                     yield TokenDelta(
                         request.req_id, (), True, end.finish_reason, error=end.reason, index=index
                     )
-                    if end.finish_reason == "error":  # an error ends the whole request
+                    if end.finish_reason == FinishReason.ERROR:  # it ends the whole request
                         return
                 return
             except (NoWorkerAvailable, WorkerUnavailable, RayActorError) as e:
                 if num_yielded:  # a migrated leg found no worker: the stream ends with an error
-                    yield TokenDelta(request.req_id, (), True, "error", error=f"{e}")
+                    yield TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=f"{e}")
                     return
                 raise self._unavailable(request.req_id, e) from None
             except _DecodeLost as lost:
@@ -164,10 +167,10 @@ class ClusterBackend(Backend):
                     return
                 if num_migrations == self.max_migrations:
                     error = f"{lost}; not migrated again ({self.max_migrations} migrations)"
-                    yield TokenDelta(request.req_id, (), True, "error", error=error)
+                    yield TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=error)
                     return
                 if len(sent[0]) >= request.sampling.max_tokens:  # every token was out already
-                    yield TokenDelta(request.req_id, (), True, "length")
+                    yield TokenDelta(request.req_id, (), True, FinishReason.LENGTH)
                     return
                 leg = _continuation(request, sent[0], num_migrations + 1)
                 self._count_migration(request, lost, f"{len(sent[0])} tokens sent")
@@ -182,13 +185,10 @@ class ClusterBackend(Backend):
         """One prefill and one decode of `request` (both on one decode worker when the
         LocalPrefill rule picks one); raises _DecodeLost when the decode worker dies (after its
         cleanup: the prefill lease released, nothing left on either side). It ends after one
-        finished delta per choice (n > 1), or an error or abort delta."""
+        finished delta per choice (n > 1), or an error or abort delta. Where it stands, and
+        what its workers are owed when it ends, is its Leg (router/leg.py)."""
         req_id = request.req_id
-        stage = "prefill"
-        prefill_actor: Any = None
-        handle: KVHandle | None = None
-        decode: WorkerInfo | None = None
-        decode_actor: Any = None
+        leg = Leg(req_id)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         num_open = request.sampling.n  # choices not finished yet
         try:
@@ -202,8 +202,7 @@ class ClusterBackend(Backend):
             if isinstance(routed, LocalRoute):
                 here = await self._prefill_on_decode(request, routed, queue, client_req_id)
             if here is not None:
-                decode, decode_actor = here
-                stage = "decode"
+                leg.decoding(*here)
             else:
                 excluded: frozenset[str] = frozenset()
                 remote = None if isinstance(routed, LocalRoute) else routed
@@ -218,12 +217,14 @@ class ClusterBackend(Backend):
                     prefill = placement.worker
                     self.last_placements[req_id] = prefill.worker_id
                     try:
-                        prefill_actor = self._actor_of(prefill)  # found by the placer
-                        handle = await self.gate.unless_ended(prefill_actor.prefill.remote(request))
+                        # found by the placer; set first: a cancelled prefill is aborted there
+                        leg.prefill_actor = cast(PrefillActor, self._actor_of(prefill))
+                        call = leg.prefill_actor.prefill.remote(request)
+                        handle = await self.gate.unless_ended(call)
                         received = time.monotonic()
                         break
                     except (RayActorError, WorkerUnavailable) as e:
-                        prefill_actor = None
+                        leg.prefill_actor = None
                         if isinstance(e, RayActorError):
                             self.lost_worker(prefill.worker_id)
                         excluded |= {prefill.worker_id}
@@ -232,53 +233,46 @@ class ClusterBackend(Backend):
                         logger.info("request %s: %s; placing it again", req_id, e)
                     finally:
                         self.workers.done(prefill.worker_id, num_uncached)
-                self._check_index(request, placement, handle, prefill_actor)
+                leg.prefilled(handle)
+                self._check_index(request, placement, handle, leg.prefill_actor)
                 self._observe_prefill("remote")
                 firsts = handle.first_deltas()
                 num_open -= sum(delta.finished for delta in firsts)
-                if not handle.needs_decode:
-                    stage = "done"
+                if leg.stage is LegStage.DONE:  # every choice ended on its first token
                     for delta in firsts:
                         yield delta
                     return
-                stage = "handed"
-                decode, decode_actor = await self._hand_over(
-                    request, handle, queue, client_req_id, received
+                leg.decoding(
+                    *await self._hand_over(request, handle, queue, client_req_id, received)
                 )
-                stage = "decode"
                 for delta in firsts:
                     yield delta
             while True:
                 delta = await queue.get()
-                if delta.finish_reason == "abort" and self.gate.ended is not None:
+                if delta.finish_reason == FinishReason.ABORT and self.gate.ended is not None:
                     raise StreamsEnded(self.gate.ended)  # end_streams() put it there
                 if delta.transfer is not None and self.metrics is not None:
                     self.metrics.observe_transfer(delta.transfer)
-                if delta.finish_reason == "error":
-                    # A prefill lease may be unread: release it (idempotent). Nothing is left
-                    # on the decode side.
-                    stage = "handed" if handle is not None else "done"
+                if delta.finish_reason == FinishReason.ERROR:
+                    leg.decode_failed()  # a prefill lease may be unread: it is released
                     stream = self.streams.get(req_id)
                     if (stream is not None and stream.lost) or delta.resumable:
-                        raise _DecodeLost(delta.error or f"decode worker {decode.worker_id} died")
-                elif delta.finished and delta.finish_reason != "abort" and num_open == 1:
-                    stage = "done"  # an abort delta is local: the decode side still needs telling
+                        error = f"decode worker {leg.decode.worker_id} died"
+                        raise _DecodeLost(delta.error or error)
+                elif delta.finished and num_open == 1 and delta.finish_reason != FinishReason.ABORT:
+                    leg.move(LegStage.DONE)  # an abort delta is local: the decode side needs it
                 yield delta
                 num_open -= delta.finished
-                if num_open == 0 or delta.finish_reason in ("abort", "error"):
+                if num_open == 0 or delta.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                     return
         finally:
             self.streams.close(req_id)
             self.last_placements.pop(req_id, None)
-            if decode is not None:
-                self.workers.done(decode.worker_id)
-            if stage == "prefill":
-                if prefill_actor is not None:
-                    await _quietly(prefill_actor.abort.remote(req_id))
-            elif stage == "handed":
-                await _quietly(prefill_actor.release.remote(req_id, handle.epoch))
-            elif stage == "decode" and decode_actor is not None:
-                await _quietly(decode_actor.abort.remote(req_id))
+            if leg.decode is not None:
+                self.workers.done(leg.decode.worker_id)
+            cleanup = leg.cleanup_call()
+            if cleanup is not None:
+                await _quietly(cleanup)
 
     async def _prefill_on_decode(
         self,
@@ -286,13 +280,13 @@ class ClusterBackend(Backend):
         routed: LocalRoute,
         queue: asyncio.Queue[TokenDelta],
         client_req_id: str,
-    ) -> tuple[WorkerInfo, Any] | None:
+    ) -> tuple[WorkerInfo, DecodeActor] | None:
         """Conditional prefill: submit the whole request to the decode worker the placer chose
         (placed there until the stream ends) and return it; None: the prefill pool takes the
         prompt after all (that worker is gone or stopped taking work)."""
         decode = routed.placement.worker
         try:
-            actor = self._actor_of(decode)
+            actor = cast(DecodeActor, self._actor_of(decode))
             self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
             self.streams.ensure_poller(decode.worker_id, actor)
             await actor.prefill_here.remote(request, self.router_id)
@@ -319,7 +313,11 @@ class ClusterBackend(Backend):
             self.metrics.observe_prefill(where)
 
     def _check_index(
-        self, request: GenerateRequest, placement: Placement, handle: KVHandle, actor: Any
+        self,
+        request: GenerateRequest,
+        placement: Placement,
+        handle: KVHandle,
+        actor: PrefillActor,
     ) -> None:
         """The index promised `placement.num_cached_tokens`; the worker reused fewer: its index
         entries have drifted (a lost event, a write that never landed). Count it and have the
@@ -348,14 +346,14 @@ class ClusterBackend(Backend):
         queue: asyncio.Queue[TokenDelta],
         client_req_id: str,
         received: float,
-    ) -> tuple[WorkerInfo, Any]:
+    ) -> tuple[WorkerInfo, DecodeActor]:
         """Place the prefilled request on a decode worker and submit it (counted as placed
         there until the stream ends); a worker that stopped taking work is left for another."""
         excluded: frozenset[str] = frozenset()
         while True:
             decode = await self.placer.place_decode(request, excluded)
             try:
-                actor = self._actor_of(decode)
+                actor = cast(DecodeActor, self._actor_of(decode))
                 self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
                 self.streams.ensure_poller(decode.worker_id, actor)
                 # What is left of the lease: the decode worker reckons its deadline from when
@@ -380,9 +378,9 @@ class ClusterBackend(Backend):
         """Register a leg's stream; one opened after the streams were ended ends at once."""
         self.streams.open(req_id, stream)
         if self.gate.ended is not None:
-            stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
+            stream.queue.put_nowait(TokenDelta(req_id, (), True, FinishReason.ABORT))
 
-    def _actor_of(self, worker: WorkerInfo) -> Any:
+    def _actor_of(self, worker: WorkerInfo) -> WorkerActor:
         try:
             return self.workers.actor(worker)
         except ValueError as e:  # died since the view was read
@@ -413,16 +411,16 @@ class ClusterBackend(Backend):
     async def abort(self, req_id: str) -> None:
         stream = self.streams.of_client(req_id)
         if stream is not None:
-            stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
+            stream.queue.put_nowait(TokenDelta(req_id, (), True, FinishReason.ABORT))
 
     # ---- stopping ------------------------------------------------------------------------
     def stop_taking(self, reason: str) -> None:
         """Refuse new requests from now on (503 naming `reason`); open ones go on."""
         self.gate.refuse(reason)
 
-    def end_streams(self, reason: str, finish_reason: str = "abort") -> int:
+    def end_streams(self, reason: str, finish_reason: FinishReason = FinishReason.ABORT) -> int:
         """End every open request now: each open choice gets a last delta with
-        `finish_reason` ("abort": shut down; "error": the cluster was lost) and the workers are
+        `finish_reason` (ABORT: shut down; ERROR: the cluster was lost) and the workers are
         told to drop it. Returns how many streams were open."""
         self.gate.end(reason, finish_reason)
         return self.streams.abort_all()
@@ -434,7 +432,7 @@ class ClusterBackend(Backend):
             for worker_id in self.workers.actors(role):
                 self.workers.mark_dead(worker_id)
         self.gate.refuse(reason, UNAVAILABLE)
-        self.end_streams(reason, "error")
+        self.end_streams(reason, FinishReason.ERROR)
 
     def _unavailable(self, req_id: str, error: Exception) -> ClusterUnavailable:
         """A request no worker could take, before anything was sent: a 503 saying why, logged

@@ -8,11 +8,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ray.exceptions import RayActorError
 
 from common.messages import TokenDelta
+from common.worker_actors import DecodeActor
+from engine.finish_reason import FinishReason
 
 logger = logging.getLogger(__name__)
 MAX_POLL_ERRORS = 3  # consecutive failed long-polls (not an actor death) that count as death
@@ -68,10 +69,10 @@ class DecodeStreams:
     def abort_all(self) -> int:
         """Put an abort delta in every open stream; returns how many there were."""
         for req_id, stream in self._streams.items():
-            stream.queue.put_nowait(TokenDelta(req_id, (), True, "abort"))
+            stream.queue.put_nowait(TokenDelta(req_id, (), True, FinishReason.ABORT))
         return len(self._streams)
 
-    def ensure_poller(self, worker_id: str, actor: Any) -> None:
+    def ensure_poller(self, worker_id: str, actor: DecodeActor) -> None:
         task = self._pollers.get(worker_id)
         if task is None or task.done():
             self._pollers[worker_id] = asyncio.create_task(self._poll(worker_id, actor))
@@ -86,14 +87,16 @@ class DecodeStreams:
             if stream.decode_worker_id == worker_id:
                 stream.lost = True
                 error = f"decode worker {worker_id} died while serving this request"
-                stream.queue.put_nowait(TokenDelta(req_id, (), True, "error", error=error))
+                stream.queue.put_nowait(
+                    TokenDelta(req_id, (), True, FinishReason.ERROR, error=error)
+                )
 
     def stop(self) -> None:
         for task in self._pollers.values():
             task.cancel()
         self._pollers.clear()
 
-    async def _poll(self, worker_id: str, actor: Any) -> None:
+    async def _poll(self, worker_id: str, actor: DecodeActor) -> None:
         """One long-poll at a time per decode worker: a batch of deltas per engine step.
 
         The actor's death ends the worker's streams at once; another error is retried a few

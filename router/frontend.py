@@ -18,7 +18,6 @@ from dataclasses import replace
 
 from common.messages import GenerateRequest, TokenDelta
 from engine.kv_cache.retention import InvalidRetention, check_ranges
-from engine.sampling_params import SamplingParams
 from engine.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
@@ -123,34 +122,14 @@ class Frontend:
         self.check_model(spec.model)
         prompt_ids = await self._prompt_ids(spec)
         max_len = self.backend.max_model_len
-        room = max(1, max_len - len(prompt_ids))
-        max_tokens = spec.max_tokens
-        if max_tokens is None:
-            max_tokens = min(room, self.max_tokens_cap or room)
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=spec.temperature,
-            top_k=spec.top_k,
-            top_p=spec.top_p,
-            min_p=spec.min_p,
-            seed=spec.seed,
-            stop_token_ids=spec.stop_token_ids,
-            ignore_eos=spec.ignore_eos,
-            logprobs=spec.logprobs,
-            top_logprobs=spec.top_logprobs,
-            presence_penalty=spec.presence_penalty,
-            frequency_penalty=spec.frequency_penalty,
-            repetition_penalty=spec.repetition_penalty,
-            logit_bias=spec.logit_bias,
-            structured=spec.structured,
-            speculative=spec.speculative,
-            stop=spec.stop,
-            n=spec.n,
-        )
+        sampling = spec.sampling
+        if spec.max_tokens is None:  # what the context leaves, or the default cap
+            room = max(1, max_len - len(prompt_ids))
+            sampling = replace(sampling, max_tokens=min(room, self.max_tokens_cap or room))
         try:
             check_request(prompt_ids, sampling, self.backend.vocab_size, max_len, spec.input_param)
         except InvalidField as e:
-            field = spec.max_tokens_param if e.field == "max_tokens" else e.field
+            field = (spec.max_tokens_param or "max_tokens") if e.field == "max_tokens" else e.field
             raise InvalidRequest(e.message.replace("max_tokens", field), field, e.code) from None
         _check_room(spec, len(prompt_ids), max_len)
         if sampling.n > self.backend.max_choices:
@@ -169,7 +148,7 @@ class Frontend:
         request = GenerateRequest(
             req_id, tuple(prompt_ids), sampling, salt, time.time(), kv_retention=spec.kv_retention
         )
-        return Prepared(request, spec.stop, arrival)
+        return Prepared(request, spec.sampling.stop, arrival)
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:
         """A tenant's requests get a salt derived from the tenant; without keys, the client's."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
+from engine.sampling_params import SamplingParams
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.frontend import Frontend
 from router.grpc_health import BackendHealth, add_standard_services
@@ -28,10 +30,35 @@ from router.structured_schema import structured_from_proto
 from router.tokenize_api import TokenizeSpec, detokenize, tokenize
 
 _FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+
+
+def sampling_from_proto(s: pb.SamplingParams, n: int = 1) -> SamplingParams:
+    """The message's sampling fields as SamplingParams, converted once: an unset optional field
+    takes SamplingParams' default (max_tokens too: spec_from_proto says it was unset)."""
+    sampling = SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        seed=s.seed if s.HasField("seed") else None,
+        n=n,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        structured=structured_from_proto(s.structured),
+        speculative=s.speculative if s.HasField("speculative") else True,
+    )
+    return replace(sampling, max_tokens=s.max_tokens) if s.HasField("max_tokens") else sampling
 
 
 def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> RequestSpec:
@@ -47,25 +74,9 @@ def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> R
         if kind == "chat"
         else None,
         prompt_token_ids=tuple(request.token_ids.ids) if kind == "token_ids" else None,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        min_p=s.min_p if s.HasField("min_p") else 0.0,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        speculative=s.speculative if s.HasField("speculative") else True,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
-        structured=structured_from_proto(s.structured),
+        sampling=sampling_from_proto(s, request.n if request.HasField("n") and request.n else 1),
+        max_tokens_param="max_tokens" if s.HasField("max_tokens") else None,
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-        n=request.n if request.HasField("n") and request.n else 1,
         kv_retention=tuple(
             RetentionRange(
                 r.start,
@@ -85,7 +96,7 @@ def response_from_chunk(req_id: str, out: OutputChunk) -> pb.GenerateResponse:
         request_id=req_id,
         token_ids=out.token_ids,
         text=out.text,
-        finish_reason=_FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+        finish_reason=_FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
         logprobs=out.logprobs,
         top_logprobs=[
             pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])

@@ -21,6 +21,7 @@ from prometheus_client import (
 )
 
 from common.messages import TransferStats
+from engine.finish_reason import FinishReason
 from router.recent_latency import RecentLatencies
 from router.worker_metrics import WorkerStatsCollector
 
@@ -174,7 +175,7 @@ class RouterMetrics:
     # ---- front-end hooks -----------------------------------------------------------------
     def observe_finished(
         self,
-        finish_reason: str,
+        finish_reason: FinishReason,
         num_prompt_tokens: int,
         num_cached_tokens: int,
         num_output_tokens: int,

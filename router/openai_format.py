@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import TopLogprobs
+from engine.finish_reason import FinishReason
 from router.errors import InvalidRequest
 from router.output import OutputChunk, Usage
 from router.tokenizer import RouterTokenizer
@@ -45,7 +46,7 @@ class ChoiceText:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     num_text_chars: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass

@@ -5,11 +5,13 @@ RequestSpec; stateless. Unsupported options are refused with a message, never ig
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.kv_cache.retention import RetentionRange
+from engine.sampling_params import SamplingParams
 from router.errors import InvalidRequest
 from router.request_spec import ChatMessage, RequestSpec
 from router.structured_schema import ResponseFormat, structured_output
@@ -161,27 +163,41 @@ class _CommonRequest(_TopLevelBody):
 
     def _spec(
         self,
-        max_tokens: int | None,
-        logprobs: bool,
-        top_logprobs: int,
-        max_tokens_param: str = "max_tokens",
-        **prompt: object,
+        req_id: str,
+        sampling: SamplingParams,
+        max_tokens_param: str | None,
+        prompt: str | None = None,
+        messages: tuple[ChatMessage, ...] | None = None,
+        prompt_token_ids: tuple[int, ...] | None = None,
     ) -> RequestSpec:
-        self._check_supported()
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return RequestSpec(
             model=self.model,
-            max_tokens=max_tokens,
+            prompt=prompt,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
             max_tokens_param=max_tokens_param,
+            cache_salt=self.cache_salt,
+            kv_retention=tuple(r.as_range() for r in self.kv_retention or ()),
+            req_id=req_id,
+        )
+
+    def _sampling(
+        self, max_tokens: int | None, logprobs: bool, top_logprobs: int
+    ) -> SamplingParams:
+        """The body's sampling fields as SamplingParams, converted once: OpenAI's unset fields
+        take kvrelay's defaults; max_tokens None leaves SamplingParams' own, which the front
+        end replaces (RequestSpec.max_tokens_param is None then)."""
+        sampling = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
+            top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0,
             seed=self.seed,
-            stop=stop,
+            n=self.n,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            speculative=self.speculative,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             presence_penalty=self.presence_penalty or 0.0,
@@ -195,11 +211,9 @@ class _CommonRequest(_TopLevelBody):
                 self.guided_json,
                 self.guided_choice,
             ),
-            cache_salt=self.cache_salt,
-            n=self.n,
-            kv_retention=tuple(r.as_range() for r in self.kv_retention or ()),
-            **prompt,  # type: ignore[arg-type]
+            speculative=self.speculative,
         )
+        return sampling if max_tokens is None else replace(sampling, max_tokens=max_tokens)
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -213,8 +227,10 @@ class ChatCompletionRequest(_CommonRequest):
         max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = self.max_tokens, "max_tokens"
-        top = self.top_logprobs or 0
-        return self._spec(max_tokens, self.logprobs, top, param, messages=messages, req_id=req_id)
+        self._check_supported()
+        sampling = self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
+        param_set = None if max_tokens is None else param
+        return self._spec(req_id, sampling, param_set, messages=messages)
 
 
 class CompletionRequest(_CommonRequest):
@@ -245,11 +261,13 @@ class CompletionRequest(_CommonRequest):
             if len(prompt) != 1:
                 raise InvalidRequest("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
-        logprobs, top = self.logprobs is not None, self.logprobs or 0
+        self._check_supported()
+        sampling = self._sampling(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
+        param = None if self.max_tokens is None else "max_tokens"
         if isinstance(prompt, str):
-            return self._spec(self.max_tokens, logprobs, top, prompt=prompt, req_id=req_id)
+            return self._spec(req_id, sampling, param, prompt=prompt)
         token_ids = tuple(prompt)  # type: ignore[arg-type]
-        return self._spec(self.max_tokens, logprobs, top, prompt_token_ids=token_ids, req_id=req_id)
+        return self._spec(req_id, sampling, param, prompt_token_ids=token_ids)
 
 
 def _is_union_tag(part: int | str) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.messages import TokenDelta, TopLogprobs
+from engine.finish_reason import FinishReason
 from router.errors import BackendError
 from router.metrics import RouterMetrics
 from router.tokenizer import RouterTokenizer, StopChecker
@@ -36,7 +37,7 @@ class OutputChunk:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[float, ...] = ()
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    finish_reason: FinishReason | None = None  # on the choice's last chunk (never ERROR)
     usage: Usage | None = None  # on the last chunk
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token, when asked
     index: int = 0  # which of the request's n choices (finish_reason: that choice's end)
@@ -51,7 +52,7 @@ class OutputTracker:
         self.num_cached_tokens = 0
         self.num_accepted_tokens = 0  # speculative decoding, as the worker counts it
         self.num_output_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.backend_finished = False  # the backend ended the request (no abort needed)
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
@@ -60,8 +61,8 @@ class OutputTracker:
         """Consume one backend delta; raise BackendError for a failed request."""
         if delta.finished:
             self.backend_finished = True
-        if delta.finish_reason == "error":
-            self.finish_reason = "error"
+        if delta.finish_reason == FinishReason.ERROR:
+            self.finish_reason = FinishReason.ERROR
             raise BackendError(delta.error or "the backend failed the request")
         self._observe_timing(len(delta.token_ids))
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
@@ -73,12 +74,12 @@ class OutputTracker:
             token_ids.append(token_id)
             text += self.stop.add(token_id)
             if self.stop.matched is not None:
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
                 break
         self.num_output_tokens += len(token_ids)
         if self.finish_reason is None and delta.finished:
             text += self.stop.finish()
-            self.finish_reason = delta.finish_reason or "stop"
+            self.finish_reason = delta.finish_reason or FinishReason.STOP
         logprobs = tuple(delta.logprobs[: len(token_ids)])
         top = tuple(delta.top_logprobs[: len(token_ids)])
         if self.finish_reason is None:
@@ -110,12 +111,13 @@ class OutputTracker:
         with output joins the recent latencies the objectives are judged on.
         num_output_tokens: the request's total over its choices (None: this tracker's)."""
         first, last = self._first_token_time, self._last_token_time
-        if self.finish_reason in ("stop", "length") and first is not None and last is not None:
+        ended_well = self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if ended_well and first is not None and last is not None:
             n = self.num_output_tokens
             tpot_s = (last - first) / (n - 1) if n > 1 else None
             self.metrics.recent.record(time.monotonic(), first - self.arrival, tpot_s)
         self.metrics.observe_finished(
-            self.finish_reason or "abort",
+            self.finish_reason or FinishReason.ABORT,
             self.num_prompt_tokens,
             self.num_cached_tokens,
             self.num_output_tokens if num_output_tokens is None else num_output_tokens,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
 
 import ray
 
 from common.cluster_state import NAMESPACE, Member
 from common.messages import WorkerInfo, WorkerLoad
+from common.worker_actors import WorkerActor
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Worker:
     info: WorkerInfo
-    actor: Any  # ray.actor.ActorHandle
+    actor: WorkerActor  # a Ray actor handle
 
 
 @dataclass
@@ -41,7 +41,12 @@ class WorkerSet:
         self._placed: dict[str, _Placed] = {}
 
     def add(
-        self, worker_id: str, role: str, actor: Any, actor_name: str = "", state: str = "ready"
+        self,
+        worker_id: str,
+        role: str,
+        actor: WorkerActor,
+        actor_name: str = "",
+        state: str = "ready",
     ) -> None:
         info = WorkerInfo(worker_id, role, actor_name, state=state)
         self._workers[worker_id] = _Worker(info, actor)
@@ -70,7 +75,7 @@ class WorkerSet:
         known = self._workers.get(worker_id)
         return None if known is None else known.info.state
 
-    def actors(self, role: str) -> dict[str, Any]:
+    def actors(self, role: str) -> dict[str, WorkerActor]:
         """Worker id -> actor of every worker of a role this router knows (any state)."""
         return {i: w.actor for i, w in sorted(self._workers.items()) if w.info.role == role}
 
@@ -84,7 +89,7 @@ class WorkerSet:
     def is_dead(self, worker_id: str) -> bool:
         return worker_id in self._dead_actor_ids
 
-    def actor(self, info: WorkerInfo) -> Any:
+    def actor(self, info: WorkerInfo) -> WorkerActor:
         """The actor of a worker seen in the index; looked up by name the first time.
 
         Raises ValueError when the actor cannot be reached or is the one that died."""
@@ -161,6 +166,6 @@ class WorkerSet:
         return 0 if placed is None else placed.num_requests
 
 
-def _actor_id(actor: Any) -> str:
+def _actor_id(actor: WorkerActor) -> str:
     actor_id = getattr(actor, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else str(id(actor))

@@ -12,6 +12,7 @@ from typing import TypeVar
 from common.messages import GenerateRequest, TokenDelta
 from engine.engine import Engine
 from engine.engine_thread import EngineThread
+from engine.finish_reason import FinishReason
 from engine.step_types import RequestOutput
 from engine.validation import InvalidField
 from router.backend import Backend
@@ -87,14 +88,14 @@ class EngineBackend(Backend):
                 raise  # raise it to the router too, which answers 400 naming the field
             except ValueError as e:
                 finished = True
-                yield TokenDelta(req_id, (), True, "error", error=str(e))
+                yield TokenDelta(req_id, (), True, FinishReason.ERROR, error=str(e))
                 return
             self._notify(started=1)
             num_open = sampling.n  # choices not finished yet (each ends with its own delta)
             while not finished:
                 delta = await queue.get()
                 num_open -= delta.finished
-                finished = num_open == 0 or delta.finish_reason == "error"
+                finished = num_open == 0 or delta.finish_reason == FinishReason.ERROR
                 yield delta
         finally:  # no await here: the abort is queued even if the task is cancelled again
             if not finished:

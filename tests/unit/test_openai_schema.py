@@ -34,8 +34,10 @@ def test_chat_body_maps_to_a_spec() -> None:
     }
     spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r1")
     assert spec.messages == (ChatMessage("user", "a"),)
-    assert (spec.max_tokens, spec.stop, spec.top_k, spec.seed) == (5, ("x",), 0, 3)
-    assert (spec.req_id, spec.cache_salt, spec.temperature) == ("r1", "tenant", 1.0)
+    assert (spec.max_tokens, spec.sampling.stop, spec.sampling.top_k, spec.sampling.seed) == (
+        5, ("x",), 0, 3,
+    )  # fmt: skip
+    assert (spec.req_id, spec.cache_salt, spec.sampling.temperature) == ("r1", "tenant", 1.0)
 
 
 def test_completion_prompt_forms() -> None:
@@ -99,20 +101,20 @@ def test_sampling_fields_map_to_the_spec() -> None:
         "logprobs": True,
         "top_logprobs": 3,
     }
-    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r")
+    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r").sampling
     assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (
         0.5, -1.0, 1.2,
     )  # fmt: skip
     assert spec.logit_bias == ((7, 1.0), (9, -100.0))
     assert (spec.logprobs, spec.top_logprobs) == (True, 3)
-    plain = ChatCompletionRequest.model_validate_json(json.dumps(CHAT)).to_spec("r")
+    plain = ChatCompletionRequest.model_validate_json(json.dumps(CHAT)).to_spec("r").sampling
     assert (plain.presence_penalty, plain.repetition_penalty, plain.logit_bias) == (0, 1, ())
 
 
 def test_completion_logprobs_n_is_top_logprobs() -> None:
-    spec = CompletionRequest(model="m", prompt="a", logprobs=2).to_spec("r")
+    spec = CompletionRequest(model="m", prompt="a", logprobs=2).to_spec("r").sampling
     assert (spec.logprobs, spec.top_logprobs) == (True, 2)
-    spec = CompletionRequest(model="m", prompt="a", logprobs=0).to_spec("r")
+    spec = CompletionRequest(model="m", prompt="a", logprobs=0).to_spec("r").sampling
     assert (spec.logprobs, spec.top_logprobs) == (True, 0)
     assert CompletionRequest(model="m", prompt="a", echo=True).to_spec("r").prompt == "a"
     assert CompletionRequest(model="m", prompt=["b"], echo=True).prompt_text() == "b"

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULES = (
     "common.kv_index_schema",
     "common.messages",
+    "common.worker_actors",
     "common.kv_publisher",
     "common.redis_url",
     "router.prefix_index",
@@ -17,6 +18,7 @@ MODULES = (
     "router.backend",
     "router.frontend",
     "router.cluster_backend",
+    "router.leg",
     "deploy.redis_local",
 )
 

@@ -23,50 +23,50 @@ from router.structured_schema import structured_from_proto
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-def chat_spec(**fields: object):
+def chat_sampling(**fields: object):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return ChatCompletionRequest.model_validate(body).to_spec("r")
+    return ChatCompletionRequest.model_validate(body).to_spec("r").sampling
 
 
 def refusal(**fields: object) -> InvalidRequest:
     with pytest.raises(InvalidRequest) as refused:
-        chat_spec(**fields)
+        chat_sampling(**fields)
     return refused.value
 
 
 def test_text_or_no_response_format_is_free_text():
-    assert chat_spec().structured is None
-    assert chat_spec(response_format={"type": "text"}).structured is None
+    assert chat_sampling().structured is None
+    assert chat_sampling(response_format={"type": "text"}).structured is None
 
 
 def test_json_object_and_json_schema():
-    spec = chat_spec(response_format={"type": "json_object"}).structured
+    spec = chat_sampling(response_format={"type": "json_object"}).structured
     assert spec == StructuredOutput("json_object")
     body = {"name": "thing", "schema": SCHEMA, "strict": True}
-    spec = chat_spec(response_format={"type": "json_schema", "json_schema": body}).structured
+    spec = chat_sampling(response_format={"type": "json_schema", "json_schema": body}).structured
     assert spec is not None and spec.kind == "json_schema"
     assert json.loads(spec.spec) == SCHEMA
 
 
 def test_completions_take_the_same_fields():
     body = {"model": "m", "prompt": "x", "guided_regex": "[0-9]+"}
-    spec = CompletionRequest.model_validate(body).to_spec("r").structured
+    spec = CompletionRequest.model_validate(body).to_spec("r").sampling.structured
     assert spec == StructuredOutput("regex", "[0-9]+")
 
 
 def test_regex_and_grammar_extras():
-    assert chat_spec(guided_regex="a|b").structured == StructuredOutput("regex", "a|b")
+    assert chat_sampling(guided_regex="a|b").structured == StructuredOutput("regex", "a|b")
     grammar = 'root ::= "x"'
-    assert chat_spec(guided_grammar=grammar).structured == StructuredOutput("grammar", grammar)
+    assert chat_sampling(guided_grammar=grammar).structured == StructuredOutput("grammar", grammar)
 
 
 def test_guided_json_and_guided_choice_extras():
-    as_object = chat_spec(guided_json=SCHEMA).structured
+    as_object = chat_sampling(guided_json=SCHEMA).structured
     assert as_object is not None and as_object.kind == "json_schema"
     assert json.loads(as_object.spec) == SCHEMA
-    as_text = chat_spec(guided_json=json.dumps(SCHEMA)).structured
+    as_text = chat_sampling(guided_json=json.dumps(SCHEMA)).structured
     assert as_text == StructuredOutput("json_schema", json.dumps(SCHEMA))
-    choice = chat_spec(guided_choice=["yes", 'say "no"', "a\\b\nc"]).structured
+    choice = chat_sampling(guided_choice=["yes", 'say "no"', "a\\b\nc"]).structured
     assert choice == StructuredOutput("grammar", 'root ::= "yes" | "say \\"no\\"" | "a\\\\b\\nc"')
     assert choice is not None
     check_structured(SamplingParams(structured=choice))  # xgrammar compiles it
