@@ -40,23 +40,15 @@ class Transition:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """A worker's own figures, as it reports them (status, tests, the controller's drain)."""
+    """A worker's own figures, as it reports them (status, tests, the controller's drain): what
+    both roles report. A worker answers with its role's subclass, PrefillStats or DecodeStats."""
 
     state: WorkerState
     load: WorkerLoad
     num_requests: int = 0  # user requests received (warm-ups not counted)
-    num_prompt_tokens: int = 0  # prefill: prompt tokens of finished prefills
-    num_cached_tokens: int = 0  # prefill: of those, found in its prefix cache
+    num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
     num_computed_tokens: int = 0  # tokens its engine computed (prefill: prompts, once each)
-    num_transferred_blocks: int = 0  # decode: blocks pulled over NIXL
-    num_host_read_blocks: int = 0  # decode: of those, read from a prefill worker's host tier
-    num_host_leased_blocks: int = 0  # prefill: blocks leased from its host tier (host leases)
-    num_transferred_bytes: int = 0
-    transfer_seconds: float = 0.0  # decode: summed time of those pulls
-    num_recomputed: int = 0  # decode: prompts recomputed because the pull failed
-    num_orphans_aborted: int = 0  # decode: requests of routers that stopped polling
-    num_local_prefills: int = 0  # decode: prompts it computed itself (conditional prefill)
-    # The prefix cache beyond whole device blocks (both roles).
+    # The prefix cache beyond whole device blocks.
     num_partial_reused_tokens: int = 0  # tokens reused from a partly matching cached block
     num_host_offloaded_blocks: int = 0  # cached blocks moved to the host tier when evicted
     num_host_hit_blocks: int = 0  # prefix blocks copied back from the host tier
@@ -64,15 +56,7 @@ class WorkerStats:
     num_spec_verify_steps: int = 0
     num_spec_drafted_tokens: int = 0
     num_spec_accepted_tokens: int = 0
-    num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
-    # The KV handoff's state machines: blocks in each live state, and what they refused.
-    num_blocks_held: int = 0  # prefill: leased, no read announced
-    num_blocks_being_read: int = 0  # prefill: leased, a decode worker announced its read
-    num_blocks_reserved: int = 0  # decode: reserved for a pull not yet started
-    num_blocks_reading: int = 0  # decode: a NIXL read in flight into them
-    num_expired_leases: int = 0  # prefill
-    num_stale_releases: int = 0  # prefill: releases/notices of an ended lease or old epoch
-    num_refused_handshakes: int = 0  # decode: prefill peers refused (protocol, model, layout)
+    # The KV handoff's state machine (its blocks in each live state: the role's fields).
     num_stranded_blocks: int = 0  # held for a handoff, in no handoff state: must be 0
     handoff_transitions: tuple[tuple[str, int], ...] = ()  # ("held->being_read", count), ...
     first_request_at: float | None = None  # time.time() of its first user request
@@ -80,7 +64,42 @@ class WorkerStats:
 
     @property
     def prefix_hit_rate(self) -> float | None:
+        """Of the prompt tokens it prefilled, the share found cached (None: none prefilled)."""
+        return None
+
+    @property
+    def transfer_bytes_per_s(self) -> float | None:
+        """The pace of its KV pulls (None: none pulled)."""
+        return None
+
+
+@dataclass(frozen=True)
+class PrefillStats(WorkerStats):
+    num_prompt_tokens: int = 0  # prompt tokens of finished user prefills
+    num_cached_tokens: int = 0  # of those, found in its prefix cache
+    num_host_leased_blocks: int = 0  # blocks leased from its host tier (host leases)
+    num_blocks_held: int = 0  # leased, no read announced
+    num_blocks_being_read: int = 0  # leased, a decode worker announced its read
+    num_expired_leases: int = 0
+    num_stale_releases: int = 0  # releases/notices of an ended lease or old epoch
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else None
+
+
+@dataclass(frozen=True)
+class DecodeStats(WorkerStats):
+    num_transferred_blocks: int = 0  # blocks pulled over NIXL
+    num_host_read_blocks: int = 0  # of those, read from a prefill worker's host tier
+    num_transferred_bytes: int = 0
+    transfer_seconds: float = 0.0  # summed time of those pulls
+    num_recomputed: int = 0  # prompts recomputed because the pull failed
+    num_orphans_aborted: int = 0  # requests of routers that stopped polling
+    num_local_prefills: int = 0  # prompts it computed itself (conditional prefill)
+    num_blocks_reserved: int = 0  # reserved for a pull not yet started
+    num_blocks_reading: int = 0  # a NIXL read in flight into them
+    num_refused_handshakes: int = 0  # prefill peers refused (protocol, model, layout)
 
     @property
     def transfer_bytes_per_s(self) -> float | None:

@@ -1,112 +1,195 @@
-"""What both worker roles share: building a worker's engine, NIXL agent and Redis publisher,
-reading its load and served model, shutting it down, and WorkerLifecycle (the one piece with
-state: the worker's published state, its counters of user requests, when it turned ready)."""
+"""WorkerBase: what both worker roles share, once. It owns a worker's parts (its Engine on its
+EngineThread, its NIXL agent, its IndexUpkeep over its Redis publisher) and its WorkerLifecycle,
+and answers the actor calls both roles answer alike: load, pid, served_model, describe,
+set_state, resync_index, stats, retire, check_no_leaks, shutdown."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from common.cluster_state import (
-    WARMUP_REQ_PREFIX,
-    LeakCheck,
-    WorkerDescription,
-    WorkerState,
-    WorkerUnavailable,
-)
-from common.kv_publisher import KVPublisher
+from common.cluster_state import LeakCheck, WorkerDescription, WorkerState, WorkerStats
+from common.index_upkeep import IndexUpkeep, make_publisher, worker_load
 from common.messages import ServedModel, WorkerLoad
+from common.worker_lifecycle import WorkerLifecycle
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from kvtransfer.nixl_transfer import NixlTransfer
+    from engine.engine_thread import EngineThread
+    from engine.step_types import EngineSnapshot, RequestOutput
 
 
-class WorkerParts(NamedTuple):
-    """A worker's engine, its KV pool registered with its NIXL agent, and its publisher."""
+class WorkerBase(ABC):
+    """A role (PrefillWorker, DecodeWorker) subclasses it: its __init__ calls this one, builds
+    its own parts on the engine and transfer, then start_engine_thread(); it adds its own actor
+    calls and fills the hooks below (its engine-thread callbacks, what it has in flight, its leak
+    check, its stats). Everything that touches the engine runs on the engine thread."""
 
-    engine: Engine
-    transfer: NixlTransfer
-    publisher: KVPublisher | None
+    role: ClassVar[str]  # "prefill" or "decode": published, described, in errors
+    stats_type: ClassVar[type[WorkerStats]]  # the role's WorkerStats (PrefillStats, ...)
 
+    def __init__(
+        self,
+        worker_id: str,
+        actor_name: str,
+        engine_config: EngineConfig,
+        redis_url: str | None,
+        num_threads: int | None,
+        heartbeat_s: float,
+        publish_interval_s: float = 0.0,
+        **transfer_options: Any,
+    ) -> None:
+        """Runs in the actor's process: imports torch, loads the model, registers the KV pool
+        with a new NIXL agent; publishes `publish_interval_s` apart at most (index_upkeep.py)."""
+        from engine.engine import Engine
+        from kvtransfer.nixl_transfer import NixlTransfer
 
-def build_worker_parts(
-    role: str,
-    worker_id: str,
-    actor_name: str,
-    engine_config: EngineConfig,
-    redis_url: str | None,
-    num_threads: int | None,
-    **transfer_options: Any,
-) -> WorkerParts:
-    """Run in the actor's process: imports torch, loads the model, registers the KV pool."""
-    from engine.engine import Engine
-    from kvtransfer.nixl_transfer import NixlTransfer
+        set_threads(num_threads)
+        self.worker_id = worker_id
+        self.actor_name = actor_name or worker_id
+        self.engine = engine = Engine(engine_config)
+        agent_name = f"{worker_id}-nixl"
+        self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
+        self.transfer.register(*engine.kv_memory())
+        publisher = make_publisher(
+            redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
+        )
+        self.index_upkeep = IndexUpkeep(publisher, engine, heartbeat_s, publish_interval_s)
+        self.lifecycle = WorkerLifecycle(worker_id, self.role)
+        self.thread: EngineThread  # start_engine_thread(), once the role's parts exist
 
-    set_threads(num_threads)
-    engine = Engine(engine_config)
-    transfer = NixlTransfer(engine.model_id, agent_name=f"{worker_id}-nixl", **transfer_options)
-    # with host leases, decode workers read a prefill worker's host tier as well
-    host = engine.copies.host if engine.config.cache.host_leases else None
-    transfer.register(engine.kv_cache, host)
-    publisher = make_publisher(redis_url, worker_id, engine, actor_name, role, transfer.agent_name)
-    return WorkerParts(engine, transfer, publisher)
+    def start_engine_thread(self) -> None:
+        from engine.engine_thread import EngineThread
 
+        self.thread = EngineThread(self.engine, self._on_outputs, self._tick)
 
-def engine_load(engine: Engine) -> WorkerLoad:
-    sched = engine.scheduler
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-    queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
-    return WorkerLoad(
-        running=len(sched.running),
-        waiting=len(sched.waiting) + len(engine.loader.loading),
-        free_blocks=engine.kv.num_free_blocks,
-        total_blocks=engine.kv.num_blocks,
-        queued_tokens=queued,
-        prefill_tok_s=round(engine.stats.rate.tokens_per_s),
-        step_us=round(engine.stats.rate.step_s * 1e6),
-    )
+    # ---- actor API both roles share ----------------------------------------------------------
+    async def load(self) -> WorkerLoad:
+        return await self.thread.call(lambda engine: worker_load(engine.snapshot()))
 
+    def pid(self) -> int:
+        """The actor's process id (the embedded cluster makes sure it exits on close)."""
+        return os.getpid()
 
-def cache_counters(engine: Engine) -> dict[str, int]:
-    """The WorkerStats counters of the prefix cache beyond whole device blocks, and of
-    speculative decoding."""
-    kv = engine.kv
-    return {
-        "num_partial_reused_tokens": kv.num_partial_reused_tokens,
-        "num_host_offloaded_blocks": 0 if kv.host_tier is None else kv.host_tier.num_stored,
-        "num_host_hit_blocks": kv.num_host_hit_blocks,
-        "num_spec_verify_steps": engine.speculator.num_verify_steps,
-        "num_spec_drafted_tokens": engine.speculator.num_drafted_tokens,
-        "num_spec_accepted_tokens": engine.speculator.num_accepted_tokens,
-    }
+    def served_model(self) -> ServedModel:
+        engine = self.engine
+        return ServedModel(
+            model_id=engine.model_id,
+            checkpoint_dir=str(engine.checkpoint_dir),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            block_size=engine.block_size,
+        )
 
+    def describe(self) -> WorkerDescription:
+        """Answered once the model is loaded and the KV pool registered with NIXL."""
+        import ray
 
-def served_model(engine: Engine) -> ServedModel:
-    return ServedModel(
-        model_id=engine.model_id,
-        checkpoint_dir=str(engine.checkpoint_dir),
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
-        block_size=engine.kv.block_size,
-    )
+        return WorkerDescription(
+            worker_id=self.worker_id,
+            role=self.role,
+            node_ip=ray.util.get_node_ip_address(),
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            model=self.served_model(),
+        )
 
+    async def set_state(self, state: WorkerState) -> float:
+        """The controller moves the worker (joining -> ready -> draining); it is published at
+        once. Returns when, on this worker's clock."""
 
-def describe(engine: Engine, worker_id: str, role: str) -> WorkerDescription:
-    import os
+        def run(engine: Engine) -> float:
+            at = self.lifecycle.set_state(state)
+            self.index_upkeep.publish_state(self.lifecycle.state)
+            return at
 
-    import ray
+        return await self.thread.call(run)
 
-    return WorkerDescription(
-        worker_id=worker_id,
-        role=role,
-        node_ip=ray.util.get_node_ip_address(),
-        node_id=ray.get_runtime_context().get_node_id(),
-        pid=os.getpid(),
-        model=served_model(engine),
-    )
+    async def resync_index(self) -> bool:
+        """A router saw this worker's index entries drift: re-publish its full state (at most
+        once per RESYNC_MIN_INTERVAL_S, however many routers ask). True if one was queued."""
+        return await self.thread.call(lambda engine: self.index_upkeep.resync(time.monotonic()))
+
+    async def stats(self) -> WorkerStats:
+        return await self.thread.call(self._stats)
+
+    async def retire(self) -> LeakCheck | None:
+        """Drain's last step: None while work is in flight; else stop taking requests (a late
+        one gets WorkerUnavailable, the router places it elsewhere) and return the accounts."""
+        return await self.thread.call(self._retire)
+
+    async def check_no_leaks(self) -> LeakCheck:
+        """For tests and operators: the block accounts; raises if integrity is broken."""
+        return await self.thread.call(self._check_leaks)
+
+    def shutdown(self) -> None:
+        """Once per worker: stop taking requests, stop its engine thread, withdraw it from the
+        index, close its NIXL agent. A drained worker (closed already) is withdrawn the same."""
+        if not self.lifecycle.stop():
+            return
+        self.thread.stop()
+        self.index_upkeep.withdraw()
+        self.transfer.close()
+
+    # ---- the role's hooks (engine thread) ----------------------------------------------------
+    @abstractmethod
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """What the role does with a step's outputs."""
+
+    @abstractmethod
+    def _on_tick(self) -> bool:
+        """The role's own work each engine-thread iteration; True while it has work in flight
+        (the thread then polls quickly). The index upkeep runs after it."""
+
+    @abstractmethod
+    def _num_in_flight(self, snapshot: EngineSnapshot) -> int:
+        """Requests, leases, pulls and routes still open, the engine's included (0: drained)."""
+
+    @abstractmethod
+    def _leak_check(self, engine: Engine, snapshot: EngineSnapshot) -> LeakCheck:
+        """The role's block accounts, its handoff's integrity checked (the engine's was)."""
+
+    @abstractmethod
+    def _role_stats(self, common: WorkerStats) -> WorkerStats:
+        """`common` (of stats_type, the shared figures filled in) with the role's own."""
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _tick(self) -> bool:
+        busy = self._on_tick()
+        self.index_upkeep.tick(time.monotonic())
+        return busy
+
+    def _stats(self, engine: Engine) -> WorkerStats:
+        snapshot, life = engine.snapshot(), self.lifecycle
+        common = self.stats_type(
+            state=life.state,
+            load=worker_load(snapshot),
+            num_requests=life.num_requests,
+            num_in_flight=self._num_in_flight(snapshot),
+            first_request_at=life.first_request_at,
+            ready_at=life.ready_at,
+            num_computed_tokens=snapshot.num_computed_tokens,
+            num_partial_reused_tokens=snapshot.num_partial_reused_tokens,
+            num_host_offloaded_blocks=snapshot.num_host_offloaded_blocks,
+            num_host_hit_blocks=snapshot.num_host_hit_blocks,
+            num_spec_verify_steps=snapshot.num_spec_verify_steps,
+            num_spec_drafted_tokens=snapshot.num_spec_drafted_tokens,
+            num_spec_accepted_tokens=snapshot.num_spec_accepted_tokens,
+        )
+        return self._role_stats(common)
+
+    def _retire(self, engine: Engine) -> LeakCheck | None:
+        if self._num_in_flight(engine.snapshot()):
+            return None
+        self.lifecycle.close()
+        return self._check_leaks(engine)
+
+    def _check_leaks(self, engine: Engine) -> LeakCheck:
+        engine.check_integrity()
+        return self._leak_check(engine, engine.snapshot())
 
 
 def set_threads(num_threads: int | None) -> None:
@@ -114,129 +197,3 @@ def set_threads(num_threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
-
-
-class IndexUpkeep:
-    """A worker's upkeep of its Redis index entries, on its engine thread. Owns the KV events
-    not yet written and when the next write is due.
-
-    Each tick takes the pool's new KV events; they are written in order, at most once per
-    `publish_interval_s` (0: at every tick that has any), and their write refreshes the worker's
-    load and TTL. A heartbeat goes out when nothing was written for `heartbeat_s`. Without
-    Redis the events are dropped."""
-
-    def __init__(
-        self,
-        publisher: KVPublisher | None,
-        engine: Engine,
-        heartbeat_s: float,
-        publish_interval_s: float = 0.0,
-    ) -> None:
-        self.publisher = publisher
-        self.engine = engine
-        self.heartbeat_s = heartbeat_s
-        self.publish_interval_s = publish_interval_s
-        self._pending: list[Any] = []
-        self._last_write = float("-inf")
-
-    def tick(self, now: float) -> None:
-        events = self.engine.kv.drain_events()
-        if self.publisher is None:
-            return
-        self._pending += events
-        if self._pending and now - self._last_write >= self.publish_interval_s:
-            self.publisher.publish(self._pending, engine_load(self.engine))
-            self._pending, self._last_write = [], now
-        elif now - self._last_write >= self.heartbeat_s:
-            self.publisher.heartbeat(engine_load(self.engine))
-            self._last_write = now
-
-
-def make_publisher(
-    redis_url: str | None,
-    worker_id: str,
-    engine: Engine,
-    actor_name: str,
-    role: str,
-    agent_name: str,
-) -> KVPublisher | None:
-    """The worker's Redis publisher, or None when the cluster runs without Redis."""
-    if not redis_url:
-        return None
-    host = engine.kv.host_tier
-    return KVPublisher(
-        redis_url,
-        engine.model_id,
-        worker_id,
-        role,
-        # A worker that records no KV events publishes no blocks, not a snapshot gone stale.
-        cached_hashes=engine.kv.pool.cached_hashes if engine.kv.pool.record_events else tuple,
-        host_hashes=host.cached_hashes if host is not None and host.record_events else tuple,
-        actor_name=actor_name,
-        nixl_agent=agent_name,
-    )
-
-
-def shut_down(
-    lifecycle: WorkerLifecycle, thread: Any, publisher: KVPublisher | None, transfer: Any
-) -> None:
-    """Once per worker: stop taking requests, stop its engine thread, withdraw it from the index
-    (its HASH, block entries and registration: gone for every router at once), close its NIXL
-    agent. A drained worker, which stopped taking requests already, is withdrawn the same."""
-    if lifecycle.stopped:
-        return
-    lifecycle.closed = lifecycle.stopped = True
-    thread.stop()
-    if publisher is not None:
-        publisher.withdraw()
-        publisher.close()
-    transfer.close()
-
-
-class WorkerLifecycle:
-    """A worker's state as routers see it in Redis (set by the controller), and what it saw of
-    user traffic. Invariant: `ready_at` is the worker's own clock at the moment its state went
-    ready, so a user request recorded before it (`first_request_at`) shows a placement too early.
-    Engine-thread only, except the read-only properties."""
-
-    def __init__(self, worker_id: str, publisher: KVPublisher | None):
-        self.worker_id = worker_id
-        self.publisher = publisher
-        self.state = WorkerState.JOINING
-        self.ready_at: float | None = None
-        self.first_request_at: float | None = None
-        self.num_requests = 0
-        self.closed = False  # takes no more requests (retired by a drain, or shut down)
-        self.stopped = False  # shut down: engine stopped, withdrawn from the index
-
-    def set_state(self, state: WorkerState, engine: Engine) -> float:
-        """Switch state and publish it at once (routers read it on their next placement)."""
-        self.state = WorkerState(state)
-        now = time.time()
-        if self.state == WorkerState.READY and self.ready_at is None:
-            self.ready_at = now
-        if self.publisher is not None:
-            self.publisher.state = self.state.value
-            self.publisher.heartbeat(engine_load(engine))
-        return now
-
-    def admit(self, req_id: str) -> None:
-        """A request arrives: refuse it once closed; count it unless it is a warm-up."""
-        if self.closed:
-            raise WorkerUnavailable(f"worker {self.worker_id} has stopped taking requests")
-        if req_id.startswith(WARMUP_REQ_PREFIX):
-            return
-        self.num_requests += 1
-        if self.first_request_at is None:
-            self.first_request_at = time.time()
-
-    def retire(self, num_in_flight: int, leak_check: Callable[[], LeakCheck]) -> LeakCheck | None:
-        """Drain's last step: None while work is in flight; else stop taking requests (a late
-        one gets WorkerUnavailable, the router places it elsewhere) and return the accounts."""
-        if num_in_flight:
-            return None
-        self.closed = True
-        return leak_check()
-
-    def is_user_request(self, req_id: str) -> bool:
-        return not req_id.startswith(WARMUP_REQ_PREFIX)

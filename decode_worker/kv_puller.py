@@ -157,16 +157,12 @@ class KVPuller:
 
     def num_stranded_blocks(self) -> int:
         """Blocks the engine holds for loading requests that no pull accounts for (0)."""
-        return self.ledger.num_stranded(self._loading())
+        return self.ledger.num_stranded(self.engine.loading_block_ids())
 
     def check_integrity(self) -> None:
-        self.ledger.check_integrity(self._loading())
+        self.ledger.check_integrity(self.engine.loading_block_ids())
 
     # ---- internals -----------------------------------------------------------------------
-    def _loading(self) -> dict[str, list[int]]:
-        kv = self.engine.kv
-        return {req_id: kv.block_ids(req_id) for req_id in self.engine.loader.loading}
-
     def _admit(self) -> list[Refused]:
         refused = []
         for pull in self.ledger.in_state(PullState.QUEUED):

@@ -1,5 +1,6 @@
-"""DecodeWorker (Ray actor): owns an Engine in decode role, its NIXL agent, its KVPuller, the
-per-router mailboxes and each request's Route (which router it answers to).
+"""DecodeWorker (Ray actor, on common/worker_runtime.py's WorkerBase: engine, NIXL agent, index
+upkeep, life cycle): owns its KVPuller, the per-router mailboxes and each request's Route (which
+router it answers to).
 
 submit() hands a prefilled request to the KVPuller (admission, NIXL read, recompute fallback);
 the engine thread steps the puller and the engine and pushes one batch of deltas per step to
@@ -8,40 +9,16 @@ each router's mailbox. This class only wires Ray to those parts.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import ray
 
-from common.cluster_state import (
-    LeakCheck,
-    WorkerDescription,
-    WorkerState,
-    WorkerStats,
-    WorkerUnavailable,
-)
-from common.messages import (
-    GenerateRequest,
-    KVHandle,
-    ServedModel,
-    TokenDelta,
-    TransferStats,
-    WorkerLoad,
-)
-from common.worker_runtime import (
-    IndexUpkeep,
-    WorkerLifecycle,
-    build_worker_parts,
-    cache_counters,
-    describe,
-    engine_load,
-    served_model,
-    shut_down,
-)
+from common.cluster_state import DecodeStats, LeakCheck, WorkerStats
+from common.messages import GenerateRequest, KVHandle, TokenDelta, TransferStats
+from common.worker_runtime import WorkerBase
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
 from engine.config import EngineConfig
@@ -50,7 +27,7 @@ from kvtransfer.pulls import PullState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine
-    from engine.step_types import RequestOutput
+    from engine.step_types import EngineSnapshot, RequestOutput
 
 logger = logging.getLogger(__name__)
 ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling
@@ -83,45 +60,40 @@ class Route:
     transfer: TransferStats | None = None
 
 
-class DecodeWorker:
-    def __init__(self, config: DecodeWorkerConfig, actor_name: str = ""):
-        from engine.engine_thread import EngineThread
+class DecodeWorker(WorkerBase):
+    role = "decode"
+    stats_type = DecodeStats
 
+    def __init__(self, config: DecodeWorkerConfig, actor_name: str = ""):
         self.config = config
-        self.worker_id = config.worker_id
-        self.actor_name = actor_name or config.worker_id
-        self.engine, self.transfer, self.publisher = build_worker_parts(
-            "decode",
-            self.worker_id,
-            self.actor_name,
+        super().__init__(
+            config.worker_id,
+            actor_name,
             # Its prefix cache goes to the index when conditional prefill reads it.
             replace(
                 config.engine, record_kv_events=bool(config.redis_url and config.publish_cache)
             ),
             config.redis_url,
             config.num_threads,
+            config.heartbeat_s,
+            # Its prefix cache, when published, goes in batches: a Redis round trip per decode
+            # step would cost the decodes their pace.
+            publish_interval_s=CACHE_PUBLISH_S,
             timeout_s=config.transfer_timeout_s,
         )
         self.puller = KVPuller(self.engine, self.transfer, _release_lease)
         self.mailboxes = Mailboxes()
         self._routes: dict[str, Route] = {}  # req_id -> where its tokens go
-        # Its prefix cache, when published, goes in batches: a Redis round trip per decode
-        # step would cost the decodes their pace.
-        self.index_upkeep = IndexUpkeep(
-            self.publisher, self.engine, config.heartbeat_s, CACHE_PUBLISH_S
-        )
         self._next_orphan_check = 0.0
         self.num_orphans_aborted = 0  # requests of routers that stopped polling
         self.num_local_prefills = 0  # prompts computed here (conditional prefill)
-        self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
-        self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
+        self.start_engine_thread()
 
     # ---- actor API -----------------------------------------------------------------------
     async def submit(self, request: GenerateRequest, handle: KVHandle, router_id: str) -> None:
         """Queue a prefilled request; its tokens arrive through next_deltas(router_id)."""
         received_at = time.monotonic()  # the pull's deadline counts from here, on our clock
-        if self.lifecycle.closed:
-            raise WorkerUnavailable(f"decode worker {self.worker_id} has shut down")
+        self.lifecycle.check_open()
         meta = None
         if not self.puller.knows_peer(handle.actor_name):
             try:
@@ -150,8 +122,7 @@ class DecodeWorker:
         it; its tokens arrive through next_deltas(router_id). The scheduler runs decodes first
         and spends only what is left of its token budget on the prompt, chunk by chunk, so the
         running decodes keep their pace. Raises InvalidField for a request it cannot take."""
-        if self.lifecycle.closed:
-            raise WorkerUnavailable(f"decode worker {self.worker_id} has shut down")
+        self.lifecycle.check_open()
 
         def run(engine: Engine) -> None:
             if request.req_id in self._routes:
@@ -177,88 +148,44 @@ class DecodeWorker:
     async def abort(self, req_id: str) -> None:
         await self.thread.call(lambda engine: self._abort(engine, req_id))
 
-    async def load(self) -> WorkerLoad:
-        return await self.thread.call(engine_load)
-
-    def pid(self) -> int:
-        """The actor's process id (the embedded cluster makes sure it exits on close)."""
-        return os.getpid()
-
-    def served_model(self) -> ServedModel:
-        return served_model(self.engine)
-
-    def describe(self) -> WorkerDescription:
-        """Answered once the model is loaded and the KV pool registered with NIXL."""
-        return describe(self.engine, self.worker_id, "decode")
-
     async def check_peer(self, prefill_actor_name: str) -> None:
         """Handshake with a prefill worker now (protocol version, model, dtype, block layout):
         raises IncompatiblePeerError on a mismatch instead of failing its first pull later."""
         meta = await ray.get_actor(prefill_actor_name).metadata.remote()
         await self.thread.call(lambda engine: self.puller.connect(prefill_actor_name, meta))
 
-    async def set_state(self, state: WorkerState) -> float:
-        """The controller moves the worker (joining -> ready -> draining); returns when."""
-        return await self.thread.call(lambda engine: self.lifecycle.set_state(state, engine))
-
-    async def stats(self) -> WorkerStats:
-        def run(engine: Engine) -> WorkerStats:
-            life, puller = self.lifecycle, self.puller
-            return WorkerStats(
-                state=life.state,
-                load=engine_load(engine),
-                num_requests=life.num_requests,
-                num_transferred_blocks=puller.num_transferred_blocks,
-                num_host_read_blocks=puller.num_host_read_blocks,
-                num_transferred_bytes=puller.num_transferred_blocks * puller.block_bytes,
-                transfer_seconds=puller.transfer_seconds,
-                num_recomputed=puller.num_recomputed,
-                num_orphans_aborted=self.num_orphans_aborted,
-                num_local_prefills=self.num_local_prefills,
-                num_in_flight=self._num_in_flight(engine),
-                first_request_at=life.first_request_at,
-                ready_at=life.ready_at,
-                num_blocks_reserved=puller.ledger.num_blocks(PullState.RESERVED),
-                num_blocks_reading=puller.ledger.num_blocks(PullState.READING),
-                num_refused_handshakes=puller.num_refused_handshakes,
-                num_stranded_blocks=puller.num_stranded_blocks(),
-                handoff_transitions=tuple((t.name, t.count) for t in puller.ledger.transitions()),
-                **cache_counters(engine),
-            )
-
-        return await self.thread.call(run)
-
-    async def retire(self) -> LeakCheck | None:
-        """Drain's last step (WorkerLifecycle.retire) on the engine thread."""
-
-        def run(engine: Engine) -> LeakCheck | None:
-            check = functools.partial(self._leak_check, engine)
-            return self.lifecycle.retire(self._num_in_flight(engine), check)
-
-        return await self.thread.call(run)
-
-    async def check_no_leaks(self) -> LeakCheck:
-        return await self.thread.call(self._leak_check)
-
-    def _num_in_flight(self, engine: Engine) -> int:
+    # ---- WorkerBase's hooks (engine thread) ----------------------------------------------
+    def _num_in_flight(self, snapshot: EngineSnapshot) -> int:
         puller = self.puller
-        in_flight = len(self._routes) + len(engine.scheduler.requests)
-        return in_flight + len(engine.loader.loading) + puller.num_pulls + int(puller.busy)
+        return len(self._routes) + snapshot.num_requests + puller.num_pulls + int(puller.busy)
 
-    def _leak_check(self, engine: Engine) -> LeakCheck:
-        engine.check_integrity()
+    def _leak_check(self, engine: Engine, snapshot: EngineSnapshot) -> LeakCheck:
         self.puller.check_integrity()
-        in_flight = len(engine.scheduler.requests) + len(engine.loader.loading)
-        in_flight += self.puller.num_pulls + self.transfer.num_open_handles
+        in_flight = snapshot.num_requests + self.puller.num_pulls + self.transfer.num_open_handles
         return LeakCheck(
-            num_free_blocks=engine.kv.num_free_blocks,
-            num_total_blocks=engine.kv.num_blocks,
+            num_free_blocks=snapshot.num_free_blocks,
+            num_total_blocks=snapshot.num_total_blocks,
             num_requests=in_flight,
             num_stranded_blocks=self.puller.num_stranded_blocks(),
         )
 
-    def shutdown(self) -> None:
-        shut_down(self.lifecycle, self.thread, self.publisher, self.transfer)
+    def _role_stats(self, common: WorkerStats) -> WorkerStats:
+        puller = self.puller
+        return replace(
+            common,
+            num_transferred_blocks=puller.num_transferred_blocks,
+            num_host_read_blocks=puller.num_host_read_blocks,
+            num_transferred_bytes=puller.num_transferred_blocks * puller.block_bytes,
+            transfer_seconds=puller.transfer_seconds,
+            num_recomputed=puller.num_recomputed,
+            num_orphans_aborted=self.num_orphans_aborted,
+            num_local_prefills=self.num_local_prefills,
+            num_blocks_reserved=puller.ledger.num_blocks(PullState.RESERVED),
+            num_blocks_reading=puller.ledger.num_blocks(PullState.READING),
+            num_refused_handshakes=puller.num_refused_handshakes,
+            num_stranded_blocks=puller.num_stranded_blocks(),
+            handoff_transitions=tuple((t.name, t.count) for t in puller.ledger.transitions()),
+        )
 
     # ---- engine thread -------------------------------------------------------------------
     def _abort(self, engine: Engine, req_id: str) -> None:
@@ -283,7 +210,6 @@ class DecodeWorker:
         if now >= self._next_orphan_check:
             self._abort_orphans()
             self._next_orphan_check = now + ORPHAN_CHECK_S
-        self.index_upkeep.tick(now)
         return self.puller.busy
 
     def _abort_orphans(self) -> None:

@@ -18,7 +18,7 @@ from engine.backend_builder import DeviceSide, resolve_device
 from engine.config import EngineConfig, ModelConfig
 from engine.fork import ChoiceForks
 from engine.gc_heap import freeze_heap, thaw_heap
-from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, KVEvent
 from engine.kv_cache.manager import cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
 from engine.kv_loading import KVLoadPlan, RemoteKVLoader
@@ -33,7 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative import Speculator, drafter
 from engine.step_launcher import StepLauncher
-from engine.step_types import EngineSnapshot, EngineStats, RequestOutput
+from engine.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
 from engine.structured import new_grammars
 from engine.tokenizer import find_tokenizer, stop_token_ids
 from engine.validation import check_prefilled, check_request, resumed_tokens
@@ -56,7 +56,7 @@ class Engine:
         parts = build_device_parts(config, mc, folder, self.device, model)
         self.config, self.max_model_len = parts.config, parts.max_model_len
         self.attention_backend, self.kv_cache = parts.backend.name, parts.backend.kv_cache
-        self.copies, self.kv = parts.copies, parts.kv
+        self.copies, self.kv, self.block_size = parts.copies, parts.kv, parts.kv.block_size
         self._build_step_parts(parts.model, parts.backend)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
@@ -261,21 +261,53 @@ class Engine:
         if num_computed:
             self.stats.rate.record(seconds, num_computed)
 
-    # ---- summary and checks --------------------------------------------------------------
+    # ---- summary, and what a worker shares with its peers and the index ---------------------
     def snapshot(self) -> EngineSnapshot:
-        """Load and leak counts now (between steps)."""
-        sched, loading = self.scheduler, self.loader.loading
+        """Load, leak counts and counters now (between steps)."""
+        sched, loading, kv, spec = self.scheduler, self.loader.loading, self.kv, self.speculator
         return EngineSnapshot(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(loading),
             num_requests=len(sched.requests) + len(loading),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_total_blocks=self.kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
             num_queued_tokens=sched.num_queued_tokens,
-            num_kept_requests=len(self.kv.kept),
+            num_kept_requests=len(kv.kept),
             tokens_per_s=self.stats.rate.tokens_per_s,
             step_s=self.stats.rate.step_s,
+            num_computed_tokens=self.stats.num_computed_tokens,
+            num_partial_reused_tokens=kv.num_partial_reused_tokens,
+            num_host_offloaded_blocks=0 if kv.host_tier is None else kv.host_tier.num_stored,
+            num_host_hit_blocks=kv.num_host_hit_blocks,
+            num_spec_verify_steps=spec.num_verify_steps,
+            num_spec_drafted_tokens=spec.num_drafted_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
         )
+
+    def kept_block_ids(self) -> dict[str, tuple[int, ...]]:
+        """req_id -> the ids kept for it (keep_blocks; host slots first), a copy."""
+        return self.kv.kept.block_ids()
+
+    def loading_block_ids(self) -> dict[str, list[int]]:
+        """req_id -> the blocks reserved for a prompt whose KV is loading (a live list)."""
+        return {req_id: self.kv.block_ids(req_id) for req_id in self.loader.loading}
+
+    def kv_memory(self) -> KVMemory:
+        """What a peer reads KV from: the device cache, and with host leases the host tier."""
+        return KVMemory(self.kv_cache, self.copies.host if self.config.cache.host_leases else None)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """Both tiers' KV events since the last call (none without config.record_kv_events)."""
+        return self.kv.drain_events()
+
+    def cached_hashes(self) -> list[int]:
+        """The device tier's cached block hashes for a full index publish ([] if it records no
+        KV events); host_cached_hashes the host tier's. Both safe from another thread."""
+        return self.kv.pool.cached_hashes() if self.kv.pool.record_events else []
+
+    def host_cached_hashes(self) -> list[int]:
+        host = self.kv.host_tier
+        return host.cached_hashes() if host is not None and host.record_events else []
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

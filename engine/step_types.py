@@ -1,6 +1,6 @@
 """The values an Engine step deals in: RequestOutput (what a step produced for a request),
-InFlightStep (a step queued on the device), EngineStats (step counters) and EngineSnapshot (load
-and leak counts). Types only; owns no state.
+InFlightStep (a step queued on the device), EngineStats (step counters), EngineSnapshot (load,
+leak counts and counters) and KVMemory (what peers read). Types only; owns no state.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class EngineStats:
 
 
 class EngineSnapshot(NamedTuple):
-    """An engine's load and leak counts between two steps (Engine.snapshot)."""
+    """An engine's load, leak counts and cumulative counters between two steps
+    (Engine.snapshot): all a worker reports of its engine."""
 
     num_running: int
     num_waiting: int  # queued, or loading their prompt's KV from a peer
@@ -72,3 +73,19 @@ class EngineSnapshot(NamedTuple):
     num_kept_requests: int  # finished requests whose blocks are kept (keep_blocks)
     tokens_per_s: float  # tokens computed per second of recent steps (0: not measured yet)
     step_s: float  # mean wall time of a recent step (0: not measured yet)
+    # Cumulative counters since the engine started.
+    num_computed_tokens: int  # tokens run through the model (prefill chunks + decodes)
+    num_partial_reused_tokens: int  # reused from a partly matching cached block
+    num_host_offloaded_blocks: int  # cached blocks given a host-tier slot
+    num_host_hit_blocks: int  # prefix blocks copied back from the host tier
+    num_spec_verify_steps: int  # request-steps that verified drafted tokens
+    num_spec_drafted_tokens: int
+    num_spec_accepted_tokens: int
+
+
+class KVMemory(NamedTuple):
+    """The memory a peer reads an engine's KV from (Engine.kv_memory): its device KV cache and,
+    with host leases, its host tier's storage."""
+
+    device: torch.Tensor
+    host: torch.Tensor | None

@@ -1,40 +1,24 @@
-"""PrefillWorker (Ray actor): owns an Engine in prefill role, its NIXL agent, its KVHolder
-(kvtransfer/kv_holder.py: the leases over the engine's kept blocks) and its KV publisher. The
-role is how it uses the engine: each prompt runs with keep_blocks (it ends after its first
-token, its blocks kept), and prefill() returns a KVHandle naming a lease on them; the blocks stay
-kept until the decode worker's READ completes (its DONE notice releases the lease),
-release(req_id, epoch) is called, or the lease expires on this worker's monotonic clock (a BEGIN
-notice from the reader extends it while the read may be in flight).
+"""PrefillWorker (Ray actor, on common/worker_runtime.py's WorkerBase: engine, NIXL agent, index
+upkeep, life cycle): owns its KVHolder (kvtransfer/kv_holder.py: the leases over the engine's
+kept blocks) and the prefill() calls waiting for their first tokens. The role is how it uses
+the engine: each prompt runs with keep_blocks (it ends after its first token, its blocks kept),
+and prefill() returns a KVHandle naming a lease on them; the blocks stay kept until the decode
+worker's READ completes (its DONE notice releases the lease), release(req_id, epoch) is called,
+or the lease expires on this worker's monotonic clock (a BEGIN notice from the reader extends it
+while the read may be in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from common.cluster_state import (
-    LeakCheck,
-    WorkerDescription,
-    WorkerState,
-    WorkerStats,
-    WorkerUnavailable,
-)
-from common.messages import FirstToken, GenerateRequest, KVHandle, ServedModel, WorkerLoad
-from common.worker_runtime import (
-    IndexUpkeep,
-    WorkerLifecycle,
-    build_worker_parts,
-    cache_counters,
-    describe,
-    engine_load,
-    served_model,
-    shut_down,
-)
+from common.cluster_state import LeakCheck, PrefillStats, WorkerStats
+from common.messages import FirstToken, GenerateRequest, KVHandle
+from common.worker_runtime import WorkerBase
 from engine.config import EngineConfig
 from engine.request import FinishReason
 from kvtransfer.base import AgentMetadata
@@ -44,11 +28,10 @@ from kvtransfer.leases import LeaseState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine
-    from engine.step_types import RequestOutput
+    from engine.step_types import EngineSnapshot, RequestOutput
 
 logger = logging.getLogger(__name__)
 FIRST_TOKEN = FinishReason.FIRST_TOKEN.value  # the first token ended nothing: decode goes on
-RESYNC_MIN_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -72,34 +55,29 @@ class _Waiter:
     outputs: list[RequestOutput] = field(default_factory=list)
 
 
-class PrefillWorker:
-    def __init__(self, config: PrefillWorkerConfig, actor_name: str = ""):
-        from engine.engine_thread import EngineThread
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+    stats_type = PrefillStats
 
+    def __init__(self, config: PrefillWorkerConfig, actor_name: str = ""):
         self.config = config
-        self.worker_id = config.worker_id
-        self.actor_name = actor_name or config.worker_id
-        self.engine, self.transfer, self.publisher = build_worker_parts(
-            "prefill",
-            self.worker_id,
-            self.actor_name,
+        super().__init__(
+            config.worker_id,
+            actor_name,
             replace(config.engine, record_kv_events=True),
             config.redis_url,
             config.num_threads,
+            config.heartbeat_s,
         )
         self.holder = KVHolder(self.engine.release_blocks, config.lease_s)
         self._waiters: dict[str, _Waiter] = {}
-        self.index_upkeep = IndexUpkeep(self.publisher, self.engine, config.heartbeat_s)
-        self._next_resync = 0.0  # time.monotonic() before which a drift resync is skipped
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
-        self.lifecycle = WorkerLifecycle(self.worker_id, self.publisher)
-        self.thread = EngineThread(self.engine, self._on_outputs, self._on_tick)
+        self.start_engine_thread()
 
     # ---- actor API -----------------------------------------------------------------------
     async def prefill(self, request: GenerateRequest) -> KVHandle:
-        if self.lifecycle.closed:
-            raise WorkerUnavailable(f"prefill worker {self.worker_id} has shut down")
+        self.lifecycle.check_open()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[KVHandle] = loop.create_future()
 
@@ -145,97 +123,38 @@ class PrefillWorker:
     def metadata(self) -> AgentMetadata:
         return self.transfer.metadata()
 
-    async def load(self) -> WorkerLoad:
-        return await self.thread.call(engine_load)
-
-    def pid(self) -> int:
-        """The actor's process id (the embedded cluster makes sure it exits on close)."""
-        return os.getpid()
-
-    def served_model(self) -> ServedModel:
-        return served_model(self.engine)
-
-    def describe(self) -> WorkerDescription:
-        """Answered once the model is loaded and the KV pool registered with NIXL."""
-        return describe(self.engine, self.worker_id, "prefill")
-
     async def num_leases(self) -> int:
-        return await self.thread.call(lambda engine: len(engine.kv.kept))
+        return await self.thread.call(lambda engine: engine.snapshot().num_kept_requests)
 
-    async def resync_index(self) -> bool:
-        """A router saw this worker's index entries drift: re-publish the full state (at most
-        once per RESYNC_MIN_INTERVAL_S, however many routers ask). True if one was queued."""
+    # ---- WorkerBase's hooks (engine thread) ----------------------------------------------
+    def _num_in_flight(self, snapshot: EngineSnapshot) -> int:
+        return snapshot.num_requests + len(self._waiters) + self.holder.num_live
 
-        def run(engine: Engine) -> bool:
-            now = time.monotonic()
-            if self.publisher is None or now < self._next_resync:
-                return False
-            self._next_resync = now + RESYNC_MIN_INTERVAL_S
-            self.publisher.mark_dirty()
-            self.publisher.heartbeat(engine_load(engine))
-            return True
-
-        return await self.thread.call(run)
-
-    async def set_state(self, state: WorkerState) -> float:
-        """The controller moves the worker (joining -> ready -> draining); returns when."""
-        return await self.thread.call(lambda engine: self.lifecycle.set_state(state, engine))
-
-    async def stats(self) -> WorkerStats:
-        def run(engine: Engine) -> WorkerStats:
-            life, leases = self.lifecycle, self.holder.leases
-            return WorkerStats(
-                state=life.state,
-                load=engine_load(engine),
-                num_requests=life.num_requests,
-                num_prompt_tokens=self.num_prompt_tokens,
-                num_host_leased_blocks=self.holder.num_host_leased_blocks,
-                num_cached_tokens=self.num_cached_tokens,
-                num_computed_tokens=engine.stats.num_computed_tokens,
-                num_in_flight=self._num_in_flight(engine),
-                first_request_at=life.first_request_at,
-                ready_at=life.ready_at,
-                num_blocks_held=leases.num_blocks(LeaseState.HELD),
-                num_blocks_being_read=leases.num_blocks(LeaseState.BEING_READ),
-                num_expired_leases=leases.num_expired,
-                num_stale_releases=leases.num_stale,
-                num_stranded_blocks=leases.num_stranded(engine.kv.kept.block_ids()),
-                handoff_transitions=tuple((t.name, t.count) for t in leases.transitions()),
-                **cache_counters(engine),
-            )
-
-        return await self.thread.call(run)
-
-    async def retire(self) -> LeakCheck | None:
-        """Drain's last step (WorkerLifecycle.retire) on the engine thread."""
-
-        def run(engine: Engine) -> LeakCheck | None:
-            check = functools.partial(self._leak_check, engine)
-            return self.lifecycle.retire(self._num_in_flight(engine), check)
-
-        return await self.thread.call(run)
-
-    async def check_no_leaks(self) -> LeakCheck:
-        """For tests and operators: free vs total blocks; raises if integrity is broken."""
-        return await self.thread.call(self._leak_check)
-
-    def _num_in_flight(self, engine: Engine) -> int:
-        return len(engine.scheduler.requests) + len(self._waiters) + self.holder.num_live
-
-    def _leak_check(self, engine: Engine) -> LeakCheck:
-        engine.check_integrity()
-        kept = engine.kv.kept.block_ids()
+    def _leak_check(self, engine: Engine, snapshot: EngineSnapshot) -> LeakCheck:
+        kept = engine.kept_block_ids()
         self.holder.check_integrity(kept)
         return LeakCheck(
-            num_free_blocks=engine.kv.num_free_blocks,
-            num_total_blocks=engine.kv.num_blocks,
+            num_free_blocks=snapshot.num_free_blocks,
+            num_total_blocks=snapshot.num_total_blocks,
             num_held_blocks=len(kept),
-            num_requests=len(engine.scheduler.requests),
+            num_requests=snapshot.num_requests,
             num_stranded_blocks=self.holder.num_stranded(kept),
         )
 
-    def shutdown(self) -> None:
-        shut_down(self.lifecycle, self.thread, self.publisher, self.transfer)
+    def _role_stats(self, common: WorkerStats) -> WorkerStats:
+        leases = self.holder.leases
+        return replace(
+            common,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_host_leased_blocks=self.holder.num_host_leased_blocks,
+            num_blocks_held=leases.num_blocks(LeaseState.HELD),
+            num_blocks_being_read=leases.num_blocks(LeaseState.BEING_READ),
+            num_expired_leases=leases.num_expired,
+            num_stale_releases=leases.num_stale,
+            num_stranded_blocks=leases.num_stranded(self.engine.kept_block_ids()),
+            handoff_transitions=tuple((t.name, t.count) for t in leases.transitions()),
+        )
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -299,7 +218,6 @@ class PrefillWorker:
         for notif in self.transfer.get_notifs():  # before expiry: a BEGIN that came is honoured
             self.holder.on_notification(notif, now)
         self.holder.expire(now)
-        self.index_upkeep.tick(now)
         return False
 
 

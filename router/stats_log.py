@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from common.cluster_state import WorkerStats
+from common.cluster_state import PrefillStats, WorkerStats
 from common.messages import WorkerLoad
 from router.metrics import RouterMetrics, RouterTotals
 
@@ -41,10 +41,17 @@ def sample_of(
     at_s: float, totals: RouterTotals, stats: Mapping[str, tuple[str, WorkerStats]]
 ) -> StatsSample:
     workers = {
-        worker_id: WorkerSample(role, s.load, s.num_prompt_tokens, s.num_cached_tokens)
+        worker_id: WorkerSample(role, s.load, *_prefilled(s))
         for worker_id, (role, s) in stats.items()
     }
     return StatsSample(at_s, totals, workers)
+
+
+def _prefilled(stats: WorkerStats) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) a prefill worker reports; none from a decode worker."""
+    if isinstance(stats, PrefillStats):
+        return stats.num_prompt_tokens, stats.num_cached_tokens
+    return 0, 0
 
 
 def is_busy(before: StatsSample, now: StatsSample) -> bool:

@@ -9,14 +9,15 @@ import pytest
 
 from common.cluster_state import (
     ClusterStatus,
+    DecodeStats,
     LeakCheck,
     PoolStatus,
+    PrefillStats,
     RedisStatus,
     RouterStatus,
     ScaleRequest,
     Transition,
     WorkerState,
-    WorkerStats,
     WorkerStatus,
 )
 from common.messages import WorkerLoad
@@ -46,11 +47,11 @@ def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:
     load = WorkerLoad(running=2, waiting=1, free_blocks=60, total_blocks=100)
     prefill = WorkerStatus(
         "p0", "prefill", WorkerState.READY, (Transition(WorkerState.READY, 1.0),), "10.0.0.1",
-        stats=WorkerStats(WorkerState.READY, load, num_prompt_tokens=200, num_cached_tokens=50),
+        stats=PrefillStats(WorkerState.READY, load, num_prompt_tokens=200, num_cached_tokens=50),
     )  # fmt: skip
     decode = WorkerStatus(
         "d0", "decode", WorkerState.READY, (), "10.0.0.2",
-        stats=WorkerStats(
+        stats=DecodeStats(
             WorkerState.READY, load, num_transferred_bytes=4_000_000, transfer_seconds=2.0
         ),
     )  # fmt: skip

@@ -3,7 +3,7 @@ functions over samples; the router's totals from a real RouterMetrics)."""
 
 from __future__ import annotations
 
-from common.cluster_state import WorkerState, WorkerStats
+from common.cluster_state import PrefillStats, WorkerState
 from common.messages import WorkerLoad
 from router.metrics import RouterMetrics, RouterTotals
 from router.stats_log import StatsSample, WorkerSample, is_busy, sample_of, stats_line
@@ -79,7 +79,7 @@ def test_samples_read_the_routers_real_totals_and_the_workers_stats() -> None:
         metrics.itl.observe(0.01)  # four more
     metrics.observe_finished("stop", 10, 0, 5, 1.0)
     metrics.running.inc()
-    stats = WorkerStats(WorkerState.READY, WorkerLoad(1, 0, 10, 20), num_prompt_tokens=10)
+    stats = PrefillStats(WorkerState.READY, WorkerLoad(1, 0, 10, 20), num_prompt_tokens=10)
     metrics.worker_stats.update("p0", "prefill", stats)
     got = sample_of(1.0, metrics.totals(), metrics.worker_stats.last())
     assert got.router == RouterTotals(num_streamed_tokens=5, num_finished=1, num_in_flight=1)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from common.cluster_state import WorkerState, WorkerStats
+from common.cluster_state import DecodeStats, PrefillStats, WorkerState
 from common.messages import WorkerLoad
 from router.worker_metrics import WorkerStatsCollector
 
 
-def stats(**fields) -> WorkerStats:
-    return WorkerStats(state=WorkerState.READY, load=WorkerLoad(), **fields)
+def prefill_stats(**fields) -> PrefillStats:
+    return PrefillStats(state=WorkerState.READY, load=WorkerLoad(), **fields)
+
+
+def decode_stats(**fields) -> DecodeStats:
+    return DecodeStats(state=WorkerState.READY, load=WorkerLoad(), **fields)
 
 
 def registry_with(collector: WorkerStatsCollector) -> CollectorRegistry:
@@ -24,14 +28,14 @@ def test_each_role_exports_its_own_states_and_counters() -> None:
     collector.update(
         "p0",
         "prefill",
-        stats(
+        prefill_stats(
             num_blocks_held=3,
             num_blocks_being_read=2,
             num_expired_leases=1,
             handoff_transitions=(("new->held", 7),),
         ),
     )
-    collector.update("d0", "decode", stats(num_blocks_reading=4, num_refused_handshakes=2))
+    collector.update("d0", "decode", decode_stats(num_blocks_reading=4, num_refused_handshakes=2))
     value = registry_with(collector).get_sample_value
     held = {"worker_id": "p0", "role": "prefill", "state": "held"}
     assert value("kvrelay_kv_handoff_blocks", held) == 3
@@ -51,8 +55,8 @@ def test_each_role_exports_its_own_states_and_counters() -> None:
 
 def test_a_worker_that_did_not_answer_loses_its_series() -> None:
     collector = WorkerStatsCollector()
-    collector.update("p0", "prefill", stats(num_stranded_blocks=1))
-    collector.update("p1", "prefill", stats())
+    collector.update("p0", "prefill", prefill_stats(num_stranded_blocks=1))
+    collector.update("p1", "prefill", prefill_stats())
     collector.keep_only({"p1"})
     value = registry_with(collector).get_sample_value
     assert value("kvrelay_kv_stranded_blocks", {"worker_id": "p0", "role": "prefill"}) is None
@@ -61,8 +65,10 @@ def test_a_worker_that_did_not_answer_loses_its_series() -> None:
 
 def test_prefix_cache_counters_are_exported_for_both_roles() -> None:
     collector = WorkerStatsCollector()
-    collector.update("p0", "prefill", stats(num_host_hit_blocks=5, num_partial_reused_tokens=9))
-    collector.update("d0", "decode", stats(num_host_offloaded_blocks=3))
+    collector.update(
+        "p0", "prefill", prefill_stats(num_host_hit_blocks=5, num_partial_reused_tokens=9)
+    )
+    collector.update("d0", "decode", decode_stats(num_host_offloaded_blocks=3))
     value = registry_with(collector).get_sample_value
     p0, d0 = {"worker_id": "p0", "role": "prefill"}, {"worker_id": "d0", "role": "decode"}
     assert value("kvrelay_host_kv_hit_blocks_total", p0) == 5
