@@ -1,10 +1,12 @@
 """The workers' Ray actor handles as the router and the controller call them: PrefillActor,
-DecodeActor and what both roles answer (WorkerActor). Protocols only; holds no state.
+DecodeActor and what both roles answer (WorkerActor), and the controller's as a router calls it
+(ControllerActor). Protocols only; holds no state.
 
 Ray's ActorHandle is dynamic: `handle.method.remote(*args)` starts a call and returns an
 ObjectRef, which is awaited for the method's result (or its error; RayActorError when the actor
 died). These Protocols name the methods our code calls, their arguments and what the await
-gives; tests/unit/test_worker_actors.py checks them against PrefillWorker and DecodeWorker.
+gives; tests/unit/test_worker_actors.py checks them against PrefillWorker, DecodeWorker and the
+Controller.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import ParamSpec, Protocol, TypeVar
 
-from common.cluster_state import LeakCheck, WorkerDescription, WorkerState, WorkerStats
+from common.cluster_state import (
+    LeakCheck,
+    Member,
+    RouterStatus,
+    WorkerDescription,
+    WorkerState,
+    WorkerStats,
+)
 from common.messages import GenerateRequest, KVHandle, TokenDelta
 
 P = ParamSpec("P")
@@ -56,3 +65,10 @@ class DecodeActor(WorkerActor, Protocol):
     next_deltas: RemoteMethod[[str, float], list[TokenDelta]]  # (router_id, timeout_s)
     abort: RemoteMethod[[str], None]  # req_id
     check_peer: RemoteMethod[[str], None]  # a prefill actor's name: the handshake
+
+
+class ControllerActor(Protocol):
+    """The controller as a router's MembershipSync calls it."""
+
+    members: RemoteMethod[[RouterStatus | None], list[Member]]  # a router reports, gets members
+    forget_router: RemoteMethod[[str], None]  # router_id: it stopped

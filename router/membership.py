@@ -9,11 +9,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from common.cluster_state import ROLES, RouterStatus, SloAttainment
+from common.worker_actors import ControllerActor
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,11 @@ class MembershipSync:
     `on_dead` (which must take it out of the WorkerSet)."""
 
     def __init__(
-        self, controller: Any, workers: WorkerSet, router: RouterStatus, interval_s: float = 1.0
+        self,
+        controller: ControllerActor,
+        workers: WorkerSet,
+        router: RouterStatus,
+        interval_s: float = 1.0,
     ):
         self.controller = controller
         self.workers = workers
