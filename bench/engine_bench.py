@@ -34,7 +34,7 @@ from bench.lib.offline_runs import (
 )
 from bench.lib.text_prompts import build_prompts
 from engine.llm import LLM
-from engine.loader import resolve_model
+from engine.models.loader import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout whose git state is reported
 

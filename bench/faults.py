@@ -71,7 +71,7 @@ async def serve_http(cluster: Any) -> Any:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from deploy.local_cluster import ClusterSpec, LocalCluster
     from engine.config import CacheConfig, EngineConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     log("computing the undisturbed engine's outputs")

@@ -43,14 +43,14 @@ from bench.lib.gpu_timing import (
 )
 from bench.lib.random_models import head_bytes, weight_bytes, write_random_model
 from engine.engine import Engine
-from engine.loader import random_model, read_model_config
+from engine.models.loader import random_model, read_model_config
 from engine.quant.config import (
     QUANTIZATION_FLAGS,
     QUANTIZATION_HELP,
     quantization_from_flag,
     resolve_quantization,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 def log(message: str) -> None:

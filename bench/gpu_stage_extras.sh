@@ -16,12 +16,12 @@
 # (the GPU image's grpcio is 1.84.0 and newer generated health code refuses it; the engine
 # imports xgrammar).
 set -euo pipefail
-folder=$(python3 -c "from engine.loader import resolve_model; print(resolve_model('default'))")
+folder=$(python3 -c "from engine.models.loader import resolve_model; print(resolve_model('default'))")
 mkdir -p .cache/smollm2-tokenizer
 for f in chat_template.jinja config.json generation_config.json tokenizer.json tokenizer_config.json; do
   if [ -f "$folder/$f" ]; then cp "$folder/$f" .cache/smollm2-tokenizer/; fi
 done
-gguf=$(python3 -c "from engine.loader import default_gguf_path; print(default_gguf_path())")
+gguf=$(python3 -c "from engine.models.loader import default_gguf_path; print(default_gguf_path())")
 rm -rf .cache/gguf && offset=0 && piece=0
 for mib in 9 9 9 9 18 0; do  # 0: the rest
   piece=$((piece + 1)); mkdir -p ".cache/gguf/$piece"

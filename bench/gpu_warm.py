@@ -32,9 +32,9 @@ def warm_one(variant: str, shape: str, device: str = "cuda") -> None:
     from bench.lib.engine_config import engine_config
     from bench.lib.random_models import write_random_model
     from engine.engine import Engine
-    from engine.loader import random_model, read_model_config
+    from engine.models.loader import random_model, read_model_config
     from engine.quant.config import quantization_from_flag, resolve_quantization
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     kv_dtype, quantization = VARIANTS[variant]
     folder = write_random_model(tempfile.mkdtemp(prefix="kvrelay-warm-"), shape, weights=False)

@@ -18,8 +18,8 @@ from bench.lib.engine_config import engine_config
 from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured import Grammars, TokenBitmask
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling.structured import Grammars, TokenBitmask
 
 SCHEMA = {
     "type": "object",

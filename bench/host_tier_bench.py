@@ -24,7 +24,7 @@ from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.kv_cache.manager import BlockCopy
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 def build(args: argparse.Namespace, host_bytes: int) -> Engine:

@@ -77,7 +77,7 @@ def measure(url: str, model: str, body_mib: float) -> Stall:
 def _serve(max_body_mib: float | None) -> None:
     """The child of --launch: a router over a SmolLM2 engine; prints its URL, serves until
     stdin closes."""
-    from engine.loader import resolve_model
+    from engine.models.loader import resolve_model
     from tests.conftest import build_engine
     from tests.server_harness import ServerHarness
 

@@ -32,10 +32,10 @@ from bench.lib.engine_config import engine_config, gib
 from bench.lib.gpu_timing import decode_step_times, finish_all, random_prompts
 from bench.lib.random_models import SHAPES, write_random_model
 from deploy.profile import VERSION, parse_profile
-from engine.backend_builder import resolve_dtype
 from engine.config import DEFAULT_MODEL
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.execution.backend_builder import resolve_dtype
+from engine.sampling.sampling_params import SamplingParams
 
 
 def log(message: str) -> None:

@@ -31,7 +31,7 @@ from bench.lib.stranded_watch import StrandedWatch
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerState, WorkerStatus
 from common.messages import ServedModel
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 HANG_BOUND_S = 600.0  # a request still running this long after its start is cancelled
 FREE_TIMEOUT_S = 60.0  # after the load: how long every worker's blocks may take to come free

@@ -27,8 +27,8 @@ from bench.lib.rewrite_prompts import batch1_row, random_batch, rewrite_turns
 from bench.lib.run_report import report_header, write_report
 from engine.config import DEFAULT_MODEL, SpeculativeConfig
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
-from engine.speculation_cost import CostGuard
+from engine.sampling.sampling_params import SamplingParams
+from engine.speculation.speculation_cost import CostGuard
 
 
 def rewrite_prompts(engine: Engine, num: int) -> list[list[int]]:

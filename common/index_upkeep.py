@@ -13,7 +13,7 @@ from common.messages import WorkerLoad
 if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.kv_cache.block_pool import KVEvent
-    from engine.step_types import EngineSnapshot
+    from engine.step.step_types import EngineSnapshot
 
 RESYNC_MIN_INTERVAL_S = 5.0  # however many routers ask, a full re-publish at most this often
 

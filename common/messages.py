@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob) pairs, most likely first
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.engine_thread import EngineThread
-    from engine.step_types import EngineSnapshot, RequestOutput
+    from engine.step.step_types import EngineSnapshot, RequestOutput
 
 
 class WorkerBase(ABC):

@@ -34,8 +34,8 @@ from kvtransfer.pulls import Pull, PullLedger, PullState
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-    from engine.kv_loading import KVLoadPlan
-    from engine.request import PrefilledChoices
+    from engine.step.kv_loading import KVLoadPlan
+    from engine.step.request import PrefilledChoices
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def _choices(handle: KVHandle) -> PrefilledChoices | None:
     """n > 1: the choices the prefill worker's first tokens leave to decode (None: n = 1)."""
     if not handle.other_choices:
         return None
-    from engine.request import PrefilledChoices
+    from engine.step.request import PrefilledChoices
 
     first_token_ids = {
         index: choice.token_id

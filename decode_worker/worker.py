@@ -27,7 +27,7 @@ from kvtransfer.pulls import PullState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine
-    from engine.step_types import EngineSnapshot, RequestOutput
+    from engine.step.step_types import EngineSnapshot, RequestOutput
 
 logger = logging.getLogger(__name__)
 ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling

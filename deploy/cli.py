@@ -43,8 +43,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.sampling_params import SamplingParams
-    from engine.validation import check_sampling
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.sampling.validation import check_sampling
 
     params = SamplingParams(
         max_tokens=args.max_tokens,

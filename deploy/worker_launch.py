@@ -18,9 +18,9 @@ from common.cluster_state import NAMESPACE, WARMUP_REQ_PREFIX, LeakCheck, Worker
 from common.messages import GenerateRequest, ServedModel
 from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
 from engine.config import EngineConfig
+from engine.execution.memory_budget import DEFAULT_MAX_NUM_SEQS
 from engine.finish_reason import FinishReason
-from engine.memory_budget import DEFAULT_MAX_NUM_SEQS
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S = 120.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.memory_budget import check_fraction
+from engine.execution.memory_budget import check_fraction
 from engine.quant.config import check_quantization, fp8_device_error
 from engine.settings import Settings
 
@@ -110,7 +110,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 class CacheConfig:
     """Paged KV cache geometry. num_blocks=None sizes the pool from kv_cache_memory_bytes; when
     that is None too, from the GPU memory the engine may use (EngineConfig.gpu_memory_utilization,
-    engine/memory_budget.py), or a fixed 1 GiB on CPU."""
+    engine/execution/memory_budget.py), or a fixed 1 GiB on CPU."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -183,7 +183,7 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (engine/speculative.py). method None: off; "ngram": prompt lookup
+    """Speculative decoding (engine/speculation/). method None: off; "ngram": prompt lookup
     (the tokens that followed the last n tokens' latest earlier match, prompt and output);
     "draft": draft_model (a model of the same tokenizer, a path or "default" for SmolLM2)
     continues each request greedily, run with a KV pool of draft_kv_cache_bytes.
@@ -192,7 +192,7 @@ class SpeculativeConfig:
     match lengths tried, longest first; max_batch: speculation steps aside while more
     requests than this are running (a large batch is bound by compute, not by weight reads);
     adaptive: also step aside while it measures dearer per token than plain decode steps on
-    this engine (engine/speculation_cost.py; tests that count drafts turn it off).
+    this engine (engine/speculation/speculation_cost.py; tests that count drafts turn it off).
     """
 
     method: str | None = None

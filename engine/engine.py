@@ -14,29 +14,29 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from engine.backend_builder import DeviceSide, resolve_device
 from engine.config import EngineConfig, ModelConfig
-from engine.fork import ChoiceForks
-from engine.gc_heap import freeze_heap, thaw_heap
+from engine.execution.backend_builder import DeviceSide, resolve_device
+from engine.execution.gc_heap import freeze_heap, thaw_heap
+from engine.execution.model_setup import build_device_parts
+from engine.execution.runner import ModelRunner
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, KVEvent
 from engine.kv_cache.manager import cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
-from engine.kv_loading import KVLoadPlan, RemoteKVLoader
-from engine.loader import read_model_config, resolve_model, served_model_id
-from engine.model_setup import build_device_parts
-from engine.output_processor import OutputProcessor
-from engine.overlap import RunAhead
-from engine.request import FinishReason, PrefilledChoices, Request
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.speculative import Speculator, drafter
-from engine.step_launcher import StepLauncher
-from engine.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
-from engine.structured import new_grammars
+from engine.models.loader import read_model_config, resolve_model, served_model_id
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.structured import new_grammars
+from engine.sampling.validation import check_prefilled, check_request, resumed_tokens
+from engine.speculation.speculative import Speculator, drafter
+from engine.step.fork import ChoiceForks
+from engine.step.kv_loading import KVLoadPlan, RemoteKVLoader
+from engine.step.output_processor import OutputProcessor
+from engine.step.overlap import RunAhead
+from engine.step.request import FinishReason, PrefilledChoices, Request
+from engine.step.scheduler import Scheduler
+from engine.step.step_launcher import StepLauncher
+from engine.step.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
 from engine.tokenizer import find_tokenizer, stop_token_ids
-from engine.validation import check_prefilled, check_request, resumed_tokens
 
 
 class Engine:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.engine import Engine
-from engine.step_types import RequestOutput
+from engine.step.step_types import RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

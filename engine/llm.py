@@ -9,8 +9,8 @@ from typing import Any
 
 from engine.engine import Engine, EngineConfig
 from engine.finish_reason import FinishReason
-from engine.sampler import TopLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import TopLogprobs
+from engine.sampling.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -45,7 +45,7 @@ class Tokenizer:
 
     @property
     def hf_tokenizer(self) -> Any:
-        """The transformers tokenizer (engine/structured.py builds its token table from it)."""
+        """The transformers tokenizer (sampling/structured.py builds its token table from it)."""
         return self._tok
 
     @property

@@ -20,7 +20,7 @@ from common.cluster_state import LeakCheck, PrefillStats, WorkerStats
 from common.messages import FirstToken, GenerateRequest, KVHandle
 from common.worker_runtime import WorkerBase
 from engine.config import EngineConfig
-from engine.request import FinishReason
+from engine.step.request import FinishReason
 from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
 from kvtransfer.kv_holder import KVHolder
@@ -28,7 +28,7 @@ from kvtransfer.leases import LeaseState
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine
-    from engine.step_types import EngineSnapshot, RequestOutput
+    from engine.step.step_types import EngineSnapshot, RequestOutput
 
 logger = logging.getLogger(__name__)
 FIRST_TOKEN = FinishReason.FIRST_TOKEN.value  # the first token ended nothing: decode goes on

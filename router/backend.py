@@ -6,7 +6,7 @@ import abc
 from collections.abc import AsyncIterator
 
 from common.messages import GenerateRequest, TokenDelta
-from engine.validation import MAX_N
+from engine.sampling.validation import MAX_N
 
 
 class Backend(abc.ABC):

@@ -1,7 +1,7 @@
 """Migrating an n > 1 request whose decode worker died: each unfinished choice resumes as a
 request of its own, and their streams are merged back into the client's; owns no state.
 
-Choice i of a request samples with seed + i (engine/fork.py), drawing by position, so a
+Choice i of a request samples with seed + i (engine/step/fork.py), drawing by position, so a
 single-choice continuation with that seed, its prompt extended by the choice's tokens so far,
 continues the same random stream (greedy: the same tokens).
 """

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from common.messages import GenerateRequest, TokenDelta
 from engine.kv_cache.retention import InvalidRetention, check_ranges
-from engine.validation import InvalidField, check_request
+from engine.sampling.validation import InvalidField, check_request
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 
 from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
 from router.frontend import Frontend
 from router.grpc_health import BackendHealth, add_standard_services

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.errors import InvalidRequest
 from router.request_spec import ChatMessage, RequestSpec
 from router.structured_schema import ResponseFormat, structured_output
@@ -124,10 +124,10 @@ class _CommonRequest(_TopLevelBody):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     speculative: bool = True  # kvrelay's extra field: false turns speculative decoding off
-    n: int = 1  # choices; its range is checked with the rest (engine/validation.py)
+    n: int = 1  # choices; its range is checked with the rest (engine/sampling/validation.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None  # ranges: engine/validation.py (400 naming them)
+    presence_penalty: float | None = None  # ranges: engine/sampling/validation.py (400 naming them)
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias

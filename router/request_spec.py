@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from common.messages import GenerateRequest
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

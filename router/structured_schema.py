@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import StructuredOutput
+from engine.sampling.sampling_params import StructuredOutput
 from router.errors import InvalidRequest
 
 

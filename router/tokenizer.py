@@ -23,7 +23,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.stop_checker import StopChecker
+from engine.step.stop_checker import StopChecker
 from engine.tokenizer import IncrementalDetokenizer
 from router.token_bound import TokenBound
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # before triton is imported: its kernels then
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import Engine, EngineConfig
-from engine.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
+from engine.models.loader import DEFAULT_MODEL, load_model, read_model_config, resolve_model
 from engine.tokenizer import Tokenizer
 
 pytest_plugins = ["tests.redis_fixtures"]

@@ -13,8 +13,8 @@ from common.messages import GenerateRequest, TokenDelta
 from engine.engine import Engine
 from engine.engine_thread import EngineThread
 from engine.finish_reason import FinishReason
-from engine.step_types import RequestOutput
-from engine.validation import InvalidField
+from engine.sampling.validation import InvalidField
+from engine.step.step_types import RequestOutput
 from router.backend import Backend
 
 T = TypeVar("T")

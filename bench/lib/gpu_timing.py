@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 GiB = 1 << 30
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

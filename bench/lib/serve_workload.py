@@ -165,7 +165,7 @@ def with_chat_text(requests: list[BenchRequest], tokenizer_path: str | None) -> 
     from tokenizers import Tokenizer
 
     if tokenizer_path is None:
-        from engine.loader import resolve_model
+        from engine.models.loader import resolve_model
 
         tokenizer_path = str(resolve_model("default") / "tokenizer.json")
     tokenizer = Tokenizer.from_file(tokenizer_path)

@@ -34,7 +34,7 @@ def write_served_shape(
     copy that tokenizer's files; returns a description for reports. tokenizer_dir: a folder
     with the tokenizer files and config.json (default: the default model's converted folder)."""
     from bench.lib.random_models import write_random_model
-    from engine.loader import resolve_model
+    from engine.models.loader import resolve_model
 
     if tokenizer_dir is None:
         tokenizer_dir = resolve_model("default", progress)

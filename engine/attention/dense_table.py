@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention.base import SeqSpan
-from engine.host_tensors import copy_from_host, index_tensor, to_device
+from engine.execution.host_tensors import copy_from_host, index_tensor, to_device
 
 
 def dense_page_table(seqs: Sequence[SeqSpan], block_size: int, width: int) -> list[int]:

@@ -34,7 +34,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.dense_table import DenseTableDecode
 from engine.attention.rope_kv_kernel import KvOut, rope_and_write_kv
 from engine.attention.xqa_decode import XqaDecode, use_xqa
-from engine.host_tensors import index_tensor
+from engine.execution.host_tensors import index_tensor
 
 if TYPE_CHECKING:
     from engine.models.rope import RotaryEmbedding

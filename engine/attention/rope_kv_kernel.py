@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine import pdl
+from engine.execution import pdl
 from engine.quant.fp8_types import ScaledRows
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_kernels import paged_decode_op
-from engine.host_tensors import index_tensor
+from engine.execution.host_tensors import index_tensor
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from engine.kv_cache.kept_blocks import Kept, KeptBlocks
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from engine.kv_cache.retention import RetentionRange, block_retention
-from engine.request import Request
+from engine.step.request import Request
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from engine.kv_cache.write_behind import WriteBehind
 
 
 class OwedCopies:
-    """Copies owed to the engine's storage (engine/block_copies.py runs them).
+    """Copies owed to the engine's storage (engine/execution/block_copies.py runs them).
 
     Invariants (check_integrity): the host tier lends exactly the slots of the copies still
     owed (queued here, or owed behind the step) and the slots pinned by kept blocks; a copy

@@ -13,7 +13,7 @@ from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
-from engine.request import Request
+from engine.step.request import Request
 
 
 @dataclass(frozen=True)

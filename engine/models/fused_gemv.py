@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import pdl
+from engine.execution import pdl
 
 MAX_ROWS = 1  # steps of this many rows take the kernels
 DTYPES = (torch.bfloat16, torch.float16)  # of the models that take them

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine import pdl
+from engine.execution import pdl
 
 BLOCK_M = 16  # the smallest M of an e4m3 tensor-core product; rows beyond M are masked
 MAX_ROWS = BLOCK_M
@@ -63,7 +63,7 @@ def _kernel() -> Any:
     ):
         """One program per BLOCK_N output channels, all M rows: acc += x_q @ w_q^T over K on
         e4m3 (fp32 accumulator), then the row and channel scales (and bias). PDL: it waits for
-        the kernel before (engine/pdl.py); the next kernel may come in after the loop."""
+        the kernel before (engine/execution/pdl.py); the next kernel may come in after the loop."""
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -11,7 +11,7 @@ rounded to the activations' dtype before its amax is taken, so the e4m3 codes ar
 quantize_rows would give on the unfused output, up to float rounding. Per-row quantization
 alone is quantize_rows_torch's math in one launch instead of ~6 small torch kernels. Decode
 batches' deferred-scale products of 17-2,048 rows walk the SiLU row in chunks instead
-(fp8_silu_chunked.py). On Hopper the kernel launches with PDL (engine/pdl.py).
+(fp8_silu_chunked.py). On Hopper the kernel launches with PDL (engine/execution/pdl.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine import pdl
+from engine.execution import pdl
 from engine.quant import fp8_silu_chunked
 from engine.quant.fp8_silu_chunked import ChunkedSilu
 from engine.quant.fp8_types import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
@@ -63,7 +63,7 @@ def _kernel() -> Any:
         dtype (the value the row-scaled GEMM would have stored). The row is rounded to src's
         dtype, then quantized as quantize_rows does: scale = amax / FP8_MAX (or the static
         scale), q = row / scale clamped, stored e4m3. PDL: the next kernel may come in at once
-        (to prefetch its weights); this one waits for the one before (engine/pdl.py)."""
+        (to prefetch its weights); this one waits for the one before (engine/execution/pdl.py)."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine import pdl
+from engine.execution import pdl
 
 GEMV_MAX_ROWS = 16  # Fp8Linear takes these kernels up to here, cuBLASLt's FP8 GEMM above
 VECTOR_ROWS = 1  # measured: "vector" faster than "dot" for one row, slower for two

@@ -17,8 +17,8 @@ import torch
 
 from engine.attention import flashinfer_backend
 from engine.engine import Engine
-from engine.sampler import PendingSample
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import PendingSample
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from engine.engine import Engine
-from engine.loader import load_model, read_model_config
 from engine.models import llama
+from engine.models.loader import load_model, read_model_config
 from engine.quant.fp8 import (
     Fp8Linear,
     linear_state,
@@ -356,7 +356,7 @@ def smollm_prompts(tokenizer) -> list[list[int]]:
 
 
 def greedy(engine: Engine, prompts: list[list[int]], rec: Recorder) -> dict[str, list[int]]:
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import pdl
 from engine.engine import Engine
+from engine.execution import pdl
 from engine.models import fused_gemv
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.gpu.test_flashinfer_backend import Recorder, first_divergence, logit_scale
 from tests.gpu.test_fp8_weights import CUDA, engine_on, load, pytestmark, tiny  # noqa: F401
 from tests.unit.test_fused_gemv import gemv_launches  # noqa: F401 (a fixture)

@@ -1,4 +1,4 @@
-"""Per-step host -> GPU copies (engine/host_tensors.py): queued behind the GPU's work without
+"""Per-step host -> GPU copies (execution/host_tensors.py): queued behind the GPU's work without
 the host waiting for it, and correct when many are queued from short-lived host tensors."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.host_tensors import copy_from_host, index_tensor, to_device
+from engine.execution.host_tensors import copy_from_host, index_tensor, to_device
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,8 +11,8 @@ import torch
 
 from engine.config import EngineConfig, SchedulerConfig
 from engine.engine import Engine
-from engine.memory_budget import default_max_num_seqs
-from engine.sampling_params import SamplingParams
+from engine.execution.memory_budget import default_max_num_seqs
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 from tests.factories import make_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (engine/pdl.py) on the GPU: with it, a chain of the engine's
+"""Programmatic dependent launch (execution/pdl.py) on the GPU: with it, a chain of the engine's
 few-row kernels (add + RMSNorm + quantize, fp8_dot_rows, SiLU + quantize, the GEMV), each
 reading the one before's output, gives the same numbers as without, eagerly and replayed from
 a CUDA graph; and a tiny FP8 model's greedy run through the engine on graphs is the same with
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import pdl
+from engine.execution import pdl
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 from engine.quant.fp8_types import QuantizedRows
 from tests.gpu.test_flashinfer_backend import Recorder, logit_scale, max_logit_error, run_workload

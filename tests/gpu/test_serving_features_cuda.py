@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
 from tests.conftest import build_engine, run_to_completion
 from tests.integration.test_engine_behaviour import system_prompt_rounds
 from tests.integration.test_engine_fork import run_choices

@@ -16,7 +16,7 @@ from common.messages import GenerateRequest, KVHandle, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from router.access import ApiKeys
 from router.frontend import Frontend

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from engine.loader import default_gguf_path
+from engine.models.loader import default_gguf_path
 
 NUM_NEW_TOKENS = 20
 

@@ -14,7 +14,7 @@ from common.cluster_state import ClusterStatus, WorkerState
 from common.messages import GenerateRequest, TokenDelta
 from deploy.autoscale import AutoscaleConfig
 from deploy.local_cluster import LocalCluster
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
     cluster_spec,
     reference_batch,

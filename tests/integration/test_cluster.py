@@ -12,7 +12,7 @@ from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.policy import make_prefill_policy
 from router.prefix_index import IndexUnavailable
 from tests.integration.cluster_support import (

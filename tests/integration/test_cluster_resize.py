@@ -18,7 +18,7 @@ import ray
 from common.cluster_state import ClusterStatus, WorkerState, WorkerStatus
 from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import LocalCluster
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
     cluster_spec,
     reference_batch,

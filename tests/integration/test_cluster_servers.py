@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.placement_rules import SloTargets
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine

@@ -15,7 +15,7 @@ from common.messages import GenerateRequest
 from common.placement_rules import LocalPrefill
 from deploy.local_cluster import LocalCluster
 from engine.kv_cache.hashing import hash_blocks
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,

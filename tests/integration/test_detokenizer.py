@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.stop_checker import StopChecker
+from engine.step.stop_checker import StopChecker
 from engine.tokenizer import IncrementalDetokenizer
 
 TEXTS = [

@@ -8,7 +8,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.kv_cache.block_pool import BlockStored
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 from tests.integration.oracle import NUM_NEW_TOKENS, hf_greedy, oracle_prompts
 

@@ -1,4 +1,4 @@
-"""n > 1 in the engine (engine/fork.py) on the real SmolLM2: the prompt is computed once, its
+"""n > 1 in the engine (engine/step/fork.py) on the real SmolLM2: the prompt is computed once, its
 full blocks are shared and its partial block copied, each choice decodes on its own, and no
 path leaks a block."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
 
 PROMPT = "The three largest rivers of Europe are"

@@ -1,15 +1,15 @@
 """n > 1 across the pools, engine by engine: the prefill engine computes the prompt once and
 samples every choice's first token under one lease; the decode engine loads that KV once and
-forks the choices that go on (engine/fork.py first_token_choices / fork_prefilled)."""
+forks the choices that go on (engine/step/fork.py first_token_choices / fork_prefilled)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from engine.engine import Engine
-from engine.request import PrefilledChoices
-from engine.sampling_params import SamplingParams
-from engine.step_types import RequestOutput
+from engine.sampling.sampling_params import SamplingParams
+from engine.step.request import PrefilledChoices
+from engine.step.step_types import RequestOutput
 from tests.conftest import EngineFactory
 from tests.integration.test_engine_fork import PROMPT, run_choices
 

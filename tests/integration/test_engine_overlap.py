@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.request import Request
-from engine.runner import StepLogits
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.step_inputs import TokenFill
+from engine.execution.runner import StepLogits
+from engine.execution.step_inputs import TokenFill
+from engine.sampling.sampling_params import SamplingParams
+from engine.step.request import Request
+from engine.step.scheduler import SchedulerOutput
 from tests.conftest import run_to_completion
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

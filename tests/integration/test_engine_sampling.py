@@ -13,7 +13,7 @@ import transformers
 
 from engine.engine import Engine
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import SpeculativeConfig
-from engine.sampling_params import SamplingParams
-from engine.speculation_cost import CostGuard
+from engine.sampling.sampling_params import SamplingParams
+from engine.speculation.speculation_cost import CostGuard
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint
 

@@ -24,7 +24,7 @@ import pytest
 import ray
 
 from common.messages import GenerateRequest, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
     ClusterHarness,
     cluster_spec,

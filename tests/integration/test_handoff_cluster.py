@@ -13,7 +13,7 @@ import ray
 
 from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
     cluster_spec,
     decode_handle,

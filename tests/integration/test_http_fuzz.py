@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 
-from engine.loader import resolve_model
+from engine.models.loader import resolve_model
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
 from tests.server_harness import ServerHarness, serving

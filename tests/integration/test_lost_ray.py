@@ -16,7 +16,7 @@ import ray
 
 from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.serving_gate import ClusterUnavailable
 from tests.integration.cluster_support import cluster_spec
 from tests.integration.serve_process import CHAT, ServeProcess

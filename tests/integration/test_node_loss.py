@@ -26,7 +26,7 @@ from deploy.redis_local import LocalRedis
 from deploy.router_launch import build_backend
 from deploy.worker_launch import WorkerTemplate
 from engine.config import CacheConfig, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.factories import make_tiny_checkpoint
 from tests.integration.cluster_support import tokens_of
 

@@ -13,7 +13,7 @@ from common.kv_publisher import KVPublisher
 from common.messages import WorkerInfo, WorkerLoad
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request
+from engine.step.request import Request
 from router.policy import HOST_HIT_CREDIT, KVAwarePolicy, Overlap
 from router.prefix_index import PrefixIndex
 

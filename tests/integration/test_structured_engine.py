@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.validation import InvalidField
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling.validation import InvalidField
 
 PERSON = {
     "type": "object",

@@ -22,7 +22,7 @@ from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import LocalCluster
 from deploy.progress import follow
 from deploy.router_launch import build_backend
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.serving_gate import ClusterUnavailable
 from tests.integration.cluster_support import cluster_spec, wait_until_no_leaks
 

@@ -13,7 +13,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from common.messages import GenerateRequest, KVHandle, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.cluster_backend import ClusterBackend
 from router.worker_set import WorkerSet
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backend_builder import resolve_device, resolve_dtype
+from engine.execution.backend_builder import resolve_device, resolve_dtype
 
 
 def test_auto_device_follows_cuda_availability() -> None:

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import engine.loader as loader
-from engine.loader import load_model, read_model_config
+import engine.models.loader as loader
+from engine.models.loader import load_model, read_model_config
 from engine.quant.config import Fp8Config
 from engine.quant.fp8 import Fp8Linear, quantize_weight
 from engine.quant.fp8_types import FP8_DTYPE, FP8_MAX
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint
 from tests.unit.test_fp8_linear import cuda_contract  # noqa: F401 (a fixture)

@@ -1,4 +1,4 @@
-"""engine.gc_heap: when the start-up heap is frozen (and the young generation's threshold
+"""engine.execution.gc_heap: when the start-up heap is frozen (and the young generation's threshold
 raised), and that a later engine's start-up frees what an earlier engine left in reference
 cycles."""
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import gc_heap
+from engine.execution import gc_heap
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,9 @@
 """The decode graphs' padded static input rows, and the captured size a step runs at
-(engine/step_inputs.py)."""
+(engine/execution/step_inputs.py)."""
 
 from __future__ import annotations
 
-from engine.step_inputs import padded_rows, smallest_fit
+from engine.execution.step_inputs import padded_rows, smallest_fit
 
 
 def test_padded_rows_fill_a_graphs_static_inputs() -> None:

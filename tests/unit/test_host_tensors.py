@@ -1,11 +1,11 @@
-"""engine/host_tensors.py without a GPU: index tables built through numpy, and small host
+"""engine/execution/host_tensors.py without a GPU: index tables built through numpy, and small host
 tensors (below the page-lock threshold, 1 MiB) left as they are."""
 
 from __future__ import annotations
 
 import torch
 
-from engine import host_tensors
+from engine.execution import host_tensors
 
 
 def test_index_tensor_on_the_host() -> None:

@@ -8,7 +8,7 @@ from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import BlockCopy, KVCacheManager
 from engine.kv_cache.retention import RetentionRange
 from engine.kv_cache.write_behind import WriteBehind
-from engine.request import Request
+from engine.step.request import Request
 
 BLOCK_SIZE = 4
 

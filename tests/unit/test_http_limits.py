@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from deploy.cli import build_parser
 from deploy.router_flags import router_options
-from engine.loader import resolve_model
+from engine.models.loader import resolve_model
 from router.openapi import OPERATIONS, openapi_document
 from router.request_size import MIB, max_body_bytes
 from router.token_bound import TokenBound

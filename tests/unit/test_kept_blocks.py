@@ -11,7 +11,7 @@ from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.kept_blocks import Kept, KeptBlocks
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request
+from engine.step.request import Request
 
 BLOCK_SIZE = 4
 

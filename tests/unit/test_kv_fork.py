@@ -4,7 +4,7 @@ table freed on its own with the pool's invariants intact."""
 from __future__ import annotations
 
 from engine.kv_cache.manager import BlockCopy, KVCacheManager
-from engine.request import Request
+from engine.step.request import Request
 
 BLOCK_SIZE = 4
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request
+from engine.step.request import Request
 from kvtransfer.base import Notification
 from kvtransfer.handoff import Notice, NoticeKind
 from kvtransfer.kv_holder import KVHolder

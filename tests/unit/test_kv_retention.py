@@ -14,7 +14,7 @@ from engine.kv_cache.retention import (
     block_retention,
     check_ranges,
 )
-from engine.request import Request
+from engine.step.request import Request
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import load_model, read_model_config
+from engine.models.loader import load_model, read_model_config
 from engine.quant.kv_scales import take_kv_scales
 from tests.factories import make_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""KV pool sizing (engine/memory_budget.py and its wrapper in engine/backend_builder.py): the
+"""KV pool sizing (engine/execution/memory_budget.py and its wrapper in backend_builder.py): the
 arithmetic with numbers, the batch limit picked for a pool, the fixed CPU pool kept as it was,
 and the profiling step's inputs run on CPU (the CUDA measurements themselves: tests/gpu)."""
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import backend_builder
-from engine.backend_builder import (
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.execution import backend_builder
+from engine.execution.backend_builder import (
     KVPoolSize,
     model_tensor_bytes,
     run_profile_step,
@@ -19,9 +20,7 @@ from engine.backend_builder import (
     sizes_by_memory,
     with_batch_limit,
 )
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.loader import random_model
-from engine.memory_budget import (
+from engine.execution.memory_budget import (
     CPU_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_SEQS,
     GRAPH_RESERVE_BYTES,
@@ -33,6 +32,7 @@ from engine.memory_budget import (
     num_pool_blocks,
     profile_num_seqs,
 )
+from engine.models.loader import random_model
 from tests.factories import make_model_config, make_tiny_checkpoint
 
 H200 = 140 * GiB

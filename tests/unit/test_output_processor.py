@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from engine.config import SchedulerConfig, SpeculativeConfig
-from engine.fork import ChoiceForks
 from engine.kv_cache.manager import KVCacheManager
-from engine.output_processor import OutputProcessor
-from engine.request import FinishReason, Request
-from engine.sampler import PendingSample, Sampler
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.scheduler import Scheduler
-from engine.speculative import Speculator
-from engine.step_types import InFlightStep
-from engine.validation import InvalidField
+from engine.sampling.sampler import PendingSample, Sampler
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling.validation import InvalidField
+from engine.speculation.speculative import Speculator
+from engine.step.fork import ChoiceForks
+from engine.step.output_processor import OutputProcessor
+from engine.step.request import FinishReason, Request
+from engine.step.scheduler import Scheduler
+from engine.step.step_types import InFlightStep
 
 EOS = 15
 VOCAB = 16

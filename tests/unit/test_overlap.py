@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 
 from engine.config import SchedulerConfig, SpeculativeConfig
-from engine.fork import ChoiceForks
 from engine.kv_cache.manager import KVCacheManager
-from engine.overlap import RunAhead
-from engine.request import FinishReason, Request
-from engine.sampler import PendingSample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import Speculator
-from engine.step_types import EngineStats, InFlightStep
+from engine.sampling.sampler import PendingSample
+from engine.sampling.sampling_params import SamplingParams
+from engine.speculation.speculative import Speculator
+from engine.step.fork import ChoiceForks
+from engine.step.overlap import RunAhead
+from engine.step.request import FinishReason, Request
+from engine.step.scheduler import Scheduler, SchedulerOutput
+from engine.step.step_types import EngineStats, InFlightStep
 
 
 class RecordingLauncher:

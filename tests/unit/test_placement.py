@@ -10,7 +10,7 @@ import pytest
 
 from common.messages import GenerateRequest, WorkerInfo, WorkerLoad
 from common.placement_rules import SloTargets
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.errors import SloUnmet
 from router.placement import Placer
 from router.policy import KVAwarePolicy

@@ -9,7 +9,7 @@ from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.prefix_cache import NO_MATCH, PrefixCache, common_prefix_len
-from engine.request import Request
+from engine.step.request import Request
 
 BLOCK_SIZE = 4
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
 from router.grpc_server import sampling_from_proto, spec_from_proto
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.pb import kvrelay_pb2 as pb

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.messages import GenerateRequest, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.choices import ChoiceTrackers
 from router.metrics import RouterMetrics
 from router.request_spec import Prepared

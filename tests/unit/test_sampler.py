@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
 
 
 def rows(

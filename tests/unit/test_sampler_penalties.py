@@ -8,11 +8,11 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from common.messages import GenerateRequest
-from engine.logits_processing import process_logits, token_counts
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.validation import InvalidField, check_sampling
+from engine.sampling.logits_processing import process_logits, token_counts
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.validation import InvalidField, check_sampling
 from router.cluster_backend import _continuation
 
 VOCAB = 50

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.sampling_params import SamplingParams
+from engine.step.request import FinishReason, Request
+from engine.step.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256):

@@ -7,7 +7,7 @@ import pytest
 
 from common.messages import WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
-from engine.step_rate import StepRate
+from engine.step.step_rate import StepRate
 from router.policy import KVAwarePolicy
 from router.slo import (
     LocalRoute,

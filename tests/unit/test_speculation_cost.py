@@ -3,7 +3,7 @@ and measured again after each hold."""
 
 from __future__ import annotations
 
-from engine.speculation_cost import CostGuard
+from engine.speculation.speculation_cost import CostGuard
 
 
 def run(guard: CostGuard, steps: int, spec_s: float, plain_s: float) -> list[bool]:

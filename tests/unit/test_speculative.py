@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.speculative import Speculator, ngram_draft
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
+from engine.speculation.speculative import Speculator, ngram_draft
+from engine.step.request import Request
 
 
 def test_ngram_draft_continues_the_latest_longest_match_with_room():

@@ -9,8 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.validation import InvalidField, check_structured
+from engine.sampling.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling.validation import InvalidField, check_structured
 from router.errors import InvalidRequest
 from router.openai_schema import (
     ChatCompletionRequest,

@@ -25,7 +25,7 @@ from common.cluster_state import (
 from common.messages import GenerateRequest
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.config import CacheConfig, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from tests.factories import make_tiny_checkpoint
 

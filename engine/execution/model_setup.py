@@ -11,7 +11,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.backend_builder import (
+from engine.config import EngineConfig, ModelConfig
+from engine.execution.backend_builder import (
     DeviceSide,
     KVPoolSize,
     build_backend,
@@ -22,10 +23,9 @@ from engine.backend_builder import (
     sizes_by_memory,
     with_batch_limit,
 )
-from engine.block_copies import BlockCopies
-from engine.config import EngineConfig, ModelConfig
+from engine.execution.block_copies import BlockCopies
 from engine.kv_cache.manager import KVCacheManager
-from engine.loader import load_model
+from engine.models.loader import load_model
 
 
 class LoadedModel(NamedTuple):

@@ -11,10 +11,10 @@ from typing import NamedTuple
 import torch
 
 from engine.finish_reason import FinishReason
-from engine.request import Request
-from engine.sampler import PendingSample, TopLogprobs
-from engine.scheduler import SchedulerOutput
-from engine.step_rate import StepRate
+from engine.sampling.sampler import PendingSample, TopLogprobs
+from engine.step.request import Request
+from engine.step.scheduler import SchedulerOutput
+from engine.step.step_rate import StepRate
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class RequestOutput:
     new_logprobs: list[float] | None = None
     kept_block_ids: tuple[int, ...] = ()  # keep_blocks: the blocks kept (Engine.release_blocks)
     num_kept_host_blocks: int = 0  # of which the first ones are host-tier slots (keep_on_host)
-    index: int = 0  # which of the request's n choices (engine/fork.py)
+    index: int = 0  # which of the request's n choices (engine/step/fork.py)
     new_top_logprobs: list[TopLogprobs] | None = None  # one per new token, when asked
     num_accepted_tokens: int = 0  # speculative decoding: drafted tokens accepted so far
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import PrefilledChoices, Request
-from engine.scheduler import Scheduler
+from engine.step.request import PrefilledChoices, Request
+from engine.step.scheduler import Scheduler
 
 
 def choice_req_id(req_id: str, index: int) -> str:

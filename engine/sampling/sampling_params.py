@@ -9,7 +9,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """The grammar a request's output must follow (engine/structured.py compiles it).
+    """The grammar a request's output must follow (engine/sampling/structured.py compiles it).
 
     kind json_object: any JSON object (spec ""); json_schema: spec is the schema as JSON text;
     regex: spec is the pattern; grammar: spec is an EBNF grammar (GBNF style, root rule `root`).
@@ -43,7 +43,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    # Choices drawn from one prompt (computed once, engine/fork.py); choice i > 0 draws with
+    # Choices drawn from one prompt (computed once, engine/step/fork.py); choice i > 0 draws with
     # seed + i when a seed is given.
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Sequence
 
-from engine.sampling_params import STRUCTURED_KINDS, SamplingParams
+from engine.sampling.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 MAX_SEED = 2**63  # seeds are signed 64-bit integers
 MAX_N = 16  # choices per request
@@ -118,7 +118,7 @@ MAX_LOGIT_BIAS = 100.0
 
 
 def check_logits_processing(params: SamplingParams, vocab_size: int) -> None:
-    """Penalties, logit_bias and top_logprobs (their meaning: engine/sampling_params.py)."""
+    """Penalties, logit_bias and top_logprobs (their meaning: sampling_params.py)."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -168,7 +168,7 @@ def structured_field(kind: str) -> str:
 
 
 def check_structured(params: SamplingParams) -> None:
-    """The shape of a grammar spec; the engine's compiler (engine/structured.py) checks the rest."""
+    """The shape of a grammar spec; the engine's compiler (structured.py) checks the rest."""
     spec = params.structured
     if spec is None:
         return

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_cache.manager import KVCacheManager, cdiv
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.step.request import FinishReason, Request, RequestStatus
+from engine.step.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

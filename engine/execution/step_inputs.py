@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from engine.attention.base import SeqSpan
-from engine.host_tensors import index_tensor
+from engine.execution.host_tensors import index_tensor
 
 
 @dataclass(frozen=True)

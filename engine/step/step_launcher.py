@@ -5,17 +5,17 @@ forks its choices from. Owns no state but the step counters it adds to.
 
 from __future__ import annotations
 
-from engine.block_copies import BlockCopies
-from engine.fork import ChoiceForks
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sample_row import sample_row
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import Speculator
-from engine.step_inputs import TokenFill
-from engine.step_types import EngineStats, InFlightStep
-from engine.structured import Grammars
+from engine.execution.block_copies import BlockCopies
+from engine.execution.runner import ModelRunner
+from engine.execution.step_inputs import TokenFill
+from engine.sampling.sample_row import sample_row
+from engine.sampling.sampler import Sampler
+from engine.sampling.structured import Grammars
+from engine.speculation.speculative import Speculator
+from engine.step.fork import ChoiceForks
+from engine.step.request import Request
+from engine.step.scheduler import Scheduler, SchedulerOutput
+from engine.step.step_types import EngineStats, InFlightStep
 
 
 class StepLauncher:

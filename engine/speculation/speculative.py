@@ -18,12 +18,12 @@ from dataclasses import replace
 from torch import nn
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.draft_model import DraftModel, EngineFactory
 from engine.kv_cache.manager import KVCacheManager
-from engine.loader import resolve_model
-from engine.request import Request
-from engine.speculation_cost import CostGuard
-from engine.step_types import RequestOutput
+from engine.models.loader import resolve_model
+from engine.speculation.draft_model import DraftModel, EngineFactory
+from engine.speculation.speculation_cost import CostGuard
+from engine.step.request import Request
+from engine.step.step_types import RequestOutput
 
 AppendToken = Callable[[Request, int, float | None], RequestOutput]
 MAX_MISS_PAUSE = 32  # tokens a request that keeps missing decodes plainly between tries

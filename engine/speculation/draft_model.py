@@ -14,14 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.step.request import Request
 
 if TYPE_CHECKING:
     from torch import nn
 
     from engine.config import ModelConfig
-    from engine.step_types import RequestOutput
+    from engine.step.step_types import RequestOutput
 
 
 class DraftEngine(Protocol):

@@ -17,7 +17,7 @@ from engine.config import SchedulerConfig
 from engine.kv_cache.kept_blocks import Kept
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.prefix_cache import NO_MATCH
-from engine.request import FinishReason, Request, RequestStatus
+from engine.step.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)

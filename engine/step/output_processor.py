@@ -14,19 +14,19 @@ from dataclasses import replace
 
 import torch
 
-from engine.fork import ChoiceForks
 from engine.kv_cache.kept_blocks import Kept
-from engine.request import FinishReason, Request
-from engine.sample_row import sample_row
-from engine.sampler import Sampler, SampleResult
-from engine.scheduler import Scheduler
-from engine.speculative import Speculator
-from engine.step_types import InFlightStep, RequestOutput
-from engine.stop_checker import StopChecker
-from engine.structured import Grammars
-from engine.structured import advance as advance_grammar
+from engine.sampling.sample_row import sample_row
+from engine.sampling.sampler import Sampler, SampleResult
+from engine.sampling.structured import Grammars
+from engine.sampling.structured import advance as advance_grammar
+from engine.sampling.validation import InvalidField, structured_field
+from engine.speculation.speculative import Speculator
+from engine.step.fork import ChoiceForks
+from engine.step.request import FinishReason, Request
+from engine.step.scheduler import Scheduler
+from engine.step.step_types import InFlightStep, RequestOutput
+from engine.step.stop_checker import StopChecker
 from engine.tokenizer import Decoder
-from engine.validation import InvalidField, structured_field
 
 
 class OutputProcessor:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.step.request import Request
 
 
 @dataclass(frozen=True)

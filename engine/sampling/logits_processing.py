@@ -1,6 +1,6 @@
 """Logits processors of one sampling step: repetition, presence and frequency penalties and
 logit_bias, applied to every row that asks in one batched pass; stateless. What each one means
-is stated in engine/sampling_params.py.
+is stated in engine/sampling/sampling_params.py.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.host_tensors import index_tensor, to_device
-from engine.sample_row import SampleRow
+from engine.execution.host_tensors import index_tensor, to_device
+from engine.sampling.sample_row import SampleRow
 
 
 def needs_processing(row: SampleRow) -> bool:

@@ -19,9 +19,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
 from engine.attention.torch_backend import TorchAttention
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graph import CUDAGraphDecoder
-from engine.host_tensors import index_tensor
-from engine.memory_budget import (
+from engine.execution.cuda_graph import CUDAGraphDecoder
+from engine.execution.host_tensors import index_tensor
+from engine.execution.memory_budget import (
     CPU_KV_CACHE_BYTES,
     MiB,
     default_max_num_seqs,
@@ -30,9 +30,9 @@ from engine.memory_budget import (
     num_pool_blocks,
     profile_num_seqs,
 )
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

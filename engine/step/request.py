@@ -1,6 +1,6 @@
 """Request: one sequence's tokens, pending-token count, progress (num_computed_tokens), block
 hashes and status, and what it decodes with: its seeded generator, stop checker and grammar
-matcher (set by engine/output_processor.py)."""
+matcher (set by engine/step/output_processor.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.finish_reason import FinishReason
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.retention import RetentionRange
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
+from engine.sampling.sampling_params import SamplingParams
+from engine.step.stop_checker import StopChecker
 
 if TYPE_CHECKING:  # torch-free at run time
     import torch
@@ -28,7 +28,7 @@ class RequestStatus(enum.Enum):
 
 
 class PrefilledChoices(NamedTuple):
-    """A prefilled parent's choices as its prefill engine left them (engine/fork.py): the first
+    """A prefilled parent's choices as its prefill engine left them (engine/step/fork.py): the first
     token of each choice 1..n-1 that goes on decoding (index -> token id), and the finish reason
     of choice 0 when its first token ended it (the parent then only carries the KV)."""
 
@@ -68,7 +68,7 @@ class Request:
     # The prompt's last tokens that an earlier leg generated (a migrated request resumes with its
     # sent tokens as prompt): presence / frequency penalties count them as output.
     num_resumed_tokens: int = 0
-    # n > 1 (engine/fork.py): choice i > 0 of request choice_of (its outputs carry that id).
+    # n > 1 (engine/step/fork.py): choice i > 0 of request choice_of (its outputs carry that id).
     choice_of: str | None = None
     choice_index: int = 0
     # n > 1, its prompt's KV pulled from a peer: the choices to fork once that KV is in.

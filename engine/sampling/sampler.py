@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.host_tensors import index_tensor, to_device
-from engine.logits_processing import needs_processing, process_logits
-from engine.sample_row import SampleRow
+from engine.execution.host_tensors import index_tensor, to_device
+from engine.sampling.logits_processing import needs_processing, process_logits
+from engine.sampling.sample_row import SampleRow
 
 if TYPE_CHECKING:
-    from engine.structured import TokenBitmask
+    from engine.sampling.structured import TokenBitmask
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
@@ -111,7 +111,7 @@ class Sampler:
         logits may come in the model's dtype: a step of plain greedy rows takes the argmax
         there (the same token: widening to float32 is exact), any other works on a float32
         copy (float32 logits are used as they are).
-        bitmask: the grammar rows' allowed tokens (engine/structured.py); the others get -inf
+        bitmask: the grammar rows' allowed tokens (sampling/structured.py); the others get -inf
         in the float32 logits (in place: in `logits` itself when it is float32) before anything
         else, greedy rows included."""
         if bitmask is not None or not all(plain_greedy(row) for row in rows):

@@ -8,12 +8,12 @@ attention; step N + 1 reads N's sampled tokens on the device (step_inputs.TokenF
 
 from __future__ import annotations
 
-from engine.fork import ChoiceForks
-from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.speculative import Speculator
-from engine.step_launcher import StepLauncher
-from engine.step_types import EngineStats, InFlightStep
+from engine.speculation.speculative import Speculator
+from engine.step.fork import ChoiceForks
+from engine.step.request import Request
+from engine.step.scheduler import Scheduler
+from engine.step.step_launcher import StepLauncher
+from engine.step.step_types import EngineStats, InFlightStep
 
 
 class RunAhead:

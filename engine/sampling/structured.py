@@ -16,11 +16,11 @@ from collections.abc import Iterable, Sequence
 import torch
 import xgrammar as xgr
 
-from engine.host_tensors import to_device
-from engine.request import Request
-from engine.sampling_params import StructuredOutput
+from engine.execution.host_tensors import to_device
+from engine.sampling.sampling_params import StructuredOutput
+from engine.sampling.validation import InvalidField, structured_field
+from engine.step.request import Request
 from engine.tokenizer import Tokenizer
-from engine.validation import InvalidField, structured_field
 
 logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256

@@ -1,5 +1,5 @@
 """ModelRunner: runs steps on the model, KV cache, attention backend and CUDA graphs that
-engine/backend_builder.py made; owns only the counts of steps replayed from graphs.
+engine/execution/backend_builder.py made; owns only the counts of steps replayed from graphs.
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
 forward pass (replaying a CUDA graph for pure-decode steps when one is captured; a speculative
@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
-from engine.host_tensors import index_tensor
+from engine.execution.host_tensors import index_tensor
+from engine.execution.step_inputs import DecodeGraphs, StepInputs, TokenFill
 from engine.kv_cache.manager import KVCacheManager
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.step_inputs import DecodeGraphs, StepInputs, TokenFill
+from engine.step.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.backend_builder import DeviceSide
+    from engine.execution.backend_builder import DeviceSide
 
 
 @dataclass(frozen=True)

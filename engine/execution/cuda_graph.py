@@ -13,8 +13,8 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.flashinfer_backend import FlashInferAttention
-from engine.host_tensors import copy_from_host
-from engine.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
+from engine.execution.host_tensors import copy_from_host
+from engine.execution.step_inputs import StepInputs, TokenFill, padded_rows, smallest_fit
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

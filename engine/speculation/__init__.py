@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram and draft-model drafting, verification, the cost guard."""

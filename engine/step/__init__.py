@@ -1,0 +1,1 @@
+"""The step loop's parts and the request records: scheduling, launching, finishing."""
