@@ -7,7 +7,10 @@ the test's own when asked.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,3 +122,25 @@ def serving(engine: Engine, checkpoint: str | Path, **options: Any) -> Iterator[
     finally:
         harness.stop()
     engine.assert_no_leaks()
+
+
+def post_with_headers(
+    harness: LoopThread, path: str, body: dict | bytes
+) -> tuple[int, dict[str, str], dict]:
+    """POST a JSON body (or raw bytes) to the harness's HTTP server: status, headers and the JSON
+    reply, refusals included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        harness.base_url + path, data, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def post(harness: LoopThread, path: str, body: dict | bytes) -> tuple[int, dict]:
+    """post_with_headers without the headers."""
+    status, _, reply = post_with_headers(harness, path, body)
+    return status, reply

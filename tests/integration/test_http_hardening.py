@@ -24,7 +24,7 @@ from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.request_size import MIB
 from router.tokenizer import RouterTokenizer
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness, serving
+from tests.server_harness import ServerHarness, post, serving
 
 MAX_MODEL_LEN = 128
 MAX_BODY_MIB = 0.25
@@ -72,18 +72,6 @@ def tokenizer(harness: ServerHarness) -> Iterator[GatedTokenizer]:
 def no_leaks(harness: ServerHarness) -> Iterator[None]:
     yield
     harness.assert_no_leaks()
-
-
-def post(harness: ServerHarness, path: str, body: dict | bytes) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        harness.base_url + path, data, {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def get(harness: ServerHarness, path: str, timeout_s: float = 30) -> tuple[int, dict]:

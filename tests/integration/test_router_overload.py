@@ -5,7 +5,6 @@ RESOURCE_EXHAUSTED) without the backend seeing it, counts it, and serves again o
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.conftest import build_engine
 from tests.held_backend import HeldBackend
-from tests.server_harness import ServerHarness, serving
+from tests.server_harness import ServerHarness, post_with_headers, serving
 
 MAX_QUEUED = 2
 MAX_TOKENS = 6
@@ -55,17 +54,6 @@ def held(harness: ServerHarness) -> HeldBackend:
     return harness.held
 
 
-def post(harness: ServerHarness, path: str, body: dict) -> tuple[int, dict[str, str], dict]:
-    request = urllib.request.Request(
-        harness.base_url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read())
-
-
 def metric(harness: ServerHarness, name: str) -> float:
     with urllib.request.urlopen(harness.base_url + "/metrics", timeout=10) as response:
         for line in response.read().decode().splitlines():
@@ -92,12 +80,12 @@ def test_a_full_router_refuses_at_once_and_serves_again_when_a_slot_frees(
     with grpc.insecure_channel(harness.grpc_target) as channel, ThreadPoolExecutor(1) as pool:
         stub = pb_grpc.KVRelayStub(channel)
         # Two requests fill the router: one over HTTP, one over gRPC, both held by the backend.
-        http_held = pool.submit(post, harness, "/v1/completions", BODY)
+        http_held = pool.submit(post_with_headers, harness, "/v1/completions", BODY)
         grpc_held = stub.Generate(grpc_request("held-grpc"), timeout=120)
         backend.wait_until(lambda b: b.num_held == MAX_QUEUED)
         assert metric(harness, "kvrelay_admitted_requests") == MAX_QUEUED
 
-        status, headers, reply = post(harness, "/v1/completions", BODY)
+        status, headers, reply = post_with_headers(harness, "/v1/completions", BODY)
         assert status == 503, reply
         assert headers["Retry-After"] == "1"
         assert reply["error"]["type"] == "server_error"
@@ -131,7 +119,7 @@ def test_a_full_router_refuses_at_once_and_serves_again_when_a_slot_frees(
     assert "".join(r.text for r in grpc_responses) == reply["choices"][0]["text"]
 
     harness.run(harness.frontend.admission.drained())
-    status, _, again = post(harness, "/v1/completions", BODY)
+    status, _, again = post_with_headers(harness, "/v1/completions", BODY)
     assert status == 200 and again["choices"][0]["text"] == reply["choices"][0]["text"]
 
 
@@ -150,6 +138,8 @@ def test_a_queued_request_whose_client_leaves_gives_its_slot_back(harness: Serve
         harness.run(backend.release())
         # Both slots are free again: two requests at once are served.
         with ThreadPoolExecutor(2) as pool:
-            replies = list(pool.map(lambda _: post(harness, "/v1/completions", BODY), range(2)))
+            replies = list(
+                pool.map(lambda _: post_with_headers(harness, "/v1/completions", BODY), range(2))
+            )
     assert [status for status, _, _ in replies] == [200, 200]
     assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for _, _, r in replies)

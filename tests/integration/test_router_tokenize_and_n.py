@@ -3,9 +3,6 @@ real SmolLM2 engine."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -15,7 +12,7 @@ from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.tokenizer import RouterTokenizer
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness, serving
+from tests.server_harness import ServerHarness, post, serving
 
 MAX_MODEL_LEN = 256
 CHAT = [{"role": "user", "content": "Name three rivers."}]
@@ -38,18 +35,6 @@ def router_tokenizer(smollm_dir) -> RouterTokenizer:
 def no_leaks(harness: ServerHarness) -> Iterator[None]:
     yield
     harness.assert_no_leaks()
-
-
-def post(harness: ServerHarness, path: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        harness.base_url + path, data, {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------
