@@ -15,9 +15,12 @@ from collections.abc import Awaitable
 from typing import ParamSpec, Protocol, TypeVar
 
 from common.cluster_state import (
+    ClusterStatus,
     LeakCheck,
     Member,
+    RouterConfig,
     RouterStatus,
+    ScaleRequest,
     WorkerDescription,
     WorkerState,
     WorkerStats,
@@ -68,7 +71,12 @@ class DecodeActor(WorkerActor, Protocol):
 
 
 class ControllerActor(Protocol):
-    """The controller as a router's MembershipSync calls it."""
+    """The controller as the CLI, the embedded cluster and a router's MembershipSync call it."""
 
+    start: RemoteMethod[[], None]  # its reconcile loop
+    scale: RemoteMethod[[ScaleRequest], dict[str, int]]  # -> the pools' desired sizes
+    status: RemoteMethod[[bool], ClusterStatus]  # (with_stats)
     members: RemoteMethod[[RouterStatus | None], list[Member]]  # a router reports, gets members
     forget_router: RemoteMethod[[str], None]  # router_id: it stopped
+    router_config: RemoteMethod[[], RouterConfig]  # once a worker has loaded the model
+    shutdown: RemoteMethod[[], None]  # every pool to 0, the loop stopped

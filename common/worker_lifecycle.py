@@ -34,7 +34,10 @@ class WorkerLifecycle:
     def check_open(self) -> None:
         """Raise WorkerUnavailable once the worker has shut down or retired."""
         if self.closed:
-            raise WorkerUnavailable(f"{self.role} worker {self.worker_id} has shut down")
+            raise WorkerUnavailable(
+                f"{self.role} worker {self.worker_id} has stopped taking requests (retired or "
+                "shut down)"
+            )
 
     def admit(self, req_id: str) -> None:
         """A request arrives: refuse it once closed; count it unless it is a warm-up."""

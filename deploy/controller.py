@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import cast
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -36,7 +36,7 @@ from common.cluster_state import (
 )
 from common.messages import ServedModel
 from common.placement_rules import LocalPrefill, SloTargets
-from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
+from common.worker_actors import ControllerActor, DecodeActor, PrefillActor, WorkerActor
 from common.worker_stats import gather_stats
 from deploy import worker_launch
 from deploy.autoscale import AutoscaleConfig
@@ -436,11 +436,11 @@ class Controller:
             logger.info("controller: request_resources failed: %s", e)
 
     # ---- status ----------------------------------------------------------------------------
-    async def _gather_stats(self, records: list[_Record]) -> dict[str, Any]:
+    async def _gather_stats(self, records: list[_Record]) -> dict[str, WorkerStats]:
         asked = [r for r in records if r.state != WorkerState.GONE and r.description is not None]
         return await gather_stats({r.worker_id: r.actor for r in asked})
 
-    def _worker_status(self, record: _Record, stats: Any) -> WorkerStatus:
+    def _worker_status(self, record: _Record, stats: WorkerStats | None) -> WorkerStatus:
         desc = record.description
         return WorkerStatus(
             record.worker_id,
@@ -462,7 +462,7 @@ def _started_at(record: _Record) -> float:
 
 async def start_controller(
     config: ControllerConfig, sizes: dict[str, int], name: str = CONTROLLER_NAME
-) -> Any:
+) -> ControllerActor:
     """Create the detached controller actor (on the head node) and start its loop; raises
     ValueError when one of that name already runs on this Ray cluster."""
     try:
@@ -490,13 +490,13 @@ async def start_controller(
         .remote(config, sizes)
     )
     await actor.start.remote()
-    return actor
+    return cast(ControllerActor, actor)
 
 
-def find_controller(name: str = CONTROLLER_NAME) -> Any:
+def find_controller(name: str = CONTROLLER_NAME) -> ControllerActor:
     """The running controller's handle; ValueError with what to do when there is none."""
     try:
-        return ray.get_actor(name, namespace=NAMESPACE)
+        return cast(ControllerActor, ray.get_actor(name, namespace=NAMESPACE))
     except ValueError:
         raise ValueError(
             f"no kvrelay controller ({name!r}) on this Ray cluster: start one with `kvrelay "

@@ -178,7 +178,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_dtype=args.kv_cache_dtype,
             partial_reuse_min_tokens=args.partial_reuse_min_tokens,
             host_kv_cache_bytes=int(args.host_kv_gib * (1 << 30)),
-            host_leases=args.host_leases,
+            keep_on_host=args.host_leases,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

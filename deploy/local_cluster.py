@@ -14,6 +14,7 @@ from typing import Any
 from common.cluster_state import CONTROLLER_NAME, NAMESPACE, WorkerState
 from common.placement_rules import LocalPrefill, SloTargets
 from common.redis_url import redact
+from common.worker_actors import ControllerActor
 from deploy.autoscale import AutoscaleConfig
 from deploy.controller import ControllerConfig, start_controller
 from deploy.controller_redis import forget_in_index
@@ -74,7 +75,7 @@ class LocalCluster:
         self.spec = spec
         self.redis: Any = None
         self.redis_url: str | None = None
-        self.controller: Any = None
+        self.controller: ControllerActor | None = None
         self.backend: Any = None
         self.model: Any = None  # common.messages.ServedModel, once started
         self._owns_ray = False
@@ -226,9 +227,7 @@ class LocalCluster:
             return
         worker_ids: list[str] = []
         try:
-            status = await asyncio.wait_for(
-                self.controller.status.remote(with_stats=False), STATUS_TIMEOUT_S
-            )
+            status = await asyncio.wait_for(self.controller.status.remote(False), STATUS_TIMEOUT_S)
             worker_ids = [
                 w.worker_id
                 for pool in status.pools

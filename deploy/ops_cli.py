@@ -12,6 +12,7 @@ import sys
 import time
 
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStatus
+from common.worker_actors import ControllerActor
 from deploy import cluster_address
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
 
@@ -52,7 +53,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     target.add_argument("--name", default=None, help=NAME_HELP)
 
 
-def _controller(args: argparse.Namespace):
+def _controller(args: argparse.Namespace) -> ControllerActor:
     from deploy.controller import find_controller
 
     cluster_address.connect(args.address, args.name)
@@ -71,7 +72,7 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
     from deploy.progress import ScaleFailed, follow
 
     controller = _controller(args)
-    before: ClusterStatus = await controller.status.remote(with_stats=False)
+    before: ClusterStatus = await controller.status.remote(False)  # without stats
     seen = {
         (w.worker_id, i)
         for pool in before.pools
@@ -98,7 +99,7 @@ def status(args: argparse.Namespace) -> int:
     controller = _controller(args)
 
     async def fetch() -> ClusterStatus:
-        return await controller.status.remote()
+        return await controller.status.remote(True)
 
     current = asyncio.run(fetch())
     if args.json:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from common.cluster_state import ClusterStatus
+from common.worker_actors import ControllerActor
 
 POLL_S = 0.5
 
@@ -18,7 +18,7 @@ class ScaleFailed(RuntimeError):
 
 
 async def follow(
-    controller: Any,
+    controller: ControllerActor,
     progress: Callable[[str], None],
     timeout_s: float = 1800.0,
     seen: set[tuple[str, int]] | None = None,
@@ -28,7 +28,7 @@ async def follow(
     printed: set[tuple[str, int]] = set(seen or ())
     deadline = time.monotonic() + timeout_s
     while True:
-        status: ClusterStatus = await controller.status.remote(with_stats=False)
+        status: ClusterStatus = await controller.status.remote(False)  # without stats
         for pool in status.pools:
             for worker in pool.workers:
                 for i, step in enumerate(worker.transitions):

@@ -113,7 +113,7 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     check_max_body_mib(args.max_body_mib)
-    if args.drain_seconds < 0:
+    if not args.drain_seconds >= 0:  # NaN too
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     return RouterOptions(
         max_queued_requests=args.max_queued_requests,

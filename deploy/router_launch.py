@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 from common.cluster_state import RouterConfig, RouterStatus, SloAttainment
+from common.worker_actors import ControllerActor
 from router.cluster_backend import ClusterBackend
 from router.membership import MembershipSync
 from router.policy import make_prefill_policy
@@ -17,7 +17,10 @@ from router.worker_set import WorkerSet
 
 
 async def build_backend(
-    controller: Any, http_url: str = "", grpc_address: str = "", router_id: str | None = None
+    controller: ControllerActor,
+    http_url: str = "",
+    grpc_address: str = "",
+    router_id: str | None = None,
 ) -> tuple[ClusterBackend, RouterConfig]:
     """A ClusterBackend whose WorkerSet has synced once with the controller (sync keeps going)."""
     config: RouterConfig = await controller.router_config.remote()

@@ -125,10 +125,11 @@ class CacheConfig:
     # A host-memory tier of the prefix cache (pinned on CUDA): cached blocks evicted from the
     # device pool are copied there and copied back on a prefix hit. 0: none.
     host_kv_cache_bytes: int = 0
-    # Prefill role: a lease pins the host tier's copies of the prompt's leading full blocks
-    # (decode workers read them from host memory) instead of their device blocks, which stay
-    # cached but unpinned; only the rest of the prompt holds device blocks. Needs a host tier.
-    host_leases: bool = False
+    # Blocks a finished request keeps (add_request keep_blocks) are held as the host tier's
+    # copies of its leading full blocks (a peer reads them from host memory) instead of their
+    # device blocks, which stay cached but unpinned; only the rest holds device blocks. Needs a
+    # host tier. The prefill worker's --host-leases.
+    keep_on_host: bool = False
 
     @property
     def partial_reuse_threshold(self) -> int:
@@ -151,8 +152,8 @@ class CacheConfig:
             )
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
-        if self.host_leases and not self.host_kv_cache_bytes:
-            raise ValueError("host_leases needs a host tier (host_kv_cache_bytes > 0)")
+        if self.keep_on_host and not self.host_kv_cache_bytes:
+            raise ValueError("keep_on_host needs a host tier (host_kv_cache_bytes > 0)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -1,9 +1,10 @@
 """Engine: add_request / step / abort over one model and one KV pool.
 
 The engine owns its parts (scheduler, runner, sampler, KV manager and copies, loader, forks,
-speculator) and the step counters; model_setup.py builds its device side, step_launcher.py
-queues a step, overlap.py runs one ahead, output_processor.py turns tokens into outputs. It is
-single-threaded: callers serialise their calls.
+speculator) and the step counters; model_setup.py builds its device side, admission.py takes
+requests in and aborts them, step_launcher.py queues a step, overlap.py runs one ahead,
+output_processor.py turns tokens into outputs. It is single-threaded: callers serialise their
+calls.
 """
 
 from __future__ import annotations
@@ -19,20 +20,19 @@ from engine.execution.backend_builder import DeviceSide, resolve_device
 from engine.execution.gc_heap import freeze_heap, thaw_heap
 from engine.execution.model_setup import build_device_parts
 from engine.execution.runner import ModelRunner
-from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, KVEvent
-from engine.kv_cache.manager import cdiv
-from engine.kv_cache.retention import RetentionRange, check_ranges
+from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
+from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
-from engine.sampling.validation import check_prefilled, check_request, resumed_tokens
 from engine.speculation.speculative import Speculator, drafter
+from engine.step.admission import Admission
 from engine.step.fork import ChoiceForks
 from engine.step.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.step.output_processor import OutputProcessor
 from engine.step.overlap import RunAhead
-from engine.step.request import FinishReason, PrefilledChoices, Request
+from engine.step.request import PrefilledChoices, Request
 from engine.step.scheduler import Scheduler
 from engine.step.step_launcher import StepLauncher
 from engine.step.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
@@ -81,26 +81,26 @@ class Engine:
         overlap = config.async_scheduling  # None: where decode steps replay CUDA graphs
         overlap = backend.graphs is not None if overlap is None else overlap
         self.run_ahead = RunAhead(overlap, self.launcher, sched, spec, forks, stats)
-        self.output = OutputProcessor(
+        self.output = output = OutputProcessor(
             sched, forks, spec, sampler, self.tokenizer, eos_ids, grammars, config.detokenize
         )
+        self.admission = Admission(
+            sched, self.loader, forks, output, kv, self.copies, self.tokenizer, mc.vocab_size,
+            self.max_model_len,
+        )  # fmt: skip
 
     @property
     def overlap_steps(self) -> bool:
         """Whether the next step is queued before a step's tokens are read (overlap.py)."""
         return self.run_ahead.enabled
 
-    # ---- requests ------------------------------------------------------------------------
+    # ---- requests (admission.py) --------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; send token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.admission.tokenize_prompt(prompt)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidField (a ValueError naming the field) for input this engine cannot serve."""
-        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        self.admission.validate(prompt_token_ids, params)
 
     def add_request(
         self,
@@ -113,32 +113,11 @@ class Engine:
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
     ) -> Request:
-        """Queue a request.
-
-        keep_blocks: the request ends after its first token and keeps its blocks, named in
-        that output (kept_block_ids), until release_blocks frees them. Its finish reason is the
-        true one when that token ends it (stop, length), else "first_token" (the caller goes on
-        from there). With n > 1 each choice's first token comes out (choices 1..n-1 with no
-        block: choice 0's are the ones kept).
-        num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
-        kv_retention: token ranges whose blocks keep their own priority once freed.
-        """
-        if req_id in self.kv.kept:
-            raise ValueError(f"request id {req_id!r} is already in use (its blocks are kept)")
-        if self.forks.live_choices(req_id):
-            raise ValueError(f"request id {req_id!r} is already in use (by its other choices)")
-        req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
-        check_ranges(kv_retention)
-        req.retention = tuple(kv_retention)
-        req.keep_blocks = keep_blocks
-        req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
-        self.output.start(req)  # before queueing: a grammar the compiler refuses raises here
-        try:
-            self.scheduler.add(req)
-        except ValueError:  # its id is in use: the request that has it keeps its own state
-            self.output.release(req)
-            raise
-        return req
+        """Queue a request (Admission.add says what each option does)."""
+        return self.admission.add(
+            req_id, prompt, params, cache_salt, retention_priority, keep_blocks,
+            num_resumed_tokens, kv_retention,
+        )  # fmt: skip
 
     def add_prefilled_request(
         self,
@@ -151,86 +130,32 @@ class Engine:
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
     ) -> KVLoadPlan | None:
-        """Admit a prompt computed elsewhere: reserve its blocks; None if no room now.
-
-        The caller pulls the remote blocks named by the plan, then calls commit_kv (or fail_kv
-        to recompute locally). n > 1: `choices` (the prefill engine's first tokens of the
-        other choices) are forked off the prompt's KV once it is in.
-        """
-        if req_id in self.scheduler.requests or req_id in self.loader.loading:
-            raise ValueError(f"request id {req_id!r} is already in use")
-        blocks_needed = cdiv(len(prompt_token_ids) + 1, self.kv.block_size)
-        limits = (blocks_needed, self.kv.num_blocks, self.model_config.vocab_size)
-        check_prefilled(len(prompt_token_ids), first_token_id, self.max_model_len, limits)
-        req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
-        check_ranges(kv_retention)
-        req.retention = tuple(kv_retention)
-        req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
-        req.append_token(first_token_id)
-        self.output.start(req)  # its grammar replays the first token (and a migration's sent)
-        if choices is not None:
-            self.forks.expect_prefilled(req, choices)
-        plan = self.loader.reserve(req)
-        if plan is not None:  # an offload of a block the pull will write must be done first
-            self.copies.run_owed(self.kv, wait=True, writes=plan.local_block_ids)
-        else:
-            self.output.release(req)
-        return plan
+        """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now."""
+        return self.admission.add_prefilled(
+            req_id, prompt_token_ids, first_token_id, params, cache_salt, num_resumed_tokens,
+            choices, kv_retention,
+        )  # fmt: skip
 
     def commit_kv(self, req_id: str) -> None:
-        req = self.loader.loading[req_id]
-        self.loader.commit(req_id)
-        self.output.fork_prefilled(req)
+        self.admission.commit_kv(req_id)
 
     def fail_kv(self, req_id: str) -> None:
-        req = self.loader.loading[req_id]
-        self.loader.fail(req_id)
-        self.output.fork_prefilled(req)
+        self.admission.fail_kv(req_id)
 
     def release_blocks(self, req_id: str) -> bool:
         """Free the blocks a keep_blocks request kept; False when none are kept for req_id."""
         return self.kv.release_kept(req_id)
 
-    def _new_request(
-        self,
-        req_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None,
-        cache_salt: str | None,
-        retention_priority: int,
-    ) -> Request:
-        params = params or SamplingParams()
-        token_ids = self.tokenize_prompt(prompt)
-        self.validate(token_ids, params)
-        if not MIN_PRIORITY <= retention_priority <= MAX_PRIORITY:
-            raise ValueError(f"retention_priority must be in [0, 100], got {retention_priority}")
-        return Request(req_id, token_ids, params, cache_salt, retention_priority)
-
     def abort(self, req_id: str) -> bool:
         """Abort a request and its other choices (n > 1); False when none of them was known."""
-        aborted = [self._abort_one(choice_id) for choice_id in self.forks.live_choices(req_id)]
-        return self._abort_one(req_id) or any(aborted)
-
-    def _abort_one(self, req_id: str) -> bool:
-        req = self.scheduler.requests.get(req_id)
-        if req is not None:
-            self.scheduler.finish(req, FinishReason.ABORT)
-            self.forks.discard(req)
-        else:
-            req = self.loader.abort(req_id)
-        if req is None:
-            return False
-        self.output.release(req)
-        return True
+        return self.admission.abort(req_id)
 
     def is_unfinished(self, req_id: str) -> bool:
-        """Some choice of req_id is queued, running or loading its KV."""
-        requests, loading = self.scheduler.requests, self.loader.loading
-        return req_id in requests or req_id in loading or bool(self.forks.live_choices(req_id))
+        return self.admission.is_unfinished(req_id)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.loader.loading)
+        return self.admission.has_unfinished_requests
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -293,8 +218,8 @@ class Engine:
         return {req_id: self.kv.block_ids(req_id) for req_id in self.loader.loading}
 
     def kv_memory(self) -> KVMemory:
-        """What a peer reads KV from: the device cache, and with host leases the host tier."""
-        return KVMemory(self.kv_cache, self.copies.host if self.config.cache.host_leases else None)
+        """What a peer reads KV from: the device cache, and with keep_on_host the host tier."""
+        return KVMemory(self.kv_cache, self.copies.host if self.config.cache.keep_on_host else None)
 
     def drain_kv_events(self) -> list[KVEvent]:
         """Both tiers' KV events since the last call (none without config.record_kv_events)."""

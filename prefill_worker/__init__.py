@@ -1,1 +1,1 @@
-"""Prefill pool: a Ray actor running the engine in prefill role, holding KV under leases."""
+"""Prefill pool: a Ray actor whose engine computes prompts and keeps their blocks under leases."""

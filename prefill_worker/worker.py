@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
     from engine.step.step_types import EngineSnapshot, RequestOutput
 
 logger = logging.getLogger(__name__)
-FIRST_TOKEN = FinishReason.FIRST_TOKEN.value  # the first token ended nothing: decode goes on
 
 
 @dataclass(frozen=True)
@@ -221,8 +220,9 @@ class PrefillWorker(WorkerBase):
         return False
 
 
-def _finish_of(out: RequestOutput) -> str | None:
-    return None if out.finish_reason == FIRST_TOKEN else out.finish_reason
+def _finish_of(out: RequestOutput) -> FinishReason | None:
+    """None when the first token ended nothing (decode goes on), else why the request ended."""
+    return None if out.finish_reason is FinishReason.FIRST_TOKEN else out.finish_reason
 
 
 def _settle(future: asyncio.Future, value: object) -> None:

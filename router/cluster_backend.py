@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -128,13 +129,25 @@ class ClusterBackend(Backend):
         take it before anything was sent; once the gate ends the streams, each open choice ends
         at once with the gate's finish_reason."""
         self.gate.check()
+        async with contextlib.aclosing(self._migrating(request, request.req_id)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _migrating(
+        self, request: GenerateRequest, client_req_id: str
+    ) -> AsyncIterator[TokenDelta]:
+        """generate's stream of `request`: the client's own, or one choice of an n > 1 request
+        resumed after its decode worker died (client_req_id is then the client's id: the leg
+        was admitted already, and a resumed choice that finds no worker ends with an error
+        delta, since the client's stream is open)."""
+        resumed = request.req_id != client_req_id
         sent: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}  # by choice
         done: set[int] = set()
         leg = request
         num_yielded = 0
         for num_migrations in range(self.max_migrations + 1):
             try:
-                async with contextlib.aclosing(self._leg(leg, request.req_id)) as deltas:
+                async with contextlib.aclosing(self._leg(leg, client_req_id)) as deltas:
                     async for delta in deltas:
                         sent[delta.index].extend(delta.token_ids)
                         if delta.finished:
@@ -154,7 +167,7 @@ class ClusterBackend(Backend):
                         return
                 return
             except (NoWorkerAvailable, WorkerUnavailable, RayActorError) as e:
-                if num_yielded:  # a migrated leg found no worker: the stream ends with an error
+                if num_yielded or resumed:  # the stream is open: it ends with an error
                     yield TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=f"{e}")
                     return
                 raise self._unavailable(request.req_id, e) from None
@@ -162,7 +175,8 @@ class ClusterBackend(Backend):
                 if request.sampling.n > 1:
                     open_choices = {i: t for i, t in sent.items() if i not in done}
                     self._count_migration(request, lost, f"{len(open_choices)} open choices")
-                    async for delta in resume_choices(self.generate, request, open_choices):
+                    resume = functools.partial(self._migrating, client_req_id=client_req_id)
+                    async for delta in resume_choices(resume, request, open_choices):
                         yield delta
                     return
                 if num_migrations == self.max_migrations:

@@ -51,7 +51,7 @@ def build_engine(
         kv_cache_dtype=overrides.pop("kv_cache_dtype", "auto"),
         partial_reuse_min_tokens=overrides.pop("partial_reuse_min_tokens", 1),
         host_kv_cache_bytes=overrides.pop("host_kv_cache_bytes", 0),
-        host_leases=overrides.pop("host_leases", False),
+        keep_on_host=overrides.pop("keep_on_host", False),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),

@@ -86,7 +86,8 @@ def padded_rows(
 
 
 class DecodeGraphs(Protocol):
-    """Pure-decode steps replayed from captured graphs (engine.cuda_graph.CUDAGraphDecoder)."""
+    """Pure-decode steps replayed from captured graphs (execution/cuda_graph.py's
+    CUDAGraphDecoder)."""
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured batch size a step of num_seqs decodes runs at; None: run eager."""

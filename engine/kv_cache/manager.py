@@ -97,7 +97,7 @@ class KVCacheManager:
             record_events,
             cache.partial_reuse_threshold,
             tier,
-            keep_on_host=cache.host_leases,
+            keep_on_host=cache.keep_on_host,
         )
 
     @property

@@ -7,7 +7,8 @@ a 128 x 128 tile there and reads them at about half the HBM rate; the bf16-input
 (fp8_gemv.py) converts every e4m3 weight to a wider type first, and that conversion, not HBM,
 bounds it (~2.7 TB/s on the H200). Here the codes go to the tensor cores as they are, 16 rows
 padded: on the H200 the 8B shape's four projections took 2.30 ms a step at one row against the
-GEMV's 2.76, and 2.23-2.33 ms at 2-16 rows against 3.29-3.49 (bench/fp8_gemv_bench.py, fp8dot).
+GEMV's 2.76, and 2.23-2.33 ms at 2-16 rows against 3.29-3.49 (bench/fp8_gemv_bench.py,
+fp8dot; in git history before 31b779a).
 The inputs come quantized from the kernel that made them (fp8_fused.py), so the quantization
 costs no launch of its own. Tiles are fixed by weight width (tile_for), from a chain of calls
 over weights L2 cannot hold: Triton's autotuner, timing each call alone, took gate/up's 28,672

@@ -6,8 +6,9 @@ kernel applies as it reads them. Owns no state; imports triton on first use.
 Unfused, an add + RMSNorm or a SiLU-and-mul kernel writes bf16 rows, then quantize_rows reads
 them back and writes e4m3. Fused, the row is quantized while it is still in registers: on an
 H200 the 8B shape's 16,384-token step spends 17.9 ms in these kernels where the unfused chain
-took 28.3 ms (bench/fp8_step_kernels_bench.py). The math is the unfused chain's: the result is
-rounded to the activations' dtype before its amax is taken, so the e4m3 codes are those
+took 28.3 ms (bench/fp8_step_kernels_bench.py, in git history before 31b779a). The math is
+the unfused chain's: the result is rounded to the activations' dtype before its amax is
+taken, so the e4m3 codes are those
 quantize_rows would give on the unfused output, up to float rounding. Per-row quantization
 alone is quantize_rows_torch's math in one launch instead of ~6 small torch kernels. Decode
 batches' deferred-scale products of 17-2,048 rows walk the SiLU row in chunks instead

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from engine.finish_reason import FinishReason
 from engine.kv_cache.manager import KVCacheManager
 from engine.step.request import PrefilledChoices, Request
 from engine.step.scheduler import Scheduler
@@ -70,7 +71,7 @@ class ChoiceForks:
             raise ValueError(f"choice indexes {bad} are outside [1, n) for n={parent.sampling.n}")
         parent.prefilled_choices = choices
 
-    def fork_prefilled(self, parent: Request) -> tuple[list[Request], str | None]:
+    def fork_prefilled(self, parent: Request) -> tuple[list[Request], FinishReason | None]:
         """A prefilled parent's KV is committed (or queued for recompute): schedule its choices
         that go on, each sharing the prompt's KV (or recomputing it) with its own first token
         appended. Returns them and choice 0's finish reason when it ended at prefill."""

@@ -1,6 +1,7 @@
 """StepLauncher: queues one step on the device (the KV copies it reads, the forward pass, the
-grammars' bitmask and sampling) and returns it in flight; keeps the logits row each n > 1 request
-forks its choices from. Owns no state but the step counters it adds to.
+grammars' bitmask and sampling) and returns it in flight, with the logits row each n > 1 request
+forks its choices from (InFlightStep.fork_logits). Owns no state but the step counters it adds
+to.
 """
 
 from __future__ import annotations

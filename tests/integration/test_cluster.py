@@ -231,7 +231,7 @@ def test_a_decode_pull_reads_the_prefill_workers_host_tier(cluster, loop, tokeni
     memory over NIXL, the partial last block from its device pool: token-exact, no recompute,
     and both of the holder's tiers end leak-free."""
     prompt = shared_prefix_prompts(tokenizer, "Hostlease", 1)[0]
-    cache = CacheConfig(num_blocks=64, host_kv_cache_bytes=64 << 20, host_leases=True)
+    cache = CacheConfig(num_blocks=64, host_kv_cache_bytes=64 << 20, keep_on_host=True)
     holder = start_extra_prefill(
         "host-lease-prefill", dataclasses.replace(cluster.spec.engine, cache=cache)
     )

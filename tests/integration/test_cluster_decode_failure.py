@@ -14,6 +14,7 @@ import ray
 from common.messages import GenerateRequest, TokenDelta
 from deploy.local_cluster import LocalCluster
 from engine.sampling.sampling_params import SamplingParams
+from router.serving_gate import ServingGate
 from tests.integration.cluster_support import (
     cluster_spec,
     reference_batch,
@@ -206,7 +207,8 @@ def test_a_dead_decode_workers_n3_requests_resume_every_open_choice(
     """n = 3, seeded sampling and greedy side by side: when the seeded request's decode worker
     dies mid-stream, each of its open choices resumes as a request of its own on the other
     worker (seed + i, from the tokens it sent), and every choice ends as in an undisturbed
-    run, with no duplicated or missing token."""
+    run, with no duplicated or missing token. The router starts draining as the worker dies:
+    the choices resume all the same (only new requests are refused)."""
     loop.run_until_complete(both_decode_workers_ready(cluster))
     prompt = tuple(prompts_for(tokenizer, "forked")[0])
     seeded = SamplingParams(max_tokens=48, temperature=0.9, seed=7, ignore_eos=True, n=3)
@@ -225,6 +227,7 @@ def test_a_dead_decode_workers_n3_requests_resume_every_open_choice(
                 victim = cluster.backend.decode_worker_of(req_id)
                 assert victim is not None
                 killed.append(victim)
+                cluster.backend.gate.refuse("draining")  # a drain begins as the worker dies
                 ray.kill(cluster.decode_actors[victim])
         return choices, reasons
 
@@ -236,7 +239,13 @@ def test_a_dead_decode_workers_n3_requests_resume_every_open_choice(
 
     undisturbed, _ = loop.run_until_complete(run("calm", seeded, False))
     before = cluster.backend.num_migrations
-    (migrated, reasons), (greedy_choices, greedy_reasons) = loop.run_until_complete(storm())
+    gate = cluster.backend.gate
+    cluster.backend.gate = ServingGate()  # refuses for this test only
+    try:
+        (migrated, reasons), (greedy_choices, greedy_reasons) = loop.run_until_complete(storm())
+        assert cluster.backend.gate.refusal == "draining"
+    finally:
+        cluster.backend.gate = gate
     assert killed, "the request finished before the kill"
     assert cluster.backend.num_migrations > before
     assert migrated == undisturbed and reasons == {0: "length", 1: "length", 2: "length"}

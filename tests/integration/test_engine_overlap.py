@@ -225,7 +225,7 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
         max_num_batched_tokens=16,
         async_scheduling=True,
         host_kv_cache_bytes=16 * block_bytes,
-        host_leases=True,
+        keep_on_host=True,
     )
     assert tiered.kv.keep_on_host
     got = prefill_all(tiered)

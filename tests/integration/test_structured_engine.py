@@ -13,6 +13,7 @@ import pytest
 from engine.engine import Engine
 from engine.sampling.sampling_params import SamplingParams, StructuredOutput
 from engine.sampling.validation import InvalidField
+from engine.step.request import PrefilledChoices
 
 PERSON = {
     "type": "object",
@@ -160,3 +161,16 @@ def test_overlapped_steps_never_run_ahead_of_a_grammar(make_engine):
     engine.add_request("free-only", ids, SamplingParams(max_tokens=8, temperature=0))
     assert run(engine)["free-only"] == outputs[0]["free"]
     assert engine.stats.num_steps_ahead > 0
+
+
+def test_prefilled_choices_out_of_range_are_refused_before_the_grammar_starts(make_engine):
+    """A prefilled n > 1 request naming a choice index outside [1, n) is refused with nothing
+    left behind: no grammar matcher, no reserved block."""
+    engine = make_engine()
+    params = SamplingParams(max_tokens=8, temperature=0, structured=SCHEMA, n=2)
+    with pytest.raises(ValueError, match="choice indexes"):
+        engine.add_prefilled_request(
+            "bad-choices", [1, 2, 3, 4], 5, params, choices=PrefilledChoices({2: 7}, None)
+        )
+    assert engine.grammars is not None and engine.grammars.num_active == 0
+    engine.assert_no_leaks()

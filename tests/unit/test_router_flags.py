@@ -82,6 +82,8 @@ def test_both_drain_for_drain_seconds(command: str) -> None:
     assert options(command, "--drain-seconds", "0.5").drain_s == 0.5
     with pytest.raises(ValueError, match="--drain-seconds must be >= 0, got -1"):
         options(command, "--drain-seconds", "-1")
+    with pytest.raises(ValueError, match="--drain-seconds must be >= 0, got nan"):
+        options(command, "--drain-seconds", "nan")
 
 
 @pytest.mark.parametrize("command", ["serve", "router"])
