@@ -17,6 +17,9 @@ percentiles, throughput and the prefix hit rate; with --json also PNG plots besi
     python -m bench.serve_bench --launch --transport grpc --workload multi-turn \\
         --num-conversations 16 --turns 4 --input-len 256 --turn-input-len 32 --output-len 32 \\
         --rate 1 --json chat.json     # --rate: conversations started per second
+    python -m bench.serve_bench --url http://127.0.0.1:8100 --workload multi-turn \\
+        --tokenizer MODEL_DIR/tokenizer.json --num-conversations 16 --turns 4 --rate 1 \\
+        --json chat_http.json     # over HTTP (e.g. vLLM): each output's text re-tokenized
     python -m bench.serve_bench --launch --decode 1 --server-args '--autoscale-decode 1:4' \\
         --watch-pools --num-requests 400 --rate 2 8 --json autoscale.json
 """

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 52, first item: served goodput on one GPU, kvrelay's one-GPU deployment beside vLLM
-# 0.26's OpenAI server with its defaults, the same serve_bench client over HTTP for both, the
-# long-prompt workload (3,000 random tokens in, 150 out, Poisson arrivals) at each of RATES, SLO
-# TTFT <= 1.5 s and TPOT <= 50 ms. Runs on the GPU machine after staging (bench/lease_stage.sh,
-# or ../shared/device/stage.sh + ../shared/device/vllm/stage.sh), with the stage's exports set.
+# 0.26's OpenAI server with its defaults, the same serve_bench client over HTTP for both, one
+# WORKLOAD (default long-prompt: 3,000 random tokens in, 150 out; Poisson arrivals) at each of
+# RATES, SLO TTFT <= 1.5 s and TPOT <= 50 ms. Runs on the GPU machine after staging
+# (bench/lease_stage.sh, or ../shared/device/stage.sh + ../shared/device/vllm/stage.sh), with the
+# stage's exports set.
 # Results go under $OUT/sg/ (JSON, tables, server logs); pack them with `bench/served_goodput.sh
 # pack` (a call returns at most 8 files).
 #   kvrelay  `kvrelay serve --prefill 1 --decode 1 --gpus-per-worker 0.5`, the decode worker
@@ -22,8 +23,13 @@
 #            from the last kvrelay server log; OFFLINE_KV_GIB overrides): what the served path
 #            costs over its own engine, and batch-1 decode. OFFLINE_FLAGS: more flags
 #   pack     $OUT/sg -> $OUT/served_goodput.tgz, the FlashInfer JIT cache -> $OUT
-# WORKLOAD: long-prompt (the default) or sharegpt (ShareGPT-like lognormal lengths, prompts up to
-# 2,048 tokens and outputs up to 1,024; its files are named *_sharegpt; rates in RATES as above).
+# WORKLOAD: long-prompt (the default), sharegpt (ShareGPT-like lognormal lengths, prompts up to
+# 2,048 tokens and outputs up to 1,024; its files are named *_sharegpt) or multi-turn (chat:
+# CONVERSATIONS, default 48, of 4 turns, a 1,000-token first prompt then 100 new user tokens a
+# turn, 150 out, each turn resending the history: 1,000 -> ~1,750-token prompts; RATES are
+# conversations started per second; files *_multiturn). Over HTTP each turn's output comes back
+# as text, and serve_bench re-tokenizes it with the folder's tokenizer for the next prompt, the
+# same way for both servers (bench/lib/serve_workload.py text_encoder says why that is fair).
 # RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds each rate's run
 # by the rate's value (arrivals and prompts), so runs at one rate compare across RATES lists.
 set -uo pipefail
@@ -31,14 +37,18 @@ part=${1:?part: kvrelay, vllm, offline or pack}
 out=${OUT:?set OUT}/sg
 mkdir -p "$out"
 rates=${RATES:-4 8 12 16}
-load=(--num-requests "${REQUESTS:-120}" --warmup 2 --slo-ttft-ms 1500 --slo-tpot-ms 50
-  --max-duration 150)
-case ${WORKLOAD:-long-prompt} in
-  long-prompt) load+=(--input-len 3000 --output-len 150); tag="" ;;
-  sharegpt) load+=(--workload sharegpt --max-input-len 2048 --max-output-len 1024); tag=_sharegpt ;;
-  *) echo "unknown WORKLOAD ${WORKLOAD} (long-prompt or sharegpt)" >&2; exit 2 ;;
-esac
 folder=/tmp/kvrelay-goodput-llama-3.1-8b  # the 8B shape, SmolLM2's tokenizer, no weights
+load=(--warmup 2 --slo-ttft-ms 1500 --slo-tpot-ms 50 --max-duration 150)
+requests=(--num-requests "${REQUESTS:-120}")
+case ${WORKLOAD:-long-prompt} in
+  long-prompt) load+=("${requests[@]}" --input-len 3000 --output-len 150); tag="" ;;
+  sharegpt) load+=("${requests[@]}" --workload sharegpt --max-input-len 2048 --max-output-len 1024)
+    tag=_sharegpt ;;
+  multi-turn) load+=(--workload multi-turn --num-conversations "${CONVERSATIONS:-48}" --turns 4
+    --input-len 1000 --turn-input-len 100 --output-len 150 --tokenizer "$folder/tokenizer.json")
+    tag=_multiturn ;;
+  *) echo "unknown WORKLOAD ${WORKLOAD} (long-prompt, sharegpt or multi-turn)" >&2; exit 2 ;;
+esac
 test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
 write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
 'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"

@@ -32,7 +32,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--model", default=None, help="model id (default: the first /v1/models)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json for --endpoint chat")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the served model's tokenizer.json, for --endpoint chat and HTTP multi-turn\n"
+        "(default: the default model's, SmolLM2's)",
+    )
     g = p.add_argument_group("launch")
     g.add_argument("--launch", action="store_true", help="start `kvrelay serve` for this run")
     g.add_argument("--prefill", type=int, default=1)
@@ -70,7 +75,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         default="random",
         help="random: --input-len ids; shared-prefix: a group's --prefix-len system prompt +\n"
         "--input-len; sharegpt: ShareGPT-like lognormal lengths (bench/lib/serve_workload.py);\n"
-        "multi-turn (gRPC): conversations whose every turn resends the history",
+        "multi-turn: conversations whose every turn resends the history (over HTTP the\n"
+        "previous output's text re-tokenized with --tokenizer)",
     )
     g.add_argument(
         "--input-len", type=int, default=128, help="prompt (suffix; multi-turn: turn 0) tokens"
@@ -157,12 +163,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_multi_turn(args: argparse.Namespace) -> None:
-    if args.transport != "grpc":
+    if args.endpoint == "chat":
         raise ValueError(
-            "--workload multi-turn needs --transport grpc: each turn's prompt holds the tokens "
-            "the previous turn generated, and only the gRPC stream carries token ids (HTTP "
-            "streams text)"
+            "--workload multi-turn sends token-id prompts (each turn resends the history as "
+            "ids): use --endpoint completions"
         )
+    if args.transport == "http" and args.tokenizer and not Path(args.tokenizer).is_file():
+        raise ValueError(f"--tokenizer {args.tokenizer}: no such file")
     if min(args.num_conversations, args.turns, args.turn_input_len, args.input_len) < 1:
         raise ValueError(
             "multi-turn needs --num-conversations, --turns, --turn-input-len, --input-len >= 1"

@@ -40,7 +40,8 @@ class BenchRequest:
 class RequestResult:
     """What one request measured. token_times are seconds after start, one per streamed chunk
     that carried output; chunk_tokens is how many tokens each chunk carried (HTTP: 1 assumed);
-    output_ids the generated token ids (gRPC only: HTTP streams carry text)."""
+    output_ids the generated token ids (gRPC only: HTTP streams carry text), output_text the
+    generated text (HTTP only: the streamed deltas joined)."""
 
     index: int
     group: int
@@ -58,6 +59,7 @@ class RequestResult:
     conversation: int = -1
     turn: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
 
     @classmethod
     def unsent(cls, request: BenchRequest, error: str) -> RequestResult:
@@ -207,6 +209,7 @@ class HttpClient(Client):
             text = choice.get("delta", {}).get("content") if self.chat else choice.get("text")
             if text:
                 self._on_tokens(result, 1)
+                result.output_text += text
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
         if usage := event.get("usage"):

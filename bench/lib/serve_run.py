@@ -28,7 +28,9 @@ from bench.lib.serve_client import (
 from bench.lib.serve_stats import Slo, summarize
 from bench.lib.serve_workload import (
     Conversation,
+    TextEncoder,
     arrival_offsets,
+    text_encoder,
     warmup_requests,
     with_chat_text,
 )
@@ -65,12 +67,15 @@ async def run_timed(
     concurrency: int,
     max_duration_s: float,
     think_time_s: float = 0.0,
+    encode: TextEncoder | None = None,
 ) -> tuple[list[RequestResult], float, float]:
     """Start each conversation at its offset; within one, each turn is sent when the one before
-    it finishes (after think_time_s). At most `concurrency` requests in flight when > 0. A
-    failed turn stops its conversation (its later turns fail unsent); what has not finished
-    within max_duration_s is cancelled and fails. Returns (one result per turn, in index
-    order; t0; duration from t0 to the last completion)."""
+    it finishes (after think_time_s), its prompt holding what the one before generated (its
+    output ids, or with `encode` its output text encoded: Conversation.next_request). At most
+    `concurrency` requests in flight when > 0. A failed turn stops its conversation (its later
+    turns fail unsent); what has not finished within max_duration_s is cancelled and fails.
+    Returns (one result per turn, in index order; t0; duration from t0 to the last
+    completion)."""
     semaphore = asyncio.Semaphore(concurrency) if concurrency > 0 else None
     progress = Progress(sum(len(c.turns) for c in conversations))
     done: dict[int, RequestResult] = {}  # request index -> its result
@@ -88,7 +93,7 @@ async def run_timed(
             progress.update(result)
             if not result.ok:
                 return
-            request = conversation.next_request(request, result)
+            request = conversation.next_request(request, result, encode)
             if request is not None and think_time_s > 0:
                 await asyncio.sleep(think_time_s)
 
@@ -149,6 +154,9 @@ async def run_conversations(
         model = await (
             served_model_id(first_url) if args.transport == "http" else grpc_model_id(first_target)
         )
+    encode = None  # gRPC streams carry the generated ids; HTTP streams text (text_encoder)
+    if args.workload == "multi-turn" and args.transport == "http":
+        encode = text_encoder(args.tokenizer)
     client = make_client(args, url, target, model)
     try:
         warmups = warmup_requests(args)
@@ -167,6 +175,7 @@ async def run_conversations(
             args.concurrency,
             args.max_duration,
             args.think_time_s,
+            encode,
         )
     finally:
         await client.close()
@@ -180,7 +189,7 @@ async def run_conversations(
 
 
 def request_record(r: RequestResult, t0: float) -> dict[str, Any]:
-    return {
+    record: dict[str, Any] = {
         "index": r.index,
         "group": r.group,
         "conversation": r.conversation,
@@ -197,3 +206,6 @@ def request_record(r: RequestResult, t0: float) -> dict[str, Any]:
         "num_chunks": len(r.token_times),
         "finish_reason": r.finish_reason,
     }
+    if r.conversation >= 0 and r.output_text:  # multi-turn over HTTP: what the next turn resent
+        record["output_text"] = r.output_text
+    return record

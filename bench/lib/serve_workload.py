@@ -14,7 +14,9 @@
   prompt + the tokens turn k generated + --turn-input-len fresh ids (the next user message),
   so each turn's prompt extends the previous one. Every turn asks for --output-len tokens.
   The generated tokens are known only at run time: a Conversation holds each turn's fresh ids
-  and `next_request` builds the next prompt from a finished turn.
+  and `next_request` builds the next prompt from a finished turn: over gRPC from the ids the
+  stream carried, over HTTP (OpenAI streams carry text) from the streamed text re-tokenized
+  with the served model's tokenizer (`text_encoder`).
 Every workload is a list of Conversations (one turn each but for multi-turn), sent one per
 arrival time (arrival_offsets).
 """
@@ -24,14 +26,20 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from bench.lib.serve_client import BenchRequest, RequestResult
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SHAREGPT_INPUT = (4.894, 1.0)  # lognormal (mu, sigma) of prompt tokens
 SHAREGPT_OUTPUT = (4.893, 0.9)  # lognormal (mu, sigma) of output tokens
 SHAREGPT_MIN_INPUT = 4
+
+TextEncoder = Callable[[str], Sequence[int]]  # text -> the served model's token ids
 
 
 @dataclass(frozen=True)
@@ -44,14 +52,18 @@ class Conversation:
     def first_request(self) -> BenchRequest:
         return self.turns[0]
 
-    def next_request(self, sent: BenchRequest, result: RequestResult) -> BenchRequest | None:
+    def next_request(
+        self, sent: BenchRequest, result: RequestResult, encode: TextEncoder | None = None
+    ) -> BenchRequest | None:
         """The turn after `sent` (its prompt: sent's prompt + what it generated + the fresh
-        user tokens), or None after the last turn."""
+        user tokens), or None after the last turn. What it generated: result.output_ids, or
+        with `encode` (HTTP) encode(result.output_text)."""
         turn = sent.turn + 1
         if turn >= len(self.turns):
             return None
         fresh = self.turns[turn]
-        history = sent.prompt_ids + tuple(result.output_ids)
+        generated = result.output_ids if encode is None else encode(result.output_text)
+        history = sent.prompt_ids + tuple(generated)
         return replace(fresh, prompt_ids=history + fresh.prompt_ids)
 
 
@@ -160,13 +172,39 @@ def arrival_offsets(args: argparse.Namespace) -> list[float]:
     return offsets
 
 
-def with_chat_text(requests: list[BenchRequest], tokenizer_path: str | None) -> list[BenchRequest]:
-    """Chat prompts are text: decode the random ids with the model's tokenizer."""
+def load_tokenizer(tokenizer_path: str | None) -> Tokenizer:
+    """--tokenizer's tokenizer.json, or by default the default model's (SmolLM2's)."""
     from tokenizers import Tokenizer
 
     if tokenizer_path is None:
         from engine.models.loader import resolve_model
 
         tokenizer_path = str(resolve_model("default") / "tokenizer.json")
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    return Tokenizer.from_file(tokenizer_path)
+
+
+def with_chat_text(requests: list[BenchRequest], tokenizer_path: str | None) -> list[BenchRequest]:
+    """Chat prompts are text: decode the random ids with the model's tokenizer."""
+    tokenizer = load_tokenizer(tokenizer_path)
     return [replace(r, text=tokenizer.decode(list(r.prompt_ids))) for r in requests]
+
+
+def text_encoder(tokenizer_path: str | None) -> TextEncoder:
+    """How multi-turn over HTTP turns a turn's streamed output text back into the ids the next
+    turn resends (no BOS or other special tokens: the text continues a prompt).
+
+    Why this is fair to kvrelay and vLLM alike: an OpenAI stream carries text, not ids (vLLM's
+    `return_token_ids` extension has no counterpart in kvrelay's server), so the client builds
+    every next prompt itself, as token ids, from the ids it sent + this one tokenizer's encoding
+    of the text the server returned + the seeded fresh ids. Identical output text gives
+    identical next prompts, byte for byte, whichever server produced it; neither server's own
+    tokenizer or chat template touches the history. The encoding need not give back the ids
+    that were generated (BPE does not round-trip arbitrary id sequences), so a server's cache
+    of a turn's generated tokens may stop matching early in the output; that costs both
+    servers alike, and it is what a real chat client that resends text costs them too."""
+    tokenizer = load_tokenizer(tokenizer_path)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return encode

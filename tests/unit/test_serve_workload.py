@@ -17,6 +17,7 @@ from bench.lib.serve_workload import (
     build_conversations,
     build_requests,
     single_turns,
+    text_encoder,
 )
 
 
@@ -81,9 +82,12 @@ def test_sharegpt_refuses_clips_below_the_minimum() -> None:
         sharegpt_args("--max-input-len", "3")
 
 
-def test_multi_turn_needs_grpc() -> None:
-    with pytest.raises(ValueError, match="needs --transport grpc"):
-        make_args("--workload", "multi-turn")
+def test_multi_turn_runs_over_http_with_token_id_prompts_only() -> None:
+    assert make_args("--workload", "multi-turn").transport == "http"
+    with pytest.raises(ValueError, match="use --endpoint completions"):
+        make_args("--workload", "multi-turn", "--endpoint", "chat")
+    with pytest.raises(ValueError, match="no such file"):
+        make_args("--workload", "multi-turn", "--tokenizer", "/nonexistent/tokenizer.json")
 
 
 def test_multi_turn_rate_is_conversation_starts() -> None:
@@ -113,6 +117,34 @@ def test_the_next_turn_resends_the_history_with_what_was_generated() -> None:
     third = conversation.next_request(second, RequestResult(1, -1, ok=True, output_ids=[1]))
     assert third is not None and third.prompt_ids[: len(second.prompt_ids)] == second.prompt_ids
     assert conversation.next_request(third, result) is None
+
+
+def test_over_http_the_next_turn_resends_the_output_text_encoded() -> None:
+    conversation = build_conversations(multi_turn_args())[0]
+    first = conversation.first_request()
+    encoded = {"abc": [5, 6], "": []}
+    result = RequestResult(first.index, -1, ok=True, output_tokens=3, output_text="abc")
+    second = conversation.next_request(first, result, encoded.__getitem__)
+    assert second is not None
+    assert second.prompt_ids == (*first.prompt_ids, 5, 6, *conversation.turns[1].prompt_ids)
+    # The text is what counts, not how many tokens the server said it generated, nor any ids.
+    result.output_ids = [1, 2, 3]
+    assert conversation.next_request(first, result, encoded.__getitem__) == second
+
+
+def test_the_text_encoder_is_the_tokenizers_without_special_tokens() -> None:
+    from tokenizers import Tokenizer
+
+    from engine.models.loader import resolve_model
+
+    path = str(resolve_model("default") / "tokenizer.json")
+    tokenizer = Tokenizer.from_file(path)
+    encode = text_encoder(path)
+    text = " Once upon a time, a lighthouse."
+    ids = encode(text)
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == text
+    assert encode("") == []
 
 
 class EchoClient(Client):
@@ -151,6 +183,30 @@ def test_turns_are_sent_in_order_each_after_the_previous_one() -> None:
         assert [len(r.prompt_ids) for r in sent] == [20, 29, 38]  # + 4 generated + 5 fresh
         assert sent[2].prompt_ids[20:24] == (20,) * 4  # turn 0's output, in turn 2's history
     assert [(r.conversation, r.turn) for r in results[3:6]] == [(1, 0), (1, 1), (1, 2)]
+
+
+class TextClient(EchoClient):
+    """An OpenAI-like client: streams text ("x"s, then the prompt's 2-digit length), no ids."""
+
+    async def _stream(self, request: BenchRequest, result: RequestResult) -> None:
+        await super()._stream(request, result)
+        result.output_ids = []
+        result.output_text = "x" * (request.max_tokens - 2) + str(len(request.prompt_ids))
+
+
+def test_an_http_conversation_resends_each_turns_text_encoded() -> None:
+    conversations = build_conversations(multi_turn_args())
+    client = TextClient()
+
+    def encode(text: str) -> list[int]:  # one id per character: "x" -> 0, a digit -> 1000 + it
+        return [0 if c == "x" else 1000 + int(c) for c in text]
+
+    results, _, _ = asyncio.run(run_timed(client, conversations, [0.0] * 3, 0, 10.0, encode=encode))
+    assert all(r.ok for r in results)
+    sent = [r for r in client.sent if r.conversation == 0]
+    assert [len(r.prompt_ids) for r in sent] == [20, 29, 38]  # + 4 encoded + 5 fresh
+    assert sent[1].prompt_ids[20:24] == (0, 0, 1002, 1000)  # turn 0's text "xx20"
+    assert sent[2].prompt_ids[:29] == sent[1].prompt_ids
 
 
 def test_a_failed_turn_stops_its_conversation_only() -> None:
