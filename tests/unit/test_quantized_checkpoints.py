@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.loader import load_model, read_model_config
+from engine.quant.checkpoint import quantized_linear_tensors
 from engine.quant.int4 import Int4Linear, int4_linear_state, read_int4
 from engine.quant.int8 import Int8Linear, int8_linear_state, read_int8
 from engine.quant.int_config import Int4Config
@@ -32,6 +33,9 @@ from tests.unit.test_fp8_checkpoint import write_fp8_checkpoint
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column AWQ_ORDER[i]
 GROUP = 32
+# act-order's channel order follows the input: projections that share it share g_idx
+SAME_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2}
+SAME_INPUT["down_proj"] = 3
 PROMPTS = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
 NEW_TOKENS = 12
 
@@ -219,7 +223,7 @@ def write_quantized(plain: Path, dst: Path, kind: str) -> tuple[Path, Path]:
             shutil.copy(file, dst / file.name)
             shutil.copy(file, reference / file.name)
     quantized, dequantized = {}, {}
-    for i, (name, tensor) in enumerate(load_file(plain / "model.safetensors").items()):
+    for name, tensor in load_file(plain / "model.safetensors").items():
         module = name.removesuffix(".weight")
         if name.rsplit(".", 2)[-2] not in PROJECTIONS:
             quantized[name] = dequantized[name] = tensor
@@ -236,7 +240,8 @@ def write_quantized(plain: Path, dst: Path, kind: str) -> tuple[Path, Path]:
                 arrays = _compressed_w4a16_tensors(w.numpy())
             else:
                 v1, sym = cfg["checkpoint_format"] == "gptq", cfg["sym"]
-                arrays = _gptq_tensors(w.numpy(), v1, sym, cfg["desc_act"], seed=i)
+                seed = int(name.split(".")[2]) * 10 + SAME_INPUT[name.rsplit(".", 2)[-2]]
+                arrays = _gptq_tensors(w.numpy(), v1, sym, cfg["desc_act"], seed)
             parts = {k: torch.from_numpy(v) for k, v in arrays.items()}
             if kind == "awq":
                 dequantized[name] = _dequantize_awq(parts)
@@ -343,19 +348,26 @@ def test_int4_linear_packing_matches_the_reference(plain, tmp_path, kind):
         v1_zeros=KINDS[kind].get("checkpoint_format") == "gptq",
         desc_act=bool(KINDS[kind].get("desc_act")),
     )  # fmt: skip
-    for module in ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"):
-        weight = read_int4(tensors.pop, module, quant)
-        want = _dequantized_reference(reference, module)
+    fused = {"layers.0.self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    fused["layers.1.mlp.down_proj"] = ("down_proj",)
+    for name, parts in fused.items():  # the loader's path (q/k/v fused), packed for the CPU twin
+        modules = [f"{name.rsplit('.', 1)[0]}.{part}" for part in parts]
+        state = quantized_linear_tensors(tensors.pop, "x", modules, quant, torch.device("cpu"))
+        want = torch.cat([_dequantized_reference(reference, module) for module in modules])
         out_features, in_features = want.shape
         layer = Int4Linear(in_features, out_features, False, quant, kernel="cpu")
-        state = int4_linear_state("x", weight, quant, kernel="cpu")
         layer.load_state_dict({k.removeprefix("x."): v for k, v in state.items()}, assign=True)
         assert (layer.input_perm is not None) == quant.desc_act
         x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(0))
         got = layer(x.bfloat16()).float()
         expected = x.bfloat16().float() @ want.t()
         err = (got - expected).abs().max() / expected.abs().max()
-        assert err < 0.02, f"{module}: relative error {err}"
+        assert err < 0.02, f"{name}: relative error {err}"
+    weight = read_int4(tensors.pop, "layers.1.mlp.up_proj", quant)  # the scales the kernel gets
+    state = int4_linear_state("x", weight, quant, kernel="cpu")
+    if not quant.desc_act:
+        scales = state["x.scales_and_zeros"][..., 0].t().float()
+        torch.testing.assert_close(scales, weight.scales.bfloat16().float())
 
 
 def test_cuda_int4_packing_holds_two_codes_a_byte_high_nibble_first():
