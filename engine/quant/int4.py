@@ -86,7 +86,7 @@ def read_gptq(take: TakeFn, module: str, quant: Int4Config) -> Int4Weight:
     _check_int32(qweight, module + ".qweight")
     _check_int32(qzeros, module + ".qzeros")
     num_inputs, num_outputs = qweight.shape[0] * 8, qweight.shape[1]
-    num_groups = scales.shape[0]
+    num_groups = 1 if quant.group_size == -1 else -(-num_inputs // quant.group_size)
     _check_shape(scales, (num_groups, num_outputs), module + ".scales")
     _check_shape(qzeros, (num_groups, num_outputs // 8), module + ".qzeros")
     _check_shape(g_idx, (num_inputs,), module + ".g_idx")
