@@ -25,10 +25,11 @@ from torch import nn
 
 from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.models.registry import model_class
-from engine.quant.checkpoint import fp8_linear_tensors, plain_weight
-from engine.quant.config import Fp8Config, read_quant_config, resolve_quantization
+from engine.quant.checkpoint import dequantized_weight, plain_weight, quantized_linear_tensors
+from engine.quant.config import Fp8Config, QuantScheme, read_quant_config, resolve_quantization
 from engine.quant.fp8 import SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
 from engine.quant.fp8_types import FP8_DTYPE
+from engine.quant.int_config import Int4Config, Int8Config
 from engine.quant.kv_scales import take_kv_scales
 from engine.settings import Settings
 
@@ -166,12 +167,14 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 def _fuse_checkpoint(
     config: ModelConfig,
     raw: dict[str, torch.Tensor],
-    quant: Fp8Config | None,
+    quant: QuantScheme | None,
     device: torch.device,
+    dequantize: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Rename HF tensors to this model's names, fusing q/k/v and gate/up; with quant the four
-    projections become Fp8Linear state (engine/quant/checkpoint.py; online quantization runs
-    on device)."""
+    projections become its quantized layers' state (engine/quant/checkpoint.py; online
+    quantization and 4-bit packing run on device), or with dequantize plain float32 weights
+    (the CPU reference path)."""
     raw = {name.removeprefix("model."): t for name, t in raw.items()}
     out: dict[str, torch.Tensor] = {}
 
@@ -182,9 +185,12 @@ def _fuse_checkpoint(
             raise ValueError(f"checkpoint is missing tensor {name!r}") from None
 
     def linear(name: str, parts: list[str]) -> dict[str, torch.Tensor]:
-        if quant is not None:
-            return fp8_linear_tensors(take, name, parts, quant, device)
-        weights = [take(part + ".weight") for part in parts]
+        if quant is not None and dequantize:
+            weights = [dequantized_weight(take, part, quant) for part in parts]
+        elif quant is not None:
+            return quantized_linear_tensors(take, name, parts, quant, device)
+        else:
+            weights = [take(part + ".weight") for part in parts]
         return {name + ".weight": weights[0] if len(weights) == 1 else torch.cat(weights)}
 
     out["embed_tokens.weight"] = take("embed_tokens.weight")
@@ -225,23 +231,34 @@ def load_model(
     """Build the model without initialising weights, then assign the checkpoint's tensors
     ("auto") or random ones ("dummy": config.json is all that is read; for speed runs).
 
-    An FP8 checkpoint (config.json's quantization_config, ModelOpt's hf_quant_config.json)
-    loads as FP8; quantization "fp8" quantizes a plain checkpoint at load (EngineConfig). Its
-    GEMMs accumulate fast or exactly as fp8_fast_accum says (Settings). KV-cache scales in the
-    checkpoint (engine/quant/kv_scales.py) become model.kv_scales."""
+    A quantized checkpoint (config.json's quantization_config, ModelOpt's hf_quant_config.json:
+    FP8, AWQ / GPTQ 4-bit, compressed-tensors INT8) loads with its quantized layers on CUDA
+    and dequantized into plain layers of dtype on CPU (the reference path); quantization "fp8"
+    quantizes a plain checkpoint at load (EngineConfig, CUDA only). FP8 GEMMs accumulate fast
+    or exactly as fp8_fast_accum says (Settings). KV-cache scales in the checkpoint
+    (engine/quant/kv_scales.py) become model.kv_scales."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     quant = resolve_quantization(quantization, read_quant_config(folder), fp8_fast_accum)
+    dequantize = quant is not None and quant.from_checkpoint and not quantized_kernels_on(device)
     if load_format == "dummy":
-        return random_model(config, max_positions, device, dtype, quant=quant)
-    model = _meta_model(config, max_positions, device, dtype, quant)
+        return random_model(
+            config, max_positions, device, dtype, quant=None if dequantize else quant
+        )
+    model = _meta_model(config, max_positions, device, dtype, None if dequantize else quant)
     raw = _read_safetensors(folder)
     kv_scales = take_kv_scales(raw, config.num_layers)
-    weights = _fuse_checkpoint(config, raw, quant, device)
+    weights = _fuse_checkpoint(config, raw, quant, device, dequantize)
     weights = {name: _to_device(name, t, device, dtype) for name, t in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
     model.kv_scales = kv_scales
     return model.to(device).eval()
+
+
+def quantized_kernels_on(device: torch.device) -> bool:
+    """Whether a quantized checkpoint keeps its quantized layers on device (CUDA); elsewhere
+    it is dequantized at load into plain layers (the CPU reference path)."""
+    return device.type == "cuda"
 
 
 def _meta_model(
@@ -249,13 +266,16 @@ def _meta_model(
     max_positions: int,
     device: torch.device,
     dtype: torch.dtype,
-    quant: Fp8Config | None,
+    quant: QuantScheme | None,
 ) -> nn.Module:
-    """The model on the meta device; FP8 is refused here where it cannot run."""
-    if quant is not None:
+    """The model on the meta device; quantized layers are refused here where they cannot run."""
+    if isinstance(quant, Fp8Config):
         check_fp8_device(device)
-        if dtype != torch.bfloat16:
-            raise ValueError(f"FP8 weights run in bfloat16 (dtype auto or bfloat16), not {dtype}")
+    elif isinstance(quant, Int4Config | Int8Config) and device.type != "cuda":
+        raise ValueError(f"{quant.method} quantized layers run on CUDA GPUs, not {device}")
+    if quant is not None and dtype != torch.bfloat16:
+        kind = "FP8" if isinstance(quant, Fp8Config) else "Quantized"
+        raise ValueError(f"{kind} weights run in bfloat16 (dtype auto or bfloat16), not {dtype}")
     with torch.device("meta"):
         return model_class(config)(config, max_positions, quant=quant)
 
@@ -263,8 +283,9 @@ def _meta_model(
 def _to_device(
     name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Plain tensors in the model's dtype; FP8 weights and their float32 scales as they are."""
-    if tensor.dtype == FP8_DTYPE or name.endswith(SCALE_NAMES):
+    """Plain tensors in the model's dtype; quantized weights (FP8, integer) and their float32
+    scales as they are."""
+    if tensor.dtype == FP8_DTYPE or not tensor.is_floating_point() or name.endswith(SCALE_NAMES):
         return tensor.to(device)
     return tensor.to(device=device, dtype=dtype)
 
@@ -278,12 +299,13 @@ def random_model(
     *,
     seed: int = 0,
     std: float = 0.02,
-    quant: Fp8Config | None = None,
+    quant: QuantScheme | None = None,
 ) -> nn.Module:
     """The model with random weights made straight on device (an 8B model in seconds): norm
-    weights are ones, every other tensor N(0, std) from a seeded generator. With quant the
+    weights are ones, every other tensor N(0, std) from a seeded generator. With FP8 the
     projections are those same draws quantized per channel (static input scales 1: speed
-    runs only)."""
+    runs only); integer weights (4-bit, INT8) are random codes, an act-order permutation the
+    identity."""
     device = torch.device(device)
     model = _meta_model(config, max_positions, device, dtype, quant)
     gen = torch.Generator(device).manual_seed(seed)
@@ -293,6 +315,18 @@ def random_model(
             continue
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(param.shape, dtype=dtype, device=device)
+            continue
+        if name.endswith("input_perm"):
+            weights[name] = torch.arange(param.shape[0], device=device)
+            continue
+        if not param.is_floating_point():
+            info = torch.iinfo(param.dtype)
+            weights[name] = torch.randint(
+                info.min, info.max, param.shape, dtype=param.dtype, device=device, generator=gen
+            )
+            continue
+        if name.endswith("weight_scale") and quant is not None and param.dtype == torch.float32:
+            weights[name] = torch.full(param.shape, std / 127, device=device)
             continue
         t = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
         if quant is not None and param.dtype == FP8_DTYPE:

@@ -1,6 +1,8 @@
-"""Turns a checkpoint's linear-layer tensors into Fp8Linear state: an FP8 checkpoint's weights
-and scales (parts such as q/k/v fused along the output dimension), or plain weights quantized at
-load; and dequantizes an FP8 tensor for a layer kept in the model's dtype. Owns no state.
+"""Turns a checkpoint's linear-layer tensors into quantized layers' state: Fp8Linear (an FP8
+checkpoint's weights and scales, parts such as q/k/v fused along the output dimension, or plain
+weights quantized at load), Int4Linear (AWQ, GPTQ) and Int8Linear (compressed-tensors INT8);
+and dequantizes any of them into a plain float32 weight (the CPU reference path, and a layer
+kept in the model's dtype). Owns no state.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.quant.config import Fp8Config
+from engine.quant.config import Fp8Config, QuantScheme
 from engine.quant.fp8 import (
     Fp8Weight,
     dequantize_weight,
@@ -19,6 +21,9 @@ from engine.quant.fp8 import (
     quantize_weight,
 )
 from engine.quant.fp8_types import FP8_DTYPE
+from engine.quant.int4 import Int4Weight, dequantize_int4, fuse_int4, int4_linear_state, read_int4
+from engine.quant.int8 import dequantize_int8, fuse_int8, int8_linear_state, read_int8
+from engine.quant.int_config import Int4Config
 
 Take = Callable[[str], torch.Tensor]  # removes and returns a checkpoint tensor by name
 
@@ -42,6 +47,33 @@ def fp8_linear_tensors(
         scales = [take(part + ".input_scale").float().reshape(()) for part in parts]
         input_scale = torch.stack(scales).max()
     return linear_state(name, weight, input_scale)
+
+
+def quantized_linear_tensors(
+    take: Take, name: str, parts: Sequence[str], quant: QuantScheme, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The state of the quantized layer `name` (its scheme's kind), made of the checkpoint's
+    modules `parts` (in order); a 4-bit weight is packed for its kernel on device."""
+    if isinstance(quant, Fp8Config):
+        return fp8_linear_tensors(take, name, parts, quant, device)
+    if isinstance(quant, Int4Config):
+        weight = fuse_int4([read_int4(take, part, quant) for part in parts], name)
+        on_device = Int4Weight(*(t.to(device) for t in weight))
+        return int4_linear_state(name, on_device, quant, kernel=device.type)
+    return int8_linear_state(name, fuse_int8([read_int8(take, part) for part in parts]))
+
+
+def dequantized_weight(take: Take, module: str, quant: QuantScheme) -> torch.Tensor:
+    """The float32 weight [N, K] a quantized checkpoint module stands for (every tensor of it
+    taken): the CPU reference path, independent of the GPU kernels."""
+    if isinstance(quant, Int4Config):
+        return dequantize_int4(read_int4(take, module, quant))
+    if isinstance(quant, Fp8Config):
+        weight = dequantize_weight(_checkpoint_weight(take, module))
+        if quant.static_input_scales:  # activations stay in the model's dtype here
+            take(module + ".input_scale")
+        return weight
+    return dequantize_int8(read_int8(take, module))
 
 
 def plain_weight(take: Take, module: str) -> torch.Tensor:

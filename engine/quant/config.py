@@ -1,5 +1,7 @@
-"""Reads a checkpoint's FP8 quantization config (compressed-tensors or NVIDIA ModelOpt) into a
-frozen Fp8Config and refuses every other layout by naming its field; owns no state, no torch.
+"""Reads a checkpoint's quantization config into a frozen scheme: FP8 (compressed-tensors or
+NVIDIA ModelOpt) as Fp8Config, AWQ / GPTQ / compressed-tensors W4A16 and compressed-tensors
+INT8 W8A8 through int_config.py; refuses NVFP4 and every other layout by naming its field;
+owns no state, no torch.
 
 The KV cache follows --kv-cache-dtype; the per-layer KV-cache scales a checkpoint may carry
 (compressed-tensors' kv_cache_scheme, ModelOpt's kv_cache_quant_algo) are read from its tensors
@@ -13,6 +15,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine.quant.int_config import (
+    Int4Config,
+    Int8Config,
+    is_nvfp4,
+    parse_awq,
+    parse_compressed_int,
+    parse_gptq,
+    refuse_nvfp4,
+)
+
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization (None: as the checkpoint is)
 QUANTIZATION_FLAGS = ("none", *QUANTIZATIONS)  # --quantization's choices
 QUANTIZATION_HELP = (
@@ -22,6 +34,7 @@ QUANTIZATION_HELP = (
 )
 MIN_FP8_CAPABILITY = (8, 9)
 _CT_FORMATS = ("float-quantized", "naive-quantized")
+_CT_INT_FORMATS = ("int-quantized", "naive-quantized")
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class Fp8Config:
         return self.method != "online"
 
 
+QuantScheme = Fp8Config | Int4Config | Int8Config  # how a model's projections are quantized
+
 ONLINE_FP8 = Fp8Config("online", per_channel_weights=True, static_input_scales=False)
 
 
@@ -73,18 +88,27 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def resolve_quantization(
-    quantization: str | None, checkpoint: Fp8Config | None, fast_accum: bool = True
-) -> Fp8Config | None:
+    quantization: str | None, checkpoint: QuantScheme | None, fast_accum: bool = True
+) -> QuantScheme | None:
     """The scheme a model loads with: the checkpoint's own (an explicit "fp8" on an FP8
-    checkpoint changes nothing), else online FP8 for "fp8", else None (plain weights); its
-    GEMMs accumulate fast or exactly as fast_accum says."""
+    checkpoint changes nothing; on an AWQ / GPTQ / INT8 one it is refused), else online FP8
+    for "fp8", else None (plain weights); FP8 GEMMs accumulate fast or exactly as fast_accum
+    says."""
     check_quantization(quantization)
+    if quantization == "fp8" and isinstance(checkpoint, Int4Config | Int8Config):
+        raise ValueError(
+            f"quantization 'fp8' needs a bf16 or FP8 checkpoint; this one is already quantized "
+            f"({checkpoint.method}, {type(checkpoint).__name__})"
+        )
     scheme = checkpoint or (ONLINE_FP8 if quantization == "fp8" else None)
-    return None if scheme is None else replace(scheme, fast_accum=fast_accum)
+    if isinstance(scheme, Fp8Config):
+        return replace(scheme, fast_accum=fast_accum)
+    return scheme
 
 
-def read_quant_config(folder: Path) -> Fp8Config | None:
-    """The FP8 scheme of a checkpoint folder (config.json, ModelOpt's hf_quant_config.json)."""
+def read_quant_config(folder: Path) -> QuantScheme | None:
+    """The quantization scheme of a checkpoint folder (config.json, ModelOpt's
+    hf_quant_config.json)."""
     hf = json.loads((folder / "config.json").read_text())
     modelopt = folder / "hf_quant_config.json"
     return parse_quant_config(hf, json.loads(modelopt.read_text()) if modelopt.is_file() else None)
@@ -92,8 +116,8 @@ def read_quant_config(folder: Path) -> Fp8Config | None:
 
 def parse_quant_config(
     hf_config: dict[str, Any], hf_quant_config: dict[str, Any] | None = None
-) -> Fp8Config | None:
-    """config.json's quantization_config (or ModelOpt's hf_quant_config.json) -> Fp8Config;
+) -> QuantScheme | None:
+    """config.json's quantization_config (or ModelOpt's hf_quant_config.json) -> its scheme;
     None when the checkpoint is not quantized. A ValueError names the first unsupported field."""
     qc = hf_config.get("quantization_config")
     if qc is None:
@@ -108,27 +132,56 @@ def parse_quant_config(
         return _compressed_tensors(qc, where)
     if method == "modelopt":
         return _modelopt(qc, where)
+    if method == "awq":
+        return parse_awq(qc, where)
+    if method == "gptq":
+        return parse_gptq(qc, where)
+    if isinstance(method, str) and "fp4" in method.lower():
+        raise refuse_nvfp4(f"{where}.quant_method", method)
     if method == "fp8" and qc.get("weight_block_size"):
         raise ValueError(f"{where}.weight_block_size: block-wise FP8 scales are not supported yet")
     raise ValueError(
-        f"{where}.quant_method {method!r} is not supported; kvrelay loads FP8 checkpoints in "
-        "the compressed-tensors or ModelOpt layout (or quantizes bf16 with --quantization fp8)"
+        f"{where}.quant_method {method!r} is not supported; kvrelay loads AWQ and GPTQ (4-bit), "
+        "compressed-tensors (FP8, INT8) and ModelOpt (FP8) checkpoints, or quantizes bf16 "
+        "with --quantization fp8"
     )
 
 
-def _compressed_tensors(qc: dict[str, Any], where: str) -> Fp8Config:
-    _check_format(qc.get("format"), f"{where}.format")
-    _check_ignore(qc.get("ignore") or [], f"{where}.ignore")
+def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantScheme:
     groups = qc.get("config_groups") or {}
+    for name, group in groups.items():
+        for fmt, field in (
+            (qc.get("format"), where),
+            (group.get("format"), f"{where}.config_groups.{name}"),
+        ):
+            if is_nvfp4(None, fmt):
+                raise refuse_nvfp4(f"{field}.format", fmt)
+        if is_nvfp4(group.get("weights"), None):
+            raise refuse_nvfp4(f"{where}.config_groups.{name}.weights", "float 4-bit")
+    _check_ignore(qc.get("ignore") or [], f"{where}.ignore")
     if len(groups) != 1:
         raise ValueError(
             f"{where}.config_groups: exactly one group is supported, got {len(groups)}"
         )
     ((name, group),) = groups.items()
-    where = f"{where}.config_groups.{name}"
+    top_format = qc.get("format")
+    where_top, where = where, f"{where}.config_groups.{name}"
     targets = list(group.get("targets") or [])
     if targets != ["Linear"]:
         raise ValueError(f"{where}.targets: only ['Linear'] is supported, got {targets!r}")
+    weights = group.get("weights")
+    if isinstance(weights, dict) and weights.get("type") == "int":
+        formats = _CT_INT_FORMATS if weights.get("num_bits") != 4 else ("pack-quantized",)
+        for fmt, field in ((top_format, where_top), (group.get("format"), where)):
+            if fmt is not None and fmt not in formats:
+                raise ValueError(
+                    f"{field}.format {fmt!r} is not supported with int weights "
+                    f"({', '.join(formats)})"
+                )
+        if group.get("output_activations") is not None:
+            raise ValueError(f"{where}.output_activations: output quantization is not supported")
+        return parse_compressed_int(group, where)
+    _check_format(top_format, f"{where_top}.format")
     _check_format(group.get("format"), f"{where}.format")
     if group.get("output_activations") is not None:
         raise ValueError(f"{where}.output_activations: output quantization is not supported")
@@ -188,6 +241,8 @@ def _modelopt(qc: dict[str, Any], where: str) -> Fp8Config:
     if isinstance(qc.get("quantization"), dict):  # hf_quant_config.json nests it
         qc, where = qc["quantization"], f"{where}.quantization"
     algo = qc.get("quant_algo")
+    if isinstance(algo, str) and "FP4" in algo.upper():
+        raise refuse_nvfp4(f"{where}.quant_algo", algo)
     if algo != "FP8":
         raise ValueError(
             f"{where}.quant_algo {algo!r} is not supported (only 'FP8': per-tensor scales)"

@@ -35,6 +35,9 @@ from engine.quant.fp8_dot_rows import fp8_dot_rows  # imports triton on first us
 from engine.quant.fp8_fused import quantize_rows_cuda  # imports triton on first use
 from engine.quant.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv  # imports triton on first use
 from engine.quant.fp8_types import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, QuantizedRows, ScaledRows
+from engine.quant.int4 import Int4Linear
+from engine.quant.int8 import Int8Linear
+from engine.quant.int_config import Int4Config, Int8Config
 
 SCALE_NAMES = ("weight_scale", "input_scale")  # Fp8Linear's float32 parameters
 DEFER_MAX_ROWS = 1024  # up to here the per-tensor GEMM won (232, 768 rows); 16,384 lost
@@ -242,11 +245,19 @@ class Fp8Linear(nn.Module):
 
 
 def make_linear(
-    in_features: int, out_features: int, bias: bool, quant: Fp8Config | None
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    quant: Fp8Config | Int4Config | Int8Config | None,
 ) -> nn.Module:
-    """An nn.Linear, or an Fp8Linear of the scheme."""
+    """An nn.Linear, or the quantized layer of the scheme: Fp8Linear, Int4Linear (AWQ / GPTQ,
+    engine/quant/int4.py) or Int8Linear (compressed-tensors INT8, engine/quant/int8.py)."""
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias)
+    if isinstance(quant, Int4Config):
+        return Int4Linear(in_features, out_features, bias, quant)
+    if isinstance(quant, Int8Config):
+        return Int8Linear(in_features, out_features, bias)
     return Fp8Linear(in_features, out_features, bias, quant.static_input_scales, quant.fast_accum)
 
 

@@ -100,8 +100,10 @@ def write_fp8_checkpoint(
 
 @pytest.fixture
 def fp8_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let the loader build FP8 models on this CPU machine (the engine would refuse)."""
+    """Let the loader build FP8 models on this CPU machine (the engine would refuse, or
+    dequantize an FP8 checkpoint)."""
     monkeypatch.setattr(loader, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(loader, "quantized_kernels_on", lambda device: True)
 
 
 @pytest.fixture(scope="module")
@@ -231,11 +233,13 @@ def test_engine_runs_fp8_with_its_reference_tokens(architecture, tmp_path, monke
     assert got == _greedy(model, folder)
 
 
-def test_engine_refuses_fp8_on_cpu(plain, tmp_path) -> None:
+def test_engine_refuses_online_fp8_on_cpu(plain, tmp_path) -> None:
+    """An FP8 checkpoint loads on CPU dequantized (test_quantized_checkpoints.py); quantizing
+    at load is refused there."""
     folder = write_fp8_checkpoint(plain, tmp_path / "ct")
     message = r"FP8 weights need a CUDA GPU with FP8 support \(compute capability >= 8.9\); "
-    with pytest.raises(ValueError, match=message + "this engine runs on cpu"):
-        build_engine(model_path=str(folder), num_blocks=64)  # the checkpoint's own FP8
+    model = load_model(folder, read_model_config(folder), 128, CPU, torch.float32)
+    assert not _fp8_layers(model)
     with pytest.raises(ValueError, match=message + "this engine runs on cpu"):
         build_engine(model_path=str(plain), num_blocks=64, quantization="fp8")
     with pytest.raises(ValueError, match=message):  # the loader itself, dummy weights too

@@ -93,8 +93,14 @@ def test_kv_cache_scales_are_not_read() -> None:
 
 HF_FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128]}
 REFUSED = {
-    "int8": (compressed_tensors(_args("channel", type="int"), TOKEN), "weights: int 8-bit is not"),
-    "int4": (compressed_tensors(_args("group", num_bits=4, type="int"), None), "int 4-bit is not"),
+    "int8-fp8-inputs": (
+        compressed_tensors(_args("channel", type="int"), TOKEN),
+        "format 'float-quantized' is not supported with int weights",
+    ),
+    "int4": (
+        compressed_tensors(_args("group", num_bits=4, type="int"), None),
+        "format 'float-quantized' is not supported with int weights",
+    ),
     "block": (
         compressed_tensors(_args("block", block_structure=[128, 128]), TOKEN),
         "weights.strategy: block-wise FP8 scales are not supported yet",
@@ -124,10 +130,10 @@ REFUSED = {
         compressed_tensors(_args("tensor", symmetric=False), _args("tensor")),
         "weights.symmetric: asymmetric",
     ),
-    "gptq": ({"quantization_config": {"quant_method": "gptq"}}, "quant_method 'gptq' is not"),
+    "gptq": ({"quantization_config": {"quant_method": "gptq"}}, "bits None is not supported"),
     "nvfp4": (
         {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}},
-        "quant_algo 'NVFP4' is not supported",
+        "quant_algo 'NVFP4': NVFP4 .* need an NVIDIA Blackwell GPU",
     ),
 }
 
