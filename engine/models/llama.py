@@ -1,6 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over packed tokens; owns weights.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) over packed tokens; owns
+weights.
 
-GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional tied embeddings. q/k/v and gate/up
+GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional per-head RMSNorm of q and k before
+RoPE (Qwen3's q_norm / k_norm: ModelConfig.qk_norm), optional tied embeddings. q/k/v and gate/up
 projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With an
 Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, norms and the
 LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
@@ -11,7 +13,8 @@ kernel after it, which applies them, and the residual stream is carried next to 
 states; otherwise plain torch ops, which are the CPU path and the reference. With fused kernels,
 a step of one row (models/fused_gemv.py's limit) over unquantized bias-free projections runs
 each layer as four fused GEMVs around RoPE and attention instead. RoPE and the KV-cache write
-belong to the attention backend (AttentionBackend.forward_qkv), which may fuse them.
+belong to the attention backend (AttentionBackend.forward_qkv), which may fuse them; the q/k
+norm runs on the projection's output before it, on every path (Attention.normed_qk).
 """
 
 from __future__ import annotations
@@ -57,19 +60,39 @@ class Attention(nn.Module):
         self.o_proj = make_linear(self.q_size, config.hidden_size, config.o_proj_bias, quant)
         self.rope = rope
         self.fused = False
+        self.head_dim = config.head_dim
+        self.kv_size = kv_size
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor | QuantizedRows, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor | ScaledRows:
         """ScaledRows only with fused kernels (see project)."""
         if not self.fused:
-            out = attn.forward_qkv(self.layer, self.qkv_proj(x), positions, self.rope)
+            qkv = self.normed_qk(self.qkv_proj(x))
+            out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
             return self.o_proj(out.reshape(-1, self.q_size))
         qkv = project(self.qkv_proj, x)
-        if not getattr(attn, "reads_scaled_rows", False):
-            qkv = materialized(qkv)
+        if self.q_norm is not None or not getattr(attn, "reads_scaled_rows", False):
+            qkv = self.normed_qk(materialized(qkv))  # the q/k norm reads plain rows
         out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
         return project(self.o_proj, out.reshape(-1, self.q_size))
+
+    def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] with each head of q and of k RMS-normed (qk_norm models;
+        others: qkv as it is). Plain torch ops on every path (CPU, fused kernels, the fused
+        GEMVs' attend): a new tensor, so the projection's output is not changed in place."""
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        rows, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(rows, -1, d)).reshape(rows, -1)
+        k = self.k_norm(k.reshape(rows, -1, d)).reshape(rows, -1)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class MLP(nn.Module):
@@ -133,7 +156,7 @@ class DecoderLayer(nn.Module):
         att = self.self_attn
 
         def attend(qkv: torch.Tensor) -> torch.Tensor:
-            return attn.forward_qkv(att.layer, qkv, positions, att.rope)
+            return attn.forward_qkv(att.layer, att.normed_qk(qkv), positions, att.rope)
 
         self._gemv_layer(residual, attend)
 
