@@ -2,7 +2,8 @@
 
 A GGUF file is converted once (through transformers + gguf) into a safetensors folder under
 the kvrelay cache (Settings.cache_dir), so later loads take seconds. Owns no state beyond that
-on-disk cache.
+on-disk cache. A checkpoint loads only when every tensor is understood: one no module takes
+(bar a short list safe to skip) or a weight no tensor fills is refused by name (_fuse_checkpoint).
 """
 
 from __future__ import annotations
