@@ -186,7 +186,7 @@ def check_hf_fields(hf: dict[str, Any]) -> None:
     if any(kind != "full_attention" for kind in layer_types):
         raise refuse("layer_types", 'only "full_attention" layers are implemented')
     for name in ("hidden_act", "hidden_activation"):
-        if hf.get(name) not in (None, "silu"):
+        if hf.get(name) not in (None, "silu", "swish"):  # transformers: both are SiLU
             raise refuse(name, "the MLP's activation must be silu")
     if hf.get("mlp_bias"):
         raise refuse("mlp_bias", "MLP projections have no bias here")
