@@ -84,15 +84,22 @@ class Attention(nn.Module):
 
     def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D] with each head of q and of k RMS-normed (qk_norm models;
-        others: qkv as it is). Plain torch ops on every path (CPU, fused kernels, the fused
-        GEMVs' attend): a new tensor, so the projection's output is not changed in place."""
+        others: qkv as it is), as a new tensor: the projection's output is not changed in place.
+        Every path applies it: the plain one with torch ops (HF's rounding), the fused one (and
+        the fused GEMVs' attend, which runs only with fused ops) with FlashInfer's RMSNorm over
+        the heads as rows [T * H, D]."""
         if self.q_norm is None or self.k_norm is None:
             return qkv
         rows, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(rows, -1, d)).reshape(rows, -1)
-        k = self.k_norm(k.reshape(rows, -1, d)).reshape(rows, -1)
-        return torch.cat((q, k, v), dim=-1)
+        normed = []
+        for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+            if self.fused:  # the strided slice is copied into contiguous rows by reshape
+                x = fused_ops.rms_norm(x.reshape(-1, d), norm.weight, norm.eps)
+            else:
+                x = norm(x.reshape(rows, -1, d))
+            normed.append(x.reshape(rows, -1))
+        return torch.cat((*normed, v), dim=-1)
 
 
 class MLP(nn.Module):
