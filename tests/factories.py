@@ -93,6 +93,7 @@ def make_tiny_checkpoint(
             intermediate_size=expert_size,
         )
     config = getattr(transformers, config_name)(**fields)
+    config.architectures = [model_name]  # save_pretrained of a model writes it; of a config not
     path = Path(path)
     if not weights:
         config.save_pretrained(path)

@@ -223,6 +223,11 @@ def normed_input(
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, quant: Fp8Config | None = None):
         super().__init__()
+        if config.num_experts:  # e.g. a MoE config.json without "architectures"
+            raise ValueError(
+                f"{config.architecture} runs dense MLPs; this config has num_experts="
+                f"{config.num_experts} (sparse MoE layers are not wired into the decoder yet)"
+            )
         self.config = config
         self.quant = quant
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -10,7 +10,9 @@ import pytest
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import read_model_config
 from engine.models.registry import model_class
+from tests.factories import make_tiny_checkpoint
 
 CONFIG_CLASSES = ("LlamaConfig", "Qwen2Config", "Qwen3Config", "MistralConfig")
 
@@ -151,3 +153,27 @@ def test_moe_architectures_are_still_refused(config_class: str, fields: dict[str
     config = ModelConfig.from_hf_dict(hf_dict(config_class, **fields), "tiny")
     with pytest.raises(ValueError, match=f"unsupported architecture '{config.architecture}'"):
         model_class(config)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+def test_the_factorys_moe_checkpoints_parse_and_are_refused(architecture: str, tmp_path) -> None:
+    """tests/factories.py's MoE configs (4 experts, top-2, experts 32 wide) as the engine reads
+    them from disk; the engine refuses them until the MoE layer is wired."""
+    folder = make_tiny_checkpoint(
+        tmp_path, architecture=architecture, norm_topk_prob=True, weights=False
+    )
+    config = read_model_config(folder)
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+    assert config.moe_intermediate_size == 32 and config.norm_topk_prob
+    assert config.moe_layers == (0, 1)
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        model_class(config)
+
+
+def test_a_moe_config_without_architectures_is_not_run_as_a_dense_llama() -> None:
+    hf = hf_dict("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
+    del hf["architectures"]
+    config = ModelConfig.from_hf_dict(hf, "tiny")
+    assert model_class(config) is LlamaForCausalLM  # the default architecture
+    with pytest.raises(ValueError, match="num_experts=4"):
+        LlamaForCausalLM(config, 64)
