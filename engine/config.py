@@ -26,9 +26,18 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# rope_type values the engine computes (models/rope.py); others (yarn, dynamic, longrope, ...)
+# are refused at config read.
+ROPE_KINDS = ("default", "linear", "llama3")
+# model_type -> whether q and k get a per-head RMSNorm after the projection (Qwen3's q_norm,
+# k_norm)
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral), and of the
+    sparse MoE MLPs of Qwen3-MoE and Mixtral (parsed; those architectures do not run yet)."""
 
     model_id: str
     vocab_size: int
@@ -45,14 +54,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k, before RoPE
     sliding_window: int | None = None  # Mistral: the engine caps max_model_len to it
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
+    # Sparse MoE MLPs (0 experts: every MLP is dense, of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts a token is routed to
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # the top-k routing weights are renormalized to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is sparse; the others are dense
+    shared_expert_intermediate_size: int = 0  # an always-on shared expert's width (0: none)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], model_id: str) -> ModelConfig:
-        """Read a transformers config.json dict (both rope_scaling and rope_parameters forms)."""
+        """Read a transformers config.json dict (both rope_scaling and rope_parameters forms).
+        A field that changes the model's math in a way the engine does not implement is refused
+        by name and value (check_hf_fields)."""
+        check_hf_fields(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -71,12 +91,13 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         model_type = hf.get("model_type", "llama")
+        num_layers = int(hf["num_hidden_layers"])
         return cls(
             model_id=model_id,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
@@ -87,10 +108,12 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             o_proj_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+            qk_norm=model_type in _QK_NORM_MODEL_TYPES,
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             architecture=archs[0],
+            **_moe_fields(hf, model_type, num_layers),
         )
 
     @classmethod
@@ -101,6 +124,86 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _moe_fields(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's MoE fields from config.json: Qwen3-MoE (and Qwen2-MoE) name the expert
+    count num_experts (transformers 5 writes num_local_experts), size experts by
+    moe_intermediate_size, renormalize the top-k weights only with norm_topk_prob, and make a
+    layer sparse unless it is in mlp_only_layers or off the decoder_sparse_step grid; Mixtral's
+    num_local_experts experts are intermediate_size wide, renormalized, in every layer."""
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if num_experts == 0:
+        return {}
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"config.json's num_experts_per_tok={hf.get('num_experts_per_tok')!r} must be in "
+            f"[1, {num_experts}] (the number of experts)"
+        )
+    if model_type == "mixtral":
+        width, norm_topk, sparse = int(hf["intermediate_size"]), True, tuple(range(num_layers))
+    else:
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in hf.get("mlp_only_layers") or ()}
+        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        width = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+        norm_topk = bool(hf.get("norm_topk_prob", False))
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=norm_topk,
+        moe_layers=sparse,
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def check_hf_fields(hf: dict[str, Any]) -> None:
+    """Refuse config.json fields that change the math in ways the engine does not implement,
+    naming the field and its value. Fields the supported families' default configs set to a
+    harmless value pass (Qwen2/3's layer_types of "full_attention" only, use_sliding_window
+    false, null softcaps); Mistral's sliding_window is kept (the engine caps max_model_len)."""
+    arch = (hf.get("architectures") or [hf.get("model_type", "this model")])[0]
+
+    def refuse(name: str, why: str) -> ValueError:
+        return ValueError(
+            f"{arch}: config.json's {name}={hf_value(name)!r} is not supported ({why})"
+        )
+
+    def hf_value(name: str) -> Any:
+        value: Any = hf
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise refuse(name, "logit soft-capping is not implemented")
+    if hf.get("use_sliding_window"):
+        raise refuse("use_sliding_window", "sliding-window attention is not implemented")
+    layer_types = hf.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise refuse("layer_types", 'only "full_attention" layers are implemented')
+    for name in ("hidden_act", "hidden_activation"):
+        if hf.get(name) not in (None, "silu", "swish"):  # transformers: both are SiLU
+            raise refuse(name, "the MLP's activation must be silu")
+    if hf.get("mlp_bias"):
+        raise refuse("mlp_bias", "MLP projections have no bias here")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if not isinstance(rope, dict):
+            continue
+        if any(isinstance(v, dict) for v in rope.values()):
+            raise refuse(key, "one RoPE for every layer is implemented, not one per layer type")
+        kind = rope.get("rope_type", rope.get("type")) or "default"
+        if kind not in ROPE_KINDS:
+            name = f"{key}.rope_type" if "rope_type" in rope else f"{key}.type"
+            raise refuse(name, f"RoPE types implemented: {', '.join(ROPE_KINDS)}")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise refuse(f"{key}.partial_rotary_factor", "RoPE rotates the whole head here")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise refuse("partial_rotary_factor", "RoPE rotates the whole head here")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")

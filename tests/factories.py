@@ -15,7 +15,11 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v bias
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q/k RMSNorm
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # sparse MoE (not run yet)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # sparse MoE (not run yet)
 }
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 
 
 def make_tiny_checkpoint(
@@ -37,10 +41,21 @@ def make_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     weights: bool = True,
     seed: int = 0,
+    num_experts: int = 4,  # MoE architectures only
+    num_experts_per_tok: int = 2,
+    expert_size: int = 32,  # one expert's MLP width
+    norm_topk_prob: bool = False,  # qwen3_moe only (Mixtral always renormalizes)
 ) -> Path:
     """Write a transformers checkpoint of random weights (config.json only unless weights) into
     path and return it. Weights are transformers' own init, N(0, init_std) after
-    torch.manual_seed(seed), norms ones; no EOS token and no sliding window."""
+    torch.manual_seed(seed), norms ones; no EOS token and no sliding window.
+
+    qwen3_moe / mixtral: every layer sparse with num_experts experts of expert_size, top
+    num_experts_per_tok. transformers 5.25 holds the experts as fused 3D parameters in memory
+    but save_pretrained writes them per expert, as the hub checkpoints are:
+    layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Mixtral: block_sparse_moe.experts.E.
+    {w1,w3,w2}.weight) beside the router, layers.N.mlp.gate.weight (Mixtral:
+    block_sparse_moe.gate.weight)."""
     import transformers
 
     config_name, model_name = ARCHITECTURES[architecture]
@@ -58,11 +73,27 @@ def make_tiny_checkpoint(
         eos_token_id=None,
         sliding_window=None,  # the engine would cap max_model_len to it
     )
-    if head_dim is not None:
-        fields["head_dim"] = head_dim
+    # explicit: Qwen3Config's default head_dim is 128 whatever the hidden size
+    fields["head_dim"] = hidden_size // num_heads if head_dim is None else head_dim
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
+    if architecture == "qwen3_moe":
+        fields |= dict(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=expert_size,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    elif architecture == "mixtral":
+        fields |= dict(
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            intermediate_size=expert_size,
+        )
     config = getattr(transformers, config_name)(**fields)
+    config.architectures = [model_name]  # save_pretrained of a model writes it; of a config not
     path = Path(path)
     if not weights:
         config.save_pretrained(path)

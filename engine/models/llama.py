@@ -1,17 +1,21 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over packed tokens; owns weights.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) over packed tokens; owns
+weights.
 
-GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional tied embeddings. q/k/v and gate/up
-projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With an
-Fp8Config the four projections are Fp8Linear (engine/quant/fp8.py); embeddings, norms and the
-LM head keep the model's dtype. With use_fused_ops(True) (the FlashInfer backend) the
-elementwise work runs as fused CUDA kernels (models/fused_ops.py), an Fp8Linear that would
-quantize its input gets it quantized by the norm or SiLU kernel before it (quant/fp8_fused.py),
-an Fp8Linear that defers its scales (decode batches) hands its output as ScaledRows to the
-kernel after it, which applies them, and the residual stream is carried next to the hidden
-states; otherwise plain torch ops, which are the CPU path and the reference. With fused kernels,
-a step of one row (models/fused_gemv.py's limit) over unquantized bias-free projections runs
-each layer as four fused GEMVs around RoPE and attention instead. RoPE and the KV-cache write
-belong to the attention backend (AttentionBackend.forward_qkv), which may fuse them.
+GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional per-head RMSNorm of q and k before
+RoPE (Qwen3's q_norm / k_norm: ModelConfig.qk_norm), optional tied embeddings. q/k/v and gate/up
+projections are fused into one matmul each; the loader fuses the checkpoint's tensors. With a
+QuantScheme the four projections are its layers (engine/quant/fp8.py make_linear: FP8, int4 or
+int8); embeddings, norms and the LM head keep the model's dtype. With use_fused_ops(True) (the
+FlashInfer backend) the elementwise work runs as fused CUDA kernels (models/fused_ops.py), an
+Fp8Linear that would quantize its input gets it quantized by the norm or SiLU kernel before it
+(quant/fp8_fused.py), an Fp8Linear that defers its scales (decode batches) hands its output as
+ScaledRows to the kernel after it, which applies them, and the residual stream is carried next
+to the hidden states; otherwise plain torch ops, which are the CPU path and the reference. With
+fused kernels, a step of one row (models/fused_gemv.py's limit) over unquantized bias-free
+projections runs each layer as four fused GEMVs around RoPE and attention instead. RoPE and the
+KV-cache write belong to the attention backend (AttentionBackend.forward_qkv), which may fuse
+them; the q/k norm runs on the projection's output before it, on every path
+(Attention.normed_qk).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
-from engine.quant.config import Fp8Config
+from engine.quant.config import QuantScheme
 from engine.quant.fp8 import defers_scales, make_linear, takes_quantized
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
 from engine.quant.fp8_types import QuantizedRows, ScaledRows, materialized
@@ -46,7 +50,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: Fp8Config | None
+        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: QuantScheme | None
     ):
         super().__init__()
         self.layer = layer
@@ -57,23 +61,50 @@ class Attention(nn.Module):
         self.o_proj = make_linear(self.q_size, config.hidden_size, config.o_proj_bias, quant)
         self.rope = rope
         self.fused = False
+        self.head_dim = config.head_dim
+        self.kv_size = kv_size
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor | QuantizedRows, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor | ScaledRows:
         """ScaledRows only with fused kernels (see project)."""
         if not self.fused:
-            out = attn.forward_qkv(self.layer, self.qkv_proj(x), positions, self.rope)
+            qkv = self.normed_qk(self.qkv_proj(x))
+            out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
             return self.o_proj(out.reshape(-1, self.q_size))
         qkv = project(self.qkv_proj, x)
-        if not getattr(attn, "reads_scaled_rows", False):
-            qkv = materialized(qkv)
+        if self.q_norm is not None or not getattr(attn, "reads_scaled_rows", False):
+            qkv = self.normed_qk(materialized(qkv))  # the q/k norm reads plain rows
         out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
         return project(self.o_proj, out.reshape(-1, self.q_size))
 
+    def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] with each head of q and of k RMS-normed (qk_norm models;
+        others: qkv as it is), as a new tensor: the projection's output is not changed in place.
+        Every path applies it: the plain one with torch ops (HF's rounding), the fused one (and
+        the fused GEMVs' attend, which runs only with fused ops) with FlashInfer's RMSNorm over
+        the heads as rows [T * H, D]."""
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        rows, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        normed = []
+        for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+            if self.fused:  # the strided slice is copied into contiguous rows by reshape
+                x = fused_ops.rms_norm(x.reshape(-1, d), norm.weight, norm.eps)
+            else:
+                x = norm(x.reshape(rows, -1, d))
+            normed.append(x.reshape(rows, -1))
+        return torch.cat((*normed, v), dim=-1)
+
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant: Fp8Config | None):
+    def __init__(self, config: ModelConfig, quant: QuantScheme | None):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = make_linear(hidden, 2 * inter, False, quant)
@@ -95,7 +126,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: Fp8Config | None
+        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: QuantScheme | None
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -133,7 +164,7 @@ class DecoderLayer(nn.Module):
         att = self.self_attn
 
         def attend(qkv: torch.Tensor) -> torch.Tensor:
-            return attn.forward_qkv(att.layer, qkv, positions, att.rope)
+            return attn.forward_qkv(att.layer, att.normed_qk(qkv), positions, att.rope)
 
         self._gemv_layer(residual, attend)
 
@@ -191,8 +222,13 @@ def normed_input(
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, quant: Fp8Config | None = None):
+    def __init__(self, config: ModelConfig, max_positions: int, quant: QuantScheme | None = None):
         super().__init__()
+        if config.num_experts:  # e.g. a MoE config.json without "architectures"
+            raise ValueError(
+                f"{config.architecture} runs dense MLPs; this config has num_experts="
+                f"{config.num_experts} (sparse MoE layers are not wired into the decoder yet)"
+            )
         self.config = config
         self.quant = quant
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -2,7 +2,8 @@
 
 A GGUF file is converted once (through transformers + gguf) into a safetensors folder under
 the kvrelay cache (Settings.cache_dir), so later loads take seconds. Owns no state beyond that
-on-disk cache.
+on-disk cache. A checkpoint loads only when every tensor is understood: one no module takes
+(bar a short list safe to skip) or a weight no tensor fills is refused by name (_fuse_checkpoint).
 """
 
 from __future__ import annotations
@@ -164,17 +165,32 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Checkpoint tensors (names without "model.") that no module takes and that are safe to skip:
+# each is derived from config.json or duplicates a tensor that is loaded.
+_SKIPPABLE_SUFFIXES = (
+    # RoPE's inverse frequencies, a buffer older transformers versions saved; the engine
+    # computes the same table from config.json's rope_theta and rope_scaling (models/rope.py).
+    ".rotary_emb.inv_freq",
+)
+# lm_head.weight with tie_word_embeddings is skipped only when it equals embed_tokens.weight
+# (a second copy of the tied matrix); a different head is refused (_check_tied_head).
+_MAX_NAMED = 5  # leftover tensors named in the error
+
+
 def _fuse_checkpoint(
     config: ModelConfig,
     raw: dict[str, torch.Tensor],
     quant: QuantScheme | None,
     device: torch.device,
     dequantize: bool = False,
+    source: str | Path = "the checkpoint",
 ) -> dict[str, torch.Tensor]:
     """Rename HF tensors to this model's names, fusing q/k/v and gate/up; with quant the four
     projections become its quantized layers' state (engine/quant/checkpoint.py; online
     quantization and 4-bit packing run on device), or with dequantize plain float32 weights
-    (the CPU reference path)."""
+    (the CPU reference path). A module weight no tensor fills, or a tensor no module takes
+    (other than the skippable ones above), is refused by name; source (the folder) is named
+    with it."""
     raw = {name.removeprefix("model."): t for name, t in raw.items()}
     out: dict[str, torch.Tensor] = {}
 
@@ -182,7 +198,7 @@ def _fuse_checkpoint(
         try:
             return raw.pop(name)
         except KeyError:
-            raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+            raise ValueError(f"checkpoint {source} is missing tensor {name!r}") from None
 
     def linear(name: str, parts: list[str]) -> dict[str, torch.Tensor]:
         if quant is not None and dequantize:
@@ -212,7 +228,41 @@ def _fuse_checkpoint(
         out |= linear(p + "mlp.down_proj", [p + "mlp.down_proj"])
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + norm + ".weight"] = take(p + norm + ".weight")
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[attn + norm + ".weight"] = take(attn + norm + ".weight")
+    _refuse_leftovers(config, raw, out, source)
     return out
+
+
+def _refuse_leftovers(
+    config: ModelConfig,
+    left: dict[str, torch.Tensor],
+    taken: dict[str, torch.Tensor],
+    source: str | Path,
+) -> None:
+    """Raise naming the tensors (up to _MAX_NAMED, and their count) that no module took: a
+    checkpoint with weights the model would ignore is one whose math the engine does not run."""
+    if config.tie_word_embeddings and "lm_head.weight" in left:
+        _check_tied_head(left.pop("lm_head.weight"), taken["embed_tokens.weight"], source)
+    unused = sorted(name for name in left if not name.endswith(_SKIPPABLE_SUFFIXES))
+    if not unused:
+        return
+    named = ", ".join(repr(name) for name in unused[:_MAX_NAMED])
+    more = f" and {len(unused) - _MAX_NAMED} more" if len(unused) > _MAX_NAMED else ""
+    raise ValueError(
+        f"checkpoint {source} has {len(unused)} tensor(s) that no module of "
+        f"{config.architecture} takes: {named}{more}; kvrelay refuses weights it would ignore"
+    )
+
+
+def _check_tied_head(head: torch.Tensor, embed: torch.Tensor, source: str | Path) -> None:
+    same = head.shape == embed.shape and torch.equal(head, embed.to(head.dtype))
+    if not same:
+        raise ValueError(
+            f"checkpoint {source} has tensor 'lm_head.weight' unlike 'embed_tokens.weight', but "
+            "config.json's tie_word_embeddings is true (the LM head is the embedding matrix)"
+        )
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -248,7 +298,7 @@ def load_model(
     model = _meta_model(config, max_positions, device, dtype, None if dequantize else quant)
     raw = _read_safetensors(folder)
     kv_scales = take_kv_scales(raw, config.num_layers)
-    weights = _fuse_checkpoint(config, raw, quant, device, dequantize)
+    weights = _fuse_checkpoint(config, raw, quant, device, dequantize, source=folder)
     weights = {name: _to_device(name, t, device, dtype) for name, t in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
     model.kv_scales = kv_scales

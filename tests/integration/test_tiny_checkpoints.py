@@ -1,14 +1,28 @@
-"""Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Mistral) load and
-run through the same path, and match transformers greedy token for token."""
+"""Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
+tied and untied, Mistral) load and run through the same path, and match transformers greedy
+token for token, in one engine and (Qwen3) through a prefill worker, NIXL and a decode worker."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from common.messages import GenerateRequest
+from deploy.local_cluster import LocalCluster
+from engine.config import CacheConfig, EngineConfig
 from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint
+from tests.integration.cluster_support import (
+    cluster_spec,
+    collect,
+    tokens_of,
+    wait_until_no_leaks,
+)
 
 VOCAB_SIZE = 512
 LLAMA3_ROPE = {
@@ -22,18 +36,19 @@ CHECKPOINTS = {
     "llama3": dict(architecture="llama", rope_scaling=LLAMA3_ROPE),
     "qwen2": dict(architecture="qwen2", tie_embeddings=True),
     "mistral": dict(architecture="mistral"),
+    # head_dim 32 with 4 heads: q is 128 wide over a hidden size of 64
+    "qwen3": dict(architecture="qwen3", tie_embeddings=True, head_dim=32),
+    "qwen3-untied": dict(architecture="qwen3", head_dim=32, seed=1),
 }
+PROMPTS = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
+NEW_TOKENS = 12
 
 
-@pytest.mark.parametrize("kind", list(CHECKPOINTS))
-def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
+def transformers_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (the oracle)."""
     import transformers
 
-    make_tiny_checkpoint(tmp_path, **CHECKPOINTS[kind])
-    assert (tmp_path / "config.json").is_file()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    prompts = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
-    new_tokens = 12
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     expected = []
     with torch.inference_mode():
         for p in prompts:
@@ -47,6 +62,15 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
                 pad_token_id=0,
             )
             expected.append(out[0, len(p) :].tolist())
+    return expected
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINTS))
+def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
+    make_tiny_checkpoint(tmp_path, **CHECKPOINTS[kind])
+    assert (tmp_path / "config.json").is_file()
+    prompts, new_tokens = PROMPTS, NEW_TOKENS
+    expected = transformers_greedy(tmp_path, prompts, new_tokens)
     engine = build_engine(model_path=str(tmp_path), num_blocks=64, max_num_batched_tokens=32)
     assert engine.tokenizer is None
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -73,3 +97,47 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
     engine.assert_no_leaks()
     with pytest.raises(ValueError, match="load_format"):
         build_engine(model_path=str(tmp_path), num_blocks=64, load_format="npz")
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), **CHECKPOINTS["qwen3"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_cluster(
+    qwen3_checkpoint: Path, loop: asyncio.AbstractEventLoop
+) -> Iterator[LocalCluster]:
+    """One prefill and one decode worker of the tiny Qwen3 (CPU, the embedded Ray)."""
+    engine = EngineConfig(model=str(qwen3_checkpoint), cache=CacheConfig(num_blocks=64))
+    spec = cluster_spec(engine=engine, num_prefill=1, num_decode=1)
+    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
+    yield cluster
+    loop.run_until_complete(cluster.close())
+
+
+def test_qwen3_through_the_cluster_matches_transformers(
+    qwen3_checkpoint: Path, qwen3_cluster: LocalCluster, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Prefill worker -> NIXL -> decode worker, token-exact against transformers; a second
+    prompt sharing the first's leading blocks finds them cached on the decode worker (fewer
+    blocks pulled); no worker leaks a block."""
+    first = list(range(1, 200, 3))  # 67 tokens: 4 full blocks of 16
+    second = [*first[:48], 9, 8, 7, 6, 5]  # the first 3 blocks shared
+    expected = transformers_greedy(qwen3_checkpoint, [first, second], NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+    async def run() -> list[list]:
+        runs = []
+        for i, prompt in enumerate((first, second)):  # in turn: the second reuses the first's
+            request = GenerateRequest(f"qwen3-{i}", tuple(prompt), params)
+            runs.append(await collect(qwen3_cluster.backend, request))
+        return runs
+
+    runs = loop.run_until_complete(run())
+    assert [tokens_of(deltas) for deltas in runs] == expected
+    pulled = [next(d.transfer for d in deltas if d.transfer is not None) for deltas in runs]
+    assert not any(t.recomputed for t in pulled)
+    assert pulled[0].num_blocks >= len(first) // 16
+    assert pulled[1].num_blocks < pulled[0].num_blocks  # the shared blocks were not pulled again
+    loop.run_until_complete(wait_until_no_leaks(qwen3_cluster))

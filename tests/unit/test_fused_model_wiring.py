@@ -1,9 +1,11 @@
 """The model's fused-ops path (residual carried next to the hidden states, in-place add+norm)
-computes the same function as the plain path. FlashInfer's kernels are replaced by torch
+and its one-row fused GEMV path compute the same function as the plain path, with and without
+Qwen3's q/k norms. FlashInfer's kernels are replaced by torch
 stand-ins with the same in-place contracts, so this runs on CPU and checks only the wiring."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -54,10 +56,11 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_ops, "silu_and_mul", fake_silu_and_mul)
 
 
-def random_model(seed: int) -> LlamaForCausalLM:
+def random_model(seed: int, qk_norm: bool = False) -> LlamaForCausalLM:
     config = make_model_config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, head_dim=8
     )
+    config = dataclasses.replace(config, qk_norm=qk_norm)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config, 128)
     with torch.no_grad():
@@ -66,8 +69,9 @@ def random_model(seed: int) -> LlamaForCausalLM:
     return model
 
 
-def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
-    model = random_model(0)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
+def test_fused_path_computes_the_same_function(fake_kernels: None, qk_norm: bool) -> None:
+    model = random_model(0, qk_norm)
     ids = torch.randint(0, 64, (11,))
     positions = torch.randint(0, 128, (11,))
     with torch.no_grad():
@@ -85,16 +89,18 @@ def test_fused_path_computes_the_same_function(fake_kernels: None) -> None:
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels interpreted on CPU"
 )
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
 def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
     fake_kernels: None,
     gemv_launches: list[int],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
+    qk_norm: bool,
 ) -> None:
     """engine/models/fused_gemv.py's path (each layer as four GEMVs, the residual stream
     changed in place) against the plain path, for a one-token step; the kernels run in
     Triton's interpreter, in float32, so the wiring must match to float rounding."""
     pytest.importorskip("triton")
-    model = random_model(1)
+    model = random_model(1, qk_norm)
     config, launches = model.config, gemv_launches
     monkeypatch.setattr(  # CPU tensors: the interpreter stands in for the GPU
         fused_gemv, "takes", lambda x, plain: x.shape[0] == 1 and bool(plain)
@@ -133,3 +139,21 @@ def test_models_with_biased_or_quantized_projections_keep_the_plain_kernels(
     assert len(plain.plain_projections(torch.float32)) == 4 * plain.config.num_layers
     plain.use_fused_ops(True)
     assert plain.fused_gemv_rows() == []  # a CPU model: the GEMVs are CUDA kernels
+
+
+def test_the_q_and_k_norms_count_on_every_path(fake_kernels: None) -> None:
+    """Scaling the k_norm weights changes the output on the plain and the fused path: neither
+    skips the norm (fused == plain alone would not show that)."""
+    model = random_model(2, qk_norm=True)
+    ids, positions = torch.randint(0, 64, (7,)), torch.arange(7)
+    with torch.no_grad():
+        before = [model(ids, positions, EchoAttention())]
+        model.use_fused_ops(True)
+        before.append(model(ids, positions, EchoAttention()))
+        for layer in model.layers:
+            layer.self_attn.k_norm.weight.mul_(3.0)
+        after = [model(ids, positions, EchoAttention())]
+        model.use_fused_ops(False)
+        after.insert(0, model(ids, positions, EchoAttention()))
+    for old, new in zip(before, after, strict=True):
+        assert not torch.allclose(old, new, atol=1e-3)
