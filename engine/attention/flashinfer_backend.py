@@ -47,10 +47,15 @@ PREFILL_KERNEL = "fa2"  # FlashInfer's backend for the paged prefill wrapper
 HOPPER = (9, 0)
 
 
-def ragged_backend(capability: tuple[int, int], kv_dtype: torch.dtype) -> str | None:
+FA3_HEAD_DIMS = (64, 128, 256)  # what FlashInfer's fa3 kernels are built for
+
+
+def ragged_backend(capability: tuple[int, int], kv_dtype: torch.dtype, head_dim: int) -> str | None:
     """The FlashInfer backend that attends whole prompts over their own K/V: fa3 on Hopper over
-    a bf16/fp16 cache, else None (they go through the paged cache like every other chunk)."""
-    return "fa3" if capability == HOPPER and kv_dtype in FLASHINFER_DTYPES else None
+    a bf16/fp16 cache of a head size fa3 is built for, else None (they go through the paged
+    cache like every other chunk)."""
+    fa3 = capability == HOPPER and kv_dtype in FLASHINFER_DTYPES and head_dim in FA3_HEAD_DIMS
+    return "fa3" if fa3 else None
 
 
 def whole_prompts_from(seqs: list[SeqSpan]) -> int:
@@ -188,7 +193,7 @@ class FlashInferAttention(AttentionBackend):
             self._workspace, "HND", backend=PREFILL_KERNEL
         )
         self._decode = self._decode_wrapper()
-        self.ragged_kernel = ragged_backend(capability, kv_cache.dtype)
+        self.ragged_kernel = ragged_backend(capability, kv_cache.dtype, head_dim)
         self._ragged: Any = None
         if self.ragged_kernel is not None:
             self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(

@@ -181,7 +181,8 @@ def input_permutation(weight: Int4Weight, group_size: int) -> torch.Tensor:
     num_inputs = weight.groups.numel()
     perm = torch.argsort(weight.groups, stable=True)
     size = num_inputs if group_size == -1 else group_size
-    if not torch.equal(weight.groups[perm], torch.arange(num_inputs) // size):
+    in_order = torch.arange(num_inputs, device=weight.groups.device) // size
+    if not torch.equal(weight.groups[perm], in_order):
         raise ValueError(
             f"g_idx does not split the input channels into groups of {size}; this act-order "
             "layout cannot be mapped onto the int4 kernel"
@@ -261,7 +262,7 @@ def int4_linear_state(
         perm = input_permutation(weight, quant.group_size)
         codes, groups = codes[:, perm], groups[perm]
         state[prefix + ".input_perm"] = perm
-    elif not torch.equal(groups, contiguous_groups(num_inputs, quant.group_size)):
+    elif not torch.equal(groups, contiguous_groups(num_inputs, quant.group_size).to(groups.device)):
         raise ValueError(f"{prefix}: g_idx is not in input order but desc_act is false")
     # one kernel group per `group` input channels: the checkpoint group of its first channel
     first = groups.reshape(-1, group)[:, 0].to(weight.scales.device)

@@ -40,7 +40,7 @@ def ragged_prompts(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     """Whole prompts on the ragged wrapper (fa3 on Hopper, else fa2) whatever the cache, or
     through the paged cache (the engine's choice: ragged_backend), to compare the two."""
 
-    def backend(capability: tuple[int, int], kv_dtype: torch.dtype) -> str | None:
+    def backend(capability: tuple[int, int], kv_dtype: torch.dtype, head_dim: int) -> str | None:
         return ("fa3" if capability == flashinfer_backend.HOPPER else "fa2") if on else None
 
     monkeypatch.setattr(flashinfer_backend, "ragged_backend", backend)

@@ -35,7 +35,7 @@ def close_to(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize("num_rows", [1, 2])
+@pytest.mark.parametrize("num_rows", range(1, fused_gemv.MAX_ROWS + 1))
 def test_bf16_kernels_on_the_8b_shapes_match_torch(num_rows: int) -> None:
     gen = torch.Generator(CUDA).manual_seed(0)
     h = torch.randn(num_rows, HIDDEN, device=CUDA, generator=gen).bfloat16()

@@ -45,7 +45,10 @@ def load(folder: Path, load_format: str = "auto") -> nn.Module:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("plain"))
+    """A tiny Llama of head size 128 (the sizes FlashInfer's kernels are built for)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("plain"), hidden_size=256, intermediate_size=512, head_dim=128
+    )
 
 
 def _fused_reference(reference: Path, layer: str) -> torch.Tensor:

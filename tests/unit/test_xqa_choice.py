@@ -57,7 +57,8 @@ def test_whole_prompts_are_the_trailing_chunks_with_nothing_cached_before_them()
 
 
 def test_ragged_backend_is_fa3_on_hopper_over_a_16_bit_cache() -> None:
-    assert ragged_backend(HOPPER, BF16) == "fa3"
-    assert ragged_backend(HOPPER, torch.float16) == "fa3"
-    assert ragged_backend(HOPPER, FP8) is None  # slower beside FP8 GEMMs
-    assert ragged_backend(AMPERE, BF16) is None  # fa2's ragged kernel: not measured
+    assert ragged_backend(HOPPER, BF16, 128) == "fa3"
+    assert ragged_backend(HOPPER, torch.float16, 64) == "fa3"
+    assert ragged_backend(HOPPER, FP8, 128) is None  # slower beside FP8 GEMMs
+    assert ragged_backend(AMPERE, BF16, 128) is None  # fa2's ragged kernel: not measured
+    assert ragged_backend(HOPPER, BF16, 16) is None  # fa3 is not built for this head size
