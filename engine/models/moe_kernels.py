@@ -1,0 +1,203 @@
+"""The MoE experts' GPU path: the routed (token, expert) pairs aligned into per-expert blocks on
+the device, then two grouped GEMMs in Triton; owns no state (imports triton on first use).
+
+Why Triton and not FlashInfer's fused MoE: FlashInfer 0.7's `cutlass_fused_moe` and
+`trtllm_*_moe` entry points are built around quantized experts (FP8 / FP4 block scales) and
+their own weight layouts and routing conventions, and its bf16 route is tied to Blackwell
+kernels; a small Triton kernel (the way vLLM's and SGLang's fused_moe work) runs bf16 experts on
+Hopper, keeps transformers' rounding points, and is tested on the CPU in Triton's interpreter.
+
+The steps (align, then gate_up, then down):
+1. align: the T * k pairs are sorted by expert (stable), each expert's run padded to a multiple
+   of BLOCK_M; `sorted_pairs` [T*k + E*(BLOCK_M-1)] holds pair indices (padding = T*k), each
+   BLOCK_M block belongs to one expert (`block_experts`, -1 past the end), `num_padded` is the
+   padded length, on the device. All torch ops of fixed shapes (sort, scatter_add, cumsum,
+   searchsorted): no host sync, so a CUDA graph can capture it.
+2. gate_up: one program per (block, BLOCK_N output columns) multiplies its block's rows of x
+   (pair // k) by its expert's gate rows and up rows, and writes SiLU(gate) * up [T*k, I],
+   rounded where torch rounds (after each product, after SiLU, after the mul).
+3. down: the same kernel over those rows and the expert's down weights, each row's output
+   rounded to x's dtype and multiplied by its routing weight (in the weight's dtype), written
+   in float32 [T*k, H]; the top-k rows of each token are then summed (torch) and rounded once.
+Programs whose block lies past num_padded return at once, so grids are sized for the worst
+case (fixed under a CUDA graph) while work follows the real routing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.models.moe import Routing
+
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 4, 3
+
+
+class Aligned(NamedTuple):
+    """The pairs in per-expert blocks: sorted_pairs [max_padded] (int32 pair indices, T*k for
+    padding), block_experts [max_padded / BLOCK_M] (int32, -1 past the end), num_padded [1]
+    (int32, the padded rows in use)."""
+
+    sorted_pairs: torch.Tensor
+    block_experts: torch.Tensor
+    num_padded: torch.Tensor
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows of a block: 16 while experts average few rows (decode), up to 64 for prefill."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows the aligned pairs can take: every expert's run rounded up to block_m, as a
+    whole number of blocks."""
+    bound = num_pairs + num_experts * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    """expert_ids [T, k] aligned into per-expert blocks of block_m rows (see Aligned)."""
+    flat = expert_ids.reshape(-1)
+    num_pairs, device = flat.numel(), flat.device
+    sorted_ids, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, dim=0)
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(counts, dim=0) - counts
+    ranks = torch.arange(num_pairs, device=device) - starts[sorted_ids]
+    size = max_padded(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_starts[sorted_ids] + ranks] = order.to(torch.int32)
+    block_starts = torch.arange(0, size, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
+    return Aligned(sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32))
+
+
+def fused_experts(
+    x: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The experts' weighted sum [T, H] (moe.reference_experts' numerics) by the Triton kernels:
+    x [T, H], gate_up [E, 2I, H], down [E, H, I], all contiguous and of one dtype."""
+    for name, t in (("x", x), ("experts_gate_up", gate_up), ("experts_down", down)):
+        if t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: want contiguous {x.dtype}, got {t.dtype}")
+    num_tokens, top_k = routing.expert_ids.shape
+    num_experts, two_i, hidden = gate_up.shape
+    num_pairs, inter = num_tokens * top_k, two_i // 2
+    block_m = block_m_for(num_pairs, num_experts)
+    aligned = align(routing.expert_ids, num_experts, block_m)
+    weights = routing.weights.reshape(-1).contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    weighted = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    _grouped_gemm(x, gate_up, act, aligned, weights, block_m, top_k, gated=True)
+    _grouped_gemm(act, down, weighted, aligned, weights, block_m, 1, gated=False)
+    return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    aligned: Aligned,
+    weights: torch.Tensor,
+    block_m: int,
+    a_rows_per_token: int,
+    gated: bool,
+) -> None:
+    """out[pair] = a[pair // a_rows_per_token] @ w[expert].T, over the aligned pairs: gated,
+    SiLU(gate) * up of w's two halves; else times the pair's routing weight."""
+    num_cols, depth = out.shape[1], a.shape[1]
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" or a.dtype == torch.float32
+    grid = (aligned.block_experts.numel() * -(-num_cols // BLOCK_N),)
+    _kernel()[grid](
+        a, w, out, aligned.sorted_pairs, aligned.block_experts, aligned.num_padded, weights,
+        out.shape[0], num_cols, depth, a_rows_per_token,
+        GATED=gated, ROUND_WEIGHTED=weights.dtype != torch.float32, UPCAST=upcast,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grouped_gemm(
+        a_ptr,
+        w_ptr,
+        out_ptr,
+        sorted_pairs_ptr,
+        block_experts_ptr,
+        num_padded_ptr,
+        weights_ptr,
+        num_pairs,
+        N,
+        K,
+        a_rows_per_token,
+        GATED: tl.constexpr,
+        ROUND_WEIGHTED: tl.constexpr,
+        UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One program: BLOCK_M aligned pairs x BLOCK_N output columns over all of K. w is
+        [E, N, K] ([E, 2N, K] gated: gate rows, then up rows); a [*, K]; out [num_pairs, N].
+        UPCAST: the tiles multiplied in IEEE float32 (float32 models; and in Triton 3.9's
+        interpreter, whose tl.dot gets bf16 tiles wrong: their products are exact in float32)."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        block, pid_n = pid // num_n, pid % num_n
+        if block * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_experts_ptr + block).to(tl.int64)
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        a_rows = tl.where(valid, pairs // a_rows_per_token, 0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w_rows = tl.where(col_ok, cols, 0).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        w_expert = w_ptr + expert * (2 * N if GATED else N) * K
+        a_tile = a_ptr + a_rows[:, None] * K + ks[None, :]
+        w_tile = w_expert + w_rows[None, :] * K + ks[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_tile, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+            if GATED:
+                w_up = tl.load(w_tile + N * K, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if UPCAST:
+                    w_up = w_up.to(tl.float32)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+            a_tile += BLOCK_K
+            w_tile += BLOCK_K
+        dtype = a_ptr.dtype.element_ty
+        y = acc.to(dtype).to(tl.float32)
+        if GATED:  # torch's rounding: SiLU(gate), then the product, each to the dtype
+            silu = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
+            y = silu * acc_up.to(dtype).to(tl.float32)
+        else:
+            weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+            y = y * weight.to(tl.float32)[:, None]
+            if ROUND_WEIGHTED:
+                y = y.to(dtype).to(tl.float32)
+        out = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+    return grouped_gemm
