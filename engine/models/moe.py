@@ -170,7 +170,9 @@ def expert_tensors(
     except (KeyError, ValueError):
         first_gate = None
     if first_gate is not None:
-        gates = [first_gate] + [take(per_expert.format(e, gate_name)) for e in range(1, num_experts)]
+        gates = [first_gate] + [
+            take(per_expert.format(e, gate_name)) for e in range(1, num_experts)
+        ]
         ups = [take(per_expert.format(e, up_name)) for e in range(num_experts)]
         downs = [take(per_expert.format(e, down_name)) for e in range(num_experts)]
         gate_up = torch.stack([torch.cat(pair) for pair in zip(gates, ups, strict=True)])

@@ -21,7 +21,12 @@ transformers = pytest.importorskip("transformers")
 HIDDEN, EXPERT, NUM_EXPERTS, TOP_K, SHARED = 64, 32, 8, 2, 48
 # family -> (transformers config class, its experts-count field, block class, model class)
 FAMILIES = {
-    "mixtral": ("MixtralConfig", "num_local_experts", "MixtralSparseMoeBlock", "MixtralForCausalLM"),
+    "mixtral": (
+        "MixtralConfig",
+        "num_local_experts",
+        "MixtralSparseMoeBlock",
+        "MixtralForCausalLM",
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", "num_experts", "Qwen3MoeSparseMoeBlock", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "num_experts", "Qwen2MoeSparseMoeBlock", "Qwen2MoeForCausalLM"),
 }
@@ -102,7 +107,9 @@ def test_equals_transformers_block_in_float32(
     tmp_path: Path, family: str, norm_topk_prob: bool, num_tokens: int
 ) -> None:
     block = hf_block(family, norm_topk_prob, torch.float32)
-    save_file({"layers.0.mlp." + k: v for k, v in block.state_dict().items()}, tmp_path / "a.safetensors")
+    save_file(
+        {"layers.0.mlp." + k: v for k, v in block.state_dict().items()}, tmp_path / "a.safetensors"
+    )
     moe = engine_moe(family, norm_topk_prob, read_safetensors(tmp_path))
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens))
     with torch.no_grad():
@@ -117,7 +124,9 @@ def test_equals_transformers_block_in_bfloat16(family: str, norm_topk_prob: bool
     """Rounded where transformers' default (grouped_mm) experts round, and the router's
     weights cast where it casts them (Mixtral keeps float32): bit for bit on the CPU."""
     block = hf_block(family, norm_topk_prob, torch.bfloat16)
-    moe = engine_moe(family, norm_topk_prob, {"layers.0.mlp." + k: v for k, v in block.state_dict().items()})
+    moe = engine_moe(
+        family, norm_topk_prob, {"layers.0.mlp." + k: v for k, v in block.state_dict().items()}
+    )
     x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
     with torch.no_grad():
         want, got = block(x[None])[0], moe(x)
@@ -166,7 +175,9 @@ def per_expert_tensors(family: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_a_missing_expert_tensor_is_named(family: str) -> None:
     tensors = per_expert_tensors(family)
-    name = next(n for n in tensors if ".experts.2." in n and n.endswith(("w2.weight", "down_proj.weight")))
+    name = next(
+        n for n in tensors if ".experts.2." in n and n.endswith(("w2.weight", "down_proj.weight"))
+    )
     del tensors[name]
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         expert_tensors(popping(tensors), "layers.0.", 4, family)
@@ -180,7 +191,7 @@ def test_no_expert_tensors_names_both_formats() -> None:
 def test_bad_shapes_and_family_are_named() -> None:
     tensors = per_expert_tensors("qwen3_moe")
     tensors["layers.0.mlp.gate.weight"] = torch.zeros(5, HIDDEN)
-    with pytest.raises(ValueError, match="router gate.weight"):
+    with pytest.raises(ValueError, match=r"router gate\.weight"):
         expert_tensors(popping(tensors), "layers.0.", 4, "qwen3_moe")
     fused = {
         "layers.0.mlp.gate.weight": torch.zeros(4, HIDDEN),
