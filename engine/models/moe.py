@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import moe_kernels
+
 if TYPE_CHECKING:
     from engine.quant.config import Fp8Config
 
@@ -102,9 +104,7 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.route(x)
         if x.is_cuda:
-            from engine.models import moe_kernels
-
-            out = moe_kernels.fused_experts(x, routing, self.experts_gate_up, self.experts_down)
+            out = moe_kernels.fused_experts(x, *routing, self.experts_gate_up, self.experts_down)
         else:
             out = reference_experts(x, routing, self.experts_gate_up, self.experts_down)
         if self.shared_expert_size > 0:

@@ -27,30 +27,43 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.models.moe import Routing
+ALIGN_CHUNK = 1024  # pairs an align program reads a step
 
-BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 4, 3
+
+class Tile(NamedTuple):
+    """One launch's blocking: rows (aligned pairs) and output columns a program, the K step,
+    warps and software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
 
 
 class Aligned(NamedTuple):
     """The pairs in per-expert blocks: sorted_pairs [max_padded] (int32 pair indices, T*k for
-    padding), block_experts [max_padded / BLOCK_M] (int32, -1 past the end), num_padded [1]
-    (int32, the padded rows in use)."""
+    padding), block_experts [max_padded / BLOCK_M] (int32), num_padded [1] (int32, the padded
+    rows in use; both arrays are unspecified past it)."""
 
     sorted_pairs: torch.Tensor
     block_experts: torch.Tensor
     num_padded: torch.Tensor
 
 
-def block_m_for(num_pairs: int, num_experts: int) -> int:
-    """Rows of a block: 16 while experts average few rows (decode), up to 64 for prefill."""
+def tile_for(num_pairs: int, num_experts: int) -> Tile:
+    """The blocking for num_pairs routed pairs over num_experts: 16 rows while experts average
+    few rows (decode), more for prefill."""
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    if per_expert < 8:
+        return Tile(16, 32, 256, 4, 3)
+    if per_expert < 48:
+        return Tile(64, 64, 64, 4, 3)
+    return Tile(128, 128, 64, 8, 3)
 
 
 def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -61,43 +74,98 @@ def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
-    """expert_ids [T, k] aligned into per-expert blocks of block_m rows (see Aligned)."""
+    """expert_ids [T, k] aligned into per-expert blocks of block_m rows (see Aligned) by one
+    Triton launch of one program an expert: each takes the histogram of all the pairs' experts
+    (its run's padded start is the sum of the runs before), then writes its pairs in order,
+    its run's padding and its blocks' expert."""
     flat = expert_ids.reshape(-1)
     num_pairs, device = flat.numel(), flat.device
-    sorted_ids, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, dim=0)
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(counts, dim=0) - counts
-    ranks = torch.arange(num_pairs, device=device) - starts[sorted_ids]
     size = max_padded(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[padded_starts[sorted_ids] + ranks] = order.to(torch.int32)
-    block_starts = torch.arange(0, size, block_m, device=device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
-    return Aligned(sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32))
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=device)
+    block_experts = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    chunk = min(ALIGN_CHUNK, max(16, 1 << (num_pairs - 1).bit_length()))
+    _align_kernel()[(num_experts,)](
+        flat, sorted_pairs, block_experts, num_padded, num_pairs, num_experts,
+        BLOCK_M=block_m, BINS=1 << num_experts.bit_length(), CHUNK=chunk,
+    )  # fmt: skip
+    return Aligned(sorted_pairs, block_experts, num_padded)
+
+
+@functools.cache
+def _align_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def align_pairs(
+        ids_ptr,
+        sorted_pairs_ptr,
+        block_experts_ptr,
+        num_padded_ptr,
+        num_pairs,
+        num_experts,
+        BLOCK_M: tl.constexpr,
+        BINS: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        """Program e: the histogram of all pairs' experts in BINS bins (> num_experts: masked
+        lanes count in bin num_experts, ignored), then expert e's pairs, padding and blocks."""
+        expert = tl.program_id(0)
+        lanes = tl.arange(0, CHUNK)
+        counts = tl.zeros((BINS,), dtype=tl.int32)
+        for c0 in range(0, num_pairs, CHUNK):
+            pairs = c0 + lanes
+            ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts)
+            counts += tl.histogram(ids.to(tl.int32), BINS)
+        bins = tl.arange(0, BINS)
+        padded = tl.where(bins < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        start = tl.sum(tl.where(bins < expert, padded, 0), axis=0)
+        count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+        end = start + tl.sum(tl.where(bins == expert, padded, 0), axis=0)
+        if expert == 0:
+            tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+        written = start
+        for c0 in range(0, num_pairs, CHUNK):
+            pairs = c0 + lanes
+            ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=num_experts)
+            hit = (ids == expert).to(tl.int32)
+            tl.store(sorted_pairs_ptr + written + tl.cumsum(hit, axis=0) - 1, pairs, mask=hit > 0)
+            written += tl.sum(hit, axis=0)
+        padding = start + count + tl.arange(0, BLOCK_M)
+        tl.store(sorted_pairs_ptr + padding, num_pairs, mask=padding < end)
+        for b0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
+            blocks = b0 + lanes
+            tl.store(block_experts_ptr + blocks, expert, mask=blocks < end // BLOCK_M)
+
+    return align_pairs
 
 
 def fused_experts(
-    x: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum [T, H] (moe.reference_experts' numerics) by the Triton kernels:
-    x [T, H], gate_up [E, 2I, H], down [E, H, I], all contiguous and of one dtype."""
+    x [T, H]; each token's experts expert_ids [T, k] and weights [T, k] (float32 or x's
+    dtype); gate_up [E, 2I, H], down [E, H, I]; x and the experts contiguous, of one dtype.
+    tile: the blocking (None: tile_for's)."""
     for name, t in (("x", x), ("experts_gate_up", gate_up), ("experts_down", down)):
         if t.dtype != x.dtype or not t.is_contiguous():
             raise ValueError(f"{name}: want contiguous {x.dtype}, got {t.dtype}")
-    num_tokens, top_k = routing.expert_ids.shape
+    num_tokens, top_k = expert_ids.shape
     num_experts, two_i, hidden = gate_up.shape
     num_pairs, inter = num_tokens * top_k, two_i // 2
-    block_m = block_m_for(num_pairs, num_experts)
-    aligned = align(routing.expert_ids, num_experts, block_m)
-    weights = routing.weights.reshape(-1).contiguous()
+    tile = tile or tile_for(num_pairs, num_experts)
+    aligned = align(expert_ids, num_experts, tile.block_m)
+    flat_weights = weights.reshape(-1).contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     weighted = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _grouped_gemm(x, gate_up, act, aligned, weights, block_m, top_k, gated=True)
-    _grouped_gemm(act, down, weighted, aligned, weights, block_m, 1, gated=False)
+    _grouped_gemm(x, gate_up, act, aligned, flat_weights, tile, top_k, gated=True)
+    _grouped_gemm(act, down, weighted, aligned, flat_weights, tile, 1, gated=False)
     return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
@@ -107,7 +175,7 @@ def _grouped_gemm(
     out: torch.Tensor,
     aligned: Aligned,
     weights: torch.Tensor,
-    block_m: int,
+    tile: Tile,
     a_rows_per_token: int,
     gated: bool,
 ) -> None:
@@ -115,13 +183,13 @@ def _grouped_gemm(
     SiLU(gate) * up of w's two halves; else times the pair's routing weight."""
     num_cols, depth = out.shape[1], a.shape[1]
     upcast = os.environ.get("TRITON_INTERPRET") == "1" or a.dtype == torch.float32
-    grid = (aligned.block_experts.numel() * -(-num_cols // BLOCK_N),)
+    grid = (aligned.block_experts.numel() * -(-num_cols // tile.block_n),)
     _kernel()[grid](
         a, w, out, aligned.sorted_pairs, aligned.block_experts, aligned.num_padded, weights,
         out.shape[0], num_cols, depth, a_rows_per_token,
         GATED=gated, ROUND_WEIGHTED=weights.dtype != torch.float32, UPCAST=upcast,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
 
 

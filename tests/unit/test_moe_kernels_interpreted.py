@@ -3,8 +3,8 @@
 grouped GEMMs at several token counts with experts that get no tokens; on a GPU, or on the CPU
 in Triton's interpreter (tests/conftest.py sets it; it truncates bf16 casts, so bf16 is held to
 a bf16 step there). On a GPU also the CUDA path of SparseMoe and a CUDA graph's capture. And the
-kernel built for sm_90 (through tests/hopper_compile.py, in a child process without the
-interpreter): it must fit shared memory, spill nothing and pipeline its loads."""
+kernels built for sm_90 (through tests/hopper_compile.py, in a child process without the
+interpreter): the GEMMs must fit shared memory, spill nothing and pipeline their loads."""
 
 from __future__ import annotations
 
@@ -45,36 +45,38 @@ def expert_weights(num_experts: int, dtype: torch.dtype, seed: int) -> tuple[tor
     return gate_up.to(dtype).to(DEVICE), down.to(dtype).to(DEVICE)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, used", [(1, 8, 8), (5, 4, 3), (33, 8, 5)])
+@needs_triton_kernels
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, used", [(1, 8, 8), (5, 4, 3), (33, 8, 5), (700, 128, 100)]
+)
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_align_puts_every_pair_once_in_its_experts_blocks(
     num_tokens: int, num_experts: int, used: int, block_m: int
 ) -> None:
+    """Each pair once, in ascending order within its expert's run; each run padded to whole
+    blocks with the padding index; each block of the run names the expert. 700 tokens x 2
+    is more than one align chunk."""
     ids = routing(num_tokens, num_experts, used, torch.float32, seed=num_tokens).expert_ids
     aligned = moe_kernels.align(ids, num_experts, block_m)
     num_pairs = ids.numel()
-    size = aligned.sorted_pairs.numel()
-    assert size == moe_kernels.max_padded(num_pairs, num_experts, block_m)
-    assert size <= num_pairs + num_experts * (block_m - 1) + block_m - 1
-    pairs = aligned.sorted_pairs.cpu()
-    real = pairs[pairs < num_pairs]
-    assert sorted(real.tolist()) == list(range(num_pairs))  # each pair exactly once
-    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts)
-    want_padded = int(((counts + block_m - 1) // block_m * block_m).sum())
-    assert int(aligned.num_padded) == want_padded
-    assert bool((pairs[want_padded:] == num_pairs).all())  # past the end: padding only
-    blocks = aligned.block_experts.cpu()
-    flat_ids = ids.reshape(-1).cpu()
-    for block in range(size // block_m):
-        rows = pairs[block * block_m : (block + 1) * block_m]
-        rows = rows[rows < num_pairs]
-        if block * block_m >= want_padded:
-            assert blocks[block] == -1 and rows.numel() == 0
-        else:
-            assert rows.numel() > 0 and bool((flat_ids[rows.long()] == blocks[block]).all())
-    assert blocks[: want_padded // block_m].tolist() == sorted(
-        blocks[: want_padded // block_m].tolist()
-    )
+    assert aligned.sorted_pairs.numel() == moe_kernels.max_padded(num_pairs, num_experts, block_m)
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts).tolist()
+    num_padded = int(aligned.num_padded)
+    assert num_padded == sum(-(-n // block_m) * block_m for n in counts)
+    assert num_padded <= num_pairs + num_experts * (block_m - 1)
+    pairs = aligned.sorted_pairs.cpu()[:num_padded].tolist()
+    blocks = aligned.block_experts.cpu()[: num_padded // block_m].tolist()
+    flat_ids = ids.reshape(-1).cpu().tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        padded = -(-count // block_m) * block_m
+        want = [p for p in range(num_pairs) if flat_ids[p] == expert]
+        assert pairs[start : start + count] == want, expert
+        assert pairs[start + count : start + padded] == [num_pairs] * (padded - count)
+        assert blocks[start // block_m : (start + padded) // block_m] == [expert] * (
+            padded // block_m
+        )
+        start += padded
 
 
 @needs_triton_kernels
@@ -90,7 +92,7 @@ def test_fused_experts_equal_the_reference_in_float32(
     gate_up, down = expert_weights(num_experts, torch.float32, seed=num_experts)
     route = routing(num_tokens, num_experts, used, torch.float32, seed=num_tokens + used)
     want = reference_experts(x, route, gate_up, down)
-    got = moe_kernels.fused_experts(x, route, gate_up, down)
+    got = moe_kernels.fused_experts(x, *route, gate_up, down)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert want.abs().max() > 0.1
 
@@ -108,7 +110,7 @@ def test_fused_experts_in_bfloat16(num_tokens: int, float32_weights: bool) -> No
     weights_dtype = torch.float32 if float32_weights else torch.bfloat16
     route = routing(num_tokens, 8, 6, weights_dtype, seed=3)
     want = reference_experts(x, route, gate_up, down)
-    got = moe_kernels.fused_experts(x, route, gate_up, down)
+    got = moe_kernels.fused_experts(x, *route, gate_up, down)
     assert got.dtype == torch.bfloat16
     step = 2**-5 if DEVICE.type == "cpu" else 2**-7  # bf16's step is 2^-8 relative
     scale = float(want.abs().max())
@@ -133,7 +135,8 @@ def test_sparse_moe_on_cuda_equals_its_cpu_path_and_captures_in_a_graph(shared: 
         moe.cuda()
         static_x = x.cuda()
         got = moe(static_x)
-        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=2**-7)
+        scale = float(want.abs().max())  # within a bf16 step or two of it (GEMM sum order)
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=2**-7 * scale)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -159,9 +162,13 @@ def test_the_grouped_gemm_builds_for_hopper() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 4
+    assert len(built) == 5
+    assert "error" not in built["align"], built["align"]["error"]
+    assert built["align"]["local_bytes"] == 0
     for case, got in built.items():
         assert "error" not in got, (case, got.get("error"))
+        if case == "align":
+            continue
         assert got["shared"] <= HOPPER_SHARED_LIMIT, case
         assert got["local_bytes"] == 0, f"{case}: {got['registers']} registers a thread, spills"
         assert got["pipelined_loads"] > 0, f"{case}: tiles not loaded ahead"
@@ -176,7 +183,9 @@ from engine.models import moe_kernels as mk
 from tests.hopper_compile import compile_for_hopper, facts
 out = {}
 for gated in (True, False):
-    for block_m in (16, 64):
+    for num_pairs in (8, 8 * 2048):
+        tile = mk.tile_for(num_pairs, 128)
+        block_m = tile.block_m
         pointers = dict(
             a_ptr="bf16", w_ptr="bf16", out_ptr="bf16" if gated else "fp32",
             sorted_pairs_ptr="i32", block_experts_ptr="i32", num_padded_ptr="i32",
@@ -184,16 +193,24 @@ for gated in (True, False):
         )
         constexprs = dict(
             GATED=gated, ROUND_WEIGHTED=True, UPCAST=False, BLOCK_M=block_m,
-            BLOCK_N=mk.BLOCK_N, BLOCK_K=mk.BLOCK_K,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         )
         name = f"{'gate_up' if gated else 'down'} BLOCK_M={block_m}"
         try:
             built = compile_for_hopper(
-                mk._kernel(), pointers, constexprs, num_warps=mk.NUM_WARPS,
-                num_stages=mk.NUM_STAGES,
+                mk._kernel(), pointers, constexprs, num_warps=tile.warps,
+                num_stages=tile.stages,
             )
             out[name] = facts(built)
         except Exception as error:
             out[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+try:
+    pointers = dict(
+        ids_ptr="i64", sorted_pairs_ptr="i32", block_experts_ptr="i32", num_padded_ptr="i32"
+    )
+    constexprs = dict(BLOCK_M=16, BINS=256, CHUNK=mk.ALIGN_CHUNK)
+    out["align"] = facts(compile_for_hopper(mk._align_kernel(), pointers, constexprs, aligned=()))
+except Exception as error:
+    out["align"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
 print(json.dumps(out))
 """
