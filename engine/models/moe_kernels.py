@@ -1,18 +1,22 @@
 """The MoE experts' GPU path: the routed (token, expert) pairs aligned into per-expert blocks on
 the device, then two grouped GEMMs in Triton; owns no state (imports triton on first use).
 
-Why Triton and not FlashInfer's fused MoE: FlashInfer 0.7's `cutlass_fused_moe` and
-`trtllm_*_moe` entry points are built around quantized experts (FP8 / FP4 block scales) and
-their own weight layouts and routing conventions, and its bf16 route is tied to Blackwell
-kernels; a small Triton kernel (the way vLLM's and SGLang's fused_moe work) runs bf16 experts on
-Hopper, keeps transformers' rounding points, and is tested on the CPU in Triton's interpreter.
+Why our Triton kernels and not FlashInfer's fused MoE (0.7 has `cutlass_fused_moe`, which takes
+bf16, and its docs list an SM90 CuTe-DSL bf16 one): theirs finish each token in their own
+rounding (float32 routing weights applied to unrounded expert outputs) while the oracle is
+transformers' (each expert's output rounded to bf16, Qwen's weights cast to bf16 first), they
+take their own fc1 layout (TensorRT-LLM's up/gate order) and alignment constraints, and they
+cannot run in the CPU tests. Ours (the shape of vLLM's and SGLang's fused_moe) keeps
+transformers' rounding points (bit-equal to moe.reference_experts on an H100 at the
+Qwen3-30B-A3B shape), runs in Triton's interpreter, and is captured by CUDA graphs. Timing
+FlashInfer's against it on an H100 is the open question; if it wins, it becomes a path here.
 
 The steps (align, then gate_up, then down):
-1. align: the T * k pairs are sorted by expert (stable), each expert's run padded to a multiple
-   of BLOCK_M; `sorted_pairs` [T*k + E*(BLOCK_M-1)] holds pair indices (padding = T*k), each
-   BLOCK_M block belongs to one expert (`block_experts`, -1 past the end), `num_padded` is the
-   padded length, on the device. All torch ops of fixed shapes (sort, scatter_add, cumsum,
-   searchsorted): no host sync, so a CUDA graph can capture it.
+1. align (one launch, a program an expert): the histogram of the T * k pairs' experts gives
+   each expert's run, padded to whole BLOCK_M blocks, and its start; each program writes its
+   pairs' indices in order into `sorted_pairs` [max_padded(T*k, E, BLOCK_M) <= T*k +
+   E*(BLOCK_M-1) rounded to a block] (padding = T*k), its blocks' expert into `block_experts`,
+   and program 0 the padded length `num_padded`, on the device: no host sync, fixed shapes.
 2. gate_up: one program per (block, BLOCK_N output columns) multiplies its block's rows of x
    (pair // k) by its expert's gate rows and up rows, and writes SiLU(gate) * up [T*k, I],
    rounded where torch rounds (after each product, after SiLU, after the mul).
@@ -21,6 +25,12 @@ The steps (align, then gate_up, then down):
    in float32 [T*k, H]; the top-k rows of each token are then summed (torch) and rounded once.
 Programs whose block lies past num_padded return at once, so grids are sized for the worst
 case (fixed under a CUDA graph) while work follows the real routing.
+
+On an H100 (bf16, CUDA-graph replay; Qwen3-30B-A3B's layer E=128, k=8, H=2048, I=768): 103 us
+at T=1 (22.5 us of weight reads at 3.35 TB/s) when align was ~15 torch ops, 55 us of it
+align; 248 us at T=8, 481 at T=64, 794 at T=2048 (the best tiles of a sweep; tile_for). Mixtral's
+(E=8, k=2, H=4096, I=14336): 303 us at T=1 (roofline 210), 4.4 ms at T=2048. The torch loop
+over experts took 2.0 ms at T=1 and 51 ms at T=2048 eagerly.
 """
 
 from __future__ import annotations
