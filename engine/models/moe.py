@@ -55,9 +55,14 @@ class Routing(NamedTuple):
 class SparseMoe(nn.Module):
     """Top-k routed SwiGLU experts, with an optional sigmoid-gated shared expert (Qwen2-MoE).
 
-    forward(x [T, H]) -> [T, H]. float32_routing_weights: keep the top-k weights in float32
-    through the weighted sum (Mixtral's numerics); False casts them to x's dtype after the
-    renormalization (Qwen's). quant must be None: FP8 experts are not supported yet."""
+    forward(x [T, H]) -> [T, H]: on CUDA moe_kernels.fused_experts, else reference_experts.
+    From a checkpoint's config: expert_size is Qwen's moe_intermediate_size (Mixtral's
+    intermediate_size), num_experts Qwen's num_experts (Mixtral's num_local_experts), top_k
+    num_experts_per_tok, norm_topk_prob Qwen's field (Mixtral: True), shared_expert_size
+    Qwen2-MoE's shared_expert_intermediate_size (else 0). float32_routing_weights (keyword):
+    True for Mixtral, which keeps the top-k weights in float32 through the weighted sum; False
+    (Qwen) casts them to x's dtype after the renormalization. quant must be None: FP8 experts
+    are not supported yet (the dense projections may be FP8)."""
 
     def __init__(
         self,
@@ -131,8 +136,9 @@ def reference_experts(
     flat_weights = routing.weights.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-    weighted = torch.empty(num_tokens * top_k, x.shape[1], dtype=flat_weights.dtype)
-    weighted = weighted.to(x.device)
+    weighted = torch.empty(
+        num_tokens * top_k, x.shape[1], dtype=flat_weights.dtype, device=x.device
+    )
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
