@@ -41,7 +41,8 @@ class KVPublisher:
     - every key it writes has a TTL (kv_index_schema): its own HASH and blocks SET are
       refreshed by every call; the block SETs it writes to and the registry, shared with other
       workers, are kept alive at least its blocks TTL by each write, and every block SET it
-      holds a block in by one call every half blocks TTL (in that call's script run);
+      holds a block in by a walk that starts every half blocks TTL and keeps a page of them
+      (schema.KEEP_PAGE) alive in each call's script run, so no run blocks Redis for long;
     - a write is applied only under the epoch of the worker's latest full publish, so a step
       that timed out and reached Redis late cannot undo a newer resync;
     - after a failure, or when the worker's HASH is found missing (first publish, Redis restarted
@@ -93,7 +94,8 @@ class KVPublisher:
         self._forget = self._client.register_script(schema.FORGET_SCRIPT)
         self._keep = self._client.register_script(schema.KEEP_SCRIPT)
         self.blocks_ttl_ms = self.ttl_ms * schema.BLOCKS_TTL_FACTOR
-        self._keep_blocks_at = 0.0  # when every block SET of this worker is next kept alive
+        self._keep_blocks_at = 0.0  # when the next walk keeping its block SETs alive starts
+        self._keep_cursor: str | None = None  # that walk's SSCAN cursor while it is under way
         self._keys = schema.worker_keys(model_id, worker_id)  # HASH, blocks SET, registry
         self._block_prefix = schema.block_key_prefix(model_id)
         # the HASH's epoch changes at every resync; deltas carry it, so a late one is dropped
@@ -166,9 +168,11 @@ class KVPublisher:
     def _write_delta(self, events: Sequence[KVEvent], load: WorkerLoad) -> bool:
         """Apply events + load + TTL in one script call; False if the index needs a resync."""
         fields = self._fields(load)
-        keep_blocks = self._clock() >= self._keep_blocks_at
+        cursor = self._keep_cursor
+        if cursor is None and self._clock() >= self._keep_blocks_at:
+            cursor = "0"  # a walk over this worker's block SETs starts, a page a call
         args: list[str | int] = [self._block_prefix, self.worker_id, self._epoch, self.ttl_ms]
-        args += ("1" if keep_blocks else "", len(fields))
+        args += (cursor or "", len(fields))
         for name, value in fields.items():
             args += (name, value)
         for event in events:
@@ -179,15 +183,20 @@ class KVPublisher:
                 op = HOST_OPS[op]
             for block_hash in event.block_hashes:
                 args += (op, hash_hex(block_hash))
-        if not self._delta(keys=self._keys, args=args):
+        result = self._delta(keys=self._keys, args=args)
+        if not result:
             return False
-        if keep_blocks:
-            self._blocks_kept()
+        if cursor is not None:
+            self._keep_cursor = result[1]
+            if result[1] == "0":  # the walk is over
+                self._blocks_kept()
         return True
 
     def _blocks_kept(self) -> None:
         """Every block SET of this worker was just kept alive for the blocks TTL: again in half
-        of it (long before any of them expires)."""
+        of it (long before any of them expires: a walk of KEEP_PAGE block SETs a call takes 100
+        s for 200k of them at one call a second, the heartbeat's pace when idle)."""
+        self._keep_cursor = None
         self._keep_blocks_at = self._clock() + self.blocks_ttl_ms / 2000
 
     def _resync(self, load: WorkerLoad) -> None:

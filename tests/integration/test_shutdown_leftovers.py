@@ -116,6 +116,37 @@ def test_every_key_has_a_ttl_and_a_shared_one_the_longest_of_its_writers(redis_u
         worker.publisher.close()
 
 
+def test_a_refresh_of_many_block_sets_is_spread_a_page_a_call(redis_url, monkeypatch):
+    """A worker holding more block SETs than one page keeps them alive over several calls,
+    each script run a page (Redis is never blocked by one run over all of them), and the next
+    walk starts only half a blocks TTL after the last one ended."""
+    monkeypatch.setattr(schema, "DELTA_SCRIPT", schema.delta_script(page=16))
+    now = [0.0]
+    worker = Worker(redis_url, "w0", ttl_s=1.0, clock=lambda: now[0])
+    worker.cache(1)  # the full publish
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    # 300 more blocks as the worker's deltas would have left them (more than Redis's small-set
+    # encoding, which SSCAN returns whole), their SETs about to expire
+    keys = []
+    for block_hash in range(100, 400):
+        client.sadd(schema.worker_blocks_key(MODEL, "w0"), f"{block_hash:016x}")
+        keys.append(schema.block_key(MODEL, block_hash))
+        client.sadd(keys[-1], "w0")
+        client.pexpire(keys[-1], 1000)
+    now[0] += worker.publisher.blocks_ttl_ms / 2000
+    calls = 0
+    while worker.publisher.heartbeat(WorkerLoad()) and worker.publisher._keep_cursor is not None:
+        calls += 1
+        assert calls < 1000, "the walk never ended"
+    assert calls > 1, "every block SET was kept in one run"
+    assert all(client.pttl(key) > 1000 for key in keys), "a block SET missed by the walk"
+    for key in keys:
+        client.pexpire(key, 1000)
+    assert worker.publisher.heartbeat(WorkerLoad())
+    assert not any(client.pttl(key) > 1000 for key in keys), "a walk began before its time"
+    worker.publisher.close()
+
+
 def test_the_next_local_redis_cleans_up_after_a_killed_owner():
     child = subprocess.run(
         [sys.executable, "-c", OWNER_KILLED_WHILE_SERVING],
