@@ -23,6 +23,8 @@ from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIOR
 from engine.kv_cache.manager import cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
 from engine.models.loader import read_model_config, resolve_model, served_model_id
+from engine.parallel.launch import start_leader
+from engine.parallel.leader import LeaderRunner, RankLost
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
@@ -53,7 +55,13 @@ class Engine:
         self.tokenizer = find_tokenizer(folder)
         self.device = resolve_device(config.device)
         thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
-        parts = build_device_parts(config, mc, folder, self.device, model)
+        # Tensor parallelism: ranks 1.. follow this engine's steps (engine/parallel/).
+        self.leader = start_leader(config, mc)
+        try:
+            parts = build_device_parts(config, mc, folder, self.device, model, self.leader)
+        except BaseException:
+            self.shutdown()
+            raise
         self.config, self.max_model_len = parts.config, parts.max_model_len
         self.attention_backend, self.kv_cache = parts.backend.name, parts.backend.kv_cache
         self.copies, self.kv, self.block_size = parts.copies, parts.kv, parts.kv.block_size
@@ -68,7 +76,10 @@ class Engine:
         draft = drafter(config, model, mc.vocab_size, self.max_model_len, Engine)
         rows = backend.graphs.max_batch_size if backend.graphs else None  # a verify's cap
         self.speculator = spec = Speculator(config.speculative, self.max_model_len, kv, draft, rows)
-        self.runner = ModelRunner(model, backend, kv, config.cache.block_size)
+        if self.leader is None:
+            self.runner = ModelRunner(model, backend, kv, config.cache.block_size)
+        else:
+            self.runner = LeaderRunner(self.leader, model, backend, kv, config.cache.block_size)
         self.sampler = sampler = Sampler(self.device, config.seed)
         self.stats = stats = EngineStats()
         self.eos_token_ids = eos_ids = stop_token_ids(mc.eos_token_ids, self.tokenizer)
@@ -159,6 +170,8 @@ class Engine:
         """
         if req_id in self.scheduler.requests or req_id in self.loader.loading:
             raise ValueError(f"request id {req_id!r} is already in use")
+        if self.leader is not None:
+            raise ValueError("prefilled KV is not split across tensor-parallel ranks yet")
         blocks_needed = cdiv(len(prompt_token_ids) + 1, self.kv.block_size)
         limits = (blocks_needed, self.kv.num_blocks, self.model_config.vocab_size)
         check_prefilled(len(prompt_token_ids), first_token_id, self.max_model_len, limits)
@@ -223,6 +236,18 @@ class Engine:
         self.output.release(req)
         return True
 
+    def _abort_all(self) -> None:
+        for req_id in [*self.scheduler.requests, *self.loader.loading]:
+            self.abort(req_id)
+        for req_id in list(self.kv.kept.block_ids()):
+            self.kv.release_kept(req_id)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel follower ranks (none with one rank); the engine steps no
+        more after it. Idempotent."""
+        if self.leader is not None:
+            self.leader.shutdown()
+
     def is_unfinished(self, req_id: str) -> bool:
         """Some choice of req_id is queued, running or loading its KV."""
         requests, loading = self.scheduler.requests, self.loader.loading
@@ -241,13 +266,17 @@ class Engine:
         """
         started, num_computed_before = time.perf_counter(), self.stats.num_computed_tokens
         outputs: list[RequestOutput] = []
-        current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
-        if current is not None:
-            self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
-            outputs = self.output.process(current)  # its tokens appended; what stops, stops
-            self.run_ahead.settle()
-        # the blocks it committed, behind it (done before kept host copies are read elsewhere)
-        self.copies.offload_owed(self.kv, sync=any(o.num_kept_host_blocks for o in outputs))
+        try:
+            current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
+            if current is not None:
+                self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
+                outputs = self.output.process(current)  # its tokens appended; what stops, stops
+                self.run_ahead.settle()
+            # the blocks it committed, behind it (done before kept host copies are read)
+            self.copies.offload_owed(self.kv, sync=any(o.num_kept_host_blocks for o in outputs))
+        except RankLost:
+            self._abort_all()  # a rank is gone: no step can run; every block goes back
+            raise
         self._record_step(time.perf_counter() - started, num_computed_before, outputs)
         return outputs
 
