@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.llm import LLM
 from engine.parallel.leader import RankLost
@@ -23,11 +23,12 @@ NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 LONG = [(7 * i + 3) % 500 + 1 for i in range(40)]  # 3 blocks of 16 with its output
 # Waves run one after the other: the second evicts the first's cached blocks (into the host
-# tier), the third hits them there, and reuses part of a third block (a block copy).
+# tier), the third hits them there, the fourth reuses part of a cached block (a block copy).
 WAVES = [
     [[5, 17, 300, 42], LONG, [7]],
-    [list(range(200, 350))],
+    [list(range(200, 380))],  # with its output, every block of the pool
     [[*LONG[:35], 1, 2, 3]],
+    [[*LONG[:24], 9, 9, 9, 9]],
 ]
 POOL = dict(num_blocks=12, max_num_batched_tokens=32, host_kv_cache_bytes=64 * 8192)
 
@@ -87,13 +88,15 @@ def test_tp2_matches_tp1_and_transformers(tmp_path, num_kv_heads):
     tokens, cached = results[2]
     assert tokens == expected
     assert results[1] == results[2]
-    assert cached[-1] >= 32  # the third wave's prompt: two full blocks and more from the cache
+    assert cached[-2] >= 32  # the third wave's prompt: two full blocks from the host tier
+    assert cached[-1] > 16  # the fourth's: a full block and part of the next
 
 
 def test_dummy_weights_match_across_sizes(tmp_path):
     """Every rank draws the full random tensors and keeps its slices: the same model."""
     path = make_tiny_checkpoint(tmp_path, weights=False)
-    config = EngineConfig(model=str(path), load_format="dummy")
+    cache = CacheConfig(num_blocks=64)
+    config = EngineConfig(model=str(path), load_format="dummy", cache=cache)
     prompts = WAVES[0]
     one = LLM(config).generate(prompts, PARAMS)
     llm = LLM(config, tensor_parallel_size=2)
