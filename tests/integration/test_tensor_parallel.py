@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.engine import Engine
 from engine.llm import LLM
 from engine.parallel.leader import RankLost
@@ -138,3 +138,24 @@ def test_killed_follower_fails_the_engine_and_frees_its_blocks(tmp_path):
         engine.assert_no_leaks()
     finally:
         engine.shutdown()
+
+
+def test_ngram_verify_steps_match_across_sizes(tmp_path):
+    """Speculative verify steps (several logits rows a request) run the same at TP 2."""
+    path = make_tiny_checkpoint(tmp_path, vocab_size=64, seed=5)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, adaptive=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    results, accepted = {}, {}
+    for size in (1, 2):
+        engine = build_engine(
+            model_path=str(path), tensor_parallel_size=size, speculative=ngram, num_blocks=64
+        )
+        try:
+            engine.add_request("r", [9, 9, 9, 9, 9, 9], params)
+            results[size] = run_to_completion(engine)
+            accepted[size] = engine.snapshot().num_spec_accepted_tokens
+            engine.assert_no_leaks()
+        finally:
+            engine.shutdown()
+    assert results[2] == results[1]
+    assert accepted[2] == accepted[1] > 0
