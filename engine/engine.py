@@ -323,6 +323,8 @@ class Engine:
 
     def kv_memory(self) -> KVMemory:
         """What a peer reads KV from: the device cache, and with host leases the host tier."""
+        if self.leader is not None:  # each rank holds its heads: the handoff reads them all
+            raise ValueError("the KV handoff is not split across tensor-parallel ranks yet")
         return KVMemory(self.kv_cache, self.copies.host if self.config.cache.host_leases else None)
 
     def drain_kv_events(self) -> list[KVEvent]:

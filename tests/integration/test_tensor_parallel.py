@@ -6,6 +6,8 @@ mid-run."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,11 @@ def test_ngram_verify_steps_match_across_sizes(tmp_path):
             engine.shutdown()
     assert results[2] == results[1]
     assert accepted[2] == accepted[1] > 0
+
+
+def test_generate_cli_passes_tp_to_the_engine(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, weights=False)
+    command = [sys.executable, "-m", "deploy.cli", "generate", "--model", str(path), "--tp", "3"]
+    result = subprocess.run([*command, "hi"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "tensor_parallel_size 3 must divide the model's num_heads 4" in result.stderr
