@@ -52,7 +52,7 @@ class Leader:
     def send(self, message: step_plan.Message) -> None:
         self.check_alive()
         try:
-            step_plan.send(self.tp, message)
+            step_plan.send(self.tp, message, self.timeout_s)
         except RuntimeError as error:
             raise self.fail(error) from error
 
@@ -79,7 +79,7 @@ class Leader:
         """End the followers (a Shutdown message, then a wait; a dead group's are killed)."""
         if self.lost is None:
             try:
-                step_plan.send(self.tp, step_plan.Shutdown())
+                step_plan.send(self.tp, step_plan.Shutdown(), self.timeout_s)
             except RuntimeError as error:
                 self.fail(error)
         for follower in self.followers:

@@ -3,12 +3,16 @@ their transport over the group's control channel; values and functions, no state
 
 A message is pickled and broadcast from rank 0 (its length, then its bytes) on the gloo control
 group, in the order rank 0 runs them: a follower applies copies and steps in that same order.
+Rank 0 sends within the group's timeout (gloo hands a buffer over only once the peer reads:
+a stuck follower fails the send); a follower waits for the next message as long as rank 0
+idles (the control group's own long timeout).
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,11 +48,12 @@ class Shutdown:
 Message = StepPlan | CopyPlan | Shutdown
 
 
-def send(tp: TensorParallel, message: Message) -> None:
-    """Rank 0: broadcast message to every follower."""
+def send(tp: TensorParallel, message: Message, timeout_s: float) -> None:
+    """Rank 0: broadcast message to every follower, each taking it within timeout_s."""
     data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-    _broadcast(tp, torch.tensor([data.numel()], dtype=torch.int64))
-    _broadcast(tp, data)
+    timeout = timedelta(seconds=timeout_s)
+    _broadcast(tp, torch.tensor([data.numel()], dtype=torch.int64), timeout)
+    _broadcast(tp, data, timeout)
 
 
 def receive(tp: TensorParallel) -> Message:
@@ -63,7 +68,9 @@ def receive(tp: TensorParallel) -> Message:
     return message
 
 
-def _broadcast(tp: TensorParallel, x: torch.Tensor) -> None:
+def _broadcast(tp: TensorParallel, x: torch.Tensor, timeout: timedelta | None = None) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
+    if timeout is not None:  # else the control group's
+        options.timeout = timeout
     tp.control.broadcast([x], options).wait()

@@ -12,12 +12,16 @@ padding (zero rows, their logits dropped), so every rank's slice has one shape f
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
+
+# How long the ranks wait for each other's weights to load (min_over_ranks at start-up).
+LOAD_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class TensorParallel:
         x = torch.tensor([value], dtype=torch.int64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
+        options.timeout = LOAD_TIMEOUT
         self.control.allreduce([x], options).wait()
         return int(x.item())
 

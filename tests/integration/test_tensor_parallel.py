@@ -169,3 +169,23 @@ def test_generate_cli_passes_tp_to_the_engine(tmp_path):
     result = subprocess.run([*command, "hi"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "tensor_parallel_size 3 must divide the model's num_heads 4" in result.stderr
+
+
+def test_stuck_follower_fails_the_engine_after_the_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, sockets open) fails the next collective
+    once tensor_parallel_timeout_s has passed, not never."""
+    path = make_tiny_checkpoint(tmp_path)
+    engine = build_engine(
+        model_path=str(path), tensor_parallel_size=2, tensor_parallel_timeout_s=3.0, num_blocks=64
+    )
+    try:
+        assert engine.leader is not None
+        follower = engine.leader.followers[0]
+        follower.process.send_signal(signal.SIGSTOP)
+        engine.add_request("a", WAVES[0][0], PARAMS)
+        with pytest.raises(RankLost, match="no rank exited: one is stuck"):
+            run_to_completion(engine)
+        engine.assert_no_leaks()
+    finally:
+        engine.shutdown()  # kills it (a stopped process ends on SIGKILL)
+    assert follower.exit_description() == "exit code -9"
