@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
@@ -19,6 +20,10 @@ from deploy.serve_flags import add_serve_parser
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from engine.config import DEFAULT_MODEL
 from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+    from engine.sampling.sampling_params import SamplingParams
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +42,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks the model is split over (local processes; on CUDA one GPU "
+        "each; it must divide the model's attention heads)",
     )
     add_speculative_flags(p)
     p.set_defaults(func=_generate)
@@ -66,8 +78,16 @@ def _generate(args: argparse.Namespace) -> int:
         quantization=quantization,
         detokenize=True,
         speculative=speculative,
+        tensor_parallel_size=args.tp,
     )
     engine = Engine(config)
+    try:
+        return _print_reply(engine, args, params)
+    finally:
+        engine.shutdown()
+
+
+def _print_reply(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
     if engine.tokenizer is None:
         print("error: this model has no tokenizer files", file=sys.stderr)
         return 2

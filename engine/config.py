@@ -345,6 +345,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     gpu_share: float = 1.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Ranks the model is split over (engine/parallel/: heads, MLP columns, vocabulary); rank 0
+    # runs the engine, the others follow its steps. A collective that waits longer than the
+    # timeout (a rank gone or stuck) fails the engine with an error instead of hanging.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
     # The KVRELAY_* choices (engine/settings.py), read from the environment where the config is
     # built (the driver) and carried as they are to the workers the config is sent to.
     settings: Settings = field(default_factory=Settings.from_env)
@@ -355,3 +360,9 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.quantization is not None and self.device == "cpu":
             raise ValueError(fp8_device_error("cpu"))
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(
+                f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}"
+            )

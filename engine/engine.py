@@ -23,6 +23,8 @@ from engine.execution.runner import ModelRunner
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
+from engine.parallel.launch import start_leader
+from engine.parallel.leader import LeaderRunner, RankLost
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
@@ -53,7 +55,13 @@ class Engine:
         self.tokenizer = find_tokenizer(folder)
         self.device = resolve_device(config.device)
         thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
-        parts = build_device_parts(config, mc, folder, self.device, model)
+        # Tensor parallelism: ranks 1.. follow this engine's steps (engine/parallel/).
+        self.leader = start_leader(config, mc)
+        try:
+            parts = build_device_parts(config, mc, folder, self.device, model, self.leader)
+        except BaseException:
+            self.shutdown()
+            raise
         self.config, self.max_model_len = parts.config, parts.max_model_len
         self.attention_backend, self.kv_cache = parts.backend.name, parts.backend.kv_cache
         self.copies, self.kv, self.block_size = parts.copies, parts.kv, parts.kv.block_size
@@ -68,7 +76,10 @@ class Engine:
         draft = drafter(config, model, mc.vocab_size, self.max_model_len, Engine)
         rows = backend.graphs.max_batch_size if backend.graphs else None  # a verify's cap
         self.speculator = spec = Speculator(config.speculative, self.max_model_len, kv, draft, rows)
-        self.runner = ModelRunner(model, backend, kv, config.cache.block_size)
+        if self.leader is None:
+            self.runner = ModelRunner(model, backend, kv, config.cache.block_size)
+        else:
+            self.runner = LeaderRunner(self.leader, model, backend, kv, config.cache.block_size)
         self.sampler = sampler = Sampler(self.device, config.seed)
         self.stats = stats = EngineStats()
         self.eos_token_ids = eos_ids = stop_token_ids(mc.eos_token_ids, self.tokenizer)
@@ -131,6 +142,8 @@ class Engine:
         kv_retention: Sequence[RetentionRange] = (),
     ) -> KVLoadPlan | None:
         """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now."""
+        if self.leader is not None:
+            raise ValueError("prefilled KV is not split across tensor-parallel ranks yet")
         return self.admission.add_prefilled(
             req_id, prompt_token_ids, first_token_id, params, cache_salt, num_resumed_tokens,
             choices, kv_retention,
@@ -150,6 +163,18 @@ class Engine:
         """Abort a request and its other choices (n > 1); False when none of them was known."""
         return self.admission.abort(req_id)
 
+    def _abort_all(self) -> None:
+        for req_id in [*self.scheduler.requests, *self.loader.loading]:
+            self.abort(req_id)
+        for req_id in list(self.kv.kept.block_ids()):
+            self.kv.release_kept(req_id)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel follower ranks (none with one rank); the engine steps no
+        more after it. Idempotent."""
+        if self.leader is not None:
+            self.leader.shutdown()
+
     def is_unfinished(self, req_id: str) -> bool:
         return self.admission.is_unfinished(req_id)
 
@@ -166,13 +191,17 @@ class Engine:
         """
         started, num_computed_before = time.perf_counter(), self.stats.num_computed_tokens
         outputs: list[RequestOutput] = []
-        current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
-        if current is not None:
-            self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
-            outputs = self.output.process(current)  # its tokens appended; what stops, stops
-            self.run_ahead.settle()
-        # the blocks it committed, behind it (done before kept host copies are read elsewhere)
-        self.copies.offload_owed(self.kv, sync=any(o.num_kept_host_blocks for o in outputs))
+        try:
+            current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
+            if current is not None:
+                self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
+                outputs = self.output.process(current)  # its tokens appended; what stops, stops
+                self.run_ahead.settle()
+            # the blocks it committed, behind it (done before kept host copies are read)
+            self.copies.offload_owed(self.kv, sync=any(o.num_kept_host_blocks for o in outputs))
+        except RankLost:
+            self._abort_all()  # a rank is gone: no step can run; every block goes back
+            raise
         self._record_step(time.perf_counter() - started, num_computed_before, outputs)
         return outputs
 
@@ -219,6 +248,8 @@ class Engine:
 
     def kv_memory(self) -> KVMemory:
         """What a peer reads KV from: the device cache, and with keep_on_host the host tier."""
+        if self.leader is not None:  # each rank holds its heads: the handoff reads them all
+            raise ValueError("the KV handoff is not split across tensor-parallel ranks yet")
         return KVMemory(self.kv_cache, self.copies.host if self.config.cache.keep_on_host else None)
 
     def drain_kv_events(self) -> list[KVEvent]:

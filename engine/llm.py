@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.engine import Engine, EngineConfig
@@ -27,9 +27,22 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: Engine | None = None,
+        tensor_parallel_size: int | None = None,
+    ):
+        """tensor_parallel_size: overrides config's (ranks run as local processes; shutdown()
+        ends them)."""
+        if tensor_parallel_size is not None:
+            config = replace(config or EngineConfig(), tensor_parallel_size=tensor_parallel_size)
         self.engine = engine or Engine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """End the engine's tensor-parallel ranks (nothing to do with one rank)."""
+        self.engine.shutdown()
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         if self.engine.tokenizer is None:

@@ -32,7 +32,11 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, side: DeviceSide, kv: KVCacheManager, block_size: int):
+    def __init__(
+        self, model: nn.Module, side: DeviceSide, kv: KVCacheManager | None, block_size: int
+    ):
+        """kv None: a tensor-parallel follower's runner, which runs inputs built elsewhere
+        (run_inputs) and builds none."""
         self.model = model
         self.kv_cache = side.kv_cache
         self.attention: AttentionBackend = side.attention
@@ -44,12 +48,13 @@ class ModelRunner:
 
     def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
         inputs = StepInputs([], [], [], [], [], [], [])
-        bs = self.block_size
+        bs, kv = self.block_size, self.kv
+        assert kv is not None, "a follower's runner builds no inputs"
         for chunk in output.chunks:
             req = chunk.req
             start = chunk.start
             end = start + chunk.num_new_tokens
-            block_ids = self.kv.block_ids(req.req_id)
+            block_ids = kv.block_ids(req.req_id)
             q_start = len(inputs.input_ids)
             if chunk.draft_token_ids:  # a verify step: the last real token, then the drafts
                 inputs.input_ids.extend(req.all_token_ids[start:])
@@ -90,22 +95,29 @@ class ModelRunner:
             if chunk.samples
             for _ in range(len(chunk.draft_token_ids) + 1)
         ]
+        rows, end = [], 0
+        for chunk in output.chunks:  # tokens are packed in chunk order
+            end += chunk.num_new_tokens
+            if chunk.samples:
+                rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
+        return StepLogits(self.run_inputs(inputs, rows, fill), chunk_index)
+
+    @torch.inference_mode()
+    def run_inputs(
+        self, inputs: StepInputs, rows: list[int], fill: TokenFill | None = None
+    ) -> torch.Tensor:
+        """The forward pass over packed inputs -> the logits of the tokens at rows."""
         graphs = self.graphs
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
             hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
         else:
             hidden = self._forward_eager(inputs, fill)
-        rows, end = [], 0
-        for chunk in output.chunks:  # tokens are packed in chunk order
-            end += chunk.num_new_tokens
-            if chunk.samples:
-                rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
         if rows == list(range(hidden.shape[0])):
             selected = hidden  # every token samples (pure decode): no gather
         else:
             selected = hidden[index_tensor(rows, device=self.device)]
-        return StepLogits(self.model.compute_logits(selected), chunk_index)
+        return self.model.compute_logits(selected)
 
     def _forward_eager(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor:
         packed = index_tensor(

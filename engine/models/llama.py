@@ -30,6 +30,8 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import fused_gemv, fused_ops
 from engine.models.rope import RotaryEmbedding
+from engine.parallel.layers import lm_head, vocab_embedding
+from engine.parallel.tensor_parallel import SINGLE, TensorParallel, rank_model_config
 from engine.quant.config import QuantScheme
 from engine.quant.fp8 import defers_scales, make_linear, takes_quantized
 from engine.quant.fp8_fused import add_rms_norm_quantize, silu_and_mul_quantize
@@ -50,15 +52,23 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: QuantScheme | None
+        self,
+        config: ModelConfig,
+        layer: int,
+        rope: RotaryEmbedding,
+        quant: QuantScheme | None,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         self.layer = layer
-        self.q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        self.tp = tp  # qkv_proj: this rank's heads; o_proj: their columns, all-reduced
+        heads = rank_model_config(config, tp)
+        self.q_size = heads.num_heads * config.head_dim
+        kv_size = heads.num_kv_heads * config.head_dim
         qkv_size = self.q_size + 2 * kv_size
         self.qkv_proj = make_linear(config.hidden_size, qkv_size, config.attention_bias, quant)
-        self.o_proj = make_linear(self.q_size, config.hidden_size, config.o_proj_bias, quant)
+        o_bias = config.o_proj_bias and tp.rank == 0  # added once to the ranks' sum
+        self.o_proj = make_linear(self.q_size, config.hidden_size, o_bias, quant)
         self.rope = rope
         self.fused = False
         self.head_dim = config.head_dim
@@ -76,12 +86,12 @@ class Attention(nn.Module):
         if not self.fused:
             qkv = self.normed_qk(self.qkv_proj(x))
             out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
-            return self.o_proj(out.reshape(-1, self.q_size))
+            return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
         qkv = project(self.qkv_proj, x)
         if self.q_norm is not None or not getattr(attn, "reads_scaled_rows", False):
             qkv = self.normed_qk(materialized(qkv))  # the q/k norm reads plain rows
         out = attn.forward_qkv(self.layer, qkv, positions, self.rope)
-        return project(self.o_proj, out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(project(self.o_proj, out.reshape(-1, self.q_size)))
 
     def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D] with each head of q and of k RMS-normed (qk_norm models;
@@ -104,9 +114,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant: QuantScheme | None):
+    def __init__(self, config: ModelConfig, quant: QuantScheme | None, tp: TensorParallel = SINGLE):
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        self.tp = tp  # gate_up_proj: this rank's columns; down_proj: their rows, all-reduced
+        hidden, inter = config.hidden_size, config.intermediate_size // tp.world_size
         self.gate_up_proj = make_linear(hidden, 2 * inter, False, quant)
         self.down_proj = make_linear(inter, hidden, False, quant)
         self.fused = False
@@ -117,22 +128,28 @@ class MLP(nn.Module):
             gate_up = project(self.gate_up_proj, x)
             if takes_quantized(self.down_proj, gate_up):
                 quantized = silu_and_mul_quantize(gate_up, self.down_proj.input_scale)
-                return project(self.down_proj, quantized)
-            return self.down_proj(fused_ops.silu_and_mul(materialized(gate_up)))
+                return self.tp.all_reduce(project(self.down_proj, quantized))
+            down = self.down_proj(fused_ops.silu_and_mul(materialized(gate_up)))
+            return self.tp.all_reduce(down)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, rope: RotaryEmbedding, quant: QuantScheme | None
+        self,
+        config: ModelConfig,
+        layer: int,
+        rope: RotaryEmbedding,
+        quant: QuantScheme | None,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rope, quant)
+        self.self_attn = Attention(config, layer, rope, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, quant)
+        self.mlp = MLP(config, quant, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -222,7 +239,14 @@ def normed_input(
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, quant: QuantScheme | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        quant: QuantScheme | None = None,
+        tp: TensorParallel = SINGLE,
+    ):
+        """tp: this rank's share of the weights (engine/parallel/); SINGLE: all of them."""
         super().__init__()
         if config.num_experts:  # e.g. a MoE config.json without "architectures"
             raise ValueError(
@@ -231,11 +255,12 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.quant = quant
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.embed_tokens = vocab_embedding(config, tp)
         rope = RotaryEmbedding(config, max_positions)
         self.rope = rope
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rope, quant) for i in range(config.num_layers)
+            DecoderLayer(config, i, rope, quant, tp) for i in range(config.num_layers)
         )
         self.fused_ops = False
         self._plain_projections: dict[torch.dtype, list[nn.Module]] = {}
@@ -245,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = lm_head(config, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -273,7 +298,9 @@ class LlamaForCausalLM(nn.Module):
         fused GEMVs' condition, checked once per dtype), else []: no fused GEMVs."""
         if dtype not in self._plain_projections:
             every = [p for layer in self.layers for p in layer.projections()]
+            # The GEMVs add o_proj and down_proj into the residual: no all-reduce between.
             plain = all(fused_gemv.plain_linear(p, dtype) for p in every)
+            plain = plain and not self.tp.is_parallel
             self._plain_projections[dtype] = every if plain else []
         return self._plain_projections[dtype]
 
@@ -307,6 +334,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] in the model's dtype (the sampler widens them when it needs to)."""
+        """[rows, vocab] in the model's dtype (the sampler widens them when it needs to); with
+        tensor parallelism on rank 0 only, the others get their vocabulary slice."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.tp.gather_vocab(F.linear(hidden, weight), self.config.vocab_size)

@@ -26,6 +26,8 @@ from torch import nn
 
 from engine.config import DEFAULT_MODEL, ModelConfig
 from engine.models.registry import model_class
+from engine.parallel.sharding import shard_weights
+from engine.parallel.tensor_parallel import SINGLE, TensorParallel
 from engine.quant.checkpoint import dequantized_weight, plain_weight, quantized_linear_tensors
 from engine.quant.config import Fp8Config, QuantScheme, read_quant_config, resolve_quantization
 from engine.quant.fp8 import SCALE_NAMES, check_fp8_device, linear_state, quantize_weight
@@ -277,6 +279,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     fp8_fast_accum: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """Build the model without initialising weights, then assign the checkpoint's tensors
     ("auto") or random ones ("dummy": config.json is all that is read; for speed runs).
@@ -286,19 +289,21 @@ def load_model(
     and dequantized into plain layers of dtype on CPU (the reference path); quantization "fp8"
     quantizes a plain checkpoint at load (EngineConfig, CUDA only). FP8 GEMMs accumulate fast
     or exactly as fp8_fast_accum says (Settings). KV-cache scales in the checkpoint
-    (engine/quant/kv_scales.py) become model.kv_scales."""
+    (engine/quant/kv_scales.py) become model.kv_scales. tp: the rank whose slices of the full
+    tensors are kept (engine/parallel/sharding.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     quant = resolve_quantization(quantization, read_quant_config(folder), fp8_fast_accum)
     dequantize = quant is not None and quant.from_checkpoint and not quantized_kernels_on(device)
     if load_format == "dummy":
         return random_model(
-            config, max_positions, device, dtype, quant=None if dequantize else quant
+            config, max_positions, device, dtype, quant=None if dequantize else quant, tp=tp
         )
-    model = _meta_model(config, max_positions, device, dtype, None if dequantize else quant)
+    model = _meta_model(config, max_positions, device, dtype, None if dequantize else quant, tp)
     raw = _read_safetensors(folder)
     kv_scales = take_kv_scales(raw, config.num_layers)
     weights = _fuse_checkpoint(config, raw, quant, device, dequantize, source=folder)
+    weights = shard_weights(weights, config, tp)
     weights = {name: _to_device(name, t, device, dtype) for name, t in weights.items()}
     model.load_state_dict(weights, strict=True, assign=True)
     model.kv_scales = kv_scales
@@ -317,8 +322,11 @@ def _meta_model(
     device: torch.device,
     dtype: torch.dtype,
     quant: QuantScheme | None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model on the meta device; quantized layers are refused here where they cannot run."""
+    if quant is not None and tp.is_parallel:
+        raise ValueError("quantized weights are not split across tensor-parallel ranks yet")
     if isinstance(quant, Fp8Config):
         check_fp8_device(device)
     elif isinstance(quant, Int4Config | Int8Config) and device.type != "cuda":
@@ -327,6 +335,8 @@ def _meta_model(
         kind = "FP8" if isinstance(quant, Fp8Config) else "Quantized"
         raise ValueError(f"{kind} weights run in bfloat16 (dtype auto or bfloat16), not {dtype}")
     with torch.device("meta"):
+        if tp.is_parallel:
+            return model_class(config)(config, max_positions, quant=quant, tp=tp)
         return model_class(config)(config, max_positions, quant=quant)
 
 
@@ -350,12 +360,14 @@ def random_model(
     seed: int = 0,
     std: float = 0.02,
     quant: QuantScheme | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model with random weights made straight on device (an 8B model in seconds): norm
     weights are ones, every other tensor N(0, std) from a seeded generator. With FP8 the
     projections are those same draws quantized per channel (static input scales 1: speed
     runs only); integer weights (4-bit, INT8) are random codes, an act-order permutation the
-    identity."""
+    identity. tp: a rank draws the full model's tensors and keeps its slices, so every
+    tensor-parallel size runs the same model (a rank holds the full model while it draws)."""
     device = torch.device(device)
     model = _meta_model(config, max_positions, device, dtype, quant)
     gen = torch.Generator(device).manual_seed(seed)
@@ -384,5 +396,8 @@ def random_model(
             weights |= linear_state(name.removesuffix(".weight"), quantize_weight(t), ones)
         else:
             weights[name] = t
+    if tp.is_parallel:
+        model = _meta_model(config, max_positions, device, dtype, quant, tp)
+        weights = shard_weights(weights, config, tp)
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval()

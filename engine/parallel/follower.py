@@ -1,0 +1,78 @@
+"""Follower: a rank > 0 of a tensor-parallel engine; owns its model shard, its KV cache (its
+KV heads of every block) and its host tier. It keeps no block state: it runs the copies and
+forward passes rank 0 sends, in order, joining their collectives, and never samples.
+
+The entry point is the class (build, then run()), so a Ray actor can host a rank as well as the
+process `python -m engine.parallel.follower RANK ADDRESS` (the pickled EngineConfig on stdin)
+that engine/parallel/launch.py starts.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+import torch
+
+from engine.config import EngineConfig
+from engine.execution.block_copies import BlockCopies
+from engine.execution.model_setup import build_rank_side
+from engine.execution.runner import ModelRunner
+from engine.models.loader import read_model_config, resolve_model, served_model_id
+from engine.parallel import step_plan
+from engine.parallel.ranks import join_group
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device a rank runs on: its own GPU (cuda:rank of the node's visible ones) on CUDA."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device(device)
+
+
+class Follower:
+    def __init__(self, config: EngineConfig, rank: int, address: str):
+        """Join rank 0's group at address, then load this rank's shard and build its cache."""
+        self.device = rank_device(config.device, rank)
+        size, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout_s
+        self.tp = join_group(rank, size, address, self.device, timeout_s)
+        folder = resolve_model(config.model, cache_dir=config.settings.cache_dir)
+        model_config = read_model_config(folder, served_model_id(config.model))
+        side = build_rank_side(config, model_config, folder, self.device, None, self.tp)
+        self.runner = ModelRunner(side.model, side.backend, None, side.config.cache.block_size)
+        self.copies = BlockCopies(side.backend.kv_cache, side.config.cache.host_kv_cache_bytes)
+        self.num_steps = 0
+
+    def run(self) -> None:
+        """Run rank 0's messages until its Shutdown (a collective error propagates)."""
+        while True:
+            message = step_plan.receive(self.tp)
+            if isinstance(message, step_plan.Shutdown):
+                return
+            if isinstance(message, step_plan.CopyPlan):
+                self.copies.run(message.copies, message.wait)
+            else:
+                self.runner.run_inputs(message.inputs, message.rows)
+                self.num_steps += 1
+
+
+def main() -> None:
+    """A follower process's entry point: its rank's loop; an error ends the process (exit 1)
+    with the error on stderr (rank 0 then fails its next collective with RankLost)."""
+    rank, address = int(sys.argv[1]), sys.argv[2]
+    try:
+        config = pickle.load(sys.stdin.buffer)
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"stdin holds a {type(config).__name__}, not an EngineConfig")
+        Follower(config, rank, address).run()
+    except BaseException as error:  # the process's last word, then its exit
+        print(f"kvrelay tensor-parallel rank {rank}: {error!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The messages rank 0 sends its followers (a step's packed inputs, block copies, shutdown) and
+their transport over the group's control channel; values and functions, no state.
+
+A message is pickled and broadcast from rank 0 (its length, then its bytes) on the gloo control
+group, in the order rank 0 runs them: a follower applies copies and steps in that same order.
+Rank 0 sends within the group's timeout (gloo hands a buffer over only once the peer reads:
+a stuck follower fails the send); a follower waits for the next message as long as rank 0
+idles (the control group's own long timeout).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.execution.step_inputs import StepInputs
+from engine.kv_cache.block_copy import BlockCopy
+from engine.parallel.tensor_parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward pass: the packed inputs (block ids are rank 0's, the same on every rank)
+    and the rows whose logits are computed (each rank computes its vocabulary slice of them)."""
+
+    inputs: StepInputs
+    rows: list[int]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Block copies on the KV cache (partial reuse, forks, host tier offload and onload), run
+    in order; wait: the rank's copies are done before it reads the next message."""
+
+    copies: list[BlockCopy]
+    wait: bool = False
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The followers leave their loop and their process ends."""
+
+
+Message = StepPlan | CopyPlan | Shutdown
+
+
+def send(tp: TensorParallel, message: Message, timeout_s: float) -> None:
+    """Rank 0: broadcast message to every follower, each taking it within timeout_s."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    timeout = timedelta(seconds=timeout_s)
+    _broadcast(tp, torch.tensor([data.numel()], dtype=torch.int64), timeout)
+    _broadcast(tp, data, timeout)
+
+
+def receive(tp: TensorParallel) -> Message:
+    """A follower: the next message rank 0 sends (waits while rank 0 is idle)."""
+    size = torch.empty(1, dtype=torch.int64)
+    _broadcast(tp, size)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _broadcast(tp, data)
+    message = pickle.loads(data.numpy().tobytes())
+    if not isinstance(message, StepPlan | CopyPlan | Shutdown):
+        raise TypeError(f"rank {tp.rank} got {type(message).__name__}, not a step message")
+    return message
+
+
+def _broadcast(tp: TensorParallel, x: torch.Tensor, timeout: timedelta | None = None) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    if timeout is not None:  # else the control group's
+        options.timeout = timeout
+    tp.control.broadcast([x], options).wait()
