@@ -349,6 +349,13 @@ class LlamaForCausalLM(nn.Module):
                     layer.warm_up_gemv(num_rows)
         return rows
 
+    def warm_up_moe(self, max_tokens: int) -> list[int]:
+        """Compile the MoE experts' kernels for every specialization a step of up to
+        max_tokens tokens meets (SparseMoe.warm_up: CUDA only; one layer compiles them for all,
+        which share a shape); returns the token counts run (none without MoE layers)."""
+        moe = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoe)), None)
+        return [] if moe is None else moe.warm_up(max_tokens)
+
     def use_fused_ops(self, enabled: bool) -> None:
         """Switch the elementwise work to FlashInfer's fused CUDA kernels (or back)."""
         self.fused_ops = enabled

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
+from engine.models import moe_kernels
 from engine.models.llama import MLP, LlamaForCausalLM
 from engine.models.loader import load_model, random_model, read_model_config
 from engine.models.moe import SparseMoe
@@ -130,3 +131,22 @@ def test_a_quantized_moe_model_is_refused_by_name(qwen3_moe: Path, tmp_path: Pat
         _load(qwen3_moe, quantization="fp8")  # --quantization fp8
     with pytest.raises(ValueError, match="MoE model is not supported"):
         LlamaForCausalLM(mixed_config(), 64, Fp8Config("online", True, False))
+
+
+@pytest.mark.parametrize("experts, top_k, max_tokens", [(128, 8, 8192), (8, 2, 2048), (4, 2, 100)])
+def test_the_warm_up_meets_every_kernel_specialization_a_step_can(
+    experts: int, top_k: int, max_tokens: int
+) -> None:
+    """Every (blocking, pair count a multiple of 16 or not) that some step of 1..max_tokens
+    tokens meets is met by one of the warm-up's token counts; on CPU nothing runs."""
+    moe = SparseMoe(16, 8, experts, top_k, True)
+
+    def key(t: int) -> tuple:
+        return moe_kernels.tile_for(t * top_k, experts), t * top_k % 16 == 0
+
+    counts = moe.warm_up_token_counts(max_tokens)
+    assert all(1 <= t <= max_tokens for t in counts)
+    assert {key(t) for t in counts} == {key(t) for t in range(1, max_tokens + 1)}
+    assert moe.warm_up(max_tokens) == []  # CPU: the torch reference, nothing to compile
+    model = LlamaForCausalLM(mixed_config(), 64)
+    assert model.warm_up_moe(512) == []
