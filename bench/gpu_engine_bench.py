@@ -1,5 +1,6 @@
 """GPU engine bench on a random-weight model of a real shape (default Llama-3.1-8B, bf16;
---quantization fp8: FP8 weights, the roofline then counts their bytes).
+--quantization fp8: FP8 weights, the roofline then counts their bytes; --shape qwen3-30b-a3b: the
+sparse-MoE shape, whose batch-1 roofline counts the top-k experts a layer reads).
 
 Measures, in one process: the device-copy bandwidth; the decode step time at batch 1 with CUDA
 graphs against the HBM roofline (bytes read / that bandwidth): the graph replay against the
@@ -7,9 +8,11 @@ bytes the graph reads (every weight but the LM head's, and the KV), the replay p
 head and the whole engine step against all the step's bytes ("b1"); and offline throughput
 (ignore_eos) on a workload of --num-requests x (--input-len in, --output-len out), with kernel
 profiles of three steps that carry prefill chunks and of decode replays at the first and the
-last wave's batch (their steps' time and tokens left out of the throughput) ("offline"). The
-timing primitives are in bench/lib/gpu_timing.py. Owns no state; prints a table last and
-writes full JSON to --json (rewritten after every section).
+last wave's batch (their steps' time and tokens left out of the throughput) ("offline"); on a
+MoE shape first one MoE layer's CUDA-graph time against the weight bytes it reads at several
+token counts (bench/lib/moe_timing.py) ("moe"). The timing primitives are in
+bench/lib/gpu_timing.py. Owns no state; prints a table last and writes full JSON to --json
+(rewritten after every section).
 
     python -m bench.gpu_engine_bench --json $OUT/gpu_engine_bench.json
     python -m bench.gpu_engine_bench --skip offline --kv-gib 8 --max-num-seqs 8   # batch 1 only
@@ -41,6 +44,7 @@ from bench.lib.gpu_timing import (
     profile_prefill_steps,
     random_prompts,
 )
+from bench.lib.moe_timing import moe_layer_times
 from bench.lib.random_models import head_bytes, weight_bytes, write_random_model
 from engine.engine import Engine
 from engine.models.loader import random_model, read_model_config
@@ -242,7 +246,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
     p.add_argument("--time-budget", type=float, default=120.0, help="seconds, offline run")
-    p.add_argument("--skip", nargs="*", default=[], choices=["b1", "offline"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["b1", "offline", "moe"])
     args = p.parse_args()
     device = torch.device("cuda")
     result: dict[str, Any] = {"env": environment(), "shape": args.shape}
@@ -264,6 +268,10 @@ def main() -> None:
     )
     log(f"random {args.shape} ({args.quantization}) built in {time.perf_counter() - start:.1f} s")
     result["weight_bytes"] = weight_bytes(model)
+    if config.moe_layers and "moe" not in args.skip:
+        result["moe_layer"] = moe_layer_times(model, bandwidth)
+        log(json.dumps(result["moe_layer"]))
+        save()
     graph = build_engine(
         folder,
         model,

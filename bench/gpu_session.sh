@@ -23,8 +23,13 @@
 #   speculative   the n-gram speculation GPU test and bench.spec_bench on SmolLM2
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec     vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
+#   moe           the Qwen3-30B-A3B shape (random bf16 weights): one MoE layer's time against its
+#                 weight bytes, batch 1 and offline 1000 x (1000/1000), kvrelay's then vLLM's
+#                 (bench/vllm_shape_peer.py; needs .vstage). MOE_ENGINES="kvrelay vllm" (default;
+#                 ~5 + ~7 min, past one call's 600 s: call twice, MOE_ENGINES=kvrelay then vllm, on
+#                 the same warm machine)
 set -uo pipefail
-phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b or vllm-spec}
+phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b, vllm-spec or moe}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -221,6 +226,29 @@ case $phase in
       --max-tokens 128 --batch-sizes 64 256 --input-len 1000 --output-len 1000 \
       --json "$out/vllm_spec_${SPEC:-ngram}.json" > "$out/vllm_spec_${SPEC:-ngram}.txt" 2>&1
     echo "vllm spec ${SPEC:-ngram} rc=$?"
+    ;;
+  moe)  # kvrelay: the MoE layer, batch 1 (pool 8 GiB), then offline (the pool sized by memory:
+    # ~61 GB of weights leave an H100 ~10 GB of KV); vLLM: its offline run and batch 1, defaults
+    for engine in ${MOE_ENGINES:-kvrelay vllm}; do
+      case $engine in
+        kvrelay)
+          timeout 200 python3 -m bench.gpu_engine_bench --shape qwen3-30b-a3b --skip offline \
+            --kv-gib 8 --max-num-seqs 8 --json "$out/moe_b1.json" > "$out/moe_b1.txt" \
+            2> "$out/moe_b1.err"
+          echo "moe b1 rc=$?"
+          offline_run moe_offline --shape qwen3-30b-a3b --skip b1 moe --kv-gib 0 \
+            --max-num-seqs "${SEQS_MOE:-256}"
+          ;;
+        vllm)
+          python3 -m bench.lib.random_models qwen3-30b-a3b --config-only --out /tmp/qwen3-30b-a3b
+          KVRELAY_VLLM_CONFIG=/tmp/qwen3-30b-a3b/config.json PYTHONPATH=/tmp/vsite timeout 420 \
+            python3 bench/vllm_shape_peer.py --lat-reps 3 --json "$out/vllm_moe.json" \
+            > "$out/vllm_moe.txt" 2>&1
+          echo "vllm moe rc=$?"
+          ;;
+        *) echo "MOE_ENGINES: unknown engine $engine (kvrelay or vllm)" >&2; exit 2 ;;
+      esac
+    done
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

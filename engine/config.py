@@ -37,7 +37,7 @@ _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral), and of the
-    sparse MoE MLPs of Qwen3-MoE and Mixtral (parsed; those architectures do not run yet)."""
+    sparse MoE MLPs of Qwen3-MoE and Mixtral (models/llama.py MOE_FAMILIES)."""
 
     model_id: str
     vocab_size: int

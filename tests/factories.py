@@ -45,14 +45,16 @@ def make_tiny_checkpoint(
     num_experts_per_tok: int = 2,
     expert_size: int = 32,  # one expert's MLP width
     norm_topk_prob: bool = False,  # qwen3_moe only (Mixtral always renormalizes)
+    mlp_only_layers: tuple[int, ...] = (),  # qwen3_moe only: these layers' MLPs are dense
 ) -> Path:
     """Write a transformers checkpoint of random weights (config.json only unless weights) into
     path and return it. Weights are transformers' own init, N(0, init_std) after
     torch.manual_seed(seed), norms ones; no EOS token and no sliding window.
 
-    qwen3_moe / mixtral: every layer sparse with num_experts experts of expert_size, top
-    num_experts_per_tok. transformers 5.25 holds the experts as fused 3D parameters in memory
-    but save_pretrained writes them per expert, as the hub checkpoints are:
+    qwen3_moe / mixtral: every layer sparse (qwen3_moe: but mlp_only_layers, dense MLPs of
+    intermediate_size) with num_experts experts of expert_size, top num_experts_per_tok.
+    transformers 5.25 holds the experts as fused 3D parameters in memory but save_pretrained
+    writes them per expert, as the hub checkpoints are:
     layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Mixtral: block_sparse_moe.experts.E.
     {w1,w3,w2}.weight) beside the router, layers.N.mlp.gate.weight (Mixtral:
     block_sparse_moe.gate.weight)."""
@@ -84,7 +86,7 @@ def make_tiny_checkpoint(
             moe_intermediate_size=expert_size,
             norm_topk_prob=norm_topk_prob,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=list(mlp_only_layers),
         )
     elif architecture == "mixtral":
         fields |= dict(

@@ -34,6 +34,12 @@ def print_table(result: dict[str, Any]) -> None:
     d = result.get("decode_b1")
     if d:
         print_decode_b1(d)
+    for row in result.get("moe_layer") or ():
+        print(
+            f"MoE layer, {row['tokens']:>4} tokens   {row['layer_us']:.1f} us, "
+            f"{row['experts_touched']} experts, {row['bytes_read'] / 1e6:.1f} MB: "
+            f"{row['over_roofline']:.2f}x roofline ({row['achieved_GBps']:.0f} GB/s)"
+        )
     t = result.get("offline")
     if t:
         print_offline(t)

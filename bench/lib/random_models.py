@@ -1,4 +1,5 @@
-"""Random-weight Llama-family checkpoints with real shapes, for speed runs without a download.
+"""Random-weight Llama-family checkpoints with real shapes (Llama-3.1-8B, SmolLM2, the sparse-MoE
+Qwen3-30B-A3B), for speed runs without a download.
 
 Owns no state: write_random_model() writes a config.json (and, optionally, random safetensors
 in the HF layout) into a folder; engine.loader.random_model() (load_format "dummy") builds the
@@ -18,6 +19,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_act": "silu",
+}
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -59,6 +65,32 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # Qwen3-30B-A3B's config.json (48 layers, every MLP sparse: 128 experts 768 wide, top-8
+    # renormalized; q/k norms; 3.3B parameters a token of 30.5B).
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,  # unused: no layer is dense (mlp_only_layers [])
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
     # Small, with the 8B's head_dim and GQA, for correctness runs on a GPU.
     "tiny-llama": {
         **_LLAMA,
@@ -80,8 +112,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def _hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of an HF Llama checkpoint (unfused q/k/v and gate/up)."""
+    """Tensor name -> shape of an HF Llama checkpoint (unfused q/k/v and gate/up); Qwen3-MoE:
+    q/k norms, and every layer's router and per-expert projections as the hub stores them."""
     hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+    moe = hf.get("model_type") == "qwen3_moe"
     q_size = hf["num_attention_heads"] * hf["head_dim"]
     kv_size = hf["num_key_value_heads"] * hf["head_dim"]
     shapes: dict[str, tuple[int, ...]] = {
@@ -97,12 +131,26 @@ def _hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_size, hidden),
             p + "self_attn.v_proj.weight": (kv_size, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_size),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         }
+        if not moe:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+            continue
+        head = hf["head_dim"]
+        shapes |= {p + "self_attn.q_norm.weight": (head,), p + "self_attn.k_norm.weight": (head,)}
+        width, experts = hf["moe_intermediate_size"], hf["num_experts"]
+        shapes[p + "mlp.gate.weight"] = (experts, hidden)
+        for e in range(experts):
+            shapes |= {
+                f"{p}mlp.experts.{e}.gate_proj.weight": (width, hidden),
+                f"{p}mlp.experts.{e}.up_proj.weight": (width, hidden),
+                f"{p}mlp.experts.{e}.down_proj.weight": (hidden, width),
+            }
     return shapes
 
 
@@ -144,14 +192,22 @@ def head_bytes(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module, *, read_per_decode_step: bool = False) -> int:
-    """Bytes of all parameters; read_per_decode_step leaves out the embedding table (a decode
-    step reads one row of it), unless it is tied to the LM head."""
+    """Bytes of all parameters; read_per_decode_step: those a batch-1 decode step reads, so
+    the embedding table left out (the step reads one row of it) unless it is tied to the LM
+    head, and of each MoE layer's experts only the num_experts_per_tok its token is routed to."""
     total = 0
     tied = getattr(model, "lm_head", None) is None
+    config = getattr(model, "config", None)
+    routed = 1.0
+    if read_per_decode_step and config is not None and getattr(config, "num_experts", 0):
+        routed = config.num_experts_per_tok / config.num_experts
     for name, param in model.named_parameters():
         if read_per_decode_step and name == "embed_tokens.weight" and not tied:
             continue
-        total += param.numel() * param.element_size()
+        nbytes = param.numel() * param.element_size()
+        if name.endswith(("mlp.experts_gate_up", "mlp.experts_down")):
+            nbytes = int(nbytes * routed)
+        total += nbytes
     return total
 
 

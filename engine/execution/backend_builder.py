@@ -252,6 +252,11 @@ def build_backend(
     warm_up = getattr(model, "warm_up_fused_gemvs", None)
     if use_flashinfer and not memory_probe and warm_up is not None and warm_up():
         torch.cuda.empty_cache()
+    # Likewise the MoE experts' Triton kernels for the prefill step sizes (a no-op off CUDA).
+    warm_up_moe = getattr(model, "warm_up_moe", None)
+    wanted = not memory_probe and warm_up_moe is not None
+    if wanted and warm_up_moe(config.scheduler.max_num_batched_tokens) and device.type == "cuda":
+        torch.cuda.empty_cache()
     mc = model_config
     # FlashInfer: one extra block past the pool, which padded CUDA-graph rows write to.
     num_storage_blocks = pool.num_blocks + 1 if use_flashinfer else pool.num_blocks

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) over packed tokens; owns
-weights.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, and the sparse-MoE
+Qwen3-MoE and Mixtral) over packed tokens; owns weights.
 
 GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional per-head RMSNorm of q and k before
 RoPE (Qwen3's q_norm / k_norm: ModelConfig.qk_norm), optional tied embeddings. q/k/v and gate/up
@@ -16,6 +16,13 @@ projections runs each layer as four fused GEMVs around RoPE and attention instea
 KV-cache write belong to the attention backend (AttentionBackend.forward_qkv), which may fuse
 them; the q/k norm runs on the projection's output before it, on every path
 (Attention.normed_qk).
+
+MoE models (ModelConfig.num_experts > 0, architecture in MOE_FAMILIES): a layer in
+config.moe_layers has a SparseMoe (models/moe.py) as its mlp, the others a dense MLP of
+intermediate_size. The experts run in the model's dtype only, so a quantized MoE model is
+refused (check_moe_quant). Every path takes a SparseMoe mlp as a whole: the fused-ops path
+hands it the normed rows (its router and experts are their own kernels), and the fused-GEMV path
+runs a MoE layer's attention as its two GEMVs and then norm -> SparseMoe -> residual add.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import fused_gemv, fused_ops
+from engine.models.moe import SparseMoe
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.layers import lm_head, vocab_embedding
 from engine.parallel.tensor_parallel import SINGLE, TensorParallel, rank_model_config
@@ -136,6 +144,35 @@ class MLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
+# architecture -> moe.expert_tensors' family: the architectures whose MoE layers run here
+MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+
+
+def check_moe_quant(config: ModelConfig, quant: QuantScheme | None) -> None:
+    """Refuse a quantized MoE model, naming the scheme: experts run in the model's dtype only
+    (the caller says where quant came from: --quantization or the checkpoint)."""
+    if quant is not None and config.moe_layers:
+        raise ValueError(
+            f"{config.architecture}: {quant.method} quantization ({type(quant).__name__}) of "
+            "a MoE model is not supported: sparse MoE experts run in bf16 / the model's dtype "
+            "only (serve the unquantized checkpoint without --quantization)"
+        )
+
+
+def sparse_moe(config: ModelConfig) -> SparseMoe:
+    """One MoE layer's mlp, shaped and rounded as config's family (Mixtral keeps its routing
+    weights in float32, Qwen casts them to the model's dtype: moe.SparseMoe)."""
+    return SparseMoe(
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.norm_topk_prob,
+        config.shared_expert_intermediate_size,
+        float32_routing_weights=MOE_FAMILIES.get(config.architecture) == "mixtral",
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -149,7 +186,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, rope, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, quant, tp)
+        self.mlp: MLP | SparseMoe = (
+            sparse_moe(config) if layer in config.moe_layers else MLP(config, quant, tp)
+        )
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -168,9 +207,8 @@ class DecoderLayer(nn.Module):
         attn_input = normed_input(self.self_attn.qkv_proj, hidden, residual, self.input_layernorm)
         residual = hidden if residual is None else residual
         hidden = self.self_attn(attn_input, positions, attn)
-        mlp_input = normed_input(
-            self.mlp.gate_up_proj, hidden, residual, self.post_attention_layernorm
-        )
+        consumer = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else self.mlp
+        mlp_input = normed_input(consumer, hidden, residual, self.post_attention_layernorm)
         return self.mlp(mlp_input), residual
 
     def forward_gemv(
@@ -195,20 +233,27 @@ class DecoderLayer(nn.Module):
     def _gemv_layer(
         self, residual: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """The layer's four fused GEMVs around attend(qkv) -> attention's output."""
+        """The layer's four fused GEMVs around attend(qkv) -> attention's output; a MoE layer's
+        two attention GEMVs, then its SparseMoe over the normed stream, added in place."""
         att, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         qkv = fused_gemv.normed_gemv(residual, norm.weight, norm.eps, att.qkv_proj.weight)
         out = attend(qkv).reshape(-1, att.q_size)
         fused_gemv.gemv_add_(out, att.o_proj.weight, residual)
         norm = self.post_attention_layernorm
+        if isinstance(mlp, SparseMoe):
+            residual.add_(mlp(fused_ops.rms_norm(residual, norm.weight, norm.eps)))
+            return
         gate_up = mlp.gate_up_proj.weight
         hidden = fused_gemv.normed_gemv_silu(residual, norm.weight, norm.eps, gate_up)
         fused_gemv.gemv_add_(hidden, mlp.down_proj.weight, residual)
 
     def projections(self) -> list[nn.Module]:
+        """The layer's dense projections (a MoE layer's attention only: its experts are not
+        Linears)."""
         att, mlp = self.self_attn, self.mlp
-        return [att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        dense = [mlp.gate_up_proj, mlp.down_proj] if isinstance(mlp, MLP) else []
+        return [att.qkv_proj, att.o_proj, *dense]
 
 
 def project(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledRows:
@@ -248,11 +293,13 @@ class LlamaForCausalLM(nn.Module):
     ):
         """tp: this rank's share of the weights (engine/parallel/); SINGLE: all of them."""
         super().__init__()
-        if config.num_experts:  # e.g. a MoE config.json without "architectures"
+        if config.num_experts and config.architecture not in MOE_FAMILIES:
+            # e.g. a MoE config.json without "architectures": its tensors' names are unknown
             raise ValueError(
                 f"{config.architecture} runs dense MLPs; this config has num_experts="
-                f"{config.num_experts} (sparse MoE layers are not wired into the decoder yet)"
+                f"{config.num_experts} (sparse MoE layers run for {', '.join(MOE_FAMILIES)})"
             )
+        check_moe_quant(config, quant)
         self.config = config
         self.quant = quant
         self.tp = tp
@@ -294,8 +341,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def plain_projections(self, dtype: torch.dtype) -> list[nn.Module]:
-        """Every layer's projections if all are unquantized Linears without bias in dtype (the
-        fused GEMVs' condition, checked once per dtype), else []: no fused GEMVs."""
+        """Every layer's dense projections (MoE layers': attention's) if all are unquantized
+        Linears without bias in dtype (the fused GEMVs' condition, checked once per dtype), else
+        []: no fused GEMVs."""
         if dtype not in self._plain_projections:
             every = [p for layer in self.layers for p in layer.projections()]
             # The GEMVs add o_proj and down_proj into the residual: no all-reduce between.
@@ -321,16 +369,26 @@ class LlamaForCausalLM(nn.Module):
         the first such step (an engine without CUDA graphs has no other warm-up); returns
         those row counts."""
         rows = self.fused_gemv_rows()
+        kinds = {type(layer.mlp): layer for layer in self.layers}  # one dense, one MoE layer
         with torch.inference_mode():
             for num_rows in rows:
-                self.layers[0].warm_up_gemv(num_rows)
+                for layer in kinds.values():
+                    layer.warm_up_gemv(num_rows)
         return rows
+
+    def warm_up_moe(self, max_tokens: int) -> list[int]:
+        """Compile the MoE experts' kernels for every specialization a step of up to
+        max_tokens tokens meets (SparseMoe.warm_up: CUDA only; one layer compiles them for all,
+        which share a shape); returns the token counts run (none without MoE layers)."""
+        moe = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoe)), None)
+        return [] if moe is None else moe.warm_up(max_tokens)
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Switch the elementwise work to FlashInfer's fused CUDA kernels (or back)."""
         self.fused_ops = enabled
         for layer in self.layers:
-            layer.mlp.fused = enabled
+            if isinstance(layer.mlp, MLP):  # a SparseMoe picks its kernels by device
+                layer.mlp.fused = enabled
             layer.self_attn.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

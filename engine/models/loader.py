@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import DEFAULT_MODEL, ModelConfig
+from engine.models.llama import MOE_FAMILIES, check_moe_quant
+from engine.models.moe import expert_tensors
 from engine.models.registry import model_class
 from engine.parallel.sharding import shard_weights
 from engine.parallel.tensor_parallel import SINGLE, TensorParallel
@@ -190,9 +192,10 @@ def _fuse_checkpoint(
     """Rename HF tensors to this model's names, fusing q/k/v and gate/up; with quant the four
     projections become its quantized layers' state (engine/quant/checkpoint.py; online
     quantization and 4-bit packing run on device), or with dequantize plain float32 weights
-    (the CPU reference path). A module weight no tensor fills, or a tensor no module takes
-    (other than the skippable ones above), is refused by name; source (the folder) is named
-    with it."""
+    (the CPU reference path). A MoE layer (config.moe_layers) takes its router and experts
+    through moe.expert_tensors (the family from config.architecture), unquantized. A module
+    weight no tensor fills, or a tensor no module takes (other than the skippable ones above),
+    is refused by name; source (the folder) is named with it."""
     raw = {name.removeprefix("model."): t for name, t in raw.items()}
     out: dict[str, torch.Tensor] = {}
 
@@ -211,6 +214,12 @@ def _fuse_checkpoint(
             weights = [take(part + ".weight") for part in parts]
         return {name + ".weight": weights[0] if len(weights) == 1 else torch.cat(weights)}
 
+    family = MOE_FAMILIES.get(config.architecture, "")
+    if config.moe_layers and not family:
+        raise ValueError(
+            f"{config.architecture} has no sparse MoE layers, but config.json's num_experts is "
+            f"{config.num_experts}; MoE runs for {', '.join(MOE_FAMILIES)}"
+        )
     out["embed_tokens.weight"] = take("embed_tokens.weight")
     out["norm.weight"] = take("norm.weight")
     if not config.tie_word_embeddings:
@@ -226,8 +235,12 @@ def _fuse_checkpoint(
         out |= linear(attn + "o_proj", [attn + "o_proj"])
         if config.o_proj_bias:
             out[attn + "o_proj.bias"] = take(attn + "o_proj.bias")
-        out |= linear(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
-        out |= linear(p + "mlp.down_proj", [p + "mlp.down_proj"])
+        if i in config.moe_layers:
+            moe = expert_tensors(take, p, config.num_experts, family)
+            out |= {p + name: t for name, t in moe.items()}
+        else:
+            out |= linear(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+            out |= linear(p + "mlp.down_proj", [p + "mlp.down_proj"])
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + norm + ".weight"] = take(p + norm + ".weight")
         if config.qk_norm:
@@ -294,6 +307,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     quant = resolve_quantization(quantization, read_quant_config(folder), fp8_fast_accum)
+    check_moe_quant(config, quant)  # before the CPU path would dequantize it
     dequantize = quant is not None and quant.from_checkpoint and not quantized_kernels_on(device)
     if load_format == "dummy":
         return random_model(
@@ -363,7 +377,8 @@ def random_model(
     tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model with random weights made straight on device (an 8B model in seconds): norm
-    weights are ones, every other tensor N(0, std) from a seeded generator. With FP8 the
+    weights are ones, every other tensor N(0, std) from a seeded generator (a MoE layer's
+    router and experts too). With FP8 the
     projections are those same draws quantized per channel (static input scales 1: speed
     runs only); integer weights (4-bit, INT8) are random codes, an act-order permutation the
     identity. tp: a rank draws the full model's tensors and keeps its slices, so every

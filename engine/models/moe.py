@@ -106,6 +106,32 @@ class SparseMoe(nn.Module):
             weights = weights.to(x.dtype)
         return Routing(expert_ids, weights)
 
+    def warm_up_token_counts(self, max_tokens: int) -> list[int]:
+        """Token counts (at most max_tokens) that meet every specialization of the experts'
+        Triton kernels a step can: each of moe_kernels.tile_for's blockings, with a pair count
+        that is a multiple of 16 and one that is not (Triton specializes integer arguments so)."""
+        k, e = self.top_k, self.num_experts
+        starts = [1, -(-8 * e // k), -(-48 * e // k)]  # tile_for's thresholds, in tokens
+        seen: dict[tuple[moe_kernels.Tile, bool], int] = {}
+        for start in starts:
+            for t in range(start, min(start + 16, max_tokens) + 1):
+                key = (moe_kernels.tile_for(t * k, e), t * k % 16 == 0)
+                seen.setdefault(key, t)
+        return sorted(set(seen.values()))
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> list[int]:
+        """On CUDA, run forward once at each of warm_up_token_counts, so the kernels compile
+        at start-up, not in the first prefills (the decode CUDA graphs' warm-up covers their
+        batch sizes anyway); returns the counts run (none off CUDA)."""
+        weight = self.experts_gate_up
+        if not weight.is_cuda:
+            return []
+        counts = self.warm_up_token_counts(max_tokens)
+        for num_tokens in counts:
+            self(weight.new_zeros(num_tokens, weight.shape[2]))
+        return counts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.route(x)
         if x.is_cuda:

@@ -12,9 +12,10 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # ModelConfig.qk_norm
+    # sparse MoE layers (models/moe.py) in config.moe_layers; llama.MOE_FAMILIES names them
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
-# Qwen3MoeForCausalLM and MixtralForCausalLM: ModelConfig parses their MoE fields, but the MoE
-# layer is not wired into the decoder yet, so they are refused here with the others.
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

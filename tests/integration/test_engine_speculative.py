@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram drafting) in the engine: greedy output equals the output
 without speculation token for token (SmolLM2 on text that repeats its prompt, a tiny random
-model whose output loops), seeded sampling keeps the target's draws, drafts respect max_tokens
-and stop tokens, a request may turn it off, and no block leaks."""
+model whose output loops, a tiny sparse-MoE model), seeded sampling keeps the target's draws,
+drafts respect max_tokens and stop tokens, a request may turn it off, and no block leaks."""
 
 from __future__ import annotations
 
@@ -77,6 +77,18 @@ def test_tiny_model_greedy_output_is_the_same_over_prompts_and_draft_lengths(tin
         assert generate(engine, prompts, params) == expected, k
         assert engine.speculator.num_accepted_tokens > 0
         assert engine.speculator.num_drafted_tokens > engine.speculator.num_accepted_tokens
+
+
+def test_a_tiny_moe_models_greedy_output_is_the_same_with_ngram_drafting(tmp_path):
+    """Qwen3-MoE (4 experts, top-2): a verify step routes its K + 1 rows per sequence through
+    the experts together; the output is the plain engine's."""
+    moe = make_tiny_checkpoint(tmp_path, architecture="qwen3_moe", vocab_size=64, seed=5)
+    prompts = [[5, 17, 30, 42, 17, 5], list(range(1, 60, 3)), [9, 9, 9, 9]]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = generate(build_engine(model_path=str(moe), block_size=4), prompts, params)
+    engine = build_engine(model_path=str(moe), block_size=4, speculative=NGRAM)
+    assert generate(engine, prompts, params) == expected
+    assert engine.speculator.num_drafted_tokens > engine.speculator.num_accepted_tokens > 0
 
 
 def test_seeded_sampling_keeps_the_targets_draws(tiny):

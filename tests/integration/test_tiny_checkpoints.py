@@ -1,6 +1,8 @@
 """Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
-tied and untied, Mistral) load and run through the same path, and match transformers greedy
-token for token, in one engine and (Qwen3) through a prefill worker, NIXL and a decode worker."""
+tied and untied, Mistral, sparse-MoE Qwen3-MoE with and without renormalized top-k weights and
+Mixtral) load and run through the same path, and match transformers greedy token for token, in
+one engine and (Qwen3-MoE with a dense layer: Qwen3's attention and MLP beside a sparse layer)
+through a prefill worker, NIXL and a decode worker."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ CHECKPOINTS = {
     # head_dim 32 with 4 heads: q is 128 wide over a hidden size of 64
     "qwen3": dict(architecture="qwen3", tie_embeddings=True, head_dim=32),
     "qwen3-untied": dict(architecture="qwen3", head_dim=32, seed=1),
+    # sparse MoE (4 experts, top-2): layer 0 dense (mlp_only_layers), layer 1 sparse
+    "qwen3-moe": dict(
+        architecture="qwen3_moe", head_dim=32, norm_topk_prob=True, mlp_only_layers=(0,)
+    ),
+    "qwen3-moe-unnormed": dict(architecture="qwen3_moe", tie_embeddings=True, seed=2),
+    "mixtral": dict(architecture="mixtral", seed=3),
 }
 PROMPTS = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
 NEW_TOKENS = 12
@@ -101,14 +109,16 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), **CHECKPOINTS["qwen3"])
+    """Qwen3-MoE whose layer 0 is dense: Qwen3's q/k-normed attention and dense MLP, then a
+    sparse MoE layer, in one cluster."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), **CHECKPOINTS["qwen3-moe"])
 
 
 @pytest.fixture(scope="module")
 def qwen3_cluster(
     qwen3_checkpoint: Path, loop: asyncio.AbstractEventLoop
 ) -> Iterator[LocalCluster]:
-    """One prefill and one decode worker of the tiny Qwen3 (CPU, the embedded Ray)."""
+    """One prefill and one decode worker of the tiny Qwen3-MoE (CPU, the embedded Ray)."""
     engine = EngineConfig(model=str(qwen3_checkpoint), cache=CacheConfig(num_blocks=64))
     spec = cluster_spec(engine=engine, num_prefill=1, num_decode=1)
     cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
@@ -116,7 +126,7 @@ def qwen3_cluster(
     loop.run_until_complete(cluster.close())
 
 
-def test_qwen3_through_the_cluster_matches_transformers(
+def test_qwen3_moe_through_the_cluster_matches_transformers(
     qwen3_checkpoint: Path, qwen3_cluster: LocalCluster, loop: asyncio.AbstractEventLoop
 ) -> None:
     """Prefill worker -> NIXL -> decode worker, token-exact against transformers; a second

@@ -1,7 +1,8 @@
 """The model's fused-ops path (residual carried next to the hidden states, in-place add+norm)
 and its one-row fused GEMV path compute the same function as the plain path, with and without
-Qwen3's q/k norms. FlashInfer's kernels are replaced by torch
-stand-ins with the same in-place contracts, so this runs on CPU and checks only the wiring."""
+Qwen3's q/k norms, and with a sparse MoE layer between dense ones. FlashInfer's kernels are
+replaced by torch stand-ins with the same in-place contracts, so this runs on CPU and checks only
+the wiring."""
 
 from __future__ import annotations
 
@@ -56,11 +57,21 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_ops, "silu_and_mul", fake_silu_and_mul)
 
 
-def random_model(seed: int, qk_norm: bool = False) -> LlamaForCausalLM:
+MOE = dict(  # layer 1 of 3 sparse: 4 experts 16 wide, top-2
+    architecture="Qwen3MoeForCausalLM",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    norm_topk_prob=True,
+    moe_layers=(1,),
+)
+
+
+def random_model(seed: int, qk_norm: bool = False, moe: bool = False) -> LlamaForCausalLM:
     config = make_model_config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, head_dim=8
     )
-    config = dataclasses.replace(config, qk_norm=qk_norm)
+    config = dataclasses.replace(config, qk_norm=qk_norm, **(MOE if moe else {}))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config, 128)
     with torch.no_grad():
@@ -69,15 +80,19 @@ def random_model(seed: int, qk_norm: bool = False) -> LlamaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
-def test_fused_path_computes_the_same_function(fake_kernels: None, qk_norm: bool) -> None:
-    model = random_model(0, qk_norm)
+@pytest.mark.parametrize(
+    "qk_norm, moe", [(False, False), (True, False), (True, True)], ids=["llama", "qk-norm", "moe"]
+)
+def test_fused_path_computes_the_same_function(
+    fake_kernels: None, qk_norm: bool, moe: bool
+) -> None:
+    model = random_model(0, qk_norm, moe)
     ids = torch.randint(0, 64, (11,))
     positions = torch.randint(0, 128, (11,))
     with torch.no_grad():
         plain = model(ids, positions, EchoAttention())
         model.use_fused_ops(True)
-        assert all(layer.mlp.fused for layer in model.layers)
+        assert all(getattr(layer.mlp, "fused", True) for layer in model.layers)
         fused = model(ids, positions, EchoAttention())
         model.use_fused_ops(False)
         again = model(ids, positions, EchoAttention())
@@ -89,18 +104,22 @@ def test_fused_path_computes_the_same_function(fake_kernels: None, qk_norm: bool
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels interpreted on CPU"
 )
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
+@pytest.mark.parametrize(
+    "qk_norm, moe", [(False, False), (True, False), (True, True)], ids=["llama", "qk-norm", "moe"]
+)
 def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
     fake_kernels: None,
     gemv_launches: list[int],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
     qk_norm: bool,
+    moe: bool,
 ) -> None:
     """engine/models/fused_gemv.py's path (each layer as four GEMVs, the residual stream
     changed in place) against the plain path, for a one-token step; the kernels run in
-    Triton's interpreter, in float32, so the wiring must match to float rounding."""
+    Triton's interpreter, in float32, so the wiring must match to float rounding. A MoE layer
+    runs its attention's two GEMVs, then its SparseMoe (the torch reference on CPU)."""
     pytest.importorskip("triton")
-    model = random_model(1, qk_norm)
+    model = random_model(1, qk_norm, moe)
     config, launches = model.config, gemv_launches
     monkeypatch.setattr(  # CPU tensors: the interpreter stands in for the GPU
         fused_gemv, "takes", lambda x, plain: x.shape[0] == 1 and bool(plain)
@@ -110,10 +129,10 @@ def test_one_row_steps_on_the_fused_gemvs_compute_the_same_function(
         plain = model(ids, positions, EchoAttention())
         model.use_fused_ops(True)
         fused = model(ids, positions, EchoAttention())
-        per_layer = 4
-        assert len(launches) == per_layer * config.num_layers
+        per_step = 4 * config.num_layers - 2 * len(config.moe_layers)
+        assert len(launches) == per_step
         model(torch.tensor([5, 6]), torch.tensor([17, 18]), EchoAttention())  # two rows: not
-        assert len(launches) == per_layer * config.num_layers
+        assert len(launches) == per_step
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     assert not torch.equal(plain, model.embed_tokens(ids))
 

@@ -1,6 +1,6 @@
 """ModelConfig.from_hf_dict: the fields of the supported families' default configs pass, fields
 that change the math in ways the engine does not run are refused by name and value, and the MoE
-families' fields (Qwen3-MoE, Mixtral) parse, while their architectures are still refused."""
+families' fields (Qwen3-MoE, Mixtral) parse and their architectures run on the decoder."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import read_model_config
+from engine.models.moe import SparseMoe
 from engine.models.registry import model_class
 from tests.factories import make_tiny_checkpoint
 
@@ -149,16 +150,18 @@ def test_top_k_beyond_the_expert_count_is_refused() -> None:
         ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     ],
 )
-def test_moe_architectures_are_still_refused(config_class: str, fields: dict[str, Any]) -> None:
+def test_moe_architectures_run_on_the_decoder(config_class: str, fields: dict[str, Any]) -> None:
     config = ModelConfig.from_hf_dict(hf_dict(config_class, **fields), "tiny")
-    with pytest.raises(ValueError, match=f"unsupported architecture '{config.architecture}'"):
-        model_class(config)
+    assert model_class(config) is LlamaForCausalLM
+    model = LlamaForCausalLM(config, 64)
+    assert all(isinstance(layer.mlp, SparseMoe) for layer in model.layers)
+    assert model.layers[0].mlp.float32_routing_weights is (config_class == "MixtralConfig")
 
 
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
-def test_the_factorys_moe_checkpoints_parse_and_are_refused(architecture: str, tmp_path) -> None:
+def test_the_factorys_moe_checkpoints_parse(architecture: str, tmp_path) -> None:
     """tests/factories.py's MoE configs (4 experts, top-2, experts 32 wide) as the engine reads
-    them from disk; the engine refuses them until the MoE layer is wired."""
+    them from disk."""
     folder = make_tiny_checkpoint(
         tmp_path, architecture=architecture, norm_topk_prob=True, weights=False
     )
@@ -166,8 +169,7 @@ def test_the_factorys_moe_checkpoints_parse_and_are_refused(architecture: str, t
     assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
     assert config.moe_intermediate_size == 32 and config.norm_topk_prob
     assert config.moe_layers == (0, 1)
-    with pytest.raises(ValueError, match="unsupported architecture"):
-        model_class(config)
+    assert model_class(config) is LlamaForCausalLM
 
 
 def test_a_moe_config_without_architectures_is_not_run_as_a_dense_llama() -> None:

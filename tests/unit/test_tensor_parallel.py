@@ -56,6 +56,11 @@ def offline_rank(rank: int, size: int = 2) -> TensorParallel:
         ),
         ({"intermediate_size": 130}, 4, "intermediate_size 130"),
         ({}, 0, "must be >= 1, got 0"),
+        (
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0,)},
+            2,
+            "MoE experts are not split across tensor-parallel ranks yet",
+        ),
     ],
 )
 def test_sizes_that_cannot_split_the_model_are_refused(overrides, size, message):
