@@ -107,18 +107,22 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
         build_engine(model_path=str(tmp_path), num_blocks=64, load_format="npz")
 
 
-@pytest.fixture(scope="module")
-def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-MoE whose layer 0 is dense: Qwen3's q/k-normed attention and dense MLP, then a
-    sparse MoE layer, in one cluster."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), **CHECKPOINTS["qwen3-moe"])
+@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
+def qwen3_checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Qwen3-MoE whose layer 0 is dense (Qwen3's q/k-normed attention and dense MLP, then a
+    sparse MoE layer: both Qwen3 families in one cluster), then Mixtral."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param), **CHECKPOINTS[request.param]
+    )
 
 
 @pytest.fixture(scope="module")
 def qwen3_cluster(
     qwen3_checkpoint: Path, loop: asyncio.AbstractEventLoop
 ) -> Iterator[LocalCluster]:
-    """One prefill and one decode worker of the tiny Qwen3-MoE (CPU, the embedded Ray)."""
+    """One prefill and one decode worker of the tiny checkpoint (CPU, the embedded Ray)."""
     engine = EngineConfig(model=str(qwen3_checkpoint), cache=CacheConfig(num_blocks=64))
     spec = cluster_spec(engine=engine, num_prefill=1, num_decode=1)
     cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
@@ -126,7 +130,7 @@ def qwen3_cluster(
     loop.run_until_complete(cluster.close())
 
 
-def test_qwen3_moe_through_the_cluster_matches_transformers(
+def test_moe_families_through_the_cluster_match_transformers(
     qwen3_checkpoint: Path, qwen3_cluster: LocalCluster, loop: asyncio.AbstractEventLoop
 ) -> None:
     """Prefill worker -> NIXL -> decode worker, token-exact against transformers; a second
