@@ -41,6 +41,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+# Triton's interpreter (the CPU tests) runs bf16 dots wrongly: tiles multiply in float32 there.
+# Read once, at import.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 ALIGN_CHUNK = 1024  # pairs an align program reads a step
 
 
@@ -192,7 +196,7 @@ def _grouped_gemm(
     """out[pair] = a[pair // a_rows_per_token] @ w[expert].T, over the aligned pairs: gated,
     SiLU(gate) * up of w's two halves; else times the pair's routing weight."""
     num_cols, depth = out.shape[1], a.shape[1]
-    upcast = os.environ.get("TRITON_INTERPRET") == "1" or a.dtype == torch.float32
+    upcast = _INTERPRETED or a.dtype == torch.float32
     grid = (aligned.block_experts.numel() * -(-num_cols // tile.block_n),)
     _kernel()[grid](
         a, w, out, aligned.sorted_pairs, aligned.block_experts, aligned.num_padded, weights,
