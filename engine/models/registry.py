@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -12,6 +13,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # ModelConfig.qk_norm
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only (config.py refuses the multimodal one)
 }
 # Qwen3MoeForCausalLM and MixtralForCausalLM: ModelConfig parses their MoE fields, but the MoE
 # layer is not wired into the decoder yet, so they are refused here with the others.

@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
-tied and untied, Mistral) load and run through the same path, and match transformers greedy
-token for token, in one engine and (Qwen3) through a prefill worker, NIXL and a decode worker."""
+tied and untied, Mistral, Gemma 3 with sliding-window layers) load and run through the same
+path, and match transformers greedy token for token, in one engine and (Qwen3, Gemma 3) through
+a prefill worker, NIXL and a decode worker."""
 
 from __future__ import annotations
 
@@ -40,6 +41,19 @@ CHECKPOINTS = {
     "qwen3": dict(architecture="qwen3", tie_embeddings=True, head_dim=32),
     "qwen3-untied": dict(architecture="qwen3", head_dim=32, seed=1),
 }
+# Gemma 3: layers sliding, sliding, full, sliding (the real 5:1 pattern shrunk); a window of 12
+# (not a block's 16) that 40+ token prompts cross; the full layers' RoPE linearly scaled.
+# init_std 0.1, not 0.3: with 0.3 the logits are so peaked that transformers' greedy tokens for
+# these prompts are the same with windows 11, 12, 13 or none (an off-by-one would pass); with
+# 0.1 each of those changes them, and the top-2 logit margin stays above 0.04 (no near-ties).
+GEMMA3 = dict(
+    architecture="gemma3",
+    num_layers=4,
+    sliding_window=12,
+    init_std=0.1,
+    tie_embeddings=True,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+)
 PROMPTS = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
 NEW_TOKENS = 12
 
@@ -78,6 +92,40 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
         engine.add_request(f"t{i}", p, params)
     got = run_to_completion(engine)
     assert [got[f"t{i}"] for i in range(len(prompts))] == expected
+    engine.assert_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), **GEMMA3)
+
+
+@pytest.mark.parametrize("chunk", [8, 32, 1024])
+def test_gemma3_sliding_window_matches_transformers(gemma3_checkpoint: Path, chunk: int) -> None:
+    """Gemma 3 through one engine: prefill chunks shorter than the window (8), longer (32) and
+    whole prompts, decode 24 tokens past it, token-exact against transformers; the second
+    prompt shares the first's leading blocks (a prefix hit, its chunks start past the window)."""
+    first = list(range(1, 200, 3))  # 67 tokens
+    prompts = [first, [*first[:48], 9, 8, 7, 6, 5], [5, 17, 300, 42], [7]]
+    new_tokens = 24
+    expected = transformers_greedy(gemma3_checkpoint, prompts, new_tokens)
+    engine = build_engine(
+        model_path=str(gemma3_checkpoint), num_blocks=64, max_num_batched_tokens=chunk
+    )
+    assert engine.model_config.layer_windows == (12, 12, None, 12)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.add_request("g0", prompts[0], params)
+    assert run_to_completion(engine)["g0"] == expected[0]
+    for i, p in enumerate(prompts[1:], start=1):
+        engine.add_request(f"g{i}", p, params)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+            cached[out.req_id] = max(cached.get(out.req_id, 0), out.num_cached_tokens or 0)
+    assert [got[f"g{i}"] for i in range(1, len(prompts))] == expected[1:]
+    assert cached["g1"] >= 48  # the first prompt's 3 full blocks
     engine.assert_no_leaks()
 
 
