@@ -6,7 +6,6 @@ a prefill worker, NIXL and a decode worker."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -152,34 +151,29 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), **CHECKPOINTS["qwen3"])
 
 
-@pytest.fixture(scope="module")
-def qwen3_cluster(
-    qwen3_checkpoint: Path, loop: asyncio.AbstractEventLoop
-) -> Iterator[LocalCluster]:
-    """One prefill and one decode worker of the tiny Qwen3 (CPU, the embedded Ray)."""
-    engine = EngineConfig(model=str(qwen3_checkpoint), cache=CacheConfig(num_blocks=64))
+def start_cluster(checkpoint: Path, loop: asyncio.AbstractEventLoop) -> LocalCluster:
+    """One prefill and one decode worker of a tiny checkpoint (CPU, the embedded Ray)."""
+    engine = EngineConfig(model=str(checkpoint), cache=CacheConfig(num_blocks=64))
     spec = cluster_spec(engine=engine, num_prefill=1, num_decode=1)
-    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
-    yield cluster
-    loop.run_until_complete(cluster.close())
+    return loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
 
 
-def test_qwen3_through_the_cluster_matches_transformers(
-    qwen3_checkpoint: Path, qwen3_cluster: LocalCluster, loop: asyncio.AbstractEventLoop
+def check_cluster_matches_transformers(
+    checkpoint: Path, cluster: LocalCluster, loop: asyncio.AbstractEventLoop, name: str
 ) -> None:
     """Prefill worker -> NIXL -> decode worker, token-exact against transformers; a second
     prompt sharing the first's leading blocks finds them cached on the decode worker (fewer
     blocks pulled); no worker leaks a block."""
     first = list(range(1, 200, 3))  # 67 tokens: 4 full blocks of 16
     second = [*first[:48], 9, 8, 7, 6, 5]  # the first 3 blocks shared
-    expected = transformers_greedy(qwen3_checkpoint, [first, second], NEW_TOKENS)
+    expected = transformers_greedy(checkpoint, [first, second], NEW_TOKENS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
     async def run() -> list[list]:
         runs = []
         for i, prompt in enumerate((first, second)):  # in turn: the second reuses the first's
-            request = GenerateRequest(f"qwen3-{i}", tuple(prompt), params)
-            runs.append(await collect(qwen3_cluster.backend, request))
+            request = GenerateRequest(f"{name}-{i}", tuple(prompt), params)
+            runs.append(await collect(cluster.backend, request))
         return runs
 
     runs = loop.run_until_complete(run())
@@ -188,4 +182,19 @@ def test_qwen3_through_the_cluster_matches_transformers(
     assert not any(t.recomputed for t in pulled)
     assert pulled[0].num_blocks >= len(first) // 16
     assert pulled[1].num_blocks < pulled[0].num_blocks  # the shared blocks were not pulled again
-    loop.run_until_complete(wait_until_no_leaks(qwen3_cluster))
+    loop.run_until_complete(wait_until_no_leaks(cluster))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_through_the_cluster_matches_transformers(
+    request: pytest.FixtureRequest, name: str, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Qwen3, and Gemma 3's windowed layers across the transfer: the decode worker attends the
+    pulled blocks with the same windows (prompts of 67 and 53 tokens, a window of 12). One
+    cluster at a time (one controller per Ray cluster)."""
+    checkpoint = request.getfixturevalue(f"{name}_checkpoint")
+    cluster = start_cluster(checkpoint, loop)
+    try:
+        check_cluster_matches_transformers(checkpoint, cluster, loop, name)
+    finally:
+        loop.run_until_complete(cluster.close())
