@@ -39,6 +39,10 @@ CHECKPOINTS = {
     # head_dim 32 with 4 heads: q is 128 wide over a hidden size of 64
     "qwen3": dict(architecture="qwen3", tie_embeddings=True, head_dim=32),
     "qwen3-untied": dict(architecture="qwen3", head_dim=32, seed=1),
+    # untied head, a window of 5, layers sliding, sliding, full (more below: GEMMA3)
+    "gemma3-untied": dict(
+        architecture="gemma3", num_layers=3, sliding_window=5, init_std=0.1, seed=1
+    ),
 }
 # Gemma 3: layers sliding, sliding, full, sliding (the real 5:1 pattern shrunk); a window of 12
 # (not a block's 16) that 40+ token prompts cross; the full layers' RoPE linearly scaled.
@@ -99,15 +103,24 @@ def gemma3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), **GEMMA3)
 
 
+GEMMA3_FIRST = list(range(1, 200, 3))  # 67 tokens
+GEMMA3_PROMPTS = [GEMMA3_FIRST, [*GEMMA3_FIRST[:48], 9, 8, 7, 6, 5], [5, 17, 300, 42], [7]]
+GEMMA3_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def gemma3_expected(gemma3_checkpoint: Path) -> list[list[int]]:
+    return transformers_greedy(gemma3_checkpoint, GEMMA3_PROMPTS, GEMMA3_NEW_TOKENS)
+
+
 @pytest.mark.parametrize("chunk", [8, 32, 1024])
-def test_gemma3_sliding_window_matches_transformers(gemma3_checkpoint: Path, chunk: int) -> None:
+def test_gemma3_sliding_window_matches_transformers(
+    gemma3_checkpoint: Path, gemma3_expected: list[list[int]], chunk: int
+) -> None:
     """Gemma 3 through one engine: prefill chunks shorter than the window (8), longer (32) and
     whole prompts, decode 24 tokens past it, token-exact against transformers; the second
     prompt shares the first's leading blocks (a prefix hit, its chunks start past the window)."""
-    first = list(range(1, 200, 3))  # 67 tokens
-    prompts = [first, [*first[:48], 9, 8, 7, 6, 5], [5, 17, 300, 42], [7]]
-    new_tokens = 24
-    expected = transformers_greedy(gemma3_checkpoint, prompts, new_tokens)
+    prompts, new_tokens, expected = GEMMA3_PROMPTS, GEMMA3_NEW_TOKENS, gemma3_expected
     engine = build_engine(
         model_path=str(gemma3_checkpoint), num_blocks=64, max_num_batched_tokens=chunk
     )
