@@ -4,6 +4,7 @@ EngineConfig, which carries them with the user's settings (engine/settings.py)."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,14 +31,31 @@ class RopeScaling:
 # are refused at config read.
 ROPE_KINDS = ("default", "linear", "llama3")
 # model_type -> whether q and k get a per-head RMSNorm after the projection (Qwen3's q_norm,
-# k_norm)
-_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# k_norm; Gemma 3's, of its own (1 + weight) kind)
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+# Gemma 3's text decoder (models/gemma3.py): config.json's model_type and the defaults
+# transformers' Gemma3TextConfig gives the fields a config.json may leave out.
+GEMMA3_TEXT = "gemma3_text"
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+_GEMMA3_ROPE_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral), and of the
-    sparse MoE MLPs of Qwen3-MoE and Mixtral (models/llama.py MOE_FAMILIES)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) or of Gemma 3's
+    text decoder, and of the sparse MoE MLPs of Qwen3-MoE and Mixtral (models/llama.py
+    MOE_FAMILIES)."""
 
     model_id: str
     vocab_size: int
@@ -56,6 +74,15 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k, before RoPE
     sliding_window: int | None = None  # Mistral: the engine caps max_model_len to it
+    # Per layer: its attention window (a query attends to the keys of the last W positions, its
+    # own included: transformers' sliding_window) or None (every position). Empty: all None.
+    # Gemma 3's sliding_attention layers; the paged cache still keeps every position.
+    layer_windows: tuple[int | None, ...] = ()
+    # The windowed layers' RoPE base (Gemma 3's rope_local_base_freq, unscaled); None: those
+    # layers use rope_theta and rope_scaling like the others.
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh (Gemma 3)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
@@ -73,9 +100,15 @@ class ModelConfig:
         A field that changes the model's math in a way the engine does not implement is refused
         by name and value (check_hf_fields)."""
         check_hf_fields(hf)
+        model_type = hf.get("model_type", "llama")
+        gemma3 = model_type == GEMMA3_TEXT
+        if gemma3:
+            hf = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if gemma3:
+            rope = _gemma3_rope(hf)["full_attention"]
         rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         scaling = RopeScaling(
@@ -90,7 +123,6 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        model_type = hf.get("model_type", "llama")
         num_layers = int(hf["num_hidden_layers"])
         return cls(
             model_id=model_id,
@@ -109,11 +141,12 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             o_proj_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
             qk_norm=model_type in _QK_NORM_MODEL_TYPES,
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+            sliding_window=_whole_model_window(hf, gemma3),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             architecture=archs[0],
             **_moe_fields(hf, model_type, num_layers),
+            **(_gemma3_fields(hf, num_layers) if gemma3 else {}),
         )
 
     @classmethod
@@ -124,6 +157,63 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _whole_model_window(hf: dict[str, Any], gemma3: bool) -> int | None:
+    """Mistral's sliding_window, which caps max_model_len; Gemma 3's is per layer instead."""
+    if gemma3 or not hf.get("use_sliding_window", True):
+        return None
+    return hf.get("sliding_window")
+
+
+def _gemma3_layer_types(hf: dict[str, Any], num_layers: int) -> list[str]:
+    """config.json's layer_types, or (older configs) every sliding_window_pattern-th layer
+    full and the others sliding, as transformers derives them."""
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(types) != num_layers:
+        raise ValueError(
+            f"config.json's layer_types has {len(types)} entries for num_hidden_layers={num_layers}"
+        )
+    return list(types)
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Gemma 3's RoPE per layer type, from either form of config.json: rope_parameters keyed by
+    layer type (transformers 5), or rope_theta, rope_scaling (the full layers') and
+    rope_local_base_freq (the sliding layers')."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and set(params) <= set(_LAYER_TYPES) and params:
+        out = {kind: dict(params.get(kind) or {}) for kind in _LAYER_TYPES}
+    else:
+        out = {"full_attention": dict(hf.get("rope_scaling") or {}), "sliding_attention": {}}
+        if hf.get("rope_theta") is not None:
+            out["full_attention"]["rope_theta"] = hf["rope_theta"]
+        if hf.get("rope_local_base_freq") is not None:
+            out["sliding_attention"]["rope_theta"] = hf["rope_local_base_freq"]
+    for kind, theta in _GEMMA3_ROPE_THETA.items():
+        out[kind].setdefault("rope_theta", theta)
+    return out
+
+
+def _gemma3_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ModelConfig's Gemma 3 fields: a window per sliding_attention layer, their RoPE base,
+    the query_pre_attn_scalar ** -0.5 softmax scale and the activation."""
+    window = int(hf["sliding_window"])
+    if window < 1:
+        raise ValueError(f"config.json's sliding_window={window} must be >= 1")
+    types = _gemma3_layer_types(hf, num_layers)
+    return dict(
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        local_rope_theta=float(_gemma3_rope(hf)["sliding_attention"]["rope_theta"]),
+        attention_scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
+        hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act")),
+    )
 
 
 def _moe_fields(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -163,8 +253,11 @@ def check_hf_fields(hf: dict[str, Any]) -> None:
     """Refuse config.json fields that change the math in ways the engine does not implement,
     naming the field and its value. Fields the supported families' default configs set to a
     harmless value pass (Qwen2/3's layer_types of "full_attention" only, use_sliding_window
-    false, null softcaps); Mistral's sliding_window is kept (the engine caps max_model_len)."""
+    false, null softcaps); Mistral's sliding_window is kept (the engine caps max_model_len).
+    Gemma 3's text decoder (model_type gemma3_text) may have sliding_attention layers, a RoPE
+    per layer type and the gelu_pytorch_tanh activation; multimodal Gemma 3 is refused."""
     arch = (hf.get("architectures") or [hf.get("model_type", "this model")])[0]
+    gemma3 = hf.get("model_type") == GEMMA3_TEXT
 
     def refuse(name: str, why: str) -> ValueError:
         return ValueError(
@@ -177,33 +270,64 @@ def check_hf_fields(hf: dict[str, Any]) -> None:
             value = value.get(part) if isinstance(value, dict) else None
         return value
 
+    if hf.get("model_type") == "gemma3" or "text_config" in hf:
+        raise refuse(
+            "model_type",
+            "a multimodal checkpoint (Gemma3ForConditionalGeneration); kvrelay runs text-only "
+            "decoders: Gemma3ForCausalLM checkpoints (model_type gemma3_text)",
+        )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(name) is not None:
             raise refuse(name, "logit soft-capping is not implemented")
     if hf.get("use_sliding_window"):
         raise refuse("use_sliding_window", "sliding-window attention is not implemented")
+    if hf.get("use_bidirectional_attention"):
+        raise refuse("use_bidirectional_attention", "attention is causal here")
     layer_types = hf.get("layer_types") or []
-    if any(kind != "full_attention" for kind in layer_types):
-        raise refuse("layer_types", 'only "full_attention" layers are implemented')
+    allowed = _LAYER_TYPES if gemma3 else ("full_attention",)
+    if any(kind not in allowed for kind in layer_types):
+        kinds = " and ".join(f'"{kind}"' for kind in allowed)
+        raise refuse("layer_types", f"only {kinds} layers are implemented")
+    activations = ("silu", "swish", *(("gelu_pytorch_tanh",) if gemma3 else ()))
     for name in ("hidden_act", "hidden_activation"):
-        if hf.get(name) not in (None, "silu", "swish"):  # transformers: both are SiLU
-            raise refuse(name, "the MLP's activation must be silu")
+        if hf.get(name) not in (None, *activations):  # transformers: silu and swish are SiLU
+            raise refuse(name, f"the MLP's activation must be {' or '.join(activations)}")
     if hf.get("mlp_bias"):
         raise refuse("mlp_bias", "MLP projections have no bias here")
     for key in ("rope_parameters", "rope_scaling"):
         rope = hf.get(key)
         if not isinstance(rope, dict):
             continue
+        if gemma3 and key == "rope_parameters" and set(rope) <= set(_LAYER_TYPES) and rope:
+            _check_gemma3_rope(rope, refuse)
+            continue
         if any(isinstance(v, dict) for v in rope.values()):
             raise refuse(key, "one RoPE for every layer is implemented, not one per layer type")
-        kind = rope.get("rope_type", rope.get("type")) or "default"
-        if kind not in ROPE_KINDS:
-            name = f"{key}.rope_type" if "rope_type" in rope else f"{key}.type"
-            raise refuse(name, f"RoPE types implemented: {', '.join(ROPE_KINDS)}")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise refuse(f"{key}.partial_rotary_factor", "RoPE rotates the whole head here")
+        _check_rope(rope, key, refuse)
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise refuse("partial_rotary_factor", "RoPE rotates the whole head here")
+
+
+def _check_rope(rope: dict[str, Any], key: str, refuse: Callable[[str, str], ValueError]) -> None:
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in ROPE_KINDS:
+        name = f"{key}.rope_type" if "rope_type" in rope else f"{key}.type"
+        raise refuse(name, f"RoPE types implemented: {', '.join(ROPE_KINDS)}")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise refuse(f"{key}.partial_rotary_factor", "RoPE rotates the whole head here")
+
+
+def _check_gemma3_rope(rope: dict[str, Any], refuse: Callable[[str, str], ValueError]) -> None:
+    """Gemma 3's rope_parameters per layer type: the full layers' of any implemented type, the
+    sliding layers' unscaled (models/gemma3.py builds their table from rope_theta alone)."""
+    for kind, params in rope.items():
+        key = f"rope_parameters.{kind}"
+        if not isinstance(params, dict):
+            continue
+        _check_rope(params, key, refuse)
+        scaled = (params.get("rope_type") or "default") != "default"
+        if kind == "sliding_attention" and scaled:
+            raise refuse(f"{key}.rope_type", "the sliding layers' RoPE is unscaled here")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")

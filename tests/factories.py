@@ -18,6 +18,8 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q/k RMSNorm
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # sparse MoE (not run yet)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # sparse MoE (not run yet)
+    # (1 + w) norms, gelu-tanh MLP, sliding_attention layers with their own RoPE base
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 
@@ -46,6 +48,9 @@ def make_tiny_checkpoint(
     expert_size: int = 32,  # one expert's MLP width
     norm_topk_prob: bool = False,  # qwen3_moe only (Mixtral always renormalizes)
     mlp_only_layers: tuple[int, ...] = (),  # qwen3_moe only: these layers' MLPs are dense
+    sliding_window: int = 12,  # gemma3 only: its sliding_attention layers' window
+    layer_types: list[str] | None = None,  # gemma3 only; None: two sliding, one full, ...
+    query_pre_attn_scalar: int = 24,  # gemma3 only: softmax scale ** -2 (not head_dim)
 ) -> Path:
     """Write a transformers checkpoint of random weights (config.json only unless weights) into
     path and return it. Weights are transformers' own init, N(0, init_std) after
@@ -57,7 +62,12 @@ def make_tiny_checkpoint(
     writes them per expert, as the hub checkpoints are:
     layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Mixtral: block_sparse_moe.experts.E.
     {w1,w3,w2}.weight) beside the router, layers.N.mlp.gate.weight (Mixtral:
-    block_sparse_moe.gate.weight)."""
+    block_sparse_moe.gate.weight).
+
+    gemma3: Gemma3TextConfig with layer_types (default: every third layer full_attention, the
+    others sliding_attention of sliding_window) and rope_scaling for the full layers; its norm
+    weights, which transformers initializes to 0 (a scale of 1 + 0), are drawn N(0, 0.5) so the
+    (1 + weight) scaling is exercised."""
     import transformers
 
     config_name, model_name = ARCHITECTURES[architecture]
@@ -88,6 +98,18 @@ def make_tiny_checkpoint(
             decoder_sparse_step=1,
             mlp_only_layers=list(mlp_only_layers),
         )
+    elif architecture == "gemma3":
+        fields |= dict(
+            sliding_window=sliding_window,
+            layer_types=layer_types
+            or [
+                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            query_pre_attn_scalar=query_pre_attn_scalar,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
     elif architecture == "mixtral":
         fields |= dict(
             num_local_experts=num_experts,
@@ -102,6 +124,11 @@ def make_tiny_checkpoint(
         return path
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype)
+    if architecture == "gemma3":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

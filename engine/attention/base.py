@@ -8,6 +8,7 @@ ctx_len positions live in block_ids (the last q_len written by this step's forwa
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,16 +46,33 @@ class AttentionBackend(abc.ABC):
     head-major inside: each head's block_size x head_dim tile is contiguous, FlashInfer's HND).
     reads_scaled_rows: forward_qkv also takes an Fp8Linear's ScaledRows (engine/quant/fp8.py)
     and applies their scales itself; other backends get the q|k|v values.
+    scale: the softmax scale (None: head_dim ** -0.5). windows: per layer, its attention window
+    W (a query at position p attends to the keys at positions (p - W, p]: transformers'
+    sliding_window) or None for every position (ModelConfig.layer_windows; empty: all None).
+    The paged cache keeps every position of every layer either way.
     """
 
     reads_scaled_rows = False
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, head_dim: int):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        windows: Sequence[int | None] = (),
+    ):
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = kv_cache.shape[3]
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        num_layers = kv_cache.shape[1]
+        if windows and len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} attention windows for {num_layers} layers")
+        if any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"attention windows must be >= 1 (or None), got {list(windows)}")
+        self.windows: tuple[int | None, ...] = tuple(windows) or (None,) * num_layers
 
     @abc.abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:

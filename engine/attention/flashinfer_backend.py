@@ -19,11 +19,20 @@ attention instead of 41.2, and the run took 95.6 s instead of 96.7 (issue 12's t
 Not over an fp8 cache: with FP8 weights the FP8 GEMMs ran ~10% slower beside fa3 and the 8B
 offline run was 2.6% slower (tenth round); bf16 weights over an fp8 cache were not measured
 with it.
+
+Per-layer attention windows (AttentionBackend.windows, Gemma 3's sliding layers): every wrapper
+exists once per distinct window (None: full attention), each planned with FlashInfer's
+window_left = W - 1 (it attends keys in [p - window_left, p]), and a layer runs the wrapper of
+its window; CUDA graphs likewise hold one decode wrapper per (batch size, window), over the
+same static page-table buffers (the windows' plans write the same table). Neither XQA nor the
+ragged fa3 path is planned with a window here, so a model with windows runs without them: its
+decode rows and whole prompts go through the paged fa2 wrappers.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -66,6 +75,13 @@ def whole_prompts_from(seqs: list[SeqSpan]) -> int:
     while start and seqs[start - 1].q_len > 1 and seqs[start - 1].q_len == seqs[start - 1].ctx_len:
         start -= 1
     return start
+
+
+def window_left(window: int | None) -> dict[str, int]:
+    """The plan() argument of an attention window W: FlashInfer's window_left counts the keys
+    before the query's own, so keys in (p - W, p] are window_left = W - 1 (no window: FlashInfer's
+    default, every key)."""
+    return {} if window is None else {"window_left": window - 1}
 
 
 def flashinfer_available() -> bool:
@@ -174,11 +190,16 @@ class FlashInferAttention(AttentionBackend):
         q_dtype: torch.dtype | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
         kv_scales: list[tuple[float, float]] | None = None,
+        scale: float | None = None,
+        windows: Sequence[int | None] = (),
     ):
         """q_dtype: the model's activations (default: the cache's dtype; needed for fp8 KV)."""
         import flashinfer
 
-        super().__init__(kv_cache, num_heads, head_dim)
+        super().__init__(kv_cache, num_heads, head_dim, scale, windows)
+        # the distinct windows, each with its own wrappers (None: full attention)
+        self._groups: list[int | None] = list(dict.fromkeys(self.windows))
+        windowed = any(w is not None for w in self._groups)
         self.q_dtype = q_dtype or kv_cache.dtype
         if self.q_dtype not in FLASHINFER_DTYPES:
             raise ValueError(f"FlashInfer needs bf16/fp16 activations, got {self.q_dtype}")
@@ -189,18 +210,23 @@ class FlashInferAttention(AttentionBackend):
         self.device = kv_cache.device
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         capability = torch.cuda.get_device_capability(self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "HND", backend=PREFILL_KERNEL
-        )
-        self._decode = self._decode_wrapper()
+        self._prefill = {
+            group: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "HND", backend=PREFILL_KERNEL
+            )
+            for group in self._groups
+        }
+        self._decode = {group: self._decode_wrapper() for group in self._groups}
         self.ragged_kernel = ragged_backend(capability, kv_cache.dtype, head_dim)
+        if windowed:  # the ragged path is not planned with a window
+            self.ragged_kernel = None
         self._ragged: Any = None
         if self.ragged_kernel is not None:
             self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 self._workspace, "NHD", backend=self.ragged_kernel
             )
         self._ragged_from_row: int | None = None  # this step's first whole-prompt row
-        self._graph_decode: dict[int, Any] = {}
+        self._graph_decode: dict[int, dict[int | None, Any]] = {}  # batch size -> per window
         num_layers = kv_cache.shape[1]
         self.kv_scales = kv_scales or [(1.0, 1.0)] * num_layers
         if len(self.kv_scales) != num_layers:
@@ -209,10 +235,11 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError("KV scales apply to an fp8 KV cache only")
         # decode rows on a kernel that takes a dense page table: XQA
         self._table_decode: DenseTableDecode | None = None
-        if use_xqa(kv_cache.dtype, capability, self.block_size, head_dim):
+        if not windowed and use_xqa(kv_cache.dtype, capability, self.block_size, head_dim):
             self._table_decode = XqaDecode(head_dim, self.block_size, self.device, self.kv_scales)
         self._num_table_rows = 0  # this step's leading decode rows that _table_decode attends
-        self._active: Any = None  # the FlashInfer wrapper for the other rows (None: no others)
+        # window -> the FlashInfer wrapper for the other rows (empty: no others)
+        self._active: dict[int | None, Any] = {}
         self._uploaded: torch.cuda.Event | None = None  # after the last plan's uploads
         self._slot_block_ids: torch.Tensor | None = None
         self._slot_offsets: torch.Tensor | None = None
@@ -248,7 +275,7 @@ class FlashInferAttention(AttentionBackend):
         self._wait_for_last_plan_uploads()
         seqs = metadata.seqs
         num_decodes = num_leading_decodes(seqs)
-        self._num_table_rows, self._active = 0, None
+        self._num_table_rows, self._active = 0, {}
         if self._table_decode is not None and num_decodes:
             self._table_decode.plan(seqs[:num_decodes])
             self._num_table_rows, seqs = num_decodes, seqs[num_decodes:]
@@ -260,21 +287,23 @@ class FlashInferAttention(AttentionBackend):
             self._plan_decode(self._decode, page_table(seqs, self.block_size, self.device))
         elif seqs:
             table = page_table(seqs, self.block_size, self.device)
-            self._prefill.plan(
-                table.qo_indptr,
-                table.kv_indptr,
-                table.kv_indices,
-                table.kv_last_page_len,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                causal=True,  # bottom-right aligned: queries sit after the cached prefix
-                sm_scale=self.scale,
-                q_data_type=self.q_dtype,
-                kv_data_type=self.kv_cache.dtype,
-                non_blocking=True,  # a blocking copy would wait for the step in flight
-            )
+            for group, wrapper in self._prefill.items():
+                wrapper.plan(
+                    table.qo_indptr,
+                    table.kv_indptr,
+                    table.kv_indices,
+                    table.kv_last_page_len,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.block_size,
+                    causal=True,  # bottom-right aligned: queries sit after the cached prefix
+                    sm_scale=self.scale,
+                    q_data_type=self.q_dtype,
+                    kv_data_type=self.kv_cache.dtype,
+                    non_blocking=True,  # a blocking copy would wait for the step in flight
+                    **window_left(group),
+                )
             self._active = self._prefill
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
@@ -298,27 +327,31 @@ class FlashInferAttention(AttentionBackend):
         )
         self._ragged_from_row = prompts[0].q_start
 
-    def _plan_decode(self, wrapper: Any, table: PageTable) -> None:
-        wrapper.plan(
-            table.kv_indptr,
-            table.kv_indices,
-            table.kv_last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.block_size,
-            sm_scale=self.scale,
-            q_data_type=self.q_dtype,
-            kv_data_type=self.kv_cache.dtype,
-            non_blocking=True,
-        )
-        self._active = wrapper
+    def _plan_decode(self, wrappers: dict[int | None, Any], table: PageTable) -> None:
+        for group, wrapper in wrappers.items():
+            wrapper.plan(
+                table.kv_indptr,
+                table.kv_indices,
+                table.kv_last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                sm_scale=self.scale,
+                q_data_type=self.q_dtype,
+                kv_data_type=self.kv_cache.dtype,
+                non_blocking=True,
+                **window_left(group),
+            )
+        self._active = wrappers
 
     def enable_cuda_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
-        """Create one graph-safe decode wrapper per batch size (static page-table buffers), or
-        XQA's static buffers for the largest.
+        """Create one graph-safe decode wrapper per batch size and window (static page-table
+        buffers), or XQA's static buffers for the largest.
 
-        The buffers are shared: only one graph replays at a time, right after its own plan.
+        The buffers are shared: only one graph replays at a time, right after its own plans
+        (one per window, of the same page table). The plan buffers are shared per window only:
+        a step's windows are planned together and each keeps its plan.
         """
         max_bs = max(batch_sizes)
         if self._table_decode is not None:
@@ -327,16 +360,17 @@ class FlashInferAttention(AttentionBackend):
         indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         last_len = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=self.device)
-        first = None
+        first: dict[int | None, Any] = {}
         for bs in batch_sizes:
-            wrapper = self._decode_wrapper(
-                paged_kv_indptr_buffer=indptr[: bs + 1],
-                paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_len[:bs],
-            )
-            first = wrapper if first is None else first
-            share_plan_buffers(wrapper, first)
-            self._graph_decode[bs] = wrapper
+            self._graph_decode[bs] = {}
+            for group in self._groups:
+                wrapper = self._decode_wrapper(
+                    paged_kv_indptr_buffer=indptr[: bs + 1],
+                    paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last_len[:bs],
+                )
+                share_plan_buffers(wrapper, first.setdefault(group, wrapper))
+                self._graph_decode[bs][group] = wrapper
 
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         """Plan a (padded) pure-decode step for the graph of exactly len(metadata.seqs) rows.
@@ -347,11 +381,11 @@ class FlashInferAttention(AttentionBackend):
         self._ragged_from_row = None
         if self._table_decode is not None:
             self._table_decode.plan(metadata.seqs, graph=True)
-            self._num_table_rows, self._active = len(metadata.seqs), None
+            self._num_table_rows, self._active = len(metadata.seqs), {}
         else:
-            wrapper = self._graph_decode[len(metadata.seqs)]
+            wrappers = self._graph_decode[len(metadata.seqs)]
             table = page_table(metadata.seqs, self.block_size, self.device)
-            self._plan_decode(wrapper, table)
+            self._plan_decode(wrappers, table)
             self._num_table_rows = 0
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
@@ -419,7 +453,7 @@ class FlashInferAttention(AttentionBackend):
             assert self._table_decode is not None
             # contiguous already when forward_qkv made q: no copy
             self._table_decode.run(layer, q[:num_table].contiguous(), kv, out[:num_table])
-        if self._active is not None:
+        if self._active:
             self._run_wrapper(layer, q[num_table:end], kv, out[num_table:end])
         if ragged is not None:
             self._ragged.run(q[end:].contiguous(), ragged.k, ragged.v, out=out[end:])
@@ -429,6 +463,7 @@ class FlashInferAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:
         k_scale, v_scale = self.kv_scales[layer]
+        wrapper = self._active[self.windows[layer]]
         if k_scale == 1.0 and v_scale == 1.0:
-            return self._active.run(q, kv, out=out)
-        return self._active.run(q, kv, out=out, k_scale=k_scale, v_scale=v_scale)
+            return wrapper.run(q, kv, out=out)
+        return wrapper.run(q, kv, out=out, k_scale=k_scale, v_scale=v_scale)

@@ -6,10 +6,18 @@ block: each block gives a partial softmax (max, sum, weighted V), merged per seq
 index_add.
 Multi-token chunks (prefill) run one scaled_dot_product_attention per sequence with a causal
 mask offset by the cached prefix. Owns only the per-step index tensors built by plan().
+
+Layers with an attention window (AttentionBackend.windows, Gemma 3's sliding layers) mask the
+keys older than it: prefill chunks with a windowed causal mask (one per distinct window, built
+in plan() only where the context is longer than the window), decode rows on the torch-ops path
+with a per-window block mask. The C++ kernel takes no window: it attends every position, so
+it serves only the layers without one (changing its signature would rebuild it on every
+machine for one model family; the torch path is the reference anyway).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +41,14 @@ class _GatherTables:
     """What the torch-ops decode path needs beyond _DecodePlan (built only without the kernel)."""
 
     block_seq: torch.Tensor  # [NB] which decode sequence each block belongs to
-    block_mask: torch.Tensor  # [NB, 1, 1, block_size] 0 or -inf for positions past ctx_len
+    # [NB, 1, 1, block_size] 0, or -inf for positions past ctx_len (and, with a window W,
+    # before ctx_len - W)
+    block_mask: torch.Tensor
 
     @classmethod
-    def of(cls, plan: _DecodePlan, block_size: int, dtype: torch.dtype) -> _GatherTables:
+    def of(
+        cls, plan: _DecodePlan, block_size: int, dtype: torch.dtype, window: int | None = None
+    ) -> _GatherTables:
         device = plan.block_ids.device
         blocks_per_seq = plan.block_starts[1:] - plan.block_starts[:-1]
         block_seq = torch.repeat_interleave(
@@ -45,7 +57,10 @@ class _GatherTables:
         block_in_seq = torch.arange(block_seq.numel(), device=device) - plan.block_starts[block_seq]
         # Tokens from each block's start to its sequence's end (>= block_size but for the last).
         valid = plan.ctx_lens[block_seq] - block_in_seq * block_size
-        invalid = torch.arange(block_size, device=device)[None, :] >= valid[:, None]
+        offsets = torch.arange(block_size, device=device)[None, :]
+        invalid = offsets >= valid[:, None]
+        if window is not None:  # the query sits at ctx_len - 1: keys from ctx_len - window on
+            invalid |= offsets < (valid - window)[:, None]
         mask = torch.zeros(invalid.shape, dtype=dtype, device=device)
         mask.masked_fill_(invalid, float("-inf"))
         return cls(block_seq, mask[:, None, None, :])
@@ -58,13 +73,22 @@ class _PrefillPlan:
     ctx_len: int
     block_ids: torch.Tensor
     causal_mask: torch.Tensor | None  # None when there is no cached prefix (plain causal)
+    # window -> the windowed causal mask [q_len, ctx_len] (only windows shorter than ctx_len)
+    window_masks: dict[int, torch.Tensor]
 
 
 class TorchAttention(AttentionBackend):
     def __init__(
-        self, kv_cache: torch.Tensor, num_heads: int, head_dim: int, use_kernel: bool = True
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        use_kernel: bool = True,
+        scale: float | None = None,
+        windows: Sequence[int | None] = (),
     ):
-        super().__init__(kv_cache, num_heads, head_dim)
+        super().__init__(kv_cache, num_heads, head_dim, scale, windows)
+        self._distinct_windows = sorted({w for w in self.windows if w is not None})
         usable = use_kernel and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
         self._kernel = paged_decode_op() if usable else None
         self.decode_kernel = "cpp" if self._kernel else "torch"
@@ -95,10 +119,14 @@ class TorchAttention(AttentionBackend):
                 block_starts.append(len(block_ids))
                 ctx_lens.append(seq.ctx_len)
                 continue
-            mask = None
-            if seq.ctx_len != seq.q_len:
-                q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len, device=device)
-                mask = torch.arange(seq.ctx_len, device=device)[None, :] <= q_pos[:, None]
+            q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len, device=device)[:, None]
+            k_pos = torch.arange(seq.ctx_len, device=device)[None, :]
+            mask = None if seq.ctx_len == seq.q_len else k_pos <= q_pos
+            window_masks = {
+                w: (k_pos <= q_pos) & (k_pos > q_pos - w)
+                for w in self._distinct_windows
+                if w < seq.ctx_len
+            }
             self._prefills.append(
                 _PrefillPlan(
                     seq.q_start,
@@ -106,16 +134,21 @@ class TorchAttention(AttentionBackend):
                     seq.ctx_len,
                     index_tensor(ids, device=device),
                     mask,
+                    window_masks,
                 )
             )
-        self._decode = self._gather = None
+        self._decode = None
+        # window (None: every position) -> the torch-ops path's tables for the layers with it
+        self._gather: dict[int | None, _GatherTables] = {}
         if token_index:
             self._decode = _DecodePlan(
                 *(index_tensor(x, device=device) for x in (token_index, block_ids, block_starts)),
                 index_tensor(ctx_lens, device=device),
             )
-            if self._kernel is None:
-                self._gather = _GatherTables.of(self._decode, bs, self.kv_cache.dtype)
+            windows = [*self._distinct_windows, *([None] if self._kernel is None else [])]
+            for window in windows:
+                dtype = self.kv_cache.dtype
+                self._gather[window] = _GatherTables.of(self._decode, bs, dtype, window)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -130,7 +163,7 @@ class TorchAttention(AttentionBackend):
             out[self._decode.token_index] = self._decode_attention(layer, q, k_cache, v_cache)
         for plan in self._prefills:
             out[plan.q_start : plan.q_start + plan.q_len] = self._prefill_attention(
-                plan, q, k_cache, v_cache
+                plan, q, k_cache, v_cache, self.windows[layer]
             )
         return out
 
@@ -139,7 +172,8 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         plan = self._decode
         assert plan is not None
-        if self._kernel is not None:
+        window = self.windows[layer]
+        if self._kernel is not None and window is None:
             return self._kernel(
                 q[plan.token_index],
                 self.kv_cache,
@@ -149,8 +183,7 @@ class TorchAttention(AttentionBackend):
                 layer,
                 self.scale,
             )
-        tables = self._gather
-        assert tables is not None
+        tables = self._gather[window]
         num_seqs = plan.token_index.numel()
         group = self.num_heads // self.num_kv_heads
         q_dec = q[plan.token_index].view(num_seqs, self.num_kv_heads, group, self.head_dim)
@@ -172,19 +205,27 @@ class TorchAttention(AttentionBackend):
         return out.view(num_seqs, self.num_heads, self.head_dim)
 
     def _prefill_attention(
-        self, plan: _PrefillPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        plan: _PrefillPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         # [nb, Hkv, bs, D] -> [1, Hkv, ctx, D]; 4-D inputs take SDPA's fused CPU kernel.
         shape = (1, self.num_kv_heads, -1, self.head_dim)
         keys = k_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(shape)
         values = v_cache.index_select(0, plan.block_ids).transpose(0, 1).reshape(shape)
         queries = q[plan.q_start : plan.q_start + plan.q_len].transpose(0, 1).unsqueeze(0)
+        mask = (
+            plan.causal_mask if window is None else plan.window_masks.get(window, plan.causal_mask)
+        )
         out = F.scaled_dot_product_attention(
             queries,
             keys[:, :, : plan.ctx_len],
             values[:, :, : plan.ctx_len],
-            attn_mask=plan.causal_mask,
-            is_causal=plan.causal_mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

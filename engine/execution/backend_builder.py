@@ -271,11 +271,24 @@ def build_backend(
                 "kvrelay engine: KVRELAY_CPU_KERNEL=0: decode attention uses the slower torch "
                 "gather path instead of the C++ kernel"
             )
-        attention = TorchAttention(kv_cache, mc.num_heads, mc.head_dim, use_kernel)
+        attention = TorchAttention(
+            kv_cache,
+            mc.num_heads,
+            mc.head_dim,
+            use_kernel,
+            scale=mc.attention_scale,
+            windows=mc.layer_windows,
+        )
         return DeviceSide(name, kv_cache, attention, None)
     kv_scales = getattr(model, "kv_scales", None) if pool.kv_dtype != dtype else None
     flashinfer = FlashInferAttention(
-        kv_storage, mc.num_heads, mc.head_dim, dtype, kv_scales=kv_scales
+        kv_storage,
+        mc.num_heads,
+        mc.head_dim,
+        dtype,
+        kv_scales=kv_scales,
+        scale=mc.attention_scale,
+        windows=mc.layer_windows,
     )
     graphs = None
     if config.cuda_graph:

@@ -179,6 +179,7 @@ _SKIPPABLE_SUFFIXES = (
 # lm_head.weight with tie_word_embeddings is skipped only when it equals embed_tokens.weight
 # (a second copy of the tied matrix); a different head is refused (_check_tied_head).
 _MAX_NAMED = 5  # leftover tensors named in the error
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def _fuse_checkpoint(
@@ -222,6 +223,8 @@ def _fuse_checkpoint(
         )
     out["embed_tokens.weight"] = take("embed_tokens.weight")
     out["norm.weight"] = take("norm.weight")
+    # Llama's two norms a layer, or the model class's own (Gemma 3's four)
+    layer_norms = getattr(model_class(config), "LAYER_NORMS", _LAYER_NORMS)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = plain_weight(take, "lm_head")
     for i in range(config.num_layers):
@@ -241,7 +244,7 @@ def _fuse_checkpoint(
         else:
             out |= linear(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
             out |= linear(p + "mlp.down_proj", [p + "mlp.down_proj"])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in layer_norms:
             out[p + norm + ".weight"] = take(p + norm + ".weight")
         if config.qk_norm:
             for norm in ("q_norm", "k_norm"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -15,6 +16,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     # sparse MoE layers (models/moe.py) in config.moe_layers; llama.MOE_FAMILIES names them
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only (config.py refuses the multimodal one)
 }
 
 

@@ -106,6 +106,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"tensor_parallel_size {size} and the model's num_kv_heads {kv_heads}: one must "
             "divide the other (KV heads are split, or replicated when fewer than ranks)"
         )
+    if config.architecture == "Gemma3ForCausalLM" and size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {size}: Gemma 3 is not split across tensor-parallel ranks yet "
+            "(run it at tensor_parallel_size 1)"
+        )
     if config.num_experts and size > 1:
         raise ValueError(
             f"tensor_parallel_size {size}: {config.architecture}'s MoE experts are not split "

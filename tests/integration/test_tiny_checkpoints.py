@@ -1,13 +1,13 @@
 """Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
 tied and untied, Mistral, sparse-MoE Qwen3-MoE with and without renormalized top-k weights and
-Mixtral) load and run through the same path, and match transformers greedy token for token, in
-one engine and (Qwen3-MoE with a dense layer: Qwen3's attention and MLP beside a sparse layer)
-through a prefill worker, NIXL and a decode worker."""
+Mixtral, Gemma 3 with sliding-window layers) load and run through the same path, and match
+transformers greedy token for token, in one engine and (Qwen3-MoE with a dense layer: Qwen3's
+attention and MLP beside a sparse layer; Mixtral; Gemma 3) through a prefill worker, NIXL and a
+decode worker."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,7 +47,24 @@ CHECKPOINTS = {
     ),
     "qwen3-moe-unnormed": dict(architecture="qwen3_moe", tie_embeddings=True, seed=2),
     "mixtral": dict(architecture="mixtral", seed=3),
+    # untied head, a window of 5, layers sliding, sliding, full (more below: GEMMA3)
+    "gemma3-untied": dict(
+        architecture="gemma3", num_layers=3, sliding_window=5, init_std=0.1, seed=1
+    ),
 }
+# Gemma 3: layers sliding, sliding, full, sliding (the real 5:1 pattern shrunk); a window of 12
+# (not a block's 16) that 40+ token prompts cross; the full layers' RoPE linearly scaled.
+# init_std 0.1, not 0.3: with 0.3 the logits are so peaked that transformers' greedy tokens for
+# these prompts are the same with windows 11, 12, 13 or none (an off-by-one would pass); with
+# 0.1 each of those changes them, and the top-2 logit margin stays above 0.04 (no near-ties).
+GEMMA3 = dict(
+    architecture="gemma3",
+    num_layers=4,
+    sliding_window=12,
+    init_std=0.1,
+    tie_embeddings=True,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+)
 PROMPTS = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
 NEW_TOKENS = 12
 
@@ -89,6 +106,49 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
     engine.assert_no_leaks()
 
 
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), **GEMMA3)
+
+
+GEMMA3_FIRST = list(range(1, 200, 3))  # 67 tokens
+GEMMA3_PROMPTS = [GEMMA3_FIRST, [*GEMMA3_FIRST[:48], 9, 8, 7, 6, 5], [5, 17, 300, 42], [7]]
+GEMMA3_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def gemma3_expected(gemma3_checkpoint: Path) -> list[list[int]]:
+    return transformers_greedy(gemma3_checkpoint, GEMMA3_PROMPTS, GEMMA3_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("chunk", [8, 32, 1024])
+def test_gemma3_sliding_window_matches_transformers(
+    gemma3_checkpoint: Path, gemma3_expected: list[list[int]], chunk: int
+) -> None:
+    """Gemma 3 through one engine: prefill chunks shorter than the window (8), longer (32) and
+    whole prompts, decode 24 tokens past it, token-exact against transformers; the second
+    prompt shares the first's leading blocks (a prefix hit, its chunks start past the window)."""
+    prompts, new_tokens, expected = GEMMA3_PROMPTS, GEMMA3_NEW_TOKENS, gemma3_expected
+    engine = build_engine(
+        model_path=str(gemma3_checkpoint), num_blocks=64, max_num_batched_tokens=chunk
+    )
+    assert engine.model_config.layer_windows == (12, 12, None, 12)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.add_request("g0", prompts[0], params)
+    assert run_to_completion(engine)["g0"] == expected[0]
+    for i, p in enumerate(prompts[1:], start=1):
+        engine.add_request(f"g{i}", p, params)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+            cached[out.req_id] = max(cached.get(out.req_id, 0), out.num_cached_tokens or 0)
+    assert [got[f"g{i}"] for i in range(1, len(prompts))] == expected[1:]
+    assert cached["g1"] >= 48  # the first prompt's 3 full blocks
+    engine.assert_no_leaks()
+
+
 def test_dummy_load_format_needs_only_config_json(tmp_path):
     """load_format="dummy" builds random weights of config.json's shape (speed runs)."""
     make_tiny_checkpoint(tmp_path, vocab_size=VOCAB_SIZE, weights=False)
@@ -107,45 +167,41 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
         build_engine(model_path=str(tmp_path), num_blocks=64, load_format="npz")
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
-def qwen3_checkpoint(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """Qwen3-MoE whose layer 0 is dense (Qwen3's q/k-normed attention and dense MLP, then a
-    sparse MoE layer: both Qwen3 families in one cluster), then Mixtral."""
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp(request.param), **CHECKPOINTS[request.param]
-    )
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE whose layer 0 is dense: Qwen3's q/k-normed attention and dense MLP, then a
+    sparse MoE layer (both Qwen3 families in one cluster)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), **CHECKPOINTS["qwen3-moe"])
 
 
 @pytest.fixture(scope="module")
-def qwen3_cluster(
-    qwen3_checkpoint: Path, loop: asyncio.AbstractEventLoop
-) -> Iterator[LocalCluster]:
-    """One prefill and one decode worker of the tiny checkpoint (CPU, the embedded Ray)."""
-    engine = EngineConfig(model=str(qwen3_checkpoint), cache=CacheConfig(num_blocks=64))
+def mixtral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("mixtral"), **CHECKPOINTS["mixtral"])
+
+
+def start_cluster(checkpoint: Path, loop: asyncio.AbstractEventLoop) -> LocalCluster:
+    """One prefill and one decode worker of a tiny checkpoint (CPU, the embedded Ray)."""
+    engine = EngineConfig(model=str(checkpoint), cache=CacheConfig(num_blocks=64))
     spec = cluster_spec(engine=engine, num_prefill=1, num_decode=1)
-    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
-    yield cluster
-    loop.run_until_complete(cluster.close())
+    return loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
 
 
-def test_moe_families_through_the_cluster_match_transformers(
-    qwen3_checkpoint: Path, qwen3_cluster: LocalCluster, loop: asyncio.AbstractEventLoop
+def check_cluster_matches_transformers(
+    checkpoint: Path, cluster: LocalCluster, loop: asyncio.AbstractEventLoop, name: str
 ) -> None:
     """Prefill worker -> NIXL -> decode worker, token-exact against transformers; a second
     prompt sharing the first's leading blocks finds them cached on the decode worker (fewer
     blocks pulled); no worker leaks a block."""
     first = list(range(1, 200, 3))  # 67 tokens: 4 full blocks of 16
     second = [*first[:48], 9, 8, 7, 6, 5]  # the first 3 blocks shared
-    expected = transformers_greedy(qwen3_checkpoint, [first, second], NEW_TOKENS)
+    expected = transformers_greedy(checkpoint, [first, second], NEW_TOKENS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
     async def run() -> list[list]:
         runs = []
         for i, prompt in enumerate((first, second)):  # in turn: the second reuses the first's
-            request = GenerateRequest(f"qwen3-{i}", tuple(prompt), params)
-            runs.append(await collect(qwen3_cluster.backend, request))
+            request = GenerateRequest(f"{name}-{i}", tuple(prompt), params)
+            runs.append(await collect(cluster.backend, request))
         return runs
 
     runs = loop.run_until_complete(run())
@@ -154,4 +210,19 @@ def test_moe_families_through_the_cluster_match_transformers(
     assert not any(t.recomputed for t in pulled)
     assert pulled[0].num_blocks >= len(first) // 16
     assert pulled[1].num_blocks < pulled[0].num_blocks  # the shared blocks were not pulled again
-    loop.run_until_complete(wait_until_no_leaks(qwen3_cluster))
+    loop.run_until_complete(wait_until_no_leaks(cluster))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma3"])
+def test_through_the_cluster_matches_transformers(
+    request: pytest.FixtureRequest, name: str, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Qwen3-MoE (with Qwen3's dense layer), Mixtral, and Gemma 3's windowed layers across the
+    transfer: the decode worker attends the pulled blocks with the same windows (prompts of 67
+    and 53 tokens, a window of 12). One cluster at a time (one controller per Ray cluster)."""
+    checkpoint = request.getfixturevalue(f"{name}_checkpoint")
+    cluster = start_cluster(checkpoint, loop)
+    try:
+        check_cluster_matches_transformers(checkpoint, cluster, loop, name)
+    finally:
+        loop.run_until_complete(cluster.close())

@@ -61,6 +61,7 @@ def offline_rank(rank: int, size: int = 2) -> TensorParallel:
             2,
             "MoE experts are not split across tensor-parallel ranks yet",
         ),
+        ({"architecture": "Gemma3ForCausalLM"}, 2, "Gemma 3 is not split"),
     ],
 )
 def test_sizes_that_cannot_split_the_model_are_refused(overrides, size, message):

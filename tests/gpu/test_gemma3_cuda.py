@@ -1,0 +1,75 @@
+"""Gemma 3's sliding-window layers on the FlashInfer backend (one wrapper per window, planned
+with window_left; CUDA-graph decode) against the torch backend in float32 on the same forced
+trajectory, as test_flashinfer_backend checks the Llama shape; and the windows matter: the same
+engine with every layer on its full-attention wrappers is far off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.factories import make_tiny_checkpoint
+from tests.gpu.test_flashinfer_backend import (
+    Recorder,
+    build,
+    logit_scale,
+    max_logit_error,
+    pytestmark,  # noqa: F401 (gpu only)
+    run_workload,
+)
+
+WINDOW = 24  # over a block and a half; the workload's prompts run to 100 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("flashinfer")
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-gemma3"),
+        architecture="gemma3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,  # sliding, sliding, full, sliding
+        head_dim=128,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=128,
+        tie_embeddings=True,
+        max_position_embeddings=2048,
+        init_std=0.1,
+        dtype=torch.bfloat16,
+    )
+
+
+def test_gemma3_on_flashinfer_matches_float32(tiny_gemma3: Path) -> None:
+    fp32 = build(tiny_gemma3, "float32", "torch")
+    assert fp32.model_config.layer_windows == (WINDOW, WINDOW, None, WINDOW)
+    rec32 = Recorder(fp32)
+    ref_tokens, cached = run_workload(fp32)
+    assert cached["b"] == 32, "the shared prefix was not served from the cache"
+    errors = {}
+    for backend, graphs in (("torch", False), ("flashinfer", False), ("flashinfer", True)):
+        engine = build(tiny_gemma3, "bfloat16", backend, cuda_graph=graphs)
+        rec = Recorder(engine, forced=ref_tokens)
+        assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
+        errors[(backend, graphs)] = max_logit_error(rec32.logits, rec.logits)
+        if backend == "flashinfer":
+            attention = engine.runner.attention
+            # windowed models stay off the paths that take no window
+            assert attention.ragged_kernel is None and attention.decode_kernel == "fa2"
+            if graphs:
+                assert engine.runner.num_graph_steps > 0
+    # every layer on the full-attention wrappers: the windows' effect
+    unwindowed = build(tiny_gemma3, "bfloat16", "flashinfer")
+    unwindowed.runner.attention.windows = (None,) * 4
+    rec = Recorder(unwindowed, forced=ref_tokens)
+    run_workload(unwindowed)
+    off = max_logit_error(rec32.logits, rec.logits)
+    scale = logit_scale(rec32)
+    print(f"gemma3: max |logit| {scale:.3f}; max error vs fp32: {errors}; windows off: {off}")
+    torch_error = errors[("torch", False)]
+    for key in (("flashinfer", False), ("flashinfer", True)):
+        assert errors[key] <= max(2 * torch_error, 0.02 * scale), key
+        assert errors[key] <= 0.1 * scale, key
+    assert off > 5 * max(errors.values())
