@@ -23,7 +23,7 @@ from engine.execution.runner import ModelRunner
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
-from engine.parallel.launch import start_leader
+from engine.parallel.launch import StartFollower, start_leader
 from engine.parallel.leader import LeaderRunner, RankLost
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
@@ -42,8 +42,14 @@ from engine.tokenizer import find_tokenizer, stop_token_ids
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, model: nn.Module | None = None):
-        """model: weights already loaded from the same checkpoint (shared across engines)."""
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        model: nn.Module | None = None,
+        start_follower: StartFollower | None = None,
+    ):
+        """model: weights already loaded from the same checkpoint (shared across engines).
+        start_follower: how tensor-parallel ranks 1.. start (None: local processes)."""
         config = config or EngineConfig()
         print(f"kvrelay engine: {config.settings.describe()}", file=sys.stderr, flush=True)
         self.checkpoint_dir = folder = resolve_model(
@@ -56,7 +62,7 @@ class Engine:
         self.device = resolve_device(config.device)
         thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
         # Tensor parallelism: ranks 1.. follow this engine's steps (engine/parallel/).
-        self.leader = start_leader(config, mc)
+        self.leader = start_leader(config, mc, start_follower)
         try:
             parts = build_device_parts(config, mc, folder, self.device, model, self.leader)
         except BaseException:

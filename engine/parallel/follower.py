@@ -35,9 +35,12 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class Follower:
-    def __init__(self, config: EngineConfig, rank: int, address: str):
-        """Join rank 0's group at address, then load this rank's shard and build its cache."""
-        self.device = rank_device(config.device, rank)
+    def __init__(
+        self, config: EngineConfig, rank: int, address: str, device: torch.device | None = None
+    ):
+        """Join rank 0's group at address, then load this rank's shard and build its cache.
+        device: this rank's (None: rank_device; a Ray actor sees its one GPU as cuda:0)."""
+        self.device = device if device is not None else rank_device(config.device, rank)
         size, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout_s
         self.tp = join_group(rank, size, address, self.device, timeout_s)
         folder = resolve_model(config.model, cache_dir=config.settings.cache_dir)

@@ -10,6 +10,7 @@ exited; the group is then dead (no later step runs on it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -24,6 +25,8 @@ from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.manager import KVCacheManager
 from engine.parallel import step_plan
 from engine.parallel.tensor_parallel import TensorParallel
+
+EXIT_NOTICE_S = 2.0  # fail(): how long a rank that broke a collective has to show its exit
 
 
 class RankLost(RuntimeError):
@@ -61,12 +64,19 @@ class Leader:
             raise RankLost(f"the tensor-parallel group failed earlier: {self.lost}")
 
     def fail(self, error: BaseException) -> RankLost:
-        """The error to raise for a failed collective; the group is dead from now on."""
-        exited = [
-            f"rank {f.rank} ({how})"
-            for f in self.followers
-            if (how := f.exit_description()) is not None
-        ]
+        """The error to raise for a failed collective; the group is dead from now on. A rank
+        whose sockets closed is often not yet seen to have exited (a Ray actor's death notice
+        comes a moment later): up to EXIT_NOTICE_S is given for its exit to show."""
+        deadline = time.monotonic() + EXIT_NOTICE_S
+        while True:
+            exited = [
+                f"rank {f.rank} ({how})"
+                for f in self.followers
+                if (how := f.exit_description()) is not None
+            ]
+            if exited or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         who = (
             f"{', '.join(exited)} exited"
             if exited
