@@ -12,12 +12,16 @@ start_follower).
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from common.cluster_state import NAMESPACE, RankPlace
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from kvtransfer.base import AgentMetadata
+
+METADATA_TIMEOUT_S = 300.0  # a rank's NIXL registration, after its shard has loaded
 
 
 def rank_device_name(device: str) -> str:
@@ -41,25 +45,52 @@ def this_place(rank: int, device: str) -> RankPlace:
 
 
 class RankActor:
-    """One follower rank of a worker (a Ray actor in its worker's placement group)."""
+    """One follower rank of a worker (a Ray actor in its worker's placement group, two
+    threads: run() holds one while metadata() answers on the other). It registers its cache
+    with a NIXL agent of its own: a peer reads this rank's KV heads from it directly."""
 
     def __init__(self, rank: int, device: str):
         self.rank, self.device = rank, device
+        self._registered = threading.Event()
+        self._meta: AgentMetadata | None = None
+        self._error: BaseException | None = None
 
     def place(self) -> RankPlace:
         return this_place(self.rank, self.device)
 
     def run(self, config: EngineConfig, address: str) -> int:
-        """Join rank 0's group, load the shard, follow rank 0's steps until its Shutdown;
-        returns the steps run. An error (rank 0 gone: its sockets closed) is raised."""
+        """Join rank 0's group, load the shard, register its cache with NIXL, follow rank
+        0's steps until its Shutdown; returns the steps run. An error (rank 0 gone: its
+        sockets closed) is raised."""
         import torch
 
         from engine.parallel.follower import Follower
+        from kvtransfer.nixl_transfer import NixlTransfer
 
-        device = torch.device(rank_device_name(config.device))
-        follower = Follower(config, self.rank, address, device)
-        follower.run()
+        try:
+            device = torch.device(rank_device_name(config.device))
+            follower = Follower(config, self.rank, address, device)
+            transfer = NixlTransfer(follower.model_config.model_id)
+            transfer.register(follower.kv_cache)
+            self._meta = transfer.metadata()
+        except BaseException as error:
+            self._error = error
+            raise
+        finally:
+            self._registered.set()
+        try:
+            follower.run()
+        finally:
+            transfer.close()
         return follower.num_steps
+
+    def metadata(self) -> AgentMetadata:
+        """This rank's NIXL agent (waits for its registration; its failure is raised)."""
+        if not self._registered.wait(METADATA_TIMEOUT_S):
+            raise TimeoutError(f"rank {self.rank} registered no KV cache in {METADATA_TIMEOUT_S} s")
+        if self._meta is None:
+            raise RuntimeError(f"rank {self.rank} failed to start: {self._error!r}")
+        return self._meta
 
 
 class RayFollower:
@@ -106,6 +137,7 @@ def rank_actor_options(rank: int, device: str, placement_group: Any) -> dict[str
         "num_cpus": 0 if on_gpu else 1,
         "num_gpus": 1 if on_gpu else 0,
         "max_restarts": 0,
+        "max_concurrency": 2,  # metadata() answers while run() follows rank 0
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=rank
         ),

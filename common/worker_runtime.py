@@ -69,6 +69,8 @@ class WorkerBase(ABC):
         agent_name = f"{worker_id}-nixl"
         self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
         self.transfer.register(*engine.kv_memory())
+        if engine.leader is not None:
+            self._register_ranks(engine)
         publisher = make_publisher(
             redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
         )
@@ -76,6 +78,32 @@ class WorkerBase(ABC):
         self.lifecycle = WorkerLifecycle(worker_id, self.role)
         self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
         self.thread: EngineThread  # start_engine_thread(), once the role's parts exist
+
+    def _register_ranks(self, engine: Engine) -> None:
+        """A TP worker's handoff layout: rank 0's heads, and every other rank's NIXL agent
+        (each registered its own cache) with the heads it holds: a peer reads each head from
+        the rank holding it (kvtransfer/handshake.py head_sources)."""
+        import dataclasses
+
+        import ray
+
+        from common.rank_actors import METADATA_TIMEOUT_S, RayFollower
+        from engine.parallel.tensor_parallel import rank_kv_heads
+
+        assert engine.leader is not None
+        size, heads = engine.config.tensor_parallel_size, engine.model_config.num_kv_heads
+        followers = [f for f in engine.leader.followers if isinstance(f, RayFollower)]
+        metas = ray.get([f.actor.metadata.remote() for f in followers], timeout=METADATA_TIMEOUT_S)
+        ranks = [
+            dataclasses.replace(
+                meta,
+                tp_size=size,
+                kv_head_start=rank_kv_heads(heads, f.rank, size).start,
+                num_model_kv_heads=heads,
+            )
+            for f, meta in zip(followers, metas, strict=True)
+        ]
+        self.transfer.set_layout(size, rank_kv_heads(heads, 0, size).start, heads, ranks)
 
     def start_engine_thread(self) -> None:
         from engine.engine_thread import EngineThread

@@ -253,9 +253,9 @@ class Engine:
         return {req_id: self.kv.block_ids(req_id) for req_id in self.loader.loading}
 
     def kv_memory(self) -> KVMemory:
-        """What a peer reads KV from: the device cache, and with keep_on_host the host tier."""
-        if self.leader is not None:  # each rank holds its heads: the handoff reads them all
-            raise ValueError("the KV handoff is not split across tensor-parallel ranks yet")
+        """What a peer reads KV from: the device cache, and with keep_on_host the host tier.
+        At TP > 1 rank 0's cache (its KV heads): every rank registers its own (a peer reads
+        each head from the rank holding it)."""
         return KVMemory(self.kv_cache, self.copies.host if self.config.cache.keep_on_host else None)
 
     def drain_kv_events(self) -> list[KVEvent]:

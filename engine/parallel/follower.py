@@ -44,9 +44,10 @@ class Follower:
         size, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout_s
         self.tp = join_group(rank, size, address, self.device, timeout_s)
         folder = resolve_model(config.model, cache_dir=config.settings.cache_dir)
-        model_config = read_model_config(folder, served_model_id(config.model))
+        self.model_config = model_config = read_model_config(folder, served_model_id(config.model))
         side = build_rank_side(config, model_config, folder, self.device, None, self.tp)
         self.runner = ModelRunner(side.model, side.backend, None, side.config.cache.block_size)
+        self.kv_cache = side.backend.kv_cache  # this rank's heads of every block
         self.copies = BlockCopies(side.backend.kv_cache, side.config.cache.host_kv_cache_bytes)
         self.num_steps = 0
 
