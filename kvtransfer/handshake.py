@@ -65,7 +65,7 @@ def check_compatible(local: AgentMetadata, remote: AgentMetadata) -> None:
     for field, label in fields:
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
-            differences.append(field)
+            differences.append("block_shape" if field == "model_block_shape" else field)
             details.append(f"{label}: local {mine!r} != remote {theirs!r}")
     if not differences and local.compat_hash != remote.compat_hash:
         differences.append("compat_hash")
