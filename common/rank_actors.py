@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from common.cluster_state import NAMESPACE, RankPlace
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.parallel.step_plan import ReadPlan
     from kvtransfer.base import AgentMetadata
+    from kvtransfer.nixl_transfer import NixlTransfer
 
+READ_POLL_S = 0.0002  # a follower's poll of its read in flight
 METADATA_TIMEOUT_S = 300.0  # a rank's NIXL registration, after its shard has loaded
 
 
@@ -65,6 +69,7 @@ class RankActor:
         import torch
 
         from engine.parallel.follower import Follower
+        from engine.parallel.tensor_parallel import rank_kv_heads
         from kvtransfer.nixl_transfer import NixlTransfer
 
         try:
@@ -72,6 +77,9 @@ class RankActor:
             follower = Follower(config, self.rank, address, device)
             transfer = NixlTransfer(follower.model_config.model_id)
             transfer.register(follower.kv_cache)
+            size, heads = config.tensor_parallel_size, follower.model_config.num_kv_heads
+            transfer.set_layout(size, rank_kv_heads(heads, self.rank, size).start, heads)
+            follower.on_read = lambda plan: read_heads(transfer, plan)
             self._meta = transfer.metadata()
         except BaseException as error:
             self._error = error
@@ -91,6 +99,23 @@ class RankActor:
         if self._meta is None:
             raise RuntimeError(f"rank {self.rank} failed to start: {self._error!r}")
         return self._meta
+
+
+def read_heads(transfer: NixlTransfer, plan: ReadPlan) -> bool:
+    """A follower rank's part of a pull: its own KV heads of plan's blocks from the holder's
+    ranks that hold them, waited for (the ranks agree on success right after)."""
+    from kvtransfer.base import AgentMetadata, TransferState
+
+    if not isinstance(plan.peer, AgentMetadata):
+        raise TypeError(f"a read plan names {type(plan.peer).__name__}, not AgentMetadata")
+    peer = transfer.add_peer(plan.peer)
+    handle = transfer.read(peer, plan.remote_block_ids, plan.local_block_ids)
+    try:
+        while (state := transfer.poll(handle)) is TransferState.PENDING:
+            time.sleep(READ_POLL_S)
+        return state is TransferState.DONE
+    finally:
+        transfer.release(handle)
 
 
 class RayFollower:

@@ -147,9 +147,9 @@ class Engine:
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
     ) -> KVLoadPlan | None:
-        """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now."""
-        if self.leader is not None:
-            raise ValueError("prefilled KV is not split across tensor-parallel ranks yet")
+        """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now.
+        At TP > 1 every rank loads its own KV heads of the plan's blocks (Leader.read_on_ranks,
+        before rank 0 reads its own)."""
         return self.admission.add_prefilled(
             req_id, prompt_token_ids, first_token_id, params, cache_salt, num_resumed_tokens,
             choices, kv_retention,

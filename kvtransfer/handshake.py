@@ -93,12 +93,6 @@ def head_sources(local: AgentMetadata, remote: AgentMetadata) -> list[tuple[Agen
 
     refuse = f"cannot map {local.agent_name!r} ({layout(local)}) onto {remote.agent_name!r} "
     refuse += f"({layout(remote)}): "
-    if local.tp_size > 1:
-        raise IncompatiblePeerError(
-            refuse + f"a reader at TP {local.tp_size} is not supported yet (its ranks 1.. "
-            "would each read their own heads: not built)",
-            ("tp_size",),
-        )
     if len(remote.ranks) != remote.tp_size:
         raise IncompatiblePeerError(
             refuse + f"it names {len(remote.ranks)} rank agents for TP {remote.tp_size}",

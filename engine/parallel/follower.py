@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -50,6 +51,9 @@ class Follower:
         self.kv_cache = side.backend.kv_cache  # this rank's heads of every block
         self.copies = BlockCopies(side.backend.kv_cache, side.config.cache.host_kv_cache_bytes)
         self.num_steps = 0
+        # Reads a ReadPlan's KV into this rank's cache, True once done (its host sets it: a
+        # worker's rank reads over its own NIXL agent); None: a ReadPlan fails.
+        self.on_read: Callable[[step_plan.ReadPlan], bool] | None = None
 
     def run(self) -> None:
         """Run rank 0's messages until its Shutdown (a collective error propagates)."""
@@ -59,9 +63,20 @@ class Follower:
                 return
             if isinstance(message, step_plan.CopyPlan):
                 self.copies.run(message.copies, message.wait)
+            elif isinstance(message, step_plan.ReadPlan):
+                step_plan.agree(self.tp, self._read(message))
             else:
                 self.runner.run_inputs(message.inputs, message.rows)
                 self.num_steps += 1
+
+    def _read(self, plan: step_plan.ReadPlan) -> bool:
+        if self.on_read is None:
+            return False
+        try:
+            return self.on_read(plan)
+        except Exception as error:  # the ranks agree it failed: rank 0 recomputes the prompt
+            print(f"kvrelay rank {self.tp.rank}: read failed: {error!r}", file=sys.stderr)
+            return False
 
 
 def main() -> None:

@@ -59,6 +59,15 @@ class Leader:
         except RuntimeError as error:
             raise self.fail(error) from error
 
+    def read_on_ranks(self, plan: step_plan.ReadPlan) -> bool:
+        """Every follower reads its own heads of plan's blocks; True when all of them did
+        (they read at once, each over its own agent; this returns when they are done)."""
+        self.send(plan)
+        try:
+            return step_plan.agree(self.tp, True, self.timeout_s)
+        except RuntimeError as error:
+            raise self.fail(error) from error
+
     def check_alive(self) -> None:
         if self.lost is not None:
             raise RankLost(f"the tensor-parallel group failed earlier: {self.lost}")

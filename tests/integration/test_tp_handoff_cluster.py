@@ -1,9 +1,10 @@
-"""A cluster whose prefill worker is tensor-parallel (TP 2: two Ray actors in a placement group,
-gloo) and whose decode worker is not (TP 1), on a tiny random Llama (4 heads, 2 KV heads): the
-decode worker reads each KV head straight from the prefill rank holding it (head slices of
-each block over NIXL, no gather on the prefill side). Greedy outputs equal transformers' token
-for token, a repeated prefix is a hit on the decode side (fewer blocks pulled), every block of
-every worker is free after, and status lists the prefill worker's two ranks on one node."""
+"""Clusters of prefill TP 2 / decode TP 1 and prefill TP 1 / decode TP 2 (a TP worker: two Ray
+actors in a placement group, gloo) on a tiny random Llama (4 heads, 2 KV heads): each decode
+rank reads the KV heads it owns straight from the prefill rank holding them (head slices of
+each block over NIXL, each rank its own agent; no gather on the prefill side). Greedy outputs
+equal transformers' token for token, a repeated prefix is a hit on the decode side (fewer
+blocks pulled), every block of every worker is free after, and status lists a TP worker's two
+ranks on one node."""
 
 from __future__ import annotations
 
@@ -56,16 +57,24 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_heads=4, num_kv_heads=2)
 
 
-@pytest.fixture(scope="module")
-def cluster(loop, checkpoint):
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["prefill-tp2", "decode-tp2"])
+def cluster(request, loop, checkpoint):
     engine = EngineConfig(model=str(checkpoint), cache=CacheConfig(num_blocks=64))
-    spec = cluster_spec(engine=engine, num_prefill=1, num_decode=1, prefill_tp=2, redis_url="")
+    prefill_tp, decode_tp = request.param
+    spec = cluster_spec(
+        engine=engine,
+        num_prefill=1,
+        num_decode=1,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        redis_url="",
+    )
     cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
     yield cluster
     loop.run_until_complete(cluster.close())
 
 
-def test_prefill_tp2_to_decode_tp1_is_token_exact_with_a_decode_prefix_hit(
+def test_any_tp_pairing_is_token_exact_with_a_decode_prefix_hit_and_leak_free(
     cluster, loop, checkpoint
 ) -> None:
     expected = hf_greedy(checkpoint, PROMPTS)
@@ -87,7 +96,8 @@ def test_prefill_tp2_to_decode_tp1_is_token_exact_with_a_decode_prefix_hit(
 
     loop.run_until_complete(wait_until_no_leaks(cluster))
     status = ray.get(cluster.controller.status.remote(False))
-    [prefill] = status.pool("prefill").workers
-    assert [r.rank for r in prefill.ranks] == [0, 1]
-    assert len({r.node_id for r in prefill.ranks}) == 1
-    assert status.pool("decode").workers[0].ranks == ()
+    spec = cluster.spec
+    for role, tp in (("prefill", spec.prefill_tp), ("decode", spec.decode_tp)):
+        [worker] = status.pool(role).workers
+        assert [r.rank for r in worker.ranks] == ([0, 1] if tp == 2 else [])
+        assert len({r.node_id for r in worker.ranks}) == (1 if tp == 2 else 0)

@@ -61,9 +61,15 @@ def test_each_head_is_read_from_the_rank_holding_it() -> None:
 
 
 def test_unmappable_pairings_are_refused_naming_both_layouts() -> None:
-    with pytest.raises(IncompatiblePeerError, match=r"reader at TP 2 is not supported") as info:
-        check_compatible(meta("d", range(0, 2), 2), tp_holder(2))
-    assert "TP 2, KV heads [0, 2)" in str(info.value)
+    rank1 = meta("d-r1", range(2, 4), 2)  # a reader's rank: its own heads only
+    assert [(m.agent_name, h) for m, h in head_sources(rank1, tp_holder(4))] == [
+        ("p-r2", range(2, 3)),
+        ("p-r3", range(3, 4)),
+    ]
+    gap = dataclasses.replace(tp_holder(2), rank_agents=(meta("p-r1", range(0, 2), 2),))
+    with pytest.raises(IncompatiblePeerError, match="no rank holds KV head 2") as info:
+        check_compatible(meta("d", range(HEADS), 1), gap)
+    assert "TP 1, KV heads [0, 4)" in str(info.value) and "TP 2, KV heads [0, 2)" in str(info.value)
     missing = dataclasses.replace(tp_holder(2), rank_agents=())
     with pytest.raises(IncompatiblePeerError, match="names 1 rank agents for TP 2"):
         check_compatible(meta("d", range(HEADS), 1), missing)
