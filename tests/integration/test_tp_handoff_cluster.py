@@ -4,7 +4,7 @@ rank reads the KV heads it owns straight from the prefill rank holding them (hea
 each block over NIXL, each rank its own agent; no gather on the prefill side). Greedy outputs
 equal transformers' token for token, a repeated prefix is a hit on the decode side (fewer
 blocks pulled), every block of every worker is free after, and status lists a TP worker's two
-ranks on one node."""
+ranks on one node. A holder whose layout cannot be mapped is refused before any read."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling.sampling_params import SamplingParams
+from kvtransfer.handshake import IncompatiblePeerError
 from tests.factories import make_tiny_checkpoint
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
+    start_extra_prefill,
     tokens_of,
     wait_until_no_leaks,
 )
@@ -101,3 +103,26 @@ def test_any_tp_pairing_is_token_exact_with_a_decode_prefix_hit_and_leak_free(
         [worker] = status.pool(role).workers
         assert [r.rank for r in worker.ranks] == ([0, 1] if tp == 2 else [])
         assert len({r.node_id for r in worker.ranks}) == (1 if tp == 2 else 0)
+
+
+def test_an_unmappable_holder_is_refused_before_any_read_and_nothing_leaks(
+    cluster, loop, checkpoint, tmp_path_factory
+) -> None:
+    """A holder serving a model of the same name with 4 KV heads instead of 2: the TP decode
+    worker's handshake refuses it, naming the layouts, and neither side holds a block."""
+    if cluster.spec.decode_tp == 1:
+        pytest.skip("one holder checked, against the TP 2 decode worker")
+    other = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("odd") / checkpoint.name, num_heads=4, num_kv_heads=4
+    )
+    engine = EngineConfig(model=str(other), cache=CacheConfig(num_blocks=64))
+    holder = start_extra_prefill("odd-holder", engine)
+    try:
+        [decode] = cluster.decode_actors.values()
+        with pytest.raises(IncompatiblePeerError, match=r"layout \(block shape, every KV head\)"):
+            ray.get(decode.check_peer.remote("odd-holder"), timeout=120)
+        assert ray.get(decode.stats.remote()).num_refused_handshakes == 1
+        assert ray.get(holder.check_no_leaks.remote()).clean
+        loop.run_until_complete(wait_until_no_leaks(cluster))
+    finally:
+        ray.kill(holder)
