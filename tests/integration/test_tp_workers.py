@@ -1,13 +1,16 @@
 """A tensor-parallel worker's ranks as Ray actors on a real multi-node Ray cluster
-(`ray.cluster_utils.Cluster`, two nodes of 2 CPUs): the placement group worker_launch makes
-for a TP-2 worker puts both ranks on one node; rank 0 (an actor in bundle 0, as the worker
-actor is) runs an Engine whose follower is a RankActor in bundle 1 (common/rank_actors.py),
-token-exact against one rank; a rank killed fails the next step with RankLost naming its
-actor's end, every block freed; removing the group ends the ranks."""
+(`ray.cluster_utils.Cluster`, two decode nodes of 2 CPUs): the placement group worker_launch
+makes for a TP-2 worker puts both ranks on one node; rank 0 (an actor in bundle 0, as the
+worker actor is) runs an Engine whose follower is a RankActor in bundle 1
+(common/rank_actors.py), token-exact against one rank; a rank killed fails the next step with
+RankLost naming its actor's end, every block freed; removing the group ends the ranks. Then
+the controller runs two TP-2 decode workers, one a node, each with both ranks on its node;
+`kvrelay scale` down removes one: its group and both its ranks' processes are gone."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +20,10 @@ from ray.cluster_utils import Cluster
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group_table
 
-from common.cluster_state import NAMESPACE, RankPlace
+from common.cluster_state import NAMESPACE, RankPlace, ScaleRequest, WorkerState
 from common.rank_actors import RayFollower, this_place
+from deploy.controller import ControllerConfig, start_controller
+from deploy.progress import follow
 from deploy.worker_launch import (
     WorkerTemplate,
     actor_options,
@@ -71,14 +76,24 @@ class EngineHost:
         return kv.num_free_blocks, kv.num_blocks, self.engine.has_unfinished_requests
 
 
+def runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Cluster]:
-    """A head without CPUs (the driver) and two decode nodes of 2 CPUs: a TP-2 worker fits
-    on either, not across them (its bundles are a CPU each, STRICT_PACK)."""
+    """A head without CPUs (the driver, the controller, a TP-1 prefill worker) and two decode
+    nodes of 2 CPUs: a TP-2 worker fits on either, not across them (its bundles are a CPU
+    each, STRICT_PACK)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    head = {"num_cpus": 0, "resources": {"prefill_pool": 1}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(2):
             cluster.add_node(num_cpus=2, resources={"decode_pool": 1})
@@ -139,3 +154,36 @@ def test_tp_worker_ranks_share_a_node_run_token_exact_and_end_with_their_group(
     with pytest.raises(RayActorError):
         ray.get(host.places.remote(), timeout=60)
     assert placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_tp_decode_workers_ranks_share_their_node_and_scale_down_ends_them(
+    nodes: Cluster, checkpoint: str, loop
+) -> None:
+    engine = EngineConfig(model=checkpoint, cache=CacheConfig(num_blocks=32))
+    template = WorkerTemplate(engine, None, threads_per_worker=1, decode_tp=2)
+    config = ControllerConfig(template, drain_grace_s=0.5)
+    controller = loop.run_until_complete(start_controller(config, {"prefill": 1, "decode": 2}))
+    try:
+        status = loop.run_until_complete(follow(controller, lambda m: None, timeout_s=180))
+        workers = status.pool("decode").workers
+        assert [w.state for w in workers] == [WorkerState.READY] * 2
+        for worker in workers:
+            assert [r.rank for r in worker.ranks] == [0, 1]
+            assert {r.node_id for r in worker.ranks} == {worker.node_id}, "ranks on its node"
+        assert len({w.node_id for w in workers}) == 2, "a worker a decode node (2 CPUs each)"
+
+        ray.get(controller.scale.remote(ScaleRequest(decode=1)))
+        status = loop.run_until_complete(follow(controller, lambda m: None, timeout_s=120))
+        [kept] = [w for w in status.pool("decode").workers if w.state == WorkerState.READY]
+        [removed] = [w for w in workers if w.worker_id != kept.worker_id]
+        groups = {g["name"]: g["state"] for g in placement_group_table().values()}
+        assert groups[f"{removed.worker_id}-ranks"] == "REMOVED"
+        assert groups[f"{kept.worker_id}-ranks"] == "CREATED"
+        deadline = time.monotonic() + 30
+        while any(runs(r.pid) for r in removed.ranks):  # the removed worker's ranks end
+            assert time.monotonic() < deadline, f"a rank of {removed.worker_id} still runs"
+            time.sleep(0.1)
+        assert all(runs(r.pid) for r in kept.ranks)
+    finally:
+        ray.get(controller.shutdown.remote())
+        ray.kill(controller)
