@@ -69,6 +69,8 @@ class WorkerBase(ABC):
         agent_name = f"{worker_id}-nixl"
         self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
         self.transfer.register(*engine.kv_memory())
+        if (kv_scales := getattr(engine.runner.model, "kv_scales", None)) is not None:
+            self.transfer.set_kv_scales(kv_scales)  # the handshake compares them
         if engine.leader is not None:
             self._register_ranks(engine)
         publisher = make_publisher(

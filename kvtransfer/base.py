@@ -57,6 +57,9 @@ class AgentMetadata:
     kv_head_start: int = 0
     num_model_kv_heads: int = 0
     rank_agents: tuple[AgentMetadata, ...] = ()
+    # An fp8 cache's per-layer (k_scale, v_scale): its blocks hold K / k_scale, V / v_scale,
+    # so both sides must scale alike; () when the checkpoint gives none (1.0).
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     @property
     def kv_heads(self) -> range:

@@ -51,6 +51,7 @@ _FIELDS = (
     ("dtype", "dtype"),
     ("block_size", "block size"),
     ("model_block_shape", "layout (block shape, every KV head)"),
+    ("kv_scales", "KV scales (fp8 cache, per layer)"),
 )
 
 

@@ -198,6 +198,11 @@ class NixlTransfer(KVTransfer):
             ),
         )
 
+    def set_kv_scales(self, kv_scales: Sequence[tuple[float, float]]) -> None:
+        """The per-layer (k_scale, v_scale) this side's fp8 blocks are stored with."""
+        scales = tuple((float(k), float(v)) for k, v in kv_scales)
+        self._meta = replace(self._require_meta(), kv_scales=scales)
+
     def add_peer(self, meta: AgentMetadata) -> str:
         local = self._require_meta()
         check_compatible(local, meta)

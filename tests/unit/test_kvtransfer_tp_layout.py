@@ -118,3 +118,13 @@ def test_slices_of_whole_blocks_coalesce_and_bad_geometry_is_refused() -> None:
     odd = RegionLayout(0, 8, 100)
     with pytest.raises(ValueError, match="remote blocks of 100 B"):
         head_slice_descriptors(region, range(2), [0], odd, range(2), [0], range(2), LAYERS)
+
+
+def test_fp8_kv_scales_must_match() -> None:
+    reader = dataclasses.replace(meta("d", range(HEADS), 1), kv_scales=((0.5, 0.25),) * LAYERS)
+    holder = dataclasses.replace(tp_holder(2), kv_scales=((0.5, 0.25),) * LAYERS)
+    check_compatible(reader, holder)
+    other = dataclasses.replace(holder, kv_scales=((0.5, 0.5),) * LAYERS)
+    with pytest.raises(IncompatiblePeerError, match="KV scales") as info:
+        check_compatible(reader, other)
+    assert info.value.differences == ("kv_scales",)
