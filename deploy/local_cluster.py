@@ -74,6 +74,19 @@ class ClusterSpec:
         """Ranks of every worker together (a worker at TP 1 is one)."""
         return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
 
+    @property
+    def num_cpu_slots(self) -> int:
+        """Logical CPUs an embedded Ray declares: a TP worker's CPU bundles take one a rank
+        (TP-1 workers take none), up to the autoscaler's largest pools; `kvrelay scale` past
+        them leaves a CPU TP worker pending."""
+        sizes = {"prefill": self.num_prefill, "decode": self.num_decode}
+        if self.autoscale is not None and max(self.prefill_tp, self.decode_tp) > 1:
+            sizes = {
+                role: max(n, self.autoscale.max_size.get(role, 0)) for role, n in sizes.items()
+            }
+        ranks = sizes["prefill"] * self.prefill_tp + sizes["decode"] * self.decode_tp
+        return max(2, ranks + 1)
+
     def worker_gpus(self, device: str) -> float:
         """Ray num_gpus of each worker on device: 0 on CPU."""
         if not device.startswith("cuda"):
@@ -112,7 +125,7 @@ class LocalCluster:
                     address="local",
                     namespace=NAMESPACE,
                     include_dashboard=False,
-                    num_cpus=max(2, spec.num_ranks + 1),
+                    num_cpus=spec.num_cpu_slots,
                     resources={"prefill_pool": LOCAL_POOL_SLOTS, "decode_pool": LOCAL_POOL_SLOTS},
                 )
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources

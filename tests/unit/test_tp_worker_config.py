@@ -31,7 +31,8 @@ def test_serve_tp_sets_both_pools_and_each_pool_flag_overrides_it() -> None:
     assert (spec("--tp", "2").prefill_tp, spec("--tp", "2").decode_tp) == (2, 2)
     both = spec("--tp", "2", "--decode-tp", "1")
     assert (both.prefill_tp, both.decode_tp) == (2, 1)
-    assert spec("--prefill", "2", "--prefill-tp", "2", "--decode-tp", "4").num_ranks == 8
+    sized = spec("--prefill", "2", "--prefill-tp", "2", "--decode-tp", "4")
+    assert (sized.num_ranks, sized.num_cpu_slots) == (8, 9)  # an embedded Ray: a CPU a rank
     with pytest.raises(ValueError, match="--decode-tp must be >= 1, got 0"):
         spec("--decode-tp", "0")
 
