@@ -107,6 +107,20 @@ class DecodeStats(WorkerStats):
 
 
 @dataclass(frozen=True)
+class RankPlace:
+    """Where one tensor-parallel rank of a worker runs (rank 0 hosts the worker's Engine)."""
+
+    rank: int
+    node_ip: str
+    node_id: str
+    pid: int
+    device: str  # "cpu", or the GPU: "cuda:0 (GPU-<uuid>)" as the rank's process sees it
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.node_ip} pid {self.pid} {self.device}"
+
+
+@dataclass(frozen=True)
 class WorkerDescription:
     """What a worker tells the controller once its model is loaded and its KV pool registered."""
 
@@ -116,6 +130,7 @@ class WorkerDescription:
     node_id: str  # Ray's node id (fake multi-node clusters share one IP)
     pid: int
     model: ServedModel
+    ranks: tuple[RankPlace, ...] = ()  # tensor-parallel ranks, rank 0 first; () for one rank
 
 
 @dataclass(frozen=True)
@@ -160,6 +175,7 @@ class WorkerStatus:
     stats: WorkerStats | None = None  # None: the worker did not answer (joining, gone)
     exit_check: LeakCheck | None = None  # taken when it drained
     error: str | None = None  # why it is gone, when it did not drain
+    ranks: tuple[RankPlace, ...] = ()  # a tensor-parallel worker's ranks (its description's)
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,18 @@ set_state, resync_index, stats, retire, check_no_leaks, shutdown."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from common.cluster_state import LeakCheck, WorkerDescription, WorkerState, WorkerStats
+from common.cluster_state import (
+    LeakCheck,
+    RankPlace,
+    WorkerDescription,
+    WorkerState,
+    WorkerStats,
+)
 from common.index_upkeep import IndexUpkeep, make_publisher, worker_load
 from common.messages import ServedModel, WorkerLoad
 from common.worker_lifecycle import WorkerLifecycle
@@ -20,6 +27,9 @@ if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.engine_thread import EngineThread
     from engine.step.step_types import EngineSnapshot, RequestOutput
+
+
+RANK_CHECK_INTERVAL_S = 1.0  # a TP worker asks its follower ranks whether they run this often
 
 
 class WorkerBase(ABC):
@@ -50,16 +60,52 @@ class WorkerBase(ABC):
         set_threads(num_threads)
         self.worker_id = worker_id
         self.actor_name = actor_name or worker_id
-        self.engine = engine = Engine(engine_config)
+        start_follower = None
+        if engine_config.tensor_parallel_size > 1:  # ranks 1.. in this actor's placement group
+            from common.rank_actors import start_ray_follower
+
+            start_follower = start_ray_follower
+        self.engine = engine = Engine(engine_config, start_follower=start_follower)
         agent_name = f"{worker_id}-nixl"
         self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
         self.transfer.register(*engine.kv_memory())
+        if (kv_scales := getattr(engine.runner.model, "kv_scales", None)) is not None:
+            self.transfer.set_kv_scales(kv_scales)  # the handshake compares them
+        if engine.leader is not None:
+            self._register_ranks(engine)
         publisher = make_publisher(
             redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
         )
         self.index_upkeep = IndexUpkeep(publisher, engine, heartbeat_s, publish_interval_s)
         self.lifecycle = WorkerLifecycle(worker_id, self.role)
+        self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
         self.thread: EngineThread  # start_engine_thread(), once the role's parts exist
+
+    def _register_ranks(self, engine: Engine) -> None:
+        """A TP worker's handoff layout: rank 0's heads, and every other rank's NIXL agent
+        (each registered its own cache) with the heads it holds: a peer reads each head from
+        the rank holding it (kvtransfer/handshake.py head_sources)."""
+        import dataclasses
+
+        import ray
+
+        from common.rank_actors import METADATA_TIMEOUT_S, RayFollower
+        from engine.parallel.tensor_parallel import rank_kv_heads
+
+        assert engine.leader is not None
+        size, heads = engine.config.tensor_parallel_size, engine.model_config.num_kv_heads
+        followers = [f for f in engine.leader.followers if isinstance(f, RayFollower)]
+        metas = ray.get([f.actor.metadata.remote() for f in followers], timeout=METADATA_TIMEOUT_S)
+        ranks = [
+            dataclasses.replace(
+                meta,
+                tp_size=size,
+                kv_head_start=rank_kv_heads(heads, f.rank, size).start,
+                num_model_kv_heads=heads,
+            )
+            for f, meta in zip(followers, metas, strict=True)
+        ]
+        self.transfer.set_layout(size, rank_kv_heads(heads, 0, size).start, heads, ranks)
 
     def start_engine_thread(self) -> None:
         from engine.engine_thread import EngineThread
@@ -95,7 +141,18 @@ class WorkerBase(ABC):
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
             model=self.served_model(),
+            ranks=self.rank_places(),
         )
+
+    def rank_places(self) -> tuple[RankPlace, ...]:
+        """Where each tensor-parallel rank runs, rank 0 (this actor) first; () at one rank."""
+        from common.rank_actors import RayFollower, this_place
+
+        leader = self.engine.leader
+        if leader is None:
+            return ()
+        followers = [f for f in leader.followers if isinstance(f, RayFollower)]
+        return (this_place(0, self.engine.config.device), *(f.place() for f in followers))
 
     async def set_state(self, state: WorkerState) -> float:
         """The controller moves the worker (joining -> ready -> draining); it is published at
@@ -133,6 +190,7 @@ class WorkerBase(ABC):
         self.thread.stop()
         self.index_upkeep.withdraw()
         self.transfer.close()
+        self.engine.shutdown()  # a TP worker's followers leave their loops
 
     # ---- the role's hooks (engine thread) ----------------------------------------------------
     @abstractmethod
@@ -158,6 +216,18 @@ class WorkerBase(ABC):
 
     # ---- engine thread -----------------------------------------------------------------------
     def _tick(self) -> bool:
+        leader = self.engine.leader
+        if leader is not None and not self.lifecycle.stopped:
+            now = time.monotonic()
+            if leader.lost is None and now - self._ranks_checked_at > RANK_CHECK_INTERVAL_S:
+                self._ranks_checked_at = now  # an idle worker notices a lost rank too
+                from engine.parallel.leader import RankLost
+
+                for follower in leader.followers:
+                    if (how := follower.exit_description()) is not None:
+                        leader.lost = RankLost(f"rank {follower.rank} exited ({how})")
+            if leader.lost is not None:
+                exit_on_rank_lost(self.worker_id, leader.lost)
         busy = self._on_tick()
         self.index_upkeep.tick(time.monotonic())
         return busy
@@ -190,6 +260,18 @@ class WorkerBase(ABC):
     def _check_leaks(self, engine: Engine) -> LeakCheck:
         engine.check_integrity()
         return self._leak_check(engine, engine.snapshot())
+
+
+def exit_on_rank_lost(worker_id: str, lost: BaseException) -> None:
+    """A tensor-parallel rank is gone: this worker cannot step any more. Its process ends now
+    (no request gets an answer from it): the router sees the actor dead and migrates its
+    requests as for any dead worker, the controller removes its placement group (the other
+    ranks with it) and starts a replacement."""
+    import logging
+
+    logging.getLogger(__name__).error("worker %s exits: %s", worker_id, lost)
+    print(f"kvrelay worker {worker_id} exits: {lost}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def set_threads(num_threads: int | None) -> None:

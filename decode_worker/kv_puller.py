@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -207,6 +207,10 @@ class KVPuller:
         num_host = min(max(0, handle.num_host_blocks - first), len(remote))  # lead the handle
         try:
             self.transfer.notify(peer, Notice(NoticeKind.BEGIN, req_id, pull.epoch).encode())
+            if self.engine.leader is not None and not self._read_on_ranks(
+                pull, handle, remote, plan.local_block_ids, num_host
+            ):
+                return
             done = Notice(NoticeKind.DONE, req_id, pull.epoch).encode()
             xfer = self.transfer.read(peer, remote, plan.local_block_ids, done, num_host)
             self.num_host_read_blocks += num_host
@@ -249,6 +253,29 @@ class KVPuller:
         self.num_recomputed += 1
         self._arrived.append(Arrival(pull.req_id, TransferStats(recomputed=True)))
         self.release_lease(pull.payload.handle)
+
+    def _read_on_ranks(
+        self,
+        pull: Pull[Handoff],
+        handle: KVHandle,
+        remote: Sequence[int],
+        local: Sequence[int],
+        num_host: int,
+    ) -> bool:
+        """A TP worker: its ranks 1.. read their own heads first (each over its own NIXL agent;
+        done before rank 0's read, whose DONE notice ends the holder's lease). False: the
+        prompt is recomputed."""
+        from engine.parallel.step_plan import ReadPlan
+
+        leader, meta = self.engine.leader, self._peers[handle.actor_name].meta
+        assert leader is not None
+        if num_host:
+            self._recompute(pull, "a tensor-parallel worker reads no holder's host tier")
+            return False
+        if not leader.read_on_ranks(ReadPlan(meta, list(remote), list(local))):
+            self._recompute(pull, "a tensor-parallel rank's read failed")
+            return False
+        return True
 
     def _peer(self, actor_name: str) -> str | None:
         """The NIXL peer to read from; None when the worker is refused or unreachable now."""

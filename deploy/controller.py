@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -80,6 +80,7 @@ class _Record:
     error: str | None = None
     task: asyncio.Task[None] | None = None
     ready_seen: float | None = None  # the controller's time.monotonic() when it turned ready
+    group: Any = None  # a tensor-parallel worker's placement group (its ranks'); None at tp 1
 
     @property
     def state(self) -> WorkerState:
@@ -203,7 +204,10 @@ class Controller:
                 record.task.cancel()
         live = [r for r in self._records.values() if r.state != WorkerState.GONE]
         await asyncio.gather(
-            *(worker_launch.stop(r.actor, loaded=r.description is not None) for r in live),
+            *(
+                worker_launch.stop(r.actor, loaded=r.description is not None, group=r.group)
+                for r in live
+            ),
             return_exceptions=True,
         )
         for record in live:
@@ -283,8 +287,10 @@ class Controller:
         index = self._num_started[role]
         self._num_started[role] += 1
         worker_id = f"{self.config.name_prefix}-{role}-{index}"
-        actor = worker_launch.spawn(role, worker_id, self.config.template)
-        record = _Record(worker_id, role, actor)
+        template = self.config.template
+        group = worker_launch.rank_group(role, worker_id, template)
+        actor = worker_launch.spawn(role, worker_id, template, group)
+        record = _Record(worker_id, role, actor, group=group)
         record.move(
             WorkerState.JOINING, f"waiting for a node with {worker_launch.pool_resource(role)}"
         )
@@ -320,13 +326,15 @@ class Controller:
             record.ready_seen = time.monotonic()
             self._num_failures[record.role] = 0
         except asyncio.CancelledError:
-            await worker_launch.stop(record.actor, loaded=record.description is not None)
+            await worker_launch.stop(
+                record.actor, loaded=record.description is not None, group=record.group
+            )
             record.move(WorkerState.GONE, "start cancelled (pool scaled down)")
             raise
         except Exception as e:
             self._num_failures[record.role] += 1
             record.error = f"{type(e).__name__}: {e}"
-            await worker_launch.stop(record.actor)
+            await worker_launch.stop(record.actor, group=record.group)
             record.move(WorkerState.GONE, f"failed to start: {record.error}")
             if self._num_failures[record.role] >= self.config.max_start_failures:
                 self._error = (
@@ -372,13 +380,14 @@ class Controller:
             record.exit_check = check
             with contextlib.suppress(Exception):
                 record.last_stats = await asyncio.wait_for(record.actor.stats.remote(), 5.0)
-            await worker_launch.stop(record.actor)
+            await worker_launch.stop(record.actor, group=record.group)
             clean = (
                 "" if check is None else (" (no block in use)" if check.clean else f" ({check})")
             )
             record.move(WorkerState.GONE, f"{note}, exited{clean}")
         except RayActorError as e:
             record.error = f"died while draining: {e}"
+            worker_launch.release_ranks(record.group)
             record.move(WorkerState.GONE, record.error)
         finally:
             self._poke()
@@ -403,6 +412,7 @@ class Controller:
                     record.task.cancel()
                 record.error = f"died: {e}"
                 record.move(WorkerState.GONE, "actor died")
+                worker_launch.release_ranks(record.group)  # its other ranks end with it
                 await forget_in_index(
                     self.config.template.redis_url, self._model_id(), record.worker_id
                 )
@@ -425,8 +435,8 @@ class Controller:
         bundles = []
         for role in ROLES:
             bundle: dict[str, float] = {worker_launch.pool_resource(role): 1}
-            if gpus:
-                bundle["GPU"] = gpus
+            if gpus:  # a TP worker's ranks share one node: a GPU each
+                bundle["GPU"] = gpus * self.config.template.tp(role)
             bundles += [bundle] * self._desired[role]
         try:
             from ray.autoscaler.sdk import request_resources
@@ -453,6 +463,7 @@ class Controller:
             stats=stats if stats is not None else record.last_stats,
             exit_check=record.exit_check,
             error=record.error,
+            ranks=desc.ranks if desc else (),
         )
 
 

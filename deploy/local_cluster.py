@@ -54,14 +54,38 @@ class ClusterSpec:
     # CUDA: the part of a GPU each worker gets (None: 1); 0.5 puts two workers on each card,
     # each engine's KV pool then sized from half of gpu_memory_utilization of its memory.
     gpus_per_worker: float | None = None
+    # Tensor-parallel ranks of each pool's workers (one Ray actor and, on CUDA, one GPU each).
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker is not None:
             check_gpus_per_worker(self.gpus_per_worker)
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def num_workers(self) -> int:
         return self.num_prefill + self.num_decode
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of every worker together (a worker at TP 1 is one)."""
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
+    def num_cpu_slots(self) -> int:
+        """Logical CPUs an embedded Ray declares: a TP worker's CPU bundles take one a rank
+        (TP-1 workers take none), up to the autoscaler's largest pools; `kvrelay scale` past
+        them leaves a CPU TP worker pending."""
+        sizes = {"prefill": self.num_prefill, "decode": self.num_decode}
+        if self.autoscale is not None and max(self.prefill_tp, self.decode_tp) > 1:
+            sizes = {
+                role: max(n, self.autoscale.max_size.get(role, 0)) for role, n in sizes.items()
+            }
+        ranks = sizes["prefill"] * self.prefill_tp + sizes["decode"] * self.decode_tp
+        return max(2, ranks + 1)
 
     def worker_gpus(self, device: str) -> float:
         """Ray num_gpus of each worker on device: 0 on CPU."""
@@ -101,7 +125,7 @@ class LocalCluster:
                     address="local",
                     namespace=NAMESPACE,
                     include_dashboard=False,
-                    num_cpus=max(2, spec.num_prefill + spec.num_decode + 1),
+                    num_cpus=spec.num_cpu_slots,
                     resources={"prefill_pool": LOCAL_POOL_SLOTS, "decode_pool": LOCAL_POOL_SLOTS},
                 )
             else:  # an existing cluster (`ray up`): its nodes declare the pool resources
@@ -131,6 +155,8 @@ class LocalCluster:
             router_timeout_s=spec.router_timeout_s,
             decode_prefill_chunk_tokens=spec.decode_prefill_chunk_tokens,
             publish_decode_cache=spec.local_prefill.enabled,
+            prefill_tp=spec.prefill_tp,
+            decode_tp=spec.decode_tp,
         )
         config = ControllerConfig(
             template,
@@ -168,7 +194,7 @@ class LocalCluster:
         """--device auto: cuda when the Ray cluster has the GPUs every worker needs (at
         --gpus-per-worker each), else cpu."""
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        workers, per_worker = self.spec.num_workers, self.spec.worker_gpus("cuda")
+        workers, per_worker = self.spec.num_ranks, self.spec.worker_gpus("cuda")
         needed = gpus_needed(workers, per_worker)
         each = "one each" if per_worker == 1 else f"{per_worker:g} GPU each"
         if gpus >= needed:
@@ -183,7 +209,7 @@ class LocalCluster:
     def _check_gpus(self, ray: Any) -> None:
         """--device cuda on an embedded Ray: refuse a worker count its GPUs cannot hold."""
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        workers, per_worker = self.spec.num_workers, self.spec.worker_gpus("cuda")
+        workers, per_worker = self.spec.num_ranks, self.spec.worker_gpus("cuda")
         if gpus < (needed := gpus_needed(workers, per_worker)):
             raise ValueError(gpu_shortage(workers, per_worker, needed, gpus))
 

@@ -118,6 +118,8 @@ def format_status(current: ClusterStatus) -> str:
         lines.append(f"{line} ({pool.autoscale})" if pool.autoscale else line)
         for worker in pool.workers:
             lines.append("  " + _worker_line(worker))
+            if worker.state.value != "gone":  # a tensor-parallel worker's ranks
+                lines.extend(f"    {place}" for place in worker.ranks)
     lines.append(f"routers: {len(current.routers)}")
     for r in current.routers:
         lines.append(f"  {r.router_id}  http {r.http_url or '-'}  grpc {r.grpc_address or '-'}")

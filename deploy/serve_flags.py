@@ -37,6 +37,15 @@ def add_serve_parser(
     )
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of every worker (a Ray actor and, on CUDA, a GPU each, "
+        "all of a worker's on one node)",
+    )
+    p.add_argument("--prefill-tp", type=int, default=None, help="ranks of a prefill worker (--tp)")
+    p.add_argument("--decode-tp", type=int, default=None, help="ranks of a decode worker (--tp)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: a free one)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free one)")
@@ -199,6 +208,17 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.redis_url and not args.no_redis:
         check_url(args.redis_url)  # a URL redis-py cannot use: refused before any worker starts
     engine = engine_from_args(args)
+    prefill_tp = args.tp if args.prefill_tp is None else args.prefill_tp
+    decode_tp = args.tp if args.decode_tp is None else args.decode_tp
+    for flag, value in (
+        ("--tp", args.tp),
+        ("--prefill-tp", prefill_tp),
+        ("--decode-tp", decode_tp),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if max(prefill_tp, decode_tp) > 1 and args.gpus_per_worker not in (None, 1.0):
+        raise ValueError("a tensor-parallel worker takes whole GPUs: drop --gpus-per-worker")
     # A bad threshold is refused here, before Ray starts.
     if args.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
@@ -230,4 +250,6 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         threads_per_worker=args.threads_per_worker,
         gpus_per_worker=args.gpus_per_worker,
         ray_address=args.ray_address,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
     )

@@ -1,7 +1,13 @@
 """How the controller starts, checks and stops one worker actor (holds no state): the actor's
 Ray options (its pool's custom resource, its part of a GPU), its engine config, the handshake
 with the other pool, the warm-up request through a prefill -> decode pair, and the drain's wait
-for in-flight work."""
+for in-flight work.
+
+A tensor-parallel worker (its pool's tp N > 1) is N Ray actors in a placement group of N
+bundles (STRICT_PACK: one node; a GPU each on CUDA, a CPU each on CPU): the worker actor is
+rank 0 in bundle 0 (with the pool's resource), and starts ranks 1..N-1 in bundles 1..N-1
+(common/rank_actors.py). The group is the worker's: stop() removes it, which ends every rank.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +49,23 @@ class WorkerTemplate:
     publish_decode_cache: bool = (
         False  # decode: its prefix cache to the index (conditional prefill)
     )
+    # Tensor-parallel ranks of each pool's workers (engine.tensor_parallel_size is ignored).
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            if self.tp(role) < 1:
+                raise ValueError(f"{role}_tp must be >= 1, got {self.tp(role)}")
+        if max(self.prefill_tp, self.decode_tp) > 1 and 0.0 < self.gpus_per_worker < 1.0:
+            raise ValueError(
+                f"a tensor-parallel worker takes whole GPUs (a rank each); gpus_per_worker "
+                f"{self.gpus_per_worker} shares one"
+            )
+
+    def tp(self, role: str) -> int:
+        """Ranks of a worker of role's pool."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
 
 def pool_resource(role: str) -> str:
@@ -87,13 +110,39 @@ def worker_engine_config(role: str, template: WorkerTemplate) -> EngineConfig:
     engine = decode_engine_config(template) if role == "decode" else template.engine
     if 0.0 < template.gpus_per_worker < 1.0:
         engine = replace(engine, gpu_share=template.gpus_per_worker)
+    if engine.tensor_parallel_size != template.tp(role):
+        engine = replace(engine, tensor_parallel_size=template.tp(role))
     return engine
 
 
-def actor_options(role: str, worker_id: str, template: WorkerTemplate) -> dict[str, Any]:
+def rank_bundles(role: str, template: WorkerTemplate) -> list[dict[str, float]]:
+    """A TP worker's placement group: a bundle a rank, rank 0's with its pool's resource."""
+    unit = {"GPU": 1.0} if template.gpus_per_worker else {"CPU": 1.0}
+    return [{pool_resource(role): 1.0, **unit}] + [dict(unit)] * (template.tp(role) - 1)
+
+
+def ranks_group_name(worker_id: str) -> str:
+    return f"{worker_id}-ranks"
+
+
+def rank_group(role: str, worker_id: str, template: WorkerTemplate) -> Any | None:
+    """The placement group a TP worker's ranks share (None at tp 1); it is pending until a
+    node has room for all of them."""
+    if template.tp(role) == 1:
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundles = rank_bundles(role, template)
+    return placement_group(bundles, strategy="STRICT_PACK", name=ranks_group_name(worker_id))
+
+
+def actor_options(
+    role: str, worker_id: str, template: WorkerTemplate, group: Any | None = None
+) -> dict[str, Any]:
     """The worker actor's Ray options: its name, a unit of its pool's resource, its GPU part.
-    Ray gives actors on one card the same CUDA_VISIBLE_DEVICES: each sees its GPU as cuda:0."""
-    return {
+    Ray gives actors on one card the same CUDA_VISIBLE_DEVICES: each sees its GPU as cuda:0.
+    In a TP worker's placement group (group): bundle 0, that bundle's resources."""
+    options: dict[str, Any] = {
         "name": worker_id,
         "namespace": NAMESPACE,
         "num_cpus": 0,
@@ -101,10 +150,21 @@ def actor_options(role: str, worker_id: str, template: WorkerTemplate) -> dict[s
         "resources": {pool_resource(role): 1},
         "max_concurrency": 1000,
     }
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["num_cpus"] = 0 if template.gpus_per_worker else 1
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0
+        )
+    return options
 
 
-def spawn(role: str, worker_id: str, template: WorkerTemplate) -> WorkerActor:
-    """A named worker actor on a node of its pool (pending until such a node exists)."""
+def spawn(
+    role: str, worker_id: str, template: WorkerTemplate, group: Any | None = None
+) -> WorkerActor:
+    """A named worker actor on a node of its pool (pending until such a node exists); a TP
+    worker's in bundle 0 of group (rank_group)."""
     engine = worker_engine_config(role, template)
     if role == "prefill":
         from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -130,7 +190,7 @@ def spawn(role: str, worker_id: str, template: WorkerTemplate) -> WorkerActor:
             router_timeout_s=template.router_timeout_s,
             publish_cache=template.publish_decode_cache,
         )
-    options = actor_options(role, worker_id, template)
+    options = actor_options(role, worker_id, template, group)
     return ray.remote(worker_cls).options(**options).remote(config, worker_id)
 
 
@@ -187,13 +247,27 @@ async def drain(
         await asyncio.sleep(0.2)
 
 
-async def stop(actor: WorkerActor, loaded: bool = True) -> None:
+async def stop(actor: WorkerActor, loaded: bool = True, group: Any | None = None) -> None:
     """Withdraw the worker from Redis, close its NIXL agent, end its process. A worker that has
     not loaded yet (loaded=False) has published nothing, and its shutdown call would wait for
-    its constructor: its process is ended at once."""
+    its constructor: its process is ended at once. A TP worker's placement group (group) is
+    removed after: Ray ends the ranks still in it."""
     if loaded:
         try:
             await asyncio.wait_for(actor.shutdown.remote(), 30.0)
         except Exception as e:  # dead already, or hung: it is killed either way
             logger.info("worker shutdown call failed: %s", e)
     ray.kill(actor, no_restart=True)
+    release_ranks(group)
+
+
+def release_ranks(group: Any | None) -> None:
+    """Remove a TP worker's placement group (its ranks' actors end with it); None: no-op."""
+    if group is None:
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception as e:  # removed already
+        logger.info("placement group removal failed: %s", e)

@@ -23,7 +23,7 @@ from engine.execution.runner import ModelRunner
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
-from engine.parallel.launch import start_leader
+from engine.parallel.launch import StartFollower, start_leader
 from engine.parallel.leader import LeaderRunner, RankLost
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
@@ -42,8 +42,14 @@ from engine.tokenizer import find_tokenizer, stop_token_ids
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, model: nn.Module | None = None):
-        """model: weights already loaded from the same checkpoint (shared across engines)."""
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        model: nn.Module | None = None,
+        start_follower: StartFollower | None = None,
+    ):
+        """model: weights already loaded from the same checkpoint (shared across engines).
+        start_follower: how tensor-parallel ranks 1.. start (None: local processes)."""
         config = config or EngineConfig()
         print(f"kvrelay engine: {config.settings.describe()}", file=sys.stderr, flush=True)
         self.checkpoint_dir = folder = resolve_model(
@@ -56,7 +62,7 @@ class Engine:
         self.device = resolve_device(config.device)
         thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
         # Tensor parallelism: ranks 1.. follow this engine's steps (engine/parallel/).
-        self.leader = start_leader(config, mc)
+        self.leader = start_leader(config, mc, start_follower)
         try:
             parts = build_device_parts(config, mc, folder, self.device, model, self.leader)
         except BaseException:
@@ -141,9 +147,9 @@ class Engine:
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
     ) -> KVLoadPlan | None:
-        """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now."""
-        if self.leader is not None:
-            raise ValueError("prefilled KV is not split across tensor-parallel ranks yet")
+        """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now.
+        At TP > 1 every rank loads its own KV heads of the plan's blocks (Leader.read_on_ranks,
+        before rank 0 reads its own)."""
         return self.admission.add_prefilled(
             req_id, prompt_token_ids, first_token_id, params, cache_salt, num_resumed_tokens,
             choices, kv_retention,
@@ -247,9 +253,9 @@ class Engine:
         return {req_id: self.kv.block_ids(req_id) for req_id in self.loader.loading}
 
     def kv_memory(self) -> KVMemory:
-        """What a peer reads KV from: the device cache, and with keep_on_host the host tier."""
-        if self.leader is not None:  # each rank holds its heads: the handoff reads them all
-            raise ValueError("the KV handoff is not split across tensor-parallel ranks yet")
+        """What a peer reads KV from: the device cache, and with keep_on_host the host tier.
+        At TP > 1 rank 0's cache (its KV heads): every rank registers its own (a peer reads
+        each head from the rank holding it)."""
         return KVMemory(self.kv_cache, self.copies.host if self.config.cache.keep_on_host else None)
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -50,6 +50,32 @@ class AgentMetadata:
     device_id: int
     host_base_addr: int = 0  # the host tier's registered memory (DRAM; 0 blocks: none)
     host_num_blocks: int = 0
+    # Tensor parallelism: the model's KV heads [kv_head_start, kv_head_start + block_shape[2])
+    # are this agent's (its rank's); num_model_kv_heads 0: the block holds every head. A TP
+    # holder's rank 0 carries its other ranks' agents (each registered its own cache).
+    tp_size: int = 1
+    kv_head_start: int = 0
+    num_model_kv_heads: int = 0
+    rank_agents: tuple[AgentMetadata, ...] = ()
+    # An fp8 cache's per-layer (k_scale, v_scale): its blocks hold K / k_scale, V / v_scale,
+    # so both sides must scale alike; () when the checkpoint gives none (1.0).
+    kv_scales: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def kv_heads(self) -> range:
+        """The model's KV heads this agent's blocks hold."""
+        return range(self.kv_head_start, self.kv_head_start + self.block_shape[2])
+
+    @property
+    def model_block_shape(self) -> tuple[int, ...]:
+        """A block's shape holding every KV head of the model (the same on both sides)."""
+        heads = self.num_model_kv_heads or self.block_shape[2]
+        return (*self.block_shape[:2], heads, *self.block_shape[3:])
+
+    @property
+    def ranks(self) -> tuple[AgentMetadata, ...]:
+        """Every rank's agent, rank 0 (this one) first."""
+        return (self, *self.rank_agents)
 
     def region(self) -> RegionLayout:
         return RegionLayout(self.base_addr, self.num_blocks, self.block_bytes, self.device_id)

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 from kvtransfer.base import AgentMetadata
 
-PROTOCOL_VERSION = 3  # 2: head-major blocks; 3: epoch-fenced handoff (begin/done notices)
+# 2: head-major blocks; 3: epoch-fenced handoff (begin/done notices); 4: tensor-parallel
+# layouts (each rank's heads and agent in the handshake; head-slice reads)
+PROTOCOL_VERSION = 4
 # Order of a block's dimensions; block_shape alone cannot tell Hkv from block_size when equal.
 BLOCK_LAYOUT = "num_layers,kv,num_kv_heads,block_size,head_dim"
 
@@ -48,19 +50,23 @@ _FIELDS = (
     ("model_id", "model"),
     ("dtype", "dtype"),
     ("block_size", "block size"),
-    ("block_shape", "layout (block shape)"),
-    ("block_bytes", "block bytes"),
+    ("model_block_shape", "layout (block shape, every KV head)"),
+    ("kv_scales", "KV scales (fp8 cache, per layer)"),
 )
 
 
 def check_compatible(local: AgentMetadata, remote: AgentMetadata) -> None:
-    """Raise IncompatiblePeerError naming every field that differs between the two sides."""
+    """Raise IncompatiblePeerError naming every field that differs between the two sides, or
+    when local's KV heads cannot be read from remote's ranks (head_sources). Two sides of
+    different tensor-parallel sizes are compatible when their blocks, holding every head,
+    would be alike: each local head is read from a remote rank that holds it."""
     differences: list[str] = []
     details: list[str] = []
-    for field, label in _FIELDS:
+    fields = _FIELDS if local.kv_heads != remote.kv_heads else (*_FIELDS, _BLOCK_BYTES)
+    for field, label in fields:
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
-            differences.append(field)
+            differences.append("block_shape" if field == "model_block_shape" else field)
             details.append(f"{label}: local {mine!r} != remote {theirs!r}")
     if not differences and local.compat_hash != remote.compat_hash:
         differences.append("compat_hash")
@@ -71,3 +77,35 @@ def check_compatible(local: AgentMetadata, remote: AgentMetadata) -> None:
             + "; ".join(details),
             differences,
         )
+    head_sources(local, remote)
+
+
+_BLOCK_BYTES = ("block_bytes", "block bytes")
+
+
+def head_sources(local: AgentMetadata, remote: AgentMetadata) -> list[tuple[AgentMetadata, range]]:
+    """Which of remote's ranks each of local's KV heads is read from: (rank's agent, heads)
+    runs covering local.kv_heads in order (a head replicated on several ranks: the first).
+    Raises IncompatiblePeerError naming the layouts when a read cannot be mapped."""
+
+    def layout(meta: AgentMetadata) -> str:
+        heads = meta.kv_heads
+        return f"TP {meta.tp_size}, KV heads [{heads.start}, {heads.stop}) of rank 0"
+
+    refuse = f"cannot map {local.agent_name!r} ({layout(local)}) onto {remote.agent_name!r} "
+    refuse += f"({layout(remote)}): "
+    if len(remote.ranks) != remote.tp_size:
+        raise IncompatiblePeerError(
+            refuse + f"it names {len(remote.ranks)} rank agents for TP {remote.tp_size}",
+            ("rank_agents",),
+        )
+    sources: list[tuple[AgentMetadata, range]] = []
+    for head in local.kv_heads:
+        holder = next((m for m in remote.ranks if head in m.kv_heads), None)
+        if holder is None:
+            raise IncompatiblePeerError(refuse + f"no rank holds KV head {head}", ("kv_heads",))
+        if sources and sources[-1][0] is holder and sources[-1][1].stop == head:
+            sources[-1] = (holder, range(sources[-1][1].start, head + 1))
+        else:
+            sources.append((holder, range(head, head + 1)))
+    return sources

@@ -158,3 +158,63 @@ def split_descriptors(
             left -= take
             room -= take
     return result
+
+
+def head_slice_descriptors(
+    local: RegionLayout,
+    local_heads: range,
+    local_ids: Sequence[int],
+    remote: RegionLayout,
+    remote_heads: range,
+    remote_ids: Sequence[int],
+    heads: range,
+    num_layers: int,
+) -> DescriptorPairs:
+    """(local, remote) descriptors of KV heads `heads` of each (block, layer, k|v) between two
+    caches holding different head ranges of the model (tensor-parallel ranks). A block is
+    [num_layers, 2, its heads, block_size, head_dim]: a head range of one (layer, k|v) is
+    contiguous; slices contiguous on both sides (whole blocks when both hold `heads` only)
+    are coalesced."""
+    if not heads or heads.start < max(local_heads.start, remote_heads.start):
+        raise ValueError(f"heads {heads} are not held by both sides")
+    if heads.stop > min(local_heads.stop, remote_heads.stop):
+        raise ValueError(f"heads {heads} are not held by both sides")
+    head_bytes = local.block_bytes // (num_layers * 2 * len(local_heads))
+    for region, held, side in ((local, local_heads, "local"), (remote, remote_heads, "remote")):
+        if region.block_bytes != num_layers * 2 * len(held) * head_bytes:
+            raise ValueError(
+                f"{side} blocks of {region.block_bytes} B do not hold {num_layers} layers x "
+                f"k|v x {len(held)} heads of {head_bytes} B"
+            )
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"got {len(local_ids)} local and {len(remote_ids)} remote block ids")
+    if not local_ids:
+        raise ValueError("no blocks to transfer")
+    local.check_block_ids(local_ids, "local")
+    remote.check_block_ids(remote_ids, "remote")
+    length = len(heads) * head_bytes
+    local_descs: list[Descriptor] = []
+    remote_descs: list[Descriptor] = []
+    for local_id, remote_id in sorted(zip(local_ids, remote_ids, strict=True)):
+        for chunk in range(num_layers * 2):  # (layer, k|v), in memory order
+            pair = (
+                local.base_addr
+                + local_id * local.block_bytes
+                + (chunk * len(local_heads) + heads.start - local_heads.start) * head_bytes,
+                remote.base_addr
+                + remote_id * remote.block_bytes
+                + (chunk * len(remote_heads) + heads.start - remote_heads.start) * head_bytes,
+            )
+            if (
+                local_descs
+                and local_descs[-1].addr + local_descs[-1].length == pair[0]
+                and remote_descs[-1].addr + remote_descs[-1].length == pair[1]
+            ):
+                local_descs[-1] = local_descs[-1]._replace(length=local_descs[-1].length + length)
+                remote_descs[-1] = remote_descs[-1]._replace(
+                    length=remote_descs[-1].length + length
+                )
+                continue
+            local_descs.append(Descriptor(pair[0], length, local.device_id))
+            remote_descs.append(Descriptor(pair[1], length, remote.device_id))
+    return local_descs, remote_descs

@@ -26,8 +26,14 @@ from kvtransfer.base import (
     TransferHandle,
     TransferState,
 )
-from kvtransfer.handshake import PROTOCOL_VERSION, check_compatible, compat_hash
-from kvtransfer.layout import Descriptor, DescriptorPairs, block_descriptors, split_descriptors
+from kvtransfer.handshake import PROTOCOL_VERSION, check_compatible, compat_hash, head_sources
+from kvtransfer.layout import (
+    Descriptor,
+    DescriptorPairs,
+    block_descriptors,
+    head_slice_descriptors,
+    split_descriptors,
+)
 from kvtransfer.nixl_agent import (
     BACKEND,
     DEFAULT_PROGRESS_DELAY_US,
@@ -161,6 +167,42 @@ class NixlTransfer(KVTransfer):
     def metadata(self) -> AgentMetadata:
         return self._require_meta()
 
+    def set_layout(
+        self,
+        tp_size: int,
+        kv_head_start: int,
+        num_model_kv_heads: int,
+        rank_agents: Sequence[AgentMetadata] = (),
+    ) -> None:
+        """A tensor-parallel rank's cache: it holds block_shape[2] of the model's
+        num_model_kv_heads KV heads from kv_head_start; rank 0's carries its other ranks'
+        agents (registered in their own processes), which peers read their heads from."""
+        meta = self._require_meta()
+        heads = meta.block_shape[2]
+        if not 0 <= kv_head_start <= num_model_kv_heads - heads:
+            raise ValueError(
+                f"KV heads [{kv_head_start}, {kv_head_start + heads}) are not within the "
+                f"model's {num_model_kv_heads}"
+            )
+        meta = replace(
+            meta,
+            tp_size=tp_size,
+            kv_head_start=kv_head_start,
+            num_model_kv_heads=num_model_kv_heads,
+            rank_agents=tuple(rank_agents),
+        )
+        self._meta = replace(
+            meta,
+            compat_hash=compat_hash(
+                meta.model_id, meta.dtype, meta.block_size, meta.model_block_shape
+            ),
+        )
+
+    def set_kv_scales(self, kv_scales: Sequence[tuple[float, float]]) -> None:
+        """The per-layer (k_scale, v_scale) this side's fp8 blocks are stored with."""
+        scales = tuple((float(k), float(v)) for k, v in kv_scales)
+        self._meta = replace(self._require_meta(), kv_scales=scales)
+
     def add_peer(self, meta: AgentMetadata) -> str:
         local = self._require_meta()
         check_compatible(local, meta)
@@ -172,17 +214,29 @@ class NixlTransfer(KVTransfer):
             return name
         if known is not None:  # same name, new metadata: the peer restarted
             self.remove_peer(name)
+        connected: list[str] = []
         try:
-            loaded = self._agent.add_remote_agent(meta.nixl_metadata)
-            self._agent.make_connection(name, backends=[BACKEND])
+            for rank in meta.ranks:  # a TP peer: every rank's agent (each its own heads)
+                loaded = self._agent.add_remote_agent(rank.nixl_metadata)
+                loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+                connected.append(loaded)
+                if loaded != rank.agent_name:
+                    raise KVTransferError(
+                        f"NIXL metadata names agent {loaded!r}, expected {rank.agent_name!r}"
+                    )
+                self._agent.make_connection(rank.agent_name, backends=[BACKEND])
         except Exception as e:
+            for agent in connected:
+                try:
+                    self._agent.remove_remote_agent(agent)
+                except Exception as remove_error:
+                    logger.warning("NIXL could not remove agent %r: %r", agent, remove_error)
+            if isinstance(e, KVTransferError):
+                raise
             raise KVTransferError(
                 f"could not connect to peer {name!r} ({meta.device_kind}, "
                 f"UCX_TLS={os.environ.get('UCX_TLS')!r}): {e!r}"
             ) from e
-        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
-        if loaded != name:
-            raise KVTransferError(f"NIXL metadata names agent {loaded!r}, expected {name!r}")
         self._peers[name] = meta
         return name
 
@@ -192,11 +246,11 @@ class NixlTransfer(KVTransfer):
         for read in self._reads.values():
             if read.peer == peer and read.state is TransferState.PENDING:
                 self._fail(read, f"peer {peer!r} was removed")
-        del self._peers[peer]
-        try:
-            self._agent.remove_remote_agent(peer)
-        except Exception as e:
-            logger.warning("NIXL could not remove peer %r: %r", peer, e)
+        for rank in self._peers.pop(peer).ranks:
+            try:
+                self._agent.remove_remote_agent(rank.agent_name)
+            except Exception as e:
+                logger.warning("NIXL could not remove peer %r: %r", rank.agent_name, e)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -217,13 +271,18 @@ class NixlTransfer(KVTransfer):
             raise ValueError(f"num_remote_host {h} is out of range")
         if h and not remote.host_num_blocks:
             raise ValueError(f"peer {peer!r} registered no host tier to read from")
-        parts: list[tuple[DescriptorPairs, str]] = []
+        if remote.ranks != (remote,) or local.kv_heads != remote.kv_heads:
+            if h:
+                raise ValueError(f"peer {peer!r} is tensor-parallel: no host-tier reads")
+            parts = self._head_slice_parts(local, local_block_ids, remote, remote_block_ids)
+            return self._start(peer, parts, notif_msg, len(local_block_ids))
+        parts: list[tuple[DescriptorPairs, str, str]] = []
         num_descs = 0  # coalesced, before any cutting into parts
         if h:  # one part from the peer's host memory
             host_pairs = block_descriptors(
                 local.region(), local_block_ids[:h], remote.host_region(), remote_block_ids[:h]
             )
-            parts.append((host_pairs, "DRAM"))
+            parts.append((host_pairs, "DRAM", peer))
             num_descs += len(host_pairs[0])
         if h < len(local_block_ids) or not h:
             local_descs, remote_descs = block_descriptors(
@@ -236,10 +295,48 @@ class NixlTransfer(KVTransfer):
                 local.block_bytes,
                 self.min_part_bytes,
             )
-            parts += [(pair, MEM_TYPES[remote.device_kind]) for pair in device_parts]
+            parts += [(pair, MEM_TYPES[remote.device_kind], peer) for pair in device_parts]
             num_descs += len(local_descs)
-        one_part = len(parts) == 1
-        xfers = self._init_xfers(peer, parts, notif_msg if one_part else b"", len(local_block_ids))
+        return self._start(peer, parts, notif_msg, len(local_block_ids), num_descs)
+
+    def _head_slice_parts(
+        self,
+        local: AgentMetadata,
+        local_block_ids: Sequence[int],
+        remote: AgentMetadata,
+        remote_block_ids: Sequence[int],
+    ) -> list[tuple[DescriptorPairs, str, str]]:
+        """One part a remote rank: the (block, layer, k|v) slices of the heads it holds that
+        this side holds too (handshake.head_sources), straight into this side's blocks."""
+        parts = []
+        for rank, heads in head_sources(local, remote):
+            pairs = head_slice_descriptors(
+                local.region(),
+                local.kv_heads,
+                local_block_ids,
+                rank.region(),
+                rank.kv_heads,
+                remote_block_ids,
+                heads,
+                local.block_shape[0],
+            )
+            parts.append((pairs, MEM_TYPES[rank.device_kind], rank.agent_name))
+        return parts
+
+    def _start(
+        self,
+        peer: str,
+        parts: list[tuple[DescriptorPairs, str, str]],
+        notif_msg: bytes,
+        num_blocks: int,
+        num_descs: int | None = None,
+    ) -> TransferHandle:
+        """Post one READ a part; notif_msg goes to peer with the only part, or on its own
+        once every part is done."""
+        if num_descs is None:
+            num_descs = sum(len(pairs[0]) for pairs, _, _ in parts)
+        one_part = len(parts) == 1 and parts[0][2] == peer
+        xfers = self._init_xfers(parts, notif_msg if one_part else b"", num_blocks)
         read = _Read(
             xfers,
             list(xfers),
@@ -248,7 +345,7 @@ class NixlTransfer(KVTransfer):
             notif_msg=b"" if one_part else notif_msg,
         )
         self._post(read)
-        handle = TransferHandle(self._next_xfer_id, peer, len(local_block_ids), num_descs)
+        handle = TransferHandle(self._next_xfer_id, peer, num_blocks, num_descs)
         self._next_xfer_id += 1
         self._reads[handle.xfer_id] = read
         return handle
@@ -354,17 +451,17 @@ class NixlTransfer(KVTransfer):
 
     def _init_xfers(
         self,
-        peer: str,
-        parts: list[tuple[DescriptorPairs, str]],
+        parts: list[tuple[DescriptorPairs, str, str]],
         notif_msg: bytes,
         num_blocks: int,
     ) -> list[Any]:
-        """One NIXL READ handle per part (not posted), each with the remote memory type it
-        reads; none is left behind if one is refused."""
+        """One NIXL READ handle per part (not posted), each with the remote memory type and
+        agent it reads; none is left behind if one is refused."""
         local_mem = MEM_TYPES[self._require_meta().device_kind]
         xfers: list[Any] = []
+        peer = parts[0][2] if parts else ""
         try:
-            for (local_descs, remote_descs), remote_mem in parts:
+            for (local_descs, remote_descs), remote_mem, peer in parts:
                 xfers.append(
                     self._agent.initialize_xfer(
                         "READ",
@@ -425,6 +522,7 @@ def _describe(agent_name: str, model_id: str, kv: torch.Tensor, nixl_md: bytes) 
     dtype = str(kv.dtype).removeprefix("torch.")
     block_shape = tuple(int(d) for d in kv.shape[1:])
     block_size = block_shape[3]  # [L, 2, Hkv, block_size, D]
+    # (set_layout recomputes the hash over every KV head of the model for a TP rank)
     return AgentMetadata(
         agent_name=agent_name,
         protocol_version=PROTOCOL_VERSION,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -35,17 +36,24 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class Follower:
-    def __init__(self, config: EngineConfig, rank: int, address: str):
-        """Join rank 0's group at address, then load this rank's shard and build its cache."""
-        self.device = rank_device(config.device, rank)
+    def __init__(
+        self, config: EngineConfig, rank: int, address: str, device: torch.device | None = None
+    ):
+        """Join rank 0's group at address, then load this rank's shard and build its cache.
+        device: this rank's (None: rank_device; a Ray actor sees its one GPU as cuda:0)."""
+        self.device = device if device is not None else rank_device(config.device, rank)
         size, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout_s
         self.tp = join_group(rank, size, address, self.device, timeout_s)
         folder = resolve_model(config.model, cache_dir=config.settings.cache_dir)
-        model_config = read_model_config(folder, served_model_id(config.model))
+        self.model_config = model_config = read_model_config(folder, served_model_id(config.model))
         side = build_rank_side(config, model_config, folder, self.device, None, self.tp)
         self.runner = ModelRunner(side.model, side.backend, None, side.config.cache.block_size)
+        self.kv_cache = side.backend.kv_cache  # this rank's heads of every block
         self.copies = BlockCopies(side.backend.kv_cache, side.config.cache.host_kv_cache_bytes)
         self.num_steps = 0
+        # Reads a ReadPlan's KV into this rank's cache, True once done (its host sets it: a
+        # worker's rank reads over its own NIXL agent); None: a ReadPlan fails.
+        self.on_read: Callable[[step_plan.ReadPlan], bool] | None = None
 
     def run(self) -> None:
         """Run rank 0's messages until its Shutdown (a collective error propagates)."""
@@ -55,9 +63,20 @@ class Follower:
                 return
             if isinstance(message, step_plan.CopyPlan):
                 self.copies.run(message.copies, message.wait)
+            elif isinstance(message, step_plan.ReadPlan):
+                step_plan.agree(self.tp, self._read(message))
             else:
                 self.runner.run_inputs(message.inputs, message.rows)
                 self.num_steps += 1
+
+    def _read(self, plan: step_plan.ReadPlan) -> bool:
+        if self.on_read is None:
+            return False
+        try:
+            return self.on_read(plan)
+        except Exception as error:  # the ranks agree it failed: rank 0 recomputes the prompt
+            print(f"kvrelay rank {self.tp.rank}: read failed: {error!r}", file=sys.stderr)
+            return False
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ exited; the group is then dead (no later step runs on it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -24,6 +25,8 @@ from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.manager import KVCacheManager
 from engine.parallel import step_plan
 from engine.parallel.tensor_parallel import TensorParallel
+
+EXIT_NOTICE_S = 2.0  # fail(): how long a rank that broke a collective has to show its exit
 
 
 class RankLost(RuntimeError):
@@ -56,17 +59,33 @@ class Leader:
         except RuntimeError as error:
             raise self.fail(error) from error
 
+    def read_on_ranks(self, plan: step_plan.ReadPlan) -> bool:
+        """Every follower reads its own heads of plan's blocks; True when all of them did
+        (they read at once, each over its own agent; this returns when they are done)."""
+        self.send(plan)
+        try:
+            return step_plan.agree(self.tp, True, self.timeout_s)
+        except RuntimeError as error:
+            raise self.fail(error) from error
+
     def check_alive(self) -> None:
         if self.lost is not None:
             raise RankLost(f"the tensor-parallel group failed earlier: {self.lost}")
 
     def fail(self, error: BaseException) -> RankLost:
-        """The error to raise for a failed collective; the group is dead from now on."""
-        exited = [
-            f"rank {f.rank} ({how})"
-            for f in self.followers
-            if (how := f.exit_description()) is not None
-        ]
+        """The error to raise for a failed collective; the group is dead from now on. A rank
+        whose sockets closed is often not yet seen to have exited (a Ray actor's death notice
+        comes a moment later): up to EXIT_NOTICE_S is given for its exit to show."""
+        deadline = time.monotonic() + EXIT_NOTICE_S
+        while True:
+            exited = [
+                f"rank {f.rank} ({how})"
+                for f in self.followers
+                if (how := f.exit_description()) is not None
+            ]
+            if exited or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         who = (
             f"{', '.join(exited)} exited"
             if exited

@@ -41,11 +41,23 @@ class CopyPlan:
 
 
 @dataclass(frozen=True)
+class ReadPlan:
+    """A prefilled prompt's KV read by every rank into its own cache (its own KV heads of
+    local_block_ids, from the holder's blocks remote_block_ids): `peer` is the holder as the
+    ranks' reader knows it (opaque here: the worker's, e.g. its NIXL metadata). The ranks then
+    agree (agree()) whether every read succeeded, before rank 0 reads its own heads."""
+
+    peer: object
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The followers leave their loop and their process ends."""
 
 
-Message = StepPlan | CopyPlan | Shutdown
+Message = StepPlan | CopyPlan | ReadPlan | Shutdown
 
 
 def send(tp: TensorParallel, message: Message, timeout_s: float) -> None:
@@ -63,9 +75,21 @@ def receive(tp: TensorParallel) -> Message:
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(tp, data)
     message = pickle.loads(data.numpy().tobytes())
-    if not isinstance(message, StepPlan | CopyPlan | Shutdown):
+    if not isinstance(message, StepPlan | CopyPlan | ReadPlan | Shutdown):
         raise TypeError(f"rank {tp.rank} got {type(message).__name__}, not a step message")
     return message
+
+
+def agree(tp: TensorParallel, ok: bool, timeout_s: float | None = None) -> bool:
+    """Whether every rank's ok is True (a MIN over the control group); rank 0 waits up to
+    timeout_s, a follower as long as the control group's timeout."""
+    x = torch.tensor([int(ok)], dtype=torch.int64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    if timeout_s is not None:
+        options.timeout = timedelta(seconds=timeout_s)
+    tp.control.allreduce([x], options).wait()
+    return bool(x.item())
 
 
 def _broadcast(tp: TensorParallel, x: torch.Tensor, timeout: timedelta | None = None) -> None:

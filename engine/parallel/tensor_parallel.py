@@ -123,15 +123,19 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         )
 
 
+def rank_kv_heads(num_kv_heads: int, rank: int, size: int) -> range:
+    """The KV heads rank holds of size ranks (split, or one replicated when fewer than ranks)."""
+    if num_kv_heads % size == 0:
+        return range(rank * num_kv_heads // size, (rank + 1) * num_kv_heads // size)
+    replicas = size // num_kv_heads
+    return range(rank // replicas, rank // replicas + 1)
+
+
 def rank_shard(config: ModelConfig, tp: TensorParallel) -> RankShard:
     check_tensor_parallel(config, tp.world_size)
     r, n = tp.rank, tp.world_size
-    heads, kv_heads = config.num_heads // n, config.num_kv_heads
-    if kv_heads % n == 0:
-        kv = range(r * kv_heads // n, (r + 1) * kv_heads // n)
-    else:
-        replicas = n // kv_heads
-        kv = range(r // replicas, r // replicas + 1)
+    heads = config.num_heads // n
+    kv = rank_kv_heads(config.num_kv_heads, r, n)
     inter = config.intermediate_size // n
     rows = -(-config.vocab_size // n)
     return RankShard(

@@ -1,6 +1,7 @@
 """The dependency direction of the layout (README "Layout"), read from every module's imports:
-engine imports nothing of ours; common only the engine (and kvtransfer in worker_runtime.py, which
-only the workers import); the workers neither each other nor the router; the router no worker."""
+engine imports nothing of ours; common only the engine (and kvtransfer in worker_runtime.py and
+rank_actors.py, which only the workers import); the workers neither each other nor the router;
+the router no worker."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = ("engine", "common", "kvtransfer", "prefill_worker", "decode_worker", "router", "deploy")
 ALLOWED = {
     "engine": {"engine"},
-    "common": {"common", "engine", "kvtransfer"},  # kvtransfer: worker_runtime.py only
+    "common": {"common", "engine", "kvtransfer"},  # kvtransfer: WORKER_ONLY
     "kvtransfer": {"kvtransfer"},
     "prefill_worker": {"prefill_worker", "common", "engine", "kvtransfer"},
     "decode_worker": {"decode_worker", "common", "engine", "kvtransfer"},
@@ -41,15 +42,19 @@ def test_package_imports_only_what_the_layout_allows(package: str) -> None:
     assert not {path: names for path, names in bad.items() if names}
 
 
+# common's modules that only the workers import (a worker's process: NIXL, its ranks' actors)
+WORKER_ONLY = ("worker_runtime", "rank_actors")
+
+
 def test_only_the_workers_import_the_worker_runtime() -> None:
     users = {
         str(path.relative_to(ROOT))
         for package in ("router", "engine", "kvtransfer")
         for path in (ROOT / package).rglob("*.py")
-        if "common.worker_runtime" in path.read_text()
+        if any(f"common.{name}" in path.read_text() for name in WORKER_ONLY)
     }
     assert not users
     kvtransfer_users = {
         path.name for path in (ROOT / "common").glob("*.py") if "kvtransfer" in path.read_text()
     }
-    assert kvtransfer_users <= {"worker_runtime.py"}
+    assert kvtransfer_users <= {f"{name}.py" for name in WORKER_ONLY}
