@@ -131,6 +131,8 @@ class WorkerBase(ABC):
         if not self.lifecycle.stop():
             return
         self.thread.stop()
+        if not self.thread.is_alive():  # the engine is ours again: its disk tier keeps its blocks
+            self.engine.flush_disk_tier()
         self.index_upkeep.withdraw()
         self.transfer.close()
 

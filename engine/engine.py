@@ -170,10 +170,16 @@ class Engine:
             self.kv.release_kept(req_id)
 
     def shutdown(self) -> None:
-        """End the tensor-parallel follower ranks (none with one rank); the engine steps no
-        more after it. Idempotent."""
+        """Write the cached blocks the disk tier lacks into it (a restart on the same directory
+        finds them), end the tensor-parallel follower ranks (none with one rank); the engine
+        steps no more after it. Idempotent."""
+        self.flush_disk_tier()
         if self.leader is not None:
             self.leader.shutdown()
+
+    def flush_disk_tier(self) -> None:
+        """Write every cached block the disk tier lacks into it (none without one)."""
+        self.copies.flush_to_disk(self.kv)
 
     def is_unfinished(self, req_id: str) -> bool:
         return self.admission.is_unfinished(req_id)
