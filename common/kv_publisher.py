@@ -179,6 +179,8 @@ class KVPublisher:
             op = "+" if isinstance(event, BlockStored) else "-"
             if not isinstance(event, BlockStored | BlockRemoved):
                 raise TypeError(f"unknown KV event {event!r}")
+            if event.tier == "disk":
+                continue  # the index has no disk tier yet (issue 50): not a device block
             if event.tier == "host":
                 op = HOST_OPS[op]
             for block_hash in event.block_hashes:

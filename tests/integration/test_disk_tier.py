@@ -85,6 +85,11 @@ def test_a_working_set_ten_times_the_pools_hits_from_disk_token_exact(tiny, tmp_
     assert all(cached == 8 * BLOCK for _, cached in again[:12]), [c for _, c in again]
     assert disk.num_hit_blocks >= 80 and eng.kv.num_disk_hit_blocks == disk.num_hit_blocks
     assert disk.num_bad_files == 0
+    snap = eng.snapshot()
+    assert snap.num_disk_hit_blocks == disk.num_hit_blocks
+    assert snap.num_disk_hit_bytes == disk.num_hit_blocks * BLOCK_BYTES
+    assert snap.num_disk_stored_blocks == disk.num_stored >= 100
+    assert snap.num_disk_cached_blocks == disk.num_cached and snap.disk_load_s > 0
 
 
 def test_a_restarted_engine_hits_the_blocks_its_directory_holds(tiny, tmp_path, caplog):
