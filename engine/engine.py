@@ -54,6 +54,7 @@ def disk_counters(disk: DiskTier | None) -> dict[str, int | float]:
         "num_disk_write_failures": disk.num_write_failures,
         "num_disk_cached_blocks": disk.num_cached,
         "disk_load_s": disk.read_s,
+        "num_disk_reads": disk.num_reads,
     }
 
 

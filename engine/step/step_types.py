@@ -91,6 +91,7 @@ class EngineSnapshot(NamedTuple):
     num_disk_write_failures: int = 0
     num_disk_cached_blocks: int = 0
     disk_load_s: float = 0.0
+    num_disk_reads: int = 0  # files read and checked (hits and bad files)
 
 
 class KVMemory(NamedTuple):
