@@ -12,7 +12,7 @@ import torch
 
 from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
 from engine.config import CacheConfig, EngineConfig
-from engine.kv_cache.block_pool import BlockRemoved, BlockStored
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVBlock
 from engine.kv_cache.disk_tier import DiskTier, Spill
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
@@ -106,6 +106,22 @@ def test_host_evictions_are_spilled_once_and_known_blocks_are_not_rewritten() ->
     host.release(0)
     assert host.store(300, 35) == 0  # evicts 200, already on disk: no second write
     assert owed.drain_spills() == []
+
+
+def test_device_evictions_spill_when_no_host_slot_can_take_them() -> None:
+    host = HostTier(1)
+    disk = DiskTier(4, DictFiles())
+    owed = OwedCopies(host, write_behind=True, disk_tier=disk)
+    assert host.store(100, 35) == 0  # its one slot lent (a copy into it still owed)
+    owed.evicted(KVBlock(7, block_hash=200, priority=90))
+    assert owed.drain_spills() == [Spill(200, 7, False, 90)]  # the device block, its priority
+    alone = OwedCopies(None, disk_tier=disk)  # no host tier at all
+    alone.evicted(KVBlock(3, block_hash=300))
+    assert alone.drain_spills() == [Spill(300, 3, False, 35)]
+    put(disk, 300)
+    alone.evicted(KVBlock(3, block_hash=300, priority=60))  # on disk already: re-ranked only
+    assert alone.drain_spills() == []
+    disk.check_integrity()
 
 
 def test_block_files_round_trip_and_refuse_bad_ones(tmp_path) -> None:
