@@ -75,7 +75,7 @@ class BlockCopies:
         copies = kv.owed.drain_copies()
         self._owed = kv.owed
         if kv.disk_tier is not None:
-            kv.disk_tier.clear_staged()
+            kv.disk_tier.trim_staged()
         freed = set() if wait else kv.pool.take_freed()
         ahead = self._copy_back_stream is not None and self.copy_back_ahead and not wait
         if ahead and copies and can_run_ahead(copies, set() if self._steps_done() else freed):

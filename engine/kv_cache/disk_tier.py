@@ -52,10 +52,12 @@ class DiskTier:
         record_events: bool = False,
         read_errors: tuple[type[BaseException], ...] = (Exception,),
         block_bytes: int = 0,
+        max_staged_bytes: int = 256 << 20,
     ):
         """num_blocks: the size bound (files of num_blocks blocks at most). read_errors: what
         files.read raises for a file that must not be loaded. block_bytes: one block's KV (for
-        the byte counters)."""
+        the byte counters). max_staged_bytes: blocks read for a match not admitted yet are kept
+        up to this many bytes (a request waiting for memory does not re-read its files)."""
         if num_blocks < 1:
             raise ValueError(f"a disk tier holds at least one block, got num_blocks={num_blocks}")
         self.num_slots = num_blocks
@@ -63,6 +65,7 @@ class DiskTier:
         self.record_events = record_events  # KV events (tier "disk") for the cluster index
         self.read_errors = read_errors
         self.block_bytes = block_bytes
+        self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         self._events: list[KVEvent] = []
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
@@ -194,9 +197,11 @@ class DiskTier:
         self.num_hit_blocks += 1
         return payload
 
-    def clear_staged(self) -> None:
-        """Blocks read for a match that was not admitted: read again when matched again."""
-        self._staged.clear()
+    def trim_staged(self) -> None:
+        """Blocks read for a match that was not admitted: the newest kept up to the bound
+        (max_staged_bytes), the rest read again when matched again."""
+        while len(self._staged) > self.max_staged:
+            del self._staged[next(iter(self._staged))]
 
     def check_integrity(self) -> None:
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())

@@ -72,6 +72,19 @@ def test_a_bad_file_is_removed_and_logged_once(caplog) -> None:
     tier.check_integrity()
 
 
+def test_blocks_staged_for_a_match_not_admitted_are_kept_up_to_the_bound() -> None:
+    files = DictFiles()
+    tier = DiskTier(8, files, block_bytes=10, max_staged_bytes=20)
+    for h in (1, 2, 3):
+        put(tier, h)
+        assert tier.stage(h)
+    tier.trim_staged()  # room for two: the oldest is read again when matched again
+    files.files[1] = files.files[3] = "bad"
+    assert tier.stage(3) and not tier.stage(1)  # 3 was kept (checked already); 1 is re-read
+    assert tier.num_reads == 4 and tier.take(2) == "kv2"
+    tier.check_integrity()
+
+
 def test_a_full_disk_stores_nothing_and_says_so_once(caplog) -> None:
     files = DictFiles()
     tier = DiskTier(8, files)
