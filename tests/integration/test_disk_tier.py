@@ -5,6 +5,7 @@ request; salts and models never share a block."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import subprocess
@@ -12,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from common.index_upkeep import make_publisher, worker_load
 from engine.engine import Engine
 from engine.kv_cache.disk_tier import DiskTier
+from engine.kv_cache.hashing import hash_blocks
 from engine.sampling.sampling_params import SamplingParams
 from kvtransfer.disk_blocks import SUFFIX
+from router.prefix_index import PrefixIndex
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
 
@@ -37,7 +41,9 @@ def prompts(n: int, num_blocks: int = 8, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 512) for _ in range(num_blocks * BLOCK + 1)] for _ in range(n)]
 
 
-def engine(model: Path, disk: Path | None, disk_blocks: int = 400, host: bool = True) -> Engine:
+def engine(
+    model: Path, disk: Path | None, disk_blocks: int = 400, host: bool = True, **more
+) -> Engine:
     tiers = {}
     if disk is not None:
         tiers = {"disk_kv_cache_bytes": disk_blocks * (4096 + BLOCK_BYTES), "disk_kv_path": disk}
@@ -47,6 +53,7 @@ def engine(model: Path, disk: Path | None, disk_blocks: int = 400, host: bool = 
         host_kv_cache_bytes=HOST_BLOCKS * BLOCK_BYTES if host else 0,
         max_num_seqs=1,
         **tiers,
+        **more,
     )
 
 
@@ -183,3 +190,23 @@ def test_another_model_or_layout_ignores_the_old_files(tiny, tmp_path, caplog):
     assert f"ignored {num_old} of other models or layouts" in caplog.text
     got = serve(eng, batch)
     assert all(cached == 0 for _, cached in got) and disk_of(eng).num_hit_blocks == 0
+
+
+def test_a_restarted_worker_publishes_its_disk_blocks_to_the_index(tiny, tmp_path, redis_url):
+    batch = prompts(3, seed=6)
+    first = engine(tiny, tmp_path / "disk", record_kv_events=True)
+    serve(first, batch)
+    first.shutdown()  # a clean stop: every block is on disk
+    eng = engine(tiny, tmp_path / "disk", record_kv_events=True)  # the restart
+    publisher = make_publisher(redis_url, "w", eng, "actor", "prefill", "")
+    assert publisher is not None
+    assert publisher.publish(eng.drain_kv_events(), worker_load(eng.snapshot()))
+    hashes = hash_blocks(batch[0], BLOCK, eng.model_id)
+
+    async def overlap():
+        async with PrefixIndex(redis_url, eng.model_id, retry_interval_s=0.0) as index:
+            return await index.prefix_overlap(hashes, ["w"])
+
+    got = asyncio.run(overlap())
+    assert got == {"w": 8} and got.disk == {"w": 8}  # credited as disk-tier blocks
+    publisher.close()
