@@ -52,6 +52,13 @@ class WorkerStats:
     num_partial_reused_tokens: int = 0  # tokens reused from a partly matching cached block
     num_host_offloaded_blocks: int = 0  # cached blocks moved to the host tier when evicted
     num_host_hit_blocks: int = 0  # prefix blocks copied back from the host tier
+    num_disk_stored_blocks: int = 0  # cached blocks written to the disk tier
+    num_disk_hit_blocks: int = 0  # prefix blocks loaded back from the disk tier
+    num_disk_hit_bytes: int = 0
+    num_disk_bad_files: int = 0  # disk tier files found corrupt or truncated (recomputed)
+    num_disk_write_failures: int = 0  # blocks the disk refused (full): not stored
+    num_disk_cached_blocks: int = 0  # block files its disk tier holds now
+    disk_load_s: float = 0.0  # seconds spent reading and checking disk tier files
     # Speculative decoding: request-steps that verified drafts, tokens drafted, accepted.
     num_spec_verify_steps: int = 0
     num_spec_drafted_tokens: int = 0

@@ -27,6 +27,9 @@ def worker_load(snapshot: EngineSnapshot) -> WorkerLoad:
         queued_tokens=snapshot.num_queued_tokens,
         prefill_tok_s=round(snapshot.tokens_per_s),
         step_us=round(snapshot.step_s * 1e6),
+        disk_load_us=round(snapshot.disk_load_s * 1e6 / snapshot.num_disk_reads)
+        if snapshot.num_disk_reads
+        else 0,
     )
 
 
@@ -110,6 +113,7 @@ def make_publisher(
         role,
         cached_hashes=engine.cached_hashes,
         host_hashes=engine.host_cached_hashes,
+        disk_hashes=engine.disk_cached_hashes,
         actor_name=actor_name,
         nixl_agent=agent_name,
     )

@@ -4,11 +4,13 @@ Keys of one model (`{model}` is a literal Redis Cluster hash tag, so every key o
 in one slot and the scripts below stay valid on a cluster):
     kvr:{model}:b:{hash}      SET   worker ids holding that block (hash as engine hash_hex) in
                                     device memory, and "{worker}#h" for those holding it in
-                                    their host tier (one member per tier); shared TTL (below)
+                                    their host tier, "{worker}#d" in their disk tier (one
+                                    member per tier); shared TTL (below)
     kvr:{model}:wb:{worker}   SET   block hashes (hex) a worker holds, for cleanup; "{hex}#h"
-                                    for its host tier; TTL BLOCKS_TTL_FACTOR x the HASH's,
-                                    refreshed with it (whoever finds the HASH expired can
-                                    still remove the worker's block entries meanwhile)
+                                    for its host tier, "{hex}#d" for its disk tier; TTL
+                                    BLOCKS_TTL_FACTOR x the HASH's, refreshed with it
+                                    (whoever finds the HASH expired can still remove the
+                                    worker's block entries meanwhile)
     kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, state, WorkerLoad fields,
                                     epoch; TTL
     kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
@@ -34,6 +36,7 @@ KEY_PREFIX = "kvr"
 LOAD_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(WorkerLoad))
 _BAD_ID_CHARS = frozenset("{}*?[]\\ \t\r\n#")
 HOST = "#h"  # the suffix of a host-tier member: "{worker}#h" in a block SET, "{hex}#h" in wb:
+DISK = "#d"  # the suffix of a disk-tier member, likewise
 BLOCKS_TTL_FACTOR = 60  # a wb: SET lives this many times its worker HASH's TTL past the last write
 
 
@@ -97,43 +100,49 @@ def parse_worker(worker_id: str, fields: dict[str, str]) -> WorkerInfo:
 
 
 # Longest-prefix overlap, shared by both read scripts, as the engine matches a prefix: leading
-# blocks in device memory, then the blocks after them in the host tier. ids: candidate worker
-# ids; block keys are KEYS[first..#KEYS] in chain order. A worker's count stops at its first
-# block held in neither tier (or a device-only block after a host one), and the loop stops at
-# the first block no remaining candidate holds (one SMISMEMBER per block). Returns a flat list:
-# device count, host count, for each id in order.
+# blocks in device memory, then the blocks after them in the host tier, then those after them
+# in the disk tier. ids: candidate worker ids; block keys are KEYS[first..#KEYS] in chain order.
+# A worker's count stops at its first block held in no tier (or in a faster tier only, after a
+# slower one), and the loop stops at the first block no remaining candidate holds (one
+# SMISMEMBER per block). Returns a flat list: device, host, disk counts, for each id in order.
 _LUA_OVERLAP = """
 local function overlap(first, ids)
-  local device, host, alive = {}, {}, {}
-  for i = 1, #ids do device[i] = 0; host[i] = 0; alive[i] = i end
+  local device, host, disk, alive = {}, {}, {}, {}
+  for i = 1, #ids do device[i] = 0; host[i] = 0; disk[i] = 0; alive[i] = i end
   for k = first, #KEYS do
     if #alive == 0 then break end
     local args = {}
     for j = 1, #alive do
-      args[2 * j - 1] = ids[alive[j]]
-      args[2 * j] = ids[alive[j]] .. '#h'
+      args[3 * j - 2] = ids[alive[j]]
+      args[3 * j - 1] = ids[alive[j]] .. '#h'
+      args[3 * j] = ids[alive[j]] .. '#d'
     end
     local hits = redis.call('SMISMEMBER', KEYS[k], unpack(args))
     local still = {}
     for j = 1, #alive do
       local i = alive[j]
-      if host[i] == 0 and hits[2 * j - 1] == 1 then
+      if host[i] == 0 and disk[i] == 0 and hits[3 * j - 2] == 1 then
         device[i] = device[i] + 1
         still[#still + 1] = i
-      elseif hits[2 * j] == 1 then
+      elseif disk[i] == 0 and hits[3 * j - 1] == 1 then
         host[i] = host[i] + 1
+        still[#still + 1] = i
+      elseif hits[3 * j] == 1 then
+        disk[i] = disk[i] + 1
         still[#still + 1] = i
       end
     end
     alive = still
   end
   local counts = {}
-  for i = 1, #ids do counts[2 * i - 1] = device[i]; counts[2 * i] = host[i] end
+  for i = 1, #ids do
+    counts[3 * i - 2] = device[i]; counts[3 * i - 1] = host[i]; counts[3 * i] = disk[i]
+  end
   return counts
 end
 """
 
-# KEYS: block keys; ARGV: worker ids -> (device, host) counts, flat, in ARGV order.
+# KEYS: block keys; ARGV: worker ids -> (device, host, disk) counts, flat, in ARGV order.
 OVERLAP_SCRIPT = _LUA_OVERLAP + "return overlap(1, ARGV)\n"
 
 # KEYS[1]: registry, KEYS[2..]: block keys; ARGV[1]: worker key prefix, ARGV[2]: role ('' = all).
@@ -162,16 +171,18 @@ KEEP_PAGE = 2000
 
 # A shared key lives at least `ttl` ms from now, a longer TTL kept (PTTL is -1 for a key with
 # none, -2 for a missing one, which PEXPIRE leaves missing); and every block SET a worker's
-# blocks SET names (its members with the '#h' of a host-tier entry cut off) likewise, all at
-# once (keep_blocks, after a full publish that wrote them all anyway) or a page from an SSCAN
-# cursor (keep_page, which returns the next cursor: '0' once the whole SET was walked).
+# blocks SET names (its members with the '#h' / '#d' of a host / disk tier entry cut off)
+# likewise, all at once (keep_blocks, after a full publish that wrote them all anyway) or a page
+# from an SSCAN cursor (keep_page, which returns the next cursor: '0' once the whole SET was
+# walked).
 _LUA_KEEP = """
 local function keep(key, ttl)
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
 end
 local function keep_members(prefix, members, ttl)
   for _, h in ipairs(members) do
-    if string.sub(h, -2) == '#h' then h = string.sub(h, 1, -3) end
+    local tier = string.sub(h, -2)
+    if tier == '#h' or tier == '#d' then h = string.sub(h, 1, -3) end
     keep(prefix .. h, ttl)
   end
 end
@@ -191,9 +202,10 @@ end
 # KEYS: worker HASH, worker blocks SET, registry; ARGV: block key prefix, worker id, epoch,
 # ttl ms, refresh (an SSCAN cursor of the worker's blocks SET: keep that page's block SETs alive
 # too, '0' to start; '' for none), n, then n field/value pairs for the HASH, then (op, hash
-# hex) pairs, op '+' or '-' (device) or 'h+' / 'h-' (host tier). A block SET written to ('+')
-# is kept alive for the blocks TTL. Returns {1, the next cursor ('0': the walk is over; '' when
-# no refresh was asked)}, or 0 when the HASH is missing or has another epoch (resync).
+# hex) pairs, op '+' or '-' (device) or 'h+' / 'h-' (host tier) or 'd+' / 'd-' (disk tier). A
+# block SET written to ('+') is kept alive for the blocks TTL. Returns {1, the next cursor ('0':
+# the walk is over; '' when no refresh was asked)}, or 0 when the HASH is missing or has another
+# epoch (resync).
 def delta_script(page: int = KEEP_PAGE) -> str:
     """DELTA_SCRIPT keeping `page` block SETs alive a run (tests take a small page)."""
     return (
@@ -205,8 +217,9 @@ def delta_script(page: int = KEEP_PAGE) -> str:
     for i = last + 1, #ARGV - 1, 2 do
       local h = ARGV[i + 1]
       local op, member, entry = ARGV[i], ARGV[2], h
-      if string.sub(op, 1, 1) == 'h' then
-        op, member, entry = string.sub(op, 2), ARGV[2] .. '#h', h .. '#h'
+      local tier = string.sub(op, 1, 1)
+      if tier == 'h' or tier == 'd' then
+        op, member, entry = string.sub(op, 2), ARGV[2] .. '#' .. tier, h .. '#' .. tier
       end
       if op == '+' then
         redis.call('SADD', ARGV[1] .. h, member)
@@ -251,8 +264,9 @@ FORGET_SCRIPT = """
 if ARGV[3] == 'dead' and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
 local hashes = redis.call('SMEMBERS', KEYS[2])
 for _, h in ipairs(hashes) do
-  if string.sub(h, -2) == '#h' then
-    redis.call('SREM', ARGV[1] .. string.sub(h, 1, -3), ARGV[2] .. '#h')
+  local tier = string.sub(h, -2)
+  if tier == '#h' or tier == '#d' then
+    redis.call('SREM', ARGV[1] .. string.sub(h, 1, -3), ARGV[2] .. tier)
   else
     redis.call('SREM', ARGV[1] .. h, ARGV[2])
   end

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 CachedHashes = Callable[[], Iterable[int]]
 HOST_OPS = {"+": "h+", "-": "h-"}
+DISK_OPS = {"+": "d+", "-": "d-"}
 
 
 class KVPublisher:
@@ -64,6 +65,7 @@ class KVPublisher:
         actor_name: str = "",
         host_hashes: CachedHashes = tuple,
         nixl_agent: str = "",
+        disk_hashes: CachedHashes = tuple,
         ttl_s: float = 10.0,
         socket_timeout_s: float = 0.5,
         retry_interval_s: float = 1.0,
@@ -80,6 +82,7 @@ class KVPublisher:
         self._clock = clock  # seconds, monotonic: when to retry, when to keep block SETs alive
         self._cached_hashes = cached_hashes
         self._host_hashes = host_hashes
+        self._disk_hashes = disk_hashes
         self._redis_url = check_url(redis_url)
         self._client = redis.Redis.from_url(
             redis_url,
@@ -181,6 +184,8 @@ class KVPublisher:
                 raise TypeError(f"unknown KV event {event!r}")
             if event.tier == "host":
                 op = HOST_OPS[op]
+            elif event.tier == "disk":
+                op = DISK_OPS[op]
             for block_hash in event.block_hashes:
                 args += (op, hash_hex(block_hash))
         result = self._delta(keys=self._keys, args=args)
@@ -203,6 +208,7 @@ class KVPublisher:
         """Replace this worker's whole entry with its current state, in one MULTI."""
         hashes = [hash_hex(h) for h in self._cached_hashes()]
         host = [hash_hex(h) for h in self._host_hashes()]
+        disk = [hash_hex(h) for h in self._disk_hashes()]
         self._num_epochs += 1
         self._epoch = f"{self._nonce}:{self._num_epochs}"
         pipe = self._client.pipeline(transaction=True)
@@ -212,7 +218,9 @@ class KVPublisher:
             pipe.sadd(self._block_prefix + h, self.worker_id)
         for h in host:
             pipe.sadd(self._block_prefix + h, self.worker_id + schema.HOST)
-        entries = hashes + [h + schema.HOST for h in host]
+        for h in disk:
+            pipe.sadd(self._block_prefix + h, self.worker_id + schema.DISK)
+        entries = hashes + [h + schema.HOST for h in host] + [h + schema.DISK for h in disk]
         if entries:
             pipe.sadd(self._keys[1], *entries)
             pipe.pexpire(self._keys[1], self.blocks_ttl_ms)
@@ -226,10 +234,12 @@ class KVPublisher:
         self._dirty = False
         self.num_resyncs += 1
         log.info(
-            "KV index: worker %s published its full state (%d blocks, %d in its host tier)",
+            "KV index: worker %s published its full state (%d blocks, %d in its host tier, %d in "
+            "its disk tier)",
             self.worker_id,
             len(hashes),
             len(host),
+            len(disk),
         )
 
     def _fields(self, load: WorkerLoad) -> dict[str, str | int]:

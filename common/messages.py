@@ -150,6 +150,8 @@ class WorkerLoad:
     queued_tokens: int = 0
     prefill_tok_s: int = 0  # tokens computed per second of recent steps (0: not measured yet)
     step_us: int = 0  # mean wall time of a recent step, microseconds (0: not measured yet)
+    # mean time to read and check one disk tier block file, microseconds (0: not measured yet)
+    disk_load_us: int = 0
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,8 @@ class WorkerBase(ABC):
         if not self.lifecycle.stop():
             return
         self.thread.stop()
+        if not self.thread.is_alive():  # the engine is ours again: its disk tier keeps its blocks
+            self.engine.flush_disk_tier()
         self.index_upkeep.withdraw()
         self.transfer.close()
         self.engine.shutdown()  # a TP worker's followers leave their loops
@@ -245,6 +247,13 @@ class WorkerBase(ABC):
             num_partial_reused_tokens=snapshot.num_partial_reused_tokens,
             num_host_offloaded_blocks=snapshot.num_host_offloaded_blocks,
             num_host_hit_blocks=snapshot.num_host_hit_blocks,
+            num_disk_stored_blocks=snapshot.num_disk_stored_blocks,
+            num_disk_hit_blocks=snapshot.num_disk_hit_blocks,
+            num_disk_hit_bytes=snapshot.num_disk_hit_bytes,
+            num_disk_bad_files=snapshot.num_disk_bad_files,
+            num_disk_write_failures=snapshot.num_disk_write_failures,
+            num_disk_cached_blocks=snapshot.num_disk_cached_blocks,
+            disk_load_s=snapshot.disk_load_s,
             num_spec_verify_steps=snapshot.num_spec_verify_steps,
             num_spec_drafted_tokens=snapshot.num_spec_drafted_tokens,
             num_spec_accepted_tokens=snapshot.num_spec_accepted_tokens,

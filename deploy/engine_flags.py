@@ -71,6 +71,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "from the device pool are kept there and copied back on a prefix hit (default 0: none)",
     )
     p.add_argument(
+        "--disk-kv-gib",
+        type=float,
+        default=0.0,
+        help="a disk tier of each worker's prefix cache, files under --disk-kv-path: blocks "
+        "evicted from the host tier (or the device pool) are written there, loaded back on a "
+        "prefix hit and found again after a restart (default 0: none)",
+    )
+    p.add_argument(
+        "--disk-kv-path",
+        default=None,
+        metavar="DIR",
+        help="the disk tier's directory (local NVMe; one per worker); needs --disk-kv-gib",
+    )
+    p.add_argument(
         "--host-leases",
         action="store_true",
         help="prefill workers lease the host-tier copies of a prompt's leading blocks to decode "
@@ -179,6 +193,8 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             partial_reuse_min_tokens=args.partial_reuse_min_tokens,
             host_kv_cache_bytes=int(args.host_kv_gib * (1 << 30)),
             keep_on_host=args.host_leases,
+            disk_kv_cache_bytes=int(args.disk_kv_gib * (1 << 30)),
+            disk_kv_path=args.disk_kv_path,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

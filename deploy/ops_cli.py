@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStatus
+from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStats, WorkerStatus
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
@@ -149,9 +149,27 @@ def _worker_line(worker: WorkerStatus) -> str:
     ]
     if stats.prefix_hit_rate is not None:
         parts.append(f"prefix hits {stats.prefix_hit_rate:.0%}")
+    if stats.num_host_offloaded_blocks or stats.num_host_hit_blocks:
+        parts.append(f"host tier {stats.num_host_hit_blocks} hit blocks")
+    if stats.num_disk_stored_blocks or stats.num_disk_cached_blocks:
+        parts.append(_disk_tier(stats))
     if stats.transfer_bytes_per_s is not None:
         parts.append(f"KV transfer {stats.transfer_bytes_per_s / 1e6:.1f} MB/s")
     return f"{head} " + ", ".join(parts)
+
+
+def _disk_tier(stats: WorkerStats) -> str:
+    """A worker's disk tier: blocks held, blocks loaded back (and their bytes), bad files,
+    writes the disk refused."""
+    text = (
+        f"disk tier {stats.num_disk_cached_blocks} blocks, {stats.num_disk_hit_blocks} hit "
+        f"blocks ({stats.num_disk_hit_bytes / 1e6:.1f} MB loaded)"
+    )
+    if stats.num_disk_bad_files:
+        text += f", {stats.num_disk_bad_files} bad files"
+    if stats.num_disk_write_failures:
+        text += f", {stats.num_disk_write_failures} writes refused"
+    return text
 
 
 # ---- router --------------------------------------------------------------------------------

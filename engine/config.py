@@ -357,6 +357,12 @@ class CacheConfig:
     # device blocks, which stay cached but unpinned; only the rest holds device blocks. Needs a
     # host tier. The prefill worker's --host-leases.
     keep_on_host: bool = False
+    # A disk tier of the prefix cache: blocks evicted from the host tier (or from the device
+    # pool without one) are written to files under disk_kv_path (one per block, through NIXL's
+    # POSIX backend), loaded back on a prefix hit, and found again by a restarted engine with
+    # the same model and KV layout. 0: none.
+    disk_kv_cache_bytes: int = 0
+    disk_kv_path: str | None = None
 
     @property
     def partial_reuse_threshold(self) -> int:
@@ -381,6 +387,12 @@ class CacheConfig:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.keep_on_host and not self.host_kv_cache_bytes:
             raise ValueError("keep_on_host needs a host tier (host_kv_cache_bytes > 0)")
+        if self.disk_kv_cache_bytes < 0:
+            raise ValueError(f"disk_kv_cache_bytes must be >= 0, got {self.disk_kv_cache_bytes}")
+        if self.disk_kv_cache_bytes and not self.disk_kv_path:
+            raise ValueError("disk_kv_cache_bytes needs disk_kv_path (the tier's directory)")
+        if self.disk_kv_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError("disk_kv_cache_bytes needs enable_prefix_caching")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
@@ -486,6 +498,11 @@ class EngineConfig:
             raise ValueError(fp8_device_error("cpu"))
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.cache.disk_kv_cache_bytes:
+            raise ValueError(
+                "cache.disk_kv_cache_bytes: the disk KV tier is not split across tensor-parallel "
+                "ranks yet (tensor_parallel_size must be 1)"
+            )
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(
                 f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}"

@@ -21,6 +21,7 @@ from engine.execution.gc_heap import freeze_heap, thaw_heap
 from engine.execution.model_setup import build_device_parts
 from engine.execution.runner import ModelRunner
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
+from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
 from engine.parallel.launch import StartFollower, start_leader
@@ -39,6 +40,22 @@ from engine.step.scheduler import Scheduler
 from engine.step.step_launcher import StepLauncher
 from engine.step.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
 from engine.tokenizer import find_tokenizer, stop_token_ids
+
+
+def disk_counters(disk: DiskTier | None) -> dict[str, int | float]:
+    """The disk tier's EngineSnapshot fields (none without one: their defaults)."""
+    if disk is None:
+        return {}
+    return {
+        "num_disk_stored_blocks": disk.num_stored,
+        "num_disk_hit_blocks": disk.num_hit_blocks,
+        "num_disk_hit_bytes": disk.num_hit_blocks * disk.block_bytes,
+        "num_disk_bad_files": disk.num_bad_files,
+        "num_disk_write_failures": disk.num_write_failures,
+        "num_disk_cached_blocks": disk.num_cached,
+        "disk_load_s": disk.read_s,
+        "num_disk_reads": disk.num_reads,
+    }
 
 
 class Engine:
@@ -176,10 +193,16 @@ class Engine:
             self.kv.release_kept(req_id)
 
     def shutdown(self) -> None:
-        """End the tensor-parallel follower ranks (none with one rank); the engine steps no
-        more after it. Idempotent."""
+        """Write the cached blocks the disk tier lacks into it (a restart on the same directory
+        finds them), end the tensor-parallel follower ranks (none with one rank); the engine
+        steps no more after it. Idempotent."""
+        self.flush_disk_tier()
         if self.leader is not None:
             self.leader.shutdown()
+
+    def flush_disk_tier(self) -> None:
+        """Write every cached block the disk tier lacks into it (none without one)."""
+        self.copies.flush_to_disk(self.kv)
 
     def is_unfinished(self, req_id: str) -> bool:
         return self.admission.is_unfinished(req_id)
@@ -242,7 +265,13 @@ class Engine:
             num_spec_verify_steps=spec.num_verify_steps,
             num_spec_drafted_tokens=spec.num_drafted_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
+            **disk_counters(kv.disk_tier),
         )
+
+    def disk_cached_hashes(self) -> list[int]:
+        """The disk tier's block hashes (for a full index publish; [] without one)."""
+        disk = self.kv.disk_tier
+        return disk.cached_hashes() if disk is not None and disk.record_events else []
 
     def kept_block_ids(self) -> dict[str, tuple[int, ...]]:
         """req_id -> the ids kept for it (keep_blocks; host slots first), a copy."""

@@ -71,6 +71,9 @@ class EngineThread:
         self.submit(command, done)
         return await future
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._commands.put((lambda engine: None, lambda result, error: None))

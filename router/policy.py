@@ -39,17 +39,26 @@ def load_key(load: WorkerLoad) -> tuple[int, int]:
 # back over the host link (2 MiB in ~40 us at ~50 GB/s on an H200 for the 8B shape, against
 # ~0.4 ms to compute its 16 tokens): placement credits it at this fraction of a device block.
 HOST_HIT_CREDIT = 0.8
+# A leading block found only in a worker's disk tier saves its compute at the price of reading
+# and checking its file: credited by the worker's measured cost (disk_credit), this fraction of
+# a device block until the worker has measured both its reads and its compute.
+DISK_HIT_CREDIT = 0.5
 
 
 class Overlap(dict[str, int]):
     """worker_id -> how many leading prompt blocks it holds (device memory, then its host
-    tier); `host`: how many of those are only in its host tier (0 when absent)."""
+    tier, then its disk tier); `host` / `disk`: how many of those are only in its host / disk
+    tier (0 when absent)."""
 
     def __init__(
-        self, total: Mapping[str, int] | None = None, host: Mapping[str, int] | None = None
+        self,
+        total: Mapping[str, int] | None = None,
+        host: Mapping[str, int] | None = None,
+        disk: Mapping[str, int] | None = None,
     ):
         super().__init__(total or {})
         self.host: dict[str, int] = dict(host or {})
+        self.disk: dict[str, int] = dict(disk or {})
 
 
 def _cached_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
@@ -59,6 +68,22 @@ def _cached_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: i
 def _host_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
     host = getattr(overlap, "host", {})
     return max(0, host.get(worker.worker_id, 0)) * block_size
+
+
+def _disk_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
+    disk = getattr(overlap, "disk", {})
+    return max(0, disk.get(worker.worker_id, 0)) * block_size
+
+
+def disk_credit(worker: WorkerInfo, block_size: int, default: float = DISK_HIT_CREDIT) -> float:
+    """The share of a block's compute a hit in the worker's disk tier saves: 1 - its measured
+    load time over the time its recent steps took to compute block_size tokens (0 when a load
+    costs more); `default` until it has measured both."""
+    load = worker.load
+    if not load.disk_load_us or not load.prefill_tok_s:
+        return default
+    compute_us = block_size * 1e6 / load.prefill_tok_s
+    return min(1.0, max(0.0, 1.0 - load.disk_load_us / compute_us))
 
 
 class PrefillPolicy(abc.ABC):
@@ -79,8 +104,9 @@ class PrefillPolicy(abc.ABC):
 
 class KVAwarePolicy(PrefillPolicy):
     """score = cached_tokens_saved - load_weight * queued_tokens, where a token cached only in
-    a worker's host tier saves host_credit of one in device memory; ties go to the less loaded
-    worker (load_key), then the smaller worker_id. Deterministic."""
+    a worker's host tier saves host_credit of one in device memory, one only in its disk tier
+    disk_credit (measured per worker); ties go to the less loaded worker (load_key), then the
+    smaller worker_id. Deterministic."""
 
     name = "kv_aware"
 
@@ -95,6 +121,9 @@ class KVAwarePolicy(PrefillPolicy):
     def score(self, worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> float:
         saved = _cached_tokens(worker, overlap, block_size)
         saved -= (1 - self.host_credit) * _host_tokens(worker, overlap, block_size)
+        disk = _disk_tokens(worker, overlap, block_size)
+        if disk:
+            saved -= (1 - disk_credit(worker, block_size)) * disk
         return saved - self.load_weight * worker.load.queued_tokens
 
     def choose(

@@ -117,7 +117,8 @@ class PrefixIndex:
         self, block_hashes: Sequence[int], worker_ids: Sequence[str]
     ) -> Overlap:
         """worker_id -> number of leading blocks of `block_hashes` it holds (stops at a gap),
-        device memory first, then its host tier (`.host`: how many of those)."""
+        device memory first, then its host tier, then its disk tier (`.host`, `.disk`: how many
+        of those)."""
         if not worker_ids:
             return Overlap()
         keys = [schema.block_key(self.model_id, h) for h in block_hashes]
@@ -207,11 +208,12 @@ class PrefixIndex:
 
 
 def _overlap(wanted: Sequence[str], ids: Sequence[str], counts: Sequence[int]) -> Overlap:
-    """The overlap script's flat (device, host) counts per id, for the wanted ids."""
+    """The overlap script's flat (device, host, disk) counts per id, for the wanted ids."""
     at = {worker_id: i for i, worker_id in enumerate(ids)}
-    device = {w: int(counts[2 * at[w]]) for w in wanted}
-    host = {w: int(counts[2 * at[w] + 1]) for w in wanted}
-    return Overlap({w: device[w] + host[w] for w in wanted}, host)
+    device = {w: int(counts[3 * at[w]]) for w in wanted}
+    host = {w: int(counts[3 * at[w] + 1]) for w in wanted}
+    disk = {w: int(counts[3 * at[w] + 2]) for w in wanted}
+    return Overlap({w: device[w] + host[w] + disk[w] for w in wanted}, host, disk)
 
 
 def parse(worker_id: str, row: Sequence[str]) -> WorkerInfo:

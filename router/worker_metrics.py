@@ -64,6 +64,36 @@ _COUNTERS: dict[str, tuple[str | None, str, str]] = {  # field -> (role, name, h
         "kvrelay_host_kv_hit_blocks",
         "Prefix blocks a worker copied back from its host tier instead of recomputing.",
     ),
+    "num_disk_stored_blocks": (
+        None,
+        "kvrelay_disk_kv_stored_blocks",
+        "Cached blocks a worker wrote to its disk tier (evicted from its host tier or device).",
+    ),
+    "num_disk_hit_blocks": (
+        None,
+        "kvrelay_disk_kv_hit_blocks",
+        "Prefix blocks a worker loaded back from its disk tier instead of recomputing.",
+    ),
+    "num_disk_hit_bytes": (
+        None,
+        "kvrelay_disk_kv_hit_bytes",
+        "Bytes of KV a worker loaded back from its disk tier.",
+    ),
+    "num_disk_bad_files": (
+        None,
+        "kvrelay_disk_kv_bad_files",
+        "Disk tier block files found corrupt or truncated at load (removed, recomputed).",
+    ),
+    "num_disk_write_failures": (
+        None,
+        "kvrelay_disk_kv_write_failures",
+        "Blocks a worker's disk refused to store (full): recomputed when needed.",
+    ),
+    "disk_load_s": (
+        None,
+        "kvrelay_disk_kv_load_seconds",
+        "Seconds a worker spent reading and checking disk tier files for prefix hits.",
+    ),
     "num_spec_verify_steps": (
         None,
         "kvrelay_spec_verify_steps",

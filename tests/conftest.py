@@ -52,6 +52,8 @@ def build_engine(
         partial_reuse_min_tokens=overrides.pop("partial_reuse_min_tokens", 1),
         host_kv_cache_bytes=overrides.pop("host_kv_cache_bytes", 0),
         keep_on_host=overrides.pop("keep_on_host", False),
+        disk_kv_cache_bytes=overrides.pop("disk_kv_cache_bytes", 0),
+        disk_kv_path=overrides.pop("disk_kv_path", None),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),

@@ -4,7 +4,9 @@ reuse and n > 1 forks on the device, copies back from the host tier, an evicted 
 still owed) run in order before it: on the copy-back stream while the step in flight computes
 when only host-tier copies are owed and none touches a block that step may still use (the new
 step waits for them there), else on the step's stream. Committed blocks' copies into the host
-tier run on the offload stream behind the steps, off their critical path.
+tier run on the offload stream behind the steps, off their critical path. Blocks leaving the
+host tier (or the device, without one) for the disk tier are written first, before any copy
+that may overwrite them (synchronously, through the disk tier's NIXL files).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from engine.kv_cache.block_copy import BlockCopy, can_run_ahead
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.owed_copies import OwedCopies
 
 
 class BlockCopies:
@@ -33,6 +36,7 @@ class BlockCopies:
         self.copy_back_ahead = True  # False: every copy on the step's stream (benches compare)
         self.num_copies_ahead = 0  # copies run on the copy-back stream
         self.num_copies_in_step = 0  # copies run on the step's stream
+        self._owed: OwedCopies | None = None  # whose "from_disk" copies run() may meet
         if num_slots:
             self.host = torch.empty(
                 (num_slots, *kv_cache.shape[1:]),
@@ -56,6 +60,7 @@ class BlockCopies:
         wait: return once all of them are done, and once the queued steps are if one may still
         write a block in `writes` (before a NIXL pull, which no stream orders, writes into
         those blocks); else the step is being launched."""
+        self._spill(kv)
         behind = kv.owed.write_behind
         wait_offloads = False
         if behind is not None and behind.in_flight:
@@ -68,6 +73,9 @@ class BlockCopies:
             elif self._offloads_done():
                 behind.settled()
         copies = kv.owed.drain_copies()
+        self._owed = kv.owed
+        if kv.disk_tier is not None:
+            kv.disk_tier.trim_staged()
         freed = set() if wait else kv.pool.take_freed()
         ahead = self._copy_back_stream is not None and self.copy_back_ahead and not wait
         if ahead and copies and can_run_ahead(copies, set() if self._steps_done() else freed):
@@ -101,9 +109,38 @@ class BlockCopies:
         """After a step: copy the blocks it committed into their host slots, on the offload
         stream, behind the work queued so far. sync: return once every offload is done (kept
         blocks' host slots are about to be read by another process)."""
+        self._spill(kv)
         self._offload(kv.owed.drain_offloads())
         if sync:
             self._sync_offloads()
+
+    def flush_to_disk(self, kv: KVCacheManager) -> None:
+        """Write every cached block of the device and host tiers that the disk tier lacks (a
+        clean shutdown: a restart finds them), once the copies in flight are done."""
+        if kv.disk_tier is None:
+            return
+        kv.owed.spill_all(kv.pool.cached_blocks())
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+        self._spill(kv)
+
+    def _spill(self, kv: KVCacheManager) -> None:
+        """Write the blocks owed to the disk tier, before any copy runs that may overwrite
+        their host slot or device block (and after the offloads that filled those slots)."""
+        spills = kv.owed.drain_spills()
+        if not spills:
+            return
+        assert kv.disk_tier is not None
+        if self.kv_cache.is_cuda:
+            self._sync_offloads()
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+        for spill in spills:
+            if spill.from_host:
+                assert self.host is not None
+                row = self.host[spill.src]
+            else:
+                row = self.kv_cache[spill.src]
+            kv.disk_tier.put(spill, row)
 
     def _offload(self, copies: list[BlockCopy]) -> None:
         if not copies:
@@ -127,6 +164,11 @@ class BlockCopies:
             elif copy.kind == "to_host":
                 assert host is not None
                 host[copy.dst_block_id].copy_(cache[copy.src_block_id], non_blocking=True)
+            elif copy.kind == "from_disk":  # a checked CPU tensor of its own: copied at once
+                assert self._owed is not None
+                payload = self._owed.take_disk_payload(copy.dst_block_id)
+                assert isinstance(payload, torch.Tensor)
+                cache[copy.dst_block_id].copy_(payload)
             else:
                 assert host is not None
                 cache[copy.dst_block_id].copy_(host[copy.src_block_id], non_blocking=True)

@@ -26,6 +26,7 @@ from engine.execution.backend_builder import (
     with_batch_limit,
 )
 from engine.execution.block_copies import BlockCopies
+from engine.execution.disk_setup import build_disk_tier
 from engine.kv_cache.manager import KVCacheManager
 from engine.models.loader import load_model
 from engine.parallel.leader import Leader, LeaderCopies
@@ -82,8 +83,9 @@ def build_device_parts(
     else:
         copies = LeaderCopies(leader, backend.kv_cache, host_bytes)
     slots, events = copies.num_host_slots, config.record_kv_events
-    num_blocks = backend.kv_cache.shape[0]
-    kv = KVCacheManager.from_config(config.cache, num_blocks, model_config.model_id, events, slots)
+    num_blocks, model_id = backend.kv_cache.shape[0], model_config.model_id
+    disk = build_disk_tier(config.cache, model_id, backend.kv_cache, events)
+    kv = KVCacheManager.from_config(config.cache, num_blocks, model_id, events, slots, disk)
     return DeviceParts(config, model, max_model_len, backend, copies, kv)
 
 

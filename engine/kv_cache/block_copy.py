@@ -10,7 +10,8 @@ from typing import NamedTuple
 class BlockCopy(NamedTuple):
     """A block whose KV (every layer) must be copied: src -> dst. kind "device": both are device
     blocks; "to_host": a device block into a host slot; "from_host": a host slot into a device
-    block."""
+    block; "from_disk": a disk tier block (src: its hash, its KV staged by OwedCopies) into a
+    device block."""
 
     src_block_id: int
     dst_block_id: int

@@ -115,6 +115,10 @@ class BlockPool:
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
+    def cached_blocks(self) -> list[KVBlock]:
+        """Every block in the prefix cache (in use or evictable)."""
+        return list(self._cached.values())
+
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 

@@ -11,6 +11,7 @@ costs no copy; a prefix hit here is copied back into a fresh device block and st
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 
@@ -27,6 +28,9 @@ class HostTier:
         self.num_stored = 0  # blocks given a slot (copied in from the device)
         self.num_taken = 0  # blocks copied back to the device on a prefix hit
         self.num_dropped = 0  # evicted from this tier (or not stored: every slot lent)
+        # (hash, slot, priority) of a block evicted here, before its slot is given again: the
+        # disk tier's spill (OwedCopies)
+        self.on_evict: Callable[[int, int, int], None] | None = None
 
     @property
     def num_cached(self) -> int:
@@ -37,6 +41,10 @@ class HostTier:
 
     def cached_hashes(self) -> list[int]:
         return list(self._slot_of)
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        """(hash, slot, priority) of every block here."""
+        return [(h, slot, priority) for h, (slot, priority) in self._slot_of.items()]
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -95,6 +103,8 @@ class HostTier:
                 del bucket[block_hash]
                 del self._slot_of[block_hash]
                 self.num_dropped += 1
+                if self.on_evict is not None:
+                    self.on_evict(block_hash, slot, priority)
                 if self.record_events:
                     self._events.append(BlockRemoved((block_hash,), "host"))
                 return slot

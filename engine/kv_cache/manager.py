@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.config import CacheConfig
 from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.block_pool import BlockPool, KVBlock, KVEvent
+from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.kept_blocks import Kept, KeptBlocks
 from engine.kv_cache.owed_copies import OwedCopies
@@ -56,24 +57,35 @@ class KVCacheManager:
         partial_reuse_min_tokens: int = 0,
         host_tier: HostTier | None = None,
         keep_on_host: bool = False,
+        disk_tier: DiskTier | None = None,
     ):
         """partial_reuse_min_tokens: reuse the matching tokens of a cached block a prompt
         diverges inside when at least this many match (0: full blocks only). host_tier: where
         cached blocks evicted from the device go, still findable by hash. keep_on_host: keep()
-        pins the host copies of a request's leading blocks instead of their device blocks."""
+        pins the host copies of a request's leading blocks instead of their device blocks.
+        disk_tier: where cached blocks evicted from the host tier (or the device, without one)
+        go, still findable by hash."""
         self.block_size = block_size
         self.host_tier = host_tier
+        self.disk_tier = disk_tier if enable_caching else None
         self.keep_on_host = keep_on_host and host_tier is not None and enable_caching
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
+        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier
         self.pool = BlockPool(
             num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
         )
-        self.owed = OwedCopies(host_tier, write_behind=enable_caching)
-        if host_tier is not None and enable_caching:
+        self.owed = OwedCopies(host_tier, enable_caching, self.disk_tier)
+        if (host_tier is not None or self.disk_tier is not None) and enable_caching:
             self.pool.on_evict = self.owed.evicted
         self.prefix = PrefixCache(
-            self.pool, block_size, model_id, partial_reuse_min_tokens, host_tier, self.owed
+            self.pool,
+            block_size,
+            model_id,
+            partial_reuse_min_tokens,
+            host_tier,
+            self.owed,
+            self.disk_tier,
         )
         self.kept = KeptBlocks()
         self._tables: dict[str, BlockTable] = {}
@@ -86,8 +98,10 @@ class KVCacheManager:
         model_id: str,
         record_events: bool,
         host_slots: int,
+        disk_tier: DiskTier | None = None,
     ) -> KVCacheManager:
-        """An engine's manager: its pool of num_blocks, a host tier of host_slots (0: none)."""
+        """An engine's manager: its pool of num_blocks, a host tier of host_slots (0: none),
+        the disk tier given (engine/execution/disk_setup.py builds it)."""
         tier = HostTier(host_slots, record_events) if host_slots else None
         return cls(
             num_blocks,
@@ -98,6 +112,7 @@ class KVCacheManager:
             cache.partial_reuse_threshold,
             tier,
             keep_on_host=cache.keep_on_host,
+            disk_tier=disk_tier,
         )
 
     @property
@@ -109,7 +124,7 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def drain_events(self) -> list[KVEvent]:
-        """The KV events of both tiers since the last call (each tier's in order)."""
+        """The KV events of every tier since the last call (each tier's in order)."""
         return self.pool.drain_events() + self.owed.drain_events()
 
     def block_ids(self, req_id: str) -> list[int]:
@@ -163,10 +178,16 @@ class KVCacheManager:
         for i, slot in enumerate(slots):  # copied back before the step that reads them
             self.owed.queue(BlockCopy(slot, taken[i].block_id, "from_host"))
             self.prefix.commit(req, taken[i], first + i)
-        if slots:
-            table.num_cached = first + len(slots)
+        num_tiers = len(slots) + len(match.disk_hashes)
+        if match.disk_hashes:  # loaded before the step that reads them
+            self.owed.lend_disk_hits(match.disk_hashes, taken[len(slots) : num_tiers])
+            for i in range(len(slots), num_tiers):
+                self.prefix.commit(req, taken[i], first + i)
+            self.num_disk_hit_blocks += len(match.disk_hashes)
+        if num_tiers:
+            table.num_cached = first + num_tiers
             self.num_host_hit_blocks += len(slots)
-        table.extend([*taken[: len(slots)], *partial, *taken[len(slots) :]])
+        table.extend([*taken[:num_tiers], *partial, *taken[num_tiers:]])
 
     def _allocate(self, num_blocks: int) -> list[KVBlock]:
         """Fresh blocks; the next step waits for an offload still reading one of them."""

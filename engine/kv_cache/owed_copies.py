@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.block_pool import KVBlock, KVEvent
+from engine.kv_cache.disk_tier import DiskTier, Spill
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.write_behind import WriteBehind
 
@@ -24,13 +25,67 @@ class OwedCopies:
     released once its copy is handed over (stream order protects it from then on).
     """
 
-    def __init__(self, host_tier: HostTier | None = None, write_behind: bool = False):
+    def __init__(
+        self,
+        host_tier: HostTier | None = None,
+        write_behind: bool = False,
+        disk_tier: DiskTier | None = None,
+    ):
         """host_tier: where cached blocks evicted from the device go, still findable by hash.
         write_behind: copy each block committed to the prefix cache into the host tier behind
-        the step (a device eviction then costs no copy); needs a host tier."""
+        the step (a device eviction then costs no copy); needs a host tier. disk_tier: where
+        blocks evicted from the host tier (without one: from the device) go."""
         self.host_tier = host_tier
+        self.disk_tier = disk_tier
         self.write_behind = WriteBehind() if host_tier is not None and write_behind else None
         self._queued: list[BlockCopy] = []  # every copy owed before the next step, in order
+        # blocks leaving for the disk tier: written before any copy queued after them runs
+        self._spills: list[Spill] = []
+        self._disk_payloads: dict[int, object] = {}  # device block -> its "from_disk" KV
+        if host_tier is not None and disk_tier is not None:
+            host_tier.on_evict = self._host_evicted
+
+    def _host_evicted(self, block_hash: int, slot: int, priority: int) -> None:
+        assert self.disk_tier is not None
+        if self.disk_tier.has(block_hash):
+            self.disk_tier.refresh(block_hash, priority)
+        else:
+            self._spills.append(Spill(block_hash, slot, True, priority))
+
+    def lend_disk_hits(self, block_hashes: Sequence[int], blocks: Sequence[KVBlock]) -> None:
+        """A prefix hit in the disk tier (staged by the match): each block's KV is copied into
+        its fresh device block before the next step."""
+        assert self.disk_tier is not None
+        for block_hash, block in zip(block_hashes, blocks, strict=True):
+            self._disk_payloads[block.block_id] = self.disk_tier.take(block_hash)
+            self._queued.append(BlockCopy(block_hash, block.block_id, "from_disk"))
+
+    def spill_all(self, device_blocks: Iterable[KVBlock]) -> None:
+        """Owe the disk tier every cached block it lacks: the host tier's, then the device's
+        (a clean shutdown keeps them for the next start)."""
+        assert self.disk_tier is not None
+        owed = {spill.block_hash for spill in self._spills}
+        if self.host_tier is not None:
+            for block_hash, slot, priority in self.host_tier.entries():
+                if not self.disk_tier.has(block_hash) and block_hash not in owed:
+                    self._spills.append(Spill(block_hash, slot, True, priority))
+                    owed.add(block_hash)
+        for block in device_blocks:
+            block_hash = block.block_hash
+            if block_hash is None or block_hash in owed or self.disk_tier.has(block_hash):
+                continue
+            self._spills.append(Spill(block_hash, block.block_id, False, block.priority))
+            owed.add(block_hash)
+
+    def drain_spills(self) -> list[Spill]:
+        """The blocks owed to the disk tier since the last call; the caller writes them before
+        it runs any copy (one may overwrite a spilled block's slot or device block)."""
+        spills, self._spills = self._spills, []
+        return spills
+
+    def take_disk_payload(self, block_id: int) -> object:
+        """The KV of a queued "from_disk" copy into device block block_id."""
+        return self._disk_payloads.pop(block_id)
 
     def queue(self, copy: BlockCopy) -> None:
         """A copy queued after the ones already owed."""
@@ -63,8 +118,12 @@ class OwedCopies:
             self.write_behind.owe(BlockCopy(block.block_id, slot, "to_host"))
 
     def evicted(self, block: KVBlock) -> None:
-        """BlockPool.on_evict: a cached block leaves the device; it stays in the host tier."""
-        assert self.host_tier is not None and block.block_hash is not None
+        """BlockPool.on_evict: a cached block leaves the device; it stays in the host tier
+        (without one: it is spilled to the disk tier)."""
+        assert block.block_hash is not None
+        if self.host_tier is None:
+            self._spill_device(block)
+            return
         owed = self.write_behind.take_owed(block.block_id) if self.write_behind else None
         if owed is not None:  # committed but never copied: before the step that reuses it
             self._queued.append(owed)
@@ -74,6 +133,17 @@ class OwedCopies:
         slot = self.host_tier.store(block.block_hash, block.priority)  # none was free at commit
         if slot is not None:
             self._queued.append(BlockCopy(block.block_id, slot, "to_host"))
+        elif self.disk_tier is not None:  # every host slot lent: straight to the disk tier
+            self._spill_device(block)
+
+    def _spill_device(self, block: KVBlock) -> None:
+        """A block leaving the device for the disk tier (its bytes read before any copy or step
+        overwrites them)."""
+        assert self.disk_tier is not None and block.block_hash is not None
+        if self.disk_tier.has(block.block_hash):
+            self.disk_tier.refresh(block.block_hash, block.priority)
+        else:
+            self._spills.append(Spill(block.block_hash, block.block_id, False, block.priority))
 
     def pin_copies(self, blocks: Sequence[KVBlock]) -> list[int]:
         """The host slots of the leading blocks whose copies are in the host tier, pinned
@@ -116,11 +186,16 @@ class OwedCopies:
         return copies
 
     def drain_events(self) -> list[KVEvent]:
-        """The host tier's KV events since the last call, in order."""
-        return [] if self.host_tier is None else self.host_tier.drain_events()
+        """The host and disk tiers' KV events since the last call (each tier's in order)."""
+        host = [] if self.host_tier is None else self.host_tier.drain_events()
+        return host + ([] if self.disk_tier is None else self.disk_tier.drain_events())
 
     def check_integrity(self, pinned: Iterable[int] = ()) -> None:
         """pinned: the host slots kept blocks pin (KVCacheManager.keep)."""
+        if self.disk_tier is not None:
+            self.disk_tier.check_integrity()
+            loads = {c.dst_block_id for c in self._queued if c.kind == "from_disk"}
+            assert loads == set(self._disk_payloads), "disk loads out of step with their KV"
         if self.host_tier is None:
             return
         owed = {c.dst_block_id for c in self._queued if c.kind == "to_host"}

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
@@ -26,6 +27,7 @@ class PrefixMatch:
     partial_src: KVBlock | None = None
     num_partial_tokens: int = 0
     host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
+    disk_hashes: tuple[int, ...] = ()  # the full blocks after those, read from the disk tier
 
 
 NO_MATCH = PrefixMatch()
@@ -54,12 +56,14 @@ class PrefixCache:
         partial_reuse_min_tokens: int,
         host_tier: HostTier | None,
         owed: OwedCopies,
+        disk_tier: DiskTier | None = None,
     ):
         self.pool = pool
         self.block_size = block_size
         self.model_id = model_id
         self.partial_reuse_min_tokens = partial_reuse_min_tokens
         self.host_tier = host_tier
+        self.disk_tier = disk_tier
         self.owed = owed
 
     def update_hashes(self, req: Request) -> None:
@@ -91,10 +95,17 @@ class PrefixCache:
                 if not self.host_tier.has(block_hash):
                     break
                 host.append(block_hash)
-        num_full = (len(blocks) + len(host)) * self.block_size
+        disk: list[int] = []
+        if self.disk_tier is not None:  # each block's file read and checked now
+            for block_hash in req.block_hashes[len(blocks) + len(host) : max_blocks]:
+                if not self.disk_tier.has(block_hash) or not self.disk_tier.stage(block_hash):
+                    break
+                disk.append(block_hash)
+        num_full = (len(blocks) + len(host) + len(disk)) * self.block_size
+        tiers = {"host_hashes": tuple(host), "disk_hashes": tuple(disk)}
         if not partial or self.partial_reuse_min_tokens < 1:
-            return PrefixMatch(blocks, num_full, host_hashes=tuple(host))
-        chain = [*(b.block_hash for b in blocks), *host]
+            return PrefixMatch(blocks, num_full, **tiers)
+        chain = [*(b.block_hash for b in blocks), *host, *disk]
         parent = chain[-1] if chain else root_hash(self.model_id, req.cache_salt)
         assert parent is not None
         wanted = req.all_token_ids[num_full : min(num_full + self.block_size, req.num_tokens - 1)]
@@ -104,8 +115,8 @@ class PrefixCache:
             if same > num_same:
                 src, num_same = child, same
         if src is None:
-            return PrefixMatch(blocks, num_full, host_hashes=tuple(host))
-        return PrefixMatch(blocks, num_full + num_same, src, num_same, tuple(host))
+            return PrefixMatch(blocks, num_full, **tiers)
+        return PrefixMatch(blocks, num_full + num_same, src, num_same, **tiers)
 
     def commit(self, req: Request, block: KVBlock, i: int) -> None:
         """Make block i of req findable: its hash, and with partial reuse on, its tokens under

@@ -81,6 +81,17 @@ class EngineSnapshot(NamedTuple):
     num_spec_verify_steps: int  # request-steps that verified drafted tokens
     num_spec_drafted_tokens: int
     num_spec_accepted_tokens: int
+    # The disk tier (zeros without one): blocks written, loaded back on a hit (and their
+    # bytes), files found bad at load (recomputed), writes the disk refused, files held now,
+    # time spent reading and checking files.
+    num_disk_stored_blocks: int = 0
+    num_disk_hit_blocks: int = 0
+    num_disk_hit_bytes: int = 0
+    num_disk_bad_files: int = 0
+    num_disk_write_failures: int = 0
+    num_disk_cached_blocks: int = 0
+    disk_load_s: float = 0.0
+    num_disk_reads: int = 0  # files read and checked (hits and bad files)
 
 
 class KVMemory(NamedTuple):

@@ -1,0 +1,55 @@
+"""Builds an engine's disk KV tier at start: its files (kvtransfer/disk_blocks.py, through NIXL's
+POSIX backend) over the engine's KV layout, its size bound, and the blocks a previous run left
+in its directory (a warm restart). Owns no state: the KV manager keeps the tier.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kv_cache.block_pool import DEFAULT_PRIORITY
+from engine.kv_cache.disk_tier import DiskTier
+from kvtransfer.disk_blocks import BlockFileError, DiskBlockFiles, DiskLayout
+
+log = logging.getLogger(__name__)
+
+
+def build_disk_tier(
+    cache: CacheConfig, model_id: str, kv_cache: torch.Tensor, record_events: bool
+) -> DiskTier | None:
+    """The disk tier cache asks for (None without one), holding the blocks already in its
+    directory whose header is this model's and KV layout's."""
+    if not cache.disk_kv_cache_bytes:
+        return None
+    assert cache.disk_kv_path is not None
+    files = DiskBlockFiles(cache.disk_kv_path, DiskLayout.of(model_id, kv_cache), kv_cache.dtype)
+    num_blocks = cache.disk_kv_cache_bytes // files.file_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"cache.disk_kv_cache_bytes={cache.disk_kv_cache_bytes} holds no block file "
+            f"({files.file_bytes} bytes each)"
+        )
+    tier = DiskTier(
+        num_blocks,
+        files,
+        record_events,
+        read_errors=(BlockFileError, OSError),
+        block_bytes=files.payload_bytes,
+    )
+    found = files.scan()
+    kept = tier.adopt(found.hashes, DEFAULT_PRIORITY)
+    log.info(
+        "disk KV tier at %s: %d blocks of %d bytes at most; found %d blocks of this model and "
+        "layout (%d kept), removed %d invalid files, ignored %d of other models or layouts",
+        files.dir,
+        num_blocks,
+        files.file_bytes,
+        len(found.hashes),
+        kept,
+        found.num_invalid,
+        found.num_other_layouts,
+    )
+    return tier

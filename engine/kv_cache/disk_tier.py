@@ -1,0 +1,210 @@
+"""DiskTier: the bookkeeping of a worker's disk KV tier (the third tier of the prefix cache). It
+owns which block hashes have a file, each one's retention priority, the eviction order
+(priority, then LRU), the size bound, the blocks read and checked for a prefix hit but not yet
+copied back (staged), and the tier's counters; the files are BlockFiles' (kvtransfer/
+disk_blocks.py through NIXL). Torch-free: a block's KV is an opaque payload here.
+
+A block reaches this tier when it leaves the host tier (or the device pool, without a host
+tier): its spill is queued (OwedCopies) and written before anything overwrites its bytes
+(BlockCopies). A prefix hit reads and checks the file when the request is matched (a bad file
+is removed and its block recomputed, never loaded) and copies it into a fresh device block
+before the step that reads it. Writing is best effort: a full disk loses the block, never a
+request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import NamedTuple, Protocol
+
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger(__name__)
+
+
+class BlockFiles(Protocol):
+    """Where a disk tier's blocks live (kvtransfer.disk_blocks.DiskBlockFiles)."""
+
+    def write(self, block_hash: int, row: object) -> None: ...  # raises OSError
+
+    def read(self, block_hash: int) -> object: ...  # raises an error for a bad file
+
+    def remove(self, block_hash: int) -> None: ...
+
+
+class Spill(NamedTuple):
+    """A block leaving the host tier (from_host: src is its host slot) or the device pool
+    (src: its device block) for the disk tier, once its bytes are read."""
+
+    block_hash: int
+    src: int
+    from_host: bool
+    priority: int
+
+
+class DiskTier:
+    def __init__(
+        self,
+        num_blocks: int,
+        files: BlockFiles,
+        record_events: bool = False,
+        read_errors: tuple[type[BaseException], ...] = (Exception,),
+        block_bytes: int = 0,
+        max_staged_bytes: int = 256 << 20,
+    ):
+        """num_blocks: the size bound (files of num_blocks blocks at most). read_errors: what
+        files.read raises for a file that must not be loaded. block_bytes: one block's KV (for
+        the byte counters). max_staged_bytes: blocks read for a match not admitted yet are kept
+        up to this many bytes (a request waiting for memory does not re-read its files)."""
+        if num_blocks < 1:
+            raise ValueError(f"a disk tier holds at least one block, got num_blocks={num_blocks}")
+        self.num_slots = num_blocks
+        self.files = files
+        self.record_events = record_events  # KV events (tier "disk") for the cluster index
+        self.read_errors = read_errors
+        self.block_bytes = block_bytes
+        self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
+        self._events: list[KVEvent] = []
+        self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
+        self._priority: dict[int, int] = {}  # hash -> priority
+        self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        self.num_stored = 0  # blocks written
+        self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
+        self.num_reads = 0  # files read and checked for a prefix hit
+        self.read_s = 0.0  # time spent reading and checking them (the tier's load cost)
+        self.num_bad_files = 0  # corrupt or truncated at load: removed and recomputed
+        self.num_write_failures = 0  # not stored: the disk refused the write (full)
+        self.num_evicted = 0  # removed by the size bound
+        self._warned_bad = self._warned_full = False
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._priority)
+
+    def has(self, block_hash: int) -> bool:
+        return block_hash in self._priority
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._priority)
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- writing --------------------------------------------------------------------------
+    def adopt(self, block_hashes: list[int], priority: int) -> int:
+        """Files found at start (a warm restart), oldest first: tracked up to the bound (the
+        oldest beyond it removed); returns how many are kept."""
+        extra = max(0, len(block_hashes) - self.num_slots)
+        for block_hash in block_hashes[:extra]:
+            self.files.remove(block_hash)
+        for block_hash in block_hashes[extra:]:
+            self._add(block_hash, priority)
+        return len(block_hashes) - extra
+
+    def put(self, spill: Spill, row: object) -> bool:
+        """Write a spilled block's file (evicting the lowest-priority, oldest ones past the
+        bound); False when it is here already or the disk refused it (logged once)."""
+        if spill.block_hash in self._priority:
+            self.refresh(spill.block_hash, spill.priority)
+            return False
+        while len(self._priority) >= self.num_slots:
+            self._evict()
+        try:
+            self.files.write(spill.block_hash, row)
+        except OSError as e:
+            self.num_write_failures += 1
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning(
+                    "disk KV tier: cannot write a block file (%s); blocks that leave the host "
+                    "tier are not stored (recomputed when needed) while this lasts",
+                    e,
+                )
+            return False
+        self._add(spill.block_hash, spill.priority)
+        self.num_stored += 1
+        return True
+
+    def refresh(self, block_hash: int, priority: int) -> None:
+        """The block left a faster tier again: it ranks by that priority, newest."""
+        old = self._priority[block_hash]
+        del self._by_priority[old][block_hash]
+        self._priority[block_hash] = priority
+        self._by_priority.setdefault(priority, OrderedDict())[block_hash] = None
+
+    def _add(self, block_hash: int, priority: int) -> None:
+        self._priority[block_hash] = priority
+        self._by_priority.setdefault(priority, OrderedDict())[block_hash] = None
+        if self.record_events:
+            self._events.append(BlockStored((block_hash,), None, "disk"))
+
+    def _evict(self) -> None:
+        for priority in sorted(self._by_priority):
+            bucket = self._by_priority[priority]
+            if bucket:
+                block_hash, _ = bucket.popitem(last=False)
+                self._drop(block_hash, priority)
+                self.num_evicted += 1
+                return
+        raise AssertionError("disk tier full with no block to evict")
+
+    def _drop(self, block_hash: int, priority: int | None = None) -> None:
+        if priority is None:
+            priority = self._priority[block_hash]
+            del self._by_priority[priority][block_hash]
+        del self._priority[block_hash]
+        self._staged.pop(block_hash, None)
+        self.files.remove(block_hash)
+        if self.record_events:
+            self._events.append(BlockRemoved((block_hash,), "disk"))
+
+    # ---- reading --------------------------------------------------------------------------
+    def stage(self, block_hash: int) -> bool:
+        """A prefix hit: read and check the block's file (kept until take); False, with the
+        file removed (its block is recomputed), when it must not be loaded."""
+        if block_hash in self._staged:
+            return True
+        start = time.perf_counter()
+        try:
+            self._staged[block_hash] = self.files.read(block_hash)
+        except self.read_errors as e:
+            self.num_bad_files += 1
+            if not self._warned_bad:
+                self._warned_bad = True
+                log.warning("disk KV tier: %s; removed, its block is recomputed", e)
+            else:
+                log.debug("disk KV tier: %s; removed", e)
+            self._drop(block_hash)
+            return False
+        finally:
+            self.read_s += time.perf_counter() - start
+            self.num_reads += 1
+        return True
+
+    @property
+    def mean_load_s(self) -> float | None:
+        """Measured seconds to read and check one block (None before the first read)."""
+        return self.read_s / self.num_reads if self.num_reads else None
+
+    def take(self, block_hash: int) -> object:
+        """A staged block's payload for its copy back (it stays in this tier, now newest)."""
+        payload = self._staged.pop(block_hash)
+        priority = self._priority[block_hash]
+        self._by_priority[priority].move_to_end(block_hash)
+        self.num_hit_blocks += 1
+        return payload
+
+    def trim_staged(self) -> None:
+        """Blocks read for a match that was not admitted: the newest kept up to the bound
+        (max_staged_bytes), the rest read again when matched again."""
+        while len(self._staged) > self.max_staged:
+            del self._staged[next(iter(self._staged))]
+
+    def check_integrity(self) -> None:
+        by_priority = sum(len(bucket) for bucket in self._by_priority.values())
+        assert by_priority == len(self._priority), "disk eviction order out of step"
+        assert len(self._priority) <= self.num_slots, "disk tier past its bound"
+        assert set(self._staged) <= set(self._priority), "a staged block left the disk tier"

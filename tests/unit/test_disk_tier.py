@@ -1,0 +1,194 @@
+"""DiskTier's bookkeeping (a dict stands in for its files: the tier is torch-free and sees only
+opaque payloads), OwedCopies' spills into it, and the block file format (DiskBlockFiles through
+NIXL's POSIX backend): checksums, layouts, truncation, the restart scan."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
+from engine.config import CacheConfig, EngineConfig
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVBlock
+from engine.kv_cache.disk_tier import DiskTier, Spill
+from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.owed_copies import OwedCopies
+from kvtransfer.disk_blocks import HEADER_BYTES, BlockFileError, DiskBlockFiles, DiskLayout
+
+
+class DictFiles:
+    """Block files in a dict; `full` refuses writes as a full disk does."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, object] = {}
+        self.full = False
+
+    def write(self, block_hash: int, row: object) -> None:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        self.files[block_hash] = row
+
+    def read(self, block_hash: int) -> object:
+        if self.files.get(block_hash) == "bad":
+            raise ValueError(f"{block_hash}: checksum mismatch")
+        return self.files[block_hash]
+
+    def remove(self, block_hash: int) -> None:
+        self.files.pop(block_hash, None)
+
+
+def put(tier: DiskTier, block_hash: int, priority: int = 35) -> bool:
+    return tier.put(Spill(block_hash, 0, True, priority), f"kv{block_hash}")
+
+
+def test_the_bound_evicts_by_priority_then_lru_and_removes_the_file() -> None:
+    files = DictFiles()
+    tier = DiskTier(3, files, record_events=True)
+    assert put(tier, 1, priority=80) and put(tier, 2) and put(tier, 3)
+    assert not put(tier, 2)  # here already
+    assert tier.stage(2) and tier.take(2) == "kv2"  # 2 is now the newest of priority 35
+    assert put(tier, 4)  # evicts 3: lowest priority, least recent
+    assert set(files.files) == {1, 2, 4} and tier.num_evicted == 1
+    assert put(tier, 5) and set(files.files) == {1, 4, 5}  # then 2; 80 outlives them
+    events = tier.drain_events()
+    assert BlockRemoved((3,), "disk") in events and BlockStored((5,), None, "disk") in events
+    tier.check_integrity()
+
+
+def test_a_bad_file_is_removed_and_logged_once(caplog) -> None:
+    files = DictFiles()
+    tier = DiskTier(8, files)
+    for h in (1, 2, 3):
+        put(tier, h)
+    files.files[1] = files.files[2] = "bad"
+    with caplog.at_level(logging.WARNING, logger="engine.kv_cache.disk_tier"):
+        assert not tier.stage(1) and not tier.stage(2) and tier.stage(3)
+    assert not tier.has(1) and not tier.has(2) and 1 not in files.files
+    assert tier.num_bad_files == 2 and caplog.text.count("checksum mismatch") == 1
+    assert tier.num_reads == 3 and tier.mean_load_s is not None
+    tier.check_integrity()
+
+
+def test_blocks_staged_for_a_match_not_admitted_are_kept_up_to_the_bound() -> None:
+    files = DictFiles()
+    tier = DiskTier(8, files, block_bytes=10, max_staged_bytes=20)
+    for h in (1, 2, 3):
+        put(tier, h)
+        assert tier.stage(h)
+    tier.trim_staged()  # room for two: the oldest is read again when matched again
+    files.files[1] = files.files[3] = "bad"
+    assert tier.stage(3) and not tier.stage(1)  # 3 was kept (checked already); 1 is re-read
+    assert tier.num_reads == 4 and tier.take(2) == "kv2"
+    tier.check_integrity()
+
+
+def test_a_full_disk_stores_nothing_and_says_so_once(caplog) -> None:
+    files = DictFiles()
+    tier = DiskTier(8, files)
+    files.full = True
+    with caplog.at_level(logging.WARNING, logger="engine.kv_cache.disk_tier"):
+        assert not put(tier, 1) and not put(tier, 2)
+    assert tier.num_cached == 0 and tier.num_write_failures == 2
+    assert caplog.text.count("cannot write a block file") == 1
+    files.full = False
+    assert put(tier, 3) and tier.has(3)
+
+
+def test_adopt_keeps_the_newest_files_up_to_the_bound() -> None:
+    files = DictFiles()
+    files.files = {h: f"kv{h}" for h in (10, 11, 12, 13)}
+    tier = DiskTier(3, files)
+    assert tier.adopt([10, 11, 12, 13], 35) == 3
+    assert set(files.files) == {11, 12, 13} and not tier.has(10)
+    with pytest.raises(ValueError, match="num_blocks"):
+        DiskTier(0, files)
+
+
+def test_host_evictions_are_spilled_once_and_known_blocks_are_not_rewritten() -> None:
+    host = HostTier(1)
+    disk = DiskTier(4, DictFiles())
+    owed = OwedCopies(host, write_behind=True, disk_tier=disk)
+    assert host.store(100, 35) == 0
+    host.release(0)
+    assert host.store(200, 60) == 0  # evicts 100 from slot 0: owed to the disk tier
+    assert owed.drain_spills() == [Spill(100, 0, True, 35)]
+    put(disk, 200, priority=60)
+    host.release(0)
+    assert host.store(300, 35) == 0  # evicts 200, already on disk: no second write
+    assert owed.drain_spills() == []
+
+
+def test_device_evictions_spill_when_no_host_slot_can_take_them() -> None:
+    host = HostTier(1)
+    disk = DiskTier(4, DictFiles())
+    owed = OwedCopies(host, write_behind=True, disk_tier=disk)
+    assert host.store(100, 35) == 0  # its one slot lent (a copy into it still owed)
+    owed.evicted(KVBlock(7, block_hash=200, priority=90))
+    assert owed.drain_spills() == [Spill(200, 7, False, 90)]  # the device block, its priority
+    alone = OwedCopies(None, disk_tier=disk)  # no host tier at all
+    alone.evicted(KVBlock(3, block_hash=300))
+    assert alone.drain_spills() == [Spill(300, 3, False, 35)]
+    put(disk, 300)
+    alone.evicted(KVBlock(3, block_hash=300, priority=60))  # on disk already: re-ranked only
+    assert alone.drain_spills() == []
+    disk.check_integrity()
+
+
+def test_block_files_round_trip_and_refuse_bad_ones(tmp_path) -> None:
+    kv = torch.randn(4, 2, 2, 2, 16, 8, dtype=torch.bfloat16)
+    files = DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype)
+    files.write(7, kv[1])
+    assert torch.equal(files.read(7), kv[1])
+    path = files.path(7)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 3] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BlockFileError, match="payload checksum"):
+        files.read(7)
+    path.write_bytes(bytes(raw[:-1]))
+    with pytest.raises(BlockFileError, match="bytes"):
+        files.read(7)
+    path.rename(files.path(8))  # a file under another block's name
+    raw[HEADER_BYTES + 3] ^= 1
+    files.path(8).write_bytes(bytes(raw))
+    with pytest.raises(BlockFileError, match="holds block"):
+        files.read(8)
+    with pytest.raises(BlockFileError, match="missing"):
+        files.read(9)
+
+
+def test_the_scan_keeps_its_layout_and_counts_the_rest(tmp_path) -> None:
+    kv = torch.randn(4, 2, 2, 2, 16, 8)
+    files = DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype)
+    for h in (1, 2, 3):
+        files.write(h, kv[h])
+    files.path(3).write_bytes(files.path(3).read_bytes()[:100])  # truncated
+    (files.dir / ".0000000000000004.1.tmp").write_bytes(b"cut short")
+    other = DiskBlockFiles(tmp_path, DiskLayout.of("other-model", kv), kv.dtype)
+    other.write(1, kv[1])
+    assert other.dir != files.dir
+    found = files.scan()
+    assert sorted(found.hashes) == [1, 2]
+    assert (found.num_invalid, found.num_other_layouts) == (2, 1)
+    assert other.scan().hashes == [1]
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        DiskLayout.of("m", kv[0])
+
+
+def test_flags_and_config_name_what_is_wrong(tmp_path) -> None:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_engine_flags(p)
+    args = p.parse_args(["--disk-kv-gib", "0.5", "--disk-kv-path", str(tmp_path)])
+    cache = engine_from_args(args).cache
+    assert cache.disk_kv_cache_bytes == 1 << 29 and cache.disk_kv_path == str(tmp_path)
+    with pytest.raises(ValueError, match="disk_kv_path"):
+        CacheConfig(disk_kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        CacheConfig(disk_kv_cache_bytes=1, disk_kv_path="x", enable_prefix_caching=False)
+    disk = CacheConfig(disk_kv_cache_bytes=1 << 20, disk_kv_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"cache\.disk_kv_cache_bytes.*tensor-parallel"):
+        EngineConfig(cache=disk, tensor_parallel_size=2)
