@@ -1,7 +1,8 @@
 """The dependency direction of the layout (README "Layout"), read from every module's imports:
-engine imports nothing of ours; common only the engine (and kvtransfer in worker_runtime.py and
-rank_actors.py, which only the workers import); the workers neither each other nor the router;
-the router no worker."""
+engine imports nothing of ours but kvtransfer's disk block files (the disk tier's I/O, in
+engine/execution/disk_setup.py alone); common only the engine (and kvtransfer in
+worker_runtime.py and rank_actors.py, which only the workers import); the workers neither each
+other nor the router; the router no worker."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ("engine", "common", "kvtransfer", "prefill_worker", "decode_worker", "router", "deploy")
 ALLOWED = {
-    "engine": {"engine"},
+    "engine": {"engine", "kvtransfer"},  # kvtransfer: disk_setup.py only (below)
     "common": {"common", "engine", "kvtransfer"},  # kvtransfer: WORKER_ONLY
     "kvtransfer": {"kvtransfer"},
     "prefill_worker": {"prefill_worker", "common", "engine", "kvtransfer"},
@@ -58,3 +59,14 @@ def test_only_the_workers_import_the_worker_runtime() -> None:
         path.name for path in (ROOT / "common").glob("*.py") if "kvtransfer" in path.read_text()
     }
     assert kvtransfer_users <= {f"{name}.py" for name in WORKER_ONLY}
+
+
+def test_only_the_disk_setup_of_the_engine_imports_kvtransfer() -> None:
+    """The disk tier's block files go through NIXL (kvtransfer/disk_blocks.py, which imports
+    nothing of ours but kvtransfer): that one engine module may import them, no other."""
+    users = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "engine").rglob("*.py")
+        if "kvtransfer" in imported_packages(path)
+    }
+    assert users <= {"engine/execution/disk_setup.py"}
