@@ -14,7 +14,6 @@ import pytest
 import ray
 
 from common.messages import GenerateRequest
-from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling.sampling_params import SamplingParams
 from kvtransfer.handshake import IncompatiblePeerError
@@ -22,6 +21,7 @@ from tests.factories import make_tiny_checkpoint, transformers_greedy
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
+    running_cluster,
     start_extra_prefill,
     tokens_of,
     wait_until_no_leaks,
@@ -50,9 +50,7 @@ def cluster(request, loop, checkpoint):
         decode_tp=decode_tp,
         redis_url="",
     )
-    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
-    yield cluster
-    loop.run_until_complete(cluster.close())
+    yield from running_cluster(loop, spec)
 
 
 def test_any_tp_pairing_is_token_exact_with_a_decode_prefix_hit_and_leak_free(
