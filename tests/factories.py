@@ -3,6 +3,7 @@ for a model built in memory. Owns no state; every size is a keyword with a small
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,43 @@ def make_model_config(**overrides: Any) -> ModelConfig:
         head_dim=16,
     )
     return ModelConfig(**{**fields, **overrides})
+
+
+def greedy_continuation(hf: Any, prompt: list[int], new_tokens: int, **kwargs: Any) -> list[int]:
+    """A transformers model's greedy continuation of one prompt: exactly new_tokens tokens;
+    kwargs go to generate (a repetition_penalty, a logits_processor)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def transformers_greedy(
+    folder: str | Path, prompts: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt by the checkpoint in folder (the oracle)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    return [greedy_continuation(hf, p, new_tokens) for p in prompts]
+
+
+def rewrite_checkpoint(src: Path, dst: Path, change: Callable[[dict], dict]) -> Path:
+    """A copy of the checkpoint folder src in dst whose tensors are change(tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for file in src.iterdir():
+        if file.suffix != ".safetensors":
+            (dst / file.name).write_bytes(file.read_bytes())
+    tensors = change(load_file(src / "model.safetensors"))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

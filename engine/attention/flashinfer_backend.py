@@ -288,22 +288,8 @@ class FlashInferAttention(AttentionBackend):
         elif seqs:
             table = page_table(seqs, self.block_size, self.device)
             for group, wrapper in self._prefill.items():
-                wrapper.plan(
-                    table.qo_indptr,
-                    table.kv_indptr,
-                    table.kv_indices,
-                    table.kv_last_page_len,
-                    self.num_heads,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    self.block_size,
-                    causal=True,  # bottom-right aligned: queries sit after the cached prefix
-                    sm_scale=self.scale,
-                    q_data_type=self.q_dtype,
-                    kv_data_type=self.kv_cache.dtype,
-                    non_blocking=True,  # a blocking copy would wait for the step in flight
-                    **window_left(group),
-                )
+                # causal: bottom-right aligned, queries sit after the cached prefix
+                self._plan_paged(wrapper, table, group, table.qo_indptr, causal=True)
             self._active = self._prefill
         self._mark_plan_uploads()
         self._slot_block_ids = metadata.slot_block_ids
@@ -329,21 +315,30 @@ class FlashInferAttention(AttentionBackend):
 
     def _plan_decode(self, wrappers: dict[int | None, Any], table: PageTable) -> None:
         for group, wrapper in wrappers.items():
-            wrapper.plan(
-                table.kv_indptr,
-                table.kv_indices,
-                table.kv_last_page_len,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                sm_scale=self.scale,
-                q_data_type=self.q_dtype,
-                kv_data_type=self.kv_cache.dtype,
-                non_blocking=True,
-                **window_left(group),
-            )
+            self._plan_paged(wrapper, table, group)
         self._active = wrappers
+
+    def _plan_paged(
+        self, wrapper: Any, table: PageTable, group: int | None, *qo_indptr: torch.Tensor, **causal
+    ) -> None:
+        """plan() of a paged-KV wrapper, prefill (qo_indptr and causal given) or decode: the
+        table's pages, this rank's heads, the window of the layer group."""
+        wrapper.plan(
+            *qo_indptr,
+            table.kv_indptr,
+            table.kv_indices,
+            table.kv_last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            **causal,
+            sm_scale=self.scale,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_cache.dtype,
+            non_blocking=True,  # a blocking copy would wait for the step in flight
+            **window_left(group),
+        )
 
     def enable_cuda_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
         """Create one graph-safe decode wrapper per batch size and window (static page-table

@@ -104,10 +104,7 @@ def parse_compressed_int(group: dict[str, Any], where: str) -> Int4Config | Int8
         )
     if strategy not in ("channel", "tensor"):
         raise ValueError(f"{where}.weights.strategy {strategy!r} is not supported (channel)")
-    if weights.get("symmetric", True) is not True:
-        raise ValueError(f"{where}.weights.symmetric: asymmetric INT8 is not supported")
-    if weights.get("dynamic"):
-        raise ValueError(f"{where}.weights.dynamic: dynamic weight scales are not supported")
+    _symmetric_static_weights(weights, where, "INT8")
     inputs = group.get("input_activations")
     if not isinstance(inputs, dict):
         raise ValueError(f"{where}.input_activations: INT8 weight-only is not supported")
@@ -127,16 +124,21 @@ def parse_compressed_int(group: dict[str, Any], where: str) -> Int4Config | Int8
     return Int8Config()
 
 
+def _symmetric_static_weights(weights: dict[str, Any], where: str, kind: str) -> None:
+    """Refuse asymmetric weights (kind names them) and dynamic weight scales."""
+    if weights.get("symmetric", True) is not True:
+        raise ValueError(f"{where}.weights.symmetric: asymmetric {kind} is not supported")
+    if weights.get("dynamic"):
+        raise ValueError(f"{where}.weights.dynamic: dynamic weight scales are not supported")
+
+
 def _compressed_w4a16(group: dict[str, Any], weights: dict[str, Any], where: str) -> Int4Config:
     fmt = group.get("format")
     if fmt is not None and fmt != "pack-quantized":
         raise ValueError(f"{where}.format {fmt!r}: 4-bit int weights are pack-quantized")
     if group.get("input_activations") is not None:
         raise ValueError(f"{where}.input_activations: W4A8 is not supported (W4A16 only)")
-    if weights.get("symmetric", True) is not True:
-        raise ValueError(f"{where}.weights.symmetric: asymmetric 4-bit is not supported")
-    if weights.get("dynamic"):
-        raise ValueError(f"{where}.weights.dynamic: dynamic weight scales are not supported")
+    _symmetric_static_weights(weights, where, "4-bit")
     strategy = weights.get("strategy")
     if strategy == "channel":
         group_size = -1

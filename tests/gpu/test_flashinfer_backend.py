@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,19 +47,27 @@ def ragged_prompts(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     monkeypatch.setattr(flashinfer_backend, "ragged_backend", backend)
 
 
+# small, with the 8B's head_dim and GQA
+GPU_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    head_dim=128,
+    max_position_embeddings=2048,
+    init_std=0.1,
+    dtype=torch.bfloat16,
+)
+
+
+def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str, **fields: Any) -> Path:
+    """A tiny random checkpoint of GPU_SHAPE (fields override or add) in a fresh folder name;
+    skips the test where flashinfer is not installed."""
+    pytest.importorskip("flashinfer")
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(name), **{**GPU_SHAPE, **fields})
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("flashinfer")
-    return make_tiny_checkpoint(  # small, with the 8B's head_dim and GQA
-        tmp_path_factory.mktemp("tiny-llama"),
-        hidden_size=256,
-        intermediate_size=512,
-        head_dim=128,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        init_std=0.1,
-        dtype=torch.bfloat16,
-    )
+    return gpu_checkpoint(tmp_path_factory, "tiny-llama", rms_norm_eps=1e-5)
 
 
 def build(
@@ -158,6 +167,30 @@ def max_logit_error(
     return max(errors)
 
 
+def float32_reference(path: Path) -> tuple[Engine, Recorder, dict[str, list[int]]]:
+    """The torch backend in float32 on the workload, its shared prefix served from the cache:
+    the engine, its Recorder and its greedy tokens (the reference of the bf16 paths)."""
+    fp32 = build(path, "float32", "torch")
+    rec32 = Recorder(fp32)
+    ref_tokens, cached = run_workload(fp32)
+    assert cached["b"] == 32, "the shared prefix was not served from the cache"
+    return fp32, rec32, ref_tokens
+
+
+def forced_error(engine: Engine, reference: Recorder, ref_tokens: dict[str, list[int]]) -> float:
+    """engine's largest logit error against the reference's, on the reference's tokens forced."""
+    rec = Recorder(engine, forced=ref_tokens)
+    assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
+    return max_logit_error(reference.logits, rec.logits)
+
+
+def assert_bf16_tolerance(error: float, torch_error: float, scale: float, what: Any = "") -> None:
+    """bf16 tolerance of a logit error against float32's: no worse than the torch backend's in
+    bf16 (2x slack), and small absolutely (scale: logit_scale of the reference)."""
+    assert error <= max(2 * torch_error, 0.02 * scale), what
+    assert error <= 0.1 * scale, what
+
+
 def first_divergence(
     ref_tokens: dict[str, list[int]],
     ref_logits: dict[str, list[torch.Tensor]],
@@ -180,22 +213,15 @@ def first_divergence(
 
 
 def test_flashinfer_matches_torch_backend(tiny_llama: Path) -> None:
-    fp32 = build(tiny_llama, "float32", "torch")
-    rec32 = Recorder(fp32)
-    ref_tokens, cached = run_workload(fp32)
-    assert cached["b"] == 32, "the shared prefix was not served from the cache"
+    _, rec32, ref_tokens = float32_reference(tiny_llama)
     errors = {}
     for name, backend in (("torch", "torch"), ("flashinfer", "flashinfer")):
         engine = build(tiny_llama, "bfloat16", backend)
         assert engine.attention_backend == backend
-        rec = Recorder(engine, forced=ref_tokens)
-        assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
-        errors[name] = max_logit_error(rec32.logits, rec.logits)
+        errors[name] = forced_error(engine, rec32, ref_tokens)
     scale = logit_scale(rec32)
     print(f"max |logit| {scale:.3f}; max error vs fp32: {errors}")
-    # bf16 tolerance: no worse than the torch backend in bf16 (2x slack), and small absolutely.
-    assert errors["flashinfer"] <= max(2 * errors["torch"], 0.02 * scale)
-    assert errors["flashinfer"] <= 0.1 * scale
+    assert_bf16_tolerance(errors["flashinfer"], errors["torch"], scale)
 
     # Free-running greedy: FlashInfer (bf16) against the torch backend (bf16).
     torch_bf16 = build(tiny_llama, "bfloat16", "torch")

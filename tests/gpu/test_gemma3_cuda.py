@@ -8,12 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.factories import make_tiny_checkpoint
 from tests.gpu.test_flashinfer_backend import (
     Recorder,
+    assert_bf16_tolerance,
     build,
+    float32_reference,
+    forced_error,
+    gpu_checkpoint,
     logit_scale,
     max_logit_error,
     pytestmark,  # noqa: F401 (gpu only)
@@ -25,35 +27,24 @@ WINDOW = 24  # over a block and a half; the workload's prompts run to 100 tokens
 
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("flashinfer")
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny-gemma3"),
+    return gpu_checkpoint(
+        tmp_path_factory,
+        "tiny-gemma3",
         architecture="gemma3",
-        hidden_size=256,
-        intermediate_size=512,
         num_layers=4,  # sliding, sliding, full, sliding
-        head_dim=128,
         sliding_window=WINDOW,
         query_pre_attn_scalar=128,
         tie_embeddings=True,
-        max_position_embeddings=2048,
-        init_std=0.1,
-        dtype=torch.bfloat16,
     )
 
 
 def test_gemma3_on_flashinfer_matches_float32(tiny_gemma3: Path) -> None:
-    fp32 = build(tiny_gemma3, "float32", "torch")
+    fp32, rec32, ref_tokens = float32_reference(tiny_gemma3)
     assert fp32.model_config.layer_windows == (WINDOW, WINDOW, None, WINDOW)
-    rec32 = Recorder(fp32)
-    ref_tokens, cached = run_workload(fp32)
-    assert cached["b"] == 32, "the shared prefix was not served from the cache"
     errors = {}
     for backend, graphs in (("torch", False), ("flashinfer", False), ("flashinfer", True)):
         engine = build(tiny_gemma3, "bfloat16", backend, cuda_graph=graphs)
-        rec = Recorder(engine, forced=ref_tokens)
-        assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
-        errors[(backend, graphs)] = max_logit_error(rec32.logits, rec.logits)
+        errors[(backend, graphs)] = forced_error(engine, rec32, ref_tokens)
         if backend == "flashinfer":
             attention = engine.runner.attention
             # windowed models stay off the paths that take no window
@@ -70,6 +61,5 @@ def test_gemma3_on_flashinfer_matches_float32(tiny_gemma3: Path) -> None:
     print(f"gemma3: max |logit| {scale:.3f}; max error vs fp32: {errors}; windows off: {off}")
     torch_error = errors[("torch", False)]
     for key in (("flashinfer", False), ("flashinfer", True)):
-        assert errors[key] <= max(2 * torch_error, 0.02 * scale), key
-        assert errors[key] <= 0.1 * scale, key
+        assert_bf16_tolerance(errors[key], torch_error, scale, key)
     assert off > 5 * max(errors.values())

@@ -9,14 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.models.moe import SparseMoe
-from tests.factories import make_tiny_checkpoint
 from tests.gpu.test_flashinfer_backend import (
     Recorder,
+    assert_bf16_tolerance,
     build,
     first_divergence,
+    float32_reference,
+    forced_error,
+    gpu_checkpoint,
     logit_scale,
     max_logit_error,
     pytestmark,  # noqa: F401 (gpu only)
@@ -26,35 +28,25 @@ from tests.gpu.test_flashinfer_backend import (
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("flashinfer")
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny-qwen3-moe"),
+    return gpu_checkpoint(  # intermediate_size: the dense layer 0's
+        tmp_path_factory,
+        "tiny-qwen3-moe",
         architecture="qwen3_moe",
-        hidden_size=256,
-        intermediate_size=512,  # the dense layer 0
-        head_dim=128,
         num_experts=8,
         num_experts_per_tok=2,
         expert_size=128,
         norm_topk_prob=True,
         mlp_only_layers=(0,),
-        max_position_embeddings=2048,
-        init_std=0.1,
-        dtype=torch.bfloat16,
     )
 
 
 def test_qwen3_moe_on_the_gpu_paths_matches_float32(tiny_qwen3_moe: Path) -> None:
-    fp32 = build(tiny_qwen3_moe, "float32", "torch")  # the experts' kernels in float32
-    rec32 = Recorder(fp32)
-    ref_tokens, cached = run_workload(fp32)
-    assert cached["b"] == 32, "the shared prefix was not served from the cache"
+    # the experts' kernels in float32
+    _, rec32, ref_tokens = float32_reference(tiny_qwen3_moe)
     errors = {}
     for backend, graphs in (("torch", False), ("flashinfer", True)):
         engine = build(tiny_qwen3_moe, "bfloat16", backend, cuda_graph=graphs)
-        rec = Recorder(engine, forced=ref_tokens)
-        assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
-        errors[backend] = max_logit_error(rec32.logits, rec.logits)
+        errors[backend] = forced_error(engine, rec32, ref_tokens)
         if backend == "flashinfer":
             model = engine.runner.model
             kinds = [type(layer.mlp).__name__ for layer in model.layers]
@@ -63,8 +55,7 @@ def test_qwen3_moe_on_the_gpu_paths_matches_float32(tiny_qwen3_moe: Path) -> Non
             assert engine.runner.num_graph_steps > 0
     scale = logit_scale(rec32)
     print(f"qwen3-moe: max |logit| {scale:.3f}; max error vs fp32: {errors}")
-    assert errors["flashinfer"] <= max(2 * errors["torch"], 0.02 * scale)
-    assert errors["flashinfer"] <= 0.1 * scale
+    assert_bf16_tolerance(errors["flashinfer"], errors["torch"], scale)
     # unforced greedy: equal to float32's, or parted first at a near-tie of the reference
     graph_tokens, _ = run_workload(build(tiny_qwen3_moe, "bfloat16", "flashinfer", True))
     notes = first_divergence(ref_tokens, rec32.logits, graph_tokens, 2 * errors["flashinfer"])

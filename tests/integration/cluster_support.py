@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
@@ -26,6 +26,13 @@ from router.tokenizer import RouterTokenizer
 from tests.server_harness import LoopThread
 
 NUM_BLOCKS = 256
+
+
+def running_cluster(loop: Any, spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """A module fixture's body: the LocalCluster of spec, started quietly, closed after."""
+    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
+    yield cluster
+    loop.run_until_complete(cluster.close())
 
 
 def cluster_spec(**overrides) -> ClusterSpec:

@@ -15,7 +15,7 @@ from engine.engine import Engine
 from engine.llm import LLM
 from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
-from tests.factories import make_tiny_checkpoint
+from tests.factories import greedy_continuation, make_tiny_checkpoint
 
 PROMPTS = [[5, 17, 300, 42, 17, 5], list(range(1, 120, 3)), [7]]
 NEW_TOKENS = 16
@@ -63,21 +63,6 @@ class OpenAIPenalties(transformers.LogitsProcessor):
         return scores
 
 
-def hf_greedy(hf, prompt: list[int], **kwargs) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            **kwargs,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def engine_greedy(engine: Engine, params: SamplingParams) -> list[list[int]]:
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
@@ -92,7 +77,7 @@ def greedy(**fields) -> SamplingParams:
 def test_repetition_penalty_equals_transformers(make_tiny, hf) -> None:
     plain = engine_greedy(make_tiny(), greedy())
     got = engine_greedy(make_tiny(max_num_batched_tokens=16), greedy(repetition_penalty=1.5))
-    assert got == [hf_greedy(hf, p, repetition_penalty=1.5) for p in PROMPTS]
+    assert got == [greedy_continuation(hf, p, NEW_TOKENS, repetition_penalty=1.5) for p in PROMPTS]
     assert got != plain  # the tiny model repeats itself; the penalty changes that
     assert max(len(set(g)) for g in got) > max(len(set(p)) for p in plain)
 
@@ -102,7 +87,9 @@ def test_presence_frequency_and_logit_bias_equal_an_openai_processor(make_tiny, 
     params = greedy(presence_penalty=1.5, frequency_penalty=0.5, logit_bias=bias)
     got = engine_greedy(make_tiny(), params)
     want = [
-        hf_greedy(hf, p, logits_processor=[OpenAIPenalties(len(p), 1.5, 0.5, bias)])
+        greedy_continuation(
+            hf, p, NEW_TOKENS, logits_processor=[OpenAIPenalties(len(p), 1.5, 0.5, bias)]
+        )
         for p in PROMPTS
     ]
     assert got == want

@@ -8,10 +8,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.engine import Engine
@@ -19,7 +17,7 @@ from engine.llm import LLM
 from engine.parallel.leader import RankLost
 from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, transformers_greedy
 
 NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -33,26 +31,6 @@ WAVES = [
     [[*LONG[:24], 9, 9, 9, 9]],
 ]
 POOL = dict(num_blocks=12, max_num_batched_tokens=32, host_kv_cache_bytes=64 * 8192)
-
-
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 def run_waves(engine: Engine) -> tuple[list[list[int]], list[int]]:
@@ -79,7 +57,7 @@ def run_waves(engine: Engine) -> tuple[list[list[int]], list[int]]:
 )
 def test_tp2_matches_tp1_and_transformers(tmp_path, architecture, num_kv_heads):
     path = make_tiny_checkpoint(tmp_path, architecture=architecture, num_kv_heads=num_kv_heads)
-    expected = hf_greedy(path, [prompt for wave in WAVES for prompt in wave])
+    expected = transformers_greedy(path, [prompt for wave in WAVES for prompt in wave], NEW_TOKENS)
     results = {}
     for size in (1, 2):
         engine = build_engine(model_path=str(path), tensor_parallel_size=size, **POOL)

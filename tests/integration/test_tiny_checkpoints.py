@@ -11,14 +11,13 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from common.messages import GenerateRequest
 from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, transformers_greedy
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
@@ -67,27 +66,6 @@ GEMMA3 = dict(
 )
 PROMPTS = [[5, 17, 300, 42], list(range(1, 200, 3)), [7]]
 NEW_TOKENS = 12
-
-
-def transformers_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (the oracle)."""
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(p) :].tolist())
-    return expected
 
 
 @pytest.mark.parametrize("kind", list(CHECKPOINTS))

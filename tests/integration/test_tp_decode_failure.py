@@ -17,7 +17,6 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from common.messages import GenerateRequest, TokenDelta
-from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine
@@ -25,6 +24,7 @@ from tests.factories import make_tiny_checkpoint
 from tests.integration.cluster_support import (
     cluster_spec,
     reference_batch,
+    running_cluster,
     tokens_of,
     wait_until_no_leaks,
 )
@@ -44,9 +44,7 @@ def checkpoint(tmp_path_factory):
 def cluster(loop, checkpoint):
     engine = EngineConfig(model=str(checkpoint), cache=CacheConfig(num_blocks=64))
     spec = cluster_spec(engine=engine, num_prefill=1, num_decode=2, decode_tp=2, redis_url="")
-    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
-    yield cluster
-    loop.run_until_complete(cluster.close())
+    yield from running_cluster(loop, spec)
 
 
 def test_a_killed_decode_rank_takes_its_worker_down_and_its_streams_migrate_exactly(

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
 from common.messages import GenerateRequest
-from deploy.local_cluster import LocalCluster
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling.sampling_params import SamplingParams
 from kvtransfer.handshake import IncompatiblePeerError
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, transformers_greedy
 from tests.integration.cluster_support import (
     cluster_spec,
     collect,
+    running_cluster,
     start_extra_prefill,
     tokens_of,
     wait_until_no_leaks,
@@ -32,26 +31,6 @@ NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 PREFIX = [(7 * i + 3) % 500 + 1 for i in range(48)]  # three blocks of 16
 PROMPTS = [[5, 17, 300, 42], [*PREFIX, 9, 8], [*PREFIX, 1, 2, 3, 4, 5]]
-
-
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +50,13 @@ def cluster(request, loop, checkpoint):
         decode_tp=decode_tp,
         redis_url="",
     )
-    cluster = loop.run_until_complete(LocalCluster(spec).start(progress=lambda m: None))
-    yield cluster
-    loop.run_until_complete(cluster.close())
+    yield from running_cluster(loop, spec)
 
 
 def test_any_tp_pairing_is_token_exact_with_a_decode_prefix_hit_and_leak_free(
     cluster, loop, checkpoint
 ) -> None:
-    expected = hf_greedy(checkpoint, PROMPTS)
+    expected = transformers_greedy(checkpoint, PROMPTS, NEW_TOKENS)
     [decode] = cluster.decode_actors.values()
 
     async def run(i: int) -> list[int]:

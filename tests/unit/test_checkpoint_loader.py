@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine.models.loader import load_model, read_model_config
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, rewrite_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -28,17 +28,6 @@ def _load(folder: Path) -> torch.nn.Module:
     return load_model(folder, read_model_config(folder), 64, CPU, torch.float32)
 
 
-def _rewrite(src: Path, dst: Path, change) -> Path:
-    """A copy of src whose tensors are change(tensors)."""
-    dst.mkdir()
-    for file in src.iterdir():
-        if file.suffix != ".safetensors":
-            (dst / file.name).write_bytes(file.read_bytes())
-    tensors = change(load_file(src / "model.safetensors"))
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_the_checkpoint_loads_with_its_q_and_k_norms(qwen3: Path) -> None:
     model = _load(qwen3)
     stored = load_file(qwen3 / "model.safetensors")
@@ -52,7 +41,7 @@ def test_an_extra_tensor_is_refused_by_name(qwen3: Path, tmp_path: Path) -> None
     def add(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return tensors | {"model.layers.0.mlp.gate.weight": torch.zeros(4, 64)}
 
-    folder = _rewrite(qwen3, tmp_path / "extra", add)
+    folder = rewrite_checkpoint(qwen3, tmp_path / "extra", add)
     with pytest.raises(ValueError, match=r"1 tensor\(s\) that no module") as refused:
         _load(folder)
     assert "'layers.0.mlp.gate.weight'" in str(refused.value)
@@ -65,7 +54,7 @@ def test_many_extra_tensors_are_counted_and_a_few_named(qwen3: Path, tmp_path: P
         return tensors | extra
 
     with pytest.raises(ValueError, match=r"8 tensor\(s\)") as refused:
-        _load(_rewrite(qwen3, tmp_path / "many", add))
+        _load(rewrite_checkpoint(qwen3, tmp_path / "many", add))
     message = str(refused.value)
     assert "'layers.0.mlp.experts.0.up_proj.weight'" in message and "and 3 more" in message
     assert "experts.7" not in message  # five named, sorted
@@ -76,7 +65,7 @@ def test_a_missing_tensor_is_refused_by_name(qwen3: Path, tmp_path: Path) -> Non
         del tensors["model.layers.1.self_attn.k_norm.weight"]
         return tensors
 
-    folder = _rewrite(qwen3, tmp_path / "missing", drop)
+    folder = rewrite_checkpoint(qwen3, tmp_path / "missing", drop)
     with pytest.raises(ValueError, match=r"missing tensor 'layers\.1\.self_attn\.k_norm\.weight'"):
         _load(folder)
     with pytest.raises(ValueError, match=re.escape(f"checkpoint {folder} is missing")):
@@ -94,7 +83,7 @@ def test_safe_to_skip_tensors_load(qwen3: Path, tmp_path: Path) -> None:
         return tensors | inv_freq | {"lm_head.weight": tensors["model.embed_tokens.weight"].clone()}
 
     plain = _load(qwen3).state_dict()
-    skipped = _load(_rewrite(qwen3, tmp_path / "skippable", add)).state_dict()
+    skipped = _load(rewrite_checkpoint(qwen3, tmp_path / "skippable", add)).state_dict()
     assert plain.keys() == skipped.keys()
     assert all(torch.equal(plain[name], skipped[name]) for name in plain)
 
@@ -104,4 +93,4 @@ def test_a_tied_checkpoint_with_a_different_lm_head_is_refused(qwen3: Path, tmp_
         return tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"] + 1}
 
     with pytest.raises(ValueError, match=r"'lm_head\.weight' unlike 'embed_tokens\.weight'"):
-        _load(_rewrite(qwen3, tmp_path / "untied-head", add))
+        _load(rewrite_checkpoint(qwen3, tmp_path / "untied-head", add))

@@ -36,6 +36,20 @@ def hf_dict(config_class: str, **fields: Any) -> dict[str, Any]:
     return out
 
 
+def qwen3_moe_dict(norm_topk_prob: bool = True) -> dict[str, Any]:
+    """A tiny Qwen3-MoE config dict of 4 layers: 1 and 3 sparse (decoder_sparse_step 2), 3 dense
+    again (mlp_only_layers)."""
+    return hf_dict(
+        "Qwen3MoeConfig",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
+
+
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES)
 def test_default_configs_of_supported_families_parse(config_class: str) -> None:
     config = ModelConfig.from_hf_dict(hf_dict(config_class), "tiny")
@@ -107,15 +121,7 @@ def test_implemented_rope_types_pass(kind: str) -> None:
 
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
 def test_qwen3_moe_config_parses_into_the_moe_fields(norm_topk_prob: bool) -> None:
-    hf = hf_dict(
-        "Qwen3MoeConfig",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=2,
-        mlp_only_layers=[3],
-    )
+    hf = qwen3_moe_dict(norm_topk_prob)
     config = ModelConfig.from_hf_dict(hf, "tiny")
     assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
     assert config.moe_intermediate_size == 32 and config.intermediate_size == 128

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.models import moe_kernels
@@ -17,25 +17,16 @@ from engine.models.llama import MLP, LlamaForCausalLM
 from engine.models.loader import load_model, random_model, read_model_config
 from engine.models.moe import SparseMoe
 from engine.quant.config import Fp8Config
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, rewrite_checkpoint
 from tests.unit.test_fp8_checkpoint import write_fp8_checkpoint
-from tests.unit.test_model_config import hf_dict
+from tests.unit.test_model_config import qwen3_moe_dict
 
 CPU = torch.device("cpu")
 
 
 def mixed_config() -> ModelConfig:
     """4 layers: 1 and 3 sparse (decoder_sparse_step 2), 3 dense again (mlp_only_layers)."""
-    hf = hf_dict(
-        "Qwen3MoeConfig",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        decoder_sparse_step=2,
-        mlp_only_layers=[3],
-    )
-    return ModelConfig.from_hf_dict(hf, "tiny")
+    return ModelConfig.from_hf_dict(qwen3_moe_dict(), "tiny")
 
 
 def test_dense_and_sparse_layers_mixed_build_the_right_modules() -> None:
@@ -86,14 +77,6 @@ def _load(folder: Path, quantization: str | None = None) -> torch.nn.Module:
     return load_model(folder, config, 64, CPU, torch.float32, quantization=quantization)
 
 
-def _rewrite(src: Path, dst: Path, change) -> Path:
-    dst.mkdir()
-    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
-    tensors = change(load_file(src / "model.safetensors"))
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_the_experts_load_from_the_per_expert_tensors(qwen3_moe: Path) -> None:
     model = _load(qwen3_moe)
     stored = load_file(qwen3_moe / "model.safetensors")
@@ -113,13 +96,13 @@ def test_a_missing_or_extra_expert_tensor_is_named(qwen3_moe: Path, tmp_path: Pa
         return tensors
 
     with pytest.raises(ValueError, match=r"missing tensor 'layers\.1\.mlp\.experts\.3\.down_proj"):
-        _load(_rewrite(qwen3_moe, tmp_path / "missing", drop))
+        _load(rewrite_checkpoint(qwen3_moe, tmp_path / "missing", drop))
 
     def add(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # a fifth expert
         return tensors | {"model.layers.0.mlp.experts.4.up_proj.weight": torch.zeros(32, 64)}
 
     with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.experts\.4\.up_proj\.weight'"):
-        _load(_rewrite(qwen3_moe, tmp_path / "extra", add))
+        _load(rewrite_checkpoint(qwen3_moe, tmp_path / "extra", add))
 
 
 def test_a_quantized_moe_model_is_refused_by_name(qwen3_moe: Path, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from engine.quant.int8 import Int8Linear, int8_linear_state, read_int8
 from engine.quant.int_config import Int4Config
 from engine.sampling.sampling_params import SamplingParams
 from tests.conftest import build_engine, run_to_completion
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, transformers_greedy
 from tests.unit.test_fp8_checkpoint import write_fp8_checkpoint
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -282,22 +282,6 @@ def write_fp8_reference(fp8: Path, dst: Path) -> Path:
 # --- greedy tokens ---------------------------------------------------------------------------
 
 
-def _transformers_tokens(folder: Path) -> list[list[int]]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    expected = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-            expected.append(out[0, len(p) :].tolist())
-    return expected
-
-
 def _engine_tokens(folder: Path) -> list[list[int]]:
     engine = build_engine(model_path=str(folder), num_blocks=64, max_num_batched_tokens=32)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -318,13 +302,13 @@ def test_checkpoint_matches_transformers_on_its_dequantized_weights(plain, tmp_p
     folder, reference = write_quantized(plain, tmp_path / kind, kind)
     model = load_model(folder, read_model_config(folder), 128, torch.device("cpu"), torch.float32)
     assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("proj"))
-    assert _engine_tokens(folder) == _transformers_tokens(reference)
+    assert _engine_tokens(folder) == transformers_greedy(reference, PROMPTS, NEW_TOKENS)
 
 
 def test_compressed_tensors_fp8_loads_on_cpu(plain, tmp_path):
     folder = write_fp8_checkpoint(plain, tmp_path / "fp8", per_channel=False, static=True)
     reference = write_fp8_reference(folder, tmp_path / "reference")
-    assert _engine_tokens(folder) == _transformers_tokens(reference)
+    assert _engine_tokens(folder) == transformers_greedy(reference, PROMPTS, NEW_TOKENS)
 
 
 # --- the GPU layers' packing, through torch's CPU twin of the kernels ------------------------

@@ -22,21 +22,12 @@ from engine.parallel.tensor_parallel import (
     rank_model_config,
     rank_shard,
 )
+from tests.factories import make_model_config
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        model_id="tiny",
-        vocab_size=511,  # odd: the last rank's vocabulary range is padded
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
-    return ModelConfig(**(fields | overrides))
+    # vocab_size odd: the last rank's vocabulary range is padded
+    return make_model_config(**{"vocab_size": 511, "max_position_embeddings": 64, **overrides})
 
 
 def offline_rank(rank: int, size: int = 2) -> TensorParallel:
