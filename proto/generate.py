@@ -13,7 +13,9 @@ Two edits keep the stubs loadable beyond the exact versions that generated them:
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,11 +58,14 @@ def _relax_grpc(text: str) -> str:
 
 def generate(out_dir: Path) -> list[Path]:
     """Write the stubs into out_dir/router/pb/ (a fresh copy of the committed ones)."""
-    from grpc_tools import protoc
-
+    # grpc_tools is found, not imported: protoc runs in a process of its own, since loading its
+    # C++ extension in a process that had loaded NIXL crashed it (the test suite: a segfault)
+    spec = importlib.util.find_spec("grpc_tools")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("grpcio-tools is not installed: pip install grpcio-tools")
+    include = str(Path(next(iter(spec.submodule_search_locations))) / "_proto")
     target = out_dir / STUB_PACKAGE
     target.mkdir(parents=True, exist_ok=True)
-    include = protoc._get_resource_file_name("grpc_tools", "_proto")
     args = [
         "grpc_tools.protoc",
         f"-I{include}",
@@ -70,8 +75,9 @@ def generate(out_dir: Path) -> list[Path]:
         f"--grpc_python_out={out_dir}",
         str(PROTO_DIR / "kvrelay.proto"),
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}: {done.stderr.strip()}")
     pb2 = target / "kvrelay_pb2.py"
     pb2.write_text(_relax_pb2(pb2.read_text()))
     grpc_stub = target / "kvrelay_pb2_grpc.py"
