@@ -21,7 +21,6 @@ from engine.execution.gc_heap import freeze_heap, thaw_heap
 from engine.execution.model_setup import build_device_parts
 from engine.execution.runner import ModelRunner
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
-from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
 from engine.parallel.launch import StartFollower, start_leader
@@ -40,22 +39,6 @@ from engine.step.scheduler import Scheduler
 from engine.step.step_launcher import StepLauncher
 from engine.step.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
 from engine.tokenizer import find_tokenizer, stop_token_ids
-
-
-def disk_counters(disk: DiskTier | None) -> dict[str, int | float]:
-    """The disk tier's EngineSnapshot fields (none without one: their defaults)."""
-    if disk is None:
-        return {}
-    return {
-        "num_disk_stored_blocks": disk.num_stored,
-        "num_disk_hit_blocks": disk.num_hit_blocks,
-        "num_disk_hit_bytes": disk.num_hit_blocks * disk.block_bytes,
-        "num_disk_bad_files": disk.num_bad_files,
-        "num_disk_write_failures": disk.num_write_failures,
-        "num_disk_cached_blocks": disk.num_cached,
-        "disk_load_s": disk.read_s,
-        "num_disk_reads": disk.num_reads,
-    }
 
 
 class Engine:
@@ -265,7 +248,7 @@ class Engine:
             num_spec_verify_steps=spec.num_verify_steps,
             num_spec_drafted_tokens=spec.num_drafted_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
-            **disk_counters(kv.disk_tier),
+            **({} if kv.disk_tier is None else kv.disk_tier.snapshot_fields()),
         )
 
     def disk_cached_hashes(self) -> list[int]:

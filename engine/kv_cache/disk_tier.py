@@ -203,6 +203,19 @@ class DiskTier:
         while len(self._staged) > self.max_staged:
             del self._staged[next(iter(self._staged))]
 
+    def snapshot_fields(self) -> dict[str, int | float]:
+        """This tier's EngineSnapshot fields (the engine's summary of its counters)."""
+        return {
+            "num_disk_stored_blocks": self.num_stored,
+            "num_disk_hit_blocks": self.num_hit_blocks,
+            "num_disk_hit_bytes": self.num_hit_blocks * self.block_bytes,
+            "num_disk_bad_files": self.num_bad_files,
+            "num_disk_write_failures": self.num_write_failures,
+            "num_disk_cached_blocks": self.num_cached,
+            "disk_load_s": self.read_s,
+            "num_disk_reads": self.num_reads,
+        }
+
     def check_integrity(self) -> None:
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())
         assert by_priority == len(self._priority), "disk eviction order out of step"
