@@ -65,8 +65,9 @@ class Engine:
         self.leader = start_leader(config, mc, start_follower)
         try:
             parts = build_device_parts(config, mc, folder, self.device, model, self.leader)
-        except BaseException:
-            self.shutdown()
+        except BaseException:  # the follower ranks end with the failed start
+            if self.leader is not None:
+                self.leader.shutdown()
             raise
         self.config, self.max_model_len = parts.config, parts.max_model_len
         self.attention_backend, self.kv_cache = parts.backend.name, parts.backend.kv_cache
