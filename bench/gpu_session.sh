@@ -241,7 +241,7 @@ case $phase in
           ;;
         vllm)
           python3 -m bench.lib.random_models qwen3-30b-a3b --config-only --out /tmp/qwen3-30b-a3b
-          KVRELAY_VLLM_CONFIG=/tmp/qwen3-30b-a3b/config.json PYTHONPATH=/tmp/vsite timeout 420 \
+          PEER_MODEL_CONFIG=/tmp/qwen3-30b-a3b/config.json PYTHONPATH=/tmp/vsite timeout 420 \
             python3 bench/vllm_shape_peer.py --lat-reps 3 --json "$out/vllm_moe.json" \
             > "$out/vllm_moe.txt" 2>&1
           echo "vllm moe rc=$?"
