@@ -5,81 +5,38 @@ withdrawal cover it, and placement credits a disk hit by the worker's measured l
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import redis
 import torch
 
-from common.kv_publisher import KVPublisher
 from common.messages import WorkerInfo, WorkerLoad
 from engine.kv_cache.disk_tier import DiskTier
-from engine.kv_cache.host_tier import HostTier
-from engine.kv_cache.manager import KVCacheManager
-from engine.step.request import Request
 from kvtransfer.disk_blocks import DiskBlockFiles, DiskLayout
 from router.policy import DISK_HIT_CREDIT, KVAwarePolicy, Overlap, disk_credit
-from router.prefix_index import PrefixIndex
+from tests.integration.test_prefix_index_tiers import TieredWorker
+from tests.integration.test_prefix_index_tiers import overlap as tiers_overlap
 
 MODEL = "disk-tier-model"
 BLOCK = 4
 
 
-class DiskWorker:
-    """A worker's KV cache manager with host and disk tiers, published once per 'step'."""
-
-    def __init__(self, url: str, worker_id: str, path: Path):
-        self.row = torch.zeros(1, 2, 2, 1, BLOCK, 8)  # the KV a spill writes (its bytes unread)
-        files = DiskBlockFiles(path, DiskLayout.of(MODEL, self.row), self.row.dtype)
-        self.disk = DiskTier(64, files, record_events=True)
-        host = HostTier(3, record_events=True)
-        self.kv = KVCacheManager(
-            4, BLOCK, MODEL, record_events=True, host_tier=host, disk_tier=self.disk
-        )
-        self.publisher = KVPublisher(
-            url,
-            MODEL,
-            worker_id,
-            "prefill",
-            cached_hashes=self.kv.pool.cached_hashes,
-            host_hashes=host.cached_hashes,
-            disk_hashes=self.disk.cached_hashes,
-            retry_interval_s=0.0,
-        )
-
-    def serve(self, tokens: list[int]) -> list[int]:
-        """Compute and finish a request, write its spills; returns its block hashes."""
-        req = Request(f"r{len(tokens)}-{tokens[0]}", tokens)
-        match = self.kv.match_prefix(req)
-        self.kv.allocate(req, len(tokens) - match.num_tokens, match)
-        req.num_computed_tokens = len(tokens)
-        self.kv.cache_full_blocks(req)
-        self.kv.free(req)
-        for spill in self.kv.owed.drain_spills():
-            self.disk.put(spill, self.row[0])
-        self.kv.owed.drain_copies()
-        self.kv.owed.drain_offloads()
-        return req.block_hashes
-
-    def step(self) -> bool:
-        return self.publisher.publish(self.kv.drain_events(), WorkerLoad())
+def disk_worker(url: str, worker_id: str, path: Path) -> TieredWorker:
+    """A worker with a 4-block pool, 3 host slots and a 64-block disk tier over real files."""
+    row = torch.zeros(1, 2, 2, 1, BLOCK, 8)
+    files = DiskBlockFiles(path, DiskLayout.of(MODEL, row), row.dtype)
+    disk = DiskTier(64, files, record_events=True)
+    return TieredWorker(url, worker_id, 4, host_slots=3, disk=disk, model=MODEL)
 
 
 def overlap(url: str, hashes: list[int], worker_ids: list[str]) -> Overlap:
-    async def main() -> Overlap:
-        async with PrefixIndex(url, MODEL, retry_interval_s=0.0) as index:
-            view = await index.view("prefill", hashes)
-            direct = await index.prefix_overlap(hashes, worker_ids)
-            assert view.overlap == direct and view.overlap.disk == direct.disk
-            return direct
-
-    return asyncio.run(main())
+    return tiers_overlap(url, hashes, worker_ids, MODEL)
 
 
 def test_blocks_that_left_the_host_tier_are_indexed_in_the_disk_tier(
     redis_url: str, tmp_path: Path
 ) -> None:
-    worker = DiskWorker(redis_url, "w", tmp_path)
+    worker = disk_worker(redis_url, "w", tmp_path)
     first = worker.serve(list(range(1, 13)))  # 3 blocks
     worker.serve(list(range(100, 116)))  # 4 more: the first leave the device, then the host
     worker.serve(list(range(200, 216)))
