@@ -8,10 +8,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.version import version
 from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
 from deploy.plan_cli import add_plan_parser
@@ -134,13 +134,6 @@ def bench(argv: Sequence[str]) -> int:
     from bench import serve_bench
 
     return serve_bench.main(argv, prog="kvrelay bench")
-
-
-def version() -> str:
-    try:
-        return metadata.version("kvrelay")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,6 @@ client that disconnects cancels its handler, which aborts the request.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import ssl
 import time
@@ -21,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from common.version import version
 from router.errors import BackendError, InvalidRequest, Overloaded
 from router.frontend import Frontend
 from router.http_middleware import FRONTEND_KEY, TENANT_KEY, api_keys, body_limit, errors_as_json
@@ -266,7 +266,7 @@ def build_app(frontend: Frontend) -> web.Application:
         client_max_size=frontend.max_body_bytes,
     )
     app[FRONTEND_KEY] = frontend
-    app[OPENAPI_KEY] = openapi_document(importlib.metadata.version("kvrelay"))
+    app[OPENAPI_KEY] = openapi_document(version())
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
