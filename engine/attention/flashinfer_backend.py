@@ -56,14 +56,18 @@ PREFILL_KERNEL = "fa2"  # FlashInfer's backend for the paged prefill wrapper
 HOPPER = (9, 0)
 
 
-FA3_HEAD_DIMS = (64, 128, 256)  # what FlashInfer's fa3 kernels are built for
+# The head sizes FlashInfer's kernels are built for (fa2 and fa3; a head of 16 fails fa2's MMA
+# configuration check at the first paged prefill)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def ragged_backend(capability: tuple[int, int], kv_dtype: torch.dtype, head_dim: int) -> str | None:
     """The FlashInfer backend that attends whole prompts over their own K/V: fa3 on Hopper over
     a bf16/fp16 cache of a head size fa3 is built for, else None (they go through the paged
     cache like every other chunk)."""
-    fa3 = capability == HOPPER and kv_dtype in FLASHINFER_DTYPES and head_dim in FA3_HEAD_DIMS
+    fa3 = (
+        capability == HOPPER and kv_dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS
+    )
     return "fa3" if fa3 else None
 
 
@@ -96,15 +100,22 @@ def flashinfer_available() -> bool:
     return True
 
 
-def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention backend to build: "auto" is flashinfer on CUDA (bf16/fp16, importable)."""
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention backend to build: "auto" is flashinfer on CUDA (bf16/fp16, a head size
+    in FLASHINFER_HEAD_DIMS, importable); "flashinfer" refuses what it cannot run."""
     if requested == "auto":
         usable = device.type == "cuda" and dtype in FLASHINFER_DTYPES
+        usable = usable and head_dim in FLASHINFER_HEAD_DIMS
         return "flashinfer" if usable and flashinfer_available() else "torch"
     if requested not in ("torch", "flashinfer"):
         raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {requested!r}")
     if requested == "flashinfer" and device.type != "cuda":
         raise ValueError("the flashinfer attention backend needs a CUDA device")
+    if requested == "flashinfer" and head_dim not in FLASHINFER_HEAD_DIMS:
+        raise ValueError(
+            f"the flashinfer attention backend runs head_dim {FLASHINFER_HEAD_DIMS}; this "
+            f"model's head_dim is {head_dim} (use attention_backend torch)"
+        )
     return requested
 
 

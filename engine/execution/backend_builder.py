@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSpan
-from engine.attention.flashinfer_backend import FlashInferAttention, choose_backend
+from engine.attention.flashinfer_backend import (
+    FLASHINFER_HEAD_DIMS,
+    FlashInferAttention,
+    choose_backend,
+)
 from engine.attention.torch_backend import TorchAttention
 from engine.config import EngineConfig, ModelConfig
 from engine.execution.cuda_graph import CUDAGraphDecoder
@@ -130,7 +134,7 @@ def size_kv_pool_by_memory(
     its tensors, one profiling step at the token budget, what the card has free now."""
     kv_dtype = _kv_dtype(config, dtype)
     block_size = config.cache.block_size
-    backend = choose_backend(config.attention_backend, device, dtype)
+    backend = choose_backend(config.attention_backend, device, dtype, model_config.head_dim)
     activation_peak = _activation_peak(config, model, model_config, device, dtype)
     free, total = torch.cuda.mem_get_info(device)
     decode_graphs = config.cuda_graph and backend == "flashinfer"
@@ -238,8 +242,15 @@ def build_backend(
 ) -> DeviceSide:
     """Allocate the KV storage and build the attention backend (and graphs) over it
     (memory_probe: the memory probe's backend, which logs nothing)."""
-    name = choose_backend(config.attention_backend, device, dtype)
+    name = choose_backend(config.attention_backend, device, dtype, model_config.head_dim)
     use_flashinfer = name == "flashinfer"
+    head_dim = model_config.head_dim
+    odd_head = device.type == "cuda" and head_dim not in FLASHINFER_HEAD_DIMS
+    if odd_head and not memory_probe:  # said, not silent: no graphs, slower attention
+        _stderr(
+            f"kvrelay engine: head_dim {head_dim} is not one FlashInfer runs "
+            f"{FLASHINFER_HEAD_DIMS}: the torch attention backend, without CUDA graphs"
+        )
     if pool.kv_dtype != dtype and not use_flashinfer:
         raise ValueError(
             "kv_cache_dtype fp8 needs the flashinfer attention backend (a CUDA device with "

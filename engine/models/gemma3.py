@@ -122,7 +122,9 @@ class Gemma3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        # sqrt(hidden) rounded to the activations' dtype, as Gemma's checkpoints were trained; a
+        # Python scalar, not a tensor built here (a host-to-device copy breaks graph capture)
+        x = x * float(torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype))
         for layer in self.layers:
             x = layer(x, positions, attn)
         return self.norm(x)

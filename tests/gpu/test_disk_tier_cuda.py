@@ -16,11 +16,14 @@ pytestmark = [
 ]
 
 
+HEAD_DIM = 64  # one FlashInfer runs (the CPU test's tiny Llama has heads of 16)
+
+
 def gpu_engine(model, disk=None, host_blocks: int = 2):
     tiers = {}
     if disk is not None:
         tiers = {"disk_kv_cache_bytes": 64 << 20, "disk_kv_path": disk}
-    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 2  # bfloat16
+    block_bytes = 2 * 2 * 2 * BLOCK * HEAD_DIM * 2  # bfloat16
     return build_engine(
         model_path=str(model),
         device="cuda",
@@ -35,7 +38,9 @@ def gpu_engine(model, disk=None, host_blocks: int = 2):
 def tiny(tmp_path_factory):
     from tests.factories import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("disk-cuda") / "tiny-llama")
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("disk-cuda") / "tiny-llama", head_dim=HEAD_DIM
+    )
 
 
 @pytest.mark.parametrize("host_blocks", [2, 0])

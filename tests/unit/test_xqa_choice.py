@@ -1,15 +1,18 @@
 """The decode-kernel choice (XQA for an fp8 cache on Hopper, fa2 otherwise), XQA's dense page
 table, the split of a mixed step into its leading decode rows, the rows the paged prefill
 wrapper takes and the trailing whole prompts (the ragged wrapper's: fa3 on Hopper over a
-bf16/fp16 cache). Pure functions: no GPU, no FlashInfer."""
+bf16/fp16 cache), and the backend "auto" builds. Pure functions: no GPU, no FlashInfer."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from engine.attention import flashinfer_backend
 from engine.attention.base import SeqSpan
 from engine.attention.dense_table import dense_page_table
 from engine.attention.flashinfer_backend import (
+    choose_backend,
     num_leading_decodes,
     ragged_backend,
     whole_prompts_from,
@@ -62,3 +65,18 @@ def test_ragged_backend_is_fa3_on_hopper_over_a_16_bit_cache() -> None:
     assert ragged_backend(HOPPER, FP8, 128) is None  # slower beside FP8 GEMMs
     assert ragged_backend(AMPERE, BF16, 128) is None  # fa2's ragged kernel: not measured
     assert ragged_backend(HOPPER, BF16, 16) is None  # fa3 is not built for this head size
+
+
+def test_auto_builds_flashinfer_only_for_head_sizes_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(flashinfer_backend, "flashinfer_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert choose_backend("auto", cuda, BF16, 128) == "flashinfer"
+    assert choose_backend("auto", cuda, BF16, 16) == "torch"  # fa2 fails a head of 16
+    assert choose_backend("auto", torch.device("cpu"), BF16, 128) == "torch"
+
+
+def test_flashinfer_asked_for_an_odd_head_size_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="head_dim is 16"):
+        choose_backend("flashinfer", torch.device("cuda"), BF16, 16)
