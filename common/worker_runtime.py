@@ -71,7 +71,7 @@ class WorkerBase(ABC):
         self.transfer.register(*engine.kv_memory())
         if (kv_scales := getattr(engine.runner.model, "kv_scales", None)) is not None:
             self.transfer.set_kv_scales(kv_scales)  # the handshake compares them
-        if engine.leader is not None:
+        if engine.followers:
             self._register_ranks(engine)
         publisher = make_publisher(
             redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
@@ -92,9 +92,8 @@ class WorkerBase(ABC):
         from common.rank_actors import METADATA_TIMEOUT_S, RayFollower
         from engine.parallel.tensor_parallel import rank_kv_heads
 
-        assert engine.leader is not None
         size, heads = engine.config.tensor_parallel_size, engine.model_config.num_kv_heads
-        followers = [f for f in engine.leader.followers if isinstance(f, RayFollower)]
+        followers = [f for f in engine.followers if isinstance(f, RayFollower)]
         metas = ray.get([f.actor.metadata.remote() for f in followers], timeout=METADATA_TIMEOUT_S)
         ranks = [
             dataclasses.replace(
@@ -148,10 +147,9 @@ class WorkerBase(ABC):
         """Where each tensor-parallel rank runs, rank 0 (this actor) first; () at one rank."""
         from common.rank_actors import RayFollower, this_place
 
-        leader = self.engine.leader
-        if leader is None:
+        followers = [f for f in self.engine.followers if isinstance(f, RayFollower)]
+        if not followers:
             return ()
-        followers = [f for f in leader.followers if isinstance(f, RayFollower)]
         return (this_place(0, self.engine.config.device), *(f.place() for f in followers))
 
     async def set_state(self, state: WorkerState) -> float:
@@ -218,18 +216,13 @@ class WorkerBase(ABC):
 
     # ---- engine thread -----------------------------------------------------------------------
     def _tick(self) -> bool:
-        leader = self.engine.leader
-        if leader is not None and not self.lifecycle.stopped:
+        if self.engine.followers and not self.lifecycle.stopped:
             now = time.monotonic()
-            if leader.lost is None and now - self._ranks_checked_at > RANK_CHECK_INTERVAL_S:
+            probe = now - self._ranks_checked_at > RANK_CHECK_INTERVAL_S
+            if probe:
                 self._ranks_checked_at = now  # an idle worker notices a lost rank too
-                from engine.parallel.leader import RankLost
-
-                for follower in leader.followers:
-                    if (how := follower.exit_description()) is not None:
-                        leader.lost = RankLost(f"rank {follower.rank} exited ({how})")
-            if leader.lost is not None:
-                exit_on_rank_lost(self.worker_id, leader.lost)
+            if (lost := self.engine.rank_lost(probe)) is not None:
+                exit_on_rank_lost(self.worker_id, lost)
         busy = self._on_tick()
         self.index_upkeep.tick(time.monotonic())
         return busy

@@ -207,7 +207,7 @@ class KVPuller:
         num_host = min(max(0, handle.num_host_blocks - first), len(remote))  # lead the handle
         try:
             self.transfer.notify(peer, Notice(NoticeKind.BEGIN, req_id, pull.epoch).encode())
-            if self.engine.leader is not None and not self._read_on_ranks(
+            if self.engine.followers and not self._read_on_ranks(
                 pull, handle, remote, plan.local_block_ids, num_host
             ):
                 return
@@ -267,12 +267,11 @@ class KVPuller:
         prompt is recomputed."""
         from engine.parallel.step_plan import ReadPlan
 
-        leader, meta = self.engine.leader, self._peers[handle.actor_name].meta
-        assert leader is not None
+        meta = self._peers[handle.actor_name].meta
         if num_host:
             self._recompute(pull, "a tensor-parallel worker reads no holder's host tier")
             return False
-        if not leader.read_on_ranks(ReadPlan(meta, list(remote), list(local))):
+        if not self.engine.read_on_ranks(ReadPlan(meta, list(remote), list(local))):
             self._recompute(pull, "a tensor-parallel rank's read failed")
             return False
         return True

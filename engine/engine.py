@@ -24,7 +24,8 @@ from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
 from engine.parallel.launch import StartFollower, start_leader
-from engine.parallel.leader import LeaderRunner, RankLost
+from engine.parallel.leader import FollowerHandle, LeaderRunner, RankLost
+from engine.parallel.step_plan import ReadPlan
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
@@ -264,6 +265,24 @@ class Engine:
     def loading_block_ids(self) -> dict[str, list[int]]:
         """req_id -> the blocks reserved for a prompt whose KV is loading (a live list)."""
         return {req_id: self.kv.block_ids(req_id) for req_id in self.loader.loading}
+
+    @property
+    def followers(self) -> tuple[FollowerHandle, ...]:
+        """Ranks 1.. of a tensor-parallel engine (their handles); () at one rank."""
+        return () if self.leader is None else tuple(self.leader.followers)
+
+    def rank_lost(self, probe: bool) -> RankLost | None:
+        """Why the tensor-parallel group failed; None at one rank or while every rank runs.
+        probe: also ask each follower whether its process ended (an idle engine sends nothing,
+        so only a probe notices a killed rank)."""
+        if self.leader is None:
+            return None
+        return self.leader.check_followers() if probe else self.leader.lost
+
+    def read_on_ranks(self, plan: ReadPlan) -> bool:
+        """A tensor-parallel engine's ranks 1.. read their own heads of a peer's blocks (before
+        rank 0 reads its own); False when a rank's read failed. True at one rank (nothing to do)."""
+        return self.leader is None or self.leader.read_on_ranks(plan)
 
     def kv_memory(self) -> KVMemory:
         """What a peer reads KV from: the device cache, and with keep_on_host the host tier.

@@ -52,6 +52,16 @@ class Leader:
         self.timeout_s = timeout_s
         self.lost: RankLost | None = None  # set once a collective failed
 
+    def check_followers(self) -> RankLost | None:
+        """The group's failure: recorded earlier, or a follower's process found ended now (then
+        recorded, so the next send raises it)."""
+        if self.lost is None:
+            for follower in self.followers:
+                if (how := follower.exit_description()) is not None:
+                    self.lost = RankLost(f"rank {follower.rank} exited ({how})")
+                    break
+        return self.lost
+
     def send(self, message: step_plan.Message) -> None:
         self.check_alive()
         try:

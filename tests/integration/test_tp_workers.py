@@ -60,15 +60,11 @@ class EngineHost:
         return [got[f"r{i}"] for i in range(len(prompts))]
 
     def places(self) -> list[RankPlace]:
-        leader = self.engine.leader
-        assert leader is not None
-        ranks = [f.place() for f in leader.followers if isinstance(f, RayFollower)]
+        ranks = [f.place() for f in self.engine.followers if isinstance(f, RayFollower)]
         return [this_place(0, self.engine.config.device), *ranks]
 
     def follower_actors(self) -> list[Any]:
-        leader = self.engine.leader
-        assert leader is not None
-        return [f.actor for f in leader.followers if isinstance(f, RayFollower)]
+        return [f.actor for f in self.engine.followers if isinstance(f, RayFollower)]
 
     def free_blocks(self) -> tuple[int, int, bool]:
         """(free blocks, total blocks, requests in flight) of rank 0's pool."""
