@@ -20,7 +20,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 POOLS = ("prefill_pool", "decode_pool")
-YAMLS = ["cluster.yaml", "cluster-onprem.yaml", "fake-cluster.yaml"]
+YAMLS = ["cluster.yaml", "cluster-70b-tp.yaml", "cluster-onprem.yaml", "fake-cluster.yaml"]
 
 
 def load(name: str) -> dict[str, Any]:
@@ -68,6 +68,22 @@ def test_node_types_split_into_head_and_pools(name: str) -> None:
         gpus = node_type["resources"].get("GPU")
         if gpus is not None:  # one worker per GPU
             assert node_type["resources"][pool_of(node_type)[0]] == gpus
+
+
+def test_the_70b_layout_gives_each_tp_worker_its_gpus() -> None:
+    """A TP-N worker takes N one-GPU bundles and one pool unit: a node's pool is GPUs / N, for
+    the TP its header's `kvrelay up` line asks of that pool."""
+    text = (DEPLOY / "cluster-70b-tp.yaml").read_text()
+    tp = {pool: int(n) for pool, n in re.findall(r"--(prefill|decode)-tp (\d+)", text)}
+    assert tp == {"prefill": 2, "decode": 4}
+    config = load("cluster-70b-tp.yaml")
+    types = config["available_node_types"]
+    assert pool_of(types[config["head_node_type"]]) == []
+    for pool, n in tp.items():
+        resources = types[pool]["resources"]
+        assert pool_of(types[pool]) == [f"{pool}_pool"]
+        assert resources[f"{pool}_pool"] * n == resources["GPU"]
+    assert config["setup_commands"] == load("cluster.yaml")["setup_commands"]
 
 
 def test_fake_cluster_decode_pool_can_grow_to_two() -> None:
