@@ -75,7 +75,7 @@ def test_the_70b_layout_gives_each_tp_worker_its_gpus() -> None:
     the TP its header's `kvrelay up` line asks of that pool."""
     text = (DEPLOY / "cluster-70b-tp.yaml").read_text()
     tp = {pool: int(n) for pool, n in re.findall(r"--(prefill|decode)-tp (\d+)", text)}
-    assert tp == {"prefill": 2, "decode": 4}
+    assert tp == {"prefill": 4, "decode": 2}
     config = load("cluster-70b-tp.yaml")
     types = config["available_node_types"]
     assert pool_of(types[config["head_node_type"]]) == []
