@@ -68,7 +68,9 @@ async def _serve(
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
         tokenizer = RouterTokenizer(cluster.model.checkpoint_dir)
-        servers = options.build_servers(cluster.backend, tokenizer, metrics)
+        servers = options.build_servers(
+            cluster.backend, tokenizer, metrics, cluster.redis_url, cluster.backend.router_id
+        )
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         await cluster.backend.membership.announce(
