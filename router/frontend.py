@@ -24,7 +24,7 @@ from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
 from router.choices import ChoiceTrackers
-from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
+from router.errors import BackendError, InvalidRequest, Overloaded, RateLimited, Unauthenticated
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, Usage
 from router.prompt_encoder import PromptEncoder
@@ -228,7 +228,11 @@ class Frontend:
         if tenant is not None and self.limiter is not None:
             sampling = prepared.request.sampling
             num_tokens = len(prepared.request.prompt_token_ids) + sampling.n * sampling.max_tokens
-            grant = await self.limiter.admit(tenant, prepared.request.req_id, num_tokens)
+            try:
+                grant = await self.limiter.admit(tenant, prepared.request.req_id, num_tokens)
+            except RateLimited as e:
+                self.metrics.tenant_refused.labels(tenant=tenant, limit=e.limit).inc()
+                raise
         if tenant is not None:
             self.metrics.tenant_requests.labels(tenant=tenant).inc()
         return grant

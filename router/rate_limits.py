@@ -58,7 +58,7 @@ class RateLimiter:
         redis_url: str,
         limits_by_tenant: Mapping[str, TenantLimits],
         defaults: TenantLimits = NO_LIMITS,
-        metrics: RouterMetrics | None = None,
+        metrics: RouterMetrics | None = None,  # for kvrelay_rate_limits_available
         clock: Callable[[], float] = time.time,
         lease_s: float = DEFAULT_LEASE_S,
         timeout_s: float = 0.25,
@@ -152,8 +152,6 @@ class RateLimiter:
     def _refusal(
         self, tenant: str, limits: TenantLimits, name: str, wait_s: float, num_tokens: int
     ) -> RateLimited:
-        if self.metrics is not None:
-            self.metrics.tenant_refused.labels(tenant=tenant, limit=name).inc()
         limit = getattr(limits, name)
         title = f"{LIMIT_TITLES[name]} ({name})"
         if wait_s < 0:  # more tokens than the bucket holds: no wait will do
