@@ -36,6 +36,12 @@ class RouterOptions:
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
     default_limits: TenantLimits = NO_LIMITS  # --rate-limit-*: a tenant's unless its own
 
+    @property
+    def has_limits(self) -> bool:
+        """Some tenant has a per-key limit (these need the cluster's Redis)."""
+        keys = self.api_keys
+        return keys is not None and (bool(keys.limits_by_tenant) or self.default_limits.any)
+
     def build_servers(
         self,
         backend: Backend,
@@ -56,7 +62,7 @@ class RouterOptions:
             limiter = RateLimiter(
                 redis_url, keys.limits_by_tenant, self.default_limits, metrics, router_id=router_id
             )
-        elif keys is not None and (keys.limits_by_tenant or self.default_limits.any):
+        elif self.has_limits:
             raise ValueError("per-key limits need the cluster's Redis (this one runs without)")
 
         frontend = Frontend(

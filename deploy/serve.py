@@ -28,6 +28,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
+    if options.has_limits and args.no_redis:
+        raise ValueError("per-key limits (the key file's columns, --rate-limit-*) need Redis")
     name = serve_name(args)
     if name is not None:
         cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts

@@ -99,7 +99,9 @@ class RateLimiter:
         try:
             return await asyncio.shield(admitting)
         except asyncio.CancelledError:
-            admitting.add_done_callback(self._release_abandoned)
+            task = asyncio.ensure_future(self._give_back(admitting))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             raise
 
     async def release(self, grant: Grant, num_prompt_tokens: int, num_output_tokens: int) -> None:
@@ -167,12 +169,13 @@ class RateLimiter:
         )
         return RateLimited(message, name, retry_s)
 
-    def _release_abandoned(self, admitting: asyncio.Future[Grant]) -> None:
-        if admitting.cancelled() or admitting.exception() is not None:
+    async def _give_back(self, admitting: asyncio.Future[Grant]) -> None:
+        """Release the grant of an admission whose caller left (a refusal holds nothing)."""
+        try:
+            grant = await admitting
+        except RateLimited:
             return
-        task = asyncio.ensure_future(self.release(admitting.result(), 0, 0))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        await self.release(grant, 0, 0)
 
     def _start_renewer(self) -> None:
         if self._renewer is None or self._renewer.done():

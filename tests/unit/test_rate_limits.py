@@ -179,3 +179,24 @@ def test_redis_down_fails_open_and_says_so(
     off = [r for r in caplog.records if "per-key limits OFF (failing open)" in r.message]
     assert len(off) == 1  # once an outage, not once a request
     assert any("per-key limits back ON" in r.message for r in caplog.records)
+
+
+def test_a_caller_cancelled_while_redis_admits_gives_the_grant_back(redis_url: str) -> None:
+    clock = Clock()
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = TenantKeys.of("a")
+
+    async def body() -> None:
+        one = limiter(redis_url, clock, a=TenantLimits(tpm=100, streams=1))
+        admitting = asyncio.ensure_future(one.admit("a", "r0", 40))
+        await asyncio.sleep(0)  # the script is on its way to Redis
+        admitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        await one.close()  # waits for the background release
+
+    run(body())
+    [row] = read_usage(store, clock.now)
+    assert row.counts["requests"] == 1 and row.num_streams == 0  # admitted, then given back
+    assert float(store.hget(keys.tpm, "tokens")) == 100
+    assert store.zcard(keys.streams) == 0

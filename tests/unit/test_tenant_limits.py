@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli import build_parser
+from deploy.cli import build_parser, main
 from deploy.ops_cli import format_key_usage
 from deploy.router_flags import RouterOptions, router_options
 from router.access import ApiKeys, ApiKeysFileError
@@ -67,7 +67,9 @@ def options(*argv: str) -> RouterOptions:
     return router_options(build_parser().parse_args(["router", *argv]))
 
 
-def test_flags_give_the_default_limits_a_key_line_overrides(tmp_path: Path) -> None:
+def test_flags_give_the_default_limits_a_key_line_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"{KEY_A} team-a tpm=500\n{KEY_B} team-b\n")
     got = options("--api-keys", str(keys), "--rate-limit-rps", "0.5", "--rate-limit-tpm", "900")
@@ -81,6 +83,12 @@ def test_flags_give_the_default_limits_a_key_line_overrides(tmp_path: Path) -> N
         options("--api-keys", str(keys), "--rate-limit-streams", "0")
     with pytest.raises(ValueError, match=r"--rate-limit-\* needs --api-keys"):
         options("--rate-limit-rps", "3")
+    assert got.has_limits and not options().has_limits
+    argv = ["serve", "--no-redis", "--api-keys", str(keys)]
+    assert main(argv) == 2  # refused before anything starts
+    assert "per-key limits (the key file's columns, --rate-limit-*) need Redis" in (
+        capsys.readouterr().err
+    )
 
 
 def test_status_keys_table_has_a_row_a_tenant() -> None:
