@@ -75,15 +75,18 @@ def routers(smollm_model, smollm_dir, tmp_path_factory) -> Iterator[Routers]:
                 router.engine.assert_no_leaks()
 
 
-def complete(router: ServerHarness, key: str) -> tuple[int, dict[str, str], dict]:
-    body = {"model": router.engine.model_id, "prompt": "Hi", "max_tokens": 1}
+def complete(
+    router: ServerHarness, key: str, stream: bool = False
+) -> tuple[int, dict[str, str], dict]:
+    body = {"model": router.engine.model_id, "prompt": "Hi", "max_tokens": 1, "stream": stream}
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     request = urllib.request.Request(
         router.base_url + "/v1/completions", json.dumps(body).encode(), headers
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
+            raw = response.read()
+            return response.status, dict(response.headers), {} if stream else json.loads(raw)
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
 
@@ -144,6 +147,8 @@ def test_grpc_is_resource_exhausted_with_retry_after(routers: Routers) -> None:
     trailing = dict(info.value.trailing_metadata())
     assert trailing["retry-after"] == "1" and trailing["grpc-retry-pushback-ms"] == "1000"
     assert complete(a, KEY_BURST)[0] == 429  # the other router agrees: one shared bucket
+    status, headers, reply = complete(a, KEY_BURST, stream=True)  # refused before any event
+    assert status == 429 and headers["Retry-After"] == "1" and reply["error"]["param"] == "rps"
 
 
 def test_a_cancelled_stream_gives_its_slot_back(routers: Routers) -> None:

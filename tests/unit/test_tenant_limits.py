@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser, main
-from deploy.ops_cli import format_key_usage
+from deploy.ops_cli import format_key_usage, key_usage
 from deploy.router_flags import RouterOptions, router_options
 from router.access import ApiKeys, ApiKeysFileError
 from router.rate_limit_schema import USAGE_FIELDS, TenantUsage
@@ -102,3 +102,9 @@ def test_status_keys_table_has_a_row_a_tenant() -> None:
     assert lines[1].split()[:2] == ["tenant", "requests"]
     assert lines[2].split() == ["team-a", "12", "340", "0", "2", "3/0/0", "rps=3"]
     assert lines[3].split() == ["team-b", "0", "0", "0", "0", "0/0/0", "none"]
+
+
+def test_status_takes_keys_and_says_when_there_is_no_redis() -> None:
+    assert build_parser().parse_args(["status", "--keys"]).keys
+    assert key_usage("") == "keys: no Redis, so no per-key usage"
+    assert key_usage("redis://127.0.0.1:1/0").startswith("keys: Redis did not answer")
