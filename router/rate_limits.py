@@ -158,8 +158,8 @@ class RateLimiter:
         title = f"{LIMIT_TITLES[name]} ({name})"
         if wait_s < 0:  # more tokens than the bucket holds: no wait will do
             message = (
-                f"rate limit: this request needs {num_tokens} tokens (prompt + max_tokens), more "
-                f"than tenant {tenant!r}'s limit of {limit:g} {title}; lower max_tokens"
+                f"rate limit: this request needs {num_tokens} tokens (prompt + n * max_tokens), "
+                f"more than the limit of tenant {tenant!r}: {limit:g} {title}; lower max_tokens"
             )
             return RateLimited(message, name, None)
         retry_s = max(1, math.ceil(wait_s))
