@@ -10,11 +10,15 @@ import json
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStats, WorkerStatus
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
+
+if TYPE_CHECKING:
+    from router.rate_limit_schema import TenantUsage
 
 ADDRESS_HELP = (
     "Ray cluster address (host:port of its GCS, or 'auto'); default: the cluster of the "
@@ -34,6 +38,11 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("status", help="the pools, their workers, the routers and Redis")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--keys",
+        action="store_true",
+        help="also each API-key tenant's usage, live streams, refusals and limits (from Redis)",
+    )
     _add_target(p)
     p.set_defaults(func=status)
 
@@ -98,15 +107,55 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     controller = _controller(args)
 
-    async def fetch() -> ClusterStatus:
-        return await controller.status.remote(True)
+    async def fetch() -> tuple[ClusterStatus, str]:
+        config = await controller.router_config.remote() if args.keys else None
+        return await controller.status.remote(True), config.redis_url if config else ""
 
-    current = asyncio.run(fetch())
+    current, redis_url = asyncio.run(fetch())
+    keys = key_usage(redis_url) if args.keys else None
     if args.json:
-        print(json.dumps(current.to_json_dict(), indent=2))
+        body = current.to_json_dict()
+        if keys is not None:
+            body["keys"] = keys if isinstance(keys, str) else [row._asdict() for row in keys]
+        print(json.dumps(body, indent=2))
     else:
         print(format_status(current))
+        if keys is not None:
+            print(keys if isinstance(keys, str) else format_key_usage(keys))
     return 0
+
+
+def key_usage(redis_url: str) -> list[TenantUsage] | str:
+    """Each tenant's counters from Redis, or one line saying why there are none."""
+    import redis
+
+    from router.rate_limit_schema import read_usage
+
+    if not redis_url:
+        return "keys: no Redis, so no per-key usage"
+    client = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2.0)
+    try:
+        return read_usage(client, time.time())
+    except (redis.RedisError, OSError) as e:
+        return f"keys: Redis did not answer ({type(e).__name__}: {e})"
+    finally:
+        client.close()
+
+
+def format_key_usage(rows: list[TenantUsage]) -> str:
+    """A table, one row a tenant: requests admitted, tokens, live streams, refusals by limit and
+    the limits its routers last applied."""
+    head = ("tenant", "requests", "prompt tok", "output tok", "streams", "refused rps/tpm/streams")
+    table = [(*head, "limits")]
+    for row in rows:
+        c = row.counts
+        refused = f"{c['refused_rps']}/{c['refused_tpm']}/{c['refused_streams']}"
+        cells = (c["requests"], c["prompt_tokens"], c["completion_tokens"], row.num_streams)
+        table.append((row.tenant, *map(str, cells), refused, row.limits or "none"))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = [f"keys: {len(rows)} tenants"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_status(current: ClusterStatus) -> str:
@@ -197,7 +246,9 @@ async def _router(
         metrics = RouterMetrics()
         backend.metrics = metrics
         tokenizer = RouterTokenizer(config.model.checkpoint_dir)
-        servers = options.build_servers(backend, tokenizer, metrics)
+        servers = options.build_servers(
+            backend, tokenizer, metrics, config.redis_url, backend.router_id
+        )
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         await backend.membership.announce(RouterStatus(backend.router_id, http_url, grpc_address))

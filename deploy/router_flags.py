@@ -10,6 +10,13 @@ from typing import TYPE_CHECKING
 
 from deploy.serve_stop import DEFAULT_DRAIN_S
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
+from router.tenant_limits import (
+    LIMIT_NAMES,
+    LIMIT_TITLES,
+    NO_LIMITS,
+    TenantLimits,
+    check_limit,
+)
 
 if TYPE_CHECKING:  # the servers' modules load only when a router starts (the CLI stays light)
     from router.access import ApiKeys
@@ -27,13 +34,36 @@ class RouterOptions:
     tls: ServerTLS | None = None  # None: plain HTTP and gRPC
     max_body_mib: float | None = None  # None: derived from the context length (request_size.py)
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
+    default_limits: TenantLimits = NO_LIMITS  # --rate-limit-*: a tenant's unless its own
+
+    @property
+    def has_limits(self) -> bool:
+        """Some tenant has a per-key limit (these need the cluster's Redis)."""
+        keys = self.api_keys
+        return keys is not None and (bool(keys.limits_by_tenant) or self.default_limits.any)
 
     def build_servers(
-        self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
+        self,
+        backend: Backend,
+        tokenizer: RouterTokenizer,
+        metrics: RouterMetrics,
+        redis_url: str | None = None,
+        router_id: str | None = None,
     ) -> RouterServers:
-        """The Frontend over `backend` and its two servers (build inside the serving loop)."""
+        """The Frontend over `backend` and its two servers (build inside the serving loop). With
+        API keys and a Redis, each tenant's usage is counted there and its limits kept."""
         from router.frontend import Frontend
+        from router.rate_limits import RateLimiter
         from router.serve import RouterServers
+
+        limiter = None
+        keys = self.api_keys
+        if keys is not None and redis_url:
+            limiter = RateLimiter(
+                redis_url, keys.limits_by_tenant, self.default_limits, metrics, router_id=router_id
+            )
+        elif self.has_limits:
+            raise ValueError("per-key limits need the cluster's Redis (this one runs without)")
 
         frontend = Frontend(
             backend,
@@ -42,6 +72,7 @@ class RouterOptions:
             max_queued_requests=self.max_queued_requests,
             api_keys=self.api_keys,
             max_body_mib=self.max_body_mib,
+            limiter=limiter,
         )
         return RouterServers(frontend, self.tls)
 
@@ -55,6 +86,10 @@ class RouterOptions:
         if self.api_keys is not None:
             keys = self.api_keys
             lines.append(f"  API keys       {keys.num_keys} keys, {len(keys.tenants)} tenants")
+            limited = len(keys.limits_by_tenant)
+            if limited or self.default_limits.any:
+                default = self.default_limits.describe()
+                lines.append(f"  per-key limits {limited} tenants their own, default {default}")
         return lines
 
 
@@ -81,9 +116,20 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="require an API key: FILE has one `KEY TENANT` per line (# comments); each "
-        "tenant's prefix cache is kept apart (default: no keys)",
+        help="require an API key: FILE has one `KEY TENANT [rps=R tpm=N streams=N]` per line "
+        "(# comments; the columns are the tenant's per-key limits); each tenant's prefix cache "
+        "is kept apart (default: no keys)",
     )
+    for name in LIMIT_NAMES:
+        p.add_argument(
+            f"--rate-limit-{name}",
+            type=float if name == "rps" else int,
+            default=None,
+            metavar="N",
+            help=f"needs --api-keys: each tenant's {LIMIT_TITLES[name]} unless its key line "
+            f"sets `{name}=N`; shared by every router through Redis, then HTTP 429 + "
+            "Retry-After / gRPC RESOURCE_EXHAUSTED (default: no limit)",
+        )
     p.add_argument(
         "--tls-cert",
         default=None,
@@ -115,7 +161,17 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     check_max_body_mib(args.max_body_mib)
     if not args.drain_seconds >= 0:  # NaN too
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
+    defaults = {}
+    for name in LIMIT_NAMES:
+        try:
+            defaults[name] = check_limit(name, getattr(args, f"rate_limit_{name}"))
+        except ValueError as e:
+            raise ValueError(f"--rate-limit-{e}") from None
+    default_limits = TenantLimits(**defaults)  # type: ignore[arg-type]
+    if default_limits.any and not args.api_keys:
+        raise ValueError("--rate-limit-* needs --api-keys (the limits are each tenant's)")
     return RouterOptions(
+        default_limits=default_limits,
         max_queued_requests=args.max_queued_requests,
         api_keys=ApiKeys.load(args.api_keys) if args.api_keys else None,
         tls=ServerTLS.load(args.tls_cert, args.tls_key),

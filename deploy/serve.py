@@ -28,6 +28,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
+    if options.has_limits and args.no_redis:
+        raise ValueError("per-key limits (the key file's columns, --rate-limit-*) need Redis")
     name = serve_name(args)
     if name is not None:
         cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts
@@ -68,7 +70,9 @@ async def _serve(
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
         tokenizer = RouterTokenizer(cluster.model.checkpoint_dir)
-        servers = options.build_servers(cluster.backend, tokenizer, metrics)
+        servers = options.build_servers(
+            cluster.backend, tokenizer, metrics, cluster.redis_url, cluster.backend.router_id
+        )
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         await cluster.backend.membership.announce(

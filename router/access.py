@@ -2,9 +2,11 @@
 SHA-256 digests), the rule for finding the key in a request's headers or metadata, and the rule
 that turns a tenant (plus the client's own cache_salt) into the cache_salt the cluster sees.
 
-File format: one `KEY TENANT` pair per line, separated by whitespace; `#` starts a comment (so
-no key starts with `#`), blank lines are ignored. A key is 16 or more visible ASCII characters;
-a tenant may have several keys (rotation), a key only one tenant.
+File format: one `KEY TENANT [NAME=VALUE ...]` per line, separated by whitespace; `#` starts a
+comment (so no key starts with `#`), blank lines are ignored. A key is 16 or more visible ASCII
+characters; a tenant may have several keys (rotation), a key only one tenant. The optional
+columns are the tenant's limits (router/tenant_limits.py: `rps=5 tpm=20000 streams=4`), given on
+one of its lines (its other lines give none or the same).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from router.errors import Unauthenticated
+from router.tenant_limits import LIMIT_NAMES, NO_LIMITS, TenantLimits, limits_from_options
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class ApiKeys:
 
     source: str
     tenant_by_digest: Mapping[str, str] = field(repr=False)
+    limits_by_tenant: Mapping[str, TenantLimits] = field(default_factory=dict)  # given ones only
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -49,6 +53,10 @@ class ApiKeys:
     @property
     def num_keys(self) -> int:
         return len(self.tenant_by_digest)
+
+    def limits(self, tenant: str) -> TenantLimits:
+        """The tenant's limits from the file (none given: TenantLimits(), no limit)."""
+        return self.limits_by_tenant.get(tenant, NO_LIMITS)
 
     def tenant(self, key: str) -> str | None:
         """The key's tenant, or None for a key not in the file."""
@@ -80,16 +88,16 @@ class ApiKeys:
     def parse(cls, text: str, source: str = "<api keys>") -> ApiKeys:
         tenant_by_digest: dict[str, str] = {}
         first_line: dict[str, int] = {}
+        limits_by_tenant: dict[str, TenantLimits] = {}
+        limits_line: dict[str, int] = {}
         for lineno, line in enumerate(text.splitlines(), 1):
             fields = _before_comment(line.split())
             if not fields:
                 continue
             where = f"{source}:{lineno}"
-            if len(fields) != 2:
-                raise ApiKeysFileError(
-                    f"{where}: expected `KEY TENANT` (two fields), found {len(fields)} fields"
-                )
-            key, tenant = fields
+            if len(fields) < 2:
+                raise ApiKeysFileError(f"{where}: expected `KEY TENANT [NAME=VALUE ...]`")
+            key, tenant, *columns = fields
             _check_key(key, where)
             if not _TENANT_CHARS.fullmatch(tenant):
                 raise ApiKeysFileError(
@@ -102,9 +110,40 @@ class ApiKeys:
                 )
             first_line[digest] = lineno
             tenant_by_digest[digest] = tenant
+            limits = parse_key_options(columns, where)
+            if limits.any:
+                earlier = limits_by_tenant.get(tenant)
+                if earlier is not None and earlier != limits:
+                    raise ApiKeysFileError(
+                        f"{where}: tenant {tenant!r} has other limits on line "
+                        f"{limits_line[tenant]} ({earlier.describe()}); give them once"
+                    )
+                limits_by_tenant[tenant] = limits
+                limits_line.setdefault(tenant, lineno)
         if not tenant_by_digest:
             raise ApiKeysFileError(f"{source}: no `KEY TENANT` line (an empty file admits no one)")
-        return cls(source, MappingProxyType(tenant_by_digest))
+        return cls(source, MappingProxyType(tenant_by_digest), MappingProxyType(limits_by_tenant))
+
+
+def parse_key_options(columns: list[str], where: str) -> TenantLimits:
+    """A key line's columns after KEY TENANT, each `NAME=VALUE` (NAME one of LIMIT_NAMES, once);
+    ApiKeysFileError naming the line and the column."""
+    options: dict[str, str] = {}
+    for column in columns:
+        name, eq, value = column.partition("=")
+        if not eq or not value:
+            raise ApiKeysFileError(f"{where}: {column!r} is not NAME=VALUE")
+        if name not in LIMIT_NAMES:
+            raise ApiKeysFileError(
+                f"{where}: unknown column {name!r} (known: {', '.join(LIMIT_NAMES)})"
+            )
+        if name in options:
+            raise ApiKeysFileError(f"{where}: {name} is given twice")
+        options[name] = value
+    try:
+        return limits_from_options(options, where)
+    except ValueError as e:
+        raise ApiKeysFileError(str(e)) from None
 
 
 def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:

@@ -1,4 +1,4 @@
-"""Errors the front ends map to protocol statuses (HTTP 400/401/413/500/503, gRPC
+"""Errors the front ends map to protocol statuses (HTTP 400/401/413/429/500/503, gRPC
 INVALID_ARGUMENT, UNAUTHENTICATED, INTERNAL, RESOURCE_EXHAUSTED); they hold only their message."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class Overloaded(RuntimeError):
     A subclass may carry another code and no Retry-After (None)."""
 
     code = "overloaded"
+    http_status = 503
 
     def __init__(self, max_requests: int, retry_after_s: int):
         self.max_requests = max_requests
@@ -66,5 +67,21 @@ class SloUnmet(Overloaded):
     def __init__(self, message: str, retry_after_s: int = 1):
         RuntimeError.__init__(self, message)
         self.max_requests = 0
+        self.retry_after_s = retry_after_s
+        self.message = message
+
+
+class RateLimited(Overloaded):
+    """A tenant's per-key limit refused the request (router/rate_limits.py): HTTP 429 +
+    Retry-After / RESOURCE_EXHAUSTED with retry-after in the trailing metadata. `limit` names it
+    (rps, tpm, streams); retry_after_s None: no wait will do (more tokens than the limit)."""
+
+    code = "rate_limit_exceeded"
+    http_status = 429
+
+    def __init__(self, message: str, limit: str, retry_after_s: int | None):
+        RuntimeError.__init__(self, message)
+        self.max_requests = 0
+        self.limit = limit
         self.retry_after_s = retry_after_s
         self.message = message

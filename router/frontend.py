@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from common.messages import GenerateRequest, TokenDelta
 from engine.kv_cache.retention import InvalidRetention, check_ranges
@@ -23,13 +24,16 @@ from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
 from router.choices import ChoiceTrackers
-from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
+from router.errors import BackendError, InvalidRequest, Overloaded, RateLimited, Unauthenticated
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, Usage
 from router.prompt_encoder import PromptEncoder
 from router.request_size import max_body_bytes
 from router.request_spec import ChatMessage, Prepared, RequestSpec
 from router.tokenizer import RouterTokenizer
+
+if TYPE_CHECKING:
+    from router.rate_limits import Grant, RateLimiter
 
 __all__ = [
     "BackendError",
@@ -58,11 +62,13 @@ class Frontend:
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         api_keys: ApiKeys | None = None,
         max_body_mib: float | None = None,
+        limiter: RateLimiter | None = None,
     ):
         """max_tokens_cap: the default max_tokens when a request sets none (None: no cap).
         max_queued_requests: how many requests the router holds at once (parsing, queued or
         running); one more is refused with Overloaded. api_keys: None admits every caller.
-        max_body_mib: the largest request body read (None: derived from the context length)."""
+        max_body_mib: the largest request body read (None: derived from the context length).
+        limiter: each tenant's per-key limits (None: none; needs api_keys to have tenants)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
@@ -70,6 +76,7 @@ class Frontend:
         self.model_names = frozenset((backend.model_id, *model_aliases))
         self.max_tokens_cap = max_tokens_cap
         self.api_keys = api_keys
+        self.limiter = limiter
         self.admission = Admission(max_queued_requests, self.metrics)
         self.max_body_bytes = max_body_bytes(backend.max_model_len, max_body_mib)
         self.encoder = PromptEncoder(tokenizer, backend.max_model_len)
@@ -148,7 +155,7 @@ class Frontend:
         request = GenerateRequest(
             req_id, tuple(prompt_ids), sampling, salt, time.time(), kv_retention=spec.kv_retention
         )
-        return Prepared(request, spec.sampling.stop, arrival)
+        return Prepared(request, spec.sampling.stop, arrival, spec.tenant)
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:
         """A tenant's requests get a salt derived from the tenant; without keys, the client's."""
@@ -178,15 +185,17 @@ class Frontend:
 
         Leaving early (client gone, task cancelled, aclose()) aborts the request in the
         backend; so does a stop string, which the backend does not know about.
-        Raises BackendError if the backend fails the request.
+        Raises BackendError if the backend fails the request, RateLimited (before any output)
+        if its tenant's per-key limits refuse it.
         """
         req = prepared.request
         if req.req_id in self._in_flight:
             raise self.reject(InvalidRequest(f"request id {req.req_id!r} is already in flight"))
+        tracker = ChoiceTrackers(self.tokenizer, prepared, self.metrics)
+        grant = await self._charge(prepared)  # nothing between it and `try` can fail or wait
         self._in_flight.add(req.req_id)
         self.metrics.running.inc()
         self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)
-        tracker = ChoiceTrackers(self.tokenizer, prepared, self.metrics)
         stream = self.backend.generate(req)
         try:
             async for delta in stream:
@@ -209,11 +218,33 @@ class Frontend:
             self._in_flight.discard(req.req_id)
             self.metrics.running.dec()
             # Shielded: a second cancellation must not skip the abort.
-            await asyncio.shield(self._end(req.req_id, stream, tracker))
+            await asyncio.shield(self._end(prepared, stream, tracker, grant))
+
+    async def _charge(self, prepared: Prepared) -> Grant | None:
+        """Charge the request to its tenant (prompt + n * max_tokens tokens); raises
+        RateLimited when a per-key limit refuses it. None: no tenant, or no limiter."""
+        tenant = prepared.tenant
+        grant = None
+        if tenant is not None and self.limiter is not None:
+            sampling = prepared.request.sampling
+            num_tokens = len(prepared.request.prompt_token_ids) + sampling.n * sampling.max_tokens
+            try:
+                grant = await self.limiter.admit(tenant, prepared.request.req_id, num_tokens)
+            except RateLimited as e:
+                self.metrics.tenant_refused.labels(tenant=tenant, limit=e.limit).inc()
+                raise
+        if tenant is not None:
+            self.metrics.tenant_requests.labels(tenant=tenant).inc()
+        return grant
 
     async def _end(
-        self, req_id: str, stream: AsyncIterator[TokenDelta], tracker: ChoiceTrackers
+        self,
+        prepared: Prepared,
+        stream: AsyncIterator[TokenDelta],
+        tracker: ChoiceTrackers,
+        grant: Grant | None,
     ) -> None:
+        req_id = prepared.request.req_id
         try:
             await _close(stream)
             if not tracker.backend_finished:
@@ -222,6 +253,15 @@ class Frontend:
             logger.exception("aborting request %s failed", req_id)
         finally:
             tracker.record_end()
+            usage = tracker.usage()
+            if prepared.tenant is not None:
+                tokens = self.metrics.tenant_tokens
+                tokens.labels(tenant=prepared.tenant, kind="prompt").inc(usage.prompt_tokens)
+                tokens.labels(tenant=prepared.tenant, kind="completion").inc(
+                    usage.completion_tokens
+                )
+            if grant is not None and self.limiter is not None:
+                await self.limiter.release(grant, usage.prompt_tokens, usage.completion_tokens)
 
     def model_ids(self) -> list[str]:
         return [self.model_id]

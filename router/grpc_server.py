@@ -133,7 +133,12 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                         yield response
         except Overloaded as e:  # raised on entering admit(), before anything was sent
             wait_s = e.retry_after_s  # None: refused for good (no pushback)
-            pushback = () if wait_s is None else (("grpc-retry-pushback-ms", str(wait_s * 1000)),)
+            pushback: tuple[tuple[str, str], ...] = ()
+            if wait_s is not None:  # retry-after (seconds) as HTTP's Retry-After says it
+                pushback = (
+                    ("grpc-retry-pushback-ms", str(wait_s * 1000)),
+                    ("retry-after", str(wait_s)),
+                )
             busy = not isinstance(e, ClusterUnavailable)  # else: shutting down, cluster lost
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, e.message, pushback)

@@ -21,7 +21,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from common.version import version
-from router.errors import BackendError, InvalidRequest, Overloaded
+from router.errors import BackendError, InvalidRequest, Overloaded, RateLimited
 from router.frontend import Frontend
 from router.http_middleware import FRONTEND_KEY, TENANT_KEY, api_keys, body_limit, errors_as_json
 from router.http_middleware import json_response as _json
@@ -49,8 +49,13 @@ def _sse(body: dict[str, Any] | str) -> bytes:
 
 def _overloaded(error: Overloaded) -> web.Response:
     """503 with the error's code: "overloaded" (the router's bound, the objectives),
-    "shutting_down" or "unavailable" (router/serving_gate.py); Retry-After where it has one."""
-    response = _json(error_body(error.message, "server_error", code=error.code), 503)
+    "shutting_down" or "unavailable" (router/serving_gate.py); 429 "rate_limit_exceeded" naming
+    the limit in `param` (a tenant's per-key limits); Retry-After where it has one."""
+    if isinstance(error, RateLimited):
+        body = error_body(error.message, "rate_limit_error", error.limit, error.code)
+    else:
+        body = error_body(error.message, "server_error", code=error.code)
+    response = _json(body, error.http_status)
     if error.retry_after_s is not None:
         response.headers["Retry-After"] = str(error.retry_after_s)
     return response

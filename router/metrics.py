@@ -116,6 +116,32 @@ class RouterMetrics:
             "The bound on admitted requests (--max-queued-requests).",
             registry=r,
         )
+        # Per API-key tenant (router/rate_limits.py); the tenants are the key file's.
+        self.tenant_requests = Counter(
+            "kvrelay_tenant_requests",
+            "Requests of each API-key tenant that passed its per-key limits.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "kvrelay_tenant_tokens",
+            "Tokens of each API-key tenant's ended requests, by kind (prompt, completion).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_refused = Counter(
+            "kvrelay_tenant_refused_requests",
+            "Requests refused by a tenant's per-key limit (HTTP 429 / RESOURCE_EXHAUSTED), by"
+            " limit (rps, tpm, streams).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.rate_limits_available = Gauge(
+            "kvrelay_rate_limits_available",
+            "1 while Redis answers the per-key limits' scripts; 0 while they fail open.",
+            registry=r,
+        )
+        self.rate_limits_available.set(1)
         # Hooks for the cluster backend.
         self.transfer_time = Histogram(
             "kvrelay_kv_transfer_seconds",

@@ -54,6 +54,8 @@ _ERRORS = {
     "400": "Invalid request: `error.param` names the field",
     "401": "Missing or unknown API key",
     "413": "Body over the server's limit (--max-body-mib)",
+    "429": "A per-key limit of the key's tenant: `error.param` names it (rps, tpm, streams); "
+    "Retry-After in seconds (none: the request needs more tokens than the tpm limit)",
     "503": "Not taken now: `error.code` overloaded (Retry-After), unavailable (Retry-After: no "
     "live worker; none: the cluster is lost) or shutting_down",
 }

@@ -53,3 +53,4 @@ class Prepared:
     request: GenerateRequest
     stop: tuple[str, ...]
     arrival: float  # time.monotonic() when the request arrived
+    tenant: str | None = None  # the API key's tenant, charged for it (router/rate_limits.py)

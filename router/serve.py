@@ -52,3 +52,5 @@ class RouterServers:
             await self.grpc.stop(grace_s)
         finally:
             await self.http.stop()
+            if self.frontend.limiter is not None:
+                await self.frontend.limiter.close()

@@ -1,7 +1,7 @@
 """ServerHarness: the router's HTTP and gRPC servers over an EngineBackend (optionally behind a
 HeldBackend), on 127.0.0.1 free ports, served by an event loop on a background thread (so tests
-can use blocking clients); with API keys, a request bound, a body limit, TLS or a tokenizer of
-the test's own when asked.
+can use blocking clients); with API keys, per-key limits, a request bound, a body limit, TLS or a
+tokenizer of the test's own when asked.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from router.access import ApiKeys
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from router.frontend import Frontend
 from router.metrics import RouterMetrics
+from router.rate_limits import RateLimiter
 from router.serve import RouterServers
 from router.tls import ServerTLS
 from router.tokenizer import RouterTokenizer
@@ -77,6 +78,7 @@ class ServerHarness(LoopThread):
         tls: ServerTLS | None = None,
         tokenizer: RouterTokenizer | None = None,
         max_body_mib: float | None = None,
+        limiter: RateLimiter | None = None,
     ):
         super().__init__()
         self.engine = engine
@@ -90,6 +92,7 @@ class ServerHarness(LoopThread):
             max_queued_requests=max_queued_requests,
             api_keys=api_keys,
             max_body_mib=max_body_mib,
+            limiter=limiter,
         )
         self.run(self._start(tls))
 

@@ -40,9 +40,9 @@ def test_a_good_file_maps_each_key_to_its_tenant() -> None:
     [
         (
             GOOD + f"{KEY_A}x team-c extra\n",
-            "<api keys>:6: expected `KEY TENANT` (two fields), found 3",
+            "<api keys>:6: 'extra' is not NAME=VALUE",
         ),
-        (f"{KEY_A}\n", ":1: expected `KEY TENANT` (two fields), found 1 fields"),
+        (f"{KEY_A}\n", ":1: expected `KEY TENANT [NAME=VALUE ...]`"),
         (f"{KEY_A} a\nshort-key a\n", ":2: the key is 9 characters; use at least 16"),
         (f"{KEY_A} a\n{KEY_B} b\n{KEY_A} c\n", ":3: this key was already given on line 1"),
         (f"{KEY_A} team,a\n", ":1: tenant 'team,a' may hold only"),

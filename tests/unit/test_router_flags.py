@@ -94,7 +94,12 @@ def test_the_cli_refuses_bad_router_flags_before_starting_anything(
     keys.write_text(f"{KEY} team-a\n{KEY}-2 team-b extra\n")
     assert main([command, "--api-keys", str(keys)]) == 2
     err = capsys.readouterr().err
-    assert f"error: {keys}:2: expected `KEY TENANT` (two fields), found 3 fields" in err
+    assert f"error: {keys}:2: 'extra' is not NAME=VALUE" in err
     assert KEY not in err
+    keys.write_text(f"{KEY} team-a rps=0\n")
+    assert main([command, "--api-keys", str(keys)]) == 2
+    assert f"error: {keys}:1: rps must be a positive number, got 0" in capsys.readouterr().err
+    assert main([command, "--rate-limit-tpm", "100"]) == 2
+    assert "--rate-limit-* needs --api-keys" in capsys.readouterr().err
     assert main([command, "--tls-cert", certs.cert_file]) == 2
     assert "give both --tls-cert and --tls-key" in capsys.readouterr().err
