@@ -1,6 +1,6 @@
 """The router flags `kvrelay serve` and `kvrelay router` share (request bound, body limit, API keys,
-TLS, the drain on Ctrl-C) and the RouterOptions they become, read and checked before any process
-starts. Holds no state."""
+TLS, the drain on Ctrl-C, the OTLP endpoint of traces) and the RouterOptions they become, read
+and checked before any process starts. Holds no state."""
 
 from __future__ import annotations
 
@@ -27,14 +27,19 @@ class RouterOptions:
     tls: ServerTLS | None = None  # None: plain HTTP and gRPC
     max_body_mib: float | None = None  # None: derived from the context length (request_size.py)
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
+    otlp_endpoint: str | None = None  # the router's traces go there (None: tracing off)
 
     def build_servers(
         self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
     ) -> RouterServers:
-        """The Frontend over `backend` and its two servers (build inside the serving loop)."""
+        """The Frontend over `backend` and its two servers (build inside the serving loop);
+        with an OTLP endpoint, this process traces its requests from now on (close_servers
+        sends the last spans)."""
+        from common import tracing
         from router.frontend import Frontend
         from router.serve import RouterServers
 
+        tracing.configure(self.otlp_endpoint, "kvrelay-router")
         frontend = Frontend(
             backend,
             tokenizer,
@@ -55,6 +60,8 @@ class RouterOptions:
         if self.api_keys is not None:
             keys = self.api_keys
             lines.append(f"  API keys       {keys.num_keys} keys, {len(keys.tenants)} tenants")
+        if self.otlp_endpoint is not None:
+            lines.append(f"  traces         OTLP/HTTP to {self.otlp_endpoint}")
         return lines
 
 
@@ -102,10 +109,21 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "cluster is lost, /ready and new requests answer 503 for S seconds before it exits with "
         "status 1",
     )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces of every request over OTLP/HTTP to this collector "
+        "(e.g. http://localhost:4318; /v1/traces is added to a bare URL): the router's spans, "
+        "and with `serve` its workers' (prefill queue and compute, KV handoff, decode); a "
+        "client's W3C traceparent header (gRPC metadata) becomes the trace's parent and each "
+        "answer names its request's span in one (default: no tracing, nothing measured)",
+    )
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
     """RouterOptions from the flags; ValueError naming the flag (or the key file's line)."""
+    from common.tracing import check_endpoint
     from router.access import ApiKeys
     from router.request_size import check_max_body_mib
     from router.tls import ServerTLS
@@ -113,6 +131,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     check_max_body_mib(args.max_body_mib)
+    if args.otlp_endpoint is not None:
+        check_endpoint(args.otlp_endpoint)
     if not args.drain_seconds >= 0:  # NaN too
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     return RouterOptions(
@@ -121,4 +141,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         tls=ServerTLS.load(args.tls_cert, args.tls_key),
         max_body_mib=args.max_body_mib,
         drain_s=args.drain_seconds,
+        otlp_endpoint=args.otlp_endpoint,
     )
