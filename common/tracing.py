@@ -1,11 +1,5 @@
-"""The process's OpenTelemetry tracer: None until configure() is given an OTLP endpoint (then no
-SDK is even imported, and every call site's None check is all tracing costs); W3C traceparent
-strings in and out; spans started under a traceparent that crossed a process boundary.
-
-Every role calls configure() once at start (router: `--otlp-endpoint`; a worker: its launch
-config's otlp_endpoint) and shutdown() when it stops (the spans still batched are sent). Spans
-leave in batches over OTLP/HTTP (protobuf), at most EXPORT_DELAY_MS after they end.
-"""
+"""The process's OpenTelemetry tracer (None unless configure() got an OTLP endpoint: then no SDK
+is imported and nothing is measured) and W3C traceparent strings in and out."""
 
 from __future__ import annotations
 
@@ -60,8 +54,11 @@ def configure(
     exporter: SpanExporter | None = None,
 ) -> None:
     """Trace this process's requests from now on, exported to `endpoint` as `service` (its
-    resource also carries `attributes`); `exporter` instead of OTLP sends each span as it ends
-    (tests). None and no exporter: tracing stays off (a configured tracer is kept)."""
+    resource also carries `attributes`): in batches over OTLP/HTTP (protobuf), a span at most
+    EXPORT_DELAY_MS after it ends. `exporter` instead of OTLP gets each span as it ends (tests).
+    None and no exporter: tracing stays off (a configured tracer is kept). Every role calls it
+    once at start (the router with `--otlp-endpoint`, a worker with its launch config's
+    otlp_endpoint) and shutdown() when it stops."""
     global _tracer, _provider
     if endpoint is None and exporter is None:
         return

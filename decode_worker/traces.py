@@ -1,9 +1,5 @@
-"""DecodeTraces: a decode worker's spans of the traced requests it holds (common/tracing.py):
-`kv_handoff` (submit() until the prompt's KV is in place: its `decode.queue`, waiting for
-blocks, then `kv.read`, the NIXL READ with its blocks and bytes; or the recompute that replaced
-it), then `decode` (until the last token: its steps and tokens counted, never a span a token).
-Both are children of the router's span. A worker has one only while tracing is on; it runs on
-the engine thread."""
+"""DecodeTraces: the open spans of the traced requests a decode worker holds (`kv_handoff` with its
+queue and NIXL read, then `decode`), kept on the engine thread while tracing is on."""
 
 from __future__ import annotations
 
@@ -35,7 +31,12 @@ class _Traced:
 
 
 class DecodeTraces:
-    """Invariant: a request is here from submitted() or prefilled_here() until its last token,
+    """`kv_handoff`: submit() until the prompt's KV is in place (its `decode.queue`, waiting for
+    blocks, then `kv.read`, the NIXL READ with its blocks and bytes, or the recompute that
+    replaced it); then `decode` until the last token (its steps and tokens counted, never a span
+    a token). Both are children of the router's span.
+
+    Invariant: a request is here from submitted() or prefilled_here() until its last token,
     its refusal or its abort ends its open span."""
 
     def __init__(self, worker_id: str) -> None:

@@ -1,7 +1,5 @@
-"""PrefillTraces: a prefill worker's spans of the traced requests it holds (common/tracing.py),
-from prefill() to the KVHandle: `prefill` under the router's span, its `prefill.queue` (waiting
-for the scheduler) and `prefill.compute` (the prompt's steps to its first token). A worker has
-one only while tracing is on; it runs on the engine thread."""
+"""PrefillTraces: the open spans of the traced requests a prefill worker holds (`prefill`, its
+`prefill.queue` and `prefill.compute`), kept on the engine thread while tracing is on."""
 
 from __future__ import annotations
 
@@ -30,7 +28,10 @@ class _Traced:
 
 
 class PrefillTraces:
-    """Invariant: a request is here from begin() until handed() or abort() ends its spans.
+    """From prefill() to its KVHandle: `prefill` under the router's span, its queue (waiting for
+    the scheduler) and its compute (the prompt's steps to its first token).
+
+    Invariant: a request is here from begin() until handed() or abort() ends its spans.
 
     Queue and compute part where the scheduler first admitted the request: tick() runs right
     before each engine step, so the step that admitted it began at the tick before the one

@@ -1,7 +1,5 @@
-"""The router's spans of one request (common/tracing.py's tracer): its root span (held by its
-Prepared), under the client's traceparent, whose own traceparent goes to the workers (in
-GenerateRequest) and back to the client; placement spans are children of it. Each function
-does nothing given None (tracing off, or an untraced request)."""
+"""A request's spans in the router, no state of its own: its root span (on its Prepared, under the
+client's traceparent; its own goes to the workers and back to the client) and its placements'."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ if TYPE_CHECKING:
     from router.choices import ChoiceTrackers
 
 ROOT_SPAN = "kvrelay.request"
+# Each function does nothing given None (tracing off, or an untraced request).
 
 
 def start_request(
