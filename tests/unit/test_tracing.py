@@ -16,6 +16,7 @@ from common import tracing
 from common.messages import GenerateRequest, TokenDelta
 from deploy.cli import build_parser
 from deploy.router_flags import router_options
+from deploy.serve_flags import spec_from_args
 from engine.finish_reason import FinishReason
 from engine.models.loader import resolve_model
 from engine.sampling.sampling_params import SamplingParams
@@ -94,7 +95,12 @@ def test_the_endpoint_flag_takes_a_collectors_url_and_refuses_anything_else() ->
             router_options(build_parser().parse_args([command, "--otlp-endpoint", "localhost"]))
         args = build_parser().parse_args([command, "--otlp-endpoint", "http://c:4318"])
         assert router_options(args).otlp_endpoint == "http://c:4318"
+        assert "  traces         OTLP/HTTP to http://c:4318" in router_options(args).describe()
     assert router_options(build_parser().parse_args(["serve"])).otlp_endpoint is None
+    # serve's workers get it through their launch config
+    serve = build_parser().parse_args(["serve", "--device", "cpu", "--otlp-endpoint", "http://c"])
+    assert spec_from_args(serve).otlp_endpoint == "http://c"
+    assert spec_from_args(build_parser().parse_args(["serve"])).otlp_endpoint is None
 
 
 def test_off_no_tracer_no_span_and_no_traceparent_for_the_workers(tokenizer) -> None:
