@@ -90,18 +90,6 @@ class Placer:
         waits (SloTargets.overload "queue") or raises SloUnmet; an `admitted` leg (a migrated
         request) is placed at once, whatever the objectives say. Traced as router.route."""
         span = traces.start_placement(request, "router.route")
-        try:
-            routed = await self._route(request, hashes, admitted)
-        except Exception as e:
-            traces.end_placement(span, error=str(e))
-            raise
-        chosen = routed if isinstance(routed, LocalRoute) else routed[0]
-        traces.end_placement(span, chosen.placement)
-        return routed
-
-    async def _route(
-        self, request: GenerateRequest, hashes: list[int], admitted: bool
-    ) -> tuple[RemoteRoute, int] | LocalRoute:
         slo = replace(self.slo, overload="place") if admitted else self.slo
         started = time.monotonic()
         deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
@@ -116,12 +104,15 @@ class Placer:
             chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
             if isinstance(chosen, LocalRoute):
                 self.workers.place(chosen.placement.worker.worker_id)
+                traces.end_placement(span, chosen.placement)
                 return chosen
             if isinstance(chosen, RemoteRoute):
                 num_uncached = len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
                 self.workers.place(chosen.placement.worker.worker_id, num_uncached)
+                traces.end_placement(span, chosen.placement)
                 return chosen, num_uncached
             if waited_s + SLO_POLL_S > deadline_s:
+                traces.end_placement(span, error=chosen.reason)
                 raise self._refuse(request, chosen, waited_s)
             if not queued:
                 queued = True
