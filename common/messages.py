@@ -31,6 +31,8 @@ class GenerateRequest:
     num_resumed_tokens: int = 0
     # Retention by token range: these blocks keep their own priority once freed, on every worker.
     kv_retention: tuple[RetentionRange, ...] = ()
+    # W3C traceparent of the router's span of this request (common/tracing.py); None: untraced.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)

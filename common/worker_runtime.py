@@ -11,6 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from common import tracing
 from common.cluster_state import (
     LeakCheck,
     RankPlace,
@@ -50,14 +51,17 @@ class WorkerBase(ABC):
         num_threads: int | None,
         heartbeat_s: float,
         publish_interval_s: float = 0.0,
+        otlp_endpoint: str | None = None,
         **transfer_options: Any,
     ) -> None:
         """Runs in the actor's process: imports torch, loads the model, registers the KV pool
-        with a new NIXL agent; publishes `publish_interval_s` apart at most (index_upkeep.py)."""
+        with a new NIXL agent; publishes `publish_interval_s` apart at most (index_upkeep.py);
+        traces its requests to `otlp_endpoint` (None: tracing off, common/tracing.py)."""
         from engine.engine import Engine
         from kvtransfer.nixl_transfer import NixlTransfer
 
         set_threads(num_threads)
+        tracing.configure(otlp_endpoint, f"kvrelay-{self.role}", {"kvrelay.worker_id": worker_id})
         self.worker_id = worker_id
         self.actor_name = actor_name or worker_id
         start_follower = None
@@ -191,6 +195,7 @@ class WorkerBase(ABC):
         self.index_upkeep.withdraw()
         self.transfer.close()
         self.engine.shutdown()  # a TP worker's followers leave their loops
+        tracing.shutdown()  # its last spans leave
 
     # ---- the role's hooks (engine thread) ----------------------------------------------------
     @abstractmethod

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from common import tracing
 from common.cluster_state import DecodeStats, LeakCheck, WorkerStats
 from common.messages import GenerateRequest, KVHandle, TokenDelta, TransferStats
 from common.worker_runtime import WorkerBase
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
+from decode_worker.traces import DecodeTraces
 from engine.config import EngineConfig
 from engine.finish_reason import FinishReason
 from kvtransfer.pulls import PullState
@@ -47,6 +49,7 @@ class DecodeWorkerConfig:
     publish_cache: bool = (
         False  # its prefix cache to the index (the cluster runs conditional prefill)
     )
+    otlp_endpoint: str | None = None  # traces go there (common/tracing.py); None: off
 
 
 @dataclass
@@ -79,8 +82,10 @@ class DecodeWorker(WorkerBase):
             # Its prefix cache, when published, goes in batches: a Redis round trip per decode
             # step would cost the decodes their pace.
             publish_interval_s=CACHE_PUBLISH_S,
+            otlp_endpoint=config.otlp_endpoint,
             timeout_s=config.transfer_timeout_s,
         )
+        self.traces = DecodeTraces(self.worker_id) if tracing.enabled() else None
         self.puller = KVPuller(self.engine, self.transfer, _release_lease)
         self.mailboxes = Mailboxes()
         self._routes: dict[str, Route] = {}  # req_id -> where its tokens go
@@ -114,6 +119,8 @@ class DecodeWorker(WorkerBase):
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = Route(router_id)
             self.puller.submit(request, handle, received_at)
+            if self.traces is not None:
+                self.traces.submitted(request, handle, received_at)
 
         await self.thread.call(run)
 
@@ -139,6 +146,8 @@ class DecodeWorker(WorkerBase):
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = Route(router_id, prefilled_here=True)
             self.num_local_prefills += 1
+            if self.traces is not None:
+                self.traces.prefilled_here(request)
 
         await self.thread.call(run)
 
@@ -192,9 +201,13 @@ class DecodeWorker(WorkerBase):
         self.puller.abort(req_id)
         engine.abort(req_id)
         self._routes.pop(req_id, None)
+        if self.traces is not None:
+            self.traces.abort(req_id)
 
     def _on_tick(self) -> bool:
         ended = self.puller.step()
+        if self.traces is not None:
+            self.traces.puller_step(ended)
         for refused in ended.refused:
             route = self._routes.pop(refused.req_id, None)
             if route is not None:
@@ -270,6 +283,8 @@ class DecodeWorker(WorkerBase):
                 self._routes.pop(req_id, None)
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
+        if self.traces is not None:
+            self.traces.on_outputs(outputs, self.engine.is_unfinished)
 
 
 def _release_lease(handle: KVHandle) -> None:

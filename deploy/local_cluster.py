@@ -57,6 +57,7 @@ class ClusterSpec:
     # Tensor-parallel ranks of each pool's workers (one Ray actor and, on CUDA, one GPU each).
     prefill_tp: int = 1
     decode_tp: int = 1
+    otlp_endpoint: str | None = None  # the workers' traces go there (None: tracing off)
 
     def __post_init__(self) -> None:
         if self.gpus_per_worker is not None:
@@ -157,6 +158,7 @@ class LocalCluster:
             publish_decode_cache=spec.local_prefill.enabled,
             prefill_tp=spec.prefill_tp,
             decode_tp=spec.decode_tp,
+            otlp_endpoint=spec.otlp_endpoint,
         )
         config = ControllerConfig(
             template,

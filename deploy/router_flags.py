@@ -1,6 +1,6 @@
 """The router flags `kvrelay serve` and `kvrelay router` share (request bound, body limit, API keys,
-TLS, the drain on Ctrl-C) and the RouterOptions they become, read and checked before any process
-starts. Holds no state."""
+TLS, the drain on Ctrl-C, the OTLP endpoint of traces) and the RouterOptions they become, read
+and checked before any process starts. Holds no state."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class RouterOptions:
     max_body_mib: float | None = None  # None: derived from the context length (request_size.py)
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
     default_limits: TenantLimits = NO_LIMITS  # --rate-limit-*: a tenant's unless its own
+    otlp_endpoint: str | None = None  # the router's traces go there (None: tracing off)
 
     @property
     def has_limits(self) -> bool:
@@ -51,7 +52,10 @@ class RouterOptions:
         router_id: str | None = None,
     ) -> RouterServers:
         """The Frontend over `backend` and its two servers (build inside the serving loop). With
-        API keys and a Redis, each tenant's usage is counted there and its limits kept."""
+        API keys and a Redis, each tenant's usage is counted there and its limits kept; with an
+        OTLP endpoint, this process traces its requests from now on (close_servers sends the
+        last spans)."""
+        from common import tracing
         from router.frontend import Frontend
         from router.rate_limits import RateLimiter
         from router.serve import RouterServers
@@ -65,6 +69,7 @@ class RouterOptions:
         elif self.has_limits:
             raise ValueError("per-key limits need the cluster's Redis (this one runs without)")
 
+        tracing.configure(self.otlp_endpoint, "kvrelay-router")
         frontend = Frontend(
             backend,
             tokenizer,
@@ -90,6 +95,8 @@ class RouterOptions:
             if limited or self.default_limits.any:
                 default = self.default_limits.describe()
                 lines.append(f"  per-key limits {limited} tenants their own, default {default}")
+        if self.otlp_endpoint is not None:
+            lines.append(f"  traces         OTLP/HTTP to {self.otlp_endpoint}")
         return lines
 
 
@@ -148,10 +155,21 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "cluster is lost, /ready and new requests answer 503 for S seconds before it exits with "
         "status 1",
     )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces of every request over OTLP/HTTP to this collector "
+        "(e.g. http://localhost:4318; /v1/traces is added to a bare URL): the router's spans, "
+        "and with `serve` its workers' (prefill queue and compute, KV handoff, decode); a "
+        "client's W3C traceparent header (gRPC metadata) becomes the trace's parent and each "
+        "answer names its request's span in one (default: no tracing, nothing measured)",
+    )
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
     """RouterOptions from the flags; ValueError naming the flag (or the key file's line)."""
+    from common.tracing import check_endpoint
     from router.access import ApiKeys
     from router.request_size import check_max_body_mib
     from router.tls import ServerTLS
@@ -159,6 +177,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     check_max_body_mib(args.max_body_mib)
+    if args.otlp_endpoint is not None:
+        check_endpoint(args.otlp_endpoint)
     if not args.drain_seconds >= 0:  # NaN too
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     defaults = {}
@@ -177,4 +197,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         tls=ServerTLS.load(args.tls_cert, args.tls_key),
         max_body_mib=args.max_body_mib,
         drain_s=args.drain_seconds,
+        otlp_endpoint=args.otlp_endpoint,
     )

@@ -252,4 +252,5 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         ray_address=args.ray_address,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
+        otlp_endpoint=args.otlp_endpoint,
     )

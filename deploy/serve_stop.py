@@ -12,6 +12,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from common import tracing
+
 if TYPE_CHECKING:
     from router.admission import Admission
     from router.cluster_backend import ClusterBackend
@@ -104,11 +106,13 @@ async def refuse_while_lost(
 
 
 async def close_servers(servers: RouterServers) -> None:
-    """Close the HTTP and gRPC servers, within SERVERS_STOP_S whatever their connections."""
+    """Close the HTTP and gRPC servers, within SERVERS_STOP_S whatever their connections, then
+    send the router's last spans (when tracing)."""
     try:
         await asyncio.wait_for(servers.stop(), SERVERS_STOP_S)
     except TimeoutError:
         logger.warning("the servers did not close in %.0f s", SERVERS_STOP_S)
+    await asyncio.to_thread(tracing.shutdown)
 
 
 async def _first(*waits: Awaitable[Any], timeout_s: float) -> bool:

@@ -52,6 +52,7 @@ class WorkerTemplate:
     # Tensor-parallel ranks of each pool's workers (engine.tensor_parallel_size is ignored).
     prefill_tp: int = 1
     decode_tp: int = 1
+    otlp_endpoint: str | None = None  # every worker's traces go there (None: tracing off)
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -176,6 +177,7 @@ def spawn(
             template.redis_url,
             template.lease_s,
             num_threads=template.threads_per_worker,
+            otlp_endpoint=template.otlp_endpoint,
         )
     else:
         from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
@@ -189,6 +191,7 @@ def spawn(
             num_threads=template.threads_per_worker,
             router_timeout_s=template.router_timeout_s,
             publish_cache=template.publish_decode_cache,
+            otlp_endpoint=template.otlp_endpoint,
         )
     options = actor_options(role, worker_id, template, group)
     return ray.remote(worker_cls).options(**options).remote(config, worker_id)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from common import tracing
 from common.cluster_state import LeakCheck, PrefillStats, WorkerStats
 from common.messages import FirstToken, GenerateRequest, KVHandle
 from common.worker_runtime import WorkerBase
@@ -25,6 +26,7 @@ from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
 from kvtransfer.kv_holder import KVHolder
 from kvtransfer.leases import LeaseState
+from prefill_worker.traces import PrefillTraces
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
     from engine.engine import Engine
@@ -41,6 +43,7 @@ class PrefillWorkerConfig:
     lease_s: float = 30.0
     heartbeat_s: float = 1.0
     num_threads: int | None = None
+    otlp_endpoint: str | None = None  # traces go there (common/tracing.py); None: off
 
 
 @dataclass
@@ -67,8 +70,10 @@ class PrefillWorker(WorkerBase):
             config.redis_url,
             config.num_threads,
             config.heartbeat_s,
+            otlp_endpoint=config.otlp_endpoint,
         )
         self.holder = KVHolder(self.engine.release_blocks, config.lease_s)
+        self.traces = PrefillTraces(self.worker_id) if tracing.enabled() else None
         self._waiters: dict[str, _Waiter] = {}
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
@@ -82,7 +87,7 @@ class PrefillWorker(WorkerBase):
 
         def add(engine: Engine) -> None:
             self.lifecycle.admit(request.req_id)
-            engine.add_request(
+            added = engine.add_request(
                 request.req_id,
                 request.prompt_token_ids,
                 request.sampling,
@@ -92,6 +97,8 @@ class PrefillWorker(WorkerBase):
                 kv_retention=request.kv_retention,
             )
             self._waiters[request.req_id] = _Waiter(loop, future, request.sampling.n)
+            if self.traces is not None:
+                self.traces.begin(request, added)
 
         await self.thread.call(add)
         try:
@@ -113,6 +120,8 @@ class PrefillWorker(WorkerBase):
         def run(engine: Engine) -> None:
             engine.abort(req_id)
             self.holder.abort(req_id)
+            if self.traces is not None:
+                self.traces.abort(req_id)
             waiter = self._waiters.pop(req_id, None)
             if waiter:
                 waiter.loop.call_soon_threadsafe(_cancel, waiter.future)
@@ -169,6 +178,8 @@ class PrefillWorker(WorkerBase):
             del self._waiters[out.req_id]
             handle = self._handle(sorted(waiter.outputs, key=lambda o: o.index), now)
             waiter.loop.call_soon_threadsafe(_settle, waiter.future, handle)
+            if self.traces is not None:
+                self.traces.handed(handle)
 
     def _handle(self, outputs: list[RequestOutput], now: float) -> KVHandle:
         """The KVHandle of a request's first tokens (one per choice, in index order). The
@@ -213,6 +224,8 @@ class PrefillWorker(WorkerBase):
         return replace(handle, block_ids=block_ids, epoch=epoch, num_host_blocks=num_host)
 
     def _on_tick(self) -> bool:
+        if self.traces is not None:
+            self.traces.tick()
         now = time.monotonic()
         for notif in self.transfer.get_notifs():  # before expiry: a BEGIN that came is honoured
             self.holder.on_notification(notif, now)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 from common.messages import GenerateRequest, TokenDelta
 from engine.kv_cache.retention import InvalidRetention, check_ranges
 from engine.sampling.validation import InvalidField, check_request
+from router import traces
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
@@ -152,10 +154,17 @@ class Frontend:
             check_ranges(spec.kv_retention)
         except InvalidRetention as e:
             raise InvalidRequest(str(e), e.field) from None
+        trace = traces.start_request(spec.traceparent, req_id, self.model_id, arrival)
         request = GenerateRequest(
-            req_id, tuple(prompt_ids), sampling, salt, time.time(), kv_retention=spec.kv_retention
+            req_id,
+            tuple(prompt_ids),
+            sampling,
+            salt,
+            time.time(),
+            kv_retention=spec.kv_retention,
+            traceparent=None if trace is None else trace.traceparent,
         )
-        return Prepared(request, spec.sampling.stop, arrival, spec.tenant)
+        return Prepared(request, spec.sampling.stop, arrival, tenant=spec.tenant, trace=trace)
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:
         """A tenant's requests get a salt derived from the tenant; without keys, the client's."""
@@ -217,6 +226,8 @@ class Frontend:
         finally:
             self._in_flight.discard(req.req_id)
             self.metrics.running.dec()
+            if prepared.trace is not None:
+                traces.end_request(prepared.trace, tracker, sys.exc_info()[1])
             # Shielded: a second cancellation must not skip the abort.
             await asyncio.shield(self._end(prepared, stream, tracker, grant))
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from common import tracing
+from common.tracing import TRACEPARENT
 from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
@@ -154,9 +156,15 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             frontend.reject(InvalidRequest(request.error))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
-            prepared = await frontend.prepare(spec_from_proto(request, tenant))
+            spec = spec_from_proto(request, tenant)
+            if tracing.enabled():
+                metadata = dict(context.invocation_metadata() or ())
+                spec = replace(spec, traceparent=metadata.get(TRACEPARENT))
+            prepared = await frontend.prepare(spec)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        if prepared.trace is not None:  # the client learns the request's root span
+            await context.send_initial_metadata(((TRACEPARENT, prepared.trace.traceparent),))
         req_id = prepared.request.req_id
         try:
             async with contextlib.aclosing(frontend.generate(prepared)) as chunks:

@@ -1,6 +1,6 @@
 """The HTTP front end's aiohttp middlewares and app keys: every failure in OpenAI's error shape,
 the body limit (413 naming it, before the body is read), API keys (the tenant goes with the
-request); hold no state beyond the app's Frontend."""
+request), a traced request's traceparent answered; hold no state beyond the app's Frontend."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from common.tracing import TRACEPARENT
 from router.errors import BodyTooLarge, Unauthenticated
 from router.frontend import Frontend
 from router.openai_format import error_body
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
 TENANT_KEY = web.RequestKey("tenant", str)
+TRACE_KEY = web.RequestKey("traceparent", str)  # the request's root span (tracing on only)
 # Answered without an API key: probes, metrics and the API's description.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 
@@ -78,3 +80,11 @@ async def api_keys(request: web.Request, handler: Any) -> web.StreamResponse:
     if tenant is not None:
         request[TENANT_KEY] = tenant
     return await handler(request)
+
+
+async def answer_traceparent(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare, while tracing: a traced request's answer names its root span in a
+    W3C traceparent header (streamed or not, error or not)."""
+    traceparent = request.get(TRACE_KEY)
+    if traceparent is not None:
+        response.headers[TRACEPARENT] = traceparent

@@ -20,10 +20,20 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from common import tracing
+from common.tracing import TRACEPARENT
 from common.version import version
 from router.errors import BackendError, InvalidRequest, Overloaded, RateLimited
 from router.frontend import Frontend
-from router.http_middleware import FRONTEND_KEY, TENANT_KEY, api_keys, body_limit, errors_as_json
+from router.http_middleware import (
+    FRONTEND_KEY,
+    TENANT_KEY,
+    TRACE_KEY,
+    answer_traceparent,
+    api_keys,
+    body_limit,
+    errors_as_json,
+)
 from router.http_middleware import json_response as _json
 from router.metrics import CONTENT_TYPE
 from router.openai_format import ResponseContext, error_body, invalid_body
@@ -69,12 +79,19 @@ async def _parse(
     raw = await request.read()
     try:
         body = schema.model_validate_json(raw)
-        spec = replace(body.to_spec(f"{prefix}-{uuid.uuid4().hex}"), tenant=request.get(TENANT_KEY))
+        spec = replace(
+            body.to_spec(f"{prefix}-{uuid.uuid4().hex}"),
+            tenant=request.get(TENANT_KEY),
+            traceparent=request.headers.get(TRACEPARENT) if tracing.enabled() else None,
+        )
     except ValidationError as e:
         raise frontend.reject(invalid_from_validation(e)) from None
     except InvalidRequest as e:
         raise frontend.reject(e) from None
-    return body, await frontend.prepare(spec, arrival)
+    prepared = await frontend.prepare(spec, arrival)
+    if prepared.trace is not None:  # answered in the response's traceparent header
+        request[TRACE_KEY] = prepared.trace.traceparent
+    return body, prepared
 
 
 async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -281,6 +298,8 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    if tracing.enabled():
+        app.on_response_prepare.append(answer_traceparent)
     return app
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from common.messages import GenerateRequest, WorkerInfo
 from common.placement_rules import LocalPrefill, SloTargets
+from router import traces
 from router.errors import SloUnmet
 from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
 from router.prefix_index import IndexUnavailable, PrefixIndex
@@ -87,7 +88,8 @@ class Placer:
         """The leg's route, already counted as placed: (RemoteRoute, uncached tokens placed on
         the prefill worker), or a LocalRoute (placed on the decode worker). Under overload it
         waits (SloTargets.overload "queue") or raises SloUnmet; an `admitted` leg (a migrated
-        request) is placed at once, whatever the objectives say."""
+        request) is placed at once, whatever the objectives say. Traced as router.route."""
+        span = traces.start_placement(request, "router.route")
         slo = replace(self.slo, overload="place") if admitted else self.slo
         started = time.monotonic()
         deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
@@ -102,12 +104,15 @@ class Placer:
             chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
             if isinstance(chosen, LocalRoute):
                 self.workers.place(chosen.placement.worker.worker_id)
+                traces.end_placement(span, chosen.placement)
                 return chosen
             if isinstance(chosen, RemoteRoute):
                 num_uncached = len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
                 self.workers.place(chosen.placement.worker.worker_id, num_uncached)
+                traces.end_placement(span, chosen.placement)
                 return chosen, num_uncached
             if waited_s + SLO_POLL_S > deadline_s:
+                traces.end_placement(span, error=chosen.reason)
                 raise self._refuse(request, chosen, waited_s)
             if not queued:
                 queued = True
@@ -149,6 +154,7 @@ class Placer:
     ) -> tuple[Placement, int]:
         """A prefill placement after the routed one failed (no objectives: the request is
         already admitted) and the prompt tokens it leaves to compute (placed on it)."""
+        span = traces.start_placement(request, "router.place_prefill")
         workers, overlap = await self.candidates("prefill", hashes, excluded)
         # No await from here to place(): concurrent placements each see the ones before them.
         workers = self.workers.with_placed(workers)
@@ -158,17 +164,20 @@ class Placer:
             placement = self.policy.choose(workers, overlap, self.block_size)
         num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
         self.workers.place(placement.worker.worker_id, num_uncached)
+        traces.end_placement(span, placement)
         return placement, num_uncached
 
     async def place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
         """The decode worker for a prefilled request (counted as placed there): among those
         predicted within the TPOT objective when any is."""
+        span = traces.start_placement(request, "router.place_decode")
         workers, _ = await self.candidates("decode", [], excluded)
         workers = self.workers.with_placed(workers)
         if self.slo.tpot_ms > 0:
             workers = within_tpot(workers, self.slo.tpot_ms) or workers
         decode = choose_decode(workers, self.blocks_needed(request))
         self.workers.place(decode.worker_id)
+        traces.end_placement(span, decode=decode)
         return decode
 
     def blocks_needed(self, request: GenerateRequest) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.messages import GenerateRequest
+from common.tracing import SpanHandle
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class RequestSpec:
     kv_retention: tuple[RetentionRange, ...] = ()  # token ranges kept longer (or shorter)
     req_id: str | None = None  # None: the front end makes one
     tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
+    traceparent: str | None = None  # the client's W3C traceparent (read only while tracing)
 
     @property
     def max_tokens(self) -> int | None:
@@ -54,3 +56,4 @@ class Prepared:
     stop: tuple[str, ...]
     arrival: float  # time.monotonic() when the request arrived
     tenant: str | None = None  # the API key's tenant, charged for it (router/rate_limits.py)
+    trace: SpanHandle | None = None  # its root span (router/traces.py); None: tracing off

@@ -1,0 +1,151 @@
+"""Traces, each module alone: common/tracing.py (the endpoint flag, traceparent strings, off means
+no tracer) and the router's root span through Frontend (router/traces.py) over a scripted backend,
+read with the SDK's InMemorySpanExporter: the client's traceparent is the root's parent, the
+workers get the root's own, the root ends with the usage; with tracing off nothing is made."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from common import tracing
+from common.messages import GenerateRequest, TokenDelta
+from deploy.cli import build_parser
+from deploy.router_flags import router_options
+from deploy.serve_flags import spec_from_args
+from engine.finish_reason import FinishReason
+from engine.models.loader import resolve_model
+from engine.sampling.sampling_params import SamplingParams
+from router.backend import Backend
+from router.frontend import Frontend, RequestSpec
+from router.tokenizer import RouterTokenizer
+
+CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+OUTPUT = (7, 8, 9)
+
+
+class ScriptedBackend(Backend):
+    """Answers every request with OUTPUT, one token a delta; keeps what it was sent."""
+
+    model_id, max_model_len, vocab_size = "m", 128, 1000
+
+    def __init__(self) -> None:
+        self.requests: list[GenerateRequest] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        self.requests.append(request)
+        for i, token in enumerate(OUTPUT):
+            last = i == len(OUTPUT) - 1
+            yield TokenDelta(
+                request.req_id, (token,), last, FinishReason.LENGTH if last else None, 3
+            )
+
+    async def abort(self, req_id: str) -> None:
+        pass
+
+    async def health(self) -> dict[str, object]:
+        return {"ok": True}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> RouterTokenizer:
+    return RouterTokenizer(resolve_model("default"))
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    tracing.configure(None, "kvrelay-router", exporter=exporter)
+    yield exporter
+    tracing.shutdown()
+
+
+def run(frontend: Frontend, spec: RequestSpec) -> GenerateRequest:
+    async def go() -> GenerateRequest:
+        prepared = await frontend.prepare(spec)
+        async for _ in frontend.generate(prepared):
+            pass
+        return prepared.request
+
+    return asyncio.run(go())
+
+
+def spec(traceparent: str | None = None) -> RequestSpec:
+    return RequestSpec(
+        prompt_token_ids=(1, 2, 3),
+        sampling=SamplingParams(max_tokens=len(OUTPUT)),
+        max_tokens_param="max_tokens",
+        traceparent=traceparent,
+    )
+
+
+def test_the_endpoint_flag_takes_a_collectors_url_and_refuses_anything_else() -> None:
+    assert tracing.check_endpoint("http://c:4318") == "http://c:4318/v1/traces"
+    assert tracing.check_endpoint("https://c/otlp/") == "https://c/otlp/v1/traces"
+    assert tracing.check_endpoint("http://c:4318/v1/traces") == "http://c:4318/v1/traces"
+    for bad in ("c:4318", "grpc://c:4317", "http://"):
+        with pytest.raises(ValueError, match="--otlp-endpoint"):
+            tracing.check_endpoint(bad)
+    for command in ("serve", "router"):
+        with pytest.raises(ValueError, match="--otlp-endpoint"):
+            router_options(build_parser().parse_args([command, "--otlp-endpoint", "localhost"]))
+        args = build_parser().parse_args([command, "--otlp-endpoint", "http://c:4318"])
+        assert router_options(args).otlp_endpoint == "http://c:4318"
+        assert "  traces         OTLP/HTTP to http://c:4318" in router_options(args).describe()
+    assert router_options(build_parser().parse_args(["serve"])).otlp_endpoint is None
+    # serve's workers get it through their launch config
+    serve = build_parser().parse_args(["serve", "--device", "cpu", "--otlp-endpoint", "http://c"])
+    assert spec_from_args(serve).otlp_endpoint == "http://c"
+    assert spec_from_args(build_parser().parse_args(["serve"])).otlp_endpoint is None
+
+
+def test_off_no_tracer_no_span_and_no_traceparent_for_the_workers(tokenizer) -> None:
+    tracing.configure(None, "kvrelay-router")  # no endpoint: stays off
+    assert not tracing.enabled()
+    assert tracing.start_span("x", CLIENT) is None
+    backend = ScriptedBackend()
+    request = run(Frontend(backend, tokenizer), spec(CLIENT))
+    assert request.traceparent is None and backend.requests[0].traceparent is None
+
+
+def test_the_clients_traceparent_is_the_roots_parent_and_the_workers_get_the_roots(
+    tokenizer, spans: InMemorySpanExporter
+) -> None:
+    backend = ScriptedBackend()
+    request = run(Frontend(backend, tokenizer), spec(CLIENT))
+    (root,) = spans.get_finished_spans()
+    assert root.name == "kvrelay.request" and root.kind is SpanKind.SERVER
+    assert root.context.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    assert root.parent is not None and root.parent.span_id == 0x00F067AA0BA902B7
+    assert request.traceparent == tracing.traceparent_of(root)  # type: ignore[arg-type]
+    assert backend.requests[0].traceparent == request.traceparent
+    assert root.attributes["kvrelay.completion_tokens"] == len(OUTPUT)
+    assert root.attributes["kvrelay.finish_reasons"] == "length"
+    assert root.status.status_code is StatusCode.UNSET
+
+
+@pytest.mark.parametrize("client", [None, "00-zz-00f067aa0ba902b7-01", "garbage"])
+def test_no_or_an_invalid_traceparent_starts_a_new_trace(
+    tokenizer, spans: InMemorySpanExporter, client: str | None
+) -> None:
+    run(Frontend(ScriptedBackend(), tokenizer), spec(client))
+    (root,) = spans.get_finished_spans()
+    assert root.parent is None and root.context.trace_id != 0
+
+
+def test_a_failed_request_ends_its_root_span_as_an_error(
+    tokenizer, spans: InMemorySpanExporter
+) -> None:
+    class Failing(ScriptedBackend):
+        async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            raise RuntimeError("the worker is gone")
+            yield  # an async generator
+
+    with pytest.raises(Exception, match="the worker is gone"):
+        run(Frontend(Failing(), tokenizer), spec(CLIENT))
+    (root,) = spans.get_finished_spans()
+    assert root.status.status_code is StatusCode.ERROR
