@@ -292,6 +292,8 @@ class ScaleRequest:
         for role, size in wanted.items():
             if size is not None and size < 0:
                 raise ValueError(f"--{role} must be >= 0, got {size}")
+        if self.decode == 0:  # prefill 0 is aggregated: the decode workers compute every prompt
+            raise ValueError("--decode must be >= 1: the decode workers serve every request")
         return {role: size for role, size in wanted.items() if size is not None}
 
 
