@@ -47,7 +47,7 @@ def test_prefill_0_serves_token_exact_with_prefix_reuse(cluster, loop, tokenizer
     second = chat(tokenizer, history + "What colour is grass?")
     expected = reference_batch(make_engine, [first, second], GREEDY)
     assert loop.run_until_complete(cluster.backend.health())["ok"]  # no prefill worker needed
-    before = loop.run_until_complete(decode_stats(cluster)).num_local_prefills
+    before = loop.run_until_complete(decode_stats(cluster))
 
     got = loop.run_until_complete(
         collect(cluster.backend, GenerateRequest("a1", tuple(first), GREEDY))
@@ -74,7 +74,12 @@ def test_prefill_0_serves_token_exact_with_prefix_reuse(cluster, loop, tokenizer
     assert tokens_of(got) == expected[1]
     assert got[0].num_cached_tokens >= (shared - 1) * 16 > 0, "the shared prefix was reused"
     stats = loop.run_until_complete(decode_stats(cluster))
-    assert stats.num_local_prefills - before == 2
+    assert stats.num_local_prefills - before.num_local_prefills == 2
+    # Its own prompts are in its stats (the periodic stats line's prompt rate and hits).
+    prompt_tokens = stats.num_local_prompt_tokens - before.num_local_prompt_tokens
+    assert prompt_tokens == len(first) + len(second)
+    cached = stats.num_local_cached_tokens - before.num_local_cached_tokens
+    assert cached >= got[0].num_cached_tokens
     loop.run_until_complete(wait_until_no_leaks(cluster))
 
 
