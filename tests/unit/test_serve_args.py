@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.cli import build_parser
-from deploy.serve import spec_from_args
+from deploy.serve import placement_lines, spec_from_args
 
 
 def parse(*argv: str):
@@ -68,6 +68,9 @@ def test_prefill_0_is_aggregated_on_the_whole_gpu() -> None:
     assert scaled.autoscale.min_size["prefill"] == scaled.autoscale.max_size["prefill"] == 0
     with pytest.raises(ValueError, match="--prefill 0 is outside --autoscale-prefill"):
         parse("--prefill", "0", "--autoscale-prefill", "1:2")
+    # What serve prints at start.
+    assert any("the decode workers compute every prompt" in line for line in placement_lines(spec))
+    assert placement_lines(parse()) == []
 
 
 def test_prefill_0_with_half_a_gpu_is_warned(caplog: pytest.LogCaptureFixture) -> None:
