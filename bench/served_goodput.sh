@@ -7,14 +7,20 @@
 # stage's exports set.
 # Results go under $OUT/sg/ (JSON, tables, server logs); pack them with `bench/served_goodput.sh
 # pack` (a call returns at most 8 files).
-#   kvrelay  `kvrelay serve --prefill 1 --decode 1 --gpus-per-worker 0.5`, the decode worker
-#            computing every prompt beside its decodes (until aggregated workers exist, the best
-#            one-GPU deployment: the prefill worker idles and holds its half of the memory), the
-#            pools sized by memory (--gpu-memory-utilization GPU_UTIL, default 0.9), once per
-#            config in CONFIGS (default "eager8k eager"):
+#   kvrelay  kvrelay's one-GPU deployment, the pools sized by memory (--gpu-memory-utilization
+#            GPU_UTIL, default 0.9), once per config in CONFIGS (default "agg eager8k"):
+#              agg       the default one-GPU setup: `kvrelay serve --prefill 0 --decode 1`, one
+#                        aggregated decode worker computing every prompt beside its decodes on
+#                        the whole card (its KV pool from all of GPU_UTIL, no idle prefill
+#                        worker), 8,192-token prompt chunks (vLLM's default step budget here)
+#              agg2k     the same with 2,048-token chunks
+#            and the setup before aggregated workers, for comparison: `--prefill 1 --decode 1
+#            --gpus-per-worker 0.5`, the decode worker computing every prompt
+#            (--local-prefill-max-tokens 1000000) while the prefill worker idles on half the
+#            card's memory:
 #              eager     2,048-token prompt chunks (issue 14's aggregated setup)
-#              eager4k, eager8k  4,096- or 8,192-token chunks (8,192: vLLM's default step
-#                        budget on this GPU; the best served config on 2026-12-06)
+#              eager4k, eager8k  4,096- or 8,192-token chunks (eager8k: the best served config
+#                        on 2026-12-06, before agg)
 #            A config is skipped when fewer than MIN_LEFT_S (240) seconds are left before
 #            DEADLINE (epoch seconds; default: none).
 #   vllm     vLLM's server on the same model folder (bench/vllm_serve_peer.sh), the same load
@@ -53,27 +59,33 @@ test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import 
 write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
 'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
 left() { if [ -n "${DEADLINE:-}" ]; then echo $((DEADLINE - $(date +%s))); else echo 99999; fi; }
+shared="--gpus-per-worker 0.5 --local-prefill-max-tokens 1000000"  # 1 prefill + 1 decode, one card
 config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
   case $1 in
-    eager) echo "--local-prefill-chunk-tokens 2048" ;;
-    eager4k) echo "--local-prefill-chunk-tokens 4096" ;;
-    eager8k) echo "--local-prefill-chunk-tokens 8192" ;;
+    agg) echo "--local-prefill-chunk-tokens 8192" ;;
+    agg2k) echo "--local-prefill-chunk-tokens 2048" ;;
+    eager) echo "$shared --local-prefill-chunk-tokens 2048" ;;
+    eager4k) echo "$shared --local-prefill-chunk-tokens 4096" ;;
+    eager8k) echo "$shared --local-prefill-chunk-tokens 8192" ;;
     *) echo "unknown config $1" >&2; return 2 ;;
   esac
 }
+config_prefill() {  # CONFIG: its prefill workers (0: aggregated)
+  case $1 in agg*) echo 0 ;; *) echo 1 ;; esac
+}
 case $part in
   kvrelay)
-    for config in ${CONFIGS:-eager8k eager}; do
+    for config in ${CONFIGS:-agg eager8k}; do
       flags=$(config_flags "$config") || continue
       if [ "$(left)" -lt "${MIN_LEFT_S:-240}" ]; then echo "kvrelay $config: skipped, $(left) s left"; continue; fi
       started=$(date +%s)
       # shellcheck disable=SC2086,SC2206  # rates and flags: several words
       timeout -k 20 $(( $(left) < 560 ? $(left) - 10 : 550 )) python3 -m bench.serve_bench \
-        --launch --transport http --prefill 1 --decode 1 --worker-niceness 0 \
+        --launch --transport http --prefill "$(config_prefill "$config")" --decode 1 \
+        --worker-niceness 0 \
         --startup-timeout 300 --rate $rates "${load[@]}" --label "kvrelay $config${tag}" \
-        --server-args "--model $folder --load-format dummy --device cuda --gpus-per-worker 0.5 \
---gpu-memory-utilization ${GPU_UTIL:-0.9} --max-num-seqs 128 --max-model-len 4096 \
---local-prefill-max-tokens 1000000 $flags" \
+        --server-args "--model $folder --load-format dummy --device cuda \
+--gpu-memory-utilization ${GPU_UTIL:-0.9} --max-num-seqs 128 --max-model-len 4096 $flags" \
         --json "$out/kvrelay_$config$tag.json" > "$out/kvrelay_$config$tag.txt" \
         2> "$out/kvrelay_$config$tag.err"
       echo "kvrelay $config$tag rc=$? in $(( $(date +%s) - started )) s"

@@ -103,7 +103,9 @@ class DecodeStats(WorkerStats):
     transfer_seconds: float = 0.0  # summed time of those pulls
     num_recomputed: int = 0  # prompts recomputed because the pull failed
     num_orphans_aborted: int = 0  # requests of routers that stopped polling
-    num_local_prefills: int = 0  # prompts it computed itself (conditional prefill)
+    num_local_prefills: int = 0  # prompts it computed itself (conditional prefill, aggregated)
+    num_local_prompt_tokens: int = 0  # their prompt tokens (counted at their first output)
+    num_local_cached_tokens: int = 0  # of those, found in its prefix cache
     num_blocks_reserved: int = 0  # reserved for a pull not yet started
     num_blocks_reading: int = 0  # a NIXL read in flight into them
     num_refused_handshakes: int = 0  # prefill peers refused (protocol, model, layout)
@@ -292,6 +294,8 @@ class ScaleRequest:
         for role, size in wanted.items():
             if size is not None and size < 0:
                 raise ValueError(f"--{role} must be >= 0, got {size}")
+        if self.decode == 0:  # prefill 0 is aggregated: the decode workers compute every prompt
+            raise ValueError("--decode must be >= 1: the decode workers serve every request")
         return {role: size for role, size in wanted.items() if size is not None}
 
 

@@ -61,6 +61,7 @@ class Route:
     router_id: str
     prefilled_here: bool = False
     transfer: TransferStats | None = None
+    counted: bool = False  # prefilled here: its prompt is in the local prompt counts
 
 
 class DecodeWorker(WorkerBase):
@@ -91,7 +92,9 @@ class DecodeWorker(WorkerBase):
         self._routes: dict[str, Route] = {}  # req_id -> where its tokens go
         self._next_orphan_check = 0.0
         self.num_orphans_aborted = 0  # requests of routers that stopped polling
-        self.num_local_prefills = 0  # prompts computed here (conditional prefill)
+        self.num_local_prefills = 0  # prompts computed here (conditional prefill, aggregated)
+        self.num_local_prompt_tokens = 0  # their prompt tokens, and those of them cached
+        self.num_local_cached_tokens = 0
         self.start_engine_thread()
 
     # ---- actor API -----------------------------------------------------------------------
@@ -189,6 +192,8 @@ class DecodeWorker(WorkerBase):
             num_recomputed=puller.num_recomputed,
             num_orphans_aborted=self.num_orphans_aborted,
             num_local_prefills=self.num_local_prefills,
+            num_local_prompt_tokens=self.num_local_prompt_tokens,
+            num_local_cached_tokens=self.num_local_cached_tokens,
             num_blocks_reserved=puller.ledger.num_blocks(PullState.RESERVED),
             num_blocks_reading=puller.ledger.num_blocks(PullState.READING),
             num_refused_handshakes=puller.num_refused_handshakes,
@@ -262,6 +267,10 @@ class DecodeWorker(WorkerBase):
             transfer, route.transfer = route.transfer, None  # once: with its first delta
             # The prompt's cached part is the prefill worker's to report, unless it ran here.
             here = route.prefilled_here
+            if here and not route.counted:  # its prompt, once (n > 1: one for every choice)
+                route.counted = True
+                self.num_local_prompt_tokens += out.num_prompt_tokens
+                self.num_local_cached_tokens += out.num_cached_tokens
             by_router.setdefault(route.router_id, []).append(
                 TokenDelta(
                     out.req_id,

@@ -20,6 +20,8 @@ Rules, for each pool on its own:
   one worker fewer (pressure * n / (n - 1)): a shrink that would push the pool back over the
   grow line is never made, so sizes do not flip 2 <-> 1;
 - never shrink while a sample of the window has an SLO attainment below `target_attainment`;
+- a pool of no worker (prefill 0..0: aggregated workers) is never resized; a pool is never
+  shrunk to 0 (one worker fewer than one has no pressure to judge);
 - never within `cooldown_s` of the pool's last change, never on samples taken within
   `warmup_s` of a worker turning ready (a cold worker's first seconds say nothing), never on a
   window that is not full, never outside [min, max].
@@ -52,8 +54,11 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         for role in ROLES:
             low, high = self.min_size.get(role, 0), self.max_size.get(role, 0)
-            if not 1 <= low <= high:
-                raise ValueError(f"autoscale: need 1 <= min <= max for {role}, got {low}..{high}")
+            least = 0 if role == "prefill" and high == 0 else 1  # 0..0: aggregated, stays 0
+            if not least <= low <= high:
+                raise ValueError(
+                    f"autoscale: need {least} <= min <= max for {role}, got {low}..{high}"
+                )
         if not 0 < self.shrink_below < self.grow_above:
             raise ValueError("autoscale: need 0 < shrink_below < grow_above")
         if not 0 < self.target_attainment <= 1:

@@ -306,7 +306,8 @@ class Controller:
                 f"model loaded, KV pool registered with NIXL on {description.node_ip}",
             )
             prefill, decode = await self._pair_for(record)
-            await worker_launch.handshake(cast(DecodeActor, decode.actor), [prefill.worker_id])
+            if prefill is not None:
+                await worker_launch.handshake(cast(DecodeActor, decode.actor), [prefill.worker_id])
             if record.role == "decode":  # it will pull from every prefill worker: check them all
                 others = [r.worker_id for r in self._loaded("prefill") if r is not prefill]
                 await worker_launch.handshake(cast(DecodeActor, record.actor), others)
@@ -316,10 +317,11 @@ class Controller:
                         cast(DecodeActor, other.actor), [record.worker_id]
                     )
             partner = decode if record.role == "prefill" else prefill
-            record.move(WorkerState.JOINING, f"handshake checked (with {partner.worker_id})")
+            with_whom = "no prefill pool" if partner is None else f"with {partner.worker_id}"
+            record.move(WorkerState.JOINING, f"handshake checked ({with_whom})")
             request = worker_launch.warmup_request(record.worker_id, description.model)
-            actors = cast(PrefillActor, prefill.actor), cast(DecodeActor, decode.actor)
-            await worker_launch.warm_up(*actors, request)
+            prefill_actor = None if prefill is None else cast(PrefillActor, prefill.actor)
+            await worker_launch.warm_up(prefill_actor, cast(DecodeActor, decode.actor), request)
             record.move(WorkerState.JOINING, "warm-up request done")
             at = await record.actor.set_state.remote(WorkerState.READY)
             record.move(WorkerState.READY, "taking traffic", at=at)
@@ -345,15 +347,18 @@ class Controller:
         finally:
             self._poke()
 
-    async def _pair_for(self, record: _Record) -> tuple[_Record, _Record]:
+    async def _pair_for(self, record: _Record) -> tuple[_Record | None, _Record]:
         """A prefill and a decode worker to warm `record` up with: itself and a worker of the
-        other pool that has loaded (a ready one preferred), waiting for one if none has."""
+        other pool that has loaded (a ready one preferred), waiting for one if none has. A
+        decode worker while the prefill pool is sized 0 has none (aggregated): (None, record)."""
         other_role = "decode" if record.role == "prefill" else "prefill"
         while True:
             loaded = self._loaded(other_role)
             if loaded:
                 partner = min(loaded, key=lambda r: (r.state != WorkerState.READY, r.worker_id))
                 return (record, partner) if record.role == "prefill" else (partner, record)
+            if record.role == "decode" and self._desired["prefill"] == 0:
+                return None, record
             await asyncio.sleep(0.2)
 
     def _loaded(self, role: str) -> list[_Record]:

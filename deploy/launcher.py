@@ -173,7 +173,9 @@ def bring_up(
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="`ray up` a cluster, then `kvrelay serve` on its head")
     p.add_argument("cluster_yaml", help="a `ray up` config, e.g. deploy/cluster.yaml")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument(
+        "--prefill", type=int, default=1, help="number of prefill workers (0: aggregated)"
+    )
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--model", default=None, help="model name, .gguf or HF folder on every node")
     p.add_argument("--http-port", type=int, default=8000)
@@ -206,8 +208,8 @@ def add_down_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> UpOptions:
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError("--prefill and --decode must be >= 1")
+    if args.prefill < 0 or args.decode < 1:
+        raise ValueError("--prefill must be >= 0 (0: aggregated workers) and --decode >= 1")
     for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
         if not 0 < port < 65536:
             raise ValueError(f"{flag} must be a TCP port (1-65535), got {port}")

@@ -34,7 +34,7 @@ REAP_GRACE_S = 10.0  # close(): an embedded Ray's processes exit by themselves w
 @dataclass(frozen=True)
 class ClusterSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    num_prefill: int = 1
+    num_prefill: int = 1  # 0: aggregated, the decode workers compute every prompt
     num_decode: int = 1
     redis_url: str | None = None  # None: start a local redis-server; "" : run without Redis
     policy: str = "kv_aware"
@@ -60,6 +60,11 @@ class ClusterSpec:
     otlp_endpoint: str | None = None  # the workers' traces go there (None: tracing off)
 
     def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(
+                f"need num_prefill >= 0 and num_decode >= 1, got {self.num_prefill}, "
+                f"{self.num_decode}"
+            )
         if self.gpus_per_worker is not None:
             check_gpus_per_worker(self.gpus_per_worker)
         for name in ("prefill_tp", "decode_tp"):
@@ -155,7 +160,7 @@ class LocalCluster:
             gpus_per_worker=spec.worker_gpus(spec.engine.device),
             router_timeout_s=spec.router_timeout_s,
             decode_prefill_chunk_tokens=spec.decode_prefill_chunk_tokens,
-            publish_decode_cache=spec.local_prefill.enabled,
+            publish_decode_cache=spec.local_prefill.enabled or spec.num_prefill == 0,
             prefill_tp=spec.prefill_tp,
             decode_tp=spec.decode_tp,
             otlp_endpoint=spec.otlp_endpoint,

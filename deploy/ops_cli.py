@@ -29,7 +29,12 @@ NAME_HELP = "the local `kvrelay serve` of this --name (its HTTP port when it was
 
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scale", help="resize the prefill and/or decode pool")
-    p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill workers wanted (0: the decode workers compute every prompt, aggregated)",
+    )
     p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
     p.add_argument("--no-wait", action="store_true", help="return at once")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait (default 1800)")
@@ -165,6 +170,8 @@ def format_status(current: ClusterStatus) -> str:
     for pool in current.pools:
         line = f"{pool.role} pool: {pool.num_ready} ready of {pool.desired} wanted"
         lines.append(f"{line} ({pool.autoscale})" if pool.autoscale else line)
+        if pool.role == "decode" and not current.pool("prefill").num_ready and pool.num_ready:
+            lines.append("  (no prefill worker: the decode workers compute every prompt)")
         for worker in pool.workers:
             lines.append("  " + _worker_line(worker))
             if worker.state.value != "gone":  # a tensor-parallel worker's ranks

@@ -113,7 +113,9 @@ def placement_lines(spec: ClusterSpec) -> list[str]:
     """What `kvrelay serve` prints of its conditional-prefill rule and objectives."""
     lines = []
     rule, slo = spec.local_prefill, spec.slo
-    if rule.enabled:
+    if spec.num_prefill == 0:
+        lines.append("  aggregated     no prefill pool: the decode workers compute every prompt")
+    elif rule.enabled:
         when = []
         if rule.max_uncached_tokens:
             when.append(f"<= {rule.max_uncached_tokens} uncached tokens")

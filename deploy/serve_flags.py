@@ -5,6 +5,7 @@ before any process starts. Holds no state."""
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 
 from common.placement_rules import OVERLOAD_MODES, LocalPrefill, SloTargets
@@ -15,6 +16,9 @@ from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_ar
 from deploy.local_cluster import ClusterSpec
 from deploy.router_flags import add_router_flags
 from router.stats_log import DEFAULT_INTERVAL_S
+
+logger = logging.getLogger(__name__)
+DEFAULT_LOCAL_CHUNK_TOKENS = 256  # --local-prefill-chunk-tokens beside a prefill pool
 
 
 def add_serve_parser(
@@ -35,7 +39,13 @@ def add_serve_parser(
         help="this cluster's name on this machine, for `kvrelay status|scale|router --name` "
         "(default: its HTTP port, e.g. 8000)",
     )
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=1,
+        help="number of prefill workers; 0: aggregated, the decode workers compute every prompt "
+        "themselves (one GPU: the decode worker gets the whole card)",
+    )
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument(
         "--tp",
@@ -84,10 +94,11 @@ def add_serve_parser(
     p.add_argument(
         "--local-prefill-chunk-tokens",
         type=int,
-        default=256,
+        default=None,
         metavar="N",
         help="with conditional prefill on: prompt tokens a decode worker computes per step "
-        "beside its running decodes (default 256)",
+        "beside its running decodes (default 256; with --prefill 0, the engine's own "
+        "--max-num-batched-tokens)",
     )
     p.add_argument(
         "--local-prefill-on-slo-miss",
@@ -196,9 +207,19 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
     )
 
 
+def leaves_gpu_idle(num_prefill: int, num_decode: int, gpus_per_worker: float | None) -> bool:
+    """Aggregated workers that fill no whole GPU between them (--gpus-per-worker 0.5 kept from
+    a 1 prefill + 1 decode setup): the rest of the card holds nothing."""
+    if num_prefill or gpus_per_worker is None or gpus_per_worker >= 1.0:
+        return False
+    return num_decode * gpus_per_worker < 1.0 - 1e-9
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError("--prefill and --decode must be >= 1")
+    if args.prefill < 0:
+        raise ValueError(f"--prefill must be >= 0 (0: aggregated workers), got {args.prefill}")
+    if args.decode < 1:
+        raise ValueError(f"--decode must be >= 1, got {args.decode}")
     if args.log_stats_interval < 0:
         raise ValueError(
             f"--log-stats-interval must be >= 0 (0: never), got {args.log_stats_interval:g}"
@@ -217,6 +238,14 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    share = args.gpus_per_worker
+    if leaves_gpu_idle(args.prefill, args.decode, share):
+        logger.warning(
+            "--prefill 0 --decode %d --gpus-per-worker %g leaves part of each GPU idle: drop "
+            "--gpus-per-worker to give the decode worker the whole card",
+            args.decode,
+            share,
+        )
     if max(prefill_tp, decode_tp) > 1 and args.gpus_per_worker not in (None, 1.0):
         raise ValueError("a tensor-parallel worker takes whole GPUs: drop --gpus-per-worker")
     # A bad threshold is refused here, before Ray starts.
@@ -224,16 +253,26 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
     if args.local_prefill_min_cached <= 0:
         raise ValueError("--local-prefill-min-cached must be > 0")
-    if args.local_prefill_chunk_tokens < 1:
+    chunk = args.local_prefill_chunk_tokens
+    if chunk is not None and chunk < 1:
         raise ValueError("--local-prefill-chunk-tokens must be >= 1")
     if args.local_prefill_on_slo_miss and args.slo_ttft_ms <= 0:
         raise ValueError("--local-prefill-on-slo-miss needs --slo-ttft-ms")
+    engine_chunk = engine.scheduler.max_num_batched_tokens
+    aggregated = args.prefill == 0
+    if chunk is None:  # aggregated: the decode workers' steps are the engine's own
+        chunk = engine_chunk if aggregated else DEFAULT_LOCAL_CHUNK_TOKENS
     local = LocalPrefill(
         args.local_prefill_max_tokens,
         args.local_prefill_min_cached,
         args.local_prefill_on_slo_miss,
-        args.local_prefill_chunk_tokens,
+        chunk,
     )
+    # A decode worker's step budget: its batch plus the prompt chunk when it computes prompts
+    # beside decodes (conditional prefill, or aggregated with a chunk given); None: the
+    # engine's own budget (aggregated by default: prompts and decodes share it as offline).
+    explicit = args.local_prefill_chunk_tokens is not None
+    decode_chunk = chunk if local.enabled or (aggregated and explicit) else None
     slo = slo_from_args(args)
     autoscale = autoscale_from_args(args)
     return ClusterSpec(
@@ -245,7 +284,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         max_migrations=args.max_migrations,
         local_prefill=local,
         slo=slo,
-        decode_prefill_chunk_tokens=args.local_prefill_chunk_tokens if local.enabled else None,
+        decode_prefill_chunk_tokens=decode_chunk,
         autoscale=autoscale,
         threads_per_worker=args.threads_per_worker,
         gpus_per_worker=args.gpus_per_worker,

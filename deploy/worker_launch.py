@@ -1,7 +1,7 @@
 """How the controller starts, checks and stops one worker actor (holds no state): the actor's
 Ray options (its pool's custom resource, its part of a GPU), its engine config, the handshake
-with the other pool, the warm-up request through a prefill -> decode pair, and the drain's wait
-for in-flight work.
+with the other pool, the warm-up request through a prefill -> decode pair (a decode worker
+alone while the prefill pool is sized 0: aggregated), and the drain's wait for in-flight work.
 
 A tensor-parallel worker (its pool's tp N > 1) is N Ray actors in a placement group of N
 bundles (STRICT_PACK: one node; a GPU each on CUDA, a CPU each on CPU): the worker actor is
@@ -213,14 +213,19 @@ def warmup_request(worker_id: str, model: ServedModel) -> GenerateRequest:
 
 
 async def warm_up(
-    prefill_actor: PrefillActor, decode_actor: DecodeActor, request: GenerateRequest
+    prefill_actor: PrefillActor | None, decode_actor: DecodeActor, request: GenerateRequest
 ) -> None:
-    """One request end to end: prefill, KV handoff over NIXL, decode. Raises on any failure."""
-    handle = await prefill_actor.prefill.remote(request)
-    if handle.finish_reason is not None:
-        return
+    """One request end to end: prefill, KV handoff over NIXL, decode; with no prefill actor
+    (an empty prefill pool: aggregated) the decode worker computes the prompt itself. Raises on
+    any failure."""
     mailbox = f"{request.req_id}-mailbox"
-    await decode_actor.submit.remote(request, handle, mailbox)
+    if prefill_actor is None:
+        await decode_actor.prefill_here.remote(request, mailbox)
+    else:
+        handle = await prefill_actor.prefill.remote(request)
+        if handle.finish_reason is not None:
+            return
+        await decode_actor.submit.remote(request, handle, mailbox)
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
     while time.monotonic() < deadline:
         for delta in await decode_actor.next_deltas.remote(mailbox, 1.0):

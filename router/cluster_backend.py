@@ -28,6 +28,7 @@ from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
 from common.worker_stats import gather_stats
 from engine.finish_reason import FinishReason
 from engine.kv_cache.hashing import hash_blocks
+from router.aggregated import AGGREGATED
 from router.backend import Backend
 from router.choice_migration import as_choice, continuation, resume_choices
 from router.decode_streams import DecodeStreams, Stream
@@ -215,6 +216,9 @@ class ClusterBackend(Backend):
             here = None
             if isinstance(routed, LocalRoute):
                 here = await self._prefill_on_decode(request, routed, queue, client_req_id)
+                if here is None and routed.placement.reason == AGGREGATED:  # another one
+                    tried = frozenset({routed.placement.worker.worker_id})
+                    here = await self._aggregated(request, hashes, queue, client_req_id, tried)
             if here is not None:
                 leg.decoding(*here)
             else:
@@ -225,9 +229,13 @@ class ClusterBackend(Backend):
                         placement, num_uncached = remote[0].placement, remote[1]
                         remote = None
                     else:
-                        placement, num_uncached = await self.placer.place_prefill(
-                            request, hashes, excluded
-                        )
+                        try:
+                            placement, num_uncached = await self.placer.place_prefill(
+                                request, hashes, excluded
+                            )
+                        except NoWorkerAvailable:  # the prefill pool emptied: aggregated
+                            here = await self._aggregated(request, hashes, queue, client_req_id)
+                            break
                     prefill = placement.worker
                     self.last_placements[req_id] = prefill.worker_id
                     try:
@@ -247,20 +255,23 @@ class ClusterBackend(Backend):
                         logger.info("request %s: %s; placing it again", req_id, e)
                     finally:
                         self.workers.done(prefill.worker_id, num_uncached)
-                leg.prefilled(handle)
-                self._check_index(request, placement, handle, leg.prefill_actor)
-                self._observe_prefill("remote")
-                firsts = handle.first_deltas()
-                num_open -= sum(delta.finished for delta in firsts)
-                if leg.stage is LegStage.DONE:  # every choice ended on its first token
+                if here is not None:  # computed on a decode worker after all
+                    leg.decoding(*here)
+                else:
+                    leg.prefilled(handle)
+                    self._check_index(request, placement, handle, leg.prefill_actor)
+                    self._observe_prefill("remote")
+                    firsts = handle.first_deltas()
+                    num_open -= sum(delta.finished for delta in firsts)
+                    if leg.stage is LegStage.DONE:  # every choice ended on its first token
+                        for delta in firsts:
+                            yield delta
+                        return
+                    leg.decoding(
+                        *await self._hand_over(request, handle, queue, client_req_id, received)
+                    )
                     for delta in firsts:
                         yield delta
-                    return
-                leg.decoding(
-                    *await self._hand_over(request, handle, queue, client_req_id, received)
-                )
-                for delta in firsts:
-                    yield delta
             while True:
                 delta = await queue.get()
                 if delta.finish_reason == FinishReason.ABORT and self.gate.ended is not None:
@@ -316,11 +327,29 @@ class ClusterBackend(Backend):
                 raise
             if isinstance(e, RayActorError):
                 self.lost_worker(decode.worker_id)
-            logger.info("request %s: %s; prefilling it in the prefill pool", request.req_id, e)
+            logger.info("request %s: %s; placing its prompt again", request.req_id, e)
             return None
         self.num_local_prefills += 1
         self._observe_prefill(f"local_{routed.placement.reason}")
         return decode, actor
+
+    async def _aggregated(
+        self,
+        request: GenerateRequest,
+        hashes: list[int],
+        queue: asyncio.Queue[TokenDelta],
+        client_req_id: str,
+        excluded: frozenset[str] = frozenset(),
+    ) -> tuple[WorkerInfo, DecodeActor]:
+        """No prefill worker takes the prompt: a decode worker computes it (router/aggregated.py),
+        one that stopped taking work left out for another; NoWorkerAvailable when none is left."""
+        while len(excluded) < MAX_PLACEMENTS:
+            routed = await self.placer.place_aggregated(request, hashes, excluded)
+            here = await self._prefill_on_decode(request, routed, queue, client_req_id)
+            if here is not None:
+                return here
+            excluded |= {routed.placement.worker.worker_id}
+        raise NoWorkerAvailable(f"{len(excluded)} decode workers stopped taking work")
 
     def _observe_prefill(self, where: str) -> None:
         if self.metrics is not None:
@@ -460,7 +489,8 @@ class ClusterBackend(Backend):
         details = self._health_details()
         if self.gate.refusal is not None:
             return {"ok": False, "reason": self.gate.refusal, **details}
-        return {"ok": bool(details["prefill_workers"] and details["decode_workers"]), **details}
+        # No prefill worker: the decode workers compute every prompt (router/aggregated.py).
+        return {"ok": bool(details["decode_workers"]), **details}
 
     def _health_details(self) -> dict[str, object]:
         index_ok = self.index is None or self.index.available

@@ -155,9 +155,9 @@ class RouterMetrics:
         self.prefills = Counter(
             "kvrelay_prefills",
             "Prompts prefilled, by where: remote (the prefill pool, then a KV transfer) or"
-            " local_short / local_cached / local_slo (a decode worker computed it itself: few"
-            " tokens left, most of it in its cache, or the prefill pool would miss the TTFT"
-            " objective).",
+            " local_short / local_cached / local_slo / local_aggregated (a decode worker"
+            " computed it itself: few tokens left, most of it in its cache, the prefill pool"
+            " would miss the TTFT objective, or there is no prefill worker).",
             ["where"],
             registry=r,
         )

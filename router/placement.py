@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from common.messages import GenerateRequest, WorkerInfo
 from common.placement_rules import LocalPrefill, SloTargets
 from router import traces
+from router.aggregated import route_aggregated
 from router.errors import SloUnmet
 from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
 from router.prefix_index import IndexUnavailable, PrefixIndex
@@ -101,7 +102,10 @@ class Placer:
             # No await from here to place(): concurrent placements each see the ones before them.
             waited_s = time.monotonic() - started
             budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
-            chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
+            if inputs.prefill:
+                chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
+            else:  # no prefill worker: a decode worker computes the prompt (aggregated)
+                chosen = route_aggregated(inputs, self.policy, self.local_prefill, slo, budget_s)
             if isinstance(chosen, LocalRoute):
                 self.workers.place(chosen.placement.worker.worker_id)
                 traces.end_placement(span, chosen.placement)
@@ -130,6 +134,8 @@ class Placer:
             )
         else:
             prefill, overlap = await self.candidates("prefill", hashes)
+            if not prefill:  # aggregated: the decode workers' caches decide
+                decode, decode_overlap = await self.candidates("decode", hashes)
         return RouteInputs(
             self.workers.with_placed(prefill),
             overlap,
@@ -166,6 +172,28 @@ class Placer:
         self.workers.place(placement.worker.worker_id, num_uncached)
         traces.end_placement(span, placement)
         return placement, num_uncached
+
+    async def place_aggregated(
+        self, request: GenerateRequest, hashes: list[int], excluded: frozenset[str]
+    ) -> LocalRoute:
+        """A decode worker to compute the prompt itself (counted as placed there) after the
+        prefill pool emptied or an aggregated placement failed: no objectives (the request is
+        already admitted); raises NoWorkerAvailable when no decode worker is left."""
+        workers, overlap = await self.candidates("decode", hashes, excluded)
+        # No await from here to place(): concurrent placements each see the ones before them.
+        inputs = RouteInputs(
+            [],
+            None,
+            self.workers.with_placed(workers),
+            overlap or {},
+            self.block_size,
+            len(request.prompt_token_ids),
+            self.blocks_needed(request),
+        )
+        chosen = route_aggregated(inputs, self.policy, self.local_prefill, SloTargets())
+        assert isinstance(chosen, LocalRoute)  # no objectives: never Unmet
+        self.workers.place(chosen.placement.worker.worker_id)
+        return chosen
 
     async def place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
         """The decode worker for a prefilled request (counted as placed there): among those

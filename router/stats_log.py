@@ -1,7 +1,8 @@
 """StatsLog: one log line every interval while the cluster is busy (as vLLM logs its throughput):
-prompt tokens/s (prefilled by the prefill pool), generated tokens/s (streamed to clients),
-requests/s, and per pool its running and waiting requests, KV use and prefix-hit rate. Owns its
-task and the previous sample; silent while idle."""
+prompt tokens/s (computed by the prefill pool, or by decode workers for their own prompts),
+generated tokens/s (streamed to clients), requests/s, and per pool its running and waiting
+requests, KV use and prefix-hit rate. Owns its task and the previous sample; silent while
+idle."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from common.cluster_state import PrefillStats, WorkerStats
+from common.cluster_state import DecodeStats, PrefillStats, WorkerStats
 from common.messages import WorkerLoad
 from router.metrics import RouterMetrics, RouterTotals
 
@@ -48,9 +49,12 @@ def sample_of(
 
 
 def _prefilled(stats: WorkerStats) -> tuple[int, int]:
-    """(prompt tokens, cached tokens) a prefill worker reports; none from a decode worker."""
+    """(prompt tokens, cached tokens) a worker computed: a prefill worker's prompts, a decode
+    worker's own (conditional prefill, aggregated: `--prefill 0`)."""
     if isinstance(stats, PrefillStats):
         return stats.num_prompt_tokens, stats.num_cached_tokens
+    if isinstance(stats, DecodeStats):
+        return stats.num_local_prompt_tokens, stats.num_local_cached_tokens
     return 0, 0
 
 

@@ -204,3 +204,27 @@ def test_slo_attainment_helper_and_config() -> None:
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="target_attainment"):
             AutoscaleConfig(target_attainment=bad)
+
+
+def test_a_prefill_pool_of_none_stays_none_and_divides_nothing() -> None:
+    """--prefill 0 (aggregated decode workers) with --autoscale-decode: prefill 0..0."""
+    config = AutoscaleConfig(
+        min_size={"prefill": 0, "decode": 1},
+        max_size={"prefill": 0, "decode": 3},
+        window_s=2.0,
+        cooldown_s=0.0,
+        warmup_s=0.0,
+    )
+    with pytest.raises(ValueError, match="need 1 <= min <= max for prefill"):
+        AutoscaleConfig(min_size={"prefill": 0, "decode": 1}, max_size={"prefill": 2, "decode": 3})
+    with pytest.raises(ValueError, match="need 1 <= min <= max for decode"):
+        AutoscaleConfig(min_size={"prefill": 0, "decode": 0}, max_size={"prefill": 0, "decode": 3})
+    scaler = Autoscaler(config)
+    assert scaler.pressure(PoolSample(0.0, "prefill", 0, queued_tokens=5000)) == float("inf")
+    # An operator's `kvrelay scale --prefill 1`: neither grown past 0..0 nor shrunk to 0.
+    for at in range(4):
+        scaler.observe(PoolSample(float(at), "prefill", 1, queued_tokens=10**6 * (at % 2)))
+    assert scaler.decide("prefill", 3.0) is None
+    for at in range(4, 8):
+        scaler.observe(PoolSample(float(at), "prefill", 1))
+    assert scaler.decide("prefill", 7.0) is None

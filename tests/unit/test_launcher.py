@@ -48,11 +48,16 @@ def test_flags_map_onto_options() -> None:
         AWS, 2, 3, "/opt/m", 9000, 9001, "cpu", ("--kv-cache-gib", "40", "--policy", "round_robin")
     )
     assert up_options() == UpOptions(AWS)
+    assert up_options("--prefill", "0").num_prefill == 0  # aggregated decode workers
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--decode", "0"], "--prefill and --decode"), (["--http-port", "70000"], "--http-port")],
+    [
+        (["--decode", "0"], "--decode >= 1"),
+        (["--prefill", "-1"], "--prefill must be >= 0"),
+        (["--http-port", "70000"], "--http-port"),
+    ],
 )
 def test_bad_values_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

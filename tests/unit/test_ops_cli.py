@@ -30,6 +30,16 @@ def test_scale_request_keeps_only_the_pools_given_and_refuses_negative_sizes() -
     assert ScaleRequest(prefill=0, decode=2).sizes() == {"prefill": 0, "decode": 2}
     with pytest.raises(ValueError, match="--prefill must be >= 0"):
         ScaleRequest(prefill=-1).sizes()
+    with pytest.raises(ValueError, match="--decode must be >= 1"):
+        ScaleRequest(prefill=1, decode=0).sizes()
+
+
+def test_status_says_when_the_decode_workers_compute_every_prompt() -> None:
+    decode = WorkerStatus("d0", "decode", WorkerState.READY, (Transition(WorkerState.READY, 1.0),))
+    pools = (PoolStatus("prefill", 0, ()), PoolStatus("decode", 1, (decode,)))
+    text = format_status(ClusterStatus("m", pools, (), RedisStatus("", False, 0)))
+    assert "prefill pool: 0 ready of 0 wanted" in text
+    assert "no prefill worker: the decode workers compute every prompt" in text
 
 
 def test_scale_without_a_pool_is_a_clear_error(capsys) -> None:

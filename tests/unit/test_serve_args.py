@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.cli import build_parser
-from deploy.serve import spec_from_args
+from deploy.serve import placement_lines, spec_from_args
 
 
 def parse(*argv: str):
@@ -44,8 +44,43 @@ def test_bad_values_are_refused() -> None:
         parse("--dtype", "int8")
     with pytest.raises(SystemExit):
         parse("--kv-cache-dtype", "int4")
-    with pytest.raises(ValueError, match="--prefill and --decode"):
+    with pytest.raises(ValueError, match="--decode must be >= 1"):
         parse("--decode", "0")
+    with pytest.raises(ValueError, match="--prefill must be >= 0"):
+        parse("--prefill", "-1")
+
+
+def test_prefill_0_is_aggregated_on_the_whole_gpu() -> None:
+    spec = parse("--prefill", "0", "--device", "cuda")
+    assert (spec.num_prefill, spec.num_decode) == (0, 1)
+    # One GPU: the decode worker alone takes the card's whole budget (no half-card share).
+    assert spec.gpus_per_worker is None and spec.worker_gpus("cuda") == 1.0
+    assert spec.num_ranks == 1
+    # Its steps are the engine's own (no decode-side chunk), and the rule's prediction of a
+    # local prompt's TTFT uses that budget.
+    assert spec.decode_prefill_chunk_tokens is None
+    assert spec.local_prefill.chunk_tokens == spec.engine.scheduler.max_num_batched_tokens
+    chunked = parse("--prefill", "0", "--local-prefill-chunk-tokens", "8192")
+    assert chunked.decode_prefill_chunk_tokens == chunked.local_prefill.chunk_tokens == 8192
+    # Its decode pool may still autoscale; the prefill pool stays at 0.
+    scaled = parse("--prefill", "0", "--decode", "2", "--autoscale-decode", "1:3")
+    assert scaled.autoscale is not None
+    assert scaled.autoscale.min_size["prefill"] == scaled.autoscale.max_size["prefill"] == 0
+    with pytest.raises(ValueError, match="--prefill 0 is outside --autoscale-prefill"):
+        parse("--prefill", "0", "--autoscale-prefill", "1:2")
+    # What serve prints at start.
+    assert any("the decode workers compute every prompt" in line for line in placement_lines(spec))
+    assert placement_lines(parse()) == []
+
+
+def test_prefill_0_with_half_a_gpu_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        parse("--prefill", "0", "--device", "cuda", "--gpus-per-worker", "0.5")
+    assert "leaves part of each GPU idle" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        parse("--prefill", "0", "--decode", "2", "--device", "cuda", "--gpus-per-worker", "0.5")
+    assert "idle" not in caplog.text  # two on one card fill it
 
 
 def test_migration_budget_flag() -> None:

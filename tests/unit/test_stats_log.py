@@ -3,7 +3,7 @@ functions over samples; the router's totals from a real RouterMetrics)."""
 
 from __future__ import annotations
 
-from common.cluster_state import PrefillStats, WorkerState
+from common.cluster_state import DecodeStats, PrefillStats, WorkerState
 from common.messages import WorkerLoad
 from router.metrics import RouterMetrics, RouterTotals
 from router.stats_log import StatsSample, WorkerSample, is_busy, sample_of, stats_line
@@ -84,3 +84,23 @@ def test_samples_read_the_routers_real_totals_and_the_workers_stats() -> None:
     got = sample_of(1.0, metrics.totals(), metrics.worker_stats.last())
     assert got.router == RouterTotals(num_streamed_tokens=5, num_finished=1, num_in_flight=1)
     assert got.workers == {"p0": WorkerSample("prefill", WorkerLoad(1, 0, 10, 20), 10, 0)}
+
+
+def test_aggregated_decode_workers_report_the_prompts_they_computed() -> None:
+    """--prefill 0: no prefill worker; the decode worker's own prompts make the prompt rate."""
+    metrics = RouterMetrics()
+    stats = DecodeStats(
+        WorkerState.READY,
+        WorkerLoad(1, 0, 10, 20),
+        num_local_prefills=2,
+        num_local_prompt_tokens=300,
+        num_local_cached_tokens=100,
+    )
+    metrics.worker_stats.update("d0", "decode", stats)
+    now = sample_of(10.0, metrics.totals(), metrics.worker_stats.last())
+    assert now.workers == {"d0": WorkerSample("decode", WorkerLoad(1, 0, 10, 20), 300, 100)}
+    before = sample(0.0, workers={"d0": WorkerSample("decode", IDLE_LOAD, 0, 0)})
+    line = stats_line(before, now)
+    assert line is not None and "prompt 30.0 tok/s" in line
+    assert "prefill (0 workers)" in line and "decode (1 worker): running 1" in line
+    assert line.endswith("prefix hits 33%")

@@ -1,0 +1,110 @@
+"""ClusterBackend with no prefill worker to take a prompt (fake actors, no Ray cluster): the
+prompt is computed on a decode worker (`prefill_here`); a prefill worker that stops taking work
+as it is placed on (drained: the pool scaled 0) hands the request to a decode worker, and a
+decode worker that stops taking work hands it to another; every token arrives once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from common.cluster_state import WorkerUnavailable
+from common.messages import GenerateRequest, TokenDelta
+from engine.sampling.sampling_params import SamplingParams
+from router.cluster_backend import ClusterBackend
+from router.worker_set import WorkerSet
+
+PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+class Method:
+    def __init__(self, fn: Callable[..., Awaitable[Any]]):
+        self.fn = fn
+
+    def remote(self, *args: Any) -> asyncio.Task:
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class DrainedPrefill:
+    """A prefill worker that has turned draining: it refuses every request."""
+
+    def __init__(self) -> None:
+        self.num_refused = 0
+        self.prefill = Method(self._prefill)
+        self.abort = Method(self._noop)
+
+    async def _prefill(self, request: GenerateRequest) -> None:
+        self.num_refused += 1
+        raise WorkerUnavailable("p0 is draining")
+
+    async def _noop(self, *args: Any) -> None:
+        return None
+
+
+class AggregatedDecode:
+    """Computes a prompt itself (prefill_here) and answers with two tokens, one a poll; with
+    refuse=True it has stopped taking work."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.computed: list[str] = []
+        self.pending: list[TokenDelta] = []
+        self.prefill_here = Method(self._prefill_here)
+        self.next_deltas = Method(self._next_deltas)
+        self.abort = Method(self._abort)
+
+    async def _prefill_here(self, request: GenerateRequest, router_id: str) -> None:
+        if self.refuse:
+            raise WorkerUnavailable("draining")
+        self.computed.append(request.req_id)
+        self.pending += [
+            TokenDelta(request.req_id, (7,), False, num_prompt_tokens=4, num_cached_tokens=0),
+            TokenDelta(request.req_id, (8,), True, "length"),
+        ]
+
+    async def _next_deltas(self, router_id: str, timeout_s: float) -> list[TokenDelta]:
+        await asyncio.sleep(0.01)
+        return [self.pending.pop(0)] if self.pending else []
+
+    async def _abort(self, req_id: str) -> None:
+        return None
+
+
+def serve(workers: WorkerSet) -> tuple[list[TokenDelta], ClusterBackend]:
+    async def run() -> tuple[list[TokenDelta], ClusterBackend]:
+        backend = ClusterBackend("m", 64, 1000, 16, workers, router_id="router-test")
+        request = GenerateRequest("r0", (1, 2, 3, 4), PARAMS)
+        deltas = [d async for d in backend.generate(request)]
+        await backend.close()
+        return deltas, backend
+
+    return asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_no_prefill_worker_computes_the_prompt_on_a_decode_worker() -> None:
+    workers, decode = WorkerSet(), AggregatedDecode()
+    workers.add("d0", "decode", decode, "d0")  # type: ignore[arg-type]
+    deltas, backend = serve(workers)
+    assert [t for d in deltas for t in d.token_ids] == [7, 8]
+    assert deltas[-1].finish_reason == "length" and decode.computed == ["r0"]
+    assert backend.num_local_prefills == 1 and backend.workers.num_placed("d0") == 0
+
+
+def test_a_prefill_worker_draining_as_it_is_placed_on_leaves_the_prompt_to_decode() -> None:
+    workers, prefill, decode = WorkerSet(), DrainedPrefill(), AggregatedDecode()
+    workers.add("p0", "prefill", prefill, "p0")  # type: ignore[arg-type]
+    workers.add("d0", "decode", decode, "d0")  # type: ignore[arg-type]
+    deltas, backend = serve(workers)
+    assert prefill.num_refused == 1, "routed to the prefill pool first"
+    assert [t for d in deltas for t in d.token_ids] == [7, 8] and decode.computed == ["r0"]
+    assert backend.workers.num_placed("p0") == backend.workers.num_placed("d0") == 0
+
+
+def test_a_decode_worker_that_stopped_taking_work_leaves_the_prompt_to_another() -> None:
+    workers, refusing, decode = WorkerSet(), AggregatedDecode(refuse=True), AggregatedDecode()
+    workers.add("d0", "decode", refusing, "d0")  # type: ignore[arg-type]
+    workers.add("d1", "decode", decode, "d1")  # type: ignore[arg-type]
+    deltas, _ = serve(workers)
+    assert [t for d in deltas for t in d.token_ids] == [7, 8]
+    assert refusing.computed == [] and decode.computed == ["r0"]

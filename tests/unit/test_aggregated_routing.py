@@ -1,0 +1,129 @@
+"""Aggregated routing (router/aggregated.py, and the Placer's use of it) on hand-made worker
+snapshots: with no prefill worker a decode worker computes the prompt, chosen by the KV-aware
+policy over the decode workers' caches and loads; objectives queue or refuse it as for the
+prefill pool; the conditional-prefill rule is left alone while a prefill pool exists."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.messages import GenerateRequest, WorkerInfo, WorkerLoad
+from common.placement_rules import LocalPrefill, SloTargets
+from engine.sampling.sampling_params import SamplingParams
+from router.aggregated import AGGREGATED, route_aggregated
+from router.placement import Placer
+from router.policy import KVAwarePolicy, NoWorkerAvailable
+from router.prefix_index import IndexView
+from router.slo import LocalRoute, RouteInputs, Unmet
+from router.worker_set import WorkerSet
+
+BLOCK = 16
+PROMPT = 320  # 20 blocks
+ROOM = 100  # free blocks: room for the whole request
+
+
+def decode(worker_id: str, **load: int) -> WorkerInfo:
+    load.setdefault("free_blocks", ROOM)
+    return WorkerInfo(worker_id, "decode", worker_id, load=WorkerLoad(**load))
+
+
+def inputs(workers, overlap=None) -> RouteInputs:
+    return RouteInputs([], None, workers, overlap or {}, BLOCK, PROMPT, 30)
+
+
+def test_the_decode_worker_holding_the_prefix_wins_unless_its_queue_costs_more() -> None:
+    warm, cold = decode("d0", queued_tokens=100), decode("d1")
+    chosen = route_aggregated(
+        inputs([warm, cold], {"d0": 25}), KVAwarePolicy(), LocalPrefill(), SloTargets()
+    )
+    assert isinstance(chosen, LocalRoute)
+    assert chosen.placement.worker.worker_id == "d0" and chosen.placement.reason == AGGREGATED
+    assert chosen.placement.num_cached_tokens == PROMPT  # capped at the prompt
+    # 400 cached tokens saved against 1000 queued: the idle worker computes it all.
+    busy = decode("d0", queued_tokens=1000)
+    chosen = route_aggregated(
+        inputs([busy, cold], {"d0": 25}), KVAwarePolicy(), LocalPrefill(), SloTargets()
+    )
+    assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "d1"
+    assert chosen.placement.num_cached_tokens == 0
+
+
+def test_a_worker_without_room_is_left_out_unless_none_has_room() -> None:
+    full, roomy = decode("d0", free_blocks=2), decode("d1", queued_tokens=50)
+    chosen = route_aggregated(
+        inputs([full, roomy], {"d0": 25}), KVAwarePolicy(), LocalPrefill(), SloTargets()
+    )
+    assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "d1"
+    chosen = route_aggregated(inputs([full]), KVAwarePolicy(), LocalPrefill(), SloTargets())
+    assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "d0"
+    with pytest.raises(NoWorkerAvailable):
+        route_aggregated(inputs([]), KVAwarePolicy(), LocalPrefill(), SloTargets())
+
+
+def test_objectives_queue_or_place_as_for_the_prefill_pool() -> None:
+    rule = LocalPrefill(chunk_tokens=64)
+    # 5 steps of 64 tokens at 100 ms each: 0.5 s to the first token on the busy worker.
+    busy = decode("d0", running=2, queued_tokens=2, step_us=100_000)
+    slo = SloTargets(ttft_ms=300)
+    unmet = route_aggregated(inputs([busy]), KVAwarePolicy(), rule, slo)
+    assert isinstance(unmet, Unmet) and "500 ms" in unmet.reason
+    placed = route_aggregated(inputs([busy]), KVAwarePolicy(), rule, SloTargets(300, 0, "place"))
+    assert isinstance(placed, LocalRoute) and placed.predicted_ttft_s == pytest.approx(0.5)
+    # An idle worker is taken even when the prompt alone is over the objective.
+    idle = decode("d1", step_us=100_000)
+    chosen = route_aggregated(inputs([busy, idle]), KVAwarePolicy(), rule, slo)
+    assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "d1"
+    # TPOT: a worker stepping too slowly is left out; all of them: Unmet.
+    fast = decode("d1", running=1, step_us=10_000)
+    chosen = route_aggregated(inputs([busy, fast]), KVAwarePolicy(), rule, SloTargets(0, 50))
+    assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "d1"
+    assert isinstance(
+        route_aggregated(inputs([busy]), KVAwarePolicy(), rule, SloTargets(0, 50)), Unmet
+    )
+
+
+class TwoPoolIndex:
+    """Stands in for PrefixIndex.view: `prefill` lists the prefill pool (empty: aggregated)."""
+
+    def __init__(self, prefill: list[WorkerInfo]):
+        self.prefill = prefill
+        self.roles: list[str] = []
+
+    async def view(self, role: str, hashes: list[int]) -> IndexView:
+        self.roles.append(role)
+        if role == "prefill":
+            return IndexView(self.prefill, {})
+        return IndexView([decode("d0", free_blocks=ROOM), decode("d1")], {"d1": 4})
+
+
+def placer(index: TwoPoolIndex) -> Placer:
+    """The router's own view (membership) agrees with the index: the same prefill pool."""
+    workers = WorkerSet()
+    for worker in [*index.prefill, decode("d0"), decode("d1")]:
+        workers.add(worker.worker_id, worker.role, actor=object())  # type: ignore[arg-type]
+    return Placer(BLOCK, workers, index, KVAwarePolicy())  # type: ignore[arg-type]
+
+
+REQUEST = GenerateRequest("r1", tuple(range(PROMPT)), SamplingParams(max_tokens=8))
+
+
+def test_the_placer_routes_locally_only_when_the_prefill_pool_is_empty() -> None:
+    index = TwoPoolIndex([])
+    p = placer(index)
+    routed = asyncio.run(p.route(REQUEST, list(range(20))))
+    assert isinstance(routed, LocalRoute) and routed.placement.reason == AGGREGATED
+    assert routed.placement.worker.worker_id == "d1"  # its cache holds 4 blocks of the prompt
+    assert index.roles == ["prefill", "decode"] and p.workers.num_placed("d1") == 1
+    # A prefill pool, conditional prefill off: the prompt goes there (the decode view unread).
+    index = TwoPoolIndex([WorkerInfo("p0", "prefill", "p0")])
+    routed = asyncio.run(placer(index).route(REQUEST, []))
+    assert isinstance(routed, tuple) and routed[0].placement.worker.worker_id == "p0"
+    assert index.roles == ["prefill"]
+    # After a failed placement: another decode worker, the tried one left out.
+    p = placer(TwoPoolIndex([]))
+    again = asyncio.run(p.place_aggregated(REQUEST, [], frozenset({"d1"})))
+    assert again.placement.worker.worker_id == "d0" and p.workers.num_placed("d0") == 1
+    with pytest.raises(NoWorkerAvailable):
+        asyncio.run(p.place_aggregated(REQUEST, [], frozenset({"d0", "d1"})))
