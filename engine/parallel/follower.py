@@ -63,6 +63,10 @@ class Follower:
                 return
             if isinstance(message, step_plan.CopyPlan):
                 self.copies.run(message.copies, message.wait)
+                if message.ack:
+                    if self.kv_cache.is_cuda:  # the copies queued so far have landed
+                        torch.cuda.current_stream(self.kv_cache.device).synchronize()
+                    step_plan.agree(self.tp, True)
             elif isinstance(message, step_plan.ReadPlan):
                 step_plan.agree(self.tp, self._read(message))
             else:

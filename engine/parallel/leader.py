@@ -78,6 +78,14 @@ class Leader:
         except RuntimeError as error:
             raise self.fail(error) from error
 
+    def sync_copies(self) -> None:
+        """Return once every follower has run the copies sent so far (they agree on it)."""
+        self.send(step_plan.CopyPlan([], wait=True, ack=True))
+        try:
+            step_plan.agree(self.tp, True, self.timeout_s)
+        except RuntimeError as error:
+            raise self.fail(error) from error
+
     def check_alive(self) -> None:
         if self.lost is not None:
             raise RankLost(f"the tensor-parallel group failed earlier: {self.lost}")
@@ -156,3 +164,11 @@ class LeaderCopies(BlockCopies):
         if copies:
             self.leader.send(step_plan.CopyPlan(list(copies), wait))
         super().run(copies, wait)
+
+    def offload_owed(self, kv: KVCacheManager, sync: bool = False) -> None:
+        """sync (kept host slots are about to be read by a peer, from every rank's own host
+        memory): also wait until every follower's offloads are done (an acknowledged, empty
+        CopyPlan: a follower runs each message after rank 0 has sent it)."""
+        super().offload_owed(kv, sync)
+        if sync:
+            self.leader.sync_copies()

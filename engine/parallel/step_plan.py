@@ -34,10 +34,13 @@ class StepPlan:
 @dataclass(frozen=True)
 class CopyPlan:
     """Block copies on the KV cache (partial reuse, forks, host tier offload and onload), run
-    in order; wait: the rank's copies are done before it reads the next message."""
+    in order; wait: the rank's copies are done before it reads the next message; ack: then
+    the ranks agree (agree()) they are done: rank 0 hands kept host slots to a peer, which
+    reads each rank's own host memory, only once every rank's offloads have landed there."""
 
     copies: list[BlockCopy]
     wait: bool = False
+    ack: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,14 @@ class ReadPlan:
     """A prefilled prompt's KV read by every rank into its own cache (its own KV heads of
     local_block_ids, from the holder's blocks remote_block_ids): `peer` is the holder as the
     ranks' reader knows it (opaque here: the worker's, e.g. its NIXL metadata). The ranks then
-    agree (agree()) whether every read succeeded, before rank 0 reads its own heads."""
+    agree (agree()) whether every read succeeded, before rank 0 reads its own heads.
+    num_host: the first num_host remote ids are slots of the holder's host tier (a host
+    lease: each holder rank's own host memory), the rest its device blocks."""
 
     peer: object
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    num_host: int = 0
 
 
 @dataclass(frozen=True)

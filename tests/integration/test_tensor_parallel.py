@@ -145,6 +145,36 @@ def test_ngram_verify_steps_match_across_sizes(tmp_path):
     assert accepted[2] == accepted[1] > 0
 
 
+def test_a_draft_model_drafts_on_rank_0_and_matches_across_sizes(tmp_path):
+    """Draft-model speculation at TP 2: the draft (here the target's own checkpoint) runs on
+    rank 0 alone at one rank, from its full weights (not rank 0's shard): its greedy drafts
+    are the target's, so every one is accepted, and the tokens equal TP 1's."""
+    path = make_tiny_checkpoint(tmp_path, vocab_size=64, seed=5)
+    draft = SpeculativeConfig(
+        method="draft", draft_model=str(path), num_speculative_tokens=3, adaptive=False
+    )
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    results, counts = {}, {}
+    for size in (1, 2):
+        engine = build_engine(
+            model_path=str(path), tensor_parallel_size=size, speculative=draft, num_blocks=64
+        )
+        try:
+            engine.add_request("r", [9, 4, 33, 9, 4], params)
+            results[size] = run_to_completion(engine)
+            spec = engine.speculator
+            counts[size] = (spec.num_drafted_tokens, spec.num_accepted_tokens)
+            engine.assert_no_leaks()
+            assert spec.draft_model is not None
+            spec.draft_model.engine.assert_no_leaks()
+            assert spec.draft_model.engine.config.tensor_parallel_size == 1
+        finally:
+            engine.shutdown()
+    assert results[2] == results[1]
+    assert counts[2] == counts[1]
+    assert counts[2][0] == counts[2][1] > 0  # every draft accepted: it is the target's
+
+
 def test_generate_cli_passes_tp_to_the_engine(tmp_path):
     path = make_tiny_checkpoint(tmp_path, weights=False)
     command = [sys.executable, "-m", "deploy.cli", "generate", "--model", str(path), "--tp", "3"]
