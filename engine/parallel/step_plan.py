@@ -59,11 +59,28 @@ class ReadPlan:
 
 
 @dataclass(frozen=True)
+class DiskPlan:
+    """A disk KV tier operation each follower runs on its own block files (its heads of each
+    block), in rank 0's order; rank 0's DiskTier keeps the bookkeeping
+    (engine/parallel/disk_ranks.py). op "write": the block at src (a host slot when
+    from_host, else a device block) as block_hash's file; "stage": read and check the file
+    for a prefix hit; "take": a staged block is lent to a "from_disk" copy; "unstage": a
+    staged block is dropped; "remove": the file goes (and anything staged); "keep" (at
+    start): every file but block_hashes goes. After "write" and "stage" the ranks agree
+    whether every rank's succeeded."""
+
+    op: str
+    block_hashes: tuple[int, ...]
+    src: int = 0
+    from_host: bool = False
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The followers leave their loop and their process ends."""
 
 
-Message = StepPlan | CopyPlan | ReadPlan | Shutdown
+Message = StepPlan | CopyPlan | ReadPlan | DiskPlan | Shutdown
 
 
 def send(tp: TensorParallel, message: Message, timeout_s: float) -> None:
@@ -81,7 +98,7 @@ def receive(tp: TensorParallel) -> Message:
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(tp, data)
     message = pickle.loads(data.numpy().tobytes())
-    if not isinstance(message, StepPlan | CopyPlan | ReadPlan | Shutdown):
+    if not isinstance(message, StepPlan | CopyPlan | ReadPlan | DiskPlan | Shutdown):
         raise TypeError(f"rank {tp.rank} got {type(message).__name__}, not a step message")
     return message
 
