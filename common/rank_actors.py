@@ -51,7 +51,8 @@ def this_place(rank: int, device: str) -> RankPlace:
 class RankActor:
     """One follower rank of a worker (a Ray actor in its worker's placement group, two
     threads: run() holds one while metadata() answers on the other). It registers its cache
-    with a NIXL agent of its own: a peer reads this rank's KV heads from it directly."""
+    (and, with host leases, its host tier) with a NIXL agent of its own: a peer reads this
+    rank's KV heads from it directly."""
 
     def __init__(self, rank: int, device: str):
         self.rank, self.device = rank, device
@@ -76,7 +77,10 @@ class RankActor:
             device = torch.device(rank_device_name(config.device))
             follower = Follower(config, self.rank, address, device)
             transfer = NixlTransfer(follower.model_config.model_id)
-            transfer.register(follower.kv_cache)
+            # with host leases (keep_on_host) a peer reads this rank's heads of kept blocks
+            # from its own host tier too: registered beside its cache, as rank 0's is
+            host = follower.copies.host if config.cache.keep_on_host else None
+            transfer.register(follower.kv_cache, host)
             size, heads = config.tensor_parallel_size, follower.model_config.num_kv_heads
             transfer.set_layout(size, rank_kv_heads(heads, self.rank, size).start, heads)
             follower.on_read = lambda plan: read_heads(transfer, plan)
@@ -109,7 +113,9 @@ def read_heads(transfer: NixlTransfer, plan: ReadPlan) -> bool:
     if not isinstance(plan.peer, AgentMetadata):
         raise TypeError(f"a read plan names {type(plan.peer).__name__}, not AgentMetadata")
     peer = transfer.add_peer(plan.peer)
-    handle = transfer.read(peer, plan.remote_block_ids, plan.local_block_ids)
+    handle = transfer.read(
+        peer, plan.remote_block_ids, plan.local_block_ids, num_remote_host=plan.num_host
+    )
     try:
         while (state := transfer.poll(handle)) is TransferState.PENDING:
             time.sleep(READ_POLL_S)

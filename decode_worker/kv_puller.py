@@ -263,15 +263,12 @@ class KVPuller:
         num_host: int,
     ) -> bool:
         """A TP worker: its ranks 1.. read their own heads first (each over its own NIXL agent;
-        done before rank 0's read, whose DONE notice ends the holder's lease). False: the
-        prompt is recomputed."""
+        done before rank 0's read, whose DONE notice ends the holder's lease), the first
+        num_host from the holder ranks' host tiers. False: the prompt is recomputed."""
         from engine.parallel.step_plan import ReadPlan
 
         meta = self._peers[handle.actor_name].meta
-        if num_host:
-            self._recompute(pull, "a tensor-parallel worker reads no holder's host tier")
-            return False
-        if not self.engine.read_on_ranks(ReadPlan(meta, list(remote), list(local))):
+        if not self.engine.read_on_ranks(ReadPlan(meta, list(remote), list(local), num_host)):
             self._recompute(pull, "a tensor-parallel rank's read failed")
             return False
         return True

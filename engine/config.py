@@ -498,11 +498,6 @@ class EngineConfig:
             raise ValueError(fp8_device_error("cpu"))
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.cache.disk_kv_cache_bytes:
-            raise ValueError(
-                "cache.disk_kv_cache_bytes: the disk KV tier is not split across tensor-parallel "
-                "ranks yet (tensor_parallel_size must be 1)"
-            )
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(
                 f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}"

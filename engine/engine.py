@@ -286,8 +286,8 @@ class Engine:
 
     def kv_memory(self) -> KVMemory:
         """What a peer reads KV from: the device cache, and with keep_on_host the host tier.
-        At TP > 1 rank 0's cache (its KV heads): every rank registers its own (a peer reads
-        each head from the rank holding it)."""
+        At TP > 1 rank 0's cache and host tier (its KV heads): every rank registers its own
+        (a peer reads each head from the rank holding it)."""
         return KVMemory(self.kv_cache, self.copies.host if self.config.cache.keep_on_host else None)
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -269,12 +269,10 @@ class NixlTransfer(KVTransfer):
         h = num_remote_host
         if not 0 <= h <= min(len(remote_block_ids), len(local_block_ids)):
             raise ValueError(f"num_remote_host {h} is out of range")
-        if h and not remote.host_num_blocks:
+        if h and not all(rank.host_num_blocks for rank in remote.ranks):
             raise ValueError(f"peer {peer!r} registered no host tier to read from")
         if remote.ranks != (remote,) or local.kv_heads != remote.kv_heads:
-            if h:
-                raise ValueError(f"peer {peer!r} is tensor-parallel: no host-tier reads")
-            parts = self._head_slice_parts(local, local_block_ids, remote, remote_block_ids)
+            parts = self._head_slice_parts(local, local_block_ids, remote, remote_block_ids, h)
             return self._start(peer, parts, notif_msg, len(local_block_ids))
         parts: list[tuple[DescriptorPairs, str, str]] = []
         num_descs = 0  # coalesced, before any cutting into parts
@@ -305,22 +303,31 @@ class NixlTransfer(KVTransfer):
         local_block_ids: Sequence[int],
         remote: AgentMetadata,
         remote_block_ids: Sequence[int],
+        num_host: int = 0,
     ) -> list[tuple[DescriptorPairs, str, str]]:
-        """One part a remote rank: the (block, layer, k|v) slices of the heads it holds that
-        this side holds too (handshake.head_sources), straight into this side's blocks."""
+        """One part a remote rank and memory: the (block, layer, k|v) slices of the heads it
+        holds that this side holds too (handshake.head_sources), straight into this side's
+        blocks; the first num_host remote ids are slots of that rank's own host tier (DRAM),
+        the rest its device blocks."""
         parts = []
         for rank, heads in head_sources(local, remote):
-            pairs = head_slice_descriptors(
-                local.region(),
-                local.kv_heads,
-                local_block_ids,
-                rank.region(),
-                rank.kv_heads,
-                remote_block_ids,
-                heads,
-                local.block_shape[0],
-            )
-            parts.append((pairs, MEM_TYPES[rank.device_kind], rank.agent_name))
+            spans = [(rank.region(), MEM_TYPES[rank.device_kind], slice(num_host, None))]
+            if num_host:
+                spans.insert(0, (rank.host_region(), "DRAM", slice(0, num_host)))
+            for region, mem_type, span in spans:
+                if not local_block_ids[span]:
+                    continue
+                pairs = head_slice_descriptors(
+                    local.region(),
+                    local.kv_heads,
+                    local_block_ids[span],
+                    region,
+                    rank.kv_heads,
+                    remote_block_ids[span],
+                    heads,
+                    local.block_shape[0],
+                )
+                parts.append((pairs, mem_type, rank.agent_name))
         return parts
 
     def _start(

@@ -12,12 +12,20 @@ that may overwrite them (synchronously, through the disk tier's NIXL files).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from engine.kv_cache.block_copy import BlockCopy, can_run_ahead
+from engine.kv_cache.disk_tier import Spill
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_cache.owed_copies import OwedCopies
+
+
+class DiskPayloads(Protocol):
+    """Where run() finds a "from_disk" copy's KV (the engine's OwedCopies; a tensor-parallel
+    follower's own RankDisk)."""
+
+    def take_disk_payload(self, block_id: int) -> object: ...
 
 
 class BlockCopies:
@@ -36,7 +44,7 @@ class BlockCopies:
         self.copy_back_ahead = True  # False: every copy on the step's stream (benches compare)
         self.num_copies_ahead = 0  # copies run on the copy-back stream
         self.num_copies_in_step = 0  # copies run on the step's stream
-        self._owed: OwedCopies | None = None  # whose "from_disk" copies run() may meet
+        self.disk_payloads: DiskPayloads | None = None  # "from_disk" copies' KV, for run()
         if num_slots:
             self.host = torch.empty(
                 (num_slots, *kv_cache.shape[1:]),
@@ -73,7 +81,7 @@ class BlockCopies:
             elif self._offloads_done():
                 behind.settled()
         copies = kv.owed.drain_copies()
-        self._owed = kv.owed
+        self.disk_payloads = kv.owed
         if kv.disk_tier is not None:
             kv.disk_tier.trim_staged()
         freed = set() if wait else kv.pool.take_freed()
@@ -135,12 +143,14 @@ class BlockCopies:
             self._sync_offloads()
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
         for spill in spills:
-            if spill.from_host:
-                assert self.host is not None
-                row = self.host[spill.src]
-            else:
-                row = self.kv_cache[spill.src]
-            kv.disk_tier.put(spill, row)
+            kv.disk_tier.put(spill, self.spill_row(spill))
+
+    def spill_row(self, spill: Spill) -> object:
+        """The payload the disk tier writes for spill: its block's KV row."""
+        if spill.from_host:
+            assert self.host is not None
+            return self.host[spill.src]
+        return self.kv_cache[spill.src]
 
     def _offload(self, copies: list[BlockCopy]) -> None:
         if not copies:
@@ -165,8 +175,8 @@ class BlockCopies:
                 assert host is not None
                 host[copy.dst_block_id].copy_(cache[copy.src_block_id], non_blocking=True)
             elif copy.kind == "from_disk":  # a checked CPU tensor of its own: copied at once
-                assert self._owed is not None
-                payload = self._owed.take_disk_payload(copy.dst_block_id)
+                assert self.disk_payloads is not None
+                payload = self.disk_payloads.take_disk_payload(copy.dst_block_id)
                 assert isinstance(payload, torch.Tensor)
                 cache[copy.dst_block_id].copy_(payload)
             else:

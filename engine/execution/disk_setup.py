@@ -6,41 +6,58 @@ in its directory (a warm restart). Owns no state: the KV manager keeps the tier.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.disk_tier import DiskTier
+from engine.parallel.disk_ranks import RankDisk, RankedBlockFiles, rank_disk_path
 from kvtransfer.disk_blocks import BlockFileError, DiskBlockFiles, DiskLayout
+
+if TYPE_CHECKING:
+    from engine.execution.block_copies import BlockCopies
+    from engine.parallel.leader import Leader
 
 log = logging.getLogger(__name__)
 
 
 def build_disk_tier(
-    cache: CacheConfig, model_id: str, kv_cache: torch.Tensor, record_events: bool
+    cache: CacheConfig,
+    model_id: str,
+    kv_cache: torch.Tensor,
+    record_events: bool,
+    leader: Leader | None = None,
 ) -> DiskTier | None:
     """The disk tier cache asks for (None without one), holding the blocks already in its
-    directory whose header is this model's and KV layout's."""
+    directory whose header is this model's and KV layout's. leader: rank 0 of a tensor-
+    parallel engine, whose followers keep their heads of each block in files of their own
+    (engine/parallel/disk_ranks.py)."""
     if not cache.disk_kv_cache_bytes:
         return None
     assert cache.disk_kv_path is not None
-    files = DiskBlockFiles(cache.disk_kv_path, DiskLayout.of(model_id, kv_cache), kv_cache.dtype)
+    path = rank_disk_path(cache.disk_kv_path, 0)
+    files = DiskBlockFiles(path, DiskLayout.of(model_id, kv_cache), kv_cache.dtype)
     num_blocks = cache.disk_kv_cache_bytes // files.file_bytes
     if num_blocks < 1:
         raise ValueError(
             f"cache.disk_kv_cache_bytes={cache.disk_kv_cache_bytes} holds no block file "
             f"({files.file_bytes} bytes each)"
         )
+    ranked = None if leader is None else RankedBlockFiles(files, leader, BlockFileError)
     tier = DiskTier(
         num_blocks,
-        files,
+        files if ranked is None else ranked,
         record_events,
         read_errors=(BlockFileError, OSError),
         block_bytes=files.payload_bytes,
     )
     found = files.scan()
     kept = tier.adopt(found.hashes, DEFAULT_PRIORITY)
+    if ranked is not None:
+        tier.listener = ranked
+        ranked.keep_only(tier.cached_hashes())
     log.info(
         "disk KV tier at %s: %d blocks of %d bytes at most; found %d blocks of this model and "
         "layout (%d kept), removed %d invalid files, ignored %d of other models or layouts",
@@ -53,3 +70,17 @@ def build_disk_tier(
         found.num_other_layouts,
     )
     return tier
+
+
+def build_rank_disk(
+    cache: CacheConfig, rank: int, model_id: str, copies: BlockCopies
+) -> RankDisk | None:
+    """A tensor-parallel follower's files of its heads of rank 0's disk tier blocks (None
+    without a disk tier), under disk_kv_path/rank<rank>."""
+    if not cache.disk_kv_cache_bytes:
+        return None
+    assert cache.disk_kv_path is not None
+    layout = DiskLayout.of(model_id, copies.kv_cache)
+    path = rank_disk_path(cache.disk_kv_path, rank)
+    files = DiskBlockFiles(path, layout, copies.kv_cache.dtype)
+    return RankDisk(files, copies, (BlockFileError, OSError))

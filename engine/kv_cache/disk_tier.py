@@ -34,6 +34,15 @@ class BlockFiles(Protocol):
     def remove(self, block_hash: int) -> None: ...
 
 
+class StageListener(Protocol):
+    """Told when a staged block leaves the stage other than by removal (a tensor-parallel
+    engine's other ranks keep their own heads of it: engine/parallel/disk_ranks.py)."""
+
+    def taken(self, block_hash: int) -> None: ...  # lent to its copy back
+
+    def unstaged(self, block_hash: int) -> None: ...  # dropped by the staging bound
+
+
 class Spill(NamedTuple):
     """A block leaving the host tier (from_host: src is its host slot) or the device pool
     (src: its device block) for the disk tier, once its bytes are read."""
@@ -70,6 +79,7 @@ class DiskTier:
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
         self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        self.listener: StageListener | None = None
         self.num_stored = 0  # blocks written
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
         self.num_reads = 0  # files read and checked for a prefix hit
@@ -195,13 +205,18 @@ class DiskTier:
         priority = self._priority[block_hash]
         self._by_priority[priority].move_to_end(block_hash)
         self.num_hit_blocks += 1
+        if self.listener is not None:
+            self.listener.taken(block_hash)
         return payload
 
     def trim_staged(self) -> None:
         """Blocks read for a match that was not admitted: the newest kept up to the bound
         (max_staged_bytes), the rest read again when matched again."""
         while len(self._staged) > self.max_staged:
-            del self._staged[next(iter(self._staged))]
+            block_hash = next(iter(self._staged))
+            del self._staged[block_hash]
+            if self.listener is not None:
+                self.listener.unstaged(block_hash)
 
     def snapshot_fields(self) -> dict[str, int | float]:
         """This tier's EngineSnapshot fields (the engine's summary of its counters)."""

@@ -1,6 +1,7 @@
 """Follower: a rank > 0 of a tensor-parallel engine; owns its model shard, its KV cache (its
-KV heads of every block) and its host tier. It keeps no block state: it runs the copies and
-forward passes rank 0 sends, in order, joining their collectives, and never samples.
+KV heads of every block), its host tier and its disk tier files. It keeps no block state: it
+runs the copies, disk operations and forward passes rank 0 sends, in order, joining their
+collectives, and never samples.
 
 The entry point is the class (build, then run()), so a Ray actor can host a rank as well as the
 process `python -m engine.parallel.follower RANK ADDRESS` (the pickled EngineConfig on stdin)
@@ -18,6 +19,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.execution.block_copies import BlockCopies
+from engine.execution.disk_setup import build_rank_disk
 from engine.execution.model_setup import build_rank_side
 from engine.execution.runner import ModelRunner
 from engine.models.loader import read_model_config, resolve_model, served_model_id
@@ -50,6 +52,8 @@ class Follower:
         self.runner = ModelRunner(side.model, side.backend, None, side.config.cache.block_size)
         self.kv_cache = side.backend.kv_cache  # this rank's heads of every block
         self.copies = BlockCopies(side.backend.kv_cache, side.config.cache.host_kv_cache_bytes)
+        # its heads of rank 0's disk tier blocks, in files of its own
+        self.disk = build_rank_disk(side.config.cache, rank, model_config.model_id, self.copies)
         self.num_steps = 0
         # Reads a ReadPlan's KV into this rank's cache, True once done (its host sets it: a
         # worker's rank reads over its own NIXL agent); None: a ReadPlan fails.
@@ -62,9 +66,20 @@ class Follower:
             if isinstance(message, step_plan.Shutdown):
                 return
             if isinstance(message, step_plan.CopyPlan):
+                if self.disk is not None:
+                    self.disk.expect(message.copies)
                 self.copies.run(message.copies, message.wait)
+                if message.ack:
+                    if self.kv_cache.is_cuda:  # the copies queued so far have landed
+                        torch.cuda.current_stream(self.kv_cache.device).synchronize()
+                    step_plan.agree(self.tp, True)
             elif isinstance(message, step_plan.ReadPlan):
                 step_plan.agree(self.tp, self._read(message))
+            elif isinstance(message, step_plan.DiskPlan):
+                if self.disk is None:
+                    raise RuntimeError(f"rank {self.tp.rank} has no disk tier for {message.op!r}")
+                if (ok := self.disk.run(message)) is not None:
+                    step_plan.agree(self.tp, ok)
             else:
                 self.runner.run_inputs(message.inputs, message.rows)
                 self.num_steps += 1

@@ -10,6 +10,7 @@ exited; the group is then dead (no later step runs on it).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -22,8 +23,10 @@ from engine.execution.block_copies import BlockCopies
 from engine.execution.runner import ModelRunner
 from engine.execution.step_inputs import StepInputs, TokenFill
 from engine.kv_cache.block_copy import BlockCopy
+from engine.kv_cache.disk_tier import Spill
 from engine.kv_cache.manager import KVCacheManager
 from engine.parallel import step_plan
+from engine.parallel.disk_ranks import SpillRow
 from engine.parallel.tensor_parallel import TensorParallel
 
 EXIT_NOTICE_S = 2.0  # fail(): how long a rank that broke a collective has to show its exit
@@ -73,8 +76,17 @@ class Leader:
         """Every follower reads its own heads of plan's blocks; True when all of them did
         (they read at once, each over its own agent; this returns when they are done)."""
         self.send(plan)
+        return self.agree(True)
+
+    def sync_copies(self) -> None:
+        """Return once every follower has run the copies sent so far (they agree on it)."""
+        self.send(step_plan.CopyPlan([], wait=True, ack=True))
+        self.agree(True)
+
+    def agree(self, ok: bool) -> bool:
+        """Whether ok holds on every rank (each follower answering the message just sent)."""
         try:
-            return step_plan.agree(self.tp, True, self.timeout_s)
+            return step_plan.agree(self.tp, ok, self.timeout_s)
         except RuntimeError as error:
             raise self.fail(error) from error
 
@@ -156,3 +168,25 @@ class LeaderCopies(BlockCopies):
         if copies:
             self.leader.send(step_plan.CopyPlan(list(copies), wait))
         super().run(copies, wait)
+
+    def offload_owed(self, kv: KVCacheManager, sync: bool = False) -> None:
+        """sync (kept host slots are about to be read by a peer, from every rank's own host
+        memory): also wait until every follower's offloads are done (an acknowledged, empty
+        CopyPlan: a follower runs each message after rank 0 has sent it)."""
+        super().offload_owed(kv, sync)
+        if sync:
+            self.leader.sync_copies()
+
+    def spill_row(self, spill: Spill) -> object:
+        """Rank 0's row, and the spill: each follower writes its own heads' row of it."""
+        row = super().spill_row(spill)
+        assert isinstance(row, torch.Tensor)
+        return SpillRow(spill, row)
+
+    def flush_to_disk(self, kv: KVCacheManager) -> None:
+        """As BlockCopies' on a live group; a lost group writes nothing (no rank could
+        write its heads), and the shutdown that calls this goes on."""
+        if self.leader.lost is not None:
+            return
+        with contextlib.suppress(RankLost):  # recorded in leader.lost; shutdown goes on
+            super().flush_to_disk(kv)

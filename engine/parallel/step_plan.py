@@ -34,10 +34,13 @@ class StepPlan:
 @dataclass(frozen=True)
 class CopyPlan:
     """Block copies on the KV cache (partial reuse, forks, host tier offload and onload), run
-    in order; wait: the rank's copies are done before it reads the next message."""
+    in order; wait: the rank's copies are done before it reads the next message; ack: then
+    the ranks agree (agree()) they are done: rank 0 hands kept host slots to a peer, which
+    reads each rank's own host memory, only once every rank's offloads have landed there."""
 
     copies: list[BlockCopy]
     wait: bool = False
+    ack: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,31 @@ class ReadPlan:
     """A prefilled prompt's KV read by every rank into its own cache (its own KV heads of
     local_block_ids, from the holder's blocks remote_block_ids): `peer` is the holder as the
     ranks' reader knows it (opaque here: the worker's, e.g. its NIXL metadata). The ranks then
-    agree (agree()) whether every read succeeded, before rank 0 reads its own heads."""
+    agree (agree()) whether every read succeeded, before rank 0 reads its own heads.
+    num_host: the first num_host remote ids are slots of the holder's host tier (a host
+    lease: each holder rank's own host memory), the rest its device blocks."""
 
     peer: object
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    num_host: int = 0
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """A disk KV tier operation each follower runs on its own block files (its heads of each
+    block), in rank 0's order; rank 0's DiskTier keeps the bookkeeping
+    (engine/parallel/disk_ranks.py). op "write": the block at src (a host slot when
+    from_host, else a device block) as block_hash's file; "stage": read and check the file
+    for a prefix hit; "take": a staged block is lent to a "from_disk" copy; "unstage": a
+    staged block is dropped; "remove": the file goes (and anything staged); "keep" (at
+    start): every file but block_hashes goes. After "write" and "stage" the ranks agree
+    whether every rank's succeeded."""
+
+    op: str
+    block_hashes: tuple[int, ...]
+    src: int = 0
+    from_host: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,7 +80,7 @@ class Shutdown:
     """The followers leave their loop and their process ends."""
 
 
-Message = StepPlan | CopyPlan | ReadPlan | Shutdown
+Message = StepPlan | CopyPlan | ReadPlan | DiskPlan | Shutdown
 
 
 def send(tp: TensorParallel, message: Message, timeout_s: float) -> None:
@@ -75,7 +98,7 @@ def receive(tp: TensorParallel) -> Message:
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(tp, data)
     message = pickle.loads(data.numpy().tobytes())
-    if not isinstance(message, StepPlan | CopyPlan | ReadPlan | Shutdown):
+    if not isinstance(message, StepPlan | CopyPlan | ReadPlan | DiskPlan | Shutdown):
         raise TypeError(f"rank {tp.rank} got {type(message).__name__}, not a step message")
     return message
 

@@ -157,14 +157,14 @@ def rank_model_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
 def rank_engine_config(config: EngineConfig) -> EngineConfig:
     """config as a rank of a tensor-parallel engine runs it: eager steps (no CUDA graphs, no
     overlapped steps: every rank runs each step's plan as it comes); what is not split across
-    ranks yet is refused, naming the field. One rank: config as it is."""
+    ranks yet is refused, naming the field. One rank: config as it is. The host tier (and its
+    host leases, keep_on_host) is every rank's own, of its own heads; a draft model runs on
+    rank 0 alone (its tokens reach the ranks in each verify step's plan)."""
     if config.tensor_parallel_size == 1:
         return config
     size = f"tensor_parallel_size {config.tensor_parallel_size}"
     refused = {
         "quantization (FP8 weights)": config.quantization is not None,
-        "speculative method 'draft'": config.speculative.method == "draft",
-        "cache.keep_on_host (the KV handoff)": config.cache.keep_on_host,
         "async_scheduling": config.async_scheduling is True,
     }
     for name, is_set in refused.items():

@@ -199,7 +199,9 @@ def drafter(
     make_engine: EngineFactory,
 ) -> DraftModel | None:
     """The draft model a target engine's config asks for (its own weights if it names the same
-    checkpoint), run by an engine make_engine builds; or None."""
+    checkpoint), run by an engine make_engine builds; or None. A tensor-parallel target drafts
+    on rank 0 alone, with an engine of one rank (its drafts reach the other ranks in each
+    verify step's plan): it loads the draft's full weights, never rank 0's shard of its own."""
     spec = config.speculative
     if spec.method != "draft" or spec.draft_model is None:
         return None
@@ -207,4 +209,5 @@ def drafter(
     same = resolve_model(spec.draft_model, cache_dir=cache_dir) == resolve_model(
         config.model, cache_dir=cache_dir
     )
-    return DraftModel(config, vocab_size, max_model_len, make_engine, model if same else None)
+    shared = model if same and config.tensor_parallel_size == 1 else None
+    return DraftModel(config, vocab_size, max_model_len, make_engine, shared)

@@ -5,6 +5,7 @@ mid-run."""
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
 import sys
@@ -143,6 +144,104 @@ def test_ngram_verify_steps_match_across_sizes(tmp_path):
             engine.shutdown()
     assert results[2] == results[1]
     assert accepted[2] == accepted[1] > 0
+
+
+def test_a_draft_model_drafts_on_rank_0_and_matches_across_sizes(tmp_path):
+    """Draft-model speculation at TP 2: the draft (here the target's own checkpoint) runs on
+    rank 0 alone at one rank, from its full weights (not rank 0's shard): its greedy drafts
+    are the target's, so every one is accepted, and the tokens equal TP 1's."""
+    path = make_tiny_checkpoint(tmp_path, vocab_size=64, seed=5)
+    draft = SpeculativeConfig(
+        method="draft", draft_model=str(path), num_speculative_tokens=3, adaptive=False
+    )
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    results, counts = {}, {}
+    for size in (1, 2):
+        engine = build_engine(
+            model_path=str(path), tensor_parallel_size=size, speculative=draft, num_blocks=64
+        )
+        try:
+            engine.add_request("r", [9, 4, 33, 9, 4], params)
+            results[size] = run_to_completion(engine)
+            spec = engine.speculator
+            counts[size] = (spec.num_drafted_tokens, spec.num_accepted_tokens)
+            engine.assert_no_leaks()
+            assert spec.draft_model is not None
+            spec.draft_model.engine.assert_no_leaks()
+            assert spec.draft_model.engine.config.tensor_parallel_size == 1
+        finally:
+            engine.shutdown()
+    assert results[2] == results[1]
+    assert counts[2] == counts[1]
+    assert counts[2][0] == counts[2][1] > 0  # every draft accepted: it is the target's
+
+
+def test_the_disk_tier_at_tp2_keeps_each_ranks_heads_and_checks_every_ranks_file(tmp_path):
+    """The disk tier at TP 2: rank 0 keeps the bookkeeping, each rank writes its own heads of
+    a block to its own file (rank 1 under disk_kv_path/rank1). A working set past the device
+    and host pools hits from disk token-exact; after a clean stop and a restart every block
+    comes back from disk, except where rank 1's file was corrupted: that block is checked
+    on every rank, removed everywhere and recomputed, never loaded."""
+    from kvtransfer.disk_blocks import SUFFIX
+
+    path = make_tiny_checkpoint(tmp_path)  # 2 KV heads: one a rank
+    rng = random.Random(4)
+    batch = [[rng.randrange(1, 500) for _ in range(8 * 16 + 1)] for _ in range(5)]
+    rank_block = 2 * 2 * 1 * 16 * 16 * 4  # layers x k|v x its head x positions x dim x fp32
+    tiers = dict(
+        num_blocks=10,
+        host_kv_cache_bytes=2 * rank_block,
+        max_num_seqs=1,
+        disk_kv_cache_bytes=400 * (4096 + rank_block),
+        disk_kv_path=str(tmp_path / "disk"),
+    )
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def serve(engine: Engine) -> tuple[list[list[int]], list[int]]:
+        tokens, cached = [], []
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"r{i}", prompt, params)
+            got: list[int] = []
+            while engine.has_unfinished_requests:
+                for out in engine.step():
+                    got.extend(out.new_token_ids)
+                    if out.finished:
+                        cached.append(out.num_cached_tokens)
+            tokens.append(got)
+        engine.check_integrity()
+        engine.assert_no_leaks()
+        return tokens, cached
+
+    one = build_engine(model_path=str(path), num_blocks=64)
+    want, _ = serve(one)
+    engine = build_engine(model_path=str(path), tensor_parallel_size=2, **tiers)
+    try:
+        assert serve(engine)[0] == want
+        again, cached = serve(engine)
+        assert again == want
+        disk = engine.kv.disk_tier
+        assert disk is not None and disk.num_hit_blocks > 0 and cached[0] == 128
+    finally:
+        engine.shutdown()  # a clean stop: every cached block on disk, on both ranks
+    rank0 = sorted(p.name for p in (tmp_path / "disk").glob(f"*/*{SUFFIX}"))
+    rank1 = sorted((tmp_path / "disk" / "rank1").glob(f"*/*{SUFFIX}"))
+    assert len(rank0) == 40 and [p.name for p in rank1] == rank0
+    for file in rank1[::4]:  # a flipped payload byte in rank 1's heads only
+        raw = bytearray(file.read_bytes())
+        raw[-7] ^= 0x40
+        file.write_bytes(bytes(raw))
+    engine = build_engine(model_path=str(path), tensor_parallel_size=2, **tiers)
+    try:
+        got, cached = serve(engine)
+        disk = engine.kv.disk_tier
+        assert disk is not None
+        assert got == want
+        assert disk.num_bad_files > 0 and disk.num_hit_blocks > 0
+        assert sum(cached) < 5 * 128  # the bad blocks and those after them recomputed
+    finally:
+        engine.shutdown()
+    left = sorted(p.name for p in (tmp_path / "disk").glob(f"*/*{SUFFIX}"))
+    assert sorted(p.name for p in (tmp_path / "disk" / "rank1").glob(f"*/*{SUFFIX}")) == left
 
 
 def test_generate_cli_passes_tp_to_the_engine(tmp_path):

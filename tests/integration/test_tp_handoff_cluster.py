@@ -1,10 +1,12 @@
 """Clusters of prefill TP 2 / decode TP 1 and prefill TP 1 / decode TP 2 (a TP worker: two Ray
 actors in a placement group, gloo) on a tiny random Llama (4 heads, 2 KV heads): each decode
 rank reads the KV heads it owns straight from the prefill rank holding them (head slices of
-each block over NIXL, each rank its own agent; no gather on the prefill side). Greedy outputs
-equal transformers' token for token, a repeated prefix is a hit on the decode side (fewer
-blocks pulled), every block of every worker is free after, and status lists a TP worker's two
-ranks on one node. A holder whose layout cannot be mapped is refused before any read."""
+each block over NIXL, each rank its own agent; no gather on the prefill side), a prompt's full
+blocks from each holder rank's own host tier (host leases), its last from the device. Greedy
+outputs equal transformers' token for token, a repeated prefix is a hit on the decode side
+(fewer blocks pulled), every block of every worker is free after, and status lists a TP
+worker's two ranks on one node. A holder whose layout cannot be mapped is refused before any
+read."""
 
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["prefill-tp2", "decode-tp2"])
 def cluster(request, loop, checkpoint):
-    engine = EngineConfig(model=str(checkpoint), cache=CacheConfig(num_blocks=64))
+    # host leases: the holder leases its host tier's copies of a prompt's full blocks
+    cache = CacheConfig(num_blocks=64, host_kv_cache_bytes=4 << 20, keep_on_host=True)
+    engine = EngineConfig(model=str(checkpoint), cache=cache)
     prefill_tp, decode_tp = request.param
     spec = cluster_spec(
         engine=engine,
@@ -63,13 +67,18 @@ def test_any_tp_pairing_is_token_exact_with_a_decode_prefix_hit_and_leak_free(
         request = GenerateRequest(f"tp{i}", tuple(PROMPTS[i]), GREEDY)
         return tokens_of(await collect(cluster.backend, request))
 
-    got, pulled = [], []
+    got, pulled, from_host = [], [], []
     for i in range(len(PROMPTS)):  # one after the other: the third finds the second's prefix
         got.append(loop.run_until_complete(run(i)))
-        pulled.append(ray.get(decode.stats.remote()).num_transferred_blocks)
+        stats = ray.get(decode.stats.remote())
+        pulled.append(stats.num_transferred_blocks)
+        from_host.append(stats.num_host_read_blocks)
     assert got == expected
     second, third = pulled[1] - pulled[0], pulled[2] - pulled[1]
     assert second == 4  # 50 prompt tokens: 4 blocks pulled
+    # its 3 full blocks from the holder ranks' host tiers (each rank's own heads), the last
+    # from their device caches
+    assert from_host[1] - from_host[0] == 3
     assert third < 4, f"the shared prefix was pulled again ({third} blocks)"
     assert ray.get(decode.stats.remote()).num_recomputed == 0
 

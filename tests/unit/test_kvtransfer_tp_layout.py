@@ -128,3 +128,51 @@ def test_fp8_kv_scales_must_match() -> None:
     with pytest.raises(IncompatiblePeerError, match="KV scales") as info:
         check_compatible(reader, other)
     assert info.value.differences == ("kv_scales",)
+
+
+def test_a_host_lease_reads_each_rank_heads_from_its_own_host_tier() -> None:
+    """A TP 2 holder's host lease: the first remote ids are slots of each rank's own host
+    memory (DRAM), the rest device blocks; the parts a reader of every head posts (one per
+    rank and memory) fill its blocks with the full model's KV, head for head."""
+    from kvtransfer.nixl_transfer import NixlTransfer
+
+    device = torch.randn(6, LAYERS, 2, HEADS, BLOCK, DIM)
+    host = torch.randn(5, LAYERS, 2, HEADS, BLOCK, DIM)
+    halves = [range(0, 2), range(2, 4)]
+    held = [(device[:, :, :, h].contiguous(), host[:, :, :, h].contiguous()) for h in halves]
+
+    def rank_meta(r: int, ranks: tuple[AgentMetadata, ...] = ()) -> AgentMetadata:
+        cache, slots = held[r]
+        return dataclasses.replace(
+            meta(f"p-r{r}" if r else "p", halves[r], 2, ranks),
+            base_addr=cache.data_ptr(),
+            num_blocks=cache.shape[0],
+            host_base_addr=slots.data_ptr(),
+            host_num_blocks=slots.shape[0],
+        )
+
+    holder = rank_meta(0, (rank_meta(1),))
+    reader = torch.zeros(8, LAYERS, 2, HEADS, BLOCK, DIM)
+    local = dataclasses.replace(
+        meta("d", range(HEADS), 1), base_addr=reader.data_ptr(), num_blocks=reader.shape[0]
+    )
+    remote_ids, local_ids = [4, 1, 0, 5], [2, 3, 4, 7]  # slots 4, 1 then device blocks 0, 5
+    parts = NixlTransfer("tiny")._head_slice_parts(local, local_ids, holder, remote_ids, 2)
+    # per rank: its host slots' part, then its device blocks' (both DRAM on a CPU holder)
+    assert [(mem, agent) for _, mem, agent in parts] == [
+        ("DRAM", "p"),
+        ("DRAM", "p"),
+        ("DRAM", "p-r1"),
+        ("DRAM", "p-r1"),
+    ]
+    sources = [t for pair in held for t in pair]
+    flat = reader.view(-1).view(torch.uint8)
+    for (local_descs, remote_descs), _, _ in parts:
+        for loc, rem in zip(local_descs, remote_descs, strict=True):
+            source = next(t for t in sources if t.data_ptr() <= rem.addr < t.data_ptr() + t.nbytes)
+            raw = source.view(-1).view(torch.uint8)
+            at, src = loc.addr - reader.data_ptr(), rem.addr - source.data_ptr()
+            flat[at : at + loc.length] = raw[src : src + rem.length]
+    assert torch.equal(reader[2], host[4]) and torch.equal(reader[3], host[1])
+    assert torch.equal(reader[4], device[0]) and torch.equal(reader[7], device[5])
+    assert reader[[0, 1, 5, 6]].abs().sum() == 0  # nothing else written

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, SeqSpan
 from engine.attention.torch_backend import TorchAttention
-from engine.config import ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from engine.models.loader import random_model
 from engine.parallel.ranks import free_address, join_group
 from engine.parallel.sharding import shard_weights
 from engine.parallel.tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,
+    rank_engine_config,
     rank_model_config,
     rank_shard,
 )
@@ -181,3 +182,17 @@ def test_sharded_model_over_two_gloo_ranks_equals_the_full_model(num_kv_heads):
     # rank 0 gathers the whole vocabulary (the row-parallel sums add in another order)
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-5)
     assert logits[1].shape == (20, 256)  # rank 1 keeps its slice
+
+
+def test_a_rank_runs_host_leases_and_a_draft_model_but_refuses_overlapped_steps():
+    """Host leases (every rank's own host tier) and draft-model speculation (rank 0 drafts)
+    run at TP 2, eagerly; overlapped steps are refused, naming the field (FP8 weights too,
+    but a CPU config refuses them before: GPU only)."""
+    cache = CacheConfig(host_kv_cache_bytes=1 << 20, keep_on_host=True)
+    draft = SpeculativeConfig(method="draft", draft_model="default")
+    config = EngineConfig(cache=cache, speculative=draft, tensor_parallel_size=2)
+    ranked = rank_engine_config(config)
+    assert ranked.cache.keep_on_host and ranked.speculative.method == "draft"
+    assert not ranked.cuda_graph and ranked.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling is not supported"):
+        rank_engine_config(EngineConfig(async_scheduling=True, tensor_parallel_size=2))
