@@ -31,6 +31,12 @@ class GenerateRequest:
     num_resumed_tokens: int = 0
     # Retention by token range: these blocks keep their own priority once freed, on every worker.
     kv_retention: tuple[RetentionRange, ...] = ()
+    # Scheduling (engine/priority.py): higher runs first in the router's queue and on every
+    # worker, and may preempt lower ones there; the class's cap is applied (router/traffic_class).
+    priority: int = 0
+    # Batch class: seconds after arrival by which the router must have sent it on, else it is
+    # refused (router/fair_queue.py); None: no deadline. Workers ignore it.
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)

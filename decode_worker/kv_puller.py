@@ -177,6 +177,7 @@ class KVPuller:
                     request.num_resumed_tokens,
                     _choices(handle),
                     request.kv_retention,
+                    request.priority,
                 )
             except ValueError as e:
                 self.ledger.fail(request.req_id)

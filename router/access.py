@@ -4,7 +4,9 @@ that turns a tenant (plus the client's own cache_salt) into the cache_salt the c
 
 File format: one `KEY TENANT` pair per line, separated by whitespace; `#` starts a comment (so
 no key starts with `#`), blank lines are ignored. A key is 16 or more visible ASCII characters;
-a tenant may have several keys (rotation), a key only one tenant.
+a tenant may have several keys (rotation), a key only one tenant. Optional `name=value` options
+follow the pair: `class=interactive|batch` and `weight=N` (router/traffic_class.py); a tenant's
+lines that give them must agree (lines without them take the tenant's).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from router.errors import Unauthenticated
+from router.traffic_class import DEFAULT_CLASS, OPTIONS, KeyClass, key_class
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,11 @@ class ApiKeys:
 
     source: str
     tenant_by_digest: Mapping[str, str] = field(repr=False)
+    class_by_tenant: Mapping[str, KeyClass] = field(default_factory=dict)
+
+    def key_class(self, tenant: str | None) -> KeyClass:
+        """The tenant's class and weight (the default for one given none, or no tenant)."""
+        return self.class_by_tenant.get(tenant, DEFAULT_CLASS) if tenant else DEFAULT_CLASS
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -80,16 +88,20 @@ class ApiKeys:
     def parse(cls, text: str, source: str = "<api keys>") -> ApiKeys:
         tenant_by_digest: dict[str, str] = {}
         first_line: dict[str, int] = {}
+        classes: dict[str, tuple[KeyClass, int]] = {}  # tenant -> (class, line that gave it)
         for lineno, line in enumerate(text.splitlines(), 1):
             fields = _before_comment(line.split())
             if not fields:
                 continue
             where = f"{source}:{lineno}"
-            if len(fields) != 2:
+            if len(fields) < 2 or any("=" not in text for text in fields[2:]):
                 raise ApiKeysFileError(
                     f"{where}: expected `KEY TENANT` (two fields), found {len(fields)} fields"
+                    " (then only `name=value` options: class=interactive|batch, weight=N)"
                 )
-            key, tenant = fields
+            key, tenant = fields[:2]
+            if len(fields) > 2:
+                _add_class(classes, tenant, _options(fields[2:], where), lineno, where)
             _check_key(key, where)
             if not _TENANT_CHARS.fullmatch(tenant):
                 raise ApiKeysFileError(
@@ -104,7 +116,8 @@ class ApiKeys:
             tenant_by_digest[digest] = tenant
         if not tenant_by_digest:
             raise ApiKeysFileError(f"{source}: no `KEY TENANT` line (an empty file admits no one)")
-        return cls(source, MappingProxyType(tenant_by_digest))
+        class_by_tenant = {tenant: kind for tenant, (kind, _) in classes.items()}
+        return cls(source, MappingProxyType(tenant_by_digest), MappingProxyType(class_by_tenant))
 
 
 def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
@@ -131,6 +144,42 @@ def _before_comment(fields: list[str]) -> list[str]:
         if text.startswith("#"):
             return fields[:i]
     return fields
+
+
+def _options(fields: list[str], where: str) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for text in fields:
+        name, _, value = text.partition("=")
+        if name not in OPTIONS:
+            raise ApiKeysFileError(
+                f"{where}: unknown option {name!r} (options: {', '.join(OPTIONS)})"
+            )
+        if name in options:
+            raise ApiKeysFileError(f"{where}: option {name!r} given twice")
+        options[name] = value
+    return options
+
+
+def _add_class(
+    classes: dict[str, tuple[KeyClass, int]],
+    tenant: str,
+    options: dict[str, str],
+    lineno: int,
+    where: str,
+) -> None:
+    """Record the tenant's class from a line's options; a different one on another line is an
+    error (the router's queue shares by tenant)."""
+    try:
+        kind = key_class(options)
+    except ValueError as e:
+        raise ApiKeysFileError(f"{where}: {e}") from None
+    known = classes.get(tenant)
+    if known is not None and known[0] != kind:
+        raise ApiKeysFileError(
+            f"{where}: tenant {tenant!r} was given class={known[0].kind.value} "
+            f"weight={known[0].weight} on line {known[1]}; a tenant's keys share one class"
+        )
+    classes.setdefault(tenant, (kind, lineno))
 
 
 def _check_key(key: str, where: str) -> None:

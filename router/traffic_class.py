@@ -1,0 +1,66 @@
+"""Traffic classes: what an API key's `class=` and `weight=` options mean (interactive or batch,
+its share of the router's queue) and the priority a request of a class runs at. Holds no state.
+
+- interactive (the default): the request's own `priority` (default 0), its TTFT objective
+  applies (router/slo.py).
+- batch: its priority is capped at BATCH_MAX_PRIORITY (below an interactive request's default),
+  it is placed whatever the TTFT objective says, and it may carry a deadline (`deadline_s`)
+  instead: still queued in the router that long after arrival, it is refused (503, code
+  "deadline_exceeded"; gRPC DEADLINE_EXCEEDED).
+- weight: the flow's quantum in the router's deficit round robin (router/fair_queue.py): two
+  tenants of one priority that both keep the queue full are served queued tokens in the
+  proportion of their weights.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.priority import DEFAULT_PRIORITY
+
+BATCH_MAX_PRIORITY = -1
+MAX_WEIGHT = 1000
+
+
+class TrafficClass(enum.Enum):
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class KeyClass:
+    """A key's (a tenant's) class and fair-share weight."""
+
+    kind: TrafficClass = TrafficClass.INTERACTIVE
+    weight: int = 1
+
+    def priority(self, requested: int | None) -> int:
+        """The priority a request of this class runs at (requested: already range-checked)."""
+        if self.kind is TrafficClass.BATCH:
+            return min(BATCH_MAX_PRIORITY if requested is None else requested, BATCH_MAX_PRIORITY)
+        return DEFAULT_PRIORITY if requested is None else requested
+
+
+DEFAULT_CLASS = KeyClass()
+OPTIONS = ("class", "weight")
+
+
+def key_class(options: Mapping[str, str]) -> KeyClass:
+    """The KeyClass of a key line's `class=` / `weight=` options (absent: the default's);
+    ValueError saying which value is wrong."""
+    kind = options.get("class", DEFAULT_CLASS.kind.value)
+    try:
+        traffic = TrafficClass(kind)
+    except ValueError:
+        names = " or ".join(c.value for c in TrafficClass)
+        raise ValueError(f"class={kind!r}: the class is {names}") from None
+    text = options.get("weight", str(DEFAULT_CLASS.weight))
+    try:
+        weight = int(text)
+    except ValueError:
+        weight = 0
+    if not 1 <= weight <= MAX_WEIGHT:
+        raise ValueError(f"weight={text!r}: the weight is an integer in [1, {MAX_WEIGHT}]")
+    return KeyClass(traffic, weight)
