@@ -27,6 +27,7 @@ class RouterOptions:
     tls: ServerTLS | None = None  # None: plain HTTP and gRPC
     max_body_mib: float | None = None  # None: derived from the context length (request_size.py)
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
+    max_running_requests: int = 0  # sent on to the cluster at once; 0: no bound (fair_queue.py)
 
     def build_servers(
         self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
@@ -42,12 +43,18 @@ class RouterOptions:
             max_queued_requests=self.max_queued_requests,
             api_keys=self.api_keys,
             max_body_mib=self.max_body_mib,
+            max_running_requests=self.max_running_requests,
         )
         return RouterServers(frontend, self.tls)
 
     def describe(self) -> list[str]:
         """What `kvrelay serve` / `kvrelay router` print under the addresses."""
         lines = [f"  admission      at most {self.max_queued_requests} requests, then 503"]
+        if self.max_running_requests:
+            lines.append(
+                f"  queue          {self.max_running_requests} running at once, the rest by "
+                "priority and fair share"
+            )
         if self.max_body_mib is not None:
             lines.append(f"  body limit     {self.max_body_mib:g} MiB, then 413")
         if self.tls is not None:
@@ -69,6 +76,16 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "RESOURCE_EXHAUSTED at once",
     )
     p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests this router sends on to the cluster at once; the others wait in its "
+        "queue, higher `priority` first and tenants sharing by their keys' weights (deficit "
+        "round robin over prompt + max_tokens); 0 (default): no bound, every request goes on "
+        "at once and only the workers order by priority",
+    )
+    p.add_argument(
         "--max-body-mib",
         type=float,
         default=None,
@@ -81,8 +98,9 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="require an API key: FILE has one `KEY TENANT` per line (# comments); each "
-        "tenant's prefix cache is kept apart (default: no keys)",
+        help="require an API key: FILE has one `KEY TENANT [class=interactive|batch] "
+        "[weight=N]` per line (# comments); each tenant's prefix cache is kept apart, its class "
+        "caps its priority and its weight is its share of the queue (default: no keys)",
     )
     p.add_argument(
         "--tls-cert",
@@ -113,6 +131,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     check_max_body_mib(args.max_body_mib)
+    if args.max_running_requests < 0:
+        raise ValueError(f"--max-running-requests must be >= 0, got {args.max_running_requests}")
     if not args.drain_seconds >= 0:  # NaN too
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     return RouterOptions(
@@ -121,4 +141,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         tls=ServerTLS.load(args.tls_cert, args.tls_key),
         max_body_mib=args.max_body_mib,
         drain_s=args.drain_seconds,
+        max_running_requests=args.max_running_requests,
     )

@@ -87,7 +87,9 @@ class Placer:
         """The leg's route, already counted as placed: (RemoteRoute, uncached tokens placed on
         the prefill worker), or a LocalRoute (placed on the decode worker). Under overload it
         waits (SloTargets.overload "queue") or raises SloUnmet; an `admitted` leg (a migrated
-        request) is placed at once, whatever the objectives say."""
+        request) is placed at once, whatever the objectives say; so is one with a deadline (a
+        batch request: the deadline is its objective, router/traffic_class.py)."""
+        admitted = admitted or request.deadline_s is not None
         slo = replace(self.slo, overload="place") if admitted else self.slo
         started = time.monotonic()
         deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S

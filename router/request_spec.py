@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from common.messages import GenerateRequest
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
+from router.traffic_class import DEFAULT_CLASS, KeyClass
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class RequestSpec:
     kv_retention: tuple[RetentionRange, ...] = ()  # token ranges kept longer (or shorter)
     req_id: str | None = None  # None: the front end makes one
     tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
+    priority: int | None = None  # None: the key class's default (router/traffic_class.py)
+    deadline_s: float | None = None  # batch: refused if still queued this long after arrival
 
     @property
     def max_tokens(self) -> int | None:
@@ -53,3 +56,5 @@ class Prepared:
     request: GenerateRequest
     stop: tuple[str, ...]
     arrival: float  # time.monotonic() when the request arrived
+    tenant: str | None = None  # the router's queue shares between tenants (router/fair_queue.py)
+    key_class: KeyClass = DEFAULT_CLASS

@@ -18,7 +18,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.priority import DEFAULT_PRIORITY
+from engine.priority import DEFAULT_PRIORITY, check_priority
+from engine.sampling.validation import InvalidField
+from router.errors import InvalidRequest
 
 BATCH_MAX_PRIORITY = -1
 MAX_WEIGHT = 1000
@@ -44,6 +46,36 @@ class KeyClass:
 
 
 DEFAULT_CLASS = KeyClass()
+MAX_DEADLINE_S = 7 * 24 * 3600.0
+
+
+def request_priority(key_class: KeyClass, requested: object) -> int:
+    """The priority a request runs at: its own (None: the class's default), range-checked
+    (InvalidRequest naming `priority`), capped by its class."""
+    if requested is None:
+        return key_class.priority(None)
+    try:
+        return key_class.priority(check_priority(requested))
+    except InvalidField as e:
+        raise InvalidRequest(e.message, "priority") from None
+
+
+def check_deadline(deadline_s: object) -> float | None:
+    """A request's deadline_s (seconds after arrival, > 0); InvalidRequest naming it otherwise."""
+    if deadline_s is None:
+        return None
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
+        raise InvalidRequest(
+            f"deadline_s must be a number of seconds, got {deadline_s!r}", "deadline_s"
+        )
+    if not 0 < deadline_s <= MAX_DEADLINE_S:  # NaN too
+        raise InvalidRequest(
+            f"deadline_s must be in (0, {MAX_DEADLINE_S:g}] seconds, got {deadline_s}",
+            "deadline_s",
+        )
+    return float(deadline_s)
+
+
 OPTIONS = ("class", "weight")
 
 
