@@ -186,10 +186,9 @@ class Frontend:
         """_stream's chunks, once the router's FairQueue lets the request go on (it may wait
         there; Overloaded when the queue is full or its deadline passes first)."""
         ticket = Ticket.of(prepared.request, prepared.tenant, prepared.key_class)
-        async with self.queue.turn(ticket):
-            async with contextlib.aclosing(self._stream(prepared)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+        async with self.queue.turn(ticket), contextlib.aclosing(self._stream(prepared)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _stream(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
         """Stream output chunks (n > 1: each names its choice in `index`); each choice's last
