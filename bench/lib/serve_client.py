@@ -147,7 +147,13 @@ class HttpClient(Client):
     """OpenAI /v1/completions (token-id prompts) or /v1/chat/completions, stream=true."""
 
     def __init__(
-        self, url: str, model: str, sampling: Sampling, timeout_s: float, chat: bool = False
+        self,
+        url: str,
+        model: str,
+        sampling: Sampling,
+        timeout_s: float,
+        chat: bool = False,
+        api_key: str | None = None,
     ):
         super().__init__(sampling, timeout_s)
         parts = urlsplit(url)
@@ -158,8 +164,9 @@ class HttpClient(Client):
         self.model = model
         self.chat = chat
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers
         )
 
     def _body(self, request: BenchRequest) -> dict[str, Any]:
