@@ -45,7 +45,7 @@ def batch_requests(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 async def run_once(args: argparse.Namespace, url: str, batch_key: str) -> dict[str, Any]:
-    model = args.model or await served_model_id(url)
+    model = args.model or await served_model_id(url, CHAT_KEY)
     sampling = Sampling(args.temperature, not args.no_ignore_eos, args.sampling_seed)
     chat = HttpClient(url, model, sampling, args.request_timeout, api_key=CHAT_KEY)
     batch = HttpClient(url, model, sampling, args.request_timeout, api_key=batch_key)

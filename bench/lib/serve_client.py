@@ -297,14 +297,15 @@ class SpreadClient:
                 raise error
 
 
-async def served_model_id(url: str) -> str:
-    """The first model /v1/models lists."""
+async def served_model_id(url: str, api_key: str | None = None) -> str:
+    """The first model /v1/models lists (asked with api_key when given)."""
     check_loopback(urlsplit(url).hostname or "")
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else f"{base}/v1"
     timeout = aiohttp.ClientTimeout(total=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
+        aiohttp.ClientSession(timeout=timeout, headers=headers) as session,
         session.get(f"{base}/models") as resp,
     ):
         resp.raise_for_status()
