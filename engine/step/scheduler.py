@@ -134,7 +134,10 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
     ) -> int:
+        num_preempted = len(preempted)
         while self.waiting and budget > 0:
+            if len(preempted) > num_preempted:
+                break  # a preempted request may have a token in flight: readmitted next step
             req = self.waiting[0]
             if not self._has_seat():
                 if not self._preempt_lower(req, chunks, preempted):
