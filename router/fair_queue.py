@@ -8,7 +8,9 @@ are off) has a deficit: a flow at the front of the round is served its next requ
 deficit covers that request's cost (prompt tokens + max_tokens * n), else it is credited its
 quantum (quantum_tokens * the key's weight) and goes to the back. So two flows that both keep
 the queue full are served tokens in the proportion of their weights, whatever their request
-counts, and one flow's flood cannot starve another. Within a flow: earliest deadline, then
+counts, and one flow's flood cannot starve another. A flow that becomes active is served
+before the flows already in the round (with one quantum), as in FQ-CoDel, so a sparse
+tenant's request waits for no backlog. Within a flow: earliest deadline, then
 arrival. So that a lower priority is never starved by a higher one's flood, after `max_bypass`
 requests in a row sent from the top priority while a lower one waited, the next one sent is the
 highest lower priority's.
@@ -91,43 +93,59 @@ class _Entry:
 
 @dataclass
 class _Band:
-    """One priority's flows: the round's order (front first), each flow's waiting entries (a
-    heap) and its deficit and weight."""
+    """One priority's flows, each with its waiting entries (a heap), deficit and weight, in two
+    rounds (as FQ-CoDel's): flows that just became active (`new`, served first, so a sparse
+    tenant's request is not queued behind a flood's backlog of credit) and the others (`old`).
+    A new flow starts with one quantum and joins the old round once it needs more."""
 
-    flows: OrderedDict[str, list[_Entry]] = field(default_factory=OrderedDict)
+    quantum_tokens: int
+    new: OrderedDict[str, list[_Entry]] = field(default_factory=OrderedDict)
+    old: OrderedDict[str, list[_Entry]] = field(default_factory=OrderedDict)
     deficit: dict[str, int] = field(default_factory=dict)
     weight: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def is_empty(self) -> bool:
+        return not self.new and not self.old
+
     def push(self, entry: _Entry) -> None:
         flow = entry.ticket.flow
-        if flow not in self.flows:
-            self.flows[flow] = []
-            self.deficit[flow] = 0
         self.weight[flow] = entry.ticket.key_class.weight
-        heapq.heappush(self.flows[flow], entry)
+        heap = self.new.get(flow)
+        if heap is None:
+            heap = self.old.get(flow)
+        if heap is None:
+            heap = self.new[flow] = []
+            self.deficit[flow] = self._quantum(flow)
+        heapq.heappush(heap, entry)
 
-    def pop(self, quantum_tokens: int) -> _Entry | None:
+    def pop(self) -> _Entry | None:
         """The next entry by deficit round robin (None: every entry here was removed)."""
-        while self.flows:
-            flow, heap = next(iter(self.flows.items()))
+        while not self.is_empty:
+            flows = self.new or self.old
+            flow, heap = next(iter(flows.items()))
             while heap and heap[0].removed:
                 heapq.heappop(heap)
             if not heap:
-                self._drop(flow)
+                self._drop(flows, flow)
                 continue
             if self.deficit[flow] >= heap[0].ticket.cost:
                 entry = heapq.heappop(heap)
                 self.deficit[flow] -= entry.ticket.cost
                 if not heap:
-                    self._drop(flow)
+                    self._drop(flows, flow)
                 return entry
-            self.deficit[flow] += quantum_tokens * self.weight[flow]
-            self.flows.move_to_end(flow)
+            self.deficit[flow] += self._quantum(flow)
+            del flows[flow]
+            self.old[flow] = heap  # to the back of the old round
         return None
 
-    def _drop(self, flow: str) -> None:
+    def _quantum(self, flow: str) -> int:
+        return self.quantum_tokens * self.weight[flow]
+
+    def _drop(self, flows: OrderedDict[str, list[_Entry]], flow: str) -> None:
         """A flow with nothing waiting leaves the round and loses its deficit (standard DRR)."""
-        del self.flows[flow], self.deficit[flow], self.weight[flow]
+        del flows[flow], self.deficit[flow], self.weight[flow]
 
 
 class QueueMetrics:
@@ -215,7 +233,10 @@ class FairQueue:
         loop = asyncio.get_running_loop()
         deadline = math.inf if ticket.deadline_s is None else loop.time() + ticket.deadline_s
         entry = _Entry(ticket, deadline, next(self._seq), loop.create_future())
-        self._bands.setdefault(ticket.priority, _Band()).push(entry)
+        band = self._bands.get(ticket.priority)
+        if band is None:
+            band = self._bands[ticket.priority] = _Band(self.quantum_tokens)
+        band.push(entry)
         self._count_queued(ticket, +1)
         timeout = None if ticket.deadline_s is None else ticket.deadline_s
         try:
@@ -260,14 +281,14 @@ class FairQueue:
 
     def _next_entry(self) -> _Entry | None:
         while True:
-            priorities = sorted((p for p, band in self._bands.items() if band.flows), reverse=True)
+            priorities = sorted(self._bands, reverse=True)
             if not priorities:
                 return None
             chosen = priorities[0]
             if len(priorities) > 1 and self._streak >= self.max_bypass:
                 chosen = priorities[1]
-            entry = self._bands[chosen].pop(self.quantum_tokens)
-            if not self._bands[chosen].flows:
+            entry = self._bands[chosen].pop()
+            if self._bands[chosen].is_empty:
                 del self._bands[chosen]
             if entry is None:
                 continue

@@ -97,8 +97,10 @@ def run_mix(args: argparse.Namespace) -> dict[str, Any]:
         )
         report: dict[str, Any] = {}
         with server:
-            for mode, key in MODES.items():
-                report[mode] = asyncio.run(run_once(args, server.http_url, key))
+            for k, (mode, key) in enumerate(MODES.items()):
+                drawn = copy.copy(args)  # other prompts each mode: no prefix hit on the last's
+                drawn.seed = args.seed + 10_007 * k
+                report[mode] = asyncio.run(run_once(drawn, server.http_url, key))
                 for side in ("interactive", "batch"):
                     print(format_table(report[mode][side], f"--mix {mode}: {side}"))
         report["server"] = server.describe()
