@@ -89,7 +89,7 @@ def test_a_batch_flood_keeps_interactive_objectives_and_completes_its_share(
     """12 batch requests queue behind the router's bound of 2 running; 4 interactive requests
     sent then go on before the queued batch ones: each meets its objective of at most 2 * 2
     batch requests finishing while it waits and runs (first-come order: ~10). Every batch
-    request completes all the same."""
+    request completes all the same; one more with deadline_s behind the flood gets a 503."""
     queue = stack.servers.frontend.queue
     sent_before = dict(queue.num_sent_by_class)
     events: list[tuple[str, str]] = []  # ("send" | "done", request name), in order
@@ -112,6 +112,12 @@ def test_a_batch_flood_keeps_interactive_objectives_and_completes_its_share(
         while queue.num_queued < 10 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert queue.num_queued == 10  # two run, ten wait
+        late = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY_BATCH, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:  # behind the flood: too late
+            late.completions.create(
+                model=MODEL, prompt="late", max_tokens=1, extra_body={"deadline_s": 0.05}
+            )
+        assert info.value.status_code == 503 and "deadline_exceeded" in str(info.value.body)
         chat = [pool.submit(one, f"chat-{i}", KEY_A) for i in range(4)]
         texts = [f.result(timeout=120) for f in batch + chat]
     assert all(texts)
