@@ -11,11 +11,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 
 from engine.kv_cache.hashing import hash_blocks
 from router.access import ApiKeys, tenant_cache_salt
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.traffic_class import TrafficClass
 from tests.integration.cluster_support import ClusterHarness, cluster_spec
 
@@ -89,7 +92,8 @@ def test_a_batch_flood_keeps_interactive_objectives_and_completes_its_share(
     """12 batch requests queue behind the router's bound of 2 running; 4 interactive requests
     sent then go on before the queued batch ones: each meets its objective of at most 2 * 2
     batch requests finishing while it waits and runs (first-come order: ~10). Every batch
-    request completes all the same; one more with deadline_s behind the flood gets a 503."""
+    request completes all the same; one more with deadline_s behind the flood gets HTTP 503
+    (gRPC DEADLINE_EXCEEDED)."""
     queue = stack.servers.frontend.queue
     sent_before = dict(queue.num_sent_by_class)
     events: list[tuple[str, str]] = []  # ("send" | "done", request name), in order
@@ -118,6 +122,16 @@ def test_a_batch_flood_keeps_interactive_objectives_and_completes_its_share(
                 model=MODEL, prompt="late", max_tokens=1, extra_body={"deadline_s": 0.05}
             )
         assert info.value.status_code == 503 and "deadline_exceeded" in str(info.value.body)
+        with grpc.insecure_channel(stack.grpc_target) as channel:
+            request = pb.GenerateRequest(prompt="late", deadline_s=0.05)
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(
+                    pb_grpc.KVRelayStub(channel).Generate(
+                        request, metadata=[("authorization", f"Bearer {KEY_BATCH}")], timeout=30
+                    )
+                )
+        assert rpc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "deadline_s" in rpc.value.details()
         chat = [pool.submit(one, f"chat-{i}", KEY_A) for i in range(4)]
         texts = [f.result(timeout=120) for f in batch + chat]
     assert all(texts)
