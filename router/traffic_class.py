@@ -3,10 +3,11 @@ its share of the router's queue) and the priority a request of a class runs at. 
 
 - interactive (the default): the request's own `priority` (default 0), its TTFT objective
   applies (router/slo.py).
-- batch: its priority is capped at BATCH_MAX_PRIORITY (below an interactive request's default),
-  it is placed whatever the TTFT objective says, and it may carry a deadline (`deadline_s`)
-  instead: still queued in the router that long after arrival, it is refused (503, code
-  "deadline_exceeded"; gRPC DEADLINE_EXCEEDED).
+- batch: its priority is capped at BATCH_MAX_PRIORITY (below an interactive request's default).
+  It may carry a deadline (`deadline_s`) instead of the TTFT objective: a request with one is
+  placed whatever the TTFT objective says (router/placement.py), and still queued in the
+  router that long after arrival it is refused (503, code "deadline_exceeded"; gRPC
+  DEADLINE_EXCEEDED). Any class may send deadline_s; it is meant for batch.
 - weight: the flow's quantum in the router's deficit round robin (router/fair_queue.py): two
   tenants of one priority that both keep the queue full are served queued tokens in the
   proportion of their weights.
