@@ -22,6 +22,9 @@ percentiles, throughput and the prefix hit rate; with --json also PNG plots besi
         --json chat_http.json     # over HTTP (e.g. vLLM): each output's text re-tokenized
     python -m bench.serve_bench --launch --decode 1 --server-args '--autoscale-decode 1:4' \\
         --watch-pools --num-requests 400 --rate 2 8 --json autoscale.json
+    python -m bench.serve_bench --launch --mix --num-requests 16 --rate 1 --input-len 64 \\
+        --output-len 8 --mix-batch-requests 24 --mix-batch-output-len 48 --json mix.json
+        # interactive requests beside a batch key's flood, with and without priorities
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from bench.lib.mixed_load import MODES, run_mix
 from bench.lib.pool_watch import PoolSample, PoolWatch
 from bench.lib.prefill_counts import counts_between, prefill_counts
 from bench.lib.prefix_probe import prefill_holders, redis_url_from_log
@@ -211,6 +215,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         },
         "machine": machine_info(),
     }
+    if args.mix:
+        return run_mixed(args, report)
     try:
         outcome = run(args)
     except KeyboardInterrupt:
@@ -235,6 +241,20 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         log(f"wrote {args.json}")
     return 0 if all(bench.report["summary"]["failed"] == 0 for bench in runs) else 1
+
+
+def run_mixed(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """--mix (bench/lib/mixed_load.py) at the first --rate."""
+    try:
+        report["mix"] = run_mix(rate_runs(args)[0])
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    modes = [report["mix"][mode] for mode in MODES]
+    return 0 if all(m[side]["failed"] == 0 for m in modes for side in m) else 1
 
 
 def print_run(report: dict[str, Any], title: str) -> None:

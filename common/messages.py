@@ -33,6 +33,12 @@ class GenerateRequest:
     kv_retention: tuple[RetentionRange, ...] = ()
     # W3C traceparent of the router's span of this request (common/tracing.py); None: untraced.
     traceparent: str | None = None
+    # Scheduling (engine/priority.py): higher runs first in the router's queue and on every
+    # worker, and may preempt lower ones there; the class's cap is applied (router/traffic_class).
+    priority: int = 0
+    # Batch class: seconds after arrival by which the router must have sent it on, else it is
+    # refused (router/fair_queue.py); None: no deadline. Workers ignore it.
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,8 @@ class KVPuller:
     # ---- internals -----------------------------------------------------------------------
     def _admit(self) -> list[Refused]:
         refused = []
-        for pull in self.ledger.in_state(PullState.QUEUED):
+        queued = self.ledger.in_state(PullState.QUEUED)
+        for pull in sorted(queued, key=lambda pull: -pull.payload.request.priority):  # stable
             request, handle = pull.payload
             try:
                 plan = self.engine.add_prefilled_request(
@@ -177,6 +178,7 @@ class KVPuller:
                     request.num_resumed_tokens,
                     _choices(handle),
                     request.kv_retention,
+                    request.priority,
                 )
             except ValueError as e:
                 self.ledger.fail(request.req_id)
@@ -184,7 +186,7 @@ class KVPuller:
                 refused.append(Refused(request.req_id, str(e)))
                 continue
             if plan is None:
-                break  # FIFO: wait for blocks rather than overtake
+                break  # priority, then FIFO: wait for blocks rather than overtake
             self._start(self.ledger.reserve(request.req_id, plan.local_block_ids), plan)
         return refused
 

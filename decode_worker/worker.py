@@ -145,6 +145,7 @@ class DecodeWorker(WorkerBase):
                 request.cache_salt,
                 num_resumed_tokens=request.num_resumed_tokens,
                 kv_retention=request.kv_retention,
+                priority=request.priority,
             )
             self.mailboxes.expect(router_id)
             self._routes[request.req_id] = Route(router_id, prefilled_here=True)

@@ -36,6 +36,7 @@ class RouterOptions:
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
     default_limits: TenantLimits = NO_LIMITS  # --rate-limit-*: a tenant's unless its own
     otlp_endpoint: str | None = None  # the router's traces go there (None: tracing off)
+    max_running_requests: int = 0  # sent on to the cluster at once; 0: no bound (fair_queue.py)
 
     @property
     def has_limits(self) -> bool:
@@ -78,12 +79,18 @@ class RouterOptions:
             api_keys=self.api_keys,
             max_body_mib=self.max_body_mib,
             limiter=limiter,
+            max_running_requests=self.max_running_requests,
         )
         return RouterServers(frontend, self.tls)
 
     def describe(self) -> list[str]:
         """What `kvrelay serve` / `kvrelay router` print under the addresses."""
         lines = [f"  admission      at most {self.max_queued_requests} requests, then 503"]
+        if self.max_running_requests:
+            lines.append(
+                f"  queue          {self.max_running_requests} running at once, the rest by "
+                "priority and fair share"
+            )
         if self.max_body_mib is not None:
             lines.append(f"  body limit     {self.max_body_mib:g} MiB, then 413")
         if self.tls is not None:
@@ -111,6 +118,16 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "RESOURCE_EXHAUSTED at once",
     )
     p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests this router sends on to the cluster at once; the others wait in its "
+        "queue, higher `priority` first and tenants sharing by their keys' weights (deficit "
+        "round robin over prompt + max_tokens); 0 (default): no bound, every request goes on "
+        "at once and only the workers order by priority",
+    )
+    p.add_argument(
         "--max-body-mib",
         type=float,
         default=None,
@@ -123,9 +140,10 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="require an API key: FILE has one `KEY TENANT [rps=R tpm=N streams=N]` per line "
-        "(# comments; the columns are the tenant's per-key limits); each tenant's prefix cache "
-        "is kept apart (default: no keys)",
+        help="require an API key: FILE has one `KEY TENANT [rps=R tpm=N streams=N] "
+        "[class=interactive|batch] [weight=N]` per line (# comments; the columns are the "
+        "tenant's per-key limits and traffic class); each tenant's prefix cache is kept apart, its "
+        "class caps its priority and its weight is its share of the queue (default: no keys)",
     )
     for name in LIMIT_NAMES:
         p.add_argument(
@@ -179,6 +197,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     check_max_body_mib(args.max_body_mib)
     if args.otlp_endpoint is not None:
         check_endpoint(args.otlp_endpoint)
+    if args.max_running_requests < 0:
+        raise ValueError(f"--max-running-requests must be >= 0, got {args.max_running_requests}")
     if not args.drain_seconds >= 0:  # NaN too
         raise ValueError(f"--drain-seconds must be >= 0, got {args.drain_seconds:g}")
     defaults = {}
@@ -198,4 +218,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         max_body_mib=args.max_body_mib,
         drain_s=args.drain_seconds,
         otlp_endpoint=args.otlp_endpoint,
+        max_running_requests=args.max_running_requests,
     )

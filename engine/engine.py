@@ -131,11 +131,12 @@ class Engine:
         keep_blocks: bool = False,
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
+        priority: int = 0,
     ) -> Request:
         """Queue a request (Admission.add says what each option does)."""
         return self.admission.add(
             req_id, prompt, params, cache_salt, retention_priority, keep_blocks,
-            num_resumed_tokens, kv_retention,
+            num_resumed_tokens, kv_retention, priority,
         )  # fmt: skip
 
     def add_prefilled_request(
@@ -148,13 +149,14 @@ class Engine:
         num_resumed_tokens: int = 0,
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
+        priority: int = 0,
     ) -> KVLoadPlan | None:
         """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now.
         At TP > 1 every rank loads its own KV heads of the plan's blocks (Leader.read_on_ranks,
         before rank 0 reads its own)."""
         return self.admission.add_prefilled(
             req_id, prompt_token_ids, first_token_id, params, cache_salt, num_resumed_tokens,
-            choices, kv_retention,
+            choices, kv_retention, priority,
         )  # fmt: skip
 
     def commit_kv(self, req_id: str) -> None:

@@ -95,6 +95,7 @@ class PrefillWorker(WorkerBase):
                 keep_blocks=True,
                 num_resumed_tokens=request.num_resumed_tokens,
                 kv_retention=request.kv_retention,
+                priority=request.priority,
             )
             self._waiters[request.req_id] = _Waiter(loop, future, request.sampling.n)
             if self.traces is not None:

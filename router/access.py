@@ -5,8 +5,9 @@ that turns a tenant (plus the client's own cache_salt) into the cache_salt the c
 File format: one `KEY TENANT [NAME=VALUE ...]` per line, separated by whitespace; `#` starts a
 comment (so no key starts with `#`), blank lines are ignored. A key is 16 or more visible ASCII
 characters; a tenant may have several keys (rotation), a key only one tenant. The optional
-columns are the tenant's limits (router/tenant_limits.py: `rps=5 tpm=20000 streams=4`), given on
-one of its lines (its other lines give none or the same).
+columns are the tenant's: its per-key limits (router/tenant_limits.py: `rps=5 tpm=20000
+streams=4`) and its traffic class (router/traffic_class.py: `class=interactive|batch weight=N`),
+given on one of its lines (its other lines give none or the same).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from types import MappingProxyType
 
 from router.errors import Unauthenticated
 from router.tenant_limits import LIMIT_NAMES, NO_LIMITS, TenantLimits, limits_from_options
+from router.traffic_class import DEFAULT_CLASS, OPTIONS, KeyClass, key_class
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,11 @@ class ApiKeys:
     source: str
     tenant_by_digest: Mapping[str, str] = field(repr=False)
     limits_by_tenant: Mapping[str, TenantLimits] = field(default_factory=dict)  # given ones only
+    class_by_tenant: Mapping[str, KeyClass] = field(default_factory=dict)
+
+    def key_class(self, tenant: str | None) -> KeyClass:
+        """The tenant's class and weight (the default for one given none, or no tenant)."""
+        return self.class_by_tenant.get(tenant, DEFAULT_CLASS) if tenant else DEFAULT_CLASS
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -90,6 +97,7 @@ class ApiKeys:
         first_line: dict[str, int] = {}
         limits_by_tenant: dict[str, TenantLimits] = {}
         limits_line: dict[str, int] = {}
+        classes: dict[str, tuple[KeyClass, int]] = {}  # tenant -> (class, line that gave it)
         for lineno, line in enumerate(text.splitlines(), 1):
             fields = _before_comment(line.split())
             if not fields:
@@ -98,6 +106,10 @@ class ApiKeys:
             if len(fields) < 2:
                 raise ApiKeysFileError(f"{where}: expected `KEY TENANT [NAME=VALUE ...]`")
             key, tenant, *columns = fields
+            options = parse_key_options(columns, where)
+            class_options = {n: v for n, v in options.items() if n in OPTIONS}
+            if class_options:
+                _add_class(classes, tenant, class_options, lineno, where)
             _check_key(key, where)
             if not _TENANT_CHARS.fullmatch(tenant):
                 raise ApiKeysFileError(
@@ -110,7 +122,7 @@ class ApiKeys:
                 )
             first_line[digest] = lineno
             tenant_by_digest[digest] = tenant
-            limits = parse_key_options(columns, where)
+            limits = _limits(options, where)
             if limits.any:
                 earlier = limits_by_tenant.get(tenant)
                 if earlier is not None and earlier != limits:
@@ -122,26 +134,36 @@ class ApiKeys:
                 limits_line.setdefault(tenant, lineno)
         if not tenant_by_digest:
             raise ApiKeysFileError(f"{source}: no `KEY TENANT` line (an empty file admits no one)")
-        return cls(source, MappingProxyType(tenant_by_digest), MappingProxyType(limits_by_tenant))
+        class_by_tenant = {tenant: kind for tenant, (kind, _) in classes.items()}
+        return cls(
+            source,
+            MappingProxyType(tenant_by_digest),
+            MappingProxyType(limits_by_tenant),
+            MappingProxyType(class_by_tenant),
+        )
 
 
-def parse_key_options(columns: list[str], where: str) -> TenantLimits:
-    """A key line's columns after KEY TENANT, each `NAME=VALUE` (NAME one of LIMIT_NAMES, once);
-    ApiKeysFileError naming the line and the column."""
+def parse_key_options(columns: list[str], where: str) -> dict[str, str]:
+    """A key line's columns after KEY TENANT, each `NAME=VALUE` (NAME a limit or a class option,
+    once); ApiKeysFileError naming the line and the column."""
+    known = (*LIMIT_NAMES, *OPTIONS)
     options: dict[str, str] = {}
     for column in columns:
         name, eq, value = column.partition("=")
         if not eq or not value:
             raise ApiKeysFileError(f"{where}: {column!r} is not NAME=VALUE")
-        if name not in LIMIT_NAMES:
-            raise ApiKeysFileError(
-                f"{where}: unknown column {name!r} (known: {', '.join(LIMIT_NAMES)})"
-            )
+        if name not in known:
+            raise ApiKeysFileError(f"{where}: unknown column {name!r} (known: {', '.join(known)})")
         if name in options:
             raise ApiKeysFileError(f"{where}: {name} is given twice")
         options[name] = value
+    return options
+
+
+def _limits(options: dict[str, str], where: str) -> TenantLimits:
+    """The limit columns of a key line's options, checked."""
     try:
-        return limits_from_options(options, where)
+        return limits_from_options({n: v for n, v in options.items() if n in LIMIT_NAMES}, where)
     except ValueError as e:
         raise ApiKeysFileError(str(e)) from None
 
@@ -170,6 +192,28 @@ def _before_comment(fields: list[str]) -> list[str]:
         if text.startswith("#"):
             return fields[:i]
     return fields
+
+
+def _add_class(
+    classes: dict[str, tuple[KeyClass, int]],
+    tenant: str,
+    options: dict[str, str],
+    lineno: int,
+    where: str,
+) -> None:
+    """Record the tenant's class from a line's options; a different one on another line is an
+    error (the router's queue shares by tenant)."""
+    try:
+        kind = key_class(options)
+    except ValueError as e:
+        raise ApiKeysFileError(f"{where}: {e}") from None
+    known = classes.get(tenant)
+    if known is not None and known[0] != kind:
+        raise ApiKeysFileError(
+            f"{where}: tenant {tenant!r} was given class={known[0].kind.value} "
+            f"weight={known[0].weight} on line {known[1]}; a tenant's keys share one class"
+        )
+    classes.setdefault(tenant, (kind, lineno))
 
 
 def _check_key(key: str, where: str) -> None:

@@ -1,5 +1,6 @@
 """Frontend: request handling shared by the HTTP and gRPC servers; owns the set of in-flight
-request ids and, through Admission, the bound on requests held. Checks API keys, validates and
+request ids and, through Admission, the bound on requests held (through its FairQueue, the
+order in which they go on to the cluster). Checks API keys, validates and
 tokenizes a RequestSpec into a GenerateRequest (off the event loop, through its PromptEncoder),
 then turns the backend's TokenDelta stream into text chunks (stop strings applied here), usage
 and metrics.
@@ -27,12 +28,14 @@ from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from router.backend import Backend
 from router.choices import ChoiceTrackers
 from router.errors import BackendError, InvalidRequest, Overloaded, RateLimited, Unauthenticated
+from router.fair_queue import FairQueue, Ticket
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, Usage
 from router.prompt_encoder import PromptEncoder
 from router.request_size import max_body_bytes
 from router.request_spec import ChatMessage, Prepared, RequestSpec
 from router.tokenizer import RouterTokenizer
+from router.traffic_class import DEFAULT_CLASS, check_deadline, request_priority
 
 if TYPE_CHECKING:
     from router.rate_limits import Grant, RateLimiter
@@ -65,12 +68,15 @@ class Frontend:
         api_keys: ApiKeys | None = None,
         max_body_mib: float | None = None,
         limiter: RateLimiter | None = None,
+        max_running_requests: int = 0,
     ):
         """max_tokens_cap: the default max_tokens when a request sets none (None: no cap).
         max_queued_requests: how many requests the router holds at once (parsing, queued or
         running); one more is refused with Overloaded. api_keys: None admits every caller.
         max_body_mib: the largest request body read (None: derived from the context length).
-        limiter: each tenant's per-key limits (None: none; needs api_keys to have tenants)."""
+        limiter: each tenant's per-key limits (None: none; needs api_keys to have tenants).
+        max_running_requests: how many go on to the cluster at once; the rest wait in the
+        router's FairQueue (0: no bound, all go at once)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
@@ -80,6 +86,7 @@ class Frontend:
         self.api_keys = api_keys
         self.limiter = limiter
         self.admission = Admission(max_queued_requests, self.metrics)
+        self.queue = FairQueue(max_running_requests, max_queued_requests, self.metrics.registry)
         self.max_body_bytes = max_body_bytes(backend.max_model_len, max_body_mib)
         self.encoder = PromptEncoder(tokenizer, backend.max_model_len)
         self.created = int(time.time())  # when this router began serving the model (/v1/models)
@@ -154,6 +161,7 @@ class Frontend:
             check_ranges(spec.kv_retention)
         except InvalidRetention as e:
             raise InvalidRequest(str(e), e.field) from None
+        key_class = self.api_keys.key_class(spec.tenant) if self.api_keys else DEFAULT_CLASS
         trace = traces.start_request(spec.traceparent, req_id, self.model_id, arrival)
         request = GenerateRequest(
             req_id,
@@ -163,8 +171,17 @@ class Frontend:
             time.time(),
             kv_retention=spec.kv_retention,
             traceparent=None if trace is None else trace.traceparent,
+            priority=request_priority(key_class, spec.priority),
+            deadline_s=check_deadline(spec.deadline_s),
         )
-        return Prepared(request, spec.sampling.stop, arrival, tenant=spec.tenant, trace=trace)
+        return Prepared(
+            request,
+            spec.sampling.stop,
+            arrival,
+            tenant=spec.tenant,
+            key_class=key_class,
+            trace=trace,
+        )
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:
         """A tenant's requests get a salt derived from the tenant; without keys, the client's."""
@@ -189,6 +206,14 @@ class Frontend:
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
+        """_stream's chunks, once the router's FairQueue lets the request go on (it may wait
+        there; Overloaded when the queue is full or its deadline passes first)."""
+        ticket = Ticket.of(prepared.request, prepared.tenant, prepared.key_class)
+        async with self.queue.turn(ticket), contextlib.aclosing(self._stream(prepared)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _stream(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
         """Stream output chunks (n > 1: each names its choice in `index`); each choice's last
         has its finish_reason, the request's last also has usage.
 

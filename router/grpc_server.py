@@ -21,6 +21,7 @@ from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
 from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
+from router.fair_queue import QueueDeadline
 from router.frontend import Frontend
 from router.grpc_health import BackendHealth, add_standard_services
 from router.output import OutputChunk
@@ -90,6 +91,8 @@ def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> R
         ),
         req_id=request.request_id or None,
         tenant=tenant,
+        priority=request.priority if request.HasField("priority") else None,
+        deadline_s=request.deadline_s if request.HasField("deadline_s") else None,
     )
 
 
@@ -143,6 +146,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                 )
             busy = not isinstance(e, ClusterUnavailable)  # else: shutting down, cluster lost
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAVAILABLE
+            if isinstance(e, QueueDeadline):
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
             await context.abort(code, e.message, pushback)
 
     async def _generate(

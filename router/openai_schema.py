@@ -138,6 +138,8 @@ class _CommonRequest(_TopLevelBody):
     guided_choice: list[str] | None = None  # or exactly one of these strings
     cache_salt: str | None = None
     kv_retention: list[KVRetentionIn] | None = None  # ranges checked by the front end (400)
+    priority: int | None = None  # kvrelay's extra: higher runs first (range checked: 400)
+    deadline_s: float | None = None  # kvrelay's extra: refused if still queued this long
     user: str | None = None
 
     @property
@@ -180,6 +182,8 @@ class _CommonRequest(_TopLevelBody):
             cache_salt=self.cache_salt,
             kv_retention=tuple(r.as_range() for r in self.kv_retention or ()),
             req_id=req_id,
+            priority=self.priority,
+            deadline_s=self.deadline_s,
         )
 
     def _sampling(

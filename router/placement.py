@@ -89,7 +89,10 @@ class Placer:
         """The leg's route, already counted as placed: (RemoteRoute, uncached tokens placed on
         the prefill worker), or a LocalRoute (placed on the decode worker). Under overload it
         waits (SloTargets.overload "queue") or raises SloUnmet; an `admitted` leg (a migrated
-        request) is placed at once, whatever the objectives say. Traced as router.route."""
+        request) is placed at once, whatever the objectives say; so is one with a deadline (a
+        batch request: the deadline is its objective, router/traffic_class.py). Traced as
+        router.route."""
+        admitted = admitted or request.deadline_s is not None
         span = traces.start_placement(request, "router.route")
         slo = replace(self.slo, overload="place") if admitted else self.slo
         started = time.monotonic()

@@ -9,6 +9,7 @@ from common.messages import GenerateRequest
 from common.tracing import SpanHandle
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
+from router.traffic_class import DEFAULT_CLASS, KeyClass
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class RequestSpec:
     req_id: str | None = None  # None: the front end makes one
     tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
     traceparent: str | None = None  # the client's W3C traceparent (read only while tracing)
+    priority: int | None = None  # None: the key class's default (router/traffic_class.py)
+    deadline_s: float | None = None  # batch: refused if still queued this long after arrival
 
     @property
     def max_tokens(self) -> int | None:
@@ -55,5 +58,8 @@ class Prepared:
     request: GenerateRequest
     stop: tuple[str, ...]
     arrival: float  # time.monotonic() when the request arrived
-    tenant: str | None = None  # the API key's tenant, charged for it (router/rate_limits.py)
+    tenant: str | None = (
+        None  # the API key's tenant: charged (rate_limits.py), shared fairly (fair_queue.py)
+    )
+    key_class: KeyClass = DEFAULT_CLASS
     trace: SpanHandle | None = None  # its root span (router/traces.py); None: tracing off

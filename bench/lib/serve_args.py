@@ -120,6 +120,18 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         default=100.0,
         help="and TPOT <= this (default 100; one-token outputs: TTFT only)",
     )
+    g = p.add_argument_group("mix (bench/lib/mixed_load.py)")
+    g.add_argument(
+        "--mix",
+        action="store_true",
+        help="with --launch: the workload at --rate from an interactive API key beside a\n"
+        "flood of --mix-batch-requests sent at once from a batch key, run twice on one server\n"
+        "(--max-running-requests --mix-max-running): the batch key of class batch\n"
+        "(priorities), then of no class (none); reports interactive goodput, batch throughput",
+    )
+    g.add_argument("--mix-batch-requests", type=int, default=32)
+    g.add_argument("--mix-batch-output-len", type=int, default=64)
+    g.add_argument("--mix-max-running", type=int, default=4)
     g = p.add_argument_group("output")
     g.add_argument(
         "--json",
@@ -150,6 +162,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
     if not 0 <= args.min_token_id < args.max_token_id:
         raise ValueError("need 0 <= --min-token-id < --max-token-id")
+    if args.mix and (not args.launch or args.transport != "http" or args.workload == "multi-turn"):
+        raise ValueError("--mix needs --launch, --transport http and a one-turn workload")
+    if args.mix and min(args.mix_batch_requests, args.mix_batch_output_len) < 1:
+        raise ValueError("--mix-batch-requests and --mix-batch-output-len must be >= 1")
     if args.transport == "grpc" and args.endpoint == "chat":
         raise ValueError("--endpoint chat is HTTP only")
     urls, targets = args.url.split(","), args.target.split(",")

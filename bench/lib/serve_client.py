@@ -147,7 +147,13 @@ class HttpClient(Client):
     """OpenAI /v1/completions (token-id prompts) or /v1/chat/completions, stream=true."""
 
     def __init__(
-        self, url: str, model: str, sampling: Sampling, timeout_s: float, chat: bool = False
+        self,
+        url: str,
+        model: str,
+        sampling: Sampling,
+        timeout_s: float,
+        chat: bool = False,
+        api_key: str | None = None,
     ):
         super().__init__(sampling, timeout_s)
         parts = urlsplit(url)
@@ -158,8 +164,9 @@ class HttpClient(Client):
         self.model = model
         self.chat = chat
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers
         )
 
     def _body(self, request: BenchRequest) -> dict[str, Any]:
@@ -290,14 +297,15 @@ class SpreadClient:
                 raise error
 
 
-async def served_model_id(url: str) -> str:
-    """The first model /v1/models lists."""
+async def served_model_id(url: str, api_key: str | None = None) -> str:
+    """The first model /v1/models lists (asked with api_key when given)."""
     check_loopback(urlsplit(url).hostname or "")
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else f"{base}/v1"
     timeout = aiohttp.ClientTimeout(total=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
+        aiohttp.ClientSession(timeout=timeout, headers=headers) as session,
         session.get(f"{base}/models") as resp,
     ):
         resp.raise_for_status()

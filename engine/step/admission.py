@@ -10,6 +10,8 @@ from engine.execution.block_copies import BlockCopies
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
+from engine.priority import DEFAULT_PRIORITY as DEFAULT_PRIORITY_LEVEL
+from engine.priority import check_priority
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.validation import check_prefilled, check_request, resumed_tokens
 from engine.step.fork import ChoiceForks
@@ -60,6 +62,7 @@ class Admission:
         keep_blocks: bool = False,
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
+        priority: int = DEFAULT_PRIORITY_LEVEL,
     ) -> Request:
         """Queue a request.
 
@@ -70,12 +73,14 @@ class Admission:
         block: choice 0's are the ones kept).
         num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
         kv_retention: token ranges whose blocks keep their own priority once freed.
+        priority: the scheduling priority (engine/priority.py; higher runs first).
         """
         if req_id in self.kv.kept:
             raise ValueError(f"request id {req_id!r} is already in use (its blocks are kept)")
         if self.forks.live_choices(req_id):
             raise ValueError(f"request id {req_id!r} is already in use (by its other choices)")
         req = self._new_request(req_id, prompt, params, cache_salt, retention_priority)
+        req.priority = check_priority(priority)
         check_ranges(kv_retention)
         req.retention = tuple(kv_retention)
         req.keep_blocks = keep_blocks
@@ -98,6 +103,7 @@ class Admission:
         num_resumed_tokens: int = 0,
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
+        priority: int = DEFAULT_PRIORITY_LEVEL,
     ) -> KVLoadPlan | None:
         """Admit a prompt computed elsewhere: reserve its blocks; None if no room now.
 
@@ -111,6 +117,7 @@ class Admission:
         limits = (blocks_needed, self.kv.num_blocks, self.vocab_size)
         check_prefilled(len(prompt_token_ids), first_token_id, self.max_model_len, limits)
         req = Request(req_id, list(prompt_token_ids), params, cache_salt, DEFAULT_PRIORITY)
+        req.priority = check_priority(priority)
         check_ranges(kv_retention)
         req.retention = tuple(kv_retention)
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)

@@ -106,6 +106,7 @@ class ChoiceForks:
         child.choice_of, child.choice_index = parent.req_id, index
         child.retention = parent.retention
         child.num_resumed_tokens = parent.num_resumed_tokens
+        child.priority = parent.priority
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_tokens = parent.num_cached_tokens
         return child

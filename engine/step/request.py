@@ -73,6 +73,8 @@ class Request:
     choice_index: int = 0
     # n > 1, its prompt's KV pulled from a peer: the choices to fork once that KV is in.
     prefilled_choices: PrefilledChoices | None = None
+    # Scheduling priority (engine/priority.py): higher is admitted first and may preempt lower.
+    priority: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,11 +1,16 @@
 """Scheduler: the waiting queue and the running batch; decides which tokens each step computes.
 
 Policy: iteration-level continuous batching under a token budget. Running requests go first
-(a decode costs one token, an unfinished prefill a chunk), then waiting requests in FCFS order.
-When blocks run out, the most recently admitted running request is preempted by recompute:
-its blocks are freed (full ones stay in the prefix cache) and it returns to the front of the
-waiting queue, so it is readmitted before anything newer (no starvation). The engine keeps
-max_model_len <= pool capacity, so a lone request always fits (no deadlock).
+(a decode costs one token, an unfinished prefill a chunk), then waiting requests, both in
+priority order (Request.priority, higher first; FCFS within a priority). When blocks run out,
+the running request of lowest priority, most recently admitted among those, is preempted: its
+blocks are freed (full ones stay in the prefix cache and, inclusive, in the host tier, so its
+readmission copies them back instead of recomputing them; only a last partial block is
+recomputed) and it returns to the front of its priority in the waiting queue, so it is
+readmitted before anything newer of its priority (no starvation within a priority). A waiting
+request of higher priority that finds no seat or no blocks preempts running requests of lower
+priority the same way. The engine keeps max_model_len <= pool capacity, so a lone request
+always fits (no deadlock).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of those, for a waiting request of higher priority
 
     @property
     def has_unfinished(self) -> bool:
@@ -79,7 +85,7 @@ class Scheduler:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self._queue(req, front=False)
 
     def schedule(self) -> SchedulerOutput:
         """The next step's chunks: running requests first, then waiting ones while budget,
@@ -120,31 +126,84 @@ class Scheduler:
                 budget -= num_new
                 idx += 1
         if not preempted and not starved:
-            budget = self._admit_waiting(budget, chunks)
+            budget = self._admit_waiting(budget, chunks, preempted)
         for req in self.running:  # the chunks keep this step's drafts; none outlives it
             req.draft_token_ids = []
         return SchedulerOutput(chunks, preempted)
 
-    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(
+        self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
+    ) -> int:
+        num_preempted = len(preempted)
+        while self.waiting and budget > 0:
+            if len(preempted) > num_preempted:
+                break  # a preempted request may have a token in flight: readmitted next step
             req = self.waiting[0]
+            if not self._has_seat():
+                if not self._preempt_lower(req, chunks, preempted):
+                    break
+                budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks)
             fresh = req.num_computed_tokens == 0
             match = self.kv.match_prefix(req, partial=True) if fresh else NO_MATCH
             remaining = req.num_tokens - req.num_computed_tokens - match.num_tokens
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv.can_allocate(req, num_new, match):
-                break
+            while not self.kv.can_allocate(req, num_new, match):
+                if not self._preempt_lower(req, chunks, preempted):
+                    return budget
+                budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks)
             self.kv.allocate(req, num_new, match)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = match.num_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._insert_running(req)
             chunks.append(ScheduledChunk.of(req, num_new))
             budget -= num_new
         return budget
+
+    def _has_seat(self) -> bool:
+        max_num_seqs = self.config.max_num_seqs
+        return max_num_seqs is None or len(self.running) < max_num_seqs
+
+    def _preempt_lower(
+        self, req: Request, chunks: list[ScheduledChunk], preempted: list[str]
+    ) -> bool:
+        """Preempt the running request of lowest priority, when lower than req's, dropping its
+        chunk of this step; False when there is none (or one running request ends with a token
+        in flight: its blocks free themselves next step, as in schedule())."""
+        if not self.running or self.running[-1].priority >= req.priority:
+            return False
+        if any(self.ends_with_pending(r) for r in self.running):
+            return False
+        victim = self.running.pop()
+        chunks[:] = [chunk for chunk in chunks if chunk.req is not victim]
+        self._preempt(victim)
+        preempted.append(victim.req_id)
+        self.num_priority_preemptions += 1
+        return True
+
+    def _insert_running(self, req: Request) -> None:
+        """After every running request of its priority or higher (running stays ordered)."""
+        idx = len(self.running)
+        while idx and self.running[idx - 1].priority < req.priority:
+            idx -= 1
+        self.running.insert(idx, req)
+
+    def _queue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue in priority order: at the front of its priority (a preempted
+        or readmitted request) or at its back (a new one)."""
+        waiting = self.waiting
+        if not front and (not waiting or waiting[-1].priority >= req.priority):
+            waiting.append(req)  # the common case: every request of one priority
+            return
+        if front and (not waiting or waiting[0].priority <= req.priority):
+            waiting.appendleft(req)
+            return
+        bound = req.priority + 1 if front else req.priority  # goes before the first below it
+        idx = next((i for i, o in enumerate(waiting) if o.priority < bound), len(waiting))
+        waiting.insert(idx, req)
 
     def _chunk_size(self, req: Request, budget: int) -> int:
         if self.ends_with_pending(req):
@@ -177,7 +236,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._queue(req, front=True)
 
     def update(self, output: SchedulerOutput, skip_finished: bool = False) -> None:
         """Record that the scheduled chunks were computed; full blocks enter the prefix cache.
@@ -219,10 +278,10 @@ class Scheduler:
         """Put a request whose KV is already in place straight into the running batch."""
         self.requests[req.req_id] = req
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._insert_running(req)
 
     def readmit(self, req: Request) -> None:
-        """Queue a known request again at the front (its KV will be recomputed)."""
+        """Queue a known request again at the front of its priority (its KV is recomputed)."""
         self.requests[req.req_id] = req
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self._queue(req, front=True)

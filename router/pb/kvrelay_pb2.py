@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17router/pb/kvrelay.proto\x12\nkvrelay.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xf4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\x07\x88\x01\x01\x12\x30\n\nstructured\x18\x14 \x01(\x0b\x32\x1c.kvrelay.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculative\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xbf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\rH\x02\x88\x01\x01\x12-\n\x0ckv_retention\x18\t \x03(\x0b\x32\x17.kvrelay.v1.KVRetentionB\x07\n\x05inputB\r\n\x0b_cache_saltB\x04\n\x02_n\"p\n\x0bKVRetention\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x03\x65nd\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x17\n\nduration_s\x18\x04 \x01(\x01H\x01\x88\x01\x01\x42\x06\n\x04_endB\r\n\x0b_duration_s\"|\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12#\n\x1bspeculative_tokens_accepted\x18\x04 \x01(\r\"\xf9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.UsageH\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.kvrelay.v1.TopLogprobs\x12\r\n\x05index\x18\n \x01(\rB\x08\n\x06_usage\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.kvrelay.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x9d\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"H\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"2\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x02\n\x07KVRelay\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvrelay.v1.DetokenizeRequest\x1a\x1e.kvrelay.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17router/pb/kvrelay.proto\x12\nkvrelay.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xf4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\x07\x88\x01\x01\x12\x30\n\nstructured\x18\x14 \x01(\x0b\x32\x1c.kvrelay.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_speculative\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x8b\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\rH\x02\x88\x01\x01\x12-\n\x0ckv_retention\x18\t \x03(\x0b\x32\x17.kvrelay.v1.KVRetention\x12\x15\n\x08priority\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x17\n\ndeadline_s\x18\x0b \x01(\x01H\x04\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_saltB\x04\n\x02_nB\x0b\n\t_priorityB\r\n\x0b_deadline_s\"p\n\x0bKVRetention\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x03\x65nd\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x17\n\nduration_s\x18\x04 \x01(\x01H\x01\x88\x01\x01\x42\x06\n\x04_endB\r\n\x0b_duration_s\"|\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12#\n\x1bspeculative_tokens_accepted\x18\x04 \x01(\r\"\xf9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12%\n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.UsageH\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.kvrelay.v1.TopLogprobs\x12\r\n\x05index\x18\n \x01(\rB\x08\n\x06_usage\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x38\n\x07\x64\x65tails\x18\x02 \x03(\x0b\x32\'.kvrelay.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x9d\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"H\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"2\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x02\n\x07KVRelay\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvrelay.v1.DetokenizeRequest\x1a\x1e.kvrelay.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,8 +26,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2404
-  _globals['_FINISHREASON']._serialized_end=2524
+  _globals['_FINISHREASON']._serialized_start=2480
+  _globals['_FINISHREASON']._serialized_end=2600
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_CHATMESSAGES']._serialized_start=85
@@ -41,35 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT']._serialized_start=800
   _globals['_STRUCTUREDOUTPUT']._serialized_end=908
   _globals['_GENERATEREQUEST']._serialized_start=911
-  _globals['_GENERATEREQUEST']._serialized_end=1230
-  _globals['_KVRETENTION']._serialized_start=1232
-  _globals['_KVRETENTION']._serialized_end=1344
-  _globals['_USAGE']._serialized_start=1346
-  _globals['_USAGE']._serialized_end=1470
-  _globals['_GENERATERESPONSE']._serialized_start=1473
-  _globals['_GENERATERESPONSE']._serialized_end=1722
-  _globals['_TOPLOGPROBS']._serialized_start=1724
-  _globals['_TOPLOGPROBS']._serialized_end=1774
-  _globals['_HEALTHREQUEST']._serialized_start=1776
-  _globals['_HEALTHREQUEST']._serialized_end=1791
-  _globals['_HEALTHRESPONSE']._serialized_start=1794
-  _globals['_HEALTHRESPONSE']._serialized_end=1928
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=1882
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=1928
-  _globals['_LISTMODELSREQUEST']._serialized_start=1930
-  _globals['_LISTMODELSREQUEST']._serialized_end=1949
-  _globals['_MODELINFO']._serialized_start=1951
-  _globals['_MODELINFO']._serialized_end=2017
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2019
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2078
-  _globals['_TOKENIZEREQUEST']._serialized_start=2081
-  _globals['_TOKENIZEREQUEST']._serialized_end=2238
-  _globals['_TOKENIZERESPONSE']._serialized_start=2240
-  _globals['_TOKENIZERESPONSE']._serialized_end=2312
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2314
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2364
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2366
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2402
-  _globals['_KVRELAY']._serialized_start=2527
-  _globals['_KVRELAY']._serialized_end=2899
+  _globals['_GENERATEREQUEST']._serialized_end=1306
+  _globals['_KVRETENTION']._serialized_start=1308
+  _globals['_KVRETENTION']._serialized_end=1420
+  _globals['_USAGE']._serialized_start=1422
+  _globals['_USAGE']._serialized_end=1546
+  _globals['_GENERATERESPONSE']._serialized_start=1549
+  _globals['_GENERATERESPONSE']._serialized_end=1798
+  _globals['_TOPLOGPROBS']._serialized_start=1800
+  _globals['_TOPLOGPROBS']._serialized_end=1850
+  _globals['_HEALTHREQUEST']._serialized_start=1852
+  _globals['_HEALTHREQUEST']._serialized_end=1867
+  _globals['_HEALTHRESPONSE']._serialized_start=1870
+  _globals['_HEALTHRESPONSE']._serialized_end=2004
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=1958
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=2004
+  _globals['_LISTMODELSREQUEST']._serialized_start=2006
+  _globals['_LISTMODELSREQUEST']._serialized_end=2025
+  _globals['_MODELINFO']._serialized_start=2027
+  _globals['_MODELINFO']._serialized_end=2093
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2095
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2154
+  _globals['_TOKENIZEREQUEST']._serialized_start=2157
+  _globals['_TOKENIZEREQUEST']._serialized_end=2314
+  _globals['_TOKENIZERESPONSE']._serialized_start=2316
+  _globals['_TOKENIZERESPONSE']._serialized_end=2388
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2390
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2440
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2442
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2478
+  _globals['_KVRELAY']._serialized_start=2603
+  _globals['_KVRELAY']._serialized_end=2975
 # @@protoc_insertion_point(module_scope)

@@ -96,7 +96,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "chat", "token_ids", "sampling", "cache_salt", "n", "kv_retention")
+    __slots__ = ("request_id", "model", "prompt", "chat", "token_ids", "sampling", "cache_salt", "n", "kv_retention", "priority", "deadline_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,8 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     KV_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -115,7 +117,9 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     n: int
     kv_retention: _containers.RepeatedCompositeFieldContainer[KVRetention]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., kv_retention: _Optional[_Iterable[_Union[KVRetention, _Mapping]]] = ...) -> None: ...
+    priority: int
+    deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., kv_retention: _Optional[_Iterable[_Union[KVRetention, _Mapping]]] = ..., priority: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class KVRetention(_message.Message):
     __slots__ = ("start", "end", "priority", "duration_s")

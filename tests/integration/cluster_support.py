@@ -166,10 +166,13 @@ async def decode_from_extra_prefill(
 class ClusterHarness(LoopThread):
     """A LocalCluster behind the router's HTTP and gRPC servers, as `kvrelay serve` runs it."""
 
-    def __init__(self, spec: ClusterSpec, api_keys: ApiKeys | None = None):
+    def __init__(
+        self, spec: ClusterSpec, api_keys: ApiKeys | None = None, max_running_requests: int = 0
+    ):
         super().__init__()
         self.cluster = LocalCluster(spec)
         self.api_keys = api_keys
+        self.max_running_requests = max_running_requests
         try:
             self.run(self._start(), timeout_s=300)
         except BaseException:  # a failed start must not leave the loop thread (pytest hangs)
@@ -181,7 +184,13 @@ class ClusterHarness(LoopThread):
         metrics = RouterMetrics()
         self.cluster.backend.metrics = metrics
         tokenizer = RouterTokenizer(self.cluster.model.checkpoint_dir)
-        frontend = Frontend(self.cluster.backend, tokenizer, metrics, api_keys=self.api_keys)
+        frontend = Frontend(
+            self.cluster.backend,
+            tokenizer,
+            metrics,
+            api_keys=self.api_keys,
+            max_running_requests=self.max_running_requests,
+        )
         self.servers = RouterServers(frontend)
         await self.servers.start("127.0.0.1", 0, 0)
 

@@ -1,30 +1,39 @@
 """Tenant isolation on the whole stack (router with API keys -> Ray prefill worker -> NIXL -> Ray
 decode worker, a local redis-server): two tenants sending the same prompt never hit each other's
-prefix, neither on the workers nor in the Redis prefix index, whatever cache_salt they send."""
+prefix, neither on the workers nor in the Redis prefix index, whatever cache_salt they send; a
+batch tenant's flood queued in the router does not hold back an interactive tenant."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 
 from engine.kv_cache.hashing import hash_blocks
 from router.access import ApiKeys, tenant_cache_salt
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
+from router.traffic_class import TrafficClass
 from tests.integration.cluster_support import ClusterHarness, cluster_spec
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
 KEY_B = "sk-tenant-b-0123456789abcdef"
+KEY_BATCH = "sk-tenant-batch-0123456789abcdef"
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "In a quiet village by the sea, the old lighthouse keeper counted ships " * 3
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ClusterHarness]:
-    keys = ApiKeys.parse(f"{KEY_A} team-a\n{KEY_B} team-b\n")
-    harness = ClusterHarness(cluster_spec(num_prefill=1, num_decode=1), api_keys=keys)
+    keys = ApiKeys.parse(f"{KEY_A} team-a\n{KEY_B} team-b\n{KEY_BATCH} jobs class=batch weight=2\n")
+    spec = cluster_spec(num_prefill=1, num_decode=1)
+    harness = ClusterHarness(spec, api_keys=keys, max_running_requests=2)
     try:
         yield harness
     finally:
@@ -75,3 +84,74 @@ def test_two_tenants_never_share_prefix_blocks(stack: ClusterHarness) -> None:
     assert indexed_blocks(stack, salt_a) == num_blocks  # team-a's entries are untouched
     assert wait_for_index(stack, salt_b) >= 2  # team-b has its own entries now
     stack.wait_until_no_leaks()
+
+
+def test_a_batch_flood_keeps_interactive_objectives_and_completes_its_share(
+    stack: ClusterHarness,
+) -> None:
+    """12 batch requests queue behind the router's bound of 2 running; 4 interactive requests
+    sent then go on before the queued batch ones: each meets its objective of at most 2 * 2
+    batch requests finishing while it waits and runs (first-come order: ~10). Every batch
+    request completes all the same; one more with deadline_s behind the flood gets HTTP 503
+    (gRPC DEADLINE_EXCEEDED)."""
+    queue = stack.servers.frontend.queue
+    sent_before = dict(queue.num_sent_by_class)
+    events: list[tuple[str, str]] = []  # ("send" | "done", request name), in order
+    lock = threading.Lock()
+
+    def one(name: str, key: str) -> str:
+        client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+        with lock:
+            events.append(("send", name))
+        reply = client.completions.create(
+            model=MODEL, prompt=f"{name}: {PROMPT}", max_tokens=4, temperature=0
+        )
+        with lock:
+            events.append(("done", name))
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        batch = [pool.submit(one, f"batch-{i}", KEY_BATCH) for i in range(12)]
+        deadline = time.monotonic() + 60
+        while queue.num_queued < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert queue.num_queued == 10  # two run, ten wait
+        late = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY_BATCH, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:  # behind the flood: too late
+            late.completions.create(
+                model=MODEL, prompt="late", max_tokens=1, extra_body={"deadline_s": 0.05}
+            )
+        assert info.value.status_code == 503 and "deadline_exceeded" in str(info.value.body)
+        with grpc.insecure_channel(stack.grpc_target) as channel:
+            request = pb.GenerateRequest(prompt="late", deadline_s=0.05)
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(
+                    pb_grpc.KVRelayStub(channel).Generate(
+                        request, metadata=[("authorization", f"Bearer {KEY_BATCH}")], timeout=30
+                    )
+                )
+        assert rpc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "deadline_s" in rpc.value.details()
+        chat = [pool.submit(one, f"chat-{i}", KEY_A) for i in range(4)]
+        texts = [f.result(timeout=120) for f in batch + chat]
+    assert all(texts)
+
+    def batch_done_while(name: str) -> int:
+        start, end = events.index(("send", name)), events.index(("done", name))
+        return sum(kind == "done" and n.startswith("batch") for kind, n in events[start:end])
+
+    met = [batch_done_while(f"chat-{i}") <= 2 * queue.max_running for i in range(4)]
+    assert met.count(True) == 4, events
+    sent = {k: queue.num_sent_by_class[k] - sent_before[k] for k in sent_before}
+    assert sent == {TrafficClass.BATCH: 12, TrafficClass.INTERACTIVE: 4}
+    stack.wait_until_no_leaks()
+
+
+@pytest.mark.parametrize("priority", [101, -101, "high"])
+def test_a_bad_priority_is_refused_naming_it(stack: ClusterHarness, priority: object) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY_A, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, extra_body={"priority": priority}
+        )
+    assert "priority" in str(info.value)

@@ -199,6 +199,9 @@ BAD_HTTP = [
         "vocabulary",
     ),
     ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logprobs": 30}, "logprobs", "20"),
+    # Scheduling extras (router/traffic_class.py).
+    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "priority": 101}, "priority", "[-100, 100]"),
+    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "deadline_s": 0}, "deadline_s", "(0,"),
 ]
 
 
@@ -242,6 +245,8 @@ BAD_GRPC = [
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, -1])), "vocabulary"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), "messages"),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=2)), "top_p"),
+    (pb.GenerateRequest(prompt="hi", priority=-101), "priority"),
+    (pb.GenerateRequest(prompt="hi", deadline_s=-1.0), "deadline_s"),
 ]
 
 

@@ -14,6 +14,7 @@ from router.access import (
     tenant_cache_salt,
 )
 from router.errors import Unauthenticated
+from router.traffic_class import KeyClass, TrafficClass
 
 KEY_A = "sk-a-0123456789abcdef"
 KEY_A2 = "sk-a-fedcba9876543210"
@@ -99,3 +100,28 @@ def test_the_cache_salt_is_the_tenants_whatever_the_client_sends() -> None:
     assert tenant_cache_salt("team-a", "") != a
     # Tenant and salt cannot be re-split ("ab" + "c" vs "a" + "bc").
     assert tenant_cache_salt("ab", "c") != tenant_cache_salt("a", "bc")
+
+
+def test_class_and_weight_options_per_tenant_and_old_files_still_parse() -> None:
+    text = f"{KEY_A} team-a class=batch weight=3\n{KEY_A2} team-a\n{KEY_B} team-b\n"
+    keys = ApiKeys.parse(text)
+    assert keys.key_class("team-a") == KeyClass(TrafficClass.BATCH, 3)
+    assert keys.key_class("team-b") == keys.key_class(None) == KeyClass()
+    assert ApiKeys.parse(GOOD).key_class("team-a") == KeyClass()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (f"{KEY_A} a class=bulk", ":1: class='bulk': the class is interactive or batch"),
+        (f"{KEY_A} a weight=0", ":1: weight='0': the weight is an integer in [1, 1000]"),
+        (f"{KEY_A} a weight=x", ":1: weight='x'"),
+        (f"{KEY_A} a colour=red", ":1: unknown option 'colour'"),
+        (f"{KEY_A} a weight=2 weight=3", ":1: option 'weight' given twice"),
+        (f"{KEY_A} a class=batch\n{KEY_B} a class=interactive", ":2: tenant 'a' was given"),
+    ],
+)
+def test_bad_class_options_are_refused_naming_the_line(line: str, message: str) -> None:
+    with pytest.raises(ApiKeysFileError) as info:
+        ApiKeys.parse(line + "\n")
+    assert message in str(info.value) and KEY_A not in str(info.value)

@@ -5,6 +5,7 @@ once migrated, is placed anyway; what it places is counted in the WorkerSet."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -76,3 +77,13 @@ def test_an_admitted_leg_is_placed_whatever_the_objectives_say() -> None:
     routed = asyncio.run(p.route(REQUEST, [], admitted=True))
     assert isinstance(routed, tuple) and not routed[0].meets
     assert p.workers.num_placed("p0") == 1 and p.num_slo_refused == 0
+
+
+def test_a_request_with_a_deadline_is_placed_whatever_the_ttft_objective_says() -> None:
+    p = placer(ScriptedIndex(num_busy_views=10**6), SloTargets(ttft_ms=100, overload="shed"))
+    batch = replace(REQUEST, priority=-1, deadline_s=600.0)
+    routed = asyncio.run(p.route(batch, []))
+    assert isinstance(routed, tuple) and not routed[0].meets
+    assert p.workers.num_placed("p0") == 1 and p.num_slo_refused == 0
+    with pytest.raises(SloUnmet):  # the same request without one is refused
+        asyncio.run(p.route(replace(batch, deadline_s=None), []))

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import pytest
+
 from engine.sampling.sampling_params import SamplingParams, StructuredOutput
+from router.errors import InvalidRequest
 from router.grpc_server import sampling_from_proto, spec_from_proto
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.pb import kvrelay_pb2 as pb
+from router.traffic_class import KeyClass, TrafficClass, request_priority
 
 # Every sampling field set to something other than its default.
 EVERY_FIELD = SamplingParams(
@@ -120,3 +124,22 @@ def test_an_unset_openai_field_takes_the_default() -> None:
     assert (spec.sampling, spec.max_tokens, spec.max_tokens_param) == (SamplingParams(), None, None)
     spec = CompletionRequest(model="m", prompt="p", top_k=-1).to_spec("r")
     assert (spec.sampling, spec.max_tokens) == (SamplingParams(), None)
+
+
+def test_priority_and_deadline_reach_the_spec_from_both_front_ends() -> None:
+    spec = spec_from_proto(pb.GenerateRequest(prompt="p", priority=-7, deadline_s=30.0))
+    assert (spec.priority, spec.deadline_s) == (-7, 30.0)
+    unset = spec_from_proto(pb.GenerateRequest(prompt="p"))
+    assert (unset.priority, unset.deadline_s) == (None, None)
+    body = {"model": "m", "prompt": "p", "priority": 3, "deadline_s": 2.5}
+    http = CompletionRequest.model_validate(body).to_spec("r")
+    assert (http.priority, http.deadline_s) == (3, 2.5)
+
+
+def test_a_key_class_caps_priority_and_the_range_is_checked() -> None:
+    batch = KeyClass(TrafficClass.BATCH)
+    assert [request_priority(batch, p) for p in (None, 50, -5)] == [-1, -1, -5]
+    assert [request_priority(KeyClass(), p) for p in (None, 50, -5)] == [0, 50, -5]
+    with pytest.raises(InvalidRequest) as info:
+        request_priority(KeyClass(), 1000)
+    assert info.value.param == "priority"

@@ -229,3 +229,21 @@ def test_single_request_workloads_run_as_one_turn_conversations() -> None:
     )
     assert client.sent == requests
     assert [r.ok for r in results] == [True] * 4 and duration >= 0
+
+
+def test_mix_needs_a_launched_http_server_and_floods_from_another_seed() -> None:
+    from bench.lib.mixed_load import KEYS_FILE, batch_requests
+    from router.access import ApiKeys
+    from router.traffic_class import TrafficClass
+
+    for argv in (["--mix"], ["--mix", "--launch", "--transport", "grpc"]):
+        with pytest.raises(ValueError, match="--mix needs --launch"):
+            make_args(*argv)
+    args = make_args("--mix", "--launch", "--num-requests", "4", "--mix-batch-requests", "6")
+    flood = batch_requests(args)
+    assert len(flood) == 6 and {r.max_tokens for r in flood} == {args.mix_batch_output_len}
+    chats = {r.prompt_ids for r in build_requests(args)}
+    assert not chats & {r.prompt_ids for r in flood}
+    keys = ApiKeys.parse(KEYS_FILE)  # the bench's key file is one the router takes
+    assert keys.key_class("jobs").kind is TrafficClass.BATCH
+    assert keys.key_class("jobs-plain").kind is TrafficClass.INTERACTIVE

@@ -1,0 +1,298 @@
+"""FairQueue: owns the requests one router holds back while its running bound is full (by
+priority, then deficit round robin between tenants over queued tokens) and the count of its
+requests running in the cluster; a request leaves it when sent on, cancelled or past its deadline.
+
+Order: a higher priority first (GenerateRequest.priority; the key class caps it,
+router/traffic_class.py). Within one priority each flow (a tenant; every caller when API keys
+are off) has a deficit: a flow at the front of the round is served its next request when its
+deficit covers that request's cost (prompt tokens + max_tokens * n), else it is credited its
+quantum (quantum_tokens * the key's weight) and goes to the back. So two flows that both keep
+the queue full are served tokens in the proportion of their weights, whatever their request
+counts, and one flow's flood cannot starve another. A flow that becomes active is served
+before the flows already in the round (with one quantum), as in FQ-CoDel, so a sparse
+tenant's request waits for no backlog. Within a flow: earliest deadline, then
+arrival. So that a lower priority is never starved by a higher one's flood, after `max_bypass`
+requests in a row sent from the top priority while a lower one waited, the next one sent is the
+highest lower priority's.
+
+Bounded: at most max_queued requests wait (one more: Overloaded, as the router's own bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from common.messages import GenerateRequest
+from router.errors import Overloaded
+from router.traffic_class import DEFAULT_CLASS, KeyClass, TrafficClass
+
+DEFAULT_QUANTUM_TOKENS = 512
+DEFAULT_MAX_BYPASS = 32
+DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+class QueueDeadline(Overloaded):
+    """Still queued at its deadline (deadline_s): HTTP 503 with code "deadline_exceeded", gRPC
+    DEADLINE_EXCEEDED; no Retry-After (the deadline was the client's)."""
+
+    code = DEADLINE_EXCEEDED
+
+    def __init__(self, req_id: str, deadline_s: float):
+        RuntimeError.__init__(self)
+        self.max_requests = 0
+        self.retry_after_s = None
+        self.message = (
+            f"request {req_id} was still queued at its deadline_s={deadline_s:g} s "
+            "(the cluster was busy with requests of higher priority or other tenants)"
+        )
+        self.args = (self.message,)
+
+
+class Ticket(NamedTuple):
+    """What the queue needs of one request."""
+
+    req_id: str
+    flow: str  # the tenant ("" when API keys are off)
+    key_class: KeyClass
+    priority: int
+    cost: int  # queued tokens: prompt + max_tokens * n
+    deadline_s: float | None
+
+    @classmethod
+    def of(
+        cls, request: GenerateRequest, tenant: str | None, key_class: KeyClass = DEFAULT_CLASS
+    ) -> Ticket:
+        sampling = request.sampling
+        cost = len(request.prompt_token_ids) + sampling.max_tokens * sampling.n
+        return cls(
+            request.req_id, tenant or "", key_class, request.priority, cost, request.deadline_s
+        )
+
+
+@dataclass(eq=False)
+class _Entry:
+    ticket: Ticket
+    deadline: float  # the loop's clock; inf: none
+    seq: int
+    granted: asyncio.Future[None]
+    removed: bool = False
+
+    def __lt__(self, other: _Entry) -> bool:  # within a flow: earliest deadline, then arrival
+        return (self.deadline, self.seq) < (other.deadline, other.seq)
+
+
+@dataclass
+class _Band:
+    """One priority's flows, each with its waiting entries (a heap), deficit and weight, in two
+    rounds (as FQ-CoDel's): flows that just became active (`new`, served first, so a sparse
+    tenant's request is not queued behind a flood's backlog of credit) and the others (`old`).
+    A new flow starts with one quantum and joins the old round once it needs more."""
+
+    quantum_tokens: int
+    new: OrderedDict[str, list[_Entry]] = field(default_factory=OrderedDict)
+    old: OrderedDict[str, list[_Entry]] = field(default_factory=OrderedDict)
+    deficit: dict[str, int] = field(default_factory=dict)
+    weight: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new and not self.old
+
+    def push(self, entry: _Entry) -> None:
+        flow = entry.ticket.flow
+        self.weight[flow] = entry.ticket.key_class.weight
+        heap = self.new.get(flow)
+        if heap is None:
+            heap = self.old.get(flow)
+        if heap is None:
+            heap = self.new[flow] = []
+            self.deficit[flow] = self._quantum(flow)
+        heapq.heappush(heap, entry)
+
+    def pop(self) -> _Entry | None:
+        """The next entry by deficit round robin (None: every entry here was removed)."""
+        while not self.is_empty:
+            flows = self.new or self.old
+            flow, heap = next(iter(flows.items()))
+            while heap and heap[0].removed:
+                heapq.heappop(heap)
+            if not heap:
+                self._drop(flows, flow)
+                continue
+            if self.deficit[flow] >= heap[0].ticket.cost:
+                entry = heapq.heappop(heap)
+                self.deficit[flow] -= entry.ticket.cost
+                if not heap:
+                    self._drop(flows, flow)
+                return entry
+            self.deficit[flow] += self._quantum(flow)
+            del flows[flow]
+            self.old[flow] = heap  # to the back of the old round
+        return None
+
+    def _quantum(self, flow: str) -> int:
+        return self.quantum_tokens * self.weight[flow]
+
+    def _drop(self, flows: OrderedDict[str, list[_Entry]], flow: str) -> None:
+        """A flow with nothing waiting leaves the round and loses its deficit (standard DRR)."""
+        del flows[flow], self.deficit[flow], self.weight[flow]
+
+
+class QueueMetrics:
+    def __init__(self, registry: CollectorRegistry | None):
+        r = registry or CollectorRegistry()
+        self.queued = Gauge(
+            "kvrelay_router_queued_requests",
+            "Requests this router holds back while its running bound is full, by key class.",
+            ["class"],
+            registry=r,
+        )
+        self.sent = Counter(
+            "kvrelay_router_queue_sent_requests",
+            "Requests the router's queue sent on to the cluster, by key class.",
+            ["class"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "kvrelay_router_queue_deadline_refusals",
+            "Requests refused because they were still queued at their deadline_s.",
+            registry=r,
+        )
+        self.running = Gauge(
+            "kvrelay_router_queue_running_requests",
+            "Requests this router's queue has sent on that have not ended.",
+            registry=r,
+        )
+        for kind in TrafficClass:
+            self.queued.labels(kind.value).set(0)
+            self.sent.labels(kind.value)
+
+
+class FairQueue:
+    """One event loop's queue (no lock: every call runs on that loop).
+
+    Invariants: 0 <= num_running <= max_running (0: no bound, nothing ever waits); a request
+    waits only while num_running == max_running; every granted turn is given back exactly once
+    (turn's exit), and every entry leaves the queue exactly once (sent, cancelled, expired)."""
+
+    def __init__(
+        self,
+        max_running: int = 0,
+        max_queued: int = 1024,
+        registry: CollectorRegistry | None = None,
+        quantum_tokens: int = DEFAULT_QUANTUM_TOKENS,
+        max_bypass: int = DEFAULT_MAX_BYPASS,
+    ):
+        if max_running < 0 or max_queued < 1 or quantum_tokens < 1 or max_bypass < 1:
+            raise ValueError(
+                "max_running must be >= 0, max_queued, quantum_tokens and max_bypass >= 1"
+            )
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.quantum_tokens = quantum_tokens
+        self.max_bypass = max_bypass
+        self.metrics = QueueMetrics(registry)
+        self.num_running = 0
+        self.num_queued = 0
+        self.num_sent_by_class = dict.fromkeys(TrafficClass, 0)  # for tests and the stats line
+        self._bands: dict[int, _Band] = {}
+        self._seq = itertools.count()
+        self._streak = 0  # sent in a row from the top priority while a lower one waited
+
+    @contextlib.asynccontextmanager
+    async def turn(self, ticket: Ticket) -> AsyncIterator[None]:
+        """Wait for the request's turn and hold its running slot for the `async with` block.
+        Raises Overloaded when max_queued already wait, QueueDeadline past its deadline; a
+        cancelled wait leaves the queue."""
+        await self._wait(ticket)
+        try:
+            yield
+        finally:
+            self._release()
+
+    @property
+    def has_room(self) -> bool:
+        return self.max_running == 0 or self.num_running < self.max_running
+
+    async def _wait(self, ticket: Ticket) -> None:
+        if self.has_room and not self.num_queued:
+            self._start(ticket)
+            return
+        if self.num_queued >= self.max_queued:
+            raise Overloaded(self.max_queued, 1)
+        loop = asyncio.get_running_loop()
+        deadline = math.inf if ticket.deadline_s is None else loop.time() + ticket.deadline_s
+        entry = _Entry(ticket, deadline, next(self._seq), loop.create_future())
+        band = self._bands.get(ticket.priority)
+        if band is None:
+            band = self._bands[ticket.priority] = _Band(self.quantum_tokens)
+        band.push(entry)
+        self._count_queued(ticket, +1)
+        timeout = None if ticket.deadline_s is None else ticket.deadline_s
+        try:
+            await asyncio.wait_for(asyncio.shield(entry.granted), timeout)
+        except (asyncio.CancelledError, TimeoutError) as e:
+            if entry.granted.done():  # sent on as the wait ended: give the slot back
+                self._release()
+            else:
+                self._remove(entry)
+            if isinstance(e, TimeoutError):
+                self.metrics.expired.inc()
+                raise QueueDeadline(ticket.req_id, timeout or 0.0) from None
+            raise
+
+    def _start(self, ticket: Ticket) -> None:
+        self.num_running += 1
+        self.metrics.running.set(self.num_running)
+        self.num_sent_by_class[ticket.key_class.kind] += 1
+        self.metrics.sent.labels(ticket.key_class.kind.value).inc()
+
+    def _release(self) -> None:
+        self.num_running -= 1
+        self.metrics.running.set(self.num_running)
+        self._send_next()
+
+    def _remove(self, entry: _Entry) -> None:
+        entry.removed = True  # its band drops it when it reaches the front of its flow
+        self._count_queued(entry.ticket, -1)
+
+    def _count_queued(self, ticket: Ticket, delta: int) -> None:
+        self.num_queued += delta
+        self.metrics.queued.labels(ticket.key_class.kind.value).inc(delta)
+
+    def _send_next(self) -> None:
+        while self.has_room and self.num_queued:
+            entry = self._next_entry()
+            if entry is None:
+                return
+            self._count_queued(entry.ticket, -1)
+            self._start(entry.ticket)
+            entry.granted.set_result(None)
+
+    def _next_entry(self) -> _Entry | None:
+        while True:
+            priorities = sorted(self._bands, reverse=True)
+            if not priorities:
+                return None
+            chosen = priorities[0]
+            if len(priorities) > 1 and self._streak >= self.max_bypass:
+                chosen = priorities[1]
+            entry = self._bands[chosen].pop()
+            if self._bands[chosen].is_empty:
+                del self._bands[chosen]
+            if entry is None:
+                continue
+            self._streak = self._streak + 1 if chosen == priorities[0] else 0
+            if len(priorities) == 1:
+                self._streak = 0
+            return entry

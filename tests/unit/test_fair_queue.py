@@ -1,0 +1,166 @@
+"""The router's FairQueue alone: priority order, deficit round robin between tenants by queued
+tokens and weights, no starvation of a lower priority, the bound, cancellation and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.errors import Overloaded
+from router.fair_queue import FairQueue, QueueDeadline, Ticket
+from router.traffic_class import KeyClass, TrafficClass
+
+BATCH = KeyClass(TrafficClass.BATCH)
+
+
+def ticket(req_id: str, flow: str = "", priority: int = 0, cost: int = 100, **kw) -> Ticket:
+    key_class = kw.pop("key_class", KeyClass())
+    return Ticket(req_id, flow, key_class, priority, cost, kw.pop("deadline_s", None))
+
+
+async def grant_order(queue: FairQueue, tickets: list[Ticket]) -> list[str]:
+    """The order the queue sends `tickets` on in, all queued behind one running request."""
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with queue.turn(ticket("holder")):
+            await release.wait()
+
+    async def one(t: Ticket) -> None:
+        async with queue.turn(t):
+            order.append(t.req_id)
+
+    holder = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    tasks = [asyncio.create_task(one(t)) for t in tickets]
+    while queue.num_queued < len(tickets):
+        await asyncio.sleep(0)
+    release.set()
+    await asyncio.gather(holder, *tasks)
+    assert queue.num_running == 0 and queue.num_queued == 0
+    return order
+
+
+def queued_gauge(registry: CollectorRegistry, kind: str) -> float | None:
+    return registry.get_sample_value("kvrelay_router_queued_requests", {"class": kind})
+
+
+def test_higher_priority_first_then_arrival() -> None:
+    queue = FairQueue(max_running=1)
+    tickets = [ticket("a", priority=-1), ticket("b"), ticket("c", priority=5), ticket("d")]
+    assert asyncio.run(grant_order(queue, tickets)) == ["c", "b", "d", "a"]
+
+
+def test_tenants_share_by_queued_tokens_not_by_request_count() -> None:
+    queue = FairQueue(max_running=1, quantum_tokens=100)
+    big = [ticket(f"big-{i}", "big", cost=400) for i in range(10)]
+    small = [ticket(f"small-{i}", "small", cost=100) for i in range(40)]
+    order = asyncio.run(grant_order(queue, big + small))
+    first = Counter(req_id.split("-")[0] for req_id in order[:25])
+    assert first == {"small": 20, "big": 5}  # 2,000 tokens each
+
+
+def test_weights_set_the_shares() -> None:
+    queue = FairQueue(max_running=1, quantum_tokens=100)
+    heavy = KeyClass(weight=3)
+    a = [ticket(f"a-{i}", "a", cost=100) for i in range(30)]
+    b = [ticket(f"b-{i}", "b", cost=100, key_class=heavy) for i in range(30)]
+    order = asyncio.run(grant_order(queue, a + b))
+    assert Counter(req_id[0] for req_id in order[:20]) == {"b": 15, "a": 5}
+
+
+def test_a_flood_does_not_starve_a_later_tenant() -> None:
+    queue = FairQueue(max_running=1, quantum_tokens=100)
+    flood = [ticket(f"flood-{i}", "flood") for i in range(50)]
+    late = [ticket(f"late-{i}", "late") for i in range(3)]
+    order = asyncio.run(grant_order(queue, flood + late))
+    assert order.index("late-0") == 1  # a flow just active goes before the flood's backlog
+    assert max(order.index(f"late-{i}") for i in range(3)) < 8
+
+
+def test_a_lower_priority_gets_one_turn_after_max_bypass() -> None:
+    queue = FairQueue(max_running=1, max_bypass=4)
+    high = [ticket(f"hi-{i}", "chat", priority=0) for i in range(12)]
+    low = [ticket(f"lo-{i}", "batch", priority=-1, key_class=BATCH) for i in range(3)]
+    order = asyncio.run(grant_order(queue, low + high))
+    assert [i for i, req_id in enumerate(order) if req_id.startswith("lo")] == [
+        4,
+        9,
+        14,
+    ]  # then the last one when the top is empty
+    assert queue.num_sent_by_class[TrafficClass.BATCH] == 3
+
+
+def test_the_queue_is_bounded_and_a_cancelled_wait_leaves_it() -> None:
+    registry = CollectorRegistry()
+    queue = FairQueue(max_running=1, max_queued=2, registry=registry)
+
+    async def scenario() -> None:
+        release = asyncio.Event()
+
+        async def hold(t: Ticket) -> None:
+            async with queue.turn(t):
+                await release.wait()
+
+        holder = asyncio.create_task(hold(ticket("holder")))
+        await asyncio.sleep(0)
+        waiting = [asyncio.create_task(hold(ticket(f"w{i}", key_class=BATCH))) for i in range(2)]
+        await asyncio.sleep(0)
+        assert queue.num_queued == 2 and queued_gauge(registry, "batch") == 2
+        with pytest.raises(Overloaded):
+            async with queue.turn(ticket("one-too-many")):
+                pass
+        waiting[0].cancel()
+        await asyncio.gather(waiting[0], return_exceptions=True)
+        assert queue.num_queued == 1 and queued_gauge(registry, "batch") == 1
+        release.set()
+        await asyncio.gather(holder, waiting[1])
+        assert queue.num_running == 0 and queue.num_queued == 0
+        assert queued_gauge(registry, "batch") == 0
+        sent = registry.get_sample_value(
+            "kvrelay_router_queue_sent_requests_total", {"class": "batch"}
+        )
+        assert sent == 1  # the cancelled one never went on
+
+    asyncio.run(scenario())
+
+
+def test_a_request_still_queued_at_its_deadline_is_refused() -> None:
+    registry = CollectorRegistry()
+    queue = FairQueue(max_running=1, registry=registry)
+
+    async def scenario() -> None:
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with queue.turn(ticket("holder")):
+                await release.wait()
+
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0)
+        with pytest.raises(QueueDeadline) as info:
+            async with queue.turn(ticket("late", deadline_s=0.01, key_class=BATCH)):
+                pass
+        assert "deadline_s" in info.value.message and info.value.code == "deadline_exceeded"
+        assert queue.num_queued == 0
+        release.set()
+        await holder
+        async with queue.turn(ticket("in-time", deadline_s=0.01)):  # room: no wait at all
+            assert queue.num_running == 1
+
+    asyncio.run(scenario())
+    assert registry.get_sample_value("kvrelay_router_queue_deadline_refusals_total") == 1
+
+
+def test_without_a_bound_nothing_waits() -> None:
+    queue = FairQueue(max_running=0)
+
+    async def scenario() -> None:
+        async with queue.turn(ticket("a")), queue.turn(ticket("b")):
+            assert queue.num_running == 2 and queue.num_queued == 0
+
+    asyncio.run(scenario())
