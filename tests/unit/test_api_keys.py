@@ -116,8 +116,11 @@ def test_class_and_weight_options_per_tenant_and_old_files_still_parse() -> None
         (f"{KEY_A} a class=bulk", ":1: class='bulk': the class is interactive or batch"),
         (f"{KEY_A} a weight=0", ":1: weight='0': the weight is an integer in [1, 1000]"),
         (f"{KEY_A} a weight=x", ":1: weight='x'"),
-        (f"{KEY_A} a colour=red", ":1: unknown option 'colour'"),
-        (f"{KEY_A} a weight=2 weight=3", ":1: option 'weight' given twice"),
+        (
+            f"{KEY_A} a colour=red",
+            ":1: unknown column 'colour' (known: rps, tpm, streams, class, weight)",
+        ),
+        (f"{KEY_A} a weight=2 weight=3", ":1: weight is given twice"),
         (f"{KEY_A} a class=batch\n{KEY_B} a class=interactive", ":2: tenant 'a' was given"),
     ],
 )

@@ -44,7 +44,7 @@ def test_limit_columns_give_each_tenant_its_limits_and_old_lines_none() -> None:
         ("rps=nan", ":2: rps must be a positive number, got nan"),
         ("tpm=lots", ":2: tpm='lots' is not a number"),
         ("streams=1.5", ":2: streams must be a whole number, got 1.5"),
-        ("burst=3", ":2: unknown column 'burst' (known: rps, tpm, streams)"),
+        ("burst=3", ":2: unknown column 'burst' (known: rps, tpm, streams, class, weight)"),
         ("rps=1 rps=2", ":2: rps is given twice"),
         ("rps=", ":2: 'rps=' is not NAME=VALUE"),
         ("rps", ":2: 'rps' is not NAME=VALUE"),
