@@ -1,15 +1,16 @@
 """DiskTier: the bookkeeping of a worker's disk KV tier (the third tier of the prefix cache). It
-owns which block hashes have a file, each one's retention priority, the eviction order
-(priority, then LRU), the size bound, the blocks read and checked for a prefix hit but not yet
-copied back (staged), and the tier's counters; the files are BlockFiles' (kvtransfer/
-disk_blocks.py through NIXL). Torch-free: a block's KV is an opaque payload here.
+owns which block hashes have a file, each one's retention priority, the eviction order (priority,
+then LRU), the size bound, the blocks read and checked for a prefix hit but not yet copied back
+(staged), and the tier's counters; the files are BlockFiles' (kvtransfer/disk_blocks.py through
+NIXL). Torch-free: a block's KV is an opaque payload here.
 
-A block reaches this tier when it leaves the host tier (or the device pool, without a host
-tier): its spill is queued (OwedCopies) and written before anything overwrites its bytes
-(BlockCopies). A prefix hit reads and checks the file when the request is matched (a bad file
-is removed and its block recomputed, never loaded) and copies it into a fresh device block
-before the step that reads it. Writing is best effort: a full disk loses the block, never a
-request.
+A block written here is also published to the cluster-shared store below it when one is configured
+(SharedStore: once per block cluster-wide). A block reaches this tier when it leaves the host tier
+(or the device pool, without a host tier): its spill is queued (OwedCopies) and written before
+anything overwrites its bytes (BlockCopies). A prefix hit reads and checks the file when the request
+is matched (a bad file is removed and its block recomputed, never loaded) and copies it into a fresh
+device block before the step that reads it. Writing is best effort: a full disk loses the block,
+never a request.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.shared_store import SharedStore
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class DiskTier:
         self.read_errors = read_errors
         self.block_bytes = block_bytes
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
+        # the cluster-shared store below this tier: every block written here is published
+        self.shared: SharedStore | None = None
         self._events: list[KVEvent] = []
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
@@ -110,6 +114,8 @@ class DiskTier:
         if spill.block_hash in self._priority:
             self.refresh(spill.block_hash, spill.priority)
             return False
+        if self.shared is not None:
+            self.shared.publish(spill.block_hash, row, spill.priority)
         while len(self._priority) >= self.num_slots:
             self._evict()
         try:
@@ -189,6 +195,9 @@ class DiskTier:
         """Measured seconds to read and check one block (None before the first read)."""
         return self.read_s / self.num_reads if self.num_reads else None
 
+    def is_staged(self, block_hash: int) -> bool:
+        return block_hash in self._staged
+
     def take(self, block_hash: int) -> object:
         """A staged block's payload for its copy back (it stays in this tier, now newest)."""
         payload = self._staged.pop(block_hash)
@@ -202,6 +211,16 @@ class DiskTier:
         (max_staged_bytes), the rest read again when matched again."""
         while len(self._staged) > self.max_staged:
             del self._staged[next(iter(self._staged))]
+        if self.shared is not None:
+            self.shared.trim_staged()
+
+    def evict_hashes(self, block_hashes: list[int]) -> int:
+        """Remove these blocks' files here (an operator's eviction; the shared store's are the
+        caller's to remove); returns how many this tier held."""
+        held = [block_hash for block_hash in block_hashes if block_hash in self._priority]
+        for block_hash in held:
+            self._drop(block_hash)
+        return len(held)
 
     def snapshot_fields(self) -> dict[str, int | float]:
         """This tier's EngineSnapshot fields (the engine's summary of its counters)."""
@@ -214,7 +233,7 @@ class DiskTier:
             "num_disk_cached_blocks": self.num_cached,
             "disk_load_s": self.read_s,
             "num_disk_reads": self.num_reads,
-        }
+        } | ({} if self.shared is None else self.shared.snapshot_fields())
 
     def check_integrity(self) -> None:
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())

@@ -27,7 +27,8 @@ class PrefixMatch:
     partial_src: KVBlock | None = None
     num_partial_tokens: int = 0
     host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
-    disk_hashes: tuple[int, ...] = ()  # the full blocks after those, read from the disk tier
+    # the full blocks after those, read from the disk tier (or the cluster-shared store below it)
+    disk_hashes: tuple[int, ...] = ()
 
 
 NO_MATCH = PrefixMatch()
@@ -97,8 +98,12 @@ class PrefixCache:
                 host.append(block_hash)
         disk: list[int] = []
         if self.disk_tier is not None:  # each block's file read and checked now
+            shared = self.disk_tier.shared  # a block this worker's disk lacks: the shared store's
             for block_hash in req.block_hashes[len(blocks) + len(host) : max_blocks]:
-                if not self.disk_tier.has(block_hash) or not self.disk_tier.stage(block_hash):
+                if self.disk_tier.has(block_hash):
+                    if not self.disk_tier.stage(block_hash):
+                        break
+                elif shared is None or not shared.has(block_hash) or not shared.stage(block_hash):
                     break
                 disk.append(block_hash)
         num_full = (len(blocks) + len(host) + len(disk)) * self.block_size
