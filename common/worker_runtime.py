@@ -254,6 +254,7 @@ class WorkerBase(ABC):
             num_disk_write_failures=snapshot.num_disk_write_failures,
             num_disk_cached_blocks=snapshot.num_disk_cached_blocks,
             disk_load_s=snapshot.disk_load_s,
+            tiers=snapshot.tiers,
             num_spec_verify_steps=snapshot.num_spec_verify_steps,
             num_spec_drafted_tokens=snapshot.num_spec_drafted_tokens,
             num_spec_accepted_tokens=snapshot.num_spec_accepted_tokens,

@@ -15,6 +15,7 @@ from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStats, Worke
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
+from engine.kv_cache.tier_stats import TierStats
 
 ADDRESS_HELP = (
     "Ray cluster address (host:port of its GCS, or 'auto'); default: the cluster of the "
@@ -155,7 +156,26 @@ def _worker_line(worker: WorkerStatus) -> str:
         parts.append(_disk_tier(stats))
     if stats.transfer_bytes_per_s is not None:
         parts.append(f"KV transfer {stats.transfer_bytes_per_s / 1e6:.1f} MB/s")
-    return f"{head} " + ", ".join(parts)
+    line = f"{head} " + ", ".join(parts)
+    if len(stats.tiers) > 1:  # a tier past the device: one line of every tier
+        line += "\n    tiers: " + "; ".join(_tier(t) for t in stats.tiers)
+    return line
+
+
+def _tier(tier: TierStats) -> str:
+    """A KV tier's size and use, hit rate, loads (MB, ms a block), bad files, refused writes."""
+    rate = "-" if tier.hit_rate is None else f"{tier.hit_rate:.0%}"
+    text = f"{tier.tier} {tier.used_blocks}/{tier.capacity_blocks} blocks, hits {rate}"
+    if tier.load_bytes:
+        text += f" ({tier.load_bytes / 1e6:.1f} MB loaded"
+        if tier.load_s and tier.hit_blocks:
+            text += f", {tier.load_s * 1e3 / tier.hit_blocks:.2f} ms a block"
+        text += ")"
+    if tier.bad_files:
+        text += f", {tier.bad_files} bad files"
+    if tier.write_failures:
+        text += f", {tier.write_failures} writes refused"
+    return text
 
 
 def _disk_tier(stats: WorkerStats) -> str:

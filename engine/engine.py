@@ -250,6 +250,7 @@ class Engine:
             num_spec_drafted_tokens=spec.num_drafted_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             **({} if kv.disk_tier is None else kv.disk_tier.snapshot_fields()),
+            tiers=kv.tier_stats(self.copies.kv_cache[0].nbytes),
         )
 
     def disk_cached_hashes(self) -> list[int]:

@@ -112,6 +112,11 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_holding_blocks(self) -> int:
+        """Blocks holding KV: in use, or cached (evictable or not)."""
+        return self.num_blocks - len(self._uncached_free)
+
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 

@@ -21,6 +21,7 @@ from engine.kv_cache.kept_blocks import Kept, KeptBlocks
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from engine.kv_cache.retention import RetentionRange, block_retention
+from engine.kv_cache.tier_stats import TierStats
 from engine.step.request import Request
 
 
@@ -71,7 +72,9 @@ class KVCacheManager:
         self.keep_on_host = keep_on_host and host_tier is not None and enable_caching
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
-        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier
+        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier (or shared)
+        self.num_lookup_blocks = 0  # prompt blocks looked up in the prefix cache
+        self.num_device_hit_blocks = 0  # of those, found in the device pool
         self.pool = BlockPool(
             num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
         )
@@ -114,6 +117,66 @@ class KVCacheManager:
             keep_on_host=cache.keep_on_host,
             disk_tier=disk_tier,
         )
+
+    def tier_stats(self, block_bytes: int) -> tuple[TierStats, ...]:
+        """Each tier's size, use, hits and loads (device, then the tiers it has)."""
+        pool = self.pool
+        looked = self.num_lookup_blocks
+        tiers = [
+            TierStats(
+                "device",
+                pool.num_blocks,
+                pool.num_holding_blocks,
+                looked,
+                self.num_device_hit_blocks,
+                0,
+                0.0,
+            )
+        ]
+        looked -= self.num_device_hit_blocks
+        if self.host_tier is not None:
+            host = self.host_tier
+            hits = self.num_host_hit_blocks
+            tiers.append(
+                TierStats(
+                    "host", host.num_slots, host.num_cached, looked, hits, hits * block_bytes, 0.0
+                )
+            )
+            looked -= hits
+        disk = self.disk_tier
+        if disk is not None:
+            hits = disk.num_hit_blocks
+            tiers.append(
+                TierStats(
+                    "disk",
+                    disk.num_slots,
+                    disk.num_cached,
+                    looked,
+                    hits,
+                    hits * block_bytes,
+                    disk.read_s,
+                    disk.num_bad_files,
+                    disk.num_write_failures,
+                )
+            )
+            looked -= hits
+            if disk.shared is not None:
+                shared = disk.shared
+                hits = shared.num_hit_blocks
+                tiers.append(
+                    TierStats(
+                        "shared",
+                        shared.num_slots,
+                        shared.num_files,
+                        looked,
+                        hits,
+                        hits * block_bytes,
+                        shared.read_s,
+                        shared.num_bad_files,
+                        shared.num_write_failures,
+                    )
+                )
+        return tuple(tiers)
 
     @property
     def num_free_blocks(self) -> int:
@@ -162,6 +225,9 @@ class KVCacheManager:
             self.pool.touch(match.blocks)
             table.extend(match.blocks)
             table.num_cached = len(table.blocks)
+        if req.num_computed_tokens == 0 and self.pool.enable_caching:  # its first blocks
+            self.num_lookup_blocks += max(0, req.num_tokens - 1) // self.block_size
+            self.num_device_hit_blocks += len(match.blocks)
         req.num_computed_tokens += match.num_tokens  # both tiers and a partial block's tokens
         slots = self.owed.lend_hits(match.host_hashes) if match.host_hashes else []
         # Copies run in the order they are queued, and taking a block may evict (and offload)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from engine.finish_reason import FinishReason
+from engine.kv_cache.tier_stats import TierStats
 from engine.sampling.sampler import PendingSample, TopLogprobs
 from engine.step.request import Request
 from engine.step.scheduler import SchedulerOutput
@@ -104,6 +105,7 @@ class EngineSnapshot(NamedTuple):
     num_shared_capacity_blocks: int = 0
     shared_load_s: float = 0.0
     num_shared_reads: int = 0
+    tiers: tuple[TierStats, ...] = ()  # each KV tier's size, use, hits and loads
 
 
 class KVMemory(NamedTuple):

@@ -71,6 +71,12 @@ def test_a_second_worker_computes_only_what_the_first_did_not_publish(tiny, tmp_
     assert snap.num_shared_hit_blocks == sum(expect) // BLOCK
     assert snap.num_shared_hit_bytes == snap.num_shared_hit_blocks * BLOCK_BYTES
     assert snap.num_shared_bad_files == 0 and snap.shared_load_s > 0
+    tiers = {tier.tier: tier for tier in snap.tiers}
+    assert list(tiers) == ["device", "host", "disk", "shared"]
+    assert tiers["device"].lookup_blocks == 4 * 8 and tiers["device"].hit_blocks == 0
+    assert tiers["shared"].hit_blocks == snap.num_shared_hit_blocks
+    assert tiers["shared"].lookup_blocks == 4 * 8 and tiers["shared"].used_blocks >= len(there)
+    assert tiers["shared"].load_bytes == snap.num_shared_hit_bytes
     # one writer a block: the second worker's spills were the first's blocks, not rewritten
     assert store_of(second).num_found_published > 0
     assert published(tmp_path / "shared") >= there

@@ -23,6 +23,7 @@ from common.cluster_state import (
 from common.messages import WorkerLoad
 from deploy.cli import main
 from deploy.ops_cli import format_status
+from engine.kv_cache.tier_stats import TierStats
 
 
 def test_scale_request_keeps_only_the_pools_given_and_refuses_negative_sizes() -> None:
@@ -70,3 +71,26 @@ def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:
     assert as_json["pools"][0]["workers"][0]["stats"]["prefix_hit_rate"] == 0.25
     assert as_json["pools"][1]["workers"][1]["exit_check"]["num_free_blocks"] == 100
     json.dumps(as_json)  # plain JSON types only
+
+
+def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
+    tiers = (
+        TierStats("device", 100, 80, 40, 10, 0, 0.0),
+        TierStats("host", 50, 50, 30, 15, 15 * 1000, 0.0),
+        TierStats("disk", 1000, 300, 15, 5, 5_000_000, 0.01, bad_files=2),
+        TierStats("shared", 5000, 700, 10, 0, 0, 0.0, write_failures=3),
+    )
+    load = WorkerLoad(free_blocks=20, total_blocks=100)
+    worker = WorkerStatus(
+        "p0", "prefill", WorkerState.READY, (), "10.0.0.1",
+        stats=PrefillStats(WorkerState.READY, load, tiers=tiers),
+    )  # fmt: skip
+    status = status_with((worker,))
+    text = format_status(status)
+    assert "tiers: device 80/100 blocks, hits 25%; host 50/50 blocks, hits 50%" in text
+    assert "disk 300/1000 blocks, hits 33% (5.0 MB loaded, 2.00 ms a block), 2 bad files" in text
+    assert "shared 700/5000 blocks, hits 0%, 3 writes refused" in text
+    raw = status.to_json_dict()["pools"][0]["workers"][0]["stats"]["tiers"]
+    assert raw[3]["tier"] == "shared" and raw[3]["capacity_blocks"] == 5000
+    assert raw[0]["hit_rate"] == 0.25
+    json.dumps(raw)
