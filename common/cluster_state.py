@@ -286,6 +286,20 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class KVEvictRequest:
+    """`kvrelay kv evict`: a prompt's blocks (prompt, hashed under cache_salt) or, without a
+    prompt, every block computed under cache_salt, dropped by every worker from each tier and
+    from the shared store."""
+
+    prompt: str | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and not self.cache_salt:
+            raise ValueError("give --prefix-of TEXT, --salt S (or --tenant T), or both")
+
+
+@dataclass(frozen=True)
 class ScaleRequest:
     """Desired pool sizes; None leaves a pool as it is."""
 

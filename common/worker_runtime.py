@@ -170,6 +170,17 @@ class WorkerBase(ABC):
         once per RESYNC_MIN_INTERVAL_S, however many routers ask). True if one was queued."""
         return await self.thread.call(lambda engine: self.index_upkeep.resync(time.monotonic()))
 
+    async def evict_kv(self, prompt: str | None, cache_salt: str | None) -> dict[str, int]:
+        """`kvrelay kv evict` here: a prompt's blocks (tokenized by this worker's tokenizer,
+        hashed under cache_salt) or every block of cache_salt, from each tier and the shared
+        store; blocks dropped per tier (their removal reaches the index as KV events)."""
+
+        def run(engine: Engine) -> dict[str, int]:
+            tokens = None if prompt is None else engine.tokenize_prompt(prompt)
+            return engine.evict_kv(tokens, cache_salt)
+
+        return await self.thread.call(run)
+
     async def stats(self) -> WorkerStats:
         return await self.thread.call(self._stats)
 

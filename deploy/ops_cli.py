@@ -1,6 +1,6 @@
-"""`kvrelay scale`, `kvrelay status` and `kvrelay router`: operator commands against a running
-cluster's controller (through Ray); a router stops as serve's does, draining on Ctrl-C or
-SIGTERM (deploy/serve_stop.py). Holds no state."""
+"""`kvrelay scale`, `kvrelay status`, `kvrelay kv evict` and `kvrelay router`: operator commands
+against a running cluster's controller (through Ray); a router stops as serve's does, draining on
+Ctrl-C or SIGTERM (deploy/serve_stop.py). Holds no state."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ import logging
 import sys
 import time
 
-from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStats, WorkerStatus
+from common.cluster_state import (
+    ClusterStatus,
+    KVEvictRequest,
+    ScaleRequest,
+    WorkerStats,
+    WorkerStatus,
+)
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
@@ -37,6 +43,28 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _add_target(p)
     p.set_defaults(func=status)
+
+    p = sub.add_parser("kv", help="the cluster's KV cache: evict")
+    kv = p.add_subparsers(dest="kv_command", required=True)
+    p = kv.add_parser(
+        "evict",
+        help="drop a tenant's or a prompt's blocks from every worker's tiers and the shared store",
+    )
+    p.add_argument("--salt", default=None, help="the cache_salt the blocks were computed under")
+    p.add_argument(
+        "--tenant",
+        default=None,
+        help="a tenant of --api-keys-file: its salt (with --salt: that client salt of the tenant)",
+    )
+    p.add_argument(
+        "--prefix-of",
+        default=None,
+        metavar="TEXT",
+        help="only this prompt's blocks (tokenized as a completion prompt), under the salt given",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_target(p)
+    p.set_defaults(func=kv_evict)
 
     p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
     p.add_argument("--host", default="127.0.0.1")
@@ -93,6 +121,45 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
     ready = ", ".join(f"{p.role} {p.num_ready}" for p in final.pools)
     _say(f"kvrelay: pools at their size ({ready}) after {time.monotonic() - started:.1f} s")
     return 0
+
+
+# ---- kv evict ------------------------------------------------------------------------------
+def evict_request(args: argparse.Namespace) -> KVEvictRequest:
+    """The request `kvrelay kv evict` sends (a tenant's salt as its router computes it)."""
+    salt = args.salt
+    if args.tenant is not None:
+        from router.access import tenant_cache_salt
+
+        salt = tenant_cache_salt(args.tenant, args.salt)
+    return KVEvictRequest(args.prefix_of, salt)
+
+
+def kv_evict(args: argparse.Namespace) -> int:
+    request = evict_request(args)
+    controller = _controller(args)
+
+    async def evict() -> dict[str, dict[str, int] | str]:
+        return await controller.evict_kv.remote(request)
+
+    answers = asyncio.run(evict())
+    if args.json:
+        print(json.dumps(answers, indent=2))
+    else:
+        print(format_evicted(answers))
+    return 1 if any(isinstance(a, str) for a in answers.values()) else 0
+
+
+def format_evicted(answers: dict[str, dict[str, int] | str]) -> str:
+    if not answers:
+        return "no worker answered: nothing evicted"
+    lines = []
+    for worker_id, answer in sorted(answers.items()):
+        if isinstance(answer, str):
+            lines.append(f"{worker_id}: error: {answer}")
+        else:
+            counts = ", ".join(f"{tier} {n}" for tier, n in answer.items())
+            lines.append(f"{worker_id}: blocks dropped: {counts}")
+    return "\n".join(lines)
 
 
 # ---- status --------------------------------------------------------------------------------

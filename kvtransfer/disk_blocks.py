@@ -35,7 +35,8 @@ MAGIC = b"KVRDISK1"
 HEADER_BYTES = 4096
 SUFFIX = ".kvb"
 _FIXED = struct.Struct("<8sIIQQQQI")  # magic, version, header len, hash, layout, len, sum, json
-HINT = struct.Struct("<q")  # the header's last bytes: an eviction hint outside its checksum
+# the header's last bytes, outside its checksum: (retention priority, salt root) for eviction
+HINT = struct.Struct("<qQ")
 _AGENT_SEQ = [0]
 _HOST = socket.gethostname()  # temporary names are unique across the hosts of a shared store
 
@@ -120,10 +121,11 @@ class DiskBlockFiles:
         return self.dir / f"{block_hash:016x}{SUFFIX}"
 
     # ---- write and read ------------------------------------------------------------------
-    def write(self, block_hash: int, row: torch.Tensor) -> None:
-        """Publish row (one block's KV) as block_hash's file. Raises OSError (ENOSPC for a full
+    def write(self, block_hash: int, row: torch.Tensor, salt_root: int = 0) -> None:
+        """Publish row (one block's KV) as block_hash's file. salt_root: its cache_salt's chain
+        root (0: none), kept for `kvrelay kv evict --salt`. Raises OSError (ENOSPC for a full
         disk) with nothing left behind."""
-        tmp = self.write_temp(block_hash, row)
+        tmp = self.write_temp(block_hash, row, salt_root=salt_root)
         try:
             os.replace(tmp, self.path(block_hash))
         except BaseException:
@@ -131,12 +133,17 @@ class DiskBlockFiles:
             raise
 
     def write_temp(
-        self, block_hash: int, row: torch.Tensor, hint: int = 0, durable: bool = False
+        self,
+        block_hash: int,
+        row: torch.Tensor,
+        priority: int = 0,
+        salt_root: int = 0,
+        durable: bool = False,
     ) -> Path:
         """row (one block's KV) as a whole block file under a temporary name of this process's
-        (the caller renames or links it into place). hint: the eviction hint kept in the
-        header's last bytes, outside its checksum (only eviction reads it, never a load).
-        durable: fsync before returning. Raises OSError with nothing left behind."""
+        (the caller renames or links it into place). priority, salt_root: the eviction hint
+        kept in the header's last bytes, outside its checksum (only eviction reads it, never a
+        load). durable: fsync before returning. Raises OSError with nothing left behind."""
         staged = self._staging[0]
         staged.copy_(row)
         header = self._header(block_hash, _checksum(staged))
@@ -146,7 +153,7 @@ class DiskBlockFiles:
             try:
                 os.posix_fallocate(fd, 0, self.file_bytes)
                 os.pwrite(fd, header, 0)
-                os.pwrite(fd, HINT.pack(hint), HEADER_BYTES - HINT.size)
+                os.pwrite(fd, HINT.pack(priority, salt_root), HEADER_BYTES - HINT.size)
                 self._transfer("WRITE", fd)
                 if durable:
                     os.fsync(fd)
@@ -181,6 +188,18 @@ class DiskBlockFiles:
 
     def remove(self, block_hash: int) -> None:
         self.path(block_hash).unlink(missing_ok=True)
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None:
+        """The file's eviction hint (priority, salt root); None when it is gone."""
+        try:
+            fd = os.open(self.path(block_hash), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            raw = os.pread(fd, HINT.size, HEADER_BYTES - HINT.size)
+        finally:
+            os.close(fd)
+        return HINT.unpack(raw) if len(raw) == HINT.size else None
 
     def _transfer(self, op: str, fd: int) -> None:
         """The staging row to (WRITE) or from (READ) the payload of the open file fd."""

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtransfer.disk_blocks import HEADER_BYTES, HINT, SUFFIX, DiskBlockFiles
+from kvtransfer.disk_blocks import SUFFIX, DiskBlockFiles
 
 # A temporary file older than this is a write cut short (its writer died): removed by a scan.
 STALE_TEMP_S = 600.0
@@ -31,6 +31,7 @@ class SharedEntry(NamedTuple):
     priority: int
     mtime: float
     block_hash: int
+    salt_root: int  # its cache_salt's chain root (0: none)
 
 
 class SharedBlockFiles(DiskBlockFiles):
@@ -41,13 +42,15 @@ class SharedBlockFiles(DiskBlockFiles):
     def exists(self, block_hash: int) -> bool:
         return self.path(block_hash).exists()
 
-    def publish(self, block_hash: int, row: torch.Tensor, priority: int) -> bool:
+    def publish(
+        self, block_hash: int, row: torch.Tensor, priority: int, salt_root: int = 0
+    ) -> bool:
         """Publish row as block_hash's file unless one is there: True when this call wrote it,
         False when another writer (or an earlier call) had. Raises OSError (ENOSPC: the
         store's filesystem is full) with nothing left behind."""
         if self.exists(block_hash):
             return False
-        tmp = self.write_temp(block_hash, row, hint=priority, durable=True)
+        tmp = self.write_temp(block_hash, row, priority, salt_root, durable=True)
         try:
             os.link(tmp, self.path(block_hash))
         except FileExistsError:
@@ -79,13 +82,8 @@ class SharedBlockFiles(DiskBlockFiles):
                         continue
                     block_hash = int(entry.name.removesuffix(SUFFIX), 16)
                     mtime = entry.stat().st_mtime
-                    fd = os.open(entry.path, os.O_RDONLY)
-                    try:
-                        raw = os.pread(fd, HINT.size, HEADER_BYTES - HINT.size)
-                    finally:
-                        os.close(fd)
                 except (OSError, ValueError):  # removed meanwhile, or not a block's name
                     continue
-                priority = HINT.unpack(raw)[0] if len(raw) == HINT.size else 0
-                found.append(SharedEntry(priority, mtime, block_hash))
+                priority, salt_root = self.hint(block_hash) or (0, 0)
+                found.append(SharedEntry(priority, mtime, block_hash, salt_root))
         return found

@@ -231,6 +231,23 @@ class BlockPool:
             num += 1
         return num
 
+    def drop_cached(self, block_hashes: Sequence[int]) -> int:
+        """Make these blocks unfindable (an operator's eviction): an unreferenced one is freed,
+        one in use stays with its holders and is freed uncached. Returns how many were here."""
+        num = 0
+        for block_hash in set(block_hashes):
+            block = self._cached.get(block_hash)
+            if block is None:
+                continue
+            num += 1
+            if block.ref_cnt == 0:
+                self._remove_evictable(block)
+                self._uncache(block)
+                self._uncached_free.append(block)
+            else:
+                self._uncache(block)
+        return num
+
     # ---- internals -----------------------------------------------------------------------
     def _sibling_key(self, block: KVBlock) -> tuple[int, tuple[int, ...]]:
         assert block.parent_key is not None

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.shared_store import SharedStore
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,13 @@ log = logging.getLogger(__name__)
 class BlockFiles(Protocol):
     """Where a disk tier's blocks live (kvtransfer.disk_blocks.DiskBlockFiles)."""
 
-    def write(self, block_hash: int, row: object) -> None: ...  # raises OSError
+    def write(self, block_hash: int, row: object, salt_root: int) -> None: ...  # OSError
 
     def read(self, block_hash: int) -> object: ...  # raises an error for a bad file
 
     def remove(self, block_hash: int) -> None: ...
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None: ...  # (priority, salt root)
 
 
 class Spill(NamedTuple):
@@ -70,6 +73,7 @@ class DiskTier:
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         # the cluster-shared store below this tier: every block written here is published
         self.shared: SharedStore | None = None
+        self.salts: SaltIndex | None = None  # each salted block's salt root (for its files)
         self._events: list[KVEvent] = []
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
@@ -114,12 +118,13 @@ class DiskTier:
         if spill.block_hash in self._priority:
             self.refresh(spill.block_hash, spill.priority)
             return False
+        salt_root = 0 if self.salts is None else self.salts.root_of(spill.block_hash)
         if self.shared is not None:
-            self.shared.publish(spill.block_hash, row, spill.priority)
+            self.shared.publish(spill.block_hash, row, spill.priority, salt_root)
         while len(self._priority) >= self.num_slots:
             self._evict()
         try:
-            self.files.write(spill.block_hash, row)
+            self.files.write(spill.block_hash, row, salt_root)
         except OSError as e:
             self.num_write_failures += 1
             if not self._warned_full:
@@ -166,6 +171,10 @@ class DiskTier:
         self.files.remove(block_hash)
         if self.record_events:
             self._events.append(BlockRemoved((block_hash,), "disk"))
+
+    def hashes_of_salt(self, salt_root: int) -> list[int]:
+        """The blocks here whose file names salt_root as their salt's (a restart's too)."""
+        return [h for h in self._priority if (self.files.hint(h) or (0, 0))[1] == salt_root]
 
     # ---- reading --------------------------------------------------------------------------
     def stage(self, block_hash: int) -> bool:
@@ -217,7 +226,7 @@ class DiskTier:
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files here (an operator's eviction; the shared store's are the
         caller's to remove); returns how many this tier held."""
-        held = [block_hash for block_hash in block_hashes if block_hash in self._priority]
+        held = [block_hash for block_hash in set(block_hashes) if block_hash in self._priority]
         for block_hash in held:
             self._drop(block_hash)
         return len(held)

@@ -21,6 +21,7 @@ from engine.kv_cache.kept_blocks import Kept, KeptBlocks
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from engine.kv_cache.retention import RetentionRange, block_retention
+from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.tier_stats import TierStats
 from engine.step.request import Request
 
@@ -81,6 +82,11 @@ class KVCacheManager:
         self.owed = OwedCopies(host_tier, enable_caching, self.disk_tier)
         if (host_tier is not None or self.disk_tier is not None) and enable_caching:
             self.pool.on_evict = self.owed.evicted
+        num_slots = num_blocks + (host_tier.num_slots if host_tier is not None else 0)
+        num_slots += self.disk_tier.num_slots if self.disk_tier is not None else 0
+        self.salts = SaltIndex(2 * num_slots)
+        if self.disk_tier is not None:
+            self.disk_tier.salts = self.salts
         self.prefix = PrefixCache(
             self.pool,
             block_size,
@@ -89,6 +95,7 @@ class KVCacheManager:
             host_tier,
             self.owed,
             self.disk_tier,
+            self.salts,
         )
         self.kept = KeptBlocks()
         self._tables: dict[str, BlockTable] = {}
@@ -117,6 +124,30 @@ class KVCacheManager:
             keep_on_host=cache.keep_on_host,
             disk_tier=disk_tier,
         )
+
+    def evict(self, block_hashes: Sequence[int], salt_root: int | None = None) -> dict[str, int]:
+        """An operator's eviction: drop these blocks (and with salt_root, every block computed
+        under that salt, the shared store's files of any worker included) from every tier;
+        returns how many each tier dropped. A block in use stays with its request, unfindable;
+        a host copy still being copied stays until evicted."""
+        hashes = list(block_hashes)
+        if salt_root is not None:
+            hashes += self.salts.hashes_of(salt_root)
+            if self.disk_tier is not None:
+                hashes += self.disk_tier.hashes_of_salt(salt_root)
+        dropped = {"device": self.pool.drop_cached(hashes)}
+        if self.host_tier is not None:
+            dropped["host"] = self.host_tier.drop(hashes)
+        disk = self.disk_tier
+        if disk is not None:
+            dropped["disk"] = disk.evict_hashes(hashes)
+            if disk.shared is not None:
+                shared = disk.shared.evict_hashes(hashes)
+                if salt_root is not None:
+                    shared += disk.shared.evict_salt(salt_root)
+                dropped["shared"] = shared
+        self.salts.forget(hashes)
+        return dropped
 
     def tier_stats(self, block_bytes: int) -> tuple[TierStats, ...]:
         """Each tier's size, use, hits and loads (device, then the tiers it has)."""

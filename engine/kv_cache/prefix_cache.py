@@ -14,6 +14,7 @@ from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
+from engine.kv_cache.salt_index import SaltIndex
 from engine.step.request import Request
 
 
@@ -58,8 +59,11 @@ class PrefixCache:
         host_tier: HostTier | None,
         owed: OwedCopies,
         disk_tier: DiskTier | None = None,
+        salts: SaltIndex | None = None,
     ):
+        """salts: where each salted block's salt is recorded (kvrelay kv evict --salt)."""
         self.pool = pool
+        self.salts = salts
         self.block_size = block_size
         self.model_id = model_id
         self.partial_reuse_min_tokens = partial_reuse_min_tokens
@@ -133,4 +137,15 @@ class PrefixCache:
             key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
             tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
+        if req.cache_salt and self.salts is not None:
+            root = root_hash(self.model_id, req.cache_salt)
+            self.salts.record(req.block_hashes[i], root, self.held)
         self.owed.committed(block)
+
+    def held(self, block_hash: int) -> bool:
+        """Whether any tier of this worker holds the block (the shared store aside)."""
+        return (
+            self.pool.lookup(block_hash) is not None
+            or (self.host_tier is not None and self.host_tier.has(block_hash))
+            or (self.disk_tier is not None and self.disk_tier.has(block_hash))
+        )

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 LOW_WATER = 0.9  # an eviction pass leaves the store this full (a pass scans the directory)
 
 
-# One file of the store as a scan saw it: (priority, modification time, block hash).
-Entry = tuple[int, float, int]
+# One file of the store as a scan saw it: (priority, modification time, block hash, salt root).
+Entry = tuple[int, float, int, int]
 
 
 class SharedFiles(Protocol):
@@ -33,7 +33,7 @@ class SharedFiles(Protocol):
 
     def exists(self, block_hash: int) -> bool: ...
 
-    def publish(self, block_hash: int, row: object, priority: int) -> bool: ...  # OSError
+    def publish(self, block_hash: int, row: object, priority: int, salt_root: int) -> bool: ...
 
     def read(self, block_hash: int) -> object: ...  # raises an error for a bad file
 
@@ -79,17 +79,17 @@ class SharedStore:
         return self.files.exists(block_hash)
 
     # ---- publishing -----------------------------------------------------------------------
-    def publish(self, block_hash: int, row: object, priority: int) -> bool:
+    def publish(self, block_hash: int, row: object, priority: int, salt_root: int = 0) -> bool:
         """Publish a block reaching this worker's disk tier unless the store has it; False when
         it has or the filesystem refused it (logged once: the block is recomputed when needed,
-        no request is lost)."""
+        no request is lost). salt_root: its cache_salt's chain root (0: none)."""
         if self.files.exists(block_hash):
             self.num_found_published += 1
             return False
         if self.num_files >= self.num_slots:
             self._make_room()
         try:
-            wrote = self.files.publish(block_hash, row, priority)
+            wrote = self.files.publish(block_hash, row, priority, salt_root)
         except OSError as e:
             self.num_write_failures += 1
             if not self._warned_full:
@@ -113,11 +113,15 @@ class SharedStore:
         entries = sorted(self.files.entries())
         keep = int(self.num_slots * LOW_WATER)
         excess = max(0, len(entries) - keep) if len(entries) >= self.num_slots else 0
-        for _, _, block_hash in entries[:excess]:
+        for _, _, block_hash, _ in entries[:excess]:
             self.files.remove(block_hash)
             self._staged.pop(block_hash, None)
         self.num_evicted += excess
         self.num_files = len(entries) - excess
+
+    def evict_salt(self, salt_root: int) -> int:
+        """Remove every file of the salt whose chain root is salt_root (any worker's)."""
+        return self.evict_hashes([e[2] for e in self.files.entries() if e[3] == salt_root])
 
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files (an operator's eviction); returns how many were there."""

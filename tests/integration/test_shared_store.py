@@ -150,3 +150,32 @@ def test_a_small_or_full_shared_store_loses_no_request(tiny, tmp_path, caplog):
     assert store.num_write_failures > 0 and 0 < store.num_published <= 5
     assert caplog.text.count("cannot publish a block file") == 1, caplog.text
     assert "No space left on device" in caplog.text
+
+
+def test_evict_drops_a_salts_or_a_prompts_blocks_from_every_tier(tiny, tmp_path):
+    alice, bob = prompts(3, seed=14), prompts(3, seed=15)
+    first = worker(tiny, tmp_path / "a", tmp_path / "shared")
+    serve(first, alice, salt="alice")
+    serve(first, bob, salt="bob")
+    first.shutdown()  # every block on its disk and in the shared store
+    second = worker(tiny, tmp_path / "b", tmp_path / "shared")
+    serve(second, alice, salt="alice")  # alice's blocks now in each of its tiers
+    root = hash_blocks([], BLOCK, second.model_id, "alice")  # no full block: []
+    assert root == []
+    dropped = second.evict_kv(cache_salt="alice")
+    assert set(dropped) == {"device", "host", "disk", "shared"}
+    assert dropped["device"] > 0 and dropped["disk"] > 0 and dropped["shared"] >= 24
+    hits = store_of(second).num_hit_blocks
+    got = serve(second, alice, salt="alice")
+    assert all(cached == 0 for _, cached in got), got  # from no tier, no worker's files
+    assert store_of(second).num_hit_blocks == hits
+    # the first worker's own disk still has alice's blocks: evict there too (as the
+    # controller does on every worker), by one prompt this time
+    restarted = worker(tiny, tmp_path / "a", tmp_path / "shared")
+    assert restarted.evict_kv(alice[0], "alice")["disk"] == 8
+    got = serve(restarted, alice, salt="alice")
+    assert got[0][1] == 0 and got[1][1] == 8 * BLOCK
+    got = serve(second, bob, salt="bob")  # bob's untouched
+    assert all(cached == 8 * BLOCK for _, cached in got)
+    with pytest.raises(ValueError, match="token_ids, a cache_salt"):
+        second.evict_kv()

@@ -26,7 +26,7 @@ class DictFiles:
         self.files: dict[int, object] = {}
         self.full = False
 
-    def write(self, block_hash: int, row: object) -> None:
+    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
         if self.full:
             raise OSError(28, "No space left on device")
         self.files[block_hash] = row
@@ -38,6 +38,9 @@ class DictFiles:
 
     def remove(self, block_hash: int) -> None:
         self.files.pop(block_hash, None)
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None:
+        return (0, 0) if block_hash in self.files else None
 
 
 def put(tier: DiskTier, block_hash: int, priority: int = 35) -> bool:

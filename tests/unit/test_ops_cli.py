@@ -3,6 +3,7 @@ cluster's address (no Ray, no model)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from common.cluster_state import (
     ClusterStatus,
     DecodeStats,
+    KVEvictRequest,
     LeakCheck,
     PoolStatus,
     PrefillStats,
@@ -22,8 +24,9 @@ from common.cluster_state import (
 )
 from common.messages import WorkerLoad
 from deploy.cli import main
-from deploy.ops_cli import format_status
+from deploy.ops_cli import add_ops_parsers, evict_request, format_evicted, format_status, kv_evict
 from engine.kv_cache.tier_stats import TierStats
+from router.access import tenant_cache_salt
 
 
 def test_scale_request_keeps_only_the_pools_given_and_refuses_negative_sizes() -> None:
@@ -94,3 +97,19 @@ def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
     assert raw[3]["tier"] == "shared" and raw[3]["capacity_blocks"] == 5000
     assert raw[0]["hit_rate"] == 0.25
     json.dumps(raw)
+
+
+def test_kv_evict_sends_a_tenants_salt_or_a_prompt_and_reports_each_worker() -> None:
+    parser = argparse.ArgumentParser()
+    add_ops_parsers(parser.add_subparsers())
+    args = parser.parse_args(["kv", "evict", "--tenant", "team-a", "--prefix-of", "Hi there"])
+    assert args.func is kv_evict
+    request = evict_request(args)
+    assert request == KVEvictRequest("Hi there", tenant_cache_salt("team-a", None))
+    assert evict_request(parser.parse_args(["kv", "evict", "--salt", "s1"])).cache_salt == "s1"
+    with pytest.raises(ValueError, match="--prefix-of TEXT, --salt S"):
+        evict_request(parser.parse_args(["kv", "evict"]))
+    text = format_evicted({"p0": {"device": 3, "disk": 5, "shared": 8}, "d0": "RayActorError: x"})
+    assert "p0: blocks dropped: device 3, disk 5, shared 8" in text
+    assert "d0: error: RayActorError: x" in text
+    assert format_evicted({}) == "no worker answered: nothing evicted"
