@@ -4,10 +4,13 @@ files removed and never staged; BlockPool / HostTier / SaltIndex removal for `kv
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
 
+from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
+from engine.config import CacheConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.salt_index import SaltIndex
@@ -132,3 +135,19 @@ def test_pool_host_and_salt_index_drop_for_an_operators_eviction() -> None:
 def test_a_store_holds_at_least_one_block() -> None:
     with pytest.raises(ValueError, match="num_blocks=0"):
         SharedStore(0, SharedDict())
+
+
+def test_shared_flags_and_config_name_what_is_wrong(tmp_path) -> None:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_engine_flags(p)
+    flags = ["--disk-kv-gib", "1", "--disk-kv-path", str(tmp_path / "d")]
+    args = p.parse_args([*flags, "--shared-kv-gib", "0.5", "--shared-kv-path", str(tmp_path)])
+    cache = engine_from_args(args).cache
+    assert cache.shared_kv_cache_bytes == 1 << 29 and cache.shared_kv_path == str(tmp_path)
+    with pytest.raises(ValueError, match="shared_kv_path"):
+        CacheConfig(shared_kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"shared_kv_cache_bytes needs a disk tier"):
+        CacheConfig(shared_kv_cache_bytes=1 << 20, shared_kv_path="x")
+    with pytest.raises(ValueError, match="shared_kv_cache_bytes must be >= 0"):
+        CacheConfig(shared_kv_cache_bytes=-1)
