@@ -405,6 +405,10 @@ class CacheConfig:
             )
         if self.shared_kv_cache_bytes and not self.shared_kv_path:
             raise ValueError("shared_kv_cache_bytes needs shared_kv_path (the store's directory)")
+        if self.shared_kv_cache_bytes and self.shared_kv_path == self.disk_kv_path:
+            raise ValueError(
+                "shared_kv_path must differ from disk_kv_path (a worker's disk tier is its own)"
+            )
         if self.shared_kv_cache_bytes and not self.disk_kv_cache_bytes:
             raise ValueError(
                 "shared_kv_cache_bytes needs a disk tier (disk_kv_cache_bytes > 0): blocks are "

@@ -149,5 +149,9 @@ def test_shared_flags_and_config_name_what_is_wrong(tmp_path) -> None:
         CacheConfig(shared_kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"shared_kv_cache_bytes needs a disk tier"):
         CacheConfig(shared_kv_cache_bytes=1 << 20, shared_kv_path="x")
+    with pytest.raises(ValueError, match="shared_kv_path must differ from disk_kv_path"):
+        CacheConfig(
+            disk_kv_cache_bytes=1, disk_kv_path="x", shared_kv_cache_bytes=1, shared_kv_path="x"
+        )
     with pytest.raises(ValueError, match="shared_kv_cache_bytes must be >= 0"):
         CacheConfig(shared_kv_cache_bytes=-1)
