@@ -57,6 +57,7 @@ def build_disk_tier(
     )
     if cache.shared_kv_cache_bytes:
         tier.shared = build_shared_store(cache, files.layout, kv_cache)
+        tier.shared.record_events = record_events
     return tier
 
 

@@ -98,8 +98,9 @@ class DiskTier:
         return list(self._priority)
 
     def drain_events(self) -> list[KVEvent]:
+        """This tier's KV events since the last call, then the shared store's."""
         events, self._events = self._events, []
-        return events
+        return events + ([] if self.shared is None else self.shared.drain_events())
 
     # ---- writing --------------------------------------------------------------------------
     def adopt(self, block_hashes: list[int], priority: int) -> int:

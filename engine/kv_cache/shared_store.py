@@ -19,6 +19,8 @@ import logging
 import time
 from typing import Protocol
 
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # an eviction pass leaves the store this full (a pass scans the directory)
@@ -63,6 +65,8 @@ class SharedStore:
         self.block_bytes = block_bytes
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        self.record_events = False  # KV events (tier "shared") for the cluster index
+        self._events: list[KVEvent] = []
         self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had
@@ -77,6 +81,15 @@ class SharedStore:
 
     def has(self, block_hash: int) -> bool:
         return self.files.exists(block_hash)
+
+    def drain_events(self) -> list[KVEvent]:
+        """Blocks this worker published to the store or removed from it since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def _removed(self, block_hash: int) -> None:
+        if self.record_events:
+            self._events.append(BlockRemoved((block_hash,), "shared"))
 
     # ---- publishing -----------------------------------------------------------------------
     def publish(self, block_hash: int, row: object, priority: int, salt_root: int = 0) -> bool:
@@ -105,6 +118,8 @@ class SharedStore:
             return False
         self.num_files += 1
         self.num_published += 1
+        if self.record_events:
+            self._events.append(BlockStored((block_hash,), None, "shared"))
         return True
 
     def _make_room(self) -> None:
@@ -116,6 +131,7 @@ class SharedStore:
         for _, _, block_hash, _ in entries[:excess]:
             self.files.remove(block_hash)
             self._staged.pop(block_hash, None)
+            self._removed(block_hash)
         self.num_evicted += excess
         self.num_files = len(entries) - excess
 
@@ -130,6 +146,7 @@ class SharedStore:
             self._staged.pop(block_hash, None)
             if self.files.exists(block_hash):
                 self.files.remove(block_hash)
+                self._removed(block_hash)
                 removed += 1
         self.num_removed += removed
         self.num_files = max(0, self.num_files - removed)
@@ -152,6 +169,7 @@ class SharedStore:
             else:
                 log.debug("shared KV store: %s; removed", e)
             self.files.remove(block_hash)
+            self._removed(block_hash)
             return False
         finally:
             self.read_s += time.perf_counter() - start

@@ -5,16 +5,19 @@ loaded; salts never share a block in any tier; a full or small store loses no re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from common.index_upkeep import make_publisher, worker_load
 from engine.engine import Engine
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.shared_store import SharedStore
 from kvtransfer.disk_blocks import SUFFIX
+from router.prefix_index import PrefixIndex
 from tests.integration.test_disk_tier import BLOCK, BLOCK_BYTES, engine, prompts, serve, tiny
 
 __all__ = ["tiny"]  # the module-scoped checkpoint fixture
@@ -22,13 +25,16 @@ __all__ = ["tiny"]  # the module-scoped checkpoint fixture
 FILE_BYTES = 4096 + BLOCK_BYTES
 
 
-def worker(model: Path, disk: Path, shared: Path, shared_blocks: int = 400) -> Engine:
+def worker(
+    model: Path, disk: Path, shared: Path, shared_blocks: int = 400, **more: object
+) -> Engine:
     """A worker with its own disk tier over the shared store at `shared`."""
     return engine(
         model,
         disk,
         shared_kv_cache_bytes=shared_blocks * FILE_BYTES,
         shared_kv_path=str(shared),
+        **more,
     )
 
 
@@ -179,3 +185,33 @@ def test_evict_drops_a_salts_or_a_prompts_blocks_from_every_tier(tiny, tmp_path)
     assert all(cached == 8 * BLOCK for _, cached in got)
     with pytest.raises(ValueError, match="token_ids, a cache_salt"):
         second.evict_kv()
+
+
+def test_the_index_lists_shared_blocks_for_every_worker(tiny, tmp_path, redis_url):
+    batch = prompts(3, seed=16)
+    first = worker(tiny, tmp_path / "a", tmp_path / "shared", record_kv_events=True)
+    second = worker(tiny, tmp_path / "b", tmp_path / "shared", record_kv_events=True)
+    publishers = [
+        make_publisher(redis_url, name, eng, "actor", "prefill", "")
+        for name, eng in (("a", first), ("b", second))
+    ]
+    serve(first, batch)
+    for publisher, eng in zip(publishers, (first, second), strict=True):
+        assert publisher is not None
+        assert publisher.publish(eng.drain_kv_events(), worker_load(eng.snapshot()))
+    hashes = hash_blocks(batch[0], BLOCK, first.model_id)
+
+    async def overlap():
+        async with PrefixIndex(redis_url, first.model_id, retry_interval_s=0.0) as index:
+            return await index.prefix_overlap(hashes, ["a", "b"])
+
+    got = asyncio.run(overlap())
+    # the first worker's own disk tier, the second (nothing of its own) the shared store's
+    assert got == {"a": 8, "b": 8} and got.disk == {"a": 8, "b": 0}
+    assert got.shared == {"a": 0, "b": 8}
+    assert sum(second.evict_kv(batch[0]).values()) == 8  # the shared store's files of it
+    assert publishers[1].publish(second.drain_kv_events(), worker_load(second.snapshot()))
+    got = asyncio.run(overlap())
+    assert got["b"] == 0 and got.shared == {"a": 0, "b": 0}
+    for publisher in publishers:
+        publisher.close()
