@@ -22,7 +22,6 @@ from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from engine.kv_cache.retention import RetentionRange, block_retention
 from engine.kv_cache.salt_index import SaltIndex
-from engine.kv_cache.tier_stats import TierStats
 from engine.step.request import Request
 
 
@@ -124,90 +123,6 @@ class KVCacheManager:
             keep_on_host=cache.keep_on_host,
             disk_tier=disk_tier,
         )
-
-    def evict(self, block_hashes: Sequence[int], salt_root: int | None = None) -> dict[str, int]:
-        """An operator's eviction: drop these blocks (and with salt_root, every block computed
-        under that salt, the shared store's files of any worker included) from every tier;
-        returns how many each tier dropped. A block in use stays with its request, unfindable;
-        a host copy still being copied stays until evicted."""
-        hashes = list(block_hashes)
-        if salt_root is not None:
-            hashes += self.salts.hashes_of(salt_root)
-            if self.disk_tier is not None:
-                hashes += self.disk_tier.hashes_of_salt(salt_root)
-        dropped = {"device": self.pool.drop_cached(hashes)}
-        if self.host_tier is not None:
-            dropped["host"] = self.host_tier.drop(hashes)
-        disk = self.disk_tier
-        if disk is not None:
-            dropped["disk"] = disk.evict_hashes(hashes)
-            if disk.shared is not None:
-                shared = disk.shared.evict_hashes(hashes)
-                if salt_root is not None:
-                    shared += disk.shared.evict_salt(salt_root)
-                dropped["shared"] = shared
-        self.salts.forget(hashes)
-        return dropped
-
-    def tier_stats(self, block_bytes: int) -> tuple[TierStats, ...]:
-        """Each tier's size, use, hits and loads (device, then the tiers it has)."""
-        pool = self.pool
-        looked = self.num_lookup_blocks
-        tiers = [
-            TierStats(
-                "device",
-                pool.num_blocks,
-                pool.num_holding_blocks,
-                looked,
-                self.num_device_hit_blocks,
-                0,
-                0.0,
-            )
-        ]
-        looked -= self.num_device_hit_blocks
-        if self.host_tier is not None:
-            host = self.host_tier
-            hits = self.num_host_hit_blocks
-            tiers.append(
-                TierStats(
-                    "host", host.num_slots, host.num_cached, looked, hits, hits * block_bytes, 0.0
-                )
-            )
-            looked -= hits
-        disk = self.disk_tier
-        if disk is not None:
-            hits = disk.num_hit_blocks
-            tiers.append(
-                TierStats(
-                    "disk",
-                    disk.num_slots,
-                    disk.num_cached,
-                    looked,
-                    hits,
-                    hits * block_bytes,
-                    disk.read_s,
-                    disk.num_bad_files,
-                    disk.num_write_failures,
-                )
-            )
-            looked -= hits
-            if disk.shared is not None:
-                shared = disk.shared
-                hits = shared.num_hit_blocks
-                tiers.append(
-                    TierStats(
-                        "shared",
-                        shared.num_slots,
-                        shared.num_files,
-                        looked,
-                        hits,
-                        hits * block_bytes,
-                        shared.read_s,
-                        shared.num_bad_files,
-                        shared.num_write_failures,
-                    )
-                )
-        return tuple(tiers)
 
     @property
     def num_free_blocks(self) -> int:
