@@ -27,8 +27,9 @@ from engine.kv_cache.manager import BlockCopy
 from engine.sampling.sampling_params import SamplingParams
 
 
-def build(args: argparse.Namespace, host_bytes: int) -> Engine:
-    cache = CacheConfig(num_blocks=args.device_blocks, host_kv_cache_bytes=host_bytes)
+def build(args: argparse.Namespace, host_bytes: int, **tiers: Any) -> Engine:
+    """tiers: more CacheConfig fields (the disk tier, the shared store: bench/kv_tiers_bench)."""
+    cache = CacheConfig(num_blocks=args.device_blocks, host_kv_cache_bytes=host_bytes, **tiers)
     scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8)
     config = EngineConfig(
         args.model, cache, scheduler, device=args.device, load_format=args.load_format
@@ -105,8 +106,8 @@ def copy_rates_gb_s(engine: Engine, num_blocks: int) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
-    engine = build(args, host_bytes)
+def run(args: argparse.Namespace, host_bytes: int, **tiers: Any) -> dict[str, Any]:
+    engine = build(args, host_bytes, **tiers)
     prompts = workload(engine, args)
     if args.prompts_json:
         with open(args.prompts_json, "w") as f:
@@ -127,7 +128,12 @@ def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
         ttfts.append(1000 * (first or 0.0))
         computed += len(prompt) - cached
     engine.assert_no_leaks()
-    copy_rates = copy_rates_gb_s(engine, -(-len(prompts[-1]) // 16)) if host_bytes else {}
+    snapshot = engine.snapshot()
+    if tiers:
+        engine.shutdown()  # a clean stop: the disk tier (and the shared store) keep every block
+    copy_rates = {}
+    if host_bytes and getattr(args, "copy_rates", True):
+        copy_rates = copy_rates_gb_s(engine, -(-len(prompts[-1]) // 16))
     tier = engine.kv.host_tier
     return {
         "host_kv_bytes": host_bytes,
@@ -141,6 +147,7 @@ def run(args: argparse.Namespace, host_bytes: int) -> dict[str, Any]:
         "copy_gb_s": copy_rates,
         "working_set_blocks": sum(-(-len(p) // 16) for p in prompts[: args.num_systems]),
         "device_blocks": args.device_blocks,
+        "tiers": [t._asdict() for t in snapshot.tiers],
     }
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from common.messages import ServedModel, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
+from engine.kv_cache.tier_stats import TierStats
 
 NAMESPACE = "kvrelay"  # the Ray namespace of every kvrelay actor
 CONTROLLER_NAME = "kvrelay-controller"  # the controller's detached actor name
@@ -59,6 +60,7 @@ class WorkerStats:
     num_disk_write_failures: int = 0  # blocks the disk refused (full): not stored
     num_disk_cached_blocks: int = 0  # block files its disk tier holds now
     disk_load_s: float = 0.0  # seconds spent reading and checking disk tier files
+    tiers: tuple[TierStats, ...] = ()  # each KV tier's size, use, hits and loads (status)
     # Speculative decoding: request-steps that verified drafts, tokens drafted, accepted.
     num_spec_verify_steps: int = 0
     num_spec_drafted_tokens: int = 0
@@ -267,6 +269,9 @@ class ClusterStatus:
                 if worker.stats is not None:
                     raw_worker["stats"]["prefix_hit_rate"] = worker.stats.prefix_hit_rate
                     raw_worker["stats"]["transfer_bytes_per_s"] = worker.stats.transfer_bytes_per_s
+                    raw_worker["stats"]["tiers"] = [
+                        t._asdict() | {"hit_rate": t.hit_rate} for t in worker.stats.tiers
+                    ]
         return out
 
 
@@ -280,6 +285,20 @@ class RouterConfig:
     max_migrations: int = 2  # times one request may move to another decode worker
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # conditional prefill
     slo: SloTargets = field(default_factory=SloTargets)  # the objectives routers place for
+
+
+@dataclass(frozen=True)
+class KVEvictRequest:
+    """`kvrelay kv evict`: a prompt's blocks (prompt, hashed under cache_salt) or, without a
+    prompt, every block computed under cache_salt, dropped by every worker from each tier and
+    from the shared store."""
+
+    prompt: str | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and not self.cache_salt:
+            raise ValueError("give --prefix-of TEXT, --salt S (or --tenant T), or both")
 
 
 @dataclass(frozen=True)

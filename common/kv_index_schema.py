@@ -13,6 +13,10 @@ in one slot and the scripts below stay valid on a cluster):
                                     worker's block entries meanwhile)
     kvr:{model}:w:{worker}    HASH  role, actor_name, nixl_agent, state, WorkerLoad fields,
                                     epoch; TTL
+    kvr:{model}:shared        SET   block hashes (hex) in the cluster-shared KV store, which any
+                                    worker loads: added by the worker that published one,
+                                    removed by whichever removes its file; blocks TTL from the
+                                    last add
     kvr:{model}:workers       SET   worker ids ever registered (membership is the live w: HASH;
                                     an id whose HASH expired is dead and gets forgotten);
                                     shared TTL
@@ -73,6 +77,11 @@ def worker_key(model_id: str, worker_id: str) -> str:
 
 def registry_key(model_id: str) -> str:
     return f"{model_prefix(model_id)}:workers"
+
+
+def shared_key(model_id: str) -> str:
+    """The SET of block hashes (hex) in the cluster-shared KV store: any worker loads them."""
+    return f"{model_prefix(model_id)}:shared"
 
 
 def worker_fields(

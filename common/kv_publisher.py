@@ -100,6 +100,7 @@ class KVPublisher:
         self._keep_blocks_at = 0.0  # when the next walk keeping its block SETs alive starts
         self._keep_cursor: str | None = None  # that walk's SSCAN cursor while it is under way
         self._keys = schema.worker_keys(model_id, worker_id)  # HASH, blocks SET, registry
+        self._shared_key = schema.shared_key(model_id)
         self._block_prefix = schema.block_key_prefix(model_id)
         # the HASH's epoch changes at every resync; deltas carry it, so a late one is dropped
         self._nonce = os.urandom(4).hex()
@@ -157,7 +158,12 @@ class KVPublisher:
         with self._lock:
             if self._failure is not None and self._clock() < self._retry_at:
                 return False
+            shared = [e for e in events if e.tier == "shared"]
+            if shared:
+                events = [e for e in events if e.tier != "shared"]
             try:
+                if shared:
+                    self._write_shared(shared)
                 if self._dirty or not self._write_delta(events, load):
                     self._resync(load)
             except (redis.RedisError, OSError) as exc:
@@ -196,6 +202,19 @@ class KVPublisher:
             if result[1] == "0":  # the walk is over
                 self._blocks_kept()
         return True
+
+    def _write_shared(self, events: Sequence[KVEvent]) -> None:
+        """The shared store's blocks this worker published or removed: the cluster-wide SET
+        (no epoch: a block there is any worker's; lost with a failed call, the files stay)."""
+        pipe = self._client.pipeline(transaction=False)
+        for event in events:
+            hexes = [hash_hex(h) for h in event.block_hashes]
+            if isinstance(event, BlockStored):
+                pipe.sadd(self._shared_key, *hexes)
+                pipe.pexpire(self._shared_key, self.blocks_ttl_ms)
+            else:
+                pipe.srem(self._shared_key, *hexes)
+        pipe.execute()
 
     def _blocks_kept(self) -> None:
         """Every block SET of this worker was just kept alive for the blocks TTL: again in half

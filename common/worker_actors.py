@@ -16,6 +16,7 @@ from typing import ParamSpec, Protocol, TypeVar
 
 from common.cluster_state import (
     ClusterStatus,
+    KVEvictRequest,
     LeakCheck,
     Member,
     RouterConfig,
@@ -47,6 +48,8 @@ class WorkerActor(Protocol):
     pid: RemoteMethod[[], int]
     retire: RemoteMethod[[], LeakCheck | None]  # None: work still in flight
     check_no_leaks: RemoteMethod[[], LeakCheck]
+    # (prompt, cache_salt) -> blocks dropped per tier (kvrelay kv evict)
+    evict_kv: RemoteMethod[[str | None, str | None], dict[str, int]]
     shutdown: RemoteMethod[[], None]
 
 
@@ -80,3 +83,5 @@ class ControllerActor(Protocol):
     forget_router: RemoteMethod[[str], None]  # router_id: it stopped
     router_config: RemoteMethod[[], RouterConfig]  # once a worker has loaded the model
     shutdown: RemoteMethod[[], None]  # every pool to 0, the loop stopped
+    # every worker drops the blocks -> worker id -> blocks dropped per tier, or its error
+    evict_kv: RemoteMethod[[KVEvictRequest], dict[str, dict[str, int] | str]]

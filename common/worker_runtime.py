@@ -172,6 +172,17 @@ class WorkerBase(ABC):
         once per RESYNC_MIN_INTERVAL_S, however many routers ask). True if one was queued."""
         return await self.thread.call(lambda engine: self.index_upkeep.resync(time.monotonic()))
 
+    async def evict_kv(self, prompt: str | None, cache_salt: str | None) -> dict[str, int]:
+        """`kvrelay kv evict` here: a prompt's blocks (tokenized by this worker's tokenizer,
+        hashed under cache_salt) or every block of cache_salt, from each tier and the shared
+        store; blocks dropped per tier (their removal reaches the index as KV events)."""
+
+        def run(engine: Engine) -> dict[str, int]:
+            tokens = None if prompt is None else engine.tokenize_prompt(prompt)
+            return engine.evict_kv(tokens, cache_salt)
+
+        return await self.thread.call(run)
+
     async def stats(self) -> WorkerStats:
         return await self.thread.call(self._stats)
 
@@ -252,6 +263,7 @@ class WorkerBase(ABC):
             num_disk_write_failures=snapshot.num_disk_write_failures,
             num_disk_cached_blocks=snapshot.num_disk_cached_blocks,
             disk_load_s=snapshot.disk_load_s,
+            tiers=snapshot.tiers,
             num_spec_verify_steps=snapshot.num_spec_verify_steps,
             num_spec_drafted_tokens=snapshot.num_spec_drafted_tokens,
             num_spec_accepted_tokens=snapshot.num_spec_accepted_tokens,

@@ -20,6 +20,7 @@ from common.cluster_state import (
     NAMESPACE,
     ROLES,
     ClusterStatus,
+    KVEvictRequest,
     LeakCheck,
     Member,
     PoolStatus,
@@ -161,6 +162,26 @@ class Controller:
             await redis_status(self.config.template.redis_url, self._model_id()),
             self._error,
         )
+
+    async def evict_kv(self, request: KVEvictRequest) -> dict[str, dict[str, int] | str]:
+        """`kvrelay kv evict`: every loaded worker (not gone) drops the blocks from its tiers,
+        and the shared store's files with them (each worker tries; the first removes them);
+        worker id -> blocks dropped per tier, or the error it answered with."""
+        asked = [
+            r
+            for r in self._records.values()
+            if r.state != WorkerState.GONE and r.description is not None
+        ]
+        answers = await asyncio.gather(
+            *(r.actor.evict_kv.remote(request.prompt, request.cache_salt) for r in asked),
+            return_exceptions=True,
+        )
+        return {
+            r.worker_id: answer
+            if isinstance(answer, dict)
+            else f"{type(answer).__name__}: {answer}"
+            for r, answer in zip(asked, answers, strict=True)
+        }
 
     async def members(self, router: RouterStatus | None = None) -> list[Member]:
         """Workers routers may know (joining ones that loaded, ready, draining); a router's

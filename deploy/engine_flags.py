@@ -85,6 +85,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="the disk tier's directory (local NVMe; one per worker); needs --disk-kv-gib",
     )
     p.add_argument(
+        "--shared-kv-gib",
+        type=float,
+        default=0.0,
+        help="a cluster-shared KV store under --shared-kv-path, bounded to this size for all "
+        "workers together: each block reaching a disk tier is published there once, and any "
+        "worker loads a published prefix instead of computing it (default 0: none; needs "
+        "--disk-kv-gib)",
+    )
+    p.add_argument(
+        "--shared-kv-path",
+        default=None,
+        metavar="DIR",
+        help="the shared store's directory, the same for every worker (a shared filesystem); "
+        "needs --shared-kv-gib",
+    )
+    p.add_argument(
         "--host-leases",
         action="store_true",
         help="prefill workers lease the host-tier copies of a prompt's leading blocks to decode "
@@ -195,6 +211,8 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             keep_on_host=args.host_leases,
             disk_kv_cache_bytes=int(args.disk_kv_gib * (1 << 30)),
             disk_kv_path=args.disk_kv_path,
+            shared_kv_cache_bytes=int(args.shared_kv_gib * (1 << 30)),
+            shared_kv_path=args.shared_kv_path,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

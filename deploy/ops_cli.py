@@ -1,6 +1,6 @@
-"""`kvrelay scale`, `kvrelay status` and `kvrelay router`: operator commands against a running
-cluster's controller (through Ray); a router stops as serve's does, draining on Ctrl-C or
-SIGTERM (deploy/serve_stop.py). Holds no state."""
+"""`kvrelay scale`, `kvrelay status`, `kvrelay kv evict` and `kvrelay router`: operator commands
+against a running cluster's controller (through Ray); a router stops as serve's does, draining on
+Ctrl-C or SIGTERM (deploy/serve_stop.py). Holds no state."""
 
 from __future__ import annotations
 
@@ -12,10 +12,17 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStats, WorkerStatus
+from common.cluster_state import (
+    ClusterStatus,
+    KVEvictRequest,
+    ScaleRequest,
+    WorkerStats,
+    WorkerStatus,
+)
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
+from engine.kv_cache.tier_stats import TierStats
 
 if TYPE_CHECKING:
     from router.rate_limit_schema import TenantUsage
@@ -50,6 +57,28 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     )
     _add_target(p)
     p.set_defaults(func=status)
+
+    p = sub.add_parser("kv", help="the cluster's KV cache: evict")
+    kv = p.add_subparsers(dest="kv_command", required=True)
+    p = kv.add_parser(
+        "evict",
+        help="drop a tenant's or a prompt's blocks from every worker's tiers and the shared store",
+    )
+    p.add_argument("--salt", default=None, help="the cache_salt the blocks were computed under")
+    p.add_argument(
+        "--tenant",
+        default=None,
+        help="a tenant of --api-keys-file: its salt (with --salt: that client salt of the tenant)",
+    )
+    p.add_argument(
+        "--prefix-of",
+        default=None,
+        metavar="TEXT",
+        help="only this prompt's blocks (tokenized as a completion prompt), under the salt given",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_target(p)
+    p.set_defaults(func=kv_evict)
 
     p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
     p.add_argument("--host", default="127.0.0.1")
@@ -106,6 +135,45 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
     ready = ", ".join(f"{p.role} {p.num_ready}" for p in final.pools)
     _say(f"kvrelay: pools at their size ({ready}) after {time.monotonic() - started:.1f} s")
     return 0
+
+
+# ---- kv evict ------------------------------------------------------------------------------
+def evict_request(args: argparse.Namespace) -> KVEvictRequest:
+    """The request `kvrelay kv evict` sends (a tenant's salt as its router computes it)."""
+    salt = args.salt
+    if args.tenant is not None:
+        from router.access import tenant_cache_salt
+
+        salt = tenant_cache_salt(args.tenant, args.salt)
+    return KVEvictRequest(args.prefix_of, salt)
+
+
+def kv_evict(args: argparse.Namespace) -> int:
+    request = evict_request(args)
+    controller = _controller(args)
+
+    async def evict() -> dict[str, dict[str, int] | str]:
+        return await controller.evict_kv.remote(request)
+
+    answers = asyncio.run(evict())
+    if args.json:
+        print(json.dumps(answers, indent=2))
+    else:
+        print(format_evicted(answers))
+    return 1 if any(isinstance(a, str) for a in answers.values()) else 0
+
+
+def format_evicted(answers: dict[str, dict[str, int] | str]) -> str:
+    if not answers:
+        return "no worker answered: nothing evicted"
+    lines = []
+    for worker_id, answer in sorted(answers.items()):
+        if isinstance(answer, str):
+            lines.append(f"{worker_id}: error: {answer}")
+        else:
+            counts = ", ".join(f"{tier} {n}" for tier, n in answer.items())
+            lines.append(f"{worker_id}: blocks dropped: {counts}")
+    return "\n".join(lines)
 
 
 # ---- status --------------------------------------------------------------------------------
@@ -211,7 +279,26 @@ def _worker_line(worker: WorkerStatus) -> str:
         parts.append(_disk_tier(stats))
     if stats.transfer_bytes_per_s is not None:
         parts.append(f"KV transfer {stats.transfer_bytes_per_s / 1e6:.1f} MB/s")
-    return f"{head} " + ", ".join(parts)
+    line = f"{head} " + ", ".join(parts)
+    if len(stats.tiers) > 1:  # a tier past the device: one line of every tier
+        line += "\n    tiers: " + "; ".join(_tier(t) for t in stats.tiers)
+    return line
+
+
+def _tier(tier: TierStats) -> str:
+    """A KV tier's size and use, hit rate, loads (MB, ms a block), bad files, refused writes."""
+    rate = "-" if tier.hit_rate is None else f"{tier.hit_rate:.0%}"
+    text = f"{tier.tier} {tier.used_blocks}/{tier.capacity_blocks} blocks, hits {rate}"
+    if tier.load_bytes:
+        text += f" ({tier.load_bytes / 1e6:.1f} MB loaded"
+        if tier.load_s and tier.hit_blocks:
+            text += f", {tier.load_s * 1e3 / tier.hit_blocks:.2f} ms a block"
+        text += ")"
+    if tier.bad_files:
+        text += f", {tier.bad_files} bad files"
+    if tier.write_failures:
+        text += f", {tier.write_failures} writes refused"
+    return text
 
 
 def _disk_tier(stats: WorkerStats) -> str:

@@ -363,6 +363,12 @@ class CacheConfig:
     # the same model and KV layout. 0: none.
     disk_kv_cache_bytes: int = 0
     disk_kv_path: str | None = None
+    # The cluster-shared KV store below the disk tier: a directory every worker reads (a shared
+    # filesystem); each block written to a disk tier is published there once (the first
+    # complete copy wins), and a prefix any worker published is loaded, not computed. Bounded
+    # by shared_kv_cache_bytes for all workers together. 0: none; needs a disk tier.
+    shared_kv_cache_bytes: int = 0
+    shared_kv_path: str | None = None
 
     @property
     def partial_reuse_threshold(self) -> int:
@@ -393,6 +399,21 @@ class CacheConfig:
             raise ValueError("disk_kv_cache_bytes needs disk_kv_path (the tier's directory)")
         if self.disk_kv_cache_bytes and not self.enable_prefix_caching:
             raise ValueError("disk_kv_cache_bytes needs enable_prefix_caching")
+        if self.shared_kv_cache_bytes < 0:
+            raise ValueError(
+                f"shared_kv_cache_bytes must be >= 0, got {self.shared_kv_cache_bytes}"
+            )
+        if self.shared_kv_cache_bytes and not self.shared_kv_path:
+            raise ValueError("shared_kv_cache_bytes needs shared_kv_path (the store's directory)")
+        if self.shared_kv_cache_bytes and self.shared_kv_path == self.disk_kv_path:
+            raise ValueError(
+                "shared_kv_path must differ from disk_kv_path (a worker's disk tier is its own)"
+            )
+        if self.shared_kv_cache_bytes and not self.disk_kv_cache_bytes:
+            raise ValueError(
+                "shared_kv_cache_bytes needs a disk tier (disk_kv_cache_bytes > 0): blocks are "
+                "published to the shared store as they reach the disk tier"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
@@ -498,6 +519,11 @@ class EngineConfig:
             raise ValueError(fp8_device_error("cpu"))
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.cache.shared_kv_cache_bytes:
+            raise ValueError(  # its files would hold rank 0's heads only
+                "cache.shared_kv_cache_bytes: the shared KV store is not split across "
+                "tensor-parallel ranks yet (tensor_parallel_size must be 1)"
+            )
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(
                 f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}"

@@ -20,7 +20,9 @@ from engine.execution.backend_builder import DeviceSide, resolve_device
 from engine.execution.gc_heap import freeze_heap, thaw_heap
 from engine.execution.model_setup import build_device_parts
 from engine.execution.runner import ModelRunner
+from engine.kv_cache import tier_ops
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
+from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
 from engine.parallel.launch import StartFollower, start_leader
@@ -253,7 +255,21 @@ class Engine:
             num_spec_drafted_tokens=spec.num_drafted_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             **({} if kv.disk_tier is None else kv.disk_tier.snapshot_fields()),
+            tiers=tier_ops.tier_stats(kv, self.copies.kv_cache[0].nbytes),
         )
+
+    def evict_kv(
+        self, token_ids: Sequence[int] | None = None, cache_salt: str | None = None
+    ) -> dict[str, int]:
+        """Drop a prompt's blocks (token_ids, hashed under cache_salt) or, without token_ids,
+        every block computed under cache_salt from every tier, the shared store included
+        (`kvrelay kv evict`); returns how many each tier dropped."""
+        if token_ids is None and not cache_salt:
+            raise ValueError("evict_kv needs token_ids, a cache_salt or both")
+        if token_ids is None:
+            return tier_ops.evict(self.kv, [], root_hash(self.model_id, cache_salt))
+        hashes = hash_blocks(token_ids, self.block_size, self.model_id, cache_salt)
+        return tier_ops.evict(self.kv, hashes)
 
     def disk_cached_hashes(self) -> list[int]:
         """The disk tier's block hashes (for a full index publish; [] without one)."""

@@ -9,7 +9,9 @@ map): `ROOT/<layout key>/<chained block hash>.kvb`, a HEADER_BYTES header then t
 HEADER_BYTES (aligned for O_DIRECT / GDS). The header: magic, format version, block hash
 (chained from root_hash(model, cache_salt): content-addressed, salts never share a file), layout
 key, payload length and xxh3-64 checksum, the layout as JSON, and a checksum of the header
-itself. A file is written under a temporary name and renamed into place once complete.
+itself; its last 8 bytes, outside that checksum, are an eviction hint (the shared store's
+retention priority; never read by a load). A file is written under a temporary name and renamed
+(the shared store: linked) into place once complete.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +35,10 @@ MAGIC = b"KVRDISK1"
 HEADER_BYTES = 4096
 SUFFIX = ".kvb"
 _FIXED = struct.Struct("<8sIIQQQQI")  # magic, version, header len, hash, layout, len, sum, json
+# the header's last bytes, outside its checksum: (retention priority, salt root) for eviction
+HINT = struct.Struct("<qQ")
 _AGENT_SEQ = [0]
+_HOST = socket.gethostname()  # temporary names are unique across the hosts of a shared store
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ class DiskBlockFiles:
     """Block files of one layout under root (created if absent). The I/O is synchronous: each
     call returns once NIXL's transfer is done."""
 
+    AGENT_PREFIX = "kvrelay-disk"
+
     def __init__(self, root: str | Path, layout: DiskLayout, dtype: torch.dtype):
         self.root = Path(root)
         self.layout = layout
@@ -97,11 +105,11 @@ class DiskBlockFiles:
         self.file_bytes = HEADER_BYTES + self.payload_bytes
         self._layout_json = json.dumps(asdict(layout), sort_keys=True).encode()
         self._layout_id = int(layout.key, 16)
-        if _FIXED.size + len(self._layout_json) + 8 > HEADER_BYTES:
+        if _FIXED.size + len(self._layout_json) + 8 + HINT.size > HEADER_BYTES:
             raise ValueError(f"model_id too long for a block file header: {layout.model_id!r}")
         api = import_nixl_api()
         _AGENT_SEQ[0] += 1
-        self._name = f"kvrelay-disk-{os.getpid()}-{_AGENT_SEQ[0]}"
+        self._name = f"{self.AGENT_PREFIX}-{os.getpid()}-{_AGENT_SEQ[0]}"
         try:
             self._agent = api.nixl_agent(self._name, api.nixl_agent_config(backends=["POSIX"]))
         except Exception as e:  # NIXL raises its own types
@@ -113,25 +121,48 @@ class DiskBlockFiles:
         return self.dir / f"{block_hash:016x}{SUFFIX}"
 
     # ---- write and read ------------------------------------------------------------------
-    def write(self, block_hash: int, row: torch.Tensor) -> None:
-        """Publish row (one block's KV) as block_hash's file. Raises OSError (ENOSPC for a full
+    def write(self, block_hash: int, row: torch.Tensor, salt_root: int = 0) -> None:
+        """Publish row (one block's KV) as block_hash's file. salt_root: its cache_salt's chain
+        root (0: none), kept for `kvrelay kv evict --salt`. Raises OSError (ENOSPC for a full
         disk) with nothing left behind."""
+        tmp = self.write_temp(block_hash, row, salt_root=salt_root)
+        try:
+            os.replace(tmp, self.path(block_hash))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def write_temp(
+        self,
+        block_hash: int,
+        row: torch.Tensor,
+        priority: int = 0,
+        salt_root: int = 0,
+        durable: bool = False,
+    ) -> Path:
+        """row (one block's KV) as a whole block file under a temporary name of this process's
+        (the caller renames or links it into place). priority, salt_root: the eviction hint
+        kept in the header's last bytes, outside its checksum (only eviction reads it, never a
+        load). durable: fsync before returning. Raises OSError with nothing left behind."""
         staged = self._staging[0]
         staged.copy_(row)
         header = self._header(block_hash, _checksum(staged))
-        tmp = self.dir / f".{block_hash:016x}.{os.getpid()}.tmp"
+        tmp = self.dir / f".{block_hash:016x}.{_HOST}-{self._name}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
                 os.posix_fallocate(fd, 0, self.file_bytes)
                 os.pwrite(fd, header, 0)
+                os.pwrite(fd, HINT.pack(priority, salt_root), HEADER_BYTES - HINT.size)
                 self._transfer("WRITE", fd)
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, self.path(block_hash))
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return tmp
 
     def read(self, block_hash: int) -> torch.Tensor:
         """block_hash's KV, checked against its header (a fresh CPU tensor). Raises
@@ -157,6 +188,18 @@ class DiskBlockFiles:
 
     def remove(self, block_hash: int) -> None:
         self.path(block_hash).unlink(missing_ok=True)
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None:
+        """The file's eviction hint (priority, salt root); None when it is gone."""
+        try:
+            fd = os.open(self.path(block_hash), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            raw = os.pread(fd, HINT.size, HEADER_BYTES - HINT.size)
+        finally:
+            os.close(fd)
+        return HINT.unpack(raw) if len(raw) == HINT.size else None
 
     def _transfer(self, op: str, fd: int) -> None:
         """The staging row to (WRITE) or from (READ) the payload of the open file fd."""

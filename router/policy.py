@@ -47,18 +47,21 @@ DISK_HIT_CREDIT = 0.5
 
 class Overlap(dict[str, int]):
     """worker_id -> how many leading prompt blocks it holds (device memory, then its host
-    tier, then its disk tier); `host` / `disk`: how many of those are only in its host / disk
-    tier (0 when absent)."""
+    tier, then its disk tier, then the cluster-shared store any worker loads); `host` / `disk`
+    / `shared`: how many of those are only in its host / disk tier / the shared store (0 when
+    absent)."""
 
     def __init__(
         self,
         total: Mapping[str, int] | None = None,
         host: Mapping[str, int] | None = None,
         disk: Mapping[str, int] | None = None,
+        shared: Mapping[str, int] | None = None,
     ):
         super().__init__(total or {})
         self.host: dict[str, int] = dict(host or {})
         self.disk: dict[str, int] = dict(disk or {})
+        self.shared: dict[str, int] = dict(shared or {})
 
 
 def _cached_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
@@ -71,8 +74,10 @@ def _host_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int
 
 
 def _disk_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
-    disk = getattr(overlap, "disk", {})
-    return max(0, disk.get(worker.worker_id, 0)) * block_size
+    """Tokens only in its disk tier or the shared store: each loaded from a checked file."""
+    disk, shared = getattr(overlap, "disk", {}), getattr(overlap, "shared", {})
+    num = disk.get(worker.worker_id, 0) + shared.get(worker.worker_id, 0)
+    return max(0, num) * block_size
 
 
 def disk_credit(worker: WorkerInfo, block_size: int, default: float = DISK_HIT_CREDIT) -> float:

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from common import kv_index_schema as schema
 from common.messages import WorkerInfo
 from common.redis_url import RedisFailure, check_url, describe_failure
+from engine.kv_cache.hashing import hash_hex
 from router.policy import Overlap
 
 log = logging.getLogger(__name__)
@@ -93,11 +94,14 @@ class PrefixIndex:
         keys = [schema.registry_key(self.model_id)]
         keys += [schema.block_key(self.model_id, h) for h in block_hashes]
         args = [schema.worker_key_prefix(self.model_id), role]
-        ids, rows, counts, dead = await self._call(lambda: self._view_script(keys=keys, args=args))
+        reply, shared = await self._call(
+            lambda: self._with_shared(self._view_script(keys=keys, args=args), block_hashes)
+        )
+        ids, rows, counts, dead = reply
         workers = [parse(wid, row) for wid, row in zip(ids, rows, strict=True)]
         order = sorted(range(len(ids)), key=lambda i: ids[i])
         self._reap(dead)
-        overlap = _overlap([ids[i] for i in order], ids, counts)
+        overlap = _overlap([ids[i] for i in order], ids, counts, shared)
         return IndexView([workers[i] for i in order], overlap)
 
     async def probe(self) -> bool:
@@ -117,13 +121,17 @@ class PrefixIndex:
         self, block_hashes: Sequence[int], worker_ids: Sequence[str]
     ) -> Overlap:
         """worker_id -> number of leading blocks of `block_hashes` it holds (stops at a gap),
-        device memory first, then its host tier, then its disk tier (`.host`, `.disk`: how many
-        of those)."""
+        device memory first, then its host tier, then its disk tier, then the cluster-shared
+        store (`.host`, `.disk`, `.shared`: how many of those)."""
         if not worker_ids:
             return Overlap()
         keys = [schema.block_key(self.model_id, h) for h in block_hashes]
-        counts = await self._call(lambda: self._overlap_script(keys=keys, args=list(worker_ids)))
-        return _overlap(list(worker_ids), list(worker_ids), counts)
+        counts, shared = await self._call(
+            lambda: self._with_shared(
+                self._overlap_script(keys=keys, args=list(worker_ids)), block_hashes
+            )
+        )
+        return _overlap(list(worker_ids), list(worker_ids), counts, shared)
 
     async def forget_worker(self, worker_id: str, force: bool = False) -> int:
         """Remove a worker's blocks and membership; unless `force`, only if its HASH has expired.
@@ -155,6 +163,17 @@ class PrefixIndex:
         await self.close()
 
     # ---- internals -----------------------------------------------------------------------
+    async def _with_shared(
+        self, script_reply: Awaitable[Any], block_hashes: Sequence[int]
+    ) -> tuple[Any, list[int]]:
+        """The script's reply, and which of the blocks the shared store lists (1 / 0 each)."""
+        reply = await script_reply
+        if not block_hashes:
+            return reply, []
+        hexes = [hash_hex(h) for h in block_hashes]
+        shared = await self._client.smismember(schema.shared_key(self.model_id), hexes)
+        return reply, [int(flag) for flag in shared]
+
     async def _call(self, request: Callable[[], Awaitable[T]]) -> T:
         if self._failure is not None and time.monotonic() < self._retry_at:
             self.num_unavailable += 1
@@ -207,13 +226,28 @@ class PrefixIndex:
         return num_removed
 
 
-def _overlap(wanted: Sequence[str], ids: Sequence[str], counts: Sequence[int]) -> Overlap:
-    """The overlap script's flat (device, host, disk) counts per id, for the wanted ids."""
+def _overlap(
+    wanted: Sequence[str], ids: Sequence[str], counts: Sequence[int], shared: Sequence[int] = ()
+) -> Overlap:
+    """The overlap script's flat (device, host, disk) counts per id, for the wanted ids; past
+    each one's own blocks, the run of blocks the shared store lists (shared: 1 / 0 a block)."""
     at = {worker_id: i for i, worker_id in enumerate(ids)}
     device = {w: int(counts[3 * at[w]]) for w in wanted}
     host = {w: int(counts[3 * at[w] + 1]) for w in wanted}
     disk = {w: int(counts[3 * at[w] + 2]) for w in wanted}
-    return Overlap({w: device[w] + host[w] + disk[w] for w in wanted}, host, disk)
+    own = {w: device[w] + host[w] + disk[w] for w in wanted}
+    store = {w: _run_length(shared, own[w]) for w in wanted}
+    return Overlap({w: own[w] + store[w] for w in wanted}, host, disk, store)
+
+
+def _run_length(flags: Sequence[int], start: int) -> int:
+    """How many flags from start on are set before the first unset one."""
+    n = 0
+    for flag in flags[start:]:
+        if not flag:
+            break
+        n += 1
+    return n
 
 
 def parse(worker_id: str, row: Sequence[str]) -> WorkerInfo:

@@ -112,6 +112,31 @@ _COUNTERS: dict[str, tuple[str | None, str, str]] = {  # field -> (role, name, h
 }
 
 
+_TIER_COUNTERS = {  # TierStats field -> (name, help)
+    "lookup_blocks": (
+        "kvrelay_kv_tier_lookup_blocks",
+        "Prompt blocks looked up in a KV tier (those the faster tiers lacked).",
+    ),
+    "hit_blocks": (
+        "kvrelay_kv_tier_hit_blocks",
+        "Prompt blocks found in a KV tier; hit rate = hit / lookup blocks.",
+    ),
+    "load_bytes": ("kvrelay_kv_tier_loaded_bytes", "KV bytes loaded from a tier into the device."),
+    "load_s": (
+        "kvrelay_kv_tier_load_seconds",
+        "Seconds spent reading and checking a tier's block files (disk, shared).",
+    ),
+    "bad_files": (
+        "kvrelay_kv_tier_bad_files",
+        "A tier's block files found corrupt or truncated at load (removed, recomputed).",
+    ),
+    "write_failures": (
+        "kvrelay_kv_tier_write_failures",
+        "Blocks a tier's filesystem refused (full): not stored, recomputed when needed.",
+    ),
+}
+
+
 class WorkerStatsCollector(Collector):
     """Holds each worker's last stats; `collect()` turns them into metric families."""
 
@@ -133,6 +158,31 @@ class WorkerStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield self._load()
         yield from self._handoff()
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[Metric]:
+        """Per KV tier (device, host, disk, shared): its size and use, lookups, hits, loads
+        (bytes, seconds), bad files and refused writes, as each worker counted them."""
+        labels = ["worker_id", "role", "tier"]
+        blocks = GaugeMetricFamily(
+            "kvrelay_kv_tier_blocks",
+            "A KV tier's bound and the blocks it holds (kind: capacity, used); the shared "
+            "store's as the worker last counted it (all workers' files).",
+            labels=[*labels, "kind"],
+        )
+        counters = {
+            field: CounterMetricFamily(name, text, labels=labels)
+            for field, (name, text) in _TIER_COUNTERS.items()
+        }
+        for worker_id, (role, stats) in sorted(self._stats.items()):
+            for tier in stats.tiers:
+                key = [worker_id, role, tier.tier]
+                blocks.add_metric([*key, "capacity"], tier.capacity_blocks)
+                blocks.add_metric([*key, "used"], tier.used_blocks)
+                for field, family in counters.items():
+                    family.add_metric(key, getattr(tier, field))
+        yield blocks
+        yield from counters.values()
 
     def _load(self) -> Metric:
         load = GaugeMetricFamily(

@@ -54,6 +54,8 @@ def build_engine(
         keep_on_host=overrides.pop("keep_on_host", False),
         disk_kv_cache_bytes=overrides.pop("disk_kv_cache_bytes", 0),
         disk_kv_path=overrides.pop("disk_kv_path", None),
+        shared_kv_cache_bytes=overrides.pop("shared_kv_cache_bytes", 0),
+        shared_kv_path=overrides.pop("shared_kv_path", None),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),

@@ -1,6 +1,7 @@
-"""Builds an engine's disk KV tier at start: its files (kvtransfer/disk_blocks.py, through NIXL's
-POSIX backend) over the engine's KV layout, its size bound, and the blocks a previous run left
-in its directory (a warm restart). Owns no state: the KV manager keeps the tier.
+"""Builds an engine's disk KV tier (and the cluster-shared store below it) at start: its files
+(kvtransfer/disk_blocks.py, through NIXL's POSIX backend) over the engine's KV layout, its size
+bound, and the blocks a previous run left in its directory (a warm restart). Owns no state: the KV
+manager keeps the tier.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import torch
 from engine.config import CacheConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.disk_tier import DiskTier
+from engine.kv_cache.shared_store import SharedStore
 from engine.parallel.disk_ranks import RankDisk, RankedBlockFiles, rank_disk_path
 from kvtransfer.disk_blocks import BlockFileError, DiskBlockFiles, DiskLayout
+from kvtransfer.shared_blocks import SharedBlockFiles
 
 if TYPE_CHECKING:
     from engine.execution.block_copies import BlockCopies
@@ -69,6 +72,9 @@ def build_disk_tier(
         found.num_invalid,
         found.num_other_layouts,
     )
+    if cache.shared_kv_cache_bytes:
+        tier.shared = build_shared_store(cache, files.layout, kv_cache)
+        tier.shared.record_events = record_events
     return tier
 
 
@@ -84,3 +90,28 @@ def build_rank_disk(
     path = rank_disk_path(cache.disk_kv_path, rank)
     files = DiskBlockFiles(path, layout, copies.kv_cache.dtype)
     return RankDisk(files, copies, (BlockFileError, OSError))
+
+
+def build_shared_store(
+    cache: CacheConfig, layout: DiskLayout, kv_cache: torch.Tensor
+) -> SharedStore:
+    """The cluster-shared store cache asks for: the layout's directory under shared_kv_path."""
+    assert cache.shared_kv_path is not None
+    files = SharedBlockFiles(cache.shared_kv_path, layout, kv_cache.dtype)
+    num_blocks = cache.shared_kv_cache_bytes // files.file_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"cache.shared_kv_cache_bytes={cache.shared_kv_cache_bytes} holds no block file "
+            f"({files.file_bytes} bytes each)"
+        )
+    store = SharedStore(
+        num_blocks, files, read_errors=(BlockFileError, OSError), block_bytes=files.payload_bytes
+    )
+    log.info(
+        "shared KV store at %s: %d blocks of %d bytes at most (all workers), %d there now",
+        files.dir,
+        num_blocks,
+        files.file_bytes,
+        store.num_files,
+    )
+    return store

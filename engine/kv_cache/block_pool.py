@@ -112,6 +112,11 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_holding_blocks(self) -> int:
+        """Blocks holding KV: in use, or cached (evictable or not)."""
+        return self.num_blocks - len(self._uncached_free)
+
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
@@ -224,6 +229,23 @@ class BlockPool:
         while self._num_evictable:
             self._uncached_free.append(self._evict_one())
             num += 1
+        return num
+
+    def drop_cached(self, block_hashes: Sequence[int]) -> int:
+        """Make these blocks unfindable (an operator's eviction): an unreferenced one is freed,
+        one in use stays with its holders and is freed uncached. Returns how many were here."""
+        num = 0
+        for block_hash in set(block_hashes):
+            block = self._cached.get(block_hash)
+            if block is None:
+                continue
+            num += 1
+            if block.ref_cnt == 0:
+                self._remove_evictable(block)
+                self._uncache(block)
+                self._uncached_free.append(block)
+            else:
+                self._uncache(block)
         return num
 
     # ---- internals -----------------------------------------------------------------------

@@ -1,15 +1,16 @@
 """DiskTier: the bookkeeping of a worker's disk KV tier (the third tier of the prefix cache). It
-owns which block hashes have a file, each one's retention priority, the eviction order
-(priority, then LRU), the size bound, the blocks read and checked for a prefix hit but not yet
-copied back (staged), and the tier's counters; the files are BlockFiles' (kvtransfer/
-disk_blocks.py through NIXL). Torch-free: a block's KV is an opaque payload here.
+owns which block hashes have a file, each one's retention priority, the eviction order (priority,
+then LRU), the size bound, the blocks read and checked for a prefix hit but not yet copied back
+(staged), and the tier's counters; the files are BlockFiles' (kvtransfer/disk_blocks.py through
+NIXL). Torch-free: a block's KV is an opaque payload here.
 
-A block reaches this tier when it leaves the host tier (or the device pool, without a host
-tier): its spill is queued (OwedCopies) and written before anything overwrites its bytes
-(BlockCopies). A prefix hit reads and checks the file when the request is matched (a bad file
-is removed and its block recomputed, never loaded) and copies it into a fresh device block
-before the step that reads it. Writing is best effort: a full disk loses the block, never a
-request.
+A block written here is also published to the cluster-shared store below it when one is configured
+(SharedStore: once per block cluster-wide). A block reaches this tier when it leaves the host tier
+(or the device pool, without a host tier): its spill is queued (OwedCopies) and written before
+anything overwrites its bytes (BlockCopies). A prefix hit reads and checks the file when the request
+is matched (a bad file is removed and its block recomputed, never loaded) and copies it into a fresh
+device block before the step that reads it. Writing is best effort: a full disk loses the block,
+never a request.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.salt_index import SaltIndex
+from engine.kv_cache.shared_store import SharedStore
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +30,13 @@ log = logging.getLogger(__name__)
 class BlockFiles(Protocol):
     """Where a disk tier's blocks live (kvtransfer.disk_blocks.DiskBlockFiles)."""
 
-    def write(self, block_hash: int, row: object) -> None: ...  # raises OSError
+    def write(self, block_hash: int, row: object, salt_root: int) -> None: ...  # OSError
 
     def read(self, block_hash: int) -> object: ...  # raises an error for a bad file
 
     def remove(self, block_hash: int) -> None: ...
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None: ...  # (priority, salt root)
 
 
 class StageListener(Protocol):
@@ -75,6 +80,9 @@ class DiskTier:
         self.read_errors = read_errors
         self.block_bytes = block_bytes
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
+        # the cluster-shared store below this tier: every block written here is published
+        self.shared: SharedStore | None = None
+        self.salts: SaltIndex | None = None  # each salted block's salt root (for its files)
         self._events: list[KVEvent] = []
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
@@ -100,8 +108,9 @@ class DiskTier:
         return list(self._priority)
 
     def drain_events(self) -> list[KVEvent]:
+        """This tier's KV events since the last call, then the shared store's."""
         events, self._events = self._events, []
-        return events
+        return events + ([] if self.shared is None else self.shared.drain_events())
 
     # ---- writing --------------------------------------------------------------------------
     def adopt(self, block_hashes: list[int], priority: int) -> int:
@@ -120,10 +129,13 @@ class DiskTier:
         if spill.block_hash in self._priority:
             self.refresh(spill.block_hash, spill.priority)
             return False
+        salt_root = 0 if self.salts is None else self.salts.root_of(spill.block_hash)
+        if self.shared is not None:
+            self.shared.publish(spill.block_hash, row, spill.priority, salt_root)
         while len(self._priority) >= self.num_slots:
             self._evict()
         try:
-            self.files.write(spill.block_hash, row)
+            self.files.write(spill.block_hash, row, salt_root)
         except OSError as e:
             self.num_write_failures += 1
             if not self._warned_full:
@@ -171,6 +183,10 @@ class DiskTier:
         if self.record_events:
             self._events.append(BlockRemoved((block_hash,), "disk"))
 
+    def hashes_of_salt(self, salt_root: int) -> list[int]:
+        """The blocks here whose file names salt_root as their salt's (a restart's too)."""
+        return [h for h in self._priority if (self.files.hint(h) or (0, 0))[1] == salt_root]
+
     # ---- reading --------------------------------------------------------------------------
     def stage(self, block_hash: int) -> bool:
         """A prefix hit: read and check the block's file (kept until take); False, with the
@@ -199,6 +215,9 @@ class DiskTier:
         """Measured seconds to read and check one block (None before the first read)."""
         return self.read_s / self.num_reads if self.num_reads else None
 
+    def is_staged(self, block_hash: int) -> bool:
+        return block_hash in self._staged
+
     def take(self, block_hash: int) -> object:
         """A staged block's payload for its copy back (it stays in this tier, now newest)."""
         payload = self._staged.pop(block_hash)
@@ -217,6 +236,16 @@ class DiskTier:
             del self._staged[block_hash]
             if self.listener is not None:
                 self.listener.unstaged(block_hash)
+        if self.shared is not None:
+            self.shared.trim_staged()
+
+    def evict_hashes(self, block_hashes: list[int]) -> int:
+        """Remove these blocks' files here (an operator's eviction; the shared store's are the
+        caller's to remove); returns how many this tier held."""
+        held = [block_hash for block_hash in set(block_hashes) if block_hash in self._priority]
+        for block_hash in held:
+            self._drop(block_hash)
+        return len(held)
 
     def snapshot_fields(self) -> dict[str, int | float]:
         """This tier's EngineSnapshot fields (the engine's summary of its counters)."""
@@ -229,7 +258,7 @@ class DiskTier:
             "num_disk_cached_blocks": self.num_cached,
             "disk_load_s": self.read_s,
             "num_disk_reads": self.num_reads,
-        }
+        } | ({} if self.shared is None else self.shared.snapshot_fields())
 
     def check_integrity(self) -> None:
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())

@@ -11,7 +11,7 @@ costs no copy; a prefix hit here is copied back into a fresh device block and st
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 
@@ -87,6 +87,24 @@ class HostTier:
         del self._by_priority[old][block_hash]
         self._slot_of[block_hash] = (slot, priority)
         self._by_priority.setdefault(priority, OrderedDict())[block_hash] = slot
+
+    def drop(self, block_hashes: Sequence[int]) -> int:
+        """Forget these blocks (an operator's eviction), but those whose slot a copy still uses
+        (lent: they stay until evicted). Returns how many were dropped."""
+        num = 0
+        for block_hash in set(block_hashes):
+            if block_hash not in self._slot_of:
+                continue
+            slot, priority = self._slot_of[block_hash]
+            if slot in self._lent:
+                continue
+            del self._slot_of[block_hash]
+            del self._by_priority[priority][block_hash]
+            self._free.append(slot)
+            num += 1
+            if self.record_events:
+                self._events.append(BlockRemoved((block_hash,), "host"))
+        return num
 
     def release(self, slot: int) -> None:
         """The copy using a lent slot is queued (stream order protects it from then on)."""

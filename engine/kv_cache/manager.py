@@ -21,6 +21,7 @@ from engine.kv_cache.kept_blocks import Kept, KeptBlocks
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.prefix_cache import NO_MATCH, PrefixCache, PrefixMatch
 from engine.kv_cache.retention import RetentionRange, block_retention
+from engine.kv_cache.salt_index import SaltIndex
 from engine.step.request import Request
 
 
@@ -71,13 +72,20 @@ class KVCacheManager:
         self.keep_on_host = keep_on_host and host_tier is not None and enable_caching
         self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
         self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
-        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier
+        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier (or shared)
+        self.num_lookup_blocks = 0  # prompt blocks looked up in the prefix cache
+        self.num_device_hit_blocks = 0  # of those, found in the device pool
         self.pool = BlockPool(
             num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
         )
         self.owed = OwedCopies(host_tier, enable_caching, self.disk_tier)
         if (host_tier is not None or self.disk_tier is not None) and enable_caching:
             self.pool.on_evict = self.owed.evicted
+        num_slots = num_blocks + (host_tier.num_slots if host_tier is not None else 0)
+        num_slots += self.disk_tier.num_slots if self.disk_tier is not None else 0
+        self.salts = SaltIndex(2 * num_slots)
+        if self.disk_tier is not None:
+            self.disk_tier.salts = self.salts
         self.prefix = PrefixCache(
             self.pool,
             block_size,
@@ -86,6 +94,7 @@ class KVCacheManager:
             host_tier,
             self.owed,
             self.disk_tier,
+            self.salts,
         )
         self.kept = KeptBlocks()
         self._tables: dict[str, BlockTable] = {}
@@ -162,6 +171,9 @@ class KVCacheManager:
             self.pool.touch(match.blocks)
             table.extend(match.blocks)
             table.num_cached = len(table.blocks)
+        if req.num_computed_tokens == 0 and self.pool.enable_caching:  # its first blocks
+            self.num_lookup_blocks += max(0, req.num_tokens - 1) // self.block_size
+            self.num_device_hit_blocks += len(match.blocks)
         req.num_computed_tokens += match.num_tokens  # both tiers and a partial block's tokens
         slots = self.owed.lend_hits(match.host_hashes) if match.host_hashes else []
         # Copies run in the order they are queued, and taking a block may evict (and offload)

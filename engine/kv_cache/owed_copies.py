@@ -53,11 +53,15 @@ class OwedCopies:
             self._spills.append(Spill(block_hash, slot, True, priority))
 
     def lend_disk_hits(self, block_hashes: Sequence[int], blocks: Sequence[KVBlock]) -> None:
-        """A prefix hit in the disk tier (staged by the match): each block's KV is copied into
-        its fresh device block before the next step."""
-        assert self.disk_tier is not None
+        """A prefix hit in the disk tier or the shared store (staged by the match): each
+        block's KV is copied into its fresh device block before the next step."""
+        disk = self.disk_tier
+        assert disk is not None
         for block_hash, block in zip(block_hashes, blocks, strict=True):
-            self._disk_payloads[block.block_id] = self.disk_tier.take(block_hash)
+            if disk.shared is not None and not disk.is_staged(block_hash):  # the shared store's
+                self._disk_payloads[block.block_id] = disk.shared.take(block_hash)
+            else:
+                self._disk_payloads[block.block_id] = disk.take(block_hash)
             self._queued.append(BlockCopy(block_hash, block.block_id, "from_disk"))
 
     def spill_all(self, device_blocks: Iterable[KVBlock]) -> None:

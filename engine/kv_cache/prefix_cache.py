@@ -14,6 +14,7 @@ from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
+from engine.kv_cache.salt_index import SaltIndex
 from engine.step.request import Request
 
 
@@ -27,7 +28,8 @@ class PrefixMatch:
     partial_src: KVBlock | None = None
     num_partial_tokens: int = 0
     host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
-    disk_hashes: tuple[int, ...] = ()  # the full blocks after those, read from the disk tier
+    # the full blocks after those, read from the disk tier (or the cluster-shared store below it)
+    disk_hashes: tuple[int, ...] = ()
 
 
 NO_MATCH = PrefixMatch()
@@ -57,8 +59,11 @@ class PrefixCache:
         host_tier: HostTier | None,
         owed: OwedCopies,
         disk_tier: DiskTier | None = None,
+        salts: SaltIndex | None = None,
     ):
+        """salts: where each salted block's salt is recorded (kvrelay kv evict --salt)."""
         self.pool = pool
+        self.salts = salts
         self.block_size = block_size
         self.model_id = model_id
         self.partial_reuse_min_tokens = partial_reuse_min_tokens
@@ -97,8 +102,12 @@ class PrefixCache:
                 host.append(block_hash)
         disk: list[int] = []
         if self.disk_tier is not None:  # each block's file read and checked now
+            shared = self.disk_tier.shared  # a block this worker's disk lacks: the shared store's
             for block_hash in req.block_hashes[len(blocks) + len(host) : max_blocks]:
-                if not self.disk_tier.has(block_hash) or not self.disk_tier.stage(block_hash):
+                if self.disk_tier.has(block_hash):
+                    if not self.disk_tier.stage(block_hash):
+                        break
+                elif shared is None or not shared.has(block_hash) or not shared.stage(block_hash):
                     break
                 disk.append(block_hash)
         num_full = (len(blocks) + len(host) + len(disk)) * self.block_size
@@ -128,4 +137,15 @@ class PrefixCache:
             key = parent if parent is not None else root_hash(self.model_id, req.cache_salt)
             tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache_block(block, req.block_hashes[i], parent, tokens, key)
+        if req.cache_salt and self.salts is not None:
+            root = root_hash(self.model_id, req.cache_salt)
+            self.salts.record(req.block_hashes[i], root, self.held)
         self.owed.committed(block)
+
+    def held(self, block_hash: int) -> bool:
+        """Whether any tier of this worker holds the block (the shared store aside)."""
+        return (
+            self.pool.lookup(block_hash) is not None
+            or (self.host_tier is not None and self.host_tier.has(block_hash))
+            or (self.disk_tier is not None and self.disk_tier.has(block_hash))
+        )

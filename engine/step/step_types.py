@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from engine.finish_reason import FinishReason
+from engine.kv_cache.tier_stats import TierStats
 from engine.sampling.sampler import PendingSample, TopLogprobs
 from engine.step.request import Request
 from engine.step.scheduler import SchedulerOutput
@@ -92,6 +93,19 @@ class EngineSnapshot(NamedTuple):
     num_disk_cached_blocks: int = 0
     disk_load_s: float = 0.0
     num_disk_reads: int = 0  # files read and checked (hits and bad files)
+    # The cluster-shared store as this engine saw it (zeros without one): blocks it published,
+    # loaded on a hit (and their bytes), files found bad (recomputed), publishes refused (full),
+    # the store's files at its last count and its bound, time spent reading and checking.
+    num_shared_published_blocks: int = 0
+    num_shared_hit_blocks: int = 0
+    num_shared_hit_bytes: int = 0
+    num_shared_bad_files: int = 0
+    num_shared_write_failures: int = 0
+    num_shared_cached_blocks: int = 0
+    num_shared_capacity_blocks: int = 0
+    shared_load_s: float = 0.0
+    num_shared_reads: int = 0
+    tiers: tuple[TierStats, ...] = ()  # each KV tier's size, use, hits and loads
 
 
 class KVMemory(NamedTuple):

@@ -15,6 +15,7 @@ import grpc
 import openai
 import pytest
 
+from common.cluster_state import KVEvictRequest
 from engine.kv_cache.hashing import hash_blocks
 from router.access import ApiKeys, tenant_cache_salt
 from router.pb import kvrelay_pb2 as pb
@@ -155,3 +156,36 @@ def test_a_bad_priority_is_refused_naming_it(stack: ClusterHarness, priority: ob
             model=MODEL, prompt="hi", max_tokens=1, extra_body={"priority": priority}
         )
     assert "priority" in str(info.value)
+
+
+def evict(stack: ClusterHarness, request: KVEvictRequest) -> dict[str, dict[str, int] | str]:
+    """What `kvrelay kv evict` asks the controller."""
+
+    async def call() -> dict[str, dict[str, int] | str]:
+        assert stack.cluster.controller is not None
+        return await stack.cluster.controller.evict_kv.remote(request)
+
+    return stack.run(call())
+
+
+def test_kv_evict_drops_a_tenants_blocks_from_every_worker(stack: ClusterHarness) -> None:
+    cached_tokens(stack, KEY_A)
+    assert cached_tokens(stack, KEY_A) >= 32 and cached_tokens(stack, KEY_B) >= 32
+    salt_a = tenant_cache_salt("team-a", None)
+    assert wait_for_index(stack, salt_a) >= 2
+    request = KVEvictRequest(cache_salt=salt_a)  # `kvrelay kv evict --tenant team-a`
+    answers = evict(stack, request)
+    assert set(answers) == {*stack.cluster.prefill_actors, *stack.cluster.decode_actors}
+    dropped = [answer["device"] for answer in answers.values() if isinstance(answer, dict)]
+    assert len(dropped) == len(answers) and sum(dropped) >= 4  # on both sides of the handoff
+    deadline = time.monotonic() + 20.0  # the removals reach the index as KV events
+    while indexed_blocks(stack, salt_a) and time.monotonic() < deadline:
+        stack.run(asyncio.sleep(0.05))
+    assert indexed_blocks(stack, salt_a) == 0
+    assert cached_tokens(stack, KEY_A) == 0  # computed again
+    assert cached_tokens(stack, KEY_B) >= 32  # team-b's blocks untouched
+    prompt_only = KVEvictRequest(prompt=PROMPT, cache_salt=tenant_cache_salt("team-b", None))
+    answers = evict(stack, prompt_only)
+    assert sum(a["device"] for a in answers.values() if isinstance(a, dict)) >= 2
+    assert cached_tokens(stack, KEY_B) == 0
+    stack.wait_until_no_leaks()

@@ -26,7 +26,7 @@ class DictFiles:
         self.files: dict[int, object] = {}
         self.full = False
 
-    def write(self, block_hash: int, row: object) -> None:
+    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
         if self.full:
             raise OSError(28, "No space left on device")
         self.files[block_hash] = row
@@ -38,6 +38,9 @@ class DictFiles:
 
     def remove(self, block_hash: int) -> None:
         self.files.pop(block_hash, None)
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None:
+        return (0, 0) if block_hash in self.files else None
 
 
 def put(tier: DiskTier, block_hash: int, priority: int = 35) -> bool:
@@ -191,3 +194,11 @@ def test_flags_and_config_name_what_is_wrong(tmp_path) -> None:
         CacheConfig(disk_kv_cache_bytes=1, disk_kv_path="x", enable_prefix_caching=False)
     disk = CacheConfig(disk_kv_cache_bytes=1 << 20, disk_kv_path=str(tmp_path))
     assert EngineConfig(cache=disk, tensor_parallel_size=2).cache.disk_kv_cache_bytes  # each rank
+    shared = CacheConfig(
+        disk_kv_cache_bytes=1 << 20,
+        disk_kv_path=str(tmp_path),
+        shared_kv_cache_bytes=1 << 20,
+        shared_kv_path=str(tmp_path / "shared"),
+    )
+    with pytest.raises(ValueError, match="shared_kv_cache_bytes"):  # rank 0's heads only
+        EngineConfig(cache=shared, tensor_parallel_size=2)

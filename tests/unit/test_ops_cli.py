@@ -3,6 +3,7 @@ cluster's address (no Ray, no model)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from common.cluster_state import (
     ClusterStatus,
     DecodeStats,
+    KVEvictRequest,
     LeakCheck,
     PoolStatus,
     PrefillStats,
@@ -22,7 +24,9 @@ from common.cluster_state import (
 )
 from common.messages import WorkerLoad
 from deploy.cli import main
-from deploy.ops_cli import format_status
+from deploy.ops_cli import add_ops_parsers, evict_request, format_evicted, format_status, kv_evict
+from engine.kv_cache.tier_stats import TierStats
+from router.access import tenant_cache_salt
 
 
 def test_scale_request_keeps_only_the_pools_given_and_refuses_negative_sizes() -> None:
@@ -80,3 +84,42 @@ def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:
     assert as_json["pools"][0]["workers"][0]["stats"]["prefix_hit_rate"] == 0.25
     assert as_json["pools"][1]["workers"][1]["exit_check"]["num_free_blocks"] == 100
     json.dumps(as_json)  # plain JSON types only
+
+
+def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
+    tiers = (
+        TierStats("device", 100, 80, 40, 10, 0, 0.0),
+        TierStats("host", 50, 50, 30, 15, 15 * 1000, 0.0),
+        TierStats("disk", 1000, 300, 15, 5, 5_000_000, 0.01, bad_files=2),
+        TierStats("shared", 5000, 700, 10, 0, 0, 0.0, write_failures=3),
+    )
+    load = WorkerLoad(free_blocks=20, total_blocks=100)
+    worker = WorkerStatus(
+        "p0", "prefill", WorkerState.READY, (), "10.0.0.1",
+        stats=PrefillStats(WorkerState.READY, load, tiers=tiers),
+    )  # fmt: skip
+    status = status_with((worker,))
+    text = format_status(status)
+    assert "tiers: device 80/100 blocks, hits 25%; host 50/50 blocks, hits 50%" in text
+    assert "disk 300/1000 blocks, hits 33% (5.0 MB loaded, 2.00 ms a block), 2 bad files" in text
+    assert "shared 700/5000 blocks, hits 0%, 3 writes refused" in text
+    raw = status.to_json_dict()["pools"][0]["workers"][0]["stats"]["tiers"]
+    assert raw[3]["tier"] == "shared" and raw[3]["capacity_blocks"] == 5000
+    assert raw[0]["hit_rate"] == 0.25
+    json.dumps(raw)
+
+
+def test_kv_evict_sends_a_tenants_salt_or_a_prompt_and_reports_each_worker() -> None:
+    parser = argparse.ArgumentParser()
+    add_ops_parsers(parser.add_subparsers())
+    args = parser.parse_args(["kv", "evict", "--tenant", "team-a", "--prefix-of", "Hi there"])
+    assert args.func is kv_evict
+    request = evict_request(args)
+    assert request == KVEvictRequest("Hi there", tenant_cache_salt("team-a", None))
+    assert evict_request(parser.parse_args(["kv", "evict", "--salt", "s1"])).cache_salt == "s1"
+    with pytest.raises(ValueError, match="--prefix-of TEXT, --salt S"):
+        evict_request(parser.parse_args(["kv", "evict"]))
+    text = format_evicted({"p0": {"device": 3, "disk": 5, "shared": 8}, "d0": "RayActorError: x"})
+    assert "p0: blocks dropped: device 3, disk 5, shared 8" in text
+    assert "d0: error: RayActorError: x" in text
+    assert format_evicted({}) == "no worker answered: nothing evicted"

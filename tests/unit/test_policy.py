@@ -6,9 +6,11 @@ import pytest
 
 from common.messages import WorkerInfo, WorkerLoad
 from router.policy import (
+    DISK_HIT_CREDIT,
     KVAwarePolicy,
     LocalPrefill,
     NoWorkerAvailable,
+    Overlap,
     RandomPolicy,
     RoundRobinPolicy,
     choose_decode,
@@ -147,3 +149,15 @@ def test_local_prefill_goes_to_the_roomy_worker_with_most_cached() -> None:
     assert chosen is not None and chosen.worker is cold and chosen.reason == "short"
     assert choose_local_prefill(rule, [warm, cold], {}, 16, 500, 40) is None
     assert choose_local_prefill(LocalPrefill(), [warm, cold], {}, 16, 1, 1) is None
+
+
+def test_kv_aware_credits_a_shared_store_block_as_a_disk_block() -> None:
+    own, other = make_worker("own", queued_tokens=20), make_worker("other")
+    # "own": 4 blocks in device memory; "other": the same 4, loaded from the shared store
+    overlap = Overlap({"own": 4, "other": 4}, shared={"other": 4})
+    policy = KVAwarePolicy()
+    assert policy.score(other, overlap, BLOCK) == 4 * BLOCK * DISK_HIT_CREDIT
+    assert policy.score(own, overlap, BLOCK) == 4 * BLOCK - 20
+    assert policy.choose([own, other], overlap, BLOCK).worker is own
+    # without the index's shared entries, "other" would be credited nothing
+    assert policy.score(other, Overlap({"own": 4}), BLOCK) == 0

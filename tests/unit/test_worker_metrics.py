@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from common.cluster_state import DecodeStats, PrefillStats, WorkerState
 from common.messages import WorkerLoad
+from engine.kv_cache.tier_stats import TierStats
 from router.worker_metrics import WorkerStatsCollector
 
 
@@ -75,3 +76,25 @@ def test_prefix_cache_counters_are_exported_for_both_roles() -> None:
     assert value("kvrelay_prefix_partial_reused_tokens_total", p0) == 9
     assert value("kvrelay_host_kv_offloaded_blocks_total", d0) == 3
     assert value("kvrelay_host_kv_hit_blocks_total", d0) == 0
+
+
+def test_each_kv_tier_exports_its_size_hits_and_loads() -> None:
+    tiers = (
+        TierStats("device", 100, 80, 40, 10, 0, 0.0),
+        TierStats("disk", 1000, 300, 30, 12, 12 * 4096, 0.25, bad_files=2),
+        TierStats("shared", 5000, 700, 18, 6, 6 * 4096, 0.5, write_failures=3),
+    )
+    collector = WorkerStatsCollector()
+    collector.update("p0", "prefill", prefill_stats(tiers=tiers))
+    value = registry_with(collector).get_sample_value
+    worker = {"worker_id": "p0", "role": "prefill"}
+    disk, shared = worker | {"tier": "disk"}, worker | {"tier": "shared"}
+    assert value("kvrelay_kv_tier_blocks", shared | {"kind": "capacity"}) == 5000
+    assert value("kvrelay_kv_tier_blocks", disk | {"kind": "used"}) == 300
+    assert value("kvrelay_kv_tier_hit_blocks_total", disk) == 12
+    assert value("kvrelay_kv_tier_lookup_blocks_total", shared) == 18
+    assert value("kvrelay_kv_tier_loaded_bytes_total", shared) == 6 * 4096
+    assert value("kvrelay_kv_tier_load_seconds_total", disk) == 0.25
+    assert value("kvrelay_kv_tier_bad_files_total", disk) == 2
+    assert value("kvrelay_kv_tier_write_failures_total", shared) == 3
+    assert value("kvrelay_kv_tier_hit_blocks_total", worker | {"tier": "host"}) is None

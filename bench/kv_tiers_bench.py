@@ -1,0 +1,66 @@
+"""Every KV tier on the host-tier bench's shared-prefix workload (bench/host_tier_bench.py: K
+system prompts asked in turn, R rounds, one at a time) with a working set past the device pool
+and the host tier: device only, + host, + disk, then a second worker (empty device, host and
+disk) over the shared store the first published. Prints prompt tokens computed, TTFT p50 and
+each tier's hits. Owns no state (its disk and shared directories are temporary).
+
+    python -m bench.kv_tiers_bench [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from bench.host_tier_bench import run
+from bench.lib.run_report import report_header, write_report
+from engine.config import DEFAULT_MODEL
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-systems", type=int, default=6)
+    p.add_argument("--system-rules", type=int, default=45, help="~11 tokens each")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device-blocks", type=int, default=64, help="the device pool (16 tokens)")
+    p.add_argument("--host-kv-gib", type=float, default=0.03, help="default: ~40 SmolLM2 blocks")
+    p.add_argument("--disk-kv-gib", type=float, default=1.0)
+    p.add_argument("--shared-kv-gib", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--json")
+    args = p.parse_args()
+    args.profile = args.prompts_json = None
+    args.copy_rates = False
+    host = int(args.host_kv_gib * (1 << 30))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvrelay-tiers-") as tmp:
+        root = Path(tmp)
+        disk = {"disk_kv_cache_bytes": int(args.disk_kv_gib * (1 << 30))}
+        shared = {
+            "shared_kv_cache_bytes": int(args.shared_kv_gib * (1 << 30)),
+            "shared_kv_path": str(root / "shared"),
+        }
+        runs = [
+            ("device only", 0, {}),
+            ("+ host", host, {}),
+            ("+ disk", host, disk | {"disk_kv_path": str(root / "disk")}),
+            ("+ shared: first worker", host, disk | {"disk_kv_path": str(root / "a")} | shared),
+            ("+ shared: second worker", host, disk | {"disk_kv_path": str(root / "b")} | shared),
+        ]
+        for name, host_bytes, tiers in runs:
+            row = {"run": name, **run(args, host_bytes, **tiers)}
+            rows.append(row)
+            brief = {k: row[k] for k in ("run", "prompt_tokens_computed", "ttft_p50_ms")}
+            hits = {t["tier"]: t["hit_blocks"] for t in row["tiers"]}
+            print(json.dumps(brief | {"hit_blocks": hits}), flush=True)
+    report = report_header("python -m bench.kv_tiers_bench " + json.dumps(vars(args)))
+    write_report(args.json, {**report, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

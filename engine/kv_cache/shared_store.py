@@ -1,0 +1,204 @@
+"""SharedStore: a worker's view of the cluster-shared KV store (the tier below its disk tier). It
+owns the blocks it read and checked for a prefix hit but has not copied back yet (staged), its
+estimate of how many files the store holds (for the size bound), and its counters; the store
+itself is the directory every worker shares (kvtransfer/shared_blocks.py through NIXL), so which
+blocks it holds is asked of the files, never remembered. Torch-free: a block's KV is opaque here.
+
+A block is published when it reaches this worker's disk tier (DiskTier.put): once per block
+cluster-wide (the first complete copy wins). A prefix hit past the device, host and disk tiers
+reads and checks the block's file (a bad one is removed and its block recomputed, never loaded)
+and copies it into a fresh device block before the step, as a disk hit does. The size bound
+holds files of num_blocks blocks: a writer that finds the store at its bound evicts the lowest
+priority, then least recently used files down to LOW_WATER of it. Publishing is best effort: a
+full filesystem loses the block (recomputed when needed), never a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger(__name__)
+
+LOW_WATER = 0.9  # an eviction pass leaves the store this full (a pass scans the directory)
+
+
+# One file of the store as a scan saw it: (priority, modification time, block hash, salt root).
+Entry = tuple[int, float, int, int]
+
+
+class SharedFiles(Protocol):
+    """The store's files (kvtransfer.shared_blocks.SharedBlockFiles)."""
+
+    def exists(self, block_hash: int) -> bool: ...
+
+    def publish(self, block_hash: int, row: object, priority: int, salt_root: int) -> bool: ...
+
+    def read(self, block_hash: int) -> object: ...  # raises an error for a bad file
+
+    def remove(self, block_hash: int) -> None: ...
+
+    def entries(self) -> list[Entry]: ...
+
+
+class SharedStore:
+    def __init__(
+        self,
+        num_blocks: int,
+        files: SharedFiles,
+        read_errors: tuple[type[BaseException], ...] = (Exception,),
+        block_bytes: int = 0,
+        max_staged_bytes: int = 256 << 20,
+    ):
+        """num_blocks: the store's size bound (files of num_blocks blocks, all workers'
+        together). read_errors: what files.read raises for a file that must not be loaded."""
+        if num_blocks < 1:
+            raise ValueError(
+                f"a shared store holds at least one block, got num_blocks={num_blocks}"
+            )
+        self.num_slots = num_blocks
+        self.files = files
+        self.read_errors = read_errors
+        self.block_bytes = block_bytes
+        self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
+        self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        self.record_events = False  # KV events (tier "shared") for the cluster index
+        self._events: list[KVEvent] = []
+        self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
+        self.num_published = 0  # blocks this worker wrote to the store
+        self.num_found_published = 0  # blocks it would have published: another worker had
+        self.num_hit_blocks = 0  # prefix blocks loaded from the store
+        self.num_reads = 0  # files read and checked for a prefix hit
+        self.read_s = 0.0
+        self.num_bad_files = 0  # corrupt or truncated at load: removed, recomputed
+        self.num_write_failures = 0  # not published: the store's filesystem refused (full)
+        self.num_evicted = 0  # files this worker removed for the size bound
+        self.num_removed = 0  # files removed on request (evict_hashes)
+        self._warned_bad = self._warned_full = False
+
+    def has(self, block_hash: int) -> bool:
+        return self.files.exists(block_hash)
+
+    def drain_events(self) -> list[KVEvent]:
+        """Blocks this worker published to the store or removed from it since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def _removed(self, block_hash: int) -> None:
+        if self.record_events:
+            self._events.append(BlockRemoved((block_hash,), "shared"))
+
+    # ---- publishing -----------------------------------------------------------------------
+    def publish(self, block_hash: int, row: object, priority: int, salt_root: int = 0) -> bool:
+        """Publish a block reaching this worker's disk tier unless the store has it; False when
+        it has or the filesystem refused it (logged once: the block is recomputed when needed,
+        no request is lost). salt_root: its cache_salt's chain root (0: none)."""
+        if self.files.exists(block_hash):
+            self.num_found_published += 1
+            return False
+        if self.num_files >= self.num_slots:
+            self._make_room()
+        try:
+            wrote = self.files.publish(block_hash, row, priority, salt_root)
+        except OSError as e:
+            self.num_write_failures += 1
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning(
+                    "shared KV store: cannot publish a block file (%s); blocks are not shared "
+                    "(each worker recomputes them) while this lasts",
+                    e,
+                )
+            return False
+        if not wrote:
+            self.num_found_published += 1
+            return False
+        self.num_files += 1
+        self.num_published += 1
+        if self.record_events:
+            self._events.append(BlockStored((block_hash,), None, "shared"))
+        return True
+
+    def _make_room(self) -> None:
+        """Scan the store (every worker's files); past LOW_WATER of the bound, remove the lowest
+        priority, least recently used files down to it."""
+        entries = sorted(self.files.entries())
+        keep = int(self.num_slots * LOW_WATER)
+        excess = max(0, len(entries) - keep) if len(entries) >= self.num_slots else 0
+        for _, _, block_hash, _ in entries[:excess]:
+            self.files.remove(block_hash)
+            self._staged.pop(block_hash, None)
+            self._removed(block_hash)
+        self.num_evicted += excess
+        self.num_files = len(entries) - excess
+
+    def evict_salt(self, salt_root: int) -> int:
+        """Remove every file of the salt whose chain root is salt_root (any worker's)."""
+        return self.evict_hashes([e[2] for e in self.files.entries() if e[3] == salt_root])
+
+    def evict_hashes(self, block_hashes: list[int]) -> int:
+        """Remove these blocks' files (an operator's eviction); returns how many were there."""
+        removed = 0
+        for block_hash in block_hashes:
+            self._staged.pop(block_hash, None)
+            if self.files.exists(block_hash):
+                self.files.remove(block_hash)
+                self._removed(block_hash)
+                removed += 1
+        self.num_removed += removed
+        self.num_files = max(0, self.num_files - removed)
+        return removed
+
+    # ---- reading --------------------------------------------------------------------------
+    def stage(self, block_hash: int) -> bool:
+        """A prefix hit: read and check the block's file (kept until take); False, with the
+        file removed (its block is recomputed), when it must not be loaded or is gone."""
+        if block_hash in self._staged:
+            return True
+        start = time.perf_counter()
+        try:
+            self._staged[block_hash] = self.files.read(block_hash)
+        except self.read_errors as e:
+            self.num_bad_files += 1
+            if not self._warned_bad:
+                self._warned_bad = True
+                log.warning("shared KV store: %s; removed, its block is recomputed", e)
+            else:
+                log.debug("shared KV store: %s; removed", e)
+            self.files.remove(block_hash)
+            self._removed(block_hash)
+            return False
+        finally:
+            self.read_s += time.perf_counter() - start
+            self.num_reads += 1
+        return True
+
+    def is_staged(self, block_hash: int) -> bool:
+        return block_hash in self._staged
+
+    def take(self, block_hash: int) -> object:
+        """A staged block's payload for its copy back."""
+        self.num_hit_blocks += 1
+        return self._staged.pop(block_hash)
+
+    def trim_staged(self) -> None:
+        """Blocks read for a match that was not admitted: the newest kept up to the bound."""
+        while len(self._staged) > self.max_staged:
+            del self._staged[next(iter(self._staged))]
+
+    def snapshot_fields(self) -> dict[str, int | float]:
+        """This store's EngineSnapshot fields (this worker's view and counters)."""
+        return {
+            "num_shared_published_blocks": self.num_published,
+            "num_shared_hit_blocks": self.num_hit_blocks,
+            "num_shared_hit_bytes": self.num_hit_blocks * self.block_bytes,
+            "num_shared_bad_files": self.num_bad_files,
+            "num_shared_write_failures": self.num_write_failures,
+            "num_shared_cached_blocks": self.num_files,
+            "num_shared_capacity_blocks": self.num_slots,
+            "shared_load_s": self.read_s,
+            "num_shared_reads": self.num_reads,
+        }

@@ -1,0 +1,157 @@
+"""SharedStore's bookkeeping over a dict of files (one shared directory): one writer a block,
+eviction by priority then age down to the low-water mark, a refused write logged once, bad
+files removed and never staged; BlockPool / HostTier / SaltIndex removal for `kvrelay kv evict`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
+from engine.config import CacheConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.salt_index import SaltIndex
+from engine.kv_cache.shared_store import SharedStore
+
+
+class SharedDict:
+    """Every worker's view of one shared directory: hash -> (payload, priority, mtime, root)."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, tuple[object, int, float, int]] = {}
+        self.clock = 0.0
+        self.full = False
+
+    def exists(self, block_hash: int) -> bool:
+        return block_hash in self.files
+
+    def publish(self, block_hash: int, row: object, priority: int, salt_root: int) -> bool:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        if block_hash in self.files:
+            return False
+        self.clock += 1
+        self.files[block_hash] = (row, priority, self.clock, salt_root)
+        return True
+
+    def read(self, block_hash: int) -> object:
+        if block_hash not in self.files:
+            raise ValueError(f"{block_hash}: missing")
+        row, priority, _, root = self.files[block_hash]
+        if row == "bad":
+            raise ValueError(f"{block_hash}: payload checksum mismatch")
+        self.clock += 1
+        self.files[block_hash] = (row, priority, self.clock, root)
+        return row
+
+    def remove(self, block_hash: int) -> None:
+        self.files.pop(block_hash, None)
+
+    def entries(self) -> list[tuple[int, float, int, int]]:
+        return [(p, t, h, r) for h, (_, p, t, r) in self.files.items()]
+
+
+def test_one_writer_a_block_across_workers() -> None:
+    shared = SharedDict()
+    a, b = SharedStore(100, shared), SharedStore(100, shared)
+    assert a.publish(1, "kv1", 35) and not b.publish(1, "other", 35)
+    assert shared.files[1][0] == "kv1"
+    assert (a.num_published, b.num_published, b.num_found_published) == (1, 0, 1)
+    assert b.has(1) and b.stage(1) and b.take(1) == "kv1" and b.num_hit_blocks == 1
+
+
+def test_the_bound_evicts_lowest_priority_then_oldest_down_to_low_water() -> None:
+    shared = SharedDict()
+    store = SharedStore(10, shared)
+    for h in range(10):
+        store.publish(h, f"kv{h}", 80 if h < 3 else 35)
+    store.stage(3)  # a hit makes 3 the newest of its priority
+    other = SharedStore(10, shared)  # another worker finds the store at its bound
+    assert other.num_files == 10
+    other.publish(99, "kv99", 35)
+    # down to 9 of 10 (LOW_WATER), then the new one: the oldest at priority 35 went
+    assert set(shared.files) == {0, 1, 2, 3, 5, 6, 7, 8, 9, 99}
+    assert other.num_evicted == 1 and other.num_files == 10
+
+
+def test_a_full_store_is_logged_once_and_loses_nothing(caplog) -> None:
+    shared = SharedDict()
+    store = SharedStore(10, shared)
+    shared.full = True
+    with caplog.at_level(logging.WARNING, logger="engine.kv_cache.shared_store"):
+        assert not store.publish(1, "kv1", 35) and not store.publish(2, "kv2", 35)
+    assert store.num_write_failures == 2 and not shared.files
+    assert caplog.text.count("cannot publish a block file") == 1
+
+
+def test_a_bad_file_is_removed_and_never_staged() -> None:
+    shared = SharedDict()
+    shared.files[7] = ("bad", 35, 0.0, 0)
+    store = SharedStore(10, shared)
+    assert not store.stage(7) and not store.is_staged(7) and 7 not in shared.files
+    assert store.num_bad_files == 1 and not store.stage(8)  # gone meanwhile: a miss, recomputed
+
+
+def test_evict_by_salt_removes_any_workers_files_of_that_salt() -> None:
+    shared = SharedDict()
+    a, b = SharedStore(10, shared), SharedStore(10, shared)
+    a.publish(1, "kv1", 35, salt_root=11)
+    b.publish(2, "kv2", 35, salt_root=11)
+    b.publish(3, "kv3", 35, salt_root=22)
+    assert a.evict_salt(11) == 2 and set(shared.files) == {3}
+    assert a.evict_hashes([3, 4]) == 1 and not shared.files
+
+
+def test_pool_host_and_salt_index_drop_for_an_operators_eviction() -> None:
+    pool = BlockPool(4)
+    used, kept = pool.allocate(2)
+    pool.cache_block(used, 100, None)
+    pool.cache_block(kept, 101, 100)
+    pool.free([used])  # 100 unreferenced, 101 in use
+    assert pool.drop_cached([100, 101, 102]) == 2
+    assert pool.lookup(100) is None and pool.lookup(101) is None
+    assert pool.num_free_blocks == 3
+    pool.free([kept])  # freed uncached
+    pool.check_integrity()
+    assert pool.num_free_blocks == 4 and pool.num_holding_blocks == 0
+    host = HostTier(2)
+    host.store(5, 35)
+    host.release(0)
+    host.store(6, 35)  # slot still lent: its copy is owed
+    assert host.drop([5, 6]) == 1 and not host.has(5) and host.has(6)
+    host.release(1)
+    host.check_integrity()
+    salts = SaltIndex(2)
+    for h in (1, 2, 3):
+        salts.record(h, 11, held=lambda h: h != 1)
+    assert salts.hashes_of(11) == [2, 3] and salts.root_of(1) == 0  # pruned: in no tier
+    salts.forget([2])
+    assert salts.hashes_of(11) == [3]
+
+
+def test_a_store_holds_at_least_one_block() -> None:
+    with pytest.raises(ValueError, match="num_blocks=0"):
+        SharedStore(0, SharedDict())
+
+
+def test_shared_flags_and_config_name_what_is_wrong(tmp_path) -> None:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_engine_flags(p)
+    flags = ["--disk-kv-gib", "1", "--disk-kv-path", str(tmp_path / "d")]
+    args = p.parse_args([*flags, "--shared-kv-gib", "0.5", "--shared-kv-path", str(tmp_path)])
+    cache = engine_from_args(args).cache
+    assert cache.shared_kv_cache_bytes == 1 << 29 and cache.shared_kv_path == str(tmp_path)
+    with pytest.raises(ValueError, match="shared_kv_path"):
+        CacheConfig(shared_kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"shared_kv_cache_bytes needs a disk tier"):
+        CacheConfig(shared_kv_cache_bytes=1 << 20, shared_kv_path="x")
+    with pytest.raises(ValueError, match="shared_kv_path must differ from disk_kv_path"):
+        CacheConfig(
+            disk_kv_cache_bytes=1, disk_kv_path="x", shared_kv_cache_bytes=1, shared_kv_path="x"
+        )
+    with pytest.raises(ValueError, match="shared_kv_cache_bytes must be >= 0"):
+        CacheConfig(shared_kv_cache_bytes=-1)
