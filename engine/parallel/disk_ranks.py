@@ -100,16 +100,17 @@ class RankedBlockFiles:
         rank 0 adopted; one a follower lacks fails its first check and is removed)."""
         self.leader.send(DiskPlan("keep", tuple(block_hashes)))
 
-    def write(self, block_hash: int, row: object) -> None:
-        """Every rank writes its heads of the spilled block; OSError (nothing left on any
-        rank) when one could not."""
+    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
+        """Every rank writes its heads of the spilled block (rank 0's file names its salt root,
+        which `kvrelay kv evict --salt` reads); OSError (nothing left on any rank) when one
+        could not."""
         if not isinstance(row, SpillRow):
             raise TypeError(f"a tensor-parallel disk tier writes a SpillRow, not {type(row)}")
         spill = row.spill
         self.leader.send(DiskPlan("write", (block_hash,), spill.src, spill.from_host))
         failure: OSError | None = None
         try:
-            self.files.write(block_hash, row.row)
+            self.files.write(block_hash, row.row, salt_root)
         except OSError as error:
             failure = error
         if not self.leader.agree(failure is None):
@@ -124,6 +125,10 @@ class RankedBlockFiles:
         if not self.leader.agree(True):
             raise self.read_error(f"{block_hash:016x}: a tensor-parallel rank's file is bad")
         return payload
+
+    def hint(self, block_hash: int) -> tuple[int, int] | None:
+        """Rank 0's file's (priority, salt root): every rank holds the same blocks."""
+        return self.files.hint(block_hash)
 
     def remove(self, block_hash: int) -> None:
         self.files.remove(block_hash)
