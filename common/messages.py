@@ -31,6 +31,9 @@ class GenerateRequest:
     num_resumed_tokens: int = 0
     # Retention by token range: these blocks keep their own priority once freed, on every worker.
     kv_retention: tuple[RetentionRange, ...] = ()
+    # The served model whose pools run it (the router's pick from the request's `model`); ""
+    # on a single-model path. Workers serve one model each and ignore it.
+    model: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`kvrelay scale`, `kvrelay status` and `kvrelay router`: operator commands against a running
-cluster's controller (through Ray); a router stops as serve's does, draining on Ctrl-C or
-SIGTERM (deploy/serve_stop.py). Holds no state."""
+cluster's controllers (through Ray; one per served model); a router stops as serve's does,
+draining on Ctrl-C or SIGTERM (deploy/serve_stop.py). Holds no state."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ ADDRESS_HELP = (
     "`kvrelay serve` running on this machine (refused when several run: give --name)"
 )
 NAME_HELP = "the local `kvrelay serve` of this --name (its HTTP port when it was given none)"
+MODEL_HELP = "the served model whose pools to act on (needed when the cluster serves several)"
 
 
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scale", help="resize the prefill and/or decode pool")
+    p = sub.add_parser("scale", help="resize the prefill and/or decode pool (of one model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
     p.add_argument("--decode", type=int, default=None, help="decode workers wanted")
     p.add_argument("--no-wait", action="store_true", help="return at once")
@@ -34,6 +36,7 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("status", help="the pools, their workers, the routers and Redis")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--model", default=None, help="only this served model's (default: every one)")
     _add_target(p)
     p.set_defaults(func=status)
 
@@ -53,11 +56,38 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     target.add_argument("--name", default=None, help=NAME_HELP)
 
 
-def _controller(args: argparse.Namespace) -> ControllerActor:
-    from deploy.controller import find_controller
+def _controllers(args: argparse.Namespace) -> dict[str, ControllerActor]:
+    """Model id -> its controller: every model's, or --model's alone (ValueError naming the
+    served ones when it is not served); a single-model cluster's id is asked for."""
+    from deploy.controller import find_controller, find_controllers
 
     cluster_address.connect(args.address, args.name)
-    return find_controller()
+    found = find_controllers()
+    if not found:
+        find_controller()  # raises, saying what to do
+    if "" in found:  # one model: its controller has the plain name
+        only = found[""]
+        found = {asyncio.run(_model_id(only)): only}
+    model = getattr(args, "model", None)
+    if model is None:
+        return found
+    if model not in found:
+        served = ", ".join(repr(m) for m in found)
+        raise ValueError(f"--model {model!r} is not served by this cluster; it serves {served}")
+    return {model: found[model]}
+
+
+async def _model_id(controller: ControllerActor) -> str:
+    return (await controller.status.remote(False)).model_id
+
+
+def _controller(args: argparse.Namespace) -> ControllerActor:
+    """The one controller the command acts on: --model's, or the cluster's only one."""
+    found = _controllers(args)
+    if len(found) > 1:
+        served = ", ".join(repr(m) for m in found)
+        raise ValueError(f"this cluster serves several models ({served}): give --model M")
+    return next(iter(found.values()))
 
 
 # ---- scale ---------------------------------------------------------------------------------
@@ -65,13 +95,14 @@ def scale(args: argparse.Namespace) -> int:
     request = ScaleRequest(prefill=args.prefill, decode=args.decode)
     if not request.sizes():
         raise ValueError("give --prefill N, --decode M or both")
-    return asyncio.run(_scale(request, args))
+    return asyncio.run(_scale(request, _controller(args), args))
 
 
-async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
+async def _scale(
+    request: ScaleRequest, controller: ControllerActor, args: argparse.Namespace
+) -> int:
     from deploy.progress import ScaleFailed, follow
 
-    controller = _controller(args)
     before: ClusterStatus = await controller.status.remote(False)  # without stats
     seen = {
         (w.worker_id, i)
@@ -96,16 +127,18 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
 
 # ---- status --------------------------------------------------------------------------------
 def status(args: argparse.Namespace) -> int:
-    controller = _controller(args)
+    """One model's status as before; several models' one after another (--json: a list)."""
+    controllers = list(_controllers(args).values())
 
-    async def fetch() -> ClusterStatus:
-        return await controller.status.remote(True)
+    async def fetch() -> list[ClusterStatus]:
+        return list(await asyncio.gather(*(c.status.remote(True) for c in controllers)))
 
-    current = asyncio.run(fetch())
+    statuses = asyncio.run(fetch())
     if args.json:
-        print(json.dumps(current.to_json_dict(), indent=2))
+        shown = [s.to_json_dict() for s in statuses]
+        print(json.dumps(shown[0] if len(shown) == 1 else shown, indent=2))
     else:
-        print(format_status(current))
+        print("\n\n".join(format_status(s) for s in statuses))
     return 0
 
 
@@ -176,32 +209,46 @@ def _disk_tier(stats: WorkerStats) -> str:
 def router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = router_options(args)  # a bad key file or certificate: refused before connecting
-    controller = _controller(args)
-    return asyncio.run(_router(controller, options, args.host, args.http_port, args.grpc_port))
+    controllers = list(_controllers(args).values())  # every model's: this router serves all
+    return asyncio.run(_router(controllers, options, args.host, args.http_port, args.grpc_port))
 
 
 async def _router(
-    controller, options: RouterOptions, host: str, http_port: int, grpc_port: int
+    controllers: list[ControllerActor],
+    options: RouterOptions,
+    host: str,
+    http_port: int,
+    grpc_port: int,
 ) -> int:
+    import uuid
+
     from common.cluster_state import RouterStatus
     from deploy.router_launch import build_backend
     from deploy.serve_stop import StopSignals, close_servers, drain
     from router.metrics import RouterMetrics
+    from router.served_models import ModelsBackend
     from router.tokenizer import RouterTokenizer
 
     signals = StopSignals()
-    signals.install()  # after ray.init() (in _controller), which took SIGTERM for itself
-    backend, config = await build_backend(controller)
+    signals.install()  # after ray.init() (in _controllers), which took SIGTERM for itself
+    router_id = f"router-{uuid.uuid4().hex[:8]}"
+    built = [await build_backend(c, router_id=router_id) for c in controllers]
+    backends = {config.model.model_id: b for b, config in built}
+    tokenizers = {
+        config.model.model_id: RouterTokenizer(config.model.checkpoint_dir) for _, config in built
+    }
+    backend = built[0][0] if len(built) == 1 else ModelsBackend(backends)
     servers = None
     try:
         metrics = RouterMetrics()
         backend.metrics = metrics
-        tokenizer = RouterTokenizer(config.model.checkpoint_dir)
-        servers = options.build_servers(backend, tokenizer, metrics)
+        tokenizer = tokenizers[backend.model_id]
+        servers = options.build_servers(backend, tokenizer, metrics, tokenizers)
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
-        await backend.membership.announce(RouterStatus(backend.router_id, http_url, grpc_address))
-        _say(f"kvrelay: router {backend.router_id} serving {config.model.model_id}")
+        for each in backends.values():  # each model's controller lists the router
+            await each.membership.announce(RouterStatus(router_id, http_url, grpc_address))
+        _say(f"kvrelay: router {router_id} serving {', '.join(backends)}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
         for line in options.describe():

@@ -5,6 +5,7 @@ starts. Holds no state."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,9 +30,14 @@ class RouterOptions:
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
 
     def build_servers(
-        self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics
+        self,
+        backend: Backend,
+        tokenizer: RouterTokenizer,
+        metrics: RouterMetrics,
+        tokenizers: Mapping[str, RouterTokenizer] | None = None,
     ) -> RouterServers:
-        """The Frontend over `backend` and its two servers (build inside the serving loop)."""
+        """The Frontend over `backend` and its two servers (build inside the serving loop);
+        tokenizers: a ModelsBackend's other models' (router/served_models.py)."""
         from router.frontend import Frontend
         from router.serve import RouterServers
 
@@ -42,6 +48,7 @@ class RouterOptions:
             max_queued_requests=self.max_queued_requests,
             api_keys=self.api_keys,
             max_body_mib=self.max_body_mib,
+            tokenizers=tokenizers,
         )
         return RouterServers(frontend, self.tls)
 

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 
 from common.placement_rules import OVERLOAD_MODES, LocalPrefill, SloTargets
 from common.redis_url import check_url
 from deploy.autoscale import AutoscaleConfig
 from deploy.cluster_address import check_name
-from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
-from deploy.local_cluster import ClusterSpec
+from deploy.engine_flags import (
+    add_engine_flags,
+    add_model_args,
+    engine_from_args,
+    models_from_args,
+)
+from deploy.local_cluster import ClusterSpec, ModelPools, controller_names
 from deploy.router_flags import add_router_flags
 from router.stats_log import DEFAULT_INTERVAL_S
 
@@ -28,15 +34,17 @@ def add_serve_parser(
         "behind the router's OpenAI HTTP and gRPC servers, until Ctrl-C.",
         formatter_class=DefaultsShown,
     )
-    add_model_args(p)
+    add_model_args(p, several=True)
     p.add_argument(
         "--name",
         default=None,
         help="this cluster's name on this machine, for `kvrelay status|scale|router --name` "
         "(default: its HTTP port, e.g. 8000)",
     )
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument(
+        "--prefill", type=int, default=1, help="number of prefill workers (of each model)"
+    )
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers (of each model)")
     p.add_argument(
         "--tp",
         type=int,
@@ -236,7 +244,11 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     )
     slo = slo_from_args(args)
     autoscale = autoscale_from_args(args)
-    return ClusterSpec(
+    more_models = tuple(
+        ModelPools(replace(engine, model=model), args.prefill, args.decode, autoscale)
+        for model in models_from_args(args)[1:]
+    )
+    spec = ClusterSpec(
         engine=engine,
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -252,4 +264,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         ray_address=args.ray_address,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
+        more_models=more_models,
     )
+    if more_models:
+        controller_names(spec)  # two models served under one id: refused before Ray starts
+    return spec
