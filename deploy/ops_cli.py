@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+from typing import TypeVar
 
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerStats, WorkerStatus
 from common.worker_actors import ControllerActor
@@ -21,6 +22,7 @@ ADDRESS_HELP = (
     "`kvrelay serve` running on this machine (refused when several run: give --name)"
 )
 NAME_HELP = "the local `kvrelay serve` of this --name (its HTTP port when it was given none)"
+T = TypeVar("T")
 MODEL_HELP = "the served model whose pools to act on (needed when the cluster serves several)"
 
 
@@ -57,8 +59,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _controllers(args: argparse.Namespace) -> dict[str, ControllerActor]:
-    """Model id -> its controller: every model's, or --model's alone (ValueError naming the
-    served ones when it is not served); a single-model cluster's id is asked for."""
+    """Model id -> its controller: every model's, or --model's alone; a single-model
+    cluster's id is asked for."""
     from deploy.controller import find_controller, find_controllers
 
     cluster_address.connect(args.address, args.name)
@@ -66,9 +68,16 @@ def _controllers(args: argparse.Namespace) -> dict[str, ControllerActor]:
     if not found:
         find_controller()  # raises, saying what to do
     if "" in found:  # one model: its controller has the plain name
+        import ray
+
         only = found[""]
-        found = {asyncio.run(_model_id(only)): only}
-    model = getattr(args, "model", None)
+        found = {ray.get(only.status.remote(False)).model_id: only}
+    return pick_models(found, getattr(args, "model", None))
+
+
+def pick_models(found: dict[str, T], model: str | None) -> dict[str, T]:
+    """Of model id -> controller, --model's alone (every one when None); ValueError naming
+    the served models when it is not one of them."""
     if model is None:
         return found
     if model not in found:
@@ -77,17 +86,18 @@ def _controllers(args: argparse.Namespace) -> dict[str, ControllerActor]:
     return {model: found[model]}
 
 
-async def _model_id(controller: ControllerActor) -> str:
-    return (await controller.status.remote(False)).model_id
-
-
-def _controller(args: argparse.Namespace) -> ControllerActor:
-    """The one controller the command acts on: --model's, or the cluster's only one."""
-    found = _controllers(args)
+def only_model(found: dict[str, T]) -> T:
+    """The one controller a command acts on; ValueError asking for --model when there are
+    several."""
     if len(found) > 1:
         served = ", ".join(repr(m) for m in found)
         raise ValueError(f"this cluster serves several models ({served}): give --model M")
     return next(iter(found.values()))
+
+
+def _controller(args: argparse.Namespace) -> ControllerActor:
+    """The one controller the command acts on: --model's, or the cluster's only one."""
+    return only_model(_controllers(args))
 
 
 # ---- scale ---------------------------------------------------------------------------------
