@@ -19,7 +19,9 @@ from deploy.engine_flags import (
     models_from_args,
 )
 from deploy.local_cluster import ClusterSpec, ModelPools, controller_names
+from deploy.models_file import read_models_file
 from deploy.router_flags import add_router_flags
+from engine.config import EngineConfig
 from router.stats_log import DEFAULT_INTERVAL_S
 
 
@@ -35,6 +37,14 @@ def add_serve_parser(
         formatter_class=DefaultsShown,
     )
     add_model_args(p, several=True)
+    p.add_argument(
+        "--models-file",
+        default=None,
+        metavar="PATH",
+        help="several models side by side from a YAML or JSON file (instead of MODEL / "
+        "--model): each with its pool sizes and its own engine flags on top of the command "
+        "line's (deploy/models_file.py shows the format)",
+    )
     p.add_argument(
         "--name",
         default=None,
@@ -204,6 +214,28 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
     )
 
 
+def _model_pools(args: argparse.Namespace, engine: EngineConfig) -> list[ModelPools]:
+    """Each served model's engine and pools: --models-file's, else MODEL / --model (repeated:
+    the same engine flags and --prefill / --decode for each); the autoscale bounds for each."""
+    if args.models_file is None:
+        pools = [
+            ModelPools(replace(engine, model=model), args.prefill, args.decode)
+            for model in models_from_args(args)
+        ]
+    else:
+        if args.model is not None or args.model_flag:
+            raise ValueError("give the models either as MODEL / --model or in --models-file")
+        pools = read_models_file(args.models_file, args, engine_from_args)
+    return [
+        replace(p, autoscale=autoscale_from_args(_sized(args, p.num_prefill, p.num_decode)))
+        for p in pools
+    ]
+
+
+def _sized(args: argparse.Namespace, prefill: int, decode: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "prefill": prefill, "decode": decode})
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
@@ -243,15 +275,12 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         args.local_prefill_chunk_tokens,
     )
     slo = slo_from_args(args)
-    autoscale = autoscale_from_args(args)
-    more_models = tuple(
-        ModelPools(replace(engine, model=model), args.prefill, args.decode, autoscale)
-        for model in models_from_args(args)[1:]
-    )
+    pools = _model_pools(args, engine)
+    autoscale = pools[0].autoscale
     spec = ClusterSpec(
-        engine=engine,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        engine=pools[0].engine,
+        num_prefill=pools[0].num_prefill,
+        num_decode=pools[0].num_decode,
         redis_url="" if args.no_redis else args.redis_url,
         policy=args.policy,
         max_migrations=args.max_migrations,
@@ -264,8 +293,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         ray_address=args.ray_address,
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
-        more_models=more_models,
+        more_models=tuple(pools[1:]),
     )
-    if more_models:
+    if len(pools) > 1:
         controller_names(spec)  # two models served under one id: refused before Ray starts
     return spec

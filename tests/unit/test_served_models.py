@@ -130,3 +130,38 @@ def test_serve_takes_the_model_flag_repeated(tmp_path) -> None:
         parse("--model", "y", "--model", "y")
     with pytest.raises(ValueError, match="two models would both be served as 'y'"):
         parse("--model", str(tmp_path / "y"), "--model", "y.gguf")
+
+
+def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> None:
+    def parse(*argv: str):
+        return spec_from_args(build_parser().parse_args(["serve", *argv]))
+
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "models:\n"
+        "  - model: a.gguf\n"
+        "    decode: 2\n"
+        "    flags: {max-model-len: 512, kv_cache_gib: 0.5}\n"
+        "  - {model: b.gguf, prefill: 3}\n"
+    )
+    spec = parse("--models-file", str(path), "--max-model-len", "1024", "--decode", "1")
+    a, b = spec.models
+    assert (a.engine.model, a.num_prefill, a.num_decode) == ("a.gguf", 1, 2)
+    assert a.engine.scheduler.max_model_len == 512
+    assert a.engine.cache.kv_cache_memory_bytes == 1 << 29
+    assert (b.engine.model, b.num_prefill, b.num_decode) == ("b.gguf", 3, 1)
+    assert b.engine.scheduler.max_model_len == 1024 and b.engine.cache.kv_cache_memory_bytes is None
+    path.write_text('{"models": [{"model": "json.gguf"}]}')  # JSON is YAML too
+    assert parse("--models-file", str(path)).engine.model == "json.gguf"
+    for text, error in (
+        ("models: []", "wants `models:`, a list"),
+        ("models: [{model: a.gguf, decode: 0}]", r"models\[0\].decode: wants a whole number"),
+        ("models: [{model: a.gguf, tp: 2}]", r"models\[0\]: unknown field 'tp'"),
+        ("models: [{model: a.gguf, flags: {tp: 2}}]", "'--tp' is not an engine flag"),
+        ("models: [{model: a.gguf, flags: {block-size: x}}]", "block-size"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=error):
+            parse("--models-file", str(path))
+    with pytest.raises(ValueError, match="either as MODEL / --model or in --models-file"):
+        parse("--models-file", str(path), "--model", "a.gguf")
