@@ -15,6 +15,7 @@ from engine.finish_reason import FinishReason
 from router.backend import Backend
 from router.metrics import RouterMetrics
 from router.prompt_encoder import PromptEncoder
+from router.readiness import empty_pools
 from router.tokenizer import RouterTokenizer
 
 
@@ -59,10 +60,19 @@ class ModelsBackend(Backend):
         await asyncio.gather(*(b.abort(req_id) for b in self.backends.values()))
 
     async def health(self) -> dict[str, object]:
-        """ok when every model can serve; each model's details under its id."""
+        """ok when every model can serve; each model's details under its id, and the reason
+        (for /ready) naming the models that cannot."""
         answers = await asyncio.gather(*(b.health() for b in self.backends.values()))
         details = dict(zip(self.backends, answers, strict=True))
-        return {"ok": all(bool(a.get("ok")) for a in answers), "models": details}
+        status: dict[str, object] = {"ok": all(bool(a.get("ok")) for a in answers)}
+        down = [
+            f"model {model!r}: {a.get('reason') or empty_pools(a) or 'cannot serve'}"
+            for model, a in details.items()
+            if not a.get("ok")
+        ]
+        if down:
+            status["reason"] = "; ".join(down)
+        return {**status, "models": details}
 
     async def refresh_metrics(self) -> None:
         """Each model's workers' stats into the one registry: the series of one model's workers

@@ -66,6 +66,7 @@ def test_a_request_reaches_only_its_models_backend() -> None:
     assert a.aborted == ["x"] == b.aborted  # each backend ignores an id it does not know
     health = asyncio.run(both.health())
     assert health["ok"] is False and health["models"] == {"a": {"ok": True}, "b": {"ok": False}}
+    assert health["reason"] == "model 'b': cannot serve"
 
 
 def test_the_frontend_routes_by_model_and_refuses_an_unknown_one(smollm_dir) -> None:
