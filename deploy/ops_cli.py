@@ -121,7 +121,8 @@ async def _scale(
         for i in range(len(w.transitions))
     }
     sizes = await controller.scale.remote(request)
-    _say("kvrelay: pools wanted: " + ", ".join(f"{role} {n}" for role, n in sizes.items()))
+    of = f" of {args.model}" if args.model else ""
+    _say(f"kvrelay: pools wanted{of}: " + ", ".join(f"{role} {n}" for role, n in sizes.items()))
     if args.no_wait:
         return 0
     started = time.monotonic()

@@ -23,6 +23,7 @@ import ray
 from common.messages import GenerateRequest
 from deploy.controller import find_controllers
 from deploy.local_cluster import ModelPools
+from deploy.ops_cli import only_model
 from engine.config import CacheConfig, EngineConfig
 from engine.kv_cache.hashing import hash_blocks
 from engine.models.loader import resolve_model
@@ -149,13 +150,14 @@ def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list
     assert 'kvrelay_model_requests_total{finish_reason="length",model="tiny-a"}' not in metrics
 
     # Scaling: one controller per model; without --model the CLI refuses to guess.
-    assert set(find_controllers()) == set(MODELS)
-    refused = kvrelay("scale", "--decode", "2")
-    assert refused.returncode != 0
-    assert "serves several models ('tiny-a', 'tiny-b'): give --model M" in refused.stderr
+    controllers = find_controllers()
+    assert set(controllers) == set(MODELS)
+    with pytest.raises(ValueError, match=r"several models \('tiny-a', 'tiny-b'\): give --model"):
+        only_model(controllers)
     a_workers = set(cluster.backends["tiny-a"].workers.actors("decode"))
     done = kvrelay("scale", "--model", "tiny-b", "--decode", "2")
     assert done.returncode == 0, done.stderr
+    assert "pools wanted of tiny-b: prefill 1, decode 2" in done.stderr
 
     def ready_decode(model: str) -> list[str]:
         return [w.worker_id for w in cluster.backends[model].workers.known("decode")]
