@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -119,9 +119,13 @@ def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list
     a_hashes = hash_blocks(PROMPT, 16, "tiny-a")
     b_hashes = hash_blocks(PROMPT, 16, "tiny-b")
     assert set(a_hashes).isdisjoint(b_hashes)
-    a_view = harness.run(a_index.view("prefill", a_hashes))
-    assert [w.worker_id for w in a_view.workers] == ["kvrelay-tiny-a-prefill-0"]
-    assert a_view.overlap["kvrelay-tiny-a-prefill-0"] == 2
+
+    async def a_holds_prompt() -> bool:  # the worker publishes its blocks after its step
+        view = await a_index.view("prefill", a_hashes)
+        assert [w.worker_id for w in view.workers] == ["kvrelay-tiny-a-prefill-0"]
+        return view.overlap["kvrelay-tiny-a-prefill-0"] == 2
+
+    harness.run(until_true(a_holds_prompt))
     for hashes in (a_hashes, b_hashes):
         b_view = harness.run(b_index.view("", hashes))
         b_workers = {"kvrelay-tiny-b-prefill-0", "kvrelay-tiny-b-decode-0"}
@@ -181,6 +185,13 @@ async def burst(backend, model: str, num: int) -> list[list[int]]:
     ]
     outputs = await asyncio.gather(*(collect(backend, r) for r in requests))
     return [tokens_of(deltas) for deltas in outputs]
+
+
+async def until_true(check: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
 
 
 async def until(check: Callable[[], bool], timeout_s: float = 120.0) -> None:
