@@ -31,8 +31,8 @@ class GenerateRequest:
     num_resumed_tokens: int = 0
     # Retention by token range: these blocks keep their own priority once freed, on every worker.
     kv_retention: tuple[RetentionRange, ...] = ()
-    # The served model whose pools run it (the router's pick from the request's `model`); ""
-    # on a single-model path. Workers serve one model each and ignore it.
+    # The served model whose pools run it (the Frontend's pick from the request's `model`); ""
+    # from a caller that did not pick (the default model). Workers serve one model each.
     model: str = ""
 
 

@@ -97,7 +97,7 @@ class RouterMetrics:
         )
         self.model_requests = Counter(
             "kvrelay_model_requests",
-            "Finished requests by served model and finish reason (a router serving several).",
+            "Finished requests by served model and finish reason.",
             ["model", "finish_reason"],
             registry=r,
         )
@@ -205,7 +205,7 @@ class RouterMetrics:
         latency_s: float,
         model: str = "",
     ) -> None:
-        """model: the served model's id ("" on a single-model path: no per-model series)."""
+        """model: the served model's id ("" when not known: no per-model series)."""
         self.requests.labels(finish_reason=finish_reason).inc()
         if model:
             self.model_requests.labels(model=model, finish_reason=finish_reason).inc()

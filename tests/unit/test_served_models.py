@@ -99,7 +99,7 @@ def test_the_frontend_routes_by_model_and_refuses_an_unknown_one(smollm_dir) -> 
 def test_metrics_count_requests_by_model() -> None:
     metrics = RouterMetrics()
     metrics.observe_finished(FinishReason.STOP, 3, 0, 2, 0.1, "b")
-    metrics.observe_finished(FinishReason.STOP, 3, 0, 2, 0.1)  # one model: no per-model series
+    metrics.observe_finished(FinishReason.STOP, 3, 0, 2, 0.1)  # no model: no per-model series
     text = metrics.render().decode()
     assert 'kvrelay_model_requests_total{finish_reason="stop",model="b"} 1.0' in text
     assert 'kvrelay_model_generation_tokens_total{model="b"} 2.0' in text
