@@ -60,8 +60,9 @@ class ModelsBackend(Backend):
         await asyncio.gather(*(b.abort(req_id) for b in self.backends.values()))
 
     async def health(self) -> dict[str, object]:
-        """ok when every model can serve; each model's details under its id, and the reason
-        (for /ready) naming the models that cannot."""
+        """ok when every model can serve; each model's fields as "{model}/{field}" (flat, as
+        /health and gRPC Health show them), and the reason (for /ready) naming the models that
+        cannot."""
         answers = await asyncio.gather(*(b.health() for b in self.backends.values()))
         details = dict(zip(self.backends, answers, strict=True))
         status: dict[str, object] = {"ok": all(bool(a.get("ok")) for a in answers)}
@@ -72,7 +73,8 @@ class ModelsBackend(Backend):
         ]
         if down:
             status["reason"] = "; ".join(down)
-        return {**status, "models": details}
+        fields = {f"{m}/{k}": v for m, a in details.items() for k, v in a.items() if k != "ok"}
+        return {**status, **fields}
 
     async def refresh_metrics(self) -> None:
         """Each model's workers' stats into the one registry: the series of one model's workers

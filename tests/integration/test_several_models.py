@@ -107,6 +107,8 @@ def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list
     # /v1/models lists both; an unknown model is refused as before (400, naming `model`).
     listed = json.loads(get(harness, "/v1/models"))["data"]
     assert [m["id"] for m in listed] == list(MODELS)
+    ready = json.loads(get(harness, "/ready"))  # every model's pools have a ready worker
+    assert ready["ready"] and ready["tiny-a/prefill_workers"] == ready["tiny-b/decode_workers"] == 1
     status, reply = post(harness, "/v1/completions", {"model": "nope", "prompt": PROMPT})
     assert status == 400 and reply["error"]["param"] == "model"
     assert "'tiny-a', 'tiny-b'" in reply["error"]["message"]
