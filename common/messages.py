@@ -39,6 +39,9 @@ class GenerateRequest:
     # Batch class: seconds after arrival by which the router must have sent it on, else it is
     # refused (router/fair_queue.py); None: no deadline. Workers ignore it.
     deadline_s: float | None = None
+    # The served model whose pools run it (the Frontend's pick from the request's `model`); ""
+    # from a caller that did not pick (the default model). Workers serve one model each.
+    model: str = ""
 
 
 @dataclass(frozen=True)

@@ -530,6 +530,25 @@ async def start_controller(
     return cast(ControllerActor, actor)
 
 
+def find_controllers(name: str = CONTROLLER_NAME) -> dict[str, ControllerActor]:
+    """Every model's controller on this Ray cluster: {"": handle} for a cluster of one model
+    (its controller named `name`), {model id: handle} for one of several (each named
+    "{name}/{model id}", deploy/local_cluster.controller_names); empty when there is none."""
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        actor_name, namespace = actor["name"], actor["namespace"]
+        if namespace != NAMESPACE:
+            continue
+        if actor_name == name:
+            found[""] = actor_name
+        elif actor_name.startswith(f"{name}/"):
+            found[actor_name[len(name) + 1 :]] = actor_name
+    return {
+        model: cast(ControllerActor, ray.get_actor(actor_name, namespace=NAMESPACE))
+        for model, actor_name in sorted(found.items())
+    }
+
+
 def find_controller(name: str = CONTROLLER_NAME) -> ControllerActor:
     """The running controller's handle; ValueError with what to do when there is none."""
     try:

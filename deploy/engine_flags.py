@@ -17,8 +17,9 @@ from engine.config import (
 from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model, as a positional argument (as `vllm serve MODEL`) or --model."""
+def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """The model, as a positional argument (as `vllm serve MODEL`) or --model; several: --model
+    may be repeated, one model each (`kvrelay serve`: each gets pools of its own)."""
     p.add_argument(
         "model",
         nargs="?",
@@ -26,22 +27,40 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help=f"model name, .gguf file or HF folder (default: {DEFAULT_MODEL})",
     )
+    text = "MODEL as a flag (default: the positional MODEL's; given both, they must agree)"
+    if several:
+        text += (
+            "; repeated, several models side by side, each with its own --prefill / --decode "
+            "pools, index namespace and metrics label, sharing the engine flags (a request's "
+            "`model` picks its pools; the first is the default)"
+        )
     p.add_argument(
         "--model",
         dest="model_flag",
         default=None,
+        action="append" if several else "store",
         metavar="MODEL",
-        help="MODEL as a flag (default: the positional MODEL's; given both, they must agree)",
+        help=text,
     )
 
 
+def models_from_args(args: argparse.Namespace) -> list[str]:
+    """The models of MODEL and --model (repeated: several); ValueError when MODEL is given
+    beside a first --model that differs."""
+    flags = args.model_flag
+    flags = [] if flags is None else [flags] if isinstance(flags, str) else list(flags)
+    if args.model and flags and args.model != flags[0]:
+        raise ValueError(f"the model is given twice, as {args.model!r} and --model {flags[0]!r}")
+    models = flags or [args.model or DEFAULT_MODEL]
+    repeated = next((m for i, m in enumerate(models) if m in models[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"--model {repeated!r} is given more than once")
+    return models
+
+
 def model_from_args(args: argparse.Namespace) -> str:
-    """The model of MODEL or --model; ValueError when both are given and differ."""
-    if args.model and args.model_flag and args.model != args.model_flag:
-        raise ValueError(
-            f"the model is given twice, as {args.model!r} and --model {args.model_flag!r}"
-        )
-    return args.model or args.model_flag or DEFAULT_MODEL
+    """The (first) model of MODEL or --model; ValueError when both are given and differ."""
+    return models_from_args(args)[0]
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

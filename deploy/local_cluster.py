@@ -1,6 +1,7 @@
 """LocalCluster: an embedded kvrelay cluster on one machine (local Ray, optional local
-redis-server, the controller actor and its prefill and decode workers, one in-process router's
-ClusterBackend). Owns those processes and stops them all in close(): none outlives it."""
+redis-server, a controller actor per served model with that model's prefill and decode workers,
+one in-process router's ClusterBackend per model, behind a ModelsBackend when there are several).
+Owns those processes and stops them all in close(): none outlives it."""
 
 from __future__ import annotations
 
@@ -22,13 +23,23 @@ from deploy.progress import follow
 from deploy.ray_local import EmbeddedRay, ProcessId, cluster_processes, embedded_ray, reap
 from deploy.router_launch import build_backend
 from deploy.worker_launch import WorkerTemplate, check_gpus_per_worker, gpus_needed
-from engine.config import EngineConfig
+from engine.config import EngineConfig, served_model_id
 
 logger = logging.getLogger(__name__)
 LOCAL_POOL_SLOTS = 64  # workers of each pool an embedded (single-node) Ray can host
 STATUS_TIMEOUT_S = 10.0  # close(): asking the controller which workers it has
 SHUTDOWN_TIMEOUT_S = 45.0  # close(): every worker withdrawn and stopped (each has 30 s)
 REAP_GRACE_S = 10.0  # close(): an embedded Ray's processes exit by themselves within this
+
+
+@dataclass(frozen=True)
+class ModelPools:
+    """One model of a cluster and its pools' sizes (a cluster serving several has one each)."""
+
+    engine: EngineConfig
+    num_prefill: int = 1
+    num_decode: int = 1
+    autoscale: AutoscaleConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,9 @@ class ClusterSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     otlp_endpoint: str | None = None  # the workers' traces go there (None: tracing off)
+    # The models served beside `engine`'s (the first, the default), each with its own pools,
+    # controller and index namespace; they share every other field.
+    more_models: tuple[ModelPools, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -72,25 +86,34 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
+    def models(self) -> tuple[ModelPools, ...]:
+        """Every served model's pools, the default (`engine`'s) first."""
+        first = ModelPools(self.engine, self.num_prefill, self.num_decode, self.autoscale)
+        return (first, *self.more_models)
+
+    @property
     def num_workers(self) -> int:
-        return self.num_prefill + self.num_decode
+        return sum(m.num_prefill + m.num_decode for m in self.models)
 
     @property
     def num_ranks(self) -> int:
         """Ranks of every worker together (a worker at TP 1 is one)."""
-        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+        return sum(
+            m.num_prefill * self.prefill_tp + m.num_decode * self.decode_tp for m in self.models
+        )
 
     @property
     def num_cpu_slots(self) -> int:
         """Logical CPUs an embedded Ray declares: a TP worker's CPU bundles take one a rank
         (TP-1 workers take none), up to the autoscaler's largest pools; `kvrelay scale` past
         them leaves a CPU TP worker pending."""
-        sizes = {"prefill": self.num_prefill, "decode": self.num_decode}
-        if self.autoscale is not None and max(self.prefill_tp, self.decode_tp) > 1:
-            sizes = {
-                role: max(n, self.autoscale.max_size.get(role, 0)) for role, n in sizes.items()
-            }
-        ranks = sizes["prefill"] * self.prefill_tp + sizes["decode"] * self.decode_tp
+        ranks = 0
+        for model in self.models:
+            sizes = {"prefill": model.num_prefill, "decode": model.num_decode}
+            if model.autoscale is not None and max(self.prefill_tp, self.decode_tp) > 1:
+                most = model.autoscale.max_size
+                sizes = {role: max(n, most.get(role, 0)) for role, n in sizes.items()}
+            ranks += sizes["prefill"] * self.prefill_tp + sizes["decode"] * self.decode_tp
         return max(2, ranks + 1)
 
     def worker_gpus(self, device: str) -> float:
@@ -105,20 +128,27 @@ class LocalCluster:
         self.spec = spec
         self.redis: Any = None
         self.redis_url: str | None = None
+        self.router_id = ""  # the embedded router's, once start() built its backends
         self.controller: ControllerActor | None = None
-        self.backend: Any = None
-        self.model: Any = None  # common.messages.ServedModel, once started
+        self.backend: Any = None  # the one model's ClusterBackend, or a ModelsBackend of them
+        self.model: Any = None  # common.messages.ServedModel of the default model, once started
+        self.models: dict[str, Any] = {}  # model id -> ServedModel, the default first
+        self.backends: dict[str, Any] = {}  # model id -> its ClusterBackend
+        self.controllers: dict[str, ControllerActor] = {}  # model id -> its controller
         self._owns_ray = False
         self._ray: EmbeddedRay | None = None  # the Ray this process started, if it did
 
     @property
     def prefill_actors(self) -> dict[str, Any]:
-        """Worker id -> actor of the prefill workers the router knows (ready or draining)."""
-        return self.backend.workers.actors("prefill")
+        """Worker id -> actor of the prefill workers the router knows (ready or draining), of
+        every model."""
+        return {
+            i: a for b in self.backends.values() for i, a in b.workers.actors("prefill").items()
+        }
 
     @property
     def decode_actors(self) -> dict[str, Any]:
-        return self.backend.workers.actors("decode")
+        return {i: a for b in self.backends.values() for i, a in b.workers.actors("decode").items()}
 
     async def start(self, progress=print) -> LocalCluster:
         import ray
@@ -139,8 +169,12 @@ class LocalCluster:
             self._owns_ray = True
             self._ray = embedded_ray()
         if spec.engine.device == "auto":
+            device = self._pick_device(ray, progress)
+            more = tuple(
+                replace(m, engine=replace(m.engine, device=device)) for m in spec.more_models
+            )
             spec = self.spec = replace(
-                spec, engine=replace(spec.engine, device=self._pick_device(ray, progress))
+                spec, engine=replace(spec.engine, device=device), more_models=more
             )
         elif spec.engine.device.startswith("cuda") and spec.ray_address == "local":
             self._check_gpus(ray)  # no GPU joins an embedded Ray later: refuse before waiting
@@ -150,9 +184,50 @@ class LocalCluster:
             progress(f"kvrelay: local redis-server at {redact(self.redis_url)}")
         else:
             self.redis_url = spec.redis_url or None
+        names = controller_names(spec)
+        several = len(names) > 1
+        progress(
+            "kvrelay: starting "
+            + ("a controller per model, " if several else "the controller, ")
+            + "; ".join(
+                f"{f'{name}: ' if several else ''}{m.num_prefill} prefill and {m.num_decode} "
+                "decode workers"
+                for name, m in zip(names, spec.models, strict=True)
+            )
+        )
+        for model_id, model in zip(names, spec.models, strict=True):  # close() stops each
+            controller = await self._start_controller(model_id, names[model_id], model, several)
+            self.controllers[model_id] = controller
+            self.controller = self.controller or controller
+        await asyncio.gather(*(follow(c, progress) for c in self.controllers.values()))
+        router_id = f"router-{secrets.token_hex(4)}"  # one router, known to every controller
+        self.router_id = router_id
+        for model_id, controller in self.controllers.items():
+            backend, router_config = await build_backend(controller, router_id=router_id)
+            self.backends[model_id] = backend
+            self.models[model_id] = router_config.model
+            if router_config.model.model_id != model_id:
+                raise RuntimeError(
+                    f"the workers of {model_id!r} serve {router_config.model.model_id!r}"
+                )
+        self.model = next(iter(self.models.values()))
+        self.backend = self._models_backend() if several else next(iter(self.backends.values()))
+        progress("kvrelay: workers ready")
+        return self
+
+    def _models_backend(self) -> Any:
+        from router.served_models import ModelsBackend
+
+        return ModelsBackend(self.backends)
+
+    async def _start_controller(
+        self, model_id: str, name: str, model: ModelPools, several: bool
+    ) -> ControllerActor:
+        """One model's controller (its workers named after the model when there are several)."""
+        spec = self.spec
         threads = spec.threads_per_worker or max(1, (os.cpu_count() or 2) // 2)
         template = WorkerTemplate(
-            spec.engine,
+            model.engine,
             self.redis_url,
             spec.lease_s,
             spec.transfer_timeout_s,
@@ -169,23 +244,14 @@ class LocalCluster:
             template,
             spec.policy,
             spec.max_migrations,
-            spec.name_prefix,
+            f"{spec.name_prefix}-{model_id}" if several else spec.name_prefix,
             drain_grace_s=spec.drain_grace_s,
             local_prefill=spec.local_prefill,
             slo=spec.slo,
-            autoscale=spec.autoscale,
+            autoscale=model.autoscale,
         )
-        progress(
-            f"kvrelay: starting the controller, {spec.num_prefill} prefill and "
-            f"{spec.num_decode} decode workers"
-        )
-        sizes = {"prefill": spec.num_prefill, "decode": spec.num_decode}
-        self.controller = await start_controller(config, sizes, spec.controller_name)
-        await follow(self.controller, progress)
-        self.backend, router_config = await build_backend(self.controller)
-        self.model = router_config.model
-        progress("kvrelay: workers ready")
-        return self
+        sizes = {"prefill": model.num_prefill, "decode": model.num_decode}
+        return await start_controller(config, sizes, name)
 
     def _start_redis(self, ray: Any) -> Any:
         """On an embedded Ray, a loopback redis-server; on a multi-node cluster (`ray up`), one
@@ -233,14 +299,17 @@ class LocalCluster:
         behind it still goes down."""
         import ray
 
-        if self.backend is not None:
+        for backend in self.backends.values():
             try:
-                await self.backend.close()
-                if self.backend.index is not None:
-                    await self.backend.index.close()
+                await backend.close()
+                if backend.index is not None:
+                    await backend.index.close()
             except Exception as e:
                 logger.warning("router side of the cluster did not close cleanly: %r", e)
-        await self._stop_workers(ray)
+        await asyncio.gather(
+            *(self._stop_workers(ray, model_id, c) for model_id, c in self.controllers.items())
+        )
+        self.controller = None
         processes: list[ProcessId] = []
         if self._owns_ray and ray.is_initialized():
             if self._ray is not None:
@@ -253,31 +322,41 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.close()
 
-    async def _stop_workers(self, ray: Any) -> None:
-        """The controller stops every worker (each withdraws from the index), then goes; the
-        index entries of any that could not withdraw (dead, or Ray lost) are removed here."""
-        if self.controller is None:
-            return
+    async def _stop_workers(self, ray: Any, model_id: str, controller: ControllerActor) -> None:
+        """A model's controller stops every worker (each withdraws from the index), then goes;
+        the index entries of any that could not withdraw (dead, or Ray lost) are removed here."""
         worker_ids: list[str] = []
         try:
-            status = await asyncio.wait_for(self.controller.status.remote(False), STATUS_TIMEOUT_S)
+            status = await asyncio.wait_for(controller.status.remote(False), STATUS_TIMEOUT_S)
             worker_ids = [
                 w.worker_id
                 for pool in status.pools
                 for w in pool.workers
                 if w.state != WorkerState.GONE  # a gone one withdrew, or was removed, already
             ]
-            await asyncio.wait_for(self.controller.shutdown.remote(), SHUTDOWN_TIMEOUT_S)
+            await asyncio.wait_for(controller.shutdown.remote(), SHUTDOWN_TIMEOUT_S)
         except Exception as e:
             logger.info("controller shutdown: %r", e)
         try:
-            ray.kill(self.controller, no_restart=True)
+            ray.kill(controller, no_restart=True)
         except Exception as e:
             logger.info("controller kill: %r", e)
-        self.controller = None
-        if self.model is not None:
+        if model_id in self.models:
             for worker_id in worker_ids:  # idempotent: a withdrawn worker has nothing left
-                await forget_in_index(self.redis_url, self.model.model_id, worker_id)
+                await forget_in_index(self.redis_url, model_id, worker_id)
+
+
+def controller_names(spec: ClusterSpec) -> dict[str, str]:
+    """Served model id -> the actor name of its controller: the spec's own name for one model,
+    "{name}/{model id}" for each of several; ValueError when two models would share an id (the
+    index, the metrics and a request's `model` tell models apart by it)."""
+    ids = [served_model_id(m.engine.model) for m in spec.models]
+    repeated = next((m for i, m in enumerate(ids) if m in ids[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"two models would both be served as {repeated!r}: rename one's folder")
+    if len(ids) == 1:
+        return {ids[0]: spec.controller_name}
+    return {model_id: f"{spec.controller_name}/{model_id}" for model_id in ids}
 
 
 def gpu_shortage(num_workers: int, gpus_per_worker: float, needed: int, num_gpus: int) -> str:

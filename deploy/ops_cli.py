@@ -1,6 +1,6 @@
 """`kvrelay scale`, `kvrelay status`, `kvrelay kv evict` and `kvrelay router`: operator commands
-against a running cluster's controller (through Ray); a router stops as serve's does, draining on
-Ctrl-C or SIGTERM (deploy/serve_stop.py). Holds no state."""
+against a running cluster's controllers (through Ray; one per served model); a router stops as
+serve's does, draining on Ctrl-C or SIGTERM (deploy/serve_stop.py). Holds no state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from common.cluster_state import (
     ClusterStatus,
@@ -32,10 +32,13 @@ ADDRESS_HELP = (
     "`kvrelay serve` running on this machine (refused when several run: give --name)"
 )
 NAME_HELP = "the local `kvrelay serve` of this --name (its HTTP port when it was given none)"
+T = TypeVar("T")
+MODEL_HELP = "the served model whose pools to act on (needed when the cluster serves several)"
 
 
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scale", help="resize the prefill and/or decode pool")
+    p = sub.add_parser("scale", help="resize the prefill and/or decode pool (of one model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument(
         "--prefill",
         type=int,
@@ -55,6 +58,7 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also each API-key tenant's usage, live streams, refusals and limits (from Redis)",
     )
+    p.add_argument("--model", default=None, help="only this served model's (default: every one)")
     _add_target(p)
     p.set_defaults(func=status)
 
@@ -64,6 +68,7 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
         "evict",
         help="drop a tenant's or a prompt's blocks from every worker's tiers and the shared store",
     )
+    p.add_argument("--model", default=None, help="only this served model's (default: every one)")
     p.add_argument("--salt", default=None, help="the cache_salt the blocks were computed under")
     p.add_argument(
         "--tenant",
@@ -96,11 +101,46 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     target.add_argument("--name", default=None, help=NAME_HELP)
 
 
-def _controller(args: argparse.Namespace) -> ControllerActor:
-    from deploy.controller import find_controller
+def _controllers(args: argparse.Namespace) -> dict[str, ControllerActor]:
+    """Model id -> its controller: every model's, or --model's alone; a single-model
+    cluster's id is asked for."""
+    from deploy.controller import find_controller, find_controllers
 
     cluster_address.connect(args.address, args.name)
-    return find_controller()
+    found = find_controllers()
+    if not found:
+        find_controller()  # raises, saying what to do
+    if "" in found:  # one model: its controller has the plain name
+        import ray
+
+        only = found[""]
+        found = {ray.get(only.status.remote(False)).model_id: only}
+    return pick_models(found, getattr(args, "model", None))
+
+
+def pick_models(found: dict[str, T], model: str | None) -> dict[str, T]:
+    """Of model id -> controller, --model's alone (every one when None); ValueError naming
+    the served models when it is not one of them."""
+    if model is None:
+        return found
+    if model not in found:
+        served = ", ".join(repr(m) for m in found)
+        raise ValueError(f"--model {model!r} is not served by this cluster; it serves {served}")
+    return {model: found[model]}
+
+
+def only_model(found: dict[str, T]) -> T:
+    """The one controller a command acts on; ValueError asking for --model when there are
+    several."""
+    if len(found) > 1:
+        served = ", ".join(repr(m) for m in found)
+        raise ValueError(f"this cluster serves several models ({served}): give --model M")
+    return next(iter(found.values()))
+
+
+def _controller(args: argparse.Namespace) -> ControllerActor:
+    """The one controller the command acts on: --model's, or the cluster's only one."""
+    return only_model(_controllers(args))
 
 
 # ---- scale ---------------------------------------------------------------------------------
@@ -108,13 +148,14 @@ def scale(args: argparse.Namespace) -> int:
     request = ScaleRequest(prefill=args.prefill, decode=args.decode)
     if not request.sizes():
         raise ValueError("give --prefill N, --decode M or both")
-    return asyncio.run(_scale(request, args))
+    return asyncio.run(_scale(request, _controller(args), args))
 
 
-async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
+async def _scale(
+    request: ScaleRequest, controller: ControllerActor, args: argparse.Namespace
+) -> int:
     from deploy.progress import ScaleFailed, follow
 
-    controller = _controller(args)
     before: ClusterStatus = await controller.status.remote(False)  # without stats
     seen = {
         (w.worker_id, i)
@@ -123,7 +164,8 @@ async def _scale(request: ScaleRequest, args: argparse.Namespace) -> int:
         for i in range(len(w.transitions))
     }
     sizes = await controller.scale.remote(request)
-    _say("kvrelay: pools wanted: " + ", ".join(f"{role} {n}" for role, n in sizes.items()))
+    of = f" of {args.model}" if args.model else ""
+    _say(f"kvrelay: pools wanted{of}: " + ", ".join(f"{role} {n}" for role, n in sizes.items()))
     if args.no_wait:
         return 0
     started = time.monotonic()
@@ -150,10 +192,13 @@ def evict_request(args: argparse.Namespace) -> KVEvictRequest:
 
 def kv_evict(args: argparse.Namespace) -> int:
     request = evict_request(args)
-    controller = _controller(args)
+    controllers = list(_controllers(args).values())  # every model's, or --model's
 
     async def evict() -> dict[str, dict[str, int] | str]:
-        return await controller.evict_kv.remote(request)
+        answers: dict[str, dict[str, int] | str] = {}
+        for each in await asyncio.gather(*(c.evict_kv.remote(request) for c in controllers)):
+            answers.update(each)  # worker ids name their model when there are several
+        return answers
 
     answers = asyncio.run(evict())
     if args.json:
@@ -178,21 +223,25 @@ def format_evicted(answers: dict[str, dict[str, int] | str]) -> str:
 
 # ---- status --------------------------------------------------------------------------------
 def status(args: argparse.Namespace) -> int:
-    controller = _controller(args)
+    """One model's status as before; several models' one after another (--json: a list)."""
+    controllers = list(_controllers(args).values())
 
-    async def fetch() -> tuple[ClusterStatus, str]:
-        config = await controller.router_config.remote() if args.keys else None
-        return await controller.status.remote(True), config.redis_url if config else ""
+    async def fetch() -> tuple[list[ClusterStatus], str]:
+        config = await controllers[0].router_config.remote() if args.keys else None
+        statuses = await asyncio.gather(*(c.status.remote(True) for c in controllers))
+        return list(statuses), config.redis_url if config else ""
 
-    current, redis_url = asyncio.run(fetch())
-    keys = key_usage(redis_url) if args.keys else None
+    statuses, redis_url = asyncio.run(fetch())
+    keys = key_usage(redis_url) if args.keys else None  # the tenants' usage: one Redis, every model
     if args.json:
-        body = current.to_json_dict()
+        shown = [s.to_json_dict() for s in statuses]
         if keys is not None:
-            body["keys"] = keys if isinstance(keys, str) else [row._asdict() for row in keys]
-        print(json.dumps(body, indent=2))
+            rows = keys if isinstance(keys, str) else [row._asdict() for row in keys]
+            for body in shown:
+                body["keys"] = rows
+        print(json.dumps(shown[0] if len(shown) == 1 else shown, indent=2))
     else:
-        print(format_status(current))
+        print("\n\n".join(format_status(s) for s in statuses))
         if keys is not None:
             print(keys if isinstance(keys, str) else format_key_usage(keys))
     return 0
@@ -319,34 +368,48 @@ def _disk_tier(stats: WorkerStats) -> str:
 def router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = router_options(args)  # a bad key file or certificate: refused before connecting
-    controller = _controller(args)
-    return asyncio.run(_router(controller, options, args.host, args.http_port, args.grpc_port))
+    controllers = list(_controllers(args).values())  # every model's: this router serves all
+    return asyncio.run(_router(controllers, options, args.host, args.http_port, args.grpc_port))
 
 
 async def _router(
-    controller, options: RouterOptions, host: str, http_port: int, grpc_port: int
+    controllers: list[ControllerActor],
+    options: RouterOptions,
+    host: str,
+    http_port: int,
+    grpc_port: int,
 ) -> int:
+    import uuid
+
     from common.cluster_state import RouterStatus
     from deploy.router_launch import build_backend
     from deploy.serve_stop import StopSignals, close_servers, drain
     from router.metrics import RouterMetrics
+    from router.served_models import ModelsBackend
     from router.tokenizer import RouterTokenizer
 
     signals = StopSignals()
-    signals.install()  # after ray.init() (in _controller), which took SIGTERM for itself
-    backend, config = await build_backend(controller)
+    signals.install()  # after ray.init() (in _controllers), which took SIGTERM for itself
+    router_id = f"router-{uuid.uuid4().hex[:8]}"
+    built = [await build_backend(c, router_id=router_id) for c in controllers]
+    backends = {config.model.model_id: b for b, config in built}
+    tokenizers = {
+        config.model.model_id: RouterTokenizer(config.model.checkpoint_dir) for _, config in built
+    }
+    backend = built[0][0] if len(built) == 1 else ModelsBackend(backends)
     servers = None
     try:
         metrics = RouterMetrics()
         backend.metrics = metrics
-        tokenizer = RouterTokenizer(config.model.checkpoint_dir)
+        tokenizer = tokenizers[backend.model_id]
         servers = options.build_servers(
-            backend, tokenizer, metrics, config.redis_url, backend.router_id
+            backend, tokenizer, metrics, built[0][1].redis_url, router_id, tokenizers
         )
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
-        await backend.membership.announce(RouterStatus(backend.router_id, http_url, grpc_address))
-        _say(f"kvrelay: router {backend.router_id} serving {config.model.model_id}")
+        for each in backends.values():  # each model's controller lists the router
+            await each.membership.announce(RouterStatus(router_id, http_url, grpc_address))
+        _say(f"kvrelay: router {router_id} serving {', '.join(backends)}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
         for line in options.describe():

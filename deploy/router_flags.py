@@ -5,6 +5,7 @@ and checked before any process starts. Holds no state."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,11 +52,12 @@ class RouterOptions:
         metrics: RouterMetrics,
         redis_url: str | None = None,
         router_id: str | None = None,
+        tokenizers: Mapping[str, RouterTokenizer] | None = None,
     ) -> RouterServers:
         """The Frontend over `backend` and its two servers (build inside the serving loop). With
         API keys and a Redis, each tenant's usage is counted there and its limits kept; with an
         OTLP endpoint, this process traces its requests from now on (close_servers sends the
-        last spans)."""
+        last spans); tokenizers: a ModelsBackend's other models' (router/served_models.py)."""
         from common import tracing
         from router.frontend import Frontend
         from router.rate_limits import RateLimiter
@@ -80,6 +82,7 @@ class RouterOptions:
             max_body_mib=self.max_body_mib,
             limiter=limiter,
             max_running_requests=self.max_running_requests,
+            tokenizers=tokenizers,
         )
         return RouterServers(frontend, self.tls)
 

@@ -48,7 +48,9 @@ async def build_backend(
     def attainment() -> SloAttainment | None:
         metrics = backend.metrics
         slo = backend.placer.slo  # the objectives this router places for
-        return None if metrics is None else metrics.recent.attainment(time.monotonic(), slo)
+        if metrics is None:
+            return None
+        return metrics.recent_of(model.model_id).attainment(time.monotonic(), slo)
 
     sync.report_attainment = attainment
     sync.on_dead = backend.lost_worker  # its streams end and it leaves the index too

@@ -69,27 +69,39 @@ async def _serve(
         signals.install()  # ray.init() took SIGTERM for itself
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
-        tokenizer = RouterTokenizer(cluster.model.checkpoint_dir)
+        tokenizers = {m: RouterTokenizer(s.checkpoint_dir) for m, s in cluster.models.items()}
+        tokenizer = tokenizers[cluster.model.model_id]
         servers = options.build_servers(
-            cluster.backend, tokenizer, metrics, cluster.redis_url, cluster.backend.router_id
+            cluster.backend,
+            tokenizer,
+            metrics,
+            cluster.redis_url,
+            cluster.router_id,
+            tokenizers,
         )
         await servers.start(host, http_port, grpc_port)
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
-        await cluster.backend.membership.announce(
-            RouterStatus(cluster.backend.router_id, http_url, grpc_address)
-        )
+        for backend in cluster.backends.values():  # each model's controller lists the router
+            await backend.membership.announce(
+                RouterStatus(backend.router_id, http_url, grpc_address)
+            )
         name = name or str(servers.http.port)
         cluster_address.record_local(name, _ray_address(), http_url, grpc_address)
         recorded = name
         stats_log = StatsLog(metrics, cluster.backend.refresh_metrics, stats_interval_s)
         stats_log.start()
-        _say(f"kvrelay: serving {cluster.model.model_id}")
+        _say(f"kvrelay: serving {', '.join(cluster.models)}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
         _say(f"  name           {name} (`kvrelay status --name {name}` when several run)")
         for line in [*options.describe(), *placement_lines(spec)]:
             _say(line)
-        _say("  `kvrelay status` / `kvrelay scale --decode N` from another shell; Ctrl-C to stop")
+        scale = (
+            "`kvrelay scale --decode N`"
+            if len(cluster.models) == 1
+            else "`kvrelay scale --model M --decode N`"
+        )
+        _say(f"  `kvrelay status` / {scale} from another shell; Ctrl-C to stop")
         lost = await until_stop_or_lost(signals, cluster.lost)
         if lost is None:
             admission = servers.frontend.admission

@@ -7,14 +7,22 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from common.placement_rules import OVERLOAD_MODES, LocalPrefill, SloTargets
 from common.redis_url import check_url
 from deploy.autoscale import AutoscaleConfig
 from deploy.cluster_address import check_name
-from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
-from deploy.local_cluster import ClusterSpec
+from deploy.engine_flags import (
+    add_engine_flags,
+    add_model_args,
+    engine_from_args,
+    models_from_args,
+)
+from deploy.local_cluster import ClusterSpec, ModelPools, controller_names
+from deploy.models_file import read_models_file
 from deploy.router_flags import add_router_flags
+from engine.config import EngineConfig
 from router.stats_log import DEFAULT_INTERVAL_S
 
 logger = logging.getLogger(__name__)
@@ -32,7 +40,15 @@ def add_serve_parser(
         "behind the router's OpenAI HTTP and gRPC servers, until Ctrl-C.",
         formatter_class=DefaultsShown,
     )
-    add_model_args(p)
+    add_model_args(p, several=True)
+    p.add_argument(
+        "--models-file",
+        default=None,
+        metavar="PATH",
+        help="several models side by side from a YAML or JSON file (instead of MODEL / "
+        "--model): each with its pool sizes and its own engine flags on top of the command "
+        "line's (deploy/models_file.py shows the format)",
+    )
     p.add_argument(
         "--name",
         default=None,
@@ -43,10 +59,10 @@ def add_serve_parser(
         "--prefill",
         type=int,
         default=1,
-        help="number of prefill workers; 0: aggregated, the decode workers compute every prompt "
-        "themselves (one GPU: the decode worker gets the whole card)",
+        help="number of prefill workers (of each model); 0: aggregated, the decode workers "
+        "compute every prompt themselves (one GPU: the decode worker gets the whole card)",
     )
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers (of each model)")
     p.add_argument(
         "--tp",
         type=int,
@@ -215,6 +231,28 @@ def leaves_gpu_idle(num_prefill: int, num_decode: int, gpus_per_worker: float | 
     return num_decode * gpus_per_worker < 1.0 - 1e-9
 
 
+def _model_pools(args: argparse.Namespace, engine: EngineConfig) -> list[ModelPools]:
+    """Each served model's engine and pools: --models-file's, else MODEL / --model (repeated:
+    the same engine flags and --prefill / --decode for each); the autoscale bounds for each."""
+    if args.models_file is None:
+        pools = [
+            ModelPools(replace(engine, model=model), args.prefill, args.decode)
+            for model in models_from_args(args)
+        ]
+    else:
+        if args.model is not None or args.model_flag:
+            raise ValueError("give the models either as MODEL / --model or in --models-file")
+        pools = read_models_file(args.models_file, args, engine_from_args)
+    return [
+        replace(p, autoscale=autoscale_from_args(_sized(args, p.num_prefill, p.num_decode)))
+        for p in pools
+    ]
+
+
+def _sized(args: argparse.Namespace, prefill: int, decode: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "prefill": prefill, "decode": decode})
+
+
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.prefill < 0:
         raise ValueError(f"--prefill must be >= 0 (0: aggregated workers), got {args.prefill}")
@@ -274,11 +312,12 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     explicit = args.local_prefill_chunk_tokens is not None
     decode_chunk = chunk if local.enabled or (aggregated and explicit) else None
     slo = slo_from_args(args)
-    autoscale = autoscale_from_args(args)
-    return ClusterSpec(
-        engine=engine,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+    pools = _model_pools(args, engine)
+    autoscale = pools[0].autoscale
+    spec = ClusterSpec(
+        engine=pools[0].engine,
+        num_prefill=pools[0].num_prefill,
+        num_decode=pools[0].num_decode,
         redis_url="" if args.no_redis else args.redis_url,
         policy=args.policy,
         max_migrations=args.max_migrations,
@@ -292,4 +331,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         otlp_endpoint=args.otlp_endpoint,
+        more_models=tuple(pools[1:]),
     )
+    if len(pools) > 1:
+        controller_names(spec)  # two models served under one id: refused before Ray starts
+    return spec

@@ -16,6 +16,23 @@ from engine.settings import Settings
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+def names_default(model: str) -> bool:
+    """Whether `model` names the default model (SmolLM2, fetched as a GGUF package)."""
+    return model.lower() in (
+        "default",
+        DEFAULT_MODEL.lower(),
+        f"huggingfacetb/{DEFAULT_MODEL}".lower(),
+    )
+
+
+def served_model_id(model: str) -> str:
+    """The id a model is served under: the default model's name, a GGUF file's stem, or the
+    checkpoint folder's name."""
+    if names_default(model):
+        return DEFAULT_MODEL
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling parameters (llama3 style or linear); `kind` "default" means none."""

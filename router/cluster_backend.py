@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from ray.exceptions import RayActorError
 
-from common.cluster_state import WorkerUnavailable
+from common.cluster_state import WorkerStats, WorkerUnavailable
 from common.messages import GenerateRequest, KVHandle, TokenDelta, WorkerInfo
 from common.placement_rules import SloTargets
 from common.worker_actors import DecodeActor, PrefillActor, WorkerActor
@@ -505,14 +505,19 @@ class ClusterBackend(Backend):
         a worker that does not answer has none this scrape."""
         if self.metrics is None:
             return
+        answered = await self.worker_stats()
+        for worker_id, (role, stats) in answered.items():
+            self.metrics.worker_stats.update(worker_id, role, stats)
+        self.metrics.worker_stats.keep_only(set(answered))
+
+    async def worker_stats(self) -> dict[str, tuple[str, WorkerStats]]:
+        """Worker id -> (role, stats) of the known workers that answered (2 s each)."""
         role_of, actors = {}, {}
         for role in ("prefill", "decode"):
             for worker_id, actor in self.workers.actors(role).items():
                 role_of[worker_id], actors[worker_id] = role, actor
         answered = await gather_stats(actors)
-        for worker_id, stats in answered.items():
-            self.metrics.worker_stats.update(worker_id, role_of[worker_id], stats)
-        self.metrics.worker_stats.keep_only(set(answered))
+        return {worker_id: (role_of[worker_id], stats) for worker_id, stats in answered.items()}
 
     async def close(self) -> None:
         if self.membership is not None:

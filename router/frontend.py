@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -34,6 +34,7 @@ from router.output import OutputChunk, Usage
 from router.prompt_encoder import PromptEncoder
 from router.request_size import max_body_bytes
 from router.request_spec import ChatMessage, Prepared, RequestSpec
+from router.served_models import ModelRoute, model_routes
 from router.tokenizer import RouterTokenizer
 from router.traffic_class import DEFAULT_CLASS, check_deadline, request_priority
 
@@ -69,6 +70,7 @@ class Frontend:
         max_body_mib: float | None = None,
         limiter: RateLimiter | None = None,
         max_running_requests: int = 0,
+        tokenizers: Mapping[str, RouterTokenizer] | None = None,
     ):
         """max_tokens_cap: the default max_tokens when a request sets none (None: no cap).
         max_queued_requests: how many requests the router holds at once (parsing, queued or
@@ -76,19 +78,23 @@ class Frontend:
         max_body_mib: the largest request body read (None: derived from the context length).
         limiter: each tenant's per-key limits (None: none; needs api_keys to have tenants).
         max_running_requests: how many go on to the cluster at once; the rest wait in the
-        router's FairQueue (0: no bound, all go at once)."""
+        router's FairQueue (0: no bound, all go at once). tokenizers: with a ModelsBackend,
+        each other model's tokenizer by model id (`tokenizer` is the default model's); a
+        request's `model` picks its route (router/served_models.py)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
         self.model_id = backend.model_id
-        self.model_names = frozenset((backend.model_id, *model_aliases))
+        self.routes = model_routes(backend, tokenizer, tokenizers or {})
+        self.model_names = frozenset((*self.routes, *model_aliases))
         self.max_tokens_cap = max_tokens_cap
         self.api_keys = api_keys
         self.limiter = limiter
         self.admission = Admission(max_queued_requests, self.metrics)
         self.queue = FairQueue(max_running_requests, max_queued_requests, self.metrics.registry)
-        self.max_body_bytes = max_body_bytes(backend.max_model_len, max_body_mib)
-        self.encoder = PromptEncoder(tokenizer, backend.max_model_len)
+        longest = max(r.backend.max_model_len for r in self.routes.values())
+        self.max_body_bytes = max_body_bytes(longest, max_body_mib)
+        self.encoder = self.routes[self.model_id].encoder
         self.created = int(time.time())  # when this router began serving the model (/v1/models)
         self._in_flight: set[str] = set()
 
@@ -126,32 +132,40 @@ class Frontend:
             raise self.reject(e) from None
 
     def check_model(self, model: str | None) -> None:
-        """Raises InvalidRequest unless model is empty or a name of the served model."""
+        """Raises InvalidRequest unless model is empty or a name of a served model."""
+        self.route(model)
+
+    def route(self, model: str | None) -> ModelRoute:
+        """The served model a request's `model` names (empty or an alias: the default one);
+        raises InvalidRequest naming `model` for one not served here."""
         if model and model not in self.model_names:
+            available = ", ".join(repr(m) for m in self.routes)
             raise InvalidRequest(
-                f"model {model!r} is not served here; available: {self.model_id!r}",
+                f"model {model!r} is not served here; available: {available}",
                 "model",
                 "model_not_found",
             )
+        return self.routes.get(model or "", self.routes[self.model_id])
 
     async def _prepare(self, spec: RequestSpec, arrival: float) -> Prepared:
-        self.check_model(spec.model)
-        prompt_ids = await self._prompt_ids(spec)
-        max_len = self.backend.max_model_len
+        route = self.route(spec.model)
+        prompt_ids = await self._prompt_ids(spec, route.encoder)
+        backend = route.backend
+        max_len = backend.max_model_len
         sampling = spec.sampling
         if spec.max_tokens is None:  # what the context leaves, or the default cap
             room = max(1, max_len - len(prompt_ids))
             sampling = replace(sampling, max_tokens=min(room, self.max_tokens_cap or room))
         try:
-            check_request(prompt_ids, sampling, self.backend.vocab_size, max_len, spec.input_param)
+            check_request(prompt_ids, sampling, backend.vocab_size, max_len, spec.input_param)
         except InvalidField as e:
             field = (spec.max_tokens_param or "max_tokens") if e.field == "max_tokens" else e.field
             raise InvalidRequest(e.message.replace("max_tokens", field), field, e.code) from None
         _check_room(spec, len(prompt_ids), max_len)
-        if sampling.n > self.backend.max_choices:
+        if sampling.n > backend.max_choices:
             raise InvalidRequest(
                 f"n={sampling.n} is not supported by this deployment "
-                f"(at most {self.backend.max_choices})",
+                f"(at most {backend.max_choices})",
                 "n",
             )
         sampling = replace(sampling, stop=())  # stop strings stay in the router (it detokenizes)
@@ -162,7 +176,7 @@ class Frontend:
         except InvalidRetention as e:
             raise InvalidRequest(str(e), e.field) from None
         key_class = self.api_keys.key_class(spec.tenant) if self.api_keys else DEFAULT_CLASS
-        trace = traces.start_request(spec.traceparent, req_id, self.model_id, arrival)
+        trace = traces.start_request(spec.traceparent, req_id, route.model_id, arrival)
         request = GenerateRequest(
             req_id,
             tuple(prompt_ids),
@@ -171,6 +185,7 @@ class Frontend:
             time.time(),
             kv_retention=spec.kv_retention,
             traceparent=None if trace is None else trace.traceparent,
+            model=route.model_id,
             priority=request_priority(key_class, spec.priority),
             deadline_s=check_deadline(spec.deadline_s),
         )
@@ -191,7 +206,7 @@ class Frontend:
             raise RuntimeError("API keys are configured but the request has no tenant")
         return spec.cache_salt
 
-    async def _prompt_ids(self, spec: RequestSpec) -> list[int]:
+    async def _prompt_ids(self, spec: RequestSpec, encoder: PromptEncoder) -> list[int]:
         inputs = [spec.prompt, spec.messages, spec.prompt_token_ids]
         if sum(x is not None for x in inputs) != 1:
             raise InvalidRequest("give exactly one of a prompt, chat messages or token ids")
@@ -202,7 +217,7 @@ class Frontend:
         messages = None
         if spec.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in spec.messages]
-        return await self.encoder.prompt_ids(spec.prompt, messages)
+        return await encoder.prompt_ids(spec.prompt, messages)
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
@@ -225,7 +240,7 @@ class Frontend:
         req = prepared.request
         if req.req_id in self._in_flight:
             raise self.reject(InvalidRequest(f"request id {req.req_id!r} is already in flight"))
-        tracker = ChoiceTrackers(self.tokenizer, prepared, self.metrics)
+        tracker = ChoiceTrackers(self.route(req.model).tokenizer, prepared, self.metrics)
         grant = await self._charge(prepared)  # nothing between it and `try` can fail or wait
         self._in_flight.add(req.req_id)
         self.metrics.running.inc()
@@ -300,7 +315,7 @@ class Frontend:
                 await self.limiter.release(grant, usage.prompt_tokens, usage.completion_tokens)
 
     def model_ids(self) -> list[str]:
-        return [self.model_id]
+        return list(self.routes)
 
 
 def _check_room(spec: RequestSpec, num_prompt_tokens: int, max_model_len: int) -> None:

@@ -201,10 +201,13 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         await self._authenticate(context)
-        backend = self.frontend.backend
         models = [
-            pb.ModelInfo(id=m, max_model_len=backend.max_model_len, vocab_size=backend.vocab_size)
-            for m in self.frontend.model_ids()
+            pb.ModelInfo(
+                id=r.model_id,
+                max_model_len=r.backend.max_model_len,
+                vocab_size=r.backend.vocab_size,
+            )
+            for r in self.frontend.routes.values()
         ]
         return pb.ListModelsResponse(models=models)
 
@@ -227,7 +230,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             ids = await tokenize(self.frontend, spec)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
-        max_len = self.frontend.backend.max_model_len
+        max_len = self.frontend.route(spec.model).backend.max_model_len
         return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=max_len)
 
     async def Detokenize(

@@ -110,11 +110,12 @@ async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web
         body, prepared = await _parse(request, schema, "chatcmpl" if chat else "cmpl")
     except InvalidRequest as e:
         return _bad_request(e)
+    route = frontend.route(prepared.request.model)
     ctx = ResponseContext(
         response_id=prepared.request.req_id,
-        model=frontend.model_id,
+        model=route.model_id,
         chat=chat,
-        tokenizer=frontend.tokenizer,
+        tokenizer=route.tokenizer,
         want_logprobs=prepared.request.sampling.logprobs,
         echo_text=await _echo_text(body, prepared, frontend),
         num_choices=prepared.request.sampling.n,
@@ -132,7 +133,8 @@ async def _echo_text(
         return ""
     text = body.prompt_text()
     if text is None:
-        text = await frontend.encoder.decode(prepared.request.prompt_token_ids)
+        encoder = frontend.route(prepared.request.model).encoder
+        text = await encoder.decode(prepared.request.prompt_token_ids)
     return text
 
 
@@ -221,7 +223,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
         return _bad_request(frontend.reject(invalid_from_validation(e)))
     except InvalidRequest as e:
         return _bad_request(e)
-    max_len = frontend.backend.max_model_len
+    max_len = frontend.route(body.model).backend.max_model_len
     return _json({"tokens": ids, "count": len(ids), "max_model_len": max_len})
 
 
@@ -240,16 +242,15 @@ async def detokenize_route(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND_KEY]
-    backend = frontend.backend
     models = [
         {
-            "id": model_id,
+            "id": route.model_id,
             "object": "model",
             "created": frontend.created,
             "owned_by": "kvrelay",
-            "max_model_len": backend.max_model_len,
+            "max_model_len": route.backend.max_model_len,
         }
-        for model_id in frontend.model_ids()
+        for route in frontend.routes.values()
     ]
     return _json({"object": "list", "data": models})
 

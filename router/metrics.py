@@ -48,6 +48,10 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.recent = RecentLatencies()  # for the controller's SLO attainment, not exported
+        # A router serving several models: each model's own, for its own controller (set by
+        # ModelsBackend; one model's load never judges another's pools).
+        self.per_model = False
+        self._recent_by_model: dict[str, RecentLatencies] = {}
         r = self.registry
         self.ttft = Histogram(
             "kvrelay_time_to_first_token_seconds",
@@ -89,6 +93,18 @@ class RouterMetrics:
             "kvrelay_requests",
             "Finished requests by finish reason (stop, length, abort, error).",
             ["finish_reason"],
+            registry=r,
+        )
+        self.model_requests = Counter(
+            "kvrelay_model_requests",
+            "Finished requests by served model and finish reason.",
+            ["model", "finish_reason"],
+            registry=r,
+        )
+        self.model_generation_tokens = Counter(
+            "kvrelay_model_generation_tokens",
+            "Generated tokens returned to clients, by served model.",
+            ["model"],
             registry=r,
         )
         self.rejected = Counter(
@@ -198,6 +214,13 @@ class RouterMetrics:
         self.worker_stats = WorkerStatsCollector()
         r.register(self.worker_stats)
 
+    def recent_of(self, model: str) -> RecentLatencies:
+        """The recent latencies a model's controller is told of: the router's own with one
+        model, that model's alone with several."""
+        if not self.per_model:
+            return self.recent
+        return self._recent_by_model.setdefault(model, RecentLatencies())
+
     # ---- front-end hooks -----------------------------------------------------------------
     def observe_finished(
         self,
@@ -206,8 +229,13 @@ class RouterMetrics:
         num_cached_tokens: int,
         num_output_tokens: int,
         latency_s: float,
+        model: str = "",
     ) -> None:
+        """model: the served model's id ("" when not known: no per-model series)."""
         self.requests.labels(finish_reason=finish_reason).inc()
+        if model:
+            self.model_requests.labels(model=model, finish_reason=finish_reason).inc()
+            self.model_generation_tokens.labels(model=model).inc(num_output_tokens)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(num_cached_tokens)
         self.generation_tokens.inc(num_output_tokens)

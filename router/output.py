@@ -48,6 +48,7 @@ class OutputTracker:
         self.stop = StopChecker(tokenizer, prepared.stop)
         self.metrics = metrics
         self.arrival = prepared.arrival
+        self.model = prepared.request.model
         self.num_prompt_tokens = len(prepared.request.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_accepted_tokens = 0  # speculative decoding, as the worker counts it
@@ -116,10 +117,14 @@ class OutputTracker:
             n = self.num_output_tokens
             tpot_s = (last - first) / (n - 1) if n > 1 else None
             self.metrics.recent.record(time.monotonic(), first - self.arrival, tpot_s)
+            if self.metrics.per_model:
+                recent = self.metrics.recent_of(self.model)
+                recent.record(time.monotonic(), first - self.arrival, tpot_s)
         self.metrics.observe_finished(
             self.finish_reason or FinishReason.ABORT,
             self.num_prompt_tokens,
             self.num_cached_tokens,
             self.num_output_tokens if num_output_tokens is None else num_output_tokens,
             time.monotonic() - self.arrival,
+            self.model,
         )

@@ -31,7 +31,7 @@ class RouterServers:
             raise
         logger.info(
             "serving %s: %s, gRPC%s on %s:%d%s",
-            self.frontend.model_id,
+            ", ".join(self.frontend.model_ids()),
             self.http_url(host),
             " (TLS)" if self.tls else "",
             host,

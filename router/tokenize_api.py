@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.errors import InvalidRequest
 from router.frontend import Frontend
 from router.openai_schema import ChatMessageIn
+from router.prompt_encoder import PromptEncoder
 from router.request_spec import ChatMessage
 
 
@@ -57,30 +58,29 @@ async def tokenize(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
     """The token ids the served model would see for spec's prompt or chat; raises
     InvalidRequest naming the field."""
     try:
-        frontend.check_model(spec.model)
-        return await _token_ids(frontend, spec)
+        return await _token_ids(frontend.route(spec.model).encoder, spec)
     except InvalidRequest as e:
         raise frontend.reject(e) from None
 
 
-async def _token_ids(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
+async def _token_ids(encoder: PromptEncoder, spec: TokenizeSpec) -> list[int]:
     if (spec.prompt is None) == (spec.messages is None):
         raise InvalidRequest("give exactly one of prompt or messages", "prompt")
     if spec.prompt is not None:
         add = True if spec.add_special_tokens is None else spec.add_special_tokens
-        return await frontend.encoder.tokenize(spec.prompt, None, add)
+        return await encoder.tokenize(spec.prompt, None, add)
     if not spec.messages:
         raise InvalidRequest("messages must not be empty", "messages")
     messages = [{"role": m.role, "content": m.content} for m in spec.messages]
-    return await frontend.encoder.tokenize(None, messages, bool(spec.add_special_tokens))
+    return await encoder.tokenize(None, messages, bool(spec.add_special_tokens))
 
 
 async def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[int]) -> str:
     """The text of token_ids, special tokens included (so tokenize/detokenize round-trip);
     raises InvalidRequest naming the field."""
-    vocab_size = frontend.tokenizer.vocab_size
     try:
-        frontend.check_model(model)
+        route = frontend.route(model)
+        vocab_size = route.tokenizer.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequest(
@@ -89,4 +89,4 @@ async def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[
             )
     except InvalidRequest as e:
         raise frontend.reject(e) from None
-    return await frontend.encoder.decode(token_ids, skip_special_tokens=False)
+    return await route.encoder.decode(token_ids, skip_special_tokens=False)

@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import DEFAULT_MODEL, ModelConfig
+from engine.config import names_default as _names_default
+from engine.config import served_model_id as served_model_id  # its old home; engine.py's import
 from engine.models.llama import MOE_FAMILIES, check_moe_quant
 from engine.models.moe import expert_tensors
 from engine.models.registry import model_class
@@ -59,14 +61,6 @@ def default_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF_FILE
 
 
-def _names_default(model: str) -> bool:
-    return model.lower() in (
-        "default",
-        DEFAULT_MODEL.lower(),
-        f"huggingfacetb/{DEFAULT_MODEL}".lower(),
-    )
-
-
 def resolve_model(
     name_or_path: str | os.PathLike, progress: Progress = _stderr, cache_dir: Path | None = None
 ) -> Path:
@@ -85,14 +79,6 @@ def resolve_model(
         f"model {text!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
         "nor a folder with config.json and *.safetensors"
     )
-
-
-def served_model_id(model: str) -> str:
-    """The id a model is served under: the default model's name, a GGUF file's stem, or the
-    checkpoint folder's name."""
-    if _names_default(model):
-        return DEFAULT_MODEL
-    return Path(model).stem if model.endswith(".gguf") else Path(model).name
 
 
 def _file_digest(path: Path) -> str:

@@ -183,13 +183,16 @@ class ClusterHarness(LoopThread):
         await self.cluster.start(progress=lambda message: None)
         metrics = RouterMetrics()
         self.cluster.backend.metrics = metrics
-        tokenizer = RouterTokenizer(self.cluster.model.checkpoint_dir)
+        models = self.cluster.models  # several: a tokenizer each, the default's first
+        tokenizers = {m: RouterTokenizer(served.checkpoint_dir) for m, served in models.items()}
+        tokenizer = tokenizers[self.cluster.model.model_id]
         frontend = Frontend(
             self.cluster.backend,
             tokenizer,
             metrics,
             api_keys=self.api_keys,
             max_running_requests=self.max_running_requests,
+            tokenizers=tokenizers,
         )
         self.servers = RouterServers(frontend)
         await self.servers.start("127.0.0.1", 0, 0)

@@ -1,0 +1,103 @@
+"""`kvrelay serve --models-file PATH`: the models a cluster serves side by side, read from YAML or
+JSON, each with its pool sizes and the engine flags it sets beyond the command line's; turned
+into ModelPools before any process starts. Holds no state.
+
+    models:
+      - model: path/to/hf-folder         # required: a name, .gguf file or HF folder
+        prefill: 1                       # default: --prefill
+        decode: 2                        # default: --decode
+        flags: {kv-cache-gib: 0.5, max-model-len: 2048}   # any engine flag of `kvrelay serve`
+      - model: path/to/other.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from deploy.engine_flags import add_engine_flags
+from deploy.local_cluster import ModelPools
+from engine.config import EngineConfig
+
+ENTRY_FIELDS = frozenset({"model", "prefill", "decode", "flags"})
+
+
+def read_models_file(
+    path: str,
+    args: argparse.Namespace,
+    engine_from_args: Callable[[argparse.Namespace], EngineConfig],
+) -> list[ModelPools]:
+    """Each entry's ModelPools: its engine from the command line's engine flags with the
+    entry's own on top (`engine_from_args` checks them as on the command line), its sizes or
+    --prefill / --decode. ValueError naming the file, the entry and the field."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML too
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--models-file {path}: {e}") from None
+    entries = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--models-file {path}: wants `models:`, a list of one or more models")
+    return [
+        _pools(f"--models-file {path}: models[{i}]", e, args, engine_from_args)
+        for i, e in enumerate(entries)
+    ]
+
+
+def _pools(
+    where: str,
+    entry: Any,
+    args: argparse.Namespace,
+    engine_from_args: Callable[[argparse.Namespace], EngineConfig],
+) -> ModelPools:
+    if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+        raise ValueError(f"{where}: wants a mapping with `model: NAME_OR_PATH`")
+    unknown = sorted(set(entry) - ENTRY_FIELDS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r} (fields: {sorted(ENTRY_FIELDS)})")
+    sizes = {}
+    for role in ("prefill", "decode"):
+        size = entry.get(role, getattr(args, role))
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{where}.{role}: wants a whole number >= 1, got {size!r}")
+        sizes[role] = size
+    flags = entry.get("flags") or {}
+    if not isinstance(flags, dict):
+        raise ValueError(f"{where}.flags: wants a mapping of engine flag -> value")
+    ns = _engine_args(f"{where}.flags", flags, args)
+    ns.model, ns.model_flag = entry["model"], None
+    try:
+        engine = engine_from_args(ns)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return ModelPools(engine, sizes["prefill"], sizes["decode"])
+
+
+def _engine_args(where: str, flags: dict[str, Any], args: argparse.Namespace) -> argparse.Namespace:
+    """The command line's arguments with `flags` (engine flags only) parsed on top."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_engine_flags(parser)
+    engine_dests = {a.dest for a in parser._actions}
+    parser.set_defaults(
+        **{dest: getattr(args, dest) for dest in engine_dests if hasattr(args, dest)}
+    )
+    argv: list[str] = []
+    for name, value in flags.items():
+        flag = "--" + str(name).removeprefix("--").replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    try:
+        ns, rest = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if rest:
+        raise ValueError(f"{where}: {rest[0]!r} is not an engine flag of `kvrelay serve`")
+    for name, value in vars(args).items():  # what the engine flags do not cover, as given
+        if name not in engine_dests:
+            setattr(ns, name, value)
+    return ns

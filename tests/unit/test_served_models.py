@@ -1,0 +1,170 @@
+"""Several models behind one router (router/served_models.py): a request reaches only its own
+model's backend, the Frontend picks a model's route (context length, vocabulary, tokenizer)
+from the request's `model` and refuses one not served, naming the field; the CLI's model
+picking and `--model` repeated on `kvrelay serve`. Fake backends (no Ray, no worker)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from common.messages import GenerateRequest, TokenDelta
+from deploy.cli import build_parser
+from deploy.ops_cli import only_model, pick_models
+from deploy.serve_flags import spec_from_args
+from engine.finish_reason import FinishReason
+from engine.sampling.sampling_params import SamplingParams
+from router.backend import Backend
+from router.errors import InvalidRequest
+from router.frontend import Frontend
+from router.metrics import RouterMetrics
+from router.request_spec import RequestSpec
+from router.served_models import ModelsBackend
+from router.tokenizer import RouterTokenizer
+
+
+class Recording(Backend):
+    """A backend that answers each request with one token naming itself, and records calls."""
+
+    def __init__(self, model_id: str, token: int, max_model_len: int, ok: bool = True):
+        self.model_id, self.token, self.max_model_len, self.ok = model_id, token, max_model_len, ok
+        self.vocab_size = 1000
+        self.seen: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.health_details: dict[str, object] = {}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        self.seen.append(request)
+        yield TokenDelta(request.req_id, (self.token,), True, FinishReason.LENGTH)
+
+    async def abort(self, req_id: str) -> None:
+        self.aborted.append(req_id)
+
+    async def health(self) -> dict[str, object]:
+        return {"ok": self.ok, **self.health_details}
+
+
+def request(model: str, req_id: str = "r") -> GenerateRequest:
+    return GenerateRequest(req_id, (1, 2, 3), SamplingParams(max_tokens=1), model=model)
+
+
+async def tokens(backend: Backend, req: GenerateRequest) -> list[TokenDelta]:
+    return [d async for d in backend.generate(req)]
+
+
+def test_a_request_reaches_only_its_models_backend() -> None:
+    a, b = Recording("a", 7, 64), Recording("b", 9, 128, ok=False)
+    both = ModelsBackend({"a": a, "b": b})
+    assert (both.model_id, both.max_model_len) == ("a", 64)  # the default answers for the whole
+    assert [d.token_ids for d in asyncio.run(tokens(both, request("b")))] == [(9,)]
+    assert [d.token_ids for d in asyncio.run(tokens(both, request("")))] == [(7,)]
+    assert [r.model for r in a.seen] == [""] and [r.model for r in b.seen] == ["b"]
+    stray = asyncio.run(tokens(both, request("c")))
+    assert stray[0].finish_reason == FinishReason.ERROR and "'c'" in (stray[0].error or "")
+    asyncio.run(both.abort("x"))
+    assert a.aborted == ["x"] == b.aborted  # each backend ignores an id it does not know
+    health = asyncio.run(both.health())
+    assert health == {"ok": False, "reason": "model 'b': cannot serve"}
+    a.health_details = {"prefill_workers": 1}
+    assert asyncio.run(both.health())["a/prefill_workers"] == 1
+
+
+def test_the_frontend_routes_by_model_and_refuses_an_unknown_one(smollm_dir) -> None:
+    tokenizer = RouterTokenizer(smollm_dir)
+    a, b = Recording("a", 7, 64), Recording("b", 9, 128)
+    frontend = Frontend(ModelsBackend({"a": a, "b": b}), tokenizer, tokenizers={"b": tokenizer})
+    assert frontend.model_ids() == ["a", "b"]
+    long_prompt = tuple(range(1, 101))  # fits b's 128-token context, not a's 64
+
+    def spec(model: str | None, prompt: tuple[int, ...] = long_prompt) -> RequestSpec:
+        return RequestSpec(model, prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4))
+
+    prepared = asyncio.run(frontend.prepare(spec("b")))
+    assert prepared.request.model == "b"
+    with pytest.raises(InvalidRequest, match="context"):  # no model: the default, a
+        asyncio.run(frontend.prepare(spec(None)))
+    with pytest.raises(InvalidRequest) as unknown:
+        asyncio.run(frontend.prepare(spec("c", (1,))))
+    assert unknown.value.param == "model" and "'a', 'b'" in unknown.value.message
+
+    async def run() -> list[int]:
+        return [t for c in [c async for c in frontend.generate(prepared)] for t in c.token_ids]
+
+    assert asyncio.run(run()) == [9]
+    assert [r.req_id for r in b.seen] == [prepared.request.req_id] and not a.seen
+    with pytest.raises(ValueError, match="no tokenizer given for model 'b'"):
+        Frontend(ModelsBackend({"a": a, "b": b}), tokenizer)
+
+
+def test_metrics_count_requests_by_model() -> None:
+    metrics = RouterMetrics()
+    metrics.observe_finished(FinishReason.STOP, 3, 0, 2, 0.1, "b")
+    metrics.observe_finished(FinishReason.STOP, 3, 0, 2, 0.1)  # no model: no per-model series
+    text = metrics.render().decode()
+    assert 'kvrelay_model_requests_total{finish_reason="stop",model="b"} 1.0' in text
+    assert 'kvrelay_model_generation_tokens_total{model="b"} 2.0' in text
+    assert metrics.recent_of("b") is metrics.recent  # one model: the router's own latencies
+    metrics.per_model = True
+    assert metrics.recent_of("b") is not metrics.recent
+
+
+def test_the_cli_acts_on_one_model_or_asks_which() -> None:
+    found = {"a": "controller-a", "b": "controller-b"}
+    assert pick_models(found, None) == found
+    assert pick_models(found, "b") == {"b": "controller-b"}
+    with pytest.raises(ValueError, match="--model 'c' is not served by this cluster; it serves"):
+        pick_models(found, "c")
+    with pytest.raises(ValueError, match=r"serves several models \('a', 'b'\): give --model M"):
+        only_model(found)
+    assert only_model({"a": "controller-a"}) == "controller-a"
+
+
+def test_serve_takes_the_model_flag_repeated(tmp_path) -> None:
+    def parse(*argv: str):
+        return spec_from_args(build_parser().parse_args(["serve", *argv]))
+
+    spec = parse("--model", str(tmp_path / "x"), "--model", "y.gguf", "--decode", "2")
+    assert [m.engine.model for m in spec.models] == [str(tmp_path / "x"), "y.gguf"]
+    assert [(m.num_prefill, m.num_decode) for m in spec.models] == [(1, 2), (1, 2)]
+    assert spec.num_workers == 6
+    with pytest.raises(ValueError, match="--model 'y' is given more than once"):
+        parse("--model", "y", "--model", "y")
+    with pytest.raises(ValueError, match="two models would both be served as 'y'"):
+        parse("--model", str(tmp_path / "y"), "--model", "y.gguf")
+
+
+def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> None:
+    def parse(*argv: str):
+        return spec_from_args(build_parser().parse_args(["serve", *argv]))
+
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "models:\n"
+        "  - model: a.gguf\n"
+        "    decode: 2\n"
+        "    flags: {max-model-len: 512, kv_cache_gib: 0.5}\n"
+        "  - {model: b.gguf, prefill: 3}\n"
+    )
+    spec = parse("--models-file", str(path), "--max-model-len", "1024", "--decode", "1")
+    a, b = spec.models
+    assert (a.engine.model, a.num_prefill, a.num_decode) == ("a.gguf", 1, 2)
+    assert a.engine.scheduler.max_model_len == 512
+    assert a.engine.cache.kv_cache_memory_bytes == 1 << 29
+    assert (b.engine.model, b.num_prefill, b.num_decode) == ("b.gguf", 3, 1)
+    assert b.engine.scheduler.max_model_len == 1024 and b.engine.cache.kv_cache_memory_bytes is None
+    path.write_text('{"models": [{"model": "json.gguf"}]}')  # JSON is YAML too
+    assert parse("--models-file", str(path)).engine.model == "json.gguf"
+    for text, error in (
+        ("models: []", "wants `models:`, a list"),
+        ("models: [{model: a.gguf, decode: 0}]", r"models\[0\].decode: wants a whole number"),
+        ("models: [{model: a.gguf, tp: 2}]", r"models\[0\]: unknown field 'tp'"),
+        ("models: [{model: a.gguf, flags: {tp: 2}}]", "'--tp' is not an engine flag"),
+        ("models: [{model: a.gguf, flags: {block-size: x}}]", "block-size"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=error):
+            parse("--models-file", str(path))
+    with pytest.raises(ValueError, match="either as MODEL / --model or in --models-file"):
+        parse("--models-file", str(path), "--model", "a.gguf")
