@@ -284,10 +284,11 @@ def format_status(current: ClusterStatus) -> str:
     lines = [f"model {current.model_id or '(not loaded yet)'}"]
     if current.error:
         lines.append(f"error: {current.error}")
+    prefill_ready = sum(p.num_ready for p in current.pools if p.role == "prefill")
     for pool in current.pools:
         line = f"{pool.role} pool: {pool.num_ready} ready of {pool.desired} wanted"
         lines.append(f"{line} ({pool.autoscale})" if pool.autoscale else line)
-        if pool.role == "decode" and not current.pool("prefill").num_ready and pool.num_ready:
+        if pool.role == "decode" and not prefill_ready and pool.num_ready:
             lines.append("  (no prefill worker: the decode workers compute every prompt)")
         for worker in pool.workers:
             lines.append("  " + _worker_line(worker))
