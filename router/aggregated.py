@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from common.messages import WorkerInfo
 from common.placement_rules import LocalPrefill, SloTargets
 from router.policy import LocalPlacement, PrefillPolicy
-from router.slo import LocalRoute, RouteInputs, Unmet, local_ttft_s, tpot_s, within_tpot
+from router.slo import LocalRoute, RouteInputs, Unmet, decode_within_tpot, local_ttft_s
 
 AGGREGATED = "aggregated"  # LocalPlacement.reason and the prefill metric's label (local_...)
 
@@ -33,16 +33,9 @@ def route_aggregated(
     """The decode worker that computes this prompt itself (inputs.prefill is not looked at).
     Raises NoWorkerAvailable (from the policy) when there is no decode worker either."""
     place_anyway = slo.overload == "place"
-    decode = list(inputs.decode)
-    if slo.tpot_ms > 0 and decode:
-        within = within_tpot(decode, slo.tpot_ms)
-        if not within and not place_anyway:
-            best = min(tpot_s(w.load) or 0.0 for w in decode)
-            return Unmet(
-                f"every decode worker is over the TPOT objective of {slo.tpot_ms:g} ms "
-                f"(the fastest steps in {best * 1000:.0f} ms)"
-            )
-        decode = within or decode
+    decode = decode_within_tpot(list(inputs.decode), slo)
+    if isinstance(decode, Unmet):
+        return decode
     roomy = [w for w in decode if w.load.free_blocks >= inputs.num_blocks_needed] or decode
     if slo.ttft_ms <= 0 or not roomy:
         return _place(inputs, policy, roomy, None)

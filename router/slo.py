@@ -98,6 +98,21 @@ class RouteInputs(NamedTuple):
     num_blocks_needed: int
 
 
+def decode_within_tpot(decode: list[WorkerInfo], slo: SloTargets) -> list[WorkerInfo] | Unmet:
+    """The decode workers predicted within the TPOT objective (all of them without one, or
+    when none is and overload is "place"); Unmet when none is."""
+    if slo.tpot_ms <= 0 or not decode:
+        return decode
+    within = within_tpot(decode, slo.tpot_ms)
+    if within or slo.overload == "place":
+        return within or decode
+    best = min(tpot_s(w.load) or 0.0 for w in decode)
+    return Unmet(
+        f"every decode worker is over the TPOT objective of {slo.tpot_ms:g} ms "
+        f"(the fastest steps in {best * 1000:.0f} ms)"
+    )
+
+
 def route(
     inputs: RouteInputs,
     policy: PrefillPolicy,
@@ -116,16 +131,9 @@ def route(
     "place", the policy's choice among all prefill workers).
     """
     place_anyway = slo.overload == "place"
-    decode = list(inputs.decode)
-    if slo.tpot_ms > 0 and decode:
-        within = within_tpot(decode, slo.tpot_ms)
-        if not within and not place_anyway:
-            best = min(tpot_s(w.load) or 0.0 for w in decode)
-            return Unmet(
-                f"every decode worker is over the TPOT objective of {slo.tpot_ms:g} ms "
-                f"(the fastest steps in {best * 1000:.0f} ms)"
-            )
-        decode = within or decode
+    decode = decode_within_tpot(list(inputs.decode), slo)
+    if isinstance(decode, Unmet):
+        return decode
     local = choose_local_prefill(
         rule,
         decode,
