@@ -1,5 +1,5 @@
 """Redis URLs as kvrelay's clients take them (no state): checking one, redacting its secrets for a
-log line, and saying in one line why the Redis behind it failed.
+log line, saying in one line why the Redis behind it failed, and the routers' client over one.
 
 redis-py's `from_url` reads `redis://[user]:[password]@host:port/db`, `rediss://` (TLS) and
 `unix://[user]:[password]@/path?db=N`; query parameters become connection keyword arguments
@@ -137,3 +137,21 @@ def _split_netloc(rest: str) -> tuple[str | None, str, str]:
 def _redact_param(part: str) -> str:
     name, eq, _ = part.partition("=")
     return f"{name}=***" if eq and unquote(name) in SECRET_QUERY_PARAMS else part
+
+
+def router_client(redis_url: str, timeout_s: float) -> Any:
+    """A router's asyncio client of redis_url: calls fail within timeout_s (one retry on a
+    broken connection, no backoff) so a request never waits on a Redis that is down; str
+    replies. redis_url: checked (check_url) by the caller."""
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return Redis.from_url(
+        redis_url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        decode_responses=True,
+    )

@@ -11,15 +11,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from common import kv_index_schema as schema
 from common.messages import WorkerInfo
-from common.redis_url import RedisFailure, check_url, describe_failure
+from common.redis_url import RedisFailure, check_url, describe_failure, router_client
 from engine.kv_cache.hashing import hash_hex
 from router.policy import Overlap
 
@@ -69,13 +65,7 @@ class PrefixIndex:
         self.retry_interval_s = retry_interval_s
         self.reap_dead = reap_dead
         self._redis_url = check_url(redis_url)
-        self._client = aioredis.Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            decode_responses=True,
-        )
+        self._client = router_client(redis_url, timeout_s)
         self._view_script = self._client.register_script(schema.VIEW_SCRIPT)
         self._overlap_script = self._client.register_script(schema.OVERLAP_SCRIPT)
         self._forget_script = self._client.register_script(schema.FORGET_SCRIPT)

@@ -22,13 +22,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from common.redis_url import check_url, describe_failure
+from common.redis_url import check_url, describe_failure, router_client
 from router import rate_limit_schema as schema
 from router.errors import RateLimited
 from router.metrics import RouterMetrics
@@ -73,13 +69,7 @@ class RateLimiter:
         self.retry_interval_s = retry_interval_s
         self.router_id = router_id or uuid.uuid4().hex[:12]
         self._redis_url = check_url(redis_url)
-        self._client = aioredis.Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            decode_responses=True,
-        )
+        self._client = router_client(redis_url, timeout_s)
         self._admit_script = self._client.register_script(schema.ADMIT_SCRIPT)
         self._release_script = self._client.register_script(schema.RELEASE_SCRIPT)
         self._held: dict[str, str] = {}  # member -> its tenant's streams key, for lease renewal
