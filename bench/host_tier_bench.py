@@ -151,18 +151,25 @@ def run(args: argparse.Namespace, host_bytes: int, **tiers: Any) -> dict[str, An
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_flags(
+    p: argparse.ArgumentParser, rounds: int, host_kv_gib: float, host_help: str | None = None
+) -> None:
+    """The shared-prefix workload's flags and the engine's pools (run() reads them)."""
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-systems", type=int, default=6)
     p.add_argument("--system-rules", type=int, default=45, help="~11 tokens each")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--device-blocks", type=int, default=64, help="the device pool (16 tokens)")
-    p.add_argument("--host-kv-gib", type=float, default=1.0)
+    p.add_argument("--host-kv-gib", type=float, default=host_kv_gib, help=host_help)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--json")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_flags(p, rounds=3, host_kv_gib=1.0)
     p.add_argument("--profile", help="profile the last request with the tier; top ops here")
     p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()

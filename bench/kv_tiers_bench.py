@@ -14,25 +14,15 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.host_tier_bench import run
+from bench.host_tier_bench import add_workload_flags, run
 from bench.lib.run_report import report_header, write_report
-from engine.config import DEFAULT_MODEL
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-systems", type=int, default=6)
-    p.add_argument("--system-rules", type=int, default=45, help="~11 tokens each")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--device-blocks", type=int, default=64, help="the device pool (16 tokens)")
-    p.add_argument("--host-kv-gib", type=float, default=0.03, help="default: ~40 SmolLM2 blocks")
+    add_workload_flags(p, rounds=2, host_kv_gib=0.03, host_help="default: ~40 SmolLM2 blocks")
     p.add_argument("--disk-kv-gib", type=float, default=1.0)
     p.add_argument("--shared-kv-gib", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--json")
     args = p.parse_args()
     args.profile = args.prompts_json = None
     args.copy_rates = False

@@ -6,9 +6,11 @@ request; salts and models never share a block."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,21 @@ def test_corrupt_and_truncated_files_are_recomputed_never_loaded(tiny, tmp_path,
     assert caplog.text.count("disk KV tier:") == 1  # logged once
 
 
+@contextlib.contextmanager
+def small_tmpfs(path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs mounted at path, to fill (skips the test where none can be mounted)."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"no small tmpfs to fill here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
 def test_a_disk_bound_of_a_few_blocks_and_a_full_disk_lose_no_request(tiny, tmp_path, caplog):
     batch = prompts(4, seed=3)
     want = [tokens for tokens, _ in serve(engine(tiny, None), batch)]
@@ -147,20 +164,11 @@ def test_a_disk_bound_of_a_few_blocks_and_a_full_disk_lose_no_request(tiny, tmp_
     assert [tokens for tokens, _ in serve(small, batch)] == want
     assert disk_of(small).num_cached == 3 and disk_of(small).num_evicted > 0
     assert len(list((tmp_path / "small").rglob(f"*{SUFFIX}"))) == 3
-    full = tmp_path / "full"
-    full.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip(f"no small tmpfs to fill here: {mounted.stderr.decode().strip()}")
-    try:  # 64 KiB: five block files of 12 KiB, far fewer than the blocks spilled
-        eng = engine(tiny, full)
+    with small_tmpfs(tmp_path / "full") as full:  # five block files of 12 KiB, far fewer
+        eng = engine(tiny, full)  # than the blocks spilled
         with caplog.at_level(logging.WARNING, logger="engine.kv_cache.disk_tier"):
             assert [tokens for tokens, _ in serve(eng, batch)] == want
             assert [tokens for tokens, _ in serve(eng, batch)] == want
-    finally:
-        subprocess.run(["umount", str(full)], check=True)
     disk = disk_of(eng)
     assert disk.num_write_failures > 0 and 0 < disk.num_cached <= 5
     assert caplog.text.count("cannot write a block file") == 1, caplog.text

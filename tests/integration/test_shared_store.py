@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,15 @@ from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.shared_store import SharedStore
 from kvtransfer.disk_blocks import SUFFIX
 from router.prefix_index import PrefixIndex
-from tests.integration.test_disk_tier import BLOCK, BLOCK_BYTES, engine, prompts, serve, tiny
+from tests.integration.test_disk_tier import (
+    BLOCK,
+    BLOCK_BYTES,
+    engine,
+    prompts,
+    serve,
+    small_tmpfs,
+    tiny,
+)
 
 __all__ = ["tiny"]  # the module-scoped checkpoint fixture
 
@@ -138,20 +145,11 @@ def test_a_small_or_full_shared_store_loses_no_request(tiny, tmp_path, caplog):
     small = worker(tiny, tmp_path / "a", tmp_path / "small", shared_blocks=10)
     assert [tokens for tokens, _ in serve(small, batch)] == want
     assert store_of(small).num_evicted > 0 and len(published(tmp_path / "small")) <= 10
-    full = tmp_path / "full"
-    full.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip(f"no small tmpfs to fill here: {mounted.stderr.decode().strip()}")
-    try:  # 64 KiB: five block files, far fewer than the blocks published
-        eng = worker(tiny, tmp_path / "b", full)
+    with small_tmpfs(tmp_path / "full") as full:  # five block files, far fewer than the
+        eng = worker(tiny, tmp_path / "b", full)  # blocks published
         with caplog.at_level(logging.WARNING, logger="engine.kv_cache.shared_store"):
             assert [tokens for tokens, _ in serve(eng, batch)] == want
             assert [tokens for tokens, _ in serve(eng, batch)] == want
-    finally:
-        subprocess.run(["umount", str(full)], check=True)
     store = store_of(eng)
     assert store.num_write_failures > 0 and 0 < store.num_published <= 5
     assert caplog.text.count("cannot publish a block file") == 1, caplog.text
