@@ -285,6 +285,7 @@ class RouterConfig:
     max_migrations: int = 2  # times one request may move to another decode worker
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # conditional prefill
     slo: SloTargets = field(default_factory=SloTargets)  # the objectives routers place for
+    shared_store: bool = False  # the workers publish to a cluster-shared KV store (routers ask it)
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,7 @@ class Controller:
             config.max_migrations,
             config.local_prefill,
             config.slo,
+            shared_store=template.engine.cache.shared_kv_cache_bytes > 0,
         )
 
     async def shutdown(self) -> None:

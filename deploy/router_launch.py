@@ -27,7 +27,9 @@ async def build_backend(
     model = config.model
     router_id = router_id or f"router-{uuid.uuid4().hex[:8]}"
     workers = WorkerSet()
-    index = PrefixIndex(config.redis_url, model.model_id) if config.redis_url else None
+    index = None
+    if config.redis_url:
+        index = PrefixIndex(config.redis_url, model.model_id, shared_store=config.shared_store)
     if index is not None:
         await index.probe()  # a refused password or TLS setup is logged now, not per request
     backend = ClusterBackend(

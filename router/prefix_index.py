@@ -59,8 +59,12 @@ class PrefixIndex:
         timeout_s: float = 0.25,
         retry_interval_s: float = 1.0,
         reap_dead: bool = True,
+        shared_store: bool = False,
     ) -> None:
+        """shared_store: the workers publish to a cluster-shared KV store, so each lookup also
+        asks which blocks it lists (one more command, SMISMEMBER: Redis 6.2 or later)."""
         self.model_id = model_id
+        self.shared_store = shared_store
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
         self.reap_dead = reap_dead
@@ -158,7 +162,7 @@ class PrefixIndex:
     ) -> tuple[Any, list[int]]:
         """The script's reply, and which of the blocks the shared store lists (1 / 0 each)."""
         reply = await script_reply
-        if not block_hashes:
+        if not block_hashes or not self.shared_store:
             return reply, []
         hexes = [hash_hex(h) for h in block_hashes]
         shared = await self._client.smismember(schema.shared_key(self.model_id), hexes)

@@ -199,14 +199,17 @@ def test_the_index_lists_shared_blocks_for_every_worker(tiny, tmp_path, redis_ur
         assert publisher.publish(eng.drain_kv_events(), worker_load(eng.snapshot()))
     hashes = hash_blocks(batch[0], BLOCK, first.model_id)
 
-    async def overlap():
-        async with PrefixIndex(redis_url, first.model_id, retry_interval_s=0.0) as index:
+    async def overlap(shared_store: bool = True):
+        async with PrefixIndex(
+            redis_url, first.model_id, retry_interval_s=0.0, shared_store=shared_store
+        ) as index:
             return await index.prefix_overlap(hashes, ["a", "b"])
 
     got = asyncio.run(overlap())
     # the first worker's own disk tier, the second (nothing of its own) the shared store's
     assert got == {"a": 8, "b": 8} and got.disk == {"a": 8, "b": 0}
     assert got.shared == {"a": 0, "b": 8}
+    assert asyncio.run(overlap(shared_store=False)) == {"a": 8, "b": 0}  # a cluster without one
     assert sum(second.evict_kv(batch[0]).values()) == 8  # the shared store's files of it
     assert publishers[1].publish(second.drain_kv_events(), worker_load(second.snapshot()))
     got = asyncio.run(overlap())
