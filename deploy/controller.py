@@ -311,7 +311,12 @@ class Controller:
         worker_id = f"{self.config.name_prefix}-{role}-{index}"
         template = self.config.template
         group = worker_launch.rank_group(role, worker_id, template)
-        actor = worker_launch.spawn(role, worker_id, template, group)
+        try:
+            actor = worker_launch.spawn(role, worker_id, template, group)
+        except Exception as e:  # e.g. an engine config its TP refuses: a failed start as any
+            worker_launch.release_ranks(group)  # each retry would otherwise hold more GPUs
+            self._start_failed(role, f"{type(e).__name__}: {e}")
+            return
         record = _Record(worker_id, role, actor, group=group)
         record.move(
             WorkerState.JOINING, f"waiting for a node with {worker_launch.pool_resource(role)}"
@@ -356,18 +361,23 @@ class Controller:
             record.move(WorkerState.GONE, "start cancelled (pool scaled down)")
             raise
         except Exception as e:
-            self._num_failures[record.role] += 1
             record.error = f"{type(e).__name__}: {e}"
             await worker_launch.stop(record.actor, group=record.group)
             record.move(WorkerState.GONE, f"failed to start: {record.error}")
-            if self._num_failures[record.role] >= self.config.max_start_failures:
-                self._error = (
-                    f"{record.role} pool: {self._num_failures[record.role]} starts failed in a "
-                    f"row, not trying again until the next scale; last: {record.error}"
-                )
-                logger.error("controller: %s", self._error)
+            self._start_failed(record.role, record.error)
         finally:
             self._poke()
+
+    def _start_failed(self, role: str, error: str) -> None:
+        """One more start of role's pool failed in a row; at max_start_failures the pool stops
+        trying until the next scale, and status says why."""
+        self._num_failures[role] += 1
+        if self._num_failures[role] >= self.config.max_start_failures:
+            self._error = (
+                f"{role} pool: {self._num_failures[role]} starts failed in a row, not trying "
+                f"again until the next scale; last: {error}"
+            )
+            logger.error("controller: %s", self._error)
 
     async def _pair_for(self, record: _Record) -> tuple[_Record | None, _Record]:
         """A prefill and a decode worker to warm `record` up with: itself and a worker of the

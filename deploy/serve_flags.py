@@ -286,6 +286,11 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         )
     if max(prefill_tp, decode_tp) > 1 and args.gpus_per_worker not in (None, 1.0):
         raise ValueError("a tensor-parallel worker takes whole GPUs: drop --gpus-per-worker")
+    for flag, tp in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+        try:  # what a TP worker's engine refuses (the shared KV store ...), before Ray starts
+            replace(engine, tensor_parallel_size=tp)
+        except ValueError as e:
+            raise ValueError(f"{flag} {tp}: {e}") from None
     # A bad threshold is refused here, before Ray starts.
     if args.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")

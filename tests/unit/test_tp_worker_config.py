@@ -37,6 +37,14 @@ def test_serve_tp_sets_both_pools_and_each_pool_flag_overrides_it() -> None:
         spec("--decode-tp", "0")
 
 
+def test_what_a_tp_workers_engine_refuses_is_refused_before_ray_starts(tmp_path) -> None:
+    tiers = ("--disk-kv-gib", "1", "--disk-kv-path", str(tmp_path / "d"))
+    tiers += ("--shared-kv-gib", "1", "--shared-kv-path", str(tmp_path / "s"))
+    assert spec(*tiers).decode_tp == 1
+    with pytest.raises(ValueError, match="--decode-tp 2: .*shared_kv_cache_bytes"):
+        spec(*tiers, "--decode-tp", "2")
+
+
 def test_a_pools_ranks_are_its_workers_engine_size_and_bundles() -> None:
     engine = EngineConfig(model="m", device="cpu")
     template = WorkerTemplate(engine, None, prefill_tp=2)
