@@ -221,27 +221,43 @@ class Frontend:
 
     # ---- streaming -----------------------------------------------------------------------
     async def generate(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
-        """_stream's chunks, once the router's FairQueue lets the request go on (it may wait
-        there; Overloaded when the queue is full or its deadline passes first)."""
-        ticket = Ticket.of(prepared.request, prepared.tenant, prepared.key_class)
-        async with self.queue.turn(ticket), contextlib.aclosing(self._stream(prepared)) as chunks:
-            async for chunk in chunks:
-                yield chunk
-
-    async def _stream(self, prepared: Prepared) -> AsyncIterator[OutputChunk]:
-        """Stream output chunks (n > 1: each names its choice in `index`); each choice's last
-        has its finish_reason, the request's last also has usage.
-
-        Leaving early (client gone, task cancelled, aclose()) aborts the request in the
-        backend; so does a stop string, which the backend does not know about.
-        Raises BackendError if the backend fails the request, RateLimited (before any output)
-        if its tenant's per-key limits refuse it.
+        """_stream's chunks: the request charged to its tenant's per-key limits first
+        (RateLimited at once, never after a wait), then its turn from the router's FairQueue
+        (it may wait there; Overloaded when the queue is full or its deadline passes first).
+        One refused or cancelled before its turn still ends its trace and gives back its grant.
         """
         req = prepared.request
         if req.req_id in self._in_flight:
             raise self.reject(InvalidRequest(f"request id {req.req_id!r} is already in flight"))
         tracker = ChoiceTrackers(self.route(req.model).tokenizer, prepared, self.metrics)
-        grant = await self._charge(prepared)  # nothing between it and `try` can fail or wait
+        grant = None
+        turn = False
+        try:
+            grant = await self._charge(prepared)
+            async with self.queue.turn(Ticket.of(req, prepared.tenant, prepared.key_class)):
+                turn = True  # from here _stream ends the trace and gives the grant back
+                async with contextlib.aclosing(self._stream(prepared, tracker, grant)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+        except BaseException as e:
+            if not turn:
+                if prepared.trace is not None:
+                    traces.end_request(prepared.trace, tracker, e)
+                if grant is not None and self.limiter is not None:
+                    await asyncio.shield(self.limiter.release(grant, 0, 0))
+            raise
+
+    async def _stream(
+        self, prepared: Prepared, tracker: ChoiceTrackers, grant: Grant | None
+    ) -> AsyncIterator[OutputChunk]:
+        """Stream output chunks (n > 1: each names its choice in `index`); each choice's last
+        has its finish_reason, the request's last also has usage.
+
+        Leaving early (client gone, task cancelled, aclose()) aborts the request in the
+        backend; so does a stop string, which the backend does not know about.
+        Raises BackendError if the backend fails the request.
+        """
+        req = prepared.request
         self._in_flight.add(req.req_id)
         self.metrics.running.inc()
         self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)

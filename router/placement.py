@@ -93,40 +93,43 @@ class Placer:
         batch request: the deadline is its objective, router/traffic_class.py). Traced as
         router.route."""
         admitted = admitted or request.deadline_s is not None
-        span = traces.start_placement(request, "router.route")
-        slo = replace(self.slo, overload="place") if admitted else self.slo
-        started = time.monotonic()
-        deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
-        if slo.overload != "queue":
-            deadline_s = 0.0
-        queued = False
-        while True:
-            inputs = await self._route_inputs(request, hashes)
-            # No await from here to place(): concurrent placements each see the ones before them.
-            waited_s = time.monotonic() - started
-            budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
-            if inputs.prefill:
-                chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
-            else:  # no prefill worker: a decode worker computes the prompt (aggregated)
-                chosen = route_aggregated(inputs, self.policy, self.local_prefill, slo, budget_s)
-            if isinstance(chosen, LocalRoute):
-                self.workers.place(chosen.placement.worker.worker_id)
-                traces.end_placement(span, chosen.placement)
-                return chosen
-            if isinstance(chosen, RemoteRoute):
-                num_uncached = len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
-                self.workers.place(chosen.placement.worker.worker_id, num_uncached)
-                traces.end_placement(span, chosen.placement)
-                return chosen, num_uncached
-            if waited_s + SLO_POLL_S > deadline_s:
-                traces.end_placement(span, error=chosen.reason)
-                raise self._refuse(request, chosen, waited_s)
-            if not queued:
-                queued = True
-                self.num_slo_queued += 1
-                if self.metrics is not None:
-                    self.metrics.slo_queued.inc()
-            await asyncio.sleep(SLO_POLL_S)
+        with traces.placement_span(request, "router.route") as span:
+            slo = replace(self.slo, overload="place") if admitted else self.slo
+            started = time.monotonic()
+            deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
+            if slo.overload != "queue":
+                deadline_s = 0.0
+            queued = False
+            while True:
+                inputs = await self._route_inputs(request, hashes)
+                # No await from here to place(): concurrent placements each see the ones before.
+                waited_s = time.monotonic() - started
+                budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
+                if inputs.prefill:
+                    chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
+                else:  # no prefill worker: a decode worker computes the prompt (aggregated)
+                    chosen = route_aggregated(
+                        inputs, self.policy, self.local_prefill, slo, budget_s
+                    )
+                if isinstance(chosen, LocalRoute):
+                    self.workers.place(chosen.placement.worker.worker_id)
+                    traces.end_placement(span, chosen.placement)
+                    return chosen
+                if isinstance(chosen, RemoteRoute):
+                    num_uncached = (
+                        len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
+                    )
+                    self.workers.place(chosen.placement.worker.worker_id, num_uncached)
+                    traces.end_placement(span, chosen.placement)
+                    return chosen, num_uncached
+                if waited_s + SLO_POLL_S > deadline_s:
+                    raise self._refuse(request, chosen, waited_s)
+                if not queued:
+                    queued = True
+                    self.num_slo_queued += 1
+                    if self.metrics is not None:
+                        self.metrics.slo_queued.inc()
+                await asyncio.sleep(SLO_POLL_S)
 
     async def _route_inputs(self, request: GenerateRequest, hashes: list[int]) -> RouteInputs:
         decode: list[WorkerInfo] = []
@@ -163,18 +166,18 @@ class Placer:
     ) -> tuple[Placement, int]:
         """A prefill placement after the routed one failed (no objectives: the request is
         already admitted) and the prompt tokens it leaves to compute (placed on it)."""
-        span = traces.start_placement(request, "router.place_prefill")
-        workers, overlap = await self.candidates("prefill", hashes, excluded)
-        # No await from here to place(): concurrent placements each see the ones before them.
-        workers = self.workers.with_placed(workers)
-        if overlap is None:
-            placement = route_by_load(workers)
-        else:
-            placement = self.policy.choose(workers, overlap, self.block_size)
-        num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
-        self.workers.place(placement.worker.worker_id, num_uncached)
-        traces.end_placement(span, placement)
-        return placement, num_uncached
+        with traces.placement_span(request, "router.place_prefill") as span:
+            workers, overlap = await self.candidates("prefill", hashes, excluded)
+            # No await from here to place(): concurrent placements each see the ones before.
+            workers = self.workers.with_placed(workers)
+            if overlap is None:
+                placement = route_by_load(workers)
+            else:
+                placement = self.policy.choose(workers, overlap, self.block_size)
+            num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
+            self.workers.place(placement.worker.worker_id, num_uncached)
+            traces.end_placement(span, placement)
+            return placement, num_uncached
 
     async def place_aggregated(
         self, request: GenerateRequest, hashes: list[int], excluded: frozenset[str]
@@ -182,34 +185,36 @@ class Placer:
         """A decode worker to compute the prompt itself (counted as placed there) after the
         prefill pool emptied or an aggregated placement failed: no objectives (the request is
         already admitted); raises NoWorkerAvailable when no decode worker is left."""
-        workers, overlap = await self.candidates("decode", hashes, excluded)
-        # No await from here to place(): concurrent placements each see the ones before them.
-        inputs = RouteInputs(
-            [],
-            None,
-            self.workers.with_placed(workers),
-            overlap or {},
-            self.block_size,
-            len(request.prompt_token_ids),
-            self.blocks_needed(request),
-        )
-        chosen = route_aggregated(inputs, self.policy, self.local_prefill, SloTargets())
-        assert isinstance(chosen, LocalRoute)  # no objectives: never Unmet
-        self.workers.place(chosen.placement.worker.worker_id)
-        return chosen
+        with traces.placement_span(request, "router.place_aggregated") as span:
+            workers, overlap = await self.candidates("decode", hashes, excluded)
+            # No await from here to place(): concurrent placements each see the ones before.
+            inputs = RouteInputs(
+                [],
+                None,
+                self.workers.with_placed(workers),
+                overlap or {},
+                self.block_size,
+                len(request.prompt_token_ids),
+                self.blocks_needed(request),
+            )
+            chosen = route_aggregated(inputs, self.policy, self.local_prefill, SloTargets())
+            assert isinstance(chosen, LocalRoute)  # no objectives: never Unmet
+            self.workers.place(chosen.placement.worker.worker_id)
+            traces.end_placement(span, chosen.placement)
+            return chosen
 
     async def place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
         """The decode worker for a prefilled request (counted as placed there): among those
         predicted within the TPOT objective when any is."""
-        span = traces.start_placement(request, "router.place_decode")
-        workers, _ = await self.candidates("decode", [], excluded)
-        workers = self.workers.with_placed(workers)
-        if self.slo.tpot_ms > 0:
-            workers = within_tpot(workers, self.slo.tpot_ms) or workers
-        decode = choose_decode(workers, self.blocks_needed(request))
-        self.workers.place(decode.worker_id)
-        traces.end_placement(span, decode=decode)
-        return decode
+        with traces.placement_span(request, "router.place_decode") as span:
+            workers, _ = await self.candidates("decode", [], excluded)
+            workers = self.workers.with_placed(workers)
+            if self.slo.tpot_ms > 0:
+                workers = within_tpot(workers, self.slo.tpot_ms) or workers
+            decode = choose_decode(workers, self.blocks_needed(request))
+            self.workers.place(decode.worker_id)
+            traces.end_placement(span, decode=decode)
+            return decode
 
     def blocks_needed(self, request: GenerateRequest) -> int:
         """KV blocks the whole request takes on a decode worker (prompt and every output)."""

@@ -4,6 +4,8 @@ client's traceparent; its own goes to the workers and back to the client) and it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from common import tracing
@@ -60,6 +62,19 @@ def start_placement(request: GenerateRequest, name: str) -> Span | None:
     if request.traceparent is None:
         return None
     return tracing.start_span(name, request.traceparent)
+
+
+@contextlib.contextmanager
+def placement_span(request: GenerateRequest, name: str) -> Iterator[Span | None]:
+    """A placement step's span (None: untraced), ended by end_placement when the step placed
+    the request; ended failed when the step raises (refused for the objectives, no worker, the
+    index down, cancelled while it queued)."""
+    span = start_placement(request, name)
+    try:
+        yield span
+    except BaseException as e:
+        end_placement(span, error=f"{type(e).__name__}: {e}")
+        raise
 
 
 def end_placement(
