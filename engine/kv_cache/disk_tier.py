@@ -239,12 +239,14 @@ class DiskTier:
             for landed in self.reads.collect():
                 self.num_reads += 1
                 self.read_s += landed.seconds
-                if landed.error is not None:
-                    if not isinstance(landed.error, self.read_errors):
-                        raise landed.error
-                    self._bad_file(landed.block_hash, landed.error)
-                elif landed.block_hash in self._priority:  # else evicted while it was read
+                if landed.block_hash not in self._priority:
+                    continue  # evicted while it was read: nothing to stage or count as bad
+                if landed.error is None:
                     self._staged[landed.block_hash] = landed.payload
+                elif isinstance(landed.error, self.read_errors):
+                    self._bad_file(landed.block_hash, landed.error)
+                else:
+                    raise landed.error
         if self.shared is not None:
             self.shared.collect()
 
