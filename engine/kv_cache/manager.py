@@ -178,7 +178,7 @@ class KVCacheManager:
     def num_loads_in_flight(self) -> int:
         return 0 if self.disk_tier is None else self.disk_tier.num_in_flight
 
-    def wait_loads(self, timeout_s: float = 0.05) -> None:
+    def wait_loads(self, timeout_s: float = 0.01) -> None:
         """Block until a read behind the step is done (or timeout_s): no step has work."""
         if self.disk_tier is not None:
             self.disk_tier.wait_any(timeout_s)
