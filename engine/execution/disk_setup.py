@@ -1,7 +1,8 @@
 """Builds an engine's disk KV tier (and the cluster-shared store below it) at start: its files
 (kvtransfer/disk_blocks.py, through NIXL's POSIX backend) over the engine's KV layout, its size
-bound, and the blocks a previous run left in its directory (a warm restart). Owns no state: the KV
-manager keeps the tier.
+bound, the reader of its prefix hits behind the step (a files object of its own: its own NIXL
+agent and staging row; an engine of one rank), and the blocks a previous run left in its directory
+(a warm restart). Owns no state: the KV manager keeps the tier.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
+from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.shared_store import SharedStore
 from engine.parallel.disk_ranks import RankDisk, RankedBlockFiles, rank_disk_path
@@ -58,9 +60,12 @@ def build_disk_tier(
     )
     found = files.scan()
     kept = tier.adopt(found.hashes, DEFAULT_PRIORITY)
-    if ranked is not None:
+    if ranked is not None:  # every rank reads its heads when matched (no reads behind the step)
         tier.listener = ranked
         ranked.keep_only(tier.cached_hashes())
+    else:
+        reader = DiskBlockFiles(path, files.layout, kv_cache.dtype)
+        tier.reads = BlockReads(reader.read, "kvrelay-disk-read")
     log.info(
         "disk KV tier at %s: %d blocks of %d bytes at most; found %d blocks of this model and "
         "layout (%d kept), removed %d invalid files, ignored %d of other models or layouts",
@@ -107,6 +112,8 @@ def build_shared_store(
     store = SharedStore(
         num_blocks, files, read_errors=(BlockFileError, OSError), block_bytes=files.payload_bytes
     )
+    reader = SharedBlockFiles(cache.shared_kv_path, layout, kv_cache.dtype)
+    store.reads = BlockReads(reader.read, "kvrelay-shared-read")
     log.info(
         "shared KV store at %s: %d blocks of %d bytes at most (all workers), %d there now",
         files.dir,

@@ -9,8 +9,10 @@ A block written here is also published to the cluster-shared store below it when
 (or the device pool, without a host tier): its spill is queued (OwedCopies) and written before
 anything overwrites its bytes (BlockCopies). A prefix hit reads and checks the file when the request
 is matched (a bad file is removed and its block recomputed, never loaded) and copies it into a fresh
-device block before the step that reads it. Writing is best effort: a full disk loses the block,
-never a request.
+device block before the step that reads it. With a reader (BlockReads: a tier of one rank) the
+read runs behind the step instead: the match issues it (fetch), the request waits holding its
+blocks' reads (hold: never trimmed) while others run, and once collect has them checked in,
+its next match loads them. Writing is best effort: a full disk loses the block, never a request.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.shared_store import SharedStore
 
@@ -87,6 +90,10 @@ class DiskTier:
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
         self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        # reads behind the step (None: at match time, as a tensor-parallel engine's ranks do)
+        self.reads: BlockReads | None = None
+        # hash -> how many waiting requests hold its read (this tier's or the shared store's)
+        self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
         self.num_stored = 0  # blocks written
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
@@ -197,18 +204,86 @@ class DiskTier:
         try:
             self._staged[block_hash] = self.files.read(block_hash)
         except self.read_errors as e:
-            self.num_bad_files += 1
-            if not self._warned_bad:
-                self._warned_bad = True
-                log.warning("disk KV tier: %s; removed, its block is recomputed", e)
-            else:
-                log.debug("disk KV tier: %s; removed", e)
-            self._drop(block_hash)
+            self._bad_file(block_hash, e)
             return False
         finally:
             self.read_s += time.perf_counter() - start
             self.num_reads += 1
         return True
+
+    def _bad_file(self, block_hash: int, error: BaseException) -> None:
+        self.num_bad_files += 1
+        if not self._warned_bad:
+            self._warned_bad = True
+            log.warning("disk KV tier: %s; removed, its block is recomputed", error)
+        else:
+            log.debug("disk KV tier: %s; removed", error)
+        if block_hash in self._priority:
+            self._drop(block_hash)
+
+    def fetch(self, block_hash: int) -> bool | None:
+        """A prefix hit behind the step: True once staged, None while its read is in flight
+        (issued now if it was not), False when its file must not be loaded (removed). Without a
+        reader: stage()."""
+        if self.reads is None:
+            return self.stage(block_hash)
+        if block_hash in self._staged:
+            return True
+        self.reads.start(block_hash)
+        return None
+
+    def collect(self) -> None:
+        """Between steps: the reads behind the step that are done, staged (a bad file removed,
+        its block recomputed), this tier's and the shared store's."""
+        if self.reads is not None:
+            for landed in self.reads.collect():
+                self.num_reads += 1
+                self.read_s += landed.seconds
+                if landed.block_hash not in self._priority:
+                    continue  # evicted while it was read: nothing to stage or count as bad
+                if landed.error is None:
+                    self._staged[landed.block_hash] = landed.payload
+                elif isinstance(landed.error, self.read_errors):
+                    self._bad_file(landed.block_hash, landed.error)
+                else:
+                    raise landed.error
+        if self.shared is not None:
+            self.shared.collect()
+
+    def _readers(self) -> list[BlockReads]:
+        shared = None if self.shared is None else self.shared.reads
+        return [r for r in (self.reads, shared) if r is not None]
+
+    def in_flight(self, block_hash: int) -> bool:
+        """Whether block_hash's read behind the step (here or in the shared store) is not done."""
+        return any(reads.in_flight(block_hash) for reads in self._readers())
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(reads.num_in_flight for reads in self._readers())
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Block until a read behind the step is done (or timeout_s): no step has work."""
+        busy = [reads for reads in self._readers() if reads.num_in_flight]
+        if busy:
+            busy[0].wait_any(timeout_s)
+
+    def hold(self, block_hashes: tuple[int, ...]) -> None:
+        """A waiting request's blocks read for it: kept staged (never trimmed) until release."""
+        for block_hash in block_hashes:
+            self._held[block_hash] = self._held.get(block_hash, 0) + 1
+
+    def release(self, block_hashes: tuple[int, ...]) -> None:
+        for block_hash in block_hashes:
+            num = self._held[block_hash] - 1
+            if num:
+                self._held[block_hash] = num
+            else:
+                del self._held[block_hash]
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     @property
     def mean_load_s(self) -> float | None:
@@ -231,13 +306,14 @@ class DiskTier:
     def trim_staged(self) -> None:
         """Blocks read for a match that was not admitted: the newest kept up to the bound
         (max_staged_bytes), the rest read again when matched again."""
-        while len(self._staged) > self.max_staged:
-            block_hash = next(iter(self._staged))
-            del self._staged[block_hash]
-            if self.listener is not None:
-                self.listener.unstaged(block_hash)
+        excess = len(self._staged) - self.max_staged
+        if excess > 0:  # oldest first, those a waiting request holds aside
+            for block_hash in [h for h in self._staged if h not in self._held][:excess]:
+                del self._staged[block_hash]
+                if self.listener is not None:
+                    self.listener.unstaged(block_hash)
         if self.shared is not None:
-            self.shared.trim_staged()
+            self.shared.trim_staged(self._held)
 
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files here (an operator's eviction; the shared store's are the

@@ -146,6 +146,43 @@ class KVCacheManager:
         """Longest cached prefix in both tiers (PrefixCache.match)."""
         return self.prefix.match(req, partial)
 
+    # ---- loads behind the step (disk tier, shared store) ------------------------------------
+    def poll_loads(self) -> None:
+        """Stage the block reads behind the step that are done (DiskTier.collect)."""
+        if self.disk_tier is not None:
+            self.disk_tier.collect()
+
+    def wait_for_load(self, req: Request, block_hashes: tuple[int, ...]) -> None:
+        """req waits for its prefix's reads (PrefixMatch.pending_hashes), holding them."""
+        assert self.disk_tier is not None and not req.pending_load
+        self.disk_tier.hold(block_hashes)
+        req.pending_load = block_hashes
+
+    def load_landed(self, req: Request) -> bool:
+        """Whether req's reads are all done (then it holds them no more: its match takes them,
+        a bad block's file is gone and recomputed)."""
+        assert self.disk_tier is not None
+        if any(self.disk_tier.in_flight(block_hash) for block_hash in req.pending_load):
+            return False
+        self.drop_load(req)
+        return True
+
+    def drop_load(self, req: Request) -> None:
+        """req holds its reads no more (landed, or it finished while waiting)."""
+        if req.pending_load:
+            assert self.disk_tier is not None
+            self.disk_tier.release(req.pending_load)
+            req.pending_load = ()
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        return 0 if self.disk_tier is None else self.disk_tier.num_in_flight
+
+    def wait_loads(self, timeout_s: float = 0.01) -> None:
+        """Block until a read behind the step is done (or timeout_s): no step has work."""
+        if self.disk_tier is not None:
+            self.disk_tier.wait_any(timeout_s)
+
     def _num_new_blocks(self, req: Request, num_new_tokens: int, match: PrefixMatch) -> int:
         table = self._tables.get(req.req_id)
         num_have = len(match.blocks) if table is None else len(table.blocks) + len(match.blocks)
@@ -324,3 +361,5 @@ class KVCacheManager:
         self.check_integrity()
         num_used = self.num_blocks - self.num_free_blocks
         assert num_used == 0, f"{num_used} blocks leaked"
+        held = 0 if self.disk_tier is None else self.disk_tier.num_held
+        assert held == 0, f"{held} disk or shared-store reads still held"

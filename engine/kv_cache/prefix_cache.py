@@ -30,6 +30,9 @@ class PrefixMatch:
     host_hashes: tuple[int, ...] = ()  # the full blocks after `blocks` found in the host tier
     # the full blocks after those, read from the disk tier (or the cluster-shared store below it)
     disk_hashes: tuple[int, ...] = ()
+    # reads behind the step still in flight for this prefix: then the match is not to be taken
+    # (the request waits), and these are every disk or shared block of it, to hold meanwhile
+    pending_hashes: tuple[int, ...] = ()
 
 
 NO_MATCH = PrefixMatch()
@@ -101,15 +104,22 @@ class PrefixCache:
                     break
                 host.append(block_hash)
         disk: list[int] = []
-        if self.disk_tier is not None:  # each block's file read and checked now
+        pending = False
+        if self.disk_tier is not None:  # each block's file read and checked (behind the step)
             shared = self.disk_tier.shared  # a block this worker's disk lacks: the shared store's
             for block_hash in req.block_hashes[len(blocks) + len(host) : max_blocks]:
                 if self.disk_tier.has(block_hash):
-                    if not self.disk_tier.stage(block_hash):
-                        break
-                elif shared is None or not shared.has(block_hash) or not shared.stage(block_hash):
+                    staged = self.disk_tier.fetch(block_hash)
+                elif shared is not None and shared.has(block_hash):
+                    staged = shared.fetch(block_hash)
+                else:
                     break
+                if staged is False:
+                    break
+                pending = pending or staged is None
                 disk.append(block_hash)
+        if pending:
+            return PrefixMatch(pending_hashes=tuple(disk))
         num_full = (len(blocks) + len(host) + len(disk)) * self.block_size
         tiers = {"host_hashes": tuple(host), "disk_hashes": tuple(disk)}
         if not partial or self.partial_reuse_min_tokens < 1:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Container
 from typing import Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.block_reads import BlockReads
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class SharedStore:
         self.block_bytes = block_bytes
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        self.reads: BlockReads | None = None  # reads behind the step (None: at match time)
         self.record_events = False  # KV events (tier "shared") for the cluster index
         self._events: list[KVEvent] = []
         self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
@@ -162,19 +165,46 @@ class SharedStore:
         try:
             self._staged[block_hash] = self.files.read(block_hash)
         except self.read_errors as e:
-            self.num_bad_files += 1
-            if not self._warned_bad:
-                self._warned_bad = True
-                log.warning("shared KV store: %s; removed, its block is recomputed", e)
-            else:
-                log.debug("shared KV store: %s; removed", e)
-            self.files.remove(block_hash)
-            self._removed(block_hash)
+            self._bad_file(block_hash, e)
             return False
         finally:
             self.read_s += time.perf_counter() - start
             self.num_reads += 1
         return True
+
+    def _bad_file(self, block_hash: int, error: BaseException) -> None:
+        self.num_bad_files += 1
+        if not self._warned_bad:
+            self._warned_bad = True
+            log.warning("shared KV store: %s; removed, its block is recomputed", error)
+        else:
+            log.debug("shared KV store: %s; removed", error)
+        self.files.remove(block_hash)
+        self._removed(block_hash)
+
+    def fetch(self, block_hash: int) -> bool | None:
+        """As DiskTier.fetch: True once staged, None while its read behind the step is in
+        flight (issued now if not), False for a file that must not be loaded (removed)."""
+        if self.reads is None:
+            return self.stage(block_hash)
+        if block_hash in self._staged:
+            return True
+        self.reads.start(block_hash)
+        return None
+
+    def collect(self) -> None:
+        """Between steps: the reads behind the step that are done, staged or (bad) removed."""
+        if self.reads is None:
+            return
+        for landed in self.reads.collect():
+            self.num_reads += 1
+            self.read_s += landed.seconds
+            if landed.error is None:
+                self._staged[landed.block_hash] = landed.payload
+            elif isinstance(landed.error, self.read_errors):
+                self._bad_file(landed.block_hash, landed.error)
+            else:
+                raise landed.error
 
     def is_staged(self, block_hash: int) -> bool:
         return block_hash in self._staged
@@ -184,10 +214,13 @@ class SharedStore:
         self.num_hit_blocks += 1
         return self._staged.pop(block_hash)
 
-    def trim_staged(self) -> None:
-        """Blocks read for a match that was not admitted: the newest kept up to the bound."""
-        while len(self._staged) > self.max_staged:
-            del self._staged[next(iter(self._staged))]
+    def trim_staged(self, held: Container[int] = ()) -> None:
+        """Blocks read for a match that was not admitted: the newest kept up to the bound (and
+        those held: a waiting request's, read behind the step)."""
+        excess = len(self._staged) - self.max_staged
+        if excess > 0:
+            for block_hash in [h for h in self._staged if h not in held][:excess]:
+                del self._staged[block_hash]
 
     def snapshot_fields(self) -> dict[str, int | float]:
         """This store's EngineSnapshot fields (this worker's view and counters)."""

@@ -85,6 +85,9 @@ class Request:
     # Prompt tokens found in the prefix cache at first admission (None until then); written by
     # the scheduler only.
     num_cached_tokens: int | None = None
+    # Waiting for its prefix's disk or shared-store blocks, read behind the step: their hashes
+    # (held staged until its next match takes them; engine/kv_cache/block_reads.py).
+    pending_load: tuple[int, ...] = ()
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Speculative decoding: tokens drafted for the next step (verified there, none is real yet)

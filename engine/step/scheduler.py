@@ -127,6 +127,9 @@ class Scheduler:
                 idx += 1
         if not preempted and not starved:
             budget = self._admit_waiting(budget, chunks, preempted)
+            if not chunks and self.kv.num_loads_in_flight:  # nothing to run but reads to wait for
+                self.kv.wait_loads()
+                budget = self._admit_waiting(budget, chunks, preempted)
         for req in self.running:  # the chunks keep this step's drafts; none outlives it
             req.draft_token_ids = []
         return SchedulerOutput(chunks, preempted)
@@ -134,17 +137,28 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
     ) -> int:
+        """Admit waiting requests in order; one whose prefix's disk or shared-store blocks are
+        being read behind the step (req.pending_load) waits aside while the others go on."""
+        self.kv.poll_loads()
         num_preempted = len(preempted)
-        while self.waiting and budget > 0:
+        idx = 0
+        while idx < len(self.waiting) and budget > 0:
             if len(preempted) > num_preempted:
                 break  # a preempted request may have a token in flight: readmitted next step
-            req = self.waiting[0]
+            req = self.waiting[idx]
+            if req.pending_load and not self.kv.load_landed(req):
+                idx += 1
+                continue
             if not self._has_seat():
                 if not self._preempt_lower(req, chunks, preempted):
                     break
                 budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks)
             fresh = req.num_computed_tokens == 0
             match = self.kv.match_prefix(req, partial=True) if fresh else NO_MATCH
+            if match.pending_hashes:  # its reads run behind the steps; it waits, holding them
+                self.kv.wait_for_load(req, match.pending_hashes)
+                idx += 1
+                continue
             remaining = req.num_tokens - req.num_computed_tokens - match.num_tokens
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:
@@ -156,7 +170,7 @@ class Scheduler:
             self.kv.allocate(req, num_new, match)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = match.num_tokens
-            self.waiting.popleft()
+            self.waiting.remove(req)  # a preempted request may have been queued before it
             req.status = RequestStatus.RUNNING
             self._insert_running(req)
             chunks.append(ScheduledChunk.of(req, num_new))
@@ -267,6 +281,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.kv.drop_load(req)
         self.kv.cache_full_blocks(req)
         del self.requests[req.req_id]
         if req.keep_blocks and reason is not FinishReason.ABORT:

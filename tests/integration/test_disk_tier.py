@@ -10,17 +10,20 @@ import contextlib
 import logging
 import random
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.index_upkeep import make_publisher, worker_load
 from engine.engine import Engine
+from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.hashing import hash_blocks
 from engine.sampling.sampling_params import SamplingParams
-from kvtransfer.disk_blocks import SUFFIX
+from kvtransfer.disk_blocks import SUFFIX, DiskBlockFiles
 from router.prefix_index import PrefixIndex
 from tests.conftest import build_engine
 from tests.factories import make_tiny_checkpoint
@@ -44,7 +47,12 @@ def prompts(n: int, num_blocks: int = 8, seed: int = 0) -> list[list[int]]:
 
 
 def engine(
-    model: Path, disk: Path | None, disk_blocks: int = 400, host: bool = True, **more
+    model: Path,
+    disk: Path | None,
+    disk_blocks: int = 400,
+    host: bool = True,
+    max_num_seqs: int = 1,
+    **more,
 ) -> Engine:
     tiers = {}
     if disk is not None:
@@ -53,17 +61,22 @@ def engine(
         model_path=str(model),
         num_blocks=DEVICE_BLOCKS,
         host_kv_cache_bytes=HOST_BLOCKS * BLOCK_BYTES if host else 0,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         **tiers,
         **more,
     )
 
 
-def serve(eng: Engine, batch: list[list[int]], salt: str | None = None) -> list[tuple[list, int]]:
+def serve(
+    eng: Engine,
+    batch: list[list[int]],
+    salt: str | None = None,
+    params: SamplingParams = GREEDY,
+) -> list[tuple[list, int]]:
     """Each prompt alone, in order: (its tokens, its cached prompt tokens)."""
     got = []
     for i, prompt in enumerate(batch):
-        eng.add_request(f"r{i}", prompt, GREEDY, cache_salt=salt)
+        eng.add_request(f"r{i}", prompt, params, cache_salt=salt)
         tokens, cached = [], None
         while eng.has_unfinished_requests:
             for out in eng.step():
@@ -99,6 +112,66 @@ def test_a_working_set_ten_times_the_pools_hits_from_disk_token_exact(tiny, tmp_
     assert snap.num_disk_hit_bytes == disk.num_hit_blocks * BLOCK_BYTES
     assert snap.num_disk_stored_blocks == disk.num_stored >= 100
     assert snap.num_disk_cached_blocks == disk.num_cached and snap.disk_load_s > 0
+
+
+def test_a_disk_hit_loads_behind_the_steps_of_other_requests(tiny, tmp_path):
+    """Its reads are held back (a gate before the real reader): the other request decodes
+    meanwhile; once they land the hit loads token for token, a corrupt block recomputed, and a
+    request aborted while it waits holds nothing."""
+    batch = prompts(6, seed=7)
+    other = prompts(1, seed=8)[0]
+    want_hit = serve(engine(tiny, None), batch[:1])[0][0]
+    long = SamplingParams(max_tokens=6, temperature=0.0)
+    want_other = serve(engine(tiny, None), [other], params=long)[0][0]
+    eng = engine(tiny, tmp_path / "disk", max_num_seqs=2)
+    serve(eng, batch)  # the first prompts' blocks have left the device and host for the disk
+    disk = disk_of(eng)
+    hashes = hash_blocks(batch[0], BLOCK, eng.model_id)
+    assert all(disk.has(h) for h in hashes[:8])
+    gate = threading.Event()
+    files = disk.files
+    assert isinstance(files, DiskBlockFiles)
+    reader = DiskBlockFiles(files.root, files.layout, torch.float32)
+
+    def held_read(block_hash: int) -> object:
+        gate.wait()
+        return reader.read(block_hash)
+
+    disk.reads = BlockReads(held_read, "test-held-read")
+    path = files.path(hashes[5])  # the hit's sixth block: a flipped payload byte
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    eng.add_request("hit", batch[0], GREEDY)
+    eng.add_request("gone", batch[1], GREEDY)  # aborted while its reads are pending
+    eng.add_request("other", other, long)
+    tokens: dict[str, list[int]] = {"hit": [], "other": []}
+    cached = {}
+
+    def step() -> None:
+        for out in eng.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+            if out.finished:
+                cached[out.req_id] = out.num_cached_tokens
+
+    num_steps = 0
+    while len(tokens["other"]) < 2 and num_steps < 10:
+        step()
+        num_steps += 1
+    hit, gone = eng.scheduler.requests["hit"], eng.scheduler.requests["gone"]
+    assert hit.pending_load and gone.pending_load and not tokens["hit"]
+    assert len(tokens["other"]) >= 2  # decoded while the hit's reads were pending
+    assert disk.num_held == 16
+    assert eng.abort("gone") and disk.num_held == 8
+    gate.set()
+    while eng.has_unfinished_requests:
+        step()
+    assert tokens == {"hit": want_hit, "other": want_other}
+    assert cached["hit"] == 5 * BLOCK  # the five blocks before the corrupt one
+    assert disk.num_bad_files == 1 and not disk.has(hashes[5])
+    eng.check_integrity()
+    eng.assert_no_leaks()
+    disk.reads.close()
 
 
 def test_a_restarted_engine_hits_the_blocks_its_directory_holds(tiny, tmp_path, caplog):

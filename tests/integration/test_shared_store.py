@@ -84,6 +84,8 @@ def test_a_second_worker_computes_only_what_the_first_did_not_publish(tiny, tmp_
     assert snap.num_shared_hit_blocks == sum(expect) // BLOCK
     assert snap.num_shared_hit_bytes == snap.num_shared_hit_blocks * BLOCK_BYTES
     assert snap.num_shared_bad_files == 0 and snap.shared_load_s > 0
+    reads = store_of(second).reads  # each hit block read once, behind the step
+    assert reads is not None and reads.num_issued == snap.num_shared_hit_blocks
     tiers = {tier.tier: tier for tier in snap.tiers}
     assert list(tiers) == ["device", "host", "disk", "shared"]
     assert tiers["device"].lookup_blocks == 4 * 8 and tiers["device"].hit_blocks == 0

@@ -1,11 +1,13 @@
 """DiskTier's bookkeeping (a dict stands in for its files: the tier is torch-free and sees only
-opaque payloads), OwedCopies' spills into it, and the block file format (DiskBlockFiles through
-NIXL's POSIX backend): checksums, layouts, truncation, the restart scan."""
+opaque payloads), its reads behind the step (BlockReads), OwedCopies' spills into it, and the
+block file format (DiskBlockFiles through NIXL's POSIX backend): checksums, layouts, truncation,
+the restart scan."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
 from engine.config import CacheConfig, EngineConfig
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVBlock
+from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier, Spill
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
@@ -86,6 +89,43 @@ def test_blocks_staged_for_a_match_not_admitted_are_kept_up_to_the_bound() -> No
     assert tier.stage(3) and not tier.stage(1)  # 3 was kept (checked already); 1 is re-read
     assert tier.num_reads == 4 and tier.take(2) == "kv2"
     tier.check_integrity()
+
+
+def test_reads_behind_the_step_stage_when_collected_held_ones_survive_the_trim() -> None:
+    """A reader held at a gate (a slow disk): fetch stays pending until collect stages the
+    landed read; a bad file lands as an error and is removed; a block evicted while its read
+    was in flight is neither staged nor counted bad; held blocks survive trim_staged."""
+    files = DictFiles()
+    tier = DiskTier(4, files, block_bytes=10, max_staged_bytes=10)
+    for h in (1, 2, 3, 4):
+        put(tier, h)
+    files.files[2] = "bad"
+    gate = threading.Event()
+
+    def held_read(block_hash: int) -> object:
+        gate.wait()
+        return files.read(block_hash)
+
+    tier.reads = BlockReads(held_read, "test-disk-read")
+    assert [tier.fetch(h) for h in (1, 2, 3, 4)] == [None] * 4
+    tier.hold((1, 3))
+    tier.collect()
+    assert tier.num_in_flight == 4 and tier.in_flight(1) and not tier.is_staged(1)
+    put(tier, 5)  # at the bound: evicts 1, the oldest, while its read is in flight
+    assert not tier.has(1)
+    gate.set()
+    while tier.num_in_flight:
+        tier.wait_any(1.0)
+        tier.collect()
+    assert not tier.is_staged(1) and tier.is_staged(3) and tier.is_staged(4)
+    assert tier.num_bad_files == 1 and not tier.has(2) and tier.num_reads == 4
+    assert tier.fetch(3) is True and tier.reads.num_issued == 4
+    tier.trim_staged()  # the bound is one block: 4 goes, 3 is held
+    assert tier.is_staged(3) and not tier.is_staged(4)
+    tier.release((1, 3))
+    assert tier.num_held == 0 and tier.take(3) == "kv3"
+    tier.check_integrity()
+    tier.reads.close()
 
 
 def test_a_full_disk_stores_nothing_and_says_so_once(caplog) -> None:

@@ -1,17 +1,20 @@
 """SharedStore's bookkeeping over a dict of files (one shared directory): one writer a block,
 eviction by priority then age down to the low-water mark, a refused write logged once, bad
-files removed and never staged; BlockPool / HostTier / SaltIndex removal for `kvrelay kv evict`."""
+files removed and never staged; reads behind the step (BlockReads) staged when collected;
+BlockPool / HostTier / SaltIndex removal for `kvrelay kv evict`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
 
 import pytest
 
 from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
 from engine.config import CacheConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.shared_store import SharedStore
@@ -155,3 +158,34 @@ def test_shared_flags_and_config_name_what_is_wrong(tmp_path) -> None:
         )
     with pytest.raises(ValueError, match="shared_kv_cache_bytes must be >= 0"):
         CacheConfig(shared_kv_cache_bytes=-1)
+
+
+def test_reads_behind_the_step_land_between_steps_held_blocks_never_trimmed() -> None:
+    """A reader held at a gate: fetch is pending until the read lands and collect stages it; a
+    bad file lands as an error and is removed; a held block survives trim_staged."""
+    shared = SharedDict()
+    store = SharedStore(100, shared, block_bytes=1, max_staged_bytes=1)
+    for block_hash, row in ((1, "kv1"), (2, "bad"), (3, "kv3")):
+        store.publish(block_hash, row, 35)
+    gate = threading.Event()
+
+    def held_read(block_hash: int) -> object:
+        gate.wait()
+        return shared.read(block_hash)
+
+    store.reads = BlockReads(held_read, "test-shared-read")
+    assert [store.fetch(h) for h in (1, 2, 3)] == [None, None, None]
+    store.collect()
+    assert store.reads.num_in_flight == 3 and not store.is_staged(1)  # nothing landed
+    assert store.fetch(1) is None and store.reads.num_issued == 3  # not issued twice
+    gate.set()
+    while store.reads.num_in_flight:
+        store.reads.wait_any(1.0)
+        store.collect()
+    assert store.is_staged(1) and store.is_staged(3) and not store.is_staged(2)
+    assert store.num_bad_files == 1 and not store.has(2) and store.num_reads == 3
+    assert store.fetch(1) is True
+    store.trim_staged(held={1})  # the bound is one block: the unheld one goes
+    assert store.is_staged(1) and not store.is_staged(3)
+    assert store.take(1) == "kv1"
+    store.reads.close()

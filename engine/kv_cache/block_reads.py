@@ -1,0 +1,76 @@
+"""BlockReads: one tier's block-file reads running behind the step. It owns a reader thread (with
+a files object of its own: its own NIXL agent and staging row, never the one spill writes use)
+and the reads in flight; a read's result (the checked payload, or the error of a file that must
+not be loaded) waits here until the engine thread collects it. Torch-free: a payload is opaque.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
+
+
+class Landed(NamedTuple):
+    """A read that finished: its payload, or the error that keeps the file from being loaded."""
+
+    block_hash: int
+    payload: object
+    error: BaseException | None
+    seconds: float  # spent reading and checking it (the tier's load cost)
+
+
+def _timed(read: Callable[[int], object], block_hash: int) -> tuple[object, float]:
+    start = time.perf_counter()
+    return read(block_hash), time.perf_counter() - start
+
+
+class BlockReads:
+    """Reads issued by the engine thread (start), done by one reader thread in order, collected
+    by the engine thread (collect) between steps; only collect changes what a tier holds."""
+
+    def __init__(self, read: Callable[[int], object], name: str):
+        """read: the reader's own files' read (raises for a bad or missing file)."""
+        self._read = read
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._in_flight: dict[int, Future[tuple[object, float]]] = {}
+        self.num_issued = 0
+
+    def start(self, block_hash: int) -> None:
+        """Read block_hash's file behind the step (once: a read in flight is not issued again)."""
+        if block_hash not in self._in_flight:
+            self._in_flight[block_hash] = self._pool.submit(_timed, self._read, block_hash)
+            self.num_issued += 1
+
+    def in_flight(self, block_hash: int) -> bool:
+        return block_hash in self._in_flight
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def collect(self) -> list[Landed]:
+        """The reads done since the last call, in the order they were issued."""
+        landed = []
+        for block_hash, future in list(self._in_flight.items()):
+            if not future.done():
+                continue
+            del self._in_flight[block_hash]
+            error = future.exception()
+            if error is None:
+                payload, seconds = future.result()
+                landed.append(Landed(block_hash, payload, None, seconds))
+            else:
+                landed.append(Landed(block_hash, None, error, 0.0))
+        return landed
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Block until a read in flight is done (or timeout_s): when no step has work."""
+        if self._in_flight:
+            wait(list(self._in_flight.values()), timeout_s, FIRST_COMPLETED)
+
+    def close(self) -> None:
+        """Stop the reader once the reads in flight are done (their results are dropped)."""
+        self._pool.shutdown(wait=True)
+        self._in_flight.clear()
