@@ -383,7 +383,8 @@ class CacheConfig:
     # The cluster-shared KV store below the disk tier: a directory every worker reads (a shared
     # filesystem); each block written to a disk tier is published there once (the first
     # complete copy wins), and a prefix any worker published is loaded, not computed. Bounded
-    # by shared_kv_cache_bytes for all workers together. 0: none; needs a disk tier.
+    # by shared_kv_cache_bytes for all workers together (kept by each worker's scans: exact for
+    # up to 8 workers publishing at once, shared_store.WRITERS). 0: none; needs a disk tier.
     shared_kv_cache_bytes: int = 0
     shared_kv_path: str | None = None
 
@@ -422,9 +423,10 @@ class CacheConfig:
             )
         if self.shared_kv_cache_bytes and not self.shared_kv_path:
             raise ValueError("shared_kv_cache_bytes needs shared_kv_path (the store's directory)")
-        if self.shared_kv_cache_bytes and self.shared_kv_path == self.disk_kv_path:
+        if self.shared_kv_cache_bytes and _nested(self.shared_kv_path, self.disk_kv_path):
             raise ValueError(
-                "shared_kv_path must differ from disk_kv_path (a worker's disk tier is its own)"
+                "shared_kv_path must differ from disk_kv_path and lie neither inside nor around "
+                "it (a worker's disk tier is its own; its start scan would adopt shared files)"
             )
         if self.shared_kv_cache_bytes and not self.disk_kv_cache_bytes:
             raise ValueError(
@@ -545,3 +547,12 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}"
             )
+
+
+def _nested(a: str | None, b: str | None) -> bool:
+    """Whether directories a and b are one, or one lies inside the other (resolved: a trailing
+    slash, a relative path or a link to the same directory is the same directory)."""
+    if not a or not b:
+        return False
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra.is_relative_to(rb) or rb.is_relative_to(ra)

@@ -26,6 +26,10 @@ from engine.kv_cache.block_reads import BlockReads
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # an eviction pass leaves the store this full (a pass scans the directory)
+# Each worker scans the store again once it has published 1 / WRITERS of the room its last scan
+# saw: up to WRITERS workers publishing at once stay within the bound (more pass it by at most
+# (workers / WRITERS - 1) x the room below it, until their next scans).
+WRITERS = 8
 
 
 # One file of the store as a scan saw it: (priority, modification time, block hash, salt root).
@@ -71,6 +75,7 @@ class SharedStore:
         self.record_events = False  # KV events (tier "shared") for the cluster index
         self._events: list[KVEvent] = []
         self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
+        self._scanned = self.num_files  # the size the last scan found (after its evictions)
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had
         self.num_hit_blocks = 0  # prefix blocks loaded from the store
@@ -102,7 +107,8 @@ class SharedStore:
         if self.files.exists(block_hash):
             self.num_found_published += 1
             return False
-        if self.num_files >= self.num_slots:
+        rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
+        if self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after:
             self._make_room()
         try:
             wrote = self.files.publish(block_hash, row, priority, salt_root)
@@ -136,7 +142,7 @@ class SharedStore:
             self._staged.pop(block_hash, None)
             self._removed(block_hash)
         self.num_evicted += excess
-        self.num_files = len(entries) - excess
+        self.num_files = self._scanned = len(entries) - excess
 
     def evict_salt(self, salt_root: int) -> int:
         """Remove every file of the salt whose chain root is salt_root (any worker's)."""

@@ -6,6 +6,7 @@ BlockPool / HostTier / SaltIndex removal for `kvrelay kv evict`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import threading
 
@@ -17,7 +18,7 @@ from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.salt_index import SaltIndex
-from engine.kv_cache.shared_store import SharedStore
+from engine.kv_cache.shared_store import WRITERS, SharedStore
 
 
 class SharedDict:
@@ -78,6 +79,17 @@ def test_the_bound_evicts_lowest_priority_then_oldest_down_to_low_water() -> Non
     # down to 9 of 10 (LOW_WATER), then the new one: the oldest at priority 35 went
     assert set(shared.files) == {0, 1, 2, 3, 5, 6, 7, 8, 9, 99}
     assert other.num_evicted == 1 and other.num_files == 10
+
+
+def test_eight_workers_publishing_at_once_keep_the_bound() -> None:
+    """Each scans again after 1 / WRITERS of the room its last scan saw: however their publishes
+    interleave, the store never holds more files than its bound."""
+    shared = SharedDict()
+    workers = [SharedStore(80, shared) for _ in range(WRITERS)]
+    for h in range(1000):
+        workers[h % WRITERS].publish(h, f"kv{h}", 35)
+        assert len(shared.files) <= 80, h
+    assert sum(w.num_evicted for w in workers) >= 1000 - 80
 
 
 def test_a_full_store_is_logged_once_and_loses_nothing(caplog) -> None:
@@ -145,17 +157,24 @@ def test_shared_flags_and_config_name_what_is_wrong(tmp_path) -> None:
     add_model_args(p)
     add_engine_flags(p)
     flags = ["--disk-kv-gib", "1", "--disk-kv-path", str(tmp_path / "d")]
-    args = p.parse_args([*flags, "--shared-kv-gib", "0.5", "--shared-kv-path", str(tmp_path)])
+    shared = str(tmp_path / "s")
+    args = p.parse_args([*flags, "--shared-kv-gib", "0.5", "--shared-kv-path", shared])
     cache = engine_from_args(args).cache
-    assert cache.shared_kv_cache_bytes == 1 << 29 and cache.shared_kv_path == str(tmp_path)
+    assert cache.shared_kv_cache_bytes == 1 << 29 and cache.shared_kv_path == shared
     with pytest.raises(ValueError, match="shared_kv_path"):
         CacheConfig(shared_kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"shared_kv_cache_bytes needs a disk tier"):
         CacheConfig(shared_kv_cache_bytes=1 << 20, shared_kv_path="x")
-    with pytest.raises(ValueError, match="shared_kv_path must differ from disk_kv_path"):
-        CacheConfig(
-            disk_kv_cache_bytes=1, disk_kv_path="x", shared_kv_cache_bytes=1, shared_kv_path="x"
-        )
+    same_or_nested = [("x", "x"), ("x", "x/"), (str(tmp_path), "."), ("x", "x/y"), ("x/y", "x")]
+    for disk, shared in same_or_nested:
+        refused = pytest.raises(ValueError, match="shared_kv_path must differ from disk_kv_path")
+        with refused, contextlib.chdir(tmp_path):
+            CacheConfig(
+                disk_kv_cache_bytes=1,
+                disk_kv_path=disk,
+                shared_kv_cache_bytes=1,
+                shared_kv_path=shared,
+            )
     with pytest.raises(ValueError, match="shared_kv_cache_bytes must be >= 0"):
         CacheConfig(shared_kv_cache_bytes=-1)
 
