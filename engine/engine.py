@@ -237,6 +237,8 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Load, leak counts and counters now (between steps)."""
         sched, loading, kv, spec = self.scheduler, self.loader.loading, self.kv, self.speculator
+        # a block's KV on every rank (each holds its heads' share, or a replica of one head)
+        block_bytes = self.copies.kv_cache[0].nbytes * self.config.tensor_parallel_size
         return EngineSnapshot(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(loading),
@@ -255,7 +257,7 @@ class Engine:
             num_spec_drafted_tokens=spec.num_drafted_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             **({} if kv.disk_tier is None else kv.disk_tier.snapshot_fields()),
-            tiers=tier_ops.tier_stats(kv, self.copies.kv_cache[0].nbytes),
+            tiers=tier_ops.tier_stats(kv, block_bytes),
         )
 
     def evict_kv(

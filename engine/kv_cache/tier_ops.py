@@ -34,7 +34,7 @@ def evict(
             if salt_root is not None:
                 shared += disk.shared.evict_salt(salt_root)
             dropped["shared"] = shared
-    kv.salts.forget(hashes)
+    kv.salts.forget([h for h in hashes if not kv.prefix.held(h)])  # a lent host copy stays
     return dropped
 
 

@@ -136,10 +136,12 @@ class RankedBlockFiles:
             self.leader.send(DiskPlan("remove", (block_hash,)))
 
     def taken(self, block_hash: int) -> None:
-        self.leader.send(DiskPlan("take", (block_hash,)))
+        if self.leader.lost is None:  # a dead group: the worker is ending (as in remove)
+            self.leader.send(DiskPlan("take", (block_hash,)))
 
     def unstaged(self, block_hash: int) -> None:
-        self.leader.send(DiskPlan("unstage", (block_hash,)))
+        if self.leader.lost is None:
+            self.leader.send(DiskPlan("unstage", (block_hash,)))
 
 
 class RankDisk:
