@@ -9,8 +9,10 @@ map): `ROOT/<layout key>/<chained block hash>.kvb`, a HEADER_BYTES header then t
 HEADER_BYTES (aligned for O_DIRECT / GDS). The header: magic, format version, block hash
 (chained from root_hash(model, cache_salt): content-addressed, salts never share a file), layout
 key, payload length and xxh3-64 checksum, the layout as JSON, and a checksum of the header
-itself; its last 8 bytes, outside that checksum, are an eviction hint (the shared store's
-retention priority; never read by a load). A file is written under a temporary name and renamed
+itself; its last 16 bytes, outside that checksum, are a hint (HINT: the block's retention
+priority and its cache_salt's chain root, which eviction and `kvrelay kv evict --salt` read; never
+read by a load; a file written before the hint held the salt reads as (0, 0): found by
+`--prefix-of`, not by `--salt`). A file is written under a temporary name and renamed
 (the shared store: linked) into place once complete.
 """
 

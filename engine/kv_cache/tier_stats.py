@@ -1,6 +1,6 @@
 """TierStats: one KV tier's size, use, hits and loads as an engine counted them (device, host,
 disk, shared), the one record status, /metrics and the bench read. Owns no state: a value built
-by KVCacheManager.tier_stats from the tiers' own counters. Torch-free (the router imports it).
+by tier_ops.tier_stats from the tiers' own counters. Torch-free (the router imports it).
 
 Hit rate: a tier's hit blocks over the prompt blocks looked up in it; a prompt's full blocks are
 looked up in the device pool, those it lacks in the host tier, then the disk tier, then the
