@@ -334,7 +334,7 @@ class DiskTier:
             "num_disk_cached_blocks": self.num_cached,
             "disk_load_s": self.read_s,
             "num_disk_reads": self.num_reads,
-        } | ({} if self.shared is None else self.shared.snapshot_fields())
+        }
 
     def check_integrity(self) -> None:
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())

@@ -227,17 +227,3 @@ class SharedStore:
         if excess > 0:
             for block_hash in [h for h in self._staged if h not in held][:excess]:
                 del self._staged[block_hash]
-
-    def snapshot_fields(self) -> dict[str, int | float]:
-        """This store's EngineSnapshot fields (this worker's view and counters)."""
-        return {
-            "num_shared_published_blocks": self.num_published,
-            "num_shared_hit_blocks": self.num_hit_blocks,
-            "num_shared_hit_bytes": self.num_hit_blocks * self.block_bytes,
-            "num_shared_bad_files": self.num_bad_files,
-            "num_shared_write_failures": self.num_write_failures,
-            "num_shared_cached_blocks": self.num_files,
-            "num_shared_capacity_blocks": self.num_slots,
-            "shared_load_s": self.read_s,
-            "num_shared_reads": self.num_reads,
-        }

@@ -93,19 +93,8 @@ class EngineSnapshot(NamedTuple):
     num_disk_cached_blocks: int = 0
     disk_load_s: float = 0.0
     num_disk_reads: int = 0  # files read and checked (hits and bad files)
-    # The cluster-shared store as this engine saw it (zeros without one): blocks it published,
-    # loaded on a hit (and their bytes), files found bad (recomputed), publishes refused (full),
-    # the store's files at its last count and its bound, time spent reading and checking.
-    num_shared_published_blocks: int = 0
-    num_shared_hit_blocks: int = 0
-    num_shared_hit_bytes: int = 0
-    num_shared_bad_files: int = 0
-    num_shared_write_failures: int = 0
-    num_shared_cached_blocks: int = 0
-    num_shared_capacity_blocks: int = 0
-    shared_load_s: float = 0.0
-    num_shared_reads: int = 0
-    tiers: tuple[TierStats, ...] = ()  # each KV tier's size, use, hits and loads
+    tiers: tuple[TierStats, ...] = ()  # each KV tier's size, use, hits and loads (the shared
+    # store's figures only here)
 
 
 class KVMemory(NamedTuple):
