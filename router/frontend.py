@@ -187,7 +187,7 @@ class Frontend:
             traceparent=None if trace is None else trace.traceparent,
             model=route.model_id,
             priority=request_priority(key_class, spec.priority),
-            deadline_s=check_deadline(spec.deadline_s),
+            deadline_s=check_deadline(spec.deadline_s, key_class if self.api_keys else None),
         )
         return Prepared(
             request,

@@ -61,10 +61,18 @@ def request_priority(key_class: KeyClass, requested: object) -> int:
         raise InvalidRequest(e.message, "priority") from None
 
 
-def check_deadline(deadline_s: object) -> float | None:
-    """A request's deadline_s (seconds after arrival, > 0); InvalidRequest naming it otherwise."""
+def check_deadline(deadline_s: object, key_class: KeyClass | None = None) -> float | None:
+    """A request's deadline_s (seconds after arrival, > 0); InvalidRequest naming it otherwise,
+    or when the API key's class (key_class; None: keys off) is not batch: a deadline replaces
+    the TTFT objective, which interactive keys may not skip."""
     if deadline_s is None:
         return None
+    if key_class is not None and key_class.kind is not TrafficClass.BATCH:
+        raise InvalidRequest(
+            f"deadline_s is for batch-class API keys (it replaces the TTFT objective); this "
+            f"key's class is {key_class.kind.value}",
+            "deadline_s",
+        )
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
         raise InvalidRequest(
             f"deadline_s must be a number of seconds, got {deadline_s!r}", "deadline_s"

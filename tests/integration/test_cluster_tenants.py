@@ -148,6 +148,17 @@ def test_a_batch_flood_keeps_interactive_objectives_and_completes_its_share(
     stack.wait_until_no_leaks()
 
 
+def test_an_interactive_key_may_not_skip_its_objective_with_a_deadline(
+    stack: ClusterHarness,
+) -> None:
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY_A, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, extra_body={"deadline_s": 60}
+        )
+    assert "deadline_s" in str(info.value) and "batch-class" in str(info.value)
+
+
 @pytest.mark.parametrize("priority", [101, -101, "high"])
 def test_a_bad_priority_is_refused_naming_it(stack: ClusterHarness, priority: object) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY_A, max_retries=0)
