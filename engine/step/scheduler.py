@@ -10,8 +10,8 @@ recomputed) and it returns to the front of its priority in the waiting queue, so
 readmitted before anything newer of its priority (no starvation within a priority). A waiting
 request of higher priority that finds no seat or no blocks preempts running requests of lower
 priority the same way, and so does a prefilled request whose KV is to be pulled
-(RemoteKVLoader.reserve: preempt_for, between steps). The engine keeps max_model_len <= pool capacity, so a lone request
-always fits (no deadlock).
+(RemoteKVLoader.reserve: preempt_for, between steps). The engine keeps max_model_len <= pool
+capacity, so a lone request always fits (no deadlock).
 """
 
 from __future__ import annotations
