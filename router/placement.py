@@ -7,6 +7,7 @@ placed (in the WorkerSet). Owns the index-health state and the counts of SLO ref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -20,6 +21,7 @@ from router.errors import SloUnmet
 from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
 from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.slo import LocalRoute, RemoteRoute, RouteInputs, Unmet, route, within_tpot
+from router.slo_waiters import SloWaiters
 from router.worker_set import WorkerSet
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ class Placer:
         self.num_index_unavailable = 0
         self.num_slo_refused = 0
         self.num_slo_queued = 0
+        self.num_slo_deferred = 0  # looks that found room but left it to a higher priority
+        self.waiters = SloWaiters()  # the requests queued for the objectives, by priority
         self._index_down_logged = False
 
     # ---- candidates ----------------------------------------------------------------------
@@ -100,33 +104,43 @@ class Placer:
         if slo.overload != "queue":
             deadline_s = 0.0
         queued = False
-        while True:
-            inputs = await self._route_inputs(request, hashes)
-            # No await from here to place(): concurrent placements each see the ones before them.
-            waited_s = time.monotonic() - started
-            budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
-            if inputs.prefill:
-                chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
-            else:  # no prefill worker: a decode worker computes the prompt (aggregated)
-                chosen = route_aggregated(inputs, self.policy, self.local_prefill, slo, budget_s)
-            if isinstance(chosen, LocalRoute):
-                self.workers.place(chosen.placement.worker.worker_id)
-                traces.end_placement(span, chosen.placement)
-                return chosen
-            if isinstance(chosen, RemoteRoute):
-                num_uncached = len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
-                self.workers.place(chosen.placement.worker.worker_id, num_uncached)
-                traces.end_placement(span, chosen.placement)
-                return chosen, num_uncached
-            if waited_s + SLO_POLL_S > deadline_s:
-                traces.end_placement(span, error=chosen.reason)
-                raise self._refuse(request, chosen, waited_s)
-            if not queued:
-                queued = True
-                self.num_slo_queued += 1
-                if self.metrics is not None:
-                    self.metrics.slo_queued.inc()
-            await asyncio.sleep(SLO_POLL_S)
+        with contextlib.ExitStack() as waiting:  # while it waits: counted in self.waiters
+            while True:
+                inputs = await self._route_inputs(request, hashes)
+                # No await from here to place(): concurrent placements see the ones before them.
+                waited_s = time.monotonic() - started
+                budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
+                if inputs.prefill:
+                    chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
+                else:  # no prefill worker: a decode worker computes the prompt (aggregated)
+                    chosen = route_aggregated(
+                        inputs, self.policy, self.local_prefill, slo, budget_s
+                    )
+                num_above = 0 if admitted else self.waiters.num_above(request.priority)
+                if num_above and not isinstance(chosen, Unmet):  # they take the room first
+                    self.num_slo_deferred += 1
+                    chosen = Unmet(f"{num_above} request(s) of higher priority wait to be placed")
+                if isinstance(chosen, LocalRoute):
+                    self.workers.place(chosen.placement.worker.worker_id)
+                    traces.end_placement(span, chosen.placement)
+                    return chosen
+                if isinstance(chosen, RemoteRoute):
+                    num_uncached = (
+                        len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
+                    )
+                    self.workers.place(chosen.placement.worker.worker_id, num_uncached)
+                    traces.end_placement(span, chosen.placement)
+                    return chosen, num_uncached
+                if waited_s + SLO_POLL_S > deadline_s:
+                    traces.end_placement(span, error=chosen.reason)
+                    raise self._refuse(request, chosen, waited_s)
+                if not queued:
+                    queued = True
+                    waiting.enter_context(self.waiters.waiting(request.priority))
+                    self.num_slo_queued += 1
+                    if self.metrics is not None:
+                        self.metrics.slo_queued.inc()
+                await asyncio.sleep(SLO_POLL_S)
 
     async def _route_inputs(self, request: GenerateRequest, hashes: list[int]) -> RouteInputs:
         decode: list[WorkerInfo] = []
