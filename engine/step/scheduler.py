@@ -70,7 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_priority_preemptions = 0  # of those, for a waiting or loading one higher up
+        self.num_priority_preemptions = 0  # of those, for a request of higher priority
 
     @property
     def has_unfinished(self) -> bool:
