@@ -233,12 +233,28 @@ def combined_attainment(reports: list[SloAttainment], objective: str) -> float |
 
 
 @dataclass(frozen=True)
+class ClassQueue:
+    """One key class's requests in a router's queue (router/fair_queue.py): held back, and
+    sent on to the cluster and not ended."""
+
+    kind: str  # the TrafficClass value: "interactive" or "batch"
+    queued: int = 0
+    running: int = 0
+
+
+def format_queue(classes: tuple[ClassQueue, ...]) -> str:
+    """'interactive 0 queued 3 running, batch 12 queued 4 running' ('' for none)."""
+    return ", ".join(f"{c.kind} {c.queued} queued {c.running} running" for c in classes)
+
+
+@dataclass(frozen=True)
 class RouterStatus:
     router_id: str
     http_url: str = ""
     grpc_address: str = ""
     last_seen: float = 0.0  # time.time() of its last membership sync
     attainment: SloAttainment | None = None  # its recent requests against the objectives
+    queue: tuple[ClassQueue, ...] = ()  # its queue by key class, at its last sync
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from common.cluster_state import (
     ScaleRequest,
     WorkerStats,
     WorkerStatus,
+    format_queue,
 )
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
@@ -297,6 +298,8 @@ def format_status(current: ClusterStatus) -> str:
     lines.append(f"routers: {len(current.routers)}")
     for r in current.routers:
         lines.append(f"  {r.router_id}  http {r.http_url or '-'}  grpc {r.grpc_address or '-'}")
+        if r.queue:
+            lines.append(f"    queue: {format_queue(r.queue)}")
     redis = current.redis
     if not redis.url:
         lines.append("redis: none (routing by load)")

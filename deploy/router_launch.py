@@ -55,6 +55,7 @@ async def build_backend(
         return metrics.recent_of(model.model_id).attainment(time.monotonic(), slo)
 
     sync.report_attainment = attainment
+    sync.report_queue = lambda: () if backend.metrics is None else backend.metrics.totals().queue
     sync.on_dead = backend.lost_worker  # its streams end and it leaves the index too
     await sync.sync_once()
     sync.start()

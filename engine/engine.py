@@ -81,7 +81,7 @@ class Engine:
     def _build_step_parts(self, model: nn.Module, backend: DeviceSide) -> None:
         config, mc, kv = self.config, self.model_config, self.kv
         self.scheduler = sched = Scheduler(config.scheduler, kv, self.max_model_len)
-        self.loader = RemoteKVLoader(sched, kv)
+        self.loader = RemoteKVLoader(sched, kv, lambda: self.run_ahead.between_steps())
         self.forks = forks = ChoiceForks(sched, kv)
         draft = drafter(config, model, mc.vocab_size, self.max_model_len, Engine)
         rows = backend.graphs.max_batch_size if backend.graphs else None  # a verify's cap

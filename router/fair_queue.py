@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from common.cluster_state import ClassQueue
 from common.messages import GenerateRequest
 from router.errors import Overloaded
 from router.traffic_class import DEFAULT_CLASS, KeyClass, TrafficClass
@@ -170,12 +171,28 @@ class QueueMetrics:
         )
         self.running = Gauge(
             "kvrelay_router_queue_running_requests",
-            "Requests this router's queue has sent on that have not ended.",
+            "Requests this router's queue has sent on that have not ended, by key class.",
+            ["class"],
             registry=r,
         )
         for kind in TrafficClass:
             self.queued.labels(kind.value).set(0)
+            self.running.labels(kind.value).set(0)
             self.sent.labels(kind.value)
+
+
+def queue_by_class(registry: CollectorRegistry) -> tuple[ClassQueue, ...]:
+    """The queue's figures by key class as its gauges in `registry` say (a FairQueue built on
+    it; () when none is)."""
+    classes = []
+    for kind in TrafficClass:
+        labels = {"class": kind.value}
+        queued = registry.get_sample_value("kvrelay_router_queued_requests", labels)
+        running = registry.get_sample_value("kvrelay_router_queue_running_requests", labels)
+        if queued is None or running is None:
+            return ()
+        classes.append(ClassQueue(kind.value, int(queued), int(running)))
+    return tuple(classes)
 
 
 class FairQueue:
@@ -218,7 +235,7 @@ class FairQueue:
         try:
             yield
         finally:
-            self._release()
+            self._release(ticket)
 
     @property
     def has_room(self) -> bool:
@@ -243,7 +260,7 @@ class FairQueue:
             await asyncio.wait_for(asyncio.shield(entry.granted), timeout)
         except (asyncio.CancelledError, TimeoutError) as e:
             if entry.granted.done():  # sent on as the wait ended: give the slot back
-                self._release()
+                self._release(ticket)
             else:
                 self._remove(entry)
             if isinstance(e, TimeoutError):
@@ -253,13 +270,13 @@ class FairQueue:
 
     def _start(self, ticket: Ticket) -> None:
         self.num_running += 1
-        self.metrics.running.set(self.num_running)
+        self.metrics.running.labels(ticket.key_class.kind.value).inc()
         self.num_sent_by_class[ticket.key_class.kind] += 1
         self.metrics.sent.labels(ticket.key_class.kind.value).inc()
 
-    def _release(self) -> None:
+    def _release(self, ticket: Ticket) -> None:
         self.num_running -= 1
-        self.metrics.running.set(self.num_running)
+        self.metrics.running.labels(ticket.key_class.kind.value).dec()
         self._send_next()
 
     def _remove(self, entry: _Entry) -> None:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from common.cluster_state import ROLES, RouterStatus, SloAttainment
+from common.cluster_state import ROLES, ClassQueue, RouterStatus, SloAttainment
 from common.worker_actors import ControllerActor
 from router.worker_set import WorkerSet
 
@@ -39,13 +39,17 @@ class MembershipSync:
         self.interval_s = interval_s
         # What the router tells the controller of its recent requests against the objectives.
         self.report_attainment: Callable[[], SloAttainment | None] = lambda: None
+        # Its queue by key class (`kvrelay status` shows it).
+        self.report_queue: Callable[[], tuple[ClassQueue, ...]] = lambda: ()
         # A worker seen dead while the controller is away (the backend ends its streams too).
         self.on_dead: Callable[[str], None] = workers.mark_dead
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
     async def sync_once(self) -> None:
-        router = replace(self.router, attainment=self.report_attainment())
+        router = replace(
+            self.router, attainment=self.report_attainment(), queue=self.report_queue()
+        )
         members = await self.controller.members.remote(router)
         self.workers.sync(members)
 

@@ -20,8 +20,10 @@ from prometheus_client import (
     generate_latest,
 )
 
+from common.cluster_state import ClassQueue
 from common.messages import TransferStats
 from engine.finish_reason import FinishReason
+from router.fair_queue import queue_by_class
 from router.recent_latency import RecentLatencies
 from router.worker_metrics import WorkerStatsCollector
 
@@ -40,6 +42,7 @@ class RouterTotals(NamedTuple):
     num_streamed_tokens: int  # output tokens that reached clients' streams (see totals())
     num_finished: int  # requests that ended, however
     num_in_flight: int  # requests running now
+    queue: tuple[ClassQueue, ...] = ()  # the router's queue by key class (none: no FairQueue)
 
 
 class RouterMetrics:
@@ -267,7 +270,8 @@ class RouterMetrics:
         not when the request ends (a first output of several tokens counts as one)."""
         streamed = _sum(self.ttft, "_count") + _sum(self.itl, "_count")
         finished = _sum(self.requests, "_total")
-        return RouterTotals(int(streamed), int(finished), int(_sum(self.running, "")))
+        running = int(_sum(self.running, ""))
+        return RouterTotals(int(streamed), int(finished), running, queue_by_class(self.registry))
 
     def render(self) -> bytes:
         """Prometheus text exposition of this instance's registry."""

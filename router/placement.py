@@ -7,6 +7,7 @@ placed (in the WorkerSet). Owns the index-health state and the counts of SLO ref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -20,6 +21,7 @@ from router.errors import SloUnmet
 from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
 from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.slo import LocalRoute, RemoteRoute, RouteInputs, Unmet, route, within_tpot
+from router.slo_waiters import SloWaiters
 from router.worker_set import WorkerSet
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ class Placer:
         self.num_index_unavailable = 0
         self.num_slo_refused = 0
         self.num_slo_queued = 0
+        self.num_slo_deferred = 0  # looks that found room but left it to a higher priority
+        self.waiters = SloWaiters()  # the requests queued for the objectives, by priority
         self._index_down_logged = False
 
     # ---- candidates ----------------------------------------------------------------------
@@ -93,16 +97,19 @@ class Placer:
         batch request: the deadline is its objective, router/traffic_class.py). Traced as
         router.route."""
         admitted = admitted or request.deadline_s is not None
-        with traces.placement_span(request, "router.route") as span:
-            slo = replace(self.slo, overload="place") if admitted else self.slo
-            started = time.monotonic()
-            deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
-            if slo.overload != "queue":
-                deadline_s = 0.0
-            queued = False
+        slo = replace(self.slo, overload="place") if admitted else self.slo
+        started = time.monotonic()
+        deadline_s = slo.ttft_ms / 1000 if slo.ttft_ms > 0 else QUEUE_WITHOUT_TTFT_S
+        if slo.overload != "queue":
+            deadline_s = 0.0
+        queued = False
+        with (
+            traces.placement_span(request, "router.route") as span,
+            contextlib.ExitStack() as waiting,  # while it waits: counted in self.waiters
+        ):
             while True:
                 inputs = await self._route_inputs(request, hashes)
-                # No await from here to place(): concurrent placements each see the ones before.
+                # No await from here to place(): concurrent placements see the ones before them.
                 waited_s = time.monotonic() - started
                 budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
                 if inputs.prefill:
@@ -111,6 +118,10 @@ class Placer:
                     chosen = route_aggregated(
                         inputs, self.policy, self.local_prefill, slo, budget_s
                     )
+                num_above = 0 if admitted else self.waiters.num_above(request.priority)
+                if num_above and not isinstance(chosen, Unmet):  # they take the room first
+                    self.num_slo_deferred += 1
+                    chosen = Unmet(f"{num_above} request(s) of higher priority wait to be placed")
                 if isinstance(chosen, LocalRoute):
                     self.workers.place(chosen.placement.worker.worker_id)
                     traces.end_placement(span, chosen.placement)
@@ -126,6 +137,7 @@ class Placer:
                     raise self._refuse(request, chosen, waited_s)
                 if not queued:
                     queued = True
+                    waiting.enter_context(self.waiters.waiting(request.priority))
                     self.num_slo_queued += 1
                     if self.metrics is not None:
                         self.metrics.slo_queued.inc()

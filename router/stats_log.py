@@ -1,6 +1,7 @@
 """StatsLog: one log line every interval while the cluster is busy (as vLLM logs its throughput):
 prompt tokens/s (computed by the prefill pool, or by decode workers for their own prompts),
-generated tokens/s (streamed to clients), requests/s, and per pool its running and waiting
+generated tokens/s (streamed to clients), requests/s, the router's queue by key class (queued
+and running), and per pool its running and waiting
 requests, KV use and prefix-hit rate. Owns its task and the previous sample; silent while
 idle."""
 
@@ -12,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from common.cluster_state import DecodeStats, PrefillStats, WorkerStats
+from common.cluster_state import DecodeStats, PrefillStats, WorkerStats, format_queue
 from common.messages import WorkerLoad
 from router.metrics import RouterMetrics, RouterTotals
 
@@ -68,8 +69,10 @@ def is_busy(before: StatsSample, now: StatsSample) -> bool:
         or router.num_finished > previous.num_finished
         or any(prompt > 0 for prompt, _ in _prompt_deltas(before, now).values())
     )
-    active = router.num_in_flight > 0 or any(
-        w.load.running or w.load.waiting for w in now.workers.values()
+    active = (
+        router.num_in_flight > 0
+        or any(c.queued for c in router.queue)
+        or any(w.load.running or w.load.waiting for w in now.workers.values())
     )
     return moved or active
 
@@ -88,6 +91,8 @@ def stats_line(before: StatsSample, now: StatsSample) -> str | None:
         f" tok/s, {(router.num_finished - previous.num_finished) / span_s:.2f} req/s, "
         f"in flight {router.num_in_flight}"
     ]
+    if router.queue:
+        parts.append(f"router queue: {format_queue(router.queue)}")
     for role in ROLES:
         workers = {i: w for i, w in now.workers.items() if w.role == role}
         parts.append(_pool_text(role, workers, [prompts[i] for i in workers]))

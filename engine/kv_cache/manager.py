@@ -192,9 +192,32 @@ class KVCacheManager:
     def can_allocate(
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
     ) -> bool:
+        return self.num_blocks_needed(req, num_new_tokens, match) <= self.pool.num_free_blocks
+
+    def num_blocks_needed(
+        self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
+    ) -> int:
+        """Free blocks that allocate(req, num_new_tokens, match) would take (new ones and
+        matched cached ones it revives)."""
         revived = sum(1 for block in match.blocks if block.ref_cnt == 0)
-        need = self._num_new_blocks(req, num_new_tokens, match) + revived
-        return need <= self.pool.num_free_blocks
+        return self._num_new_blocks(req, num_new_tokens, match) + revived
+
+    def num_freed_by(self, reqs: Sequence[Request], match: PrefixMatch = NO_MATCH) -> int:
+        """Blocks that freeing reqs' tables would return to the free pool: those no one else
+        holds, leaving out match's blocks (freed, then revived by the match's allocate)."""
+        counts: dict[int, int] = {}
+        blocks: dict[int, KVBlock] = {}
+        for req in reqs:
+            table = self._tables.get(req.req_id)
+            for block in table.blocks if table is not None else ():
+                counts[block.block_id] = counts.get(block.block_id, 0) + 1
+                blocks[block.block_id] = block
+        matched = {block.block_id for block in match.blocks}
+        return sum(
+            1
+            for block_id, num in counts.items()
+            if blocks[block_id].ref_cnt == num and block_id not in matched
+        )
 
     def allocate(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> None:
         """Take the matched blocks and enough new ones to hold num_new_tokens more tokens."""

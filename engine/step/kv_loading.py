@@ -1,15 +1,19 @@
 """RemoteKVLoader: owns the requests whose prompt KV is being pulled from a peer.
 
 Life cycle: reserve() allocates local blocks (reusing the local prefix cache, so only missing
-blocks are pulled) -> the caller moves the KV -> commit() puts the request in the running batch,
+blocks are pulled; preempting running requests of lower priority when that makes room, between
+steps only: their KV stays cached and in the host tier, and they resume from there like any
+preempted request) -> the caller moves the KV -> commit() puts the request in the running batch,
 or fail() queues it for local recompute. abort() frees the blocks at any point.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.kv_cache.prefix_cache import PrefixMatch
 from engine.step.request import FinishReason, Request, RequestStatus
 from engine.step.scheduler import Scheduler
 
@@ -29,16 +33,23 @@ class KVLoadPlan:
 
 
 class RemoteKVLoader:
-    def __init__(self, scheduler: Scheduler, kv: KVCacheManager):
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, between_steps: Callable[[], bool]):
+        """between_steps: True when no step is in flight, so a running request may be
+        preempted now (RunAhead.between_steps; False asks for a pause after the next step)."""
         self.scheduler = scheduler
         self.kv = kv
+        self.between_steps = between_steps
         self.loading: dict[str, Request] = {}
+        self.num_preemptions = 0  # running requests preempted for a loading one's blocks
 
     def reserve(self, req: Request) -> KVLoadPlan | None:
-        """Allocate blocks for req's prompt; None when the pool cannot hold it now."""
+        """Allocate blocks for req's prompt; None when the pool cannot hold it now, even with
+        the blocks of the running requests of lower priority (preempted for it when they make
+        room, as the scheduler does for a waiting request: Scheduler.preempt_for)."""
         match = self.kv.match_prefix(req)
         num_missing = req.num_prompt_tokens - match.num_tokens
-        if not self.kv.can_allocate(req, num_missing, match):
+        fits = self.kv.can_allocate(req, num_missing, match)
+        if not fits and not self._make_room(req, num_missing, match):
             return None
         self.kv.allocate(req, num_missing, match)
         req.status = RequestStatus.LOADING_KV
@@ -47,6 +58,23 @@ class RemoteKVLoader:
         num_local = match.num_tokens // self.kv.block_size  # on the device or copied back to it
         block_ids = self.kv.block_ids(req.req_id)[num_local:num_prompt_blocks]
         return KVLoadPlan(req.req_id, tuple(block_ids), num_local, match.num_tokens)
+
+    def _make_room(self, req: Request, num_missing: int, match: PrefixMatch) -> bool:
+        """Preempt running requests of lower priority than req until its blocks fit; False
+        (none preempted) when even all of them would not make room, or a step is in flight."""
+        victims = self.scheduler.victims_for(req)
+        if not victims:
+            return False
+        need = self.kv.num_blocks_needed(req, num_missing, match)
+        if self.kv.num_free_blocks + self.kv.num_freed_by(victims, match) < need:
+            return False
+        if not self.between_steps():  # its chunks would land on blocks given to req
+            return False
+        while not self.kv.can_allocate(req, num_missing, match):
+            if self.scheduler.preempt_for(req) is None:
+                return False
+            self.num_preemptions += 1
+        return True
 
     def commit(self, req_id: str) -> None:
         """The pulled KV is in place: the request joins the running batch."""

@@ -37,6 +37,16 @@ class RunAhead:
         self.forks = forks
         self.stats = stats
         self.in_flight: InFlightStep | None = None  # the step launched ahead, if any
+        self.pause = False  # the next launch_ahead launches nothing (between_steps asked)
+
+    def between_steps(self) -> bool:
+        """True when no step is in flight (a running request may be preempted outside the
+        scheduler now); else the next step runs with none ahead of it, so that after it none
+        is in flight."""
+        if self.in_flight is None:
+            return True
+        self.pause = True
+        return False
 
     def next_step(self) -> InFlightStep | None:
         """The step to finish now: the one launched ahead, else one scheduled and launched now
@@ -55,7 +65,8 @@ class RunAhead:
         is found a step late, its extra row is dropped and its blocks are freed then (queued
         work that writes them runs before any new owner's).
         """
-        if not self.enabled:
+        if not self.enabled or self.pause:
+            self.pause = False
             return
         live = [req for req in current.reqs if not req.is_finished]
         if current.drafts or any(self._cannot_run_ahead_of(req) for req in live):

@@ -9,8 +9,9 @@ readmission copies them back instead of recomputing them; only a last partial bl
 recomputed) and it returns to the front of its priority in the waiting queue, so it is
 readmitted before anything newer of its priority (no starvation within a priority). A waiting
 request of higher priority that finds no seat or no blocks preempts running requests of lower
-priority the same way. The engine keeps max_model_len <= pool capacity, so a lone request
-always fits (no deadlock).
+priority the same way, and so does a prefilled request whose KV is to be pulled
+(RemoteKVLoader.reserve: preempt_for, between steps). The engine keeps max_model_len <= pool
+capacity, so a lone request always fits (no deadlock).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_priority_preemptions = 0  # of those, for a waiting request of higher priority
+        self.num_priority_preemptions = 0  # of those, for a request of higher priority
 
     @property
     def has_unfinished(self) -> bool:
@@ -187,16 +188,36 @@ class Scheduler:
         """Preempt the running request of lowest priority, when lower than req's, dropping its
         chunk of this step; False when there is none (or one running request ends with a token
         in flight: its blocks free themselves next step, as in schedule())."""
-        if not self.running or self.running[-1].priority >= req.priority:
+        victim = self.preempt_for(req)
+        if victim is None:
             return False
-        if any(self.ends_with_pending(r) for r in self.running):
-            return False
-        victim = self.running.pop()
         chunks[:] = [chunk for chunk in chunks if chunk.req is not victim]
-        self._preempt(victim)
         preempted.append(victim.req_id)
-        self.num_priority_preemptions += 1
         return True
+
+    def victims_for(self, req: Request) -> list[Request]:
+        """The running requests preempt_for would take for req, in the order it takes them
+        (lowest priority, most recently admitted first): those of lower priority than req's;
+        none while a running request ends with a token in flight."""
+        if any(self.ends_with_pending(r) for r in self.running):
+            return []
+        victims = []
+        for other in reversed(self.running):
+            if other.priority >= req.priority:
+                break
+            victims.append(other)
+        return victims
+
+    def preempt_for(self, req: Request) -> Request | None:
+        """Preempt the running request of lowest priority, when lower than req's (it returns
+        to the front of its priority in the waiting queue, its full blocks cached); the one
+        preempted, or None when there is none to take (victims_for)."""
+        if not self.victims_for(req):
+            return None
+        victim = self.running.pop()
+        self._preempt(victim)
+        self.num_priority_preemptions += 1
+        return victim
 
     def _insert_running(self, req: Request) -> None:
         """After every running request of its priority or higher (running stays ordered)."""

@@ -19,6 +19,7 @@ BATCH_PROMPT = [i % 500 + 1 for i in range(150)]  # 10 full blocks with its firs
 CHAT_PROMPT = [(7 * i + 3) % 500 + 1 for i in range(250)]  # 16 blocks
 BATCH = SamplingParams(max_tokens=24, temperature=0.0)
 CHAT = SamplingParams(max_tokens=4, temperature=0.0)
+FIRST = SamplingParams(max_tokens=1, temperature=0.0)  # a prefill worker's
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,84 @@ def test_without_a_host_tier_the_preempted_request_is_recomputed_token_exact(mak
     reference.add_request("batch", BATCH_PROMPT, BATCH)
     reference.add_request("chat", CHAT_PROMPT, CHAT)
     assert got == run_to_completion(reference)
+
+
+def prefill(engine: Engine, req_id: str, prompt: list[int]) -> tuple[int, list[int]]:
+    """The prompt's first token and kept blocks, computed on a prefill engine."""
+    engine.add_request(req_id, prompt, FIRST, keep_blocks=True)
+    [out] = [o for o in run_steps(engine) if o.req_id == req_id]
+    return out.new_token_ids[0], list(out.kept_block_ids)
+
+
+def run_steps(engine: Engine) -> list:
+    return [o for _ in range(100) if engine.has_unfinished_requests for o in engine.step()]
+
+
+def hand_off(
+    prefill_engine: Engine, decode: Engine, req_id: str, prompt: list[int], params, priority: int
+) -> int | None:
+    """One prefilled request's way into the decode engine (the KV copied as NIXL would read
+    it); its first token, or None when the decode engine has no room for it now."""
+    first, remote = prefill(prefill_engine, req_id, prompt)
+    plan = decode.add_prefilled_request(req_id, prompt, first, params, priority=priority)
+    if plan is not None:
+        decode.kv_cache[list(plan.local_block_ids)] = prefill_engine.kv_cache[remote]
+        decode.commit_kv(req_id)
+    assert prefill_engine.release_blocks(req_id)
+    return None if plan is None else first
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prefilled_request_preempts_a_lower_one_that_resumes_from_the_host_tier(
+    make_tiny, overlap: bool
+) -> None:
+    reference = make_tiny(num_blocks=64)
+    reference.add_request("batch", BATCH_PROMPT, BATCH)
+    reference.add_request("chat", CHAT_PROMPT, CHAT)
+    expected = run_to_completion(reference)
+
+    prefill_engine = make_tiny(num_blocks=64)
+    # as in the test above; overlap: a step runs ahead of each one read
+    decode = make_tiny(num_blocks=20, host_kv_cache_bytes=16 << 20, async_scheduling=overlap)
+    got = {"batch": [hand_off(prefill_engine, decode, "batch", BATCH_PROMPT, BATCH, -1)]}
+    batch = decode.scheduler.requests["batch"]
+    while batch.num_output_tokens < 10:
+        step_into(decode, got)
+    num_full_blocks = batch.num_computed_tokens // BLOCK  # cached, so in the host tier too
+    if overlap:  # batch's next step is in flight: chat waits for it, and no step runs ahead
+        assert decode.run_ahead.in_flight is not None and decode.stats.num_steps_ahead > 5
+        assert hand_off(prefill_engine, decode, "chat", CHAT_PROMPT, CHAT, 5) is None
+        assert batch.num_preemptions == 0
+        step_into(decode, got)
+        assert decode.run_ahead.in_flight is None
+        num_full_blocks = batch.num_computed_tokens // BLOCK
+    # chat's 16 blocks do not fit beside batch's 11: batch is preempted for them at once
+    got["chat"] = [hand_off(prefill_engine, decode, "chat", CHAT_PROMPT, CHAT, 5)]
+    assert decode.loader.num_preemptions == 1 and batch.num_preemptions == 1
+    assert decode.scheduler.num_priority_preemptions == 1
+    host_hits_before = decode.kv.num_host_hit_blocks
+    computed_before = decode.stats.num_computed_tokens
+    while decode.has_unfinished_requests:
+        step_into(decode, got)
+    assert got == expected  # both, token for token
+    # chat's 16 blocks leave 4 of batch's cached ones on the device: the rest come back
+    assert decode.kv.num_host_hit_blocks - host_hits_before >= num_full_blocks - 4 >= 5
+    # resumed, not recomputed: its last partial block, then decodes (chat's and its own)
+    computed = decode.stats.num_computed_tokens - computed_before
+    assert computed < BLOCK + BATCH.max_tokens + CHAT.max_tokens
+
+
+def test_a_prefilled_request_preempts_no_equal_one_nor_in_vain(make_tiny) -> None:
+    prefill_engine = make_tiny(num_blocks=64)
+    decode = make_tiny(num_blocks=20, host_kv_cache_bytes=16 << 20)
+    assert hand_off(prefill_engine, decode, "batch", BATCH_PROMPT, BATCH, 0) is not None
+    for _ in range(10):
+        decode.step()
+    assert hand_off(prefill_engine, decode, "same", CHAT_PROMPT, CHAT, 0) is None  # equal
+    long_prompt = [(3 * i + 1) % 500 + 1 for i in range(315)]  # all 20 blocks
+    decode.add_request("pinned", [1, 2, 3], CHAT, priority=9)  # a block batch cannot free
+    decode.step()
+    assert hand_off(prefill_engine, decode, "long", long_prompt, CHAT, 5) is None  # in vain
+    assert decode.loader.num_preemptions == 0 and decode.scheduler.num_preemptions == 0
+    assert not decode.loader.loading and len(decode.scheduler.running) == 2
+    run_to_completion(decode)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
 from common.cluster_state import (
+    ClassQueue,
     ClusterStatus,
     DecodeStats,
     KVEvictRequest,
@@ -55,6 +57,19 @@ def status_with(workers: tuple[WorkerStatus, ...]) -> ClusterStatus:
     pools = (PoolStatus("prefill", 1, workers[:1]), PoolStatus("decode", 2, workers[1:]))
     routers = (RouterStatus("router-1", "http://h:8000/v1", "h:50051", 1.0),)
     return ClusterStatus("m", pools, routers, RedisStatus("redis://:***@h:6379/0", True, 3))
+
+
+def test_status_shows_each_routers_queue_by_class() -> None:
+    queue = (ClassQueue("interactive", 0, 2), ClassQueue("batch", queued=7, running=3))
+    router = RouterStatus("router-1", "http://h:8000/v1", "h:50051", 1.0, queue=queue)
+    status = replace(status_with(()), routers=(router, RouterStatus("router-2")))
+    lines = format_status(status).splitlines()
+    at = lines.index("  router-1  http http://h:8000/v1  grpc h:50051")
+    assert lines[at + 1] == "    queue: interactive 0 queued 2 running, batch 7 queued 3 running"
+    assert lines[at + 2].startswith("  router-2")  # no queue reported: no line
+    assert status.to_json_dict()["routers"][0]["queue"][1] == {
+        "kind": "batch", "queued": 7, "running": 3,
+    }  # fmt: skip
 
 
 def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:

@@ -87,3 +87,38 @@ def test_a_request_with_a_deadline_is_placed_whatever_the_ttft_objective_says() 
     assert p.workers.num_placed("p0") == 1 and p.num_slo_refused == 0
     with pytest.raises(SloUnmet):  # the same request without one is refused
         asyncio.run(p.route(replace(batch, deadline_s=None), []))
+
+
+def test_a_lower_priority_request_queued_first_is_placed_after_a_higher_one() -> None:
+    """Both wait for the objectives; when room frees, the earlier (lower) one looks first but
+    leaves it to the higher one, which is placed first."""
+    index = ScriptedIndex(num_busy_views=8)
+    p = placer(index, SloTargets(ttft_ms=5000, overload="queue"))
+    order: list[str] = []
+
+    async def place(request: GenerateRequest) -> None:
+        await p.route(request, [])
+        order.append(request.req_id)
+
+    async def scenario() -> None:
+        low = asyncio.create_task(place(replace(REQUEST, req_id="low", priority=-1)))
+        while p.waiters.num_above(-2) == 0:  # low is queued
+            await asyncio.sleep(0)
+        assert p.waiters.num_above(-1) == 0
+        high = asyncio.create_task(place(replace(REQUEST, req_id="high", priority=3)))
+        await asyncio.gather(low, high)
+
+    asyncio.run(scenario())
+    assert order == ["high", "low"]
+    assert p.num_slo_queued == 2 and p.num_slo_deferred >= 1
+    assert p.waiters.num_above(-100) == 0  # both left the count
+    assert p.workers.num_placed("p0") == 2
+
+
+def test_a_queued_request_that_is_refused_leaves_the_count() -> None:
+    p = placer(ScriptedIndex(num_busy_views=10**6), SloTargets(ttft_ms=60, overload="queue"))
+    with pytest.raises(SloUnmet):
+        asyncio.run(p.route(replace(REQUEST, priority=5), []))
+    assert p.waiters.num_above(-100) == 0
+    routed = asyncio.run(p.route(replace(REQUEST, priority=-5, deadline_s=60.0), []))
+    assert isinstance(routed, tuple)  # a deadline request is placed at once, as before

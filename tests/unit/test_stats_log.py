@@ -3,10 +3,14 @@ functions over samples; the router's totals from a real RouterMetrics)."""
 
 from __future__ import annotations
 
-from common.cluster_state import DecodeStats, PrefillStats, WorkerState
+import asyncio
+
+from common.cluster_state import ClassQueue, DecodeStats, PrefillStats, WorkerState
 from common.messages import WorkerLoad
+from router.fair_queue import FairQueue, Ticket
 from router.metrics import RouterMetrics, RouterTotals
 from router.stats_log import StatsSample, WorkerSample, is_busy, sample_of, stats_line
+from router.traffic_class import KeyClass, TrafficClass
 
 IDLE_LOAD = WorkerLoad(free_blocks=100, total_blocks=100)
 
@@ -104,3 +108,39 @@ def test_aggregated_decode_workers_report_the_prompts_they_computed() -> None:
     assert line is not None and "prompt 30.0 tok/s" in line
     assert "prefill (0 workers)" in line and "decode (1 worker): running 1" in line
     assert line.endswith("prefix hits 33%")
+
+
+def test_the_line_shows_the_routers_queue_by_class() -> None:
+    """The FairQueue's gauges on the router's registry: queued and running by key class."""
+    metrics = RouterMetrics()
+    queue = FairQueue(max_running=1, registry=metrics.registry)
+    batch = KeyClass(TrafficClass.BATCH)
+
+    async def scenario() -> RouterTotals:
+        release = asyncio.Event()
+
+        async def hold(t: Ticket) -> None:
+            async with queue.turn(t):
+                await release.wait()
+
+        tasks = [
+            asyncio.create_task(hold(Ticket(f"b{i}", "t", batch, -1, 10, None))) for i in range(3)
+        ]
+        while queue.num_queued < 2:
+            await asyncio.sleep(0)
+        totals = metrics.totals()
+        release.set()
+        await asyncio.gather(*tasks)
+        return totals
+
+    totals = asyncio.run(scenario())
+    assert totals.queue == (
+        ClassQueue("interactive", 0, 0),
+        ClassQueue("batch", queued=2, running=1),
+    )
+    assert metrics.totals().queue[1] == ClassQueue("batch", 0, 0)  # all ended
+    line = stats_line(sample(0.0), StatsSample(10.0, totals, {}))
+    assert line is not None
+    assert "router queue: interactive 0 queued 0 running, batch 2 queued 1 running" in line
+    queued_only = totals._replace(num_in_flight=0)  # busy while requests wait in the queue
+    assert is_busy(sample(0.0), StatsSample(10.0, queued_only, {}))
