@@ -4,7 +4,8 @@ requests it refused and how the others' KV arrived.
 
 Life cycle of one request (kvtransfer/pulls.py has the states): submit() queues it -> admitted
 when the pool has room, or when preempting running requests of lower priority makes it
-(priority, then FIFO; the engine reuses its own prefix cache, so only missing blocks are read) -> a BEGIN notice to the prefill worker, then one NIXL READ whose DONE notice releases the
+(priority, then FIFO; the engine reuses its own prefix cache, so only missing blocks are read)
+-> a BEGIN notice to the prefill worker, then one NIXL READ whose DONE notice releases the
 lease -> poll() sees it done: commit, or failed: recompute the prompt locally. Every path that
 does not end in a completed READ releases the lease itself, naming its epoch. A READ may only be
 posted before the pull's deadline (its own clock: receipt + most of lease_s) and must be seen

@@ -89,8 +89,9 @@ class Scheduler:
         self._queue(req, front=False)
 
     def schedule(self) -> SchedulerOutput:
-        """The next step's chunks: running requests first, then waiting ones while budget,
-        seats and blocks last. While a running request's last token is in flight (the engine's
+        """The next step's chunks: running requests first, then waiting ones in priority order
+        while budget, seats and blocks last (a waiting request takes a seat or blocks from
+        running ones of lower priority, only when preempting them admits it). While a running request's last token is in flight (the engine's
         step run ahead), its blocks are about to be freed, or kept (keep_blocks), and it must
         not be preempted: a request that finds no room is then left out of this step instead of
         preempting others, and nothing waiting is admitted."""
@@ -150,10 +151,9 @@ class Scheduler:
             if req.pending_load and not self.kv.load_landed(req):
                 idx += 1
                 continue
-            if not self._has_seat():
-                if not self._preempt_lower(req, chunks, preempted):
-                    break
-                budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks)
+            seated = self._has_seat()
+            if not seated and not self.victims_for(req):
+                break
             fresh = req.num_computed_tokens == 0
             match = self.kv.match_prefix(req, partial=True) if fresh else NO_MATCH
             if match.pending_hashes:  # its reads run behind the steps; it waits, holding them
@@ -164,10 +164,19 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new < remaining and not self.config.enable_chunked_prefill:
                 break
-            while not self.kv.can_allocate(req, num_new, match):
-                if not self._preempt_lower(req, chunks, preempted):
+            # Preempt only what admits it: a seat, then blocks, never victims for nothing.
+            victims = [] if seated else self.victims_for(req)[:1]
+            if not self.kv.can_allocate(req, num_new, match):
+                victims = self.victims_for(req)
+                freed = self.kv.num_free_blocks + self.kv.num_freed_by(victims, match)
+                if freed < self.kv.num_blocks_needed(req, num_new, match):
                     return budget
-                budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks)
+            for _ in victims:
+                if seated and self.kv.can_allocate(req, num_new, match):
+                    break
+                self._preempt_lower(req, chunks, preempted)
+                seated = True
+            budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks)
             self.kv.allocate(req, num_new, match)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = match.num_tokens

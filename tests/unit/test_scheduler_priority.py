@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.finish_reason import FinishReason
 from engine.priority import check_priority
 from engine.sampling.validation import InvalidField
 from tests.unit.test_scheduler import make_request, make_scheduler, run_step
@@ -78,3 +79,20 @@ def test_priority_out_of_range_or_not_an_int_is_refused_naming_it(value: object)
     with pytest.raises(InvalidField) as info:
         check_priority(value)
     assert info.value.field == "priority" and "priority" in info.value.message
+
+
+def test_no_request_is_preempted_for_one_that_would_not_fit_anyway() -> None:
+    # 12 blocks of 4 tokens: the batch request holds 10; chat needs 14 blocks, more than all 12.
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=64)
+    sched.add(with_priority("batch", 36, -1, max_tokens=8))
+    for _ in range(3):
+        run_step(sched)
+    chat = with_priority("chat", 54, 0, max_tokens=2)
+    sched.add(chat)
+    out = run_step(sched)
+    assert out.preempted_req_ids == [] and [c.req.req_id for c in out.chunks] == ["batch"]
+    assert sched.num_priority_preemptions == 0
+    sched.finish(chat, FinishReason.ABORT)
+    while sched.has_unfinished:
+        run_step(sched)
+    sched.kv.assert_all_free()
