@@ -91,10 +91,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's chunks: running requests first, then waiting ones in priority order
         while budget, seats and blocks last (a waiting request takes a seat or blocks from
-        running ones of lower priority, only when preempting them admits it). While a running request's last token is in flight (the engine's
-        step run ahead), its blocks are about to be freed, or kept (keep_blocks), and it must
-        not be preempted: a request that finds no room is then left out of this step instead of
-        preempting others, and nothing waiting is admitted."""
+        running ones of lower priority, only when preempting them admits it). While a running
+        request's last token is in flight (the engine's step run ahead), its blocks are about to
+        be freed, or kept (keep_blocks), and it must not be preempted: a request that finds no
+        room is then left out of this step instead of preempting others, and nothing waiting is
+        admitted."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
