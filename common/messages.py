@@ -43,6 +43,12 @@ class GenerateRequest:
     # from a caller that did not pick (the default model). Workers serve one model each.
     model: str = ""
 
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens it may take: its prompt and every choice's max_tokens (what per-key
+        limits charge and the router's fair queue counts)."""
+        return len(self.prompt_token_ids) + self.sampling.n * self.sampling.max_tokens
+
 
 @dataclass(frozen=True)
 class TransferStats:

@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.cluster_state import (
     ClusterStatus,
@@ -395,7 +395,14 @@ async def _router(
     signals = StopSignals()
     signals.install()  # after ray.init() (in _controllers), which took SIGTERM for itself
     router_id = f"router-{uuid.uuid4().hex[:8]}"
-    built = [await build_backend(c, router_id=router_id) for c in controllers]
+    built: list = []
+    try:
+        for controller in controllers:
+            built.append(await build_backend(controller, router_id=router_id))
+    except BaseException:  # one model's failed: the others' pollers and index end too
+        for each, _ in built:
+            await _close_backend(each)
+        raise
     backends = {config.model.model_id: b for b, config in built}
     tokenizers = {
         config.model.model_id: RouterTokenizer(config.model.checkpoint_dir) for _, config in built
@@ -423,11 +430,16 @@ async def _router(
     finally:
         if servers is not None:
             await close_servers(servers)
-        await backend.close()
-        if backend.index is not None:
-            await backend.index.close()
+        await _close_backend(backend)
     _say("kvrelay: router stopped")
     return 0
+
+
+async def _close_backend(backend: Any) -> None:
+    """Stop a router backend's membership sync and pollers, then close its index."""
+    await backend.close()
+    if backend.index is not None:
+        await backend.index.close()
 
 
 def _say(message: str) -> None:

@@ -73,10 +73,13 @@ class Ticket(NamedTuple):
     def of(
         cls, request: GenerateRequest, tenant: str | None, key_class: KeyClass = DEFAULT_CLASS
     ) -> Ticket:
-        sampling = request.sampling
-        cost = len(request.prompt_token_ids) + sampling.max_tokens * sampling.n
         return cls(
-            request.req_id, tenant or "", key_class, request.priority, cost, request.deadline_s
+            request.req_id,
+            tenant or "",
+            key_class,
+            request.priority,
+            request.max_total_tokens,
+            request.deadline_s,
         )
 
 

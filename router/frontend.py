@@ -94,7 +94,6 @@ class Frontend:
         self.queue = FairQueue(max_running_requests, max_queued_requests, self.metrics.registry)
         longest = max(r.backend.max_model_len for r in self.routes.values())
         self.max_body_bytes = max_body_bytes(longest, max_body_mib)
-        self.encoder = self.routes[self.model_id].encoder
         self.created = int(time.time())  # when this router began serving the model (/v1/models)
         self._in_flight: set[str] = set()
 
@@ -130,10 +129,6 @@ class Frontend:
             return await self._prepare(spec, arrival)
         except InvalidRequest as e:
             raise self.reject(e) from None
-
-    def check_model(self, model: str | None) -> None:
-        """Raises InvalidRequest unless model is empty or a name of a served model."""
-        self.route(model)
 
     def route(self, model: str | None) -> ModelRoute:
         """The served model a request's `model` names (empty or an alias: the default one);
@@ -293,8 +288,7 @@ class Frontend:
         tenant = prepared.tenant
         grant = None
         if tenant is not None and self.limiter is not None:
-            sampling = prepared.request.sampling
-            num_tokens = len(prepared.request.prompt_token_ids) + sampling.n * sampling.max_tokens
+            num_tokens = prepared.request.max_total_tokens
             try:
                 grant = await self.limiter.admit(tenant, prepared.request.req_id, num_tokens)
             except RateLimited as e:

@@ -136,7 +136,8 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                 async with contextlib.aclosing(responses):
                     async for response in responses:
                         yield response
-        except Overloaded as e:  # raised on entering admit(), before anything was sent
+        except Overloaded as e:  # admit(), the fair queue, a per-key limit or the objectives:
+            # before any response (initial metadata, the traceparent, may have gone out)
             wait_s = e.retry_after_s  # None: refused for good (no pushback)
             pushback: tuple[tuple[str, str], ...] = ()
             if wait_s is not None:  # retry-after (seconds) as HTTP's Retry-After says it

@@ -149,7 +149,8 @@ class RateLimiter:
         if wait_s < 0:  # more tokens than the bucket holds: no wait will do
             message = (
                 f"rate limit: this request needs {num_tokens} tokens (prompt + n * max_tokens), "
-                f"more than the limit of tenant {tenant!r}: {limit:g} {title}; lower max_tokens"
+                f"more than the limit of tenant {tenant!r}: {limit:g} {title}; lower max_tokens "
+                "(one not set is the context the prompt leaves)"
             )
             return RateLimited(message, name, None)
         retry_s = max(1, math.ceil(wait_s))

@@ -236,7 +236,7 @@ def test_flags_and_config_name_what_is_wrong(tmp_path) -> None:
     assert EngineConfig(cache=disk, tensor_parallel_size=2).cache.disk_kv_cache_bytes  # each rank
     shared = CacheConfig(
         disk_kv_cache_bytes=1 << 20,
-        disk_kv_path=str(tmp_path),
+        disk_kv_path=str(tmp_path / "disk"),
         shared_kv_cache_bytes=1 << 20,
         shared_kv_path=str(tmp_path / "shared"),
     )
