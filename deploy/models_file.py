@@ -62,8 +62,16 @@ def _pools(
     for role in ("prefill", "decode"):
         size = entry.get(role, getattr(args, role))
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{where}.{role}: wants a whole number >= 1, got {size!r}")
+            if role == "prefill" and size == 0 == args.prefill:
+                sizes[role] = 0  # aggregated, as the command line's --prefill 0 makes every model
+                continue
+            raise ValueError(
+                f"{where}.{role}: wants a whole number >= 1, got {size!r}"
+                + (" (aggregated workers: --prefill 0 for every model)" if size == 0 else "")
+            )
         sizes[role] = size
+    if sizes["prefill"] and not args.prefill:
+        raise ValueError(f"{where}.prefill: --prefill 0 (aggregated) is every model's")
     flags = entry.get("flags") or {}
     if not isinstance(flags, dict):
         raise ValueError(f"{where}.flags: wants a mapping of engine flag -> value")

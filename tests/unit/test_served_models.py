@@ -168,3 +168,11 @@ def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> 
             parse("--models-file", str(path))
     with pytest.raises(ValueError, match="either as MODEL / --model or in --models-file"):
         parse("--models-file", str(path), "--model", "a.gguf")
+    path.write_text("models: [{model: a.gguf}, {model: b.gguf, prefill: 0}]")
+    aggregated = parse("--models-file", str(path), "--prefill", "0")  # every model's
+    assert [m.num_prefill for m in aggregated.models] == [0, 0]
+    with pytest.raises(ValueError, match=r"models\[1\].prefill: .*--prefill 0 for every model"):
+        parse("--models-file", str(path))
+    path.write_text("models: [{model: a.gguf, prefill: 2}]")
+    with pytest.raises(ValueError, match=r"models\[0\].prefill: --prefill 0 .* every model's"):
+        parse("--models-file", str(path), "--prefill", "0")
