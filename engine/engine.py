@@ -28,6 +28,7 @@ from engine.models.loader import read_model_config, resolve_model, served_model_
 from engine.parallel.launch import StartFollower, start_leader
 from engine.parallel.leader import FollowerHandle, LeaderRunner, RankLost
 from engine.parallel.step_plan import ReadPlan
+from engine.priority import DEFAULT_LEVEL
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
@@ -133,7 +134,7 @@ class Engine:
         keep_blocks: bool = False,
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
-        priority: int = 0,
+        priority: int = DEFAULT_LEVEL,
     ) -> Request:
         """Queue a request (Admission.add says what each option does)."""
         return self.admission.add(
@@ -151,7 +152,7 @@ class Engine:
         num_resumed_tokens: int = 0,
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
-        priority: int = 0,
+        priority: int = DEFAULT_LEVEL,
     ) -> KVLoadPlan | None:
         """Admit a prompt computed elsewhere (Admission.add_prefilled); None if no room now.
         At TP > 1 every rank loads its own KV heads of the plan's blocks (Leader.read_on_ranks,

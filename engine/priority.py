@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from engine.sampling.validation import InvalidField
 
-MIN_PRIORITY = -100
-MAX_PRIORITY = 100
-DEFAULT_PRIORITY = 0
+# Scheduling levels (not block_pool's retention priorities, which are 0..100 and default 35)
+MIN_LEVEL = -100
+MAX_LEVEL = 100
+DEFAULT_LEVEL = 0
 
 
 def check_priority(priority: object, field: str = "priority") -> int:
     """The priority as an int; InvalidField naming `field` unless an int in the range."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidField(f"{field} must be an integer, got {priority!r}", field)
-    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+    if not MIN_LEVEL <= priority <= MAX_LEVEL:
         raise InvalidField(
-            f"{field} must be in [{MIN_PRIORITY}, {MAX_PRIORITY}] (higher runs first), "
-            f"got {priority}",
+            f"{field} must be in [{MIN_LEVEL}, {MAX_LEVEL}] (higher runs first), got {priority}",
             field,
         )
     return priority

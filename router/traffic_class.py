@@ -19,7 +19,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.priority import DEFAULT_PRIORITY, check_priority
+from engine.priority import DEFAULT_LEVEL, check_priority
 from engine.sampling.validation import InvalidField
 from router.errors import InvalidRequest
 
@@ -43,7 +43,7 @@ class KeyClass:
         """The priority a request of this class runs at (requested: already range-checked)."""
         if self.kind is TrafficClass.BATCH:
             return min(BATCH_MAX_PRIORITY if requested is None else requested, BATCH_MAX_PRIORITY)
-        return DEFAULT_PRIORITY if requested is None else requested
+        return DEFAULT_LEVEL if requested is None else requested
 
 
 DEFAULT_CLASS = KeyClass()

@@ -10,8 +10,7 @@ from engine.execution.block_copies import BlockCopies
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.kv_cache.retention import RetentionRange, check_ranges
-from engine.priority import DEFAULT_PRIORITY as DEFAULT_PRIORITY_LEVEL
-from engine.priority import check_priority
+from engine.priority import DEFAULT_LEVEL, check_priority
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.validation import check_prefilled, check_request, resumed_tokens
 from engine.step.fork import ChoiceForks
@@ -62,7 +61,7 @@ class Admission:
         keep_blocks: bool = False,
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
-        priority: int = DEFAULT_PRIORITY_LEVEL,
+        priority: int = DEFAULT_LEVEL,
     ) -> Request:
         """Queue a request.
 
@@ -103,7 +102,7 @@ class Admission:
         num_resumed_tokens: int = 0,
         choices: PrefilledChoices | None = None,
         kv_retention: Sequence[RetentionRange] = (),
-        priority: int = DEFAULT_PRIORITY_LEVEL,
+        priority: int = DEFAULT_LEVEL,
     ) -> KVLoadPlan | None:
         """Admit a prompt computed elsewhere: reserve its blocks; None if no room now.
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.finish_reason import FinishReason
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.retention import RetentionRange
+from engine.priority import DEFAULT_LEVEL
 from engine.sampling.sampling_params import SamplingParams
 from engine.step.stop_checker import StopChecker
 
@@ -74,7 +75,7 @@ class Request:
     # n > 1, its prompt's KV pulled from a peer: the choices to fork once that KV is in.
     prefilled_choices: PrefilledChoices | None = None
     # Scheduling priority (engine/priority.py): higher is admitted first and may preempt lower.
-    priority: int = 0
+    priority: int = DEFAULT_LEVEL
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
