@@ -106,7 +106,11 @@ def copy_rates_gb_s(engine: Engine, num_blocks: int) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace, host_bytes: int, **tiers: Any) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, host_bytes: int, copy_rates: bool = True, **tiers: Any
+) -> dict[str, Any]:
+    """One row: the workload on an engine with a host tier of host_bytes (and tiers: more
+    CacheConfig fields); copy_rates: also measure the tier's copy rates."""
     engine = build(args, host_bytes, **tiers)
     prompts = workload(engine, args)
     if args.prompts_json:
@@ -131,9 +135,9 @@ def run(args: argparse.Namespace, host_bytes: int, **tiers: Any) -> dict[str, An
     snapshot = engine.snapshot()
     if tiers:
         engine.shutdown()  # a clean stop: the disk tier (and the shared store) keep every block
-    copy_rates = {}
-    if host_bytes and getattr(args, "copy_rates", True):
-        copy_rates = copy_rates_gb_s(engine, -(-len(prompts[-1]) // 16))
+    rates = {}
+    if host_bytes and copy_rates:
+        rates = copy_rates_gb_s(engine, -(-len(prompts[-1]) // 16))
     tier = engine.kv.host_tier
     return {
         "host_kv_bytes": host_bytes,
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace, host_bytes: int, **tiers: Any) -> dict[str, An
         "offloaded_blocks": 0 if tier is None else tier.num_stored,
         "ttft_p50_ms": round(statistics.median(ttfts), 1),
         "ttft_ms": [round(t, 1) for t in ttfts],
-        "copy_gb_s": copy_rates,
+        "copy_gb_s": rates,
         "working_set_blocks": sum(-(-len(p) // 16) for p in prompts[: args.num_systems]),
         "device_blocks": args.device_blocks,
         "tiers": [t._asdict() for t in snapshot.tiers],

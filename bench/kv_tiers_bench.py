@@ -25,7 +25,6 @@ def main() -> None:
     p.add_argument("--shared-kv-gib", type=float, default=1.0)
     args = p.parse_args()
     args.profile = args.prompts_json = None
-    args.copy_rates = False
     host = int(args.host_kv_gib * (1 << 30))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-tiers-") as tmp:
@@ -43,7 +42,7 @@ def main() -> None:
             ("+ shared: second worker", host, disk | {"disk_kv_path": str(root / "b")} | shared),
         ]
         for name, host_bytes, tiers in runs:
-            row = {"run": name, **run(args, host_bytes, **tiers)}
+            row = {"run": name, **run(args, host_bytes, copy_rates=False, **tiers)}
             rows.append(row)
             brief = {k: row[k] for k in ("run", "prompt_tokens_computed", "ttft_p50_ms")}
             hits = {t["tier"]: t["hit_blocks"] for t in row["tiers"]}

@@ -49,6 +49,7 @@ async def run_once(args: argparse.Namespace, url: str, batch_key: str) -> dict[s
     sampling = Sampling(args.temperature, not args.no_ignore_eos, args.sampling_seed)
     chat = HttpClient(url, model, sampling, args.request_timeout, api_key=CHAT_KEY)
     batch = HttpClient(url, model, sampling, args.request_timeout, api_key=batch_key)
+    tasks: list[asyncio.Task[RequestResult]] = []
     try:
         for request in warmup_requests(args):
             if not (await chat.send(request)).ok:
@@ -62,9 +63,13 @@ async def run_once(args: argparse.Namespace, url: str, batch_key: str) -> dict[s
         flood = [asyncio.create_task(batch.send(r)) for r in batch_requests(args)]
         pairs = zip(arrival_offsets(args), build_requests(args), strict=True)
         chats = [asyncio.create_task(at(offset, request)) for offset, request in pairs]
+        tasks = flood + chats
         chat_results = await asyncio.gather(*chats)
         batch_results = await asyncio.gather(*flood)
-    finally:
+    finally:  # one failed: the others are cancelled before their clients close
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await chat.close()
         await batch.close()
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)

@@ -165,8 +165,6 @@ def test_evict_drops_a_salts_or_a_prompts_blocks_from_every_tier(tiny, tmp_path)
     first.shutdown()  # every block on its disk and in the shared store
     second = worker(tiny, tmp_path / "b", tmp_path / "shared")
     serve(second, alice, salt="alice")  # alice's blocks now in each of its tiers
-    root = hash_blocks([], BLOCK, second.model_id, "alice")  # no full block: []
-    assert root == []
     dropped = second.evict_kv(cache_salt="alice")
     assert set(dropped) == {"device", "host", "disk", "shared"}
     assert dropped["device"] > 0 and dropped["disk"] > 0 and dropped["shared"] >= 24
