@@ -18,12 +18,12 @@ its next match loads them. Writing is best effort: a full disk loses the block, 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 from engine.kv_cache.block_reads import BlockReads
+from engine.kv_cache.file_stage import FileStage
 from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.shared_store import SharedStore
 
@@ -61,7 +61,10 @@ class Spill(NamedTuple):
     priority: int
 
 
-class DiskTier:
+class DiskTier(FileStage):
+    NAME = "disk KV tier"
+    LOG = log
+
     def __init__(
         self,
         num_blocks: int,
@@ -77,10 +80,9 @@ class DiskTier:
         up to this many bytes (a request waiting for memory does not re-read its files)."""
         if num_blocks < 1:
             raise ValueError(f"a disk tier holds at least one block, got num_blocks={num_blocks}")
+        super().__init__(files, read_errors)
         self.num_slots = num_blocks
-        self.files = files
         self.record_events = record_events  # KV events (tier "disk") for the cluster index
-        self.read_errors = read_errors
         self.block_bytes = block_bytes
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         # the cluster-shared store below this tier: every block written here is published
@@ -89,20 +91,14 @@ class DiskTier:
         self._events: list[KVEvent] = []
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
-        self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
-        # reads behind the step (None: at match time, as a tensor-parallel engine's ranks do)
-        self.reads: BlockReads | None = None
         # hash -> how many waiting requests hold its read (this tier's or the shared store's)
         self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
         self.num_stored = 0  # blocks written
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
-        self.num_reads = 0  # files read and checked for a prefix hit
-        self.read_s = 0.0  # time spent reading and checking them (the tier's load cost)
-        self.num_bad_files = 0  # corrupt or truncated at load: removed and recomputed
         self.num_write_failures = 0  # not stored: the disk refused the write (full)
         self.num_evicted = 0  # removed by the size bound
-        self._warned_bad = self._warned_full = False
+        self._warned_full = False
 
     @property
     def num_cached(self) -> int:
@@ -195,58 +191,17 @@ class DiskTier:
         return [h for h in self._priority if (self.files.hint(h) or (0, 0))[1] == salt_root]
 
     # ---- reading --------------------------------------------------------------------------
-    def stage(self, block_hash: int) -> bool:
-        """A prefix hit: read and check the block's file (kept until take); False, with the
-        file removed (its block is recomputed), when it must not be loaded."""
-        if block_hash in self._staged:
-            return True
-        start = time.perf_counter()
-        try:
-            self._staged[block_hash] = self.files.read(block_hash)
-        except self.read_errors as e:
-            self._bad_file(block_hash, e)
-            return False
-        finally:
-            self.read_s += time.perf_counter() - start
-            self.num_reads += 1
-        return True
+    def _holds(self, block_hash: int) -> bool:
+        return block_hash in self._priority
 
-    def _bad_file(self, block_hash: int, error: BaseException) -> None:
-        self.num_bad_files += 1
-        if not self._warned_bad:
-            self._warned_bad = True
-            log.warning("disk KV tier: %s; removed, its block is recomputed", error)
-        else:
-            log.debug("disk KV tier: %s; removed", error)
+    def _forget_bad(self, block_hash: int) -> None:
         if block_hash in self._priority:
             self._drop(block_hash)
-
-    def fetch(self, block_hash: int) -> bool | None:
-        """A prefix hit behind the step: True once staged, None while its read is in flight
-        (issued now if it was not), False when its file must not be loaded (removed). Without a
-        reader: stage()."""
-        if self.reads is None:
-            return self.stage(block_hash)
-        if block_hash in self._staged:
-            return True
-        self.reads.start(block_hash)
-        return None
 
     def collect(self) -> None:
         """Between steps: the reads behind the step that are done, staged (a bad file removed,
         its block recomputed), this tier's and the shared store's."""
-        if self.reads is not None:
-            for landed in self.reads.collect():
-                self.num_reads += 1
-                self.read_s += landed.seconds
-                if landed.block_hash not in self._priority:
-                    continue  # evicted while it was read: nothing to stage or count as bad
-                if landed.error is None:
-                    self._staged[landed.block_hash] = landed.payload
-                elif isinstance(landed.error, self.read_errors):
-                    self._bad_file(landed.block_hash, landed.error)
-                else:
-                    raise landed.error
+        super().collect()
         if self.shared is not None:
             self.shared.collect()
 
@@ -284,14 +239,6 @@ class DiskTier:
     @property
     def num_held(self) -> int:
         return len(self._held)
-
-    @property
-    def mean_load_s(self) -> float | None:
-        """Measured seconds to read and check one block (None before the first read)."""
-        return self.read_s / self.num_reads if self.num_reads else None
-
-    def is_staged(self, block_hash: int) -> bool:
-        return block_hash in self._staged
 
     def take(self, block_hash: int) -> object:
         """A staged block's payload for its copy back (it stays in this tier, now newest)."""

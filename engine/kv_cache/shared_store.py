@@ -16,12 +16,11 @@ full filesystem loses the block (recomputed when needed), never a request.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Container
 from typing import Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
-from engine.kv_cache.block_reads import BlockReads
+from engine.kv_cache.file_stage import FileStage
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,10 @@ class SharedFiles(Protocol):
     def entries(self) -> list[Entry]: ...
 
 
-class SharedStore:
+class SharedStore(FileStage):
+    NAME = "shared KV store"
+    LOG = log
+
     def __init__(
         self,
         num_blocks: int,
@@ -65,13 +67,10 @@ class SharedStore:
             raise ValueError(
                 f"a shared store holds at least one block, got num_blocks={num_blocks}"
             )
+        super().__init__(files, read_errors)
         self.num_slots = num_blocks
-        self.files = files
-        self.read_errors = read_errors
         self.block_bytes = block_bytes
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
-        self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
-        self.reads: BlockReads | None = None  # reads behind the step (None: at match time)
         self.record_events = False  # KV events (tier "shared") for the cluster index
         self._events: list[KVEvent] = []
         self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
@@ -79,13 +78,10 @@ class SharedStore:
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had
         self.num_hit_blocks = 0  # prefix blocks loaded from the store
-        self.num_reads = 0  # files read and checked for a prefix hit
-        self.read_s = 0.0
-        self.num_bad_files = 0  # corrupt or truncated at load: removed, recomputed
         self.num_write_failures = 0  # not published: the store's filesystem refused (full)
         self.num_evicted = 0  # files this worker removed for the size bound
         self.num_removed = 0  # files removed on request (evict_hashes)
-        self._warned_bad = self._warned_full = False
+        self._warned_full = False
 
     def has(self, block_hash: int) -> bool:
         return self.files.exists(block_hash)
@@ -162,58 +158,9 @@ class SharedStore:
         return removed
 
     # ---- reading --------------------------------------------------------------------------
-    def stage(self, block_hash: int) -> bool:
-        """A prefix hit: read and check the block's file (kept until take); False, with the
-        file removed (its block is recomputed), when it must not be loaded or is gone."""
-        if block_hash in self._staged:
-            return True
-        start = time.perf_counter()
-        try:
-            self._staged[block_hash] = self.files.read(block_hash)
-        except self.read_errors as e:
-            self._bad_file(block_hash, e)
-            return False
-        finally:
-            self.read_s += time.perf_counter() - start
-            self.num_reads += 1
-        return True
-
-    def _bad_file(self, block_hash: int, error: BaseException) -> None:
-        self.num_bad_files += 1
-        if not self._warned_bad:
-            self._warned_bad = True
-            log.warning("shared KV store: %s; removed, its block is recomputed", error)
-        else:
-            log.debug("shared KV store: %s; removed", error)
+    def _forget_bad(self, block_hash: int) -> None:
         self.files.remove(block_hash)
         self._removed(block_hash)
-
-    def fetch(self, block_hash: int) -> bool | None:
-        """As DiskTier.fetch: True once staged, None while its read behind the step is in
-        flight (issued now if not), False for a file that must not be loaded (removed)."""
-        if self.reads is None:
-            return self.stage(block_hash)
-        if block_hash in self._staged:
-            return True
-        self.reads.start(block_hash)
-        return None
-
-    def collect(self) -> None:
-        """Between steps: the reads behind the step that are done, staged or (bad) removed."""
-        if self.reads is None:
-            return
-        for landed in self.reads.collect():
-            self.num_reads += 1
-            self.read_s += landed.seconds
-            if landed.error is None:
-                self._staged[landed.block_hash] = landed.payload
-            elif isinstance(landed.error, self.read_errors):
-                self._bad_file(landed.block_hash, landed.error)
-            else:
-                raise landed.error
-
-    def is_staged(self, block_hash: int) -> bool:
-        return block_hash in self._staged
 
     def take(self, block_hash: int) -> object:
         """A staged block's payload for its copy back."""

@@ -1,0 +1,102 @@
+"""FileStage: what a tier of block files (the disk tier, the cluster-shared store) has read and
+checked for a prefix hit and not copied back yet (staged), read at match time or behind the step
+(BlockReads), and the read counters: files read, time spent, bad files found. A bad file is
+logged once, then its subclass forgets it (its block is recomputed, never loaded); which blocks
+the tier holds is the subclass's. Torch-free: a block's KV is opaque here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine.kv_cache.block_reads import BlockReads
+
+log = logging.getLogger(__name__)
+
+
+class FileStage:
+    NAME = "KV block files"  # the tier in log lines
+    LOG = log  # its subclass's module logger
+
+    def __init__(self, files: Any, read_errors: tuple[type[BaseException], ...]):
+        """files: the tier's (read(hash) -> payload, raising one of read_errors for a file that
+        must not be loaded)."""
+        self.files = files
+        self.read_errors = read_errors
+        self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
+        # reads behind the step (None: at match time, as a tensor-parallel engine's ranks do)
+        self.reads: BlockReads | None = None
+        self.num_reads = 0  # files read and checked for a prefix hit
+        self.read_s = 0.0  # time spent reading and checking them (the tier's load cost)
+        self.num_bad_files = 0  # corrupt or truncated at load: removed and recomputed
+        self._warned_bad = False
+
+    def _holds(self, block_hash: int) -> bool:
+        """Whether a read that landed is still of a block the tier holds (else it is dropped)."""
+        return True
+
+    def _forget_bad(self, block_hash: int) -> None:
+        """Remove a block whose file must not be loaded (its records and its file)."""
+        raise NotImplementedError
+
+    def stage(self, block_hash: int) -> bool:
+        """A prefix hit: read and check the block's file (kept until take); False, with the
+        file removed (its block is recomputed), when it must not be loaded or is gone."""
+        if block_hash in self._staged:
+            return True
+        start = time.perf_counter()
+        try:
+            self._staged[block_hash] = self.files.read(block_hash)
+        except self.read_errors as e:
+            self._bad_file(block_hash, e)
+            return False
+        finally:
+            self.read_s += time.perf_counter() - start
+            self.num_reads += 1
+        return True
+
+    def fetch(self, block_hash: int) -> bool | None:
+        """A prefix hit behind the step: True once staged, None while its read is in flight
+        (issued now if it was not), False when its file must not be loaded (removed). Without a
+        reader: stage()."""
+        if self.reads is None:
+            return self.stage(block_hash)
+        if block_hash in self._staged:
+            return True
+        self.reads.start(block_hash)
+        return None
+
+    def collect(self) -> None:
+        """Between steps: the reads behind the step that are done, staged (a bad file removed,
+        its block recomputed)."""
+        if self.reads is None:
+            return
+        for landed in self.reads.collect():
+            self.num_reads += 1
+            self.read_s += landed.seconds
+            if not self._holds(landed.block_hash):
+                continue  # evicted while it was read: nothing to stage or count as bad
+            if landed.error is None:
+                self._staged[landed.block_hash] = landed.payload
+            elif isinstance(landed.error, self.read_errors):
+                self._bad_file(landed.block_hash, landed.error)
+            else:
+                raise landed.error
+
+    def is_staged(self, block_hash: int) -> bool:
+        return block_hash in self._staged
+
+    @property
+    def mean_load_s(self) -> float | None:
+        """Measured seconds to read and check one block (None before the first read)."""
+        return self.read_s / self.num_reads if self.num_reads else None
+
+    def _bad_file(self, block_hash: int, error: BaseException) -> None:
+        self.num_bad_files += 1
+        if not self._warned_bad:
+            self._warned_bad = True
+            self.LOG.warning("%s: %s; removed, its block is recomputed", self.NAME, error)
+        else:
+            self.LOG.debug("%s: %s; removed", self.NAME, error)
+        self._forget_bad(block_hash)
