@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -21,6 +22,7 @@ from engine.finish_reason import FinishReason
 from engine.models.loader import resolve_model
 from engine.sampling.sampling_params import SamplingParams
 from router.backend import Backend
+from router.errors import Overloaded
 from router.frontend import Frontend, RequestSpec
 from router.tokenizer import RouterTokenizer
 
@@ -149,3 +151,40 @@ def test_a_failed_request_ends_its_root_span_as_an_error(
         run(Frontend(Failing(), tokenizer), spec(CLIENT))
     (root,) = spans.get_finished_spans()
     assert root.status.status_code is StatusCode.ERROR
+
+
+def test_a_request_refused_while_queued_ends_its_root_span_as_an_error(
+    tokenizer, spans: InMemorySpanExporter
+) -> None:
+    """One running slot, held: the next request waits in the router's queue past its deadline
+    and is refused there, before any backend call; its root span still ends, failed."""
+
+    class Held(ScriptedBackend):
+        release = asyncio.Event()
+
+        async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            await self.release.wait()
+            async for delta in super().generate(request):
+                yield delta
+
+    async def go() -> None:
+        frontend = Frontend(Held(), tokenizer, max_running_requests=1)
+        first = await frontend.prepare(spec(CLIENT))
+        late = await frontend.prepare(replace(spec(CLIENT), deadline_s=0.01))
+
+        async def drain(prepared) -> None:
+            async for _ in frontend.generate(prepared):
+                pass
+
+        holder = asyncio.create_task(drain(first))
+        await asyncio.sleep(0)  # the first takes the slot
+        with pytest.raises(Overloaded, match="deadline_s"):
+            await drain(late)
+        Held.release.set()
+        await holder
+
+    asyncio.run(go())
+    late_root, first_root = spans.get_finished_spans()
+    assert late_root.status.status_code is StatusCode.ERROR
+    assert first_root.status.status_code is StatusCode.UNSET
+    assert first_root.attributes["kvrelay.completion_tokens"] == len(OUTPUT)
