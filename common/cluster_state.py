@@ -49,6 +49,8 @@ class WorkerStats:
     num_requests: int = 0  # user requests received (warm-ups not counted)
     num_in_flight: int = 0  # requests, leases, pulls and routes still open (0: drained)
     num_computed_tokens: int = 0  # tokens its engine computed (prefill: prompts, once each)
+    num_preemptions: int = 0  # running requests its engine preempted (any cause)
+    num_priority_preemptions: int = 0  # of those, for a request of higher priority
     # The prefix cache beyond whole device blocks.
     num_partial_reused_tokens: int = 0  # tokens reused from a partly matching cached block
     num_host_offloaded_blocks: int = 0  # cached blocks moved to the host tier when evicted

@@ -253,6 +253,8 @@ class WorkerBase(ABC):
             first_request_at=life.first_request_at,
             ready_at=life.ready_at,
             num_computed_tokens=snapshot.num_computed_tokens,
+            num_preemptions=snapshot.num_preemptions,
+            num_priority_preemptions=snapshot.num_priority_preemptions,
             num_partial_reused_tokens=snapshot.num_partial_reused_tokens,
             num_host_offloaded_blocks=snapshot.num_host_offloaded_blocks,
             num_host_hit_blocks=snapshot.num_host_hit_blocks,

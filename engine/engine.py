@@ -251,6 +251,8 @@ class Engine:
             tokens_per_s=self.stats.rate.tokens_per_s,
             step_s=self.stats.rate.step_s,
             num_computed_tokens=self.stats.num_computed_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_priority_preemptions=sched.num_priority_preemptions,
             num_partial_reused_tokens=kv.num_partial_reused_tokens,
             num_host_offloaded_blocks=0 if kv.host_tier is None else kv.host_tier.num_stored,
             num_host_hit_blocks=kv.num_host_hit_blocks,

@@ -49,6 +49,17 @@ _COUNTERS: dict[str, tuple[str | None, str, str]] = {  # field -> (role, name, h
         "kvrelay_orphan_requests_aborted",
         "Requests a decode worker aborted because their router stopped polling.",
     ),
+    "num_preemptions": (
+        None,
+        "kvrelay_preemptions",
+        "Running requests a worker's engine preempted (short of blocks or seats, or for a "
+        "higher priority); their full blocks stay cached.",
+    ),
+    "num_priority_preemptions": (
+        None,
+        "kvrelay_priority_preemptions",
+        "Of those, running requests preempted for a request of higher priority.",
+    ),
     "num_partial_reused_tokens": (
         None,
         "kvrelay_prefix_partial_reused_tokens",

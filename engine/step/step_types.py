@@ -76,6 +76,10 @@ class EngineSnapshot(NamedTuple):
     step_s: float  # mean wall time of a recent step (0: not measured yet)
     # Cumulative counters since the engine started.
     num_computed_tokens: int  # tokens run through the model (prefill chunks + decodes)
+    # Running requests preempted (short of blocks or seats, or for a higher priority, a waiting
+    # or a prefilled one's), and of those for a higher priority.
+    num_preemptions: int
+    num_priority_preemptions: int
     num_partial_reused_tokens: int  # reused from a partly matching cached block
     num_host_offloaded_blocks: int  # cached blocks given a host-tier slot
     num_host_hit_blocks: int  # prefix blocks copied back from the host tier

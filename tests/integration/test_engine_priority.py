@@ -64,6 +64,8 @@ def test_a_preempted_request_resumes_token_exact_from_the_host_tier(make_tiny) -
     while "chat" in engine.scheduler.requests:
         step_into(engine, got)
     assert engine.scheduler.num_priority_preemptions == 1 and batch.num_preemptions == 1
+    snapshot = engine.snapshot()  # what status and /metrics report
+    assert (snapshot.num_preemptions, snapshot.num_priority_preemptions) == (1, 1)
     assert len(got["batch"]) == 10  # chat ran alone until it finished
     host_hits_before = engine.kv.num_host_hit_blocks
     computed_before = engine.stats.num_computed_tokens

@@ -98,3 +98,15 @@ def test_each_kv_tier_exports_its_size_hits_and_loads() -> None:
     assert value("kvrelay_kv_tier_bad_files_total", disk) == 2
     assert value("kvrelay_kv_tier_write_failures_total", shared) == 3
     assert value("kvrelay_kv_tier_hit_blocks_total", worker | {"tier": "host"}) is None
+
+
+def test_preemptions_are_exported_for_both_roles() -> None:
+    collector = WorkerStatsCollector()
+    collector.update("p0", "prefill", prefill_stats(num_preemptions=2))
+    collector.update("d0", "decode", decode_stats(num_preemptions=3, num_priority_preemptions=1))
+    value = registry_with(collector).get_sample_value
+    p0, d0 = {"worker_id": "p0", "role": "prefill"}, {"worker_id": "d0", "role": "decode"}
+    assert value("kvrelay_preemptions_total", p0) == 2
+    assert value("kvrelay_priority_preemptions_total", p0) == 0
+    assert value("kvrelay_preemptions_total", d0) == 3
+    assert value("kvrelay_priority_preemptions_total", d0) == 1
