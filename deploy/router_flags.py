@@ -37,6 +37,8 @@ class RouterOptions:
     drain_s: float = DEFAULT_DRAIN_S  # on Ctrl-C / SIGTERM: how long open requests may finish
     default_limits: TenantLimits = NO_LIMITS  # --rate-limit-*: a tenant's unless its own
     otlp_endpoint: str | None = None  # the router's traces go there (None: tracing off)
+    default_max_tokens: int | None = None  # a request's max_tokens when it sets none (None: the
+    # context its prompt leaves)
     max_running_requests: int = 0  # sent on to the cluster at once; 0: no bound (fair_queue.py)
 
     @property
@@ -83,6 +85,7 @@ class RouterOptions:
             limiter=limiter,
             max_running_requests=self.max_running_requests,
             tokenizers=tokenizers,
+            max_tokens_cap=self.default_max_tokens,
         )
         return RouterServers(frontend, self.tls)
 
@@ -111,6 +114,14 @@ class RouterOptions:
 
 
 def add_router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="max_tokens of a request that sets none (default: the context its prompt leaves); "
+        "what per-key token limits charge such a request",
+    )
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -200,6 +211,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     check_max_body_mib(args.max_body_mib)
     if args.otlp_endpoint is not None:
         check_endpoint(args.otlp_endpoint)
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.max_running_requests < 0:
         raise ValueError(f"--max-running-requests must be >= 0, got {args.max_running_requests}")
     if not args.drain_seconds >= 0:  # NaN too
@@ -222,4 +235,5 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         drain_s=args.drain_seconds,
         otlp_endpoint=args.otlp_endpoint,
         max_running_requests=args.max_running_requests,
+        default_max_tokens=args.default_max_tokens,
     )

@@ -3,6 +3,7 @@ their defaults, and bad values refused with a clear error before anything starts
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from pathlib import Path
 
@@ -10,9 +11,14 @@ import pytest
 
 from deploy.cli import build_parser, main
 from deploy.router_flags import RouterOptions, router_options
+from engine.models.loader import resolve_model
+from engine.sampling.sampling_params import SamplingParams
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
+from router.frontend import Frontend, RequestSpec
 from router.tls import ServerTLS
+from router.tokenizer import RouterTokenizer
 from tests.tls_certs import TLSToolsMissing, make_server_certs
+from tests.unit.test_tracing import ScriptedBackend
 
 KEY = "sk-0123456789abcdef0123"
 
@@ -103,3 +109,24 @@ def test_the_cli_refuses_bad_router_flags_before_starting_anything(
     assert "--rate-limit-* needs --api-keys" in capsys.readouterr().err
     assert main([command, "--tls-cert", certs.cert_file]) == 2
     assert "give both --tls-cert and --tls-key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_default_max_tokens_is_what_a_request_without_one_gets(command: str) -> None:
+    assert options(command).default_max_tokens is None
+    assert options(command, "--default-max-tokens", "16").default_max_tokens == 16
+    with pytest.raises(ValueError, match="--default-max-tokens must be >= 1, got 0"):
+        options(command, "--default-max-tokens", "0")
+
+
+def test_a_request_without_max_tokens_gets_the_default_not_the_whole_context() -> None:
+    tokenizer = RouterTokenizer(resolve_model("default"))
+    unset = RequestSpec(prompt_token_ids=(1, 2, 3), sampling=SamplingParams())
+    assert unset.max_tokens is None
+
+    def max_tokens(frontend: Frontend) -> int:
+        return asyncio.run(frontend.prepare(unset)).request.sampling.max_tokens
+
+    backend = ScriptedBackend()  # a context of 128
+    assert max_tokens(Frontend(backend, tokenizer)) == 128 - 3
+    assert max_tokens(Frontend(backend, tokenizer, max_tokens_cap=16)) == 16
