@@ -96,9 +96,7 @@ class DiskTier(FileStage):
         self.listener: StageListener | None = None
         self.num_stored = 0  # blocks written
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
-        self.num_write_failures = 0  # not stored: the disk refused the write (full)
         self.num_evicted = 0  # removed by the size bound
-        self._warned_full = False
 
     @property
     def num_cached(self) -> int:
@@ -140,14 +138,11 @@ class DiskTier(FileStage):
         try:
             self.files.write(spill.block_hash, row, salt_root)
         except OSError as e:
-            self.num_write_failures += 1
-            if not self._warned_full:
-                self._warned_full = True
-                log.warning(
-                    "disk KV tier: cannot write a block file (%s); blocks that leave the host "
-                    "tier are not stored (recomputed when needed) while this lasts",
-                    e,
-                )
+            self._write_failed(
+                e,
+                "cannot write a block file (%s); blocks that leave the host tier are not stored "
+                "(recomputed when needed) while this lasts",
+            )
             return False
         self._add(spill.block_hash, spill.priority)
         self.num_stored += 1

@@ -1,8 +1,9 @@
 """FileStage: what a tier of block files (the disk tier, the cluster-shared store) has read and
 checked for a prefix hit and not copied back yet (staged), read at match time or behind the step
-(BlockReads), and the read counters: files read, time spent, bad files found. A bad file is
-logged once, then its subclass forgets it (its block is recomputed, never loaded); which blocks
-the tier holds is the subclass's. Torch-free: a block's KV is opaque here."""
+(BlockReads), and the counters: files read, time spent, bad files found, writes refused. A bad
+file or a refused write is logged once; a bad file's block its subclass then forgets (recomputed,
+never loaded); which blocks the tier holds is the subclass's. Torch-free: a block's KV is opaque
+here."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class FileStage:
         self.num_reads = 0  # files read and checked for a prefix hit
         self.read_s = 0.0  # time spent reading and checking them (the tier's load cost)
         self.num_bad_files = 0  # corrupt or truncated at load: removed and recomputed
-        self._warned_bad = False
+        self.num_write_failures = 0  # not written: the filesystem refused (full)
+        self._warned_bad = self._warned_full = False
 
     def _holds(self, block_hash: int) -> bool:
         """Whether a read that landed is still of a block the tier holds (else it is dropped)."""
@@ -91,6 +93,14 @@ class FileStage:
     def mean_load_s(self) -> float | None:
         """Measured seconds to read and check one block (None before the first read)."""
         return self.read_s / self.num_reads if self.num_reads else None
+
+    def _write_failed(self, error: OSError, message: str) -> None:
+        """A block file the filesystem refused: counted, logged once (message: what happened
+        and what it costs, with a %s for the error)."""
+        self.num_write_failures += 1
+        if not self._warned_full:
+            self._warned_full = True
+            self.LOG.warning("%s: " + message, self.NAME, error)
 
     def _bad_file(self, block_hash: int, error: BaseException) -> None:
         self.num_bad_files += 1

@@ -78,10 +78,8 @@ class SharedStore(FileStage):
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had
         self.num_hit_blocks = 0  # prefix blocks loaded from the store
-        self.num_write_failures = 0  # not published: the store's filesystem refused (full)
         self.num_evicted = 0  # files this worker removed for the size bound
         self.num_removed = 0  # files removed on request (evict_hashes)
-        self._warned_full = False
 
     def has(self, block_hash: int) -> bool:
         return self.files.exists(block_hash)
@@ -109,14 +107,11 @@ class SharedStore(FileStage):
         try:
             wrote = self.files.publish(block_hash, row, priority, salt_root)
         except OSError as e:
-            self.num_write_failures += 1
-            if not self._warned_full:
-                self._warned_full = True
-                log.warning(
-                    "shared KV store: cannot publish a block file (%s); blocks are not shared "
-                    "(each worker recomputes them) while this lasts",
-                    e,
-                )
+            self._write_failed(
+                e,
+                "cannot publish a block file (%s); blocks are not shared (each worker "
+                "recomputes them) while this lasts",
+            )
             return False
         if not wrote:
             self.num_found_published += 1
