@@ -29,7 +29,8 @@
 #            from the last kvrelay server log; OFFLINE_KV_GIB overrides): what the served path
 #            costs over its own engine, and batch-1 decode. OFFLINE_FLAGS: more flags
 #   pack     $OUT/sg -> $OUT/served_goodput.tgz, the FlashInfer JIT cache -> $OUT
-# WORKLOAD: long-prompt (the default), sharegpt (ShareGPT-like lognormal lengths, prompts up to
+# WORKLOAD: one or several ("long-prompt sharegpt": each in turn; vLLM's server started once)
+# of long-prompt (the default), sharegpt (ShareGPT-like lognormal lengths, prompts up to
 # 2,048 tokens and outputs up to 1,024; its files are named *_sharegpt) or multi-turn (chat:
 # CONVERSATIONS, default 48, of 4 turns, a 1,000-token first prompt then 100 new user tokens a
 # turn, 150 out, each turn resending the history: 1,000 -> ~1,750-token prompts; RATES are
@@ -44,17 +45,21 @@ out=${OUT:?set OUT}/sg
 mkdir -p "$out"
 rates=${RATES:-4 8 12 16}
 folder=/tmp/kvrelay-goodput-llama-3.1-8b  # the 8B shape, SmolLM2's tokenizer, no weights
-load=(--warmup 2 --slo-ttft-ms 1500 --slo-tpot-ms 50 --max-duration 150)
 requests=(--num-requests "${REQUESTS:-120}")
-case ${WORKLOAD:-long-prompt} in
-  long-prompt) load+=("${requests[@]}" --input-len 3000 --output-len 150); tag="" ;;
-  sharegpt) load+=("${requests[@]}" --workload sharegpt --max-input-len 2048 --max-output-len 1024)
-    tag=_sharegpt ;;
-  multi-turn) load+=(--workload multi-turn --num-conversations "${CONVERSATIONS:-48}" --turns 4
-    --input-len 1000 --turn-input-len 100 --output-len 150 --tokenizer "$folder/tokenizer.json")
-    tag=_multiturn ;;
-  *) echo "unknown WORKLOAD ${WORKLOAD} (long-prompt, sharegpt or multi-turn)" >&2; exit 2 ;;
-esac
+workload_args() {  # WORKLOAD: sets load (serve_bench's load flags) and tag (the file suffix)
+  load=(--warmup 2 --slo-ttft-ms 1500 --slo-tpot-ms 50 --max-duration 150)
+  case $1 in
+    long-prompt) load+=("${requests[@]}" --input-len 3000 --output-len 150); tag="" ;;
+    sharegpt) load+=("${requests[@]}" --workload sharegpt --max-input-len 2048 --max-output-len 1024)
+      tag=_sharegpt ;;
+    multi-turn) load+=(--workload multi-turn --num-conversations "${CONVERSATIONS:-48}" --turns 4
+      --input-len 1000 --turn-input-len 100 --output-len 150 --tokenizer "$folder/tokenizer.json")
+      tag=_multiturn ;;
+    *) echo "unknown WORKLOAD $1 (long-prompt, sharegpt or multi-turn)" >&2; return 2 ;;
+  esac
+}
+workloads=${WORKLOAD:-long-prompt}
+for w in $workloads; do workload_args "$w" || exit 2; done
 test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
 write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
 'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
@@ -75,6 +80,8 @@ config_prefill() {  # CONFIG: its prefill workers (0: aggregated)
 }
 case $part in
   kvrelay)
+    for w in $workloads; do
+    workload_args "$w"
     for config in ${CONFIGS:-agg eager8k}; do
       flags=$(config_flags "$config") || continue
       if [ "$(left)" -lt "${MIN_LEFT_S:-240}" ]; then echo "kvrelay $config: skipped, $(left) s left"; continue; fi
@@ -93,12 +100,20 @@ case $part in
       [ -n "$log" ] && mv "$log" "$out/kvrelay_$config$tag.server.log"
       grep -h "KV pool\|ready in" "$out/kvrelay_$config$tag.server.log" "$out/kvrelay_$config$tag.err" 2>/dev/null | cut -c1-300
     done
+    done
     ;;
   vllm)
-    # shellcheck disable=SC2086  # the rates: several words
+    # one server start for every workload of WORKLOAD: the runs after the first follow --then
+    runs=(); first=""
+    for w in $workloads; do
+      workload_args "$w"
+      if [ -z "$first" ]; then first="$out/vllm$tag"; else runs+=(--then "$out/vllm$tag"); fi
+      # shellcheck disable=SC2206  # the rates: several words
+      runs+=(--rate $rates "${load[@]}")
+    done
     timeout -k 20 $(( $(left) < 570 ? $(left) - 10 : 560 )) bench/vllm_serve_peer.sh "$folder" \
-      "$out/vllm$tag" --rate $rates "${load[@]}"
-    grep -h "KV cache\|max_num_batched_tokens\|max_num_seqs" "$out/vllm$tag.server.log" | cut -c1-300 | head -8
+      "$first" "${runs[@]}"
+    grep -h "KV cache\|max_num_batched_tokens\|max_num_seqs" "$first.server.log" | cut -c1-300 | head -8
     ;;
   offline)
     kv=${OFFLINE_KV_GIB:-$(grep -ho "KV pool [0-9.]* GiB" "$(ls -t "$out"/kvrelay_*.server.log | head -1)" \

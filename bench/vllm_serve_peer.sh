@@ -3,12 +3,20 @@
 # /tmp/site, vLLM's in /tmp/vsite; ../shared/device/README.md): starts vLLM's OpenAI server on
 # MODEL_DIR with random weights (load_format dummy) and its own defaults, waits for it, runs
 # bench.serve_bench against it over HTTP with the remaining arguments, and stops it.
-#   bench/vllm_serve_peer.sh MODEL_DIR OUT_PREFIX [serve_bench args...]
-# Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log.
+#   bench/vllm_serve_peer.sh MODEL_DIR OUT_PREFIX [serve_bench args...] [--then PREFIX2 args2...]
+# Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log; each
+# `--then PREFIX args` runs serve_bench again on the same server (one start for several loads).
 # The server needs more than vLLM's offline stage: carry .cache/vllm-server-wheels
 # (bench/gpu_stage_extras.sh), installed here into /tmp/vsite once.
 set -uo pipefail
 model=${1:?model folder}; prefix=${2:?output prefix}; shift 2
+prefixes=("$prefix"); groups=(); cur=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = --then ]; then
+    groups+=("$(printf '%q ' "${cur[@]}")"); cur=(); prefixes+=("${2:?--then needs a prefix}"); shift 2
+  else cur+=("$1"); shift; fi
+done
+groups+=("$(printf '%q ' "${cur[@]}")")
 if [ -d .cache/vllm-server-wheels ] && [ ! -f /tmp/vsite/.server-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/vsite \
     .cache/vllm-server-wheels/*.whl 2>&1 | grep -v "already exists" || true
@@ -26,10 +34,15 @@ until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.
   sleep 2
 done
 echo "vLLM up in $(( $(date +%s) - started )) s"
-python3 -m bench.serve_bench --url "http://127.0.0.1:$port" --transport http --label vllm "$@" \
-  --json "$prefix.json" > "$prefix.txt" 2> "$prefix.err"
-rc=$?
+rc=0
+for i in "${!prefixes[@]}"; do
+  eval "args=(${groups[$i]})"
+  p=${prefixes[$i]}
+  python3 -m bench.serve_bench --url "http://127.0.0.1:$port" --transport http --label vllm "${args[@]}" \
+    --json "$p.json" > "$p.txt" 2> "$p.err"
+  r=$?; [ $r -ne 0 ] && rc=$r
+  echo "serve_bench $p rc=$r"
+  tail -n 12 "$p.txt"
+done
 kill -INT "$server"; wait "$server"
-echo "serve_bench rc=$rc"
-tail -n 12 "$prefix.txt"
 exit $rc
