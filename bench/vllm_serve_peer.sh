@@ -4,7 +4,7 @@
 # MODEL_DIR with random weights (load_format dummy) and its own defaults, waits for it, runs
 # bench.serve_bench against it over HTTP with the remaining arguments, and stops it.
 #   bench/vllm_serve_peer.sh MODEL_DIR OUT_PREFIX [serve_bench args...] [--then PREFIX2 args2...]
-# Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log; each
+# VLLM_ARGS: more server flags (e.g. --kv-cache-dtype fp8). Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log; each
 # `--then PREFIX args` runs serve_bench again on the same server (one start for several loads).
 # The server needs more than vLLM's offline stage: carry .cache/vllm-server-wheels
 # (bench/gpu_stage_extras.sh), installed here into /tmp/vsite once.
@@ -23,9 +23,10 @@ if [ -d .cache/vllm-server-wheels ] && [ ! -f /tmp/vsite/.server-wheels ]; then
   touch /tmp/vsite/.server-wheels
 fi
 port=8100
+# shellcheck disable=SC2086  # VLLM_ARGS: several words
 PYTHONPATH=/tmp/vsite:/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   python3 -m vllm.entrypoints.openai.api_server --model "$model" --load-format dummy \
-  --port "$port" --max-model-len 4096 > "$prefix.server.log" 2>&1 &
+  --port "$port" --max-model-len 4096 ${VLLM_ARGS:-} > "$prefix.server.log" 2>&1 &
 server=$!
 started=$(date +%s)
 until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/v1/models', timeout=2)" 2>/dev/null; do
