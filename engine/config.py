@@ -526,6 +526,9 @@ class EngineConfig:
     # timeout (a rank gone or stuck) fails the engine with an error instead of hanging.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # Run synthetic prompts of every step size through the engine before it serves, so kernels
+    # load then, not in the first requests (engine/warm_up.py); None: on CUDA only.
+    warm_up: bool | None = None
     # The KVRELAY_* choices (engine/settings.py), read from the environment where the config is
     # built (the driver) and carried as they are to the workers the config is sent to.
     settings: Settings = field(default_factory=Settings.from_env)

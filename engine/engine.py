@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from engine import warm_up
 from engine.config import EngineConfig, ModelConfig
 from engine.execution.backend_builder import DeviceSide, resolve_device
 from engine.execution.gc_heap import freeze_heap, thaw_heap
@@ -32,6 +33,7 @@ from engine.priority import DEFAULT_LEVEL
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
+from engine.speculation.draft_model import DraftModel
 from engine.speculation.speculative import Speculator, drafter
 from engine.step.admission import Admission
 from engine.step.fork import ChoiceForks
@@ -76,15 +78,24 @@ class Engine:
         self.config, self.max_model_len = parts.config, parts.max_model_len
         self.attention_backend, self.kv_cache = parts.backend.name, parts.backend.kv_cache
         self.copies, self.kv, self.block_size = parts.copies, parts.kv, parts.kv.block_size
-        self._build_step_parts(parts.model, parts.backend)
+        config = self.config
+        draft = drafter(config, parts.model, mc.vocab_size, self.max_model_len, Engine)
+        self._build_step_parts(parts.model, parts.backend, draft)
+        wanted = config.warm_up
+        if wanted if wanted is not None else self.device.type == "cuda":
+            warm_up.report(warm_up.warm_up(self))
+            # fresh step parts: counters, the sampler's seed and step timings start at serving
+            self.kv.reset_counters()
+            self._build_step_parts(parts.model, parts.backend, draft)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
-    def _build_step_parts(self, model: nn.Module, backend: DeviceSide) -> None:
+    def _build_step_parts(
+        self, model: nn.Module, backend: DeviceSide, draft: DraftModel | None
+    ) -> None:
         config, mc, kv = self.config, self.model_config, self.kv
         self.scheduler = sched = Scheduler(config.scheduler, kv, self.max_model_len)
         self.loader = RemoteKVLoader(sched, kv, lambda: self.run_ahead.between_steps())
         self.forks = forks = ChoiceForks(sched, kv)
-        draft = drafter(config, model, mc.vocab_size, self.max_model_len, Engine)
         rows = backend.graphs.max_batch_size if backend.graphs else None  # a verify's cap
         self.speculator = spec = Speculator(config.speculative, self.max_model_len, kv, draft, rows)
         if self.leader is None:

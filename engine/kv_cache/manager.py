@@ -70,11 +70,7 @@ class KVCacheManager:
         self.host_tier = host_tier
         self.disk_tier = disk_tier if enable_caching else None
         self.keep_on_host = keep_on_host and host_tier is not None and enable_caching
-        self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
-        self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
-        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier (or shared)
-        self.num_lookup_blocks = 0  # prompt blocks looked up in the prefix cache
-        self.num_device_hit_blocks = 0  # of those, found in the device pool
+        self.reset_counters()
         self.pool = BlockPool(
             num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
         )
@@ -123,6 +119,14 @@ class KVCacheManager:
             keep_on_host=cache.keep_on_host,
             disk_tier=disk_tier,
         )
+
+    def reset_counters(self) -> None:
+        """The cumulative lookup and hit counters back to 0 (at start, and after the warm-up)."""
+        self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
+        self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
+        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier (or shared)
+        self.num_lookup_blocks = 0  # prompt blocks looked up in the prefix cache
+        self.num_device_hit_blocks = 0  # of those, found in the device pool
 
     @property
     def num_free_blocks(self) -> int:

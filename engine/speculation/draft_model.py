@@ -66,6 +66,7 @@ def draft_engine_config(target: EngineConfig, max_model_len: int, shares: bool) 
         load_format=target.load_format,
         seed=target.seed,
         speculative=SpeculativeConfig(),
+        warm_up=False,  # the target's warm-up drafts through it
         settings=target.settings,
     )
 

@@ -1,0 +1,148 @@
+"""Start-up warm-up: synthetic prompts run through a new engine's own steps before it serves, so
+what a step's shape selects the first time it is met (a Triton kernel's variant, a cuBLAS
+kernel, a FlashInfer plan) loads then, not in a served request's first token. Owns no state:
+its requests finish, their blocks leave every tier and the engine drops the step parts it ran
+on (Engine.__init__).
+
+On a GPU, served runs (bench/RESULTS.md, 2026-12-06) had the first requests of a fresh server at
+TTFT 270-660 ms against ~40-90 ms later for the same prompts; the RoPE/KV-write kernel alone has
+a variant per power of two of a step's tokens (rope_kv_kernel.heads_per_program). Off CUDA there
+is nothing to load: the engine runs it on CUDA only unless told (EngineConfig.warm_up).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.sampling.sampling_params import SamplingParams
+
+SALT = "kvrelay-warm-up"  # its blocks are hashed apart from every request's, then evicted
+NUM_DECODERS = 8  # requests decoding while the second pass's prompts arrive (mixed steps)
+
+
+@dataclass(frozen=True)
+class WarmUpRun:
+    step_sizes: tuple[int, ...]  # prompt tokens run together: alone, then beside decodes
+    num_decoders: int
+    num_steps: int
+    seconds: float
+
+
+class Engine(Protocol):
+    """What the warm-up uses of engine.engine.Engine (which imports this module)."""
+
+    config: EngineConfig
+    kv: KVCacheManager
+    model_config: ModelConfig
+    block_size: int
+    max_model_len: int
+
+    @property
+    def has_unfinished_requests(self) -> bool: ...
+    def add_request(
+        self, req_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str
+    ) -> Any: ...
+    def step(self) -> Any: ...
+    def is_unfinished(self, req_id: str) -> bool: ...
+    def abort(self, req_id: str) -> bool: ...
+    def evict_kv(self, token_ids: None = None, cache_salt: str | None = None) -> Any: ...
+    def drain_kv_events(self) -> Any: ...
+
+
+def step_sizes(max_step_tokens: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, ... (each power of two and the midpoint above it) up to a step's
+    token budget, the budget itself, and 1.5 budgets (a prompt of two chunks: the second one
+    attends a cached prefix). Any step's token count lies within a factor of 1.5 of one."""
+    sizes: set[int] = set()
+    power = 1
+    while power <= max_step_tokens:
+        sizes.update(n for n in (power, power + power // 2) if n <= max_step_tokens)
+        power *= 2
+    sizes.update((max_step_tokens, max_step_tokens + max_step_tokens // 2))
+    return sorted(sizes)
+
+
+def split_prompt(size: int, max_prompt_tokens: int) -> list[int]:
+    """size tokens as the fewest prompts of at most max_prompt_tokens each, as even as can be
+    (they arrive together: one step computes them all when the budget allows)."""
+    parts = -(-size // max_prompt_tokens)
+    return [size // parts + (i < size % parts) for i in range(parts)]
+
+
+def warm_up(engine: Engine) -> WarmUpRun:
+    """Run prompts of each of step_sizes' token counts (split where one prompt cannot hold
+    them) alone, then again while NUM_DECODERS requests decode; greedy, one output token each;
+    then evict their blocks (under SALT) and drop the KV events they made. Leaves the engine
+    with no request and every block free."""
+    started = time.perf_counter()
+    config, kv = engine.config, engine.kv
+    budget = config.scheduler.max_num_batched_tokens
+    seats = config.scheduler.max_num_seqs or NUM_DECODERS + 1
+    num_decoders = max(0, min(NUM_DECODERS, seats - 1))
+    # a prompt and the decoders fit the pool together, each prompt leaving a token to decode
+    pool_tokens = kv.num_blocks * engine.block_size
+    room = min(engine.max_model_len - 1, pool_tokens // 2 - num_decoders * 2 * engine.block_size)
+    sizes = step_sizes(budget) if room > 0 else []
+    sizes = [n for n in sizes if n <= budget or n <= room]  # 1.5 budgets: as one prompt only
+    vocab = engine.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    num_steps = 0
+
+    def prompt(length: int, offset: int) -> list[int]:
+        return [(offset + 7 * i) % (vocab - 1) + 1 for i in range(length)]  # no two alike
+
+    def run_until(done: Callable[[], bool]) -> None:
+        nonlocal num_steps
+        while not done():
+            engine.step()
+            num_steps += 1
+
+    def idle() -> bool:
+        return not engine.has_unfinished_requests
+
+    for n, size in enumerate(sizes):
+        for i, length in enumerate(split_prompt(size, room)):
+            offset = 100 * n + i
+            engine.add_request(
+                f"{SALT}-alone-{n}-{i}", prompt(length, offset), one, cache_salt=SALT
+            )
+        run_until(idle)
+    decoders = [f"{SALT}-decoder-{i}" for i in range(num_decoders)]
+    long = SamplingParams(
+        max_tokens=max(1, min(engine.max_model_len - 16, 4096)), temperature=0.0, ignore_eos=True
+    )
+    for i, req_id in enumerate(decoders):
+        engine.add_request(req_id, prompt(15, 10_000 + i), long, cache_salt=SALT)
+    for _ in range(2):  # prefilled, then decoding
+        engine.step()
+        num_steps += 1
+    for n, size in enumerate(sizes):
+        parts = split_prompt(size, room)
+        mixed = [f"{SALT}-mixed-{n}-{i}" for i in range(len(parts))]
+        for i, (req_id, length) in enumerate(zip(mixed, parts, strict=True)):
+            engine.add_request(req_id, prompt(length, 20_000 + 100 * n + i), one, cache_salt=SALT)
+        run_until(lambda: not any(map(engine.is_unfinished, mixed)))  # noqa: B023 (run at once)
+    for req_id in decoders:
+        engine.abort(req_id)
+    run_until(idle)
+    engine.evict_kv(cache_salt=SALT)
+    engine.drain_kv_events()
+    return WarmUpRun(tuple(sizes), num_decoders, num_steps, time.perf_counter() - started)
+
+
+def report(run: WarmUpRun) -> None:
+    sizes = run.step_sizes
+    span = f"{sizes[0]}..{sizes[-1]}" if sizes else "none"
+    print(
+        f"kvrelay engine: warm-up: {len(sizes)} step sizes ({span} prompt tokens) alone and "
+        f"beside {run.num_decoders} decoding requests, {run.num_steps} steps in "
+        f"{run.seconds:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -1,0 +1,56 @@
+"""The start-up warm-up (engine/warm_up.py): which prompt lengths it runs, and that an engine
+that ran it serves exactly as one that did not, with nothing of it left behind (no request, no
+cached block, no KV event, no counter). It runs on CUDA by default; here it is asked for on the
+CPU, where the same steps run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.attention.rope_kv_kernel import heads_per_program
+from engine.sampling.sampling_params import SamplingParams
+from engine.warm_up import split_prompt, step_sizes
+from tests.conftest import run_to_completion
+
+
+def test_sizes_reach_every_step_size_within_a_factor_of_one_and_a_half() -> None:
+    sizes = step_sizes(8192)
+    assert sizes[0] == 1 and 8192 in sizes and 8192 + 4096 in sizes
+    assert all(any(n <= t <= 1.5 * n for n in sizes) for t in range(1, 8193))
+    # every variant of the RoPE/KV-write kernel a step of <= 8,192 tokens can launch (the 8B
+    # shape's 32 + 8 heads) is met by some warm-up size
+    wanted = {heads_per_program(t, 40) for t in range(1, 8193)}
+    assert wanted <= {heads_per_program(n, 40) for n in sizes}
+    # a size longer than a prompt may be: prompts that fit, together that size
+    assert split_prompt(8192, 4095) == [2731, 2731, 2730] and split_prompt(100, 4095) == [100]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "shape"),
+    [
+        (0.0, {}),
+        (0.8, {}),  # the sampler's seeded draws start where a cold engine's do
+        (0.0, {"max_model_len": 48, "max_num_batched_tokens": 128}),  # sizes over 2-3 prompts
+    ],
+    ids=["greedy", "seeded", "split"],
+)
+def test_an_engine_that_warmed_up_serves_as_one_that_did_not(make_engine, temperature, shape):
+    common = {"max_num_batched_tokens": 64, "num_blocks": 256, "record_kv_events": True, "seed": 7}
+    common.update(shape)
+    warm = make_engine(warm_up=True, **common)
+    cold = make_engine(warm_up=False, **common)
+    # nothing of the warm-up is left: no block cached, no KV event to publish, no counter
+    assert warm.kv.pool.num_cached_blocks == 0
+    assert warm.drain_kv_events() == []
+    snap = warm.snapshot()
+    assert (snap.num_computed_tokens, warm.stats.num_steps, warm.kv.num_lookup_blocks) == (0, 0, 0)
+    warm.assert_no_leaks()
+    params = SamplingParams(max_tokens=12, temperature=temperature)
+    prompts = {"a": list(range(100, 130)), "b": list(range(300, 317))}
+    outputs = []
+    for engine in (warm, cold):
+        for req_id, prompt in prompts.items():
+            engine.add_request(req_id, prompt, params)
+        outputs.append(run_to_completion(engine))
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[0].values())
