@@ -15,6 +15,7 @@
 #                        worker), 8,192-token prompt chunks (vLLM's default step budget here)
 #              agg2k     the same with 2,048-token chunks
 #              aggfp8kv  agg with an fp8 KV cache (vLLM's side: VLLM_ARGS="--kv-cache-dtype fp8")
+#              aggfp8    agg with fp8 weights and KV (VLLM_ARGS="--quantization fp8 --kv-cache-dtype fp8")
 #            and the setup before aggregated workers, for comparison: `--prefill 1 --decode 1
 #            --gpus-per-worker 0.5`, the decode worker computing every prompt
 #            (--local-prefill-max-tokens 1000000) while the prefill worker idles on half the
@@ -71,6 +72,7 @@ config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
     agg) echo "--local-prefill-chunk-tokens 8192" ;;
     agg2k) echo "--local-prefill-chunk-tokens 2048" ;;
     aggfp8kv) echo "--local-prefill-chunk-tokens 8192 --kv-cache-dtype fp8" ;;
+    aggfp8) echo "--local-prefill-chunk-tokens 8192 --quantization fp8 --kv-cache-dtype fp8" ;;
     eager) echo "$shared --local-prefill-chunk-tokens 2048" ;;
     eager4k) echo "$shared --local-prefill-chunk-tokens 4096" ;;
     eager8k) echo "$shared --local-prefill-chunk-tokens 8192" ;;

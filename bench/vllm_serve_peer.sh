@@ -4,7 +4,8 @@
 # MODEL_DIR with random weights (load_format dummy) and its own defaults, waits for it, runs
 # bench.serve_bench against it over HTTP with the remaining arguments, and stops it.
 #   bench/vllm_serve_peer.sh MODEL_DIR OUT_PREFIX [serve_bench args...] [--then PREFIX2 args2...]
-# VLLM_ARGS: more server flags (e.g. --kv-cache-dtype fp8). Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log; each
+# VLLM_ARGS: more server flags (e.g. --kv-cache-dtype fp8).
+# Writes OUT_PREFIX.json (serve_bench's report), OUT_PREFIX.txt and OUT_PREFIX.server.log; each
 # `--then PREFIX args` runs serve_bench again on the same server (one start for several loads).
 # The server needs more than vLLM's offline stage: carry .cache/vllm-server-wheels
 # (bench/gpu_stage_extras.sh), installed here into /tmp/vsite once.
