@@ -80,7 +80,9 @@ class StepInfo:
     @classmethod
     def of(cls, scheduled: SchedulerOutput, prompt_ids: set[str]) -> StepInfo:
         decodes = tuple(
-            c.req.req_id for c in scheduled.chunks if c.num_new_tokens == 1 and not c.draft_token_ids
+            c.req.req_id
+            for c in scheduled.chunks
+            if c.num_new_tokens == 1 and not c.draft_token_ids
         )
         chunks = {
             c.req.req_id: c.num_new_tokens
@@ -197,7 +199,10 @@ class StepProbe:
             self.steps.append(StepInfo.of(scheduled, self.prompt_ids))
             events = None
             if self.cuda_events:
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 events[0].record()
             step = launch(scheduled, after)
             if events is not None:
@@ -371,7 +376,9 @@ def sweep(
         calls = [run(probe) for _ in range(neighbours)]
         req_id = f"mixprompt{seed}-{rep}"
         probe.prompt_ids.add(req_id)
-        engine.add_request(req_id, random_prompts(1, prompt_len, vocab, seed * 1000 + rep)[0], params)
+        engine.add_request(
+            req_id, random_prompts(1, prompt_len, vocab, seed * 1000 + rep)[0], params
+        )
         while engine.is_unfinished(req_id):
             calls.append(run(probe))
         calls.extend(run(probe) for _ in range(neighbours))
@@ -446,9 +453,10 @@ def mixed_cell(
     probe_out: list[StepProbe] | None = None,
 ) -> dict[str, Any]:
     """One (B, P) cell, B requests decoding: with overlapped steps if the engine overlaps
-    (reps + 1 repetitions, the first apart), then with overlap off ("serial": the same, then
-    on CUDA 2 repetitions each call under kernel_window, then one under cprofile_window).
-    probe_out: gets the probe (its steps, for tests)."""
+        (reps + 1 repetitions, the first apart), then with overlap off ("serial": the same, then
+        on CUDA 2 repetitions each call under kernel_window, then one under cprofile_window, those
+    with one decode call either side).
+        probe_out: gets the probe (its steps, for tests)."""
     overlapped = engine.overlap_steps
     result: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "context_len": context_len}
     result["reps"] = reps
@@ -465,10 +473,14 @@ def mixed_cell(
                 result["serial"] = summarize(probe, calls)
                 if cuda:
                     calls = sweep(
-                        engine, probe, prompt_len, 2, seed * 10 + 3, measure=kernel_window
-                    )
+                        engine, probe, prompt_len, 2, seed * 10 + 3, neighbours=1,
+                        measure=kernel_window,
+                    )  # fmt: skip
                     result["serial_kernels"] = summarize(probe, calls, first_apart=False)
-                calls = sweep(engine, probe, prompt_len, 1, seed * 10 + 4, measure=cprofile_window)
+                calls = sweep(
+                    engine, probe, prompt_len, 1, seed * 10 + 4, neighbours=1,
+                    measure=cprofile_window,
+                )  # fmt: skip
                 result["serial_cprofile"] = {
                     c.label: c.extra["cprofile_top"]
                     for c in reversed(calls[0])
@@ -500,8 +512,12 @@ def mixed_steps(
             if batch + 1 > sched.max_num_seqs:
                 skipped.append({"batch": batch, "prompt_len": prompt_len, "why": "max_num_seqs"})
                 continue
+            why = None
             if prompt_len + batch > sched.max_num_batched_tokens:
                 why = "max_num_batched_tokens"
+            elif prompt_len >= engine.max_model_len:
+                why = "max_model_len"
+            if why is not None:
                 skipped.append({"batch": batch, "prompt_len": prompt_len, "why": why})
                 continue
             start = time.perf_counter()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.gpu_engine_report import print_mixed
 from bench.lib.mixed_steps import (
     STAGES,
     StepProbe,
@@ -134,3 +135,19 @@ def test_window_fields_merge_overlapping_kernels() -> None:
     (gap,) = fields["gaps_by_neighbours"]
     assert (gap["before"], gap["after"], gap["count"]) == ("rope", "sample", 1)
     assert window_fields([], wall_ms=2.0)["gpu_idle_in_call_ms"] == 2.0
+
+
+def test_the_report_prints_a_cell_and_a_kernel_profile(engines, capsys) -> None:
+    result = mixed_steps(engines["serial"], [1], [8, 1100], reps=1, context_len=CONTEXT)
+    cell = result["cells"][0]
+    # what kernel_window adds on CUDA, in the shape summarize gives it
+    kernels = {"num_kernels": 40, "kernel_busy_ms": 3.0, "wall_ms": 5.0}
+    kernels |= {"gpu_idle_in_call_ms": 2.0, "kernel_ms_by_kind": {"matmul": 2.5}}
+    cell["serial_kernels"] = {"groups": {"mixed": kernels}}
+    print_mixed(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("  B=1   P=8     serial mixed")
+    assert any(
+        "GPU mixed  busy 3.00 of 5.00 (idle 2.00), 40 kernels: matmul 2.50" in ln for ln in lines
+    )
+    assert lines[-1] == "  B=1 P=1100: skipped (max_num_batched_tokens)"
