@@ -509,7 +509,7 @@ def mixed_steps(
     cells, skipped = [], []
     for batch in batches:
         for prompt_len in prompt_lens:
-            if batch + 1 > sched.max_num_seqs:
+            if sched.max_num_seqs is not None and batch + 1 > sched.max_num_seqs:
                 skipped.append({"batch": batch, "prompt_len": prompt_len, "why": "max_num_seqs"})
                 continue
             why = None
