@@ -119,12 +119,15 @@ def print_mixed(mixed: dict[str, Any]) -> None:
         over = (cell.get("overlapped") or {}).get("groups")
         if over:
             first = cell["overlapped"].get("first", {})
+            decode, launch, finish = (
+                over.get(k) for k in ("decode", "launch_mixed", "finish_mixed")
+            )
             print(
-                f"{head} overlapped: decode {_ms(over.get('decode'))}, launch_mixed "
-                f"{_ms(over.get('launch_mixed'))} (GPU span of the mixed step "
-                f"{_ms(over.get('launch_mixed'), 'launched_gpu_span_ms')}), finish_mixed "
-                f"{_ms(over.get('finish_mixed'))}; first time {_ms(first.get('launch_mixed'))}"
-                f" + {_ms(first.get('finish_mixed'))}"
+                f"{head} overlapped: decode {_ms(decode)} (its step's GPU span "
+                f"{_ms(decode, 'finished_gpu_span_ms')}), launch_mixed {_ms(launch)}, "
+                f"finish_mixed {_ms(finish)} (the mixed step's GPU span "
+                f"{_ms(finish, 'finished_gpu_span_ms')}); first time "
+                f"{_ms(first.get('launch_mixed'))} + {_ms(first.get('finish_mixed'))}"
             )
             head = " " * len(head)
         serial, first = cell["serial"]["groups"], cell["serial"].get("first", {})

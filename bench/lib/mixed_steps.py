@@ -405,8 +405,8 @@ def summarize(
     probe: StepProbe, reps_calls: list[list[CallRecord]], *, first_apart: bool = True
 ) -> dict[str, Any]:
     """By call label: count, wall ms, the host stages ms and (CUDA) the GPU spans of the steps
-    it launched, medians over the calls; a profile's fields (CallRecord.extra) too. The first
-    repetition under "first" when first_apart."""
+    it launched and of the one it finished, medians over the calls; a profile's fields
+    (CallRecord.extra) too. The first repetition under "first" when first_apart."""
 
     def group(calls: list[CallRecord]) -> dict[str, Any]:
         by_label: dict[str, list[dict[str, Any]]] = {}
@@ -418,6 +418,8 @@ def summarize(
             spans = [probe.gpu_span_ms(i) for i in c.launched]
             if spans and None not in spans:
                 row["launched_gpu_span_ms"] = sum(spans)
+            if c.finished is not None and (span := probe.gpu_span_ms(c.finished)) is not None:
+                row["finished_gpu_span_ms"] = span  # against the wall: did the call wait on it?
             by_label.setdefault(c.label, []).append(row | c.extra)
         return {
             label: {"calls": len(rows)} | median_of(rows)

@@ -95,7 +95,7 @@ def test_overlapped_steps_split_the_prompts_step_over_two_calls(engines) -> None
     assert "launch" not in vars(engine.launcher) and "schedule" not in vars(engine.scheduler)
 
 
-def test_the_section_reports_every_cell_and_skips_what_cannot_fit(engines) -> None:
+def test_the_section_reports_every_cell_and_skips_what_cannot_fit(engines, capsys) -> None:
     engine = engines["overlapped"]
     result = mixed_steps(engine, [2, 8], [8], reps=1, context_len=CONTEXT)
     (cell,) = result["cells"]
@@ -112,6 +112,10 @@ def test_the_section_reports_every_cell_and_skips_what_cannot_fit(engines) -> No
     assert {"mixed", "decode"} <= set(cell["serial_cprofile"])
     assert engine.overlap_steps  # restored
     engine.assert_no_leaks()
+    print_mixed(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("  B=2   P=8     overlapped: decode ")
+    assert "launch_mixed" in lines[1] and "serial mixed" in lines[2]
 
 
 def test_cprofile_window_names_the_engine_step(engines) -> None:
