@@ -16,6 +16,12 @@ and kernel_window profiles single serial calls (torch.profiler): kernel busy tim
 idle time inside the call, the kernels by kind. cprofile_window is cProfile's top functions of
 one call. Wall times are medians over the repetitions; the first repetition of every (B, P)
 cell is reported apart ("first"): it may load kernels.
+
+Reading it: a serial mixed call whose kernel busy time is well under its wall (GPU idle inside
+it) with forward_eager / attention_plan / schedule leading its host stages is host-bound (eager
+launches, plans, syncs); one whose wait_tokens leads and whose busy time is near its wall is
+GPU-bound (then the kernels by kind say which). Overlapped, launch_mixed's wall over decode's is
+the host work the mixed step adds in front of the decodes' tokens.
 """
 
 from __future__ import annotations
