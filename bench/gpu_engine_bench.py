@@ -10,12 +10,22 @@ head and the whole engine step against all the step's bytes ("b1"); and offline 
 profiles of three steps that carry prefill chunks and of decode replays at the first and the
 last wave's batch (their steps' time and tokens left out of the throughput) ("offline"); on a
 MoE shape first one MoE layer's CUDA-graph time against the weight bytes it reads at several
-token counts (bench/lib/moe_timing.py) ("moe"). The timing primitives are in
+token counts (bench/lib/moe_timing.py) ("moe"); and mixed steps ("mixed", bench/lib/mixed_steps.py):
+with B requests decoding (--mixed-batches) one fresh prompt of P tokens (--mixed-prompt-lens)
+is added, --mixed-reps times per (B, P), and the step() calls that carry its chunk are timed
+against the pure-decode calls around them, with overlapped steps (the engine's default: one call
+launches the mixed step, the next waits for it) and without (one call does both): each call's
+wall time, its host time by stage (schedule, inputs, attention plan, eager forward / graph
+replay, LM head, sampling, the wait for the tokens, output), the GPU span of what it launched,
+and for serial calls profiled alone the kernels' busy time against the call's wall (the GPU's
+idle time inside it: host-bound or GPU-bound), the kernels by kind and cProfile's top functions;
+the first repetition of each cell apart (kernel loading). The timing primitives are in
 bench/lib/gpu_timing.py. Owns no state; prints a table last and writes full JSON to --json
 (rewritten after every section).
 
     python -m bench.gpu_engine_bench --json $OUT/gpu_engine_bench.json
-    python -m bench.gpu_engine_bench --skip offline --kv-gib 8 --max-num-seqs 8   # batch 1 only
+    python -m bench.gpu_engine_bench --skip offline mixed --kv-gib 8 --max-num-seqs 8  # batch 1
+    python -m bench.gpu_engine_bench --skip b1 offline --kv-gib 16 --max-num-seqs 128  # mixed
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from bench.lib.gpu_timing import (
     profile_prefill_steps,
     random_prompts,
 )
+from bench.lib.mixed_steps import mixed_steps
 from bench.lib.moe_timing import moe_layer_times
 from bench.lib.random_models import head_bytes, weight_bytes, write_random_model
 from engine.engine import Engine
@@ -246,7 +257,20 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
     p.add_argument("--time-budget", type=float, default=120.0, help="seconds, offline run")
-    p.add_argument("--skip", nargs="*", default=[], choices=["b1", "offline", "moe"])
+    p.add_argument("--mixed-batches", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--mixed-prompt-lens", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--mixed-reps", type=int, default=5, help="per (B, P), besides the first")
+    p.add_argument(
+        "--mixed-context", type=int, default=256, help="prompt tokens of each decoding request"
+    )
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        action="extend",
+        default=[],
+        choices=["b1", "offline", "moe", "mixed"],
+        help="sections left out (repeatable: the lists add up)",
+    )
     args = p.parse_args()
     device = torch.device("cuda")
     result: dict[str, Any] = {"env": environment(), "shape": args.shape}
@@ -284,6 +308,18 @@ def main() -> None:
     if "b1" not in args.skip:
         result["decode_b1"] = decode_roofline(args, graph, bandwidth)
         log(json.dumps(result["decode_b1"]))
+        save()
+    if "mixed" not in args.skip:
+        start = time.perf_counter()
+        result["mixed"] = mixed_steps(
+            graph,
+            args.mixed_batches,
+            args.mixed_prompt_lens,
+            reps=args.mixed_reps,
+            context_len=args.mixed_context,
+            cuda=True,
+        )
+        log(f"mixed steps in {time.perf_counter() - start:.1f} s")
         save()
     if "offline" not in args.skip:
         result["offline"] = offline_throughput(args, graph)

@@ -11,6 +11,11 @@
 #   vllm-offline  vLLM 0.26's offline runs of the same rows, its defaults (needs .vstage)
 #   b1            batch-1 decode of the 8B shape per row in B1_ROWS (bf16 fp8w): graph replay
 #                 against the roofline; then vLLM's batch 1 (when .vstage is installed)
+#   mixed         the 8B shape's mixed steps (bench/lib/mixed_steps.py), per row in MIXED_ROWS
+#                 (bf16; fp8w): B = 16, 64 decoding beside one fresh prompt of 64, 256, 1,024
+#                 tokens; the step() calls carrying it against the pure-decode ones: wall, host
+#                 stages, kernel busy time against the wall, kernels by kind (~2 min a row;
+#                 MIXED_ARGS: more flags, e.g. "--mixed-batches 16 64 128")
 #   transfer      NIXL READ GPU0 -> GPU1 of one 2,048-token 8B prompt against a torch peer copy,
 #                 with the reader's progress thread and without; then 1- and 16-block READs
 #   goodput       1 prefill + 1 decode worker sharing one GPU, disaggregated then aggregated
@@ -29,7 +34,7 @@
 #                 ~5 + ~7 min, past one call's 600 s: call twice, MOE_ENGINES=kvrelay then vllm, on
 #                 the same warm machine)
 set -uo pipefail
-phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b, vllm-spec or moe}
+phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b, vllm-spec or moe}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -41,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 offline_run() {  # NAME [ARGS...]: gpu_engine_bench (batch 1, then 1000 requests offline) into $out/NAME.*
   local name=$1; shift
   timeout 280 python3 -m bench.gpu_engine_bench --num-requests 1000 \
-    --time-budget 200 "$@" --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
+    --time-budget 200 --skip mixed "$@" --json "$out/$name.json" > "$out/$name.txt" 2> "$out/$name.err"
   echo "$name rc=$?"
 }
 transfer_8b() {  # NAME [ARGS...]: transfer_bench GPU0 -> GPU1, 8B block geometry, $out/NAME.*
@@ -129,6 +134,18 @@ case $phase in
         echo "vllm batch-1 $row rc=$?"
       done
     fi
+    ;;
+  mixed)  # the step carrying a new prompt's chunk beside a decode batch (issue 52)
+    for row in ${MIXED_ROWS:-bf16}; do
+      case $row in bf16) flags="" ;; fp8w) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
+        *) echo "MIXED_ROWS: unknown row $row (bf16 or fp8w)" >&2; exit 2 ;; esac
+      # shellcheck disable=SC2086  # flags, MIXED_ARGS: several words
+      timeout 300 python3 -m bench.gpu_engine_bench --skip b1 offline $flags --kv-gib 16 \
+        --max-num-seqs 128 ${MIXED_ARGS:-} --json "$out/mixed_$row.json" \
+        > "$out/mixed_$row.txt" 2> "$out/mixed_$row.err"
+      echo "mixed $row rc=$?"
+      tail -n 20 "$out/mixed_$row.txt"
+    done
     ;;
   transfer)
     transfer_8b transfer --num-blocks 512 --blocks-per-read 128

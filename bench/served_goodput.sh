@@ -127,7 +127,8 @@ case $part in
     timeout -k 10 $(( $(left) < 300 ? $(left) - 10 : 290 )) python3 -m bench.gpu_engine_bench \
       --num-requests "${OFFLINE_REQUESTS:-240}" \
       --input-len 3000 --output-len 150 --max-num-seqs 128 --max-num-batched-tokens 2176 \
-      --kv-gib "$kv" --time-budget 200 ${OFFLINE_FLAGS:-} --json "$out/offline_3000_150.json" \
+      --kv-gib "$kv" --time-budget 200 --skip mixed ${OFFLINE_FLAGS:-} \
+      --json "$out/offline_3000_150.json" \
       > "$out/offline_3000_150.txt" 2> "$out/offline_3000_150.err"
     echo "offline rc=$?"
     tail -n 6 "$out/offline_3000_150.txt" "$out/offline_3000_150.err"

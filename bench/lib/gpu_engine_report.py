@@ -40,6 +40,9 @@ def print_table(result: dict[str, Any]) -> None:
             f"{row['experts_touched']} experts, {row['bytes_read'] / 1e6:.1f} MB: "
             f"{row['over_roofline']:.2f}x roofline ({row['achieved_GBps']:.0f} GB/s)"
         )
+    mixed = result.get("mixed")
+    if mixed:
+        print_mixed(mixed)
     t = result.get("offline")
     if t:
         print_offline(t)
@@ -96,3 +99,56 @@ def print_offline(t: dict[str, Any]) -> None:
             f"{pre.get('gpu_idle_ms_per_step', float('nan')):.2f} ms a step; "
             f"kernels ms: {kinds}"
         )
+
+
+def _ms(group: dict[str, Any] | None, key: str = "wall_ms") -> str:
+    value = None if group is None else group.get(key)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _top_stages(group: dict[str, Any], num: int = 5) -> str:
+    host = sorted(group.get("host_ms", {}).items(), key=lambda kv: -kv[1])[:num]
+    return ", ".join(f"{stage} {ms:.2f}" for stage, ms in host)
+
+
+def print_mixed(mixed: dict[str, Any]) -> None:
+    """The mixed-step section (bench/lib/mixed_steps.py): per (B, P), medians in ms."""
+    print("mixed steps: B decoding + one fresh P-token prompt; medians, ms a step() call")
+    for cell in mixed["cells"]:
+        head = f"  B={cell['batch']:<3} P={cell['prompt_len']:<5}"
+        over = (cell.get("overlapped") or {}).get("groups")
+        if over:
+            first = cell["overlapped"].get("first", {})
+            decode, launch, finish = (
+                over.get(k) for k in ("decode", "launch_mixed", "finish_mixed")
+            )
+            print(
+                f"{head} overlapped: decode {_ms(decode)} (its step's GPU span "
+                f"{_ms(decode, 'finished_gpu_span_ms')}), launch_mixed {_ms(launch)}, "
+                f"finish_mixed {_ms(finish)} (the mixed step's GPU span "
+                f"{_ms(finish, 'finished_gpu_span_ms')}); first time "
+                f"{_ms(first.get('launch_mixed'))} + {_ms(first.get('finish_mixed'))}"
+            )
+            head = " " * len(head)
+        serial, first = cell["serial"]["groups"], cell["serial"].get("first", {})
+        for label in ("mixed", "decode"):
+            group = serial.get(label)
+            if group is None:
+                continue
+            line = f"{head} serial {label:<6} {_ms(group)}: host {_top_stages(group)}"
+            if label == "mixed" and label in first:
+                line += f"; first time {_ms(first[label])}"
+            print(line)
+            head = " " * len(head)
+        kernels = (cell.get("serial_kernels") or {}).get("groups", {})
+        for label in ("mixed", "decode"):
+            k = kernels.get(label)
+            if k is None or not k.get("num_kernels"):
+                continue
+            kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in k["kernel_ms_by_kind"].items())
+            print(
+                f"{head} GPU {label:<6} busy {_ms(k, 'kernel_busy_ms')} of {_ms(k)} (idle "
+                f"{_ms(k, 'gpu_idle_in_call_ms')}), {k['num_kernels']:.0f} kernels: {kinds}"
+            )
+    for skipped in mixed.get("skipped", ()):
+        print(f"  B={skipped['batch']} P={skipped['prompt_len']}: skipped ({skipped['why']})")
