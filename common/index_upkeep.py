@@ -4,6 +4,7 @@ again. worker_load: the load a worker publishes, read off its engine's snapshot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.cluster_state import WorkerState
@@ -38,7 +39,8 @@ class IndexUpkeep:
     `publish_interval_s` (0: at every tick that has any), and their write refreshes the worker's
     load and TTL. A heartbeat goes out when nothing was written for `heartbeat_s`. Without
     Redis (no publisher) the events are dropped and every call is a no-op. Times are one
-    monotonic clock's, the caller's."""
+    monotonic clock's, the caller's. `load`: the load it publishes (default: the engine's,
+    worker_load of its snapshot; a worker adds what waits outside its engine)."""
 
     def __init__(
         self,
@@ -46,9 +48,11 @@ class IndexUpkeep:
         engine: Engine,
         heartbeat_s: float,
         publish_interval_s: float = 0.0,
+        load: Callable[[], WorkerLoad] | None = None,
     ) -> None:
         self.publisher = publisher
         self.engine = engine
+        self._load_of = load
         self.heartbeat_s = heartbeat_s
         self.publish_interval_s = publish_interval_s
         self._pending: list[KVEvent] = []
@@ -91,6 +95,8 @@ class IndexUpkeep:
             self.publisher.close()
 
     def _load(self) -> WorkerLoad:
+        if self._load_of is not None:
+            return self._load_of()
         return worker_load(self.engine.snapshot())
 
 

@@ -80,7 +80,13 @@ class WorkerBase(ABC):
         publisher = make_publisher(
             redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
         )
-        self.index_upkeep = IndexUpkeep(publisher, engine, heartbeat_s, publish_interval_s)
+        self.index_upkeep = IndexUpkeep(
+            publisher,
+            engine,
+            heartbeat_s,
+            publish_interval_s,
+            lambda: self._load(engine.snapshot()),
+        )
         self.lifecycle = WorkerLifecycle(worker_id, self.role)
         self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
         self.thread: EngineThread  # start_engine_thread(), once the role's parts exist
@@ -117,7 +123,7 @@ class WorkerBase(ABC):
 
     # ---- actor API both roles share ----------------------------------------------------------
     async def load(self) -> WorkerLoad:
-        return await self.thread.call(lambda engine: worker_load(engine.snapshot()))
+        return await self.thread.call(lambda engine: self._load(engine.snapshot()))
 
     def pid(self) -> int:
         """The actor's process id (the embedded cluster makes sure it exits on close)."""
@@ -209,6 +215,11 @@ class WorkerBase(ABC):
         tracing.shutdown()  # its last spans leave
 
     # ---- the role's hooks (engine thread) ----------------------------------------------------
+    def _load(self, snapshot: EngineSnapshot) -> WorkerLoad:
+        """The load it reports (load(), stats(), the index): the engine's; a role adds the
+        requests it holds outside the engine."""
+        return worker_load(snapshot)
+
     @abstractmethod
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """What the role does with a step's outputs."""
@@ -247,7 +258,7 @@ class WorkerBase(ABC):
         snapshot, life = engine.snapshot(), self.lifecycle
         common = self.stats_type(
             state=life.state,
-            load=worker_load(snapshot),
+            load=self._load(snapshot),
             num_requests=life.num_requests,
             num_in_flight=self._num_in_flight(snapshot),
             first_request_at=life.first_request_at,

@@ -153,6 +153,11 @@ class KVPuller:
         return self.ledger.num_live > 0
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting for local blocks (no block held here yet, not in the engine)."""
+        return len(self.ledger.in_state(PullState.QUEUED))
+
+    @property
     def num_pulls(self) -> int:
         return len(self.ledger.in_state(PullState.READING))
 

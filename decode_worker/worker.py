@@ -18,7 +18,8 @@ import ray
 
 from common import tracing
 from common.cluster_state import DecodeStats, LeakCheck, WorkerStats
-from common.messages import GenerateRequest, KVHandle, TokenDelta, TransferStats
+from common.index_upkeep import worker_load
+from common.messages import GenerateRequest, KVHandle, TokenDelta, TransferStats, WorkerLoad
 from common.worker_runtime import WorkerBase
 from decode_worker.kv_puller import KVPuller
 from decode_worker.mailbox import Mailboxes
@@ -168,6 +169,12 @@ class DecodeWorker(WorkerBase):
         await self.thread.call(lambda engine: self.puller.connect(prefill_actor_name, meta))
 
     # ---- WorkerBase's hooks (engine thread) ----------------------------------------------
+    def _load(self, snapshot: EngineSnapshot) -> WorkerLoad:
+        """The engine's load, its waiting with the prefilled requests queued for KV room here
+        (in the puller, not yet in the engine; once reserved the engine counts them)."""
+        load = worker_load(snapshot)
+        return replace(load, waiting=load.waiting + self.puller.num_queued)
+
     def _num_in_flight(self, snapshot: EngineSnapshot) -> int:
         puller = self.puller
         return len(self._routes) + snapshot.num_requests + puller.num_pulls + int(puller.busy)

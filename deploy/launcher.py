@@ -1,6 +1,7 @@
 """`kvrelay up CLUSTER.yaml` / `kvrelay down CLUSTER.yaml`: a `ray up` cluster brought up and
-served on (`kvrelay serve` on the head, in tmux), or torn down, through the ray CLI. Owns no
-state: pure functions build each command (`--dry-run` prints them), up() runs them in order."""
+served on (`kvrelay serve` on the head, in tmux; a --models-file copied there first), or torn
+down, through the ray CLI. Owns no state: pure functions build each command (`--dry-run` prints
+them), up() runs them in order."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import yaml
 
 RAY = "ray"
 WAIT_TIMEOUT_S = 1800.0  # GPU nodes boot, install, load the model and warm up: many minutes
 POLL_INTERVAL_S = 15.0  # one probe is one SSH round trip to the head
+# Where `ray rsync-up` puts --models-file on the head: /tmp exists on the host and in a Ray
+# docker container alike (rsync makes no parent folder); copied again by each `kvrelay up`.
+REMOTE_MODELS_FILE = "/tmp/kvrelay-models-file.yaml"
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,12 @@ class UpOptions:
     cluster_yaml: str
     num_prefill: int = 1
     num_decode: int = 1
-    model: str | None = None  # None: serve's default model
+    models: tuple[str, ...] = ()  # serve's --model, repeated; (): serve's default model
     http_port: int = 8000
     grpc_port: int = 50051
     device: str = "cuda"  # not serve's auto: GPU nodes join after serve starts
     serve_args: tuple[str, ...] = field(default=())  # more `kvrelay serve` flags, verbatim
+    models_file: str | None = None  # a local file, copied to REMOTE_MODELS_FILE on the head
 
 
 class Endpoints(NamedTuple):
@@ -55,17 +60,52 @@ def ray_down_command(cluster_yaml: str) -> list[str]:
     return [RAY, "down", "-y", cluster_yaml]
 
 
-def serve_command(opts: UpOptions) -> list[str]:
-    """`kvrelay serve` as the head runs it: against the cluster's Ray, listening on all hosts."""
+def serve_command(opts: UpOptions, models_file: str = REMOTE_MODELS_FILE) -> list[str]:
+    """`kvrelay serve` as the head runs it: against the cluster's Ray, listening on all hosts
+    (`models_file`: where serve reads opts.models_file from)."""
     command = [
         "kvrelay", "serve", "--ray-address", "auto", "--host", "0.0.0.0",
         "--prefill", str(opts.num_prefill), "--decode", str(opts.num_decode),
         "--http-port", str(opts.http_port), "--grpc-port", str(opts.grpc_port),
         "--device", opts.device,
     ]  # fmt: skip
-    if opts.model is not None:
-        command += ["--model", opts.model]
+    for model in opts.models:
+        command += ["--model", model]
+    if opts.models_file is not None:
+        command += ["--models-file", models_file]
     return command + list(opts.serve_args)
+
+
+def models_file_upload_command(opts: UpOptions) -> list[str] | None:
+    """`ray rsync-up` of the local --models-file to where the head's serve reads it; None
+    without one."""
+    if opts.models_file is None:
+        return None
+    return [RAY, "rsync-up", opts.cluster_yaml, opts.models_file, REMOTE_MODELS_FILE]
+
+
+def check_serve_flags(opts: UpOptions) -> None:
+    """With a --models-file: the head's `kvrelay serve` command line checked here, the local
+    file in place of its copy, as serve checks it before Ray starts (a bad file: ValueError
+    naming it, the entry and the field), before any ray command runs."""
+    if opts.models_file is None:
+        return
+    from deploy.serve_flags import add_serve_parser, spec_from_args
+
+    parser = _RaisingParser(prog="kvrelay")
+    add_serve_parser(parser.add_subparsers(), lambda args: 0)
+    argv = serve_command(opts, models_file=opts.models_file)[1:]
+    try:
+        spec_from_args(parser.parse_args(argv))
+    except ValueError as e:
+        raise ValueError(f"kvrelay serve on the head would refuse it: {e}") from None
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises ValueError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
 
 
 def start_serve_command(opts: UpOptions) -> list[str]:
@@ -115,9 +155,11 @@ def check_cluster_yaml(path: str) -> None:
 def describe_up(opts: UpOptions, wait_s: float) -> list[str]:
     """What up() runs, one shell line each (what --dry-run prints)."""
     probe = shlex.join(router_check_command(opts))
+    upload = models_file_upload_command(opts)
     return [
         shlex.join(ray_up_command(opts.cluster_yaml)),
         f"{probe}  # once: a router that already answers is kept",
+        *([] if upload is None else [shlex.join(upload)]),
         shlex.join(start_serve_command(opts)),
         f"{probe}  # every {POLL_INTERVAL_S:g} s until it exits 0, at most {wait_s:g} s",
         shlex.join(head_ip_command(opts.cluster_yaml)),
@@ -146,6 +188,10 @@ def bring_up(
         _say("kvrelay up: a router already answers on the head; not starting another")
         _say("  (resize with `kvrelay scale`; restart with `kvrelay down` first)")
     else:
+        if (upload := models_file_upload_command(opts)) is not None:
+            _say(f"kvrelay up: {shlex.join(upload)}")
+            if (rc := run(upload, False).returncode) != 0:
+                return rc
         _say("kvrelay up: starting `kvrelay serve` on the head (ray exec --tmux)")
         if (rc := run(start_serve_command(opts), False).returncode) != 0:
             return rc
@@ -177,7 +223,22 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
         "--prefill", type=int, default=1, help="number of prefill workers (0: aggregated)"
     )
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    p.add_argument("--model", default=None, help="model name, .gguf or HF folder on every node")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="MODEL",
+        help="model name, .gguf or HF folder on every node; repeated, several models side by "
+        "side, each with its own --prefill / --decode pools (serve's --model)",
+    )
+    p.add_argument(
+        "--models-file",
+        default=None,
+        metavar="PATH",
+        help="several models from a YAML or JSON file on this machine (instead of --model; "
+        "deploy/models_file.py shows the format): checked here, copied to the head "
+        f"(ray rsync-up, to {REMOTE_MODELS_FILE}) and given to serve as --models-file",
+    )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument(
@@ -213,15 +274,22 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
     for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
         if not 0 < port < 65536:
             raise ValueError(f"{flag} must be a TCP port (1-65535), got {port}")
+    models = tuple(args.model or ())
+    if models and args.models_file is not None:
+        raise ValueError("give the models either as --model or in --models-file")
+    repeated = next((m for i, m in enumerate(models) if m in models[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"--model {repeated!r} is given more than once")
     return UpOptions(
-        args.cluster_yaml, args.prefill, args.decode, args.model, args.http_port,
-        args.grpc_port, args.device, tuple(shlex.split(args.serve_args)),
+        args.cluster_yaml, args.prefill, args.decode, models, args.http_port,
+        args.grpc_port, args.device, tuple(shlex.split(args.serve_args)), args.models_file,
     )  # fmt: skip
 
 
 def up(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     check_cluster_yaml(opts.cluster_yaml)
+    check_serve_flags(opts)
     if args.dry_run:
         print("\n".join(describe_up(opts, args.wait_timeout)))
         return 0

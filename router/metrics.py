@@ -186,6 +186,12 @@ class RouterMetrics:
             " objectives (--slo-overload queue).",
             registry=r,
         )
+        self.slo_deferred = Counter(
+            "kvrelay_slo_deferred",
+            "Placement looks (one each poll) that found a worker predicted to meet the"
+            " objectives but left it to a request of higher priority waiting for them.",
+            registry=r,
+        )
         self.slo_refused = Counter(
             "kvrelay_slo_refused",
             "Requests refused (503 / RESOURCE_EXHAUSTED) because no worker was predicted to"

@@ -121,6 +121,8 @@ class Placer:
                 num_above = 0 if admitted else self.waiters.num_above(request.priority)
                 if num_above and not isinstance(chosen, Unmet):  # they take the room first
                     self.num_slo_deferred += 1
+                    if self.metrics is not None:
+                        self.metrics.slo_deferred.inc()
                     chosen = Unmet(f"{num_above} request(s) of higher priority wait to be placed")
                 if isinstance(chosen, LocalRoute):
                     self.workers.place(chosen.placement.worker.worker_id)

@@ -1,9 +1,12 @@
-"""`kvrelay up` / `kvrelay down`: the ray CLI commands they build, the order up() runs them in
-(against a scripted runner, no cluster), --dry-run, and the router probe's exit status."""
+"""`kvrelay up` / `kvrelay down`: the ray CLI commands they build (several models, a models
+file copied to the head), the order up() runs them in (against a scripted runner, no cluster),
+--dry-run, a bad models file refused before any ray command, and the router probe's exit
+status."""
 
 from __future__ import annotations
 
 import http.server
+import re
 import shlex
 import subprocess
 import sys
@@ -15,11 +18,13 @@ import pytest
 
 from deploy.cli import build_parser, main
 from deploy.launcher import (
+    REMOTE_MODELS_FILE,
     Ran,
     UpOptions,
     bring_up,
     describe_up,
     endpoints,
+    models_file_upload_command,
     options_from_args,
     parse_head_ip,
     ray_down_command,
@@ -45,7 +50,14 @@ def test_flags_map_onto_options() -> None:
         "--serve-args=--kv-cache-gib 40 --policy round_robin",
     )  # fmt: skip
     assert opts == UpOptions(
-        AWS, 2, 3, "/opt/m", 9000, 9001, "cpu", ("--kv-cache-gib", "40", "--policy", "round_robin")
+        AWS,
+        2,
+        3,
+        ("/opt/m",),
+        9000,
+        9001,
+        "cpu",
+        ("--kv-cache-gib", "40", "--policy", "round_robin"),
     )
     assert up_options() == UpOptions(AWS)
     assert up_options("--prefill", "0").num_prefill == 0  # aggregated decode workers
@@ -57,6 +69,8 @@ def test_flags_map_onto_options() -> None:
         (["--decode", "0"], "--decode >= 1"),
         (["--prefill", "-1"], "--prefill must be >= 0"),
         (["--http-port", "70000"], "--http-port"),
+        (["--model", "/a", "--models-file", "m.yaml"], "either as --model or in --models-file"),
+        (["--model", "/a", "--model", "/a"], "given more than once"),
     ],
 )
 def test_bad_values_are_refused(argv: list[str], message: str) -> None:
@@ -65,7 +79,7 @@ def test_bad_values_are_refused(argv: list[str], message: str) -> None:
 
 
 def test_serve_command_runs_against_the_clusters_ray_on_all_hosts() -> None:
-    opts = UpOptions("c.yaml", 2, 3, "/opt/m", 9000, 9001, serve_args=("--policy", "random"))
+    opts = UpOptions("c.yaml", 2, 3, ("/opt/m",), 9000, 9001, serve_args=("--policy", "random"))
     assert serve_command(opts) == [
         "kvrelay", "serve", "--ray-address", "auto", "--host", "0.0.0.0", "--prefill", "2",
         "--decode", "3", "--http-port", "9000", "--grpc-port", "9001", "--device", "cuda",
@@ -74,8 +88,79 @@ def test_serve_command_runs_against_the_clusters_ray_on_all_hosts() -> None:
     assert "--model" not in serve_command(UpOptions("c.yaml"))  # serve's default model
 
 
+def test_several_models_each_reach_serve_as_a_model_flag() -> None:
+    opts = up_options("--model", "/opt/a", "--model", "/opt/b")
+    assert opts.models == ("/opt/a", "/opt/b")
+    command = serve_command(opts)
+    assert command[-4:] == ["--model", "/opt/a", "--model", "/opt/b"]
+    assert "--models-file" not in command and models_file_upload_command(opts) is None
+
+
+GOOD_MODELS = """models:
+  - model: /opt/models/a
+    decode: 2
+    flags: {kv-cache-gib: 40}
+  - model: /opt/models/b
+"""
+
+
+def test_a_models_file_is_copied_to_the_head_and_served_from_there(tmp_path: Path) -> None:
+    local = tmp_path / "models.yaml"
+    local.write_text(GOOD_MODELS)
+    opts = up_options("--models-file", str(local))
+    assert models_file_upload_command(opts) == [
+        "ray", "rsync-up", AWS, str(local), REMOTE_MODELS_FILE,
+    ]  # fmt: skip
+    command = serve_command(opts)
+    assert command[command.index("--models-file") + 1] == REMOTE_MODELS_FILE
+    assert str(local) not in command and "--model" not in command
+    runner, clock = ScriptedRunner([1, 0]), FakeClock()
+    assert bring_up(opts, run=runner, sleep=clock.sleep, clock=clock) == 0
+    upload = runner.commands.index(models_file_upload_command(opts))
+    assert runner.commands[upload + 1] == start_serve_command(opts)  # copied, then served
+    assert shlex.split(runner.commands[upload + 1][4]) == command
+    lines = describe_up(opts, 60.0)
+    assert lines[2:4] == [
+        shlex.join(models_file_upload_command(opts)),
+        shlex.join(runner.commands[upload + 1]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("models:\n  - model: /a\n    decode: 0\n", r"models\[0\]\.decode: wants a whole number"),
+        (
+            "models:\n  - model: /a\n  - model: /b\n    flags: {kv-cache-gb: 1}\n",
+            r"models\[1\]\.flags: '--kv-cache-gb' is not an engine flag",
+        ),
+        ("models:\n  - modle: /a\n", r"models\[0\]: wants a mapping with `model"),
+        ("models: [\n", "while parsing"),
+    ],
+)
+def test_a_bad_models_file_is_refused_before_any_ray_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, text: str, message: str
+) -> None:
+    local = tmp_path / "models.yaml"
+    local.write_text(text)
+    ran: list[list[str]] = []
+    monkeypatch.setattr("deploy.launcher.run_command", lambda c, capture: ran.append(c))
+    monkeypatch.setattr("deploy.launcher._require_ray_cli", lambda: None)
+    for extra in ([], ["--dry-run"]):
+        assert main(["up", AWS, "--models-file", str(local), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"--models-file {local}" in err  # names the local file, not the head's copy
+        assert re.search(message, err), err
+    assert ran == []
+
+
+def test_a_missing_models_file_is_refused(capsys) -> None:
+    assert main(["up", AWS, "--models-file", "no-such-models.yaml", "--dry-run"]) == 2
+    assert "--models-file no-such-models.yaml" in capsys.readouterr().err
+
+
 def test_ray_commands() -> None:
-    opts = UpOptions("c.yaml", model="/models/a b")  # a path with a space survives quoting
+    opts = UpOptions("c.yaml", models=("/models/a b",))  # a path with a space survives quoting
     assert ray_up_command("c.yaml") == ["ray", "up", "-y", "c.yaml"]
     assert ray_down_command("c.yaml") == ["ray", "down", "-y", "c.yaml"]
     exec_serve = start_serve_command(opts)

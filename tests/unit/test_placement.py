@@ -13,6 +13,7 @@ from common.messages import GenerateRequest, WorkerInfo, WorkerLoad
 from common.placement_rules import SloTargets
 from engine.sampling.sampling_params import SamplingParams
 from router.errors import SloUnmet
+from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import KVAwarePolicy
 from router.prefix_index import IndexView
@@ -94,6 +95,7 @@ def test_a_lower_priority_request_queued_first_is_placed_after_a_higher_one() ->
     leaves it to the higher one, which is placed first."""
     index = ScriptedIndex(num_busy_views=8)
     p = placer(index, SloTargets(ttft_ms=5000, overload="queue"))
+    p.metrics = RouterMetrics()
     order: list[str] = []
 
     async def place(request: GenerateRequest) -> None:
@@ -111,6 +113,13 @@ def test_a_lower_priority_request_queued_first_is_placed_after_a_higher_one() ->
     asyncio.run(scenario())
     assert order == ["high", "low"]
     assert p.num_slo_queued == 2 and p.num_slo_deferred >= 1
+    exported = {  # /metrics says what the placer counted
+        name: p.metrics.registry.get_sample_value(f"kvrelay_slo_{name}_total")
+        for name in ("queued", "deferred")
+    }
+    assert exported == {"queued": 2, "deferred": p.num_slo_deferred}
+    text = p.metrics.render().decode()
+    assert f"kvrelay_slo_deferred_total {float(p.num_slo_deferred)}" in text
     assert p.waiters.num_above(-100) == 0  # both left the count
     assert p.workers.num_placed("p0") == 2
 

@@ -1,7 +1,7 @@
 """WorkerBase (common/worker_runtime.py): what both worker roles answer alike, on real workers
 (no Ray, no Redis) over a tiny random checkpoint: load and served model, the controller's state
-moves, stats of the role's shape, the drain's retire, the leak check, refusals once closed, and
-one shutdown.
+moves, stats of the role's shape, the drain's retire, the leak check, refusals once closed, a
+decode worker's prefilled requests waiting for KV room counted as waiting, and one shutdown.
 
 The workers run in one spawned child process: NIXL's native library aborts a process that has
 loaded grpc_tools' (test_proto_stubs.py does), so it is kept out of the test runner's."""
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -22,9 +23,10 @@ from common.cluster_state import (
     WorkerState,
     WorkerUnavailable,
 )
-from common.messages import GenerateRequest
+from common.messages import GenerateRequest, KVHandle, TokenDelta
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.config import CacheConfig, EngineConfig
+from engine.finish_reason import FinishReason
 from engine.sampling.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from tests.factories import make_tiny_checkpoint
@@ -58,6 +60,10 @@ def test_prefill_counts_user_requests_and_retires_once_its_lease_ends(in_child) 
 
 def test_decode_reports_its_own_figures_and_drains_clean(in_child) -> None:
     in_child(decode_local_prefill_then_retire)
+
+
+def test_decode_counts_prefilled_requests_waiting_for_kv_room(in_child) -> None:
+    in_child(decode_prefilled_waiting_for_room)
 
 
 def test_shutdown_happens_once_and_refuses_later_calls(in_child) -> None:
@@ -146,6 +152,84 @@ def decode_local_prefill_then_retire(config: EngineConfig) -> None:
         asyncio.run(scenario())
     finally:
         decode.shutdown()
+
+
+def decode_prefilled_waiting_for_room(config: EngineConfig) -> None:
+    """A prefilled request that finds no room on the decode worker waits in its puller, outside
+    the engine: its load (load(), stats(), what it publishes) says waiting 1 beside the one
+    running, until the running one ends and it is admitted. No Ray: the two are wired as Ray
+    would (the handshake check_peer makes, a lease release calls the prefill worker)."""
+    prefill = prefill_worker(config)
+    small = replace(config, cache=replace(config.cache, num_blocks=32))
+    decode = DecodeWorker(DecodeWorkerConfig("d-test", small, num_threads=1))
+    long_run = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    big = tuple(range(480, 0, -1))  # 31 of the 32 blocks; shares no block with PROMPT
+
+    async def deltas_until(req_id: str, done: Callable[[], Awaitable[bool]]) -> list[TokenDelta]:
+        """Poll the router's mailbox (at most 50 ms a poll; a count of polls, not a time bound)
+        until `done`; req_id's deltas."""
+        got: list[TokenDelta] = []
+        for _ in range(2000):
+            got += [d for d in await decode.next_deltas("router-1", 0.05) if d.req_id == req_id]
+            if await done():
+                return got
+        raise AssertionError(f"{req_id}: never got there")
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        def release(handle: KVHandle) -> None:  # engine thread -> the prefill worker's call
+            assert handle.epoch is not None
+            release_call = prefill.release(handle.req_id, handle.epoch)
+            loop.call_soon_threadsafe(asyncio.ensure_future, release_call)
+
+        decode.puller.release_lease = release
+        meta = prefill.metadata()
+        await decode.thread.call(lambda engine: decode.puller.connect(prefill.actor_name, meta))
+        runs = GenerateRequest("runs", PROMPT, long_run)
+        waits = GenerateRequest("waits", big, GREEDY)
+        handles = [await prefill.prefill(r) for r in (runs, waits)]
+        await decode.submit(runs, handles[0], "router-1")
+
+        async def running() -> bool:
+            load = await decode.load()
+            return (load.running, load.waiting) == (1, 0)
+
+        await deltas_until("runs", running)
+        await decode.submit(waits, handles[1], "router-1")
+        load = await decode.load()
+        assert (load.running, load.waiting) == (1, 1), load  # was (1, 0): counted nowhere
+        stats = await decode.stats()
+        assert isinstance(stats, DecodeStats)
+        assert (stats.load.running, stats.load.waiting) == (1, 1)
+        assert stats.num_blocks_reserved == 0  # it holds no block yet
+        await decode.abort("runs")
+
+        async def drained() -> bool:
+            return (await decode.stats()).num_in_flight == 0
+
+        got = await deltas_until("waits", drained)
+        got += [d for d in await decode.next_deltas("router-1", 0.05) if d.req_id == "waits"]
+        assert got[-1].finished and got[-1].finish_reason == FinishReason.LENGTH, got
+        # the prefill worker's first token, then the rest from here
+        assert 1 + sum(len(d.token_ids) for d in got) == GREEDY.max_tokens
+        load = await decode.load()
+        assert (load.running, load.waiting, load.free_blocks) == (0, 0, 32)
+        done = await decode.stats()
+        assert isinstance(done, DecodeStats) and done.num_recomputed == 0  # both read over NIXL
+        check = await decode.retire()
+        assert check is not None and check.clean, check
+        for _ in range(2000):  # the read's DONE notice releases the lease on the prefill side
+            if (await prefill.num_leases()) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert (await prefill.check_no_leaks()).clean
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
 
 
 def shutdown_twice(config: EngineConfig) -> None:
