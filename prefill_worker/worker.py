@@ -101,8 +101,8 @@ class PrefillWorker(WorkerBase):
             if self.traces is not None:
                 self.traces.begin(request, added)
 
-        await self.thread.call(add)
-        try:
+        try:  # cancelled even while add waits its turn: add runs anyway, then the abort
+            await self.thread.call(add)
             return await future
         except asyncio.CancelledError:
             await self.abort(request.req_id)
