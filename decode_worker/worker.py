@@ -294,7 +294,8 @@ class DecodeWorker(WorkerBase):
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
         if self.traces is not None:
-            self.traces.on_outputs(outputs, self.engine.is_unfinished)
+            step_s = self.engine.stats.last_step_s
+            self.traces.on_outputs(outputs, self.engine.is_unfinished, step_s)
 
 
 def _release_lease(handle: KVHandle) -> None:
