@@ -27,7 +27,7 @@ the same model on as many threads as the worker, add_request + step() alone). Pr
 median of each stage over the requests (the first `--warm-up` requests not counted), and with
 --json the per-request rows too.
 
-    python -m bench.ttft_breakdown                        # 40 requests, ~60-200 token prompts
+    python -m bench.ttft_breakdown            # 40 requests, ~60-200 token prompts, max_tokens 1
     python -m bench.ttft_breakdown -n 60 --server-root /tmp/base   # another checkout's server
 """
 
@@ -142,10 +142,22 @@ def prompts(num: int, seed: int, min_words: int, max_words: int) -> list[str]:
     ]
 
 
-def one_request(conn: http.client.HTTPConnection, prompt: str, trace_id: int) -> dict[str, Any]:
+def one_request(
+    conn: http.client.HTTPConnection,
+    prompt: str,
+    trace_id: int,
+    max_tokens: int = 1,
+    model: str = MODEL,
+) -> dict[str, Any]:
     """Send one streaming completion; wall-clock ns of the send and of the first text chunk."""
     body = json.dumps(
-        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
     )
     headers = {
         "Content-Type": "application/json",
@@ -195,7 +207,7 @@ def breakdown(req: dict[str, Any], spans: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def engine_steps(texts: list[str], threads: int) -> list[float]:
+def engine_steps(texts: list[str], threads: int, model: str | None) -> list[float]:
     """ms of add_request + the first step() of each prompt alone on an Engine in this process."""
     import torch
 
@@ -203,7 +215,7 @@ def engine_steps(texts: list[str], threads: int) -> list[float]:
     from engine.sampling.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig())
+    engine = Engine(EngineConfig() if model is None else EngineConfig(model=model))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     times = []
     for i, text in enumerate(texts):
@@ -222,8 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-words", type=int, default=40, help="prompt length (words; ~1.3 tokens)")
     p.add_argument("--max-words", type=int, default=150)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1,
+        help="2: the engine steps on while the first token goes out",
+    )
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="the worker's threads (serve's default: half the cores)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="serve this checkpoint instead of SmolLM2 (e.g. a 2-layer cut of it: a step then "
+        "costs the host's Python more than its compute, as on a GPU)",
+    )
     p.add_argument("--server-root", type=Path, default=ROOT, help="the checkout to serve")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine steps")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
@@ -233,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     sink = SpanSink()
     rows: list[dict[str, float]] = []
     extra = ["--threads-per-worker", str(args.threads), "--otlp-endpoint", sink.url]
+    model = MODEL if args.model is None else ""  # "": the server's default model
+    if args.model is not None:
+        extra += ["--model", args.model]
     try:
         with LaunchedServer(
             prefill=0, decode=1, extra_args=extra, worker_niceness=0, server_root=args.server_root
@@ -240,16 +267,18 @@ def main(argv: list[str] | None = None) -> int:
             conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
             for i, text in enumerate(texts):
                 trace_id = random.getrandbits(128) or 1
-                req = one_request(conn, text, trace_id)
+                req = one_request(conn, text, trace_id, args.max_tokens, model)
                 spans = sink.wait_for(trace_id, {"kvrelay.request", "router.route", "decode"})
                 if i >= args.warm_up:
                     rows.append(breakdown(req, spans))
             conn.close()
     finally:
         sink.close()
-    steps = [] if args.no_engine else engine_steps(texts[args.warm_up :], args.threads)
+    steps = [] if args.no_engine else engine_steps(texts[args.warm_up :], args.threads, args.model)
 
-    print(f"# {len(rows)} requests, one at a time, max_tokens 1; {args.server_root}")
+    print(
+        f"# {len(rows)} requests, one at a time, max_tokens {args.max_tokens}; {args.server_root}"
+    )
     print(f"# machine: {json.dumps(machine_info())}")
     print(f"{'stage':<24}{'p50 ms':>9}{'mean ms':>9}")
     table = {stage: [r[stage] for r in rows] for stage in (*STAGES, "TTFT")}
