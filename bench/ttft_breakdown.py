@@ -25,10 +25,16 @@ worker) are found by trace id. Per request, on one wall clock (every process is 
 and, for reference, the engine's own step for the same prompts in this process (an Engine of
 the same model on as many threads as the worker, add_request + step() alone). Prints the
 median of each stage over the requests (the first `--warm-up` requests not counted), and with
---json the per-request rows too.
+--json the per-request rows too. Medians of stages need not add up to the median TTFT; means
+do (a few slow requests, a GC pause or a span export beside them, weigh on the means).
+
+On a CPU, SmolLM2's step is compute (torch releases the GIL); `--cut-layers 2` serves its first
+two layers instead (same tokenizer, random-looking text), whose step, like a GPU's, is mostly
+the host's Python: the engine thread then holds the GIL while the actor's loop answers.
 
     python -m bench.ttft_breakdown            # 40 requests, ~60-200 token prompts, max_tokens 1
     python -m bench.ttft_breakdown -n 60 --server-root /tmp/base   # another checkout's server
+    python -m bench.ttft_breakdown --cut-layers 2 --max-tokens 4 --switch-interval-us 500
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,8 +56,14 @@ from typing import Any
 
 from bench.lib.serve_launch import ROOT, LaunchedServer, machine_info
 from bench.lib.text_prompts import _random_text
+from common.tracing import EXPORT_DELAY_MS
 
 MODEL = "SmolLM2-135M-Instruct"
+CONVERTED = "kvrelay_source.json"  # the GGUF conversion's marker: not copied to a cut
+SWITCH_VARIABLE = "TTFT_BENCH_SWITCH_INTERVAL_S"
+SITECUSTOMIZE = f"""import os, sys
+sys.setswitchinterval(float(os.environ["{SWITCH_VARIABLE}"]))
+"""
 STAGES = (
     "client -> router",
     "prepare",
@@ -64,16 +77,16 @@ STAGES = (
 
 
 class SpanSink:
-    """An OTLP/HTTP receiver (protobuf) on a free loopback port; keeps, by trace id, each span's
-    name, start and end (ns since the epoch) and its events' names and times."""
+    """An OTLP/HTTP receiver (protobuf) on a free loopback port. It keeps the bodies as they come
+    and decodes them only in spans() (after the run): decoding beside the client's reads would
+    hold this process's GIL while the client waits for a token."""
 
     def __init__(self) -> None:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
             ExportTraceServiceResponse,
         )
 
-        self.spans: dict[int, list[dict[str, Any]]] = {}
+        self._bodies: list[bytes] = []
         self._lock = threading.Lock()
         sink = self
 
@@ -82,7 +95,8 @@ class SpanSink:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
-                sink.receive(ExportTraceServiceRequest.FromString(body))
+                with sink._lock:
+                    sink._bodies.append(body)
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -97,34 +111,32 @@ class SpanSink:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def receive(self, request: Any) -> None:
+    def spans(self) -> dict[int, dict[str, dict[str, Any]]]:
+        """Trace id -> span name -> its start and end (ns since the epoch), its events' times
+        and attributes, of every span received so far."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
         with self._lock:
-            for resource in request.resource_spans:
+            bodies = list(self._bodies)
+        traces: dict[int, dict[str, dict[str, Any]]] = {}
+        for body in bodies:
+            for resource in ExportTraceServiceRequest.FromString(body).resource_spans:
                 for scope in resource.scope_spans:
                     for span in scope.spans:
                         trace_id = int.from_bytes(span.trace_id, "big")
-                        self.spans.setdefault(trace_id, []).append(
-                            {
-                                "name": span.name,
-                                "start": span.start_time_unix_nano,
-                                "end": span.end_time_unix_nano,
-                                "events": {e.name: e.time_unix_nano for e in span.events},
-                                "event_attributes": {
-                                    e.name: {a.key: _value(a.value) for a in e.attributes}
-                                    for e in span.events
-                                },
-                            }
-                        )
-
-    def wait_for(self, trace_id: int, names: set[str], timeout_s: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                found = {s["name"]: s for s in self.spans.get(trace_id, [])}
-            if names <= set(found):
-                return found
-            time.sleep(0.05)
-        raise RuntimeError(f"trace {trace_id:032x}: spans {names - set(found)} never arrived")
+                        traces.setdefault(trace_id, {})[span.name] = {
+                            "name": span.name,
+                            "start": span.start_time_unix_nano,
+                            "end": span.end_time_unix_nano,
+                            "events": {e.name: e.time_unix_nano for e in span.events},
+                            "event_attributes": {
+                                e.name: {a.key: _value(a.value) for a in e.attributes}
+                                for e in span.events
+                            },
+                        }
+        return traces
 
     def close(self) -> None:
         self.server.shutdown()
@@ -207,6 +219,32 @@ def breakdown(req: dict[str, Any], spans: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def cut_checkpoint(num_layers: int) -> Path:
+    """SmolLM2's checkpoint with its first `num_layers` layers alone, in a new temp folder."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.loader import resolve_model
+
+    src = resolve_model(MODEL)
+    dst = Path(tempfile.mkdtemp(prefix=f"smollm2_{num_layers}layers_"))
+    for file in src.iterdir():
+        if file.suffix != ".safetensors" and file.name not in ("config.json", CONVERTED):
+            (dst / file.name).write_bytes(file.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config))
+    layer = re.compile(r"layers\.(\d+)\.")
+    tensors = {
+        name: t
+        for name, t in load_file(src / "model.safetensors").items()
+        if (m := layer.search(name)) is None or int(m.group(1)) < num_layers
+    }
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def engine_steps(texts: list[str], threads: int, model: str | None) -> list[float]:
     """ms of add_request + the first step() of each prompt alone on an Engine in this process."""
     import torch
@@ -245,35 +283,68 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model",
         default=None,
-        help="serve this checkpoint instead of SmolLM2 (e.g. a 2-layer cut of it: a step then "
-        "costs the host's Python more than its compute, as on a GPU)",
+        help="serve this checkpoint folder instead of SmolLM2",
+    )
+    p.add_argument(
+        "--cut-layers",
+        type=int,
+        default=None,
+        help="serve SmolLM2's first N layers alone (a checkpoint written to a temp folder)",
+    )
+    p.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in every Python process of the server (a sitecustomize on "
+        "its PYTHONPATH): how long the engine thread may keep the GIL from the actor loop "
+        "(Python's default: 5000)",
     )
     p.add_argument("--server-root", type=Path, default=ROOT, help="the checkout to serve")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine steps")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
 
+    if args.cut_layers is not None:
+        args.model = str(cut_checkpoint(args.cut_layers))
     texts = prompts(args.num_requests, args.seed, args.min_words, args.max_words)
     sink = SpanSink()
     rows: list[dict[str, float]] = []
+    sent: list[tuple[int, dict[str, Any]]] = []
     extra = ["--threads-per-worker", str(args.threads), "--otlp-endpoint", sink.url]
     model = MODEL if args.model is None else ""  # "": the server's default model
     if args.model is not None:
         extra += ["--model", args.model]
+    env = {}
+    if args.switch_interval_us is not None:
+        site = Path(tempfile.mkdtemp(prefix="ttft_site_"))
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env = {
+            "PYTHONPATH": f"{site}{os.pathsep}{args.server_root}",
+            SWITCH_VARIABLE: str(args.switch_interval_us / 1e6),
+        }
     try:
         with LaunchedServer(
-            prefill=0, decode=1, extra_args=extra, worker_niceness=0, server_root=args.server_root
+            prefill=0,
+            decode=1,
+            extra_args=extra,
+            worker_niceness=0,
+            server_root=args.server_root,
+            env=env,
         ) as server:
             conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-            for i, text in enumerate(texts):
+            for text in texts:
                 trace_id = random.getrandbits(128) or 1
-                req = one_request(conn, text, trace_id, args.max_tokens, model)
-                spans = sink.wait_for(trace_id, {"kvrelay.request", "router.route", "decode"})
-                if i >= args.warm_up:
-                    rows.append(breakdown(req, spans))
+                sent.append((trace_id, one_request(conn, text, trace_id, args.max_tokens, model)))
             conn.close()
+            time.sleep(3 * EXPORT_DELAY_MS / 1000)  # every span exported
+        traces = sink.spans()
     finally:
         sink.close()
+    for trace_id, req in sent[args.warm_up :]:
+        spans = traces.get(trace_id, {})
+        if not {"kvrelay.request", "router.route", "decode"} <= set(spans):
+            raise RuntimeError(f"trace {trace_id:032x}: only spans {sorted(spans)} arrived")
+        rows.append(breakdown(req, spans))
     steps = [] if args.no_engine else engine_steps(texts[args.warm_up :], args.threads, args.model)
 
     print(
