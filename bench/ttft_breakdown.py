@@ -13,12 +13,14 @@ worker) are found by trace id. Per request, on one wall clock (every process is 
   submit -> engine      router.route ends until the decode span starts: the prefill_here Ray
                         call and the engine thread taking its command
   engine: before step   the decode span's start until its first step starts (the first_step
-                        event less that step's wall time, kvrelay.step_ms): the engine thread's
-                        other commands and its tick (transfers, the Redis index upkeep)
+                        event, stamped as the step's outputs come, less that step's wall time
+                        kvrelay.step_ms): the engine thread's tick (transfers, the Redis index
+                        upkeep) while the actor's loop answers the prefill_here call
   engine: step          that step (engine.step(): the prompt computed, the first token sampled)
   worker -> router      the step's end (first_step) until the router's stream yields the first
-                        chunk (the root span's first_token event): the mailbox, the long-poll's
-                        Ray reply, the router's streams and detokenizing
+                        chunk (the root span's first_token event): the deltas built and put in
+                        the mailbox, the long-poll's Ray reply, the router's streams and
+                        detokenizing
   router -> client      first_token until the client has read that SSE chunk
   TTFT                  the client's send until that chunk
 
