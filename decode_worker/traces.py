@@ -103,9 +103,13 @@ class DecodeTraces:
             self._start_decode(arrival.req_id, traced.traceparent, {})
 
     def on_outputs(
-        self, outputs: list[RequestOutput], is_unfinished: Callable[[str], bool]
+        self,
+        outputs: list[RequestOutput],
+        is_unfinished: Callable[[str], bool],
+        step_s: float = 0.0,
     ) -> None:
-        """Count a step's tokens; a request's last ends its decode span."""
+        """Count a step's tokens; a request's last ends its decode span. Its first step is an
+        event of that span carrying the step's wall time (`step_s`, the engine's)."""
         stepped: set[str] = set()
         ended: set[str] = set()
         for out in outputs:
@@ -113,7 +117,7 @@ class DecodeTraces:
             if traced is None or not traced.decoding:
                 continue
             if traced.num_steps == 0:
-                traced.span.add_event("first_step")
+                traced.span.add_event("first_step", {"kvrelay.step_ms": step_s * 1000})
             if out.req_id not in stepped:  # n > 1: one output a choice, one step for all
                 stepped.add(out.req_id)
                 traced.num_steps += 1

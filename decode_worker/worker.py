@@ -267,6 +267,9 @@ class DecodeWorker(WorkerBase):
         self.mailboxes.forget_silent(ROUTER_RETENTION_S)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        if self.traces is not None:  # first: the first_step event marks the step's end
+            step_s = self.engine.stats.last_step_s
+            self.traces.on_outputs(outputs, self.engine.is_unfinished, step_s)
         by_router: dict[str, list[TokenDelta]] = {}
         for out in outputs:
             route = self._routes.get(out.req_id)
@@ -300,8 +303,6 @@ class DecodeWorker(WorkerBase):
                 self._routes.pop(req_id, None)
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
-        if self.traces is not None:
-            self.traces.on_outputs(outputs, self.engine.is_unfinished)
 
 
 def _release_lease(handle: KVHandle) -> None:

@@ -238,6 +238,7 @@ class Engine:
     def _record_step(
         self, seconds: float, num_computed_before: int, outputs: list[RequestOutput]
     ) -> None:
+        self.stats.last_step_s = seconds
         num_out = sum(len(out.new_token_ids) for out in outputs)
         self.stats.num_generated_tokens += num_out
         num_computed = self.stats.num_computed_tokens - num_computed_before

@@ -127,3 +127,5 @@ class DecodeStreams:
                 stream = self._streams.get(delta.req_id)
                 if stream is not None:
                     stream.queue.put_nowait(delta)
+            if deltas:  # their streams go out to the clients before the next poll is sent
+                await asyncio.sleep(0)

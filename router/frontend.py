@@ -257,11 +257,15 @@ class Frontend:
         self.metrics.running.inc()
         self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)
         stream = self.backend.generate(req)
+        first = True
         try:
             async for delta in stream:
                 chunk = tracker.on_delta(delta)
                 if chunk is None:  # a choice that already ended (its stop string matched)
                     continue
+                if first:
+                    first = False
+                    traces.first_token(prepared.trace)
                 yield chunk
                 if tracker.finished:
                     return

@@ -148,10 +148,13 @@ class Placer:
     async def _route_inputs(self, request: GenerateRequest, hashes: list[int]) -> RouteInputs:
         decode: list[WorkerInfo] = []
         decode_overlap: dict[str, int] | None = {}
-        if self.local_prefill.enabled or self.slo.tpot_ms > 0:  # both views, one round trip
+        both = self.local_prefill.enabled or self.slo.tpot_ms > 0
+        if both or not self.workers.known("prefill"):  # both views, one round trip
             (prefill, overlap), (decode, decode_overlap) = await asyncio.gather(
                 self.candidates("prefill", hashes), self.candidates("decode", hashes)
             )
+            if prefill and not both:  # a prefill worker after all: decided as below
+                decode, decode_overlap = [], {}
         else:
             prefill, overlap = await self.candidates("prefill", hashes)
             if not prefill:  # aggregated: the decode workers' caches decide

@@ -37,6 +37,13 @@ def start_request(
     return SpanHandle(span, tracing.traceparent_of(span))
 
 
+def first_token(trace: SpanHandle | None) -> None:
+    """The request's first output leaves the router's stream for the client (an event of its
+    root span, `first_token`: where a served TTFT is split, bench/ttft_breakdown.py)."""
+    if trace is not None:
+        trace.span.add_event("first_token")
+
+
 def end_request(trace: SpanHandle, tracker: ChoiceTrackers, exc: BaseException | None) -> None:
     """End the root span with the request's usage and each choice's finish reason; `exc` (what
     ended Frontend.generate early) marks it failed, or aborted when the client left."""

@@ -59,6 +59,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_steps_ahead: int = 0  # steps launched before the previous step's tokens were read
     rate: StepRate = field(default_factory=StepRate)  # recent step times and token rate
+    last_step_s: float = 0.0  # wall time of the latest step (traces report it)
 
 
 class EngineSnapshot(NamedTuple):

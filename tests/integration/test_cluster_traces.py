@@ -114,6 +114,8 @@ def check_tree(spans: list[ReadableSpan], root_span_id: int, parent_span_id: int
     assert decode.attributes["kvrelay.decode.num_tokens"] == MAX_TOKENS - 1  # the 1st: prefill's
     assert 1 <= decode.attributes["kvrelay.decode.num_steps"] <= MAX_TOKENS - 1
     assert [e.name for e in decode.events] == ["first_step"]
+    assert decode.events[0].attributes["kvrelay.step_ms"] > 0  # that step's wall time
+    assert [e.name for e in root.events] == ["first_token"]  # it left the router's stream
 
 
 def test_http_request_is_one_span_tree_under_the_clients_traceparent(stack, sink):

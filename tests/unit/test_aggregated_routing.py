@@ -127,3 +127,29 @@ def test_the_placer_routes_locally_only_when_the_prefill_pool_is_empty() -> None
     assert again.placement.worker.worker_id == "d0" and p.workers.num_placed("d0") == 1
     with pytest.raises(NoWorkerAvailable):
         asyncio.run(p.place_aggregated(REQUEST, [], frozenset({"d0", "d1"})))
+
+
+class ConcurrentIndex(TwoPoolIndex):
+    """Counts the views asked at once (each waits a loop turn, as a Redis round trip would)."""
+
+    def __init__(self, prefill: list[WorkerInfo]):
+        super().__init__(prefill)
+        self.in_flight = self.most_in_flight = 0
+
+    async def view(self, role: str, hashes: list[int]) -> IndexView:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0)
+        self.in_flight -= 1
+        return await super().view(role, hashes)
+
+
+def test_with_no_prefill_worker_known_both_views_are_read_in_one_round_trip() -> None:
+    index = ConcurrentIndex([])
+    routed = asyncio.run(placer(index).route(REQUEST, list(range(20))))
+    assert isinstance(routed, LocalRoute) and routed.placement.worker.worker_id == "d1"
+    assert sorted(index.roles) == ["decode", "prefill"] and index.most_in_flight == 2
+    # A prefill pool the router knows: its view alone, then the decode view only if it is empty.
+    index = ConcurrentIndex([WorkerInfo("p0", "prefill", "p0")])
+    routed = asyncio.run(placer(index).route(REQUEST, []))
+    assert isinstance(routed, tuple) and index.roles == ["prefill"] and index.most_in_flight == 1

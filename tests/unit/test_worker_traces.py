@@ -58,10 +58,12 @@ def test_a_recomputed_prompt_has_no_read_span_and_says_so(spans) -> None:
     traces = DecodeTraces("d0")
     traces.submitted(request(), handle(), 0.0)
     traces.puller_step(PullerStep([], [Arrival("r", TransferStats(recomputed=True))]))
-    traces.on_outputs([output("r")], lambda req_id: True)
-    traces.on_outputs([output("r", finished=True)], lambda req_id: False)
+    traces.on_outputs([output("r")], lambda req_id: True, 0.25)
+    traces.on_outputs([output("r", finished=True)], lambda req_id: False, 0.5)
     named = by_name(spans)
     assert set(named) == {"kv_handoff", "decode.queue", "decode"}
+    [first_step] = named["decode"].events  # the first step's, with that step's wall time
+    assert first_step.name == "first_step" and first_step.attributes["kvrelay.step_ms"] == 250
     assert named["kv_handoff"].attributes["kvrelay.kv.recomputed"] is True
     assert named["kv_handoff"].attributes["kvrelay.prefill_worker_id"] == "p0"
     assert named["decode"].attributes["kvrelay.decode.num_steps"] == 2
