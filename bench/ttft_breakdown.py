@@ -42,7 +42,6 @@ the host's Python: the engine thread then holds the GIL while the actor's loop a
 from __future__ import annotations
 
 import argparse
-import gzip
 import http.client
 import json
 import os
@@ -50,12 +49,11 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from bench.lib.otlp_receiver import OtlpReceiver, any_value
 from bench.lib.serve_launch import ROOT, LaunchedServer, machine_info
 from bench.lib.text_prompts import _random_text
 from common.tracing import EXPORT_DELAY_MS
@@ -78,40 +76,8 @@ STAGES = (
 )
 
 
-class SpanSink:
-    """An OTLP/HTTP receiver (protobuf) on a free loopback port. It keeps the bodies as they come
-    and decodes them only in spans() (after the run): decoding beside the client's reads would
-    hold this process's GIL while the client waits for a token."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceResponse,
-        )
-
-        self._bodies: list[bytes] = []
-        self._lock = threading.Lock()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                with sink._lock:
-                    sink._bodies.append(body)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+class SpanSink(OtlpReceiver):
+    """The spans a server exports during the run, decoded after it (bench/lib/otlp_receiver.py)."""
 
     def spans(self) -> dict[int, dict[str, dict[str, Any]]]:
         """Trace id -> span name -> its start and end (ns since the epoch), its events' times
@@ -120,8 +86,7 @@ class SpanSink:
             ExportTraceServiceRequest,
         )
 
-        with self._lock:
-            bodies = list(self._bodies)
+        bodies = self.bodies()
         traces: dict[int, dict[str, dict[str, Any]]] = {}
         for body in bodies:
             for resource in ExportTraceServiceRequest.FromString(body).resource_spans:
@@ -134,19 +99,11 @@ class SpanSink:
                             "end": span.end_time_unix_nano,
                             "events": {e.name: e.time_unix_nano for e in span.events},
                             "event_attributes": {
-                                e.name: {a.key: _value(a.value) for a in e.attributes}
+                                e.name: {a.key: any_value(a.value) for a in e.attributes}
                                 for e in span.events
                             },
                         }
         return traces
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-def _value(value: Any) -> Any:
-    kind = value.WhichOneof("value")
-    return None if kind is None else getattr(value, kind)
 
 
 def prompts(num: int, seed: int, min_words: int, max_words: int) -> list[str]:
@@ -305,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine steps")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if args.num_requests <= args.warm_up:
+        p.error(f"-n {args.num_requests}: more than --warm-up {args.warm_up} requests are needed")
 
     if args.cut_layers is not None:
         args.model = str(cut_checkpoint(args.cut_layers))

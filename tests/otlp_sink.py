@@ -1,59 +1,37 @@
-"""OtlpSink: an OTLP/HTTP trace receiver on a free 127.0.0.1 port (a thread of its own) that
-hands every span it is sent, from any process, to an OpenTelemetry SDK InMemorySpanExporter,
-as the SDK's ReadableSpan: what a test reads a cluster's traces from. Owns its server."""
+"""OtlpSink: an OTLP/HTTP trace receiver on a free 127.0.0.1 port (bench/lib/otlp_receiver.py)
+that hands every span it is sent, from any process, to an OpenTelemetry SDK
+InMemorySpanExporter, as the SDK's ReadableSpan: what a test reads a cluster's traces from. Owns
+the exporter and how many of the received requests it holds."""
 
 from __future__ import annotations
 
-import gzip
-import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from bench.lib.otlp_receiver import OtlpReceiver, any_value
 
-class OtlpSink:
+
+class OtlpSink(OtlpReceiver):
     def __init__(self) -> None:
+        super().__init__()
         self.exporter = InMemorySpanExporter()
-        self.num_requests = 0
-        sink = self
+        self.num_requests = 0  # export requests decoded into the exporter so far
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                sink.receive(ExportTraceServiceRequest.FromString(body))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200 if self.path == "/v1/traces" else 404)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def receive(self, request: ExportTraceServiceRequest) -> None:
-        self.num_requests += 1
-        self.exporter.export([span for rs in request.resource_spans for span in _spans(rs)])
+    def _decode_new(self) -> None:
+        for body in self.bodies(self.num_requests):
+            self.num_requests += 1
+            request = ExportTraceServiceRequest.FromString(body)
+            self.exporter.export([span for rs in request.resource_spans for span in _spans(rs)])
 
     def spans_of(self, trace_id: int) -> list[ReadableSpan]:
+        self._decode_new()
         spans = self.exporter.get_finished_spans()
         return [s for s in spans if s.context is not None and s.context.trace_id == trace_id]
 
@@ -68,10 +46,6 @@ class OtlpSink:
                 raise AssertionError(f"trace {trace_id:032x} incomplete: {names}")
             time.sleep(0.1)
         return spans
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _spans(resource_spans: Any) -> list[ReadableSpan]:
@@ -106,9 +80,4 @@ def _spans(resource_spans: Any) -> list[ReadableSpan]:
 
 
 def _attributes(pairs: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in pairs}
-
-
-def _value(value: AnyValue) -> Any:
-    kind = value.WhichOneof("value")
-    return None if kind is None else getattr(value, kind)
+    return {kv.key: any_value(kv.value) for kv in pairs}
