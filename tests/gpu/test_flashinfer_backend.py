@@ -92,6 +92,15 @@ def build(
     )
 
 
+def build_serving(folder: Path, **overrides: Any) -> Engine:
+    """An engine on the serving paths' defaults (FlashInfer, CUDA graphs, overlapped steps) with
+    room for a few dozen requests of a few hundred tokens."""
+    shape = {"num_blocks": 256, "max_num_batched_tokens": 256, "max_num_seqs": 16}
+    return build_engine(
+        model_path=str(folder), device="cuda", dtype="bfloat16", **{**shape, **overrides}
+    )
+
+
 class Recorder:
     """Records each request's logits rows; with `forced`, samples those tokens instead."""
 

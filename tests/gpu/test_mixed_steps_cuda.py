@@ -7,19 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.lib.mixed_steps import mixed_steps
-from tests.conftest import build_engine
-from tests.gpu.test_flashinfer_backend import pytestmark, tiny_llama  # noqa: F401 (gpu only)
+from tests.gpu.test_flashinfer_backend import (  # noqa: F401 (pytestmark: gpu only)
+    build_serving,
+    pytestmark,
+    tiny_llama,
+)
 
 
 def test_the_mixed_section_profiles_its_calls_on_the_gpu(tiny_llama: Path) -> None:  # noqa: F811
-    engine = build_engine(
-        model_path=str(tiny_llama),
-        device="cuda",
-        dtype="bfloat16",
-        num_blocks=256,
-        max_num_batched_tokens=256,
-        max_num_seqs=16,
-    )
+    engine = build_serving(tiny_llama)
     assert engine.overlap_steps  # the CUDA default
     result = mixed_steps(engine, [4], [32], reps=1, context_len=40, cuda=True)
     (cell,) = result["cells"]

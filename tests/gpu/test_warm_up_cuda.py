@@ -7,23 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.sampling.sampling_params import SamplingParams
-from tests.conftest import build_engine, run_to_completion
-from tests.gpu.test_flashinfer_backend import pytestmark, tiny_llama  # noqa: F401 (gpu only)
+from tests.conftest import run_to_completion
+from tests.gpu.test_flashinfer_backend import (  # noqa: F401 (pytestmark: gpu only)
+    build_serving,
+    pytestmark,
+    tiny_llama,
+)
 
 
 def test_a_warmed_up_gpu_engine_generates_as_a_cold_one(tiny_llama: Path) -> None:  # noqa: F811
     outputs, engines = [], []
     for warm_up in (None, False):  # None: the default, on CUDA
-        engine = build_engine(
-            model_path=str(tiny_llama),
-            device="cuda",
-            dtype="bfloat16",
-            num_blocks=256,
-            max_num_batched_tokens=256,
-            max_num_seqs=16,
-            record_kv_events=True,
-            warm_up=warm_up,
-        )
+        engine = build_serving(tiny_llama, record_kv_events=True, warm_up=warm_up)
         engines.append(engine)
         assert engine.kv.pool.num_cached_blocks == 0 and engine.drain_kv_events() == []
         assert engine.stats.num_steps == 0 and engine.runner.num_graph_steps == 0
