@@ -11,13 +11,14 @@
 # (bench/gpu_stage_extras.sh), installed here into /tmp/vsite once.
 set -uo pipefail
 model=${1:?model folder}; prefix=${2:?output prefix}; shift 2
+quoted() { [ $# -eq 0 ] || printf '%q ' "$@"; }  # an empty group stays empty, not ''
 prefixes=("$prefix"); groups=(); cur=()
 while [ $# -gt 0 ]; do
   if [ "$1" = --then ]; then
-    groups+=("$(printf '%q ' "${cur[@]}")"); cur=(); prefixes+=("${2:?--then needs a prefix}"); shift 2
+    groups+=("$(quoted "${cur[@]}")"); cur=(); prefixes+=("${2:?--then needs a prefix}"); shift 2
   else cur+=("$1"); shift; fi
 done
-groups+=("$(printf '%q ' "${cur[@]}")")
+groups+=("$(quoted "${cur[@]}")")
 if [ -d .cache/vllm-server-wheels ] && [ ! -f /tmp/vsite/.server-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/vsite \
     .cache/vllm-server-wheels/*.whl 2>&1 | grep -v "already exists" || true

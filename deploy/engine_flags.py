@@ -191,6 +191,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--no-cuda-graph", action="store_true", help="run decode eagerly (no CUDA graphs)"
     )
     p.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="serve at once: skip the start-up warm-up that runs prompts of every step size "
+        "through a CUDA engine so that its kernels load before the first request",
+    )
+    p.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="do not schedule a step while the previous one runs on the GPU",
@@ -243,6 +249,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         cuda_graph=not args.no_cuda_graph,
         async_scheduling=False if args.no_async_scheduling else None,
+        warm_up=False if args.no_warm_up else None,
         load_format=args.load_format,
         quantization=quantization_from_flag(args.quantization),
         gpu_memory_utilization=args.gpu_memory_utilization,

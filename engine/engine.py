@@ -83,9 +83,13 @@ class Engine:
         self._build_step_parts(parts.model, parts.backend, draft)
         wanted = config.warm_up
         if wanted if wanted is not None else self.device.type == "cuda":
-            warm_up.report(warm_up.warm_up(self))
+            try:
+                warm_up.report(warm_up.warm_up(self))
+            except BaseException:  # the follower ranks end with the failed start
+                if self.leader is not None:
+                    self.leader.shutdown()
+                raise
             # fresh step parts: counters, the sampler's seed and step timings start at serving
-            self.kv.reset_counters()
             self._build_step_parts(parts.model, parts.backend, draft)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
@@ -146,11 +150,12 @@ class Engine:
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
         priority: int = DEFAULT_LEVEL,
+        cacheable: bool = True,
     ) -> Request:
         """Queue a request (Admission.add says what each option does)."""
         return self.admission.add(
             req_id, prompt, params, cache_salt, retention_priority, keep_blocks,
-            num_resumed_tokens, kv_retention, priority,
+            num_resumed_tokens, kv_retention, priority, cacheable,
         )  # fmt: skip
 
     def add_prefilled_request(

@@ -1,13 +1,15 @@
 """Start-up warm-up: synthetic prompts run through a new engine's own steps before it serves, so
 what a step's shape selects the first time it is met (a Triton kernel's variant, a cuBLAS
 kernel, a FlashInfer plan) loads then, not in a served request's first token. Owns no state:
-its requests finish, their blocks leave every tier and the engine drops the step parts it ran
-on (Engine.__init__).
+its requests are not cacheable (Request.cacheable: no prefix-cache entry, KV event, tier copy
+or lookup), they finish before it returns, and the engine then drops the step parts they ran
+on (Engine.__init__: step counters, the seeded sampler, step timings start at serving).
 
-On a GPU, served runs (bench/RESULTS.md, 2026-12-06) had the first requests of a fresh server at
-TTFT 270-660 ms against ~40-90 ms later for the same prompts; the RoPE/KV-write kernel alone has
-a variant per power of two of a step's tokens (rope_kv_kernel.heads_per_program). Off CUDA there
-is nothing to load: the engine runs it on CUDA only unless told (EngineConfig.warm_up).
+On a GPU, served runs (bench/RESULTS.md, 2026-12-06) had a fresh server's first requests at TTFT
+270-660 ms against ~40-90 ms later for prompts of the same lengths; the RoPE/KV-write kernel
+alone has a variant per power of two of a step's tokens (rope_kv_kernel.heads_per_program). Off
+CUDA there is nothing to load: the engine runs it on CUDA only unless told
+(EngineConfig.warm_up; `--no-warm-up`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.sampling.sampling_params import SamplingParams
 
-SALT = "kvrelay-warm-up"  # its blocks are hashed apart from every request's, then evicted
+ID = "kvrelay-warm-up"  # its requests' ids start so
 NUM_DECODERS = 8  # requests decoding while the second pass's prompts arrive (mixed steps)
+DECODER_PROMPT = 15  # tokens: less than a block, so a decoder's prompt takes one
 
 
 @dataclass(frozen=True)
@@ -42,17 +47,16 @@ class Engine(Protocol):
     model_config: ModelConfig
     block_size: int
     max_model_len: int
+    device: torch.device
 
     @property
     def has_unfinished_requests(self) -> bool: ...
     def add_request(
-        self, req_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str
+        self, req_id: str, prompt: Sequence[int], params: SamplingParams, cacheable: bool
     ) -> Any: ...
     def step(self) -> Any: ...
     def is_unfinished(self, req_id: str) -> bool: ...
     def abort(self, req_id: str) -> bool: ...
-    def evict_kv(self, token_ids: None = None, cache_salt: str | None = None) -> Any: ...
-    def drain_kv_events(self) -> Any: ...
 
 
 def step_sizes(max_step_tokens: int) -> list[int]:
@@ -78,13 +82,14 @@ def split_prompt(size: int, max_prompt_tokens: int) -> list[int]:
 def warm_up(engine: Engine) -> WarmUpRun:
     """Run prompts of each of step_sizes' token counts (split where one prompt cannot hold
     them) alone, then again while NUM_DECODERS requests decode; greedy, one output token each;
-    then evict their blocks (under SALT) and drop the KV events they made. Leaves the engine
-    with no request and every block free."""
+    none of them cacheable. Leaves the engine with no request and every block free."""
     started = time.perf_counter()
     config, kv = engine.config, engine.kv
     budget = config.scheduler.max_num_batched_tokens
     seats = config.scheduler.max_num_seqs or NUM_DECODERS + 1
     num_decoders = max(0, min(NUM_DECODERS, seats - 1))
+    if engine.max_model_len < DECODER_PROMPT + 2:  # no room for a decoder's prompt and a token
+        num_decoders = 0
     # a prompt and the decoders fit the pool together, each prompt leaving a token to decode
     pool_tokens = kv.num_blocks * engine.block_size
     room = min(engine.max_model_len - 1, pool_tokens // 2 - num_decoders * 2 * engine.block_size)
@@ -109,30 +114,30 @@ def warm_up(engine: Engine) -> WarmUpRun:
     for n, size in enumerate(sizes):
         for i, length in enumerate(split_prompt(size, room)):
             offset = 100 * n + i
-            engine.add_request(
-                f"{SALT}-alone-{n}-{i}", prompt(length, offset), one, cache_salt=SALT
-            )
+            engine.add_request(f"{ID}-alone-{n}-{i}", prompt(length, offset), one, cacheable=False)
         run_until(idle)
-    decoders = [f"{SALT}-decoder-{i}" for i in range(num_decoders)]
+    decoders = [f"{ID}-decoder-{i}" for i in range(num_decoders)]
     long = SamplingParams(
-        max_tokens=max(1, min(engine.max_model_len - 16, 4096)), temperature=0.0, ignore_eos=True
+        max_tokens=max(1, min(engine.max_model_len - DECODER_PROMPT - 1, 4096)),
+        temperature=0.0,
+        ignore_eos=True,
     )
     for i, req_id in enumerate(decoders):
-        engine.add_request(req_id, prompt(15, 10_000 + i), long, cache_salt=SALT)
-    for _ in range(2):  # prefilled, then decoding
+        engine.add_request(req_id, prompt(DECODER_PROMPT, 10_000 + i), long, cacheable=False)
+    for _ in range(2 if decoders else 0):  # prefilled, then decoding
         engine.step()
         num_steps += 1
     for n, size in enumerate(sizes):
         parts = split_prompt(size, room)
-        mixed = [f"{SALT}-mixed-{n}-{i}" for i in range(len(parts))]
+        mixed = [f"{ID}-mixed-{n}-{i}" for i in range(len(parts))]
         for i, (req_id, length) in enumerate(zip(mixed, parts, strict=True)):
-            engine.add_request(req_id, prompt(length, 20_000 + 100 * n + i), one, cache_salt=SALT)
+            engine.add_request(req_id, prompt(length, 20_000 + 100 * n + i), one, cacheable=False)
         run_until(lambda: not any(map(engine.is_unfinished, mixed)))  # noqa: B023 (run at once)
     for req_id in decoders:
         engine.abort(req_id)
     run_until(idle)
-    engine.evict_kv(cache_salt=SALT)
-    engine.drain_kv_events()
+    if engine.device.type == "cuda":  # what ~30 step shapes left cached, for the card's others
+        torch.cuda.empty_cache()
     return WarmUpRun(tuple(sizes), num_decoders, num_steps, time.perf_counter() - started)
 
 

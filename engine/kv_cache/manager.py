@@ -70,7 +70,11 @@ class KVCacheManager:
         self.host_tier = host_tier
         self.disk_tier = disk_tier if enable_caching else None
         self.keep_on_host = keep_on_host and host_tier is not None and enable_caching
-        self.reset_counters()
+        self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
+        self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
+        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier (or shared)
+        self.num_lookup_blocks = 0  # prompt blocks looked up in the prefix cache
+        self.num_device_hit_blocks = 0  # of those, found in the device pool
         self.pool = BlockPool(
             num_blocks, enable_caching, record_events, sibling_key_len=partial_reuse_min_tokens
         )
@@ -120,14 +124,6 @@ class KVCacheManager:
             disk_tier=disk_tier,
         )
 
-    def reset_counters(self) -> None:
-        """The cumulative lookup and hit counters back to 0 (at start, and after the warm-up)."""
-        self.num_partial_reused_tokens = 0  # tokens reused from partly matching blocks
-        self.num_host_hit_blocks = 0  # prefix blocks copied back from the host tier
-        self.num_disk_hit_blocks = 0  # prefix blocks loaded back from the disk tier (or shared)
-        self.num_lookup_blocks = 0  # prompt blocks looked up in the prefix cache
-        self.num_device_hit_blocks = 0  # of those, found in the device pool
-
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -147,8 +143,9 @@ class KVCacheManager:
 
     # ---- allocation -------------------------------------------------------------------------
     def match_prefix(self, req: Request, partial: bool = False) -> PrefixMatch:
-        """Longest cached prefix in both tiers (PrefixCache.match)."""
-        return self.prefix.match(req, partial)
+        """Longest cached prefix in both tiers (PrefixCache.match); none for a request that
+        is not cacheable."""
+        return self.prefix.match(req, partial) if req.cacheable else NO_MATCH
 
     # ---- loads behind the step (disk tier, shared store) ------------------------------------
     def poll_loads(self) -> None:
@@ -235,7 +232,7 @@ class KVCacheManager:
             self.pool.touch(match.blocks)
             table.extend(match.blocks)
             table.num_cached = len(table.blocks)
-        if req.num_computed_tokens == 0 and self.pool.enable_caching:  # its first blocks
+        if req.num_computed_tokens == 0 and self.pool.enable_caching and req.cacheable:
             self.num_lookup_blocks += max(0, req.num_tokens - 1) // self.block_size
             self.num_device_hit_blocks += len(match.blocks)
         req.num_computed_tokens += match.num_tokens  # both tiers and a partial block's tokens
@@ -303,7 +300,7 @@ class KVCacheManager:
         A position counts as computed only once its token is real (the engine records a step
         launched ahead after the tokens it was launched on are read), so each block has a hash.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or not req.cacheable:
             return
         table = self._tables.get(req.req_id)
         if table is None:

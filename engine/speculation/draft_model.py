@@ -30,7 +30,7 @@ class DraftEngine(Protocol):
     model_config: ModelConfig
 
     def add_request(
-        self, req_id: str, prompt: Sequence[int], params: SamplingParams
+        self, req_id: str, prompt: Sequence[int], params: SamplingParams, cacheable: bool = True
     ) -> Request: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -66,7 +66,7 @@ def draft_engine_config(target: EngineConfig, max_model_len: int, shares: bool) 
         load_format=target.load_format,
         seed=target.seed,
         speculative=SpeculativeConfig(),
-        warm_up=False,  # the target's warm-up drafts through it
+        warm_up=False,  # the target's warm-up drafts through it (uncached there too)
         settings=target.settings,
     )
 
@@ -101,7 +101,7 @@ class DraftModel:
         for req, room in zip(reqs, rooms, strict=True):
             params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
             try:
-                engine.add_request(req.req_id, req.all_token_ids, params)
+                engine.add_request(req.req_id, req.all_token_ids, params, cacheable=req.cacheable)
             except ValueError:  # longer than the draft engine holds: no draft
                 continue
             ids[req.req_id] = req

@@ -62,6 +62,7 @@ class Admission:
         num_resumed_tokens: int = 0,
         kv_retention: Sequence[RetentionRange] = (),
         priority: int = DEFAULT_LEVEL,
+        cacheable: bool = True,
     ) -> Request:
         """Queue a request.
 
@@ -73,6 +74,7 @@ class Admission:
         num_resumed_tokens: the prompt's last tokens are an earlier leg's output (migration).
         kv_retention: token ranges whose blocks keep their own priority once freed.
         priority: the scheduling priority (engine/priority.py; higher runs first).
+        cacheable: False keeps it out of the prefix cache (Request.cacheable).
         """
         if req_id in self.kv.kept:
             raise ValueError(f"request id {req_id!r} is already in use (its blocks are kept)")
@@ -83,6 +85,7 @@ class Admission:
         check_ranges(kv_retention)
         req.retention = tuple(kv_retention)
         req.keep_blocks = keep_blocks
+        req.cacheable = cacheable
         req.num_resumed_tokens = resumed_tokens(num_resumed_tokens, req.num_prompt_tokens)
         self.output.start(req)  # before queueing: a grammar the compiler refuses raises here
         try:

@@ -76,6 +76,9 @@ class Request:
     prefilled_choices: PrefilledChoices | None = None
     # Scheduling priority (engine/priority.py): higher is admitted first and may preempt lower.
     priority: int = DEFAULT_LEVEL
+    # False: its blocks are never looked up nor registered in the prefix cache (no hash, no KV
+    # event, no tier copy), and go back uncached: the engine's start-up warm-up.
+    cacheable: bool = True
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,13 +1,14 @@
 """The start-up warm-up (engine/warm_up.py): which prompt lengths it runs, and that an engine
 that ran it serves exactly as one that did not, with nothing of it left behind (no request, no
-cached block, no KV event, no counter). It runs on CUDA by default; here it is asked for on the
-CPU, where the same steps run."""
+cached block on any tier, no KV event, no counter). It runs on CUDA by default; here it is
+asked for on the CPU, where the same steps run."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.attention.rope_kv_kernel import heads_per_program
+from engine.config import SpeculativeConfig
 from engine.sampling.sampling_params import SamplingParams
 from engine.warm_up import split_prompt, step_sizes
 from tests.conftest import run_to_completion
@@ -25,25 +26,34 @@ def test_sizes_reach_every_step_size_within_a_factor_of_one_and_a_half() -> None
     assert split_prompt(8192, 4095) == [2731, 2731, 2730] and split_prompt(100, 4095) == [100]
 
 
+DRAFT = SpeculativeConfig(method="draft", draft_model="default", adaptive=False)
+
+
 @pytest.mark.parametrize(
     ("temperature", "shape"),
     [
         (0.0, {}),
         (0.8, {}),  # the sampler's seeded draws start where a cold engine's do
         (0.0, {"max_model_len": 48, "max_num_batched_tokens": 128}),  # sizes over 2-3 prompts
+        (0.0, {"host_kv_cache_bytes": 8 << 20}),  # a host tier the warm-up must not fill
+        (0.0, {"speculative": DRAFT}),  # its decoders draft through the draft engine
     ],
-    ids=["greedy", "seeded", "split"],
+    ids=["greedy", "seeded", "split", "host-tier", "draft"],
 )
 def test_an_engine_that_warmed_up_serves_as_one_that_did_not(make_engine, temperature, shape):
     common = {"max_num_batched_tokens": 64, "num_blocks": 256, "record_kv_events": True, "seed": 7}
     common.update(shape)
     warm = make_engine(warm_up=True, **common)
     cold = make_engine(warm_up=False, **common)
-    # nothing of the warm-up is left: no block cached, no KV event to publish, no counter
-    assert warm.kv.pool.num_cached_blocks == 0
-    assert warm.drain_kv_events() == []
+    # nothing of the warm-up is left: no block cached on any tier, no KV event to publish, no
+    # counter (its requests were not cacheable; the engine's step parts are new)
     snap = warm.snapshot()
+    assert warm.kv.pool.num_cached_blocks == 0 and snap.num_host_offloaded_blocks == 0
+    assert warm.drain_kv_events() == []
     assert (snap.num_computed_tokens, warm.stats.num_steps, warm.kv.num_lookup_blocks) == (0, 0, 0)
+    draft = warm.speculator.draft_model
+    if draft is not None:  # the warm-up drafted, keeping nothing in the draft engine's cache
+        assert draft.engine.stats.num_steps > 0 and draft.engine.kv.pool.num_cached_blocks == 0
     warm.assert_no_leaks()
     params = SamplingParams(max_tokens=12, temperature=temperature)
     prompts = {"a": list(range(100, 130)), "b": list(range(300, 317))}

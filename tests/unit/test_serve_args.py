@@ -20,6 +20,7 @@ def test_defaults_pick_dtype_and_backend_by_device() -> None:
     assert spec.engine.cuda_graph is True
     assert spec.engine.cache.kv_cache_dtype == "auto"
     assert spec.engine.async_scheduling is None  # on where decode runs through CUDA graphs
+    assert spec.engine.warm_up is None  # on where the engine runs on CUDA
     assert (spec.num_prefill, spec.num_decode) == (1, 1)
 
 
@@ -27,7 +28,7 @@ def test_gpu_flags() -> None:
     spec = parse(
         "--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "flashinfer",
         "--no-cuda-graph", "--no-async-scheduling", "--prefill", "2", "--load-format", "dummy",
-        "--kv-cache-dtype", "fp8",
+        "--kv-cache-dtype", "fp8", "--no-warm-up",
     )  # fmt: skip
     assert spec.engine.device == "cuda"
     assert spec.engine.dtype == "bfloat16"
@@ -37,6 +38,7 @@ def test_gpu_flags() -> None:
     assert spec.engine.load_format == "dummy"
     assert spec.engine.cache.kv_cache_dtype == "fp8"
     assert spec.engine.async_scheduling is False
+    assert spec.engine.warm_up is False
 
 
 def test_bad_values_are_refused() -> None:
