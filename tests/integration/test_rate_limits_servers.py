@@ -23,6 +23,7 @@ from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.rate_limit_schema import TenantKeys
 from router.rate_limits import RateLimiter
 from tests.conftest import build_engine
+from tests.manual_clock import ManualClock
 from tests.redis_server import RedisServer
 from tests.server_harness import ServerHarness
 
@@ -37,19 +38,11 @@ RATE = 3  # burst's and calm's requests per second
 T0 = 1_800_000_000.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Routers:
     """Two ServerHarness (each a router with its own engine) over one Redis and one clock."""
 
     def __init__(self, smollm_model, smollm_dir, keys: ApiKeys, redis_url: str):
-        self.clock = Clock()
+        self.clock = ManualClock(T0)
         self.redis_url = redis_url
         self.routers: list[ServerHarness] = []
         for _ in range(2):

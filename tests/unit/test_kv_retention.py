@@ -15,6 +15,7 @@ from engine.kv_cache.retention import (
     check_ranges,
 )
 from engine.step.request import Request
+from tests.manual_clock import ManualClock
 
 
 @pytest.mark.parametrize(
@@ -54,16 +55,8 @@ def test_blocks_take_the_highest_overlapping_range_else_the_default() -> None:
     ]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_kept_block_outlives_the_default_ones_until_its_duration_ends() -> None:
-    clock = Clock()
+    clock = ManualClock()
     pool = BlockPool(3, clock=clock)
     kept, plain, other = pool.allocate(3)
     for i, block in enumerate((kept, plain, other)):
@@ -80,7 +73,7 @@ def test_a_kept_block_outlives_the_default_ones_until_its_duration_ends() -> Non
 
 
 def test_a_block_reused_before_expiry_keeps_its_new_priority() -> None:
-    clock = Clock()
+    clock = ManualClock()
     pool = BlockPool(2, clock=clock)
     a, b = pool.allocate(2)
     pool.cache_block(a, 1, None)
@@ -114,7 +107,7 @@ def test_the_manager_frees_each_block_with_its_ranges_priority_on_every_path() -
 
 
 def test_stale_expiry_entries_do_not_pile_up_without_evictions() -> None:
-    pool = BlockPool(2, clock=Clock())
+    pool = BlockPool(2, clock=ManualClock())
     [block] = pool.allocate(1)
     pool.cache_block(block, 7, None)
     for _ in range(100):  # a long-lived retention, the block hit again and again

@@ -12,27 +12,20 @@ import pytest
 from common.messages import TokenDelta
 from decode_worker import mailbox
 from decode_worker.mailbox import Mailboxes
+from tests.manual_clock import ManualClock
 
 TIMEOUT_S = 10.0
 CHECK_S = 1.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    clock = Clock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    clock = ManualClock(1000.0)
     monkeypatch.setattr(mailbox.time, "monotonic", clock)
     return clock
 
 
-def checked_every_second(boxes: Mailboxes, clock: Clock, seconds: int) -> list[str]:
+def checked_every_second(boxes: Mailboxes, clock: ManualClock, seconds: int) -> list[str]:
     """The engine thread's checks over `seconds` of running time; the last check's answer."""
     silent: list[str] = []
     for _ in range(seconds):
@@ -41,7 +34,7 @@ def checked_every_second(boxes: Mailboxes, clock: Clock, seconds: int) -> list[s
     return silent
 
 
-def test_a_router_that_stops_polling_is_silent_after_the_timeout(clock: Clock) -> None:
+def test_a_router_that_stops_polling_is_silent_after_the_timeout(clock: ManualClock) -> None:
     boxes = Mailboxes()
     boxes.expect("router-a")
     assert boxes.silent_routers(TIMEOUT_S, CHECK_S) == []
@@ -49,7 +42,7 @@ def test_a_router_that_stops_polling_is_silent_after_the_timeout(clock: Clock) -
     assert checked_every_second(boxes, clock, 2) == ["router-a"]
 
 
-def test_the_workers_own_stall_is_not_counted_against_a_router(clock: Clock) -> None:
+def test_the_workers_own_stall_is_not_counted_against_a_router(clock: ManualClock) -> None:
     boxes = Mailboxes()
     boxes.expect("router-a")  # it submitted; its first poll is pending when the worker stops
     boxes.silent_routers(TIMEOUT_S, CHECK_S)
@@ -59,7 +52,7 @@ def test_the_workers_own_stall_is_not_counted_against_a_router(clock: Clock) -> 
     assert checked_every_second(boxes, clock, 3) == ["router-a"], "silence still counts after"
 
 
-def test_a_silent_routers_box_is_kept_for_its_return_then_forgotten(clock: Clock) -> None:
+def test_a_silent_routers_box_is_kept_for_its_return_then_forgotten(clock: ManualClock) -> None:
     boxes = Mailboxes()
     boxes.expect("router-a")
     end = TokenDelta("r1", (), True, "error", error="aborted", resumable=True)

@@ -19,22 +19,13 @@ from router.metrics import RouterMetrics
 from router.rate_limit_schema import TenantKeys, read_usage
 from router.rate_limits import RateLimiter
 from router.tenant_limits import TenantLimits
+from tests.manual_clock import ManualClock
 from tests.redis_server import RedisServer
 
 T0 = 1_800_000_000.0
 
 
-class Clock:
-    """Unix seconds that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def limiter(url: str, clock: Clock, **limits: TenantLimits) -> RateLimiter:
+def limiter(url: str, clock: ManualClock, **limits: TenantLimits) -> RateLimiter:
     return RateLimiter(url, limits, clock=clock, metrics=RouterMetrics(), lease_s=30.0)
 
 
@@ -49,7 +40,7 @@ async def refusal(limiter: RateLimiter, tenant: str, req_id: str, tokens: int = 
 
 
 def test_requests_per_second_across_two_routers(redis_url: str) -> None:
-    clock = Clock()
+    clock = ManualClock(T0)
 
     async def body() -> None:
         limits = {"a": TenantLimits(rps=4), "b": TenantLimits(rps=4)}
@@ -76,7 +67,7 @@ def test_requests_per_second_across_two_routers(redis_url: str) -> None:
 
 
 def test_a_slow_rate_waits_whole_seconds(redis_url: str) -> None:
-    clock = Clock()
+    clock = ManualClock(T0)
 
     async def body() -> None:
         one = limiter(redis_url, clock, a=TenantLimits(rps=0.25))
@@ -94,7 +85,7 @@ def test_a_slow_rate_waits_whole_seconds(redis_url: str) -> None:
 
 
 def test_tokens_per_minute_are_charged_then_corrected(redis_url: str) -> None:
-    clock = Clock()
+    clock = ManualClock(T0)
     keys = TenantKeys.of("a")
     store = redis.Redis.from_url(redis_url, decode_responses=True)
 
@@ -122,7 +113,7 @@ def test_tokens_per_minute_are_charged_then_corrected(redis_url: str) -> None:
 
 
 def test_stream_slots_are_given_back_and_a_refusal_charges_nothing(redis_url: str) -> None:
-    clock = Clock()
+    clock = ManualClock(T0)
     keys = TenantKeys.of("a")
     store = redis.Redis.from_url(redis_url, decode_responses=True)
 
@@ -154,7 +145,7 @@ def test_stream_slots_are_given_back_and_a_refusal_charges_nothing(redis_url: st
 def test_redis_down_fails_open_and_says_so(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = Clock()
+    clock = ManualClock(T0)
     caplog.set_level(logging.WARNING, "router.rate_limits")
 
     async def body() -> None:
@@ -182,7 +173,7 @@ def test_redis_down_fails_open_and_says_so(
 
 
 def test_a_caller_cancelled_while_redis_admits_gives_the_grant_back(redis_url: str) -> None:
-    clock = Clock()
+    clock = ManualClock(T0)
     store = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = TenantKeys.of("a")
 
