@@ -39,20 +39,20 @@ class IndexUpkeep:
     `publish_interval_s` (0: at every tick that has any), and their write refreshes the worker's
     load and TTL. A heartbeat goes out when nothing was written for `heartbeat_s`. Without
     Redis (no publisher) the events are dropped and every call is a no-op. Times are one
-    monotonic clock's, the caller's. `load`: the load it publishes (default: the engine's,
-    worker_load of its snapshot; a worker adds what waits outside its engine)."""
+    monotonic clock's, the caller's. `load`: the load it publishes (the worker's: its
+    engine's, worker_load of a snapshot, and what waits outside the engine)."""
 
     def __init__(
         self,
         publisher: KVPublisher | None,
         engine: Engine,
         heartbeat_s: float,
-        publish_interval_s: float = 0.0,
-        load: Callable[[], WorkerLoad] | None = None,
+        publish_interval_s: float,
+        load: Callable[[], WorkerLoad],
     ) -> None:
         self.publisher = publisher
         self.engine = engine
-        self._load_of = load
+        self._load = load
         self.heartbeat_s = heartbeat_s
         self.publish_interval_s = publish_interval_s
         self._pending: list[KVEvent] = []
@@ -93,11 +93,6 @@ class IndexUpkeep:
         if self.publisher is not None:
             self.publisher.withdraw()
             self.publisher.close()
-
-    def _load(self) -> WorkerLoad:
-        if self._load_of is not None:
-            return self._load_of()
-        return worker_load(self.engine.snapshot())
 
 
 def make_publisher(
