@@ -16,6 +16,8 @@
 #                 tokens; the step() calls carrying it against the pure-decode ones: wall, host
 #                 stages, kernel busy time against the wall, kernels by kind (~2 min a row;
 #                 MIXED_ARGS: more flags, e.g. "--mixed-batches 16 64 128")
+#   first-steps   a warmed-up 8B engine's first served steps, built on the thread that steps it
+#                 and on another one (bench/first_steps.py; ~40 s each on a warm machine)
 #   transfer      NIXL READ GPU0 -> GPU1 of one 2,048-token 8B prompt against a torch peer copy,
 #                 with the reader's progress thread and without; then 1- and 16-block READs
 #   goodput       1 prefill + 1 decode worker sharing one GPU, disaggregated then aggregated
@@ -34,7 +36,7 @@
 #                 ~5 + ~7 min, past one call's 600 s: call twice, MOE_ENGINES=kvrelay then vllm, on
 #                 the same warm machine)
 set -uo pipefail
-phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b, vllm-spec or moe}
+phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b, vllm-spec or moe}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -145,6 +147,13 @@ case $phase in
         > "$out/mixed_$row.txt" 2> "$out/mixed_$row.err"
       echo "mixed $row rc=$?"
       tail -n 20 "$out/mixed_$row.txt"
+    done
+    ;;
+  first-steps)  # a warmed-up engine's first served steps, built on the stepping thread or not
+    for on in stepping caller; do
+      timeout 200 python3 -m bench.first_steps --built-on $on --json "$out/first_steps_$on.json" \
+        > "$out/first_steps_$on.txt" 2> "$out/first_steps_$on.err"
+      echo "first-steps $on rc=$?"; cat "$out/first_steps_$on.txt"
     done
     ;;
   transfer)

@@ -26,7 +26,6 @@ from common.worker_lifecycle import WorkerLifecycle
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.engine_thread import EngineThread
     from engine.step.step_types import EngineSnapshot, RequestOutput
 
 
@@ -58,6 +57,7 @@ class WorkerBase(ABC):
         with a new NIXL agent; publishes `publish_interval_s` apart at most (index_upkeep.py);
         traces its requests to `otlp_endpoint` (None: tracing off, common/tracing.py)."""
         from engine.engine import Engine
+        from engine.engine_thread import EngineThread
         from kvtransfer.nixl_transfer import NixlTransfer
 
         set_threads(num_threads)
@@ -69,7 +69,10 @@ class WorkerBase(ABC):
             from common.rank_actors import start_ray_follower
 
             start_follower = start_ray_follower
-        self.engine = engine = Engine(engine_config, start_follower=start_follower)
+        # built on the thread that will step it (engine_thread.py); it serves from
+        # start_engine_thread(), once the role's parts exist
+        self.thread = EngineThread(lambda: Engine(engine_config, start_follower=start_follower))
+        self.engine = engine = self.thread.engine
         agent_name = f"{worker_id}-nixl"
         self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
         self.transfer.register(*engine.kv_memory())
@@ -89,7 +92,6 @@ class WorkerBase(ABC):
         )
         self.lifecycle = WorkerLifecycle(worker_id, self.role)
         self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
-        self.thread: EngineThread  # start_engine_thread(), once the role's parts exist
 
     def _register_ranks(self, engine: Engine) -> None:
         """A TP worker's handoff layout: rank 0's heads, and every other rank's NIXL agent
@@ -117,9 +119,7 @@ class WorkerBase(ABC):
         self.transfer.set_layout(size, rank_kv_heads(heads, 0, size).start, heads, ranks)
 
     def start_engine_thread(self) -> None:
-        from engine.engine_thread import EngineThread
-
-        self.thread = EngineThread(self.engine, self._on_outputs, self._tick)
+        self.thread.serve(self._on_outputs, self._tick)
 
     # ---- actor API both roles share ----------------------------------------------------------
     async def load(self) -> WorkerLoad:

@@ -1,4 +1,5 @@
-"""EngineThread: runs one Engine on its own thread and lets asyncio code talk to it safely.
+"""EngineThread: builds one Engine on its own thread, steps it there and lets asyncio code talk
+to it safely.
 
 It owns the thread and a command queue. Commands (callables taking the engine) run between
 steps on the engine's thread, so the engine is never touched from two threads. After each
@@ -26,25 +27,46 @@ Done = Callable[[Any, BaseException | None], None]
 
 
 class EngineThread:
-    def __init__(
-        self,
-        engine: Engine,
-        on_outputs: Callable[[list[RequestOutput]], None],
-        on_tick: Callable[[], bool] | None = None,
-        idle_wait_s: float = 0.05,
-    ):
-        """on_tick returns True while it has work in flight (the thread then polls quickly)."""
-        self.engine = engine
-        self._on_outputs = on_outputs
-        self._on_tick = on_tick or (lambda: False)
+    engine: Engine
+
+    def __init__(self, build: Callable[[], Engine], idle_wait_s: float = 0.05):
+        """Start the thread and build the engine on it, then return (raising what the build
+        raised). The thread that steps an engine builds it: on CUDA, what a thread meets the
+        first time (per-thread library handles and workspaces) is met in the engine's start-up
+        warm-up, not in its first served steps (~200 ms each on an H100 for the first prompt-
+        only and first mixed step when built on another thread, bench/RESULTS.md). Commands
+        queue until serve()."""
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[
             tuple[Command, Callable[[Any, BaseException | None], None]]
         ]
         self._commands = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
+        self._serving = threading.Event()  # set by serve() or stop()
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._on_outputs: Callable[[list[RequestOutput]], None] = lambda outputs: None
+        self._on_tick: Callable[[], bool] = lambda: False
+        self._thread = threading.Thread(
+            target=self._run, args=(build,), name="kvrelay-engine", daemon=True
+        )
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+
+    def serve(
+        self,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_tick: Callable[[], bool] | None = None,
+    ) -> None:
+        """Start stepping. After each step on_outputs gets its outputs; on_tick runs every
+        iteration and returns True while it has work in flight (the thread then polls
+        quickly)."""
+        self._on_outputs = on_outputs
+        self._on_tick = on_tick or (lambda: False)
+        self._serving.set()
 
     def submit(self, command: Command, done: Done) -> None:
         """Queue a command; once the thread has stopped, `done` gets a RuntimeError instead."""
@@ -76,6 +98,7 @@ class EngineThread:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._serving.set()
         self._commands.put((lambda engine: None, lambda result, error: None))
         self._thread.join(timeout_s)
 
@@ -98,7 +121,15 @@ class EngineThread:
             except queue.Empty:
                 return
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine]) -> None:
+        try:
+            self.engine = build()
+        except BaseException as e:  # __init__ raises it in the caller's thread
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        self._serving.wait()
         busy = False
         while not self._stop.is_set():
             idle = not busy and not self.engine.has_unfinished_requests

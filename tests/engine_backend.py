@@ -51,7 +51,8 @@ class EngineBackend(Backend):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = EngineThread(self.engine, self._on_outputs)
+        self._thread = EngineThread(lambda: self.engine)
+        self._thread.serve(self._on_outputs)
 
     def stop(self) -> None:
         if self._thread is not None:

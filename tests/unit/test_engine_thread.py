@@ -1,0 +1,73 @@
+"""EngineThread alone (a stand-in engine): the thread that steps an engine is the one that built
+it, a failed build raises in the caller, commands wait for serve(), a stop before serve() fails
+them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.engine_thread import EngineThread
+
+
+class StandIn:
+    """What EngineThread uses of an Engine: whether it has work, a step, its step counter."""
+
+    def __init__(self) -> None:
+        self.built_on = threading.get_ident()
+        self.stepped_on: set[int] = set()
+        self.pending = 2  # steps before it has no unfinished request
+        self.stats = type("Stats", (), {"num_steps": 0})()
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.pending > 0
+
+    def step(self) -> list[str]:
+        self.stepped_on.add(threading.get_ident())
+        self.pending -= 1
+        self.stats.num_steps += 1
+        return [f"out{self.pending}"]
+
+
+def test_the_engine_is_built_and_stepped_on_the_same_thread_not_the_callers() -> None:
+    outputs: list[list[str]] = []
+    thread = EngineThread(StandIn)  # type: ignore[arg-type]
+    engine: StandIn = thread.engine  # type: ignore[assignment]
+    assert engine.built_on != threading.get_ident()
+    assert engine.stepped_on == set()  # nothing steps before serve()
+
+    async def run() -> int:
+        thread.serve(outputs.append)
+        await thread.call(lambda e: None)  # runs after the queued steps' iteration
+        while engine.pending > 0:
+            await asyncio.sleep(0.01)
+        return await thread.call(lambda e: threading.get_ident())
+
+    command_thread = asyncio.run(run())
+    thread.stop()
+    assert engine.stepped_on == {engine.built_on} == {command_thread}
+    assert outputs == [["out1"], ["out0"]]
+
+
+def test_a_failed_build_raises_in_the_caller_and_leaves_no_thread() -> None:
+    def build() -> StandIn:
+        raise RuntimeError("no GPU memory for the KV pool")
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="no GPU memory"):
+        EngineThread(build)  # type: ignore[arg-type]
+    assert threading.active_count() == before
+
+
+def test_commands_wait_for_serve_and_a_stop_before_it_fails_them() -> None:
+    thread = EngineThread(StandIn)  # type: ignore[arg-type]
+    results: list[tuple[object, BaseException | None]] = []
+    thread.submit(lambda e: "ran", lambda result, error: results.append((result, error)))
+    assert thread.is_alive() and results == []  # queued: the thread waits for serve()
+    thread.stop()
+    assert not thread.is_alive()
+    assert len(results) == 1 and results[0][0] is None
+    assert "stopped" in str(results[0][1])
