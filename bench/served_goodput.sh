@@ -39,10 +39,6 @@
 # conversations started per second; files *_multiturn). Over HTTP each turn's output comes back
 # as text, and serve_bench re-tokenizes it with the folder's tokenizer for the next prompt, the
 # same way for both servers (bench/lib/serve_workload.py text_encoder says why that is fair).
-# SWITCH_US: sys.setswitchinterval (microseconds; Python's default 5,000) in every Python process
-# of the server, through a sitecustomize on PYTHONPATH (a kvrelay config's files then end in
-# _swN): does the engine thread's hold on the GIL while it launches a step's kernels delay the
-# worker's Ray calls (bench/ttft_breakdown.py)?
 # RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds each rate's run
 # by the rate's value (arrivals and prompts), so runs at one rate compare across RATES lists.
 set -uo pipefail
@@ -69,11 +65,6 @@ for w in $workloads; do workload_args "$w" || exit 2; done
 test -f "$folder/config.json" || python3 -c "from bench.lib.served_shape import \
 write_served_shape; from pathlib import Path; write_served_shape(Path('$folder'), \
 'llama-3.1-8b', print, Path('.cache/smollm2-tokenizer'))"
-if [ -n "${SWITCH_US:-}" ]; then  # Python's GIL switch interval in every server process
-  site=$(mktemp -d)
-  echo "import sys; sys.setswitchinterval(${SWITCH_US} / 1e6)" > "$site/sitecustomize.py"
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
 left() { if [ -n "${DEADLINE:-}" ]; then echo $((DEADLINE - $(date +%s))); else echo 99999; fi; }
 shared="--gpus-per-worker 0.5 --local-prefill-max-tokens 1000000"  # 1 prefill + 1 decode, one card
 config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
@@ -95,7 +86,6 @@ case $part in
   kvrelay)
     for w in $workloads; do
     workload_args "$w"
-    [ -n "${SWITCH_US:-}" ] && tag="${tag}_sw${SWITCH_US}"
     for config in ${CONFIGS:-agg eager8k}; do
       flags=$(config_flags "$config") || continue
       if [ "$(left)" -lt "${MIN_LEFT_S:-240}" ]; then echo "kvrelay $config: skipped, $(left) s left"; continue; fi

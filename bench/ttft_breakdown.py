@@ -36,7 +36,7 @@ the host's Python: the engine thread then holds the GIL while the actor's loop a
 
     python -m bench.ttft_breakdown            # 40 requests, ~60-200 token prompts, max_tokens 1
     python -m bench.ttft_breakdown -n 60 --server-root /tmp/base   # another checkout's server
-    python -m bench.ttft_breakdown --cut-layers 2 --max-tokens 4 --switch-interval-us 500
+    python -m bench.ttft_breakdown --cut-layers 2 --max-tokens 4
 """
 
 from __future__ import annotations
@@ -60,10 +60,6 @@ from common.tracing import EXPORT_DELAY_MS
 
 MODEL = "SmolLM2-135M-Instruct"
 CONVERTED = "kvrelay_source.json"  # the GGUF conversion's marker: not copied to a cut
-SWITCH_VARIABLE = "TTFT_BENCH_SWITCH_INTERVAL_S"
-SITECUSTOMIZE = f"""import os, sys
-sys.setswitchinterval(float(os.environ["{SWITCH_VARIABLE}"]))
-"""
 STAGES = (
     "client -> router",
     "prepare",
@@ -250,14 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="serve SmolLM2's first N layers alone (a checkpoint written to a temp folder)",
     )
-    p.add_argument(
-        "--switch-interval-us",
-        type=float,
-        default=None,
-        help="sys.setswitchinterval in every Python process of the server (a sitecustomize on "
-        "its PYTHONPATH): how long the engine thread may keep the GIL from the actor loop "
-        "(Python's default: 5000)",
-    )
     p.add_argument("--server-root", type=Path, default=ROOT, help="the checkout to serve")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine steps")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
@@ -275,14 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     model = MODEL if args.model is None else ""  # "": the server's default model
     if args.model is not None:
         extra += ["--model", args.model]
-    env = {}
-    if args.switch_interval_us is not None:
-        site = Path(tempfile.mkdtemp(prefix="ttft_site_"))
-        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env = {
-            "PYTHONPATH": f"{site}{os.pathsep}{args.server_root}",
-            SWITCH_VARIABLE: str(args.switch_interval_us / 1e6),
-        }
     try:
         with LaunchedServer(
             prefill=0,
@@ -290,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
             extra_args=extra,
             worker_niceness=0,
             server_root=args.server_root,
-            env=env,
         ) as server:
             conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
             for text in texts:
