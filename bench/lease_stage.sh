@@ -57,7 +57,7 @@ case $cmd in
     mkdir -p /tmp/stage && cat /tmp/kv/.stage[0-9]*/part.* | tar x -C /tmp/stage
     rm -rf /tmp/kv/.stage[0-9]*
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-      /tmp/stage/wheels/*.whl
+      /tmp/stage/wheels/*.whl /tmp/kv/.cache/wheels/*.whl  # the extras' (gpu_stage_extras.sh)
     for d in /tmp/stage/debs/*.deb; do dpkg -x "$d" /tmp/redis; done
     rm -rf /tmp/stage && touch /tmp/site/.staged
     cat > /tmp/lease/env.sh <<'ENV'
