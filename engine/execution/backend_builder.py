@@ -34,6 +34,7 @@ from engine.execution.memory_budget import (
     num_pool_blocks,
     profile_num_seqs,
 )
+from engine.execution.mixed_graphs import MixedStepGraphs, mixed_graphs_for
 from engine.sampling.sample_row import SampleRow
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class DeviceSide(NamedTuple):
     kv_cache: torch.Tensor
     attention: AttentionBackend
     graphs: CUDAGraphDecoder | None  # decode graphs (FlashInfer with cuda_graph only)
+    mixed: MixedStepGraphs | None = None  # the KVRELAY_MIXED_GRAPHS experiment's graphs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -313,7 +315,32 @@ def build_backend(
             ),
         )
         _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
-    return DeviceSide(name, kv_cache, flashinfer, graphs)
+    mixed = None
+    if config.cuda_graph and config.settings.mixed_graphs and not memory_probe:
+        mixed = _mixed_graphs(model, flashinfer, config.scheduler.max_num_batched_tokens, device)
+    return DeviceSide(name, kv_cache, flashinfer, graphs, mixed)
+
+
+def _mixed_graphs(
+    model: nn.Module, attention: FlashInferAttention, max_tokens: int, device: torch.device
+) -> MixedStepGraphs | None:
+    """The KVRELAY_MIXED_GRAPHS experiment's graphs, or None with the reason said."""
+    why = mixed_graphs_for(model)
+    if why is None:
+        try:
+            mixed, took = _with_memory_taken(
+                device, lambda: MixedStepGraphs(model, attention, max_tokens)
+            )
+        except Exception as error:  # said, not silent: the steps run eager as without it
+            why = f"their capture failed ({error!r})"
+        else:
+            _stderr(
+                f"kvrelay engine: mixed-step graphs for {len(mixed.sizes)} token counts (up to "
+                f"{mixed.sizes[-1]}) took {took:.0f} MiB (KVRELAY_MIXED_GRAPHS=1, an experiment)"
+            )
+            return mixed
+    _stderr(f"kvrelay engine: KVRELAY_MIXED_GRAPHS=1, but mixed steps run eager: {why}")
+    return None
 
 
 def _with_memory_taken(device: torch.device, build: Callable[[], T]) -> tuple[T, float]:

@@ -44,6 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = side.kv_cache.device
         self.graphs: DecodeGraphs | None = side.graphs
+        self.mixed = side.mixed  # KVRELAY_MIXED_GRAPHS (an experiment): steps with a prompt
         self.num_graph_steps = 0
 
     def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
@@ -111,6 +112,8 @@ class ModelRunner:
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
             hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
+        elif self.mixed is not None and self.mixed.bucket(len(inputs.input_ids)):
+            hidden = self.mixed.run(inputs, self.block_size, fill)
         else:
             hidden = self._forward_eager(inputs, fill)
         if rows == list(range(hidden.shape[0])):
