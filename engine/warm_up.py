@@ -29,6 +29,7 @@ from engine.sampling.sampling_params import SamplingParams
 ID = "kvrelay-warm-up"  # its requests' ids start so
 NUM_DECODERS = 8  # requests decoding while the second pass's prompts arrive (mixed steps)
 DECODER_PROMPT = 15  # tokens: less than a block, so a decoder's prompt takes one
+PROGRESS_EVERY_S = 15.0  # a long warm-up (kernels compiling) says how far it is this often
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,20 @@ def warm_up(engine: Engine) -> WarmUpRun:
     vocab = engine.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     num_steps = 0
+    passes = 2 * len(sizes)  # each size alone, then beside the decoders
+    said = time.perf_counter()
+    if sizes:
+        say(
+            f"warm-up: {len(sizes)} step sizes ({sizes[0]}..{sizes[-1]} prompt tokens), alone "
+            f"and beside {num_decoders} decoding requests (on a machine's first start its "
+            "kernels compile: a minute or two)"
+        )
+
+    def progress(done: int) -> None:
+        nonlocal said
+        if time.perf_counter() - said >= PROGRESS_EVERY_S:
+            said = time.perf_counter()
+            say(f"warm-up: {done} of {passes} passes, {said - started:.0f} s")
 
     def prompt(length: int, offset: int) -> list[int]:
         return [(offset + 7 * i) % (vocab - 1) + 1 for i in range(length)]  # no two alike
@@ -116,6 +131,7 @@ def warm_up(engine: Engine) -> WarmUpRun:
             offset = 100 * n + i
             engine.add_request(f"{ID}-alone-{n}-{i}", prompt(length, offset), one, cacheable=False)
         run_until(idle)
+        progress(n + 1)
     decoders = [f"{ID}-decoder-{i}" for i in range(num_decoders)]
     long = SamplingParams(
         max_tokens=max(1, min(engine.max_model_len - DECODER_PROMPT - 1, 4096)),
@@ -133,6 +149,7 @@ def warm_up(engine: Engine) -> WarmUpRun:
         for i, (req_id, length) in enumerate(zip(mixed, parts, strict=True)):
             engine.add_request(req_id, prompt(length, 20_000 + 100 * n + i), one, cacheable=False)
         run_until(lambda: not any(map(engine.is_unfinished, mixed)))  # noqa: B023 (run at once)
+        progress(len(sizes) + n + 1)
     for req_id in decoders:
         engine.abort(req_id)
     run_until(idle)
@@ -144,10 +161,11 @@ def warm_up(engine: Engine) -> WarmUpRun:
 def report(run: WarmUpRun) -> None:
     sizes = run.step_sizes
     span = f"{sizes[0]}..{sizes[-1]}" if sizes else "none"
-    print(
-        f"kvrelay engine: warm-up: {len(sizes)} step sizes ({span} prompt tokens) alone and "
-        f"beside {run.num_decoders} decoding requests, {run.num_steps} steps in "
-        f"{run.seconds:.1f} s",
-        file=sys.stderr,
-        flush=True,
+    say(
+        f"warm-up: {len(sizes)} step sizes ({span} prompt tokens) alone and beside "
+        f"{run.num_decoders} decoding requests, {run.num_steps} steps in {run.seconds:.1f} s"
     )
+
+
+def say(message: str) -> None:
+    print(f"kvrelay engine: {message}", file=sys.stderr, flush=True)

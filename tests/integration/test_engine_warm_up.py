@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import warm_up
 from engine.attention.rope_kv_kernel import heads_per_program
 from engine.config import SpeculativeConfig
 from engine.sampling.sampling_params import SamplingParams
@@ -64,3 +65,18 @@ def test_an_engine_that_warmed_up_serves_as_one_that_did_not(make_engine, temper
         outputs.append(run_to_completion(engine))
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[0].values())
+
+
+def test_a_warm_up_says_what_it_runs_and_how_far_it_is(make_engine, monkeypatch, capfd):
+    """A first start compiles kernels for a minute or more on a GPU: its start is said at once
+    and its progress every PROGRESS_EVERY_S (0 here: after every pass)."""
+    monkeypatch.setattr(warm_up, "PROGRESS_EVERY_S", 0.0)
+    capfd.readouterr()
+    make_engine(warm_up=True, max_num_batched_tokens=16, num_blocks=64)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "warm-up" in line]
+    sizes = step_sizes(16)
+    passes = [line for line in lines if " passes, " in line]
+    assert "warm-up: 9 step sizes (1..24 prompt tokens), alone and beside 8" in lines[0]
+    assert len(sizes) == 9 and len(passes) == 2 * len(sizes)
+    assert f"warm-up: {2 * len(sizes)} of {2 * len(sizes)} passes" in passes[-1]
+    assert "steps in" in lines[-1]  # the report
