@@ -34,9 +34,10 @@ RANK_CHECK_INTERVAL_S = 1.0  # a TP worker asks its follower ranks whether they 
 
 class WorkerBase(ABC):
     """A role (PrefillWorker, DecodeWorker) subclasses it: its __init__ calls this one, builds
-    its own parts on the engine and transfer, then start_engine_thread(); it adds its own actor
+    its own parts on the engine and transfer, then start_serving(); it adds its own actor
     calls and fills the hooks below (its engine-thread callbacks, what it has in flight, its leak
-    check, its stats). Everything that touches the engine runs on the engine thread."""
+    check, its stats). Everything that touches the engine runs on the engine thread, which built
+    it; until start_serving() that thread is parked, so the start-up reads it from here."""
 
     role: ClassVar[str]  # "prefill" or "decode": published, described, in errors
     stats_type: ClassVar[type[WorkerStats]]  # the role's WorkerStats (PrefillStats, ...)
@@ -70,28 +71,33 @@ class WorkerBase(ABC):
 
             start_follower = start_ray_follower
         # built on the thread that will step it (engine_thread.py); it serves from
-        # start_engine_thread(), once the role's parts exist
+        # start_serving(), once the role's parts exist
         self.thread = EngineThread(lambda: Engine(engine_config, start_follower=start_follower))
         self.engine = engine = self.thread.engine
-        agent_name = f"{worker_id}-nixl"
-        self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
-        self.transfer.register(*engine.kv_memory())
-        if (kv_scales := getattr(engine.runner.model, "kv_scales", None)) is not None:
-            self.transfer.set_kv_scales(kv_scales)  # the handshake compares them
-        if engine.followers:
-            self._register_ranks(engine)
-        publisher = make_publisher(
-            redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
-        )
-        self.index_upkeep = IndexUpkeep(
-            publisher,
-            engine,
-            heartbeat_s,
-            publish_interval_s,
-            lambda: self._load(engine.snapshot()),
-        )
-        self.lifecycle = WorkerLifecycle(worker_id, self.role)
-        self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
+        try:
+            agent_name = f"{worker_id}-nixl"
+            self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
+            self.transfer.register(*engine.kv_memory())
+            if (kv_scales := getattr(engine.runner.model, "kv_scales", None)) is not None:
+                self.transfer.set_kv_scales(kv_scales)  # the handshake compares them
+            if engine.followers:
+                self._register_ranks(engine)
+            publisher = make_publisher(
+                redis_url, worker_id, engine, self.actor_name, self.role, self.transfer.agent_name
+            )
+            self.index_upkeep = IndexUpkeep(
+                publisher,
+                engine,
+                heartbeat_s,
+                publish_interval_s,
+                lambda: self._load(engine.snapshot()),
+            )
+            self.lifecycle = WorkerLifecycle(worker_id, self.role)
+            self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
+        except BaseException:  # the engine, parked before serve(), ends with the failed start
+            self.thread.stop()
+            engine.shutdown()
+            raise
 
     def _register_ranks(self, engine: Engine) -> None:
         """A TP worker's handoff layout: rank 0's heads, and every other rank's NIXL agent
@@ -118,7 +124,8 @@ class WorkerBase(ABC):
         ]
         self.transfer.set_layout(size, rank_kv_heads(heads, 0, size).start, heads, ranks)
 
-    def start_engine_thread(self) -> None:
+    def start_serving(self) -> None:
+        """The engine thread starts stepping: the role's parts exist."""
         self.thread.serve(self._on_outputs, self._tick)
 
     # ---- actor API both roles share ----------------------------------------------------------

@@ -96,7 +96,7 @@ class DecodeWorker(WorkerBase):
         self.num_local_prefills = 0  # prompts computed here (conditional prefill, aggregated)
         self.num_local_prompt_tokens = 0  # their prompt tokens, and those of them cached
         self.num_local_cached_tokens = 0
-        self.start_engine_thread()
+        self.start_serving()
 
     # ---- actor API -----------------------------------------------------------------------
     async def submit(self, request: GenerateRequest, handle: KVHandle, router_id: str) -> None:

@@ -9,7 +9,6 @@ calls.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 
@@ -33,6 +32,7 @@ from engine.priority import DEFAULT_LEVEL
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured import new_grammars
+from engine.say import say
 from engine.speculation.draft_model import DraftModel
 from engine.speculation.speculative import Speculator, drafter
 from engine.step.admission import Admission
@@ -57,7 +57,7 @@ class Engine:
         """model: weights already loaded from the same checkpoint (shared across engines).
         start_follower: how tensor-parallel ranks 1.. start (None: local processes)."""
         config = config or EngineConfig()
-        print(f"kvrelay engine: {config.settings.describe()}", file=sys.stderr, flush=True)
+        say(config.settings.describe())
         self.checkpoint_dir = folder = resolve_model(
             config.model, cache_dir=config.settings.cache_dir
         )

@@ -14,7 +14,6 @@ CUDA there is nothing to load: the engine runs it on CUDA only unless told
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.sampling.sampling_params import SamplingParams
+from engine.say import say
 
 ID = "kvrelay-warm-up"  # its requests' ids start so
 NUM_DECODERS = 8  # requests decoding while the second pass's prompts arrive (mixed steps)
@@ -165,7 +165,3 @@ def report(run: WarmUpRun) -> None:
         f"warm-up: {len(sizes)} step sizes ({span} prompt tokens) alone and beside "
         f"{run.num_decoders} decoding requests, {run.num_steps} steps in {run.seconds:.1f} s"
     )
-
-
-def say(message: str) -> None:
-    print(f"kvrelay engine: {message}", file=sys.stderr, flush=True)

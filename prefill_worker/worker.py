@@ -77,7 +77,7 @@ class PrefillWorker(WorkerBase):
         self._waiters: dict[str, _Waiter] = {}
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
-        self.start_engine_thread()
+        self.start_serving()
 
     # ---- actor API -----------------------------------------------------------------------
     async def prefill(self, request: GenerateRequest) -> KVHandle:

@@ -417,7 +417,9 @@ class FlashInferAttention(AttentionBackend):
         qkv: torch.Tensor | ScaledRows,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """out: where attention's output goes ([T, heads, head_dim]; None: a new tensor)."""
         kv = self.kv_cache[:, layer]
         assert self._slot_block_ids is not None and self._slot_offsets is not None
         # rotated q goes to its own contiguous rows: XQA needs them so, and a strided view of
@@ -441,19 +443,25 @@ class FlashInferAttention(AttentionBackend):
             q_out=q,
             kv_out=ragged,
         )
-        return self._attend(layer, q, kv, ragged)
+        return self._attend(layer, q, kv, ragged, out)
 
     def _attend(
-        self, layer: int, q: torch.Tensor, kv: torch.Tensor, ragged: KvOut | None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ragged: KvOut | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D] over the planned rows: the leading XQA rows, then the
-        wrapper's, then the whole prompts' (over their own K/V in `ragged`)."""
+        wrapper's, then the whole prompts' (over their own K/V in `ragged`); into out if given."""
         num_table = self._num_table_rows
         if num_table == 0 and ragged is None:
-            return self._run_wrapper(layer, q, kv, None)
-        out = torch.empty(
-            (q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device
-        )
+            return self._run_wrapper(layer, q, kv, out)
+        if out is None:
+            out = torch.empty(
+                (q.shape[0], self.num_heads, self.head_dim), dtype=q.dtype, device=q.device
+            )
         end = q.shape[0] if ragged is None else ragged.first_token
         if num_table:
             assert self._table_decode is not None

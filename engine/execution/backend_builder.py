@@ -6,7 +6,6 @@ captures the decode CUDA graphs. Owns no state: the engine keeps what it returns
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import chain
@@ -38,6 +37,7 @@ from engine.execution.mixed_graphs import MixedStepGraphs, mixed_graphs_for
 from engine.sampling.sample_row import SampleRow
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
+from engine.say import say
 
 T = TypeVar("T")
 
@@ -140,7 +140,7 @@ def size_kv_pool_by_memory(
     activation_peak = _activation_peak(config, model, model_config, device, dtype)
     free, total = torch.cuda.mem_get_info(device)
     decode_graphs = config.cuda_graph and backend == "flashinfer"
-    graph_reserve = graph_reserve_bytes(decode_graphs)
+    graph_reserve = graph_reserve_bytes(decode_graphs, config.settings.mixed_graphs)
     budget = kv_pool_bytes(
         total,
         free,
@@ -157,7 +157,7 @@ def size_kv_pool_by_memory(
             f"no GPU memory left for the KV cache: {budget.describe(0, block_size)}; raise "
             "gpu_memory_utilization or lower max_num_batched_tokens, or set kv_cache_memory_bytes"
         )
-    _stderr(f"kvrelay engine: {budget.describe(num_blocks, block_size)}")
+    say(budget.describe(num_blocks, block_size))
     pool_tokens = num_blocks * block_size
     return KVPoolSize(num_blocks, kv_dtype, model_len_limit(config, model_config, pool_tokens))
 
@@ -249,8 +249,8 @@ def build_backend(
     head_dim = model_config.head_dim
     odd_head = device.type == "cuda" and head_dim not in FLASHINFER_HEAD_DIMS
     if odd_head and not memory_probe:  # said, not silent: no graphs, slower attention
-        _stderr(
-            f"kvrelay engine: head_dim {head_dim} is not one FlashInfer runs "
+        say(
+            f"head_dim {head_dim} is not one FlashInfer runs "
             f"{FLASHINFER_HEAD_DIMS}: the torch attention backend, without CUDA graphs"
         )
     if pool.kv_dtype != dtype and not use_flashinfer:
@@ -280,8 +280,8 @@ def build_backend(
     if not use_flashinfer:
         use_kernel = config.settings.cpu_kernel
         if not use_kernel and not memory_probe and device.type == "cpu":
-            _stderr(
-                "kvrelay engine: KVRELAY_CPU_KERNEL=0: decode attention uses the slower torch "
+            say(
+                "KVRELAY_CPU_KERNEL=0: decode attention uses the slower torch "
                 "gather path instead of the C++ kernel"
             )
         attention = TorchAttention(
@@ -314,7 +314,7 @@ def build_backend(
                 model, flashinfer, max_num_seqs, pool.max_model_len, pool.num_blocks
             ),
         )
-        _stderr(f"kvrelay engine: {len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
+        say(f"{len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
     mixed = None
     if config.cuda_graph and config.settings.mixed_graphs and not memory_probe:
         mixed = _mixed_graphs(model, flashinfer, config.scheduler.max_num_batched_tokens, device)
@@ -334,12 +334,12 @@ def _mixed_graphs(
         except Exception as error:  # said, not silent: the steps run eager as without it
             why = f"their capture failed ({error!r})"
         else:
-            _stderr(
-                f"kvrelay engine: mixed-step graphs for {len(mixed.sizes)} token counts (up to "
+            say(
+                f"mixed-step graphs for {len(mixed.sizes)} token counts (up to "
                 f"{mixed.sizes[-1]}) took {took:.0f} MiB (KVRELAY_MIXED_GRAPHS=1, an experiment)"
             )
             return mixed
-    _stderr(f"kvrelay engine: KVRELAY_MIXED_GRAPHS=1, but mixed steps run eager: {why}")
+    say(f"KVRELAY_MIXED_GRAPHS=1, but mixed steps run eager: {why}")
     return None
 
 
@@ -348,7 +348,3 @@ def _with_memory_taken(device: torch.device, build: Callable[[], T]) -> tuple[T,
     reserved = torch.cuda.memory_reserved(device)
     built = build()
     return built, (torch.cuda.memory_reserved(device) - reserved) / MiB
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

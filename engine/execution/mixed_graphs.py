@@ -1,5 +1,5 @@
 """MixedStepGraphs, an experiment (KVRELAY_MIXED_GRAPHS=1; off until a GPU run measures it): a
-step the decode graphs do not cover (a prompt's chunk beside decodes), up to MAX_TOKENS tokens,
+step no decode graph replays (a prompt's chunk beside decodes), up to MAX_TOKENS tokens,
 runs each layer's work outside attention as CUDA graphs captured at a bucket of token counts,
 with attention eager between them at the step's true size. Owns the static inputs (token ids,
 positions), the one attention-output buffer every piece reads, each bucket's pieces and their
@@ -19,16 +19,15 @@ host-side shapes; tensor-parallel ranks would have to replay in step).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer_backend import FlashInferAttention
-from engine.execution.host_tensors import index_tensor
-from engine.execution.step_inputs import StepInputs, TokenFill, smallest_fit
+from engine.execution.step_inputs import smallest_fit
 from engine.quant.fp8_types import ScaledRows
 
 if TYPE_CHECKING:
@@ -60,10 +59,17 @@ def first_rows(x: torch.Tensor | ScaledRows, n: int) -> torch.Tensor | ScaledRow
 
 @dataclass
 class Pieces:
-    """One bucket's graphs: one more than the layers."""
+    """One bucket's graphs (one more than the layers) and the qkv buffer its pieces write."""
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     ropes: list[RotaryEmbedding] = field(default_factory=list)
+    qkv: torch.Tensor | ScaledRows | None = None
+
+
+def qkv_kind(x: torch.Tensor | ScaledRows) -> tuple[bool, bool]:
+    """What shape of buffer x needs: (ScaledRows, per-row scales). A bucket's row count may pick
+    another kind than the next one's (FP8 weights defer their scales for some row counts)."""
+    return (True, per_row(x)) if isinstance(x, ScaledRows) else (False, False)
 
 
 def static_like(x: torch.Tensor | ScaledRows, rows: int) -> torch.Tensor | ScaledRows:
@@ -96,24 +102,32 @@ def copy_rows(into: torch.Tensor | ScaledRows, x: torch.Tensor | ScaledRows) -> 
 class Recorder:
     """The attention the model calls while a bucket's pieces are captured (or run eagerly just
     before, so kernels compile and load outside the capture): forward_qkv copies qkv into the
-    one qkv buffer every piece writes, ends the running piece, starts the next and returns the
-    one attention-output buffer every piece reads. Layer i's piece writes the qkv buffer,
-    attention i reads it and writes the output buffer, piece i + 1 reads that: in stream order,
-    one of each serves every layer and bucket."""
+    qkv buffer of its kind, ends the running piece, starts the next and returns the one
+    attention-output buffer every piece reads. Layer i's piece writes the qkv buffer, attention
+    i reads it and writes the output buffer, piece i + 1 reads that: in stream order, one of
+    each (a qkv buffer a kind) serves every layer and bucket."""
 
     def __init__(self, attention: FlashInferAttention, out: torch.Tensor, pool: Any):
         self.reads_scaled_rows = getattr(attention, "reads_scaled_rows", False)
         self.out = out  # [max tokens, heads, head_dim]
-        self.qkv: torch.Tensor | ScaledRows | None = None  # made by the first (eager) run
-        self.hidden: torch.Tensor | None = None  # the final norm's output, likewise
+        self.qkv: dict[tuple[bool, bool], torch.Tensor | ScaledRows] = {}  # by qkv_kind
+        self.hidden: torch.Tensor | None = None  # the final norm's output (first eager run)
         self._pool = pool
         self.pieces: Pieces | None = None  # None: an eager run
+        self.capturing: torch.cuda.CUDAGraph | None = None  # the live capture, if any
 
-    def begin(self) -> torch.cuda.CUDAGraph:
+    def begin(self) -> None:
+        assert self.pieces is not None and self.capturing is None
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (e.g. a KV transfer agent) stay legal
         graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-        return graph
+        self.capturing = graph
+        self.pieces.graphs.append(graph)
+
+    def end_piece(self) -> None:
+        graph, self.capturing = self.capturing, None
+        if graph is not None:
+            graph.capture_end()
 
     def forward_qkv(
         self,
@@ -122,16 +136,22 @@ class Recorder:
         positions: torch.Tensor,
         rope: RotaryEmbedding,
     ) -> torch.Tensor:
-        if self.qkv is None:  # the largest bucket's eager run, outside any capture
-            self.qkv = static_like(qkv, self.out.shape[0])
+        kind = qkv_kind(qkv)
+        if kind not in self.qkv:  # a bucket's eager run, outside any capture
+            self.qkv[kind] = static_like(qkv, self.out.shape[0])
         pieces = self.pieces
         if pieces is not None:
             if layer != len(pieces.ropes):
                 raise RuntimeError(f"layer {layer} attends out of order ({len(pieces.ropes)} next)")
-            copy_rows(self.qkv, qkv)
-            pieces.graphs[-1].capture_end()
+            buffer = self.qkv[kind]
+            if pieces.qkv is None:
+                pieces.qkv = buffer
+            elif pieces.qkv is not buffer:
+                raise RuntimeError(f"layer {layer}'s qkv is of another kind than layer 0's")
+            copy_rows(buffer, qkv)
+            self.end_piece()
             pieces.ropes.append(rope)
-            pieces.graphs.append(self.begin())
+            self.begin()
         return self.out[: qkv.shape[0]]
 
     def end(self, hidden: torch.Tensor) -> None:
@@ -145,7 +165,8 @@ class Recorder:
 class MixedStepGraphs:
     def __init__(self, model: nn.Module, attention: FlashInferAttention, max_tokens: int):
         """max_tokens: the step's token budget (buckets stop at it or at MAX_TOKENS). Raises
-        what a capture raised (the caller runs those steps eager)."""
+        what a capture raised, with no capture left running (the caller runs those steps
+        eager)."""
         self.model = model
         self.attention = attention
         self.sizes = token_buckets(min(max_tokens, MAX_TOKENS))
@@ -162,7 +183,11 @@ class MixedStepGraphs:
         self._recorder = Recorder(attention, out, torch.cuda.graph_pool_handle())
         self._pieces: dict[int, Pieces] = {}
         self.num_steps = 0  # steps replayed from these graphs
-        self._capture_all()
+        try:
+            self._capture_all()
+        finally:  # the eager runs' activations, and a failed capture's, go back to the card
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
 
     def bucket(self, num_tokens: int) -> int | None:
         """The captured token count a step of num_tokens runs at; None: run eager."""
@@ -172,60 +197,46 @@ class MixedStepGraphs:
     def _capture_all(self) -> None:
         device = self.attention.device
         stream = torch.cuda.Stream(device)  # a capture may not run on the default stream
-        stream.wait_stream(torch.cuda.current_stream(device))
         recorder = self._recorder
-        with torch.cuda.stream(stream):
-            for n in reversed(self.sizes):  # largest first: the pool is sized once
-                ids, positions = self._inputs[0, :n], self._inputs[1, :n]
-                recorder.pieces = None
-                recorder.end(self.model(ids, positions, recorder))
-                stream.synchronize()
-                pieces = recorder.pieces = Pieces()
-                pieces.graphs.append(recorder.begin())
-                try:
+        for n in reversed(self.sizes):  # largest first: the pool is sized once
+            ids, positions = self._inputs[0, :n], self._inputs[1, :n]
+            recorder.pieces = None
+            recorder.end(self.model(ids, positions, recorder))  # on the current stream
+            stream.wait_stream(torch.cuda.current_stream(device))
+            pieces = recorder.pieces = Pieces()
+            try:
+                with torch.cuda.stream(stream):
+                    recorder.begin()
                     recorder.end(self.model(ids, positions, recorder))
-                finally:
-                    pieces.graphs[-1].capture_end()
-                    recorder.pieces = None
-                if len(pieces.ropes) != self.num_layers:
-                    raise RuntimeError(
-                        f"{len(pieces.ropes)} attention calls in a forward of "
-                        f"{self.num_layers} layers"
-                    )
-                self._pieces[n] = pieces
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+                    recorder.end_piece()
+            finally:
+                if recorder.capturing is not None:  # a failure mid-capture: end it, quietly
+                    with contextlib.suppress(Exception):  # the first error is the one raised
+                        recorder.end_piece()
+                recorder.pieces = None
+                torch.cuda.current_stream(device).wait_stream(stream)
+            if len(pieces.ropes) != self.num_layers:
+                raise RuntimeError(
+                    f"{len(pieces.ropes)} attention calls in a forward of {self.num_layers} layers"
+                )
+            self._pieces[n] = pieces
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, block_size: int, fill: TokenFill | None) -> torch.Tensor:
-        """One step of len(inputs.input_ids) tokens (a bucket holds them): the hidden states."""
-        num_tokens = len(inputs.input_ids)
-        size = self.bucket(num_tokens)
-        if size is None:
-            raise ValueError(f"{num_tokens} tokens exceed the largest captured bucket")
+    def run(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step of input_ids' tokens (at most size, a captured bucket), its attention
+        planned: the hidden states."""
+        num_tokens = input_ids.shape[0]
         pieces = self._pieces[size]
-        packed = index_tensor(
-            [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
-            device=self.attention.device,
-        )
-        inputs.write_pending(packed[0], fill)
         # rows past num_tokens keep an earlier step's ids and positions: valid, never read back
-        self._inputs[:, :num_tokens].copy_(packed[:2])
-        self.attention.plan(
-            AttentionMetadata(
-                seqs=inputs.seqs,
-                slot_block_ids=packed[2],
-                slot_offsets=packed[3],
-                block_size=block_size,
-            )
-        )
+        self._inputs[0, :num_tokens].copy_(input_ids)
+        self._inputs[1, :num_tokens].copy_(positions)
         recorder, attention = self._recorder, self.attention
-        assert recorder.qkv is not None and recorder.hidden is not None
-        positions, out = self._inputs[1, :num_tokens], recorder.out[:num_tokens]
-        qkv = first_rows(recorder.qkv, num_tokens)
+        assert pieces.qkv is not None and recorder.hidden is not None
+        qkv, out = first_rows(pieces.qkv, num_tokens), recorder.out[:num_tokens]
+        positions = self._inputs[1, :num_tokens]
         pieces.graphs[0].replay()
         for layer, rope in enumerate(pieces.ropes):
-            out.copy_(attention.forward_qkv(layer, qkv, positions, rope))
+            attention.forward_qkv(layer, qkv, positions, rope, out=out)
             pieces.graphs[layer + 1].replay()
         self.num_steps += 1
         return recorder.hidden[:num_tokens]

@@ -3,8 +3,10 @@ engine/execution/backend_builder.py made; owns only the counts of steps replayed
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
 forward pass (replaying a CUDA graph for pure-decode steps when one is captured; a speculative
-verify chunk runs as one decode row per token, so it keeps a step pure-decode), and returns the
-logits of the chunks that end a sequence's known tokens, and of each verified draft.
+verify chunk runs as one decode row per token, so it keeps a step pure-decode; with the
+KVRELAY_MIXED_GRAPHS experiment, the other steps up to its largest bucket replay per-layer
+graphs around eager attention), and returns the logits of the chunks that end a sequence's
+known tokens, and of each verified draft.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = side.kv_cache.device
         self.graphs: DecodeGraphs | None = side.graphs
-        self.mixed = side.mixed  # KVRELAY_MIXED_GRAPHS (an experiment): steps with a prompt
+        self.mixed = side.mixed  # KVRELAY_MIXED_GRAPHS (an experiment): the other steps
         self.num_graph_steps = 0
 
     def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
@@ -112,8 +114,6 @@ class ModelRunner:
         if graphs is not None and inputs.is_decode and graphs.padded_size(len(inputs.seqs)):
             hidden = graphs.run(inputs, fill)
             self.num_graph_steps += 1
-        elif self.mixed is not None and self.mixed.bucket(len(inputs.input_ids)):
-            hidden = self.mixed.run(inputs, self.block_size, fill)
         else:
             hidden = self._forward_eager(inputs, fill)
         if rows == list(range(hidden.shape[0])):
@@ -123,6 +123,8 @@ class ModelRunner:
         return self.model.compute_logits(selected)
 
     def _forward_eager(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor:
+        """A forward pass that no decode graph replays: eager, or on the mixed-step graphs
+        (KVRELAY_MIXED_GRAPHS) where one of their buckets holds its tokens."""
         packed = index_tensor(
             [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
             device=self.device,
@@ -135,6 +137,10 @@ class ModelRunner:
             block_size=self.block_size,
         )
         self.attention.plan(metadata)
+        mixed = self.mixed
+        size = mixed.bucket(len(inputs.input_ids)) if mixed is not None else None
+        if mixed is not None and size is not None:
+            return mixed.run(size, packed[0], packed[1])
         return self.model(packed[0], packed[1], self.attention)
 
 

@@ -52,7 +52,7 @@ def test_mixed_steps_on_graphs_equal_eager_ones(
     tiny_llama: Path,  # noqa: F811
     overrides: dict[str, Any],
 ) -> None:
-    recorded = {"async_scheduling": False, **overrides}  # the Recorder reads logits at launch
+    recorded = {**overrides, "async_scheduling": False}  # the Recorder reads logits at launch
     eager = build(tiny_llama, False, **recorded)
     assert eager.runner.mixed is None
     rec_e = Recorder(eager)

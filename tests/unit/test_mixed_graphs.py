@@ -14,6 +14,7 @@ from engine.execution.mixed_graphs import (
     copy_rows,
     first_rows,
     mixed_graphs_for,
+    qkv_kind,
     static_like,
     token_buckets,
 )
@@ -59,6 +60,16 @@ def test_scaled_rows_through_the_static_buffer(per_row: bool) -> None:
     y = ScaledRows(torch.randn(rows, 6), row_scale * 2, torch.full((1, 6), 0.25))
     copy_rows(buffer, y)
     assert torch.equal(first_rows(buffer, rows).materialize(), y.materialize())
+
+
+def test_each_kind_of_qkv_gets_its_own_buffer() -> None:
+    """FP8 weights defer their scales for some row counts only: a 16-token bucket's qkv may be
+    plain rows where a 512-token one's is ScaledRows, so the buffers are kept by kind."""
+    plain = torch.zeros(16, 6)
+    per_row = ScaledRows(torch.zeros(32, 6), torch.ones(32, 1), torch.ones(1, 6))
+    broadcast = ScaledRows(torch.zeros(32, 6), torch.ones(1, 1), torch.ones(1, 6))
+    kinds = {qkv_kind(plain), qkv_kind(per_row), qkv_kind(broadcast)}
+    assert kinds == {(False, False), (True, True), (True, False)}
 
 
 def test_models_it_refuses_say_why(tmp_path: Path) -> None:
