@@ -59,9 +59,7 @@ class S3Location:
         endpoint = endpoint or f"https://s3.{region}.amazonaws.com"
         parts = urllib.parse.urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(
-                f"shared_kv_endpoint: an http:// or https:// URL, got {endpoint!r}"
-            )
+            raise ValueError(f"shared_kv_endpoint: an http:// or https:// URL, got {endpoint!r}")
         return cls(bucket, prefix.strip("/"), f"{parts.scheme}://{parts.netloc}", region)
 
     @property
