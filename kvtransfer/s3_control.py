@@ -5,29 +5,21 @@ through here (they go through NIXL's OBJ backend, kvtransfer/object_blocks.py). 
 beyond the location; credentials are read from the standard AWS environment variables at each
 request and never kept in a message or a log line.
 
-Requests are path-style and signed with AWS Signature Version 4 (unsigned when no credentials
-are set, for a server that allows anonymous access).
+Requests go through botocore, path-style (what S3-compatible servers expect).
 """
 
 from __future__ import annotations
 
-import calendar
-import hashlib
-import hmac
+import contextlib
 import os
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
-import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 SCHEME = "s3://"
 DEFAULT_REGION = "us-east-1"
 TIMEOUT_S = 10.0  # a list or delete request's whole wait
-_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def is_object_url(path: str | None) -> bool:
@@ -80,122 +72,75 @@ class S3Object(NamedTuple):
 
 
 class S3Control:
-    """Listing, deletion and bucket creation at one location (synchronous; OSError on
-    failure, an HTTP error's status and S3 code in its message)."""
+    """Listing, deletion and bucket creation at one location, through botocore's S3 client
+    (synchronous; OSError on failure, the S3 error code in its message). Credentials are
+    botocore's usual chain (the AWS_* environment variables first); with none, requests go
+    unsigned, for a server that allows anonymous access."""
 
     def __init__(self, location: S3Location):
         self.location = location
+        self._client: Any = None  # made at the first request
 
     def list(self, prefix: str) -> list[S3Object]:
         """Every object whose key starts with prefix (ListObjectsV2, page by page)."""
         found: list[S3Object] = []
-        token = None
-        while True:
-            query = {"list-type": "2", "prefix": prefix}
-            if token:
-                query["continuation-token"] = token
-            root = ET.fromstring(self._request("GET", "", query))
-            for item in root.iter(f"{_NS}Contents"):
-                found.append(
-                    S3Object(
-                        item.findtext(f"{_NS}Key", ""),
-                        _epoch(item.findtext(f"{_NS}LastModified", "")),
-                        int(item.findtext(f"{_NS}Size", "0")),
-                    )
+        pages = self._s3().get_paginator("list_objects_v2")
+        with _as_os_error("LIST", self.location.bucket, prefix):
+            for page in pages.paginate(Bucket=self.location.bucket, Prefix=prefix):
+                found.extend(
+                    S3Object(item["Key"], item["LastModified"].timestamp(), item["Size"])
+                    for item in page.get("Contents", ())
                 )
-            token = root.findtext(f"{_NS}NextContinuationToken")
-            if root.findtext(f"{_NS}IsTruncated") != "true" or not token:
-                return found
+        return found
 
     def delete(self, key: str) -> None:
         """Remove an object (none there is no error: S3's DELETE is idempotent)."""
-        self._request("DELETE", key)
+        with _as_os_error("DELETE", self.location.bucket, key):
+            self._s3().delete_object(Bucket=self.location.bucket, Key=key)
 
     def create_bucket(self) -> None:
         """Create the bucket unless this account has it already."""
         try:
-            self._request("PUT", "")
+            with _as_os_error("PUT", self.location.bucket, ""):
+                self._s3().create_bucket(Bucket=self.location.bucket)
         except OSError as e:
             if "BucketAlreadyOwnedByYou" not in str(e) and "BucketAlreadyExists" not in str(e):
                 raise
 
-    # ---- a signed request -----------------------------------------------------------------
-    def _request(self, method: str, key: str, query: dict[str, str] | None = None) -> bytes:
-        loc = self.location
-        path = "/" + urllib.parse.quote(loc.bucket + ("/" + key if key else ""), safe="/-_.~")
-        canonical_query = "&".join(
-            f"{_quote(k)}={_quote(v)}" for k, v in sorted((query or {}).items())
-        )
-        host = urllib.parse.urlsplit(loc.endpoint).netloc
-        headers = {"host": host, "x-amz-content-sha256": _EMPTY_SHA256}
-        _sign(method, path, canonical_query, headers, loc.region)
-        url = loc.endpoint + path + ("?" + canonical_query if canonical_query else "")
-        request = urllib.request.Request(url, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
-                return reply.read()
-        except urllib.error.HTTPError as e:
-            body = e.read()[:1000].decode(errors="replace")
-            code = _s3_code(body)
-            raise OSError(f"S3 {method} {loc.bucket}/{key}: HTTP {e.code} {code}") from None
+    def _s3(self) -> Any:
+        if self._client is None:
+            import botocore.session
+            from botocore import UNSIGNED
+            from botocore.config import Config
+
+            session = botocore.session.get_session()
+            signed = session.get_credentials() is not None
+            config = Config(
+                connect_timeout=TIMEOUT_S,
+                read_timeout=TIMEOUT_S,
+                retries={"mode": "standard", "max_attempts": 2},
+                s3={"addressing_style": "path"},
+                **({} if signed else {"signature_version": UNSIGNED}),
+            )
+            loc = self.location
+            self._client = session.create_client(
+                "s3", region_name=loc.region, endpoint_url=loc.endpoint, config=config
+            )
+        return self._client
 
 
-def _quote(text: str) -> str:
-    return urllib.parse.quote(text, safe="-_.~")
+@contextlib.contextmanager
+def _as_os_error(method: str, bucket: str, key: str) -> Iterator[None]:
+    """botocore's errors as OSError naming the request and S3's error code (never a secret)."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
-
-def _s3_code(body: str) -> str:
     try:
-        return ET.fromstring(body).findtext("Code") or ""
-    except ET.ParseError:
-        return ""
-
-
-def _epoch(stamp: str) -> float:
-    """ISO 8601 UTC (2026-12-06T14:23:06.000Z) as seconds since the epoch."""
-    whole, _, frac = stamp.rstrip("Z").partition(".")
-    try:
-        base = calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return 0.0
-    return base + (float("0." + frac) if frac.isdigit() else 0.0)
-
-
-def _sign(method: str, path: str, query: str, headers: dict[str, str], region: str) -> None:
-    """Add AWS Signature Version 4 headers (none without AWS_ACCESS_KEY_ID and
-    AWS_SECRET_ACCESS_KEY in the environment: an anonymous request)."""
-    access = os.environ.get("AWS_ACCESS_KEY_ID")
-    secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
-    if not access or not secret:
-        return
-    now = time.gmtime()
-    amz_date = time.strftime("%Y%m%dT%H%M%SZ", now)
-    day = amz_date[:8]
-    headers["x-amz-date"] = amz_date
-    token = os.environ.get("AWS_SESSION_TOKEN")
-    if token:
-        headers["x-amz-security-token"] = token
-    names = sorted(headers)
-    signed = ";".join(names)
-    canonical = "\n".join(
-        [
-            method,
-            path,
-            query,
-            "".join(f"{n}:{headers[n].strip()}\n" for n in names),
-            signed,
-            headers["x-amz-content-sha256"],
-        ]
-    )
-    scope = f"{day}/{region}/s3/aws4_request"
-    to_sign = "\n".join(
-        ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
-    )
-    key = ("AWS4" + secret).encode()
-    for part in (day, region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers["authorization"] = (
-        f"AWS4-HMAC-SHA256 Credential={access}/{scope}, SignedHeaders={signed}, "
-        f"Signature={signature}"
-    )
+        yield
+    except ClientError as e:
+        error = e.response.get("Error", {})
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
+        raise OSError(
+            f"S3 {method} {bucket}/{key}: HTTP {status} {error.get('Code', '')}"
+        ) from None
+    except BotoCoreError as e:  # no connection, a timeout, no credentials where required
+        raise OSError(f"S3 {method} {bucket}/{key}: {e}") from None

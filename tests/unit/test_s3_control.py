@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import CacheConfig, is_object_store
-from kvtransfer.s3_control import S3Location, _epoch
+from kvtransfer.s3_control import S3Location
 
 
 def test_a_location_names_bucket_prefix_endpoint_and_region(monkeypatch):
@@ -44,8 +44,3 @@ def test_the_cache_config_takes_an_object_store_and_refuses_a_stray_endpoint(tmp
             shared_kv_endpoint="http://minio:9000",
             **disk,
         )
-
-
-def test_last_modified_reads_as_seconds_since_the_epoch():
-    assert _epoch("1970-01-02T00:00:01.500Z") == 86401.5
-    assert _epoch("not a date") == 0.0
