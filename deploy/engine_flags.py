@@ -115,9 +115,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shared-kv-path",
         default=None,
-        metavar="DIR",
-        help="the shared store's directory, the same for every worker (a shared filesystem); "
-        "needs --shared-kv-gib",
+        metavar="DIR|s3://BUCKET/PREFIX",
+        help="the shared store, the same for every worker: a directory (a shared filesystem) "
+        "or an S3-compatible object store (NIXL's object backend; credentials from "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, region from AWS_REGION); needs "
+        "--shared-kv-gib",
+    )
+    p.add_argument(
+        "--shared-kv-endpoint",
+        default=None,
+        metavar="URL",
+        help="the object store's endpoint for an s3:// --shared-kv-path, e.g. "
+        "http://minio:9000 (default: AWS_ENDPOINT_URL, else AWS S3 itself)",
     )
     p.add_argument(
         "--host-leases",
@@ -238,6 +247,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
             disk_kv_path=args.disk_kv_path,
             shared_kv_cache_bytes=int(args.shared_kv_gib * (1 << 30)),
             shared_kv_path=args.shared_kv_path,
+            shared_kv_endpoint=args.shared_kv_endpoint,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -386,7 +386,10 @@ class CacheConfig:
     # by shared_kv_cache_bytes for all workers together (kept by each worker's scans: exact for
     # up to 8 workers publishing at once, shared_store.WRITERS). 0: none; needs a disk tier.
     shared_kv_cache_bytes: int = 0
+    # a directory, or s3://BUCKET/PREFIX: an S3-compatible object store through NIXL's object
+    # backend, served at shared_kv_endpoint (None: AWS_ENDPOINT_URL, else AWS's own)
     shared_kv_path: str | None = None
+    shared_kv_endpoint: str | None = None
 
     @property
     def partial_reuse_threshold(self) -> int:
@@ -427,6 +430,11 @@ class CacheConfig:
             raise ValueError(
                 "shared_kv_path must differ from disk_kv_path and lie neither inside nor around "
                 "it (a worker's disk tier is its own; its start scan would adopt shared files)"
+            )
+        if self.shared_kv_endpoint and not is_object_store(self.shared_kv_path):
+            raise ValueError(
+                "shared_kv_endpoint needs an object store as shared_kv_path (s3://BUCKET/PREFIX), "
+                f"got {self.shared_kv_path!r}"
             )
         if self.shared_kv_cache_bytes and not self.disk_kv_cache_bytes:
             raise ValueError(
@@ -552,10 +560,16 @@ class EngineConfig:
             )
 
 
+def is_object_store(path: str | None) -> bool:
+    """Whether a shared store location is an object store (s3://BUCKET/PREFIX), not a
+    directory (kvtransfer/s3_control.py parses it)."""
+    return bool(path) and str(path).startswith("s3://")
+
+
 def _nested(a: str | None, b: str | None) -> bool:
     """Whether directories a and b are one, or one lies inside the other (resolved: a trailing
     slash, a relative path or a link to the same directory is the same directory)."""
-    if not a or not b:
+    if not a or not b or is_object_store(a) or is_object_store(b):
         return False
     ra, rb = Path(a).resolve(), Path(b).resolve()
     return ra == rb or ra.is_relative_to(rb) or rb.is_relative_to(ra)

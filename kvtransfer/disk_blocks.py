@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import socket
 import struct
@@ -91,24 +92,70 @@ class ScanResult:
     num_other_layouts: int  # files under other layout keys (another model or layout): ignored
 
 
-class DiskBlockFiles:
+class BlockFormat:
+    """A block file's bytes for one layout: its size, header and checks (the disk tier's
+    files and the shared store's files or objects). Owns no state beyond the layout."""
+
+    def __init__(self, layout: DiskLayout, dtype: torch.dtype):
+        self.layout = layout
+        self.payload_bytes = math.prod(layout.row_shape) * dtype.itemsize
+        self.file_bytes = HEADER_BYTES + self.payload_bytes
+        self._layout_json = json.dumps(asdict(layout), sort_keys=True).encode()
+        self._layout_id = int(layout.key, 16)
+        if _FIXED.size + len(self._layout_json) + 8 + HINT.size > HEADER_BYTES:
+            raise ValueError(f"model_id too long for a block file header: {layout.model_id!r}")
+
+    def _header(self, block_hash: int, payload_sum: int) -> bytes:
+        fixed = _FIXED.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            block_hash,
+            self._layout_id,
+            self.payload_bytes,
+            payload_sum,
+            len(self._layout_json),
+        )
+        body = fixed + self._layout_json
+        return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+    def _check_header(self, raw: bytes, block_hash: int | None, name: str) -> int:
+        """The payload's checksum, once the header is whole and this layout's (and block_hash's
+        when given); else BlockFileError naming what differs."""
+        if len(raw) < _FIXED.size:
+            raise BlockFileError(f"{name}: truncated header")
+        magic, version, header_len, got_hash, layout_id, length, payload_sum, json_len = (
+            _FIXED.unpack_from(raw)
+        )
+        if magic != MAGIC or version != FORMAT_VERSION or header_len != HEADER_BYTES:
+            raise BlockFileError(f"{name}: not a version {FORMAT_VERSION} KV block file")
+        end = _FIXED.size + json_len
+        if end + 8 > len(raw):
+            raise BlockFileError(f"{name}: truncated header")
+        (header_sum,) = struct.unpack_from("<Q", raw, end)
+        if xxhash.xxh3_64_intdigest(raw[:end]) != header_sum:
+            raise BlockFileError(f"{name}: header checksum mismatch")
+        if layout_id != self._layout_id or raw[_FIXED.size : end] != self._layout_json:
+            raise BlockFileError(f"{name}: another model or KV layout")
+        if length != self.payload_bytes:
+            raise BlockFileError(f"{name}: payload of {length} bytes, want {self.payload_bytes}")
+        if block_hash is not None and got_hash != block_hash:
+            raise BlockFileError(f"{name}: holds block {got_hash:016x}")
+        return payload_sum
+
+
+class DiskBlockFiles(BlockFormat):
     """Block files of one layout under root (created if absent). The I/O is synchronous: each
     call returns once NIXL's transfer is done."""
 
     AGENT_PREFIX = "kvrelay-disk"
 
     def __init__(self, root: str | Path, layout: DiskLayout, dtype: torch.dtype):
+        super().__init__(layout, dtype)
         self.root = Path(root)
-        self.layout = layout
         self.dir = self.root / layout.key
         self.dir.mkdir(parents=True, exist_ok=True)
         self._staging = torch.empty((1, *layout.row_shape), dtype=dtype)
-        self.payload_bytes = self._staging[0].nbytes
-        self.file_bytes = HEADER_BYTES + self.payload_bytes
-        self._layout_json = json.dumps(asdict(layout), sort_keys=True).encode()
-        self._layout_id = int(layout.key, 16)
-        if _FIXED.size + len(self._layout_json) + 8 + HINT.size > HEADER_BYTES:
-            raise ValueError(f"model_id too long for a block file header: {layout.model_id!r}")
         api = import_nixl_api()
         _AGENT_SEQ[0] += 1
         self._name = f"{self.AGENT_PREFIX}-{os.getpid()}-{_AGENT_SEQ[0]}"
@@ -220,45 +267,6 @@ class DiskBlockFiles:
             if handle is not None:
                 agent.release_xfer_handle(handle)
             agent.deregister_memory(file_reg)
-
-    # ---- header ---------------------------------------------------------------------------
-    def _header(self, block_hash: int, payload_sum: int) -> bytes:
-        fixed = _FIXED.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            HEADER_BYTES,
-            block_hash,
-            self._layout_id,
-            self.payload_bytes,
-            payload_sum,
-            len(self._layout_json),
-        )
-        body = fixed + self._layout_json
-        return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
-
-    def _check_header(self, raw: bytes, block_hash: int | None, name: str) -> int:
-        """The payload's checksum, once the header is whole and this layout's (and block_hash's
-        when given); else BlockFileError naming what differs."""
-        if len(raw) < _FIXED.size:
-            raise BlockFileError(f"{name}: truncated header")
-        magic, version, header_len, got_hash, layout_id, length, payload_sum, json_len = (
-            _FIXED.unpack_from(raw)
-        )
-        if magic != MAGIC or version != FORMAT_VERSION or header_len != HEADER_BYTES:
-            raise BlockFileError(f"{name}: not a version {FORMAT_VERSION} KV block file")
-        end = _FIXED.size + json_len
-        if end + 8 > len(raw):
-            raise BlockFileError(f"{name}: truncated header")
-        (header_sum,) = struct.unpack_from("<Q", raw, end)
-        if xxhash.xxh3_64_intdigest(raw[:end]) != header_sum:
-            raise BlockFileError(f"{name}: header checksum mismatch")
-        if layout_id != self._layout_id or raw[_FIXED.size : end] != self._layout_json:
-            raise BlockFileError(f"{name}: another model or KV layout")
-        if length != self.payload_bytes:
-            raise BlockFileError(f"{name}: payload of {length} bytes, want {self.payload_bytes}")
-        if block_hash is not None and got_hash != block_hash:
-            raise BlockFileError(f"{name}: holds block {got_hash:016x}")
-        return payload_sum
 
     # ---- warm restart ---------------------------------------------------------------------
     def scan(self) -> ScanResult:

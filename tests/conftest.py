@@ -56,6 +56,7 @@ def build_engine(
         disk_kv_path=overrides.pop("disk_kv_path", None),
         shared_kv_cache_bytes=overrides.pop("shared_kv_cache_bytes", 0),
         shared_kv_path=overrides.pop("shared_kv_path", None),
+        shared_kv_endpoint=overrides.pop("shared_kv_endpoint", None),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),

@@ -1,8 +1,9 @@
 """Builds an engine's disk KV tier (and the cluster-shared store below it) at start: its files
-(kvtransfer/disk_blocks.py, through NIXL's POSIX backend) over the engine's KV layout, its size
-bound, the reader of its prefix hits behind the step (a files object of its own: its own NIXL
-agent and staging row; an engine of one rank), and the blocks a previous run left in its directory
-(a warm restart). Owns no state: the KV manager keeps the tier.
+(kvtransfer/disk_blocks.py, through NIXL's POSIX backend; the shared store's objects, for an
+object store, through its OBJ backend) over the engine's KV layout, its size bound, the reader
+of its prefix hits behind the step (a files object of its own: its own NIXL agent and staging
+row; an engine of one rank), and the blocks a previous run left in its directory (a warm
+restart). Owns no state: the KV manager keeps the tier.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, is_object_store
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.shared_store import SharedStore
 from engine.parallel.disk_ranks import RankDisk, RankedBlockFiles, rank_disk_path
 from kvtransfer.disk_blocks import BlockFileError, DiskBlockFiles, DiskLayout
+from kvtransfer.object_blocks import ObjectBlockFiles
+from kvtransfer.s3_control import S3Location
 from kvtransfer.shared_blocks import SharedBlockFiles
 
 if TYPE_CHECKING:
@@ -100,9 +103,9 @@ def build_rank_disk(
 def build_shared_store(
     cache: CacheConfig, layout: DiskLayout, kv_cache: torch.Tensor
 ) -> SharedStore:
-    """The cluster-shared store cache asks for: the layout's directory under shared_kv_path."""
-    assert cache.shared_kv_path is not None
-    files = SharedBlockFiles(cache.shared_kv_path, layout, kv_cache.dtype)
+    """The cluster-shared store cache asks for: the layout's directory under shared_kv_path,
+    or its objects under an s3:// shared_kv_path."""
+    files = shared_files(cache, layout, kv_cache.dtype)
     num_blocks = cache.shared_kv_cache_bytes // files.file_bytes
     if num_blocks < 1:
         raise ValueError(
@@ -112,7 +115,7 @@ def build_shared_store(
     store = SharedStore(
         num_blocks, files, read_errors=(BlockFileError, OSError), block_bytes=files.payload_bytes
     )
-    reader = SharedBlockFiles(cache.shared_kv_path, layout, kv_cache.dtype)
+    reader = shared_files(cache, layout, kv_cache.dtype)
     store.reads = BlockReads(reader.read, "kvrelay-shared-read")
     log.info(
         "shared KV store at %s: %d blocks of %d bytes at most (all workers), %d there now",
@@ -122,3 +125,15 @@ def build_shared_store(
         store.num_files,
     )
     return store
+
+
+def shared_files(
+    cache: CacheConfig, layout: DiskLayout, dtype: torch.dtype
+) -> SharedBlockFiles | ObjectBlockFiles:
+    """The shared store's backend (shared_store.SharedFiles): block files in a shared
+    directory, or block objects in an S3-compatible store."""
+    assert cache.shared_kv_path is not None
+    if is_object_store(cache.shared_kv_path):
+        location = S3Location.parse(cache.shared_kv_path, cache.shared_kv_endpoint)
+        return ObjectBlockFiles(location, layout, dtype)
+    return SharedBlockFiles(cache.shared_kv_path, layout, dtype)

@@ -1,8 +1,10 @@
 """SharedStore: a worker's view of the cluster-shared KV store (the tier below its disk tier). It
 owns the blocks it read and checked for a prefix hit but has not copied back yet (staged), its
 estimate of how many files the store holds (for the size bound), and its counters; the store
-itself is the directory every worker shares (kvtransfer/shared_blocks.py through NIXL), so which
-blocks it holds is asked of the files, never remembered. Torch-free: a block's KV is opaque here.
+itself is the directory every worker shares (kvtransfer/shared_blocks.py) or the objects under
+an S3 prefix (kvtransfer/object_blocks.py), both through NIXL, behind one small interface
+(SharedFiles), so which blocks it holds is asked of the store, never remembered. Torch-free: a
+block's KV is opaque here.
 
 A block is published when it reaches this worker's disk tier (DiskTier.put): once per block
 cluster-wide (the first complete copy wins). A prefix hit past the device, host and disk tiers
@@ -10,7 +12,8 @@ reads and checks the block's file (a bad one is removed and its block recomputed
 and copies it into a fresh device block before the step, as a disk hit does. The size bound
 holds files of num_blocks blocks: a writer that finds the store at its bound evicts the lowest
 priority, then least recently used files down to LOW_WATER of it. Publishing is best effort: a
-full filesystem loses the block (recomputed when needed), never a request.
+full filesystem or an object store that refuses a write (or cannot be reached) loses the
+block (recomputed when needed), never a request.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ Entry = tuple[int, float, int, int]
 
 
 class SharedFiles(Protocol):
-    """The store's files (kvtransfer.shared_blocks.SharedBlockFiles)."""
+    """The store's backend: files in a shared directory (kvtransfer.shared_blocks.
+    SharedBlockFiles) or objects in an S3-compatible store (kvtransfer.object_blocks.
+    ObjectBlockFiles). publish, remove and entries raise OSError when the store refuses."""
 
     def exists(self, block_hash: int) -> bool: ...
 
@@ -73,7 +78,15 @@ class SharedStore(FileStage):
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         self.record_events = False  # KV events (tier "shared") for the cluster index
         self._events: list[KVEvent] = []
-        self.num_files = len(files.entries())  # the store's size at the last scan, + ours since
+        try:  # the store's size at the last scan, + ours since
+            self.num_files = len(files.entries())
+        except OSError as e:  # unreachable now: its first bound check scans it again
+            log.warning(
+                "%s: cannot list the store at start (%s); its size is taken as 0 until a scan",
+                self.NAME,
+                e,
+            )
+            self.num_files = 0
         self._scanned = self.num_files  # the size the last scan found (after its evictions)
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had
@@ -102,9 +115,9 @@ class SharedStore(FileStage):
             self.num_found_published += 1
             return False
         rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
-        if self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after:
-            self._make_room()
         try:
+            if self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after:
+                self._make_room()
             wrote = self.files.publish(block_hash, row, priority, salt_root)
         except OSError as e:
             self._write_failed(
