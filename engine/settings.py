@@ -17,8 +17,9 @@ and what never won was deleted (docs/gpu.md). What is left is what a user really
                   torch ops, for a machine where it cannot be built.
   mixed_graphs    KVRELAY_MIXED_GRAPHS    an experiment, default 0 until a GPU run measures it:
                   steps no decode graph replays (a prompt's chunk beside decodes), up to 512
-                  tokens, replay per-layer CUDA graphs around eager attention (engine/execution/mixed_graphs.py); it becomes the
-                  default with no switch if it wins, and is deleted if it does not.
+                  tokens, replay per-layer CUDA graphs around eager attention
+                  (engine/execution/mixed_graphs.py); it becomes the default with no switch if
+                  it wins, and is deleted if it does not.
   cache_dir       KVRELAY_CACHE_DIR       where GGUF checkpoints are converted once
                   (default ~/.cache/kvrelay).
   state_dir       KVRELAY_STATE_DIR       where `kvrelay serve` records its cluster's address
