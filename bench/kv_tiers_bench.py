@@ -2,9 +2,12 @@
 system prompts asked in turn, R rounds, one at a time) with a working set past the device pool
 and the host tier: device only, + host, + disk, then a second worker (empty device, host and
 disk) over the shared store the first published. Prints prompt tokens computed, TTFT p50 and
-each tier's hits. Owns no state (its disk and shared directories are temporary).
+each tier's hits. Owns no state (its disk directories, and the shared one unless
+--shared-kv-path names a store, are temporary).
 
     python -m bench.kv_tiers_bench [--json out.json]
+    python -m bench.kv_tiers_bench --rows shared --shared-kv-path s3://BUCKET/PREFIX \
+        --shared-kv-endpoint http://127.0.0.1:8333    # the shared rows on an object store
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ def main() -> None:
     add_workload_flags(p, rounds=2, host_kv_gib=0.03, host_help="default: ~40 SmolLM2 blocks")
     p.add_argument("--disk-kv-gib", type=float, default=1.0)
     p.add_argument("--shared-kv-gib", type=float, default=1.0)
+    p.add_argument(
+        "--shared-kv-path",
+        default=None,
+        help="the shared store: a directory or s3://BUCKET/PREFIX (default: a temporary "
+        "directory); an empty one, or the second worker's row counts the first's blocks too",
+    )
+    p.add_argument("--shared-kv-endpoint", default=None, help="an s3:// store's endpoint URL")
+    p.add_argument(
+        "--rows", choices=("all", "shared"), default="all", help="shared: the two shared rows"
+    )
     args = p.parse_args()
     args.profile = args.prompts_json = None
     host = int(args.host_kv_gib * (1 << 30))
@@ -32,8 +45,10 @@ def main() -> None:
         disk = {"disk_kv_cache_bytes": int(args.disk_kv_gib * (1 << 30))}
         shared = {
             "shared_kv_cache_bytes": int(args.shared_kv_gib * (1 << 30)),
-            "shared_kv_path": str(root / "shared"),
+            "shared_kv_path": args.shared_kv_path or str(root / "shared"),
         }
+        if args.shared_kv_endpoint:
+            shared["shared_kv_endpoint"] = args.shared_kv_endpoint
         runs = [
             ("device only", 0, {}),
             ("+ host", host, {}),
@@ -41,6 +56,8 @@ def main() -> None:
             ("+ shared: first worker", host, disk | {"disk_kv_path": str(root / "a")} | shared),
             ("+ shared: second worker", host, disk | {"disk_kv_path": str(root / "b")} | shared),
         ]
+        if args.rows == "shared":
+            runs = runs[3:]
         for name, host_bytes, tiers in runs:
             row = {"run": name, **run(args, host_bytes, copy_rates=False, **tiers)}
             rows.append(row)
