@@ -28,6 +28,8 @@
 #   scale-gpus    resizing under load on GPUs: SCALE_PREFILL prefill + 1 decode, decode -> 2 -> 1
 #   grammar       the grammar-mask cost on the 8B shape
 #   host-tier     the host-tier workload with and without the tier, then vLLM's CPU offload
+#   kv-tiers      issue 50: device, + host, + disk, + shared store on the 8B shape (bench/
+#                 kv_tiers_bench.py), then vLLM's CPU offload on the same prompts
 #   speculative   the n-gram speculation GPU test and bench.spec_bench on SmolLM2
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec     vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
@@ -37,7 +39,7 @@
 #                 ~5 + ~7 min, past one call's 600 s: call twice, MOE_ENGINES=kvrelay then vllm, on
 #                 the same warm machine)
 set -uo pipefail
-phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, speculative, speculative-8b, vllm-spec or moe}
+phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, kv-tiers, speculative, speculative-8b, vllm-spec or moe}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -217,6 +219,18 @@ case $phase in
     timeout 250 python3 -m bench.grammar_bench --device cuda --model "$folder" \
       --load-format dummy --json "$out/grammar.json" > "$out/grammar.txt" 2> "$out/grammar.err"
     echo "grammar rc=$?"
+    ;;
+  kv-tiers)  # issue 50: every tier on the 8B shape, then vLLM's CPU offload on the same prompts
+    served_8b
+    timeout 420 python3 -m bench.kv_tiers_bench --device cuda --model "$folder" \
+      --load-format dummy --system-rules 200 --device-blocks 280 --host-kv-gib 1 \
+      --disk-kv-gib 8 --shared-kv-gib 8 --prompts-json /tmp/kv_tiers_prompts.json \
+      --json "$out/kv_tiers.json" > "$out/kv_tiers.txt" 2> "$out/kv_tiers.err"
+    echo "kv tiers rc=$?"; cat "$out/kv_tiers.txt"
+    PYTHONPATH=/tmp/vsite timeout 330 python3 bench/vllm_host_tier_peer.py --model "$folder" \
+      --prompts /tmp/kv_tiers_prompts.json --num-gpu-blocks 280 --offload-gib 1 \
+      --json "$out/vllm_kv_tiers.json" > "$out/vllm_kv_tiers.txt" 2>&1
+    echo "vllm kv tiers rc=$?"
     ;;
   host-tier)  # working set ~3x a 280-block pool; kvrelay with and without the tier, then vLLM
     served_8b

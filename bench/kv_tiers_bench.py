@@ -36,8 +36,9 @@ def main() -> None:
     p.add_argument(
         "--rows", choices=("all", "shared"), default="all", help="shared: the two shared rows"
     )
+    p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()
-    args.profile = args.prompts_json = None
+    args.profile = None
     host = int(args.host_kv_gib * (1 << 30))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-tiers-") as tmp:
