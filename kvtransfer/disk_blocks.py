@@ -18,6 +18,7 @@ read by a load; a file written before the hint held the salt reads as (0, 0): fo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -26,6 +27,7 @@ import socket
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -252,21 +254,11 @@ class DiskBlockFiles(BlockFormat):
 
     def _transfer(self, op: str, fd: int) -> None:
         """The staging row to (WRITE) or from (READ) the payload of the open file fd."""
-        agent = self._agent
-        file_reg = agent.register_memory([(HEADER_BYTES, self.payload_bytes, fd, "")], "FILE")
-        handle = None
-        try:
-            file_descs = agent.get_xfer_descs([(HEADER_BYTES, self.payload_bytes, fd)], "FILE")
-            handle = agent.initialize_xfer(op, self._row_descs, file_descs, self._name)
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise OSError(errno.EIO, f"NIXL POSIX {op} of a KV block file failed")
-        finally:
-            if handle is not None:
-                agent.release_xfer_handle(handle)
-            agent.deregister_memory(file_reg)
+        region = (HEADER_BYTES, self.payload_bytes, fd)
+        transfer_once(
+            self._agent, self._name, op, self._row_descs, "FILE", (*region, ""), region,
+            f"NIXL POSIX {op} of a KV block file failed",
+        )  # fmt: skip
 
     # ---- warm restart ---------------------------------------------------------------------
     def scan(self) -> ScanResult:
@@ -300,3 +292,35 @@ class DiskBlockFiles(BlockFormat):
 
 def _checksum(row: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(row.contiguous().view(torch.uint8).numpy().data)
+
+
+def transfer_once(
+    agent: Any,
+    agent_name: str,
+    op: str,
+    local: Any,
+    backend: str,
+    registered: tuple[int, int, int, str],
+    region: tuple[int, int, int],
+    failed: str,
+    quiet_release: bool = False,
+) -> None:
+    """One NIXL transfer, waited for, between local (a registered buffer's descriptors) and
+    region (offset, length, dev id) of backend's memory `registered` (registered for it alone:
+    a file's fd, an object's key). OSError(EIO, failed) when NIXL reports it failed;
+    quiet_release: an error releasing the transfer's handle is not raised."""
+    reg = agent.register_memory([registered], backend)
+    handle = None
+    try:
+        remote = agent.get_xfer_descs([region], backend)
+        handle = agent.initialize_xfer(op, local, remote, agent_name)
+        state = agent.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = agent.check_xfer_state(handle)
+        if state == "ERR":
+            raise OSError(errno.EIO, failed)
+    finally:
+        if handle is not None:
+            with contextlib.suppress(*((Exception,) if quiet_release else ())):
+                agent.release_xfer_handle(handle)
+        agent.deregister_memory(reg)

@@ -15,7 +15,6 @@ Listing and deletion, which NIXL's backend does not do, go through kvtransfer/s3
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import hashlib
@@ -40,6 +39,7 @@ from kvtransfer.disk_blocks import (
     BlockFormat,
     DiskLayout,
     _checksum,
+    transfer_once,
 )
 from kvtransfer.nixl_agent import import_nixl_api
 from kvtransfer.s3_control import S3Control, S3Location
@@ -178,28 +178,17 @@ class ObjectBlockFiles(BlockFormat):
     def _transfer(self, op: str, local: Any, block_hash: int, offset: int, length: int) -> None:
         """local (a registered buffer's descriptors) to (WRITE: the whole object) or from
         (READ: length bytes at offset) block_hash's object."""
-        agent = self._agent
         key = self.key(block_hash)
         dev_id = next(self._dev_ids)
-        reg = agent.register_memory([(0, offset + length, dev_id, key)], BACKEND)
-        handle = None
         try:
-            remote = agent.get_xfer_descs([(offset, length, dev_id)], BACKEND)
-            handle = agent.initialize_xfer(op, local, remote, self._name)
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise OSError(errno.EIO, f"NIXL OBJ {op} of {key} failed")
+            transfer_once(
+                self._agent, self._name, op, local, BACKEND, (0, offset + length, dev_id, key),
+                (offset, length, dev_id), f"NIXL OBJ {op} of {key} failed", quiet_release=True,
+            )  # fmt: skip
         except OSError:
             raise
         except Exception as e:  # NIXL raises its own types (a missing object, a refusal)
             raise OSError(errno.EIO, f"NIXL OBJ {op} of {key} failed: {e}") from e
-        finally:
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    agent.release_xfer_handle(handle)
-            agent.deregister_memory(reg)
 
 
 def make_object_agent(name: str, location: S3Location) -> Any:

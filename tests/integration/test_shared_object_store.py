@@ -28,6 +28,7 @@ from kvtransfer.object_blocks import BACKEND, ObjectBlockFiles, make_object_agen
 from kvtransfer.s3_control import S3Control, S3Location
 from tests.integration.test_disk_tier import BLOCK, BLOCK_BYTES, engine, prompts, serve, tiny
 from tests.integration.test_shared_store import leading
+from tests.integration.test_shared_store import worker as directory_worker
 
 __all__ = ["tiny"]  # the module-scoped checkpoint fixture
 
@@ -119,13 +120,8 @@ def worker(
     model: Path, disk: Path, location: S3Location, shared_blocks: int = 400, **more: object
 ) -> Engine:
     """A worker with its own disk tier over the shared store at an s3:// location."""
-    return engine(
-        model,
-        disk,
-        shared_kv_cache_bytes=shared_blocks * FILE_BYTES,
-        shared_kv_path=location.url,
-        shared_kv_endpoint=location.endpoint,
-        **more,
+    return directory_worker(
+        model, disk, location.url, shared_blocks, shared_kv_endpoint=location.endpoint, **more
     )
 
 

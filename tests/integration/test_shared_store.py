@@ -33,9 +33,10 @@ FILE_BYTES = 4096 + BLOCK_BYTES
 
 
 def worker(
-    model: Path, disk: Path, shared: Path, shared_blocks: int = 400, **more: object
+    model: Path, disk: Path, shared: Path | str, shared_blocks: int = 400, **more: object
 ) -> Engine:
-    """A worker with its own disk tier over the shared store at `shared`."""
+    """A worker with its own disk tier over the shared store at `shared` (a directory, or an
+    s3:// location with shared_kv_endpoint in more)."""
     return engine(
         model,
         disk,
