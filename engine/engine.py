@@ -207,8 +207,11 @@ class Engine:
             self.leader.shutdown()
 
     def flush_disk_tier(self) -> None:
-        """Write every cached block the disk tier lacks into it (none without one)."""
+        """Write every cached block the disk tier lacks into it (none without one), and wait
+        for the shared store's publishes queued behind the step."""
         self.copies.flush_to_disk(self.kv)
+        if self.kv.disk_tier is not None and self.kv.disk_tier.shared is not None:
+            self.kv.disk_tier.shared.settle()
 
     def is_unfinished(self, req_id: str) -> bool:
         return self.admission.is_unfinished(req_id)

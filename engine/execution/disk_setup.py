@@ -2,19 +2,22 @@
 (kvtransfer/disk_blocks.py, through NIXL's POSIX backend; the shared store's objects, for an
 object store, through its OBJ backend) over the engine's KV layout, its size bound, the reader
 of its prefix hits behind the step (a files object of its own: its own NIXL agent and staging
-row; an engine of one rank), and the blocks a previous run left in its directory (a warm
-restart). Owns no state: the KV manager keeps the tier.
+row; an engine of one rank), the shared store's reader and publisher (one files object each),
+and the blocks a previous run left in its directory (a warm restart). Owns no state: the KV
+manager keeps the tier.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import CacheConfig, is_object_store
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
+from engine.kv_cache.block_publishes import BlockPublishes
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.shared_store import SharedStore
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
     from engine.parallel.leader import Leader
 
 log = logging.getLogger(__name__)
+
+# The shared store's publishes queued behind the step hold a copy of their block each, this
+# many bytes at most (past it a block is not published: its queue says the store is too slow).
+MAX_QUEUED_PUBLISH_BYTES = 256 << 20
 
 
 def build_disk_tier(
@@ -117,6 +124,13 @@ def build_shared_store(
     )
     reader = shared_files(cache, layout, kv_cache.dtype)
     store.reads = BlockReads(reader.read, "kvrelay-shared-read")
+    writer = shared_files(cache, layout, kv_cache.dtype)
+    store.writes = BlockPublishes(
+        partial(store.bound.publish, writer),
+        _own_copy,
+        max(1, MAX_QUEUED_PUBLISH_BYTES // files.payload_bytes),
+        "kvrelay-shared-publish",
+    )
     log.info(
         "shared KV store at %s: %d blocks of %d bytes at most (all workers), %d there now",
         files.dir,
@@ -125,6 +139,13 @@ def build_shared_store(
         store.num_files,
     )
     return store
+
+
+def _own_copy(row: object) -> torch.Tensor:
+    """A block's KV row (a host slot's, or a device block's once its step is done) as a CPU
+    tensor of its own, for a publish behind the step."""
+    assert isinstance(row, torch.Tensor)
+    return row.to("cpu", copy=True)
 
 
 def shared_files(

@@ -7,7 +7,9 @@ an S3 prefix (kvtransfer/object_blocks.py), both through NIXL, behind one small 
 block's KV is opaque here.
 
 A block is published when it reaches this worker's disk tier (DiskTier.put): once per block
-cluster-wide (the first complete copy wins). A prefix hit past the device, host and disk tiers
+cluster-wide (the first complete copy wins), behind the step (BlockPublishes: a writer thread
+with its own files; its outcomes land in the counters and events between steps) or, without a
+writer, at once. A prefix hit past the device, host and disk tiers
 reads and checks the block's file (a bad one is removed and its block recomputed, never loaded)
 and copies it into a fresh device block before the step, as a disk hit does. The size bound
 holds files of num_blocks blocks: a writer that finds the store at its bound evicts the lowest
@@ -23,6 +25,7 @@ from collections.abc import Container
 from typing import Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.file_stage import FileStage
 
 log = logging.getLogger(__name__)
@@ -78,27 +81,32 @@ class SharedStore(FileStage):
         self.max_staged = max_staged_bytes // block_bytes if block_bytes else 0
         self.record_events = False  # KV events (tier "shared") for the cluster index
         self._events: list[KVEvent] = []
-        try:  # the store's size at the last scan, + ours since
-            self.num_files = len(files.entries())
+        try:  # the store's size at start
+            num_files = len(files.entries())
         except OSError as e:  # unreachable now: its first bound check scans it again
             log.warning(
                 "%s: cannot list the store at start (%s); its size is taken as 0 until a scan",
                 self.NAME,
                 e,
             )
-            self.num_files = 0
-        self._scanned = self.num_files  # the size the last scan found (after its evictions)
+            num_files = 0
+        # the size bound's accounting: the writer thread's while publishes run behind the step
+        self.bound = StoreBound(num_blocks, num_files)
         self.num_published = 0  # blocks this worker wrote to the store
         self.num_found_published = 0  # blocks it would have published: another worker had
         self.num_hit_blocks = 0  # prefix blocks loaded from the store
         self.num_evicted = 0  # files this worker removed for the size bound
         self.num_removed = 0  # files removed on request (evict_hashes)
+        # publishes behind the step (None: at once, on the caller's thread)
+        self.writes: BlockPublishes | None = None
 
     def has(self, block_hash: int) -> bool:
         return self.files.exists(block_hash)
 
     def drain_events(self) -> list[KVEvent]:
-        """Blocks this worker published to the store or removed from it since the last call."""
+        """Blocks this worker published to the store or removed from it since the last call
+        (the publishes landed so far counted first)."""
+        self.collect_publishes()
         events, self._events = self._events, []
         return events
 
@@ -107,53 +115,76 @@ class SharedStore(FileStage):
             self._events.append(BlockRemoved((block_hash,), "shared"))
 
     # ---- publishing -----------------------------------------------------------------------
-    def publish(self, block_hash: int, row: object, priority: int, salt_root: int = 0) -> bool:
-        """Publish a block reaching this worker's disk tier unless the store has it; False when
-        it has or the filesystem refused it (logged once: the block is recomputed when needed,
-        no request is lost). salt_root: its cache_salt's chain root (0: none)."""
-        if self.files.exists(block_hash):
-            self.num_found_published += 1
-            return False
-        rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
-        try:
-            if self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after:
-                self._make_room()
-            wrote = self.files.publish(block_hash, row, priority, salt_root)
-        except OSError as e:
+    def publish(
+        self, block_hash: int, row: object, priority: int, salt_root: int = 0
+    ) -> bool | None:
+        """Publish a block reaching this worker's disk tier unless the store has it. With a
+        writer: queued (None; False when it is not: queued already, or the queue is full), its
+        outcome counted when it lands (collect). Without one: True once written, False when the
+        store has it or refused it (logged once: the block is recomputed when needed, no
+        request is lost). salt_root: its cache_salt's chain root (0: none)."""
+        job = PublishJob(block_hash, row, priority, salt_root)
+        if self.writes is None:
+            return self._landed(self.bound.publish(self.files, job))
+        return None if self.writes.start(job) else False
+
+    @property
+    def num_files(self) -> int:
+        """The store's size as this worker knows it: at its last scan, + its writes since."""
+        return self.bound.num_files
+
+    def collect(self) -> None:
+        """Between steps: the reads and the publishes behind the step that are done."""
+        super().collect()
+        self.collect_publishes()
+
+    def collect_publishes(self) -> None:
+        """The publishes behind the step that are done, counted (between steps)."""
+        if self.writes is not None:
+            for done in self.writes.collect():
+                self._landed(done)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the publishes queued (or timeout_s) and count them: before an operator's
+        eviction (a block queued before it must not land after it) and at shutdown."""
+        if self.writes is not None:
+            for done in self.writes.settle(timeout_s):
+                self._landed(done)
+
+    @property
+    def num_publish_dropped(self) -> int:
+        """Blocks not published because the writer's queue was full."""
+        return 0 if self.writes is None else self.writes.num_dropped
+
+    def _landed(self, done: Published) -> bool:
+        """A publish's outcome into the counters and events; True when it wrote its block."""
+        for block_hash in done.evicted:
+            self._staged.pop(block_hash, None)
+            self._removed(block_hash)
+        self.num_evicted += len(done.evicted)
+        if done.error is not None:
             self._write_failed(
-                e,
+                done.error,
                 "cannot publish a block file (%s); blocks are not shared (each worker "
                 "recomputes them) while this lasts",
             )
             return False
-        if not wrote:
+        if not done.wrote:
             self.num_found_published += 1
             return False
-        self.num_files += 1
         self.num_published += 1
         if self.record_events:
-            self._events.append(BlockStored((block_hash,), None, "shared"))
+            self._events.append(BlockStored((done.block_hash,), None, "shared"))
         return True
-
-    def _make_room(self) -> None:
-        """Scan the store (every worker's files); past LOW_WATER of the bound, remove the lowest
-        priority, least recently used files down to it."""
-        entries = sorted(self.files.entries())
-        keep = int(self.num_slots * LOW_WATER)
-        excess = max(0, len(entries) - keep) if len(entries) >= self.num_slots else 0
-        for _, _, block_hash, _ in entries[:excess]:
-            self.files.remove(block_hash)
-            self._staged.pop(block_hash, None)
-            self._removed(block_hash)
-        self.num_evicted += excess
-        self.num_files = self._scanned = len(entries) - excess
 
     def evict_salt(self, salt_root: int) -> int:
         """Remove every file of the salt whose chain root is salt_root (any worker's)."""
+        self.settle()
         return self.evict_hashes([e[2] for e in self.files.entries() if e[3] == salt_root])
 
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files (an operator's eviction); returns how many were there."""
+        self.settle()
         removed = 0
         for block_hash in block_hashes:
             self._staged.pop(block_hash, None)
@@ -162,7 +193,7 @@ class SharedStore(FileStage):
                 self._removed(block_hash)
                 removed += 1
         self.num_removed += removed
-        self.num_files = max(0, self.num_files - removed)
+        self.bound.removed(removed)  # settled: the writer is idle
         return removed
 
     # ---- reading --------------------------------------------------------------------------
@@ -182,3 +213,43 @@ class SharedStore(FileStage):
         if excess > 0:
             for block_hash in [h for h in self._staged if h not in held][:excess]:
                 del self._staged[block_hash]
+
+
+class StoreBound:
+    """The store's size bound as one worker keeps it: how many files it holds at the last scan
+    (after that scan's evictions), + this worker's writes since; used by one thread at a time
+    (the writer's, or the engine's once the writer is idle)."""
+
+    def __init__(self, num_slots: int, num_files: int):
+        self.num_slots = num_slots
+        self.num_files = num_files
+        self._scanned = num_files
+
+    def publish(self, files: SharedFiles, job: PublishJob) -> Published:
+        """job on files (the writer thread's, or the store's own): nothing when the store has
+        the block; else, when this worker is at the bound or has written 1 / WRITERS of the room
+        its last scan saw, a scan of the store (every worker's files) that removes the lowest
+        priority, least recently used ones down to LOW_WATER of the bound if it is at it; then
+        the block written."""
+        if files.exists(job.block_hash):
+            return Published(job.block_hash, False, None, ())
+        evicted: list[int] = []
+        rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
+        try:
+            if self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after:
+                entries = sorted(files.entries())
+                keep = int(self.num_slots * LOW_WATER)
+                excess = max(0, len(entries) - keep) if len(entries) >= self.num_slots else 0
+                for _, _, block_hash, _ in entries[:excess]:
+                    files.remove(block_hash)
+                    evicted.append(block_hash)
+                self.num_files = self._scanned = len(entries) - excess
+            wrote = files.publish(job.block_hash, job.row, job.priority, job.salt_root)
+        except OSError as e:
+            return Published(job.block_hash, False, e, tuple(evicted))
+        self.num_files += wrote
+        return Published(job.block_hash, wrote, None, tuple(evicted))
+
+    def removed(self, num: int) -> None:
+        """num files of the store removed on request."""
+        self.num_files = max(0, self.num_files - num)

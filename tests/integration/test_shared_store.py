@@ -71,6 +71,10 @@ def test_a_second_worker_computes_only_what_the_first_did_not_publish(tiny, tmp_
     want = [tokens for tokens, _ in serve(first, batch)]
     there = published(tmp_path / "shared")
     assert store_of(first).num_published == len(there) > 0
+    writes = store_of(first).writes  # every publish ran behind the step and was counted
+    assert (
+        writes is not None and writes.num_issued == len(there) + store_of(first).num_found_published
+    )
     expect = [leading(p, there, first.model_id) * BLOCK for p in batch]
     assert expect[0] == 8 * BLOCK and expect[-1] == 0  # the last prompt never left the device
     second = worker(tiny, tmp_path / "b", tmp_path / "shared")  # a new worker: starts warm

@@ -1,6 +1,7 @@
 """SharedStore's bookkeeping over a dict of files (one shared directory): one writer a block,
 eviction by priority then age down to the low-water mark, a refused write logged once, bad
 files removed and never staged; reads behind the step (BlockReads) staged when collected;
+publishes behind the step (BlockPublishes) counted when collected, the bound kept by the writer;
 BlockPool / HostTier / SaltIndex removal for `kvrelay kv evict`."""
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ import argparse
 import contextlib
 import logging
 import threading
+from functools import partial
 
 import pytest
 
 from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
 from engine.config import CacheConfig
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.salt_index import SaltIndex
@@ -208,3 +211,78 @@ def test_reads_behind_the_step_land_between_steps_held_blocks_never_trimmed() ->
     assert store.is_staged(1) and not store.is_staged(3)
     assert store.take(1) == "kv1"
     store.reads.close()
+
+
+def behind(store: SharedStore, shared: SharedDict, gate: threading.Event) -> list[str]:
+    """Give store a writer whose publishes wait at gate (on the writer's thread); returns the
+    threads they ran on."""
+    threads: list[str] = []
+
+    class GatedDict:  # the writer's own files: the same directory, its publishes held
+        def __getattr__(self, name: str) -> object:
+            return getattr(shared, name)
+
+        def publish(self, block_hash: int, row: object, priority: int, salt_root: int) -> bool:
+            gate.wait()
+            threads.append(threading.current_thread().name)
+            return shared.publish(block_hash, row, priority, salt_root)
+
+    store.writes = BlockPublishes(
+        partial(store.bound.publish, GatedDict()), lambda row: list(row), 4, "test-publish"
+    )
+    return threads
+
+
+def test_publishes_behind_the_step_land_between_steps_and_keep_the_bound(caplog) -> None:
+    """A publish returns at once (queued, with a copy of its row); it is counted, and its event
+    recorded, when collected after it lands; past the queue's bound a block is not published
+    (logged once); the size bound holds as without a writer; settle waits for every one."""
+    shared = SharedDict()
+    store = SharedStore(10, shared)
+    store.record_events = True
+    gate = threading.Event()
+    threads = behind(store, shared, gate)
+    row = ["kv", 1]
+    assert store.publish(1, row, 35) is None
+    row[1] = 2  # the spill's row is overwritten after the step: the queued copy is not
+    assert store.publish(1, row, 35) is False  # queued already
+    with caplog.at_level(logging.WARNING, logger="engine.kv_cache.block_publishes"):
+        assert [store.publish(h, ["kv", h], 35) for h in (2, 3, 4, 5, 6)] == [None] * 3 + [
+            False
+        ] * 2
+    assert caplog.text.count("publishes queued") == 1 and store.num_publish_dropped == 2
+    store.collect()
+    assert store.num_published == 0 and store.drain_events() == []  # nothing landed yet
+    gate.set()
+    store.settle()
+    assert store.num_published == 4 and set(shared.files) == {1, 2, 3, 4}
+    assert shared.files[1][0] == ["kv", 1]
+    assert set(threads) == {"test-publish_0"}  # the writer's thread, never the caller's
+    assert [e.block_hashes for e in store.drain_events()] == [(1,), (2,), (3,), (4,)]
+    for h in range(100, 130):  # the bound, kept by the writer
+        store.publish(h, ["kv", h], 35)
+        store.settle()
+    assert len(shared.files) <= 10 and store.num_evicted > 0
+    assert store.num_files == len(shared.files)
+    store.writes.close()
+
+
+def test_an_operators_eviction_waits_for_the_publishes_queued() -> None:
+    """A block queued before `kvrelay kv evict` never lands after it; a publish failing with
+    the backend's own error type counts as a refused write, not a crash."""
+    shared = SharedDict()
+    store = SharedStore(100, shared)
+    gate = threading.Event()
+    behind(store, shared, gate)
+    assert store.publish(7, ["kv", 7], 35) is None
+    threading.Timer(0.2, gate.set).start()
+    assert store.evict_hashes([7]) == 1 and 7 not in shared.files and store.num_files == 0
+
+    def refused(job: PublishJob) -> Published:
+        raise RuntimeError("NIXL status")  # a backend's own error type
+
+    store.writes = BlockPublishes(refused, list, 4, "test-fail")
+    assert store.publish(8, ["kv", 8], 35) is None
+    store.settle()
+    assert store.num_write_failures == 1 and store.num_published == 1  # block 7 only
+    assert 8 not in shared.files
