@@ -20,8 +20,8 @@ and what never won was deleted (docs/gpu.md). What is left is what a user really
                   tokens, replay per-layer CUDA graphs around eager attention
                   (engine/execution/mixed_graphs.py); it becomes the default with no switch if
                   it wins, and is deleted if it does not.
-  cache_dir       KVRELAY_CACHE_DIR       where GGUF checkpoints are converted once
-                  (default ~/.cache/kvrelay).
+  cache_dir       KVRELAY_CACHE_DIR       where GGUF checkpoints are converted once, and the
+                  object store's plugin stand-in is built (default ~/.cache/kvrelay).
   state_dir       KVRELAY_STATE_DIR       where `kvrelay serve` records its cluster's address
                   (default /tmp/kvrelay-<uid>).
 UCX_TLS is UCX's own variable, not one of these: kvtransfer/nixl_agent.py respects a user's

@@ -67,7 +67,11 @@ class ObjectBlockFiles(BlockFormat):
 
     AGENT_PREFIX = "kvrelay-object"
 
-    def __init__(self, location: S3Location, layout: DiskLayout, dtype: torch.dtype):
+    def __init__(
+        self, location: S3Location, layout: DiskLayout, dtype: torch.dtype, cache_dir: Path
+    ):
+        """cache_dir: kvrelay's cache (Settings.cache_dir), where a stand-in for NIXL's OBJ
+        plugin dependency is built when the host lacks it (make_object_agent)."""
         super().__init__(layout, dtype)
         self.location = location
         self.control = S3Control(location)
@@ -77,7 +81,7 @@ class ObjectBlockFiles(BlockFormat):
         self._payload = self._buf[HEADER_BYTES:].view(dtype).view(layout.row_shape)
         self._hint = torch.zeros(HINT.size, dtype=torch.uint8)
         self._name = f"{self.AGENT_PREFIX}-{os.getpid()}-{next(_AGENT_SEQ)}"
-        self._agent = make_object_agent(self._name, location)
+        self._agent = make_object_agent(self._name, location, cache_dir)
         self._agent.register_memory(self._buf)
         self._agent.register_memory(self._hint)
         self._buf_descs = self._agent.get_xfer_descs(self._buf)
@@ -191,12 +195,13 @@ class ObjectBlockFiles(BlockFormat):
             raise OSError(errno.EIO, f"NIXL OBJ {op} of {key} failed: {e}") from e
 
 
-def make_object_agent(name: str, location: S3Location) -> Any:
+def make_object_agent(name: str, location: S3Location, cache_dir: Path) -> Any:
     """A NIXL agent with only the OBJ backend, for location's bucket and endpoint (path-style
-    addressing). Credentials: the AWS SDK's own chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+    addressing); the plugin's dependency made loadable first (built under cache_dir when the
+    host lacks it). Credentials: the AWS SDK's own chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
     / AWS_SESSION_TOKEN, a profile, an instance role); kvrelay never reads them into a message
     or a log line."""
-    _load_plugin_dependency()
+    _load_plugin_dependency(cache_dir)
     os.environ.setdefault("AWS_RETRY_MODE", SDK_RETRY_MODE)  # read when the client is made
     api = import_nixl_api()
     scheme, _, _ = location.endpoint.partition("://")
@@ -218,11 +223,11 @@ def make_object_agent(name: str, location: S3Location) -> Any:
     return agent
 
 
-def _load_plugin_dependency() -> None:
+def _load_plugin_dependency(cache_dir: Path) -> None:
     """Make NIXL's OBJ plugin loadable: it links libcuobjclient.so.1 (NVIDIA's GPUDirect object
     client, for its accelerated engine only), which a host without GPUDirect storage lacks.
     The real library when it loads, else the stand-in (csrc/cuobj_loader_shim.cpp, every call
-    failing), built once per machine with g++."""
+    failing), built once per cache_dir with g++."""
     global _plugin_ready
     with _plugin_lock:
         if _plugin_ready:
@@ -230,13 +235,13 @@ def _load_plugin_dependency() -> None:
         try:
             ctypes.CDLL(_CUOBJ, mode=ctypes.RTLD_GLOBAL)
         except OSError:
-            ctypes.CDLL(str(_build_shim()), mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(str(build_shim(cache_dir)), mode=ctypes.RTLD_GLOBAL)
         _plugin_ready = True
 
 
-def _build_shim() -> Path:
+def build_shim(cache: Path) -> Path:
+    """The stand-in library under cache (built there with g++ unless it is there already)."""
     source = _SHIM_SOURCE.read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvrelay"
     lib = cache / f"cuobjclient-shim-{hashlib.sha256(source).hexdigest()[:12]}.so"
     if lib.exists():
         return lib

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,7 @@ def build_disk_tier(
     model_id: str,
     kv_cache: torch.Tensor,
     record_events: bool,
+    cache_dir: Path,
     leader: Leader | None = None,
 ) -> DiskTier | None:
     """The disk tier cache asks for (None without one), holding the blocks already in its
@@ -88,7 +90,7 @@ def build_disk_tier(
         found.num_other_layouts,
     )
     if cache.shared_kv_cache_bytes:
-        tier.shared = build_shared_store(cache, files.layout, kv_cache)
+        tier.shared = build_shared_store(cache, files.layout, kv_cache, cache_dir)
         tier.shared.record_events = record_events
     return tier
 
@@ -108,11 +110,11 @@ def build_rank_disk(
 
 
 def build_shared_store(
-    cache: CacheConfig, layout: DiskLayout, kv_cache: torch.Tensor
+    cache: CacheConfig, layout: DiskLayout, kv_cache: torch.Tensor, cache_dir: Path
 ) -> SharedStore:
     """The cluster-shared store cache asks for: the layout's directory under shared_kv_path,
     or its objects under an s3:// shared_kv_path."""
-    files = shared_files(cache, layout, kv_cache.dtype)
+    files = shared_files(cache, layout, kv_cache.dtype, cache_dir)
     num_blocks = cache.shared_kv_cache_bytes // files.file_bytes
     if num_blocks < 1:
         raise ValueError(
@@ -122,9 +124,9 @@ def build_shared_store(
     store = SharedStore(
         num_blocks, files, read_errors=(BlockFileError, OSError), block_bytes=files.payload_bytes
     )
-    reader = shared_files(cache, layout, kv_cache.dtype)
+    reader = shared_files(cache, layout, kv_cache.dtype, cache_dir)
     store.reads = BlockReads(reader.read, "kvrelay-shared-read")
-    writer = shared_files(cache, layout, kv_cache.dtype)
+    writer = shared_files(cache, layout, kv_cache.dtype, cache_dir)
     store.writes = BlockPublishes(
         partial(store.bound.publish, writer),
         _own_copy,
@@ -149,12 +151,12 @@ def _own_copy(row: object) -> torch.Tensor:
 
 
 def shared_files(
-    cache: CacheConfig, layout: DiskLayout, dtype: torch.dtype
+    cache: CacheConfig, layout: DiskLayout, dtype: torch.dtype, cache_dir: Path
 ) -> SharedBlockFiles | ObjectBlockFiles:
     """The shared store's backend (shared_store.SharedFiles): block files in a shared
     directory, or block objects in an S3-compatible store."""
     assert cache.shared_kv_path is not None
     if is_object_store(cache.shared_kv_path):
         location = S3Location.parse(cache.shared_kv_path, cache.shared_kv_endpoint)
-        return ObjectBlockFiles(location, layout, dtype)
+        return ObjectBlockFiles(location, layout, dtype, cache_dir)
     return SharedBlockFiles(cache.shared_kv_path, layout, dtype)

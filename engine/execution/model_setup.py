@@ -84,7 +84,9 @@ def build_device_parts(
         copies = LeaderCopies(leader, backend.kv_cache, host_bytes)
     slots, events = copies.num_host_slots, config.record_kv_events
     num_blocks, model_id = backend.kv_cache.shape[0], model_config.model_id
-    disk = build_disk_tier(config.cache, model_id, backend.kv_cache, events, leader)
+    disk = build_disk_tier(
+        config.cache, model_id, backend.kv_cache, events, config.settings.cache_dir, leader
+    )
     kv = KVCacheManager.from_config(config.cache, num_blocks, model_id, events, slots, disk)
     return DeviceParts(config, model, max_model_len, backend, copies, kv)
 

@@ -23,8 +23,9 @@ import torch
 
 from engine.engine import Engine
 from engine.kv_cache.shared_store import SharedStore
+from engine.settings import Settings
 from kvtransfer.disk_blocks import SUFFIX
-from kvtransfer.object_blocks import BACKEND, ObjectBlockFiles, make_object_agent
+from kvtransfer.object_blocks import BACKEND, ObjectBlockFiles, build_shim, make_object_agent
 from kvtransfer.s3_control import S3Control, S3Location
 from tests.integration.test_disk_tier import BLOCK, BLOCK_BYTES, engine, prompts, serve, tiny
 from tests.integration.test_shared_store import leading
@@ -34,6 +35,7 @@ __all__ = ["tiny"]  # the module-scoped checkpoint fixture
 
 FILE_BYTES = 4096 + BLOCK_BYTES
 BUCKET = "kvrelay-test"
+CACHE_DIR = Settings.from_env().cache_dir  # where an engine builds the OBJ plugin's stand-in
 WRITER = ("kvrelay-writer", "writer-secret-0123456789")  # a test server's own identities
 READER = ("kvrelay-reader", "reader-secret-0123456789")  # may read and list, never write
 
@@ -143,7 +145,7 @@ def published(location: S3Location) -> dict[int, str]:
 def raw_object(location: S3Location, key: str, data: bytes | None = None, size: int = 0) -> bytes:
     """Through a NIXL OBJ agent of the test's own: put data as key's whole object, or (data
     None) read its first size bytes."""
-    agent = make_object_agent(f"test-raw-{time.monotonic_ns()}", location)
+    agent = make_object_agent(f"test-raw-{time.monotonic_ns()}", location, CACHE_DIR)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else None
     buf = buf if buf is not None else torch.zeros(size, dtype=torch.uint8)
     agent.register_memory(buf)
@@ -274,3 +276,14 @@ def test_an_unreachable_object_store_loses_no_request(tiny, tmp_path, s3_store, 
     assert caplog.text.count("cannot list the store at start") == 1
     assert caplog.text.count("cannot publish a block file") == 1, caplog.text
     assert "HEAD request to the object store" in caplog.text
+
+
+def test_the_obj_plugins_stand_in_is_built_once_under_the_cache_dir(tmp_path):
+    """KVRELAY_CACHE_DIR (Settings.cache_dir) holds it, not a fixed home directory; a second
+    call finds it there."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ (make deps installs it)")
+    lib = build_shim(tmp_path / "cache")
+    assert lib.parent == tmp_path / "cache" and lib.name.startswith("cuobjclient-shim-")
+    made = lib.stat().st_mtime_ns
+    assert build_shim(tmp_path / "cache") == lib and lib.stat().st_mtime_ns == made
