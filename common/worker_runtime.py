@@ -33,11 +33,13 @@ RANK_CHECK_INTERVAL_S = 1.0  # a TP worker asks its follower ranks whether they 
 
 
 class WorkerBase(ABC):
-    """A role (PrefillWorker, DecodeWorker) subclasses it: its __init__ calls this one, builds
-    its own parts on the engine and transfer, then start_serving(); it adds its own actor
-    calls and fills the hooks below (its engine-thread callbacks, what it has in flight, its leak
-    check, its stats). Everything that touches the engine runs on the engine thread, which built
-    it; until start_serving() that thread is parked, so the start-up reads it from here."""
+    """A role (PrefillWorker, DecodeWorker) subclasses it: its __init__ calls this one, which
+    builds the engine, the transfer and the index upkeep, then the role's own parts (_build_role),
+    then starts serving; a failure anywhere in that stops the engine thread and shuts the engine
+    down before it is raised. The role adds its own actor calls and fills the hooks below (its
+    engine-thread callbacks, what it has in flight, its leak check, its stats). Everything that
+    touches the engine runs on the engine thread, which built it; until it serves that thread is
+    parked, so the start-up reads it from here."""
 
     role: ClassVar[str]  # "prefill" or "decode": published, described, in errors
     stats_type: ClassVar[type[WorkerStats]]  # the role's WorkerStats (PrefillStats, ...)
@@ -70,8 +72,8 @@ class WorkerBase(ABC):
             from common.rank_actors import start_ray_follower
 
             start_follower = start_ray_follower
-        # built on the thread that will step it (engine_thread.py); it serves from
-        # start_serving(), once the role's parts exist
+        # built on the thread that will step it (engine_thread.py); it serves once the role's
+        # parts exist
         self.thread = EngineThread(lambda: Engine(engine_config, start_follower=start_follower))
         self.engine = engine = self.thread.engine
         try:
@@ -94,10 +96,12 @@ class WorkerBase(ABC):
             )
             self.lifecycle = WorkerLifecycle(worker_id, self.role)
             self._ranks_checked_at = 0.0  # when _tick last asked the TP followers whether they run
+            self._build_role()
         except BaseException:  # the engine, parked before serve(), ends with the failed start
             self.thread.stop()
             engine.shutdown()
             raise
+        self.thread.serve(self._on_outputs, self._tick)
 
     def _register_ranks(self, engine: Engine) -> None:
         """A TP worker's handoff layout: rank 0's heads, and every other rank's NIXL agent
@@ -123,10 +127,6 @@ class WorkerBase(ABC):
             for f, meta in zip(followers, metas, strict=True)
         ]
         self.transfer.set_layout(size, rank_kv_heads(heads, 0, size).start, heads, ranks)
-
-    def start_serving(self) -> None:
-        """The engine thread starts stepping: the role's parts exist."""
-        self.thread.serve(self._on_outputs, self._tick)
 
     # ---- actor API both roles share ----------------------------------------------------------
     async def load(self) -> WorkerLoad:
@@ -226,6 +226,10 @@ class WorkerBase(ABC):
         """The load it reports (load(), stats(), the index): the engine's; a role adds the
         requests it holds outside the engine."""
         return worker_load(snapshot)
+
+    @abstractmethod
+    def _build_role(self) -> None:
+        """The role's own parts over self.engine and self.transfer, before the engine serves."""
 
     @abstractmethod
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:

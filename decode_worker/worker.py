@@ -87,6 +87,8 @@ class DecodeWorker(WorkerBase):
             otlp_endpoint=config.otlp_endpoint,
             timeout_s=config.transfer_timeout_s,
         )
+
+    def _build_role(self) -> None:
         self.traces = DecodeTraces(self.worker_id) if tracing.enabled() else None
         self.puller = KVPuller(self.engine, self.transfer, _release_lease)
         self.mailboxes = Mailboxes()
@@ -96,7 +98,6 @@ class DecodeWorker(WorkerBase):
         self.num_local_prefills = 0  # prompts computed here (conditional prefill, aggregated)
         self.num_local_prompt_tokens = 0  # their prompt tokens, and those of them cached
         self.num_local_cached_tokens = 0
-        self.start_serving()
 
     # ---- actor API -----------------------------------------------------------------------
     async def submit(self, request: GenerateRequest, handle: KVHandle, router_id: str) -> None:

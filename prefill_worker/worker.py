@@ -72,12 +72,13 @@ class PrefillWorker(WorkerBase):
             config.heartbeat_s,
             otlp_endpoint=config.otlp_endpoint,
         )
-        self.holder = KVHolder(self.engine.release_blocks, config.lease_s)
+
+    def _build_role(self) -> None:
+        self.holder = KVHolder(self.engine.release_blocks, self.config.lease_s)
         self.traces = PrefillTraces(self.worker_id) if tracing.enabled() else None
         self._waiters: dict[str, _Waiter] = {}
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
-        self.start_serving()
 
     # ---- actor API -----------------------------------------------------------------------
     async def prefill(self, request: GenerateRequest) -> KVHandle:

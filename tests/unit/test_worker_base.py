@@ -1,7 +1,8 @@
 """WorkerBase (common/worker_runtime.py): what both worker roles answer alike, on real workers
 (no Ray, no Redis) over a tiny random checkpoint: load and served model, the controller's state
 moves, stats of the role's shape, the drain's retire, the leak check, refusals once closed, a
-decode worker's prefilled requests waiting for KV room counted as waiting, and one shutdown.
+decode worker's prefilled requests waiting for KV room counted as waiting, one shutdown, and a
+role whose own start fails stopping the engine thread.
 
 The workers run in one spawned child process: NIXL's native library aborts a process that has
 loaded grpc_tools' (test_proto_stubs.py does), so it is kept out of the test runner's."""
@@ -68,6 +69,10 @@ def test_decode_counts_prefilled_requests_waiting_for_kv_room(in_child) -> None:
 
 def test_shutdown_happens_once_and_refuses_later_calls(in_child) -> None:
     in_child(shutdown_twice)
+
+
+def test_a_role_whose_own_start_fails_leaves_no_engine_thread(in_child) -> None:
+    in_child(role_start_fails)
 
 
 # ---- the scenarios (in the child) ---------------------------------------------------------------
@@ -245,3 +250,23 @@ def shutdown_twice(config: EngineConfig) -> None:
             await prefill.load()
 
     asyncio.run(late())
+
+
+class FailingPrefill(PrefillWorker):
+    """A prefill role whose own parts fail to build, after WorkerBase built the engine."""
+
+    def _build_role(self) -> None:
+        super()._build_role()
+        raise RuntimeError("the role's own start failed")
+
+
+def role_start_fails(config: EngineConfig) -> None:
+    import threading
+
+    def engine_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "kvrelay-engine"}
+
+    before = engine_threads()  # earlier scenarios' workers in this child
+    with pytest.raises(RuntimeError, match="the role's own start failed"):
+        FailingPrefill(PrefillWorkerConfig("p-fail", config, num_threads=1))
+    assert engine_threads() <= before  # stopped, not parked for a serve() that never comes
