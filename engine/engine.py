@@ -200,9 +200,11 @@ class Engine:
 
     def shutdown(self) -> None:
         """Write the cached blocks the disk tier lacks into it (a restart on the same directory
-        finds them), end the tensor-parallel follower ranks (none with one rank); the engine
-        steps no more after it. Idempotent."""
+        finds them), stop its reader and writer threads, end the tensor-parallel follower ranks
+        (none with one rank); the engine steps no more after it. Idempotent."""
         self.flush_disk_tier()
+        if self.kv.disk_tier is not None:
+            self.kv.disk_tier.close()
         if self.leader is not None:
             self.leader.shutdown()
 

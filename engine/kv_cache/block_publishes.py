@@ -116,6 +116,7 @@ class BlockPublishes:
         return self.collect()
 
     def close(self) -> None:
-        """Stop the writer once the publishes queued are done (their outcomes are dropped)."""
-        self._pool.shutdown(wait=True)
+        """Stop the writer: the publish running finishes, those not started are dropped (as are
+        the outcomes not collected)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._queued.clear()

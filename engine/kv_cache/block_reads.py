@@ -71,6 +71,7 @@ class BlockReads:
             wait(list(self._in_flight.values()), timeout_s, FIRST_COMPLETED)
 
     def close(self) -> None:
-        """Stop the reader once the reads in flight are done (their results are dropped)."""
-        self._pool.shutdown(wait=True)
+        """Stop the reader: the read running finishes, those not started are dropped (as are
+        the results not collected)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._in_flight.clear()

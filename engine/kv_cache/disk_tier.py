@@ -257,6 +257,16 @@ class DiskTier(FileStage):
         if self.shared is not None:
             self.shared.trim_staged(self._held)
 
+    def close(self) -> None:
+        """Stop the reader threads (this tier's and the shared store's) and the shared store's
+        writer once its queued publishes are done; later reads and publishes run on the caller's
+        thread."""
+        if self.reads is not None:
+            self.reads.close()
+            self.reads = None
+        if self.shared is not None:
+            self.shared.close()
+
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files here (an operator's eviction; the shared store's are the
         caller's to remove); returns how many this tier held."""

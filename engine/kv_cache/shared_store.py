@@ -150,6 +150,23 @@ class SharedStore(FileStage):
         if self.writes is not None:
             for done in self.writes.settle(timeout_s):
                 self._landed(done)
+            if self.writes.num_queued:
+                log.warning(
+                    "%s: %d publishes still queued after %.0f s (a slow store); they land "
+                    "later or not at all",
+                    self.NAME,
+                    self.writes.num_queued,
+                    timeout_s,
+                )
+
+    def close(self) -> None:
+        """Stop the reader and, once its queued publishes are counted, the writer; later reads
+        and publishes run on the caller's thread."""
+        self.settle()
+        for worker in (self.reads, self.writes):
+            if worker is not None:
+                worker.close()
+        self.reads = self.writes = None
 
     @property
     def num_publish_dropped(self) -> int:

@@ -286,3 +286,19 @@ def test_an_operators_eviction_waits_for_the_publishes_queued() -> None:
     store.settle()
     assert store.num_write_failures == 1 and store.num_published == 1  # block 7 only
     assert 8 not in shared.files
+
+
+def test_closing_the_store_counts_the_queued_publishes_then_runs_them_inline() -> None:
+    """An engine's shutdown: the writer's queue lands and is counted, its thread stops, and a
+    later publish (a second shutdown's flush) is written on the caller's thread."""
+    shared = SharedDict()
+    store = SharedStore(100, shared)
+    gate = threading.Event()
+    threads = behind(store, shared, gate)
+    store.reads = BlockReads(shared.read, "test-shared-read")
+    assert store.publish(1, ["kv", 1], 35) is None
+    gate.set()
+    store.close()
+    assert store.num_published == 1 and store.writes is None and store.reads is None
+    assert store.publish(2, ["kv", 2], 35) is True and threads == ["test-publish_0"]
+    assert store.fetch(2) is True  # read at once, no reader thread
