@@ -243,13 +243,11 @@ class StoreBound:
         self._scanned = num_files
 
     def publish(self, files: SharedFiles, job: PublishJob) -> Published:
-        """job on files (the writer thread's, or the store's own): nothing when the store has
-        the block; else, when this worker is at the bound or has written 1 / WRITERS of the room
-        its last scan saw, a scan of the store (every worker's files) that removes the lowest
-        priority, least recently used ones down to LOW_WATER of the bound if it is at it; then
-        the block written."""
-        if files.exists(job.block_hash):
-            return Published(job.block_hash, False, None, ())
+        """job on files (the writer thread's, or the store's own): when this worker is at the
+        bound or has written 1 / WRITERS of the room its last scan saw, first a scan of the store
+        (every worker's files) that removes the lowest priority, least recently used ones down
+        to LOW_WATER of the bound if it is at it; then the block written unless the store has it
+        (files.publish asks: one HEAD for an object)."""
         evicted: list[int] = []
         rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
         try:
