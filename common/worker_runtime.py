@@ -5,6 +5,7 @@ set_state, resync_index, stats, retire, check_no_leaks, shutdown."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 
 RANK_CHECK_INTERVAL_S = 1.0  # a TP worker asks its follower ranks whether they run this often
+
+log = logging.getLogger(__name__)
 
 
 class WorkerBase(ABC):
@@ -76,9 +79,12 @@ class WorkerBase(ABC):
         # parts exist
         self.thread = EngineThread(lambda: Engine(engine_config, start_follower=start_follower))
         self.engine = engine = self.thread.engine
+        transfer = None
         try:
             agent_name = f"{worker_id}-nixl"
-            self.transfer = NixlTransfer(engine.model_id, agent_name=agent_name, **transfer_options)
+            self.transfer = transfer = NixlTransfer(
+                engine.model_id, agent_name=agent_name, **transfer_options
+            )
             self.transfer.register(*engine.kv_memory())
             if (kv_scales := getattr(engine.runner.model, "kv_scales", None)) is not None:
                 self.transfer.set_kv_scales(kv_scales)  # the handshake compares them
@@ -99,6 +105,8 @@ class WorkerBase(ABC):
             self._build_role()
         except BaseException:  # the engine, parked before serve(), ends with the failed start
             self.thread.stop()
+            if transfer is not None:  # its KV pool registered with its NIXL agent
+                transfer.close()
             engine.shutdown()
             raise
         self.thread.serve(self._on_outputs, self._tick)
@@ -214,11 +222,17 @@ class WorkerBase(ABC):
         if not self.lifecycle.stop():
             return
         self.thread.stop()
-        if not self.thread.is_alive():  # the engine is ours again: its disk tier keeps its blocks
+        stopped = not self.thread.is_alive()  # the engine is ours again (else still its thread's)
+        if stopped:  # its disk tier keeps its blocks
             self.engine.flush_disk_tier()
+        else:
+            log.warning(
+                "worker %s: its engine thread did not stop; its KV tiers are not flushed",
+                self.worker_id,
+            )
         self.index_upkeep.withdraw()
         self.transfer.close()
-        self.engine.shutdown()  # a TP worker's followers leave their loops
+        self.engine.shutdown(flush=stopped)  # a TP worker's followers leave their loops
         tracing.shutdown()  # its last spans leave
 
     # ---- the role's hooks (engine thread) ----------------------------------------------------
@@ -310,9 +324,7 @@ def exit_on_rank_lost(worker_id: str, lost: BaseException) -> None:
     (no request gets an answer from it): the router sees the actor dead and migrates its
     requests as for any dead worker, the controller removes its placement group (the other
     ranks with it) and starts a replacement."""
-    import logging
-
-    logging.getLogger(__name__).error("worker %s exits: %s", worker_id, lost)
+    log.error("worker %s exits: %s", worker_id, lost)
     print(f"kvrelay worker {worker_id} exits: {lost}", file=sys.stderr, flush=True)
     os._exit(1)
 

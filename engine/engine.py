@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from torch import nn
 
@@ -198,22 +199,25 @@ class Engine:
         for req_id in list(self.kv.kept.block_ids()):
             self.kv.release_kept(req_id)
 
-    def shutdown(self) -> None:
+    def shutdown(self, flush: bool = True) -> None:
         """Write the cached blocks the disk tier lacks into it (a restart on the same directory
-        finds them), stop its reader and writer threads, end the tensor-parallel follower ranks
-        (none with one rank); the engine steps no more after it. Idempotent."""
-        self.flush_disk_tier()
-        if self.kv.disk_tier is not None:
-            self.kv.disk_tier.close()
+        finds them) and stop its reader and writer threads, then end the tensor-parallel
+        follower ranks (none with one rank); the engine steps no more after it. flush False:
+        the follower ranks only (its engine thread did not stop: the tiers are still that
+        thread's). Idempotent."""
+        if flush:
+            self.flush_disk_tier()
+            if self.kv.disk_tier is not None:
+                self.kv.disk_tier.close()
         if self.leader is not None:
             self.leader.shutdown()
 
     def flush_disk_tier(self) -> None:
-        """Write every cached block the disk tier lacks into it (none without one), and wait
-        for the shared store's publishes queued behind the step."""
-        self.copies.flush_to_disk(self.kv)
-        if self.kv.disk_tier is not None and self.kv.disk_tier.shared is not None:
-            self.kv.disk_tier.shared.settle()
+        """Write every cached block the disk tier lacks into it (none without one), and publish
+        those the shared store lacks (waiting for its writer: none dropped; up to 60 s)."""
+        shared = None if self.kv.disk_tier is None else self.kv.disk_tier.shared
+        with nullcontext() if shared is None else shared.flushing():
+            self.copies.flush_to_disk(self.kv)
 
     def is_unfinished(self, req_id: str) -> bool:
         return self.admission.is_unfinished(req_id)

@@ -5,17 +5,16 @@ block's KV, and their outcomes until the engine thread collects them. Torch-free
 opaque here (the copy is the caller's function).
 
 Publishing a block to an object store is a HEAD and a PUT of a whole block, tens of ms on a
-remote store (3 ms on loopback); on the engine thread that time was every step's (the publishing
-worker's TTFT p50 799 against 396 ms with a shared directory, bench/RESULTS.md "KV tiers").
+remote store (a few ms on loopback); on the engine thread that time was every step's (the
+publishing worker's TTFT p50 ~0.95 s against ~0.48 s with a shared directory; behind the step
+~0.57 s: bench/RESULTS.md "KV tiers").
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
@@ -52,71 +51,85 @@ class BlockPublishes:
         max_queued: int,
         name: str,
     ):
-        """run: a publish on the writer's own files. copy: a block's KV as a payload of its own
-        (the publisher's row is overwritten once the step that follows reuses its slot).
-        max_queued: publishes queued at most (their copies held); past it a block is not
-        published (best effort: recomputed where it is needed)."""
+        """run: a publish on the writer's own files (raises OSError when the store refuses;
+        anything else is a bug, raised on the engine thread by collect). copy: a block's KV as a
+        payload of its own (the publisher's row is overwritten once a later step reuses its
+        slot). max_queued: publishes not yet done at most (their copies held); past it a block
+        is not published (best effort: recomputed where it is needed), unless wait_for_room."""
         self._run = run
         self._copy = copy
         self.max_queued = max(1, max_queued)
+        self.wait_for_room = False  # a clean stop's flush: wait for the writer, drop nothing
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._queued: dict[int, Future[Published]] = {}
+        self._queued: dict[int, tuple[PublishJob, Future[Published]]] = {}
         self.num_issued = 0
         self.num_dropped = 0  # not published: the queue was full
         self._warned_full = False
 
     def start(self, job: PublishJob) -> bool:
-        """Queue job (with a copy of its row); False when the queue is full (not published) or
-        the block is queued already."""
+        """Queue job (with a copy of its row); False when the block is queued already or the
+        writer has max_queued publishes not done (not published)."""
         if job.block_hash in self._queued:
             return False
-        if len(self._queued) >= self.max_queued:
-            self.num_dropped += 1
-            if not self._warned_full:
-                self._warned_full = True
-                log.warning(
-                    "shared KV store: %d publishes queued, the store takes them slower than "
-                    "blocks reach the disk tier; blocks past that are not published (each "
-                    "worker computes them) while this lasts",
-                    self.max_queued,
-                )
-            return False
+        while self._num_running() >= self.max_queued:
+            if not self.wait_for_room:
+                self._dropped()
+                return False
+            running = [f for _, f in self._queued.values() if not f.done()]
+            wait(running, return_when=FIRST_COMPLETED)
         job = job._replace(row=self._copy(job.row))
-        self._queued[job.block_hash] = self._pool.submit(self._run, job)
+        self._queued[job.block_hash] = (job, self._pool.submit(self._run, job))
         self.num_issued += 1
         return True
 
+    def _num_running(self) -> int:
+        """Publishes queued and not done (done ones wait for collect, holding no room)."""
+        return sum(1 for _, future in self._queued.values() if not future.done())
+
+    def _dropped(self) -> None:
+        self.num_dropped += 1
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning(
+                "shared KV store: %d publishes queued, the store takes them slower than blocks "
+                "reach the disk tier; blocks past that are not published (each worker computes "
+                "them) while this lasts",
+                self.max_queued,
+            )
+
     @property
     def num_queued(self) -> int:
+        """Publishes not collected yet (done or not)."""
         return len(self._queued)
 
-    def queued(self, block_hash: int) -> bool:
-        return block_hash in self._queued
-
     def collect(self) -> list[Published]:
-        """The publishes done since the last call, in the order they were queued."""
+        """The publishes done since the last call, in the order they were queued (cancelled
+        ones dropped). An error other than OSError is a bug: raised here."""
         landed = []
-        for block_hash, future in list(self._queued.items()):
+        for block_hash, (_, future) in list(self._queued.items()):
             if not future.done():
                 break
             del self._queued[block_hash]
-            error = future.exception()
-            if error is None:
+            if not future.cancelled():
                 landed.append(future.result())
-            else:  # a backend's own error type: a failed publish like a refused one
-                failed = error if isinstance(error, OSError) else OSError(errno.EIO, repr(error))
-                landed.append(Published(block_hash, False, failed, ()))
         return landed
 
     def settle(self, timeout_s: float = 60.0) -> list[Published]:
         """Wait until every queued publish is done (or timeout_s), then collect."""
-        deadline = time.monotonic() + timeout_s
         if self._queued:
-            wait(list(self._queued.values()), max(0.0, deadline - time.monotonic()))
+            wait([future for _, future in self._queued.values()], timeout_s)
         return self.collect()
 
-    def close(self) -> None:
-        """Stop the writer: the publish running finishes, those not started are dropped (as are
-        the outcomes not collected)."""
+    def withdraw(self, dropped: Callable[[PublishJob], bool]) -> None:
+        """The queued publishes that dropped(job) says must not land (an operator's eviction of
+        their blocks): cancelled if not started, else waited for (at most one runs); once this
+        returns none of them can land later."""
+        for job, future in list(self._queued.values()):
+            if dropped(job) and not future.cancel():
+                wait([future])
+
+    def close(self) -> list[Published]:
+        """Stop the writer: the publish running finishes, those not started are dropped; returns
+        the outcomes not collected yet."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._queued.clear()
+        return self.collect()

@@ -259,8 +259,8 @@ class DiskTier(FileStage):
 
     def close(self) -> None:
         """Stop the reader threads (this tier's and the shared store's) and the shared store's
-        writer once its queued publishes are done; later reads and publishes run on the caller's
-        thread."""
+        writer (the publish running lands, those not started are dropped: a flush settled them
+        first); later reads and publishes run on the caller's thread."""
         if self.reads is not None:
             self.reads.close()
             self.reads = None

@@ -21,7 +21,9 @@ block (recomputed when needed), never a request.
 from __future__ import annotations
 
 import logging
-from collections.abc import Container
+import threading
+from collections.abc import Callable, Container, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
@@ -144,9 +146,22 @@ class SharedStore(FileStage):
             for done in self.writes.collect():
                 self._landed(done)
 
+    @contextmanager
+    def flushing(self, timeout_s: float = 60.0) -> Iterator[None]:
+        """A clean stop's flush (every cached block spilled at once): a publish waits for room
+        in the writer's queue instead of being dropped; at the end every one lands (settle)."""
+        if self.writes is None:
+            yield
+            return
+        self.writes.wait_for_room = True
+        try:
+            yield
+        finally:
+            self.writes.wait_for_room = False
+        self.settle(timeout_s)
+
     def settle(self, timeout_s: float = 60.0) -> None:
-        """Wait for the publishes queued (or timeout_s) and count them: before an operator's
-        eviction (a block queued before it must not land after it) and at shutdown."""
+        """Wait for the publishes queued (or timeout_s) and count them."""
         if self.writes is not None:
             for done in self.writes.settle(timeout_s):
                 self._landed(done)
@@ -160,12 +175,13 @@ class SharedStore(FileStage):
                 )
 
     def close(self) -> None:
-        """Stop the reader and, once its queued publishes are counted, the writer; later reads
-        and publishes run on the caller's thread."""
-        self.settle()
-        for worker in (self.reads, self.writes):
-            if worker is not None:
-                worker.close()
+        """Stop the reader and the writer (the publish running lands and is counted, those not
+        started are dropped); later reads and publishes run on the caller's thread."""
+        if self.reads is not None:
+            self.reads.close()
+        if self.writes is not None:
+            for done in self.writes.close():
+                self._landed(done)
         self.reads = self.writes = None
 
     @property
@@ -196,12 +212,13 @@ class SharedStore(FileStage):
 
     def evict_salt(self, salt_root: int) -> int:
         """Remove every file of the salt whose chain root is salt_root (any worker's)."""
-        self.settle()
+        self._withdraw(lambda job: job.salt_root == salt_root)
         return self.evict_hashes([e[2] for e in self.files.entries() if e[3] == salt_root])
 
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files (an operator's eviction); returns how many were there."""
-        self.settle()
+        dropped = set(block_hashes)
+        self._withdraw(lambda job: job.block_hash in dropped)
         removed = 0
         for block_hash in block_hashes:
             self._staged.pop(block_hash, None)
@@ -210,8 +227,15 @@ class SharedStore(FileStage):
                 self._removed(block_hash)
                 removed += 1
         self.num_removed += removed
-        self.bound.removed(removed)  # settled: the writer is idle
+        self.bound.removed(removed)
         return removed
+
+    def _withdraw(self, dropped: Callable[[PublishJob], bool]) -> None:
+        """Before an operator's eviction: the queued publishes of the blocks it drops never land
+        after it (cancelled, or the one running waited for); the others go on."""
+        if self.writes is not None:
+            self.writes.withdraw(dropped)
+            self.collect_publishes()
 
     # ---- reading --------------------------------------------------------------------------
     def _forget_bad(self, block_hash: int) -> None:
@@ -234,13 +258,14 @@ class SharedStore(FileStage):
 
 class StoreBound:
     """The store's size bound as one worker keeps it: how many files it holds at the last scan
-    (after that scan's evictions), + this worker's writes since; used by one thread at a time
-    (the writer's, or the engine's once the writer is idle)."""
+    (after that scan's evictions), + this worker's writes since, - its removals on request. The
+    writer thread publishes, the engine thread removes: the counts change under a lock."""
 
     def __init__(self, num_slots: int, num_files: int):
         self.num_slots = num_slots
         self.num_files = num_files
         self._scanned = num_files
+        self._lock = threading.Lock()
 
     def publish(self, files: SharedFiles, job: PublishJob) -> Published:
         """job on files (the writer thread's, or the store's own): when this worker is at the
@@ -249,22 +274,27 @@ class StoreBound:
         to LOW_WATER of the bound if it is at it; then the block written unless the store has it
         (files.publish asks: one HEAD for an object)."""
         evicted: list[int] = []
-        rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
+        with self._lock:
+            rescan_after = max(1, (self.num_slots - self._scanned) // WRITERS)
+            due = self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after
         try:
-            if self.num_files >= self.num_slots or self.num_files - self._scanned >= rescan_after:
+            if due:
                 entries = sorted(files.entries())
                 keep = int(self.num_slots * LOW_WATER)
                 excess = max(0, len(entries) - keep) if len(entries) >= self.num_slots else 0
                 for _, _, block_hash, _ in entries[:excess]:
                     files.remove(block_hash)
                     evicted.append(block_hash)
-                self.num_files = self._scanned = len(entries) - excess
+                with self._lock:
+                    self.num_files = self._scanned = len(entries) - excess
             wrote = files.publish(job.block_hash, job.row, job.priority, job.salt_root)
         except OSError as e:
             return Published(job.block_hash, False, e, tuple(evicted))
-        self.num_files += wrote
+        with self._lock:
+            self.num_files += wrote
         return Published(job.block_hash, wrote, None, tuple(evicted))
 
     def removed(self, num: int) -> None:
         """num files of the store removed on request."""
-        self.num_files = max(0, self.num_files - num)
+        with self._lock:
+            self.num_files = max(0, self.num_files - num)

@@ -16,6 +16,7 @@ import pytest
 
 from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
 from engine.config import CacheConfig
+from engine.kv_cache import block_publishes
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
@@ -213,9 +214,11 @@ def test_reads_behind_the_step_land_between_steps_held_blocks_never_trimmed() ->
     store.reads.close()
 
 
-def behind(store: SharedStore, shared: SharedDict, gate: threading.Event) -> list[str]:
+def behind(
+    store: SharedStore, shared: SharedDict, gate: threading.Event, max_queued: int = 4
+) -> list[str]:
     """Give store a writer whose publishes wait at gate (on the writer's thread); returns the
-    threads they ran on."""
+    threads they ran on (one entry a publish written)."""
     threads: list[str] = []
 
     class GatedDict:  # the writer's own files: the same directory, its publishes held
@@ -228,7 +231,7 @@ def behind(store: SharedStore, shared: SharedDict, gate: threading.Event) -> lis
             return shared.publish(block_hash, row, priority, salt_root)
 
     store.writes = BlockPublishes(
-        partial(store.bound.publish, GatedDict()), lambda row: list(row), 4, "test-publish"
+        partial(store.bound.publish, GatedDict()), lambda row: list(row), max_queued, "test-publish"
     )
     return threads
 
@@ -267,25 +270,64 @@ def test_publishes_behind_the_step_land_between_steps_and_keep_the_bound(caplog)
     store.writes.close()
 
 
-def test_an_operators_eviction_waits_for_the_publishes_queued() -> None:
-    """A block queued before `kvrelay kv evict` never lands after it; a publish failing with
-    the backend's own error type counts as a refused write, not a crash."""
+def test_an_operators_eviction_withdraws_the_publishes_queued(monkeypatch) -> None:
+    """A block queued before `kvrelay kv evict` never lands after it: a publish not started is
+    cancelled (no wait), the one running is waited for, others go on; an error other than
+    OSError on the writer is a bug, raised on the engine thread."""
     shared = SharedDict()
     store = SharedStore(100, shared)
     gate = threading.Event()
     behind(store, shared, gate)
-    assert store.publish(7, ["kv", 7], 35) is None
-    threading.Timer(0.2, gate.set).start()
-    assert store.evict_hashes([7]) == 1 and 7 not in shared.files and store.num_files == 0
+    assert [store.publish(h, ["kv", h], 35, salt_root=h) for h in (7, 8, 9)] == [None] * 3
+    assert store.evict_hashes([8]) == 0  # queued behind 7 (held at the gate): cancelled
+    assert store.evict_salt(9) == 0
+    real_wait = block_publishes.wait
 
-    def refused(job: PublishJob) -> Published:
-        raise RuntimeError("NIXL status")  # a backend's own error type
+    def opening_wait(*args: object, **kwargs: object) -> object:
+        gate.set()  # the eviction waits for the publish running: it may go on now
+        return real_wait(*args, **kwargs)
 
-    store.writes = BlockPublishes(refused, list, 4, "test-fail")
-    assert store.publish(8, ["kv", 8], 35) is None
+    monkeypatch.setattr(block_publishes, "wait", opening_wait)
+    assert store.evict_hashes([7]) == 1  # running: waited for, then removed
     store.settle()
-    assert store.num_write_failures == 1 and store.num_published == 1  # block 7 only
-    assert 8 not in shared.files
+    assert shared.files == {} and store.num_published == 1 and store.num_files == 0
+    assert store.writes is not None
+    store.writes.close()
+
+    def broken(job: PublishJob) -> Published:
+        raise RuntimeError("a bug in the writer")
+
+    store.writes = BlockPublishes(broken, list, 4, "test-broken")
+    assert store.publish(10, ["kv", 10], 35) is None
+    with pytest.raises(RuntimeError, match="a bug in the writer"):
+        store.settle()
+    store.writes.close()
+
+
+def test_done_publishes_hold_no_room_and_a_flush_drops_none() -> None:
+    """The queue's bound counts publishes not done (those done wait for collect, holding no
+    room); a clean stop's flush (flushing) waits for room instead of dropping a block."""
+    shared = SharedDict()
+    store = SharedStore(100, shared)
+    gate = threading.Event()
+    threads = behind(store, shared, gate, max_queued=2)
+    gate.set()
+    assert store.publish(1, ["kv", 1], 35) is None
+    for _ in range(1000):  # until the writer has written it (not collected)
+        if threads:
+            break
+        threading.Event().wait(0.01)
+    assert [store.publish(h, ["kv", h], 35) for h in (2, 3)] == [None, None]
+    assert store.num_publish_dropped == 0
+    store.settle()
+    gate.clear()
+    threading.Timer(0.05, gate.set).start()  # only unblocks the writer: nothing depends on when
+    with store.flushing():
+        assert [store.publish(h, ["kv", h], 35) for h in range(4, 12)] == [None] * 8
+    assert store.num_publish_dropped == 0 and store.num_published == 11
+    assert set(shared.files) == set(range(1, 12))
+    assert store.writes is not None
+    store.writes.close()
 
 
 def test_closing_the_store_counts_the_queued_publishes_then_runs_them_inline() -> None:
