@@ -125,11 +125,15 @@ def check_spec(spec: StructuredOutput, param: str | None = None) -> None:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as e:
             raise InvalidRequest(f"{param}: not a valid JSON schema: {e.message}", param) from None
+        except RecursionError:  # ~100 levels: its checker recurses per level
+            raise InvalidRequest(f"{param}: the schema is nested too deeply", param) from None
     elif spec.kind == "regex":
         try:
             re.compile(spec.spec)
         except re.error as e:
             raise InvalidRequest(f"{param}: not a valid regex: {e}", param) from None
+        except RecursionError:
+            raise InvalidRequest(f"{param}: the regex is nested too deeply", param) from None
     if spec.kind != "json_object" and not spec.spec.strip():
         raise InvalidRequest(f"{param} must not be empty", param)
 

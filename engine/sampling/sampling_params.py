@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
+# A temperature below this samples greedily: 1e-40 divided the logits into inf (garbage tokens).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,8 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k 0 means no top-k filter.
+    """Per-request sampling. temperature 0 (or below GREEDY_BELOW) means greedy; top_k 0 means
+    no top-k filter.
 
     Logits processing, in this order, before temperature, top-k, top-p, min-p and greedy argmax:
     - repetition_penalty (HF's RepetitionPenaltyLogitsProcessor): every token id seen in the
@@ -69,7 +72,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """temperature 0, or below GREEDY_BELOW (dividing logits by less overflows them)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def counts_output(self) -> bool:

@@ -13,6 +13,13 @@ from engine.sampling.sampling_params import STRUCTURED_KINDS, SamplingParams
 
 MAX_SEED = 2**63  # seeds are signed 64-bit integers
 MAX_N = 16  # choices per request
+MAX_TOP_K = 2**31 - 1  # gRPC's field is an int32; larger is no filter anyway
+# Stop strings are matched against every new token's text on the router's event loop: a
+# request with 200,000 of them held every other client for over a minute.
+MAX_STOP = 64
+MAX_STOP_CHARS = 1024
+# A penalty divides or multiplies logits: past these the float32 logits overflow (inf, NaN).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class InvalidField(ValueError):
@@ -90,8 +97,10 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidField(f"temperature must be >= 0, got {params.temperature}", "temperature")
     if not 0.0 < params.top_p <= 1.0:
         raise InvalidField(f"top_p must be in (0, 1], got {params.top_p}", "top_p")
-    if not _is_int(params.top_k) or params.top_k < 0:
-        raise InvalidField(f"top_k must be >= 0 (0 disables it), got {params.top_k}", "top_k")
+    if not _is_int(params.top_k) or not 0 <= params.top_k <= MAX_TOP_K:
+        raise InvalidField(
+            f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {params.top_k}", "top_k"
+        )
     if not 0.0 <= params.min_p <= 1.0:
         raise InvalidField(f"min_p must be in [0, 1], got {params.min_p}", "min_p")
     if params.seed is not None and (
@@ -110,6 +119,10 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
             )
     if any(not s for s in params.stop):
         raise InvalidField("stop strings must be non-empty", "stop")
+    if len(params.stop) > MAX_STOP:
+        raise InvalidField(f"at most {MAX_STOP} stop strings, got {len(params.stop)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in params.stop):
+        raise InvalidField(f"a stop string has at most {MAX_STOP_CHARS} characters", "stop")
     check_logits_processing(params, vocab_size)
 
 
@@ -124,9 +137,11 @@ def check_logits_processing(params: SamplingParams, vocab_size: int) -> None:
         if not _is_number(value) or not -2.0 <= value <= 2.0:
             raise InvalidField(f"{name} must be a number in [-2, 2], got {value!r}", name)
     penalty = params.repetition_penalty
-    if not _is_number(penalty) or not 0.0 < penalty < math.inf:
+    low, high = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+    if not _is_number(penalty) or not low <= penalty <= high:
         raise InvalidField(
-            f"repetition_penalty must be > 0 (1 is off), got {penalty!r}", "repetition_penalty"
+            f"repetition_penalty must be in [{low}, {high:g}] (1 is off), got {penalty!r}",
+            "repetition_penalty",
         )
     for token_id, bias in params.logit_bias:
         if not _is_int(token_id) or not 0 <= token_id < vocab_size:

@@ -34,6 +34,15 @@ def test_greedy_is_argmax():
     assert result.token_ids == [1, 0] and result.logprobs is None
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-40 divided the logits into inf: the served text was end-of-text tokens."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for _ in range(20):
+        tiny = SamplingParams(temperature=1e-40)
+        assert tiny.greedy and sampler(LOGITS, rows(tiny, tiny)).token_ids == [1, 0]
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
 def test_top_k_one_equals_greedy():
     sampler = Sampler(torch.device("cpu"), seed=0)
     for _ in range(20):

@@ -130,6 +130,11 @@ def test_token_counts_ignore_padding() -> None:
         (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
         (SamplingParams(repetition_penalty=0), "repetition_penalty"),
         (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=1e-300), "repetition_penalty"),  # logits to inf
+        (SamplingParams(repetition_penalty=101.0), "repetition_penalty"),
+        (SamplingParams(top_k=2**63), "top_k"),  # overflowed a step's index tensor
+        (SamplingParams(stop=[f"s{i}" for i in range(65)]), "stop"),  # held the event loop
+        (SamplingParams(stop=["x" * 1025]), "stop"),
         (SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
         (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
         (SamplingParams(logit_bias={3: 101.0}), "logit_bias"),

@@ -23,6 +23,14 @@ from router.structured_schema import structured_from_proto
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
+def nested(depth: int) -> dict:
+    """An object schema `depth` levels deep."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def chat_sampling(**fields: object):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     return ChatCompletionRequest.model_validate(body).to_spec("r").sampling
@@ -95,6 +103,8 @@ def test_guided_json_and_guided_choice_extras():
             "response_format.json_schema.schema",
         ),
         ({"guided_regex": "(["}, "guided_regex"),
+        ({"guided_json": nested(200)}, "guided_json"),  # a RecursionError gave HTTP 500
+        ({"guided_regex": "(" * 2000 + ")" * 2000}, "guided_regex"),
         ({"guided_regex": ""}, "guided_regex"),
         ({"guided_grammar": "  "}, "guided_grammar"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
