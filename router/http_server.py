@@ -8,6 +8,7 @@ client that disconnects cancels its handler, which aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import ssl
@@ -45,6 +46,9 @@ from router.request_spec import Prepared
 from router.tokenize_api import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 OPENAPI_KEY = web.AppKey("openapi", dict)
+# A request body must arrive within this long (408 after it): a client that sends its headers
+# and then a trickle holds a socket, never a request slot, and not for good.
+BODY_TIMEOUT_S = 30.0
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -71,12 +75,31 @@ def _overloaded(error: Overloaded) -> web.Response:
     return response
 
 
+class BodyTimeout(Exception):
+    """A request body did not arrive within BODY_TIMEOUT_S."""
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, within BODY_TIMEOUT_S (else BodyTimeout)."""
+    try:
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise BodyTimeout from None
+
+
+def _body_timeout() -> web.Response:
+    message = f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"
+    return _json(error_body(message, "invalid_request_error", code="request_timeout"), 408)
+
+
 async def _parse(
-    request: web.Request, schema: type[ChatCompletionRequest | CompletionRequest], prefix: str
+    request: web.Request,
+    raw: bytes,
+    schema: type[ChatCompletionRequest | CompletionRequest],
+    prefix: str,
+    arrival: float,
 ) -> tuple[ChatCompletionRequest | CompletionRequest, Prepared]:
-    arrival = time.monotonic()
     frontend = request.app[FRONTEND_KEY]
-    raw = await request.read()
     try:
         body = schema.model_validate_json(raw)
         spec = replace(
@@ -95,19 +118,28 @@ async def _parse(
 
 
 async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
-    """Admitted before its body is read: a full router answers 503 at once."""
+    """Its body read first (within BODY_TIMEOUT_S: a slow client holds no request slot), then
+    admitted: a full router answers 503 once the body is in."""
     frontend = request.app[FRONTEND_KEY]
+    arrival = time.monotonic()
+    try:
+        raw = await read_body(request)
+    except BodyTimeout:
+        return _body_timeout()
     try:
         with frontend.admit():
-            return await _admitted(request, frontend, chat)
+            return await _admitted(request, raw, arrival, frontend, chat)
     except Overloaded as e:
         return _overloaded(e)
 
 
-async def _admitted(request: web.Request, frontend: Frontend, chat: bool) -> web.StreamResponse:
+async def _admitted(
+    request: web.Request, raw: bytes, arrival: float, frontend: Frontend, chat: bool
+) -> web.StreamResponse:
     schema = ChatCompletionRequest if chat else CompletionRequest
     try:
-        body, prepared = await _parse(request, schema, "chatcmpl" if chat else "cmpl")
+        prefix = "chatcmpl" if chat else "cmpl"
+        body, prepared = await _parse(request, raw, schema, prefix, arrival)
     except InvalidRequest as e:
         return _bad_request(e)
     route = frontend.route(prepared.request.model)
@@ -217,8 +249,10 @@ async def tokenize_route(request: web.Request) -> web.Response:
     """POST /tokenize (vLLM's shape): {tokens, count, max_model_len}."""
     frontend = request.app[FRONTEND_KEY]
     try:
-        body = TokenizeBody.model_validate_json(await request.read())
+        body = TokenizeBody.model_validate_json(await read_body(request))
         ids = await tokenize(frontend, body.to_spec())
+    except BodyTimeout:
+        return _body_timeout()
     except ValidationError as e:
         return _bad_request(frontend.reject(invalid_from_validation(e)))
     except InvalidRequest as e:
@@ -231,8 +265,10 @@ async def detokenize_route(request: web.Request) -> web.Response:
     """POST /detokenize (vLLM's shape): {prompt}."""
     frontend = request.app[FRONTEND_KEY]
     try:
-        body = DetokenizeBody.model_validate_json(await request.read())
+        body = DetokenizeBody.model_validate_json(await read_body(request))
         text = await detokenize(frontend, body.model, body.tokens)
+    except BodyTimeout:
+        return _body_timeout()
     except ValidationError as e:
         return _bad_request(frontend.reject(invalid_from_validation(e)))
     except InvalidRequest as e:

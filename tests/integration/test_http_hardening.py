@@ -2,12 +2,14 @@
 engine: a body over the limit gets 413 naming it; a prompt that cannot fit is refused before it
 is tokenized; tokenizing never holds the event loop (/health and gRPC Health answer while a
 prompt is being tokenized); max_tokens beyond the context is refused naming the field, never
-capped; /v1/models says when the model began being served."""
+capped; /v1/models says when the model began being served; a slow body holds no request slot
+and times out with 408."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -19,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from router import http_server
 from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.request_size import MIB
@@ -238,3 +241,30 @@ def test_the_openapi_document_is_served(harness: ServerHarness) -> None:
     status, document = get(harness, "/openapi.json")
     assert status == 200 and document["openapi"].startswith("3.1")
     assert "ChatCompletionRequest" in document["components"]["schemas"]
+
+
+# ---- a slow body ----------------------------------------------------------------------------
+def test_a_slow_body_holds_no_request_slot_and_gets_408(harness: ServerHarness, monkeypatch):
+    """A client that sends its headers and part of its body, then stops: while the router
+    awaits the rest it holds none of its request slots (a new user's probe: 1,024 such sockets
+    held every slot, so every other request got 503), and after BODY_TIMEOUT_S it gets 408."""
+    reading = threading.Event()
+    read_body = http_server.read_body
+
+    async def watched(request: object) -> bytes:
+        reading.set()
+        return await read_body(request)
+
+    monkeypatch.setattr(http_server, "read_body", watched)
+    monkeypatch.setattr(http_server, "BODY_TIMEOUT_S", 1.0)
+    with socket.create_connection(("127.0.0.1", harness.servers.http.port), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvrelay\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model":'
+        )
+        assert reading.wait(60), "the request never reached its handler"
+        assert harness.frontend.admission.num_admitted == 0  # no slot while the body is awaited
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert '"code": "request_timeout"' in reply or '"code":"request_timeout"' in reply, reply
+    assert post(harness, "/v1/chat/completions", chat(harness))[0] == 200
