@@ -9,8 +9,9 @@ Frontend's body limit is refused by gRPC itself (RESOURCE_EXHAUSTED naming both 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -262,35 +263,38 @@ def _lenient(message_type: type[Message]) -> Callable[[bytes], Message | Malform
     return decode
 
 
+def _unary(
+    method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]],
+    request_type: type[Message],
+    response_type: type[Message],
+) -> grpc.RpcMethodHandler:
+    """A unary method whose undecodable request is answered INVALID_ARGUMENT, not UNKNOWN."""
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Message:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await method(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        handle,
+        request_deserializer=_lenient(request_type),
+        response_serializer=response_type.SerializeToString,
+    )
+
+
 def add_servicer(servicer: KVRelayServicer, server: grpc.aio.Server) -> None:
-    """Like the generated add_KVRelayServicer_to_server, but undecodable requests reach the
-    servicer (as MalformedRequest) instead of failing with UNKNOWN."""
+    """Like the generated add_KVRelayServicer_to_server, but undecodable requests are answered
+    INVALID_ARGUMENT (Generate's servicer sees a MalformedRequest) instead of UNKNOWN."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate,
             request_deserializer=_lenient(pb.GenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
-        "Health": grpc.unary_unary_rpc_method_handler(
-            servicer.Health,
-            request_deserializer=pb.HealthRequest.FromString,
-            response_serializer=pb.HealthResponse.SerializeToString,
-        ),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels,
-            request_deserializer=pb.ListModelsRequest.FromString,
-            response_serializer=pb.ListModelsResponse.SerializeToString,
-        ),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Tokenize,
-            request_deserializer=pb.TokenizeRequest.FromString,
-            response_serializer=pb.TokenizeResponse.SerializeToString,
-        ),
-        "Detokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Detokenize,
-            request_deserializer=pb.DetokenizeRequest.FromString,
-            response_serializer=pb.DetokenizeResponse.SerializeToString,
-        ),
+        "Health": _unary(servicer.Health, pb.HealthRequest, pb.HealthResponse),
+        "ListModels": _unary(servicer.ListModels, pb.ListModelsRequest, pb.ListModelsResponse),
+        "Tokenize": _unary(servicer.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+        "Detokenize": _unary(servicer.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
     }
     service = pb.DESCRIPTOR.services_by_name["KVRelay"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -263,6 +263,12 @@ def test_bad_grpc_input_is_invalid_argument_and_the_server_keeps_serving(served:
             list(raw(b"\xff\xff\xff not a message", timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid GenerateRequest" in info.value.details()
+        for method in ("Tokenize", "Detokenize", "ListModels", "Health"):  # UNKNOWN before
+            unary = channel.unary_unary(f"/kvrelay.v1.KVRelay/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                unary(b"\xff\xff\xff not a message", timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert f"not a valid {method}Request" in info.value.details()
         sampling = pb.SamplingParams(max_tokens=1)
         ok = list(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=sampling), timeout=60))
     assert ok[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
