@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from engine.settings import Settings
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 CHOOSE = "choose one with --name NAME or --address RAY_ADDRESS"
+REACH_TIMEOUT_S = 5.0  # a cluster's GCS port answers a TCP connect within this
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,26 @@ def resolve(address: str | None, name: str | None = None) -> str:
     return live[0].ray_address
 
 
+def check_reachable(target: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """ValueError unless something accepts a TCP connection at a host:port target (Ray's own
+    connect retries for minutes at an address where nothing listens); other forms ("auto",
+    ray://) are left to Ray."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or "://" in target or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(
+            f"nothing answers at {target} ({e.strerror or e}): pass the --address of a running "
+            "kvrelay cluster's Ray (its GCS, host:port), or --name of a local serve"
+        ) from None
+
+
 def connect(address: str | None, name: str | None = None) -> None:
     """Join the cluster's Ray as a driver in kvrelay's namespace (quietly)."""
     target = resolve(address, name)  # refused (none, several) before Ray is imported
+    check_reachable(target)
     import ray
 
     if ray.is_initialized():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -138,3 +139,20 @@ def test_names_must_fit_a_file_name(state_dir: Path) -> None:
         with pytest.raises(ValueError, match="--name"):
             cluster_address.check_name(bad)
     assert cluster_address.check_name("prod-1.a_b") == "prod-1.a_b"
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once(capsys) -> None:
+    """`kvrelay status --address 127.0.0.1:1` retried Ray's connect for minutes (a new user's
+    probe: still running after 329 s); now exit 2 naming the address, before Ray is joined."""
+    with socket.socket() as listening:  # a port that accepts: passes
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        cluster_address.check_reachable(f"127.0.0.1:{listening.getsockname()[1]}")
+    with socket.socket() as bound:  # bound, never listening: refuses connections
+        bound.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{bound.getsockname()[1]}"
+        with pytest.raises(ValueError, match=f"nothing answers at {closed}"):
+            cluster_address.check_reachable(closed)
+        assert main(["status", "--address", closed]) == 2
+    assert "nothing answers at" in capsys.readouterr().err
+    cluster_address.check_reachable("auto")  # left to Ray
