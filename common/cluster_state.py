@@ -318,6 +318,11 @@ class KVEvictRequest:
     def __post_init__(self) -> None:
         if self.prompt is None and not self.cache_salt:
             raise ValueError("give --prefix-of TEXT, --salt S (or --tenant T), or both")
+        if self.prompt == "":
+            raise ValueError("--prefix-of must not be empty (no block has an empty prompt)")
+
+
+MAX_POOL_SIZE = 1024  # workers a pool may be asked for (a typo's billion would be started)
 
 
 @dataclass(frozen=True)
@@ -330,8 +335,8 @@ class ScaleRequest:
     def sizes(self) -> dict[str, int]:
         wanted = {"prefill": self.prefill, "decode": self.decode}
         for role, size in wanted.items():
-            if size is not None and size < 0:
-                raise ValueError(f"--{role} must be >= 0, got {size}")
+            if size is not None and not 0 <= size <= MAX_POOL_SIZE:
+                raise ValueError(f"--{role} must be in [0, {MAX_POOL_SIZE}], got {size}")
         if self.decode == 0:  # prefill 0 is aggregated: the decode workers compute every prompt
             raise ValueError("--decode must be >= 1: the decode workers serve every request")
         return {role: size for role, size in wanted.items() if size is not None}

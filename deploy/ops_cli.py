@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -149,6 +150,8 @@ def scale(args: argparse.Namespace) -> int:
     request = ScaleRequest(prefill=args.prefill, decode=args.decode)
     if not request.sizes():
         raise ValueError("give --prefill N, --decode M or both")
+    if not 0 < args.timeout < math.inf:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     return asyncio.run(_scale(request, _controller(args), args))
 
 

@@ -31,11 +31,13 @@ from engine.kv_cache.tier_stats import TierStats
 from router.access import tenant_cache_salt
 
 
-def test_scale_request_keeps_only_the_pools_given_and_refuses_negative_sizes() -> None:
+def test_scale_request_keeps_only_the_pools_given_and_refuses_bad_sizes() -> None:
     assert ScaleRequest(decode=3).sizes() == {"decode": 3}
     assert ScaleRequest(prefill=0, decode=2).sizes() == {"prefill": 0, "decode": 2}
-    with pytest.raises(ValueError, match="--prefill must be >= 0"):
+    with pytest.raises(ValueError, match=r"--prefill must be in \[0, 1024\]"):
         ScaleRequest(prefill=-1).sizes()
+    with pytest.raises(ValueError, match=r"--decode must be in \[0, 1024\], got 1000000000"):
+        ScaleRequest(decode=10**9).sizes()  # a typo's billion workers
     with pytest.raises(ValueError, match="--decode must be >= 1"):
         ScaleRequest(prefill=1, decode=0).sizes()
 
@@ -51,6 +53,15 @@ def test_status_says_when_the_decode_workers_compute_every_prompt() -> None:
 def test_scale_without_a_pool_is_a_clear_error(capsys) -> None:
     assert main(["scale"]) == 2
     assert "give --prefill N, --decode M or both" in capsys.readouterr().err
+    for timeout in ("-5", "nan", "inf"):  # nan never timed out
+        assert main(["scale", "--decode", "1", "--timeout", timeout]) == 2
+        assert "--timeout must be a positive number" in capsys.readouterr().err
+
+
+def test_evicting_an_empty_prompts_blocks_is_refused(capsys) -> None:
+    """It exited 0 dropping nothing."""
+    assert main(["kv", "evict", "--prefix-of", ""]) == 2
+    assert "--prefix-of must not be empty" in capsys.readouterr().err
 
 
 def status_with(workers: tuple[WorkerStatus, ...]) -> ClusterStatus:
