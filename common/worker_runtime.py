@@ -109,7 +109,7 @@ class WorkerBase(ABC):
                 transfer.close()
             engine.shutdown()
             raise
-        self.thread.serve(self._on_outputs, self._tick)
+        self.thread.serve(self._on_outputs, self._tick, self._on_failed)
 
     def _register_ranks(self, engine: Engine) -> None:
         """A TP worker's handoff layout: rank 0's heads, and every other rank's NIXL agent
@@ -248,6 +248,11 @@ class WorkerBase(ABC):
     @abstractmethod
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """What the role does with a step's outputs."""
+
+    @abstractmethod
+    def _on_failed(self, req_ids: list[str], error: str) -> None:
+        """A step raised and ended these requests (their blocks freed): each is answered with
+        the error."""
 
     @abstractmethod
     def _on_tick(self) -> bool:

@@ -218,6 +218,17 @@ class DecodeWorker(WorkerBase):
         if self.traces is not None:
             self.traces.abort(req_id)
 
+    def _on_failed(self, req_ids: list[str], error: str) -> None:
+        by_router: dict[str, list[TokenDelta]] = {}
+        for req_id in req_ids:
+            route = self._routes.get(req_id)
+            self._abort(self.engine, req_id)
+            if route is not None:
+                delta = TokenDelta(req_id, (), True, FinishReason.ERROR, error=error)
+                by_router.setdefault(route.router_id, []).append(delta)
+        for router_id, deltas in by_router.items():
+            self.mailboxes.push(router_id, deltas)
+
     def _on_tick(self) -> bool:
         ended = self.puller.step()
         if self.traces is not None:

@@ -193,6 +193,14 @@ class Engine:
         """Abort a request and its other choices (n > 1); False when none of them was known."""
         return self.admission.abort(req_id)
 
+    def fail_running(self) -> list[str]:
+        """After a step raised: every running request (with its other choices) aborted and its
+        blocks freed, so the next step does not meet the same failure; returns their ids."""
+        req_ids = list(dict.fromkeys(r.choice_of or r.req_id for r in self.scheduler.running))
+        for req_id in req_ids:
+            self.abort(req_id)
+        return req_ids
+
     def _abort_all(self) -> None:
         for req_id in [*self.scheduler.requests, *self.loader.loading]:
             self.abort(req_id)

@@ -4,7 +4,10 @@ to it safely.
 It owns the thread and a command queue. Commands (callables taking the engine) run between
 steps on the engine's thread, so the engine is never touched from two threads. After each
 step `on_outputs` gets the step's outputs; `on_tick` runs every iteration (poll transfers,
-publish events). No Ray, gRPC or Redis here: workers supply those through the callbacks.
+publish events); a step that raises ends the requests it ran (Engine.fail_running) and
+`on_failed` gets their ids, so they are answered with an error instead of waiting for good
+(each later step met the same failure). No Ray, gRPC or Redis here: workers supply those
+through the callbacks.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.engine import Engine
+from engine.parallel.leader import RankLost
 from engine.step.step_types import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -24,6 +28,7 @@ T = TypeVar("T")
 
 Command = Callable[[Engine], Any]
 Done = Callable[[Any, BaseException | None], None]
+Failed = Callable[[list[str], str], None]  # the requests a failed step ended, and why
 
 
 class EngineThread:
@@ -47,6 +52,7 @@ class EngineThread:
         self._build_error: BaseException | None = None
         self._on_outputs: Callable[[list[RequestOutput]], None] = lambda outputs: None
         self._on_tick: Callable[[], bool] = lambda: False
+        self._on_failed: Failed = lambda req_ids, error: None
         self._thread = threading.Thread(
             target=self._run, args=(build,), name="kvrelay-engine", daemon=True
         )
@@ -60,12 +66,15 @@ class EngineThread:
         self,
         on_outputs: Callable[[list[RequestOutput]], None],
         on_tick: Callable[[], bool] | None = None,
+        on_failed: Failed | None = None,
     ) -> None:
         """Start stepping. After each step on_outputs gets its outputs; on_tick runs every
         iteration and returns True while it has work in flight (the thread then polls
-        quickly)."""
+        quickly); on_failed gets the ids of the requests a step that raised ended, and the
+        error."""
         self._on_outputs = on_outputs
         self._on_tick = on_tick or (lambda: False)
+        self._on_failed = on_failed or (lambda req_ids, error: None)
         self._serving.set()
 
     def submit(self, command: Command, done: Done) -> None:
@@ -138,7 +147,7 @@ class EngineThread:
                 busy = self._on_tick()
                 steps_before = self.engine.stats.num_steps
                 if self.engine.has_unfinished_requests:
-                    outputs = self.engine.step()
+                    outputs = self._step()
                     if outputs:
                         self._on_outputs(outputs)
                 if busy and self.engine.stats.num_steps == steps_before:
@@ -146,6 +155,20 @@ class EngineThread:
             except Exception:
                 logger.exception("engine loop iteration failed")
         self._fail_queued()
+
+    def _step(self) -> list[RequestOutput]:
+        """engine.step(); one that raises ends the requests it ran (a tensor-parallel rank's
+        loss has ended them all already and is raised on)."""
+        try:
+            return self.engine.step()
+        except RankLost:
+            raise
+        except Exception as e:
+            logger.exception("an engine step failed; the requests it ran end with an error")
+            failed = self.engine.fail_running()
+            if failed:
+                self._on_failed(failed, f"the engine's step failed: {e!r}")
+            return []
 
     def _fail_queued(self) -> None:
         """Commands that arrived too late to run get an error rather than waiting forever."""

@@ -183,6 +183,12 @@ class PrefillWorker(WorkerBase):
             if self.traces is not None:
                 self.traces.handed(handle)
 
+    def _on_failed(self, req_ids: list[str], error: str) -> None:
+        for req_id in req_ids:
+            waiter = self._waiters.pop(req_id, None)
+            if waiter is not None:
+                waiter.loop.call_soon_threadsafe(_fail, waiter.future, StepFailed(error))
+
     def _handle(self, outputs: list[RequestOutput], now: float) -> KVHandle:
         """The KVHandle of a request's first tokens (one per choice, in index order). The
         engine decided: "first_token" keeps the blocks for a decode worker; any other reason
@@ -243,6 +249,15 @@ def _finish_of(out: RequestOutput) -> FinishReason | None:
 def _settle(future: asyncio.Future, value: object) -> None:
     if not future.done():
         future.set_result(value)
+
+
+class StepFailed(RuntimeError):
+    """The engine's step that computed the request's prompt raised (its blocks are freed)."""
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 def _cancel(future: asyncio.Future) -> None:

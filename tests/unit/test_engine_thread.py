@@ -71,3 +71,39 @@ def test_commands_wait_for_serve_and_a_stop_before_it_fails_them() -> None:
     assert not thread.is_alive()
     assert len(results) == 1 and results[0][0] is None
     assert "stopped" in str(results[0][1])
+
+
+class FailingOnce(StandIn):
+    """Its first step raises with two requests running; fail_running ends them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+        self.running = ["a", "b"]
+
+    def step(self) -> list[str]:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug in the step")
+        return super().step()
+
+    def fail_running(self) -> list[str]:
+        ended, self.running = self.running, []
+        return ended
+
+
+def test_a_step_that_raises_ends_its_requests_and_the_thread_steps_on() -> None:
+    outputs: list[list[str]] = []
+    failures: list[tuple[list[str], str]] = []
+    thread = EngineThread(FailingOnce)  # type: ignore[arg-type]
+    engine: FailingOnce = thread.engine  # type: ignore[assignment]
+
+    async def run() -> None:
+        thread.serve(outputs.append, on_failed=lambda ids, error: failures.append((ids, error)))
+        while engine.pending > 0:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    thread.stop()
+    assert failures == [(["a", "b"], "the engine's step failed: RuntimeError('a bug in the step')")]
+    assert outputs == [["out1"], ["out0"]]  # the steps after it ran

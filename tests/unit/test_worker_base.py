@@ -1,8 +1,8 @@
 """WorkerBase (common/worker_runtime.py): what both worker roles answer alike, on real workers
 (no Ray, no Redis) over a tiny random checkpoint: load and served model, the controller's state
 moves, stats of the role's shape, the drain's retire, the leak check, refusals once closed, a
-decode worker's prefilled requests waiting for KV room counted as waiting, one shutdown, and a
-role whose own start fails stopping the engine thread.
+decode worker's prefilled requests waiting for KV room counted as waiting, one shutdown, a role
+whose own start fails stopping the engine thread, and a step that raises ending its requests.
 
 The workers run in one spawned child process: NIXL's native library aborts a process that has
 loaded grpc_tools' (test_proto_stubs.py does), so it is kept out of the test runner's."""
@@ -73,6 +73,10 @@ def test_shutdown_happens_once_and_refuses_later_calls(in_child) -> None:
 
 def test_a_role_whose_own_start_fails_leaves_no_engine_thread(in_child) -> None:
     in_child(role_start_fails)
+
+
+def test_a_step_that_raises_ends_its_requests_with_an_error_not_a_hang(in_child) -> None:
+    in_child(step_raises_once)
 
 
 # ---- the scenarios (in the child) ---------------------------------------------------------------
@@ -270,3 +274,54 @@ def role_start_fails(config: EngineConfig) -> None:
     with pytest.raises(RuntimeError, match="the role's own start failed"):
         FailingPrefill(PrefillWorkerConfig("p-fail", config, num_threads=1))
     assert engine_threads() <= before  # stopped, not parked for a serve() that never comes
+
+
+def step_raises_once(config: EngineConfig) -> None:
+    """A bug in a step (a new user's probe: top_k 2^63 overflowed one): before, the request was
+    never answered and every later step met the same failure; now its prefill call raises, its
+    blocks are freed and the next request is served."""
+    from prefill_worker.worker import StepFailed
+
+    prefill = prefill_worker(config)
+    output = prefill.engine.output
+    process = output.process
+
+    def broken(step: object) -> list:  # after the request is scheduled and computed
+        output.process = process  # once
+        raise RuntimeError("a bug in the step")
+
+    async def scenario() -> None:
+        output.process = broken  # type: ignore[method-assign]
+        with pytest.raises(StepFailed, match="a bug in the step"):
+            await prefill.prefill(GenerateRequest("r-bad", PROMPT, GREEDY))
+        assert (await prefill.load()).running == 0
+        handle = await prefill.prefill(GenerateRequest("r-good", PROMPT, GREEDY))
+        assert handle.epoch is not None and await prefill.release(handle.req_id, handle.epoch)
+        assert (await prefill.check_no_leaks()).clean
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        prefill.shutdown()
+    decode = DecodeWorker(DecodeWorkerConfig("d-test", config, num_threads=1))
+    output = decode.engine.output
+    process = output.process
+
+    def broken_decode(step: object) -> list:
+        output.process = process
+        raise RuntimeError("a bug in the step")
+
+    async def local() -> None:  # a prompt computed on a decode worker: an error delta
+        output.process = broken_decode  # type: ignore[method-assign]
+        await decode.prefill_here(GenerateRequest("r-bad", PROMPT, GREEDY), "router-1")
+        deltas = await decode.next_deltas("router-1", 30.0)
+        assert [(d.req_id, d.finished, d.finish_reason) for d in deltas] == [
+            ("r-bad", True, FinishReason.ERROR)
+        ]
+        assert "a bug in the step" in (deltas[0].error or "")
+        assert (await decode.load()).running == 0 and (await decode.check_no_leaks()).clean
+
+    try:
+        asyncio.run(local())
+    finally:
+        decode.shutdown()
