@@ -45,7 +45,7 @@ def sampling_from_proto(s: pb.SamplingParams, n: int = 1) -> SamplingParams:
     takes SamplingParams' default (max_tokens too: spec_from_proto says it was unset)."""
     sampling = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
+        top_k=s.top_k if s.HasField("top_k") and s.top_k != -1 else 0,  # -1: off, as HTTP
         top_p=s.top_p if s.HasField("top_p") else 1.0,
         min_p=s.min_p if s.HasField("min_p") else 0.0,
         seed=s.seed if s.HasField("seed") else None,

@@ -124,6 +124,8 @@ def test_an_unset_openai_field_takes_the_default() -> None:
     assert (spec.sampling, spec.max_tokens, spec.max_tokens_param) == (SamplingParams(), None, None)
     spec = CompletionRequest(model="m", prompt="p", top_k=-1).to_spec("r")
     assert (spec.sampling, spec.max_tokens) == (SamplingParams(), None)
+    assert sampling_from_proto(pb.SamplingParams(top_k=-1)) == SamplingParams()  # as HTTP
+    assert sampling_from_proto(pb.SamplingParams(top_k=-2)).top_k == -2  # refused by the rules
 
 
 def test_priority_and_deadline_reach_the_spec_from_both_front_ends() -> None:
