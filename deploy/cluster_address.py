@@ -153,11 +153,11 @@ def check_reachable(target: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
 def connect(address: str | None, name: str | None = None) -> None:
     """Join the cluster's Ray as a driver in kvrelay's namespace (quietly)."""
     target = resolve(address, name)  # refused (none, several) before Ray is imported
-    check_reachable(target)
     import ray
 
     if ray.is_initialized():
         return
+    check_reachable(target)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
         address=target,

@@ -44,7 +44,13 @@ from engine.step.overlap import RunAhead
 from engine.step.request import PrefilledChoices, Request
 from engine.step.scheduler import Scheduler
 from engine.step.step_launcher import StepLauncher
-from engine.step.step_types import EngineSnapshot, EngineStats, KVMemory, RequestOutput
+from engine.step.step_types import (
+    EngineSnapshot,
+    EngineStats,
+    InFlightStep,
+    KVMemory,
+    RequestOutput,
+)
 from engine.tokenizer import find_tokenizer, stop_token_ids
 
 
@@ -119,6 +125,7 @@ class Engine:
         overlap = config.async_scheduling  # None: where decode steps replay CUDA graphs
         overlap = backend.graphs is not None if overlap is None else overlap
         self.run_ahead = RunAhead(overlap, self.launcher, sched, spec, forks, stats)
+        self._failed_steps: list[InFlightStep | None] = []  # a raising step's, for fail_running
         self.output = output = OutputProcessor(
             sched, forks, spec, sampler, self.tokenizer, eos_ids, grammars, config.detokenize
         )
@@ -194,11 +201,22 @@ class Engine:
         return self.admission.abort(req_id)
 
     def fail_running(self) -> list[str]:
-        """After a step raised: every running request (with its other choices) aborted and its
-        blocks freed, so the next step does not meet the same failure; returns their ids."""
-        req_ids = list(dict.fromkeys(r.choice_of or r.req_id for r in self.scheduler.running))
+        """After a step raised: the requests it ran (those it finished too: their outputs are
+        lost), the step launched ahead of it and every running one, ended with their other
+        choices (aborted, blocks freed, kept blocks released); with none of those, the waiting
+        ones (scheduling one of them raised). So the next step does not meet the same failure;
+        returns their ids."""
+        failed, self._failed_steps = self._failed_steps, []
+        failed.append(self.run_ahead.drop())
+        reqs = [r for step in failed if step is not None for r in step.reqs]
+        reqs += self.scheduler.running
+        if not reqs:
+            reqs = list(self.scheduler.waiting)
+        req_ids = list(dict.fromkeys(r.choice_of or r.req_id for r in reqs))
         for req_id in req_ids:
             self.abort(req_id)
+            if req_id in self.kv.kept:
+                self.kv.release_kept(req_id)
         return req_ids
 
     def _abort_all(self) -> None:
@@ -243,6 +261,7 @@ class Engine:
         """
         started, num_computed_before = time.perf_counter(), self.stats.num_computed_tokens
         outputs: list[RequestOutput] = []
+        current = None
         try:
             current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
             if current is not None:
@@ -253,6 +272,9 @@ class Engine:
             self.copies.offload_owed(self.kv, sync=any(o.num_kept_host_blocks for o in outputs))
         except RankLost:
             self._abort_all()  # a rank is gone: no step can run; every block goes back
+            raise
+        except Exception:  # its requests are fail_running's to end
+            self._failed_steps = [current]
             raise
         self._record_step(time.perf_counter() - started, num_computed_before, outputs)
         return outputs

@@ -185,6 +185,8 @@ class PrefillWorker(WorkerBase):
 
     def _on_failed(self, req_ids: list[str], error: str) -> None:
         for req_id in req_ids:
+            if self.traces is not None:
+                self.traces.abort(req_id)
             waiter = self._waiters.pop(req_id, None)
             if waiter is not None:
                 waiter.loop.call_soon_threadsafe(_fail, waiter.future, StepFailed(error))

@@ -31,12 +31,16 @@ class Admission:
         self._drained: asyncio.Event | None = None
         metrics.max_queued.set(max_requests)
 
-    @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Hold one slot for the `with` block; raises Overloaded on entry when none is free."""
+    def check_room(self) -> None:
+        """Raises Overloaded (counted) when no slot is free now."""
         if self.num_admitted >= self.max_requests:
             self._metrics.overloaded.inc()
             raise Overloaded(self.max_requests, RETRY_AFTER_S)
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one slot for the `with` block; raises Overloaded on entry when none is free."""
+        self.check_room()
         self._change(+1)
         try:
             yield

@@ -277,7 +277,10 @@ class Frontend:
             raise self.reject(InvalidRequest(cause.message, cause.field, cause.code)) from None
         except Exception as e:
             logger.exception("backend failed request %s", req.req_id)
-            raise BackendError(f"the backend failed: {e}") from e
+            # A worker's exception comes wrapped by Ray, its text holding the remote traceback
+            # (paths, hosts): the client gets the worker's own message only.
+            cause = getattr(e, "cause", None) or e
+            raise BackendError(f"the backend failed: {cause}") from e
         finally:
             self._in_flight.discard(req.req_id)
             self.metrics.running.dec()

@@ -88,8 +88,11 @@ async def read_body(request: web.Request) -> bytes:
 
 
 def _body_timeout() -> web.Response:
+    """408, closing the connection (else aiohttp would go on reading the rest of the body)."""
     message = f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"
-    return _json(error_body(message, "invalid_request_error", code="request_timeout"), 408)
+    response = _json(error_body(message, "invalid_request_error", code="request_timeout"), 408)
+    response.force_close()
+    return response
 
 
 async def _parse(
@@ -118,12 +121,15 @@ async def _parse(
 
 
 async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
-    """Its body read first (within BODY_TIMEOUT_S: a slow client holds no request slot), then
-    admitted: a full router answers 503 once the body is in."""
+    """A full router answers 503 at once; else its body is read (within BODY_TIMEOUT_S: a slow
+    client holds no request slot meanwhile), then it is admitted (503 if the router filled)."""
     frontend = request.app[FRONTEND_KEY]
     arrival = time.monotonic()
     try:
+        frontend.admission.check_room()
         raw = await read_body(request)
+    except Overloaded as e:
+        return _overloaded(e)
     except BodyTimeout:
         return _body_timeout()
     try:

@@ -114,6 +114,13 @@ _PARAMS = {
 def check_spec(spec: StructuredOutput, param: str | None = None) -> None:
     """What the router can check of a spec; param: the field to name (default: HTTP's)."""
     param = param or _PARAMS.get(spec.kind, "response_format")
+    try:
+        _check_spec(spec, param)
+    except RecursionError:  # ~100 levels: the JSON parser and the checkers recurse per level
+        raise InvalidRequest(f"{param}: nested too deeply", param) from None
+
+
+def _check_spec(spec: StructuredOutput, param: str) -> None:
     if spec.kind == "json_schema":
         try:
             schema = json.loads(spec.spec)
@@ -125,15 +132,11 @@ def check_spec(spec: StructuredOutput, param: str | None = None) -> None:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as e:
             raise InvalidRequest(f"{param}: not a valid JSON schema: {e.message}", param) from None
-        except RecursionError:  # ~100 levels: its checker recurses per level
-            raise InvalidRequest(f"{param}: the schema is nested too deeply", param) from None
     elif spec.kind == "regex":
         try:
             re.compile(spec.spec)
         except re.error as e:
             raise InvalidRequest(f"{param}: not a valid regex: {e}", param) from None
-        except RecursionError:
-            raise InvalidRequest(f"{param}: the regex is nested too deeply", param) from None
     if spec.kind != "json_object" and not spec.spec.strip():
         raise InvalidRequest(f"{param} must not be empty", param)
 

@@ -91,6 +91,13 @@ class RunAhead:
             or req.sampling.structured is not None
         )
 
+    def drop(self) -> InFlightStep | None:
+        """After a step raised: the step launched ahead of it, no longer in flight (its
+        requests are ended; its queued device work writes only their blocks, before any new
+        owner's work on the same stream)."""
+        ahead, self.in_flight, self.pause = self.in_flight, None, False
+        return ahead
+
     def settle(self) -> None:
         """The step before the one ahead was read: the step ahead records its computed tokens,
         and is dropped when none of its requests is left (its GPU work just runs out)."""

@@ -104,6 +104,7 @@ def test_guided_json_and_guided_choice_extras():
         ),
         ({"guided_regex": "(["}, "guided_regex"),
         ({"guided_json": nested(200)}, "guided_json"),  # a RecursionError gave HTTP 500
+        ({"guided_json": "[" * 100_000}, "guided_json"),  # in the JSON parser
         ({"guided_regex": "(" * 2000 + ")" * 2000}, "guided_regex"),
         ({"guided_regex": ""}, "guided_regex"),
         ({"guided_grammar": "  "}, "guided_grammar"),

@@ -295,6 +295,27 @@ def step_raises_once(config: EngineConfig) -> None:
         with pytest.raises(StepFailed, match="a bug in the step"):
             await prefill.prefill(GenerateRequest("r-bad", PROMPT, GREEDY))
         assert (await prefill.load()).running == 0
+        copies = prefill.engine.copies
+        offload = copies.offload_owed
+
+        def broken_after(kv: object, sync: bool = False) -> None:  # the request has finished
+            copies.offload_owed = offload  # in the step, its first token's blocks kept
+            raise RuntimeError("a bug after the step's outputs")
+
+        copies.offload_owed = broken_after  # type: ignore[method-assign]
+        with pytest.raises(StepFailed, match="a bug after the step's outputs"):
+            await prefill.prefill(GenerateRequest("r-bad-2", PROMPT, GREEDY))
+        assert (await prefill.check_no_leaks()).clean  # its kept blocks went back
+        scheduler = prefill.engine.scheduler
+        schedule = scheduler.schedule
+
+        def broken_schedule() -> object:  # nothing runs: the waiting request made it raise
+            scheduler.schedule = schedule
+            raise RuntimeError("a bug in scheduling")
+
+        scheduler.schedule = broken_schedule  # type: ignore[method-assign]
+        with pytest.raises(StepFailed, match="a bug in scheduling"):
+            await prefill.prefill(GenerateRequest("r-bad-3", PROMPT, GREEDY))
         handle = await prefill.prefill(GenerateRequest("r-good", PROMPT, GREEDY))
         assert handle.epoch is not None and await prefill.release(handle.req_id, handle.epoch)
         assert (await prefill.check_no_leaks()).clean
