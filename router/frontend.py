@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from common.messages import GenerateRequest, TokenDelta
 from engine.kv_cache.retention import InvalidRetention, check_ranges
-from engine.sampling.validation import InvalidField, check_request
+from engine.sampling.validation import STRUCTURED_FIELDS, InvalidField, check_request
 from router import traces
 from router.access import ApiKeys, tenant_cache_salt
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
@@ -154,8 +154,7 @@ class Frontend:
         try:
             check_request(prompt_ids, sampling, backend.vocab_size, max_len, spec.input_param)
         except InvalidField as e:
-            field = (spec.max_tokens_param or "max_tokens") if e.field == "max_tokens" else e.field
-            raise InvalidRequest(e.message.replace("max_tokens", field), field, e.code) from None
+            raise _refusal(e, spec.max_tokens_param, spec.structured_param) from None
         _check_room(spec, len(prompt_ids), max_len)
         if sampling.n > backend.max_choices:
             raise InvalidRequest(
@@ -191,6 +190,7 @@ class Frontend:
             tenant=spec.tenant,
             key_class=key_class,
             trace=trace,
+            structured_param=spec.structured_param,
         )
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:
@@ -274,7 +274,7 @@ class Frontend:
             raise
         except InvalidField as e:  # a worker's engine refused it (its grammar compiler, say)
             cause: InvalidField = getattr(e, "cause", e)  # Ray wraps the worker's exception
-            raise self.reject(InvalidRequest(cause.message, cause.field, cause.code)) from None
+            raise self.reject(_refusal(cause, None, prepared.structured_param)) from None
         except Exception as e:
             logger.exception("backend failed request %s", req.req_id)
             # A worker's exception comes wrapped by Ray, its text holding the remote traceback
@@ -333,6 +333,20 @@ class Frontend:
 
     def model_ids(self) -> list[str]:
         return list(self.routes)
+
+
+def _refusal(
+    e: InvalidField, max_tokens_param: str | None, structured_param: str | None
+) -> InvalidRequest:
+    """An engine rule's refusal naming the field as the client's front end calls it (the
+    engine knows max_tokens and a structured output's HTTP name by kind)."""
+    field = e.field
+    if field == "max_tokens" and max_tokens_param:
+        field = max_tokens_param
+    elif structured_param and field in STRUCTURED_FIELDS:
+        field = structured_param
+    message = e.message if field == e.field else e.message.replace(e.field or "", field or "", 1)
+    return InvalidRequest(message, field, e.code)
 
 
 def _check_room(spec: RequestSpec, num_prompt_tokens: int, max_model_len: int) -> None:

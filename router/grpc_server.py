@@ -94,7 +94,13 @@ def spec_from_proto(request: pb.GenerateRequest, tenant: str | None = None) -> R
         tenant=tenant,
         priority=request.priority if request.HasField("priority") else None,
         deadline_s=request.deadline_s if request.HasField("deadline_s") else None,
+        structured_param=_structured_param(s.structured),
     )
+
+
+def _structured_param(message: pb.StructuredOutput) -> str | None:
+    kind = message.WhichOneof("kind")
+    return None if kind is None else f"sampling.structured.{kind}"
 
 
 def response_from_chunk(req_id: str, out: OutputChunk) -> pb.GenerateResponse:

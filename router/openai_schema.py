@@ -14,7 +14,7 @@ from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
 from router.errors import InvalidRequest
 from router.request_spec import ChatMessage, RequestSpec
-from router.structured_schema import ResponseFormat, structured_output
+from router.structured_schema import ResponseFormat, structured_output, structured_param
 
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
@@ -184,6 +184,13 @@ class _CommonRequest(_TopLevelBody):
             req_id=req_id,
             priority=self.priority,
             deadline_s=self.deadline_s,
+            structured_param=structured_param(
+                self.response_format,
+                self.guided_regex,
+                self.guided_grammar,
+                self.guided_json,
+                self.guided_choice,
+            ),
         )
 
     def _sampling(

@@ -40,6 +40,9 @@ class RequestSpec:
     traceparent: str | None = None  # the client's W3C traceparent (read only while tracing)
     priority: int | None = None  # None: the key class's default (router/traffic_class.py)
     deadline_s: float | None = None  # batch: refused if still queued this long after arrival
+    # The field the structured output came from, as this front end names it ("guided_json",
+    # "sampling.structured.grammar"); None: none asked, or the engine's HTTP name by kind.
+    structured_param: str | None = None
 
     @property
     def max_tokens(self) -> int | None:
@@ -63,3 +66,4 @@ class Prepared:
     )
     key_class: KeyClass = DEFAULT_CLASS
     trace: SpanHandle | None = None  # its root span (router/traces.py); None: tracing off
+    structured_param: str | None = None  # RequestSpec's: a worker's refusal names it

@@ -66,6 +66,27 @@ def structured_output(
     return spec
 
 
+def structured_param(
+    response_format: ResponseFormat | None,
+    guided_regex: str | None = None,
+    guided_grammar: str | None = None,
+    guided_json: dict[str, Any] | str | None = None,
+    guided_choice: list[str] | None = None,
+) -> str | None:
+    """The field a (checked) structured output came from, to name in a worker's refusal."""
+    if response_format is not None and response_format.type == "json_schema":
+        return "response_format.json_schema.schema"
+    if response_format is not None and response_format.type == "json_object":
+        return "response_format"
+    given = {
+        "guided_json": guided_json,
+        "guided_choice": guided_choice,
+        "guided_regex": guided_regex,
+        "guided_grammar": guided_grammar,
+    }
+    return next((name for name, value in given.items() if value is not None), None)
+
+
 def _from_guided_json(guided_json: dict[str, Any] | str | None) -> StructuredOutput | None:
     """vLLM's guided_json: a JSON schema, as an object or as JSON text."""
     if guided_json is None:

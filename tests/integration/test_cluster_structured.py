@@ -162,6 +162,18 @@ def post(stack: ClusterHarness, body: dict) -> tuple[int, dict]:
         ({"extra_body": {"guided_regex": "(?<=a)b"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= nowhere"}}, "guided_grammar"),
         ({"extra_body": {"guided_json": {"type": "objekt"}}}, "guided_json"),
+        # refused by the worker's compiler, named as this client sent it (the engine's name for
+        # a JSON schema is response_format's)
+        ({"extra_body": {"guided_json": {"$ref": "#/$defs/missing"}}}, "guided_json"),
+        (
+            {
+                "response_format": {
+                    **RESPONSE_FORMAT,
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_bad_specs_are_400_naming_the_field(stack, fields, param):
@@ -175,7 +187,8 @@ def test_bad_grpc_spec_is_invalid_argument(stack):
     with grpc.insecure_channel(stack.grpc_target) as channel, pytest.raises(grpc.RpcError) as info:
         list(pb_grpc.KVRelayStub(channel).Generate(request, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "regex" in info.value.details()
+    # the worker's compiler refused it; the message names the gRPC field, not HTTP's
+    assert info.value.details().startswith("sampling.structured.regex: "), info.value.details()
 
 
 def test_draft_model_speculation_through_the_cluster_is_token_exact(stack, sampling_llm):
