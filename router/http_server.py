@@ -166,13 +166,14 @@ async def _admitted(
 async def _echo_text(
     body: ChatCompletionRequest | CompletionRequest, prepared: Prepared, frontend: Frontend
 ) -> str:
-    """Completions with echo: the prompt's text (its token ids decoded when sent as ids)."""
+    """Completions with echo: the prompt's text (its token ids decoded when sent as ids, their
+    special tokens too: the prompt as sent)."""
     if not isinstance(body, CompletionRequest) or not body.echo:
         return ""
     text = body.prompt_text()
     if text is None:
         encoder = frontend.route(prepared.request.model).encoder
-        text = await encoder.decode(prepared.request.prompt_token_ids)
+        text = await encoder.decode(prepared.request.prompt_token_ids, skip_special_tokens=False)
     return text
 
 

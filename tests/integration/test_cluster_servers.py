@@ -389,7 +389,10 @@ def test_chat_top_logprobs_equal_the_engines(stack, sampling_llm, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_n_and_echo(stack, sampling_llm, stream):
-    prompt_ids = sampling_llm.engine.tokenizer.encode(SAMPLING_PROMPT)
+    tokenizer = sampling_llm.engine.tokenizer
+    # a special token in the ids: echo repeats the prompt as sent, it too
+    (im_start,) = tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    prompt_ids = [im_start, *tokenizer.encode(SAMPLING_PROMPT)]
     want = engine_output(sampling_llm, prompt_ids, logprobs=True, top_logprobs=2)
     kwargs = dict(model=MODEL, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
     api = client(stack).completions
@@ -410,10 +413,10 @@ def test_completion_logprobs_n_and_echo(stack, sampling_llm, stream):
         echoed = api.create(**kwargs, echo=True).choices[0].text
     assert text == want.text and "".join(tokens) == text
     assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
-    decode = sampling_llm.engine.tokenizer.decode
+    decode = tokenizer.decode
     for top, pairs in zip(tops, want.top_logprobs, strict=True):
         assert top == pytest.approx({decode([i]): lp for i, lp in pairs}, abs=1e-3)
-    assert echoed == decode(prompt_ids) + want.text
+    assert echoed == "<|im_start|>" + decode(prompt_ids) + want.text
 
 
 def test_penalties_and_logit_bias_change_the_output_as_the_engine_does(stack, sampling_llm):
