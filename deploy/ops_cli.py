@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from common.cluster_state import (
     ClusterStatus,
     KVEvictRequest,
+    RouterConfig,
     ScaleRequest,
     WorkerStats,
     WorkerStatus,
@@ -197,6 +198,11 @@ def evict_request(args: argparse.Namespace) -> KVEvictRequest:
 def kv_evict(args: argparse.Namespace) -> int:
     request = evict_request(args)
     controllers = list(_controllers(args).values())  # every model's, or --model's
+    if args.tenant is not None:
+        config = asyncio.run(_router_config(controllers[0]))
+        warning = tenant_warning(args.tenant, key_usage(config.redis_url))
+        if warning:
+            print(warning, file=sys.stderr)
 
     async def evict() -> dict[str, dict[str, int] | str]:
         answers: dict[str, dict[str, int] | str] = {}
@@ -210,6 +216,30 @@ def kv_evict(args: argparse.Namespace) -> int:
     else:
         print(format_evicted(answers))
     return 1 if any(isinstance(a, str) for a in answers.values()) else 0
+
+
+async def _router_config(controller: ControllerActor) -> RouterConfig:
+    return await controller.router_config.remote()
+
+
+def tenant_warning(tenant: str, usage: list[TenantUsage] | str) -> str | None:
+    """A line when --tenant names no tenant whose usage this cluster's Redis holds (a typo, or
+    a cluster served without API keys, whose blocks are salted by cache_salt alone); None when
+    it does, or when the usage could not be read."""
+    if isinstance(usage, str) or tenant in {row.tenant for row in usage}:
+        return None
+    if not usage:
+        return (
+            f"kvrelay: warning: no tenant has used this cluster (`kvrelay status --keys` lists "
+            f"none), so {tenant!r} likely holds no blocks: do its routers run with "
+            "--api-keys-file? Without API keys, requests' blocks are salted by their cache_salt "
+            "alone: pass --salt"
+        )
+    known = ", ".join(sorted(row.tenant for row in usage)[:10])
+    return (
+        f"kvrelay: warning: tenant {tenant!r} has no usage in this cluster's Redis (idle a week, "
+        f"or a misspelt name; `kvrelay status --keys` lists {len(usage)}: {known})"
+    )
 
 
 def format_evicted(answers: dict[str, dict[str, int] | str]) -> str:

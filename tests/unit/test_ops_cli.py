@@ -26,9 +26,17 @@ from common.cluster_state import (
 )
 from common.messages import WorkerLoad
 from deploy.cli import main
-from deploy.ops_cli import add_ops_parsers, evict_request, format_evicted, format_status, kv_evict
+from deploy.ops_cli import (
+    add_ops_parsers,
+    evict_request,
+    format_evicted,
+    format_status,
+    kv_evict,
+    tenant_warning,
+)
 from engine.kv_cache.tier_stats import TierStats
 from router.access import tenant_cache_salt
+from router.rate_limit_schema import TenantUsage
 
 
 def test_scale_request_keeps_only_the_pools_given_and_refuses_bad_sizes() -> None:
@@ -149,3 +157,13 @@ def test_kv_evict_sends_a_tenants_salt_or_a_prompt_and_reports_each_worker() -> 
     assert "p0: blocks dropped: device 3, disk 5, shared 8" in text
     assert "d0: error: RayActorError: x" in text
     assert format_evicted({}) == "no worker answered: nothing evicted"
+
+
+def test_kv_evict_warns_of_a_tenant_the_cluster_has_not_seen() -> None:
+    used = [TenantUsage("team-a", "none", 0, {}), TenantUsage("team-b", "none", 1, {})]
+    assert tenant_warning("team-a", used) is None
+    typo = tenant_warning("team-c", used)
+    assert typo is not None and "'team-c' has no usage" in typo and "team-a, team-b" in typo
+    keyless = tenant_warning("team-a", [])  # served without --api-keys-file (it dropped 0, silent)
+    assert keyless is not None and "--api-keys-file" in keyless and "--salt" in keyless
+    assert tenant_warning("team-a", "keys: Redis did not answer") is None  # cannot tell
