@@ -18,6 +18,8 @@ from typing import NamedTuple, NoReturn
 
 import yaml
 
+from common.cluster_state import MAX_POOL_SIZE
+
 RAY = "ray"
 WAIT_TIMEOUT_S = 1800.0  # GPU nodes boot, install, load the model and warm up: many minutes
 POLL_INTERVAL_S = 15.0  # one probe is one SSH round trip to the head
@@ -269,8 +271,11 @@ def add_down_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> UpOptions:
-    if args.prefill < 0 or args.decode < 1:
-        raise ValueError("--prefill must be >= 0 (0: aggregated workers) and --decode >= 1")
+    if not (0 <= args.prefill <= MAX_POOL_SIZE and 1 <= args.decode <= MAX_POOL_SIZE):
+        raise ValueError(
+            f"--prefill must be in [0, {MAX_POOL_SIZE}] (0: aggregated workers) and --decode in "
+            f"[1, {MAX_POOL_SIZE}]"
+        )
     for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
         if not 0 < port < 65536:
             raise ValueError(f"{flag} must be a TCP port (1-65535), got {port}")

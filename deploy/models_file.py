@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.cluster_state import MAX_POOL_SIZE
 from deploy.engine_flags import add_engine_flags
 from deploy.local_cluster import ModelPools
 from engine.config import EngineConfig
@@ -61,12 +62,12 @@ def _pools(
     sizes = {}
     for role in ("prefill", "decode"):
         size = entry.get(role, getattr(args, role))
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_POOL_SIZE:
             if role == "prefill" and size == 0 == args.prefill:
                 sizes[role] = 0  # aggregated, as the command line's --prefill 0 makes every model
                 continue
             raise ValueError(
-                f"{where}.{role}: wants a whole number >= 1, got {size!r}"
+                f"{where}.{role}: wants a whole number in [1, {MAX_POOL_SIZE}], got {size!r}"
                 + (" (aggregated workers: --prefill 0 for every model)" if size == 0 else "")
             )
         sizes[role] = size

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from common.cluster_state import MAX_POOL_SIZE
 from common.placement_rules import OVERLOAD_MODES, LocalPrefill, SloTargets
 from common.redis_url import check_url
 from deploy.autoscale import AutoscaleConfig
@@ -254,10 +255,12 @@ def _sized(args: argparse.Namespace, prefill: int, decode: int) -> argparse.Name
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    if args.prefill < 0:
-        raise ValueError(f"--prefill must be >= 0 (0: aggregated workers), got {args.prefill}")
-    if args.decode < 1:
-        raise ValueError(f"--decode must be >= 1, got {args.decode}")
+    if not 0 <= args.prefill <= MAX_POOL_SIZE:
+        raise ValueError(
+            f"--prefill must be in [0, {MAX_POOL_SIZE}] (0: aggregated workers), got {args.prefill}"
+        )
+    if not 1 <= args.decode <= MAX_POOL_SIZE:
+        raise ValueError(f"--decode must be in [1, {MAX_POOL_SIZE}], got {args.decode}")
     if args.log_stats_interval < 0:
         raise ValueError(
             f"--log-stats-interval must be >= 0 (0: never), got {args.log_stats_interval:g}"

@@ -66,8 +66,9 @@ def test_flags_map_onto_options() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--decode", "0"], "--decode >= 1"),
-        (["--prefill", "-1"], "--prefill must be >= 0"),
+        (["--decode", "0"], r"--decode in \[1, 1024\]"),
+        (["--prefill", "-1"], r"--prefill must be in \[0, 1024\]"),
+        (["--decode", "100000"], r"--decode in \[1, 1024\]"),
         (["--http-port", "70000"], "--http-port"),
         (["--model", "/a", "--models-file", "m.yaml"], "either as --model or in --models-file"),
         (["--model", "/a", "--model", "/a"], "given more than once"),

@@ -46,9 +46,11 @@ def test_bad_values_are_refused() -> None:
         parse("--dtype", "int8")
     with pytest.raises(SystemExit):
         parse("--kv-cache-dtype", "int4")
-    with pytest.raises(ValueError, match="--decode must be >= 1"):
+    with pytest.raises(ValueError, match=r"--decode must be in \[1, 1024\]"):
         parse("--decode", "0")
-    with pytest.raises(ValueError, match="--prefill must be >= 0"):
+    with pytest.raises(ValueError, match=r"--decode must be in \[1, 1024\], got 1000000000"):
+        parse("--decode", "1000000000")  # a typo's billion workers would have been started
+    with pytest.raises(ValueError, match=r"--prefill must be in \[0, 1024\]"):
         parse("--prefill", "-1")
 
 

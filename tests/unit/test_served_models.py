@@ -159,6 +159,7 @@ def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> 
     for text, error in (
         ("models: []", "wants `models:`, a list"),
         ("models: [{model: a.gguf, decode: 0}]", r"models\[0\].decode: wants a whole number"),
+        ("models: [{model: a.gguf, prefill: 5000}]", r"prefill: wants .* in \[1, 1024\]"),
         ("models: [{model: a.gguf, tp: 2}]", r"models\[0\]: unknown field 'tp'"),
         ("models: [{model: a.gguf, flags: {tp: 2}}]", "'--tp' is not an engine flag"),
         ("models: [{model: a.gguf, flags: {block-size: x}}]", "block-size"),
