@@ -218,16 +218,23 @@ class DecodeWorker(WorkerBase):
         if self.traces is not None:
             self.traces.abort(req_id)
 
-    def _on_failed(self, req_ids: list[str], error: str) -> None:
+    def _end_with_error(self, req_ids: list[str], error: str, resumable: bool = False) -> None:
+        """Abort these requests here (blocks freed) and end each router's streams of them with
+        the error (resumable: the router may resume them elsewhere)."""
         by_router: dict[str, list[TokenDelta]] = {}
         for req_id in req_ids:
             route = self._routes.get(req_id)
             self._abort(self.engine, req_id)
             if route is not None:
-                delta = TokenDelta(req_id, (), True, FinishReason.ERROR, error=error)
+                delta = TokenDelta(
+                    req_id, (), True, FinishReason.ERROR, error=error, resumable=resumable
+                )
                 by_router.setdefault(route.router_id, []).append(delta)
         for router_id, deltas in by_router.items():
             self.mailboxes.push(router_id, deltas)
+
+    def _on_failed(self, req_ids: list[str], error: str) -> None:
+        self._end_with_error(req_ids, error)
 
     def _on_tick(self) -> bool:
         ended = self.puller.step()
@@ -260,14 +267,7 @@ class DecodeWorker(WorkerBase):
             orphans = [req_id for req_id, r in self._routes.items() if r.router_id == router_id]
             error = f"decode worker {self.config.worker_id} aborted it: its router did not poll"
             error += f" for {timeout_s:.0f} s"
-            for req_id in orphans:
-                self._abort(self.engine, req_id)
-            ends = [
-                TokenDelta(i, (), True, FinishReason.ERROR, error=error, resumable=True)
-                for i in orphans
-            ]
-            if ends:
-                self.mailboxes.push(router_id, ends)
+            self._end_with_error(orphans, error, resumable=True)
             self.num_orphans_aborted += len(orphans)
             if orphans:
                 logger.warning(
