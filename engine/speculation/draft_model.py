@@ -38,6 +38,8 @@ class DraftEngine(Protocol):
     @property
     def has_unfinished_requests(self) -> bool: ...
 
+    def abort(self, req_id: str) -> bool: ...
+
 
 # Builds the draft engine from its config and the weights it shares (Engine itself).
 EngineFactory = Callable[[EngineConfig, "nn.Module | None"], DraftEngine]
@@ -106,8 +108,13 @@ class DraftModel:
                 continue
             ids[req.req_id] = req
         drafted: dict[str, list[int]] = {req_id: [] for req_id in ids}
-        while engine.has_unfinished_requests:
-            for out in engine.step():
-                drafted[out.req_id].extend(out.new_token_ids)
+        try:
+            while engine.has_unfinished_requests:
+                for out in engine.step():
+                    drafted[out.req_id].extend(out.new_token_ids)
+        except BaseException:  # the target's step fails with it: leave the draft engine empty
+            for req_id in ids:
+                engine.abort(req_id)
+            raise
         for req_id, req in ids.items():
             req.draft_token_ids = drafted[req_id]

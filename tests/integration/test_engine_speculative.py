@@ -193,6 +193,40 @@ def test_a_tiny_random_draft_for_a_tiny_random_target_is_token_exact(tiny, tmp_p
     spec.draft_model.engine.assert_no_leaks()
 
 
+def test_a_draft_step_that_raises_leaves_the_draft_engine_empty(tiny, tmp_path):
+    """The draft engine's step raising fails the target's step; once the target ends that
+    step's requests (Engine.fail_running, as its engine thread does), the draft engine holds
+    none of them (before, they stayed, their blocks held and their ids taken) and the next
+    requests are token-exact."""
+    draft = make_tiny_checkpoint(tmp_path / "draft", vocab_size=64, seed=6, num_layers=1)
+    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5]]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
+    config = SpeculativeConfig(method="draft", draft_model=str(draft), adaptive=False)
+    engine = build_engine(model_path=str(tiny), block_size=4, speculative=config)
+    assert engine.speculator.draft_model is not None
+    drafts = engine.speculator.draft_model.engine
+    real_step, calls = drafts.step, []
+
+    def step_failing_once():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected draft step failure")
+        return real_step()
+
+    drafts.step = step_failing_once
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"x{i}", prompt, params)
+    with pytest.raises(RuntimeError, match="injected"):
+        while engine.has_unfinished_requests:
+            engine.step()
+    assert sorted(engine.fail_running()) == ["x0", "x1"]
+    assert not drafts.has_unfinished_requests
+    drafts.assert_no_leaks()
+    assert generate(engine, prompts, params) == expected
+    drafts.assert_no_leaks()
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny, tmp_path):
     draft = make_tiny_checkpoint(tmp_path / "draft", vocab_size=128, weights=False)
     config = SpeculativeConfig(method="draft", draft_model=str(draft))
