@@ -103,6 +103,13 @@ class SharedStore(FileStage):
         self.writes: BlockPublishes | None = None
 
     def has(self, block_hash: int) -> bool:
+        """Whether the store has the block: asked of the store (a HEAD on an object store)
+        unless this worker has it staged or being read (a request waiting for its reads is
+        matched again every step: it asked once a block a step)."""
+        if self.is_staged(block_hash) or (
+            self.reads is not None and self.reads.in_flight(block_hash)
+        ):
+            return True
         return self.files.exists(block_hash)
 
     def drain_events(self) -> list[KVEvent]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,10 @@ def test_a_second_worker_computes_only_what_the_first_did_not_publish(tiny, tmp_
     assert expect[0] == 8 * BLOCK and expect[-1] == 0  # the last prompt never left the device
     second = worker(tiny, tmp_path / "b", tmp_path / "shared")  # a new worker: starts warm
     before = second.snapshot().num_computed_tokens
+    asked: Counter[int] = Counter()  # the store asked whether it has a block (a HEAD on S3)
+    files = store_of(second).files
+    exists = files.exists
+    files.exists = lambda block_hash: asked.update([block_hash]) or exists(block_hash)
     got = serve(second, batch)
     assert [tokens for tokens, _ in got] == want
     assert [cached for _, cached in got] == expect
@@ -94,6 +99,8 @@ def test_a_second_worker_computes_only_what_the_first_did_not_publish(tiny, tmp_
     assert shared.bad_files == 0 and shared.load_s > 0
     reads = store_of(second).reads  # each hit block read once, behind the step
     assert reads is not None and reads.num_issued == shared.hit_blocks
+    # and asked for once: not again each step its request waits for the reads (it was twice)
+    assert asked and max(asked.values()) == 1, asked.most_common(3)
     assert tiers["device"].lookup_blocks == 4 * 8 and tiers["device"].hit_blocks == 0
     assert shared.lookup_blocks == 4 * 8 and shared.used_blocks >= len(there)
     # one writer a block: the second worker's spills were the first's blocks, not rewritten
