@@ -19,6 +19,15 @@ from router.tokenizer import RouterTokenizer
 Json = dict[str, Any]
 
 
+# A token the grammar or logit_bias rules out has logprob -inf, which JSON cannot carry (strict
+# parsers refuse a body with -Infinity): it is sent as this floor, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN too: not >=
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: Any = None) -> Json:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
@@ -84,9 +93,10 @@ class ResponseContext:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _chat_entry(self, token_id: int, logprob: float) -> Json:
-        token = self._token(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def _chat_entry(self, token_id: int, logprob: float, token: str | None = None) -> Json:
+        token = self._token(token_id) if token is None else token
+        raw = self.tokenizer.token_bytes(token_id, token)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(raw)}
 
     def _logprobs(
         self,
@@ -102,12 +112,10 @@ class ResponseContext:
         if self.chat:
             content = [
                 {
-                    "token": tok,
-                    "logprob": lp,
-                    "bytes": list(tok.encode()),
+                    **self._chat_entry(token_id, lp, tok),
                     "top_logprobs": [self._chat_entry(t, p) for t, p in top],
                 }
-                for tok, lp, top in zip(tokens, logprobs, tops, strict=False)
+                for token_id, tok, lp, top in zip(token_ids, tokens, logprobs, tops, strict=False)
             ]
             return {"content": content}
         offsets, offset = [], num_text_chars
@@ -116,8 +124,8 @@ class ResponseContext:
             offset += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": list(logprobs),
-            "top_logprobs": [{self._token(t): p for t, p in top} for top in top_logprobs]
+            "token_logprobs": [_finite(lp) for lp in logprobs],
+            "top_logprobs": [{self._token(t): _finite(p) for t, p in top} for top in top_logprobs]
             if top_logprobs
             else None,
             "text_offset": offsets,

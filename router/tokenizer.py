@@ -11,6 +11,7 @@ transformers, only `tokenizers` and `jinja2`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -96,6 +97,20 @@ def _chat_template_source(folder: Path, config: Mapping[str, Any]) -> str | None
     return template if isinstance(template, str) else None
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is one printable character in token
+    strings: the printable Latin-1 bytes stand for themselves, the other 68 bytes for the
+    characters from U+0100 up, in byte order. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    chars.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class RouterTokenizer:
     """Encode, decode and chat-template rendering for one checkpoint folder."""
 
@@ -111,6 +126,8 @@ class RouterTokenizer:
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(folder))
         self.bound = TokenBound.of(self._tok)
+        self._byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+        self._byte_chars = _byte_level_chars() if self._byte_level else {}
 
     def _eos_ids(self, folder: Path) -> set[int]:
         ids: set[int] = set()
@@ -154,3 +171,19 @@ class RouterTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [list(token_ids)]
         return self._tok.decode_batch(ids, skip_special_tokens=skip_special_tokens)[0]
+
+    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
+        """The bytes token_id stands for (logprobs' `bytes`): its text's UTF-8, unless the
+        token holds part of a character (its text alone is U+FFFD), whose own bytes come from
+        its vocabulary string (byte-level BPE's alphabet, or a byte-fallback <0xHH> token).
+        text: the token decoded alone, when the caller has it."""
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        if (fallback := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level and all(c in self._byte_chars for c in piece):
+            return bytes(self._byte_chars[c] for c in piece)
+        return text.encode()
