@@ -33,7 +33,7 @@ from router.metrics import RouterMetrics
 from router.output import OutputChunk, Usage
 from router.prompt_encoder import PromptEncoder
 from router.request_size import max_body_bytes
-from router.request_spec import ChatMessage, Prepared, RequestSpec
+from router.request_spec import ChatMessage, Prepared, RequestSpec, template_messages
 from router.served_models import ModelRoute, model_routes
 from router.tokenizer import RouterTokenizer
 from router.traffic_class import DEFAULT_CLASS, check_deadline, request_priority
@@ -207,11 +207,7 @@ class Frontend:
             raise InvalidRequest("give exactly one of a prompt, chat messages or token ids")
         if spec.prompt_token_ids is not None:
             return list(spec.prompt_token_ids)
-        if spec.messages is not None and not spec.messages:
-            raise InvalidRequest("messages must not be empty", "messages")
-        messages = None
-        if spec.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+        messages = None if spec.messages is None else template_messages(spec.messages)
         return await encoder.prompt_ids(spec.prompt, messages)
 
     # ---- streaming -----------------------------------------------------------------------

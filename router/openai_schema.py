@@ -82,8 +82,15 @@ class TextPart(_Body):
 
 
 class ChatMessageIn(_Body):
-    role: str
+    """One chat message. Fields a response message carries back into a history (refusal,
+    annotations, null tool_calls) are ignored; tool and function calls, which this server does
+    not make, are refused."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str  # checked with the rest of the messages (request_spec.template_messages)
     content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -91,6 +98,22 @@ class ChatMessageIn(_Body):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+    def to_message(self, index: int) -> ChatMessage:
+        """index: its place in `messages` (named in an error)."""
+        for field_name in ("tool_calls", "function_call", "audio"):
+            if (self.model_extra or {}).get(field_name):
+                raise InvalidRequest(
+                    f"a message's {field_name} is not supported (this server does not call "
+                    "tools); leave it out of the history",
+                    f"messages.{index}.{field_name}",
+                    "unsupported_parameter",
+                )
+        if self.content is None and self.role != "assistant":
+            raise InvalidRequest(
+                f"a {self.role} message needs content", f"messages.{index}.content"
+            )
+        return ChatMessage(self.role, self.text(), self.name)
 
 
 class StreamOptions(_Body):
@@ -113,7 +136,7 @@ class KVRetentionIn(_Body):
 class _CommonRequest(_TopLevelBody):
     """Fields shared by /v1/chat/completions and /v1/completions (plus vLLM-style extras)."""
 
-    model: str
+    model: str | None = None  # None: the served model (the first, when several are)
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -234,7 +257,7 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs=true
 
     def to_spec(self, req_id: str) -> RequestSpec:
-        messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+        messages = tuple(m.to_message(i) for i, m in enumerate(self.messages))
         max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = self.max_tokens, "max_tokens"

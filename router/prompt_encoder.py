@@ -43,18 +43,24 @@ class PromptEncoder:
         return await self._run(self._prompt_ids, prompt, messages)
 
     async def tokenize(
-        self, prompt: str | None, messages: Messages | None, add_special_tokens: bool
+        self,
+        prompt: str | None,
+        messages: Messages | None,
+        add_special_tokens: bool,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """/tokenize: the prompt's or the rendered chat's ids, whatever their length."""
-        return await self._run(self._tokenize, prompt, messages, add_special_tokens)
+        return await self._run(
+            self._tokenize, prompt, messages, add_special_tokens, add_generation_prompt
+        )
 
     async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self.tokenizer.decode, token_ids, skip_special_tokens)
 
     # ---- on the pool's threads -----------------------------------------------------------
-    def _render(self, messages: Messages) -> str:
+    def _render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
         try:
-            return self.tokenizer.render_chat(messages)
+            return self.tokenizer.render_chat(messages, add_generation_prompt)
         except ValueError as e:
             raise InvalidRequest(str(e), "messages") from None
 
@@ -74,7 +80,14 @@ class PromptEncoder:
         return self.tokenizer.encode(text, add_special_tokens=messages is None)
 
     def _tokenize(
-        self, prompt: str | None, messages: Messages | None, add_special_tokens: bool
+        self,
+        prompt: str | None,
+        messages: Messages | None,
+        add_special_tokens: bool,
+        add_generation_prompt: bool,
     ) -> list[int]:
-        text = self._render(messages) if messages is not None else prompt or ""
+        if messages is not None:
+            text = self._render(messages, add_generation_prompt)
+        else:
+            text = prompt or ""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

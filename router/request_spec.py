@@ -3,19 +3,43 @@ frozen values, no state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.messages import GenerateRequest
 from common.tracing import SpanHandle
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
+from router.errors import InvalidRequest
 from router.traffic_class import DEFAULT_CLASS, KeyClass
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None  # OpenAI's participant name, given to the chat template
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them; InvalidRequest naming the message for an
+    empty list or a role that is not one of CHAT_ROLES (a template renders any string it gets)."""
+    if not messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages.{i}.role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}",
+                f"messages.{i}.role",
+            )
+        message = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        rendered.append(message)
+    return rendered
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from router.errors import InvalidRequest
 from router.frontend import Frontend
 from router.openai_schema import ChatMessageIn
 from router.prompt_encoder import PromptEncoder
-from router.request_spec import ChatMessage
+from router.request_spec import ChatMessage, template_messages
 
 
 @dataclass(frozen=True)
@@ -26,25 +26,33 @@ class TokenizeSpec:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True  # a chat: end with the assistant turn's opening
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")  # an unknown field: 400 naming it
 
 
 class TokenizeBody(_Body):
-    """POST /tokenize: {model?, prompt | messages, add_special_tokens?}."""
+    """POST /tokenize: {model?, prompt | messages, add_special_tokens?, add_generation_prompt?}."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
 
     def to_spec(self) -> TokenizeSpec:
         messages = None
         if self.messages is not None:
-            messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
-        return TokenizeSpec(self.model, self.prompt, messages, self.add_special_tokens)
+            messages = tuple(m.to_message(i) for i, m in enumerate(self.messages))
+        return TokenizeSpec(
+            self.model,
+            self.prompt,
+            messages,
+            self.add_special_tokens,
+            self.add_generation_prompt,
+        )
 
 
 class DetokenizeBody(_Body):
@@ -69,10 +77,10 @@ async def _token_ids(encoder: PromptEncoder, spec: TokenizeSpec) -> list[int]:
     if spec.prompt is not None:
         add = True if spec.add_special_tokens is None else spec.add_special_tokens
         return await encoder.tokenize(spec.prompt, None, add)
-    if not spec.messages:
-        raise InvalidRequest("messages must not be empty", "messages")
-    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
-    return await encoder.tokenize(None, messages, bool(spec.add_special_tokens))
+    messages = template_messages(spec.messages or ())
+    return await encoder.tokenize(
+        None, messages, bool(spec.add_special_tokens), spec.add_generation_prompt
+    )
 
 
 async def detokenize(frontend: Frontend, model: str | None, token_ids: Sequence[int]) -> str:

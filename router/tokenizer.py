@@ -152,14 +152,17 @@ class RouterTokenizer:
         """At least how many tokens text encodes to (a proved bound; 0 when none is proved)."""
         return self.bound.min_num_tokens(text)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """Chat messages -> prompt text ending with the assistant turn's opening."""
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Chat messages -> prompt text ending with the assistant turn's opening (unless
+        add_generation_prompt is False)."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as e:

@@ -59,6 +59,29 @@ def test_tokenize_a_prompt_and_a_chat_as_generation_sees_them(
     assert completion["usage"]["prompt_tokens"] == reply["count"]
 
 
+def test_tokenize_a_chat_without_the_generation_prompt(
+    harness: ServerHarness, router_tokenizer: RouterTokenizer
+) -> None:
+    status, reply = post(harness, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert status == 200, reply
+    text = router_tokenizer.render_chat(CHAT, add_generation_prompt=False)
+    assert reply["tokens"] == router_tokenizer.encode(text, add_special_tokens=False)
+    assert reply["tokens"] != router_tokenizer.apply_chat_template(CHAT)  # it was ignored
+
+
+def test_a_chat_history_as_an_sdk_sends_it_back_and_no_model(harness: ServerHarness) -> None:
+    """An assistant reply appended as the SDK returned it (refusal, annotations, null
+    tool_calls) is taken; a name goes to the template; `model` left out serves the model."""
+    reply = {"role": "assistant", "content": "The Nile.", "refusal": None, "tool_calls": None}
+    history = [
+        *CHAT,
+        {**reply, "annotations": []},
+        {"role": "user", "content": "More", "name": "a"},
+    ]
+    status, body = post(harness, "/v1/chat/completions", {"messages": history, "max_tokens": 1})
+    assert status == 200 and body["model"] == harness.engine.model_id, body
+
+
 def test_detokenize_round_trips_tokenize(harness: ServerHarness) -> None:
     status, tokens = post(harness, "/tokenize", {"messages": CHAT})
     assert status == 200
@@ -76,6 +99,26 @@ BAD_TOKENIZE = [
     ("/tokenize", {"messages": []}, "messages", "must not be empty"),
     ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model", "not served"),
     ("/tokenize", b"{not json", None, "not valid JSON"),
+    ("/tokenize", {"prompt": "a", "add_generation_promt": False}, "add_generation_promt", ""),
+    ("/tokenize", {"messages": [{"role": "bogus", "content": "a"}]}, "messages.0.role", "one of"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "a"}]},
+        "messages.0.role",
+        "one of",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": None}]},
+        "messages.0.content",
+        "needs content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+        "messages.1.tool_calls",
+        "not supported",
+    ),
     ("/detokenize", {"tokens": [1, -1]}, "tokens", "not a token id"),
     ("/detokenize", {"tokens": [10**9]}, "tokens", "not a token id"),
     ("/detokenize", {"tokens": "abc"}, "tokens", "tokens"),
