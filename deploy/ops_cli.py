@@ -76,7 +76,7 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tenant",
         default=None,
-        help="a tenant of --api-keys-file: its salt (with --salt: that client salt of the tenant)",
+        help="a tenant of --api-keys: its salt (with --salt: that client salt of the tenant)",
     )
     p.add_argument(
         "--prefix-of",
@@ -232,7 +232,7 @@ def tenant_warning(tenant: str, usage: list[TenantUsage] | str) -> str | None:
         return (
             f"kvrelay: warning: no tenant has used this cluster (`kvrelay status --keys` lists "
             f"none), so {tenant!r} likely holds no blocks: do its routers run with "
-            "--api-keys-file? Without API keys, requests' blocks are salted by their cache_salt "
+            "--api-keys? Without API keys, requests' blocks are salted by their cache_salt "
             "alone: pass --salt"
         )
     known = ", ".join(sorted(row.tenant for row in usage)[:10])

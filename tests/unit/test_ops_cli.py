@@ -164,6 +164,6 @@ def test_kv_evict_warns_of_a_tenant_the_cluster_has_not_seen() -> None:
     assert tenant_warning("team-a", used) is None
     typo = tenant_warning("team-c", used)
     assert typo is not None and "'team-c' has no usage" in typo and "team-a, team-b" in typo
-    keyless = tenant_warning("team-a", [])  # served without --api-keys-file (it dropped 0, silent)
-    assert keyless is not None and "--api-keys-file" in keyless and "--salt" in keyless
+    keyless = tenant_warning("team-a", [])  # served without --api-keys (it dropped 0, silent)
+    assert keyless is not None and "--api-keys" in keyless and "--salt" in keyless
     assert tenant_warning("team-a", "keys: Redis did not answer") is None  # cannot tell
