@@ -23,7 +23,19 @@ class ChoiceTrackers:
 
     def __init__(self, tokenizer: RouterTokenizer, prepared: Prepared, metrics: RouterMetrics):
         num_choices = prepared.request.sampling.n
-        self.trackers = [OutputTracker(tokenizer, prepared, metrics) for _ in range(num_choices)]
+        self.arrival, self.metrics = prepared.arrival, metrics
+        self._first_token_seen = False
+        self.trackers = [
+            OutputTracker(tokenizer, prepared, metrics, self._first_token)
+            for _ in range(num_choices)
+        ]
+
+    def _first_token(self, now: float) -> None:
+        """A choice's first token: the request's time to first token is observed once, at
+        the first choice's (n choices counted it n times)."""
+        if not self._first_token_seen:
+            self._first_token_seen = True
+            self.metrics.ttft.observe(now - self.arrival)
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ counts, timing) turning TokenDeltas into OutputChunks; records its metrics when 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,16 @@ class OutputChunk:
 
 
 class OutputTracker:
-    def __init__(self, tokenizer: RouterTokenizer, prepared: Prepared, metrics: RouterMetrics):
+    def __init__(
+        self,
+        tokenizer: RouterTokenizer,
+        prepared: Prepared,
+        metrics: RouterMetrics,
+        first_token: Callable[[float], None] | None = None,
+    ):
+        """first_token: called with the time of this tracker's first token (None: it observes
+        the request's time to first token itself)."""
+        self.first_token = first_token or self._observe_ttft
         self.stop = StopChecker(tokenizer, prepared.stop)
         self.metrics = metrics
         self.arrival = prepared.arrival
@@ -100,12 +110,15 @@ class OutputTracker:
         now = time.monotonic()
         if self._last_token_time is None:
             self._first_token_time = now
-            self.metrics.ttft.observe(now - self.arrival)
+            self.first_token(now)
         else:
             gap = (now - self._last_token_time) / num_tokens
             for _ in range(num_tokens):
                 self.metrics.itl.observe(gap)
         self._last_token_time = now
+
+    def _observe_ttft(self, now: float) -> None:
+        self.metrics.ttft.observe(now - self.arrival)
 
     def record_end(self, num_output_tokens: int | None = None) -> None:
         """Called once when the request leaves the router, however it ended; one that finished

@@ -62,3 +62,13 @@ def test_a_choice_ended_by_its_stop_string_drops_its_later_deltas(
 def test_a_delta_for_a_choice_the_request_has_not_is_refused(tokenizer: RouterTokenizer) -> None:
     with pytest.raises(ValueError, match="choice 3"):
         make_trackers(tokenizer, n=2).on_delta(delta(3, [5]))
+
+
+def test_the_time_to_first_token_is_observed_once_a_request(tokenizer: RouterTokenizer) -> None:
+    trackers = make_trackers(tokenizer, n=3)
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    for index in (2, 0, 1):  # each choice's first token
+        trackers.on_delta(delta(index, ids[:1]))
+    ttft = trackers.metrics.ttft.collect()[0]
+    count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
+    assert count == 1  # one request (each choice counted it: 3)
