@@ -41,7 +41,11 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return json_response(error_body(e.reason, "invalid_request_error", code=e.status), e.status)
+        code = e.reason.lower().replace(" ", "_")  # OpenAI's codes are strings: "not_found"
+        response = json_response(error_body(e.reason, "invalid_request_error", code=code), e.status)
+        if "Allow" in e.headers:  # a 405 says which methods the path takes
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
     except Exception:
         logger.exception("unhandled error serving %s", request.path)
         return json_response(error_body("internal server error", "internal_error"), 500)

@@ -43,6 +43,7 @@ from router.openapi import openapi_document
 from router.output import OutputChunk, Usage
 from router.readiness import check_readiness
 from router.request_spec import Prepared
+from router.served_models import ModelRoute
 from router.tokenize_api import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 OPENAPI_KEY = web.AppKey("openapi", dict)
@@ -283,19 +284,31 @@ async def detokenize_route(request: web.Request) -> web.Response:
     return _json({"prompt": text})
 
 
+def _model_card(frontend: Frontend, route: ModelRoute) -> dict[str, Any]:
+    return {
+        "id": route.model_id,
+        "object": "model",
+        "created": frontend.created,
+        "owned_by": "kvrelay",
+        "max_model_len": route.backend.max_model_len,
+    }
+
+
 async def list_models(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND_KEY]
-    models = [
-        {
-            "id": route.model_id,
-            "object": "model",
-            "created": frontend.created,
-            "owned_by": "kvrelay",
-            "max_model_len": route.backend.max_model_len,
-        }
-        for route in frontend.routes.values()
-    ]
+    models = [_model_card(frontend, route) for route in frontend.routes.values()]
     return _json({"object": "list", "data": models})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one served model (OpenAI's retrieve; an alias answers with the
+    model it names), 404 naming it otherwise."""
+    frontend = request.app[FRONTEND_KEY]
+    try:
+        route = frontend.route(request.match_info["model"])
+    except InvalidRequest as e:
+        return _json(invalid_body(e), 404)
+    return _json(_model_card(frontend, route))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -336,6 +349,7 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # an id may hold slashes
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/health", health)

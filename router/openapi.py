@@ -4,6 +4,7 @@ holds no state."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel
@@ -28,7 +29,8 @@ OPERATIONS = (
     Operation("post", "/v1/completions", "Completion (SSE with stream)", CompletionRequest),
     Operation("post", "/tokenize", "Token ids of a prompt or chat (vLLM's shape)", TokenizeBody),
     Operation("post", "/detokenize", "Text of token ids (vLLM's shape)", DetokenizeBody),
-    Operation("get", "/v1/models", "The served model"),
+    Operation("get", "/v1/models", "The served models"),
+    Operation("get", "/v1/models/{model}", "One served model (404 when it is not served)"),
     Operation("get", "/health", "Liveness (503 when the backend is down)"),
     Operation("get", "/ready", "Readiness (503 with the reason while a pool cannot serve)"),
     Operation("get", "/metrics", "Prometheus metrics"),
@@ -73,6 +75,10 @@ def _operation(op: Operation, refs: dict[type[BaseModel], Json]) -> Json:
     spec: Json = {"summary": op.summary, "responses": responses}
     if op.body is not None:
         spec["requestBody"] = {"required": True, "content": _json_content(refs[op.body])}
+    names = re.findall(r"{(\w+)}", op.path)
+    if names:
+        where = {"in": "path", "required": True, "schema": {"type": "string"}}
+        spec["parameters"] = [{"name": name, **where} for name in names]
     return spec
 
 

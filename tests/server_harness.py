@@ -128,13 +128,13 @@ def serving(engine: Engine, checkpoint: str | Path, **options: Any) -> Iterator[
 
 
 def post_with_headers(
-    harness: LoopThread, path: str, body: dict | bytes
+    harness: LoopThread, path: str, body: dict | bytes | None, method: str = "POST"
 ) -> tuple[int, dict[str, str], dict]:
-    """POST a JSON body (or raw bytes) to the harness's HTTP server: status, headers and the JSON
-    reply, refusals included."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    """POST a JSON body (or raw bytes; None and a method: a request without a body) to the
+    harness's HTTP server: status, headers and the JSON reply, refusals included."""
+    data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
     request = urllib.request.Request(
-        harness.base_url + path, data, {"Content-Type": "application/json"}
+        harness.base_url + path, data, {"Content-Type": "application/json"}, method=method
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:

@@ -12,7 +12,7 @@ from router.pb import kvrelay_pb2 as pb
 from router.pb import kvrelay_pb2_grpc as pb_grpc
 from router.tokenizer import RouterTokenizer
 from tests.conftest import build_engine
-from tests.server_harness import ServerHarness, post, serving
+from tests.server_harness import ServerHarness, post, post_with_headers, serving
 
 MAX_MODEL_LEN = 256
 CHAT = [{"role": "user", "content": "Name three rivers."}]
@@ -80,6 +80,19 @@ def test_a_chat_history_as_an_sdk_sends_it_back_and_no_model(harness: ServerHarn
     ]
     status, body = post(harness, "/v1/chat/completions", {"messages": history, "max_tokens": 1})
     assert status == 200 and body["model"] == harness.engine.model_id, body
+
+
+def test_a_model_is_retrieved_and_refusals_have_openais_shape(harness: ServerHarness) -> None:
+    model = harness.engine.model_id
+    status, _, card = post_with_headers(harness, f"/v1/models/{model}", None, "GET")
+    assert status == 200 and card["id"] == model and card["object"] == "model", card
+    status, _, reply = post_with_headers(harness, "/v1/models/gpt-9", None, "GET")
+    assert status == 404 and reply["error"]["param"] == "model", reply
+    status, headers, reply = post_with_headers(harness, "/v1/chat/completions", None, "GET")
+    assert status == 405 and "POST" in headers["Allow"], headers
+    assert reply["error"]["code"] == "method_not_allowed", reply  # a string, as OpenAI's
+    status, _, reply = post_with_headers(harness, "/v2/nothing", None, "GET")
+    assert status == 404 and reply["error"]["code"] == "not_found", reply
 
 
 def test_detokenize_round_trips_tokenize(harness: ServerHarness) -> None:
