@@ -24,6 +24,7 @@ from common.cluster_state import (
 )
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
+from deploy.flag_types import port
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
 from engine.kv_cache.tier_stats import TierStats
 
@@ -90,8 +91,8 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--http-port", type=port, default=8000, help="0 picks a free port")
+    p.add_argument("--grpc-port", type=port, default=50051, help="0 picks a free port")
     _add_target(p)
     add_router_flags(p)
     p.set_defaults(func=router)
