@@ -15,6 +15,7 @@ from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.router_flags import RouterOptions, router_options
 from deploy.serve_flags import serve_name, spec_from_args
+from deploy.serve_ports import check_ports, start_servers
 from deploy.serve_stop import (
     StopSignals,
     close_servers,
@@ -33,6 +34,7 @@ def serve(args: argparse.Namespace) -> int:
     name = serve_name(args)
     if name is not None:
         cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts
+    check_ports(args.host, args.http_port, args.grpc_port)  # taken, or a bad --host: ditto
     return asyncio.run(
         _serve(
             spec,
@@ -79,7 +81,7 @@ async def _serve(
             cluster.router_id,
             tokenizers,
         )
-        await servers.start(host, http_port, grpc_port)
+        await start_servers(servers, host, http_port, grpc_port)  # taken since: one line
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         for backend in cluster.backends.values():  # each model's controller lists the router
             await backend.membership.announce(

@@ -1,0 +1,110 @@
+"""`kvrelay serve` / `kvrelay router`'s --host, --http-port and --grpc-port: a taken port or a host
+that cannot be bound is refused before anything starts, one line naming the flag; a port taken
+later fails the servers' start with the same one line; two gRPC servers never share a port."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from deploy.cli import main
+from deploy.serve_ports import check_ports, start_servers
+from engine.models.loader import resolve_model
+from router.frontend import Frontend
+from router.grpc_server import GrpcServer
+from router.serve import RouterServers
+from router.tokenizer import RouterTokenizer
+from tests.unit.test_tracing import ScriptedBackend
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A port a server listens on (SO_REUSEADDR, as aiohttp binds)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def started(*args, **kwargs) -> int:
+        raise AssertionError("the cluster would have started")
+
+    monkeypatch.setattr("deploy.serve._serve", started)
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_taken_port_is_refused_before_anything_starts(
+    flag: str, taken: int, nothing_starts: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = "--grpc-port" if flag == "--http-port" else "--http-port"
+    assert main(["serve", flag, str(taken), other, "0"]) == 2
+    assert one_line(capsys) == (
+        f"error: {flag} {taken}: cannot listen on 127.0.0.1:{taken} (in use)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "says"),
+    [
+        ("999.1.1.1", "--host 999.1.1.1: does not resolve"),
+        ("203.0.113.7", "--host 203.0.113.7: not an address of this machine"),
+    ],
+)
+def test_a_host_that_cannot_be_bound_is_refused_before_anything_starts(
+    host: str, says: str, nothing_starts: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--host", host, "--http-port", "0", "--grpc-port", "0"]) == 2
+    assert one_line(capsys).startswith(f"error: {says}")
+
+
+def test_one_port_for_both_servers_is_refused() -> None:
+    with pytest.raises(ValueError, match="--http-port and --grpc-port are both 8123"):
+        check_ports("127.0.0.1", 8123, 8123)
+    check_ports("127.0.0.1", 0, 0)  # 0: free ones, whatever the host's
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> RouterTokenizer:
+    return RouterTokenizer(resolve_model("default"))
+
+
+def test_two_grpc_servers_do_not_share_a_port(tokenizer: RouterTokenizer) -> None:
+    async def run() -> None:
+        first = GrpcServer(Frontend(ScriptedBackend(), tokenizer))
+        port = await first.start("127.0.0.1", 0)
+        try:
+            second = GrpcServer(Frontend(ScriptedBackend(), tokenizer))
+            with pytest.raises(RuntimeError, match="Failed to bind"):
+                await second.start("127.0.0.1", port)  # grpc's SO_REUSEPORT would share it
+        finally:
+            await first.stop(None)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("server", ["HTTP", "gRPC"])
+def test_a_port_taken_after_the_check_is_one_line_naming_the_flag(
+    server: str, taken: int, tokenizer: RouterTokenizer
+) -> None:
+    async def run() -> None:
+        servers = RouterServers(Frontend(ScriptedBackend(), tokenizer))
+        http, grpc = (taken, 0) if server == "HTTP" else (0, taken)
+        flag = "--http-port" if server == "HTTP" else "--grpc-port"
+        with pytest.raises(ValueError, match=f"^{flag} {taken}: cannot listen on 127.0.0.1:"):
+            await start_servers(servers, "127.0.0.1", http, grpc)
+        if server == "gRPC":  # the HTTP server that had started is closed: its port is free
+            check_ports("127.0.0.1", servers.http.port, 0)
+
+    asyncio.run(run())
