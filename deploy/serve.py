@@ -13,8 +13,9 @@ import sys
 from common.cluster_state import RouterStatus
 from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
+from deploy.progress import ScaleFailed
 from deploy.router_flags import RouterOptions, router_options
-from deploy.serve_flags import serve_name, spec_from_args
+from deploy.serve_flags import check_models, serve_name, spec_from_args
 from deploy.serve_ports import check_ports, start_servers
 from deploy.serve_stop import (
     StopSignals,
@@ -28,6 +29,8 @@ from deploy.serve_stop import (
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
+    if spec.ray_address == "local":  # a model this machine lacks: refused before Ray starts
+        check_models(spec)
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
     if options.has_limits and args.no_redis:
         raise ValueError("per-key limits (the key file's columns, --rate-limit-*) need Redis")
@@ -35,17 +38,21 @@ def serve(args: argparse.Namespace) -> int:
     if name is not None:
         cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts
     check_ports(args.host, args.http_port, args.grpc_port)  # taken, or a bad --host: ditto
-    return asyncio.run(
-        _serve(
-            spec,
-            options,
-            args.host,
-            args.http_port,
-            args.grpc_port,
-            name,
-            args.log_stats_interval,
+    try:
+        return asyncio.run(
+            _serve(
+                spec,
+                options,
+                args.host,
+                args.http_port,
+                args.grpc_port,
+                name,
+                args.log_stats_interval,
+            )
         )
-    )
+    except ScaleFailed as e:  # the workers cannot start (a model only they would have, ...)
+        _say(f"error: the workers did not start: {e}")
+        return 1
 
 
 async def _serve(

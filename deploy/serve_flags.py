@@ -350,3 +350,19 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if len(pools) > 1:
         controller_names(spec)  # two models served under one id: refused before Ray starts
     return spec
+
+
+def check_models(spec: ClusterSpec) -> None:
+    """Each served model (and draft model) names a .gguf file or HF folder here, or the default
+    model with its package installed; FileNotFoundError naming it. For an embedded cluster only:
+    a remote cluster's workers may have paths this machine lacks."""
+    from engine.model_source import model_source
+
+    for pools in spec.models:
+        model_source(pools.engine.model)
+        draft = pools.engine.speculative.draft_model
+        if draft is not None:
+            try:
+                model_source(draft)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"--draft-model: {e}") from None

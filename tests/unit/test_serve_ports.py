@@ -1,16 +1,19 @@
-"""`kvrelay serve` / `kvrelay router`'s --host, --http-port and --grpc-port: a taken port or a host
-that cannot be bound is refused before anything starts, one line naming the flag; a port taken
-later fails the servers' start with the same one line; two gRPC servers never share a port."""
+"""What `kvrelay serve` / `kvrelay router` check before anything starts, one line naming the flag:
+--host, --http-port and --grpc-port (a taken port, a host that cannot be bound; a port taken later
+fails the servers' start with the same one line; two gRPC servers never share a port) and, on
+an embedded cluster, that the model is there."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from deploy.cli import main
+from deploy.progress import ScaleFailed
 from deploy.serve_ports import check_ports, start_servers
 from engine.models.loader import resolve_model
 from router.frontend import Frontend
@@ -108,3 +111,56 @@ def test_a_port_taken_after_the_check_is_one_line_naming_the_flag(
             check_ports("127.0.0.1", servers.http.port, 0)
 
     asyncio.run(run())
+
+
+PORTS = ("--http-port", "0", "--grpc-port", "0")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["/nonexistent/model.gguf"], ["--model", "foo"], ["--models-file", "MODELS"]],
+)
+def test_a_model_this_machine_lacks_is_refused_before_anything_starts(
+    argv: list[str],
+    tmp_path: Path,
+    nothing_starts: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - model: default\n  - model: /nonexistent/folder\n")
+    argv = [str(models) if a == "MODELS" else a for a in argv]
+    assert main(["serve", *argv, *PORTS]) == 2
+    line = one_line(capsys)
+    assert line.startswith("error: model ") and "is neither" in line
+    assert "foo" in line or "/nonexistent/" in line
+
+
+def test_a_missing_draft_model_is_named(
+    nothing_starts: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["serve", "--speculative", "draft", "--draft-model", "/nonexistent/d.gguf", *PORTS]
+    assert main(argv) == 2
+    assert one_line(capsys).startswith("error: --draft-model: model '/nonexistent/d.gguf'")
+
+
+def test_the_default_model_and_a_remote_clusters_paths_go_on_to_start(
+    nothing_starts: None,
+) -> None:
+    with pytest.raises(AssertionError, match="would have started"):
+        main(["serve", "default", *PORTS])
+    with pytest.raises(AssertionError, match="would have started"):  # the workers' to find
+        main(["serve", "/only/on/the/workers", "--ray-address", "10.0.0.1:6379", *PORTS])
+
+
+def test_workers_that_cannot_start_end_serve_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def fails(*args, **kwargs) -> int:
+        raise ScaleFailed("decode pool: 3 starts failed in a row; last: no such model")
+
+    monkeypatch.setattr("deploy.serve._serve", fails)
+    assert main(["serve", "default", *PORTS]) == 1
+    assert one_line(capsys) == (
+        "error: the workers did not start: decode pool: 3 starts failed in a row; last: no such "
+        "model"
+    )
