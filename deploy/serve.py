@@ -18,12 +18,16 @@ from deploy.router_flags import RouterOptions, router_options
 from deploy.serve_flags import check_models, serve_name, spec_from_args
 from deploy.serve_ports import check_ports, start_servers
 from deploy.serve_stop import (
+    StartInterrupted,
     StopSignals,
     close_servers,
     drain,
     refuse_while_lost,
+    start_unless_stopped,
     until_stop_or_lost,
 )
+
+INTERRUPTED = 130  # exit status of a start-up stopped by Ctrl-C or SIGTERM (128 + SIGINT)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -74,8 +78,9 @@ async def _serve(
     servers = stats_log = recorded = None
     status = 0
     try:
-        await cluster.start(progress=_say)
-        signals.install()  # ray.init() took SIGTERM for itself
+        # Ctrl-C / SIGTERM while it starts: cancelled, and what started stops (below)
+        await start_unless_stopped(signals, cluster.start(_say, on_ray_init=signals.install))
+        signals.install()  # ray.init() took SIGTERM for itself (a Ray this serve did not start)
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
         tokenizers = {m: RouterTokenizer(s.checkpoint_dir) for m, s in cluster.models.items()}
@@ -94,6 +99,8 @@ async def _serve(
             await backend.membership.announce(
                 RouterStatus(backend.router_id, http_url, grpc_address)
             )
+        if signals.stop.is_set():  # came while the servers started
+            raise StartInterrupted
         name = name or str(servers.http.port)
         cluster_address.record_local(name, _ray_address(), http_url, grpc_address)
         recorded = name
@@ -118,6 +125,9 @@ async def _serve(
         else:
             status = 1
             await refuse_while_lost(cluster.backend, lost, options.drain_s, signals.now, _say)
+    except StartInterrupted:
+        status = INTERRUPTED
+        _say("kvrelay: start-up interrupted; stopping what started")
     finally:
         if stats_log is not None:
             await stats_log.close()
@@ -126,7 +136,12 @@ async def _serve(
         if servers is not None:
             await close_servers(servers)
         await cluster.close()
-    _say("kvrelay: stopped" if status == 0 else "kvrelay: stopped (the Ray cluster was lost)")
+    _say(
+        {
+            0: "kvrelay: stopped",
+            INTERRUPTED: "kvrelay: stopped (start-up was interrupted)",
+        }.get(status, "kvrelay: stopped (the Ray cluster was lost)")
+    )
     return status
 
 
