@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from deploy.flag_types import non_negative_float, non_negative_int, positive_float, positive_int
+from deploy.flag_types import finite_float, non_negative_float, non_negative_int, positive_int
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from deploy.worker_launch import check_gpus_per_worker
 from engine.config import (
@@ -73,14 +73,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-gib",
-        type=positive_float,
+        type=finite_float,
         default=None,
         help="KV pool size per worker (default: on CUDA what --gpu-memory-utilization leaves after "
         "the weights, the activation peak and the CUDA graphs; on CPU 1 GiB)",
     )
     p.add_argument(
         "--gpu-memory-utilization",
-        type=positive_float,
+        type=float,
         default=0.9,
         metavar="U",
         help="the part of each GPU's memory kvrelay's workers on it use together; it sizes the KV "
@@ -181,7 +181,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpus-per-worker",
-        type=positive_float,
+        type=float,
         default=None,
         metavar="F",
         help="CUDA: the part of a GPU each worker gets, 0 < F <= 1 (default 1); a fraction "

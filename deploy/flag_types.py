@@ -52,6 +52,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def finite_float(text: str) -> float:
+    """Any finite number (nan and inf refused); its range is the flag's own check."""
+    return _float(text)
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

@@ -144,7 +144,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-body-mib",
-        type=positive_float,
+        type=float,
         default=None,
         metavar="MIB",
         help="the largest request body read, HTTP or gRPC; a larger one gets HTTP 413 / gRPC "
