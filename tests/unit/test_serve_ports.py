@@ -164,3 +164,19 @@ def test_workers_that_cannot_start_end_serve_with_one_line(
         "error: the workers did not start: decode pool: 3 starts failed in a row; last: no such "
         "model"
     )
+
+
+def test_kvrelay_router_checks_its_host_and_ports_before_connecting(
+    taken: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def connects(args) -> dict:
+        raise AssertionError("the router would have connected to the cluster")
+
+    monkeypatch.setattr("deploy.ops_cli._controllers", connects)
+    assert main(["router", "--host", "999.1.1.1", *PORTS]) == 2
+    assert one_line(capsys).startswith("error: --host 999.1.1.1: does not resolve")
+    assert main(["router", "--grpc-port", str(taken), "--http-port", "0"]) == 2
+    assert (
+        one_line(capsys)
+        == f"error: --grpc-port {taken}: cannot listen on 127.0.0.1:{taken} (in use)"
+    )
