@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.version import version
+from deploy.flag_types import OneLineErrors
 from deploy.launcher import add_down_parser, add_up_parser
 from deploy.ops_cli import add_ops_parsers
 from deploy.plan_cli import add_plan_parser
@@ -139,7 +140,7 @@ def bench(argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
     _add_generate(sub)
     add_serve_parser(sub, serve)
     _add_bench(sub)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from deploy.flag_types import finite_float, non_negative_float, non_negative_int, positive_int
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from deploy.worker_launch import check_gpus_per_worker
 from engine.config import (
@@ -65,11 +66,14 @@ def model_from_args(args: argparse.Namespace) -> str:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--block-size", type=int, default=16, help="tokens a KV block holds (a power of two)"
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens a KV block holds (a power of two)",
     )
     p.add_argument(
         "--kv-cache-gib",
-        type=float,
+        type=finite_float,
         default=None,
         help="KV pool size per worker (default: on CUDA what --gpu-memory-utilization leaves after "
         "the weights, the activation peak and the CUDA graphs; on CPU 1 GiB)",
@@ -84,14 +88,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host-kv-gib",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="a host-memory tier of each worker's prefix cache (pinned on CUDA): blocks evicted "
         "from the device pool are kept there and copied back on a prefix hit (default 0: none)",
     )
     p.add_argument(
         "--disk-kv-gib",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="a disk tier of each worker's prefix cache, files under --disk-kv-path: blocks "
         "evicted from the host tier (or the device pool) are written there, loaded back on a "
@@ -105,7 +109,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shared-kv-gib",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="a cluster-shared KV store under --shared-kv-path, bounded to this size for all "
         "workers together: each block reaching a disk tier is published there once, and any "
@@ -137,7 +141,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--partial-reuse-min-tokens",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="a prompt that diverges inside a cached block reuses its matching tokens (the block "
@@ -152,20 +156,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_speculative_flags(p)
     p.add_argument(
         "--max-num-seqs",
-        type=int,
+        type=positive_int,
         default=None,
         help="sequences a worker runs at once (default: 64 for a fixed-size pool, as on CPU; for a "
         "pool sized by GPU memory one per 1024 tokens it holds, at most 1024)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=2048,
         help="tokens a worker computes in one step (prompt chunks and decodes together)",
     )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=positive_int,
         default=None,
         help="the longest prompt + output a request may have (default: the model's context)",
     )

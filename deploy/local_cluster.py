@@ -6,9 +6,11 @@ Owns those processes and stops them all in close(): none outlives it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -150,7 +152,12 @@ class LocalCluster:
     def decode_actors(self) -> dict[str, Any]:
         return {i: a for b in self.backends.values() for i, a in b.workers.actors("decode").items()}
 
-    async def start(self, progress=print) -> LocalCluster:
+    async def start(
+        self, progress=print, on_ray_init: Callable[[], None] | None = None
+    ) -> LocalCluster:
+        """Start it all; on_ray_init: called once ray.init() returned (which puts a SIGTERM
+        handler of its own in place: `kvrelay serve` takes its signals back). Cancelled midway,
+        what started is recorded for close() to stop."""
         import ray
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -168,6 +175,8 @@ class LocalCluster:
                 ray.init(address=spec.ray_address, namespace=NAMESPACE)
             self._owns_ray = True
             self._ray = embedded_ray()
+            if on_ray_init is not None:
+                on_ray_init()
         if spec.engine.device == "auto":
             device = self._pick_device(ray, progress)
             more = tuple(
@@ -251,7 +260,14 @@ class LocalCluster:
             autoscale=model.autoscale,
         )
         sizes = {"prefill": model.num_prefill, "decode": model.num_decode}
-        return await start_controller(config, sizes, name)
+        try:
+            return await start_controller(config, sizes, name)
+        except asyncio.CancelledError:  # Ctrl-C while it started: the detached actor is ours
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            raise
 
     def _start_redis(self, ray: Any) -> Any:
         """On an embedded Ray, a loopback redis-server; on a multi-node cluster (`ray up`), one

@@ -24,7 +24,9 @@ from common.cluster_state import (
 )
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
+from deploy.flag_types import port
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
+from deploy.serve_ports import check_ports, start_servers
 from engine.kv_cache.tier_stats import TierStats
 
 if TYPE_CHECKING:
@@ -90,8 +92,8 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--http-port", type=port, default=8000, help="0 picks a free port")
+    p.add_argument("--grpc-port", type=port, default=50051, help="0 picks a free port")
     _add_target(p)
     add_router_flags(p)
     p.set_defaults(func=router)
@@ -405,6 +407,7 @@ def _disk_tier(stats: WorkerStats) -> str:
 def router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = router_options(args)  # a bad key file or certificate: refused before connecting
+    check_ports(args.host, args.http_port, args.grpc_port)  # taken, or a bad --host: ditto
     controllers = list(_controllers(args).values())  # every model's: this router serves all
     return asyncio.run(_router(controllers, options, args.host, args.http_port, args.grpc_port))
 
@@ -449,7 +452,7 @@ async def _router(
         servers = options.build_servers(
             backend, tokenizer, metrics, built[0][1].redis_url, router_id, tokenizers
         )
-        await servers.start(host, http_port, grpc_port)
+        await start_servers(servers, host, http_port, grpc_port)  # taken since: one line
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         for each in backends.values():  # each model's controller lists the router
             await each.membership.announce(RouterStatus(router_id, http_url, grpc_address))

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from deploy.flag_types import non_negative_float, positive_float, positive_int
 from deploy.serve_stop import DEFAULT_DRAIN_S
 from router.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from router.tenant_limits import (
@@ -162,7 +163,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     for name in LIMIT_NAMES:
         p.add_argument(
             f"--rate-limit-{name}",
-            type=float if name == "rps" else int,
+            type=positive_float if name == "rps" else positive_int,
             default=None,
             metavar="N",
             help=f"needs --api-keys: each tenant's {LIMIT_TITLES[name]} unless its key line "
@@ -178,7 +179,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's PEM key")
     p.add_argument(
         "--drain-seconds",
-        type=float,
+        type=non_negative_float,
         default=DEFAULT_DRAIN_S,
         metavar="S",
         help="on Ctrl-C or SIGTERM: refuse new requests (503) at once, let open ones finish for "

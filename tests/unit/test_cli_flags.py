@@ -58,9 +58,12 @@ def test_serve_refuses_two_models_before_starting_anything(capsys) -> None:
     assert "error: the model is given twice" in capsys.readouterr().err
 
 
-def test_serve_checks_its_name_and_stats_interval() -> None:
-    with pytest.raises(ValueError, match="--log-stats-interval must be >= 0"):
-        spec_from_args(parse_serve("--log-stats-interval", "-1"))
+def test_serve_checks_its_name_and_stats_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit) as done:
+            parse_serve("--log-stats-interval", bad)
+        assert done.value.code == 2
+        assert "argument --log-stats-interval: must be" in capsys.readouterr().err
     assert parse_serve().log_stats_interval == 10.0
     assert main(["serve", "--name", "../x"]) == 2
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from deploy.cli import build_parser
+from deploy.cli import build_parser, main
 from deploy.serve import placement_lines, spec_from_args
 
 
@@ -118,8 +120,9 @@ def test_slo_flags() -> None:
     assert (spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.overload) == (800, 40, "queue")
     assert spec.local_prefill.on_slo_miss and spec.decode_prefill_chunk_tokens == 256
     assert parse("--slo-ttft-ms", "800", "--slo-overload", "shed").slo.overload == "shed"
-    with pytest.raises(ValueError, match="--slo-tpot-ms must be >= 0"):
-        parse("--slo-tpot-ms", "-5")
+    for bad in ("-5", "nan", "inf"):  # refused while parsing (deploy/flag_types.py)
+        with pytest.raises(SystemExit):
+            parse("--slo-tpot-ms", bad)
 
 
 def test_autoscale_flags() -> None:
@@ -134,3 +137,88 @@ def test_autoscale_flags() -> None:
         parse("--autoscale-prefill", "3")
     with pytest.raises(ValueError, match="--autoscale-prefill wants MIN:MAX"):
         parse("--autoscale-prefill", "0:2")
+
+
+@pytest.fixture(autouse=True)
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command line these tests pass through main() must never start a cluster or router."""
+
+    def started(args) -> int:
+        raise AssertionError(f"kvrelay {args.command} would have started")
+
+    monkeypatch.setattr("deploy.cli.serve", started)
+    monkeypatch.setattr("deploy.ops_cli.router", started)
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """What the CLI prints for a flag value refused while parsing (exit status 2): one line."""
+    with pytest.raises(SystemExit) as done:
+        main(list(argv))
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines  # no usage block, no traceback
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_ports_outside_1_to_65535_are_refused_naming_the_flag(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--http-port", "--grpc-port"):
+        for bad in ("99999", "65536", "70000", "-5", "x"):
+            line = refused(capsys, command, flag, bad)
+            assert f"argument {flag}:" in line and bad in line
+    args = build_parser().parse_args([command, "--http-port", "0", "--grpc-port", "65535"])
+    assert (args.http_port, args.grpc_port) == (0, 65535)  # 0: a free port, as --help says
+
+
+@pytest.mark.parametrize(
+    ("flag", "bad", "says"),
+    [
+        ("--max-model-len", "-3", "must be >= 1, got -3"),
+        ("--max-model-len", "0", "must be >= 1, got 0"),
+        ("--kv-cache-gib", "inf", "must be a finite number, got 'inf'"),
+        ("--kv-cache-gib", "nan", "must be a finite number, got 'nan'"),
+        ("--host-kv-gib", "-1", "must be >= 0, got -1"),
+        ("--disk-kv-gib", "nan", "finite"),
+        ("--shared-kv-gib", "inf", "finite"),
+        ("--max-num-seqs", "0", "must be >= 1"),
+        ("--max-num-batched-tokens", "-1", "must be >= 1"),
+        ("--partial-reuse-min-tokens", "-1", "must be >= 0"),
+        ("--block-size", "-16", "must be >= 1"),
+        ("--threads-per-worker", "0", "must be >= 1"),
+        ("--log-stats-interval", "inf", "finite"),
+        ("--slo-ttft-ms", "nan", "finite"),
+        ("--local-prefill-min-cached", "nan", "finite"),
+        ("--rate-limit-rps", "nan", "finite"),
+        ("--rate-limit-tpm", "1.5", "whole number"),
+    ],
+)
+def test_bad_numbers_are_refused_while_parsing_naming_the_flag(
+    flag: str, bad: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = refused(capsys, "serve", flag, bad)
+    assert line.startswith(f"kvrelay serve: error: argument {flag}: ")
+    assert says in line
+
+
+def test_a_models_files_bad_number_names_its_entry_and_flag(tmp_path: Path) -> None:
+    models = tmp_path / "models.yaml"
+    models.write_text("models:\n  - model: default\n    flags: {kv_cache_gib: inf}\n")
+    with pytest.raises(ValueError, match="--kv-cache-gib: must be a finite number"):
+        parse("--models-file", str(models))
+
+
+@pytest.mark.parametrize(
+    ("flag", "bad"),
+    [
+        ("--gpu-memory-utilization", "nan"),
+        ("--gpu-memory-utilization", "inf"),
+        ("--gpus-per-worker", "nan"),
+        ("--gpus-per-worker", "inf"),
+        ("--kv-cache-gib", "0"),
+    ],
+)
+def test_range_checked_floats_refuse_nan_and_inf_naming_the_flag(flag: str, bad: str) -> None:
+    with pytest.raises(ValueError, match=f"^{flag} must be"):  # main(): one line, exit 2
+        parse(flag, bad)
