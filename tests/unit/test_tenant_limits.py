@@ -79,8 +79,9 @@ def test_flags_give_the_default_limits_a_key_line_overrides(
     assert got.api_keys.limits("team-b").over(got.default_limits) == TenantLimits(0.5, 900)
     assert any("per-key limits" in line for line in got.describe())
     assert options().default_limits == NO_LIMITS
-    with pytest.raises(ValueError, match="--rate-limit-streams must be a positive number, got 0"):
+    with pytest.raises(SystemExit):  # refused while parsing, one line naming the flag
         options("--api-keys", str(keys), "--rate-limit-streams", "0")
+    assert "argument --rate-limit-streams: must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"--rate-limit-\* needs --api-keys"):
         options("--rate-limit-rps", "3")
     assert got.has_limits and not options().has_limits
