@@ -14,7 +14,7 @@ from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
 from router.errors import InvalidRequest
 from router.request_spec import ChatMessage, RequestSpec
-from router.structured_schema import ResponseFormat, structured_output, structured_param
+from router.structured_schema import ResponseFormat, StructuredFields
 
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
@@ -207,13 +207,16 @@ class _CommonRequest(_TopLevelBody):
             req_id=req_id,
             priority=self.priority,
             deadline_s=self.deadline_s,
-            structured_param=structured_param(
-                self.response_format,
-                self.guided_regex,
-                self.guided_grammar,
-                self.guided_json,
-                self.guided_choice,
-            ),
+            structured_param=self._structured_fields().param(),
+        )
+
+    def _structured_fields(self) -> StructuredFields:
+        return StructuredFields(
+            self.response_format,
+            self.guided_regex,
+            self.guided_grammar,
+            self.guided_json,
+            self.guided_choice,
         )
 
     def _sampling(
@@ -238,13 +241,7 @@ class _CommonRequest(_TopLevelBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(),
-            structured=structured_output(
-                self.response_format,
-                self.guided_regex,
-                self.guided_grammar,
-                self.guided_json,
-                self.guided_choice,
-            ),
+            structured=self._structured_fields().output(),
             speculative=self.speculative,
         )
         return sampling if max_tokens is None else replace(sampling, max_tokens=max_tokens)

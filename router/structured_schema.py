@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,56 +35,50 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-def structured_output(
-    response_format: ResponseFormat | None,
-    guided_regex: str | None = None,
-    guided_grammar: str | None = None,
-    guided_json: dict[str, Any] | str | None = None,
-    guided_choice: list[str] | None = None,
-) -> StructuredOutput | None:
-    """The one grammar the fields ask for (None: free text); InvalidRequest naming the field
-    for a bad spec or for more than one of them."""
-    given = {
-        "response_format": _from_response_format(response_format),
-        "guided_json": _from_guided_json(guided_json),
-        "guided_choice": _from_guided_choice(guided_choice),
-        "guided_regex": None if guided_regex is None else StructuredOutput("regex", guided_regex),
-        "guided_grammar": (
-            None if guided_grammar is None else StructuredOutput("grammar", guided_grammar)
-        ),
-    }
-    asked = {name: spec for name, spec in given.items() if spec is not None}
-    if len(asked) > 1:
-        raise InvalidRequest(
-            f"give at most one of {', '.join(asked)} (each constrains the whole output)",
-            next(iter(asked)),
-        )
-    if not asked:
-        return None
-    name, spec = next(iter(asked.items()))
-    check_spec(spec, None if name == "response_format" else name)
-    return spec
+class StructuredFields(NamedTuple):
+    """A body's structured-output fields: OpenAI's response_format, vLLM's guided_*."""
+
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = None
+
+    def output(self) -> StructuredOutput | None:
+        """The one grammar the fields ask for (None: free text); InvalidRequest naming the
+        field for a bad spec or for more than one of them."""
+        given = {
+            "response_format": _from_response_format(self.response_format),
+            "guided_json": _from_guided_json(self.guided_json),
+            "guided_choice": _from_guided_choice(self.guided_choice),
+            "guided_regex": _spec_of("regex", self.guided_regex),
+            "guided_grammar": _spec_of("grammar", self.guided_grammar),
+        }
+        asked = {name: spec for name, spec in given.items() if spec is not None}
+        if len(asked) > 1:
+            raise InvalidRequest(
+                f"give at most one of {', '.join(asked)} (each constrains the whole output)",
+                next(iter(asked)),
+            )
+        if not asked:
+            return None
+        name, spec = next(iter(asked.items()))
+        check_spec(spec, None if name == "response_format" else name)
+        return spec
+
+    def param(self) -> str | None:
+        """The field a (checked) structured output came from, to name in a worker's refusal."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_schema":
+            return "response_format.json_schema.schema"
+        if response_format is not None and response_format.type == "json_object":
+            return "response_format"
+        names = ("guided_json", "guided_choice", "guided_regex", "guided_grammar")
+        return next((name for name in names if getattr(self, name) is not None), None)
 
 
-def structured_param(
-    response_format: ResponseFormat | None,
-    guided_regex: str | None = None,
-    guided_grammar: str | None = None,
-    guided_json: dict[str, Any] | str | None = None,
-    guided_choice: list[str] | None = None,
-) -> str | None:
-    """The field a (checked) structured output came from, to name in a worker's refusal."""
-    if response_format is not None and response_format.type == "json_schema":
-        return "response_format.json_schema.schema"
-    if response_format is not None and response_format.type == "json_object":
-        return "response_format"
-    given = {
-        "guided_json": guided_json,
-        "guided_choice": guided_choice,
-        "guided_regex": guided_regex,
-        "guided_grammar": guided_grammar,
-    }
-    return next((name for name, value in given.items() if value is not None), None)
+def _spec_of(kind: str, spec: str | None) -> StructuredOutput | None:
+    return None if spec is None else StructuredOutput(kind, spec)
 
 
 def _from_guided_json(guided_json: dict[str, Any] | str | None) -> StructuredOutput | None:
