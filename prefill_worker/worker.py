@@ -5,7 +5,8 @@ the engine: each prompt runs with keep_blocks (it ends after its first token, it
 and prefill() returns a KVHandle naming a lease on them; the blocks stay kept until the decode
 worker's READ completes (its DONE notice releases the lease), release(req_id, epoch) is called,
 or the lease expires on this worker's monotonic clock (a BEGIN notice from the reader extends it
-while the read may be in flight).
+while the read may be in flight). An abort that finds nothing is remembered a while
+(prefill_worker/early_aborts.py): Ray may run it before the prefill call it was meant for.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
 from kvtransfer.kv_holder import KVHolder
 from kvtransfer.leases import LeaseState
+from prefill_worker.early_aborts import EarlyAborts
 from prefill_worker.traces import PrefillTraces
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not
@@ -77,6 +79,7 @@ class PrefillWorker(WorkerBase):
         self.holder = KVHolder(self.engine.release_blocks, self.config.lease_s)
         self.traces = PrefillTraces(self.worker_id) if tracing.enabled() else None
         self._waiters: dict[str, _Waiter] = {}
+        self._early_aborts = EarlyAborts(self.config.lease_s)
         self.num_prompt_tokens = 0  # of user prefills handed over (for the prefix-hit rate)
         self.num_cached_tokens = 0
 
@@ -86,7 +89,9 @@ class PrefillWorker(WorkerBase):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[KVHandle] = loop.create_future()
 
-        def add(engine: Engine) -> None:
+        def add(engine: Engine) -> bool:
+            if self._early_aborts.take(request.req_id, time.monotonic()):
+                return False  # its abort ran first (Ray orders an async actor's calls freely)
             self.lifecycle.admit(request.req_id)
             added = engine.add_request(
                 request.req_id,
@@ -101,13 +106,16 @@ class PrefillWorker(WorkerBase):
             self._waiters[request.req_id] = _Waiter(loop, future, request.sampling.n)
             if self.traces is not None:
                 self.traces.begin(request, added)
+            return True
 
         try:  # cancelled even while add waits its turn: add runs anyway, then the abort
-            await self.thread.call(add)
-            return await future
-        except asyncio.CancelledError:
-            await self.abort(request.req_id)
+            if await self.thread.call(add):
+                return await future
+        except asyncio.CancelledError:  # by abort() (it found the request) or by Ray
+            await self._abort(request.req_id, remember=False)
             raise
+        logger.info("request %s was aborted before its prefill call came", request.req_id)
+        raise asyncio.CancelledError(f"request {request.req_id} was aborted")  # as if while it ran
 
     async def release(self, req_id: str, epoch: int) -> bool:
         """Drop the lease on a request's blocks (the decode side has them, or gave up) if
@@ -117,16 +125,21 @@ class PrefillWorker(WorkerBase):
 
     async def abort(self, req_id: str) -> None:
         """Stop a prefill, or end its lease unless a read of it is in flight (that read's
-        notice or the lease's expiry ends it)."""
+        notice or the lease's expiry ends it). One that finds nothing is remembered: its
+        prefill call may come after it, and then computes nothing."""
+        await self._abort(req_id, remember=True)
 
+    async def _abort(self, req_id: str, remember: bool) -> None:
         def run(engine: Engine) -> None:
-            engine.abort(req_id)
+            known = engine.abort(req_id) or self.holder.leases.lease(req_id) is not None
             self.holder.abort(req_id)
             if self.traces is not None:
                 self.traces.abort(req_id)
             waiter = self._waiters.pop(req_id, None)
             if waiter:
                 waiter.loop.call_soon_threadsafe(_cancel, waiter.future)
+            elif remember and not known:
+                self._early_aborts.add(req_id, time.monotonic())
 
         await self.thread.call(run)
 

@@ -2,7 +2,8 @@
 (no Ray, no Redis) over a tiny random checkpoint: load and served model, the controller's state
 moves, stats of the role's shape, the drain's retire, the leak check, refusals once closed, a
 decode worker's prefilled requests waiting for KV room counted as waiting, one shutdown, a role
-whose own start fails stopping the engine thread, and a step that raises ending its requests.
+whose own start fails stopping the engine thread, a step that raises ending its requests, and
+a prefill call that comes after its abort leasing nothing.
 
 The workers run in one spawned child process: NIXL's native library aborts a process that has
 loaded grpc_tools' (test_proto_stubs.py does), so it is kept out of the test runner's."""
@@ -77,6 +78,10 @@ def test_a_role_whose_own_start_fails_leaves_no_engine_thread(in_child) -> None:
 
 def test_a_step_that_raises_ends_its_requests_with_an_error_not_a_hang(in_child) -> None:
     in_child(step_raises_once)
+
+
+def test_a_prefill_call_that_comes_after_its_abort_computes_and_leases_nothing(in_child) -> None:
+    in_child(abort_before_its_prefill_call)
 
 
 # ---- the scenarios (in the child) ---------------------------------------------------------------
@@ -346,3 +351,50 @@ def step_raises_once(config: EngineConfig) -> None:
         asyncio.run(local())
     finally:
         decode.shutdown()
+
+
+def abort_before_its_prefill_call(config: EngineConfig) -> None:
+    """Ray runs an async actor's calls in any order: a router that ends a stream whose prefill
+    call waits on a busy (or stopped) worker sends abort right after it, and the abort may run
+    first. Before, it found nothing and the late call computed the prompt and leased its blocks
+    to a decode worker that never came (held until the lease expired); now the call computes
+    nothing and ends as cancelled. An abort that finds its request (computing, or leased)
+    remembers nothing: the same id is served again."""
+    import threading
+
+    prefill = prefill_worker(config)
+
+    async def scenario() -> None:
+        await prefill.abort("r-early")
+        with pytest.raises(asyncio.CancelledError):
+            await prefill.prefill(GenerateRequest("r-early", PROMPT, GREEDY))
+        stats = await prefill.stats()
+        assert (stats.num_requests, stats.num_computed_tokens, stats.num_in_flight) == (0, 0, 0)
+        assert await prefill.num_leases() == 0
+        assert (await prefill.check_no_leaks()).clean
+        handle = await prefill.prefill(GenerateRequest("r-early", PROMPT, GREEDY))  # used up
+        assert handle.epoch is not None and await prefill.num_leases() == 1
+        await prefill.abort("r-early")  # ends its unread lease
+        assert await prefill.num_leases() == 0
+        handle = await prefill.prefill(GenerateRequest("r-early", PROMPT, GREEDY))
+        assert handle.epoch is not None and await prefill.release(handle.req_id, handle.epoch)
+        # aborted while it waits to be computed: held behind a command, its add and the abort
+        # run together (the call's own cleanup aborts it once more)
+        gate = threading.Event()
+        prefill.thread.submit(lambda engine: gate.wait(60), lambda result, error: None)
+        call = asyncio.ensure_future(prefill.prefill(GenerateRequest("r-mid", PROMPT, GREEDY)))
+        await asyncio.sleep(0)  # its add is queued
+        abort = asyncio.ensure_future(prefill.abort("r-mid"))
+        await asyncio.sleep(0)
+        gate.set()
+        await abort
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        handle = await prefill.prefill(GenerateRequest("r-mid", PROMPT, GREEDY))
+        assert handle.epoch is not None and await prefill.release(handle.req_id, handle.epoch)
+        assert (await prefill.check_no_leaks()).clean
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        prefill.shutdown()
