@@ -18,6 +18,7 @@ import ray
 
 from common import tracing
 from common.cluster_state import DecodeStats, LeakCheck, WorkerStats
+from common.early_aborts import EarlyAborts
 from common.index_upkeep import worker_load
 from common.messages import GenerateRequest, KVHandle, TokenDelta, TransferStats, WorkerLoad
 from common.worker_runtime import WorkerBase
@@ -35,6 +36,8 @@ if TYPE_CHECKING:  # the actor's process imports these; the driver that creates 
 logger = logging.getLogger(__name__)
 ORPHAN_CHECK_S = 1.0  # how often the engine thread looks for routers that stopped polling
 CACHE_PUBLISH_S = 0.1  # its prefix cache's KV events go to Redis at most this often
+# An abort that found nothing waits this long for its submit (a later one's KV lease is gone).
+EARLY_ABORT_S = 60.0
 ROUTER_RETENTION_S = 300.0  # a router silent this long is gone: its unread deltas are dropped
 
 
@@ -95,6 +98,7 @@ class DecodeWorker(WorkerBase):
         self._routes: dict[str, Route] = {}  # req_id -> where its tokens go
         self._next_orphan_check = 0.0
         self.num_orphans_aborted = 0  # requests of routers that stopped polling
+        self._early_aborts = EarlyAborts(EARLY_ABORT_S)
         self.num_local_prefills = 0  # prompts computed here (conditional prefill, aggregated)
         self.num_local_prompt_tokens = 0  # their prompt tokens, and those of them cached
         self.num_local_cached_tokens = 0
@@ -114,6 +118,10 @@ class DecodeWorker(WorkerBase):
         def run(engine: Engine) -> None:
             if meta is not None:
                 self.puller.add_peer_metadata(handle.actor_name, meta)
+            if self._early_aborts.take(request.req_id, time.monotonic()):
+                logger.info("request %s was aborted before it was submitted", request.req_id)
+                self.puller.release_lease(handle)  # its router has ended its stream: no delta
+                return
             if request.req_id in self._routes:  # another stream owns that id here: keep it
                 error = f"request id {request.req_id!r} is already in use on {self.worker_id}"
                 delta = TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=error)
@@ -137,6 +145,9 @@ class DecodeWorker(WorkerBase):
         self.lifecycle.check_open()
 
         def run(engine: Engine) -> None:
+            if self._early_aborts.take(request.req_id, time.monotonic()):
+                logger.info("request %s was aborted before its prompt came", request.req_id)
+                return  # its router cancelled this call and ended its stream
             if request.req_id in self._routes:
                 raise ValueError(f"request id {request.req_id!r} is already in use here")
             self.lifecycle.admit(request.req_id)
@@ -161,7 +172,15 @@ class DecodeWorker(WorkerBase):
         return await self.mailboxes.take(router_id, timeout_s)
 
     async def abort(self, req_id: str) -> None:
-        await self.thread.call(lambda engine: self._abort(engine, req_id))
+        """End a request here. One this worker does not know is remembered a while
+        (common/early_aborts.py): Ray may run it before the submit it was meant for."""
+
+        def run(engine: Engine) -> None:
+            if req_id not in self._routes:
+                self._early_aborts.add(req_id, time.monotonic())
+            self._abort(engine, req_id)
+
+        await self.thread.call(run)
 
     async def check_peer(self, prefill_actor_name: str) -> None:
         """Handshake with a prefill worker now (protocol version, model, dtype, block layout):

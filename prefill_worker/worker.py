@@ -6,7 +6,7 @@ and prefill() returns a KVHandle naming a lease on them; the blocks stay kept un
 worker's READ completes (its DONE notice releases the lease), release(req_id, epoch) is called,
 or the lease expires on this worker's monotonic clock (a BEGIN notice from the reader extends it
 while the read may be in flight). An abort that finds nothing is remembered a while
-(prefill_worker/early_aborts.py): Ray may run it before the prefill call it was meant for.
+(common/early_aborts.py): Ray may run it before the prefill call it was meant for.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from common import tracing
 from common.cluster_state import LeakCheck, PrefillStats, WorkerStats
+from common.early_aborts import EarlyAborts
 from common.messages import FirstToken, GenerateRequest, KVHandle
 from common.worker_runtime import WorkerBase
 from engine.config import EngineConfig
@@ -27,7 +28,6 @@ from kvtransfer.base import AgentMetadata
 from kvtransfer.handshake import PROTOCOL_VERSION
 from kvtransfer.kv_holder import KVHolder
 from kvtransfer.leases import LeaseState
-from prefill_worker.early_aborts import EarlyAborts
 from prefill_worker.traces import PrefillTraces
 
 if TYPE_CHECKING:  # the actor's process imports these; the driver that creates it need not

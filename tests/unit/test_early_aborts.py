@@ -1,9 +1,9 @@
-"""EarlyAborts (prefill_worker/early_aborts.py): an abort that came first is taken once by its
+"""EarlyAborts (common/early_aborts.py): an abort that came first is taken once by its
 call, and entries are bounded in time and count."""
 
 from __future__ import annotations
 
-from prefill_worker.early_aborts import EarlyAborts
+from common.early_aborts import EarlyAborts
 
 
 def test_an_entry_is_taken_once_by_its_own_call() -> None:

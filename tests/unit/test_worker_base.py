@@ -3,7 +3,8 @@
 moves, stats of the role's shape, the drain's retire, the leak check, refusals once closed, a
 decode worker's prefilled requests waiting for KV room counted as waiting, one shutdown, a role
 whose own start fails stopping the engine thread, a step that raises ending its requests, and
-a prefill call that comes after its abort leasing nothing.
+a prefill call (or a decode worker's submit or local prompt) that comes after its abort taking
+nothing.
 
 The workers run in one spawned child process: NIXL's native library aborts a process that has
 loaded grpc_tools' (test_proto_stubs.py does), so it is kept out of the test runner's."""
@@ -85,6 +86,10 @@ def test_a_prefill_call_that_comes_after_its_abort_computes_and_leases_nothing(i
 
 
 # ---- the scenarios (in the child) ---------------------------------------------------------------
+def test_a_submit_or_local_prompt_that_comes_after_its_abort_decodes_nothing(in_child) -> None:
+    in_child(abort_before_its_submit)
+
+
 def prefill_worker(config: EngineConfig) -> PrefillWorker:
     return PrefillWorker(PrefillWorkerConfig("p-test", config, num_threads=1))
 
@@ -397,4 +402,56 @@ def abort_before_its_prefill_call(config: EngineConfig) -> None:
     try:
         asyncio.run(scenario())
     finally:
+        prefill.shutdown()
+
+
+def abort_before_its_submit(config: EngineConfig) -> None:
+    """The decode side of the same race: the router's abort runs before its submit (or its
+    prefill_here). Before, the late call decoded the request to its end for a stream no one
+    reads, holding its blocks; now it takes nothing (a submit's lease is released) and the id
+    is served again. An abort of a request it holds remembers nothing."""
+    prefill = prefill_worker(config)
+    decode = DecodeWorker(DecodeWorkerConfig("d-test", config, num_threads=1))
+    released: list[str] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        def release(handle: KVHandle) -> None:  # engine thread -> the prefill worker's call
+            assert handle.epoch is not None
+            released.append(handle.req_id)
+            call = prefill.release(handle.req_id, handle.epoch)
+            loop.call_soon_threadsafe(asyncio.ensure_future, call)
+
+        decode.puller.release_lease = release
+        meta = prefill.metadata()
+        await decode.thread.call(lambda engine: decode.puller.connect(prefill.actor_name, meta))
+        late = GenerateRequest("late", PROMPT, GREEDY)
+        await decode.abort("late")
+        await decode.submit(late, await prefill.prefill(late), "router-1")
+        await decode.abort("here")
+        await decode.prefill_here(GenerateRequest("here", PROMPT, GREEDY), "router-1")
+        stats = await decode.stats()
+        assert stats.num_in_flight == 0 and (stats.load.running, stats.load.waiting) == (0, 0)
+        assert released == ["late"]  # the lease it will not read, given back at once
+        assert not [d for d in await decode.next_deltas("router-1", 0.05) if d.finished]
+        await decode.prefill_here(GenerateRequest("late", PROMPT, GREEDY), "router-1")  # used up
+        got = []
+        for _ in range(2000):  # polls, not a time bound
+            got += await decode.next_deltas("router-1", 0.05)
+            if got and got[-1].finished:
+                break
+        assert got[-1].req_id == "late" and got[-1].finish_reason == FinishReason.LENGTH, got
+        check = await decode.retire()
+        assert check is not None and check.clean, check
+        for _ in range(2000):
+            if (await prefill.num_leases()) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert (await prefill.check_no_leaks()).clean
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        decode.shutdown()
         prefill.shutdown()

@@ -1,11 +1,13 @@
-"""EarlyAborts: a prefill worker's record of the aborts that found nothing to abort, so that
-the prefill call they were meant for, if it comes after them, computes and leases nothing.
+"""EarlyAborts: a worker's record of the aborts that found nothing to abort, so that the call
+they were meant for (a prefill, or a decode worker's submit), if it comes after them, does
+nothing: computes no prompt, leases no blocks, decodes nothing.
 
-Ray runs an async actor's calls in any order: a router that gives up on a prefill call (its
-stream ended, the client left) sends abort(req_id) right after it, and when both wait for the
-worker (a busy or stopped process) the abort may run first. Each entry is kept keep_s (the
-lease's length: a call later than that would lease its blocks no longer than any unread lease
-lives) and at most max_entries are kept, the oldest dropped first. Engine thread only.
+Ray runs an async actor's calls in any order: a router that gives up on a request (its stream
+ended, the client left) sends abort(req_id) right after the call, and when both wait for the
+worker (a busy or stopped process) the abort may run first. Each entry is kept keep_s (a
+prefill worker's lease length: a call later than that would lease its blocks no longer than any
+unread lease lives) and at most max_entries are kept, the oldest dropped first. Engine thread
+only.
 """
 
 from __future__ import annotations
