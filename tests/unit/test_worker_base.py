@@ -173,6 +173,35 @@ def decode_local_prefill_then_retire(config: EngineConfig) -> None:
         decode.shutdown()
 
 
+async def wire(decode: DecodeWorker, prefill: PrefillWorker, released: list | None = None) -> None:
+    """Connect the two as Ray would (the handshake check_peer makes; a lease release calls the
+    prefill worker); released: each released lease's req_id is added to it."""
+    loop = asyncio.get_running_loop()
+
+    def release(handle: KVHandle) -> None:  # engine thread -> the prefill worker's call
+        assert handle.epoch is not None
+        if released is not None:
+            released.append(handle.req_id)
+        call = prefill.release(handle.req_id, handle.epoch)
+        loop.call_soon_threadsafe(asyncio.ensure_future, call)
+
+    decode.puller.release_lease = release
+    meta = prefill.metadata()
+    await decode.thread.call(lambda engine: decode.puller.connect(prefill.actor_name, meta))
+
+
+async def retire_both(decode: DecodeWorker, prefill: PrefillWorker) -> None:
+    """The decode worker drains clean, then the prefill worker's leases end (a read's DONE
+    notice releases its lease there) and it holds nothing."""
+    check = await decode.retire()
+    assert check is not None and check.clean, check
+    for _ in range(2000):  # polls, not a time bound
+        if (await prefill.num_leases()) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (await prefill.check_no_leaks()).clean
+
+
 def decode_prefilled_waiting_for_room(config: EngineConfig) -> None:
     """A prefilled request that finds no room on the decode worker waits in its puller, outside
     the engine: its load (load(), stats(), what it publishes) says waiting 1 beside the one
@@ -195,16 +224,7 @@ def decode_prefilled_waiting_for_room(config: EngineConfig) -> None:
         raise AssertionError(f"{req_id}: never got there")
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-
-        def release(handle: KVHandle) -> None:  # engine thread -> the prefill worker's call
-            assert handle.epoch is not None
-            release_call = prefill.release(handle.req_id, handle.epoch)
-            loop.call_soon_threadsafe(asyncio.ensure_future, release_call)
-
-        decode.puller.release_lease = release
-        meta = prefill.metadata()
-        await decode.thread.call(lambda engine: decode.puller.connect(prefill.actor_name, meta))
+        await wire(decode, prefill)
         runs = GenerateRequest("runs", PROMPT, long_run)
         waits = GenerateRequest("waits", big, GREEDY)
         handles = [await prefill.prefill(r) for r in (runs, waits)]
@@ -236,13 +256,7 @@ def decode_prefilled_waiting_for_room(config: EngineConfig) -> None:
         assert (load.running, load.waiting, load.free_blocks) == (0, 0, 32)
         done = await decode.stats()
         assert isinstance(done, DecodeStats) and done.num_recomputed == 0  # both read over NIXL
-        check = await decode.retire()
-        assert check is not None and check.clean, check
-        for _ in range(2000):  # the read's DONE notice releases the lease on the prefill side
-            if (await prefill.num_leases()) == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert (await prefill.check_no_leaks()).clean
+        await retire_both(decode, prefill)
 
     try:
         asyncio.run(scenario())
@@ -415,17 +429,7 @@ def abort_before_its_submit(config: EngineConfig) -> None:
     released: list[str] = []
 
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-
-        def release(handle: KVHandle) -> None:  # engine thread -> the prefill worker's call
-            assert handle.epoch is not None
-            released.append(handle.req_id)
-            call = prefill.release(handle.req_id, handle.epoch)
-            loop.call_soon_threadsafe(asyncio.ensure_future, call)
-
-        decode.puller.release_lease = release
-        meta = prefill.metadata()
-        await decode.thread.call(lambda engine: decode.puller.connect(prefill.actor_name, meta))
+        await wire(decode, prefill, released)
         late = GenerateRequest("late", PROMPT, GREEDY)
         await decode.abort("late")
         await decode.submit(late, await prefill.prefill(late), "router-1")
@@ -442,13 +446,7 @@ def abort_before_its_submit(config: EngineConfig) -> None:
             if got and got[-1].finished:
                 break
         assert got[-1].req_id == "late" and got[-1].finish_reason == FinishReason.LENGTH, got
-        check = await decode.retire()
-        assert check is not None and check.clean, check
-        for _ in range(2000):
-            if (await prefill.num_leases()) == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert (await prefill.check_no_leaks()).clean
+        await retire_both(decode, prefill)
 
     try:
         asyncio.run(scenario())
