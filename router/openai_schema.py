@@ -4,6 +4,7 @@ RequestSpec; stateless. Unsupported options are refused with a message, never ig
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
@@ -322,8 +323,8 @@ def invalid_from_validation(error: ValidationError) -> InvalidRequest:
         return InvalidRequest(message, None, "invalid_body")
     tag_at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
     if tag_at is None:
-        param = _dotted(loc)
-        return InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"], param)
+        param = _dotted(loc) or json.dumps(str(loc[-1]))  # a field named "" is named '""'
+        return InvalidRequest(f"{param}: {first['msg']}", param)
     prefix = loc[:tag_at]
     forms = [e["loc"][tag_at] for e in errors if tuple(e["loc"][:tag_at]) == prefix]
     param = _dotted(prefix)

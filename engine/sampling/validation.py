@@ -18,8 +18,6 @@ MAX_TOP_K = 2**31 - 1  # gRPC's field is an int32; larger is no filter anyway
 # request with 200,000 of them held every other client for over a minute.
 MAX_STOP = 64
 MAX_STOP_CHARS = 1024
-# Stop ids are looked up for every new token of the request on the engine thread.
-MAX_STOP_TOKEN_IDS = 1024
 # A penalty divides or multiplies logits: past these the float32 logits overflow (inf, NaN).
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
@@ -113,11 +111,6 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidField(f"n must be an integer in [1, {MAX_N}], got {params.n!r}", "n")
     if params.seed is not None and params.seed + params.n > MAX_SEED:
         raise InvalidField("seed + n must fit in a signed 64-bit integer", "seed")
-    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidField(
-            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(params.stop_token_ids)}",
-            "stop_token_ids",
-        )
     for token_id in params.stop_token_ids:
         if not _is_int(token_id) or not 0 <= token_id < vocab_size:
             raise InvalidField(
