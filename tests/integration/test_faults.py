@@ -229,7 +229,7 @@ MALFORMED: list[tuple[str, dict, str]] = [
     ("chat", {"model": MODEL, "messages": "Hello"}, "messages"),
     ("chat", {"model": MODEL, "messages": [{"content": "Hello"}]}, "messages.0.role"),
     ("chat", {"model": "gpt-4o", "messages": CHAT}, "model"),
-    ("chat", {"messages": CHAT}, "model"),
+    ("chat", {"model": 5, "messages": CHAT}, "model"),  # none: the served model (not refused)
     ("chat", {"model": MODEL, "messages": CHAT, "stop_token_ids": [10**9]}, "stop_token_ids"),
     ("chat", {"model": MODEL, "messages": CHAT, "n": 17}, "n"),  # n is 1..16
     ("chat", {"model": MODEL, "messages": CHAT, "stream": "yes"}, "stream"),
