@@ -42,6 +42,7 @@ the host's Python: the engine thread then holds the GIL while the actor's loop a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
@@ -200,7 +201,9 @@ def cut_checkpoint(num_layers: int) -> Path:
     return dst
 
 
-def engine_steps(texts: list[str], threads: int, model: str | None) -> list[float]:
+def engine_steps(
+    texts: list[str], threads: int, model: str | None, dummy_cuda: bool = False
+) -> list[float]:
     """ms of add_request + the first step() of each prompt alone on an Engine in this process."""
     import torch
 
@@ -208,7 +211,10 @@ def engine_steps(texts: list[str], threads: int, model: str | None) -> list[floa
     from engine.sampling.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig() if model is None else EngineConfig(model=model))
+    config = EngineConfig() if model is None else EngineConfig(model=model)
+    if dummy_cuda:
+        config = dataclasses.replace(config, load_format="dummy", device="cuda")
+    engine = Engine(config)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     times = []
     for i, text in enumerate(texts):
@@ -246,10 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="serve SmolLM2's first N layers alone (a checkpoint written to a temp folder)",
     )
+    p.add_argument(
+        "--dummy-cuda",
+        action="store_true",
+        help="--model's folder has no weights: serve and step it with random ones on the GPU "
+        "(--load-format dummy --device cuda, as bench/served_goodput.sh serves it)",
+    )
     p.add_argument("--server-root", type=Path, default=ROOT, help="the checkout to serve")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine steps")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if args.dummy_cuda and args.model is None:
+        p.error("--dummy-cuda needs --model (a folder with config.json and a tokenizer)")
     if args.num_requests <= args.warm_up:
         p.error(f"-n {args.num_requests}: more than --warm-up {args.warm_up} requests are needed")
 
@@ -263,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     model = MODEL if args.model is None else ""  # "": the server's default model
     if args.model is not None:
         extra += ["--model", args.model]
+    if args.dummy_cuda:
+        extra += ["--load-format", "dummy", "--device", "cuda"]
     try:
         with LaunchedServer(
             prefill=0,
@@ -285,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         if not {"kvrelay.request", "router.route", "decode"} <= set(spans):
             raise RuntimeError(f"trace {trace_id:032x}: only spans {sorted(spans)} arrived")
         rows.append(breakdown(req, spans))
-    steps = [] if args.no_engine else engine_steps(texts[args.warm_up :], args.threads, args.model)
+    steps = (
+        []
+        if args.no_engine
+        else engine_steps(texts[args.warm_up :], args.threads, args.model, args.dummy_cuda)
+    )
 
     print(
         f"# {len(rows)} requests, one at a time, max_tokens {args.max_tokens}; {args.server_root}"
