@@ -15,8 +15,7 @@
 #                 (bf16; fp8w): B = 16, 64 decoding beside one fresh prompt of 64, 256, 1,024
 #                 tokens; the step() calls carrying it against the pure-decode ones: wall, host
 #                 stages, kernel busy time against the wall, kernels by kind (~2 min a row;
-#                 MIXED_ARGS: more flags, e.g. "--mixed-batches 16 64 128"; with
-#                 KVRELAY_MIXED_GRAPHS=1 exported, the experiment's graphs: files *_mg)
+#                 MIXED_ARGS: more flags, e.g. "--mixed-batches 16 64 128")
 #   first-steps   a warmed-up 8B engine's first served steps, built on the thread that steps it
 #                 and on another one (bench/first_steps.py; ~40 s each on a warm machine)
 #   transfer      NIXL READ GPU0 -> GPU1 of one 2,048-token 8B prompt against a torch peer copy,
@@ -145,7 +144,6 @@ case $phase in
       case $row in bf16) flags="" ;; fp8w) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
         *) echo "MIXED_ROWS: unknown row $row (bf16 or fp8w)" >&2; exit 2 ;; esac
       # shellcheck disable=SC2086  # flags, MIXED_ARGS: several words
-      [ "${KVRELAY_MIXED_GRAPHS:-0}" = 1 ] && row="${row}_mg"  # the experiment's rows apart
       timeout 300 python3 -m bench.gpu_engine_bench --skip b1 offline $flags --kv-gib 16 \
         --max-num-seqs 128 ${MIXED_ARGS:-} --json "$out/mixed_$row.json" \
         > "$out/mixed_$row.txt" 2> "$out/mixed_$row.err"

@@ -39,8 +39,6 @@
 # conversations started per second; files *_multiturn). Over HTTP each turn's output comes back
 # as text, and serve_bench re-tokenizes it with the folder's tokenizer for the next prompt, the
 # same way for both servers (bench/lib/serve_workload.py text_encoder says why that is fair).
-# KVRELAY_MIXED_GRAPHS=1 (exported): kvrelay's steps with a prompt run on the experiment's
-# per-layer graphs (engine/execution/mixed_graphs.py); its files end in _mg.
 # RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds each rate's run
 # by the rate's value (arrivals and prompts), so runs at one rate compare across RATES lists.
 set -uo pipefail
@@ -88,7 +86,6 @@ case $part in
   kvrelay)
     for w in $workloads; do
     workload_args "$w"
-    [ "${KVRELAY_MIXED_GRAPHS:-0}" = 1 ] && tag="${tag}_mg"  # the experiment's runs apart
     for config in ${CONFIGS:-agg eager8k}; do
       flags=$(config_flags "$config") || continue
       if [ "$(left)" -lt "${MIN_LEFT_S:-240}" ]; then echo "kvrelay $config: skipped, $(left) s left"; continue; fi

@@ -15,11 +15,6 @@ and what never won was deleted (docs/gpu.md). What is left is what a user really
                   (default 1); 0: exactly, ~5% slower GEMMs, outputs within ~1% of the largest.
   cpu_kernel      KVRELAY_CPU_KERNEL      the C++ CPU paged-decode kernel (default 1); 0: plain
                   torch ops, for a machine where it cannot be built.
-  mixed_graphs    KVRELAY_MIXED_GRAPHS    an experiment, default 0 until a GPU run measures it:
-                  steps no decode graph replays (a prompt's chunk beside decodes), up to 512
-                  tokens, replay per-layer CUDA graphs around eager attention
-                  (engine/execution/mixed_graphs.py); it becomes the default with no switch if
-                  it wins, and is deleted if it does not.
   cache_dir       KVRELAY_CACHE_DIR       where GGUF checkpoints are converted once, and the
                   object store's plugin stand-in is built (default ~/.cache/kvrelay).
   state_dir       KVRELAY_STATE_DIR       where `kvrelay serve` records its cluster's address
@@ -76,7 +71,6 @@ class Variable(NamedTuple):
 VARIABLES = (
     Variable("fp8_fast_accum", "KVRELAY_FP8_FAST_ACCUM", on_off),
     Variable("cpu_kernel", "KVRELAY_CPU_KERNEL", on_off),
-    Variable("mixed_graphs", "KVRELAY_MIXED_GRAPHS", on_off),
     Variable("cache_dir", "KVRELAY_CACHE_DIR", folder),
     Variable("state_dir", "KVRELAY_STATE_DIR", folder),
 )
@@ -89,7 +83,6 @@ class Settings:
 
     fp8_fast_accum: bool = True
     cpu_kernel: bool = True
-    mixed_graphs: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
     state_dir: Path = field(default_factory=default_state_dir)
 

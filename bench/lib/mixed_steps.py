@@ -144,7 +144,7 @@ class StepProbe:
         self._wrap(runner, "_forward_eager", "forward_eager")
         if runner.graphs is not None:
             self._wrap(runner.graphs, "run", "graph_replay")
-        if runner.mixed is not None:  # KVRELAY_MIXED_GRAPHS=1: the pieces and eager attention
+        if runner.mixed is not None:  # the mixed-step graphs: the pieces and eager attention
             self._wrap(runner.mixed, "run", "mixed_replay")
         self._wrap(runner.model, "compute_logits", "logits")
         self._wrap(e.sampler, "sample", "sample")

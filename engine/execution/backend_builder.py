@@ -60,7 +60,7 @@ class DeviceSide(NamedTuple):
     kv_cache: torch.Tensor
     attention: AttentionBackend
     graphs: CUDAGraphDecoder | None  # decode graphs (FlashInfer with cuda_graph only)
-    mixed: MixedStepGraphs | None = None  # the KVRELAY_MIXED_GRAPHS experiment's graphs
+    mixed: MixedStepGraphs | None = None  # the mixed steps' graphs (None: they run eager)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -140,7 +140,9 @@ def size_kv_pool_by_memory(
     activation_peak = _activation_peak(config, model, model_config, device, dtype)
     free, total = torch.cuda.mem_get_info(device)
     decode_graphs = config.cuda_graph and backend == "flashinfer"
-    graph_reserve = graph_reserve_bytes(decode_graphs, config.settings.mixed_graphs)
+    graph_reserve = graph_reserve_bytes(
+        decode_graphs, decode_graphs and mixed_graphs_for(model) is None
+    )
     budget = kv_pool_bytes(
         total,
         free,
@@ -316,7 +318,7 @@ def build_backend(
         )
         say(f"{len(graphs.sizes)} decode CUDA graphs took {took:.0f} MiB")
     mixed = None
-    if config.cuda_graph and config.settings.mixed_graphs and not memory_probe:
+    if config.cuda_graph and not memory_probe:
         mixed = _mixed_graphs(model, flashinfer, config.scheduler.max_num_batched_tokens, device)
     return DeviceSide(name, kv_cache, flashinfer, graphs, mixed)
 
@@ -324,7 +326,7 @@ def build_backend(
 def _mixed_graphs(
     model: nn.Module, attention: FlashInferAttention, max_tokens: int, device: torch.device
 ) -> MixedStepGraphs | None:
-    """The KVRELAY_MIXED_GRAPHS experiment's graphs, or None with the reason said."""
+    """The mixed steps' graphs, or None with the reason said (those steps then run eager)."""
     why = mixed_graphs_for(model)
     if why is None:
         try:
@@ -336,10 +338,10 @@ def _mixed_graphs(
         else:
             say(
                 f"mixed-step graphs for {len(mixed.sizes)} token counts (up to "
-                f"{mixed.sizes[-1]}) took {took:.0f} MiB (KVRELAY_MIXED_GRAPHS=1, an experiment)"
+                f"{mixed.sizes[-1]}) took {took:.0f} MiB"
             )
             return mixed
-    say(f"KVRELAY_MIXED_GRAPHS=1, but mixed steps run eager: {why}")
+    say(f"steps carrying a prompt run eager: {why}")
     return None
 
 

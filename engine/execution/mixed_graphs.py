@@ -1,20 +1,20 @@
-"""MixedStepGraphs, an experiment (KVRELAY_MIXED_GRAPHS=1; off until a GPU run measures it): a
-step no decode graph replays (a prompt's chunk beside decodes), up to MAX_TOKENS tokens,
-runs each layer's work outside attention as CUDA graphs captured at a bucket of token counts,
-with attention eager between them at the step's true size. Owns the static inputs (token ids,
-positions), the one attention-output buffer every piece reads, each bucket's pieces and their
-memory pool.
+"""MixedStepGraphs: a step no decode graph replays (a prompt's chunk beside decodes), up to
+MAX_TOKENS tokens, runs each layer's work outside attention as CUDA graphs captured at a bucket
+of token counts, with attention eager between them at the step's true size. Owns the static
+inputs (token ids, positions), the one attention-output buffer every piece reads, each bucket's
+pieces and their memory pool.
 
 Why: on an H100 an 8B model's step carrying a short prompt launched ~370-500 kernels eagerly,
-10-20 ms of host time where its kernels needed 5-10 (bench/RESULTS.md, 2026-12-06). The pieces:
-the embedding and layer 0's work up to its attention; each layer's work from its attention's
-output to the next layer's attention (o_proj, the residual adds and norms, the MLP, the next
-qkv projection); the last layer's to the final norm. Pieces and buckets share one pool, one
-qkv, one attention-output and one hidden buffer (Recorder), so the graphs hold no memory per
-bucket beyond their own. Every op in a piece is row-wise, so the
-padding rows past the step's tokens compute values nothing reads; attention, which writes the KV
-cache, sees only the true rows. Dense single-rank models only (a MoE layer routes tokens with
-host-side shapes; tensor-parallel ranks would have to replay in step).
+20-25 ms of host time where its kernels needed 7-10; on these graphs 9.5-12.6 ms, and a lone
+short prompt's served TTFT fell from 32.6 to 16.8 ms (bench/RESULTS.md, 2026-12-06). The
+pieces: the embedding and layer 0's work up to its attention; each layer's work from its
+attention's output to the next layer's attention (o_proj, the residual adds and norms, the MLP,
+the next qkv projection); the last layer's to the final norm. Pieces and buckets share one
+pool, one qkv, one attention-output and one hidden buffer (Recorder), so the graphs hold no
+memory per bucket beyond their own. Every op in a piece is row-wise, so the padding rows past
+the step's tokens compute values nothing reads; attention, which writes the KV cache, sees only
+the true rows. Dense single-rank models only (a MoE layer routes tokens with host-side shapes;
+tensor-parallel ranks would have to replay in step): the others' mixed steps run eager.
 """
 
 from __future__ import annotations

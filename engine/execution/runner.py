@@ -3,9 +3,9 @@ engine/execution/backend_builder.py made; owns only the counts of steps replayed
 
 It turns a SchedulerOutput into packed input ids, positions and AttentionMetadata, runs the
 forward pass (replaying a CUDA graph for pure-decode steps when one is captured; a speculative
-verify chunk runs as one decode row per token, so it keeps a step pure-decode; with the
-KVRELAY_MIXED_GRAPHS experiment, the other steps up to its largest bucket replay per-layer
-graphs around eager attention), and returns the logits of the chunks that end a sequence's
+verify chunk runs as one decode row per token, so it keeps a step pure-decode; the other
+steps, up to the mixed-step graphs' largest bucket, replay per-layer graphs around eager
+attention), and returns the logits of the chunks that end a sequence's
 known tokens, and of each verified draft.
 """
 
@@ -46,7 +46,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = side.kv_cache.device
         self.graphs: DecodeGraphs | None = side.graphs
-        self.mixed = side.mixed  # KVRELAY_MIXED_GRAPHS (an experiment): the other steps
+        self.mixed = side.mixed  # the other steps' per-layer graphs (None: they run eager)
         self.num_graph_steps = 0
 
     def build_inputs(self, output: SchedulerOutput, fill: TokenFill | None = None) -> StepInputs:
@@ -123,8 +123,8 @@ class ModelRunner:
         return self.model.compute_logits(selected)
 
     def _forward_eager(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor:
-        """A forward pass that no decode graph replays: eager, or on the mixed-step graphs
-        (KVRELAY_MIXED_GRAPHS) where one of their buckets holds its tokens."""
+        """A forward pass that no decode graph replays: on the mixed-step graphs where one of
+        their buckets holds its tokens, else eager."""
         packed = index_tensor(
             [inputs.input_ids, inputs.positions, inputs.slot_block_ids, inputs.slot_offsets],
             device=self.device,

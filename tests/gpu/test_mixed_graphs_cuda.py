@@ -1,8 +1,7 @@
-"""The KVRELAY_MIXED_GRAPHS experiment on the GPU (engine/execution/mixed_graphs.py): steps that
-carry a prompt's chunk replay per-layer graphs around eager attention and give what eager
-steps give (logits to bf16 noise on the same trajectory, greedy tokens equal or parting at a
-near-tie), with a cached prefix, bf16 and FP8 weights + KV, plain and overlapped steps; nothing
-is left behind."""
+"""Mixed-step graphs on the GPU (engine/execution/mixed_graphs.py): steps that carry a prompt's
+chunk replay per-layer graphs around eager attention and give what eager steps give (logits to
+bf16 noise on the same trajectory, greedy tokens equal or parting at a near-tie), with a cached
+prefix, bf16 and FP8 weights + KV, plain and overlapped steps; nothing is left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from typing import Any
 import pytest
 
 from engine.engine import Engine
-from engine.settings import Settings
 from tests.conftest import build_engine
 from tests.gpu.test_flashinfer_backend import (  # noqa: F401 (pytestmark: gpu only)
     Recorder,
@@ -26,17 +24,20 @@ from tests.gpu.test_flashinfer_backend import (  # noqa: F401 (pytestmark: gpu o
 
 
 def build(folder: Path, mixed: bool, **overrides: Any) -> Engine:
-    """The serving paths (FlashInfer, CUDA graphs) with a 64-token step budget: buckets 16-64."""
-    return build_engine(
+    """The serving paths (FlashInfer, CUDA graphs) with a 64-token step budget: buckets 16-64;
+    mixed=False: the eager reference, the same engine with its mixed-step graphs dropped."""
+    engine = build_engine(
         model_path=str(folder),
         device="cuda",
         dtype="bfloat16",
         num_blocks=128,
         max_num_batched_tokens=64,
         max_num_seqs=8,
-        settings=Settings(mixed_graphs=mixed),
         **overrides,
     )
+    if not mixed:
+        engine.runner.mixed = None
+    return engine
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from engine.execution.memory_budget import (
     CPU_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_SEQS,
     GRAPH_RESERVE_BYTES,
+    MIXED_GRAPH_RESERVE_BYTES,
     GiB,
     MiB,
     default_max_num_seqs,
@@ -222,4 +223,6 @@ def test_the_memory_wrapper_turns_the_measures_into_blocks(monkeypatch, capsys) 
 
 def test_graph_reserve_is_the_decode_graphs_reserve() -> None:
     assert graph_reserve_bytes(True) == GRAPH_RESERVE_BYTES
+    assert graph_reserve_bytes(True, True) == GRAPH_RESERVE_BYTES + MIXED_GRAPH_RESERVE_BYTES
     assert graph_reserve_bytes(False) == 0  # no graphs at all without cuda_graph
+    assert graph_reserve_bytes(False, True) == 0

@@ -1,7 +1,7 @@
 """engine/execution/mixed_graphs.py off the GPU: its token buckets, the static-buffer helpers on
 both kinds of qkv (plain rows, ScaledRows with per-row or broadcast row scales), which models
-it refuses and why, and that KVRELAY_MIXED_GRAPHS=1 changes nothing where there are no graphs
-(the capture and replay run in tests/gpu/test_mixed_graphs_cuda.py)."""
+it refuses and why, and that an engine without CUDA graphs has none (the capture and replay run
+in tests/gpu/test_mixed_graphs_cuda.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from engine.execution.mixed_graphs import (
 from engine.models.loader import random_model, read_model_config
 from engine.quant.fp8_types import ScaledRows
 from engine.sampling.sampling_params import SamplingParams
-from engine.settings import Settings
 from tests.conftest import build_engine, run_to_completion
 from tests.factories import make_tiny_checkpoint
 
@@ -82,14 +81,13 @@ def test_models_it_refuses_say_why(tmp_path: Path) -> None:
         assert why is None if expected is None else expected in why
 
 
-def test_the_setting_changes_nothing_without_graphs(tmp_path: Path) -> None:
+def test_an_engine_without_cuda_graphs_runs_its_mixed_steps_eager(tmp_path: Path) -> None:
     folder = make_tiny_checkpoint(tmp_path / "tiny")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outputs = []
-    for on in (False, True):
-        engine = build_engine(model_path=str(folder), settings=Settings(mixed_graphs=on))
-        assert engine.runner.mixed is None  # CPU: no CUDA graphs to replay
-        engine.add_request("a", list(range(1, 30)), params)
-        outputs.append(run_to_completion(engine))
-        engine.assert_no_leaks()
-    assert outputs[0] == outputs[1]
+    engine = build_engine(model_path=str(folder))
+    assert engine.runner.mixed is None  # CPU: no CUDA graphs to replay
+    engine.add_request("a", list(range(1, 30)), params)
+    engine.add_request("b", list(range(3, 20)), params)
+    outputs = run_to_completion(engine)
+    assert sorted(outputs) == ["a", "b"] and all(len(o) == 6 for o in outputs.values())
+    engine.assert_no_leaks()

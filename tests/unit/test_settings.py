@@ -23,7 +23,8 @@ from engine.settings import KNOWN, Settings, SettingsError
 from tests.factories import make_model_config
 
 STALE = "KVRELAY_FP8_SPLIT_K"  # a deleted experiment's switch (docs/gpu.md's example)
-UNKNOWN = (STALE, "KVRELAY_NOT_A_SETTING")
+ADOPTED = "KVRELAY_MIXED_GRAPHS"  # an experiment that won: the default now, with no switch
+UNKNOWN = (STALE, ADOPTED, "KVRELAY_NOT_A_SETTING")
 
 
 @pytest.fixture
@@ -38,13 +39,11 @@ def test_the_defaults() -> None:
     settings = Settings.from_env({})
     assert settings == Settings()
     assert settings.fp8_fast_accum is True and settings.cpu_kernel is True
-    assert settings.mixed_graphs is False  # an experiment: off until measured
     assert settings.cache_dir == Path.home() / ".cache" / "kvrelay"
     assert settings.state_dir == Path(f"/tmp/kvrelay-{os.getuid()}")
     assert KNOWN == (
         "KVRELAY_FP8_FAST_ACCUM",
         "KVRELAY_CPU_KERNEL",
-        "KVRELAY_MIXED_GRAPHS",
         "KVRELAY_CACHE_DIR",
         "KVRELAY_STATE_DIR",
     )
@@ -55,7 +54,6 @@ def test_the_defaults() -> None:
     [
         ("KVRELAY_FP8_FAST_ACCUM", "fp8_fast_accum"),
         ("KVRELAY_CPU_KERNEL", "cpu_kernel"),
-        ("KVRELAY_MIXED_GRAPHS", "mixed_graphs"),
     ],
 )
 def test_on_off_settings(name: str, field: str) -> None:
