@@ -72,6 +72,17 @@ def test_tokens_are_appended_and_eos_and_max_tokens_finish_and_free() -> None:
     out.kv.assert_all_free()
 
 
+def test_stop_token_ids_stop_the_request_and_are_looked_up_in_a_set() -> None:
+    out = make_processor()
+    listed, other = queue(out, "listed", stop_token_ids=[2, 9, 2]), queue(out, "other")
+    assert listed.sampling.stop_id_set == frozenset({2, 9})  # built once, not scanned per token
+    outputs = out.process(step_sampling(out, [9, 9]))
+    assert outputs[0].finish_reason == "stop" and listed.stop_reason == 9
+    assert not outputs[1].finished  # 9 is not the other request's stop token
+    out.scheduler.finish(other, FinishReason.ABORT)
+    out.kv.assert_all_free()
+
+
 def test_a_stop_string_ends_the_request_and_its_text_is_cut_before_it() -> None:
     out = make_processor(LetterDecoder())
     req = queue(out, "r", stop=("cd",))
