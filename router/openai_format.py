@@ -5,6 +5,7 @@ ResponseContext each request builds.
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,11 @@ from router.output import OutputChunk, Usage
 from router.tokenizer import RouterTokenizer
 
 Json = dict[str, Any]
+
+
+def utf8_decoder() -> codecs.IncrementalDecoder:
+    """Whole characters from a choice's token bytes, a split one held until its last byte."""
+    return codecs.getincrementaldecoder("utf-8")("replace")
 
 
 # A token the grammar or logit_bias rules out has logprob -inf, which JSON cannot carry (strict
@@ -55,6 +61,8 @@ class ChoiceText:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     num_text_chars: int = 0
+    # streaming: the bytes of a character split across chunks (completions' text_offset)
+    utf8: codecs.IncrementalDecoder = field(default_factory=utf8_decoder)
     finish_reason: FinishReason | None = None
 
 
@@ -104,7 +112,11 @@ class ResponseContext:
         logprobs: Sequence[float],
         top_logprobs: Sequence[TopLogprobs] = (),
         num_text_chars: int = 0,
+        utf8: codecs.IncrementalDecoder | None = None,
     ) -> Json | None:
+        """The choice's logprobs for token_ids; completions' text_offset counts from
+        num_text_chars, the characters of its text before them (utf8: the decoder holding a
+        character an earlier chunk split)."""
         if not self.want_logprobs:
             return None
         tokens = [self._token(t) for t in token_ids]
@@ -118,10 +130,14 @@ class ResponseContext:
                 for token_id, tok, lp, top in zip(token_ids, tokens, logprobs, tops, strict=False)
             ]
             return {"content": content}
+        # Where each token starts in the text, in characters: a token holding part of a
+        # character (decoded alone: U+FFFD) starts at that character, which counts once, when
+        # its last byte comes.
+        utf8 = utf8_decoder() if utf8 is None else utf8
         offsets, offset = [], num_text_chars
-        for tok in tokens:
+        for token_id, tok in zip(token_ids, tokens, strict=True):
             offsets.append(offset)
-            offset += len(tok)
+            offset += len(utf8.decode(self.tokenizer.token_bytes(token_id, tok)))
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(lp) for lp in logprobs],
@@ -159,7 +175,7 @@ class ResponseContext:
         else:
             choice["text"] = out.text
         choice["logprobs"] = self._logprobs(
-            out.token_ids, out.logprobs, out.top_logprobs, state.num_text_chars
+            out.token_ids, out.logprobs, out.top_logprobs, state.num_text_chars, state.utf8
         )
         choice["finish_reason"] = out.finish_reason
         state.num_text_chars += len(out.text)

@@ -57,3 +57,32 @@ def test_chat_logprob_bytes_rebuild_text_split_inside_characters(
     assert bytes(b for entry in content for b in entry["bytes"]).decode() == TEXT
     first = content[0]["top_logprobs"][0]  # the same token among the top ones: the same bytes
     assert first["bytes"] == content[0]["bytes"]
+
+
+def expected_offsets(tokenizer: RouterTokenizer, ids: list[int], text: str) -> list[int]:
+    """Each token's start in text, in characters: the character its first byte belongs to."""
+    raw, offsets, start = text.encode(), [], 0
+    for token_id in ids:
+        offsets.append(len(raw[:start].decode("utf-8", "ignore")))
+        start += len(tokenizer.token_bytes(token_id))
+    assert start == len(raw)
+    return offsets
+
+
+def test_text_offsets_count_a_split_character_once(tokenizer: RouterTokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    expected = expected_offsets(tokenizer, ids, TEXT)
+    assert expected[-1] < len(TEXT)  # counting each fragment as a character overshot the text
+    final = response(tokenizer, False, ids)["choices"][0]["logprobs"]
+    assert final["text_offset"] == expected
+
+    # streamed one token a chunk: a character split across chunks starts where it starts
+    ctx = ResponseContext("r", "m", False, tokenizer, want_logprobs=True)
+    raw, sent, offsets = TEXT.encode(), 0, []
+    for i, token_id in enumerate(ids):
+        upto = len(b"".join(tokenizer.token_bytes(t) for t in ids[: i + 1]))
+        text = raw[:upto].decode("utf-8", "ignore")  # what the detokenizer has released
+        chunk = ctx.chunk(OutputChunk((token_id,), text[sent:], logprobs=(-0.5,)))
+        sent = len(text)
+        offsets += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == expected
