@@ -422,8 +422,14 @@ async def _router(
     import uuid
 
     from common.cluster_state import RouterStatus
-    from deploy.router_launch import build_backend
-    from deploy.serve_stop import StopSignals, close_servers, drain
+    from deploy.serve_stop import (
+        INTERRUPTED,
+        StartInterrupted,
+        StopSignals,
+        close_servers,
+        drain,
+        start_unless_stopped,
+    )
     from router.metrics import RouterMetrics
     from router.served_models import ModelsBackend
     from router.tokenizer import RouterTokenizer
@@ -432,13 +438,13 @@ async def _router(
     signals.install()  # after ray.init() (in _controllers), which took SIGTERM for itself
     router_id = f"router-{uuid.uuid4().hex[:8]}"
     built: list = []
-    try:
-        for controller in controllers:
-            built.append(await build_backend(controller, router_id=router_id))
-    except BaseException:  # one model's failed: the others' pollers and index end too
+    try:  # Ctrl-C / SIGTERM while it starts: cancelled, and what started stops
+        await start_unless_stopped(signals, _build_backends(controllers, router_id, built))
+    except StartInterrupted:
         for each, _ in built:
             await _close_backend(each)
-        raise
+        _say("kvrelay: router start-up interrupted; stopped")
+        return INTERRUPTED
     backends = {config.model.model_id: b for b, config in built}
     tokenizers = {
         config.model.model_id: RouterTokenizer(config.model.checkpoint_dir) for _, config in built
@@ -453,6 +459,8 @@ async def _router(
             backend, tokenizer, metrics, built[0][1].redis_url, router_id, tokenizers
         )
         await start_servers(servers, host, http_port, grpc_port)  # taken since: one line
+        if signals.stop.is_set():  # came while the servers started
+            raise StartInterrupted
         http_url, grpc_address = servers.http_url(host), servers.grpc_address(host)
         for each in backends.values():  # each model's controller lists the router
             await each.membership.announce(RouterStatus(router_id, http_url, grpc_address))
@@ -463,12 +471,30 @@ async def _router(
             _say(line)
         await signals.stop.wait()
         await drain(backend, servers.frontend.admission, options.drain_s, signals.now, _say)
+    except StartInterrupted:
+        _say("kvrelay: router start-up interrupted; stopped")
+        return INTERRUPTED
     finally:
         if servers is not None:
             await close_servers(servers)
         await _close_backend(backend)
     _say("kvrelay: router stopped")
     return 0
+
+
+async def _build_backends(controllers: list[ControllerActor], router_id: str, built: list) -> None:
+    """Each model's backend, appended to `built` as it is made (a start-up cut short closes
+    those made); one that fails closes the others and raises."""
+    from deploy.router_launch import build_backend
+
+    try:
+        for controller in controllers:
+            built.append(await build_backend(controller, router_id=router_id))
+    except Exception:  # one model's failed: the others' pollers and index end too
+        for each, _ in built:
+            await _close_backend(each)
+        built.clear()
+        raise
 
 
 async def _close_backend(backend: Any) -> None:

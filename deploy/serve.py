@@ -18,6 +18,7 @@ from deploy.router_flags import RouterOptions, router_options
 from deploy.serve_flags import check_models, serve_name, spec_from_args
 from deploy.serve_ports import check_ports, start_servers
 from deploy.serve_stop import (
+    INTERRUPTED,
     StartInterrupted,
     StopSignals,
     close_servers,
@@ -26,8 +27,6 @@ from deploy.serve_stop import (
     start_unless_stopped,
     until_stop_or_lost,
 )
-
-INTERRUPTED = 130  # exit status of a start-up stopped by Ctrl-C or SIGTERM (128 + SIGINT)
 
 
 def serve(args: argparse.Namespace) -> int:

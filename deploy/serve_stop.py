@@ -49,8 +49,11 @@ class StopSignals:
         self.stop.set()
 
 
+INTERRUPTED = 130  # exit status of a start-up stopped by Ctrl-C or SIGTERM (128 + SIGINT)
+
+
 class StartInterrupted(Exception):
-    """Ctrl-C or SIGTERM came while `kvrelay serve` was starting."""
+    """Ctrl-C or SIGTERM came while `kvrelay serve` (or `kvrelay router`) was starting."""
 
 
 async def start_unless_stopped(signals: StopSignals, start: Awaitable[T]) -> T:

@@ -1,6 +1,6 @@
-"""Ctrl-C (SIGINT) or SIGTERM while `kvrelay serve` starts: the start is cancelled at once, what
-it started is stopped through the cluster's close(), and serve exits 130 saying so (not after the
-whole start-up and its banner)."""
+"""Ctrl-C (SIGINT) or SIGTERM while `kvrelay serve` (or `kvrelay router`) starts: the start is
+cancelled at once, what it started is stopped through the cluster's (the backends') close(), and
+it exits 130 saying so (not after the whole start-up and its banner)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,50 @@ def test_start_unless_stopped_returns_what_a_start_uninterrupted_returns() -> No
             await start_unless_stopped(signals, asyncio.sleep(0, "started"))
 
     asyncio.run(run())
+
+
+class BuiltBackend:
+    """A model's router backend that was built; records its close()."""
+
+    index = None
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_routers_start_up_stops_it(
+    sig: signal.Signals,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvrelay router` for two models: the first model's backend is built, the second's never
+    finishes; the signal cancels it, closes the first, and the router exits 130 with no banner."""
+    from deploy import ops_cli, router_launch
+
+    first, hanging = BuiltBackend(), asyncio.Event()
+
+    async def build_backend(controller: str, router_id: str) -> tuple[BuiltBackend, None]:
+        if controller == "m1":
+            return first, None
+        hanging.set()
+        await asyncio.Event().wait()  # never built
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(router_launch, "build_backend", build_backend)
+
+    async def run() -> int:
+        task = asyncio.create_task(
+            ops_cli._router(["m1", "m2"], RouterOptions(), "127.0.0.1", 0, 0)  # type: ignore[list-item]
+        )
+        await hanging.wait()
+        os.kill(os.getpid(), sig)
+        return await asyncio.wait_for(task, HANG_GUARD_S)
+
+    assert asyncio.run(run()) == 130
+    assert first.closed
+    err = capsys.readouterr().err
+    assert "router start-up interrupted" in err and "serving" not in err
