@@ -125,7 +125,7 @@ def build_shared_store(
         num_blocks, files, read_errors=(BlockFileError, OSError), block_bytes=files.payload_bytes
     )
     reader = shared_files(cache, layout, kv_cache.dtype, cache_dir)
-    store.reads = BlockReads(reader.read, "kvrelay-shared-read")
+    store.reads = BlockReads(reader.read, "kvrelay-shared-read", exists=reader.exists)
     writer = shared_files(cache, layout, kv_cache.dtype, cache_dir)
     store.writes = BlockPublishes(
         partial(store.bound.publish, writer),

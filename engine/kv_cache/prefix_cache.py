@@ -15,6 +15,7 @@ from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.salt_index import SaltIndex
+from engine.kv_cache.shared_store import ASK_AHEAD
 from engine.step.request import Request
 
 
@@ -107,13 +108,24 @@ class PrefixCache:
         pending = False
         if self.disk_tier is not None:  # each block's file read and checked (behind the step)
             shared = self.disk_tier.shared  # a block this worker's disk lacks: the shared store's
-            for block_hash in req.block_hashes[len(blocks) + len(host) : max_blocks]:
+            chain = req.block_hashes[len(blocks) + len(host) : max_blocks]
+            num_from_store = 0
+            for i, block_hash in enumerate(chain):
                 if self.disk_tier.has(block_hash):
                     staged = self.disk_tier.fetch(block_hash)
-                elif shared is not None and shared.has(block_hash):
-                    staged = shared.fetch(block_hash)
-                else:
+                elif shared is None:
                     break
+                else:  # a slow store is asked behind the step, a hit run's next blocks along
+                    ahead = chain[i + 1 : i + 1 + min(ASK_AHEAD, 2 * num_from_store)]
+                    present = shared.lookup(block_hash, ahead)
+                    if present is None:  # the request waits for the answer, as for a read
+                        pending = True
+                        disk.append(block_hash)
+                        break
+                    if not present:
+                        break
+                    staged = shared.fetch(block_hash)
+                    num_from_store += 1
                 if staged is False:
                     break
                 pending = pending or staged is None

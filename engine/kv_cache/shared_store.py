@@ -6,6 +6,12 @@ an S3 prefix (kvtransfer/object_blocks.py), both through NIXL, behind one small 
 (SharedFiles), so which blocks it holds is asked of the store, never remembered. Torch-free: a
 block's KV is opaque here.
 
+Whether the store has a block is asked of it for each prefix match that reaches it: on the
+engine thread while the store answers within ASK_BEHIND_S (a local directory's stat), else
+behind the step on the reader thread (an object store's HEAD is a round trip, which would hold
+every request's step), the request waiting for the answer as it waits for reads; answers are
+kept ANSWER_KEEP_S, and a run of hits asks its next blocks along (ASK_AHEAD at most).
+
 A block is published when it reaches this worker's disk tier (DiskTier.put): once per block
 cluster-wide (the first complete copy wins), behind the step (BlockPublishes: a writer thread
 with its own files; its outcomes land in the counters and events between steps) or, without a
@@ -22,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Container, Iterator
+import time
+from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -38,6 +45,11 @@ LOW_WATER = 0.9  # an eviction pass leaves the store this full (a pass scans the
 # (workers / WRITERS - 1) x the room below it, until their next scans).
 WRITERS = 8
 
+
+# A store whose answers (does it have a block?) take this long is asked behind the step.
+ASK_BEHIND_S = 0.001
+ANSWER_KEEP_S = 2.0  # an answer asked behind the step is trusted this long
+ASK_AHEAD = 32  # at most this many of a hit run's next blocks asked along with one
 
 # One file of the store as a scan saw it: (priority, modification time, block hash, salt root).
 Entry = tuple[int, float, int, int]
@@ -101,16 +113,56 @@ class SharedStore(FileStage):
         self.num_removed = 0  # files removed on request (evict_hashes)
         # publishes behind the step (None: at once, on the caller's thread)
         self.writes: BlockPublishes | None = None
+        self.answer_s: float | None = None  # the store's answer time (a moving average)
+        self._answers: dict[int, tuple[bool, float]] = {}  # hash -> (present, monotonic time)
 
     def has(self, block_hash: int) -> bool:
         """Whether the store has the block: asked of the store (a HEAD on an object store)
         unless this worker has it staged or being read (a request waiting for its reads is
         matched again every step: it asked once a block a step)."""
         if self.is_staged(block_hash) or (
-            self.reads is not None and self.reads.in_flight(block_hash)
+            self.reads is not None and self.reads.reading(block_hash)
         ):
             return True
-        return self.files.exists(block_hash)
+        return self._ask_here(block_hash)
+
+    def lookup(self, block_hash: int, ahead: Sequence[int] = ()) -> bool | None:
+        """has(), for a prefix match: None while the answer is asked behind the step (a store
+        slower than ASK_BEHIND_S, with a reader), the blocks of `ahead` (the chain's next ones)
+        asked along."""
+        reads = self.reads
+        if self.is_staged(block_hash) or (reads is not None and reads.reading(block_hash)):
+            return True
+        answer = self._answers.get(block_hash)
+        if answer is not None and time.monotonic() - answer[1] < ANSWER_KEEP_S:
+            return answer[0]
+        slow = self.answer_s is not None and self.answer_s >= ASK_BEHIND_S
+        if reads is None or not reads.can_ask or not slow:
+            return self._ask_here(block_hash)
+        for each in (block_hash, *ahead):
+            if each not in self._answers and not reads.in_flight(each):
+                reads.ask(each)
+        return None
+
+    def _ask_here(self, block_hash: int) -> bool:
+        start = time.perf_counter()
+        present = self.files.exists(block_hash)
+        self._timed(time.perf_counter() - start)
+        return present
+
+    def _timed(self, seconds: float) -> None:
+        self.answer_s = seconds if self.answer_s is None else 0.8 * self.answer_s + 0.2 * seconds
+
+    def _collect_answers(self) -> None:
+        """The answers asked behind the step that came, kept ANSWER_KEEP_S (older ones go)."""
+        now = time.monotonic()
+        if self.reads is not None:
+            for answer in self.reads.answers():
+                self._answers[answer.block_hash] = (answer.present, now)
+                self._timed(answer.seconds)
+        stale = [h for h, (_, when) in self._answers.items() if now - when >= ANSWER_KEEP_S]
+        for block_hash in stale:
+            del self._answers[block_hash]
 
     def drain_events(self) -> list[KVEvent]:
         """Blocks this worker published to the store or removed from it since the last call
@@ -120,6 +172,7 @@ class SharedStore(FileStage):
         return events
 
     def _removed(self, block_hash: int) -> None:
+        self._answers.pop(block_hash, None)
         if self.record_events:
             self._events.append(BlockRemoved((block_hash,), "shared"))
 
@@ -143,8 +196,9 @@ class SharedStore(FileStage):
         return self.bound.num_files
 
     def collect(self) -> None:
-        """Between steps: the reads and the publishes behind the step that are done."""
+        """Between steps: the reads, answers and publishes behind the step that are done."""
         super().collect()
+        self._collect_answers()
         self.collect_publishes()
 
     def collect_publishes(self) -> None:
@@ -213,6 +267,7 @@ class SharedStore(FileStage):
             self.num_found_published += 1
             return False
         self.num_published += 1
+        self._answers.pop(done.block_hash, None)
         if self.record_events:
             self._events.append(BlockStored((done.block_hash,), None, "shared"))
         return True

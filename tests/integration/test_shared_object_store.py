@@ -164,10 +164,13 @@ def raw_object(location: S3Location, key: str, data: bytes | None = None, size: 
     return buf.numpy().tobytes()
 
 
+@pytest.mark.parametrize("behind", [False, True], ids=["asked-here", "asked-behind"])
 def test_a_second_worker_computes_only_what_the_first_published_to_the_object_store(
-    tiny, tmp_path, s3_store
+    tiny, tmp_path, s3_store, behind
 ):
-    location = s3_store.location("share")
+    """asked-behind: the second worker's store measured as slow (a remote one's HEADs), so its
+    lookups are answered on its reader thread while its requests wait for them."""
+    location = s3_store.location(f"share-{behind}")
     batch = prompts(4, seed=20)
     first = worker(tiny, tmp_path / "a", location)
     assert isinstance(store_of(first).files, ObjectBlockFiles)
@@ -177,6 +180,8 @@ def test_a_second_worker_computes_only_what_the_first_published_to_the_object_st
     expect = [leading(p, there, first.model_id) * BLOCK for p in batch]
     assert expect[0] == 8 * BLOCK and expect[-1] == 0  # the last prompt never left the device
     second = worker(tiny, tmp_path / "b", location)  # a new worker: starts warm
+    if behind:
+        store_of(second).answer_s = 1.0
     before = second.snapshot().num_computed_tokens
     got = serve(second, batch)
     assert [tokens for tokens, _ in got] == want
@@ -189,6 +194,9 @@ def test_a_second_worker_computes_only_what_the_first_published_to_the_object_st
     # one writer a block: the second worker's spills were the first's blocks, not rewritten
     assert store_of(second).num_found_published > 0
     assert set(published(location)) >= there
+    if behind:  # its lookups were asked on its reader thread
+        reads = store_of(second).reads
+        assert reads is not None and reads.num_asked > 0
 
 
 def test_corrupt_and_truncated_objects_are_recomputed_never_loaded(

@@ -22,7 +22,7 @@ from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJo
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.salt_index import SaltIndex
-from engine.kv_cache.shared_store import WRITERS, SharedStore
+from engine.kv_cache.shared_store import ASK_BEHIND_S, WRITERS, SharedStore
 
 
 class SharedDict:
@@ -211,6 +211,40 @@ def test_reads_behind_the_step_land_between_steps_held_blocks_never_trimmed() ->
     store.trim_staged(held={1})  # the bound is one block: the unheld one goes
     assert store.is_staged(1) and not store.is_staged(3)
     assert store.take(1) == "kv1"
+    store.reads.close()
+
+
+def test_a_slow_store_is_asked_behind_the_step_a_hit_runs_next_blocks_along() -> None:
+    """A store that answered slower than ASK_BEHIND_S is asked on the reader thread: lookup
+    returns None at once (the step is not held), the answers land at collect and are kept; a
+    fast store is asked on the caller's thread, as before."""
+    shared = SharedDict()
+    store = SharedStore(100, shared)
+    for block_hash in (1, 2, 3):
+        store.publish(block_hash, f"kv{block_hash}", 35)
+    assert store.lookup(1) is True and store.lookup(9) is False  # fast: asked here
+    assert store.answer_s is not None and store.answer_s < ASK_BEHIND_S
+    gate, asked_on = threading.Event(), []
+
+    def slow_exists(block_hash: int) -> bool:
+        asked_on.append(threading.current_thread().name)
+        if not gate.wait(5.0):
+            raise AssertionError("asked on the engine thread: the step would wait")
+        return shared.exists(block_hash)
+
+    store.reads = BlockReads(shared.read, "test-shared-read", exists=slow_exists)
+    store.answer_s = 10 * ASK_BEHIND_S  # as measured of an object store's HEADs
+    assert store.lookup(2, ahead=(3, 4)) is None  # asked behind, with the next two
+    assert store.lookup(2) is None and store.reads.num_in_flight == 3  # not asked twice
+    assert store.reads.in_flight(2)  # a waiting request holds it until the answer lands
+    gate.set()
+    while store.reads.num_in_flight:
+        store.reads.wait_any(1.0)
+        store.collect()
+    assert asked_on == ["test-shared-read_0"] * 3
+    assert [store.lookup(h) for h in (2, 3, 4)] == [True, True, False]  # kept: not asked again
+    assert len(asked_on) == 3
+    assert store.fetch(2) is None and store.lookup(2) is True  # being read: there
     store.reads.close()
 
 
