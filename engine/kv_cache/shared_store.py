@@ -116,20 +116,12 @@ class SharedStore(FileStage):
         self.answer_s: float | None = None  # the store's answer time (a moving average)
         self._answers: dict[int, tuple[bool, float]] = {}  # hash -> (present, monotonic time)
 
-    def has(self, block_hash: int) -> bool:
-        """Whether the store has the block: asked of the store (a HEAD on an object store)
-        unless this worker has it staged or being read (a request waiting for its reads is
-        matched again every step: it asked once a block a step)."""
-        if self.is_staged(block_hash) or (
-            self.reads is not None and self.reads.reading(block_hash)
-        ):
-            return True
-        return self._ask_here(block_hash)
-
     def lookup(self, block_hash: int, ahead: Sequence[int] = ()) -> bool | None:
-        """has(), for a prefix match: None while the answer is asked behind the step (a store
-        slower than ASK_BEHIND_S, with a reader), the blocks of `ahead` (the chain's next ones)
-        asked along."""
+        """Whether the store has the block, for a prefix match: True for a block this worker has
+        staged or is reading; else an answer kept from behind the step, or the store asked
+        here (a HEAD on an object store), or, when it is slower than ASK_BEHIND_S and has a
+        reader, None while it is asked behind the step, the blocks of `ahead` (the chain's next
+        ones) asked along."""
         reads = self.reads
         if self.is_staged(block_hash) or (reads is not None and reads.reading(block_hash)):
             return True

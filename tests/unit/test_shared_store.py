@@ -68,7 +68,7 @@ def test_one_writer_a_block_across_workers() -> None:
     assert a.publish(1, "kv1", 35) and not b.publish(1, "other", 35)
     assert shared.files[1][0] == "kv1"
     assert (a.num_published, b.num_published, b.num_found_published) == (1, 0, 1)
-    assert b.has(1) and b.stage(1) and b.take(1) == "kv1" and b.num_hit_blocks == 1
+    assert b.lookup(1) and b.stage(1) and b.take(1) == "kv1" and b.num_hit_blocks == 1
 
 
 def test_the_bound_evicts_lowest_priority_then_oldest_down_to_low_water() -> None:
@@ -206,7 +206,7 @@ def test_reads_behind_the_step_land_between_steps_held_blocks_never_trimmed() ->
         store.reads.wait_any(1.0)
         store.collect()
     assert store.is_staged(1) and store.is_staged(3) and not store.is_staged(2)
-    assert store.num_bad_files == 1 and not store.has(2) and store.num_reads == 3
+    assert store.num_bad_files == 1 and not store.lookup(2) and store.num_reads == 3
     assert store.fetch(1) is True
     store.trim_staged(held={1})  # the bound is one block: the unheld one goes
     assert store.is_staged(1) and not store.is_staged(3)
