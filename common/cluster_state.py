@@ -304,6 +304,9 @@ class RouterConfig:
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # conditional prefill
     slo: SloTargets = field(default_factory=SloTargets)  # the objectives routers place for
     shared_store: bool = False  # the workers publish to a cluster-shared KV store (routers ask it)
+    # The serve's API keys and per-key limits, as a digest (None: it admits every caller): a
+    # router that joins must bring the same, or it would open the cluster to any caller.
+    access_digest: str | None = None
 
 
 @dataclass(frozen=True)

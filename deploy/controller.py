@@ -65,6 +65,7 @@ class ControllerConfig:
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # for the routers
     slo: SloTargets = field(default_factory=SloTargets)  # for the routers
     autoscale: AutoscaleConfig | None = None  # None: pools change only on `kvrelay scale`
+    access_digest: str | None = None  # for the routers: the serve's API keys and limits
 
 
 @dataclass
@@ -214,6 +215,7 @@ class Controller:
             config.local_prefill,
             config.slo,
             shared_store=template.engine.cache.shared_kv_cache_bytes > 0,
+            access_digest=config.access_digest,
         )
 
     async def shutdown(self) -> None:

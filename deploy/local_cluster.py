@@ -71,6 +71,9 @@ class ClusterSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     otlp_endpoint: str | None = None  # the workers' traces go there (None: tracing off)
+    # The serve's API keys and per-key limits as a digest (RouterOptions.access_digest; None:
+    # none): a `kvrelay router` that joins must bring the same.
+    access_digest: str | None = None
     # The models served beside `engine`'s (the first, the default), each with its own pools,
     # controller and index namespace; they share every other field.
     more_models: tuple[ModelPools, ...] = ()
@@ -258,6 +261,7 @@ class LocalCluster:
             local_prefill=spec.local_prefill,
             slo=spec.slo,
             autoscale=model.autoscale,
+            access_digest=spec.access_digest,
         )
         sizes = {"prefill": model.num_prefill, "decode": model.num_decode}
         try:

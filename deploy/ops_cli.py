@@ -452,6 +452,8 @@ async def _router(
     backend = built[0][0] if len(built) == 1 else ModelsBackend(backends)
     servers = None
     try:
+        for _, config in built:  # the serve's API keys and limits, or it would be a way around
+            options.check_access(config.access_digest)
         metrics = RouterMetrics()
         backend.metrics = metrics
         tokenizer = tokenizers[backend.model_id]

@@ -42,6 +42,42 @@ class RouterOptions:
     # context its prompt leaves)
     max_running_requests: int = 0  # sent on to the cluster at once; 0: no bound (fair_queue.py)
 
+    def access_digest(self) -> str | None:
+        """Who is admitted and at what rates, as one digest (None: every caller, no keys): the
+        keys' digests and tenants, each tenant's class and limits, the default limits."""
+        keys = self.api_keys
+        if keys is None:
+            return None
+        import hashlib
+        import json
+
+        rules = {
+            "keys": sorted(keys.tenant_by_digest.items()),
+            "limits": sorted((t, repr(limits)) for t, limits in keys.limits_by_tenant.items()),
+            "classes": sorted((t, repr(kind)) for t, kind in keys.class_by_tenant.items()),
+            "default": repr(self.default_limits),
+        }
+        return hashlib.sha256(json.dumps(rules, sort_keys=True).encode()).hexdigest()
+
+    def check_access(self, cluster_digest: str | None) -> None:
+        """A router joining a cluster serves the same API keys and per-key limits as its serve:
+        ValueError naming the flags when it does not (without them it would admit any caller, or
+        let one past its limits; with keys of its own on an open cluster it is only stricter)."""
+        mine = self.access_digest()
+        if cluster_digest is None or mine == cluster_digest:
+            return
+        if mine is None:
+            raise ValueError(
+                "this cluster's `kvrelay serve` admits API keys only (--api-keys): start this "
+                "router with the same --api-keys file (and --rate-limit-* flags); without them "
+                "it would admit every caller"
+            )
+        raise ValueError(
+            "this router's --api-keys file or --rate-limit-* flags differ from its cluster's "
+            "`kvrelay serve`: give it the same ones (a router with other keys or limits would "
+            "let some callers in, or past their limits, that the others refuse)"
+        )
+
     @property
     def has_limits(self) -> bool:
         """Some tenant has a per-key limit (these need the cluster's Redis)."""

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import replace
 
 from common.cluster_state import RouterStatus
 from deploy import cluster_address
@@ -35,6 +36,7 @@ def serve(args: argparse.Namespace) -> int:
     if spec.ray_address == "local":  # a model this machine lacks: refused before Ray starts
         check_models(spec)
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
+    spec = replace(spec, access_digest=options.access_digest())  # routers that join: the same
     if options.has_limits and args.no_redis:
         raise ValueError("per-key limits (the key file's columns, --rate-limit-*) need Redis")
     name = serve_name(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -14,6 +15,7 @@ from ray.exceptions import RayActorError
 from common.cluster_state import LeakCheck, WorkerStats
 from common.messages import GenerateRequest, KVHandle, TokenDelta
 from deploy.local_cluster import ClusterSpec, LocalCluster
+from deploy.router_flags import RouterOptions
 from engine.config import CacheConfig, EngineConfig
 from engine.llm import LLM
 from engine.sampling.sampling_params import SamplingParams
@@ -170,7 +172,9 @@ class ClusterHarness(LoopThread):
         self, spec: ClusterSpec, api_keys: ApiKeys | None = None, max_running_requests: int = 0
     ):
         super().__init__()
-        self.cluster = LocalCluster(spec)
+        # as `kvrelay serve` does: a router that joins must bring the same keys
+        access = RouterOptions(api_keys=api_keys).access_digest()
+        self.cluster = LocalCluster(replace(spec, access_digest=access))
         self.api_keys = api_keys
         self.max_running_requests = max_running_requests
         try:

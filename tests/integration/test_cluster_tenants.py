@@ -15,7 +15,8 @@ import grpc
 import openai
 import pytest
 
-from common.cluster_state import KVEvictRequest
+from common.cluster_state import KVEvictRequest, RouterConfig
+from deploy.router_flags import RouterOptions
 from engine.kv_cache.hashing import hash_blocks
 from router.access import ApiKeys, tenant_cache_salt
 from router.pb import kvrelay_pb2 as pb
@@ -69,6 +70,23 @@ def wait_for_index(stack: ClusterHarness, salt: str, timeout_s: float = 20.0) ->
     while (found := indexed_blocks(stack, salt)) == 0 and time.monotonic() < deadline:
         stack.run(asyncio.sleep(0.05))
     return found
+
+
+def test_a_router_that_joins_without_the_serves_keys_is_refused(stack: ClusterHarness) -> None:
+    """The controller hands routers the serve's keys and limits as a digest: `kvrelay router`
+    without them (it would admit every caller, and read any tenant's prefix cache with that
+    tenant's salt) is refused before it serves; with them it joins."""
+    controller = stack.cluster.controller
+    assert controller is not None
+
+    async def router_config() -> RouterConfig:
+        return await controller.router_config.remote()
+
+    config = stack.run(router_config())
+    assert config.access_digest == RouterOptions(api_keys=stack.api_keys).access_digest()
+    with pytest.raises(ValueError, match="admits API keys only"):
+        RouterOptions().check_access(config.access_digest)
+    RouterOptions(api_keys=stack.api_keys).check_access(config.access_digest)
 
 
 def test_two_tenants_never_share_prefix_blocks(stack: ClusterHarness) -> None:

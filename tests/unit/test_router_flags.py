@@ -130,3 +130,25 @@ def test_a_request_without_max_tokens_gets_the_default_not_the_whole_context() -
     backend = ScriptedBackend()  # a context of 128
     assert max_tokens(Frontend(backend, tokenizer)) == 128 - 3
     assert max_tokens(Frontend(backend, tokenizer, max_tokens_cap=16)) == 16
+
+
+def test_a_router_joining_a_keyed_cluster_must_bring_its_keys_and_limits(tmp_path: Path) -> None:
+    """RouterOptions.check_access against the serve's digest (RouterConfig.access_digest)."""
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    keys.write_text(f"{KEY} team-a\n")
+    other.write_text(f"{KEY} team-b\n")
+    serve = options("serve", "--api-keys", str(keys), "--rate-limit-rps", "2")
+    cluster = serve.access_digest()
+    assert cluster is not None and options("serve").access_digest() is None
+    same = options("router", "--api-keys", str(keys), "--rate-limit-rps", "2")
+    same.check_access(cluster)  # the same file and limits: joins
+    with pytest.raises(ValueError, match=r"admits API keys only .* same --api-keys file"):
+        options("router").check_access(cluster)  # would admit every caller
+    for differs in (
+        options("router", "--api-keys", str(keys)),  # the serve's limit left out
+        options("router", "--api-keys", str(other), "--rate-limit-rps", "2"),
+    ):
+        with pytest.raises(ValueError, match="differ from its cluster's"):
+            differs.check_access(cluster)
+    same.check_access(None)  # keys on an open cluster: only stricter
+    options("router").check_access(None)
