@@ -4,6 +4,7 @@ RequestSpec; stateless. Unsupported options are refused with a message, never ig
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,8 +26,14 @@ def _absent(value: object) -> bool:
 
 
 # Request fields that change the output and are not built yet (OpenAI's and the common vLLM
-# extras): each is refused with a 400 naming it, unless it holds its do-nothing value. Fields
-# that do not change the output (user, metadata, store, ...) are accepted and ignored.
+# extras): each is refused with a 400 naming it, unless it holds its do-nothing value. The
+# OpenAI fields that do not change the output (_IGNORED) are accepted and ignored; any other
+# field is refused as unknown (a misspelt `max_tokns` would otherwise go unnoticed), as
+# OpenAI's API does.
+_IGNORED = frozenset(
+    {"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+     "safety_identifier"}
+)  # fmt: skip
 _NOT_BUILT: dict[str, Callable[[object], bool]] = {
     "tools": _absent,
     "tool_choice": lambda v: v is None or v == "none",
@@ -45,6 +52,8 @@ _NOT_BUILT: dict[str, Callable[[object], bool]] = {
     "bad_words": _absent,
     "prompt_logprobs": _absent,
     "web_search_options": _absent,
+    "reasoning_effort": lambda v: v is None,
+    "verbosity": lambda v: v is None,
     "include_stop_str_in_output": lambda v: v is None or v is False,
     "truncate_prompt_tokens": lambda v: v is None,
     "chat_template": lambda v: v is None,
@@ -67,8 +76,20 @@ class _TopLevelBody(_Body):
 
     def _refuse_not_built(self) -> None:
         for name, value in (self.model_extra or {}).items():
+            if name in _IGNORED:
+                continue
             is_off = _NOT_BUILT.get(name)
-            if is_off is not None and not is_off(value):
+            if is_off is None:
+                known = [*type(self).model_fields, *_IGNORED, *_NOT_BUILT]
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                param = name or json.dumps(name)  # a field named "" is named '""'
+                raise InvalidRequest(
+                    f"unrecognized request field {param}{hint}; leave it out",
+                    param,
+                    "unknown_parameter",
+                )
+            if not is_off(value):
                 raise InvalidRequest(
                     f"{name} is not supported by this server yet; leave it out (it would "
                     "change the output, so it is refused rather than ignored)",
@@ -118,12 +139,17 @@ class ChatMessageIn(_Body):
 
 
 class StreamOptions(_Body):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream chunks: none is sent
 
 
 class KVRetentionIn(_Body):
     """One retention range (kvrelay's extra field): token positions [start, end) whose KV
     blocks keep `priority` (0-100, default 35) for duration_s after the request ends."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     start: int
     end: int | None = None

@@ -86,6 +86,10 @@ def chat(harness: ServerHarness, **fields: object) -> dict:
     return {"model": harness.engine.model_id, "messages": CHAT, "max_tokens": 1, **fields}
 
 
+def completion(harness: ServerHarness, prompt: str) -> dict:
+    return {"model": harness.engine.model_id, "prompt": prompt, "max_tokens": 1}
+
+
 def assert_refused(reply: tuple[int, dict], status: int, param: str | None, *texts: str) -> None:
     code, body = reply
     assert code == status, body
@@ -109,7 +113,7 @@ def test_a_body_over_the_limit_gets_413_naming_the_limit(harness: ServerHarness)
 def test_a_chunked_body_over_the_limit_gets_413_too(harness: ServerHarness) -> None:
     """No Content-Length: the limit is enforced while the body is read."""
     connection = http.client.HTTPConnection("127.0.0.1", harness.servers.http.port, timeout=60)
-    body = json.dumps(chat(harness, prompt="y" * MAX_BODY_BYTES)).encode()
+    body = json.dumps(completion(harness, "y" * MAX_BODY_BYTES)).encode()
     chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
     connection.request("POST", "/v1/completions", chunks, {"Content-Type": "application/json"})
     response = connection.getresponse()
@@ -141,7 +145,7 @@ def test_a_prompt_longer_than_the_context_is_refused_without_tokenizing_it(
     text = "word " * (MAX_BODY_BYTES // 6)
     assert tokenizer.min_num_tokens(text) >= MAX_MODEL_LEN
     before = tokenizer.num_encodes
-    reply = post(harness, "/v1/completions", chat(harness, prompt=text))
+    reply = post(harness, "/v1/completions", completion(harness, text))
     assert_refused(reply, 400, "prompt", "at least", f"is {MAX_MODEL_LEN} tokens")
     assert reply[1]["error"]["code"] == "context_length_exceeded"
     long_chat = chat(harness, messages=[{"role": "user", "content": text}])

@@ -168,6 +168,7 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
 SCHEMA_PARAM = "response_format.json_schema.schema"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_BODY = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 1}
+COMPLETION_BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1}
 BAD_HTTP = [
     ("/v1/chat/completions", b'{"model": "x", "messages": [', None, "JSON"),
     ("/v1/chat/completions", {"model": "SmolLM2-135M-Instruct"}, "messages", "Field required"),
@@ -176,9 +177,9 @@ BAD_HTTP = [
     ("/v1/chat/completions", {**CHAT_BODY, "max_tokens": -1}, "max_tokens", "positive"),
     ("/v1/chat/completions", {**CHAT_BODY, "temperature": -1}, "temperature", "greater"),
     ("/v1/chat/completions", {**CHAT_BODY, "model": "gpt-9"}, "model", "not served"),
-    ("/v1/completions", {**CHAT_BODY, "prompt": LONG_PROMPT}, "prompt", "context length"),
-    ("/v1/completions", {**CHAT_BODY, "prompt": [1, 10**6]}, "prompt", "vocabulary"),
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "n": 17}, "n", "[1, 16]"),
+    ("/v1/completions", {**COMPLETION_BODY, "prompt": LONG_PROMPT}, "prompt", "context length"),
+    ("/v1/completions", {**COMPLETION_BODY, "prompt": [1, 10**6]}, "prompt", "vocabulary"),
+    ("/v1/completions", {**COMPLETION_BODY, "prompt": "hi", "n": 17}, "n", "[1, 16]"),
     # Fields that would change the output but are not built: refused, never ignored.
     (
         "/v1/chat/completions",
@@ -194,14 +195,14 @@ BAD_HTTP = [
     ("/v1/chat/completions", {**CHAT_BODY, "logit_bias": {"42": 101}}, "logit_bias", "[-100"),
     (
         "/v1/completions",
-        {**CHAT_BODY, "prompt": "hi", "logit_bias": {str(10**7): 5}},
+        {**COMPLETION_BODY, "prompt": "hi", "logit_bias": {str(10**7): 5}},
         "logit_bias",
         "vocabulary",
     ),
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "logprobs": 30}, "logprobs", "20"),
+    ("/v1/completions", {**COMPLETION_BODY, "prompt": "hi", "logprobs": 30}, "logprobs", "20"),
     # Scheduling extras (router/traffic_class.py).
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "priority": 101}, "priority", "[-100, 100]"),
-    ("/v1/completions", {**CHAT_BODY, "prompt": "hi", "deadline_s": 0}, "deadline_s", "(0,"),
+    ("/v1/completions", {**COMPLETION_BODY, "prompt": "hi", "priority": 101}, "priority", "[-100"),
+    ("/v1/completions", {**COMPLETION_BODY, "prompt": "hi", "deadline_s": 0}, "deadline_s", "(0,"),
 ]
 
 

@@ -79,6 +79,31 @@ def test_validation_errors_name_the_field() -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "param", "said"),
+    [
+        ({**CHAT, "max_tokns": 5}, "max_tokns", "field max_tokns (did you mean 'max_tokens'?)"),
+        ({**CHAT, "temprature": 0}, "temprature", "did you mean 'temperature'?"),
+        ({**CHAT, "foo": 1}, "foo", "unrecognized request field foo;"),
+        ({**CHAT, "": 1}, '""', 'unrecognized request field "";'),
+        ({**CHAT, "stream": True, "stream_options": {"foo": 1}}, "stream_options.foo", "Extra"),
+        ({**CHAT, "kv_retention": [{"start": 0, "priority": 9, "ttl": 1}]}, "kv_retention.0.ttl",
+         "Extra"),
+    ],
+)  # fmt: skip
+def test_an_unknown_or_misspelt_field_is_refused_naming_it(body: dict, param: str, said: str):
+    """A misspelt field was ignored (`max_tokns`: the request ran to the context's end)."""
+    try:
+        ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r")
+    except ValidationError as e:
+        error = invalid_from_validation(e)
+    except InvalidRequest as e:
+        error = e
+    else:
+        raise AssertionError(f"{body} was taken")
+    assert error.param == param and said in error.message, error.message
+
+
+@pytest.mark.parametrize(
     "extra",
     [
         {"response_format": {"type": "text"}},
@@ -87,6 +112,7 @@ def test_validation_errors_name_the_field() -> None:
     ],
 )
 def test_fields_that_change_nothing_pass(extra: dict) -> None:
+    """OpenAI's fields that change no output are taken and ignored."""
     spec = ChatCompletionRequest.model_validate_json(json.dumps({**CHAT, **extra})).to_spec("r")
     assert spec.messages == (ChatMessage("user", "hi"),)
 
