@@ -200,11 +200,13 @@ def evict_request(args: argparse.Namespace) -> KVEvictRequest:
 def kv_evict(args: argparse.Namespace) -> int:
     request = evict_request(args)
     controllers = list(_controllers(args).values())  # every model's, or --model's
+    config = asyncio.run(_router_config(controllers[0]))
     if args.tenant is not None:
-        config = asyncio.run(_router_config(controllers[0]))
         warning = tenant_warning(args.tenant, key_usage(config.redis_url))
-        if warning:
-            print(warning, file=sys.stderr)
+    else:
+        warning = salt_warning(args.salt, config.access_digest is not None)
+    if warning:
+        print(warning, file=sys.stderr)
 
     async def evict() -> dict[str, dict[str, int] | str]:
         answers: dict[str, dict[str, int] | str] = {}
@@ -222,6 +224,18 @@ def kv_evict(args: argparse.Namespace) -> int:
 
 async def _router_config(controller: ControllerActor) -> RouterConfig:
     return await controller.router_config.remote()
+
+
+def salt_warning(salt: str | None, keyed: bool) -> str | None:
+    """A line when --salt is given without --tenant on a cluster served with API keys, whose
+    requests' blocks are salted by their tenant (with their cache_salt): it drops none of them."""
+    if salt is None or not keyed:
+        return None
+    return (
+        "kvrelay: warning: this cluster's serve has API keys, so each request's blocks are "
+        "salted by its tenant together with its cache_salt: --salt alone matches none of them; "
+        "pass --tenant T with it (or alone, for all of that tenant's blocks)"
+    )
 
 
 def tenant_warning(tenant: str, usage: list[TenantUsage] | str) -> str | None:

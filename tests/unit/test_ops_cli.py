@@ -32,6 +32,7 @@ from deploy.ops_cli import (
     format_evicted,
     format_status,
     kv_evict,
+    salt_warning,
     tenant_warning,
 )
 from engine.kv_cache.tier_stats import TierStats
@@ -167,3 +168,12 @@ def test_kv_evict_warns_of_a_tenant_the_cluster_has_not_seen() -> None:
     keyless = tenant_warning("team-a", [])  # served without --api-keys (it dropped 0, silent)
     assert keyless is not None and "--api-keys" in keyless and "--salt" in keyless
     assert tenant_warning("team-a", "keys: Redis did not answer") is None  # cannot tell
+
+
+def test_kv_evict_warns_of_a_salt_alone_on_a_keyed_cluster() -> None:
+    """--salt S on a cluster served with API keys dropped nothing, silently (each block is
+    salted by its tenant with S): a warning says to pass --tenant."""
+    warning = salt_warning("s1", keyed=True)
+    assert warning is not None and "--tenant T" in warning
+    assert salt_warning("s1", keyed=False) is None  # open cluster: S is the salt
+    assert salt_warning(None, keyed=True) is None  # --prefix-of alone
