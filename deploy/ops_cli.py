@@ -200,13 +200,14 @@ def evict_request(args: argparse.Namespace) -> KVEvictRequest:
 def kv_evict(args: argparse.Namespace) -> int:
     request = evict_request(args)
     controllers = list(_controllers(args).values())  # every model's, or --model's
-    config = asyncio.run(_router_config(controllers[0]))
-    if args.tenant is not None:
-        warning = tenant_warning(args.tenant, key_usage(config.redis_url))
-    else:
-        warning = salt_warning(args.salt, config.access_digest is not None)
-    if warning:
-        print(warning, file=sys.stderr)
+    if args.tenant is not None or args.salt is not None:  # a salt its blocks may not have
+        config = asyncio.run(_router_config(controllers[0]))
+        if args.tenant is not None:
+            warning = tenant_warning(args.tenant, key_usage(config.redis_url))
+        else:
+            warning = salt_warning(args.salt, config.access_digest is not None)
+        if warning:
+            print(warning, file=sys.stderr)
 
     async def evict() -> dict[str, dict[str, int] | str]:
         answers: dict[str, dict[str, int] | str] = {}
