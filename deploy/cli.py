@@ -162,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvrelay status | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the exit's flush of stdout fails quietly too
+        return 141  # 128 + SIGPIPE, as a shell reports a command cut off by its reader
 
 
 if __name__ == "__main__":

@@ -94,3 +94,26 @@ def test_bench_is_serve_bench_with_its_flags_from_any_folder(tmp_path: Path) -> 
     assert "--num-requests must be >= 1 and --rate > 0" in refused.stderr
     listed = kvrelay(tmp_path, "--help")
     assert "bench" in listed.stdout and "serve_bench" in listed.stdout
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`kvrelay status | head -4`: the command's output meets a closed pipe; it exits 141 (as a
+    shell reports a command its reader cut off) with no BrokenPipeError traceback."""
+    code = """if True:
+        import argparse, os, sys
+        from deploy import cli
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone
+        os.dup2(write, 1)
+        class Parser:
+            def parse_args(self, argv):
+                return argparse.Namespace(func=lambda args: print("line\\n" * 1000) or 0)
+        cli.build_parser = Parser
+        sys.exit(cli.main(["status"]))
+    """
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
