@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
 # A temperature below this samples greedily: 1e-40 divided the logits into inf (garbage tokens).
@@ -70,12 +69,6 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in pairs))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-
-    @cached_property
-    def stop_id_set(self) -> frozenset[int]:
-        """stop_token_ids as a set, built once: a request may list the whole vocabulary, and the
-        stop check runs on every token of every request."""
-        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

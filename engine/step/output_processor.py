@@ -122,7 +122,7 @@ class OutputProcessor:
         grammar_ended = req.grammar is not None and advance_grammar(req, token_id)
         if stop and stop.matched is not None:
             reason, stop_reason = FinishReason.STOP, stop.matched
-        elif token_id in params.stop_id_set or (
+        elif token_id in req.stop_token_ids or (
             not params.ignore_eos and token_id in self.eos_token_ids
         ):
             reason, stop_reason = FinishReason.STOP, token_id

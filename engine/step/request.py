@@ -110,9 +110,13 @@ class Request:
     generator: torch.Generator | None = None
     stop_checker: StopChecker | None = None
     grammar: xgr.GrammarMatcher | None = None
+    # sampling.stop_token_ids as a set, built once: a request may list the whole vocabulary,
+    # and its stop check runs on every token it samples
+    stop_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
 
     @property
     def num_tokens(self) -> int:

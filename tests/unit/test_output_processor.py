@@ -75,7 +75,7 @@ def test_tokens_are_appended_and_eos_and_max_tokens_finish_and_free() -> None:
 def test_stop_token_ids_stop_the_request_and_are_looked_up_in_a_set() -> None:
     out = make_processor()
     listed, other = queue(out, "listed", stop_token_ids=[2, 9, 2]), queue(out, "other")
-    assert listed.sampling.stop_id_set == frozenset({2, 9})  # built once, not scanned per token
+    assert listed.stop_token_ids == frozenset({2, 9})  # built once, not scanned per token
     outputs = out.process(step_sampling(out, [9, 9]))
     assert outputs[0].finish_reason == "stop" and listed.stop_reason == 9
     assert not outputs[1].finished  # 9 is not the other request's stop token
