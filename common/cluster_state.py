@@ -337,11 +337,14 @@ class ScaleRequest:
 
     def sizes(self) -> dict[str, int]:
         wanted = {"prefill": self.prefill, "decode": self.decode}
+        # prefill 0 is aggregated (the decode workers compute every prompt); decode 0 serves none
+        lowest = {"prefill": 0, "decode": 1}
         for role, size in wanted.items():
-            if size is not None and not 0 <= size <= MAX_POOL_SIZE:
-                raise ValueError(f"--{role} must be in [0, {MAX_POOL_SIZE}], got {size}")
-        if self.decode == 0:  # prefill 0 is aggregated: the decode workers compute every prompt
-            raise ValueError("--decode must be >= 1: the decode workers serve every request")
+            if size is not None and not lowest[role] <= size <= MAX_POOL_SIZE:
+                why = " (the decode workers serve every request)" if role == "decode" else ""
+                raise ValueError(
+                    f"--{role} must be in [{lowest[role]}, {MAX_POOL_SIZE}]{why}, got {size}"
+                )
         return {role: size for role, size in wanted.items() if size is not None}
 
 

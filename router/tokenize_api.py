@@ -73,7 +73,7 @@ async def tokenize(frontend: Frontend, spec: TokenizeSpec) -> list[int]:
 
 async def _token_ids(encoder: PromptEncoder, spec: TokenizeSpec) -> list[int]:
     if (spec.prompt is None) == (spec.messages is None):
-        raise InvalidRequest("give exactly one of prompt or messages", "prompt")
+        raise InvalidRequest("give exactly one of a prompt or chat messages", "prompt")
     if spec.prompt is not None:
         add = True if spec.add_special_tokens is None else spec.add_special_tokens
         return await encoder.tokenize(spec.prompt, None, add)

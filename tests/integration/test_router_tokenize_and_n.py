@@ -106,7 +106,7 @@ def test_detokenize_round_trips_tokenize(harness: ServerHarness) -> None:
 
 
 BAD_TOKENIZE = [
-    ("/tokenize", {}, "prompt", "exactly one of prompt or messages"),
+    ("/tokenize", {}, "prompt", "exactly one of a prompt or chat messages"),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt", "exactly one"),
     ("/tokenize", {"prompt": 5}, "prompt", "prompt"),
     ("/tokenize", {"messages": []}, "messages", "must not be empty"),
