@@ -91,9 +91,19 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=kv_evict)
 
     p = sub.add_parser("router", help="one more router (HTTP + gRPC) for the running cluster")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=port, default=8000, help="0 picks a free port")
-    p.add_argument("--grpc-port", type=port, default=50051, help="0 picks a free port")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the servers bind (default: %(default)s)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=port,
+        default=8000,
+        help="0 picks a free port (default: %(default)s, the port of a `kvrelay serve` on this "
+        "machine too: give another one beside it)",
+    )
+    p.add_argument(
+        "--grpc-port", type=port, default=50051, help="0 picks a free port (default: %(default)s)"
+    )
     _add_target(p)
     add_router_flags(p)
     p.set_defaults(func=router)
@@ -422,6 +432,7 @@ def _disk_tier(stats: WorkerStats) -> str:
 def router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = router_options(args)  # a bad key file or certificate: refused before connecting
+    cluster_address.resolve(args.address, args.name)  # no such serve: said before the ports
     check_ports(args.host, args.http_port, args.grpc_port)  # taken, or a bad --host: ditto
     controllers = list(_controllers(args).values())  # every model's: this router serves all
     return asyncio.run(_router(controllers, options, args.host, args.http_port, args.grpc_port))

@@ -156,3 +156,17 @@ def test_an_address_where_nothing_listens_is_refused_at_once(capsys) -> None:
         assert main(["status", "--address", closed]) == 2
     assert "nothing answers at" in capsys.readouterr().err
     cluster_address.check_reachable("auto")  # left to Ray
+
+
+def test_a_router_for_a_serve_not_running_says_so_before_its_ports(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvrelay router --name nope` on a taken port said the port was in use: the missing serve
+    is the error to see first."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["router", "--name", "nope", "--http-port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "no local `kvrelay serve` named 'nope'" in err and "in use" not in err
