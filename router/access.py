@@ -34,6 +34,10 @@ _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header c
 _TENANT_CHARS = re.compile(r"[A-Za-z0-9._:@/-]+")
 MISSING_KEY = "missing API key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`)"
 WRONG_KEY = "invalid API key"
+NOT_BEARER = (
+    "the Authorization header is not `Bearer KEY`: send `Authorization: Bearer KEY` (or "
+    "`x-api-key: KEY`)"
+)
 
 
 class ApiKeysFileError(ValueError):
@@ -73,7 +77,9 @@ class ApiKeys:
         """The tenant of the request's key; raises Unauthenticated when it is missing or wrong."""
         key = presented_key(authorization, x_api_key)
         if key is None:
-            raise Unauthenticated(MISSING_KEY)
+            raise Unauthenticated(
+                NOT_BEARER if authorization and authorization.strip() else MISSING_KEY
+            )
         tenant = self.tenant(key)
         if tenant is None:
             raise Unauthenticated(WRONG_KEY)

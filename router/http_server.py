@@ -216,6 +216,8 @@ async def _stream(
                 head = []
             await response.prepare(request)
             for first in ctx.first_chunks():
+                if include_usage:  # every chunk but the usage one carries "usage": null
+                    first["usage"] = None
                 await response.write(_sse(first))
             async for out in _chain(head, chunks):
                 if out.text or out.finish_reason is not None or ctx.want_logprobs:

@@ -111,7 +111,8 @@ def test_a_missing_or_wrong_key_is_401_in_openais_error_shape(harness: ServerHar
     for headers, message in [
         ({}, "missing API key"),
         ({"Authorization": f"Bearer {WRONG}"}, "invalid API key"),
-        ({"Authorization": f"Basic {KEY_A1}"}, "missing API key"),  # only Bearer carries it
+        ({"Authorization": f"Basic {KEY_A1}"}, "is not `Bearer KEY`"),  # only Bearer carries it
+        ({"Authorization": KEY_A1}, "is not `Bearer KEY`"),
         ({"x-api-key": WRONG}, "invalid API key"),
     ]:
         status, response_headers, reply = http(harness, "/v1/chat/completions", body, headers)
@@ -120,6 +121,7 @@ def test_a_missing_or_wrong_key_is_401_in_openais_error_shape(harness: ServerHar
         error = reply["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
         assert message in error["message"] and WRONG not in error["message"]
+        assert KEY_A1 not in error["message"]
     status, _, _ = http(harness, "/v1/models")
     assert status == 401
     with pytest.raises(openai.AuthenticationError) as info:

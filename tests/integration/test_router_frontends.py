@@ -93,6 +93,7 @@ def test_openai_chat_matches_engine_greedy(served: Served) -> None:
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert all("usage" in c.model_fields_set for c in chunks)  # null but in the last, as OpenAI
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == served.chat_text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

@@ -7,6 +7,7 @@ import pytest
 
 from router.access import (
     MISSING_KEY,
+    NOT_BEARER,
     WRONG_KEY,
     ApiKeys,
     ApiKeysFileError,
@@ -86,6 +87,9 @@ def test_authenticate_names_what_is_wrong() -> None:
     with pytest.raises(Unauthenticated) as info:
         keys.authenticate(f"Bearer {KEY_B}", None)
     assert info.value.message == WRONG_KEY and KEY_B not in str(info.value)
+    with pytest.raises(Unauthenticated) as info:  # the key without its scheme: said so
+        keys.authenticate(KEY_A, None)
+    assert info.value.message == NOT_BEARER and KEY_A not in str(info.value)
 
 
 def test_the_cache_salt_is_the_tenants_whatever_the_client_sends() -> None:
