@@ -173,6 +173,8 @@ def test_kvrelay_router_checks_its_host_and_ports_before_connecting(
         raise AssertionError("the router would have connected to the cluster")
 
     monkeypatch.setattr("deploy.ops_cli._controllers", connects)
+    # a serve to join (its absence is said first: test_cli_state_files)
+    monkeypatch.setattr("deploy.cluster_address.resolve", lambda address, name: "127.0.0.1:1")
     assert main(["router", "--host", "999.1.1.1", *PORTS]) == 2
     assert one_line(capsys).startswith("error: --host 999.1.1.1: does not resolve")
     assert main(["router", "--grpc-port", str(taken), "--http-port", "0"]) == 2
