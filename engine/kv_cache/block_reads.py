@@ -36,6 +36,20 @@ def _timed(read: Callable[[int], object], block_hash: int) -> tuple[object, floa
     return read(block_hash), time.perf_counter() - start
 
 
+def _take_done(
+    pending: dict[int, Future[tuple[object, float]]],
+) -> list[tuple[int, tuple[object, float], BaseException | None]]:
+    """The done futures of pending, taken out in the order they were issued: (hash, its
+    (result, seconds) or (None, 0.0), its error or None)."""
+    done = []
+    for block_hash, future in list(pending.items()):
+        if future.done():
+            del pending[block_hash]
+            error = future.exception()
+            done.append((block_hash, future.result() if error is None else (None, 0.0), error))
+    return done
+
+
 class BlockReads:
     """Reads issued by the engine thread (start), done by one reader thread in order, collected
     by the engine thread (collect) between steps; only collect changes what a tier holds."""
@@ -72,17 +86,12 @@ class BlockReads:
 
     def answers(self) -> list[Answer]:
         """The questions answered since the last call (one that raised: not there)."""
-        answers = []
-        for block_hash, future in list(self._asked.items()):
-            if not future.done():
-                continue
-            del self._asked[block_hash]
-            if future.exception() is None:
-                present, seconds = future.result()
-                answers.append(Answer(block_hash, bool(present), seconds))
-            else:
-                answers.append(Answer(block_hash, False, 0.0))
-        return answers
+        return [
+            Answer(block_hash, False, 0.0)
+            if error is not None
+            else Answer(block_hash, bool(result[0]), result[1])
+            for block_hash, result, error in _take_done(self._asked)
+        ]
 
     def start(self, block_hash: int) -> None:
         """Read block_hash's file behind the step (once: a read in flight is not issued again)."""
@@ -104,18 +113,12 @@ class BlockReads:
 
     def collect(self) -> list[Landed]:
         """The reads done since the last call, in the order they were issued."""
-        landed = []
-        for block_hash, future in list(self._in_flight.items()):
-            if not future.done():
-                continue
-            del self._in_flight[block_hash]
-            error = future.exception()
-            if error is None:
-                payload, seconds = future.result()
-                landed.append(Landed(block_hash, payload, None, seconds))
-            else:
-                landed.append(Landed(block_hash, None, error, 0.0))
-        return landed
+        return [
+            Landed(block_hash, None, error, 0.0)
+            if error is not None
+            else Landed(block_hash, result[0], None, result[1])
+            for block_hash, result, error in _take_done(self._in_flight)
+        ]
 
     def wait_any(self, timeout_s: float) -> None:
         """Block until a read or question in flight is done (or timeout_s): when no step has
