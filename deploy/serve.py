@@ -34,7 +34,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = spec_from_args(args)
     if spec.ray_address == "local":  # a model this machine lacks: refused before Ray starts
-        check_models(spec)
+        try:
+            check_models(spec)
+        except FileNotFoundError as e:  # one the models file names: it says which file
+            where = f"--models-file {args.models_file}: " if args.models_file else ""
+            raise FileNotFoundError(f"{where}{e}") from None
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
     spec = replace(spec, access_digest=options.access_digest())  # routers that join: the same
     if options.has_limits and args.no_redis:

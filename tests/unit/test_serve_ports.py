@@ -131,7 +131,8 @@ def test_a_model_this_machine_lacks_is_refused_before_anything_starts(
     argv = [str(models) if a == "MODELS" else a for a in argv]
     assert main(["serve", *argv, *PORTS]) == 2
     line = one_line(capsys)
-    assert line.startswith("error: model ") and "is neither" in line
+    where = f"--models-file {models}: " if "--models-file" in argv else ""  # the file named
+    assert line.startswith(f"error: {where}model ") and "is neither" in line
     assert "foo" in line or "/nonexistent/" in line
 
 
