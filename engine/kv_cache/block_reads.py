@@ -81,9 +81,6 @@ class BlockReads:
             self._asked[block_hash] = self._pool.submit(_timed, self._exists, block_hash)
             self.num_asked += 1
 
-    def asking(self, block_hash: int) -> bool:
-        return block_hash in self._asked
-
     def answers(self) -> list[Answer]:
         """The questions answered since the last call (one that raised: not there)."""
         return [

@@ -126,8 +126,10 @@ class SharedStore(FileStage):
         if self.is_staged(block_hash) or (reads is not None and reads.reading(block_hash)):
             return True
         answer = self._answers.get(block_hash)
-        if answer is not None and time.monotonic() - answer[1] < ANSWER_KEEP_S:
-            return answer[0]
+        if answer is not None:
+            if time.monotonic() - answer[1] < ANSWER_KEEP_S:
+                return answer[0]
+            del self._answers[block_hash]  # stale: asked again below
         slow = self.answer_s is not None and self.answer_s >= ASK_BEHIND_S
         if reads is None or not reads.can_ask or not slow:
             return self._ask_here(block_hash)
@@ -139,10 +141,10 @@ class SharedStore(FileStage):
     def _ask_here(self, block_hash: int) -> bool:
         start = time.perf_counter()
         present = self.files.exists(block_hash)
-        self._timed(time.perf_counter() - start)
+        self._note_answer_s(time.perf_counter() - start)
         return present
 
-    def _timed(self, seconds: float) -> None:
+    def _note_answer_s(self, seconds: float) -> None:
         self.answer_s = seconds if self.answer_s is None else 0.8 * self.answer_s + 0.2 * seconds
 
     def _collect_answers(self) -> None:
@@ -151,7 +153,7 @@ class SharedStore(FileStage):
         if self.reads is not None:
             for answer in self.reads.answers():
                 self._answers[answer.block_hash] = (answer.present, now)
-                self._timed(answer.seconds)
+                self._note_answer_s(answer.seconds)
         stale = [h for h, (_, when) in self._answers.items() if now - when >= ANSWER_KEEP_S]
         for block_hash in stale:
             del self._answers[block_hash]
