@@ -1,23 +1,32 @@
 """A warmed-up engine's first served steps, timed one by one (GPU; owns no state): built on the
 thread that steps it (as EngineThread builds a worker's engine) or on another one (how workers
 built it before 2026-12-06), three rounds of the same arrivals: one 299-token prompt alone, then
-four more (759, 169, 53, 177) while it decodes. A step is timed to its kernels' end.
+four more (759, 169, 53, 177) while it decodes. A step is timed to its kernels' end. With
+--profile DIR the first round runs under cProfile (the Python it spends: a Triton compile, an
+autotune, a library's first lookup) and torch's profiler (the kernels and ops), each written to
+DIR as a table sorted by time.
 
-    python -m bench.first_steps [--built-on caller] [--json PATH]
+    python -m bench.first_steps [--built-on caller] [--profile DIR] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
+import pstats
 import random
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_engine_bench import build_engine
 from bench.lib.random_models import write_random_model
@@ -55,6 +64,30 @@ def one_round(engine: Engine, tag: str, rng: random.Random) -> dict[str, list[fl
     return {"alone_ms": alone, "four_more_ms": beside}
 
 
+@contextlib.contextmanager
+def profiled(folder: Path | None) -> Iterator[None]:
+    """cProfile and torch's profiler around the block, their tables written to folder."""
+    if folder is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    python = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_prof:
+        python.enable()
+        try:
+            yield
+        finally:
+            python.disable()
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("cumulative").print_stats(60)
+    (folder / "python_cumulative.txt").write_text(text.getvalue())
+    averages = torch_prof.key_averages()
+    (folder / "torch_by_cpu.txt").write_text(averages.table(sort_by="cpu_time_total", row_limit=40))
+    (folder / "torch_by_cuda.txt").write_text(
+        averages.table(sort_by="cuda_time_total", row_limit=40)
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -64,6 +97,7 @@ def main() -> None:
         default="stepping",
         help="stepping: the thread that steps it builds it; caller: built here, stepped on another",
     )
+    p.add_argument("--profile", type=Path, default=None, help="profile the first round into DIR")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     folder = write_random_model(tempfile.mkdtemp(prefix="kvrelay-"), args.shape, weights=False)
@@ -79,7 +113,8 @@ def main() -> None:
     def serve(engine: Engine) -> None:
         rng = random.Random(0)
         for r in range(3):
-            result[f"round{r}"] = one_round(engine, f"r{r}", rng)
+            with profiled(args.profile if r == 0 else None):
+                result[f"round{r}"] = one_round(engine, f"r{r}", rng)
 
     if args.built_on == "caller":
         engine = build()

@@ -17,7 +17,8 @@
 #                 stages, kernel busy time against the wall, kernels by kind (~2 min a row;
 #                 MIXED_ARGS: more flags, e.g. "--mixed-batches 16 64 128")
 #   first-steps   a warmed-up 8B engine's first served steps, built on the thread that steps it
-#                 and on another one (bench/first_steps.py; ~40 s each on a warm machine)
+#                 and on another one (bench/first_steps.py; ~40 s each on a warm machine;
+#                 FIRST_STEPS_ORDER, FIRST_STEPS_PROFILE=1: the first round profiled)
 #   transfer      NIXL READ GPU0 -> GPU1 of one 2,048-token 8B prompt against a torch peer copy,
 #                 with the reader's progress thread and without; then 1- and 16-block READs
 #   goodput       1 prefill + 1 decode worker sharing one GPU, disaggregated then aggregated
@@ -155,9 +156,12 @@ case $phase in
     done
     ;;
   first-steps)  # a warmed-up engine's first served steps, built on the stepping thread or not
-    for on in stepping caller; do
-      timeout 200 python3 -m bench.first_steps --built-on $on --json "$out/first_steps_$on.json" \
-        > "$out/first_steps_$on.txt" 2> "$out/first_steps_$on.err"
+    # FIRST_STEPS_ORDER (default "caller stepping": the first process meets a fresh machine's
+    # first step); FIRST_STEPS_PROFILE=1: each process profiles its first round (tables in $out)
+    for on in ${FIRST_STEPS_ORDER:-caller stepping}; do
+      prof=(); [ -n "${FIRST_STEPS_PROFILE:-}" ] && prof=(--profile "$out/first_steps_prof_$on")
+      timeout 200 python3 -m bench.first_steps --built-on $on "${prof[@]}" \
+        --json "$out/first_steps_$on.json" > "$out/first_steps_$on.txt" 2> "$out/first_steps_$on.err"
       echo "first-steps $on rc=$?"; cat "$out/first_steps_$on.txt"
     done
     ;;
