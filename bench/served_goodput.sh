@@ -39,7 +39,8 @@
 # conversations started per second; files *_multiturn). Over HTTP each turn's output comes back
 # as text, and serve_bench re-tokenizes it with the folder's tokenizer for the next prompt, the
 # same way for both servers (bench/lib/serve_workload.py text_encoder says why that is fair).
-# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate). serve_bench seeds each rate's run
+# RATES (default "4 8 12 16"), REQUESTS (default 120 a rate), SEQS (kvrelay's batch limit:
+# default 128; auto: the engine's own choice). serve_bench seeds each rate's run
 # by the rate's value (arrivals and prompts), so runs at one rate compare across RATES lists.
 set -uo pipefail
 part=${1:?part: kvrelay, vllm, offline or pack}
@@ -79,6 +80,11 @@ config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
     *) echo "unknown config $1" >&2; return 2 ;;
   esac
 }
+seqs_flag() {  # SEQS: the worker's batch limit (default 128, every row so far; auto: the
+  # engine's own, from its pool: up to 1,024, as vLLM's server takes 1,024 on an 80 GB card)
+  case ${SEQS:-128} in auto) echo "" ;; *) echo "--max-num-seqs ${SEQS:-128}" ;; esac
+}
+seqs_tag=""; [ "${SEQS:-128}" != 128 ] && seqs_tag="_seqs${SEQS}"  # kept apart in the file names
 config_prefill() {  # CONFIG: its prefill workers (0: aggregated)
   case $1 in agg*) echo 0 ;; *) echo 1 ;; esac
 }
@@ -94,15 +100,15 @@ case $part in
       timeout -k 20 $(( $(left) < 560 ? $(left) - 10 : 550 )) python3 -m bench.serve_bench \
         --launch --transport http --prefill "$(config_prefill "$config")" --decode 1 \
         --worker-niceness 0 \
-        --startup-timeout 300 --rate $rates "${load[@]}" --label "kvrelay $config${tag}" \
+        --startup-timeout 300 --rate $rates "${load[@]}" --label "kvrelay $config${tag}${seqs_tag}" \
         --server-args "--model $folder --load-format dummy --device cuda \
---gpu-memory-utilization ${GPU_UTIL:-0.9} --max-num-seqs 128 --max-model-len 4096 $flags" \
-        --json "$out/kvrelay_$config$tag.json" > "$out/kvrelay_$config$tag.txt" \
-        2> "$out/kvrelay_$config$tag.err"
-      echo "kvrelay $config$tag rc=$? in $(( $(date +%s) - started )) s"
+--gpu-memory-utilization ${GPU_UTIL:-0.9} $(seqs_flag) --max-model-len 4096 $flags" \
+        --json "$out/kvrelay_$config$tag$seqs_tag.json" > "$out/kvrelay_$config$tag$seqs_tag.txt" \
+        2> "$out/kvrelay_$config$tag$seqs_tag.err"
+      echo "kvrelay $config$tag$seqs_tag rc=$? in $(( $(date +%s) - started )) s"
       log=$(ls -t /tmp/serve_bench_server_*.log 2>/dev/null | head -1)
-      [ -n "$log" ] && mv "$log" "$out/kvrelay_$config$tag.server.log"
-      grep -h "KV pool\|ready in" "$out/kvrelay_$config$tag.server.log" "$out/kvrelay_$config$tag.err" 2>/dev/null | cut -c1-300
+      [ -n "$log" ] && mv "$log" "$out/kvrelay_$config$tag$seqs_tag.server.log"
+      grep -h "KV pool\|ready in" "$out/kvrelay_$config$tag$seqs_tag.server.log" "$out/kvrelay_$config$tag$seqs_tag.err" 2>/dev/null | cut -c1-300
     done
     done
     ;;
