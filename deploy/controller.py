@@ -43,6 +43,7 @@ from deploy import worker_launch
 from deploy.autoscale import AutoscaleConfig
 from deploy.autoscale_driver import AutoscaleDriver
 from deploy.controller_redis import forget_in_index, redis_status
+from deploy.engine_flags import as_flags
 from deploy.worker_launch import WorkerTemplate
 
 logger = logging.getLogger(__name__)
@@ -317,7 +318,7 @@ class Controller:
             actor = worker_launch.spawn(role, worker_id, template, group)
         except Exception as e:  # e.g. an engine config its TP refuses: a failed start as any
             worker_launch.release_ranks(group)  # each retry would otherwise hold more GPUs
-            self._start_failed(role, f"{type(e).__name__}: {e}")
+            self._start_failed(role, start_error(e))
             return
         record = _Record(worker_id, role, actor, group=group)
         record.move(
@@ -363,7 +364,7 @@ class Controller:
             record.move(WorkerState.GONE, "start cancelled (pool scaled down)")
             raise
         except Exception as e:
-            record.error = f"{type(e).__name__}: {e}"
+            record.error = start_error(e)
             await worker_launch.stop(record.actor, group=record.group)
             record.move(WorkerState.GONE, f"failed to start: {record.error}")
             self._start_failed(record.role, record.error)
@@ -571,3 +572,14 @@ def find_controller(name: str = CONTROLLER_NAME) -> ControllerActor:
             f"no kvrelay controller ({name!r}) on this Ray cluster: start one with `kvrelay "
             "serve` (or `kvrelay up CLUSTER.yaml`)"
         ) from None
+
+
+def start_error(e: Exception) -> str:
+    """What a failed start says: for a worker whose start raised (its engine refused a setting,
+    a tier's folder could not be made), that exception, its fields named as serve's flags,
+    rather than Ray's wrapper of it and the worker's traceback."""
+    if isinstance(e, RayActorError) and e.actor_init_failed:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if lines:
+            return f"the worker's start raised {as_flags(lines[-1])}"
+    return f"{type(e).__name__}: {e}"

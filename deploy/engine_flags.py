@@ -4,6 +4,7 @@ EngineConfig every worker's engine gets from them. Holds no state."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from deploy.flag_types import finite_float, non_negative_float, non_negative_int, positive_int
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
@@ -105,7 +106,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--disk-kv-path",
         default=None,
         metavar="DIR",
-        help="the disk tier's directory (local NVMe; one per worker); needs --disk-kv-gib",
+        help="the disk tier's directory (local NVMe): each worker keeps its files in a folder "
+        "of its own there (the first no live worker holds: DIR, then DIR/worker1, ...), so a "
+        "restarted worker takes over the files a stopped one left; needs --disk-kv-gib",
     )
     p.add_argument(
         "--shared-kv-gib",
@@ -225,6 +228,30 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+# The engine's fields a refusal (a config's, a worker's start) may name, as the flags that set them
+FLAG_OF_FIELD = {
+    "host_kv_cache_bytes": "--host-kv-gib",
+    "keep_on_host": "--host-leases",
+    "disk_kv_cache_bytes": "--disk-kv-gib",
+    "disk_kv_path": "--disk-kv-path",
+    "shared_kv_cache_bytes": "--shared-kv-gib",
+    "shared_kv_path": "--shared-kv-path",
+    "shared_kv_endpoint": "--shared-kv-endpoint",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "block_size": "--block-size",
+    "partial_reuse_min_tokens": "--partial-reuse-min-tokens",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_seqs": "--max-num-seqs",
+    "max_model_len": "--max-model-len",
+}
+_FIELD = re.compile(r"\b(?:cache\.|scheduler\.)?(" + "|".join(FLAG_OF_FIELD) + r")\b")
+
+
+def as_flags(message: str) -> str:
+    """message with the engine's field names it holds written as serve's flags."""
+    return _FIELD.sub(lambda m: FLAG_OF_FIELD[m.group(1)], message)
+
+
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     """Every worker's engine; a bad size or fraction is refused naming its flag."""
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
@@ -238,6 +265,13 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
         if args.device == "cpu":
             raise ValueError("--gpus-per-worker applies to CUDA workers, not --device cpu")
     kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
+    try:
+        return _engine(args, kv_bytes)
+    except ValueError as e:  # the config's refusal names its fields: here, the flags
+        raise ValueError(as_flags(str(e))) from None
+
+
+def _engine(args: argparse.Namespace, kv_bytes: int | None) -> EngineConfig:
     return EngineConfig(
         model=model_from_args(args),
         cache=CacheConfig(

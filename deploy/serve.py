@@ -16,7 +16,7 @@ from deploy import cluster_address
 from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.progress import ScaleFailed
 from deploy.router_flags import RouterOptions, router_options
-from deploy.serve_flags import check_models, serve_name, spec_from_args
+from deploy.serve_flags import check_models, check_tier_paths, serve_name, spec_from_args
 from deploy.serve_ports import check_ports, start_servers
 from deploy.serve_stop import (
     INTERRUPTED,
@@ -39,6 +39,7 @@ def serve(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:  # one the models file names: it says which file
             where = f"--models-file {args.models_file}: " if args.models_file else ""
             raise FileNotFoundError(f"{where}{e}") from None
+        check_tier_paths(spec)  # a tier folder that cannot be made or written: the same
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
     spec = replace(spec, access_digest=options.access_digest())  # routers that join: the same
     if options.has_limits and args.no_redis:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from common.cluster_state import MAX_POOL_SIZE
 from common.placement_rules import OVERLOAD_MODES, LocalPrefill, SloTargets
@@ -17,6 +19,7 @@ from deploy.cluster_address import check_name
 from deploy.engine_flags import (
     add_engine_flags,
     add_model_args,
+    as_flags,
     engine_from_args,
     models_from_args,
 )
@@ -29,7 +32,7 @@ from deploy.flag_types import (
 from deploy.local_cluster import ClusterSpec, ModelPools, controller_names
 from deploy.models_file import read_models_file
 from deploy.router_flags import add_router_flags
-from engine.config import EngineConfig
+from engine.config import EngineConfig, is_object_store
 from router.stats_log import DEFAULT_INTERVAL_S
 
 logger = logging.getLogger(__name__)
@@ -295,11 +298,15 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         )
     if max(prefill_tp, decode_tp) > 1 and args.gpus_per_worker not in (None, 1.0):
         raise ValueError("a tensor-parallel worker takes whole GPUs: drop --gpus-per-worker")
-    for flag, tp in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+    for flag, given, tp in (
+        ("--prefill-tp", args.prefill_tp, prefill_tp),
+        ("--decode-tp", args.decode_tp, decode_tp),
+    ):
         try:  # what a TP worker's engine refuses (the shared KV store ...), before Ray starts
             replace(engine, tensor_parallel_size=tp)
-        except ValueError as e:
-            raise ValueError(f"{flag} {tp}: {e}") from None
+        except ValueError as e:  # named as the user set it: --tp, or the pool's own flag
+            named = flag if given is not None else "--tp"
+            raise ValueError(f"{named} {tp}: {as_flags(str(e))}") from None
     # A bad threshold is refused here, before Ray starts.
     if args.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
@@ -366,3 +373,23 @@ def check_models(spec: ClusterSpec) -> None:
                 model_source(draft)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"--draft-model: {e}") from None
+
+
+def check_tier_paths(spec: ClusterSpec) -> None:
+    """Each disk tier's and shared store's directory (not an object store) can be made and
+    written here; ValueError naming the flag. For an embedded cluster only: a remote cluster's
+    workers have disks of their own."""
+    for pools in spec.models:
+        cache = pools.engine.cache
+        for flag, path in (
+            ("--disk-kv-path", cache.disk_kv_path),
+            ("--shared-kv-path", cache.shared_kv_path),
+        ):
+            if path is None or is_object_store(path):
+                continue
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            except OSError as e:
+                raise ValueError(f"{flag} {path}: {e.strerror or e}") from None

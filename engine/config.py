@@ -418,6 +418,10 @@ class CacheConfig:
             raise ValueError(f"disk_kv_cache_bytes must be >= 0, got {self.disk_kv_cache_bytes}")
         if self.disk_kv_cache_bytes and not self.disk_kv_path:
             raise ValueError("disk_kv_cache_bytes needs disk_kv_path (the tier's directory)")
+        if self.disk_kv_path and not self.disk_kv_cache_bytes:
+            raise ValueError("disk_kv_path needs disk_kv_cache_bytes (the tier's size)")
+        if self.shared_kv_path and not self.shared_kv_cache_bytes:
+            raise ValueError("shared_kv_path needs shared_kv_cache_bytes (the store's size)")
         if self.disk_kv_cache_bytes and not self.enable_prefix_caching:
             raise ValueError("disk_kv_cache_bytes needs enable_prefix_caching")
         if self.shared_kv_cache_bytes < 0:

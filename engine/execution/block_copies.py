@@ -35,6 +35,11 @@ class BlockCopies:
         self.kv_cache = kv_cache
         block_bytes = kv_cache[0].nbytes
         num_slots = host_kv_cache_bytes // block_bytes if host_kv_cache_bytes else 0
+        if host_kv_cache_bytes and not num_slots:  # asked for a tier: none would be silent
+            raise ValueError(
+                f"host_kv_cache_bytes: {host_kv_cache_bytes} bytes hold no block "
+                f"({block_bytes} bytes each)"
+            )
         self.host: torch.Tensor | None = None
         self._offload_stream: torch.cuda.Stream | None = None
         self._offloaded: torch.cuda.Event | None = None  # recorded after the last offloads

@@ -3,8 +3,10 @@
 object store, through its OBJ backend) over the engine's KV layout, its size bound, the reader
 of its prefix hits behind the step (a files object of its own: its own NIXL agent and staging
 row; an engine of one rank), the shared store's reader and publisher (one files object each),
-and the blocks a previous run left in its directory (a warm restart). Owns no state: the KV
-manager keeps the tier.
+and the blocks a previous run left in its directory (a warm restart): the folder it claims under
+disk_kv_path, which no other live worker holds (kvtransfer/disk_claims.py; a tensor-parallel
+engine's ranks keep their files in the folder rank 0 claimed). Owns no state: the KV manager
+keeps the tier.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.shared_store import SharedStore
 from engine.parallel.disk_ranks import RankDisk, RankedBlockFiles, rank_disk_path
 from kvtransfer.disk_blocks import BlockFileError, DiskBlockFiles, DiskLayout
+from kvtransfer.disk_claims import MAX_FOLDERS, claim_folder, claimed_folder, release_folder
 from kvtransfer.object_blocks import ObjectBlockFiles
 from kvtransfer.s3_control import S3Location
 from kvtransfer.shared_blocks import SharedBlockFiles
@@ -31,6 +34,7 @@ from kvtransfer.shared_blocks import SharedBlockFiles
 if TYPE_CHECKING:
     from engine.execution.block_copies import BlockCopies
     from engine.parallel.leader import Leader
+    from engine.parallel.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +58,30 @@ def build_disk_tier(
     if not cache.disk_kv_cache_bytes:
         return None
     assert cache.disk_kv_path is not None
-    path = rank_disk_path(cache.disk_kv_path, 0)
-    files = DiskBlockFiles(path, DiskLayout.of(model_id, kv_cache), kv_cache.dtype)
-    num_blocks = cache.disk_kv_cache_bytes // files.file_bytes
-    if num_blocks < 1:
-        raise ValueError(
-            f"cache.disk_kv_cache_bytes={cache.disk_kv_cache_bytes} holds no block file "
-            f"({files.file_bytes} bytes each)"
+    folder = claim_folder(cache.disk_kv_path)
+    if leader is not None:  # the followers wait for it (build_rank_disk) before all else
+        leader.tp.min_over_ranks(folder)
+    try:  # a tier that is not built gives its folder back
+        path = rank_disk_path(str(claimed_folder(cache.disk_kv_path, folder)), 0)
+        files = DiskBlockFiles(path, DiskLayout.of(model_id, kv_cache), kv_cache.dtype)
+        num_blocks = cache.disk_kv_cache_bytes // files.file_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"disk_kv_cache_bytes: {cache.disk_kv_cache_bytes} bytes hold no block file "
+                f"({files.file_bytes} bytes each)"
+            )
+        ranked = None if leader is None else RankedBlockFiles(files, leader, BlockFileError)
+        tier = DiskTier(
+            num_blocks,
+            files if ranked is None else ranked,
+            record_events,
+            read_errors=(BlockFileError, OSError),
+            block_bytes=files.payload_bytes,
         )
-    ranked = None if leader is None else RankedBlockFiles(files, leader, BlockFileError)
-    tier = DiskTier(
-        num_blocks,
-        files if ranked is None else ranked,
-        record_events,
-        read_errors=(BlockFileError, OSError),
-        block_bytes=files.payload_bytes,
-    )
+    except BaseException:
+        release_folder(cache.disk_kv_path)
+        raise
+    tier.give_back_folder = partial(release_folder, cache.disk_kv_path)
     found = files.scan()
     kept = tier.adopt(found.hashes, DEFAULT_PRIORITY)
     if ranked is not None:  # every rank reads its heads when matched (no reads behind the step)
@@ -96,15 +108,16 @@ def build_disk_tier(
 
 
 def build_rank_disk(
-    cache: CacheConfig, rank: int, model_id: str, copies: BlockCopies
+    cache: CacheConfig, rank: int, model_id: str, copies: BlockCopies, tp: TensorParallel
 ) -> RankDisk | None:
     """A tensor-parallel follower's files of its heads of rank 0's disk tier blocks (None
-    without a disk tier), under disk_kv_path/rank<rank>."""
+    without a disk tier), under rank<rank> of the folder rank 0 claimed (told over tp)."""
     if not cache.disk_kv_cache_bytes:
         return None
     assert cache.disk_kv_path is not None
+    folder = tp.min_over_ranks(MAX_FOLDERS)  # rank 0's claim (build_disk_tier)
     layout = DiskLayout.of(model_id, copies.kv_cache)
-    path = rank_disk_path(cache.disk_kv_path, rank)
+    path = rank_disk_path(str(claimed_folder(cache.disk_kv_path, folder)), rank)
     files = DiskBlockFiles(path, layout, copies.kv_cache.dtype)
     return RankDisk(files, copies, (BlockFileError, OSError))
 
@@ -118,7 +131,7 @@ def build_shared_store(
     num_blocks = cache.shared_kv_cache_bytes // files.file_bytes
     if num_blocks < 1:
         raise ValueError(
-            f"cache.shared_kv_cache_bytes={cache.shared_kv_cache_bytes} holds no block file "
+            f"shared_kv_cache_bytes: {cache.shared_kv_cache_bytes} bytes hold no block file "
             f"({files.file_bytes} bytes each)"
         )
     store = SharedStore(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
@@ -94,6 +95,7 @@ class DiskTier(FileStage):
         # hash -> how many waiting requests hold its read (this tier's or the shared store's)
         self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
+        self.give_back_folder: Callable[[], None] | None = None  # for another worker (close)
         self.num_stored = 0  # blocks written
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
         self.num_evicted = 0  # removed by the size bound
@@ -266,6 +268,9 @@ class DiskTier(FileStage):
             self.reads = None
         if self.shared is not None:
             self.shared.close()
+        if self.give_back_folder is not None:
+            self.give_back_folder()
+            self.give_back_folder = None
 
     def evict_hashes(self, block_hashes: list[int]) -> int:
         """Remove these blocks' files here (an operator's eviction; the shared store's are the

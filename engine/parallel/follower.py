@@ -53,7 +53,9 @@ class Follower:
         self.kv_cache = side.backend.kv_cache  # this rank's heads of every block
         self.copies = BlockCopies(side.backend.kv_cache, side.config.cache.host_kv_cache_bytes)
         # its heads of rank 0's disk tier blocks, in files of its own
-        self.disk = build_rank_disk(side.config.cache, rank, model_config.model_id, self.copies)
+        self.disk = build_rank_disk(
+            side.config.cache, rank, model_config.model_id, self.copies, self.tp
+        )
         self.num_steps = 0
         # Reads a ReadPlan's KV into this rank's cache, True once done (its host sets it: a
         # worker's rank reads over its own NIXL agent); None: a ReadPlan fails.

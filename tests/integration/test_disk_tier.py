@@ -244,6 +244,7 @@ def test_a_disk_bound_of_a_few_blocks_and_a_full_disk_lose_no_request(tiny, tmp_
         with caplog.at_level(logging.WARNING, logger="engine.kv_cache.disk_tier"):
             assert [tokens for tokens, _ in serve(eng, batch)] == want
             assert [tokens for tokens, _ in serve(eng, batch)] == want
+        disk_of(eng).close()  # gives its folder back (its lock file kept the mount busy)
     disk = disk_of(eng)
     assert disk.num_write_failures > 0 and 0 < disk.num_cached <= 5
     assert caplog.text.count("cannot write a block file") == 1, caplog.text

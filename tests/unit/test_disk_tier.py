@@ -12,8 +12,11 @@ import threading
 import pytest
 import torch
 
+from deploy.cli import build_parser
 from deploy.engine_flags import add_engine_flags, add_model_args, engine_from_args
+from deploy.serve_flags import check_tier_paths, spec_from_args
 from engine.config import CacheConfig, EngineConfig
+from engine.execution.block_copies import BlockCopies
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVBlock
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier, Spill
@@ -242,3 +245,38 @@ def test_flags_and_config_name_what_is_wrong(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="shared_kv_cache_bytes"):  # rank 0's heads only
         EngineConfig(cache=shared, tensor_parallel_size=2)
+
+
+def test_a_tier_flag_without_the_flag_it_needs_is_refused_naming_both(tmp_path) -> None:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_engine_flags(p)
+    refused = {  # each once served without its tier, silently
+        ("--disk-kv-path", str(tmp_path)): "^--disk-kv-path needs --disk-kv-gib",
+        ("--shared-kv-path", str(tmp_path)): "^--shared-kv-path needs --shared-kv-gib",
+        ("--host-leases",): r"^--host-leases needs a host tier \(--host-kv-gib > 0\)",
+        ("--disk-kv-gib", "1"): "^--disk-kv-gib needs --disk-kv-path",
+    }
+    for argv, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            engine_from_args(p.parse_args(list(argv)))
+
+
+def test_a_host_tier_smaller_than_a_block_is_refused_not_dropped() -> None:
+    kv_cache = torch.zeros(4, 2, 16, 32)  # 4 KiB a block
+    assert BlockCopies(kv_cache, 4096).host is not None
+    with pytest.raises(ValueError, match=r"host_kv_cache_bytes: 4095 bytes hold no block"):
+        BlockCopies(kv_cache, 4095)
+
+
+def test_serve_refuses_a_tier_folder_it_cannot_make_naming_the_flag(tmp_path) -> None:
+    (tmp_path / "afile").write_text("")
+    argv = ["serve", "--device", "cpu", "--disk-kv-gib", "1"]
+    fine = spec_from_args(build_parser().parse_args([*argv, "--disk-kv-path", str(tmp_path / "d")]))
+    check_tier_paths(fine)
+    assert (tmp_path / "d").is_dir()
+    bad = spec_from_args(
+        build_parser().parse_args([*argv, "--disk-kv-path", str(tmp_path / "afile" / "d")])
+    )
+    with pytest.raises(ValueError, match=r"^--disk-kv-path .*afile/d: Not a directory"):
+        check_tier_paths(bad)

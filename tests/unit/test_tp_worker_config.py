@@ -41,8 +41,10 @@ def test_what_a_tp_workers_engine_refuses_is_refused_before_ray_starts(tmp_path)
     tiers = ("--disk-kv-gib", "1", "--disk-kv-path", str(tmp_path / "d"))
     tiers += ("--shared-kv-gib", "1", "--shared-kv-path", str(tmp_path / "s"))
     assert spec(*tiers).decode_tp == 1
-    with pytest.raises(ValueError, match=r"--decode-tp 2: .*shared_kv_cache_bytes"):
+    with pytest.raises(ValueError, match=r"--decode-tp 2: .*--shared-kv-gib"):
         spec(*tiers, "--decode-tp", "2")
+    with pytest.raises(ValueError, match=r"^--tp 3: .*--shared-kv-gib"):  # as the user set it
+        spec(*tiers, "--tp", "3")
 
 
 def test_a_pools_ranks_are_its_workers_engine_size_and_bundles() -> None:
