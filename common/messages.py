@@ -150,6 +150,9 @@ class TokenDelta:
     # With ERROR: the worker gave the request up for a reason not its own (its router went
     # silent); the router resumes it elsewhere as after a worker death, with the tokens sent.
     resumable: bool = False
+    # With ERROR: no worker could take the request on (its decode worker died and none took it
+    # over, or it ran out of migrations): the client may send it again (HTTP 503, UNAVAILABLE).
+    unavailable: bool = False
     transfer: TransferStats | None = None  # on the decode worker's first delta only
     index: int = 0  # which of the request's n choices these tokens belong to
     # speculative decoding: the request's drafted tokens accepted so far, on this worker

@@ -252,7 +252,10 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
         "GPU nodes have joined: usually cpu)",
     )
     p.add_argument(
-        "--wait-timeout", type=float, default=WAIT_TIMEOUT_S, help="seconds to wait for the router"
+        "--wait-timeout",
+        type=float,
+        default=WAIT_TIMEOUT_S,
+        help=f"seconds to wait for the router (default {WAIT_TIMEOUT_S:g})",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run none")
     p.add_argument(

@@ -307,9 +307,18 @@ class LocalCluster:
             raise ValueError(gpu_shortage(workers, per_worker, needed, gpus))
 
     def lost(self) -> str | None:
-        """Why the embedded Ray is gone (its raylet or GCS server exited); None while it runs,
-        or when this cluster runs on a Ray it did not start."""
-        return None if self._ray is None else self._ray.lost()
+        """Why the cluster is gone: the embedded Ray's raylet or GCS server exited, or a
+        model's controller died (its workers are its actors: Ray ended them with it, and
+        nothing starts them again); None while both run."""
+        for model, backend in self.backends.items():
+            membership = backend.membership
+            if membership is not None and membership.controller_died is not None:
+                return (
+                    f"the controller of {model} died ({membership.controller_died}); its workers "
+                    "ended with it"
+                )
+        why = None if self._ray is None else self._ray.lost()
+        return None if why is None else f"the Ray cluster is lost: {why}"
 
     async def close(self) -> None:
         """Stop the router side, the controller and its workers (each withdraws from Redis

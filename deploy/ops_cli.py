@@ -210,14 +210,13 @@ def evict_request(args: argparse.Namespace) -> KVEvictRequest:
 def kv_evict(args: argparse.Namespace) -> int:
     request = evict_request(args)
     controllers = list(_controllers(args).values())  # every model's, or --model's
-    if args.tenant is not None or args.salt is not None:  # a salt its blocks may not have
-        config = asyncio.run(_router_config(controllers[0]))
-        if args.tenant is not None:
-            warning = tenant_warning(args.tenant, key_usage(config.redis_url))
-        else:
-            warning = salt_warning(args.salt, config.access_digest is not None)
-        if warning:
-            print(warning, file=sys.stderr)
+    config = asyncio.run(_router_config(controllers[0]))  # a salt its blocks may not have
+    if args.tenant is not None:
+        warning = tenant_warning(args.tenant, key_usage(config.redis_url))
+    else:
+        warning = salt_warning(args.salt, config.access_digest is not None)
+    if warning:
+        print(warning, file=sys.stderr)
 
     async def evict() -> dict[str, dict[str, int] | str]:
         answers: dict[str, dict[str, int] | str] = {}
@@ -238,14 +237,16 @@ async def _router_config(controller: ControllerActor) -> RouterConfig:
 
 
 def salt_warning(salt: str | None, keyed: bool) -> str | None:
-    """A line when --salt is given without --tenant on a cluster served with API keys, whose
-    requests' blocks are salted by their tenant (with their cache_salt): it drops none of them."""
-    if salt is None or not keyed:
+    """A line when --tenant is not given on a cluster served with API keys, whose requests'
+    blocks are salted by their tenant (with their cache_salt): --salt S, or --prefix-of alone
+    (the blocks of no salt), drops none of them."""
+    if not keyed:
         return None
+    given = "--salt alone" if salt is not None else "--prefix-of without --tenant"
     return (
         "kvrelay: warning: this cluster's serve has API keys, so each request's blocks are "
-        "salted by its tenant together with its cache_salt: --salt alone matches none of them; "
-        "pass --tenant T with it (or alone, for all of that tenant's blocks)"
+        f"salted by its tenant together with its cache_salt: {given} matches none of them; "
+        "pass --tenant T (with --salt or --prefix-of, or alone for all of that tenant's blocks)"
     )
 
 

@@ -35,7 +35,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="a serve_bench --json report: plan for its recorded requests instead",
     )
     p.add_argument(
-        "--trace-run", type=int, default=-1, help="of a report with several rates, this run"
+        "--trace-run",
+        type=int,
+        default=-1,
+        help="of a report with several rates, this run (default -1: the last)",
     )
     p.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token")
     p.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token")

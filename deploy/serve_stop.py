@@ -125,11 +125,12 @@ async def refuse_while_lost(
     now: asyncio.Event,
     say: Callable[[str], None],
 ) -> None:
-    """The Ray cluster is gone: one line says so; open streams end with an error, and /ready and
-    new requests answer 503 naming the cause for `drain_s` seconds (less if `now` is set), so
-    that clients and load balancers see why before the port closes."""
-    say(f"kvrelay: the Ray cluster is lost ({why}); stopping with exit status 1")
-    backend.lose_cluster(f"the Ray cluster is lost: {why}")
+    """The cluster cannot serve (its Ray is gone, or its controller died and its workers with
+    it): one line says so; open streams end with an error, and /ready and new requests answer
+    503 naming the cause for `drain_s` seconds (less if `now` is set), so that clients and load
+    balancers see why before the port closes."""
+    say(f"kvrelay: {why}; stopping with exit status 1")
+    backend.lose_cluster(why)
     await _first(now.wait(), timeout_s=drain_s)
 
 

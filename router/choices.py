@@ -25,6 +25,7 @@ class ChoiceTrackers:
         num_choices = prepared.request.sampling.n
         self.arrival, self.metrics = prepared.arrival, metrics
         self._first_token_seen = False
+        self.refused = False  # the backend refused it before any output (Overloaded)
         self.trackers = [
             OutputTracker(tokenizer, prepared, metrics, self._first_token)
             for _ in range(num_choices)
@@ -72,5 +73,9 @@ class ChoiceTrackers:
 
     def record_end(self) -> None:
         """Once, when the request leaves the router: one request in the metrics (choice 0's
-        timing and finish, every choice's tokens)."""
+        timing and finish, every choice's tokens); one the backend refused before any output
+        (HTTP 503) is counted as refused, not as a finished request."""
+        if self.refused:
+            self.metrics.unavailable.inc()
+            return
         self.trackers[0].record_end(sum(t.num_output_tokens for t in self.trackers))

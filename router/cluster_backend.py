@@ -50,6 +50,10 @@ from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
 MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
+# A request whose decode worker died waits this long for another to take it over (the last one
+# died: the controller's replacement starts, ~10-20 s on a CPU, a model load and warm-up on a GPU)
+MIGRATION_WAIT_S = 60.0
+MIGRATION_RETRY_S = 0.5
 
 
 class _DecodeLost(Exception):
@@ -139,17 +143,25 @@ class ClusterBackend(Backend):
     ) -> AsyncIterator[TokenDelta]:
         """generate's stream of `request`: the client's own, or one choice of an n > 1 request
         resumed after its decode worker died (client_req_id is then the client's id: the leg
-        was admitted already, and a resumed choice that finds no worker ends with an error
-        delta, since the client's stream is open)."""
+        was admitted already). A leg whose decode worker died is resumed on another; when no
+        worker can take it (the last one died), it waits up to MIGRATION_WAIT_S for one (the
+        controller's replacement) unless the cluster is refusing, then ends with an error
+        delta marked unavailable (the client may retry: HTTP 503 / UNAVAILABLE)."""
         resumed = request.req_id != client_req_id
         sent: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}  # by choice
         done: set[int] = set()
         leg = request
         num_yielded = 0
-        for num_migrations in range(self.max_migrations + 1):
+        num_migrations = 0
+        lost: _DecodeLost | None = None  # the last leg's worker death, until the next leg runs
+        waiting_since: float | None = None  # for a worker to take the migrated leg
+        while True:
             try:
                 async with contextlib.aclosing(self._leg(leg, client_req_id)) as deltas:
                     async for delta in deltas:
+                        if lost is not None:  # the migrated leg runs: it counts now
+                            self._observe_migration()
+                            lost = None
                         sent[delta.index].extend(delta.token_ids)
                         if delta.finished:
                             done.add(delta.index)
@@ -168,33 +180,52 @@ class ClusterBackend(Backend):
                         return
                 return
             except (NoWorkerAvailable, WorkerUnavailable, RayActorError) as e:
+                migrated = lost is not None or resumed
+                if migrated and not isinstance(e, RayActorError) and self.gate.refusal is None:
+                    waiting_since = waiting_since or time.monotonic()
+                    if time.monotonic() - waiting_since < MIGRATION_WAIT_S:
+                        await asyncio.sleep(MIGRATION_RETRY_S)  # a worker may join meanwhile
+                        continue
                 if num_yielded or resumed:  # the stream is open: it ends with an error
-                    yield TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=f"{e}")
+                    why = f"{e}" if lost is None else f"{lost}; no decode worker took it over"
+                    if waiting_since is not None:
+                        why += f" within {MIGRATION_WAIT_S:g} s"
+                    yield TokenDelta(
+                        request.req_id, (), True, FinishReason.ERROR, error=why, unavailable=True
+                    )
                     return
                 raise self._unavailable(request.req_id, e) from None
-            except _DecodeLost as lost:
+            except _DecodeLost as died:
                 if request.sampling.n > 1:
                     open_choices = {i: t for i, t in sent.items() if i not in done}
-                    self._count_migration(request, lost, f"{len(open_choices)} open choices")
+                    self._log_migration(request, died, f"{len(open_choices)} open choices")
+                    self._observe_migration()
                     resume = functools.partial(self._migrating, client_req_id=client_req_id)
                     async for delta in resume_choices(resume, request, open_choices):
                         yield delta
                     return
                 if num_migrations == self.max_migrations:
-                    error = f"{lost}; not migrated again ({self.max_migrations} migrations)"
-                    yield TokenDelta(request.req_id, (), True, FinishReason.ERROR, error=error)
+                    error = f"{died}; not migrated again ({self.max_migrations} migrations)"
+                    yield TokenDelta(
+                        request.req_id, (), True, FinishReason.ERROR, error=error, unavailable=True
+                    )
                     return
                 if len(sent[0]) >= request.sampling.max_tokens:  # every token was out already
                     yield TokenDelta(request.req_id, (), True, FinishReason.LENGTH)
                     return
-                leg = _continuation(request, sent[0], num_migrations + 1)
-                self._count_migration(request, lost, f"{len(sent[0])} tokens sent")
+                num_migrations += 1
+                leg = _continuation(request, sent[0], num_migrations)
+                lost, waiting_since = died, None
+                self._log_migration(request, died, f"{len(sent[0])} tokens sent")
 
-    def _count_migration(self, request: GenerateRequest, lost: Exception, what: str) -> None:
+    def _log_migration(self, request: GenerateRequest, lost: Exception, what: str) -> None:
+        logger.warning("request %s: %s; migrating it with %s", request.req_id, lost, what)
+
+    def _observe_migration(self) -> None:
+        """A request resumed on another decode worker (counted once its new leg runs)."""
         self.num_migrations += 1
         if self.metrics is not None:
             self.metrics.observe_migration()
-        logger.warning("request %s: %s; migrating it with %s", request.req_id, lost, what)
 
     async def _leg(self, request: GenerateRequest, client_req_id: str) -> AsyncIterator[TokenDelta]:
         """One prefill and one decode of `request` (both on one decode worker when the

@@ -1,5 +1,6 @@
 """Errors the front ends map to protocol statuses (HTTP 400/401/413/429/500/503, gRPC
-INVALID_ARGUMENT, UNAUTHENTICATED, INTERNAL, RESOURCE_EXHAUSTED); they hold only their message."""
+INVALID_ARGUMENT, UNAUTHENTICATED, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE); they hold only
+their message."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class BodyTooLarge(ValueError):
 
 class BackendError(RuntimeError):
     """The backend failed while serving a valid request (HTTP 500 / INTERNAL)."""
+
+
+class BackendUnavailable(BackendError):
+    """The request's worker was lost and no other could take it on (HTTP 503 + Retry-After /
+    UNAVAILABLE; in an open stream an error event of type "unavailable"): the client may retry."""
 
 
 class Unauthenticated(PermissionError):

@@ -266,7 +266,10 @@ class Frontend:
                 if tracker.finished:
                     return
             raise BackendError("the backend's stream ended before the request finished")
-        except (BackendError, Overloaded):  # Overloaded: refused for the objectives
+        except Overloaded:  # refused before any output (no worker, the objectives)
+            tracker.refused = True
+            raise
+        except BackendError:
             raise
         except InvalidField as e:  # a worker's engine refused it (its grammar compiler, say)
             cause: InvalidField = getattr(e, "cause", e)  # Ray wraps the worker's exception

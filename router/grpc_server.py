@@ -21,7 +21,13 @@ from common.tracing import TRACEPARENT
 from engine.finish_reason import FinishReason
 from engine.kv_cache.retention import RetentionRange
 from engine.sampling.sampling_params import SamplingParams
-from router.errors import BackendError, InvalidRequest, Overloaded, Unauthenticated
+from router.errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidRequest,
+    Overloaded,
+    Unauthenticated,
+)
 from router.fair_queue import QueueDeadline
 from router.frontend import Frontend
 from router.grpc_health import BackendHealth, add_standard_services
@@ -185,8 +191,10 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
                     yield response_from_chunk(req_id, out)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
-        except BackendError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except BackendError as e:  # a lost worker none replaced: the client may retry
+            unavailable = isinstance(e, BackendUnavailable)
+            status = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.INTERNAL
+            await context.abort(status, str(e))
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's tenant (None without keys); UNAUTHENTICATED for a missing or wrong key."""

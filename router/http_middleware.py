@@ -21,7 +21,7 @@ FRONTEND_KEY = web.AppKey("frontend", Frontend)
 TENANT_KEY = web.RequestKey("tenant", str)
 TRACE_KEY = web.RequestKey("traceparent", str)  # the request's root span (tracing on only)
 # Answered without an API key: probes, metrics and the API's description.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/live", "/health", "/ready", "/metrics", "/openapi.json"})
 
 
 def json_response(body: dict[str, Any], status: int = 200) -> web.Response:

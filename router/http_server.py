@@ -24,7 +24,13 @@ from pydantic import ValidationError
 from common import tracing
 from common.tracing import TRACEPARENT
 from common.version import version
-from router.errors import BackendError, InvalidRequest, Overloaded, RateLimited
+from router.errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidRequest,
+    Overloaded,
+    RateLimited,
+)
 from router.frontend import Frontend
 from router.http_middleware import (
     FRONTEND_KEY,
@@ -44,6 +50,7 @@ from router.output import OutputChunk, Usage
 from router.readiness import check_readiness
 from router.request_spec import Prepared
 from router.served_models import ModelRoute
+from router.serving_gate import RETRY_AFTER_S, UNAVAILABLE
 from router.tokenize_api import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 OPENAPI_KEY = web.AppKey("openapi", dict)
@@ -74,6 +81,23 @@ def _overloaded(error: Overloaded) -> web.Response:
     if error.retry_after_s is not None:
         response.headers["Retry-After"] = str(error.retry_after_s)
     return response
+
+
+def _backend_body(error: BackendError) -> dict[str, Any]:
+    """A failed request's error: "unavailable" (server_error) where its worker was lost and no
+    other took it on (the client may retry), else "internal_error"."""
+    if isinstance(error, BackendUnavailable):
+        return error_body(str(error), "server_error", code=UNAVAILABLE)
+    return error_body(str(error), "internal_error")
+
+
+def _backend_failed(error: BackendError) -> web.Response:
+    """503 with Retry-After for a lost worker no other replaced, else 500."""
+    if isinstance(error, BackendUnavailable):
+        response = _json(_backend_body(error), 503)
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+    return _json(_backend_body(error), 500)
 
 
 class BodyTimeout(Exception):
@@ -188,7 +212,7 @@ async def _collect(frontend: Frontend, prepared: Prepared, ctx: ResponseContext)
     except InvalidRequest as e:
         return _bad_request(e)
     except BackendError as e:
-        return _json(error_body(str(e), "internal_error"), 500)
+        return _backend_failed(e)
     return _json(ctx.final(usage))
 
 
@@ -211,7 +235,7 @@ async def _stream(
             except InvalidRequest as e:
                 return _bad_request(e)
             except BackendError as e:
-                return _json(error_body(str(e), "internal_error"), 500)
+                return _backend_failed(e)
             except StopAsyncIteration:
                 head = []
             await response.prepare(request)
@@ -232,7 +256,7 @@ async def _stream(
     except InvalidRequest as e:
         await response.write(_sse(invalid_body(e)))
     except BackendError as e:
-        await response.write(_sse(error_body(str(e), "internal_error")))
+        await response.write(_sse(_backend_body(e)))
     await response.write(_sse("[DONE]"))
     await response.write_eof()
     return response
@@ -313,13 +337,22 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return _json(_model_card(frontend, route))
 
 
+async def live(request: web.Request) -> web.Response:
+    """200 while this router answers: a liveness probe's endpoint (a worker's death, an empty
+    pool or a drain never fails it; /health and /ready say whether it can serve)."""
+    return _json({"live": True}, 200)
+
+
 async def health(request: web.Request) -> web.Response:
+    """200 while a request can be served (a decode worker is ready, the server is not shutting
+    down), else 503 with the backend's fields."""
     status = await request.app[FRONTEND_KEY].backend.health()
     return _json(_plain(status), 200 if status.get("ok") else 503)
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 only while every pool has a ready worker; 503 with the reason otherwise."""
+    """/health's answer with the reason and each pool's ready workers; 503 with the reason
+    while no request can be served."""
     readiness = await check_readiness(request.app[FRONTEND_KEY].backend)
     body = {"ready": readiness.ready, "reason": readiness.reason, **_plain(readiness.details)}
     return _json(body, 200 if readiness.ready else 503)
@@ -354,6 +387,7 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # an id may hold slashes
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)
+    app.router.add_get("/live", live)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -45,6 +45,8 @@ class MembershipSync:
         self.on_dead: Callable[[str], None] = workers.mark_dead
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        # Why the controller's actor is dead for good (Ray said so), None while it may answer
+        self.controller_died: str | None = None
 
     async def sync_once(self) -> None:
         router = replace(
@@ -84,6 +86,8 @@ class MembershipSync:
                     logger.warning("controller reachable again: membership syncs resume")
                 self._failing = False
             except Exception as e:
+                if isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError):
+                    self.controller_died = self.controller_died or str(e).splitlines()[0]
                 if not self._failing:
                     logger.warning(
                         "controller unreachable (%s): keeping the last membership, less the "

@@ -120,6 +120,12 @@ class RouterMetrics:
             " (HTTP 503 / RESOURCE_EXHAUSTED).",
             registry=r,
         )
+        self.unavailable = Counter(
+            "kvrelay_unavailable_requests",
+            "Requests refused before any output because no worker could take them, or the server"
+            " was shutting down or over its objectives (HTTP 503 / UNAVAILABLE)",
+            registry=r,
+        )
         self.unauthenticated = Counter(
             "kvrelay_unauthenticated_requests",
             "Requests refused for a missing or unknown API key (HTTP 401 / UNAUTHENTICATED).",

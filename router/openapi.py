@@ -31,8 +31,9 @@ OPERATIONS = (
     Operation("post", "/detokenize", "Text of token ids (vLLM's shape)", DetokenizeBody),
     Operation("get", "/v1/models", "The served models"),
     Operation("get", "/v1/models/{model}", "One served model (404 when it is not served)"),
-    Operation("get", "/health", "Liveness (503 when the backend is down)"),
-    Operation("get", "/ready", "Readiness (503 with the reason while a pool cannot serve)"),
+    Operation("get", "/live", "Liveness: 200 while the router answers"),
+    Operation("get", "/health", "Whether a request can be served now (503 when not)"),
+    Operation("get", "/ready", "The same with the reason and each pool's ready workers"),
     Operation("get", "/metrics", "Prometheus metrics"),
 )
 

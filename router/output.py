@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from common.messages import TokenDelta, TopLogprobs
 from engine.finish_reason import FinishReason
-from router.errors import BackendError
+from router.errors import BackendError, BackendUnavailable
 from router.metrics import RouterMetrics
 from router.tokenizer import RouterTokenizer, StopChecker
 
@@ -74,7 +74,8 @@ class OutputTracker:
             self.backend_finished = True
         if delta.finish_reason == FinishReason.ERROR:
             self.finish_reason = FinishReason.ERROR
-            raise BackendError(delta.error or "the backend failed the request")
+            error = BackendUnavailable if delta.unavailable else BackendError
+            raise error(delta.error or "the backend failed the request")
         self._observe_timing(len(delta.token_ids))
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)

@@ -1,5 +1,6 @@
-"""Readiness: whether the backend can serve a request now (every pool has a ready worker), with
-the reason, as HTTP /ready and gRPC health checking report it. Holds no state."""
+"""Readiness: whether the backend can serve a request now (a decode worker is ready and the
+server is not shutting down; with no ready prefill worker the decode workers compute the
+prompts), with the reason, as HTTP /ready and gRPC health checking report it. Holds no state."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ async def check_readiness(backend: Backend) -> Readiness:
         return Readiness(False, f"the backend's health check failed: {e}", {})
     details = {k: v for k, v in status.items() if k != "ok"}
     if status.get("ok"):
-        return Readiness(True, "every pool has a ready worker", details)
+        empty = empty_pools(details)  # the prefill pool: the decode workers compute prompts
+        if empty is None:
+            return Readiness(True, "every pool has a ready worker", details)
+        return Readiness(True, f"{empty}: the decode workers compute the prompts", details)
     return Readiness(False, _reason(details), details)
 
 

@@ -256,3 +256,31 @@ def test_a_dead_decode_workers_n3_requests_resume_every_open_choice(
     assert set(greedy_reasons.values()) == {"length"}
     loop.run_until_complete(both_decode_workers_ready(cluster))
     loop.run_until_complete(wait_until_no_leaks(cluster))
+
+
+def test_when_every_decode_worker_dies_the_streams_wait_and_resume_on_the_replacements(
+    cluster, loop, tokenizer, make_engine
+):
+    """No decode worker is left to migrate to: each stream waits (MIGRATION_WAIT_S) for the
+    controller's replacements and resumes there, token-exact, rather than ending in an error."""
+    loop.run_until_complete(both_decode_workers_ready(cluster))
+    prompts = prompts_for(tokenizer, "last")
+    expected = reference(make_engine, prompts)
+    killed: list[str] = []
+    before = cluster.backend.num_migrations
+
+    async def kill_both(received) -> None:
+        if not killed and all(len(deltas) >= 2 for deltas in received.values()):
+            for worker_id, actor in list(cluster.decode_actors.items()):
+                killed.append(worker_id)
+                ray.kill(actor)
+
+    results = loop.run_until_complete(stream_all(cluster, prompts, "last", kill_both))
+    assert len(killed) == 2, "the streams finished before the kill"
+    for i, deltas in enumerate(results):
+        assert deltas[-1].finish_reason == "length", (i, deltas[-1])
+        assert tokens_of(deltas) == expected[i], f"stream {i}"
+    assert cluster.backend.num_migrations - before == NUM_STREAMS  # each resumed once
+    assert not set(killed) & set(cluster.decode_actors)
+    loop.run_until_complete(both_decode_workers_ready(cluster))
+    loop.run_until_complete(wait_until_no_leaks(cluster))

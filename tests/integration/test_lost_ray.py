@@ -49,7 +49,7 @@ def test_a_killed_raylet_turns_ready_to_503_and_serve_exits_1(tmp_path):
     output = serve.output()
     lost = [line for line in output.splitlines() if line.startswith("kvrelay: the Ray cluster")]
     assert lost == [
-        f"kvrelay: the Ray cluster is lost (its raylet (pid {raylet.pid}) exited); stopping "
+        f"kvrelay: the Ray cluster is lost: its raylet (pid {raylet.pid}) exited; stopping "
         "with exit status 1"
     ], output
     assert "Traceback" not in output, output
@@ -82,6 +82,8 @@ def test_without_its_controller_a_router_still_follows_its_workers(cluster, loop
 
     health = loop.run_until_complete(run())
     assert health == {"ok": False, "prefill_workers": 0, "decode_workers": 0, "redis": "ok"}
+    # serve stops with status 1 on it, as on a lost Ray (it used to answer 503 for good)
+    assert "its workers ended with it" in (cluster.lost() or ""), cluster.lost()
     # A request now finds no worker: 503 "unavailable" with a Retry-After (one may come back).
     request = GenerateRequest("no-worker", (1, 2, 3), SamplingParams(max_tokens=4))
     with pytest.raises(ClusterUnavailable, match="no worker can take the request now") as info:

@@ -128,6 +128,8 @@ def test_models_health_and_metrics(served: Served) -> None:
     base = served.harness.base_url
     with urllib.request.urlopen(base + "/health", timeout=10) as response:
         assert json.loads(response.read())["ok"] is True
+    with urllib.request.urlopen(base + "/live", timeout=10) as response:  # liveness probes
+        assert json.loads(response.read()) == {"live": True}
     with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
         text = response.read().decode()
     for name in (

@@ -175,5 +175,8 @@ def test_kv_evict_warns_of_a_salt_alone_on_a_keyed_cluster() -> None:
     salted by its tenant with S): a warning says to pass --tenant."""
     warning = salt_warning("s1", keyed=True)
     assert warning is not None and "--tenant T" in warning
+    assert "--salt alone" in warning
     assert salt_warning("s1", keyed=False) is None  # open cluster: S is the salt
-    assert salt_warning(None, keyed=True) is None  # --prefix-of alone
+    prefix_only = salt_warning(None, keyed=True)  # --prefix-of alone: no tenant's blocks either
+    assert prefix_only is not None and "--prefix-of without --tenant" in prefix_only
+    assert salt_warning(None, keyed=False) is None

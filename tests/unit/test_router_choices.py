@@ -3,11 +3,16 @@ end once every choice has ended, usage with the prompt counted once."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from common.messages import GenerateRequest, TokenDelta
+from engine.finish_reason import FinishReason
 from engine.sampling.sampling_params import SamplingParams
 from router.choices import ChoiceTrackers
+from router.errors import BackendError, BackendUnavailable
+from router.http_server import _backend_failed
 from router.metrics import RouterMetrics
 from router.request_spec import Prepared
 from router.tokenizer import RouterTokenizer
@@ -72,3 +77,24 @@ def test_the_time_to_first_token_is_observed_once_a_request(tokenizer: RouterTok
     ttft = trackers.metrics.ttft.collect()[0]
     count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
     assert count == 1  # one request (each choice counted it: 3)
+
+
+def test_a_lost_worker_none_replaced_is_unavailable_and_a_refusal_no_finished_request(
+    tokenizer: RouterTokenizer,
+) -> None:
+    lost = TokenDelta("r", (), True, FinishReason.ERROR, error="worker died", unavailable=True)
+    with pytest.raises(BackendUnavailable, match="worker died"):  # HTTP 503, UNAVAILABLE
+        make_trackers(tokenizer, n=1).on_delta(lost)
+    failed = replace(lost, unavailable=False)
+    with pytest.raises(BackendError) as raised:  # HTTP 500, INTERNAL
+        make_trackers(tokenizer, n=1).on_delta(failed)
+    assert not isinstance(raised.value, BackendUnavailable)
+    assert _backend_failed(BackendUnavailable("gone")).status == 503
+    assert _backend_failed(BackendUnavailable("gone")).headers["Retry-After"] == "1"
+    assert _backend_failed(BackendError("bug")).status == 500
+    refused = make_trackers(tokenizer, n=1)
+    refused.refused = True  # the backend refused it before any output (503)
+    refused.record_end()
+    registry = refused.metrics.registry
+    assert registry.get_sample_value("kvrelay_unavailable_requests_total") == 1
+    assert registry.get_sample_value("kvrelay_requests_total", {"finish_reason": "abort"}) is None
