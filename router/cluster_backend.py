@@ -54,6 +54,7 @@ MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work
 # died: the controller's replacement starts, ~10-20 s on a CPU, a model load and warm-up on a GPU)
 MIGRATION_WAIT_S = 60.0
 MIGRATION_RETRY_S = 0.5
+REDIS_CHECK_S = 2.0  # a health check older than this asks Redis itself (at most this long: 0.5 s)
 
 
 class _DecodeLost(Exception):
@@ -98,6 +99,7 @@ class ClusterBackend(Backend):
         self.num_index_drifts = 0  # prefills that reused less than the index promised
         self.num_local_prefills = 0  # legs whose prompt a decode worker computed itself
         self._background: set[asyncio.Task[None]] = set()
+        self._redis_checked = 0.0  # time.monotonic() of health()'s last question to Redis
         self._metrics: RouterMetrics | None = None
         self.membership: Any = None  # router.membership.MembershipSync, closed with the backend
         self.gate = ServingGate()  # refuses new requests / ends open ones when the router stops
@@ -517,6 +519,13 @@ class ClusterBackend(Backend):
         return self.gate.unavailable(message)
 
     async def health(self) -> dict[str, object]:
+        """Whether a request can be served now, with each pool's ready workers and Redis's
+        state: asked of Redis itself when the last check is older than REDIS_CHECK_S (the
+        routing calls' outcome alone said "ok" for a while after Redis died)."""
+        if self.index is not None and time.monotonic() - self._redis_checked > REDIS_CHECK_S:
+            self._redis_checked = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.index.probe(), 0.5)
         details = self._health_details()
         if self.gate.refusal is not None:
             return {"ok": False, "reason": self.gate.refusal, **details}

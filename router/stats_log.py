@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.cluster_state import DecodeStats, PrefillStats, WorkerStats, format_queue
 from common.messages import WorkerLoad
@@ -37,16 +37,21 @@ class StatsSample:
     at_s: float  # time.monotonic()
     router: RouterTotals
     workers: Mapping[str, WorkerSample]  # worker id -> its figures (those that answered)
+    # pool -> its ready workers the router knows (some may not have answered in time)
+    known: Mapping[str, int] = field(default_factory=dict)
 
 
 def sample_of(
-    at_s: float, totals: RouterTotals, stats: Mapping[str, tuple[str, WorkerStats]]
+    at_s: float,
+    totals: RouterTotals,
+    stats: Mapping[str, tuple[str, WorkerStats]],
+    known: Mapping[str, int] | None = None,
 ) -> StatsSample:
     workers = {
         worker_id: WorkerSample(role, s.load, *_prefilled(s))
         for worker_id, (role, s) in stats.items()
     }
-    return StatsSample(at_s, totals, workers)
+    return StatsSample(at_s, totals, workers, dict(known or {}))
 
 
 def _prefilled(stats: WorkerStats) -> tuple[int, int]:
@@ -95,17 +100,25 @@ def stats_line(before: StatsSample, now: StatsSample) -> str | None:
         parts.append(f"router queue: {format_queue(router.queue)}")
     for role in ROLES:
         workers = {i: w for i, w in now.workers.items() if w.role == role}
-        parts.append(_pool_text(role, workers, [prompts[i] for i in workers]))
+        silent = max(0, now.known.get(role, 0) - len(workers))
+        parts.append(_pool_text(role, workers, [prompts[i] for i in workers], silent))
     return "stats: " + " | ".join(parts)
 
 
 def _pool_text(
-    role: str, workers: Mapping[str, WorkerSample], prompts: list[tuple[int, int]]
+    role: str,
+    workers: Mapping[str, WorkerSample],
+    prompts: list[tuple[int, int]],
+    silent: int = 0,
 ) -> str:
+    """silent: the pool's ready workers that did not answer in time (a step holding a CPU
+    worker's interpreter): the figures are the others'."""
     loads = [w.load for w in workers.values()]
     total = sum(load.total_blocks for load in loads)
     used = total - sum(load.free_blocks for load in loads)
     workers_text = f"{len(loads)} worker" + ("" if len(loads) == 1 else "s")
+    if silent:
+        workers_text += f", {silent} not answering"
     text = (
         f"{role} ({workers_text}): running {sum(load.running for load in loads)}, "
         f"waiting {sum(load.waiting for load in loads)}, KV {used / total if total else 0.0:.1%}"
@@ -134,11 +147,17 @@ class StatsLog:
     interval's line if busy. interval_s <= 0: never starts."""
 
     def __init__(
-        self, metrics: RouterMetrics, refresh: Callable[[], Awaitable[None]], interval_s: float
+        self,
+        metrics: RouterMetrics,
+        refresh: Callable[[], Awaitable[None]],
+        interval_s: float,
+        known: Callable[[], Mapping[str, int]] = dict,
     ):
+        """known: each pool's ready workers the router knows, answering or not."""
         self.metrics = metrics
         self.refresh = refresh
         self.interval_s = interval_s
+        self.known = known
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -153,7 +172,8 @@ class StatsLog:
     async def sample(self) -> StatsSample:
         await self.refresh()
         totals = self.metrics.totals()
-        return sample_of(time.monotonic(), totals, self.metrics.worker_stats.last())
+        last = self.metrics.worker_stats.last()
+        return sample_of(time.monotonic(), totals, last, self.known())
 
     async def _run(self) -> None:
         before: StatsSample | None = None

@@ -18,7 +18,9 @@ from common.kv_publisher import KVPublisher
 from common.messages import WorkerLoad
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import hash_blocks, hash_hex
+from router.cluster_backend import ClusterBackend
 from router.prefix_index import IndexUnavailable, PrefixIndex
+from router.worker_set import WorkerSet
 from tests.redis_server import RedisServer
 
 MODEL = "test-model"
@@ -320,3 +322,21 @@ def test_close_logs_a_connection_that_will_not_close(
 
     asyncio.run(main())
     assert "Timed out closing connection" in caplog.text
+
+
+def test_health_asks_redis_itself_and_says_when_it_died(redis_server: RedisServer) -> None:
+    """/health and /ready said "redis": "ok" for ~30 s after Redis died (until a routing call
+    failed): the health check asks Redis when its last check is old."""
+
+    async def body(index: PrefixIndex) -> None:
+        backend = ClusterBackend(MODEL, 64, 1000, 16, WorkerSet(), index=index)
+        assert (await backend.health())["redis"] == "ok"
+        redis_server.stop()
+        backend._redis_checked = 0.0  # as REDIS_CHECK_S later
+        assert (await backend.health())["redis"] == "unavailable"
+        redis_server.restart()
+        backend._redis_checked = 0.0
+        assert (await backend.health())["redis"] == "ok"
+        await backend.close()
+
+    run(body, redis_server.url)

@@ -49,6 +49,16 @@ def test_a_busy_interval_gives_throughput_requests_and_each_pools_kv_use_and_hit
     )
 
 
+def test_a_worker_that_did_not_answer_in_time_is_said_not_to_be_gone() -> None:
+    """A busy CPU worker can miss the 2 s stats call: the line said "prefill (0 workers)"."""
+    before = sample(100.0, streamed=50)
+    now = sample(110.0, streamed=250, in_flight=1)
+    silent = StatsSample(now.at_s, now.router, {"d0": now.workers["d0"]}, {"prefill": 1})
+    line = stats_line(before, silent)
+    assert line is not None and "prefill (0 workers, 1 not answering)" in line, line
+    assert "decode (1 worker):" in line
+
+
 def test_silent_while_idle_and_one_line_after_the_last_busy_interval() -> None:
     idle = sample(0.0)
     assert stats_line(idle, sample(10.0)) is None
