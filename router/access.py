@@ -89,7 +89,7 @@ class ApiKeys:
     def load(cls, path: str | Path) -> ApiKeys:
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a Windows editor's BOM: not a key
             mode = path.stat().st_mode
         except (OSError, UnicodeDecodeError) as e:
             raise ApiKeysFileError(f"--api-keys {path}: cannot read it ({e})") from None
@@ -215,9 +215,12 @@ def _add_class(
         raise ApiKeysFileError(f"{where}: {e}") from None
     known = classes.get(tenant)
     if known is not None and known[0] != kind:
+        before, now = known[0], kind
         raise ApiKeysFileError(
-            f"{where}: tenant {tenant!r} was given class={known[0].kind.value} "
-            f"weight={known[0].weight} on line {known[1]}; a tenant's keys share one class"
+            f"{where}: tenant {tenant!r} has class={now.kind.value} weight={now.weight} here but "
+            f"class={before.kind.value} weight={before.weight} on line {known[1]}; a tenant's "
+            "keys share one class and weight (an option left out is its default: "
+            "class=interactive, weight=1)"
         )
     classes.setdefault(tenant, (kind, lineno))
 

@@ -25,6 +25,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -68,11 +69,18 @@ class Ticket(NamedTuple):
     priority: int
     cost: int  # queued tokens: prompt + max_tokens * n
     deadline_s: float | None
+    arrival: float | None = None  # time.monotonic() at the router (None: when queued)
 
     @classmethod
     def of(
-        cls, request: GenerateRequest, tenant: str | None, key_class: KeyClass = DEFAULT_CLASS
+        cls,
+        request: GenerateRequest,
+        tenant: str | None,
+        key_class: KeyClass = DEFAULT_CLASS,
+        arrival: float | None = None,
     ) -> Ticket:
+        """arrival: when the request reached the router (its deadline_s counts from there:
+        reading its body, the limits and tokenizing included)."""
         return cls(
             request.req_id,
             tenant or "",
@@ -80,13 +88,14 @@ class Ticket(NamedTuple):
             request.priority,
             request.max_total_tokens,
             request.deadline_s,
+            arrival,
         )
 
 
 @dataclass(eq=False)
 class _Entry:
     ticket: Ticket
-    deadline: float  # the loop's clock; inf: none
+    deadline: float  # time.monotonic(); inf: none
     seq: int
     granted: asyncio.Future[None]
     removed: bool = False
@@ -251,14 +260,16 @@ class FairQueue:
         if self.num_queued >= self.max_queued:
             raise Overloaded(self.max_queued, 1)
         loop = asyncio.get_running_loop()
-        deadline = math.inf if ticket.deadline_s is None else loop.time() + ticket.deadline_s
+        now = time.monotonic()
+        start = now if ticket.arrival is None else ticket.arrival
+        deadline = math.inf if ticket.deadline_s is None else start + ticket.deadline_s
         entry = _Entry(ticket, deadline, next(self._seq), loop.create_future())
         band = self._bands.get(ticket.priority)
         if band is None:
             band = self._bands[ticket.priority] = _Band(self.quantum_tokens)
         band.push(entry)
         self._count_queued(ticket, +1)
-        timeout = None if ticket.deadline_s is None else ticket.deadline_s
+        timeout = None if ticket.deadline_s is None else max(0.0, deadline - now)
         try:
             await asyncio.wait_for(asyncio.shield(entry.granted), timeout)
         except (asyncio.CancelledError, TimeoutError) as e:
@@ -268,7 +279,7 @@ class FairQueue:
                 self._remove(entry)
             if isinstance(e, TimeoutError):
                 self.metrics.expired.inc()
-                raise QueueDeadline(ticket.req_id, timeout or 0.0) from None
+                raise QueueDeadline(ticket.req_id, ticket.deadline_s or 0.0) from None
             raise
 
     def _start(self, ticket: Ticket) -> None:

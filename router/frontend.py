@@ -225,7 +225,8 @@ class Frontend:
         turn = False
         try:
             grant = await self._charge(prepared)
-            async with self.queue.turn(Ticket.of(req, prepared.tenant, prepared.key_class)):
+            ticket = Ticket.of(req, prepared.tenant, prepared.key_class, prepared.arrival)
+            async with self.queue.turn(ticket):
                 turn = True  # from here _stream ends the trace and gives the grant back
                 async with contextlib.aclosing(self._stream(prepared, tracker, grant)) as chunks:
                     async for chunk in chunks:

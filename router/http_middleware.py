@@ -35,7 +35,8 @@ def too_large(error: BodyTooLarge) -> web.Response:
 
 @web.middleware
 async def errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure answers in OpenAI's error shape (404s and 405s included)."""
+    """Every failure answers in OpenAI's error shape (404s and 405s included); a client that
+    left mid-request is no server error (logged at debug, as a stream's client leaving is)."""
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -45,6 +46,11 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
         response = json_response(error_body(e.reason, "invalid_request_error", code=code), e.status)
         if "Allow" in e.headers:  # a 405 says which methods the path takes
             response.headers["Allow"] = e.headers["Allow"]
+        return response
+    except ConnectionResetError:  # the client left mid-request (its body, say): no one reads
+        logger.debug("client left during %s %s", request.method, request.path)
+        response = json_response(error_body("client left", "invalid_request_error"), 400)
+        response.force_close()
         return response
     except Exception:
         logger.exception("unhandled error serving %s", request.path)

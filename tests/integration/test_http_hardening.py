@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -275,3 +276,23 @@ def test_a_slow_body_holds_no_request_slot_and_gets_408(harness: ServerHarness, 
     assert reply.startswith("HTTP/1.1 408"), reply
     assert '"code": "request_timeout"' in reply or '"code":"request_timeout"' in reply, reply
     assert post(harness, "/v1/chat/completions", chat(harness))[0] == 200
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error(
+    harness: ServerHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client closing its connection while its body was read logged an ERROR with a traceback
+    ("unhandled error serving"), as if the server had failed; it is logged at debug."""
+    with caplog.at_level(logging.DEBUG, logger="router.http_middleware"):
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", harness.servers.http.port)) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: 200\r\n\r\n" + b'{"prompt": "hi'
+                )
+        deadline = time.monotonic() + 30
+        while caplog.text.count("client left during POST /v1/completions") < 2:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert get(harness, "/health")[0] == 200

@@ -67,6 +67,10 @@ def test_load_names_the_file(tmp_path) -> None:
     path.write_text(f"{KEY_A} team-a\nbad\n")
     with pytest.raises(ApiKeysFileError, match=f"{path}:2: expected"):
         ApiKeys.load(path)
+    bom = tmp_path / "keys-bom"  # saved by a Windows editor: its BOM is no part of the key
+    bom.write_bytes(f"\ufeff{KEY_A} team-a\n".encode())
+    bom.chmod(0o600)
+    assert ApiKeys.load(bom).authenticate(f"Bearer {KEY_A}", None) == "team-a"
 
 
 def test_the_key_is_found_in_bearer_or_x_api_key() -> None:
@@ -125,7 +129,14 @@ def test_class_and_weight_options_per_tenant_and_old_files_still_parse() -> None
             ":1: unknown column 'colour' (known: rps, tpm, streams, class, weight)",
         ),
         (f"{KEY_A} a weight=2 weight=3", ":1: weight is given twice"),
-        (f"{KEY_A} a class=batch\n{KEY_B} a class=interactive", ":2: tenant 'a' was given"),
+        (
+            f"{KEY_A} a class=batch\n{KEY_B} a class=interactive",
+            ":2: tenant 'a' has class=interactive weight=1 here but class=batch weight=1 on line 1",
+        ),
+        (  # the weight differs, not the class: the message says both
+            f"{KEY_A} a weight=2\n{KEY_B} a class=interactive",
+            "class=interactive weight=1 here but class=interactive weight=2 on line 1",
+        ),
     ],
 )
 def test_bad_class_options_are_refused_naming_the_line(line: str, message: str) -> None:

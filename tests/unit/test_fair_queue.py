@@ -4,6 +4,7 @@ tokens and weights, no starvation of a lower priority, the bound, cancellation a
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -154,6 +155,40 @@ def test_a_request_still_queued_at_its_deadline_is_refused() -> None:
 
     asyncio.run(scenario())
     assert registry.get_sample_value("kvrelay_router_queue_deadline_refusals_total") == 1
+
+
+def test_a_deadline_counts_from_the_requests_arrival_not_from_its_queueing() -> None:
+    """deadline_s is "seconds after arrival": the time its body took to read and tokenize
+    counts (it counted from the moment it was queued)."""
+    queue = FairQueue(max_running=1)
+
+    async def scenario() -> None:
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with queue.turn(ticket("holder")):
+                await release.wait()
+
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0)
+        arrived = time.monotonic() - 5.0  # arrived 5 s ago
+        late = Ticket("late", "", BATCH, -1, 100, 4.0, arrived)  # past its deadline already
+        on_time = Ticket("on-time", "", BATCH, -1, 100, 60.0, arrived)
+
+        async def run(t: Ticket) -> str:
+            try:
+                async with queue.turn(t):
+                    return "sent"
+            except QueueDeadline:
+                return "refused"
+
+        tasks = [asyncio.create_task(run(late)), asyncio.create_task(run(on_time))]
+        await asyncio.sleep(0.05)
+        release.set()  # the slot frees within 4 s of queueing: only a deadline counted from
+        await holder  # the arrival refuses the late one
+        assert await asyncio.gather(*tasks) == ["refused", "sent"]
+
+    asyncio.run(scenario())
 
 
 def test_without_a_bound_nothing_waits() -> None:
