@@ -130,19 +130,25 @@ def test_the_queue_is_bounded_and_a_cancelled_wait_leaves_it() -> None:
     asyncio.run(scenario())
 
 
+async def holding(queue: FairQueue) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    """A request that holds the queue's one running slot until the event is set."""
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with queue.turn(ticket("holder")):
+            await release.wait()
+
+    holder = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    return release, holder
+
+
 def test_a_request_still_queued_at_its_deadline_is_refused() -> None:
     registry = CollectorRegistry()
     queue = FairQueue(max_running=1, registry=registry)
 
     async def scenario() -> None:
-        release = asyncio.Event()
-
-        async def hold() -> None:
-            async with queue.turn(ticket("holder")):
-                await release.wait()
-
-        holder = asyncio.create_task(hold())
-        await asyncio.sleep(0)
+        release, holder = await holding(queue)
         with pytest.raises(QueueDeadline) as info:
             async with queue.turn(ticket("late", deadline_s=0.01, key_class=BATCH)):
                 pass
@@ -163,14 +169,7 @@ def test_a_deadline_counts_from_the_requests_arrival_not_from_its_queueing() -> 
     queue = FairQueue(max_running=1)
 
     async def scenario() -> None:
-        release = asyncio.Event()
-
-        async def hold() -> None:
-            async with queue.turn(ticket("holder")):
-                await release.wait()
-
-        holder = asyncio.create_task(hold())
-        await asyncio.sleep(0)
+        release, holder = await holding(queue)
         arrived = time.monotonic() - 5.0  # arrived 5 s ago
         late = Ticket("late", "", BATCH, -1, 100, 4.0, arrived)  # past its deadline already
         on_time = Ticket("on-time", "", BATCH, -1, 100, 60.0, arrived)
