@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 LOCK_NAME = ".kvrelay-worker.lock"
-MAX_FOLDERS = 1024  # as many workers as one pool may have (kvrelay scale's bound)
+MAX_FOLDERS = 4096  # every pool of every model on one node sharing the path (1,024 a pool)
 
 _held: dict[Path, list[int]] = {}  # a root (resolved) -> [its folder held here, lock fd, claims]
 _claiming = threading.Lock()
