@@ -6,6 +6,7 @@ its log file. Also describes the machine and the command line for reports.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import platform
@@ -166,8 +167,8 @@ class LaunchedServer:
         try:
             with urllib.request.urlopen(f"{self.http_url}/health", timeout=2) as resp:
                 return resp.status == 200 and bool(json.loads(resp.read()).get("ok"))
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+            return False  # HTTPException: another server took the port first (HTTP/2 framing)
 
     def stop(self) -> None:
         """SIGINT and wait; escalate to the process group if it does not exit in time."""
