@@ -54,7 +54,8 @@ MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work
 # died: the controller's replacement starts, ~10-20 s on a CPU, a model load and warm-up on a GPU)
 MIGRATION_WAIT_S = 60.0
 MIGRATION_RETRY_S = 0.5
-REDIS_CHECK_S = 2.0  # a health check older than this asks Redis itself (at most this long: 0.5 s)
+REDIS_CHECK_S = 2.0  # health() asks Redis itself when its last check is older than this
+REDIS_CHECK_TIMEOUT_S = 0.5  # and waits this long at most (a probe must answer quickly)
 
 
 class _DecodeLost(Exception):
@@ -525,7 +526,7 @@ class ClusterBackend(Backend):
         if self.index is not None and time.monotonic() - self._redis_checked > REDIS_CHECK_S:
             self._redis_checked = time.monotonic()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.index.probe(), 0.5)
+                await asyncio.wait_for(self.index.probe(), REDIS_CHECK_TIMEOUT_S)
         details = self._health_details()
         if self.gate.refusal is not None:
             return {"ok": False, "reason": self.gate.refusal, **details}
