@@ -1,9 +1,11 @@
 """The process's OpenTelemetry tracer (None unless configure() got an OTLP endpoint: then no SDK
-is imported and nothing is measured) and W3C traceparent strings in and out."""
+is imported and nothing is measured), W3C traceparent strings in and out, and the filter that
+holds the exporter's failure lines to one a minute."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,11 +20,46 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for spans, appended to a bare endpoint
 EXPORT_DELAY_MS = 1000  # a finished span waits this long at most for its batch to leave
+EXPORT_TIMEOUT_S = 5.0  # one batch's export to the collector, its retries included
+SHUTDOWN_S = 3.0  # at shutdown, the last spans' flush: past it they are dropped, with one line
+QUIET_S = 60.0  # the exporter's failure lines: one a minute at most, with the count held back
+# The loggers of the OTLP exporter and the SDK's batch processor: a collector that is down logs
+# a line each batch (each second under traffic, in every process) without QuietLog.
+EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.sdk._shared_internal",
+)
 TRACEPARENT = "traceparent"  # the W3C header (HTTP) and metadata key (gRPC), in and out
 Attributes = Mapping[str, str | int | float | bool]
 
 _tracer: Tracer | None = None
 _provider: TracerProvider | None = None
+
+
+class QuietLog(logging.Filter):
+    """Lets one record through a `window_s`, the first; the next one after it says how many
+    were held back. State: the window's start and its count (the exporter's thread logs)."""
+
+    def __init__(self, window_s: float = QUIET_S, clock=time.monotonic) -> None:
+        super().__init__()
+        self.window_s, self.clock = window_s, clock
+        self._opened = float("-inf")
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            now = self.clock()
+            if now - self._opened < self.window_s:
+                self._held += 1
+                return False
+            held, self._held, self._opened = self._held, 0, now
+        if held:
+            record.msg = f"{record.msg} ({held} similar lines held back in the last window)"
+        return True
+
+
+_quiet = QuietLog()
 
 
 @dataclass(frozen=True)
@@ -68,25 +105,44 @@ def configure(
 
     shutdown()
     resource = Resource.create({"service.name": service, **(attributes or {})})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # shutdown() bounds it
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         assert endpoint is not None
-        otlp = OTLPSpanExporter(endpoint=check_endpoint(endpoint))
-        provider.add_span_processor(BatchSpanProcessor(otlp, schedule_delay_millis=EXPORT_DELAY_MS))
+        for name in EXPORT_LOGGERS:
+            if _quiet not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_quiet)
+        otlp = OTLPSpanExporter(endpoint=check_endpoint(endpoint), timeout=EXPORT_TIMEOUT_S)
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                otlp,
+                schedule_delay_millis=EXPORT_DELAY_MS,
+                export_timeout_millis=EXPORT_TIMEOUT_S * 1000,
+            )
+        )
     _provider, _tracer = provider, provider.get_tracer("kvrelay")
     logger.info("tracing on: %s spans to %s", service, endpoint or type(exporter).__name__)
 
 
 def shutdown() -> None:
-    """Send the spans still batched and turn tracing off (idempotent)."""
+    """Send the spans still batched and turn tracing off (idempotent); a collector that does not
+    take them within SHUTDOWN_S (down, or not answering) costs no more: they are dropped with
+    one line, so a stop is not held up by it."""
     global _tracer, _provider
     provider, _provider, _tracer = _provider, None, None
-    if provider is not None:
-        provider.shutdown()
+    if provider is None:
+        return
+    flush = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+    flush.start()
+    flush.join(SHUTDOWN_S)
+    if flush.is_alive():
+        logger.warning(
+            "tracing: the collector did not take the last spans within %g s; they are dropped",
+            SHUTDOWN_S,
+        )
 
 
 def enabled() -> bool:

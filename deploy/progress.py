@@ -7,6 +7,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from ray.exceptions import RayError
+
 from common.cluster_state import ClusterStatus
 from common.worker_actors import ControllerActor
 
@@ -28,7 +30,11 @@ async def follow(
     printed: set[tuple[str, int]] = set(seen or ())
     deadline = time.monotonic() + timeout_s
     while True:
-        status: ClusterStatus = await controller.status.remote(False)  # without stats
+        try:
+            status: ClusterStatus = await controller.status.remote(False)  # without stats
+        except RayError as e:  # it died (killed, out of memory, its node lost): one line
+            lines = str(e).strip().splitlines() or [""]
+            raise ScaleFailed(f"the controller died ({type(e).__name__}: {lines[0]})") from e
         for pool in status.pools:
             for worker in pool.workers:
                 for i, step in enumerate(worker.transitions):

@@ -51,6 +51,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.recent = RecentLatencies()  # for the controller's SLO attainment, not exported
+        # output tokens that reached clients' streams, every choice's (the stats line's rate)
+        self.num_streamed_tokens = 0
         # A router serving several models: each model's own, for its own controller (set by
         # ModelsBackend; one model's load never judges another's pools).
         self.per_model = False
@@ -82,7 +84,9 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.prompt_tokens = Counter(
-            "kvrelay_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+            "kvrelay_prompt_tokens",
+            "Prompt tokens of ended requests (those that ended before their first token too).",
+            registry=r,
         )
         self.cached_prompt_tokens = Counter(
             "kvrelay_cached_prompt_tokens",
@@ -276,14 +280,18 @@ class RouterMetrics:
     def set_index_available(self, available: bool) -> None:
         self.index_available.set(1 if available else 0)
 
+    def observe_streamed(self, num_tokens: int) -> None:
+        """num_tokens of one choice's output reached its client's stream."""
+        self.num_streamed_tokens += num_tokens
+
     def totals(self) -> RouterTotals:
-        """Totals so far. Streamed tokens: one for each request's first output (the TTFT count)
-        plus one for each token after it (the inter-token count), so counted as they stream,
-        not when the request ends (a first output of several tokens counts as one)."""
-        streamed = _sum(self.ttft, "_count") + _sum(self.itl, "_count")
+        """Totals so far; streamed tokens are counted as they stream (every choice's), not when
+        the request ends."""
         finished = _sum(self.requests, "_total")
         running = int(_sum(self.running, ""))
-        return RouterTotals(int(streamed), int(finished), running, queue_by_class(self.registry))
+        return RouterTotals(
+            self.num_streamed_tokens, int(finished), running, queue_by_class(self.registry)
+        )
 
     def render(self) -> bytes:
         """Prometheus text exposition of this instance's registry."""

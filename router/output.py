@@ -108,6 +108,7 @@ class OutputTracker:
     def _observe_timing(self, num_tokens: int) -> None:
         if not num_tokens:
             return
+        self.metrics.observe_streamed(num_tokens)
         now = time.monotonic()
         if self._last_token_time is None:
             self._first_token_time = now

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from common import tracing
 from common.messages import GenerateRequest, WorkerInfo
 from common.tracing import SpanHandle
+from engine.finish_reason import FinishReason
 from router.policy import LocalPlacement, Placement
 
 if TYPE_CHECKING:
@@ -48,16 +49,20 @@ def end_request(trace: SpanHandle, tracker: ChoiceTrackers, exc: BaseException |
     """End the root span with the request's usage and each choice's finish reason; `exc` (what
     ended Frontend.generate early) marks it failed, or aborted when the client left."""
     usage = tracker.usage()
+    client_left = isinstance(exc, GeneratorExit | asyncio.CancelledError)
+    # a choice that did not finish: aborted when the client left (as /metrics counts it), else
+    # failed with the request
+    unfinished = FinishReason.ABORT if client_left else FinishReason.ERROR
     attributes: dict[str, str | int | bool] = {
         "kvrelay.prompt_tokens": usage.prompt_tokens,
         "kvrelay.completion_tokens": usage.completion_tokens,
         "kvrelay.cached_tokens": usage.cached_tokens,
         "kvrelay.finish_reasons": ",".join(
-            "none" if t.finish_reason is None else t.finish_reason.value for t in tracker.trackers
+            (t.finish_reason or unfinished).value for t in tracker.trackers
         ),
     }
     error = None
-    if isinstance(exc, GeneratorExit | asyncio.CancelledError):
+    if client_left:
         attributes["kvrelay.client_left"] = True
     elif exc is not None:
         error = f"{type(exc).__name__}: {exc}"

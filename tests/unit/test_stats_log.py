@@ -88,9 +88,8 @@ def test_a_worker_that_joins_counts_from_zero_and_one_that_left_counts_nothing()
 
 def test_samples_read_the_routers_real_totals_and_the_workers_stats() -> None:
     metrics = RouterMetrics()
-    metrics.ttft.observe(0.2)  # a first token
-    for _ in range(4):
-        metrics.itl.observe(0.01)  # four more
+    metrics.observe_streamed(1)  # a first token
+    metrics.observe_streamed(4)  # four more
     metrics.observe_finished("stop", 10, 0, 5, 1.0)
     metrics.running.inc()
     stats = PrefillStats(WorkerState.READY, WorkerLoad(1, 0, 10, 20), num_prompt_tokens=10)

@@ -6,6 +6,8 @@ workers get the root's own, the root ends with the usage; with tracing off nothi
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
@@ -151,6 +153,22 @@ def test_a_failed_request_ends_its_root_span_as_an_error(
         run(Frontend(Failing(), tokenizer), spec(CLIENT))
     (root,) = spans.get_finished_spans()
     assert root.status.status_code is StatusCode.ERROR
+    assert root.attributes["kvrelay.finish_reasons"] == "error"
+
+
+def test_a_client_that_left_ends_its_root_span_aborted_as_metrics_count_it(
+    tokenizer, spans: InMemorySpanExporter
+) -> None:
+    async def go() -> None:
+        frontend = Frontend(ScriptedBackend(), tokenizer)
+        stream = frontend.generate(await frontend.prepare(spec(CLIENT)))
+        await anext(stream)  # one token, then the client goes
+        await stream.aclose()
+
+    asyncio.run(go())
+    (root,) = spans.get_finished_spans()
+    assert root.attributes["kvrelay.client_left"] is True
+    assert root.attributes["kvrelay.finish_reasons"] == "abort"  # not "none"
 
 
 def test_a_request_refused_while_queued_ends_its_root_span_as_an_error(
@@ -188,3 +206,43 @@ def test_a_request_refused_while_queued_ends_its_root_span_as_an_error(
     assert late_root.status.status_code is StatusCode.ERROR
     assert first_root.status.status_code is StatusCode.UNSET
     assert first_root.attributes["kvrelay.completion_tokens"] == len(OUTPUT)
+
+
+def test_the_exporters_failure_lines_are_one_a_window_with_the_count_held_back() -> None:
+    now = [0.0]
+    quiet = tracing.QuietLog(window_s=60, clock=lambda: now[0])
+
+    def record() -> logging.LogRecord:
+        return logging.LogRecord("otlp", logging.WARNING, "", 0, "export failed", None, None)
+
+    first = record()
+    assert quiet.filter(first) and first.getMessage() == "export failed"
+    for t in (1.0, 30.0, 59.0):
+        now[0] = t
+        assert not quiet.filter(record())
+    now[0] = 61.0
+    after = record()
+    assert quiet.filter(after)
+    assert after.getMessage() == "export failed (3 similar lines held back in the last window)"
+    now[0] = 200.0  # nothing held in the window since 61: the next line is plain again
+    plain = record()
+    assert quiet.filter(plain) and plain.getMessage() == "export failed"
+
+
+def test_a_collector_that_never_answers_does_not_hold_up_shutdown(monkeypatch, caplog) -> None:
+    """A real socket that takes connections and never answers (a hung collector): shutdown()
+    gives up on the last spans after SHUTDOWN_S and says so, rather than waiting out the
+    exporter's retries."""
+    monkeypatch.setattr(tracing, "SHUTDOWN_S", 0.2)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # never accepted, never answered
+        port = hung.getsockname()[1]
+        tracing.configure(f"http://127.0.0.1:{port}", "kvrelay-test")
+        try:
+            tracing.end_span(tracing.start_span("s", None))
+        finally:
+            with caplog.at_level(logging.WARNING, logger="common.tracing"):
+                tracing.shutdown()
+    assert not tracing.enabled()
+    assert "did not take the last spans within 0.2 s" in caplog.text
