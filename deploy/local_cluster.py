@@ -155,6 +155,14 @@ class LocalCluster:
     def decode_actors(self) -> dict[str, Any]:
         return {i: a for b in self.backends.values() for i, a in b.workers.actors("decode").items()}
 
+    def known_workers(self) -> dict[str, int]:
+        """Pool -> its ready workers the router knows, over every model (the stats line's
+        count, answering or not)."""
+        return {
+            role: sum(len(b.workers.known(role)) for b in self.backends.values())
+            for role in ("prefill", "decode")
+        }
+
     async def start(
         self, progress=print, on_ray_init: Callable[[], None] | None = None
     ) -> LocalCluster:

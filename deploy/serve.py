@@ -110,12 +110,8 @@ async def _serve(
         name = name or str(servers.http.port)
         cluster_address.record_local(name, _ray_address(), http_url, grpc_address)
         recorded = name
-        workers = cluster.backend.workers
         stats_log = StatsLog(
-            metrics,
-            cluster.backend.refresh_metrics,
-            stats_interval_s,
-            lambda: {role: len(workers.known(role)) for role in ("prefill", "decode")},
+            metrics, cluster.backend.refresh_metrics, stats_interval_s, cluster.known_workers
         )
         stats_log.start()
         _say(f"kvrelay: serving {', '.join(cluster.models)}")

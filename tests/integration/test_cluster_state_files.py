@@ -2,7 +2,7 @@
 `kvrelay status` refuses to guess between them and lists both, finds each by --name (the
 unnamed one by its HTTP port), and when one stops it removes only its own state, so the other
 is found with no flag. On the way: `kvrelay bench` loads one of them, and that serve logs its
-periodic stats line."""
+periodic stats line; the other serves two (tiny) models, and lists and answers both."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.served_shape import write_served_shape
 from tests.integration.serve_process import ServeProcess, serve_env
 
 # The cheapest cluster that is still a real one: no Redis, smaller KV pools (ServeProcess runs
@@ -34,8 +35,12 @@ def kvrelay(env: dict[str, str], *argv: str, timeout_s: float = 180) -> subproce
 
 
 def router_urls(status: subprocess.CompletedProcess) -> list[str]:
+    """The routers `status --json` lists (several models': a status a model, each listing the
+    one router)."""
     assert status.returncode == 0, status.stderr
-    return [router["http_url"] for router in json.loads(status.stdout)["routers"]]
+    got = json.loads(status.stdout)
+    models = got if isinstance(got, list) else [got]
+    return sorted({router["http_url"] for model in models for router in model["routers"]})
 
 
 @pytest.fixture
@@ -43,9 +48,18 @@ def env(tmp_path: Path) -> dict[str, str]:
     return serve_env(tmp_path)  # this test's serves only
 
 
+def tiny_models(folder: Path) -> list[str]:
+    """`--model` flags of two tiny random-weight models (`--load-format dummy`)."""
+    flags = []
+    for name in ("tiny-a", "tiny-b"):
+        write_served_shape(folder / name, "tiny-llama", lambda _: None)
+        flags += ["--model", str(folder / name)]
+    return [*flags, "--load-format", "dummy", "--max-model-len", "256"]
+
+
 def test_two_clusters_side_by_side_are_each_found_by_name(env, tmp_path):
     alpha = serve(tmp_path, "--name", "alpha", "--log-stats-interval", "1")
-    unnamed = serve(tmp_path)
+    unnamed = serve(tmp_path, *tiny_models(tmp_path / "models"), "--log-stats-interval", "1")
     serves = [alpha, unnamed]
     port_name = str(unnamed.http_port)
     try:
@@ -77,6 +91,17 @@ def test_two_clusters_side_by_side_are_each_found_by_name(env, tmp_path):
         assert "tok/s" in line and "req/s" in line
         assert "prefill (1 worker): running" in line and "decode (1 worker): running" in line
         assert "stats: prompt" not in unnamed.output(), "idle: no stats line"
+        # the serve of two models lists them, answers each, and counts both models' workers
+        assert "serving tiny-a, tiny-b" in unnamed.output()
+        status, listed = unnamed.get("/v1/models")
+        assert status == 200 and sorted(m["id"] for m in listed["data"]) == ["tiny-a", "tiny-b"]
+        for model in ("tiny-a", "tiny-b"):
+            body = {"model": model, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+            status, reply = unnamed.post("/v1/completions", body)
+            assert status == 200, reply
+            assert reply["model"] == model and reply["usage"]["completion_tokens"] == 2
+        line = unnamed.wait_for("router.stats_log INFO stats: prompt", timeout_s=60)
+        assert "prefill (2 workers): running" in line and "decode (2 workers): running" in line
 
         assert unnamed.stop() == 0
         assert not (tmp_path / f"serve-{port_name}.json").exists()
