@@ -78,6 +78,7 @@ class ControllerActor(Protocol):
 
     start: RemoteMethod[[], None]  # its reconcile loop
     scale: RemoteMethod[[ScaleRequest], dict[str, int]]  # -> the pools' desired sizes
+    set_capacity: RemoteMethod[[int, str], None]  # an embedded cluster's most workers, and why
     status: RemoteMethod[[bool], ClusterStatus]  # (with_stats)
     members: RemoteMethod[[RouterStatus | None], list[Member]]  # a router reports, gets members
     forget_router: RemoteMethod[[str], None]  # router_id: it stopped

@@ -20,7 +20,8 @@ Rules, for each pool on its own:
   one worker fewer (pressure * n / (n - 1)): a shrink that would push the pool back over the
   grow line is never made, so sizes do not flip 2 <-> 1;
 - never shrink while a sample of the window has an SLO attainment below `target_attainment`;
-- a pool of no worker (prefill 0..0: aggregated workers) is never resized; a pool is never
+- a pool not in `autoscaled` is never resized, nor one of no worker (prefill 0..0: aggregated
+  workers); a pool is never
   shrunk to 0 (one worker fewer than one has no pressure to judge);
 - never within `cooldown_s` of the pool's last change, never on samples taken within
   `warmup_s` of a worker turning ready (a cold worker's first seconds say nothing), never on a
@@ -50,8 +51,13 @@ class AutoscaleConfig:
     target_batch: int = 32  # requests per decode worker
     target_backlog_blocks: int = 256  # leased, unread blocks per decode worker
     target_attainment: float = 0.9  # SLO attainment below this for a whole window: grow
+    # the pools it resizes; another keeps the size it is given (serve: a pool without its
+    # --autoscale-* flag), its min..max only that size's bounds
+    autoscaled: tuple[str, ...] = ROLES
 
     def __post_init__(self) -> None:
+        if not set(self.autoscaled) <= set(ROLES):
+            raise ValueError(f"autoscale: pools are {ROLES}, got {self.autoscaled}")
         for role in ROLES:
             low, high = self.min_size.get(role, 0), self.max_size.get(role, 0)
             least = 0 if role == "prefill" and high == 0 else 1  # 0..0: aggregated, stays 0
@@ -130,6 +136,8 @@ class Autoscaler:
     def decide(self, role: str, now: float) -> Decision | None:
         """A new size for the pool, or None. The caller applies it and then calls changed()."""
         c = self.config
+        if role not in c.autoscaled:
+            return None  # its size is the operator's
         last = self._last_change[role]
         if last is not None and now - last < c.cooldown_s:
             return None

@@ -57,7 +57,7 @@ class AutoscaleDriver:
         stats = {role: [answered[f"{role}-{i}"] for i in range(len(ready[role]))] for role in ROLES}
         backlog = sum(s.num_blocks_held for s in stats["prefill"])
         decisions = []
-        for role in ROLES:
+        for role in self.scaler.config.autoscaled:
             if not ready[role] or not pools.settled(role):
                 self.scaler.changed(role, now)  # the window restarts once the pool settles
                 continue

@@ -162,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:  # the cluster did not answer in time (an overloaded controller)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `kvrelay status | head`: the reader left; no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the exit's flush of stdout fails quietly too

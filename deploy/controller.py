@@ -113,9 +113,12 @@ class Controller:
         self._autoscale = AutoscaleDriver(config.autoscale) if config.autoscale else None
         self._autoscale_notes: dict[str, str] = {}
         if config.autoscale is not None:
-            for role in ROLES:
+            for role in config.autoscale.autoscaled:
                 low, high = config.autoscale.min_size[role], config.autoscale.max_size[role]
                 self._autoscale_notes[role] = f"autoscale {low}..{high}"
+        # An embedded cluster (`kvrelay serve` on one machine): the most workers its memory or
+        # GPUs hold, and why (set_capacity); None: nodes join as pools need them.
+        self._capacity: tuple[int, str] | None = None
 
     # ---- actor API -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,9 +128,19 @@ class Controller:
             self._loop_task = asyncio.create_task(self._run())
             self._request_nodes()
 
+    async def set_capacity(self, max_workers: int, why: str) -> None:
+        """This cluster's machine holds at most `max_workers` workers of its model (both pools,
+        no node joins): a scale past it is refused, an autoscale grow past it not made."""
+        self._capacity = (max_workers, why)
+
     async def scale(self, request: ScaleRequest) -> dict[str, int]:
-        """Set desired pool sizes; returns them. The loop starts or drains workers to match."""
-        for role, size in request.sizes().items():
+        """Set desired pool sizes; returns them. The loop starts or drains workers to match.
+        ValueError naming the flag for a size the machine cannot hold (set_capacity) or outside
+        the pool's autoscale bounds (it would be undone)."""
+        wanted = request.sizes()
+        self._check_bounds(wanted)
+        self._check_capacity({**self._desired, **wanted}, wanted)
+        for role, size in wanted.items():
             if self._desired[role] != size:
                 self._num_failures[role] = 0
                 self._error = ""
@@ -220,8 +233,10 @@ class Controller:
         )
 
     async def shutdown(self) -> None:
-        """Stop every worker at once (no drain): `kvrelay serve` exiting."""
+        """Stop every worker at once (no drain): `kvrelay serve` exiting; its request to Ray's
+        autoscaler is withdrawn, so idle nodes go after their idle timeout."""
         self._desired = dict.fromkeys(ROLES, 0)
+        self._request_nodes()
         if self._loop_task is not None:
             self._loop_task.cancel()
         for record in self._records.values():
@@ -284,11 +299,44 @@ class Controller:
         assert self.config.autoscale is not None
         low, high = self.config.autoscale.min_size[role], self.config.autoscale.max_size[role]
         when = time.strftime("%H:%M:%S")
+        try:
+            self._check_capacity({**self._desired, role: size}, {role: size})
+        except ValueError:
+            assert self._capacity is not None
+            note = f"held at {self._desired[role]} at {when}: {reason}, but {self._capacity[1]}"
+            self._autoscale_notes[role] = f"autoscale {low}..{high}, {note}"
+            return
         note = f"{self._desired[role]} -> {size} at {when}: {reason}"
         self._autoscale_notes[role] = f"autoscale {low}..{high}, last {note}"
         self._desired[role] = size
         self._request_nodes()
         self._poke()
+
+    def _check_bounds(self, wanted: dict[str, int]) -> None:
+        """An autoscaled pool's size stays within its bounds (outside, the autoscaler would
+        undo it)."""
+        autoscale = self.config.autoscale
+        for role, size in wanted.items():
+            if autoscale is None or role not in autoscale.autoscaled:
+                continue
+            low, high = autoscale.min_size[role], autoscale.max_size[role]
+            if not low <= size <= high:
+                raise ValueError(
+                    f"--{role} {size}: the {role} pool is autoscaled within {low}..{high} "
+                    f"(serve's --autoscale-{role} {low}:{high}); a size outside it would be undone"
+                )
+
+    def _check_capacity(self, sizes: dict[str, int], wanted: dict[str, int]) -> None:
+        """ValueError naming the wanted flags when `sizes` (both pools) exceed the capacity."""
+        if self._capacity is None:
+            return
+        most, why = self._capacity
+        if sum(sizes.values()) > most and sum(sizes.values()) > sum(self._desired.values()):
+            flags = " ".join(f"--{role} {size}" for role, size in wanted.items())
+            raise ValueError(
+                f"{flags}: {why}, so at most {most} workers of both pools "
+                f"(now prefill {sizes['prefill']} + decode {sizes['decode']})"
+            )
 
     def _poke(self) -> None:
         if self._wake is not None:

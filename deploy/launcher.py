@@ -6,6 +6,7 @@ them), up() runs them in order."""
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import shutil
 import subprocess
@@ -87,16 +88,22 @@ def models_file_upload_command(opts: UpOptions) -> list[str] | None:
 
 
 def check_serve_flags(opts: UpOptions) -> None:
-    """With a --models-file: the head's `kvrelay serve` command line checked here, the local
-    file in place of its copy, as serve checks it before Ray starts (a bad file: ValueError
-    naming it, the entry and the field), before any ray command runs."""
-    if opts.models_file is None:
-        return
+    """The head's `kvrelay serve` command line (--serve-args included) checked here as serve
+    checks its flags before Ray starts, a --models-file read from its local copy (a bad file:
+    ValueError naming it, the entry and the field), before any ray command runs. The models
+    themselves are the head's: not looked for here. A size given twice (--prefill N and again
+    in --serve-args) is refused: serve would take the last one silently."""
     from deploy.serve_flags import add_serve_parser, spec_from_args
 
+    for flag in ("--prefill", "--decode", "--http-port", "--grpc-port", "--device"):
+        if any(a == flag or a.startswith(f"{flag}=") for a in opts.serve_args):
+            raise ValueError(f"--serve-args: give {flag} as kvrelay up's own flag, not in it")
+    for flag in ("--host", "--ray-address"):
+        if any(a == flag or a.startswith(f"{flag}=") for a in opts.serve_args):
+            raise ValueError(f"--serve-args: {flag} is kvrelay up's to set, not yours")
     parser = _RaisingParser(prog="kvrelay")
     add_serve_parser(parser.add_subparsers(), lambda args: 0)
-    argv = serve_command(opts, models_file=opts.models_file)[1:]
+    argv = serve_command(opts, models_file=opts.models_file or REMOTE_MODELS_FILE)[1:]
     try:
         spec_from_args(parser.parse_args(argv))
     except ValueError as e:
@@ -296,6 +303,10 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
 
 def up(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
+    if not 0 < args.wait_timeout < math.inf:
+        raise ValueError(
+            f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}"
+        )
     check_cluster_yaml(opts.cluster_yaml)
     check_serve_flags(opts)
     if args.dry_run:

@@ -219,7 +219,9 @@ class LocalCluster:
             controller = await self._start_controller(model_id, names[model_id], model, several)
             self.controllers[model_id] = controller
             self.controller = self.controller or controller
-        await asyncio.gather(*(follow(c, progress) for c in self.controllers.values()))
+        started = await asyncio.gather(*(follow(c, progress) for c in self.controllers.values()))
+        if self._owns_ray and spec.ray_address == "local" and spec.engine.device == "cpu":
+            await self._bound_pools(started)  # an embedded CPU cluster cannot outgrow its box
         router_id = f"router-{secrets.token_hex(4)}"  # one router, known to every controller
         self.router_id = router_id
         for model_id, controller in self.controllers.items():
@@ -234,6 +236,16 @@ class LocalCluster:
         self.backend = self._models_backend() if several else next(iter(self.backends.values()))
         progress("kvrelay: workers ready")
         return self
+
+    async def _bound_pools(self, statuses: list[Any]) -> None:
+        """Each model's controller refuses a scale past what this machine's memory holds (its
+        own workers measured; several models each count the same free memory)."""
+        from deploy.local_capacity import capacity
+
+        for controller, status in zip(self.controllers.values(), statuses, strict=True):
+            bound = capacity(status)
+            if bound is not None:
+                await controller.set_capacity.remote(*bound)
 
     def _models_backend(self) -> Any:
         from router.served_models import ModelsBackend

@@ -38,6 +38,7 @@ ADDRESS_HELP = (
 )
 NAME_HELP = "the local `kvrelay serve` of this --name (its HTTP port when it was given none)"
 T = TypeVar("T")
+STATUS_TIMEOUT_S = 60.0  # `kvrelay status` (and finding a one-model cluster's id): the bound
 MODEL_HELP = "the served model whose pools to act on (needed when the cluster serves several)"
 
 
@@ -129,7 +130,12 @@ def _controllers(args: argparse.Namespace) -> dict[str, ControllerActor]:
         import ray
 
         only = found[""]
-        found = {ray.get(only.status.remote(False)).model_id: only}
+        try:
+            found = {ray.get(only.status.remote(False), timeout=STATUS_TIMEOUT_S).model_id: only}
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"the controller did not answer within {STATUS_TIMEOUT_S:g} s"
+            ) from None
     return pick_models(found, getattr(args, "model", None))
 
 
@@ -171,23 +177,34 @@ def scale(args: argparse.Namespace) -> int:
 async def _scale(
     request: ScaleRequest, controller: ControllerActor, args: argparse.Namespace
 ) -> int:
-    from deploy.progress import ScaleFailed, follow
+    from ray.exceptions import RayTaskError
 
-    before: ClusterStatus = await controller.status.remote(False)  # without stats
-    seen = {
-        (w.worker_id, i)
-        for pool in before.pools
-        for w in pool.workers
-        for i in range(len(w.transitions))
-    }
-    sizes = await controller.scale.remote(request)
-    of = f" of {args.model}" if args.model else ""
-    _say(f"kvrelay: pools wanted{of}: " + ", ".join(f"{role} {n}" for role, n in sizes.items()))
-    if args.no_wait:
-        return 0
+    from deploy.progress import ScaleFailed, ask_status, follow
+
     started = time.monotonic()
     try:
-        final = await follow(controller, _say, args.timeout, seen=seen)
+        before = await ask_status(controller, args.timeout, args.timeout)
+        seen = {
+            (w.worker_id, i)
+            for pool in before.pools
+            for w in pool.workers
+            for i in range(len(w.transitions))
+        }
+        try:
+            left = args.timeout - (time.monotonic() - started)
+            sizes = await asyncio.wait_for(controller.scale.remote(request), max(left, 0.001))
+        except RayTaskError as e:  # refused (a size the machine cannot hold, ...): its words
+            if isinstance(e.cause, ValueError):
+                raise ValueError(str(e.cause)) from None
+            raise
+        except TimeoutError:
+            raise TimeoutError(f"the controller did not answer within {args.timeout:g} s") from None
+        of = f" of {args.model}" if args.model else ""
+        _say(f"kvrelay: pools wanted{of}: " + ", ".join(f"{r} {n}" for r, n in sizes.items()))
+        if args.no_wait:
+            return 0
+        left = args.timeout - (time.monotonic() - started)
+        final = await follow(controller, _say, left, seen=seen, wanted=request.sizes())
     except (ScaleFailed, TimeoutError) as e:
         _say(f"error: {e}")
         return 1
@@ -293,7 +310,10 @@ def status(args: argparse.Namespace) -> int:
         statuses = await asyncio.gather(*(c.status.remote(True) for c in controllers))
         return list(statuses), config.redis_url if config else ""
 
-    statuses, redis_url = asyncio.run(fetch())
+    try:
+        statuses, redis_url = asyncio.run(asyncio.wait_for(fetch(), STATUS_TIMEOUT_S))
+    except TimeoutError:  # cli.main: "error: ...", exit 1
+        raise TimeoutError(f"the controller did not answer within {STATUS_TIMEOUT_S:g} s") from None
     keys = key_usage(redis_url) if args.keys else None  # the tenants' usage: one Redis, every model
     if args.json:
         shown = [s.to_json_dict() for s in statuses]

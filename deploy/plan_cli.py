@@ -37,8 +37,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trace-run",
         type=int,
-        default=-1,
-        help="of a report with several rates, this run (default -1: the last)",
+        default=None,
+        help="of --trace's report with several rates, this run (default -1: the last)",
     )
     p.add_argument("--slo-ttft-ms", type=float, required=True, help="time to first token")
     p.add_argument("--slo-tpot-ms", type=float, required=True, help="time per output token")
@@ -63,8 +63,11 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, str]:
             report = json.loads(args.trace.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"trace {args.trace}: not JSON ({e})") from None
-        records = records_from_report(report, args.trace_run)
+        run = -1 if args.trace_run is None else args.trace_run
+        records = records_from_report(report, run)
         return workload_from_records(records), f"recorded: {len(records)} requests in {args.trace}"
+    if args.trace_run is not None:
+        raise ValueError("--trace-run picks a run of --trace's report: give --trace too")
     if any(value is None for value in described):
         raise ValueError("give --rate, --input-len and --output-len (or --trace)")
     workload = Workload(args.rate, args.input_len, args.output_len, args.cached_fraction)

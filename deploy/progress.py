@@ -24,17 +24,16 @@ async def follow(
     progress: Callable[[str], None],
     timeout_s: float = 1800.0,
     seen: set[tuple[str, int]] | None = None,
+    wanted: dict[str, int] | None = None,
 ) -> ClusterStatus:
     """Poll status until every pool is settled; print each transition not in `seen` (pairs of
-    worker id and transition index, e.g. those present before a scale)."""
+    worker id and transition index, e.g. those present before a scale). `wanted`: the sizes a
+    scale asked for; ScaleFailed once another scale (or the autoscaler) changed them.
+    TimeoutError after timeout_s, the controller's answers included."""
     printed: set[tuple[str, int]] = set(seen or ())
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            status: ClusterStatus = await controller.status.remote(False)  # without stats
-        except RayError as e:  # it died (killed, out of memory, its node lost): one line
-            lines = str(e).strip().splitlines() or [""]
-            raise ScaleFailed(f"the controller died ({type(e).__name__}: {lines[0]})") from e
+        status = await ask_status(controller, max(deadline - time.monotonic(), 0.0), timeout_s)
         for pool in status.pools:
             for worker in pool.workers:
                 for i, step in enumerate(worker.transitions):
@@ -44,9 +43,31 @@ async def follow(
                         progress(f"  {worker.worker_id:<24} {step.state.value:<9}{note}")
         if status.error:
             raise ScaleFailed(status.error)
+        changed = [p for p in status.pools if p.desired != (wanted or {}).get(p.role, p.desired)]
+        if changed:
+            now = ", ".join(f"{p.role} {p.desired}" for p in status.pools)
+            raise ScaleFailed(
+                f"the wanted sizes changed while waiting (now {now}): another `kvrelay scale` "
+                "or the autoscaler changed them"
+            )
         if all(pool.settled for pool in status.pools):
             return status
         if time.monotonic() > deadline:
             sizes = ", ".join(f"{p.role} {p.num_ready}/{p.desired}" for p in status.pools)
             raise TimeoutError(f"pools not at their size after {timeout_s:.0f} s ({sizes})")
         await asyncio.sleep(POLL_S)
+
+
+async def ask_status(
+    controller: ControllerActor, within_s: float, timeout_s: float, with_stats: bool = False
+) -> ClusterStatus:
+    """The controller's status, asked within `within_s` (TimeoutError naming `timeout_s`, the
+    command's bound); ScaleFailed in one line when it died (killed, out of memory, its node
+    lost)."""
+    try:
+        return await asyncio.wait_for(controller.status.remote(with_stats), max(within_s, 0.001))
+    except TimeoutError:
+        raise TimeoutError(f"the controller did not answer within {timeout_s:g} s") from None
+    except RayError as e:
+        lines = str(e).strip().splitlines() or [""]
+        raise ScaleFailed(f"the controller died ({type(e).__name__}: {lines[0]})") from e

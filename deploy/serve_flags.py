@@ -220,16 +220,26 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
             bounds[role] = (size, size)
             continue
         low, sep, high = text.partition(":")
-        if not sep or not low.isdigit() or not high.isdigit() or not 1 <= int(low) <= int(high):
-            raise ValueError(f"--autoscale-{role} wants MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+        if (
+            not sep
+            or not low.isdigit()
+            or not high.isdigit()
+            or not 1 <= int(low) <= int(high) <= MAX_POOL_SIZE
+        ):
+            raise ValueError(
+                f"--autoscale-{role} wants MIN:MAX with 1 <= MIN <= MAX <= {MAX_POOL_SIZE}, "
+                f"got {text!r}"
+            )
         if not int(low) <= size <= int(high):
             raise ValueError(f"--{role} {size} is outside --autoscale-{role} {text}")
         bounds[role] = (int(low), int(high))
+    autoscaled = tuple(r for r in ("prefill", "decode") if getattr(args, f"autoscale_{r}"))
     if all(low == high for low, high in bounds.values()):
         return None
     return AutoscaleConfig(
         min_size={role: low for role, (low, _) in bounds.items()},
         max_size={role: high for role, (_, high) in bounds.items()},
+        autoscaled=autoscaled,
     )
 
 

@@ -228,3 +228,20 @@ def test_a_prefill_pool_of_none_stays_none_and_divides_nothing() -> None:
     for at in range(4, 8):
         scaler.observe(PoolSample(float(at), "prefill", 1))
     assert scaler.decide("prefill", 7.0) is None
+
+
+def test_a_pool_not_autoscaled_keeps_the_size_it_is_given() -> None:
+    """serve --autoscale-decode alone: an operator's `kvrelay scale --prefill 2` is not undone
+    (the prefill pool's bounds are only its starting size's)."""
+    decode_only = AutoscaleConfig(
+        min_size={"prefill": 1, "decode": 1},
+        max_size={"prefill": 1, "decode": 3},
+        window_s=10.0,
+        cooldown_s=20.0,
+        autoscaled=("decode",),
+    )
+    assert simulate("prefill", lambda t: 0, 120, 2, decode_only) == []  # idle, 2 > max: kept
+    assert simulate("prefill", lambda t: 5000, 120, 1, decode_only) == []
+    assert simulate("decode", lambda t: 0, 120, 3, decode_only) == [(10.0, 2), (30.0, 1)]
+    with pytest.raises(ValueError, match="pools are"):
+        AutoscaleConfig(autoscaled=("router",))

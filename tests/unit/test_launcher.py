@@ -79,6 +79,25 @@ def test_bad_values_are_refused(argv: list[str], message: str) -> None:
         up_options(*argv)
 
 
+@pytest.mark.parametrize(
+    ("serve_args", "message"),
+    [
+        ("--bogus-flag 3", "serve on the head would refuse it: unrecognized arguments: --bogus"),
+        ("--autoscale-decode 9:1", "would refuse it: --autoscale-decode wants MIN:MAX"),
+        ("--prefill 3", "--serve-args: give --prefill as kvrelay up's own flag, not in it"),
+        ("--host=127.0.0.1", "--serve-args: --host is kvrelay up's to set, not yours"),
+    ],
+)
+def test_serve_args_are_checked_before_any_ray_command_models_file_or_not(
+    serve_args: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["up", AWS, "--model", "/on/the/head", "--dry-run", f"--serve-args={serve_args}"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert main(["up", AWS, "--dry-run", "--wait-timeout", "-1"]) == 2
+    assert "--wait-timeout must be a positive number of seconds, got -1" in capsys.readouterr().err
+
+
 def test_serve_command_runs_against_the_clusters_ray_on_all_hosts() -> None:
     opts = UpOptions("c.yaml", 2, 3, ("/opt/m",), 9000, 9001, serve_args=("--policy", "random"))
     assert serve_command(opts) == [

@@ -80,6 +80,9 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert code == 2 and "give --rate, --input-len and --output-len" in err
     code, _, err = run(capsys, "--rate", "8", "--trace", str(tmp_path / "t.json"), *SLO)
     assert code == 2 and "not both" in err
+    argv = ["--rate", "2", "--input-len", "100", "--output-len", "10", "--trace-run", "5", *SLO]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "--trace-run picks a run of --trace's report: give --trace too" in err
     bad = tmp_path / "profile.json"
     bad.write_text(json.dumps({"version": 1, "prefill": {"points": []}, "decode": {}}))
     argv = ["--rate", "1", "--input-len", "1", "--output-len", "1", *SLO]

@@ -131,6 +131,9 @@ def test_autoscale_flags() -> None:
     assert spec.autoscale is not None
     assert spec.autoscale.min_size == {"prefill": 1, "decode": 1}
     assert spec.autoscale.max_size == {"prefill": 1, "decode": 4}  # prefill stays at 1
+    assert spec.autoscale.autoscaled == ("decode",)  # the prefill pool keeps the size it is given
+    with pytest.raises(ValueError, match=r"MIN <= MAX <= 1024, got '1:2000'"):
+        parse("--autoscale-decode", "1:2000")
     with pytest.raises(ValueError, match="--decode 5 is outside --autoscale-decode 1:4"):
         parse("--decode", "5", "--autoscale-decode", "1:4")
     with pytest.raises(ValueError, match="--autoscale-prefill wants MIN:MAX"):
