@@ -32,8 +32,12 @@ async def follow(
     TimeoutError after timeout_s, the controller's answers included."""
     printed: set[tuple[str, int]] = set(seen or ())
     deadline = time.monotonic() + timeout_s
+    status: ClusterStatus | None = None
     while True:
-        status = await ask_status(controller, max(deadline - time.monotonic(), 0.0), timeout_s)
+        left = deadline - time.monotonic()
+        if left <= 0 and status is not None:
+            raise _not_there(status, timeout_s)
+        status = await ask_status(controller, left, timeout_s)
         for pool in status.pools:
             for worker in pool.workers:
                 for i, step in enumerate(worker.transitions):
@@ -53,9 +57,13 @@ async def follow(
         if all(pool.settled for pool in status.pools):
             return status
         if time.monotonic() > deadline:
-            sizes = ", ".join(f"{p.role} {p.num_ready}/{p.desired}" for p in status.pools)
-            raise TimeoutError(f"pools not at their size after {timeout_s:.0f} s ({sizes})")
-        await asyncio.sleep(POLL_S)
+            raise _not_there(status, timeout_s)
+        await asyncio.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+
+def _not_there(status: ClusterStatus, timeout_s: float) -> TimeoutError:
+    sizes = ", ".join(f"{p.role} {p.num_ready}/{p.desired}" for p in status.pools)
+    return TimeoutError(f"pools not at their size after {round(timeout_s, 1):g} s ({sizes})")
 
 
 async def ask_status(
@@ -67,7 +75,9 @@ async def ask_status(
     try:
         return await asyncio.wait_for(controller.status.remote(with_stats), max(within_s, 0.001))
     except TimeoutError:
-        raise TimeoutError(f"the controller did not answer within {timeout_s:g} s") from None
+        raise TimeoutError(
+            f"the controller did not answer within {round(timeout_s, 1):g} s"
+        ) from None
     except RayError as e:
         lines = str(e).strip().splitlines() or [""]
         raise ScaleFailed(f"the controller died ({type(e).__name__}: {lines[0]})") from e

@@ -71,5 +71,8 @@ def test_a_scale_whose_sizes_another_changed_is_not_reported_as_done() -> None:
 
 def test_a_controller_that_does_not_answer_ends_follow_at_its_timeout() -> None:
     slow = Answering(settled(1, 1), delay_s=60)
-    with pytest.raises(TimeoutError, match=r"the controller did not answer within 0\.05 s"):
-        asyncio.run(follow(slow, print, timeout_s=0.05))  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError, match=r"the controller did not answer within 0\.2 s"):
+        asyncio.run(follow(slow, print, timeout_s=0.2))  # type: ignore[arg-type]
+    # one that answers, with pools that do not reach their size: that is what times out
+    with pytest.raises(TimeoutError, match=r"pools not at their size after 0\.2 s \(prefill 0/1"):
+        asyncio.run(follow(Answering(settled(1, 1)), print, timeout_s=0.2))  # type: ignore[arg-type]
