@@ -50,6 +50,11 @@ def _check_id(kind: str, value: str) -> str:
     return value
 
 
+def check_model_id(model_id: str) -> str:
+    """model_id, or ValueError when it cannot name keys (empty, braces, globs or spaces)."""
+    return _check_id("model id", model_id)
+
+
 def model_prefix(model_id: str) -> str:
     return f"{KEY_PREFIX}:{{{_check_id('model id', model_id)}}}"
 

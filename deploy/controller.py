@@ -415,19 +415,27 @@ class Controller:
             record.error = start_error(e)
             await worker_launch.stop(record.actor, group=record.group)
             record.move(WorkerState.GONE, f"failed to start: {record.error}")
-            self._start_failed(record.role, record.error)
+            self._start_failed(record.role, record.error, permanent=refused_start(e))
         finally:
             self._poke()
 
-    def _start_failed(self, role: str, error: str) -> None:
-        """One more start of role's pool failed in a row; at max_start_failures the pool stops
-        trying until the next scale, and status says why."""
+    def _start_failed(self, role: str, error: str, permanent: bool = False) -> None:
+        """One more start of role's pool failed in a row; at max_start_failures (at once when
+        `permanent`: the next start would fail the same way) the pool stops trying until the
+        next scale, and status says why."""
         self._num_failures[role] += 1
-        if self._num_failures[role] >= self.config.max_start_failures:
+        if permanent:
+            self._num_failures[role] = max(self._num_failures[role], self.config.max_start_failures)
+            self._error = (
+                f"{role} pool: its worker refused to start (another try would fail the same "
+                f"way), not trying again until the next scale: {error}"
+            )
+        elif self._num_failures[role] >= self.config.max_start_failures:
             self._error = (
                 f"{role} pool: {self._num_failures[role]} starts failed in a row, not trying "
                 f"again until the next scale; last: {error}"
             )
+        if self._num_failures[role] >= self.config.max_start_failures:
             logger.error("controller: %s", self._error)
 
     async def _pair_for(self, record: _Record) -> tuple[_Record | None, _Record]:
@@ -620,6 +628,20 @@ def find_controller(name: str = CONTROLLER_NAME) -> ControllerActor:
             f"no kvrelay controller ({name!r}) on this Ray cluster: start one with `kvrelay "
             "serve` (or `kvrelay up CLUSTER.yaml`)"
         ) from None
+
+
+# A worker whose start raised one of these was refused by its checkpoint or settings (a tensor
+# no module takes, a setting its engine refuses): every start of the pool would fail the same.
+REFUSED_START = ("ValueError", "FileNotFoundError", "NotImplementedError")
+
+
+def refused_start(e: Exception) -> bool:
+    """e (a failed start) is the worker's own refusal of its checkpoint or settings, not a
+    crash, an out-of-memory kill or a lost node that another try may not meet."""
+    if not (isinstance(e, RayActorError) and e.actor_init_failed):
+        return False
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return bool(lines) and lines[-1].split(":", 1)[0].rsplit(".", 1)[-1] in REFUSED_START
 
 
 def start_error(e: Exception) -> str:

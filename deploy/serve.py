@@ -36,9 +36,9 @@ def serve(args: argparse.Namespace) -> int:
     if spec.ray_address == "local":  # a model this machine lacks: refused before Ray starts
         try:
             check_models(spec)
-        except FileNotFoundError as e:  # one the models file names: it says which file
+        except (FileNotFoundError, ValueError) as e:  # one the models file names: it says so
             where = f"--models-file {args.models_file}: " if args.models_file else ""
-            raise FileNotFoundError(f"{where}{e}") from None
+            raise type(e)(f"{where}{e}") from None
         check_tier_paths(spec)  # a tier folder that cannot be made or written: the same
     options = router_options(args)  # a bad key file or certificate: refused before Ray starts
     spec = replace(spec, access_digest=options.access_digest())  # routers that join: the same

@@ -371,18 +371,22 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 def check_models(spec: ClusterSpec) -> None:
     """Each served model (and draft model) names a .gguf file or HF folder here, or the default
-    model with its package installed; FileNotFoundError naming it. For an embedded cluster only:
-    a remote cluster's workers may have paths this machine lacks."""
+    model with its package installed, and a folder holds what serving it needs
+    (deploy/model_preflight.py); FileNotFoundError / ValueError naming it. For an embedded
+    cluster only: a remote cluster's workers may have paths this machine lacks."""
+    from deploy.model_preflight import check_checkpoint
     from engine.model_source import model_source
 
     for pools in spec.models:
-        model_source(pools.engine.model)
+        engine = pools.engine
+        weights = engine.load_format != "dummy"
+        check_checkpoint(model_source(engine.model), engine.scheduler.max_model_len, weights)
         draft = pools.engine.speculative.draft_model
         if draft is not None:
             try:
-                model_source(draft)
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"--draft-model: {e}") from None
+                check_checkpoint(model_source(draft), weights=weights)
+            except (FileNotFoundError, ValueError) as e:
+                raise type(e)(f"--draft-model: {e}") from None
 
 
 def check_tier_paths(spec: ClusterSpec) -> None:

@@ -203,10 +203,12 @@ async def handshake(decode_actor: DecodeActor, prefill_actor_names: list[str]) -
 
 
 def warmup_request(worker_id: str, model: ServedModel) -> GenerateRequest:
-    """Two blocks of fixed tokens, two output tokens, salted apart from user prefixes."""
-    num_tokens = 2 * model.block_size
+    """Two blocks of fixed tokens (fewer when the model's context is shorter: room is left
+    for its output), two output tokens, salted apart from user prefixes."""
+    num_tokens = max(1, min(2 * model.block_size, model.max_model_len - 2))
     prompt = tuple(1 + i % max(1, model.vocab_size - 1) for i in range(num_tokens))
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    max_tokens = max(1, min(2, model.max_model_len - num_tokens))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return GenerateRequest(
         f"{WARMUP_REQ_PREFIX}{worker_id}", prompt, params, cache_salt="kvrelay-warmup"
     )

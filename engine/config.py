@@ -14,6 +14,17 @@ from engine.quant.config import check_quantization, fp8_device_error
 from engine.settings import Settings
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# config.json's `architectures` the engine runs (engine/models/registry.py maps each to its
+# class); here, torch-free, so the CLI refuses another before any process starts
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Gemma3ForCausalLM",
+)
 
 
 def names_default(model: str) -> bool:
@@ -30,7 +41,8 @@ def served_model_id(model: str) -> str:
     checkpoint folder's name."""
     if names_default(model):
         return DEFAULT_MODEL
-    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+    path = Path(model).expanduser().resolve()  # "." and "../x/" name their folders too
+    return path.stem if model.endswith(".gguf") else path.name
 
 
 @dataclass(frozen=True)
@@ -169,8 +181,11 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path, model_id: str | None = None) -> ModelConfig:
         path = Path(path)
-        hf = json.loads((path / "config.json").read_text())
-        return cls.from_hf_dict(hf, model_id or path.name)
+        try:
+            hf = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(hf, model_id or path.resolve().name)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes

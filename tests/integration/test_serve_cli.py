@@ -1,21 +1,27 @@
 """`kvrelay serve` as a user runs it: prints its addresses, answers, `kvrelay status` in another
 shell finds it with no flags, and Ctrl-C (SIGINT) stops everything it started: router,
-controller, workers, Ray and redis-server, leaving no process behind."""
+controller, workers, Ray and redis-server, leaving no process behind. A checkpoint its worker
+refuses ends it after one try, in one line."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
+import torch
+from safetensors.torch import load_file, save_file
 
 from deploy.redis_local import free_port
+from tests.factories import make_tiny_checkpoint
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -88,3 +94,31 @@ def test_serve_answers_and_sigint_leaves_no_process_behind(tmp_path):
     assert not list(tmp_path.glob("serve-*.json")), "serve removes its state file on exit"
     survivors = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, [p.name() for p in survivors]
+
+
+def test_a_checkpoint_its_worker_refuses_ends_serve_after_one_try(
+    tmp_path: Path, smollm_dir: Path
+) -> None:
+    """A tensor no module takes passes the checks before start (only loading finds it): the
+    worker's refusal ends the pool's starts at once (the next would fail the same way, each with
+    a traceback), and serve exits 1 with one line naming the tensor, leaving nothing behind."""
+    folder = make_tiny_checkpoint(tmp_path / "extra", architecture="qwen3", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_dir / name, folder / name)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(4, 64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "KVRELAY_STATE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "serve", "--model", str(folder), "--prefill", "0",
+         "--http-port", "0", "--grpc-port", "0", "--kv-cache-gib", "0.05",
+         "--threads-per-worker", "1"],
+        capture_output=True, text=True, env=env, timeout=400,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    [error] = [line for line in output.splitlines() if line.startswith("error:")]
+    assert "the workers did not start: decode pool: its worker refused to start" in error
+    assert "'layers.0.mlp.gate.weight'" in error
+    assert output.count("kvrelay-decode-0 ") and "kvrelay-decode-1 " not in output  # one try
+    assert not list(tmp_path.glob("serve-*.json"))

@@ -132,7 +132,7 @@ def test_a_model_this_machine_lacks_is_refused_before_anything_starts(
     assert main(["serve", *argv, *PORTS]) == 2
     line = one_line(capsys)
     where = f"--models-file {models}: " if "--models-file" in argv else ""  # the file named
-    assert line.startswith(f"error: {where}model ") and "is neither" in line
+    assert line.startswith(f"error: {where}model ") and "no such file or folder" in line
     assert "foo" in line or "/nonexistent/" in line
 
 
