@@ -182,9 +182,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_setup(args: argparse.Namespace, setup: str, folder: Path, report: dict[str, Any]) -> None:
+    # 4,096 positions, or the shape's own when it has fewer (serve refuses a longer limit)
+    context = json.loads((folder / "config.json").read_text())["max_position_embeddings"]
     common = [
         *("--model", str(folder), "--load-format", "dummy", "--device", args.device),
-        *("--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "4096"),
+        *("--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(min(4096, context))),
     ]
     started = time.monotonic()
     with contextlib.ExitStack() as stack:

@@ -293,7 +293,17 @@ def load_model(
     weights = _fuse_checkpoint(config, raw, quant, device, dequantize, source=folder)
     weights = shard_weights(weights, config, tp)
     weights = {name: _to_device(name, t, device, dtype) for name, t in weights.items()}
-    model.load_state_dict(weights, strict=True, assign=True)
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as e:  # names are kvrelay's fused ones: say what they are made of
+        mismatches = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
+        if not mismatches:
+            raise
+        raise ValueError(
+            f"checkpoint {folder}: its tensors' shapes do not match its config.json: "
+            f"{mismatches[0]} (qkv_proj joins the checkpoint's q/k/v_proj, gate_up_proj its "
+            'gate/up_proj, and "checkpoint" means their join)'
+        ) from None
     model.kv_scales = kv_scales
     return model.to(device).eval()
 

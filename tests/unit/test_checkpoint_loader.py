@@ -94,3 +94,21 @@ def test_a_tied_checkpoint_with_a_different_lm_head_is_refused(qwen3: Path, tmp_
 
     with pytest.raises(ValueError, match=r"'lm_head\.weight' unlike 'embed_tokens\.weight'"):
         _load(rewrite_checkpoint(qwen3, tmp_path / "untied-head", add))
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_naming_the_folder(
+    qwen3: Path, tmp_path: Path
+) -> None:
+    """An up_proj saved narrower than config.json's intermediate_size: the error names the
+    checkpoint and says what kvrelay's fused gate_up_proj is made of."""
+
+    def narrow(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        name = "model.layers.0.mlp.up_proj.weight"
+        return tensors | {name: tensors[name][:100]}
+
+    folder = rewrite_checkpoint(qwen3, tmp_path / "narrow", narrow)
+    with pytest.raises(
+        ValueError, match=re.escape(f"checkpoint {folder}: its tensors' shapes")
+    ) as e:
+        _load(folder)
+    assert "layers.0.mlp.gate_up_proj.weight" in str(e.value) and "gate/up_proj" in str(e.value)
