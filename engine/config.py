@@ -4,6 +4,7 @@ EngineConfig, which carries them with the user's settings (engine/settings.py)."
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,8 @@ def served_model_id(model: str) -> str:
     checkpoint folder's name."""
     if names_default(model):
         return DEFAULT_MODEL
-    path = Path(model).expanduser().resolve()  # "." and "../x/" name their folders too
+    # "." and "../x/" name their folders too; a link keeps its own name (not its target's)
+    path = Path(os.path.abspath(Path(model).expanduser()))
     return path.stem if model.endswith(".gguf") else path.name
 
 
@@ -185,7 +187,7 @@ class ModelConfig:
             hf = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(hf, model_id or path.resolve().name)
+        return cls.from_hf_dict(hf, model_id or Path(os.path.abspath(path)).name)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes

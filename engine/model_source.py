@@ -37,7 +37,7 @@ def model_source(name_or_path: str | os.PathLike) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and (path / "config.json").is_file():
-        return path.resolve()  # its name is the model's id ("." has none)
+        return Path(os.path.abspath(path))  # its name is the model's id ("." has none)
     if not path.exists():
         raise FileNotFoundError(
             f"model {text!r}: no such file or folder (and not the default, {DEFAULT_MODEL!r}; "

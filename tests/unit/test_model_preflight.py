@@ -145,3 +145,12 @@ def test_the_warm_up_request_fits_a_short_context(context: int, prompt: int, out
     assert len(request.prompt_token_ids) == prompt
     assert request.sampling.max_tokens == output
     assert prompt + output <= context
+
+
+def test_a_link_to_a_model_is_served_under_the_links_name(qwen3: Path, tmp_path: Path) -> None:
+    """A friendly name linked to a snapshot folder (as HF's cache has them): the link's name."""
+    link = tmp_path / "my-qwen"
+    link.symlink_to(qwen3)
+    assert served_model_id(str(link)) == "my-qwen"
+    assert model_source(str(link)).name == "my-qwen"
+    check_checkpoint(model_source(str(link)))
