@@ -30,7 +30,8 @@ class Pools(Protocol):
     def slo_attainment(self, role: str) -> float | None:
         """The routers' recent requests against the pool's objective (None: unknown)."""
 
-    def resize(self, role: str, size: int, reason: str) -> None: ...
+    def resize(self, role: str, size: int, reason: str) -> bool:
+        """Apply a decision; False when the controller held the pool (past its capacity)."""
 
 
 class AutoscaleDriver:
@@ -65,11 +66,10 @@ class AutoscaleDriver:
             sample = _sample(role, now, stats[role], newest, backlog)
             self.scaler.observe(replace(sample, slo_attainment=pools.slo_attainment(role)))
             decision = self.scaler.decide(role, now)
-            if decision is not None:
+            if decision is not None and pools.resize(role, decision.size, decision.reason):
                 logger.warning(
                     "autoscale: %s pool -> %d (%s)", role, decision.size, decision.reason
                 )
-                pools.resize(role, decision.size, decision.reason)
                 self.scaler.changed(role, now)
                 decisions.append(decision)
         return decisions

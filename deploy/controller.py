@@ -295,7 +295,8 @@ class Controller:
         states = [r.state for r in self._records.values() if r.role == role]
         return pool_settled(self._desired[role], states)
 
-    def resize(self, role: str, size: int, reason: str) -> None:
+    def resize(self, role: str, size: int, reason: str) -> bool:
+        """The autoscaler's decision, applied; False when held (past the capacity)."""
         assert self.config.autoscale is not None
         low, high = self.config.autoscale.min_size[role], self.config.autoscale.max_size[role]
         when = time.strftime("%H:%M:%S")
@@ -305,12 +306,13 @@ class Controller:
             assert self._capacity is not None
             note = f"held at {self._desired[role]} at {when}: {reason}, but {self._capacity[1]}"
             self._autoscale_notes[role] = f"autoscale {low}..{high}, {note}"
-            return
+            return False
         note = f"{self._desired[role]} -> {size} at {when}: {reason}"
         self._autoscale_notes[role] = f"autoscale {low}..{high}, last {note}"
         self._desired[role] = size
         self._request_nodes()
         self._poke()
+        return True
 
     def _check_bounds(self, wanted: dict[str, int]) -> None:
         """An autoscaled pool's size stays within its bounds (outside, the autoscaler would
@@ -630,18 +632,23 @@ def find_controller(name: str = CONTROLLER_NAME) -> ControllerActor:
         ) from None
 
 
-# A worker whose start raised one of these was refused by its checkpoint or settings (a tensor
-# no module takes, a setting its engine refuses): every start of the pool would fail the same.
-REFUSED_START = ("ValueError", "FileNotFoundError", "NotImplementedError")
+# A worker whose start raised this refused its checkpoint (engine.config.CheckpointRefused: a
+# tensor no module takes, a config.json field it does not run): every start would fail the same.
+REFUSED_START = "CheckpointRefused"
 
 
 def refused_start(e: Exception) -> bool:
-    """e (a failed start) is the worker's own refusal of its checkpoint or settings, not a
-    crash, an out-of-memory kill or a lost node that another try may not meet."""
+    """e (a failed start) is the worker's refusal of its checkpoint, not a crash, a full GPU,
+    an out-of-memory kill or a lost node that another try may not meet."""
     if not (isinstance(e, RayActorError) and e.actor_init_failed):
         return False
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return bool(lines) and lines[-1].split(":", 1)[0].rsplit(".", 1)[-1] in REFUSED_START
+    return bool(lines) and _exception_name(lines[-1]) == REFUSED_START
+
+
+def _exception_name(line: str) -> str:
+    """The exception class a traceback's last line names, without its module."""
+    return line.split(":", 1)[0].rsplit(".", 1)[-1]
 
 
 def start_error(e: Exception) -> str:
@@ -651,5 +658,7 @@ def start_error(e: Exception) -> str:
     if isinstance(e, RayActorError) and e.actor_init_failed:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         if lines:
-            return f"the worker's start raised {as_flags(lines[-1])}"
+            name, sep, message = lines[-1].partition(":")
+            last = f"{_exception_name(name)}{sep}{message}" if " " not in name else lines[-1]
+            return f"the worker's start raised {as_flags(last)}"
     return f"{type(e).__name__}: {e}"

@@ -16,20 +16,32 @@ HEADROOM = 0.8  # of the free memory, what more workers may take (their steps gr
 
 
 def worker_bytes(pids: Iterable[int]) -> int:
-    """The resident memory of one worker's processes (its ranks'); 0 for any gone."""
+    """The memory one worker's processes (its ranks') hold of their own: unique set size, not
+    counting the libraries they share with every other worker (resident size where the
+    system cannot say); 0 for any gone."""
     total = 0
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss
+            process = psutil.Process(pid)
+            try:
+                total += process.memory_full_info().uss
+            except (psutil.AccessDenied, AttributeError):
+                total += process.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return total
 
 
+def free_bytes() -> int:
+    """What the machine has free now (for a share of it: capacity's `available`)."""
+    return psutil.virtual_memory().available
+
+
 def capacity(status: ClusterStatus, available: int | None = None) -> tuple[int, str] | None:
     """(the most workers of both pools, why) for this model's cluster: its live workers and as
-    many more as HEADROOM of `available` bytes (default: the machine's now) holds at the
-    largest worker's size; None when no worker's memory could be read."""
+    many more as HEADROOM of `available` bytes (default: the machine's free memory now; with
+    several models, each model's share) holds at the largest worker's size; None when no
+    worker's memory could be read."""
     live = [
         w
         for pool in status.pools
@@ -40,11 +52,11 @@ def capacity(status: ClusterStatus, available: int | None = None) -> tuple[int, 
     each = max(sizes, default=0)
     if each <= 0:
         return None
-    free = psutil.virtual_memory().available if available is None else available
+    free = free_bytes() if available is None else available
     most = len(live) + math.floor(free * HEADROOM / each)
     why = (
         f"this machine's memory holds about {most} workers of this model ({each / 2**30:.1f} "
-        f"GiB each, {free / 2**30:.1f} GiB free when serve started) and an embedded cluster "
+        f"GiB each, {free / 2**30:.1f} GiB free for it when serve started) and an embedded cluster "
         "adds no nodes"
     )
     return most, why

@@ -239,11 +239,12 @@ class LocalCluster:
 
     async def _bound_pools(self, statuses: list[Any]) -> None:
         """Each model's controller refuses a scale past what this machine's memory holds (its
-        own workers measured; several models each count the same free memory)."""
-        from deploy.local_capacity import capacity
+        own workers measured; several models share the free memory evenly)."""
+        from deploy.local_capacity import capacity, free_bytes
 
+        share = free_bytes() // max(1, len(self.controllers))
         for controller, status in zip(self.controllers.values(), statuses, strict=True):
-            bound = capacity(status)
+            bound = capacity(status, share)
             if bound is not None:
                 await controller.set_capacity.remote(*bound)
 

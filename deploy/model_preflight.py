@@ -2,7 +2,7 @@
 (`kvrelay serve` on an embedded cluster; a worker would find each only after Ray, Redis and the
 controller started, print a traceback and be started again): the model id its folder's name
 gives, a config.json the engine understands (its architecture, fields and quantization), its
-safetensors files (its index's, all there), a tokenizer.json whose ids the model's vocabulary
+safetensors files (its index's, all there), a tokenizer.json whose base vocabulary the model's
 covers, and a --max-model-len within the model's context. Torch-free; the tensors themselves
 are the workers' to check (by loading them). A GGUF file is the workers' to convert. Holds no
 state."""
@@ -19,15 +19,19 @@ from engine.quant.config import read_quant_config
 TOKENIZER_FILE = "tokenizer.json"  # what the router tokenizes with
 
 
-def check_checkpoint(source: Path, max_model_len: int | None = None, weights: bool = True) -> None:
+def check_checkpoint(
+    source: Path, max_model_len: int | None = None, weights: bool = True, draft: bool = False
+) -> None:
     """ValueError / FileNotFoundError naming the folder and what is wrong with it, for an HF
     folder `source` (model_source's) to serve with `max_model_len` (--max-model-len); weights
-    False (--load-format dummy): its safetensors files are not looked for."""
+    False (--load-format dummy): its safetensors files are not looked for; draft (a
+    --draft-model): not served under an id, nor tokenized with."""
     if source.suffix == ".gguf" and source.is_file():
         return
     model_id = served_model_id(str(source))
     try:
-        check_model_id(model_id)
+        if not draft:
+            check_model_id(model_id)
     except ValueError:
         raise ValueError(
             f"model {source}: it is served under its folder's name, {model_id!r}, which must be "
@@ -47,7 +51,8 @@ def check_checkpoint(source: Path, max_model_len: int | None = None, weights: bo
         )
     if weights:
         checkpoint_files(source)
-    _check_tokenizer(source, config)
+    if not draft:
+        _check_tokenizer(source, config)
     _check_context(source, config, max_model_len)
 
 
@@ -61,7 +66,8 @@ def _check_tokenizer(folder: Path, config: ModelConfig) -> None:
     from tokenizers import Tokenizer
 
     try:
-        size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+        # its base vocabulary: special tokens added past vocab_size (never sampled) are fine
+        size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=False)
     except Exception as e:  # the tokenizers library's own error types
         raise ValueError(f"model {folder}: {TOKENIZER_FILE} could not be read ({e})") from None
     if size > config.vocab_size:

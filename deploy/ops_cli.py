@@ -204,7 +204,8 @@ async def _scale(
         if args.no_wait:
             return 0
         left = args.timeout - (time.monotonic() - started)
-        final = await follow(controller, _say, left, seen=seen, wanted=request.sizes())
+        wanted = request.sizes()
+        final = await follow(controller, _say, left, seen, wanted, said_s=args.timeout)
     except (ScaleFailed, TimeoutError) as e:
         _say(f"error: {e}")
         return 1

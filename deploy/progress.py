@@ -13,6 +13,7 @@ from common.cluster_state import ClusterStatus
 from common.worker_actors import ControllerActor
 
 POLL_S = 0.5
+MIN_ANSWER_S = 1.0  # follow's first status call, however little of its time is left
 
 
 class ScaleFailed(RuntimeError):
@@ -25,19 +26,24 @@ async def follow(
     timeout_s: float = 1800.0,
     seen: set[tuple[str, int]] | None = None,
     wanted: dict[str, int] | None = None,
+    said_s: float | None = None,
 ) -> ClusterStatus:
     """Poll status until every pool is settled; print each transition not in `seen` (pairs of
     worker id and transition index, e.g. those present before a scale). `wanted`: the sizes a
     scale asked for; ScaleFailed once another scale (or the autoscaler) changed them.
-    TimeoutError after timeout_s, the controller's answers included."""
+    TimeoutError after timeout_s, the controller's answers included, its message naming
+    `said_s` (the command's own bound, of which timeout_s may be what is left; default
+    timeout_s); the first status is given MIN_ANSWER_S at least."""
+    said_s = timeout_s if said_s is None else said_s
     printed: set[tuple[str, int]] = set(seen or ())
     deadline = time.monotonic() + timeout_s
     status: ClusterStatus | None = None
     while True:
         left = deadline - time.monotonic()
         if left <= 0 and status is not None:
-            raise _not_there(status, timeout_s)
-        status = await ask_status(controller, left, timeout_s)
+            raise _not_there(status, said_s)
+        within = left if status is not None else max(left, MIN_ANSWER_S)
+        status = await ask_status(controller, within, said_s)
         for pool in status.pools:
             for worker in pool.workers:
                 for i, step in enumerate(worker.transitions):
@@ -57,7 +63,7 @@ async def follow(
         if all(pool.settled for pool in status.pools):
             return status
         if time.monotonic() > deadline:
-            raise _not_there(status, timeout_s)
+            raise _not_there(status, said_s)
         await asyncio.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
 
 

@@ -384,7 +384,7 @@ def check_models(spec: ClusterSpec) -> None:
         draft = pools.engine.speculative.draft_model
         if draft is not None:
             try:
-                check_checkpoint(model_source(draft), weights=weights)
+                check_checkpoint(model_source(draft), weights=weights, draft=True)
             except (FileNotFoundError, ValueError) as e:
                 raise type(e)(f"--draft-model: {e}") from None
 

@@ -15,6 +15,13 @@ from engine.quant.config import check_quantization, fp8_device_error
 from engine.settings import Settings
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class CheckpointRefused(ValueError):
+    """A checkpoint (its config.json or its tensors) the engine does not run: every start on it
+    fails the same way (the controller stops trying at once; a crash or a full GPU is retried)."""
+
+
 # config.json's `architectures` the engine runs (engine/models/registry.py maps each to its
 # class); here, torch-free, so the CLI refuses another before any process starts
 ARCHITECTURES = (

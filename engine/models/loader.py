@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import DEFAULT_MODEL as DEFAULT_MODEL  # conftest's import
-from engine.config import ModelConfig
+from engine.config import CheckpointRefused, ModelConfig
 from engine.config import served_model_id as served_model_id  # its old home; engine.py's import
 from engine.model_source import checkpoint_files, model_source
 from engine.model_source import default_gguf_path as default_gguf_path  # tests' import
@@ -91,6 +91,8 @@ def convert_gguf(
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        except ImportError:  # a missing package (gguf): its own words say which
+            raise
         except Exception as e:  # transformers' words name neither the file nor the likely cause
             raise ValueError(
                 f"{gguf_path} could not be read as a GGUF model ({type(e).__name__}: {e}); "
@@ -109,9 +111,15 @@ def convert_gguf(
         tokenizer.save_pretrained(staging)
         marker = {"source": str(gguf_path), "converted_at": time.time()}
         (staging / _CONVERSION_MARKER).write_text(json.dumps(marker))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        # another process (a second worker) may have converted it meanwhile: its copy stays
+        if not (target / _CONVERSION_MARKER).is_file():
+            if target.exists():  # a conversion that did not finish
+                shutil.rmtree(target)
+            try:
+                staging.rename(target)
+            except OSError:
+                if not (target / _CONVERSION_MARKER).is_file():
+                    raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"kvrelay: converted in {time.monotonic() - start:.1f} s")
@@ -119,8 +127,14 @@ def convert_gguf(
 
 
 def read_model_config(folder: Path, model_id: str | None = None) -> ModelConfig:
-    """ModelConfig from config.json, with eos ids from generation_config.json when present."""
-    config = ModelConfig.from_dir(folder, model_id or folder.name)
+    """ModelConfig from config.json, with eos ids from generation_config.json when present;
+    CheckpointRefused for a config.json the engine does not run."""
+    try:
+        config = ModelConfig.from_dir(folder, model_id or folder.name)
+    except KeyError as e:
+        raise CheckpointRefused(f"{folder / 'config.json'} lacks {e}") from None
+    except ValueError as e:
+        raise CheckpointRefused(str(e)) from None
     gen_path = folder / "generation_config.json"
     if gen_path.is_file():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")
@@ -175,7 +189,7 @@ def _fuse_checkpoint(
         try:
             return raw.pop(name)
         except KeyError:
-            raise ValueError(f"checkpoint {source} is missing tensor {name!r}") from None
+            raise CheckpointRefused(f"checkpoint {source} is missing tensor {name!r}") from None
 
     def linear(name: str, parts: list[str]) -> dict[str, torch.Tensor]:
         if quant is not None and dequantize:
@@ -188,7 +202,7 @@ def _fuse_checkpoint(
 
     family = MOE_FAMILIES.get(config.architecture, "")
     if config.moe_layers and not family:
-        raise ValueError(
+        raise CheckpointRefused(
             f"{config.architecture} has no sparse MoE layers, but config.json's num_experts is "
             f"{config.num_experts}; MoE runs for {', '.join(MOE_FAMILIES)}"
         )
@@ -239,7 +253,7 @@ def _refuse_leftovers(
         return
     named = ", ".join(repr(name) for name in unused[:_MAX_NAMED])
     more = f" and {len(unused) - _MAX_NAMED} more" if len(unused) > _MAX_NAMED else ""
-    raise ValueError(
+    raise CheckpointRefused(
         f"checkpoint {source} has {len(unused)} tensor(s) that no module of "
         f"{config.architecture} takes: {named}{more}; kvrelay refuses weights it would ignore"
     )
@@ -248,7 +262,7 @@ def _refuse_leftovers(
 def _check_tied_head(head: torch.Tensor, embed: torch.Tensor, source: str | Path) -> None:
     same = head.shape == embed.shape and torch.equal(head, embed.to(head.dtype))
     if not same:
-        raise ValueError(
+        raise CheckpointRefused(
             f"checkpoint {source} has tensor 'lm_head.weight' unlike 'embed_tokens.weight', but "
             "config.json's tie_word_embeddings is true (the LM head is the embedding matrix)"
         )
@@ -299,7 +313,7 @@ def load_model(
         mismatches = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
         if not mismatches:
             raise
-        raise ValueError(
+        raise CheckpointRefused(
             f"checkpoint {folder}: its tensors' shapes do not match its config.json: "
             f"{mismatches[0]} (qkv_proj joins the checkpoint's q/k/v_proj, gate_up_proj its "
             'gate/up_proj, and "checkpoint" means their join)'

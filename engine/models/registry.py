@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.config import ARCHITECTURES, ModelConfig
+from engine.config import ARCHITECTURES, CheckpointRefused, ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
@@ -28,6 +28,6 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         return _ARCHITECTURES[config.architecture]
     except KeyError:
         known = ", ".join(sorted(_ARCHITECTURES))
-        raise ValueError(
+        raise CheckpointRefused(
             f"unsupported architecture {config.architecture!r}; supported: {known}"
         ) from None

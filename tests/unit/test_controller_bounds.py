@@ -67,8 +67,8 @@ def test_past_the_machines_capacity_a_scale_is_refused_and_a_grow_held() -> None
     ):
         scale(c, prefill=2, decode=2)
     assert scale(c, decode=1) == {"prefill": 1, "decode": 1}  # down: always
-    c.resize("decode", 2, "pressure 1.5 > 1")
-    c.resize("decode", 3, "pressure 1.4 > 1")  # 1 + 3 > 3: held
+    assert c.resize("decode", 2, "pressure 1.5 > 1")
+    assert not c.resize("decode", 3, "pressure 1.4 > 1")  # 1 + 3 > 3: held (not logged as made)
     status = asyncio.run(c.status(False))
     assert [pool.desired for pool in status.pools] == [1, 2]
     note = status.pools[1].autoscale

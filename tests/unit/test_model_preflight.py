@@ -86,6 +86,8 @@ def test_what_the_folder_lacks_is_named(qwen3: Path, tmp_path: Path) -> None:
     spaced = copy_of(qwen3, tmp_path / "my model")
     with pytest.raises(ValueError, match="served under its folder's name, 'my model'"):
         check_checkpoint(spaced)
+    for draft in (no_tokenizer, spaced):  # a --draft-model is neither served nor tokenized with
+        check_checkpoint(draft, draft=True)
     no_weights = copy_of(qwen3, tmp_path / "no-weights")
     (no_weights / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):

@@ -76,3 +76,6 @@ def test_a_controller_that_does_not_answer_ends_follow_at_its_timeout() -> None:
     # one that answers, with pools that do not reach their size: that is what times out
     with pytest.raises(TimeoutError, match=r"pools not at their size after 0\.2 s \(prefill 0/1"):
         asyncio.run(follow(Answering(settled(1, 1)), print, timeout_s=0.2))  # type: ignore[arg-type]
+    # kvrelay scale --timeout 30 with 0.2 s of it left for following: the message says 30
+    with pytest.raises(TimeoutError, match=r"after 30 s"):
+        asyncio.run(follow(Answering(settled(1, 1)), print, 0.2, said_s=30))  # type: ignore[arg-type]
