@@ -28,6 +28,8 @@ from deploy.worker_launch import WorkerTemplate, check_gpus_per_worker, gpus_nee
 from engine.config import EngineConfig, served_model_id
 
 logger = logging.getLogger(__name__)
+REDIS_WATCH_S = 1.0  # keep_redis: how often the embedded redis-server is looked at
+REDIS_RETRY_S = 5.0  # and how long it waits after a failed start before the next try
 LOCAL_POOL_SLOTS = 64  # workers of each pool an embedded (single-node) Ray can host
 STATUS_TIMEOUT_S = 10.0  # close(): asking the controller which workers it has
 SHUTDOWN_TIMEOUT_S = 45.0  # close(): every worker withdrawn and stopped (each has 30 s)
@@ -293,6 +295,38 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             raise
+
+    async def keep_redis(self, say: Callable[[str], None], every_s: float = REDIS_WATCH_S) -> None:
+        """While serve runs: the embedded redis-server, should it exit (killed, out of memory),
+        is started again, empty, on the same port (the workers re-publish their blocks and
+        routers reconnect, as after any Redis outage), with one line saying so; one that
+        cannot start again is said once, and tried again each REDIS_RETRY_S. Nothing for a
+        cluster without an embedded one."""
+        from deploy.redis_local import RedisStartError
+
+        failing = False
+        while self.redis is not None:
+            await asyncio.sleep(every_s)
+            status = self.redis.exit_status
+            if status is None:
+                continue
+            try:
+                await asyncio.to_thread(self.redis.restart)
+            except (RedisStartError, OSError) as e:
+                if not failing:
+                    say(
+                        f"kvrelay: the embedded redis-server exited (status {status}) and could "
+                        f"not start again: {e}; routing by load alone, trying again"
+                    )
+                failing = True
+                await asyncio.sleep(REDIS_RETRY_S)
+                continue
+            failing = False
+            say(
+                f"kvrelay: the embedded redis-server exited (status {status}); started it "
+                f"again, empty, on the same port (pid {self.redis.pid}): the workers re-publish "
+                "their blocks"
+            )
 
     def _start_redis(self, ray: Any) -> Any:
         """On an embedded Ray, a loopback redis-server; on a multi-node cluster (`ray up`), one

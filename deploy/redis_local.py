@@ -182,6 +182,11 @@ class LocalRedis:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def exit_status(self) -> int | None:
+        """The child's exit status once it exited by itself (None: running, or never started)."""
+        return None if self._proc is None else self._proc.poll()
+
     def start(self) -> LocalRedis:
         """Start the server and return once it answers PING (reusing the port if it had one)."""
         if self.running:

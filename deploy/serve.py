@@ -81,7 +81,7 @@ async def _serve(
     signals = StopSignals()
     signals.install()
     cluster = LocalCluster(spec)
-    servers = stats_log = recorded = None
+    servers = stats_log = recorded = redis_keeper = None
     status = 0
     try:
         # Ctrl-C / SIGTERM while it starts: cancelled, and what started stops (below)
@@ -114,6 +114,7 @@ async def _serve(
             metrics, cluster.backend.refresh_metrics, stats_interval_s, cluster.known_workers
         )
         stats_log.start()
+        redis_keeper = asyncio.create_task(cluster.keep_redis(_say))
         _say(f"kvrelay: serving {', '.join(cluster.models)}")
         _say(f"  HTTP (OpenAI)  {http_url}")
         _say(f"  gRPC           {grpc_address}")
@@ -137,6 +138,8 @@ async def _serve(
         status = INTERRUPTED
         _say("kvrelay: start-up interrupted; stopping what started")
     finally:
+        if redis_keeper is not None:
+            redis_keeper.cancel()
         if stats_log is not None:
             await stats_log.close()
         if recorded is not None:

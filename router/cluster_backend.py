@@ -523,15 +523,25 @@ class ClusterBackend(Backend):
         """Whether a request can be served now, with each pool's ready workers and Redis's
         state: asked of Redis itself when the last check is older than REDIS_CHECK_S (the
         routing calls' outcome alone said "ok" for a while after Redis died)."""
-        if self.index is not None and time.monotonic() - self._redis_checked > REDIS_CHECK_S:
-            self._redis_checked = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.index.probe(), REDIS_CHECK_TIMEOUT_S)
+        await self.check_redis()
         details = self._health_details()
         if self.gate.refusal is not None:
             return {"ok": False, "reason": self.gate.refusal, **details}
         # No prefill worker: the decode workers compute every prompt (router/aggregated.py).
         return {"ok": bool(details["decode_workers"]), **details}
+
+    async def check_redis(self) -> None:
+        """Ask Redis itself when the last check is older than REDIS_CHECK_S, and set
+        kvrelay_prefix_index_available from the answer (placements alone set it: an idle router
+        showed 1 through an outage, and 0 after it)."""
+        if self.index is None:
+            return
+        if time.monotonic() - self._redis_checked > REDIS_CHECK_S:
+            self._redis_checked = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.index.probe(), REDIS_CHECK_TIMEOUT_S)
+        if self.metrics is not None:
+            self.metrics.set_index_available(self.index.available)
 
     def _health_details(self) -> dict[str, object]:
         index_ok = self.index is None or self.index.available
@@ -543,9 +553,10 @@ class ClusterBackend(Backend):
 
     async def refresh_metrics(self) -> None:
         """Ask every known worker for its stats (2 s each, in parallel) for the handoff series;
-        a worker that does not answer has none this scrape."""
+        a worker that does not answer has none this scrape; Redis's state asked (check_redis)."""
         if self.metrics is None:
             return
+        await self.check_redis()
         answered = await self.worker_stats()
         for worker_id, (role, stats) in answered.items():
             self.metrics.worker_stats.update(worker_id, role, stats)

@@ -366,6 +366,8 @@ def _plain(fields: dict[str, object]) -> dict[str, object]:
 async def metrics(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND_KEY]
     await frontend.backend.refresh_metrics()
+    if frontend.limiter is not None:
+        await frontend.limiter.check()
     body = frontend.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 

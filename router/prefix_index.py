@@ -216,7 +216,12 @@ class PrefixIndex:
             log.exception("KV index: could not forget dead worker %s", worker_id)
             return 0
         if num_removed >= 0:
-            log.info("KV index: forgot dead worker %s (%d blocks)", worker_id, num_removed)
+            log.info(
+                "KV index: forgot worker %s (%d blocks): its entry expired (it died, or stalled "
+                "past its TTL: a live one re-publishes on its next heartbeat)",
+                worker_id,
+                num_removed,
+            )
         return num_removed
 
 

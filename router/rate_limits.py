@@ -78,6 +78,18 @@ class RateLimiter:
         self._down_until = 0.0  # monotonic time before which Redis is not asked again
         self._outage: str | None = None  # the failure logged for the current outage
 
+    async def check(self) -> None:
+        """Ask Redis now (a /metrics scrape: kvrelay_rate_limits_available follows Redis, not
+        only the requests that happen to come); nothing while a failure's retry interval runs."""
+        if time.monotonic() < self._down_until:
+            return
+        try:
+            await self._client.ping()
+        except (RedisError, OSError) as e:
+            self._failed(e)
+        else:
+            self._answered()
+
     def limits(self, tenant: str) -> TenantLimits:
         return self.limits_by_tenant.get(tenant, NO_LIMITS).over(self.defaults)
 

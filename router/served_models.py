@@ -82,6 +82,7 @@ class ModelsBackend(Backend):
         together and the collector keeps their union)."""
         if self._metrics is None:
             return
+        await asyncio.gather(*(b.check_redis() for b in self._cluster_backends()))
         answers = await asyncio.gather(*(b.worker_stats() for b in self._cluster_backends()))
         answered = {worker_id: got for answer in answers for worker_id, got in answer.items()}
         for worker_id, (role, stats) in answered.items():

@@ -19,6 +19,7 @@ from common.messages import WorkerLoad
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import hash_blocks, hash_hex
 from router.cluster_backend import ClusterBackend
+from router.metrics import RouterMetrics
 from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.worker_set import WorkerSet
 from tests.redis_server import RedisServer
@@ -328,8 +329,14 @@ def test_health_asks_redis_itself_and_says_when_it_died(redis_server: RedisServe
     """/health and /ready said "redis": "ok" for ~30 s after Redis died (until a routing call
     failed): the health check asks Redis when its last check is old."""
 
+    def gauge(metrics: RouterMetrics) -> str:  # kvrelay_prefix_index_available's value
+        text = metrics.render().decode().splitlines()
+        [line] = [x for x in text if x.startswith("kvrelay_prefix_index_available ")]
+        return line.split()[1]
+
     async def body(index: PrefixIndex) -> None:
         backend = ClusterBackend(MODEL, 64, 1000, 16, WorkerSet(), index=index)
+        backend.metrics = metrics = RouterMetrics()
         assert (await backend.health())["redis"] == "ok"
         redis_server.stop()
         backend._redis_checked = 0.0  # as REDIS_CHECK_S later
@@ -337,6 +344,15 @@ def test_health_asks_redis_itself_and_says_when_it_died(redis_server: RedisServe
         redis_server.restart()
         backend._redis_checked = 0.0
         assert (await backend.health())["redis"] == "ok"
+        # a /metrics scrape of an idle router asks too: the gauge follows Redis, not placements
+        redis_server.stop()
+        backend._redis_checked = 0.0
+        await backend.refresh_metrics()
+        assert gauge(metrics) == "0.0"
+        redis_server.restart()
+        backend._redis_checked = 0.0
+        await backend.refresh_metrics()
+        assert gauge(metrics) == "1.0"
         await backend.close()
 
     run(body, redis_server.url)

@@ -1,9 +1,15 @@
-"""deploy.redis_local: the embedded redis-server's start, restart, failure messages and exit."""
+"""deploy.redis_local: the embedded redis-server's start, restart, failure messages and exit;
+serve keeping it (LocalCluster.keep_redis) when it dies."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import pytest
 
+from deploy.local_cluster import ClusterSpec, LocalCluster
 from deploy.redis_local import (
     LocalRedis,
     RedisServerNotFound,
@@ -42,3 +48,32 @@ def test_redis_url_or_local() -> None:
         host, port = host_port.rsplit(":", 1)
         assert ping(host, int(port))
     assert not ping(host, int(port))  # stopped on exit
+
+
+def test_serves_redis_server_killed_is_started_again_on_its_port_and_reaped() -> None:
+    """kill -9 of serve's embedded redis-server: LocalCluster.keep_redis reaps it, starts it
+    again, empty, on the same port (clients holding the URL reconnect), and says so once."""
+    said: list[str] = []
+
+    async def body(cluster: LocalCluster) -> None:
+        keeper = asyncio.create_task(cluster.keep_redis(said.append, every_s=0.05))
+        killed = cluster.redis.pid
+        os.kill(killed, signal.SIGKILL)
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if said:
+                break
+        keeper.cancel()
+        assert cluster.redis.running and cluster.redis.pid != killed
+        assert ping(cluster.redis.host, cluster.redis.port)
+        with pytest.raises(ChildProcessError):
+            os.waitpid(killed, os.WNOHANG)  # reaped: no zombie left
+
+    cluster = LocalCluster(ClusterSpec())
+    with LocalRedis() as server:
+        cluster.redis = server
+        port = server.port
+        asyncio.run(body(cluster))
+        assert server.port == port
+    [line] = said
+    assert line.startswith("kvrelay: the embedded redis-server exited (status -9); started it")

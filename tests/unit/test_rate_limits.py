@@ -191,3 +191,37 @@ def test_a_caller_cancelled_while_redis_admits_gives_the_grant_back(redis_url: s
     assert row.counts["requests"] == 1 and row.num_streams == 0  # admitted, then given back
     assert float(store.hget(keys.tpm, "tokens")) == 100
     assert store.zcard(keys.streams) == 0
+
+
+def test_the_available_gauge_follows_redis_on_a_scrape_with_no_request(
+    redis_server: RedisServer,
+) -> None:
+    """An idle router: /metrics asks Redis (check), so the gauge drops during an outage and
+    comes back after it without waiting for a request."""
+    clock = ManualClock(T0)
+
+    async def body() -> None:
+        one = limiter(redis_server.url, clock, a=TenantLimits(rps=1))
+        one.retry_interval_s = 0.0
+        metrics = one.metrics
+        assert metrics is not None
+
+        def available() -> str:
+            [line] = [
+                line
+                for line in metrics.render().decode().splitlines()
+                if line.startswith("kvrelay_rate_limits_available ")
+            ]
+            return line.split()[1]
+
+        await one.check()
+        assert available() == "1.0"
+        redis_server.stop()
+        await one.check()
+        assert available() == "0.0"
+        redis_server.restart()
+        await one.check()
+        assert available() == "1.0"
+        await one.close()
+
+    run(body())
