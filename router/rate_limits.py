@@ -15,6 +15,7 @@ warning per outage and /metrics shows kvrelay_rate_limits_available 0 until Redi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redis_url import check_url, describe_failure, router_client
 from router import rate_limit_schema as schema
@@ -35,13 +37,15 @@ DEFAULT_LEASE_S = 60.0  # a stream slot's lease, renewed every third of it while
 
 
 class Grant(NamedTuple):
-    """An admitted request's hold on its tenant's limits (counted: False when Redis was down)."""
+    """An admitted request's hold on its tenant's limits (counted: False when Redis was down;
+    unsure: Redis stalled past the admission's timeout, so it may yet run the admission)."""
 
     tenant: str
     member: str
     limits: TenantLimits
     num_charged_tokens: int
     counted: bool
+    unsure: bool = False
 
 
 class RateLimiter:
@@ -110,9 +114,12 @@ class RateLimiter:
         """Give the grant's stream slot back and its unused tokens to the tpm bucket; count the
         tokens used. Never raises (a failure is logged; the lease frees the slot later)."""
         self._held.pop(grant.member, None)
+        keys = schema.TenantKeys.of(grant.tenant)
+        if grant.unsure:  # a stalled Redis may have run its admission since: take the slot back
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.zrem(keys.streams, grant.member)
         if not grant.counted:
             return
-        keys = schema.TenantKeys.of(grant.tenant)
         tpm = grant.limits.tpm or 0
         refund = max(0, grant.num_charged_tokens - num_prompt_tokens - num_output_tokens)
         args = [self.clock(), grant.member, refund, tpm, tpm / 60, num_prompt_tokens]
@@ -145,7 +152,8 @@ class RateLimiter:
             admitted, name, wait = await self._admit_script(keys=list(keys), args=args)
         except (RedisError, OSError) as e:
             self._failed(e)
-            return Grant(tenant, member, limits, num_tokens, counted=False)
+            unsure = isinstance(e, RedisTimeoutError | TimeoutError)  # sent, maybe to be run
+            return Grant(tenant, member, limits, num_tokens, counted=False, unsure=unsure)
         self._answered()
         if not admitted:
             raise self._refusal(tenant, limits, name, float(wait), num_tokens)

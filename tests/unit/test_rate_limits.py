@@ -225,3 +225,35 @@ def test_the_available_gauge_follows_redis_on_a_scrape_with_no_request(
         await one.close()
 
     run(body())
+
+
+def test_an_admission_redis_ran_after_its_timeout_gives_its_slot_back(
+    redis_server: RedisServer,
+) -> None:
+    """Redis stalled (SIGSTOP) past the admission's timeout: the request goes on uncounted (fail
+    open), Redis runs the queued admission once it resumes, and the request's release takes
+    that slot back rather than leave it held for a lease."""
+    clock = ManualClock(T0)
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    streams = TenantKeys.of("a").streams
+
+    async def body() -> None:
+        one = limiter(redis_server.url, clock, a=TenantLimits(streams=2))
+        await one.release(await one.admit("a", "first", 1), 1, 1)  # the script is loaded
+        redis_server.pause()
+        try:
+            grant = await one.admit("a", "stalled", 1)
+        finally:
+            redis_server.resume()
+        assert not grant.counted and grant.unsure
+        for _ in range(100):  # the queued admission runs once Redis resumes
+            if store.zcard(streams):
+                break
+            await asyncio.sleep(0.02)
+        assert store.zrange(streams, 0, -1) == [grant.member]
+        one._down_until = 0.0  # its retry interval over
+        await one.release(grant, 1, 1)
+        assert store.zcard(streams) == 0
+        await one.close()
+
+    run(body())
