@@ -56,7 +56,8 @@ def test_a_workers_block_set_has_a_ttl_past_its_hash_and_is_refreshed(redis_url)
     assert client.exists(blocks_key)
 
     async def forget() -> int:
-        async with PrefixIndex(redis_url, MODEL) as index:
+        # a generous timeout: this test is about TTLs, and a busy machine stalls a first call
+        async with PrefixIndex(redis_url, MODEL, timeout_s=5.0) as index:
             return await index.forget_worker("w0")
 
     assert asyncio.run(forget()) == 2  # a reaper still finds its block entries
