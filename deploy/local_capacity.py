@@ -1,7 +1,8 @@
 """How many workers an embedded cluster's machine holds (`kvrelay serve` on one machine, CPU
 workers: no node ever joins, so a pool past its memory is not pending but killed by the
 out-of-memory killer, the serving workers with it). Measured from the workers that started:
-their processes' resident memory against what the machine has free. Holds no state."""
+the memory their processes hold of their own against what the machine has free. Holds no
+state."""
 
 from __future__ import annotations
 
