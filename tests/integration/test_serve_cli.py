@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from deploy.redis_local import free_port
 from tests.factories import make_tiny_checkpoint
+from tests.integration.serve_process import serve_env
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -108,7 +109,7 @@ def test_a_checkpoint_its_worker_refuses_ends_serve_after_one_try(
     tensors = load_file(folder / "model.safetensors")
     tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(4, 64)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "KVRELAY_STATE_DIR": str(tmp_path)}
+    env = serve_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", str(folder), "--prefill", "0",
          "--http-port", "0", "--grpc-port", "0", "--kv-cache-gib", "0.05",
