@@ -79,16 +79,12 @@ def _check_tokenizer(folder: Path, config: ModelConfig) -> None:
 
 
 def _check_context(folder: Path, config: ModelConfig, max_model_len: int | None) -> None:
-    if max_model_len is None:
+    if max_model_len is None or max_model_len <= config.context_len:
         return
-    limits = {"max_position_embeddings": config.max_position_embeddings}
-    if config.sliding_window:
-        limits["sliding_window (its attention is not implemented: it caps the context)"] = (
-            config.sliding_window
-        )
-    for field, limit in limits.items():
-        if max_model_len > limit:
-            raise ValueError(
-                f"--max-model-len {max_model_len} is longer than model {folder.name}'s context: "
-                f"config.json's {field} is {limit}"
-            )
+    field = "max_position_embeddings"
+    if config.context_len < config.max_position_embeddings:
+        field = "sliding_window (its attention is not implemented: it caps the context)"
+    raise ValueError(
+        f"--max-model-len {max_model_len} is longer than model {folder.name}'s context: "
+        f"config.json's {field} is {config.context_len}"
+    )

@@ -196,6 +196,13 @@ class ModelConfig:
             raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf, model_id or Path(os.path.abspath(path)).name)
 
+    @property
+    def context_len(self) -> int:
+        """The longest sequence the model runs: its positions, capped by a whole-model sliding
+        window (Mistral's, whose attention the engine does not implement)."""
+        positions = self.max_position_embeddings
+        return min(positions, self.sliding_window or positions)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 

@@ -92,9 +92,9 @@ def model_len_limit(
 ) -> int:
     """The longest sequence: the model's positions, the configured limit, the sliding window and
     (once known) the pool's tokens."""
-    limits = [model_config.max_position_embeddings]
-    limits += [x for x in (config.scheduler.max_model_len, model_config.sliding_window) if x]
-    return min(limits + ([pool_tokens] if pool_tokens is not None else []))
+    limits = [model_config.context_len]
+    limits += [x for x in (config.scheduler.max_model_len, pool_tokens) if x is not None]
+    return min(limits)
 
 
 def _kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
