@@ -131,8 +131,8 @@ class RouterOptions:
         lines = [f"  admission      at most {self.max_queued_requests} requests, then 503"]
         if self.max_running_requests:
             lines.append(
-                f"  queue          {self.max_running_requests} running at once, the rest by "
-                "priority and fair share"
+                f"  queue          {self.max_running_requests} running at once of each "
+                "priority or above, the rest by priority and fair share"
             )
         if self.max_body_mib is not None:
             lines.append(f"  body limit     {self.max_body_mib:g} MiB, then 413")
@@ -173,7 +173,8 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="requests this router sends on to the cluster at once; the others wait in its "
+        help="requests of one `priority` or higher this router sends on to the cluster at "
+        "once (lower ones running never hold a higher one back); the others wait in its "
         "queue, higher `priority` first and tenants sharing by their keys' weights (deficit "
         "round robin over prompt + max_tokens); 0 (default): no bound, every request goes on "
         "at once and only the workers order by priority",

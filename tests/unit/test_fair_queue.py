@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine.priority import MAX_LEVEL
 from router.errors import Overloaded
 from router.fair_queue import FairQueue, QueueDeadline, Ticket
 from router.traffic_class import KeyClass, TrafficClass
@@ -23,12 +24,13 @@ def ticket(req_id: str, flow: str = "", priority: int = 0, cost: int = 100, **kw
 
 
 async def grant_order(queue: FairQueue, tickets: list[Ticket]) -> list[str]:
-    """The order the queue sends `tickets` on in, all queued behind one running request."""
+    """The order the queue sends `tickets` on in, all queued behind one running request of the
+    top priority (one of a lower priority would not hold a higher one back)."""
     order: list[str] = []
     release = asyncio.Event()
 
     async def hold() -> None:
-        async with queue.turn(ticket("holder")):
+        async with queue.turn(ticket("holder", priority=MAX_LEVEL)):
             await release.wait()
 
     async def one(t: Ticket) -> None:
@@ -94,6 +96,86 @@ def test_a_lower_priority_gets_one_turn_after_max_bypass() -> None:
         14,
     ]  # then the last one when the top is empty
     assert queue.num_sent_by_class[TrafficClass.BATCH] == 3
+
+
+async def settle() -> None:
+    """Let every task the last grant woke run up to its next wait."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_lower_priorities_running_never_hold_a_higher_one_back() -> None:
+    """The bound is per priority: with two batch requests filling a bound of 2, an interactive
+    one goes on at once (the workers put it ahead of them), a third batch one waits; two
+    interactive ones running then hold back a third interactive one and every batch one."""
+
+    async def scenario() -> None:
+        queue = FairQueue(max_running=2)
+        releases = {name: asyncio.Event() for name in ("b0", "b1", "b2", "i0", "i1", "i2")}
+        sent: list[str] = []
+
+        async def run(t: Ticket) -> None:
+            async with queue.turn(t):
+                sent.append(t.req_id)
+                await releases[t.req_id].wait()
+
+        def batch(name: str) -> asyncio.Task[None]:
+            return asyncio.create_task(run(ticket(name, "jobs", -1, key_class=BATCH)))
+
+        def chat(name: str) -> asyncio.Task[None]:
+            return asyncio.create_task(run(ticket(name, "chat")))
+
+        tasks = [batch("b0"), batch("b1"), batch("b2")]
+        await asyncio.sleep(0)
+        assert sent == ["b0", "b1"] and queue.num_queued == 1
+        tasks += [chat("i0"), chat("i1"), chat("i2")]
+        await asyncio.sleep(0)
+        assert sent == ["b0", "b1", "i0", "i1"] and queue.num_running == 4
+        assert queue.num_queued == 2  # i2 (two interactive run) and b2
+        releases["b0"].set()
+        await settle()
+        assert sent == ["b0", "b1", "i0", "i1"]  # three still run at -1 or above: b2 waits
+        releases["i0"].set()
+        await settle()
+        assert sent[4:] == ["i2"]
+        for event in releases.values():
+            event.set()
+        await asyncio.gather(*tasks)
+        assert sent[5:] == ["b2"] and queue.num_running == 0 and queue.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_starvation_guard_sends_a_lower_one_on_the_top_bands_room() -> None:
+    """After max_bypass sends from the top band while a batch request waited (its own room
+    full of batch requests), the next send is the batch one, past its bound."""
+
+    async def scenario() -> None:
+        queue = FairQueue(max_running=1, max_bypass=2)
+        release = asyncio.Event()
+        sent: list[str] = []
+
+        async def run(t: Ticket, hold: bool) -> None:
+            async with queue.turn(t):
+                sent.append(t.req_id)
+                if hold:
+                    await release.wait()
+
+        holder = asyncio.create_task(run(ticket("b0", "jobs", -1, key_class=BATCH), True))
+        waiting = asyncio.create_task(run(ticket("b1", "jobs", -1, key_class=BATCH), False))
+        await asyncio.sleep(0)
+        for i in range(2):  # each interactive one runs alone at priority 0 and ends
+            await run(ticket(f"i{i}", "chat"), False)
+        assert sent == ["b0", "i0", "i1"] and queue.num_queued == 1
+        await run(ticket("i2", "chat"), False)  # the guard sends b1 first, then i2
+        await settle()
+        assert sent == ["b0", "i0", "i1", "i2", "b1"]
+        assert queue.num_sent_by_class[TrafficClass.BATCH] == 2
+        release.set()
+        await asyncio.gather(holder, waiting)
+        assert queue.num_running == 0 and queue.num_queued == 0
+
+    asyncio.run(scenario())
 
 
 def test_the_queue_is_bounded_and_a_cancelled_wait_leaves_it() -> None:
