@@ -227,10 +227,11 @@ case $phase in
     ;;
   kv-tiers)  # issue 50: every tier on the 8B shape, then vLLM's CPU offload on the same prompts
     served_8b
+    # shellcheck disable=SC2086  # KV_TIERS_ARGS (e.g. --kv-tier-reads always): several words
     timeout 420 python3 -m bench.kv_tiers_bench --device cuda --model "$folder" \
       --load-format dummy --system-rules 200 --device-blocks 280 --host-kv-gib 1 \
       --disk-kv-gib 8 --shared-kv-gib 8 --prompts-json /tmp/kv_tiers_prompts.json \
-      --json "$out/kv_tiers.json" > "$out/kv_tiers.txt" 2> "$out/kv_tiers.err"
+      ${KV_TIERS_ARGS:-} --json "$out/kv_tiers.json" > "$out/kv_tiers.txt" 2> "$out/kv_tiers.err"
     echo "kv tiers rc=$?"; cat "$out/kv_tiers.txt"
     PYTHONPATH=/tmp/vsite timeout 330 python3 bench/vllm_host_tier_peer.py --model "$folder" \
       --prompts /tmp/kv_tiers_prompts.json --num-gpu-blocks 280 --offload-gib 1 \

@@ -8,6 +8,7 @@ each tier's hits. Owns no state (its disk directories, and the shared one unless
     python -m bench.kv_tiers_bench [--json out.json]
     python -m bench.kv_tiers_bench --rows shared --shared-kv-path s3://BUCKET/PREFIX \
         --shared-kv-endpoint http://127.0.0.1:8333    # the shared rows on an object store
+    python -m bench.kv_tiers_bench --kv-tier-reads always   # every file tier hit read back
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from bench.host_tier_bench import add_workload_flags, run
 from bench.lib.run_report import report_header, write_report
+from engine.config import FILE_TIER_READS
 
 
 def main() -> None:
@@ -36,6 +38,12 @@ def main() -> None:
     p.add_argument(
         "--rows", choices=("all", "shared"), default="all", help="shared: the two shared rows"
     )
+    p.add_argument(
+        "--kv-tier-reads",
+        choices=FILE_TIER_READS,
+        default="measured",
+        help="the file tiers' hits: measured (serve's default) or always read back",
+    )
     p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()
     args.profile = None
@@ -43,7 +51,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-tiers-") as tmp:
         root = Path(tmp)
-        disk = {"disk_kv_cache_bytes": int(args.disk_kv_gib * (1 << 30))}
+        disk = {
+            "disk_kv_cache_bytes": int(args.disk_kv_gib * (1 << 30)),
+            "file_tier_reads": args.kv_tier_reads,
+        }
         shared = {
             "shared_kv_cache_bytes": int(args.shared_kv_gib * (1 << 30)),
             "shared_kv_path": args.shared_kv_path or str(root / "shared"),

@@ -11,6 +11,7 @@ from deploy.speculative_flags import add_speculative_flags, speculative_from_arg
 from deploy.worker_launch import check_gpus_per_worker
 from engine.config import (
     DEFAULT_MODEL,
+    FILE_TIER_READS,
     KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
@@ -109,6 +110,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="the disk tier's directory (local NVMe): each worker keeps its files in a folder "
         "of its own there (the first no live worker holds: DIR, then DIR/worker1, ...), so a "
         "restarted worker takes over the files a stopped one left; needs --disk-kv-gib",
+    )
+    p.add_argument(
+        "--kv-tier-reads",
+        choices=FILE_TIER_READS,
+        default="measured",
+        help="a disk tier's or the shared store's prefix hits: measured (default) reads them "
+        "back while reading a block is no slower than computing its tokens (the engine's "
+        "recent rate), else computes them and says so in the log; always reads every hit back "
+        "(less compute, a longer TTFT where reads are the slower)",
     )
     p.add_argument(
         "--shared-kv-gib",
@@ -237,6 +247,7 @@ FLAG_OF_FIELD = {
     "shared_kv_cache_bytes": "--shared-kv-gib",
     "shared_kv_path": "--shared-kv-path",
     "shared_kv_endpoint": "--shared-kv-endpoint",
+    "file_tier_reads": "--kv-tier-reads",
     "kv_cache_dtype": "--kv-cache-dtype",
     "block_size": "--block-size",
     "partial_reuse_min_tokens": "--partial-reuse-min-tokens",
@@ -286,6 +297,7 @@ def _engine(args: argparse.Namespace, kv_bytes: int | None) -> EngineConfig:
             shared_kv_cache_bytes=int(args.shared_kv_gib * (1 << 30)),
             shared_kv_path=args.shared_kv_path,
             shared_kv_endpoint=args.shared_kv_endpoint,
+            file_tier_reads=args.kv_tier_reads,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -381,6 +381,9 @@ def _check_gemma3_rope(rope: dict[str, Any], refuse: Callable[[str, str], ValueE
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
+FILE_TIER_READS = ("measured", "always")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. num_blocks=None sizes the pool from kv_cache_memory_bytes; when
@@ -421,6 +424,11 @@ class CacheConfig:
     # backend, served at shared_kv_endpoint (None: AWS_ENDPOINT_URL, else AWS's own)
     shared_kv_path: str | None = None
     shared_kv_endpoint: str | None = None
+    # A disk tier's or the shared store's prefix hits: "measured" reads them back while a
+    # block's recent read time is no longer than computing its tokens at the engine's recent
+    # rate, else the prompt computes them (engine/kv_cache/load_gate.py); "always" reads every
+    # hit back (less compute, a longer TTFT where reads are the slower).
+    file_tier_reads: str = "measured"
 
     @property
     def partial_reuse_threshold(self) -> int:
@@ -445,6 +453,10 @@ class CacheConfig:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.keep_on_host and not self.host_kv_cache_bytes:
             raise ValueError("keep_on_host needs a host tier (host_kv_cache_bytes > 0)")
+        if self.file_tier_reads not in FILE_TIER_READS:
+            raise ValueError(
+                f"file_tier_reads must be one of {FILE_TIER_READS}, got {self.file_tier_reads!r}"
+            )
         if self.disk_kv_cache_bytes < 0:
             raise ValueError(f"disk_kv_cache_bytes must be >= 0, got {self.disk_kv_cache_bytes}")
         if self.disk_kv_cache_bytes and not self.disk_kv_path:

@@ -24,6 +24,7 @@ from engine.execution.runner import ModelRunner
 from engine.kv_cache import tier_ops
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
 from engine.kv_cache.hashing import hash_blocks, root_hash
+from engine.kv_cache.load_gate import LoadGate
 from engine.kv_cache.retention import RetentionRange
 from engine.models.loader import read_model_config, resolve_model, served_model_id
 from engine.parallel.launch import StartFollower, start_leader
@@ -115,6 +116,9 @@ class Engine:
             self.runner = LeaderRunner(self.leader, model, backend, kv, config.cache.block_size)
         self.sampler = sampler = Sampler(self.device, config.seed)
         self.stats = stats = EngineStats()
+        if config.cache.file_tier_reads == "measured":  # a file tier's hits read back when
+            rate = stats.rate  # that beats computing them
+            kv.prefix.gate = LoadGate(config.cache.block_size, lambda: rate.tokens_per_s)
         self.eos_token_ids = eos_ids = stop_token_ids(mc.eos_token_ids, self.tokenizer)
         self.grammars = grammars = None
         if self.tokenizer is not None:  # compiled grammars (structured outputs)

@@ -57,6 +57,9 @@ def build_engine(
         shared_kv_cache_bytes=overrides.pop("shared_kv_cache_bytes", 0),
         shared_kv_path=overrides.pop("shared_kv_path", None),
         shared_kv_endpoint=overrides.pop("shared_kv_endpoint", None),
+        # the tier tests' tiny models compute a block faster than a file is read: "measured"
+        # would compute their hits (tests/integration/test_disk_tier.py tests it on its own)
+        file_tier_reads=overrides.pop("file_tier_reads", "always"),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=overrides.pop("max_num_batched_tokens", 1024),

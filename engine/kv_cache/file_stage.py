@@ -15,6 +15,8 @@ from engine.kv_cache.block_reads import BlockReads
 
 log = logging.getLogger(__name__)
 
+LOAD_DECAY = 0.1  # recent_load_s follows roughly the last ten reads
+
 
 class FileStage:
     NAME = "KV block files"  # the tier in log lines
@@ -30,6 +32,7 @@ class FileStage:
         self.reads: BlockReads | None = None
         self.num_reads = 0  # files read and checked for a prefix hit
         self.read_s = 0.0  # time spent reading and checking them (the tier's load cost)
+        self.recent_load_s: float | None = None  # a read's seconds, decayed (None: none yet)
         self.num_bad_files = 0  # corrupt or truncated at load: removed and recomputed
         self.num_write_failures = 0  # not written: the filesystem refused (full)
         self._warned_bad = self._warned_full = False
@@ -51,12 +54,21 @@ class FileStage:
         try:
             self._staged[block_hash] = self.files.read(block_hash)
         except self.read_errors as e:
+            self._count_read(time.perf_counter() - start, ok=False)
             self._bad_file(block_hash, e)
             return False
-        finally:
-            self.read_s += time.perf_counter() - start
-            self.num_reads += 1
+        self._count_read(time.perf_counter() - start, ok=True)
         return True
+
+    def _count_read(self, seconds: float, ok: bool) -> None:
+        """One read done; a good one's time goes into recent_load_s."""
+        self.num_reads += 1
+        self.read_s += seconds
+        if ok:
+            recent = self.recent_load_s
+            self.recent_load_s = (
+                seconds if recent is None else recent + LOAD_DECAY * (seconds - recent)
+            )
 
     def fetch(self, block_hash: int) -> bool | None:
         """A prefix hit behind the step: True once staged, None while its read is in flight
@@ -75,8 +87,7 @@ class FileStage:
         if self.reads is None:
             return
         for landed in self.reads.collect():
-            self.num_reads += 1
-            self.read_s += landed.seconds
+            self._count_read(landed.seconds, ok=landed.error is None)
             if not self._holds(landed.block_hash):
                 continue  # evicted while it was read: nothing to stage or count as bad
             if landed.error is None:

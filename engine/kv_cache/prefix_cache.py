@@ -13,9 +13,10 @@ from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
+from engine.kv_cache.load_gate import LoadGate
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.salt_index import SaltIndex
-from engine.kv_cache.shared_store import ASK_AHEAD
+from engine.kv_cache.shared_store import ASK_AHEAD, SharedStore
 from engine.step.request import Request
 
 
@@ -74,6 +75,8 @@ class PrefixCache:
         self.host_tier = host_tier
         self.disk_tier = disk_tier
         self.owed = owed
+        # whether a file tier's hits are worth reading back (None: always; the engine sets it)
+        self.gate: LoadGate | None = None
 
     def update_hashes(self, req: Request) -> None:
         """Extend req.block_hashes to every full block of its real tokens (all_token_ids: a
@@ -106,12 +109,17 @@ class PrefixCache:
                 host.append(block_hash)
         disk: list[int] = []
         pending = False
-        if self.disk_tier is not None:  # each block's file read and checked (behind the step)
+        chain = req.block_hashes[len(blocks) + len(host) : max_blocks]
+        if self.disk_tier is not None and chain:  # each block's file read and checked
             shared = self.disk_tier.shared  # a block this worker's disk lacks: the shared store's
-            chain = req.block_hashes[len(blocks) + len(host) : max_blocks]
+            use_disk = self._worth_reading(self.disk_tier)
+            if shared is not None and not self._worth_reading(shared):
+                shared = None
             num_from_store = 0
             for i, block_hash in enumerate(chain):
                 if self.disk_tier.has(block_hash):
+                    if not use_disk:
+                        break
                     staged = self.disk_tier.fetch(block_hash)
                 elif shared is None:
                     break
@@ -148,6 +156,9 @@ class PrefixCache:
         if src is None:
             return PrefixMatch(blocks, num_full, **tiers)
         return PrefixMatch(blocks, num_full + num_same, src, num_same, **tiers)
+
+    def _worth_reading(self, tier: DiskTier | SharedStore) -> bool:
+        return self.gate is None or self.gate.worth_reading(tier)
 
     def commit(self, req: Request, block: KVBlock, i: int) -> None:
         """Make block i of req findable: its hash, and with partial reuse on, its tokens under

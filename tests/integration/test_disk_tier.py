@@ -116,6 +116,22 @@ def test_a_working_set_ten_times_the_pools_hits_from_disk_token_exact(tiny, tmp_
     assert snap.num_disk_cached_blocks == disk.num_cached and snap.disk_load_s > 0
 
 
+def test_measured_reads_keep_every_output_token_exact(tiny, tmp_path):
+    """serve's default (file_tier_reads "measured"): each hit is read back or computed again
+    as the gate finds the costs (a tiny model on CPU computes a block faster than a file is
+    read, so most are computed); either way every output is token for token, nothing leaks,
+    and every disk block the second round looked up was read or passed over."""
+    batch = prompts(15)
+    want = [tokens for tokens, _ in serve(engine(tiny, None), batch)]
+    eng = engine(tiny, tmp_path / "disk", file_tier_reads="measured")
+    assert [tokens for tokens, _ in serve(eng, batch)] == want
+    gate = eng.kv.prefix.gate
+    assert gate is not None and engine(tiny, None).kv.prefix.gate is None  # "always": none
+    again = serve(eng, batch)
+    assert [tokens for tokens, _ in again] == want
+    assert disk_of(eng).num_hit_blocks > 0 or gate.num_passed_over > 0
+
+
 def test_a_disk_hit_loads_behind_the_steps_of_other_requests(tiny, tmp_path):
     """Its reads are held back (a gate before the real reader): the other request decodes
     meanwhile; once they land the hit loads token for token, a corrupt block recomputed, and a

@@ -231,6 +231,11 @@ def test_flags_and_config_name_what_is_wrong(tmp_path) -> None:
     args = p.parse_args(["--disk-kv-gib", "0.5", "--disk-kv-path", str(tmp_path)])
     cache = engine_from_args(args).cache
     assert cache.disk_kv_cache_bytes == 1 << 29 and cache.disk_kv_path == str(tmp_path)
+    assert cache.file_tier_reads == "measured"  # serve's default
+    always = p.parse_args(["--kv-tier-reads", "always"])
+    assert engine_from_args(always).cache.file_tier_reads == "always"
+    with pytest.raises(ValueError, match="file_tier_reads"):
+        CacheConfig(file_tier_reads="sometimes")
     with pytest.raises(ValueError, match="disk_kv_path"):
         CacheConfig(disk_kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
