@@ -43,7 +43,8 @@ from engine.step.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.step.output_processor import OutputProcessor
 from engine.step.overlap import RunAhead
 from engine.step.request import PrefilledChoices, Request
-from engine.step.scheduler import Scheduler
+from engine.step.scheduler import ScheduledChunk, Scheduler
+from engine.step.slow_steps import SlowSteps
 from engine.step.step_launcher import StepLauncher
 from engine.step.step_types import (
     EngineSnapshot,
@@ -89,6 +90,7 @@ class Engine:
         config = self.config
         draft = drafter(config, parts.model, mc.vocab_size, self.max_model_len, Engine)
         self._build_step_parts(parts.model, parts.backend, draft)
+        self.slow_steps = SlowSteps(lambda _line: None)  # warm-up steps compile: not news
         wanted = config.warm_up
         if wanted if wanted is not None else self.device.type == "cuda":
             try:
@@ -99,6 +101,7 @@ class Engine:
                 raise
             # fresh step parts: counters, the sampler's seed and step timings start at serving
             self._build_step_parts(parts.model, parts.backend, draft)
+        self.slow_steps = SlowSteps()  # served steps far slower than the recent ones: stderr
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     def _build_step_parts(
@@ -280,11 +283,16 @@ class Engine:
         except Exception:  # its requests are fail_running's to end
             self._failed_steps = [current]
             raise
-        self._record_step(time.perf_counter() - started, num_computed_before, outputs)
+        chunks = [] if current is None else current.scheduled.chunks
+        self._record_step(time.perf_counter() - started, num_computed_before, outputs, chunks)
         return outputs
 
     def _record_step(
-        self, seconds: float, num_computed_before: int, outputs: list[RequestOutput]
+        self,
+        seconds: float,
+        num_computed_before: int,
+        outputs: list[RequestOutput],
+        chunks: list[ScheduledChunk],
     ) -> None:
         self.stats.last_step_s = seconds
         num_out = sum(len(out.new_token_ids) for out in outputs)
@@ -292,7 +300,9 @@ class Engine:
         num_computed = self.stats.num_computed_tokens - num_computed_before
         self.speculator.observe(seconds, num_out, num_computed, len(self.scheduler.running))
         if num_computed:
-            self.stats.rate.record(seconds, num_computed)
+            rate = self.stats.rate
+            self.slow_steps.observe(seconds, num_computed, rate.step_s, rate.tokens_per_s, chunks)
+            rate.record(seconds, num_computed)
 
     # ---- summary, and what a worker shares with its peers and the index ---------------------
     def snapshot(self) -> EngineSnapshot:
