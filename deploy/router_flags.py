@@ -174,7 +174,8 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="requests of one `priority` or higher this router sends on to the cluster at "
-        "once (lower ones running never hold a higher one back); the others wait in its "
+        "once, twice that in all (lower ones running never hold a higher one back); the "
+        "others wait in its "
         "queue, higher `priority` first and tenants sharing by their keys' weights (deficit "
         "round robin over prompt + max_tokens); 0 (default): no bound, every request goes on "
         "at once and only the workers order by priority",

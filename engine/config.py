@@ -410,8 +410,9 @@ class CacheConfig:
     keep_on_host: bool = False
     # A disk tier of the prefix cache: blocks evicted from the host tier (or from the device
     # pool without one) are written to files under disk_kv_path (one per block, through NIXL's
-    # POSIX backend), loaded back on a prefix hit, and found again by a restarted engine with
-    # the same model and KV layout. 0: none.
+    # POSIX backend), loaded back on a prefix hit (while reading beats computing:
+    # file_tier_reads), and found again by a restarted engine with the same model and KV
+    # layout. 0: none.
     disk_kv_cache_bytes: int = 0
     disk_kv_path: str | None = None
     # The cluster-shared KV store below the disk tier: a directory every worker reads (a shared

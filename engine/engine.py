@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 
 from torch import nn
 
@@ -90,7 +91,7 @@ class Engine:
         config = self.config
         draft = drafter(config, parts.model, mc.vocab_size, self.max_model_len, Engine)
         self._build_step_parts(parts.model, parts.backend, draft)
-        self.slow_steps = SlowSteps(lambda _line: None)  # warm-up steps compile: not news
+        self.slow_steps = SlowSteps(say_line=lambda _line: None)  # warm-up steps compile
         wanted = config.warm_up
         if wanted if wanted is not None else self.device.type == "cuda":
             try:
@@ -101,7 +102,8 @@ class Engine:
                 raise
             # fresh step parts: counters, the sampler's seed and step timings start at serving
             self._build_step_parts(parts.model, parts.backend, draft)
-        self.slow_steps = SlowSteps()  # served steps far slower than the recent ones: stderr
+        # served steps far slower than the recent ones: said on stderr
+        self.slow_steps = SlowSteps(Path(config.model).name)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     def _build_step_parts(

@@ -13,15 +13,16 @@ before the flows already in the round (with one quantum), as in FQ-CoDel, so a s
 tenant's request waits for no backlog. Within a flow: earliest deadline, then
 arrival. So that a lower priority is never starved by a higher one's flood, after `max_bypass`
 requests in a row sent from the top priority while a lower one waited, the next one sent is the
-highest lower priority's (it takes the slot the top one would have had).
+highest lower priority's (it takes the slot the top one would have had, and counts as one of
+the top priority's while it runs).
 
 The running bound is per priority: a request waits only while max_running requests of its
-priority or higher run. Lower ones never hold it back: had a batch flood's long requests filled
-the bound, an interactive request would wait for one of them to end (on an H100, 600 batch
-requests of 200 tokens behind a bound of 64 held interactive TTFT p50 at ~1.1 s with
-priorities or without); sent on, the workers put it ahead of them and preempt them when they
-need the room (engine/step/scheduler.py). So with two priorities in use at most 2 x
-max_running run.
+priority or higher run, and while 2 x max_running run in all. Lower ones never hold it back
+before that: had a batch flood's long requests filled the bound, an interactive request would
+wait for one of them to end (on an H100, 600 batch requests of 200 tokens behind a bound of 64
+held interactive TTFT p50 at ~1.1 s with priorities or without); sent on, the workers put it
+ahead of them and preempt them when they need the room (engine/step/scheduler.py). The overall
+cap keeps clients that climb the priorities one level at a time from multiplying the bound.
 
 Bounded: at most max_queued requests wait (one more: Overloaded, as the router's own bound).
 """
@@ -107,6 +108,7 @@ class _Entry:
     seq: int
     granted: asyncio.Future[None]
     removed: bool = False
+    charged: int = 0  # the priority whose room it runs in (set when granted)
 
     def __lt__(self, other: _Entry) -> bool:  # within a flow: earliest deadline, then arrival
         return (self.deadline, self.seq) < (other.deadline, other.seq)
@@ -216,10 +218,11 @@ def queue_by_class(registry: CollectorRegistry) -> tuple[ClassQueue, ...]:
 class FairQueue:
     """One event loop's queue (no lock: every call runs on that loop).
 
-    Invariants: a request waits only while max_running requests of its priority or higher run
-    (max_running 0: no bound, nothing ever waits); every granted turn is given back exactly
-    once (turn's exit), and every entry leaves the queue exactly once (sent, cancelled,
-    expired)."""
+    Invariants: a request waits only while max_running requests of its priority or higher
+    (charged to it or higher: a starvation-guard pick is charged to the top priority) run, or
+    2 x max_running in all (max_running 0: no bound, nothing ever waits); every granted turn is
+    given back exactly once (turn's exit), and every entry leaves the queue exactly once (sent,
+    cancelled, expired)."""
 
     def __init__(
         self,
@@ -251,23 +254,24 @@ class FairQueue:
         """Wait for the request's turn and hold its running slot for the `async with` block.
         Raises Overloaded when max_queued already wait, QueueDeadline past its deadline; a
         cancelled wait leaves the queue."""
-        await self._wait(ticket)
+        charged = await self._wait(ticket)
         try:
             yield
         finally:
-            self._release(ticket)
+            self._release(ticket, charged)
 
     def has_room(self, priority: int) -> bool:
         """Whether a request of `priority` may run now: fewer than max_running run at it or
-        above."""
+        above, and fewer than 2 x max_running in all."""
         if self.max_running == 0:
             return True
+        if self.num_running >= 2 * self.max_running:
+            return False
         above = sum(n for p, n in self._running_at.items() if p >= priority)
         return above < self.max_running
 
-    async def _wait(self, ticket: Ticket) -> None:
-        if self.num_queued >= self.max_queued:
-            raise Overloaded(self.max_queued, 1)
+    async def _wait(self, ticket: Ticket) -> int:
+        """Wait for the request's turn; the priority its slot is charged to."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         start = now if ticket.arrival is None else ticket.arrival
@@ -280,32 +284,36 @@ class FairQueue:
         self._count_queued(ticket, +1)
         self._send_next()
         if entry.granted.done():  # room now: no wait at all
-            return
+            return entry.charged
+        if self.num_queued > self.max_queued:  # it would be one too many waiting
+            self._remove(entry)
+            raise Overloaded(self.max_queued, 1)
         timeout = None if ticket.deadline_s is None else max(0.0, deadline - now)
         try:
             await asyncio.wait_for(asyncio.shield(entry.granted), timeout)
         except (asyncio.CancelledError, TimeoutError) as e:
             if entry.granted.done():  # sent on as the wait ended: give the slot back
-                self._release(ticket)
+                self._release(ticket, entry.charged)
             else:
                 self._remove(entry)
             if isinstance(e, TimeoutError):
                 self.metrics.expired.inc()
                 raise QueueDeadline(ticket.req_id, ticket.deadline_s or 0.0) from None
             raise
+        return entry.charged
 
-    def _start(self, ticket: Ticket) -> None:
+    def _start(self, ticket: Ticket, charged: int) -> None:
         self.num_running += 1
-        self._running_at[ticket.priority] = self._running_at.get(ticket.priority, 0) + 1
+        self._running_at[charged] = self._running_at.get(charged, 0) + 1
         self.metrics.running.labels(ticket.key_class.kind.value).inc()
         self.num_sent_by_class[ticket.key_class.kind] += 1
         self.metrics.sent.labels(ticket.key_class.kind.value).inc()
 
-    def _release(self, ticket: Ticket) -> None:
+    def _release(self, ticket: Ticket, charged: int) -> None:
         self.num_running -= 1
-        self._running_at[ticket.priority] -= 1
-        if not self._running_at[ticket.priority]:
-            del self._running_at[ticket.priority]
+        self._running_at[charged] -= 1
+        if not self._running_at[charged]:
+            del self._running_at[charged]
         self.metrics.running.labels(ticket.key_class.kind.value).dec()
         self._send_next()
 
@@ -323,10 +331,11 @@ class FairQueue:
         self.metrics.queued.labels(ticket.key_class.kind.value).inc(delta)
 
     def _send_next(self) -> None:
-        while self._bands and self.has_room(max(self._bands)):
+        while self._bands and self.has_room(top := max(self._bands)):
             entry = self._next_entry()
+            entry.charged = top  # a starvation-guard pick runs in the top priority's room
             self._count_queued(entry.ticket, -1)
-            self._start(entry.ticket)
+            self._start(entry.ticket, top)
             entry.granted.set_result(None)
 
     def _next_entry(self) -> _Entry:

@@ -77,8 +77,9 @@ class Frontend:
         running); one more is refused with Overloaded. api_keys: None admits every caller.
         max_body_mib: the largest request body read (None: derived from the context length).
         limiter: each tenant's per-key limits (None: none; needs api_keys to have tenants).
-        max_running_requests: how many go on to the cluster at once; the rest wait in the
-        router's FairQueue (0: no bound, all go at once). tokenizers: with a ModelsBackend,
+        max_running_requests: how many of one priority or higher go on to the cluster at once
+        (twice that in all); the rest wait in the router's FairQueue (0: no bound, all go at
+        once). tokenizers: with a ModelsBackend,
         each other model's tokenizer by model id (`tokenizer` is the default model's); a
         request's `model` picks its route (router/served_models.py)."""
         self.backend = backend

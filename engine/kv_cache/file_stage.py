@@ -100,6 +100,11 @@ class FileStage:
     def is_staged(self, block_hash: int) -> bool:
         return block_hash in self._staged
 
+    def in_hand(self, block_hash: int) -> bool:
+        """Staged, or its read behind the step under way: its cost is paid or being paid."""
+        reads = self.reads
+        return block_hash in self._staged or (reads is not None and reads.reading(block_hash))
+
     @property
     def mean_load_s(self) -> float | None:
         """Measured seconds to read and check one block (None before the first read)."""

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.disk_tier import DiskTier
+from engine.kv_cache.file_stage import FileStage
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.load_gate import LoadGate
 from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.salt_index import SaltIndex
-from engine.kv_cache.shared_store import ASK_AHEAD, SharedStore
+from engine.kv_cache.shared_store import ASK_AHEAD
 from engine.step.request import Request
 
 
@@ -111,19 +112,25 @@ class PrefixCache:
         pending = False
         chain = req.block_hashes[len(blocks) + len(host) : max_blocks]
         if self.disk_tier is not None and chain:  # each block's file read and checked
-            shared = self.disk_tier.shared  # a block this worker's disk lacks: the shared store's
-            use_disk = self._worth_reading(self.disk_tier)
-            if shared is not None and not self._worth_reading(shared):
-                shared = None
+            disk_tier = self.disk_tier
+            shared = disk_tier.shared  # a block this worker's disk lacks: the shared store's
+            # whether each tier's hits are read back: asked at its first hit not in hand (one
+            # staged or being read is taken: its cost is paid)
+            use: dict[FileStage, bool] = {}
             num_from_store = 0
             for i, block_hash in enumerate(chain):
-                if self.disk_tier.has(block_hash):
-                    if not use_disk:
-                        break
-                    staged = self.disk_tier.fetch(block_hash)
-                elif shared is None:
+                tier = disk_tier if disk_tier.has(block_hash) else shared
+                if tier is None:
                     break
+                if not tier.in_hand(block_hash):
+                    if tier not in use:
+                        use[tier] = self.gate is None or self.gate.worth_reading(tier)
+                    if not use[tier]:
+                        break
+                if tier is disk_tier:
+                    staged = disk_tier.fetch(block_hash)
                 else:  # a slow store is asked behind the step, a hit run's next blocks along
+                    assert shared is not None
                     ahead = chain[i + 1 : i + 1 + min(ASK_AHEAD, 2 * num_from_store)]
                     present = shared.lookup(block_hash, ahead)
                     if present is None:  # the request waits for the answer, as for a read
@@ -156,9 +163,6 @@ class PrefixCache:
         if src is None:
             return PrefixMatch(blocks, num_full, **tiers)
         return PrefixMatch(blocks, num_full + num_same, src, num_same, **tiers)
-
-    def _worth_reading(self, tier: DiskTier | SharedStore) -> bool:
-        return self.gate is None or self.gate.worth_reading(tier)
 
     def commit(self, req: Request, block: KVBlock, i: int) -> None:
         """Make block i of req findable: its hash, and with partial reuse on, its tokens under

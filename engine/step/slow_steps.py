@@ -32,9 +32,11 @@ def composition(chunks: Sequence[ScheduledChunk]) -> str:
 
 
 class SlowSteps:
-    def __init__(self, say_line: Callable[[str], None] = say) -> None:
+    def __init__(self, model: str = "", say_line: Callable[[str], None] = say) -> None:
+        """model: named in the line (a speculative worker's draft engine steps too)."""
         self.num_slow = 0
         self._say = say_line
+        self._of = f" of {model}" if model else ""
         self._said_at: float | None = None
 
     def observe(
@@ -42,7 +44,8 @@ class SlowSteps:
         chunks: Sequence[ScheduledChunk],
     ) -> bool:  # fmt: skip
         """One step that took `seconds` for num_tokens, against the recent mean step time and
-        token rate (0: none yet); True when it counts as slow."""
+        token rate (0: none yet); True when it counts as slow. With overlapped steps `seconds`
+        is the step() call: waiting for this step's tokens and launching the next one."""
         if mean_step_s <= 0 or tokens_per_s <= 0:
             return False
         usual = max(mean_step_s, num_tokens / tokens_per_s)
@@ -53,7 +56,8 @@ class SlowSteps:
         if self._said_at is None or now - self._said_at >= SAY_EVERY_S:
             self._said_at = now
             self._say(
-                f"slow step: {seconds * 1e3:.0f} ms against ~{usual * 1e3:.0f} ms usual for "
-                f"its {num_tokens} tokens: {composition(chunks)} ({self.num_slow} slow so far)"
+                f"slow step{self._of}: {seconds * 1e3:.0f} ms against ~{usual * 1e3:.0f} ms "
+                f"usual for its {num_tokens} tokens: {composition(chunks)} ({self.num_slow} "
+                "slow so far)"
             )
         return True

@@ -119,8 +119,8 @@ def test_a_working_set_ten_times_the_pools_hits_from_disk_token_exact(tiny, tmp_
 def test_measured_reads_keep_every_output_token_exact(tiny, tmp_path):
     """serve's default (file_tier_reads "measured"): each hit is read back or computed again
     as the gate finds the costs (a tiny model on CPU computes a block faster than a file is
-    read, so most are computed); either way every output is token for token, nothing leaks,
-    and every disk block the second round looked up was read or passed over."""
+    read, so most are computed); either way every output is token for token and nothing
+    leaks; the gate was asked once for each of the 12 prompts whose blocks were on disk."""
     batch = prompts(15)
     want = [tokens for tokens, _ in serve(engine(tiny, None), batch)]
     eng = engine(tiny, tmp_path / "disk", file_tier_reads="measured")
@@ -129,7 +129,7 @@ def test_measured_reads_keep_every_output_token_exact(tiny, tmp_path):
     assert gate is not None and engine(tiny, None).kv.prefix.gate is None  # "always": none
     again = serve(eng, batch)
     assert [tokens for tokens, _ in again] == want
-    assert disk_of(eng).num_hit_blocks > 0 or gate.num_passed_over > 0
+    assert gate.num_asked >= 12 and gate.num_passed_over <= gate.num_asked
 
 
 def test_a_disk_hit_loads_behind_the_steps_of_other_requests(tiny, tmp_path):

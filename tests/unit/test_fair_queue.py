@@ -148,7 +148,8 @@ def test_lower_priorities_running_never_hold_a_higher_one_back() -> None:
 
 def test_the_starvation_guard_sends_a_lower_one_on_the_top_bands_room() -> None:
     """After max_bypass sends from the top band while a batch request waited (its own room
-    full of batch requests), the next send is the batch one, past its bound."""
+    full of batch requests), the next send is the batch one, in the top band's room: the next
+    top one waits for it, so the guard never adds to what runs."""
 
     async def scenario() -> None:
         queue = FairQueue(max_running=1, max_bypass=2)
@@ -167,10 +168,63 @@ def test_the_starvation_guard_sends_a_lower_one_on_the_top_bands_room() -> None:
         for i in range(2):  # each interactive one runs alone at priority 0 and ends
             await run(ticket(f"i{i}", "chat"), False)
         assert sent == ["b0", "i0", "i1"] and queue.num_queued == 1
-        await run(ticket("i2", "chat"), False)  # the guard sends b1 first, then i2
-        await settle()
-        assert sent == ["b0", "i0", "i1", "i2", "b1"]
+        # the guard sends b1 in i2's room (charged to priority 0): i2 waits for it to end
+        await run(ticket("i2", "chat"), False)
+        assert sent == ["b0", "i0", "i1", "b1", "i2"]
         assert queue.num_sent_by_class[TrafficClass.BATCH] == 2
+        release.set()
+        await asyncio.gather(holder, waiting)
+        assert queue.num_running == 0 and queue.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_climbing_priorities_run_at_most_twice_the_bound() -> None:
+    """Each priority has max_running of its own and above, but at most 2 x max_running run in
+    all: a client raising its priority a level at a time gets no more."""
+
+    async def scenario() -> None:
+        queue = FairQueue(max_running=2, max_queued=8)
+        release = asyncio.Event()
+
+        async def hold(t: Ticket) -> None:
+            async with queue.turn(t):
+                await release.wait()
+
+        tasks = [
+            asyncio.create_task(hold(ticket(f"p{level}-{i}", "x", level)))
+            for level in (-1, 0, 1, 2)
+            for i in range(2)
+        ]
+        await settle()
+        assert queue.num_running == 4 and queue.num_queued == 4
+        release.set()
+        await asyncio.gather(*tasks)
+        assert queue.num_running == 0 and queue.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_with_room_is_sent_even_with_the_queue_full() -> None:
+    """max_queued bounds the requests that wait; one that need not wait is never refused."""
+
+    async def scenario() -> None:
+        queue = FairQueue(max_running=1, max_queued=1)
+        release = asyncio.Event()
+
+        async def hold(t: Ticket) -> None:
+            async with queue.turn(t):
+                await release.wait()
+
+        holder = asyncio.create_task(hold(ticket("holder")))
+        waiting = asyncio.create_task(hold(ticket("w", "jobs", -1, key_class=BATCH)))
+        await settle()
+        assert queue.num_queued == 1
+        with pytest.raises(Overloaded):  # it would wait too: one too many
+            async with queue.turn(ticket("one-too-many")):
+                pass
+        async with queue.turn(ticket("urgent", priority=5)):  # room at 5: no wait, no refusal
+            assert queue.num_running == 2
         release.set()
         await asyncio.gather(holder, waiting)
         assert queue.num_running == 0 and queue.num_queued == 0

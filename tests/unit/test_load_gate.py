@@ -37,9 +37,9 @@ def test_a_slower_tier_is_passed_over_but_probed_and_said_once(caplog) -> None:
         answers = [gate.worth_reading(Tier(1e-3)) for _ in range(2 * PROBE_EVERY)]
         assert answers.count(True) == 2 and answers[PROBE_EVERY - 1]  # the probes
         assert caplog.text.count("slower than computing") == 1
-        assert gate.worth_reading(Tier(0.1e-3))  # faster again: read, and said
-        assert caplog.text.count("no slower than computing") == 1
-    assert gate.num_passed_over == 2 * PROBE_EVERY
+        assert gate.worth_reading(Tier(0.1e-3))  # faster again: read, not said so soon
+        assert "no slower than computing" not in caplog.text
+    assert gate.num_passed_over == 2 * PROBE_EVERY and gate.num_asked == 2 * PROBE_EVERY + 2
 
 
 def test_a_match_stops_at_a_disk_tier_slower_than_computing() -> None:
@@ -56,8 +56,24 @@ def test_a_match_stops_at_a_disk_tier_slower_than_computing() -> None:
     kv.prefix.gate = LoadGate(BLOCK, lambda: rate[0])
     first = kv.match_prefix(Request("a", prompt))
     assert first.disk_hashes == tuple(hashes[:4])  # read at match time (no reader thread)
-    assert disk.recent_load_s is not None
+    assert disk.recent_load_s is not None and kv.prefix.gate.num_asked == 1
     rate[0] = 1e12  # a block computes in picoseconds: every read is slower
-    second = kv.match_prefix(Request("b", prompt))
+    again = kv.match_prefix(Request("b", prompt))  # but they are read already: taken
+    assert again.disk_hashes == tuple(hashes[:4]) and kv.prefix.gate.num_asked == 1
+    for h in hashes[:4]:
+        assert disk.take(h) == f"kv{h}"  # copied in: on disk only again
+    second = kv.match_prefix(Request("c", prompt))
     assert second.disk_hashes == () and second.num_tokens == 0
+    assert kv.prefix.gate.num_asked == 2 and kv.prefix.gate.num_passed_over == 1
     kv.check_integrity()
+
+
+def test_each_tier_is_probed_on_its_own_count() -> None:
+    gate = LoadGate(BLOCK, lambda: 1e12)
+    disk, shared = Tier(1e-3), Tier(1e-3)
+    shared.NAME = "other tier"
+    probes = {"disk": 0, "shared": 0}
+    for _ in range(PROBE_EVERY):
+        probes["disk"] += gate.worth_reading(disk)
+        probes["shared"] += gate.worth_reading(shared)
+    assert probes == {"disk": 1, "shared": 1}

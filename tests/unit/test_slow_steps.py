@@ -17,7 +17,7 @@ def chunks() -> list[ScheduledChunk]:
 
 def test_a_slow_step_is_said_with_what_it_carried_once_a_while() -> None:
     lines: list[str] = []
-    slow = SlowSteps(lines.append)
+    slow = SlowSteps("tiny", lines.append)
     assert composition(chunks()) == (
         "1 prompt chunks (200 new tokens after 100 computed or cached), 1 decodes"
     )
@@ -28,6 +28,7 @@ def test_a_slow_step_is_said_with_what_it_carried_once_a_while() -> None:
     assert slow.observe(0.3, 201, 0.015, 30_000.0, chunks())
     assert slow.observe(0.4, 201, 0.015, 30_000.0, chunks())  # counted, not said again yet
     assert slow.num_slow == 2 and len(lines) == 1
-    assert lines[0].startswith("slow step: 300 ms") and "1 prompt chunks (200 new" in lines[0]
+    assert lines[0].startswith("slow step of tiny: 300 ms")
+    assert "1 prompt chunks (200 new" in lines[0]
     # a big prompt's step is slow only against what its tokens usually take
     assert not slow.observe(0.3, 8192, 0.015, 30_000.0, chunks())
