@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -98,6 +99,16 @@ def test_a_lower_priority_gets_one_turn_after_max_bypass() -> None:
     assert queue.num_sent_by_class[TrafficClass.BATCH] == 3
 
 
+def holds_until(queue: FairQueue, release: asyncio.Event) -> Callable[[Ticket], Awaitable[None]]:
+    """A request's life that holds its turn until `release` is set."""
+
+    async def hold(t: Ticket) -> None:
+        async with queue.turn(t):
+            await release.wait()
+
+    return hold
+
+
 async def settle() -> None:
     """Let every task the last grant woke run up to its next wait."""
     for _ in range(10):
@@ -186,10 +197,7 @@ def test_climbing_priorities_run_at_most_twice_the_bound() -> None:
     async def scenario() -> None:
         queue = FairQueue(max_running=2, max_queued=8)
         release = asyncio.Event()
-
-        async def hold(t: Ticket) -> None:
-            async with queue.turn(t):
-                await release.wait()
+        hold = holds_until(queue, release)
 
         tasks = [
             asyncio.create_task(hold(ticket(f"p{level}-{i}", "x", level)))
@@ -211,10 +219,7 @@ def test_a_request_with_room_is_sent_even_with_the_queue_full() -> None:
     async def scenario() -> None:
         queue = FairQueue(max_running=1, max_queued=1)
         release = asyncio.Event()
-
-        async def hold(t: Ticket) -> None:
-            async with queue.turn(t):
-                await release.wait()
+        hold = holds_until(queue, release)
 
         holder = asyncio.create_task(hold(ticket("holder")))
         waiting = asyncio.create_task(hold(ticket("w", "jobs", -1, key_class=BATCH)))
