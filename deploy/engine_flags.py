@@ -114,8 +114,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-tier-reads",
         choices=FILE_TIER_READS,
-        default="measured",
-        help="a disk tier's or the shared store's prefix hits: measured (default) reads them "
+        default=None,
+        help="a disk tier's or the shared store's prefix hits (needs --disk-kv-gib): "
+        "measured (default) reads them "
         "back while reading a block is no slower than computing its tokens (the engine's "
         "recent rate), else computes them and says so in the log; always reads every hit back "
         "(less compute, a longer TTFT where reads are the slower)",
@@ -275,6 +276,11 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
         check_gpus_per_worker(args.gpus_per_worker)
         if args.device == "cpu":
             raise ValueError("--gpus-per-worker applies to CUDA workers, not --device cpu")
+    if args.kv_tier_reads is not None and not args.disk_kv_gib:
+        raise ValueError(
+            f"--kv-tier-reads {args.kv_tier_reads} needs --disk-kv-gib: it says how a disk "
+            "tier's and the shared store's prefix hits are read back"
+        )
     kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
     try:
         return _engine(args, kv_bytes)
@@ -297,7 +303,7 @@ def _engine(args: argparse.Namespace, kv_bytes: int | None) -> EngineConfig:
             shared_kv_cache_bytes=int(args.shared_kv_gib * (1 << 30)),
             shared_kv_path=args.shared_kv_path,
             shared_kv_endpoint=args.shared_kv_endpoint,
-            file_tier_reads=args.kv_tier_reads,
+            file_tier_reads=args.kv_tier_reads or "measured",
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

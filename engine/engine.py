@@ -56,6 +56,9 @@ from engine.step.step_types import (
 )
 from engine.tokenizer import find_tokenizer, stop_token_ids
 
+PREFILL_STEP_TOKENS = 64  # a step carrying this many prompt tokens or more, and mostly them,
+# measures the prefill rate (EngineStats.prefill_rate)
+
 
 class Engine:
     def __init__(
@@ -121,9 +124,9 @@ class Engine:
             self.runner = LeaderRunner(self.leader, model, backend, kv, config.cache.block_size)
         self.sampler = sampler = Sampler(self.device, config.seed)
         self.stats = stats = EngineStats()
-        if config.cache.file_tier_reads == "measured":  # a file tier's hits read back when
-            rate = stats.rate  # that beats computing them
-            kv.prefix.gate = LoadGate(config.cache.block_size, lambda: rate.tokens_per_s)
+        if kv.disk_tier is not None and config.cache.file_tier_reads == "measured":
+            prefill = stats.prefill_rate  # a file tier's hits read back when that beats
+            kv.prefix.gate = LoadGate(config.cache.block_size, lambda: prefill.tokens_per_s)
         self.eos_token_ids = eos_ids = stop_token_ids(mc.eos_token_ids, self.tokenizer)
         self.grammars = grammars = None
         if self.tokenizer is not None:  # compiled grammars (structured outputs)
@@ -305,6 +308,9 @@ class Engine:
             rate = self.stats.rate
             self.slow_steps.observe(seconds, num_computed, rate.step_s, rate.tokens_per_s, chunks)
             rate.record(seconds, num_computed)
+            num_prompt = sum(c.num_new_tokens for c in chunks if c.start < c.req.num_prompt_tokens)
+            if num_prompt >= max(PREFILL_STEP_TOKENS, num_computed // 2):
+                self.stats.prefill_rate.record(seconds, num_computed)
 
     # ---- summary, and what a worker shares with its peers and the index ---------------------
     def snapshot(self) -> EngineSnapshot:

@@ -35,6 +35,7 @@ class FileStage:
         self.recent_load_s: float | None = None  # a read's seconds, decayed (None: none yet)
         self.num_bad_files = 0  # corrupt or truncated at load: removed and recomputed
         self.num_write_failures = 0  # not written: the filesystem refused (full)
+        self.num_passed_over = 0  # matches whose hits here were computed: reading the slower
         self._warned_bad = self._warned_full = False
 
     def _holds(self, block_hash: int) -> bool:

@@ -114,19 +114,23 @@ class PrefixCache:
         if self.disk_tier is not None and chain:  # each block's file read and checked
             disk_tier = self.disk_tier
             shared = disk_tier.shared  # a block this worker's disk lacks: the shared store's
-            # whether each tier's hits are read back: asked at its first hit not in hand (one
-            # staged or being read is taken: its cost is paid)
-            use: dict[FileStage, bool] = {}
+            # how many of each tier's hits not in hand are read back (None: all): asked at its
+            # first one (a block staged or being read is taken: its cost is paid)
+            reads_left: dict[FileStage, int | None] = {}
             num_from_store = 0
             for i, block_hash in enumerate(chain):
                 tier = disk_tier if disk_tier.has(block_hash) else shared
                 if tier is None:
                     break
                 if not tier.in_hand(block_hash):
-                    if tier not in use:
-                        use[tier] = self.gate is None or self.gate.worth_reading(tier)
-                    if not use[tier]:
-                        break
+                    if tier not in reads_left:
+                        gate = self.gate
+                        reads_left[tier] = None if gate is None else gate.blocks_to_read(tier)
+                    left = reads_left[tier]
+                    if left is not None:
+                        if left <= 0:
+                            break
+                        reads_left[tier] = left - 1
                 if tier is disk_tier:
                     staged = disk_tier.fetch(block_hash)
                 else:  # a slow store is asked behind the step, a hit run's next blocks along

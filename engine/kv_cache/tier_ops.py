@@ -70,6 +70,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
             disk.read_s,
             disk.num_bad_files,
             disk.num_write_failures,
+            disk.num_passed_over,
         )
     )
     looked -= hits
@@ -88,6 +89,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
                 shared.read_s,
                 shared.num_bad_files,
                 shared.num_write_failures,
+                shared.num_passed_over,
             )
         )
     return tuple(tiers)

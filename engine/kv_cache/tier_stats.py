@@ -24,6 +24,9 @@ class TierStats(NamedTuple):
     load_s: float  # seconds spent reading and checking its blocks (disk, shared; else 0)
     bad_files: int = 0  # files found corrupt or truncated at load: removed, recomputed
     write_failures: int = 0  # blocks its filesystem refused (full): not stored
+    # prompts whose hits here were computed again: reading a block back was the slower
+    # (--kv-tier-reads measured; engine/kv_cache/load_gate.py)
+    passed_over: int = 0
 
     @property
     def hit_rate(self) -> float | None:

@@ -20,14 +20,21 @@ MIN_SLOW_S = 0.05  # and slower than this
 SAY_EVERY_S = 10.0
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def composition(chunks: Sequence[ScheduledChunk]) -> str:
     """What a step carried: its prompt chunks (new tokens, tokens before them) and decodes."""
     prompts = [c for c in chunks if c.start < c.req.num_prompt_tokens]
+    decodes = _count(len(chunks) - len(prompts), "decode")
+    if not prompts:
+        return decodes
     num_new = sum(c.num_new_tokens for c in prompts)
     num_before = sum(c.start for c in prompts)
     return (
-        f"{len(prompts)} prompt chunks ({num_new} new tokens after {num_before} computed or "
-        f"cached), {len(chunks) - len(prompts)} decodes"
+        f"{_count(len(prompts), 'prompt chunk')} ({_count(num_new, 'new token')} after "
+        f"{num_before} computed or cached), {decodes}"
     )
 
 
@@ -57,7 +64,7 @@ class SlowSteps:
             self._said_at = now
             self._say(
                 f"slow step{self._of}: {seconds * 1e3:.0f} ms against ~{usual * 1e3:.0f} ms "
-                f"usual for its {num_tokens} tokens: {composition(chunks)} ({self.num_slow} "
-                "slow so far)"
+                f"usual for its {_count(num_tokens, 'token')}: {composition(chunks)} "
+                f"({self.num_slow} slow so far)"
             )
         return True

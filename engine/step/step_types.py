@@ -59,6 +59,9 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_steps_ahead: int = 0  # steps launched before the previous step's tokens were read
     rate: StepRate = field(default_factory=StepRate)  # recent step times and token rate
+    # the same over steps that were mostly prompt tokens (engine.PREFILL_STEP_TOKENS or more):
+    # what computing a prompt's block costs (decode steps would make computing look slow)
+    prefill_rate: StepRate = field(default_factory=StepRate)
     last_step_s: float = 0.0  # wall time of the latest step (traces report it)
 
 

@@ -232,8 +232,12 @@ def test_flags_and_config_name_what_is_wrong(tmp_path) -> None:
     cache = engine_from_args(args).cache
     assert cache.disk_kv_cache_bytes == 1 << 29 and cache.disk_kv_path == str(tmp_path)
     assert cache.file_tier_reads == "measured"  # serve's default
-    always = p.parse_args(["--kv-tier-reads", "always"])
+    always = p.parse_args(
+        ["--kv-tier-reads", "always", "--disk-kv-gib", "0.5", "--disk-kv-path", str(tmp_path)]
+    )
     assert engine_from_args(always).cache.file_tier_reads == "always"
+    with pytest.raises(ValueError, match="--kv-tier-reads always needs --disk-kv-gib"):
+        engine_from_args(p.parse_args(["--kv-tier-reads", "always"]))
     with pytest.raises(ValueError, match="file_tier_reads"):
         CacheConfig(file_tier_reads="sometimes")
     with pytest.raises(ValueError, match="disk_kv_path"):

@@ -19,8 +19,9 @@ def test_a_slow_step_is_said_with_what_it_carried_once_a_while() -> None:
     lines: list[str] = []
     slow = SlowSteps("tiny", lines.append)
     assert composition(chunks()) == (
-        "1 prompt chunks (200 new tokens after 100 computed or cached), 1 decodes"
+        "1 prompt chunk (200 new tokens after 100 computed or cached), 1 decode"
     )
+    assert composition(chunks()[1:]) == "1 decode"
     assert not slow.observe(0.3, 201, 0.0, 0.0, chunks())  # nothing known yet
     assert not slow.observe(0.02, 201, 0.015, 30_000.0, chunks())  # usual
     assert not slow.observe(0.04, 201, 0.008, 30_000.0, chunks())  # 5x, but under MIN_SLOW_S
@@ -29,6 +30,6 @@ def test_a_slow_step_is_said_with_what_it_carried_once_a_while() -> None:
     assert slow.observe(0.4, 201, 0.015, 30_000.0, chunks())  # counted, not said again yet
     assert slow.num_slow == 2 and len(lines) == 1
     assert lines[0].startswith("slow step of tiny: 300 ms")
-    assert "1 prompt chunks (200 new" in lines[0]
+    assert "201 tokens: 1 prompt chunk (200 new" in lines[0]
     # a big prompt's step is slow only against what its tokens usually take
     assert not slow.observe(0.3, 8192, 0.015, 30_000.0, chunks())
