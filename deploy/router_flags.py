@@ -132,7 +132,8 @@ class RouterOptions:
         if self.max_running_requests:
             lines.append(
                 f"  queue          {self.max_running_requests} running at once of each "
-                "priority or above, the rest by priority and fair share"
+                f"priority or above ({2 * self.max_running_requests} in all), the rest by "
+                "priority and fair share"
             )
         if self.max_body_mib is not None:
             lines.append(f"  body limit     {self.max_body_mib:g} MiB, then 413")

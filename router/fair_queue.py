@@ -8,13 +8,14 @@ are off) has a deficit: a flow at the front of the round is served its next requ
 deficit covers that request's cost (prompt tokens + max_tokens * n), else it is credited its
 quantum (quantum_tokens * the key's weight) and goes to the back. So two flows that both keep
 the queue full are served tokens in the proportion of their weights, whatever their request
-counts, and one flow's flood cannot starve another. A flow that becomes active is served
-before the flows already in the round (with one quantum), as in FQ-CoDel, so a sparse
-tenant's request waits for no backlog. Within a flow: earliest deadline, then
-arrival. So that a lower priority is never starved by a higher one's flood, after `max_bypass`
-requests in a row sent from the top priority while a lower one waited, the next one sent is the
-highest lower priority's (it takes the slot the top one would have had, and counts as one of
-the top priority's while it runs).
+counts, and one flow's flood cannot starve another. A flow that becomes active is served before
+the flows already in the round (with one quantum), as in FQ-CoDel, and before new flows already
+being served (a flood that started a moment earlier is a new flow too, with a quantum of many
+short requests), so a sparse tenant's request waits for no backlog. Within a flow: earliest
+deadline, then arrival. So that a lower priority is never starved by a higher one's flood, after
+`max_bypass` requests in a row sent from the top priority while a lower one waited, the next one
+sent is the highest lower priority's (it takes the slot the top one would have had, and counts
+as one of the top priority's while it runs).
 
 The running bound is per priority: a request waits only while max_running requests of its
 priority or higher run, and while 2 x max_running run in all. Lower ones never hold it back
@@ -64,7 +65,7 @@ class QueueDeadline(Overloaded):
         self.retry_after_s = None
         self.message = (
             f"request {req_id} was still queued at its deadline_s={deadline_s:g} s "
-            "(the cluster was busy with requests of higher priority or other tenants)"
+            "(the requests ahead of it in the router's queue held the cluster that long)"
         )
         self.args = (self.message,)
 
@@ -135,8 +136,9 @@ class _Band:
         heap = self.new.get(flow)
         if heap is None:
             heap = self.old.get(flow)
-        if heap is None:
+        if heap is None:  # a flow just active goes first, before new flows being served
             heap = self.new[flow] = []
+            self.new.move_to_end(flow, last=False)
             self.deficit[flow] = self._quantum(flow)
         heapq.heappush(heap, entry)
 

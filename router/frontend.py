@@ -224,6 +224,9 @@ class Frontend:
         tracker = ChoiceTrackers(self.route(req.model).tokenizer, prepared, self.metrics)
         grant = None
         turn = False
+        # reserved from here, before any wait: a twin sent while this one waits in the queue
+        # or on its limits is refused too (both sent on, the loser's abort ended the other)
+        self._in_flight.add(req.req_id)
         try:
             grant = await self._charge(prepared)
             ticket = Ticket.of(req, prepared.tenant, prepared.key_class, prepared.arrival)
@@ -239,6 +242,8 @@ class Frontend:
                 if grant is not None and self.limiter is not None:
                     await asyncio.shield(self.limiter.release(grant, 0, 0))
             raise
+        finally:
+            self._in_flight.discard(req.req_id)
 
     async def _stream(
         self, prepared: Prepared, tracker: ChoiceTrackers, grant: Grant | None
@@ -251,7 +256,6 @@ class Frontend:
         Raises BackendError if the backend fails the request.
         """
         req = prepared.request
-        self._in_flight.add(req.req_id)
         self.metrics.running.inc()
         self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)
         stream = self.backend.generate(req)
@@ -283,7 +287,6 @@ class Frontend:
             cause = getattr(e, "cause", None) or e
             raise BackendError(f"the backend failed: {cause}") from e
         finally:
-            self._in_flight.discard(req.req_id)
             self.metrics.running.dec()
             if prepared.trace is not None:
                 traces.end_request(prepared.trace, tracker, sys.exc_info()[1])

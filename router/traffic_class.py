@@ -7,7 +7,8 @@ its share of the router's queue) and the priority a request of a class runs at. 
   It may carry a deadline (`deadline_s`) instead of the TTFT objective: a request with one is
   placed whatever the TTFT objective says (router/placement.py), and still queued in the
   router that long after arrival it is refused (503, code "deadline_exceeded"; gRPC
-  DEADLINE_EXCEEDED). Any class may send deadline_s; it is meant for batch.
+  DEADLINE_EXCEEDED). With API keys only a batch key may send deadline_s (an interactive one
+  is refused: check_deadline); with keys off any request may.
 - weight: the flow's quantum in the router's deficit round robin (router/fair_queue.py): two
   tenants of one priority that both keep the queue full are served queued tokens in the
   proportion of their weights.
