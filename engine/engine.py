@@ -308,7 +308,7 @@ class Engine:
             rate = self.stats.rate
             self.slow_steps.observe(seconds, num_computed, rate.step_s, rate.tokens_per_s, chunks)
             rate.record(seconds, num_computed)
-            num_prompt = sum(c.num_new_tokens for c in chunks if c.start < c.req.num_prompt_tokens)
+            num_prompt = sum(c.num_new_tokens for c in chunks if c.is_prompt)
             if num_prompt >= max(PREFILL_STEP_TOKENS, num_computed // 2):
                 self.stats.prefill_rate.record(seconds, num_computed)
 

@@ -50,6 +50,11 @@ class ScheduledChunk:
             return cls(req, start, num_new_tokens, True, drafts)
         return cls(req, start, num_new_tokens, end == req.num_tokens)
 
+    @property
+    def is_prompt(self) -> bool:
+        """It computes prompt tokens (a prefill chunk), not a decode."""
+        return self.start < self.req.num_prompt_tokens
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -26,7 +26,7 @@ def _count(n: int, noun: str) -> str:
 
 def composition(chunks: Sequence[ScheduledChunk]) -> str:
     """What a step carried: its prompt chunks (new tokens, tokens before them) and decodes."""
-    prompts = [c for c in chunks if c.start < c.req.num_prompt_tokens]
+    prompts = [c for c in chunks if c.is_prompt]
     decodes = _count(len(chunks) - len(prompts), "decode")
     if not prompts:
         return decodes
