@@ -116,10 +116,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=FILE_TIER_READS,
         default=None,
         help="a disk tier's or the shared store's prefix hits (needs --disk-kv-gib): "
-        "measured (default) reads them "
-        "back while reading a block is no slower than computing its tokens (the engine's "
-        "recent rate), else computes them and says so in the log; always reads every hit back "
-        "(less compute, a longer TTFT where reads are the slower)",
+        "measured (default) reads them back while reading a block is no slower than computing "
+        "its tokens (the engine's recent prefill rate), else computes them, says so in the log "
+        "and counts them in status; always reads every hit back (less compute, a longer TTFT "
+        "where reads are the slower)",
     )
     p.add_argument(
         "--shared-kv-gib",

@@ -79,9 +79,9 @@ class Frontend:
         limiter: each tenant's per-key limits (None: none; needs api_keys to have tenants).
         max_running_requests: how many of one priority or higher go on to the cluster at once
         (twice that in all); the rest wait in the router's FairQueue (0: no bound, all go at
-        once). tokenizers: with a ModelsBackend,
-        each other model's tokenizer by model id (`tokenizer` is the default model's); a
-        request's `model` picks its route (router/served_models.py)."""
+        once). tokenizers: with a ModelsBackend, each other model's tokenizer by model id
+        (`tokenizer` is the default model's); a request's `model` picks its route
+        (router/served_models.py)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics or RouterMetrics()
