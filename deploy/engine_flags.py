@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from common.kv_index_schema import check_model_id
 from deploy.flag_types import finite_float, non_negative_float, non_negative_int, positive_int
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from deploy.worker_launch import check_gpus_per_worker
@@ -67,6 +68,14 @@ def model_from_args(args: argparse.Namespace) -> str:
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the id clients name the model by: a request's `model`, /v1/models, the metrics' "
+        "`model` label and the index namespace (default: the folder's name or the .gguf "
+        "file's stem; one model only: with several, each gets its own in --models-file flags)",
+    )
     p.add_argument(
         "--block-size",
         type=positive_int,
@@ -266,6 +275,14 @@ def as_flags(message: str) -> str:
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     """Every worker's engine; a bad size or fraction is refused naming its flag."""
+    if args.served_model_name is not None:
+        try:
+            check_model_id(args.served_model_name)
+        except ValueError:
+            raise ValueError(
+                f"--served-model-name {args.served_model_name!r}: wants a non-empty name with no "
+                "braces, globs or spaces"
+            ) from None
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -291,6 +308,7 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
 def _engine(args: argparse.Namespace, kv_bytes: int | None) -> EngineConfig:
     return EngineConfig(
         model=model_from_args(args),
+        served_model_name=args.served_model_name,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=kv_bytes,

@@ -25,7 +25,7 @@ from deploy.progress import follow
 from deploy.ray_local import EmbeddedRay, ProcessId, cluster_processes, embedded_ray, reap
 from deploy.router_launch import build_backend
 from deploy.worker_launch import WorkerTemplate, check_gpus_per_worker, gpus_needed
-from engine.config import EngineConfig, served_model_id
+from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 REDIS_WATCH_S = 1.0  # keep_redis: how often the embedded redis-server is looked at
@@ -434,10 +434,13 @@ def controller_names(spec: ClusterSpec) -> dict[str, str]:
     """Served model id -> the actor name of its controller: the spec's own name for one model,
     "{name}/{model id}" for each of several; ValueError when two models would share an id (the
     index, the metrics and a request's `model` tell models apart by it)."""
-    ids = [served_model_id(m.engine.model) for m in spec.models]
+    ids = [m.engine.model_id for m in spec.models]
     repeated = next((m for i, m in enumerate(ids) if m in ids[:i]), None)
     if repeated is not None:
-        raise ValueError(f"two models would both be served as {repeated!r}: rename one's folder")
+        raise ValueError(
+            f"two models would both be served as {repeated!r}: name one otherwise "
+            "(`served-model-name` in its models-file flags) or rename its folder"
+        )
     if len(ids) == 1:
         return {ids[0]: spec.controller_name}
     return {model_id: f"{spec.controller_name}/{model_id}" for model_id in ids}

@@ -1,11 +1,11 @@
 """What a served model's checkpoint folder must hold, checked before any process starts
 (`kvrelay serve` on an embedded cluster; a worker would find each only after Ray, Redis and the
 controller started, print a traceback and be started again): the model id its folder's name
-gives, a config.json the engine understands (its architecture, fields and quantization), its
-safetensors files (its index's, all there), a tokenizer.json whose base vocabulary the model's
-covers, and a --max-model-len within the model's context. Torch-free; the tensors themselves
-are the workers' to check (by loading them). A GGUF file is the workers' to convert. Holds no
-state."""
+gives (unless --served-model-name names it), a config.json the engine understands (its
+architecture, fields and quantization), its safetensors files (its index's, all there), a
+tokenizer.json whose base vocabulary the model's covers, and a --max-model-len within the
+model's context. Torch-free; the tensors themselves are the workers' to check (by loading
+them). A GGUF file is the workers' to convert. Holds no state."""
 
 from __future__ import annotations
 
@@ -20,17 +20,22 @@ TOKENIZER_FILE = "tokenizer.json"  # what the router tokenizes with
 
 
 def check_checkpoint(
-    source: Path, max_model_len: int | None = None, weights: bool = True, draft: bool = False
+    source: Path,
+    max_model_len: int | None = None,
+    weights: bool = True,
+    draft: bool = False,
+    named: bool = False,
 ) -> None:
     """ValueError / FileNotFoundError naming the folder and what is wrong with it, for an HF
     folder `source` (model_source's) to serve with `max_model_len` (--max-model-len); weights
     False (--load-format dummy): its safetensors files are not looked for; draft (a
-    --draft-model): not served under an id, nor tokenized with."""
+    --draft-model): not served under an id, nor tokenized with; named: served under
+    --served-model-name (checked with the flags), not its folder's name."""
     if source.suffix == ".gguf" and source.is_file():
         return
     model_id = served_model_id(str(source))
     try:
-        if not draft:
+        if not draft and not named:
             check_model_id(model_id)
     except ValueError:
         raise ValueError(

@@ -255,6 +255,11 @@ def _model_pools(args: argparse.Namespace, engine: EngineConfig) -> list[ModelPo
     """Each served model's engine and pools: --models-file's, else MODEL / --model (repeated:
     the same engine flags and --prefill / --decode for each); the autoscale bounds for each."""
     if args.models_file is None:
+        if args.served_model_name is not None and len(models_from_args(args)) > 1:
+            raise ValueError(
+                "--served-model-name names one model: with several, give each its own "
+                "(`served-model-name` in its --models-file flags)"
+            )
         pools = [
             ModelPools(replace(engine, model=model), args.prefill, args.decode)
             for model in models_from_args(args)
@@ -380,7 +385,12 @@ def check_models(spec: ClusterSpec) -> None:
     for pools in spec.models:
         engine = pools.engine
         weights = engine.load_format != "dummy"
-        check_checkpoint(model_source(engine.model), engine.scheduler.max_model_len, weights)
+        check_checkpoint(
+            model_source(engine.model),
+            engine.scheduler.max_model_len,
+            weights,
+            named=engine.served_model_name is not None,
+        )
         draft = pools.engine.speculative.draft_model
         if draft is not None:
             try:

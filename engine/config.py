@@ -588,8 +588,18 @@ class EngineConfig:
     # The KVRELAY_* choices (engine/settings.py), read from the environment where the config is
     # built (the driver) and carried as they are to the workers the config is sent to.
     settings: Settings = field(default_factory=Settings.from_env)
+    # The id clients name the model by (a request's `model`, /v1/models, the index namespace,
+    # metrics labels); None: served_model_id(model), the folder's name or a .gguf file's stem.
+    served_model_name: str | None = None
+
+    @property
+    def model_id(self) -> str:
+        """The id this engine's model is served under (served_model_name, else the model's)."""
+        return self.served_model_name or served_model_id(self.model)
 
     def __post_init__(self) -> None:
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must be non-empty when given")
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         check_fraction("gpu_share", self.gpu_share)
         check_quantization(self.quantization)

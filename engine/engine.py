@@ -27,7 +27,7 @@ from engine.kv_cache.block_pool import DEFAULT_PRIORITY, KVEvent
 from engine.kv_cache.hashing import hash_blocks, root_hash
 from engine.kv_cache.load_gate import LoadGate
 from engine.kv_cache.retention import RetentionRange
-from engine.models.loader import read_model_config, resolve_model, served_model_id
+from engine.models.loader import read_model_config, resolve_model
 from engine.parallel.launch import StartFollower, start_leader
 from engine.parallel.leader import FollowerHandle, LeaderRunner, RankLost
 from engine.parallel.step_plan import ReadPlan
@@ -74,7 +74,7 @@ class Engine:
         self.checkpoint_dir = folder = resolve_model(
             config.model, cache_dir=config.settings.cache_dir
         )
-        self.model_config: ModelConfig = read_model_config(folder, served_model_id(config.model))
+        self.model_config: ModelConfig = read_model_config(folder, config.model_id)
         mc = self.model_config
         self.model_id = mc.model_id
         self.tokenizer = find_tokenizer(folder)

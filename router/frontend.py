@@ -63,7 +63,6 @@ class Frontend:
         backend: Backend,
         tokenizer: RouterTokenizer,
         metrics: RouterMetrics | None = None,
-        model_aliases: tuple[str, ...] = (),
         max_tokens_cap: int | None = None,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         api_keys: ApiKeys | None = None,
@@ -87,7 +86,6 @@ class Frontend:
         self.metrics = metrics or RouterMetrics()
         self.model_id = backend.model_id
         self.routes = model_routes(backend, tokenizer, tokenizers or {})
-        self.model_names = frozenset((*self.routes, *model_aliases))
         self.max_tokens_cap = max_tokens_cap
         self.api_keys = api_keys
         self.limiter = limiter
@@ -132,9 +130,9 @@ class Frontend:
             raise self.reject(e) from None
 
     def route(self, model: str | None) -> ModelRoute:
-        """The served model a request's `model` names (empty or an alias: the default one);
-        raises InvalidRequest naming `model` for one not served here."""
-        if model and model not in self.model_names:
+        """The served model a request's `model` names (empty: the default one); raises
+        InvalidRequest naming `model` for one not served here."""
+        if model and model not in self.routes:
             available = ", ".join(repr(m) for m in self.routes)
             raise InvalidRequest(
                 f"model {model!r} is not served here; available: {available}",

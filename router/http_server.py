@@ -327,8 +327,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}: one served model (OpenAI's retrieve; an alias answers with the
-    model it names), 404 naming it otherwise."""
+    """GET /v1/models/{model}: one served model (OpenAI's retrieve), 404 naming it otherwise."""
     frontend = request.app[FRONTEND_KEY]
     try:
         route = frontend.route(request.match_info["model"])

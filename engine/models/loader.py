@@ -25,7 +25,6 @@ from torch import nn
 
 from engine.config import DEFAULT_MODEL as DEFAULT_MODEL  # conftest's import
 from engine.config import CheckpointRefused, ModelConfig
-from engine.config import served_model_id as served_model_id  # its old home; engine.py's import
 from engine.model_source import checkpoint_files, model_source
 from engine.model_source import default_gguf_path as default_gguf_path  # tests' import
 from engine.models.llama import MOE_FAMILIES, check_moe_quant

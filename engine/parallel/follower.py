@@ -22,7 +22,7 @@ from engine.execution.block_copies import BlockCopies
 from engine.execution.disk_setup import build_rank_disk
 from engine.execution.model_setup import build_rank_side
 from engine.execution.runner import ModelRunner
-from engine.models.loader import read_model_config, resolve_model, served_model_id
+from engine.models.loader import read_model_config, resolve_model
 from engine.parallel import step_plan
 from engine.parallel.ranks import join_group
 
@@ -47,7 +47,7 @@ class Follower:
         size, timeout_s = config.tensor_parallel_size, config.tensor_parallel_timeout_s
         self.tp = join_group(rank, size, address, self.device, timeout_s)
         folder = resolve_model(config.model, cache_dir=config.settings.cache_dir)
-        self.model_config = model_config = read_model_config(folder, served_model_id(config.model))
+        self.model_config = model_config = read_model_config(folder, config.model_id)
         side = build_rank_side(config, model_config, folder, self.device, None, self.tp)
         self.runner = ModelRunner(side.model, side.backend, None, side.config.cache.block_size)
         self.kv_cache = side.backend.kv_cache  # this rank's heads of every block

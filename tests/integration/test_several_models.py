@@ -1,5 +1,6 @@
 """Two models served side by side by one router (real Ray, Redis, NIXL; two tiny random Llama
-checkpoints of different seeds beside SmolLM2's tokenizer): /v1/models lists both, a request's
+checkpoints of different seeds beside SmolLM2's tokenizer), the second under a served name with
+a slash as vLLM users give (--served-model-name): /v1/models lists both, a request's
 `model` picks that model's pools and each answers token for token as its own transformers
 oracle, a prompt cached under one model is no prefix hit for the other, `kvrelay scale --model`
 resizes one model's decode pool while the other keeps its workers, and no block leaks."""
@@ -38,7 +39,9 @@ from tests.integration.cluster_support import (
 )
 from tests.server_harness import post
 
-MODELS = ("tiny-a", "tiny-b")  # served under their folders' names
+FOLDERS = ("tiny-a", "tiny-b")
+B = "org/tiny-b"  # the second folder's served name (its folder's name is refused)
+MODELS = ("tiny-a", B)  # the ids served
 NEW_TOKENS = 8
 PROMPT = list(range(300, 340))  # 40 tokens: two full blocks of 16 to find in the index
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -50,8 +53,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two tiny random Llamas of different seeds, with SmolLM2's tokenizer and vocabulary."""
     smollm = Path(resolve_model("default"))
     folders = {}
-    for seed, name in enumerate(MODELS):
-        folder = tmp_path_factory.mktemp("models") / name
+    for seed, (name, folder_name) in enumerate(zip(MODELS, FOLDERS, strict=True)):
+        folder = tmp_path_factory.mktemp("models") / folder_name
         make_tiny_checkpoint(folder, vocab_size=49152, seed=seed)
         for file in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(smollm / file, folder / file)
@@ -67,14 +70,15 @@ def oracle(checkpoints: dict[str, Path]) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def harness(checkpoints: dict[str, Path]) -> Iterator[ClusterHarness]:
-    def engine(model: str) -> EngineConfig:
-        return EngineConfig(model=str(checkpoints[model]), cache=CacheConfig(num_blocks=NUM_BLOCKS))
+    def engine(model: str, name: str | None = None) -> EngineConfig:
+        cache = CacheConfig(num_blocks=NUM_BLOCKS)
+        return EngineConfig(model=str(checkpoints[model]), served_model_name=name, cache=cache)
 
     spec = cluster_spec(
         engine=engine("tiny-a"),
         num_prefill=1,
         num_decode=1,
-        more_models=(ModelPools(engine("tiny-b"), num_prefill=1, num_decode=1),),
+        more_models=(ModelPools(engine(B, B), num_prefill=1, num_decode=1),),
         drain_grace_s=0.5,
     )
     harness = ClusterHarness(spec)
@@ -102,24 +106,27 @@ def kvrelay(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list[int]]) -> None:
     cluster = harness.cluster
-    assert oracle["tiny-a"] != oracle["tiny-b"]  # different seeds: a mix-up would show
+    assert oracle["tiny-a"] != oracle[B]  # different seeds: a mix-up would show
 
     # /v1/models lists both; an unknown model is refused as before (400, naming `model`).
     listed = json.loads(get(harness, "/v1/models"))["data"]
     assert [m["id"] for m in listed] == list(MODELS)
     ready = json.loads(get(harness, "/ready"))  # every model's pools have a ready worker
-    assert ready["ready"] and ready["tiny-a/prefill_workers"] == ready["tiny-b/decode_workers"] == 1
+    assert ready["ready"] and ready["tiny-a/prefill_workers"] == ready[f"{B}/decode_workers"] == 1
     status, reply = post(harness, "/v1/completions", {"model": "nope", "prompt": PROMPT})
     assert status == 400 and reply["error"]["param"] == "model"
-    assert "'tiny-a', 'tiny-b'" in reply["error"]["message"]
+    assert f"'tiny-a', '{B}'" in reply["error"]["message"]
+    status, reply = post(harness, "/v1/completions", {"model": "tiny-b", "prompt": PROMPT})
+    assert status == 400 and reply["error"]["param"] == "model"  # served as B, not its folder
+    assert json.loads(get(harness, f"/v1/models/{B}"))["id"] == B
 
     # Model A computes PROMPT (token for token as its oracle): its blocks go to A's namespace,
     # held by A's prefill worker; B's index finds none of them, hashed as B's or as A's.
     first_a = generate(harness, "tiny-a", "first-a")
     assert tokens_of(first_a) == oracle["tiny-a"] and first_a[0].num_cached_tokens == 0
-    a_index, b_index = cluster.backends["tiny-a"].index, cluster.backends["tiny-b"].index
+    a_index, b_index = cluster.backends["tiny-a"].index, cluster.backends[B].index
     a_hashes = hash_blocks(PROMPT, 16, "tiny-a")
-    b_hashes = hash_blocks(PROMPT, 16, "tiny-b")
+    b_hashes = hash_blocks(PROMPT, 16, B)
     assert set(a_hashes).isdisjoint(b_hashes)
 
     async def a_holds_prompt() -> bool:  # the worker publishes its blocks after its step
@@ -130,46 +137,46 @@ def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list
     harness.run(until_true(a_holds_prompt))
     for hashes in (a_hashes, b_hashes):
         b_view = harness.run(b_index.view("", hashes))
-        b_workers = {"kvrelay-tiny-b-prefill-0", "kvrelay-tiny-b-decode-0"}
+        b_workers = {f"kvrelay-{B}-prefill-0", f"kvrelay-{B}-decode-0"}
         assert {w.worker_id for w in b_view.workers} == b_workers
         assert not any(b_view.overlap.values())
 
     # So B's request of the same prompt is no prefix hit: computed on B's pools, token for
     # token as B's own oracle; a repeat on A is a hit on A.
-    first_b = generate(harness, "tiny-b", "first-b")
-    assert tokens_of(first_b) == oracle["tiny-b"] and first_b[0].num_cached_tokens == 0
+    first_b = generate(harness, B, "first-b")
+    assert tokens_of(first_b) == oracle[B] and first_b[0].num_cached_tokens == 0
     again = generate(harness, "tiny-a", "again-a")
     assert tokens_of(again) == oracle["tiny-a"] and again[0].num_cached_tokens == 32
 
     # Over HTTP the request's `model` picks the pools (the text: B's oracle tokens decoded).
-    tokenizer = harness.servers.frontend.routes["tiny-b"].tokenizer
-    body = {"model": "tiny-b", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
+    tokenizer = harness.servers.frontend.routes[B].tokenizer
+    body = {"model": B, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
     status, reply = post(harness, "/v1/completions", {**body, "ignore_eos": True})
     assert status == 200, reply
-    assert reply["model"] == "tiny-b"
-    assert reply["choices"][0]["text"] == tokenizer.decode(oracle["tiny-b"])
+    assert reply["model"] == B
+    assert reply["choices"][0]["text"] == tokenizer.decode(oracle[B])
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
     # Metrics carry the model (only the HTTP request passed the front end).
     metrics = get(harness, "/metrics")
-    assert 'kvrelay_model_requests_total{finish_reason="length",model="tiny-b"} 1.0' in metrics
+    assert f'kvrelay_model_requests_total{{finish_reason="length",model="{B}"}} 1.0' in metrics
     assert 'kvrelay_model_requests_total{finish_reason="length",model="tiny-a"}' not in metrics
 
     # Scaling: one controller per model; without --model the CLI refuses to guess.
     controllers = find_controllers()
     assert set(controllers) == set(MODELS)
-    with pytest.raises(ValueError, match=r"several models \('tiny-a', 'tiny-b'\): give --model"):
+    with pytest.raises(ValueError, match=rf"several models \('{B}', 'tiny-a'\): give --model"):
         only_model(controllers)
     a_workers = set(cluster.backends["tiny-a"].workers.actors("decode"))
-    done = kvrelay("scale", "--model", "tiny-b", "--decode", "2")
+    done = kvrelay("scale", "--model", B, "--decode", "2")
     assert done.returncode == 0, done.stderr
-    assert "pools wanted of tiny-b: prefill 1, decode 2" in done.stderr
+    assert f"pools wanted of {B}: prefill 1, decode 2" in done.stderr
 
     def ready_decode(model: str) -> list[str]:
         return [w.worker_id for w in cluster.backends[model].workers.known("decode")]
 
-    harness.run(until(lambda: len(ready_decode("tiny-b")) == 2))
-    assert ready_decode("tiny-b") == ["kvrelay-tiny-b-decode-0", "kvrelay-tiny-b-decode-1"]
+    harness.run(until(lambda: len(ready_decode(B)) == 2))
+    assert ready_decode(B) == [f"kvrelay-{B}-decode-0", f"kvrelay-{B}-decode-1"]
     assert set(cluster.backends["tiny-a"].workers.actors("decode")) == a_workers
     a_status = ray.get(cluster.controllers["tiny-a"].status.remote(False))
     assert [(p.role, p.desired) for p in a_status.pools] == [("prefill", 1), ("decode", 1)]

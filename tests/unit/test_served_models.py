@@ -1,7 +1,8 @@
 """Several models behind one router (router/served_models.py): a request reaches only its own
 model's backend, the Frontend picks a model's route (context length, vocabulary, tokenizer)
 from the request's `model` and refuses one not served, naming the field; the CLI's model
-picking and `--model` repeated on `kvrelay serve`. Fake backends (no Ray, no worker)."""
+picking, `--model` repeated and `--served-model-name` on `kvrelay serve`. Fake backends (no
+Ray, no worker)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from common.messages import GenerateRequest, TokenDelta
 from deploy.cli import build_parser
+from deploy.local_cluster import controller_names
 from deploy.ops_cli import only_model, pick_models
 from deploy.serve_flags import spec_from_args
 from engine.finish_reason import FinishReason
@@ -133,6 +135,30 @@ def test_serve_takes_the_model_flag_repeated(tmp_path) -> None:
         parse("--model", "y", "--model", "y")
     with pytest.raises(ValueError, match="two models would both be served as 'y'"):
         parse("--model", str(tmp_path / "y"), "--model", "y.gguf")
+
+
+def test_served_model_name_names_the_model_clients_ask_for(tmp_path) -> None:
+    def parse(*argv: str):
+        return spec_from_args(build_parser().parse_args(["serve", *argv]))
+
+    spec = parse(str(tmp_path / "llama-8b"), "--served-model-name", "meta-llama/Llama-3.1-8B")
+    assert spec.engine.model == str(tmp_path / "llama-8b")
+    assert spec.engine.model_id == "meta-llama/Llama-3.1-8B"
+    assert list(controller_names(spec)) == ["meta-llama/Llama-3.1-8B"]
+    assert parse(str(tmp_path / "llama-8b")).engine.model_id == "llama-8b"  # its folder's name
+    for bad in ("a b", "", "x{y}", "m*"):
+        with pytest.raises(ValueError, match=r"--served-model-name .*: wants a non-empty name"):
+            parse("x.gguf", "--served-model-name", bad)
+    with pytest.raises(ValueError, match="--served-model-name names one model"):
+        parse("--model", "x.gguf", "--model", "y.gguf", "--served-model-name", "z")
+    path = tmp_path / "models.yaml"  # with several, each names its own in its flags
+    path.write_text(
+        "models:\n  - {model: a.gguf, flags: {served-model-name: org/a}}\n  - {model: b.gguf}\n"
+    )
+    assert [m.engine.model_id for m in parse("--models-file", str(path)).models] == ["org/a", "b"]
+    path.write_text("models: [{model: a.gguf, flags: {served-model-name: b}}, {model: b.gguf}]")
+    with pytest.raises(ValueError, match="two models would both be served as 'b': name one"):
+        parse("--models-file", str(path))
 
 
 def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> None:
