@@ -9,12 +9,15 @@ each tier's hits. Owns no state (its disk directories, and the shared one unless
     python -m bench.kv_tiers_bench --rows shared --shared-kv-path s3://BUCKET/PREFIX \
         --shared-kv-endpoint http://127.0.0.1:8333    # the shared rows on an object store
     python -m bench.kv_tiers_bench --kv-tier-reads always   # every file tier hit read back
+    python -m bench.kv_tiers_bench --rows disk --kv-tier-reads always --switch-interval-ms 0.5
+        # does a read wait for the GIL? (the engine thread and the tier readers share it)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,7 +39,17 @@ def main() -> None:
     )
     p.add_argument("--shared-kv-endpoint", default=None, help="an s3:// store's endpoint URL")
     p.add_argument(
-        "--rows", choices=("all", "shared"), default="all", help="shared: the two shared rows"
+        "--rows",
+        choices=("all", "shared", "disk"),
+        default="all",
+        help="shared: the two shared rows; disk: the + disk row alone",
+    )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for this process, in ms (default: Python's 5): how long a "
+        "tier's reader thread may wait for the GIL while the engine thread holds it",
     )
     p.add_argument(
         "--kv-tier-reads",
@@ -47,6 +60,8 @@ def main() -> None:
     p.add_argument("--prompts-json", help="also write the prompts' token ids (for a vLLM peer)")
     args = p.parse_args()
     args.profile = None
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     host = int(args.host_kv_gib * (1 << 30))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-tiers-") as tmp:
@@ -70,12 +85,19 @@ def main() -> None:
         ]
         if args.rows == "shared":
             runs = runs[3:]
+        elif args.rows == "disk":
+            runs = runs[2:3]
         for name, host_bytes, tiers in runs:
             row = {"run": name, **run(args, host_bytes, copy_rates=False, **tiers)}
             rows.append(row)
             brief = {k: row[k] for k in ("run", "prompt_tokens_computed", "ttft_p50_ms")}
             hits = {t["tier"]: t["hit_blocks"] for t in row["tiers"]}
-            print(json.dumps(brief | {"hit_blocks": hits}), flush=True)
+            read_ms = {  # a block's read and check, where a file tier read any
+                t["tier"]: round(1e3 * t["load_s"] / t["hit_blocks"], 3)
+                for t in row["tiers"]
+                if t.get("load_s") and t["hit_blocks"]
+            }
+            print(json.dumps(brief | {"hit_blocks": hits, "ms_a_block": read_ms}), flush=True)
     report = report_header("python -m bench.kv_tiers_bench " + json.dumps(vars(args)))
     write_report(args.json, {**report, "rows": rows})
 
