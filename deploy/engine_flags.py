@@ -20,6 +20,8 @@ from engine.config import (
 )
 from engine.quant.config import QUANTIZATION_FLAGS, QUANTIZATION_HELP, quantization_from_flag
 
+MAX_SERVED_NAME = 255  # characters, as a folder's name (the id goes into block file headers)
+
 
 def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     """The model, as a positional argument (as `vllm serve MODEL`) or --model; several: --model
@@ -275,13 +277,17 @@ def as_flags(message: str) -> str:
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     """Every worker's engine; a bad size or fraction is refused naming its flag."""
-    if args.served_model_name is not None:
+    name = args.served_model_name
+    if name is not None:
         try:
-            check_model_id(args.served_model_name)
+            check_model_id(name)
+            if len(name) > MAX_SERVED_NAME:  # a folder's name is bounded so (block file headers)
+                raise ValueError(name)
         except ValueError:
             raise ValueError(
-                f"--served-model-name {args.served_model_name!r}: wants a non-empty name with no "
-                "braces, globs or spaces"
+                f"--served-model-name {name[:40]!r}{'...' if len(name) > 40 else ''}: wants a "
+                f"non-empty name of at most {MAX_SERVED_NAME} characters with no braces, globs "
+                "or spaces"
             ) from None
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")

@@ -146,7 +146,8 @@ def test_served_model_name_names_the_model_clients_ask_for(tmp_path) -> None:
     assert spec.engine.model_id == "meta-llama/Llama-3.1-8B"
     assert list(controller_names(spec)) == ["meta-llama/Llama-3.1-8B"]
     assert parse(str(tmp_path / "llama-8b")).engine.model_id == "llama-8b"  # its folder's name
-    for bad in ("a b", "", "x{y}", "m*"):
+    assert parse("x.gguf", "--served-model-name", "n" * 255).engine.model_id == "n" * 255
+    for bad in ("a b", "", "x{y}", "m*", "n" * 256):
         with pytest.raises(ValueError, match=r"--served-model-name .*: wants a non-empty name"):
             parse("x.gguf", "--served-model-name", bad)
     with pytest.raises(ValueError, match="--served-model-name names one model"):
