@@ -168,7 +168,9 @@ class WorkerLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     queued_tokens: int = 0
-    prefill_tok_s: int = 0  # tokens computed per second of recent steps (0: not measured yet)
+    # prompt tokens computed per second of recent steps that were mostly prompt (else of every
+    # recent step; 0: not measured yet)
+    prefill_tok_s: int = 0
     step_us: int = 0  # mean wall time of a recent step, microseconds (0: not measured yet)
     # mean time to read and check one disk tier block file, microseconds (0: not measured yet)
     disk_load_us: int = 0

@@ -328,6 +328,7 @@ class Engine:
             num_kept_requests=len(kv.kept),
             tokens_per_s=self.stats.rate.tokens_per_s,
             step_s=self.stats.rate.step_s,
+            prompt_tokens_per_s=self.stats.prefill_rate.tokens_per_s,
             num_computed_tokens=self.stats.num_computed_tokens,
             num_preemptions=sched.num_preemptions,
             num_priority_preemptions=sched.num_priority_preemptions,

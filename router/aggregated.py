@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from common.messages import WorkerInfo
 from common.placement_rules import LocalPrefill, SloTargets
 from router.policy import LocalPlacement, PrefillPolicy
-from router.slo import LocalRoute, RouteInputs, Unmet, decode_within_tpot, local_ttft_s
+from router.slo import (
+    LocalRoute,
+    RouteInputs,
+    Unmet,
+    decode_within_tpot,
+    local_ttft_s,
+    ttft_left,
+)
 
 AGGREGATED = "aggregated"  # LocalPlacement.reason and the prefill metric's label (local_...)
 
@@ -50,7 +57,7 @@ def route_aggregated(
     fastest = min(p for p in predicted.values() if p is not None)  # all known: none met
     return Unmet(
         f"the decode workers are predicted to take {fastest * 1000:.0f} ms to the first token, "
-        f"over the TTFT objective of {slo.ttft_ms:g} ms"
+        f"over {ttft_left(slo, budget_s)}"
     )
 
 

@@ -34,7 +34,7 @@ from router.choice_migration import as_choice, continuation, resume_choices
 from router.decode_streams import DecodeStreams, Stream
 from router.leg import Leg, LegStage
 from router.metrics import RouterMetrics
-from router.placement import Placer
+from router.placement import Placer, uncached
 from router.policy import (
     LocalPrefill,
     NoWorkerAvailable,
@@ -49,6 +49,9 @@ from router.slo import LocalRoute
 from router.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
+# a decode worker that computes the prompt itself: it, its actor, and the prompt tokens placed
+# on it (counted in its load until the first token)
+Local = tuple[WorkerInfo, DecodeActor, int]
 MAX_PLACEMENTS = 3  # workers tried per request when one has stopped taking work (drained, died)
 # A request whose decode worker died waits this long for another to take it over (the last one
 # died: the controller's replacement starts, ~10-20 s on a CPU, a model load and warm-up on a GPU)
@@ -308,6 +311,8 @@ class ClusterBackend(Backend):
                         yield delta
             while True:
                 delta = await queue.get()
+                if leg.prompt_tokens and leg.decode is not None:  # its first token: computed
+                    self.workers.computed(leg.decode.worker_id, leg.take_prompt_tokens())
                 if delta.finish_reason == FinishReason.ABORT and self.gate.ended is not None:
                     raise StreamsEnded(self.gate.ended)  # end_streams() put it there
                 if delta.transfer is not None and self.metrics is not None:
@@ -328,7 +333,7 @@ class ClusterBackend(Backend):
             self.streams.close(req_id)
             self.last_placements.pop(req_id, None)
             if leg.decode is not None:
-                self.workers.done(leg.decode.worker_id)
+                self.workers.done(leg.decode.worker_id, leg.take_prompt_tokens())
             cleanup = leg.cleanup_call()
             if cleanup is not None:
                 await _quietly(cleanup)
@@ -339,11 +344,13 @@ class ClusterBackend(Backend):
         routed: LocalRoute,
         queue: asyncio.Queue[TokenDelta],
         client_req_id: str,
-    ) -> tuple[WorkerInfo, DecodeActor] | None:
+    ) -> Local | None:
         """Conditional prefill: submit the whole request to the decode worker the placer chose
-        (placed there until the stream ends) and return it; None: the prefill pool takes the
-        prompt after all (that worker is gone or stopped taking work)."""
+        (placed there until the stream ends, its prompt tokens until its first token) and return
+        it; None: the prefill pool takes the prompt after all (that worker is gone or stopped
+        taking work)."""
         decode = routed.placement.worker
+        num_uncached = uncached(request, routed.placement)
         try:
             actor = cast(DecodeActor, self._actor_of(decode))
             self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
@@ -351,7 +358,7 @@ class ClusterBackend(Backend):
             await actor.prefill_here.remote(request, self.router_id)
         except BaseException as e:
             self.streams.close(request.req_id)
-            self.workers.done(decode.worker_id)
+            self.workers.done(decode.worker_id, num_uncached)
             _drain(queue)
             if isinstance(e, asyncio.CancelledError):  # the worker may have taken it already
                 task = asyncio.create_task(_quietly(actor.abort.remote(request.req_id)))
@@ -365,7 +372,7 @@ class ClusterBackend(Backend):
             return None
         self.num_local_prefills += 1
         self._observe_prefill(f"local_{routed.placement.reason}")
-        return decode, actor
+        return decode, actor, num_uncached
 
     async def _aggregated(
         self,
@@ -374,7 +381,7 @@ class ClusterBackend(Backend):
         queue: asyncio.Queue[TokenDelta],
         client_req_id: str,
         excluded: frozenset[str] = frozenset(),
-    ) -> tuple[WorkerInfo, DecodeActor]:
+    ) -> Local:
         """No prefill worker takes the prompt: a decode worker computes it (router/aggregated.py),
         one that stopped taking work left out for another; NoWorkerAvailable when none is left."""
         while len(excluded) < MAX_PLACEMENTS:

@@ -64,6 +64,9 @@ class Leg:
     handle: KVHandle | None = None  # the prefill worker's answer (None: computed locally)
     decode: WorkerInfo | None = None
     decode_actor: DecodeActor | None = None
+    # prompt tokens the decode worker computes itself, counted as placed there (the router's
+    # view of its queue) until the first token says they are done
+    prompt_tokens: int = 0
 
     def move(self, stage: LegStage) -> None:
         if stage not in ALLOWED[self.stage]:
@@ -77,10 +80,16 @@ class Leg:
         self.handle = handle
         self.move(LegStage.HANDED if handle.needs_decode else LegStage.DONE)
 
-    def decoding(self, decode: WorkerInfo, actor: DecodeActor) -> None:
-        """A decode worker took the request (handed over, or to compute it there)."""
-        self.decode, self.decode_actor = decode, actor
+    def decoding(self, decode: WorkerInfo, actor: DecodeActor, prompt_tokens: int = 0) -> None:
+        """A decode worker took the request (handed over, or to compute its prompt_tokens
+        there)."""
+        self.decode, self.decode_actor, self.prompt_tokens = decode, actor, prompt_tokens
         self.move(LegStage.DECODE)
+
+    def take_prompt_tokens(self) -> int:
+        """The prompt tokens still counted as placed on the decode worker, now counted off."""
+        num, self.prompt_tokens = self.prompt_tokens, 0
+        return num
 
     def decode_failed(self) -> None:
         """The decode worker failed the request: nothing is left there, but a lease may be."""

@@ -18,7 +18,13 @@ from common.placement_rules import LocalPrefill, SloTargets
 from router import traces
 from router.aggregated import route_aggregated
 from router.errors import SloUnmet
-from router.policy import Placement, PrefillPolicy, choose_decode, route_by_load
+from router.policy import (
+    LocalPlacement,
+    Placement,
+    PrefillPolicy,
+    choose_decode,
+    route_by_load,
+)
 from router.prefix_index import IndexUnavailable, PrefixIndex
 from router.slo import LocalRoute, RemoteRoute, RouteInputs, Unmet, route, within_tpot
 from router.slo_waiters import SloWaiters
@@ -30,6 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 SLO_POLL_S = 0.02  # a request queued for the objectives looks again this often
 QUEUE_WITHOUT_TTFT_S = 1.0  # how long "queue" waits when only a TPOT objective is set
+
+
+def uncached(request: GenerateRequest, placement: Placement | LocalPlacement) -> int:
+    """The prompt tokens a placement leaves its worker to compute (counted as placed there until
+    they are: a prefill worker's answer, a decode worker's first token)."""
+    return len(request.prompt_token_ids) - placement.num_cached_tokens
 
 
 class Placer:
@@ -125,13 +137,12 @@ class Placer:
                         self.metrics.slo_deferred.inc()
                     chosen = Unmet(f"{num_above} request(s) of higher priority wait to be placed")
                 if isinstance(chosen, LocalRoute):
-                    self.workers.place(chosen.placement.worker.worker_id)
+                    placement = chosen.placement
+                    self.workers.place(placement.worker.worker_id, uncached(request, placement))
                     traces.end_placement(span, chosen.placement)
                     return chosen
                 if isinstance(chosen, RemoteRoute):
-                    num_uncached = (
-                        len(request.prompt_token_ids) - chosen.placement.num_cached_tokens
-                    )
+                    num_uncached = uncached(request, chosen.placement)
                     self.workers.place(chosen.placement.worker.worker_id, num_uncached)
                     traces.end_placement(span, chosen.placement)
                     return chosen, num_uncached
@@ -191,7 +202,7 @@ class Placer:
                 placement = route_by_load(workers)
             else:
                 placement = self.policy.choose(workers, overlap, self.block_size)
-            num_uncached = len(request.prompt_token_ids) - placement.num_cached_tokens
+            num_uncached = uncached(request, placement)
             self.workers.place(placement.worker.worker_id, num_uncached)
             traces.end_placement(span, placement)
             return placement, num_uncached
@@ -216,7 +227,8 @@ class Placer:
             )
             chosen = route_aggregated(inputs, self.policy, self.local_prefill, SloTargets())
             assert isinstance(chosen, LocalRoute)  # no objectives: never Unmet
-            self.workers.place(chosen.placement.worker.worker_id)
+            placement = chosen.placement
+            self.workers.place(placement.worker.worker_id, uncached(request, placement))
             traces.end_placement(span, chosen.placement)
             return chosen
 

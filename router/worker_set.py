@@ -28,7 +28,7 @@ class _Placed:
     """Requests this router placed on one worker that have not left it yet."""
 
     num_requests: int = 0
-    num_tokens: int = 0  # prefill: uncached prompt tokens still to compute
+    num_tokens: int = 0  # uncached prompt tokens still to compute (a decode worker's own too)
 
 
 class WorkerSet:
@@ -151,6 +151,13 @@ class WorkerSet:
         placed = self._placed.setdefault(worker_id, _Placed())
         placed.num_requests += 1
         placed.num_tokens += num_tokens
+
+    def computed(self, worker_id: str, num_tokens: int) -> None:
+        """The prompt tokens placed on a decode worker (it computes them itself) are done: the
+        request stays placed there (it decodes) until done()."""
+        placed = self._placed.get(worker_id)
+        if placed is not None:
+            placed.num_tokens = max(0, placed.num_tokens - num_tokens)
 
     def done(self, worker_id: str, num_tokens: int = 0) -> None:
         placed = self._placed.get(worker_id)

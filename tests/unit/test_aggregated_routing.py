@@ -1,7 +1,8 @@
 """Aggregated routing (router/aggregated.py, and the Placer's use of it) on hand-made worker
 snapshots: with no prefill worker a decode worker computes the prompt, chosen by the KV-aware
 policy over the decode workers' caches and loads; objectives queue or refuse it as for the
-prefill pool; the conditional-prefill rule is left alone while a prefill pool exists."""
+prefill pool (a burst on a stale published load counting its own prompts); the
+conditional-prefill rule is left alone while a prefill pool exists."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from common.messages import GenerateRequest, WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
 from engine.sampling.sampling_params import SamplingParams
 from router.aggregated import AGGREGATED, route_aggregated
+from router.errors import SloUnmet
 from router.placement import Placer
 from router.policy import KVAwarePolicy, NoWorkerAvailable
 from router.prefix_index import IndexView
@@ -153,3 +155,43 @@ def test_with_no_prefill_worker_known_both_views_are_read_in_one_round_trip() ->
     index = ConcurrentIndex([WorkerInfo("p0", "prefill", "p0")])
     routed = asyncio.run(placer(index).route(REQUEST, []))
     assert isinstance(routed, tuple) and index.roles == ["prefill"] and index.most_in_flight == 1
+
+
+class StaleIndex:
+    """Stands in for PrefixIndex.view with an aggregated pool whose published load never moves
+    (a burst between two load publications): one decode worker, one request running, prompts
+    computed at 3,200 tokens/s (0.1 s a 320-token prompt), decode steps of 10 ms."""
+
+    async def view(self, role: str, hashes: list[int]) -> IndexView:
+        if role == "prefill":
+            return IndexView([], {})
+        load = {"running": 1, "queued_tokens": 1, "step_us": 10_000, "prefill_tok_s": 3200}
+        return IndexView([decode("d0", **load)], {})
+
+
+def test_a_burst_on_a_stale_load_counts_its_own_prompts_against_the_ttft_objective() -> None:
+    workers = WorkerSet()
+    workers.add("d0", "decode", actor=object())  # type: ignore[arg-type]
+    slo = SloTargets(ttft_ms=450, overload="shed")
+    p = Placer(BLOCK, workers, StaleIndex(), KVAwarePolicy(), slo=slo)  # type: ignore[arg-type]
+
+    async def burst() -> list[LocalRoute | str]:
+        out: list[LocalRoute | str] = []
+        for i in range(6):
+            request = GenerateRequest(f"r{i}", tuple(range(PROMPT)), SamplingParams(max_tokens=8))
+            try:
+                out.append(await p.route(request, []))
+            except SloUnmet as e:
+                out.append(str(e))
+        return out
+
+    routes = asyncio.run(burst())
+    # 0.1 s of prompt each: the fourth is predicted at 0.4 s, the fifth at 0.5 s (shed), as is
+    # the sixth; the published load alone (one 320-token prompt) would have placed them all
+    placed = [r for r in routes if isinstance(r, LocalRoute)]
+    assert [r.predicted_ttft_s for r in placed] == pytest.approx([0.1, 0.2, 0.3, 0.4], abs=1e-3)
+    assert all("TTFT objective of 450 ms" in r for r in routes[4:])
+    # The first token of one counts its prompt off (it decodes on: still placed there).
+    workers.computed("d0", PROMPT)
+    (seen,) = workers.with_placed(asyncio.run(StaleIndex().view("decode", [])).workers)
+    assert seen.load.queued_tokens == 3 * PROMPT and workers.num_placed("d0") == 4

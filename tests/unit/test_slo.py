@@ -48,6 +48,14 @@ def test_predictions_from_published_rates() -> None:
     # a decode worker: 4 running decodes (a token each queued) + 300 prompt tokens, 256 a step
     decode = WorkerLoad(running=4, queued_tokens=304, step_us=20_000)
     assert local_ttft_s(decode, 300, chunk_tokens=256) == pytest.approx(3 * 0.02)
+    # its recent steps were decodes (20 ms), but it computes prompts at 2,000 tokens/s: the
+    # 600 tokens take 0.3 s, not three 20 ms steps (a backlog of prompts is not a few steps)
+    measured = WorkerLoad(running=4, queued_tokens=304, step_us=20_000, prefill_tok_s=2000)
+    assert local_ttft_s(measured, 300, chunk_tokens=256) == pytest.approx(0.3)
+    fast = WorkerLoad(running=4, queued_tokens=304, step_us=20_000, prefill_tok_s=1_000_000)
+    assert local_ttft_s(fast, 300, chunk_tokens=256) == pytest.approx(3 * 0.02)  # the steps
+    assert local_ttft_s(WorkerLoad(queued_tokens=100, prefill_tok_s=1000), 100, 256) == 0.2
+    assert local_ttft_s(WorkerLoad(queued_tokens=100), 100, 256) is None  # not measured yet
     assert tpot_s(decode) == pytest.approx(0.02)
     assert tpot_s(WorkerLoad()) is None
     assert tpot_s(WorkerLoad(step_us=20_000)) is None  # idle: its last step says nothing
@@ -84,7 +92,14 @@ def test_ttft_objective_leaves_out_workers_predicted_to_miss_it() -> None:
     assert chosen.predicted_ttft_s == pytest.approx(0.1)
     # the time spent waiting in the router counts: 50 ms left is too little for anyone
     late = route(inputs([busy]), KVAwarePolicy(), LocalPrefill(), slo, ttft_budget_s=0.05)
-    assert isinstance(late, Unmet) and "TTFT objective of 1000 ms" in late.reason
+    assert (
+        isinstance(late, Unmet)
+        and "over the 50 ms left of the TTFT objective of 1000 ms" in late.reason
+    )
+    missed = route(inputs([busy]), KVAwarePolicy(), LocalPrefill(), slo)
+    assert isinstance(missed, Unmet) and missed.reason.endswith(
+        "over the TTFT objective of 1000 ms"
+    )
 
 
 def test_a_prompt_too_long_for_the_objective_even_when_idle_is_placed_not_refused() -> None:
