@@ -44,14 +44,27 @@ DISK = "#d"  # the suffix of a disk-tier member, likewise
 BLOCKS_TTL_FACTOR = 60  # a wb: SET lives this many times its worker HASH's TTL past the last write
 
 
+ID_RULE = "non-empty UTF-8 text with no braces, brackets, '*', '?', '#', backslashes or spaces"
+
+
 def _check_id(kind: str, value: str) -> str:
-    if not value or _BAD_ID_CHARS & set(value):
-        raise ValueError(f"{kind} {value!r} must be non-empty with no braces, globs or spaces")
+    if not value or _BAD_ID_CHARS & set(value) or not _is_utf8(value):
+        raise ValueError(f"{kind} {value!r} must be {ID_RULE}")
     return value
 
 
+def _is_utf8(value: str) -> bool:
+    """False for a str holding lone surrogates (a JSON escape of half a character, a byte
+    of argv that is not UTF-8): Redis keys and file headers cannot encode it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_model_id(model_id: str) -> str:
-    """model_id, or ValueError when it cannot name keys (empty, braces, globs or spaces)."""
+    """model_id, or ValueError when it cannot name keys (see ID_RULE)."""
     return _check_id("model id", model_id)
 
 

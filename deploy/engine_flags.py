@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from common.kv_index_schema import check_model_id
+from common.kv_index_schema import ID_RULE, check_model_id
 from deploy.flag_types import finite_float, non_negative_float, non_negative_int, positive_int
 from deploy.speculative_flags import add_speculative_flags, speculative_from_args
 from deploy.worker_launch import check_gpus_per_worker
@@ -285,9 +285,8 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
                 raise ValueError(name)
         except ValueError:
             raise ValueError(
-                f"--served-model-name {name[:40]!r}{'...' if len(name) > 40 else ''}: wants a "
-                f"non-empty name of at most {MAX_SERVED_NAME} characters with no braces, globs "
-                "or spaces"
+                f"--served-model-name {name[:40]!r}{'...' if len(name) > 40 else ''}: wants "
+                f"{ID_RULE}, at most {MAX_SERVED_NAME} characters"
             ) from None
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise ValueError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.kv_index_schema import check_model_id
+from common.kv_index_schema import ID_RULE, check_model_id
 from engine.config import ARCHITECTURES, ModelConfig, served_model_id
 from engine.model_source import checkpoint_files
 from engine.quant.config import read_quant_config
@@ -40,8 +40,8 @@ def check_checkpoint(
     except ValueError:
         raise ValueError(
             f"model {source}: it is served under its folder's name, {model_id!r}, which must be "
-            "non-empty with no braces, globs or spaces: serve it from a folder (or a link to "
-            "it) named otherwise"
+            f"{ID_RULE}: give it a name with --served-model-name, or serve it from a folder (or "
+            "a link to it) named otherwise"
         ) from None
     try:
         config = ModelConfig.from_dir(source, model_id)

@@ -13,6 +13,7 @@ into ModelPools before any process starts. Holds no state.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,10 @@ def read_models_file(
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML too
+        text = Path(path).read_text()
+        data = _json(text)
+        if data is None:
+            data = yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"--models-file {path}: {e}") from None
     entries = data.get("models") if isinstance(data, dict) else None
@@ -46,6 +50,15 @@ def read_models_file(
         _pools(f"--models-file {path}: models[{i}]", e, args, engine_from_args)
         for i, e in enumerate(entries)
     ]
+
+
+def _json(text: str) -> Any:
+    """text read as JSON when it is JSON (else None: YAML). JSON is YAML too, but PyYAML reads
+    the escape of a character past U+FFFF (json.dumps writes one so) as two lone surrogates."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _pools(
@@ -99,13 +112,14 @@ def _engine_args(where: str, flags: dict[str, Any], args: argparse.Namespace) ->
         if value is True:
             argv.append(flag)
         elif value is not False and value is not None:
-            argv += [flag, str(value)]
+            argv.append(f"{flag}={value}")  # one word: a value may begin with "-"
     try:
         ns, rest = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ValueError(f"{where}: {e}") from None
     if rest:
-        raise ValueError(f"{where}: {rest[0]!r} is not an engine flag of `kvrelay serve`")
+        flag = rest[0].partition("=")[0]
+        raise ValueError(f"{where}: {flag!r} is not an engine flag of `kvrelay serve`")
     for name, value in vars(args).items():  # what the engine flags do not cover, as given
         if name not in engine_dests:
             setattr(ns, name, value)

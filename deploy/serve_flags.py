@@ -254,12 +254,10 @@ def leaves_gpu_idle(num_prefill: int, num_decode: int, gpus_per_worker: float | 
 def _model_pools(args: argparse.Namespace, engine: EngineConfig) -> list[ModelPools]:
     """Each served model's engine and pools: --models-file's, else MODEL / --model (repeated:
     the same engine flags and --prefill / --decode for each); the autoscale bounds for each."""
+    several = "--served-model-name names one model: with several, give each its own "
     if args.models_file is None:
         if args.served_model_name is not None and len(models_from_args(args)) > 1:
-            raise ValueError(
-                "--served-model-name names one model: with several, give each its own "
-                "(`served-model-name` in its --models-file flags)"
-            )
+            raise ValueError(several + "(`served-model-name` in its --models-file flags)")
         pools = [
             ModelPools(replace(engine, model=model), args.prefill, args.decode)
             for model in models_from_args(args)
@@ -268,6 +266,8 @@ def _model_pools(args: argparse.Namespace, engine: EngineConfig) -> list[ModelPo
         if args.model is not None or args.model_flag:
             raise ValueError("give the models either as MODEL / --model or in --models-file")
         pools = read_models_file(args.models_file, args, engine_from_args)
+        if args.served_model_name is not None and len(pools) > 1:
+            raise ValueError(several + f"in {args.models_file} (`served-model-name` in its flags)")
     return [
         replace(p, autoscale=autoscale_from_args(_sized(args, p.num_prefill, p.num_decode)))
         for p in pools

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from pathlib import Path
 
 from torch import nn
 
@@ -106,7 +105,7 @@ class Engine:
             # fresh step parts: counters, the sampler's seed and step timings start at serving
             self._build_step_parts(parts.model, parts.backend, draft)
         # served steps far slower than the recent ones: said on stderr
-        self.slow_steps = SlowSteps(Path(config.model).name)
+        self.slow_steps = SlowSteps(config.model_id)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     def _build_step_parts(

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,6 +30,46 @@ T = TypeVar("T")
 Command = Callable[[Engine], Any]
 Done = Callable[[Any, BaseException | None], None]
 Failed = Callable[[list[str], str], None]  # the requests a failed step ended, and why
+
+
+class LoopFailures:
+    """An engine loop iteration that raised (a tick's publish to Redis, a command's callback):
+    the first traceback is logged, then one line a minute with how many more there were, and
+    the loop backs off (BACKOFF_S, doubling to BACKOFF_MAX_S) until an iteration succeeds,
+    instead of spinning and logging each (a failure that recurs every iteration filled a log
+    with a gigabyte of tracebacks in minutes). Owns the counts and the backoff."""
+
+    BACKOFF_S = 0.01
+    BACKOFF_MAX_S = 1.0
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.num_failures = 0  # in a row
+        self.num_unlogged = 0
+        self._logged_at = float("-inf")
+
+    def failed(self, error: Exception) -> float:
+        """Log (or count) the failure; returns how long to back off."""
+        self.num_failures += 1
+        now = self._clock()
+        if self.num_failures == 1 and now - self._logged_at >= self.LOG_EVERY_S:
+            logger.error("engine loop iteration failed", exc_info=error)
+            self._logged_at = now
+        elif now - self._logged_at >= self.LOG_EVERY_S:
+            logger.error(
+                "engine loop iteration failed %d more times, %d in a row (latest: %r)",
+                self.num_unlogged + 1,
+                self.num_failures,
+                error,
+            )
+            self._logged_at, self.num_unlogged = now, 0
+        else:
+            self.num_unlogged += 1
+        return min(self.BACKOFF_MAX_S, self.BACKOFF_S * 2 ** (self.num_failures - 1))
+
+    def ok(self) -> None:
+        self.num_failures = 0
 
 
 class EngineThread:
@@ -53,6 +94,7 @@ class EngineThread:
         self._on_outputs: Callable[[list[RequestOutput]], None] = lambda outputs: None
         self._on_tick: Callable[[], bool] = lambda: False
         self._on_failed: Failed = lambda req_ids, error: None
+        self._loop_failures = LoopFailures()
         self._thread = threading.Thread(
             target=self._run, args=(build,), name="kvrelay-engine", daemon=True
         )
@@ -152,8 +194,10 @@ class EngineThread:
                         self._on_outputs(outputs)
                 if busy and self.engine.stats.num_steps == steps_before:
                     self._stop.wait(0.0005)  # only transfers in flight: poll them gently
-            except Exception:
-                logger.exception("engine loop iteration failed")
+            except Exception as e:
+                self._stop.wait(self._loop_failures.failed(e))  # no spinning on a failure
+            else:
+                self._loop_failures.ok()
         self._fail_queued()
 
     def _step(self) -> list[RequestOutput]:

@@ -1,6 +1,6 @@
 """EngineThread alone (a stand-in engine): the thread that steps an engine is the one that built
 it, a failed build raises in the caller, commands wait for serve(), a stop before serve() fails
-them."""
+them, a loop iteration that keeps failing backs off and is logged once a minute."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine.engine_thread import EngineThread
+from engine.engine_thread import EngineThread, LoopFailures
 
 
 class StandIn:
@@ -107,3 +107,31 @@ def test_a_step_that_raises_ends_its_requests_and_the_thread_steps_on() -> None:
     thread.stop()
     assert failures == [(["a", "b"], "the engine's step failed: RuntimeError('a bug in the step')")]
     assert outputs == [["out1"], ["out0"]]  # the steps after it ran
+
+
+def test_a_loop_that_fails_every_iteration_backs_off_and_logs_once_a_minute(caplog) -> None:
+    now = [0.0]
+    failures = LoopFailures(clock=lambda: now[0])
+    with caplog.at_level("ERROR", logger="engine.engine_thread"):
+        waits = [failures.failed(ValueError(f"bad {i}")) for i in range(10)]
+        assert len(caplog.records) == 1 and caplog.records[0].exc_info is not None  # traceback
+        now[0] = 61.0
+        failures.failed(ValueError("bad 10"))
+    assert waits[:3] == [0.01, 0.02, 0.04] and waits[-1] == LoopFailures.BACKOFF_MAX_S
+    assert "failed 10 more times, 11 in a row (latest: ValueError('bad 10'))" in caplog.text
+    failures.ok()  # an iteration that succeeds: the next failure backs off from the start
+    assert failures.failed(ValueError("again")) == 0.01
+
+
+def test_the_thread_does_not_spin_on_a_tick_that_always_raises() -> None:
+    ticks = []
+
+    def tick() -> bool:
+        ticks.append(1)
+        raise RuntimeError("an id Redis cannot encode")
+
+    thread = EngineThread(StandIn)  # type: ignore[arg-type,return-value]
+    thread.serve(lambda outputs: None, tick)
+    threading.Event().wait(0.5)
+    thread.stop()
+    assert 1 <= len(ticks) <= 12  # 0.01 + 0.02 + ... doubling: not thousands in 0.5 s

@@ -7,6 +7,7 @@ Ray, no worker)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -147,8 +148,8 @@ def test_served_model_name_names_the_model_clients_ask_for(tmp_path) -> None:
     assert list(controller_names(spec)) == ["meta-llama/Llama-3.1-8B"]
     assert parse(str(tmp_path / "llama-8b")).engine.model_id == "llama-8b"  # its folder's name
     assert parse("x.gguf", "--served-model-name", "n" * 255).engine.model_id == "n" * 255
-    for bad in ("a b", "", "x{y}", "m*", "n" * 256):
-        with pytest.raises(ValueError, match=r"--served-model-name .*: wants a non-empty name"):
+    for bad in ("a b", "", "x{y}", "m*", "org/m#v2", "org/m-\ud83d", "n" * 256):
+        with pytest.raises(ValueError, match=r"--served-model-name .*: wants non-empty UTF-8"):
             parse("x.gguf", "--served-model-name", bad)
     with pytest.raises(ValueError, match="--served-model-name names one model"):
         parse("--model", "x.gguf", "--model", "y.gguf", "--served-model-name", "z")
@@ -157,9 +158,22 @@ def test_served_model_name_names_the_model_clients_ask_for(tmp_path) -> None:
         "models:\n  - {model: a.gguf, flags: {served-model-name: org/a}}\n  - {model: b.gguf}\n"
     )
     assert [m.engine.model_id for m in parse("--models-file", str(path)).models] == ["org/a", "b"]
+    with pytest.raises(ValueError, match=r"--served-model-name names one model: .* in "):
+        parse("--models-file", str(path), "--served-model-name", "z")  # not both entries' name
     path.write_text("models: [{model: a.gguf, flags: {served-model-name: b}}, {model: b.gguf}]")
     with pytest.raises(ValueError, match="two models would both be served as 'b': name one"):
         parse("--models-file", str(path))
+    path.write_text("models: [{model: a.gguf, flags: {served-model-name: '-x'}}]")
+    assert parse("--models-file", str(path)).engine.model_id == "-x"  # a value, not a flag
+    assert parse("--models-file", str(path), "--served-model-name", "z").engine.model_id == "-x"
+    # JSON as json.dumps writes it: a character past U+FFFF escaped as a surrogate pair
+    path.write_text(
+        json.dumps(
+            {"models": [{"model": "a.gguf", "flags": {"served-model-name": "org/m-\U0001f600"}}]}
+        )
+    )
+    assert "\\ud83d\\ude00" in path.read_text()
+    assert parse("--models-file", str(path)).engine.model_id == "org/m-\U0001f600"
 
 
 def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> None:
