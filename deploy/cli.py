@@ -46,6 +46,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--tp",
+        "--tensor-parallel-size",  # vLLM's name
+        dest="tp",
         type=int,
         default=1,
         help="tensor-parallel ranks the model is split over (local processes; on CUDA one GPU "

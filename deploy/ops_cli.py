@@ -97,6 +97,8 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--http-port",
+        "--port",  # vLLM's name
+        dest="http_port",
         type=port,
         default=8000,
         help="0 picks a free port (default: %(default)s, the port of a `kvrelay serve` on this "

@@ -68,12 +68,12 @@ class RouterOptions:
             return
         if mine is None:
             raise ValueError(
-                "this cluster's `kvrelay serve` admits API keys only (--api-keys): start this "
-                "router with the same --api-keys file (and --rate-limit-* flags); without them "
+                "this cluster's `kvrelay serve` admits API keys only (--api-keys or --api-key): "
+                "start this router with the same keys (and --rate-limit-* flags); without them "
                 "it would admit every caller"
             )
         raise ValueError(
-            "this router's --api-keys file or --rate-limit-* flags differ from its cluster's "
+            "this router's API keys or --rate-limit-* flags differ from its cluster's "
             "`kvrelay serve`: give it the same ones (a router with other keys or limits would "
             "let some callers in, or past their limits, that the others refuse)"
         )
@@ -199,6 +199,13 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "tenant's per-key limits and traffic class); each tenant's prefix cache is kept apart, its "
         "class caps its priority and its weight is its share of the queue (default: no keys)",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require this one API key of every client, as vLLM's --api-key (one tenant, "
+        "`default`; it shows in the process list: a --api-keys file does not)",
+    )
     for name in LIMIT_NAMES:
         p.add_argument(
             f"--rate-limit-{name}",
@@ -264,12 +271,19 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
         except ValueError as e:
             raise ValueError(f"--rate-limit-{e}") from None
     default_limits = TenantLimits(**defaults)  # type: ignore[arg-type]
-    if default_limits.any and not args.api_keys:
+    if args.api_keys and args.api_key:
+        raise ValueError("give --api-keys FILE or --api-key KEY, not both")
+    if default_limits.any and not (args.api_keys or args.api_key):
         raise ValueError("--rate-limit-* needs --api-keys (the limits are each tenant's)")
+    keys = None
+    if args.api_keys:
+        keys = ApiKeys.load(args.api_keys)
+    elif args.api_key is not None:
+        keys = ApiKeys.single(args.api_key)
     return RouterOptions(
         default_limits=default_limits,
         max_queued_requests=args.max_queued_requests,
-        api_keys=ApiKeys.load(args.api_keys) if args.api_keys else None,
+        api_keys=keys,
         tls=ServerTLS.load(args.tls_cert, args.tls_key),
         max_body_mib=args.max_body_mib,
         drain_s=args.drain_seconds,

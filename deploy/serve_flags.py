@@ -75,6 +75,8 @@ def add_serve_parser(
     p.add_argument("--decode", type=int, default=1, help="number of decode workers (of each model)")
     p.add_argument(
         "--tp",
+        "--tensor-parallel-size",  # vLLM's name
+        dest="tp",
         type=int,
         default=1,
         help="tensor-parallel ranks of every worker (a Ray actor and, on CUDA, a GPU each, "
@@ -83,7 +85,14 @@ def add_serve_parser(
     p.add_argument("--prefill-tp", type=int, default=None, help="ranks of a prefill worker (--tp)")
     p.add_argument("--decode-tp", type=int, default=None, help="ranks of a decode worker (--tp)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
-    p.add_argument("--http-port", type=port, default=8000, help="OpenAI HTTP port (0: a free one)")
+    p.add_argument(
+        "--http-port",
+        "--port",  # vLLM's name
+        dest="http_port",
+        type=port,
+        default=8000,
+        help="OpenAI HTTP port (0: a free one)",
+    )
     p.add_argument("--grpc-port", type=port, default=50051, help="gRPC port (0: a free one)")
     p.add_argument("--redis-url", default=None, help="use this Redis (default: start one)")
     p.add_argument("--no-redis", action="store_true", help="run without the Redis index")

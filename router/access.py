@@ -98,6 +98,12 @@ class ApiKeys:
         return cls.parse(text, str(path))
 
     @classmethod
+    def single(cls, key: str, tenant: str = "default") -> ApiKeys:
+        """One key for every client (--api-key, as vLLM's): one tenant."""
+        _check_key(key, "--api-key")
+        return cls("--api-key", MappingProxyType({_digest(key): tenant}))
+
+    @classmethod
     def parse(cls, text: str, source: str = "<api keys>") -> ApiKeys:
         tenant_by_digest: dict[str, str] = {}
         first_line: dict[str, int] = {}

@@ -142,7 +142,7 @@ def test_a_router_joining_a_keyed_cluster_must_bring_its_keys_and_limits(tmp_pat
     assert cluster is not None and options("serve").access_digest() is None
     same = options("router", "--api-keys", str(keys), "--rate-limit-rps", "2")
     same.check_access(cluster)  # the same file and limits: joins
-    with pytest.raises(ValueError, match=r"admits API keys only .* same --api-keys file"):
+    with pytest.raises(ValueError, match=r"admits API keys only .* with the same keys"):
         options("router").check_access(cluster)  # would admit every caller
     for differs in (
         options("router", "--api-keys", str(keys)),  # the serve's limit left out
@@ -152,3 +152,23 @@ def test_a_router_joining_a_keyed_cluster_must_bring_its_keys_and_limits(tmp_pat
             differs.check_access(cluster)
     same.check_access(None)  # keys on an open cluster: only stricter
     options("router").check_access(None)
+
+
+def test_one_key_for_every_client_as_vllms_api_key(tmp_path: Path) -> None:
+    """--api-key KEY (vLLM's flag): one tenant; the same key file's router joins, another not."""
+    single = options("serve", "--api-key", KEY, "--port", "0")
+    assert single.api_keys is not None and single.api_keys.tenant(KEY) == "default"
+    assert single.api_keys.tenant(KEY + "x") is None
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY} default\n")
+    options("router", "--api-keys", str(keys)).check_access(single.access_digest())  # same
+    with pytest.raises(ValueError, match="differ from its cluster's"):
+        options("router", "--api-key", KEY + "x").check_access(single.access_digest())
+    with pytest.raises(ValueError, match="--api-keys FILE or --api-key KEY, not both"):
+        options("serve", "--api-key", KEY, "--api-keys", str(keys))
+    with pytest.raises(ValueError, match="--api-key: the key is 5 characters"):
+        options("serve", "--api-key", "short")
+    limited = options("serve", "--api-key", KEY, "--rate-limit-rps", "2")
+    assert limited.default_limits.any
+    args = build_parser().parse_args(["serve", "--port", "9001", "--tensor-parallel-size", "2"])
+    assert (args.http_port, args.tp) == (9001, 2)  # vLLM's names
