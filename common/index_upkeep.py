@@ -26,10 +26,9 @@ def worker_load(snapshot: EngineSnapshot) -> WorkerLoad:
         free_blocks=snapshot.num_free_blocks,
         total_blocks=snapshot.num_total_blocks,
         queued_tokens=snapshot.num_queued_tokens,
-        # prompts' rate where measured (an aggregated worker also decodes: its all-steps rate
-        # would make its prompts look slow), else every step's
-        prefill_tok_s=round(snapshot.prompt_tokens_per_s or snapshot.tokens_per_s),
+        prefill_tok_s=round(snapshot.tokens_per_s),
         step_us=round(snapshot.step_s * 1e6),
+        prompt_tok_s=round(snapshot.prompt_tokens_per_s),
         disk_load_us=round(snapshot.disk_load_s * 1e6 / snapshot.num_disk_reads)
         if snapshot.num_disk_reads
         else 0,

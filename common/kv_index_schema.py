@@ -44,7 +44,7 @@ DISK = "#d"  # the suffix of a disk-tier member, likewise
 BLOCKS_TTL_FACTOR = 60  # a wb: SET lives this many times its worker HASH's TTL past the last write
 
 
-ID_RULE = "non-empty UTF-8 text with no braces, brackets, '*', '?', '#', backslashes or spaces"
+ID_RULE = "non-empty UTF-8 text with no braces, brackets, '*', '?', '#', backslashes or whitespace"
 
 
 def _check_id(kind: str, value: str) -> str:

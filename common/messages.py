@@ -168,10 +168,12 @@ class WorkerLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     queued_tokens: int = 0
-    # prompt tokens computed per second of recent steps that were mostly prompt (else of every
-    # recent step; 0: not measured yet)
-    prefill_tok_s: int = 0
+    prefill_tok_s: int = 0  # tokens computed per second of recent steps (0: not measured yet)
     step_us: int = 0  # mean wall time of a recent step, microseconds (0: not measured yet)
+    # tokens computed per second of recent steps that were mostly prompt: how fast a decode
+    # worker computes a prompt itself (0: it has not computed one yet; its decode steps would
+    # make prompts look slow, its all-steps rate above is no stand-in)
+    prompt_tok_s: int = 0
     # mean time to read and check one disk tier block file, microseconds (0: not measured yet)
     disk_load_us: int = 0
 

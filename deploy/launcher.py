@@ -95,9 +95,11 @@ def check_serve_flags(opts: UpOptions) -> None:
     in --serve-args) is refused: serve would take the last one silently."""
     from deploy.serve_flags import add_serve_parser, spec_from_args
 
-    for flag in ("--prefill", "--decode", "--http-port", "--grpc-port", "--device"):
+    own = {"--port": "--http-port"}  # vLLM's name for it, which serve takes too
+    for flag in ("--prefill", "--decode", "--http-port", "--port", "--grpc-port", "--device"):
         if any(a == flag or a.startswith(f"{flag}=") for a in opts.serve_args):
-            raise ValueError(f"--serve-args: give {flag} as kvrelay up's own flag, not in it")
+            name = own.get(flag, flag)
+            raise ValueError(f"--serve-args: give {name} as kvrelay up's own flag, not in it")
     for flag in ("--host", "--ray-address"):
         if any(a == flag or a.startswith(f"{flag}=") for a in opts.serve_args):
             raise ValueError(f"--serve-args: {flag} is kvrelay up's to set, not yours")

@@ -274,7 +274,9 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     if args.api_keys and args.api_key:
         raise ValueError("give --api-keys FILE or --api-key KEY, not both")
     if default_limits.any and not (args.api_keys or args.api_key):
-        raise ValueError("--rate-limit-* needs --api-keys (the limits are each tenant's)")
+        raise ValueError(
+            "--rate-limit-* needs --api-keys or --api-key (the limits are each tenant's)"
+        )
     keys = None
     if args.api_keys:
         keys = ApiKeys.load(args.api_keys)

@@ -53,10 +53,13 @@ class LoopFailures:
         """Log (or count) the failure; returns how long to back off."""
         self.num_failures += 1
         now = self._clock()
-        if self.num_failures == 1 and now - self._logged_at >= self.LOG_EVERY_S:
-            logger.error("engine loop iteration failed", exc_info=error)
-            self._logged_at = now
-        elif now - self._logged_at >= self.LOG_EVERY_S:
+        if now - self._logged_at < self.LOG_EVERY_S:
+            self.num_unlogged += 1
+        elif self.num_failures == 1:  # a new run of failures: its traceback
+            since = f" ({self.num_unlogged} more since the last line)" if self.num_unlogged else ""
+            logger.error("engine loop iteration failed%s", since, exc_info=error)
+            self._logged_at, self.num_unlogged = now, 0
+        else:
             logger.error(
                 "engine loop iteration failed %d more times, %d in a row (latest: %r)",
                 self.num_unlogged + 1,
@@ -64,8 +67,6 @@ class LoopFailures:
                 error,
             )
             self._logged_at, self.num_unlogged = now, 0
-        else:
-            self.num_unlogged += 1
         return min(self.BACKOFF_MAX_S, self.BACKOFF_S * 2 ** (self.num_failures - 1))
 
     def ok(self) -> None:
@@ -183,9 +184,9 @@ class EngineThread:
         self._serving.wait()
         busy = False
         while not self._stop.is_set():
-            idle = not busy and not self.engine.has_unfinished_requests
-            self._run_commands(self._idle_wait_s if idle else 0)
             try:
+                idle = not busy and not self.engine.has_unfinished_requests
+                self._run_commands(self._idle_wait_s if idle else 0)
                 busy = self._on_tick()
                 steps_before = self.engine.stats.num_steps
                 if self.engine.has_unfinished_requests:

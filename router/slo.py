@@ -7,8 +7,8 @@ Predictions (seconds; None: the worker has not measured its rate yet, which coun
   token rate (WorkerLoad.prefill_tok_s; a worker without one borrows the pool's best).
 - TTFT on a decode worker prefilling locally: one chunk of the queued and this prompt's uncached
   tokens per step, at its recent step time (WorkerLoad.step_us), and no sooner than those
-  tokens take at its prompt rate (WorkerLoad.prefill_tok_s): its recent steps are mostly
-  decodes, shorter than the steps that carry a prompt's chunk.
+  tokens take at its prompt rate once it has one (WorkerLoad.prompt_tok_s): its recent steps
+  are mostly decodes, shorter than the steps that carry a prompt's chunk.
 - TPOT on a decode worker: its recent step time (each running request gets a token per step);
   None while it is idle.
 A request is refused (or queued) only for queueing: one that an idle prefill worker would not
@@ -43,7 +43,7 @@ def local_ttft_s(load: WorkerLoad, num_uncached: int, chunk_tokens: int) -> floa
     queued = max(0, load.queued_tokens - load.running)  # a running decode queues its 1 token
     tokens = queued + num_uncached
     by_steps = -(-tokens // chunk_tokens) * load.step_us / 1e6 if load.step_us > 0 else None
-    by_rate = tokens / load.prefill_tok_s if load.prefill_tok_s > 0 else None
+    by_rate = tokens / load.prompt_tok_s if load.prompt_tok_s > 0 else None
     known = [s for s in (by_steps, by_rate) if s is not None]
     return max(known) if known else None
 
@@ -174,10 +174,13 @@ def route(
     )
 
 
+LEFT_SLACK_S = 0.02  # a budget this close to the objective is the objective: the lookups' time
+
+
 def ttft_left(slo: SloTargets, budget_s: float) -> str:
     """What a prediction was held to: the TTFT objective, or what a queued request has left
     of it ("over ...")."""
-    if budget_s * 1000 >= slo.ttft_ms - 0.5:
+    if budget_s >= slo.ttft_ms / 1000 - LEFT_SLACK_S:
         return f"the TTFT objective of {slo.ttft_ms:g} ms"
     left_ms = max(0.0, budget_s) * 1000
     return f"the {left_ms:.0f} ms left of the TTFT objective of {slo.ttft_ms:g} ms"

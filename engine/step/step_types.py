@@ -78,8 +78,9 @@ class EngineSnapshot(NamedTuple):
     num_kept_requests: int  # finished requests whose blocks are kept (keep_blocks)
     tokens_per_s: float  # tokens computed per second of recent steps (0: not measured yet)
     step_s: float  # mean wall time of a recent step (0: not measured yet)
-    # the same over recent steps that were mostly prompt tokens: how fast it computes prompts
-    # (0: none yet; an aggregated worker's decode steps would make prompts look slow)
+    # tokens computed per second of recent steps that were mostly prompt tokens: how fast it
+    # computes prompts (0: none yet; an aggregated worker's decode steps would make prompts
+    # look slow)
     prompt_tokens_per_s: float
     # Cumulative counters since the engine started.
     num_computed_tokens: int  # tokens run through the model (prefill chunks + decodes)

@@ -165,7 +165,7 @@ class StaleIndex:
     async def view(self, role: str, hashes: list[int]) -> IndexView:
         if role == "prefill":
             return IndexView([], {})
-        load = {"running": 1, "queued_tokens": 1, "step_us": 10_000, "prefill_tok_s": 3200}
+        load = {"running": 1, "queued_tokens": 1, "step_us": 10_000, "prompt_tok_s": 3200}
         return IndexView([decode("d0", **load)], {})
 
 
@@ -190,7 +190,7 @@ def test_a_burst_on_a_stale_load_counts_its_own_prompts_against_the_ttft_objecti
     # the sixth; the published load alone (one 320-token prompt) would have placed them all
     placed = [r for r in routes if isinstance(r, LocalRoute)]
     assert [r.predicted_ttft_s for r in placed] == pytest.approx([0.1, 0.2, 0.3, 0.4], abs=1e-3)
-    assert all("TTFT objective of 450 ms" in r for r in routes[4:])
+    assert all("over the TTFT objective of 450 ms" in r for r in routes[4:])
     # The first token of one counts its prompt off (it decodes on: still placed there).
     workers.computed("d0", PROMPT)
     (seen,) = workers.with_placed(asyncio.run(StaleIndex().view("decode", [])).workers)

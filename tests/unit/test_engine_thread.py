@@ -109,7 +109,9 @@ def test_a_step_that_raises_ends_its_requests_and_the_thread_steps_on() -> None:
     assert outputs == [["out1"], ["out0"]]  # the steps after it ran
 
 
-def test_a_loop_that_fails_every_iteration_backs_off_and_logs_once_a_minute(caplog) -> None:
+def test_a_loop_that_fails_every_iteration_backs_off_and_logs_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     now = [0.0]
     failures = LoopFailures(clock=lambda: now[0])
     with caplog.at_level("ERROR", logger="engine.engine_thread"):
@@ -117,21 +119,37 @@ def test_a_loop_that_fails_every_iteration_backs_off_and_logs_once_a_minute(capl
         assert len(caplog.records) == 1 and caplog.records[0].exc_info is not None  # traceback
         now[0] = 61.0
         failures.failed(ValueError("bad 10"))
+        assert "failed 10 more times, 11 in a row (latest: ValueError('bad 10'))" in caplog.text
+        # Failures apart (a success between them): each a run of its own, counted till the next
+        # minute, whose line says how many came since the last one.
+        for i in range(6):
+            failures.ok()
+            now[0] += 10.0
+            failures.failed(ValueError(f"apart {i}"))
+        assert len(caplog.records) == 3
+        assert caplog.records[-1].getMessage().endswith("(5 more since the last line)")
     assert waits[:3] == [0.01, 0.02, 0.04] and waits[-1] == LoopFailures.BACKOFF_MAX_S
-    assert "failed 10 more times, 11 in a row (latest: ValueError('bad 10'))" in caplog.text
     failures.ok()  # an iteration that succeeds: the next failure backs off from the start
     assert failures.failed(ValueError("again")) == 0.01
 
 
-def test_the_thread_does_not_spin_on_a_tick_that_always_raises() -> None:
+def test_a_tick_that_always_raises_is_backed_off_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    three = threading.Event()
     ticks = []
 
     def tick() -> bool:
         ticks.append(1)
+        if len(ticks) >= 3:
+            three.set()
         raise RuntimeError("an id Redis cannot encode")
 
-    thread = EngineThread(StandIn)  # type: ignore[arg-type,return-value]
-    thread.serve(lambda outputs: None, tick)
-    threading.Event().wait(0.5)
-    thread.stop()
-    assert 1 <= len(ticks) <= 12  # 0.01 + 0.02 + ... doubling: not thousands in 0.5 s
+    with caplog.at_level("ERROR", logger="engine.engine_thread"):
+        thread = EngineThread(StandIn)  # type: ignore[arg-type,return-value]
+        thread.serve(lambda outputs: None, tick)
+        assert three.wait(30)
+        thread.stop()
+    failures = thread._loop_failures
+    assert failures.num_failures >= 3  # in a row, each backed off (no success between)
+    assert len([r for r in caplog.records if r.exc_info]) == 1  # one traceback, not one each

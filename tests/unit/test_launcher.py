@@ -85,6 +85,7 @@ def test_bad_values_are_refused(argv: list[str], message: str) -> None:
         ("--bogus-flag 3", "serve on the head would refuse it: unrecognized arguments: --bogus"),
         ("--autoscale-decode 9:1", "would refuse it: --autoscale-decode wants MIN:MAX"),
         ("--prefill 3", "--serve-args: give --prefill as kvrelay up's own flag, not in it"),
+        ("--port=9000", "--serve-args: give --http-port as kvrelay up's own flag, not in it"),
         ("--host=127.0.0.1", "--serve-args: --host is kvrelay up's to set, not yours"),
     ],
 )

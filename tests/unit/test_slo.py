@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.index_upkeep import worker_load
 from common.messages import WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
 from engine.step.step_rate import StepRate
+from engine.step.step_types import EngineSnapshot
 from router.policy import KVAwarePolicy
 from router.slo import (
     LocalRoute,
@@ -50,12 +52,16 @@ def test_predictions_from_published_rates() -> None:
     assert local_ttft_s(decode, 300, chunk_tokens=256) == pytest.approx(3 * 0.02)
     # its recent steps were decodes (20 ms), but it computes prompts at 2,000 tokens/s: the
     # 600 tokens take 0.3 s, not three 20 ms steps (a backlog of prompts is not a few steps)
-    measured = WorkerLoad(running=4, queued_tokens=304, step_us=20_000, prefill_tok_s=2000)
+    measured = WorkerLoad(running=4, queued_tokens=304, step_us=20_000, prompt_tok_s=2000)
     assert local_ttft_s(measured, 300, chunk_tokens=256) == pytest.approx(0.3)
-    fast = WorkerLoad(running=4, queued_tokens=304, step_us=20_000, prefill_tok_s=1_000_000)
+    fast = WorkerLoad(running=4, queued_tokens=304, step_us=20_000, prompt_tok_s=1_000_000)
     assert local_ttft_s(fast, 300, chunk_tokens=256) == pytest.approx(3 * 0.02)  # the steps
-    assert local_ttft_s(WorkerLoad(queued_tokens=100, prefill_tok_s=1000), 100, 256) == 0.2
+    assert local_ttft_s(WorkerLoad(queued_tokens=100, prompt_tok_s=1000), 100, 256) == 0.2
     assert local_ttft_s(WorkerLoad(queued_tokens=100), 100, 256) is None  # not measured yet
+    # a decode worker that never computed a prompt: its all-steps rate (its decodes) is no
+    # prompt rate, the steps alone predict
+    decoding = WorkerLoad(running=16, queued_tokens=16, step_us=20_000, prefill_tok_s=800)
+    assert local_ttft_s(decoding, 2000, chunk_tokens=512) == pytest.approx(4 * 0.02)
     assert tpot_s(decode) == pytest.approx(0.02)
     assert tpot_s(WorkerLoad()) is None
     assert tpot_s(WorkerLoad(step_us=20_000)) is None  # idle: its last step says nothing
@@ -183,3 +189,14 @@ def test_bad_objectives_are_refused() -> None:
         SloTargets(-1)
     with pytest.raises(ValueError, match="chunk_tokens"):
         LocalPrefill(chunk_tokens=0)
+
+
+def test_a_worker_publishes_its_prompt_rate_only_once_it_computed_prompts() -> None:
+    """worker_load (common/index_upkeep.py) off an engine snapshot: a decode worker that only
+    decoded has an all-steps rate but no prompt rate (0), so routers predict its local TTFT from
+    its steps, not from its decode throughput."""
+    blank = EngineSnapshot(*([0] * len(EngineSnapshot._fields)))
+    decoded = worker_load(blank._replace(tokens_per_s=800.0, step_s=0.02))
+    assert (decoded.prefill_tok_s, decoded.step_us, decoded.prompt_tok_s) == (800, 20_000, 0)
+    both = worker_load(blank._replace(tokens_per_s=800.0, prompt_tokens_per_s=9000.4))
+    assert (both.prefill_tok_s, both.prompt_tok_s) == (800, 9000)
