@@ -1,7 +1,8 @@
 """ClusterBackend with no prefill worker to take a prompt (fake actors, no Ray cluster): the
 prompt is computed on a decode worker (`prefill_here`); a prefill worker that stops taking work
 as it is placed on (drained: the pool scaled 0) hands the request to a decode worker, and a
-decode worker that stops taking work hands it to another; every token arrives once."""
+decode worker that stops taking work hands it to another; every token arrives once; a prompt
+computed there counts in the router's view of that worker's queue until its first token."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from common.cluster_state import WorkerUnavailable
-from common.messages import GenerateRequest, TokenDelta
+from common.messages import GenerateRequest, TokenDelta, WorkerInfo
 from engine.sampling.sampling_params import SamplingParams
 from router.cluster_backend import ClusterBackend
 from router.worker_set import WorkerSet
@@ -108,3 +109,61 @@ def test_a_decode_worker_that_stopped_taking_work_leaves_the_prompt_to_another()
     deltas, _ = serve(workers)
     assert [t for d in deltas for t in d.token_ids] == [7, 8]
     assert refusing.computed == [] and decode.computed == ["r0"]
+
+
+class GatedDecode(AggregatedDecode):
+    """AggregatedDecode whose tokens come only once `open` is set (a prompt still computing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = False
+
+    async def _next_deltas(self, router_id: str, timeout_s: float) -> list[TokenDelta]:
+        await asyncio.sleep(0.01)
+        return [self.pending.pop(0)] if self.open and self.pending else []
+
+
+def test_a_local_prompt_counts_in_its_workers_queue_until_its_first_token() -> None:
+    """The router's own view of a decode worker computing prompts (WorkerSet.with_placed):
+    each prompt's tokens count from its placement to its first token, a request cancelled
+    before that gives them back, and a decoding one stays placed."""
+
+    async def until(check: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def run() -> None:
+        workers, decode = WorkerSet(), GatedDecode()
+        workers.add("d0", "decode", decode, "d0")  # type: ignore[arg-type]
+        backend = ClusterBackend("m", 64, 1000, 16, workers, router_id="router-test")
+
+        def queued() -> int:
+            (seen,) = workers.with_placed([WorkerInfo("d0", "decode", "d0")])
+            return seen.load.queued_tokens
+
+        a = backend.generate(GenerateRequest("a", tuple(range(40)), PARAMS))
+        first = asyncio.ensure_future(a.__anext__())
+        await until(lambda: decode.computed == ["a"])
+        assert queued() == 40 and workers.num_placed("d0") == 1
+
+        async def drain(request: GenerateRequest) -> None:
+            async for _ in backend.generate(request):
+                pass
+
+        b = asyncio.ensure_future(drain(GenerateRequest("b", tuple(range(24)), PARAMS)))
+        await until(lambda: decode.computed == ["a", "b"])
+        assert queued() == 64 and workers.num_placed("d0") == 2
+        b.cancel()  # before its first token: its prompt leaves the count
+        await asyncio.gather(b, return_exceptions=True)
+        assert queued() == 40 and workers.num_placed("d0") == 1
+        decode.open = True
+        assert (await first).token_ids == (7,)  # a's first token: its prompt is computed
+        assert queued() == 0 and workers.num_placed("d0") == 1  # it decodes on there
+        assert [d.token_ids async for d in a] == [(8,)]
+        assert workers.num_placed("d0") == 0
+        await backend.close()
+
+    asyncio.run(asyncio.wait_for(run(), 20))
