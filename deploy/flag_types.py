@@ -22,6 +22,11 @@ def port(text: str) -> int:
     return value
 
 
+def add_http_port(p: argparse.ArgumentParser, help: str, default: int = 8000) -> None:
+    """--http-port, also taken as vLLM's --port (dest http_port, a port())."""
+    p.add_argument("--http-port", "--port", dest="http_port", type=port, default=default, help=help)
+
+
 def positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:

@@ -24,7 +24,7 @@ from common.cluster_state import (
 )
 from common.worker_actors import ControllerActor
 from deploy import cluster_address
-from deploy.flag_types import port
+from deploy.flag_types import add_http_port, port
 from deploy.router_flags import RouterOptions, add_router_flags, router_options
 from deploy.serve_ports import check_ports, start_servers
 from engine.kv_cache.tier_stats import TierStats
@@ -95,13 +95,9 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address the servers bind (default: %(default)s)"
     )
-    p.add_argument(
-        "--http-port",
-        "--port",  # vLLM's name
-        dest="http_port",
-        type=port,
-        default=8000,
-        help="0 picks a free port (default: %(default)s, the port of a `kvrelay serve` on this "
+    add_http_port(
+        p,
+        "0 picks a free port (default: %(default)s, the port of a `kvrelay serve` on this "
         "machine too: give another one beside it)",
     )
     p.add_argument(

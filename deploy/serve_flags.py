@@ -24,6 +24,7 @@ from deploy.engine_flags import (
     models_from_args,
 )
 from deploy.flag_types import (
+    add_http_port,
     non_negative_float,
     port,
     positive_float,
@@ -85,14 +86,7 @@ def add_serve_parser(
     p.add_argument("--prefill-tp", type=int, default=None, help="ranks of a prefill worker (--tp)")
     p.add_argument("--decode-tp", type=int, default=None, help="ranks of a decode worker (--tp)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
-    p.add_argument(
-        "--http-port",
-        "--port",  # vLLM's name
-        dest="http_port",
-        type=port,
-        default=8000,
-        help="OpenAI HTTP port (0: a free one)",
-    )
+    add_http_port(p, "OpenAI HTTP port (0: a free one)")
     p.add_argument("--grpc-port", type=port, default=50051, help="gRPC port (0: a free one)")
     p.add_argument("--redis-url", default=None, help="use this Redis (default: start one)")
     p.add_argument("--no-redis", action="store_true", help="run without the Redis index")
