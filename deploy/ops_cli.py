@@ -419,13 +419,16 @@ def _worker_line(worker: WorkerStatus) -> str:
 
 
 def _tier(tier: TierStats) -> str:
-    """A KV tier's size and use, hit rate, loads (MB, ms a block), bad files, refused writes."""
+    """A KV tier's size and use, hit rate, loads (MB, ms a block: on average and lately), bad
+    files, refused writes."""
     rate = "-" if tier.hit_rate is None else f"{tier.hit_rate:.0%}"
     text = f"{tier.tier} {tier.used_blocks}/{tier.capacity_blocks} blocks, hits {rate}"
     if tier.load_bytes:
         text += f" ({tier.load_bytes / 1e6:.1f} MB loaded"
         if tier.load_s and tier.hit_blocks:
             text += f", {tier.load_s * 1e3 / tier.hit_blocks:.2f} ms a block"
+            if tier.recent_load_s:  # what the read gate weighs now: the mean hides a change
+                text += f" on average, {tier.recent_load_s * 1e3:.2f} lately"
         text += ")"
     if tier.bad_files:
         text += f", {tier.bad_files} bad files"

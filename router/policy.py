@@ -82,12 +82,16 @@ def _disk_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int
 
 def disk_credit(worker: WorkerInfo, block_size: int, default: float = DISK_HIT_CREDIT) -> float:
     """The share of a block's compute a hit in the worker's disk tier saves: 1 - its measured
-    load time over the time its recent steps took to compute block_size tokens (0 when a load
-    costs more); `default` until it has measured both."""
+    load time over the time it takes to compute block_size tokens (0 when a load costs more:
+    the worker's own gate computes such a hit again); `default` until it has measured both.
+    The compute rate is the one that gate uses, the worker's prompt rate (prompt_tok_s), and
+    its all-steps rate until it has one: on a worker whose steps are mostly decodes the
+    all-steps rate makes computing look slow and a slow read look worth taking."""
     load = worker.load
-    if not load.disk_load_us or not load.prefill_tok_s:
+    rate = load.prompt_tok_s or load.prefill_tok_s
+    if not load.disk_load_us or not rate:
         return default
-    compute_us = block_size * 1e6 / load.prefill_tok_s
+    compute_us = block_size * 1e6 / rate
     return min(1.0, max(0.0, 1.0 - load.disk_load_us / compute_us))
 
 

@@ -71,6 +71,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
             disk.num_bad_files,
             disk.num_write_failures,
             disk.num_passed_over,
+            disk.recent_load_s or 0.0,
         )
     )
     looked -= hits
@@ -90,6 +91,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
                 shared.num_bad_files,
                 shared.num_write_failures,
                 shared.num_passed_over,
+                shared.recent_load_s or 0.0,
             )
         )
     return tuple(tiers)

@@ -27,6 +27,9 @@ class TierStats(NamedTuple):
     # prompts whose hits here were computed again: reading a block back was the slower
     # (--kv-tier-reads measured; engine/kv_cache/load_gate.py)
     passed_over: int = 0
+    # a block file's read and check lately, seconds (decayed over ~10 reads; what a worker's
+    # read gate and the routers' disk credit compare with computing; 0: none read yet)
+    recent_load_s: float = 0.0
 
     @property
     def hit_rate(self) -> float | None:

@@ -114,6 +114,8 @@ def test_a_working_set_ten_times_the_pools_hits_from_disk_token_exact(tiny, tmp_
     assert snap.num_disk_hit_bytes == disk.num_hit_blocks * BLOCK_BYTES
     assert snap.num_disk_stored_blocks == disk.num_stored >= 100
     assert snap.num_disk_cached_blocks == disk.num_cached and snap.disk_load_s > 0
+    (disk_row,) = [tier for tier in snap.tiers if tier.tier == "disk"]
+    assert disk_row.recent_load_s == disk.recent_load_s and disk_row.recent_load_s > 0
 
 
 def test_measured_reads_keep_every_output_token_exact(tiny, tmp_path):

@@ -69,3 +69,16 @@ def test_placement_credits_a_disk_hit_by_the_measured_load_cost() -> None:
     device = Overlap({"dev": 8, "fast": 8}, {}, {"fast": 8})
     dev = WorkerInfo("dev", "prefill", "", "", WorkerLoad())
     assert KVAwarePolicy().choose([fast, dev], device, BLOCK).worker.worker_id == "dev"
+
+
+def test_a_disk_hit_is_priced_at_the_workers_prompt_rate_once_it_has_one() -> None:
+    """An aggregated worker's steps are mostly decodes: its all-steps rate (500 tok/s) makes a
+    4-token block look 8 ms to compute, its prompt rate (8,000 tok/s) says 0.5 ms. A 1 ms read
+    is then dearer than computing, and the worker's gate computes the hit again: no credit."""
+    load = WorkerLoad(prefill_tok_s=500, prompt_tok_s=8000, disk_load_us=1000)
+    agg = WorkerInfo("agg", "decode", "", "", load)
+    assert disk_credit(agg, BLOCK) == 0.0
+    before = WorkerInfo("agg", "decode", "", "", WorkerLoad(prefill_tok_s=500, disk_load_us=1000))
+    assert abs(disk_credit(before, BLOCK) - 0.875) < 1e-9  # no prompt rate yet: all steps
+    fast = WorkerInfo("f", "decode", "", "", WorkerLoad(prompt_tok_s=8000, disk_load_us=100))
+    assert abs(disk_credit(fast, BLOCK) - 0.8) < 1e-9

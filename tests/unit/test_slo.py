@@ -8,6 +8,7 @@ import pytest
 from common.index_upkeep import worker_load
 from common.messages import WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
+from engine.kv_cache.tier_stats import TierStats
 from engine.step.step_rate import StepRate
 from engine.step.step_types import EngineSnapshot
 from router.policy import KVAwarePolicy
@@ -195,8 +196,22 @@ def test_a_worker_publishes_its_prompt_rate_only_once_it_computed_prompts() -> N
     """worker_load (common/index_upkeep.py) off an engine snapshot: a decode worker that only
     decoded has an all-steps rate but no prompt rate (0), so routers predict its local TTFT from
     its steps, not from its decode throughput."""
-    blank = EngineSnapshot(*([0] * len(EngineSnapshot._fields)))
+    blank = EngineSnapshot(*([0] * len(EngineSnapshot._fields)))._replace(tiers=())
     decoded = worker_load(blank._replace(tokens_per_s=800.0, step_s=0.02))
     assert (decoded.prefill_tok_s, decoded.step_us, decoded.prompt_tok_s) == (800, 20_000, 0)
     both = worker_load(blank._replace(tokens_per_s=800.0, prompt_tokens_per_s=9000.4))
     assert (both.prefill_tok_s, both.prompt_tok_s) == (800, 9000)
+
+
+def test_a_worker_publishes_its_recent_block_read_time_not_its_mean_since_start() -> None:
+    """The routers' disk credit weighs the read time the worker's own gate weighs: the disk
+    tier's recent one (TierStats.recent_load_s), else the shared store's, 0 before a read; the
+    lifetime mean (1 ms here over 1,000 reads) would hide a disk that is now 5x slower."""
+    blank = EngineSnapshot(*([0] * len(EngineSnapshot._fields)))._replace(tiers=())
+    assert worker_load(blank).disk_load_us == 0
+    disk = TierStats("disk", 100, 10, 0, 0, 0, 1.0, recent_load_s=0.005)
+    shared = TierStats("shared", 100, 10, 0, 0, 0, 0.0, recent_load_s=0.002)
+    snap = blank._replace(disk_load_s=1.0, num_disk_reads=1000, tiers=(disk, shared))
+    assert worker_load(snap).disk_load_us == 5000
+    unread = disk._replace(recent_load_s=0.0)
+    assert worker_load(snap._replace(tiers=(unread, shared))).disk_load_us == 2000
