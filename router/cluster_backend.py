@@ -145,15 +145,16 @@ class ClusterBackend(Backend):
                 yield delta
 
     async def _migrating(
-        self, request: GenerateRequest, client_req_id: str
+        self, request: GenerateRequest, first_req_id: str
     ) -> AsyncIterator[TokenDelta]:
         """generate's stream of `request`: the client's own, or one choice of an n > 1 request
-        resumed after its decode worker died (client_req_id is then the client's id: the leg
-        was admitted already). A leg whose decode worker died is resumed on another; when no
-        worker can take it (the last one died), it waits up to MIGRATION_WAIT_S for one (the
-        controller's replacement) unless the cluster is refusing, then ends with an error
-        delta marked unavailable (the client may retry: HTTP 503 / UNAVAILABLE)."""
-        resumed = request.req_id != client_req_id
+        resumed after its decode worker died (first_req_id is then the request's id as the
+        router took it: the leg was admitted already). A leg whose decode worker died is
+        resumed on another; when no worker can take it (the last one died), it waits up to
+        MIGRATION_WAIT_S for one (the controller's replacement) unless the cluster is refusing,
+        then ends with an error delta marked unavailable (the client may retry: HTTP 503 /
+        UNAVAILABLE)."""
+        resumed = request.req_id != first_req_id
         sent: dict[int, list[int]] = {i: [] for i in range(request.sampling.n)}  # by choice
         done: set[int] = set()
         leg = request
@@ -163,7 +164,7 @@ class ClusterBackend(Backend):
         waiting_since: float | None = None  # for a worker to take the migrated leg
         while True:
             try:
-                async with contextlib.aclosing(self._leg(leg, client_req_id)) as deltas:
+                async with contextlib.aclosing(self._leg(leg, first_req_id)) as deltas:
                     async for delta in deltas:
                         if lost is not None:  # the migrated leg runs: it counts now
                             self._observe_migration()
@@ -206,7 +207,7 @@ class ClusterBackend(Backend):
                     open_choices = {i: t for i, t in sent.items() if i not in done}
                     self._log_migration(request, died, f"{len(open_choices)} open choices")
                     self._observe_migration()
-                    resume = functools.partial(self._migrating, client_req_id=client_req_id)
+                    resume = functools.partial(self._migrating, first_req_id=first_req_id)
                     async for delta in resume_choices(resume, request, open_choices):
                         yield delta
                     return
@@ -233,7 +234,7 @@ class ClusterBackend(Backend):
         if self.metrics is not None:
             self.metrics.observe_migration()
 
-    async def _leg(self, request: GenerateRequest, client_req_id: str) -> AsyncIterator[TokenDelta]:
+    async def _leg(self, request: GenerateRequest, first_req_id: str) -> AsyncIterator[TokenDelta]:
         """One prefill and one decode of `request` (both on one decode worker when the
         LocalPrefill rule picks one); raises _DecodeLost when the decode worker dies (after its
         cleanup: the prefill lease released, nothing left on either side). It ends after one
@@ -249,13 +250,13 @@ class ClusterBackend(Backend):
                 request.prompt_token_ids, self.block_size, self.model_id, request.cache_salt
             )
             # A migrated leg was admitted already: it is placed whatever the objectives say.
-            routed = await self.placer.route(request, hashes, admitted=req_id != client_req_id)
+            routed = await self.placer.route(request, hashes, admitted=req_id != first_req_id)
             here = None
             if isinstance(routed, LocalRoute):
-                here = await self._prefill_on_decode(request, routed, queue, client_req_id)
+                here = await self._prefill_on_decode(request, routed, queue, first_req_id)
                 if here is None and routed.placement.reason == AGGREGATED:  # another one
                     tried = frozenset({routed.placement.worker.worker_id})
-                    here = await self._aggregated(request, hashes, queue, client_req_id, tried)
+                    here = await self._aggregated(request, hashes, queue, first_req_id, tried)
             if here is not None:
                 leg.decoding(*here)
             else:
@@ -271,7 +272,7 @@ class ClusterBackend(Backend):
                                 request, hashes, excluded
                             )
                         except NoWorkerAvailable:  # the prefill pool emptied: aggregated
-                            here = await self._aggregated(request, hashes, queue, client_req_id)
+                            here = await self._aggregated(request, hashes, queue, first_req_id)
                             break
                     prefill = placement.worker
                     self.last_placements[req_id] = prefill.worker_id
@@ -305,7 +306,7 @@ class ClusterBackend(Backend):
                             yield delta
                         return
                     leg.decoding(
-                        *await self._hand_over(request, handle, queue, client_req_id, received)
+                        *await self._hand_over(request, handle, queue, first_req_id, received)
                     )
                     for delta in firsts:
                         yield delta
@@ -343,7 +344,7 @@ class ClusterBackend(Backend):
         request: GenerateRequest,
         routed: LocalRoute,
         queue: asyncio.Queue[TokenDelta],
-        client_req_id: str,
+        first_req_id: str,
     ) -> Local | None:
         """Conditional prefill: submit the whole request to the decode worker the placer chose
         (placed there until the stream ends, its prompt tokens until its first token) and return
@@ -353,7 +354,7 @@ class ClusterBackend(Backend):
         num_uncached = uncached(request, routed.placement)
         try:
             actor = cast(DecodeActor, self._actor_of(decode))
-            self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
+            self._open_stream(request.req_id, Stream(queue, decode.worker_id, first_req_id))
             self.streams.ensure_poller(decode.worker_id, actor)
             await actor.prefill_here.remote(request, self.router_id)
         except BaseException as e:
@@ -379,14 +380,14 @@ class ClusterBackend(Backend):
         request: GenerateRequest,
         hashes: list[int],
         queue: asyncio.Queue[TokenDelta],
-        client_req_id: str,
+        first_req_id: str,
         excluded: frozenset[str] = frozenset(),
     ) -> Local:
         """No prefill worker takes the prompt: a decode worker computes it (router/aggregated.py),
         one that stopped taking work left out for another; NoWorkerAvailable when none is left."""
         while len(excluded) < MAX_PLACEMENTS:
             routed = await self.placer.place_aggregated(request, hashes, excluded)
-            here = await self._prefill_on_decode(request, routed, queue, client_req_id)
+            here = await self._prefill_on_decode(request, routed, queue, first_req_id)
             if here is not None:
                 return here
             excluded |= {routed.placement.worker.worker_id}
@@ -428,7 +429,7 @@ class ClusterBackend(Backend):
         request: GenerateRequest,
         handle: KVHandle,
         queue: asyncio.Queue[TokenDelta],
-        client_req_id: str,
+        first_req_id: str,
         received: float,
     ) -> tuple[WorkerInfo, DecodeActor]:
         """Place the prefilled request on a decode worker and submit it (counted as placed
@@ -438,7 +439,7 @@ class ClusterBackend(Backend):
             decode = await self.placer.place_decode(request, excluded)
             try:
                 actor = cast(DecodeActor, self._actor_of(decode))
-                self._open_stream(request.req_id, Stream(queue, decode.worker_id, client_req_id))
+                self._open_stream(request.req_id, Stream(queue, decode.worker_id, first_req_id))
                 self.streams.ensure_poller(decode.worker_id, actor)
                 # What is left of the lease: the decode worker reckons its deadline from when
                 # it gets the handle, so the time spent here must not count twice.
@@ -472,7 +473,7 @@ class ClusterBackend(Backend):
 
     def decode_worker_of(self, req_id: str) -> str | None:
         """The decode worker streaming a request (None before its handoff or after its end)."""
-        stream = self.streams.of_client(req_id)
+        stream = self.streams.of_request(req_id)
         return None if stream is None else stream.decode_worker_id
 
     def lost_worker(self, worker_id: str) -> None:
@@ -493,7 +494,7 @@ class ClusterBackend(Backend):
             self._forgetting.pop(worker_id, None)
 
     async def abort(self, req_id: str) -> None:
-        stream = self.streams.of_client(req_id)
+        stream = self.streams.of_request(req_id)
         if stream is not None:
             stream.queue.put_nowait(TokenDelta(req_id, (), True, FinishReason.ABORT))
 

@@ -27,7 +27,7 @@ class Stream:
 
     queue: asyncio.Queue[TokenDelta]
     decode_worker_id: str
-    client_req_id: str
+    first_req_id: str
     lost: bool = False
 
 
@@ -59,12 +59,12 @@ class DecodeStreams:
     def get(self, req_id: str) -> Stream | None:
         return self._streams.get(req_id)
 
-    def of_client(self, client_req_id: str) -> Stream | None:
-        """The current leg of a client's request (its id, or a migration's)."""
-        stream = self._streams.get(client_req_id)
+    def of_request(self, first_req_id: str) -> Stream | None:
+        """The current leg of a request (the id the router took it under, or a migration's)."""
+        stream = self._streams.get(first_req_id)
         if stream is not None:
             return stream
-        return next((s for s in self._streams.values() if s.client_req_id == client_req_id), None)
+        return next((s for s in self._streams.values() if s.first_req_id == first_req_id), None)
 
     def abort_all(self) -> int:
         """Put an abort delta in every open stream; returns how many there were."""

@@ -94,7 +94,7 @@ class Frontend:
         longest = max(r.backend.max_model_len for r in self.routes.values())
         self.max_body_bytes = max_body_bytes(longest, max_body_mib)
         self.created = int(time.time())  # when this router began serving the model (/v1/models)
-        self._in_flight: set[str] = set()
+        self._in_flight: set[tuple[str | None, str]] = set()  # (tenant, client's request id)
 
     # ---- access --------------------------------------------------------------------------
     def authenticate(self, authorization: str | None, x_api_key: str | None) -> str | None:
@@ -162,7 +162,7 @@ class Frontend:
                 "n",
             )
         sampling = replace(sampling, stop=())  # stop strings stay in the router (it detokenizes)
-        req_id = spec.req_id or f"req-{uuid.uuid4().hex}"
+        req_id = cluster_request_id(spec.req_id, spec.id_prefix)
         salt = self._cache_salt(spec)
         try:
             check_ranges(spec.kv_retention)
@@ -190,6 +190,7 @@ class Frontend:
             key_class=key_class,
             trace=trace,
             structured_param=spec.structured_param,
+            client_id=spec.req_id or req_id,
         )
 
     def _cache_salt(self, spec: RequestSpec) -> str | None:
@@ -217,14 +218,16 @@ class Frontend:
         One refused or cancelled before its turn still ends its trace and gives back its grant.
         """
         req = prepared.request
-        if req.req_id in self._in_flight:
-            raise self.reject(InvalidRequest(f"request id {req.req_id!r} is already in flight"))
+        own = (prepared.tenant, prepared.client_id)  # another tenant's ids are not this one's
+        if own in self._in_flight:
+            twin = f"request_id {prepared.client_id!r} is already in flight"
+            raise self.reject(InvalidRequest(twin, "request_id"))
         tracker = ChoiceTrackers(self.route(req.model).tokenizer, prepared, self.metrics)
         grant = None
         turn = False
         # reserved from here, before any wait: a twin sent while this one waits in the queue
         # or on its limits is refused too (both sent on, the loser's abort ended the other)
-        self._in_flight.add(req.req_id)
+        self._in_flight.add(own)
         try:
             grant = await self._charge(prepared)
             ticket = Ticket.of(req, prepared.tenant, prepared.key_class, prepared.arrival)
@@ -241,7 +244,7 @@ class Frontend:
                     await asyncio.shield(self.limiter.release(grant, 0, 0))
             raise
         finally:
-            self._in_flight.discard(req.req_id)
+            self._in_flight.discard(own)
 
     async def _stream(
         self, prepared: Prepared, tracker: ChoiceTrackers, grant: Grant | None
@@ -335,6 +338,25 @@ class Frontend:
 
     def model_ids(self) -> list[str]:
         return list(self.routes)
+
+
+MAX_REQUEST_ID_CHARS = 256  # a client's request id: echoed in every response, kept in logs
+
+
+def cluster_request_id(client_id: str | None, id_prefix: str = "req") -> str:
+    """The id a request has inside the cluster (engines, handoffs, leases, limits): the router's
+    own (f"{id_prefix}-{uuid}"), or the client's id with a random suffix. Clients choose ids
+    without knowing of each other: two tenants, or one behind two routers, may send the same
+    one, and a worker refuses an id it already runs. The client's id leads, so logs find it."""
+    if client_id is None:
+        return f"{id_prefix}-{uuid.uuid4().hex}"
+    if len(client_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(client_id)}", "request_id"
+        )
+    if not client_id.isprintable():
+        raise InvalidRequest("must be printable text (no control characters)", "request_id")
+    return f"{client_id}-{uuid.uuid4().hex[:16]}"
 
 
 def _refusal(

@@ -184,7 +184,7 @@ class KVRelayServicer(pb_grpc.KVRelayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         if prepared.trace is not None:  # the client learns the request's root span
             await context.send_initial_metadata(((TRACEPARENT, prepared.trace.traceparent),))
-        req_id = prepared.request.req_id
+        req_id = prepared.client_id
         try:
             async with contextlib.aclosing(frontend.generate(prepared)) as chunks:
                 async for out in chunks:

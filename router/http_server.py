@@ -13,7 +13,6 @@ import contextlib
 import json
 import ssl
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -124,14 +123,13 @@ async def _parse(
     request: web.Request,
     raw: bytes,
     schema: type[ChatCompletionRequest | CompletionRequest],
-    prefix: str,
     arrival: float,
 ) -> tuple[ChatCompletionRequest | CompletionRequest, Prepared]:
     frontend = request.app[FRONTEND_KEY]
     try:
         body = schema.model_validate_json(raw)
         spec = replace(
-            body.to_spec(f"{prefix}-{uuid.uuid4().hex}"),
+            body.to_spec(),
             tenant=request.get(TENANT_KEY),
             traceparent=request.headers.get(TRACEPARENT) if tracing.enabled() else None,
         )
@@ -169,13 +167,12 @@ async def _admitted(
 ) -> web.StreamResponse:
     schema = ChatCompletionRequest if chat else CompletionRequest
     try:
-        prefix = "chatcmpl" if chat else "cmpl"
-        body, prepared = await _parse(request, raw, schema, prefix, arrival)
+        body, prepared = await _parse(request, raw, schema, arrival)
     except InvalidRequest as e:
         return _bad_request(e)
     route = frontend.route(prepared.request.model)
     ctx = ResponseContext(
-        response_id=prepared.request.req_id,
+        response_id=prepared.client_id,
         model=route.model_id,
         chat=chat,
         tokenizer=route.tokenizer,

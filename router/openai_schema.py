@@ -215,7 +215,7 @@ class _CommonRequest(_TopLevelBody):
 
     def _spec(
         self,
-        req_id: str,
+        id_prefix: str,
         sampling: SamplingParams,
         max_tokens_param: str | None,
         prompt: str | None = None,
@@ -231,7 +231,7 @@ class _CommonRequest(_TopLevelBody):
             max_tokens_param=max_tokens_param,
             cache_salt=self.cache_salt,
             kv_retention=tuple(r.as_range() for r in self.kv_retention or ()),
-            req_id=req_id,
+            id_prefix=id_prefix,
             priority=self.priority,
             deadline_s=self.deadline_s,
             structured_param=self._structured_fields().param(),
@@ -280,7 +280,7 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs=true
 
-    def to_spec(self, req_id: str) -> RequestSpec:
+    def to_spec(self) -> RequestSpec:
         messages = tuple(m.to_message(i) for i, m in enumerate(self.messages))
         max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
@@ -288,7 +288,7 @@ class ChatCompletionRequest(_CommonRequest):
         self._check_supported()
         sampling = self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
         param_set = None if max_tokens is None else param
-        return self._spec(req_id, sampling, param_set, messages=messages)
+        return self._spec("chatcmpl", sampling, param_set, messages=messages)
 
 
 class CompletionRequest(_CommonRequest):
@@ -305,7 +305,7 @@ class CompletionRequest(_CommonRequest):
             prompt = prompt[0]
         return prompt if isinstance(prompt, str) else None
 
-    def to_spec(self, req_id: str) -> RequestSpec:
+    def to_spec(self) -> RequestSpec:
         if self.echo and self.logprobs is not None:
             raise InvalidRequest(
                 "echo with logprobs is not supported (the prompt's logprobs are not computed); "
@@ -323,9 +323,9 @@ class CompletionRequest(_CommonRequest):
         sampling = self._sampling(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
         param = None if self.max_tokens is None else "max_tokens"
         if isinstance(prompt, str):
-            return self._spec(req_id, sampling, param, prompt=prompt)
+            return self._spec("cmpl", sampling, param, prompt=prompt)
         token_ids = tuple(prompt)  # type: ignore[arg-type]
-        return self._spec(req_id, sampling, param, prompt_token_ids=token_ids)
+        return self._spec("cmpl", sampling, param, prompt_token_ids=token_ids)
 
 
 def _is_union_tag(part: int | str) -> bool:

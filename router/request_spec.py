@@ -59,7 +59,8 @@ class RequestSpec:
     max_tokens_param: str | None = None  # "max_tokens" / "max_completion_tokens"; None: unset
     cache_salt: str | None = None
     kv_retention: tuple[RetentionRange, ...] = ()  # token ranges kept longer (or shorter)
-    req_id: str | None = None  # None: the front end makes one
+    req_id: str | None = None  # the client's own id (gRPC request_id); None: the router's
+    id_prefix: str = "req"  # the router's id: f"{id_prefix}-{uuid}" (OpenAI's "chatcmpl", "cmpl")
     tenant: str | None = None  # the API key's tenant (Frontend.authenticate); None: keys off
     traceparent: str | None = None  # the client's W3C traceparent (read only while tracing)
     priority: int | None = None  # None: the key class's default (router/traffic_class.py)
@@ -91,3 +92,6 @@ class Prepared:
     key_class: KeyClass = DEFAULT_CLASS
     trace: SpanHandle | None = None  # its root span (router/traces.py); None: tracing off
     structured_param: str | None = None  # RequestSpec's: a worker's refusal names it
+    # the id the client sees in every response: its own (gRPC request_id), else the router's
+    # one; request.req_id is the cluster's, the client's id made unique (client_request_id)
+    client_id: str = ""

@@ -1,8 +1,8 @@
 """Two `kvrelay router` processes on the same pools and Redis: both route KV-aware from the same
 index, and killing one leaves the other serving; SIGTERM drains a router as it drains serve: /ready
 and new requests answer 503 "shutting_down" at once, its open stream ends with finish_reason
-"abort" once --drain-seconds pass, and it exits 0 (real Ray, Redis, NIXL, SmolLM2, openai
-client)."""
+"abort" once --drain-seconds pass, and it exits 0; one client's gRPC request id sent to both
+at once runs twice, each stream whole (real Ray, Redis, NIXL, SmolLM2, openai client, grpc)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 import ray
@@ -26,6 +27,8 @@ import ray
 from common.cluster_state import ClusterStatus
 from deploy.local_cluster import LocalCluster
 from deploy.redis_local import free_port
+from router.pb import kvrelay_pb2 as pb
+from router.pb import kvrelay_pb2_grpc as pb_grpc
 from tests.integration.cluster_support import cluster_spec, wait_until_no_leaks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,6 +162,32 @@ async def wait_until_index_idle(cluster, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"prefill load in the index: {loads}"
         await asyncio.sleep(0.1)
+
+
+def grpc_tokens(router: RouterProcess, request_id: str, prompt: str) -> tuple[set[str], list[int]]:
+    """(the request ids its responses carried, its tokens) of one gRPC Generate."""
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        model=MODEL,
+        prompt=prompt,
+        sampling=pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        responses = list(pb_grpc.KVRelayStub(channel).Generate(request, timeout=120))
+    return {r.request_id for r in responses}, [t for r in responses for t in r.token_ids]
+
+
+def test_one_request_id_through_both_routers_at_once_runs_twice(cluster, loop, routers):
+    """Clients choose their ids without knowing of each other. The same id in flight through
+    two routers on one decode worker (which refuses an id it already runs) gets two ids inside
+    the cluster: both streams are whole and alike, each says the client's id."""
+    prompt = "Name the planets of the solar system, one a line."
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda r: grpc_tokens(r, "client-7", prompt), routers))
+    (ids_a, tokens_a), (ids_b, tokens_b) = both
+    assert len(tokens_a) == 24 and tokens_a == tokens_b
+    assert ids_a == ids_b == {"client-7"}
+    loop.run_until_complete(wait_until_no_leaks(cluster, timeout_s=60))
 
 
 def test_two_routers_share_the_index_and_survive_each_other(cluster, loop, routers):

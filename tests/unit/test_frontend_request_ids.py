@@ -1,7 +1,9 @@
 """Frontend alone (a scripted backend): a client's request id is its own from the moment the
 router takes the request, so a twin sent while the first waits in the router's queue is refused
 at once, and the first runs to its end untouched (both sent on, the loser's abort ended the
-other's stream: a gRPC client hung)."""
+other's stream: a gRPC client hung). Inside the cluster every request has an id of its own (the
+client's with a random suffix): two tenants, or one client behind two routers, may choose the
+same id, and a worker refuses an id it already runs."""
 
 from __future__ import annotations
 
@@ -54,6 +56,51 @@ def test_a_twin_of_a_queued_request_is_refused_and_the_first_runs(tokenizer) -> 
         assert tokens == {"holder": len(OUTPUT), "first": len(OUTPUT), "second": 0}
         await drain("again", "twin")  # free again once the first ended
         assert tokens["again"] == len(OUTPUT)
-        assert [r.req_id for r in backend.requests].count("twin") == 2
+        twins = [r.req_id for r in backend.requests if r.req_id.startswith("twin-")]
+        assert len(twins) == len(set(twins)) == 2  # one id each inside the cluster
+
+    asyncio.run(go())
+
+
+def test_two_tenants_may_use_one_request_id_at_once(tokenizer) -> None:  # noqa: F811
+    """Another tenant's ids are not this one's: the same id in flight for two tenants runs
+    twice, under two cluster ids, and each stream is the whole output."""
+
+    async def go() -> None:
+        backend = Held()
+        frontend = Frontend(backend, tokenizer)
+        got: dict[str, tuple[str, int]] = {}
+
+        async def drain(tenant: str) -> None:
+            prepared = await frontend.prepare(replace(spec(), req_id="job-1", tenant=tenant))
+            count = 0
+            async for chunk in frontend.generate(prepared):
+                count += len(chunk.token_ids)
+            got[tenant] = (prepared.client_id, count)
+
+        tasks = [asyncio.create_task(drain(t)) for t in ("team-a", "team-b")]
+        await asyncio.sleep(0.01)  # both in flight: neither refused
+        backend.release.set()
+        await asyncio.gather(*tasks)
+        assert got == {"team-a": ("job-1", len(OUTPUT)), "team-b": ("job-1", len(OUTPUT))}
+        ids = [r.req_id for r in backend.requests]
+        assert len(ids) == len(set(ids)) == 2 and all(i.startswith("job-1-") for i in ids)
+
+    asyncio.run(go())
+
+
+def test_a_request_id_the_cluster_cannot_carry_is_refused_naming_the_field(
+    tokenizer,  # noqa: F811
+) -> None:
+    async def go() -> None:
+        frontend = Frontend(ScriptedBackend(), tokenizer)
+        with pytest.raises(InvalidRequest, match="request_id: at most 256 characters, got 257"):
+            await frontend.prepare(replace(spec(), req_id="x" * 257))
+        with pytest.raises(InvalidRequest, match="request_id: must be printable"):
+            await frontend.prepare(replace(spec(), req_id="a\nb"))
+        prepared = await frontend.prepare(replace(spec(), req_id="ä" * 256))
+        assert prepared.client_id == "ä" * 256 and prepared.request.req_id != prepared.client_id
+        own = await frontend.prepare(spec())  # no client id: the router's, the same inside
+        assert own.client_id == own.request.req_id and own.client_id.startswith("req-")
 
     asyncio.run(go())

@@ -32,20 +32,22 @@ def test_chat_body_maps_to_a_spec() -> None:
         "seed": 3,
         "cache_salt": "tenant",
     }
-    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r1")
+    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec()
     assert spec.messages == (ChatMessage("user", "a"),)
     assert (spec.max_tokens, spec.sampling.stop, spec.sampling.top_k, spec.sampling.seed) == (
         5, ("x",), 0, 3,
     )  # fmt: skip
-    assert (spec.req_id, spec.cache_salt, spec.sampling.temperature) == ("r1", "tenant", 1.0)
+    assert (spec.id_prefix, spec.cache_salt) == ("chatcmpl", "tenant")
+    assert spec.sampling.temperature == 1.0
+    assert spec.req_id is None  # no client id over HTTP: the router makes one
 
 
 def test_completion_prompt_forms() -> None:
     for prompt, text, ids in [("a", "a", None), ([1, 2], None, (1, 2)), (["b"], "b", None)]:
-        spec = CompletionRequest(model="m", prompt=prompt).to_spec("r")
+        spec = CompletionRequest(model="m", prompt=prompt).to_spec()
         assert (spec.prompt, spec.prompt_token_ids) == (text, ids)
     with pytest.raises(InvalidRequest, match="one prompt"):
-        CompletionRequest(model="m", prompt=["a", "b"]).to_spec("r")
+        CompletionRequest(model="m", prompt=["a", "b"]).to_spec()
 
 
 @pytest.mark.parametrize(
@@ -61,7 +63,7 @@ def test_completion_prompt_forms() -> None:
 )
 def test_unsupported_options_are_refused(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
-        ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r")
+        ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec()
     assert info.value.param == param
 
 
@@ -93,7 +95,7 @@ def test_validation_errors_name_the_field() -> None:
 def test_an_unknown_or_misspelt_field_is_refused_naming_it(body: dict, param: str, said: str):
     """A misspelt field was ignored (`max_tokns`: the request ran to the context's end)."""
     try:
-        ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r")
+        ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec()
     except ValidationError as e:
         error = invalid_from_validation(e)
     except InvalidRequest as e:
@@ -113,7 +115,7 @@ def test_an_unknown_or_misspelt_field_is_refused_naming_it(body: dict, param: st
 )
 def test_fields_that_change_nothing_pass(extra: dict) -> None:
     """OpenAI's fields that change no output are taken and ignored."""
-    spec = ChatCompletionRequest.model_validate_json(json.dumps({**CHAT, **extra})).to_spec("r")
+    spec = ChatCompletionRequest.model_validate_json(json.dumps({**CHAT, **extra})).to_spec()
     assert spec.messages == (ChatMessage("user", "hi"),)
 
 
@@ -127,31 +129,31 @@ def test_sampling_fields_map_to_the_spec() -> None:
         "logprobs": True,
         "top_logprobs": 3,
     }
-    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec("r").sampling
+    spec = ChatCompletionRequest.model_validate_json(json.dumps(body)).to_spec().sampling
     assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (
         0.5, -1.0, 1.2,
     )  # fmt: skip
     assert spec.logit_bias == ((7, 1.0), (9, -100.0))
     assert (spec.logprobs, spec.top_logprobs) == (True, 3)
-    plain = ChatCompletionRequest.model_validate_json(json.dumps(CHAT)).to_spec("r").sampling
+    plain = ChatCompletionRequest.model_validate_json(json.dumps(CHAT)).to_spec().sampling
     assert (plain.presence_penalty, plain.repetition_penalty, plain.logit_bias) == (0, 1, ())
 
 
 def test_completion_logprobs_n_is_top_logprobs() -> None:
-    spec = CompletionRequest(model="m", prompt="a", logprobs=2).to_spec("r").sampling
+    spec = CompletionRequest(model="m", prompt="a", logprobs=2).to_spec().sampling
     assert (spec.logprobs, spec.top_logprobs) == (True, 2)
-    spec = CompletionRequest(model="m", prompt="a", logprobs=0).to_spec("r").sampling
+    spec = CompletionRequest(model="m", prompt="a", logprobs=0).to_spec().sampling
     assert (spec.logprobs, spec.top_logprobs) == (True, 0)
-    assert CompletionRequest(model="m", prompt="a", echo=True).to_spec("r").prompt == "a"
+    assert CompletionRequest(model="m", prompt="a", echo=True).to_spec().prompt == "a"
     assert CompletionRequest(model="m", prompt=["b"], echo=True).prompt_text() == "b"
 
 
 def test_bad_sampling_values_name_the_field() -> None:
     with pytest.raises(InvalidRequest) as info:
-        CompletionRequest(model="m", prompt="a", echo=True, logprobs=1).to_spec("r")
+        CompletionRequest(model="m", prompt="a", echo=True, logprobs=1).to_spec()
     assert info.value.param == "echo"
     with pytest.raises(InvalidRequest) as info:
-        ChatCompletionRequest(**CHAT, logit_bias={"x": 1.0}).to_spec("r")
+        ChatCompletionRequest(**CHAT, logit_bias={"x": 1.0}).to_spec()
     assert info.value.param == "logit_bias"
     assert parse_error(CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 21}).param == (
         "logprobs"

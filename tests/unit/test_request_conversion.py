@@ -109,20 +109,20 @@ def test_openai_bodies_convert_every_field() -> None:
         "guided_regex": "[0-9]+",
         "speculative": False,
     }
-    spec = ChatCompletionRequest.model_validate(body).to_spec("r")
+    spec = ChatCompletionRequest.model_validate(body).to_spec()
     assert (spec.sampling, spec.max_tokens_param) == (EVERY_FIELD, "max_completion_tokens")
     completion = {k: v for k, v in body.items() if k not in ("messages", "top_logprobs")}
     completion |= {"prompt": "p", "max_tokens": 7, "logprobs": 2}
     del completion["max_completion_tokens"]
-    spec = CompletionRequest.model_validate(completion).to_spec("r")
+    spec = CompletionRequest.model_validate(completion).to_spec()
     assert (spec.sampling, spec.max_tokens_param) == (EVERY_FIELD, "max_tokens")
 
 
 def test_an_unset_openai_field_takes_the_default() -> None:
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    spec = chat.to_spec("r")
+    spec = chat.to_spec()
     assert (spec.sampling, spec.max_tokens, spec.max_tokens_param) == (SamplingParams(), None, None)
-    spec = CompletionRequest(model="m", prompt="p", top_k=-1).to_spec("r")
+    spec = CompletionRequest(model="m", prompt="p", top_k=-1).to_spec()
     assert (spec.sampling, spec.max_tokens) == (SamplingParams(), None)
     assert sampling_from_proto(pb.SamplingParams(top_k=-1)) == SamplingParams()  # as HTTP
     assert sampling_from_proto(pb.SamplingParams(top_k=-2)).top_k == -2  # refused by the rules
@@ -134,7 +134,7 @@ def test_priority_and_deadline_reach_the_spec_from_both_front_ends() -> None:
     unset = spec_from_proto(pb.GenerateRequest(prompt="p"))
     assert (unset.priority, unset.deadline_s) == (None, None)
     body = {"model": "m", "prompt": "p", "priority": 3, "deadline_s": 2.5}
-    http = CompletionRequest.model_validate(body).to_spec("r")
+    http = CompletionRequest.model_validate(body).to_spec()
     assert (http.priority, http.deadline_s) == (3, 2.5)
 
 

@@ -33,7 +33,7 @@ def nested(depth: int) -> dict:
 
 def chat_sampling(**fields: object):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return ChatCompletionRequest.model_validate(body).to_spec("r").sampling
+    return ChatCompletionRequest.model_validate(body).to_spec().sampling
 
 
 def refusal(**fields: object) -> InvalidRequest:
@@ -58,7 +58,7 @@ def test_json_object_and_json_schema():
 
 def test_completions_take_the_same_fields():
     body = {"model": "m", "prompt": "x", "guided_regex": "[0-9]+"}
-    spec = CompletionRequest.model_validate(body).to_spec("r").sampling.structured
+    spec = CompletionRequest.model_validate(body).to_spec().sampling.structured
     assert spec == StructuredOutput("regex", "[0-9]+")
 
 
