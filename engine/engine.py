@@ -251,9 +251,13 @@ class Engine:
 
     def flush_disk_tier(self) -> None:
         """Write every cached block the disk tier lacks into it (none without one), and publish
-        those the shared store lacks (waiting for its writer: none dropped; up to 60 s)."""
-        shared = None if self.kv.disk_tier is None else self.kv.disk_tier.shared
-        with nullcontext() if shared is None else shared.flushing():
+        those the shared store lacks (waiting for their writers: none dropped; up to 60 s)."""
+        disk = self.kv.disk_tier
+        shared = None if disk is None else disk.shared
+        with (
+            nullcontext() if disk is None else disk.flushing(),
+            nullcontext() if shared is None else shared.flushing(),
+        ):
             self.copies.flush_to_disk(self.kv)
 
     def is_unfinished(self, req_id: str) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import CacheConfig, is_object_store
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
-from engine.kv_cache.block_publishes import BlockPublishes
+from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier
 from engine.kv_cache.shared_store import SharedStore
@@ -90,6 +90,16 @@ def build_disk_tier(
     else:
         reader = DiskBlockFiles(path, files.layout, kv_cache.dtype)
         tier.reads = BlockReads(reader.read, "kvrelay-disk-read")
+        writer = DiskBlockFiles(path, files.layout, kv_cache.dtype)
+        tier.writes = BlockPublishes(
+            partial(_write_block, writer),
+            _own_copy,
+            max(1, MAX_QUEUED_PUBLISH_BYTES // files.payload_bytes),
+            "kvrelay-disk-write",
+            "disk KV tier: %d block writes queued, the disk takes them slower than blocks leave "
+            "the host tier; blocks past that are not stored (recomputed when needed) while this "
+            "lasts",
+        )
     log.info(
         "disk KV tier at %s: %d blocks of %d bytes at most; found %d blocks of this model and "
         "layout (%d kept), removed %d invalid files, ignored %d of other models or layouts",
@@ -154,6 +164,15 @@ def build_shared_store(
         store.num_files,
     )
     return store
+
+
+def _write_block(files: DiskBlockFiles, job: PublishJob) -> Published:
+    """One disk tier write behind the step, on the writer's own files (OSError: refused)."""
+    try:
+        files.write(job.block_hash, job.row, job.salt_root)  # type: ignore[arg-type]
+    except OSError as e:
+        return Published(job.block_hash, False, e, ())
+    return Published(job.block_hash, True, None, ())
 
 
 def _own_copy(row: object) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""BlockPublishes: the cluster-shared store's publishes running behind the step. It owns a writer
-thread (with a files object of its own: its own NIXL agent and staging buffer, never the one the
-engine thread's lookups and evictions use), the publishes queued, each with its own copy of the
-block's KV, and their outcomes until the engine thread collects them. Torch-free: a payload is
-opaque here (the copy is the caller's function).
+"""BlockPublishes: a file tier's block writes running behind the step (the cluster-shared store's
+publishes, the disk tier's writes). It owns a writer thread (with a files object of its own: its
+own NIXL agent and staging buffer, never the one the engine thread's lookups and evictions use),
+the writes queued, each with its own copy of the block's KV, and their outcomes until the engine
+thread collects them. Torch-free: a payload is opaque here (the copy is the caller's function).
 
 Publishing a block to an object store is a HEAD and a PUT of a whole block, tens of ms on a
 remote store (a few ms on loopback); on the engine thread that time was every step's (the
@@ -50,6 +50,9 @@ class BlockPublishes:
         copy: Callable[[object], object],
         max_queued: int,
         name: str,
+        what: str = "shared KV store: %d publishes queued, the store takes them slower than "
+        "blocks reach the disk tier; blocks past that are not published (each worker computes "
+        "them) while this lasts",
     ):
         """run: a publish on the writer's own files (raises OSError when the store refuses;
         anything else is a bug, raised on the engine thread by collect). copy: a block's KV as a
@@ -61,6 +64,7 @@ class BlockPublishes:
         self.max_queued = max(1, max_queued)
         self.wait_for_room = False  # a clean stop's flush: wait for the writer, drop nothing
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._what = what  # the warning when the queue is full (%d: max_queued)
         self._queued: dict[int, tuple[PublishJob, Future[Published]]] = {}
         self.num_issued = 0
         self.num_dropped = 0  # not published: the queue was full
@@ -90,12 +94,12 @@ class BlockPublishes:
         self.num_dropped += 1
         if not self._warned_full:
             self._warned_full = True
-            log.warning(
-                "shared KV store: %d publishes queued, the store takes them slower than blocks "
-                "reach the disk tier; blocks past that are not published (each worker computes "
-                "them) while this lasts",
-                self.max_queued,
-            )
+            log.warning(self._what, self.max_queued)
+
+    def row_of(self, block_hash: int) -> object | None:
+        """The copy a queued write holds of block_hash's KV (None: not queued, or collected)."""
+        queued = self._queued.get(block_hash)
+        return None if queued is None else queued[0].row
 
     @property
     def num_queued(self) -> int:

@@ -12,17 +12,25 @@ is matched (a bad file is removed and its block recomputed, never loaded) and co
 device block before the step that reads it. With a reader (BlockReads: a tier of one rank) the
 read runs behind the step instead: the match issues it (fetch), the request waits holding its
 blocks' reads (hold: never trimmed) while others run, and once collect has them checked in,
-its next match loads them. Writing is best effort: a full disk loses the block, never a request.
+its next match loads them. With a writer (BlockPublishes: a tier of one rank) a file is written
+behind the step too, from a copy of the block's KV: the block is in the tier from put (counted,
+indexed), a hit on it before its file lands takes that copy, an eviction waits for its write, and
+a write the disk refuses removes it again when collected. On an H100 (the 8B shape), with the
+2 MiB files written on the engine thread, prompts whose ~84 blocks spilled to disk had a TTFT of
+250-315 ms against ~70 without the tier (bench/RESULTS.md "KV tiers"). Writing is best effort:
+a full disk, or a writer past its queue, loses the block, never a request.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.file_stage import FileStage
 from engine.kv_cache.salt_index import SaltIndex
@@ -95,6 +103,9 @@ class DiskTier(FileStage):
         # hash -> how many waiting requests hold its read (this tier's or the shared store's)
         self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
+        # file writes behind the step (None: at once, on the caller's thread, as a tensor-
+        # parallel engine's ranks write their heads)
+        self.writes: BlockPublishes | None = None
         self.give_back_folder: Callable[[], None] | None = None  # for another worker (close)
         self.num_stored = 0  # blocks written
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
@@ -137,18 +148,67 @@ class DiskTier(FileStage):
             self.shared.publish(spill.block_hash, row, spill.priority, salt_root)
         while len(self._priority) >= self.num_slots:
             self._evict()
-        try:
-            self.files.write(spill.block_hash, row, salt_root)
-        except OSError as e:
-            self._write_failed(
-                e,
-                "cannot write a block file (%s); blocks that leave the host tier are not stored "
-                "(recomputed when needed) while this lasts",
-            )
-            return False
+        if self.writes is not None:  # behind the step, from a copy of the row
+            job = PublishJob(spill.block_hash, row, spill.priority, salt_root)
+            if not self.writes.start(job):
+                return False  # the writer is behind: not stored (recomputed when needed)
+        else:
+            try:
+                self.files.write(spill.block_hash, row, salt_root)
+            except OSError as e:
+                self._refused(e)
+                return False
         self._add(spill.block_hash, spill.priority)
         self.num_stored += 1
         return True
+
+    def _refused(self, error: OSError) -> None:
+        self._write_failed(
+            error,
+            "cannot write a block file (%s); blocks that leave the host tier are not stored "
+            "(recomputed when needed) while this lasts",
+        )
+
+    def _collect_writes(self) -> None:
+        """The writes behind the step that are done: one the disk refused takes its block out
+        of the tier again (its file is not there)."""
+        if self.writes is not None:
+            for done in self.writes.collect():
+                self._landed(done)
+
+    def _landed(self, done: Published) -> None:
+        if done.error is None:
+            return
+        self._refused(done.error)
+        if done.block_hash in self._priority:
+            self._drop(done.block_hash)
+            self.num_stored -= 1
+
+    def _pending_row(self, block_hash: int) -> object | None:
+        """The copy of a block's KV whose file is still being written behind the step."""
+        if self.writes is None or block_hash not in self._priority:
+            return None
+        return self.writes.row_of(block_hash)
+
+    @contextmanager
+    def flushing(self, timeout_s: float = 60.0) -> Iterator[None]:
+        """A clean stop's flush (every cached block spilled at once): a write waits for room in
+        the writer's queue instead of being dropped; at the end every one lands (settle)."""
+        if self.writes is None:
+            yield
+            return
+        self.writes.wait_for_room = True
+        try:
+            yield
+        finally:
+            self.writes.wait_for_room = False
+        self.settle(timeout_s)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the writes queued behind the step (or timeout_s) and collect them."""
+        if self.writes is not None:
+            for done in self.writes.settle(timeout_s):
+                self._landed(done)
 
     def refresh(self, block_hash: int, priority: int) -> None:
         """The block left a faster tier again: it ranks by that priority, newest."""
@@ -179,6 +239,9 @@ class DiskTier(FileStage):
             del self._by_priority[priority][block_hash]
         del self._priority[block_hash]
         self._staged.pop(block_hash, None)
+        if self.writes is not None and self.writes.row_of(block_hash) is not None:
+            # its write behind the step: cancelled, or waited for, before the file goes
+            self.writes.withdraw(lambda job: job.block_hash == block_hash)
         self.files.remove(block_hash)
         if self.record_events:
             self._events.append(BlockRemoved((block_hash,), "disk"))
@@ -195,10 +258,28 @@ class DiskTier(FileStage):
         if block_hash in self._priority:
             self._drop(block_hash)
 
+    def stage(self, block_hash: int) -> bool:
+        """FileStage's, but a block whose file is still being written is staged from its copy."""
+        row = self._pending_row(block_hash)
+        if row is None:
+            return super().stage(block_hash)
+        self._staged[block_hash] = row
+        return True
+
+    def fetch(self, block_hash: int) -> bool | None:
+        """FileStage's, but a block whose file is still being written is staged from its copy."""
+        if self._pending_row(block_hash) is not None:
+            return self.stage(block_hash)
+        return super().fetch(block_hash)
+
+    def in_hand(self, block_hash: int) -> bool:
+        return self._pending_row(block_hash) is not None or super().in_hand(block_hash)
+
     def collect(self) -> None:
         """Between steps: the reads behind the step that are done, staged (a bad file removed,
-        its block recomputed), this tier's and the shared store's."""
+        its block recomputed), this tier's and the shared store's; the writes that landed."""
         super().collect()
+        self._collect_writes()
         if self.shared is not None:
             self.shared.collect()
 
@@ -260,12 +341,22 @@ class DiskTier(FileStage):
             self.shared.trim_staged(self._held)
 
     def close(self) -> None:
-        """Stop the reader threads (this tier's and the shared store's) and the shared store's
-        writer (the publish running lands, those not started are dropped: a flush settled them
-        first); later reads and publishes run on the caller's thread."""
+        """Stop the reader threads (this tier's and the shared store's) and the writers (the
+        write or publish running lands, those not started are dropped: a flush settled them
+        first); later reads, writes and publishes run on the caller's thread."""
         if self.reads is not None:
             self.reads.close()
             self.reads = None
+        if self.writes is not None:
+            writes, self.writes = self.writes, None
+            pending = [h for h in self._priority if writes.row_of(h) is not None]
+            landed = writes.close()
+            for done in landed:
+                self._landed(done)
+            written = {done.block_hash for done in landed if done.error is None}
+            for block_hash in pending:  # not started: no file
+                if block_hash not in written and block_hash in self._priority:
+                    self._drop(block_hash)
         if self.shared is not None:
             self.shared.close()
         if self.give_back_folder is not None:

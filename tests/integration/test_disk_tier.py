@@ -84,8 +84,10 @@ def serve(
                 if out.finished:
                     cached = out.num_cached_tokens
         got.append((tokens, cached))
-    if eng.kv.disk_tier is not None and eng.kv.disk_tier.shared is not None:
-        eng.kv.disk_tier.shared.settle()  # the publishes behind the step landed and counted
+    if eng.kv.disk_tier is not None:
+        eng.kv.disk_tier.settle()  # the writes behind the step landed (their files are there)
+        if eng.kv.disk_tier.shared is not None:
+            eng.kv.disk_tier.shared.settle()  # the publishes behind the step landed and counted
     eng.check_integrity()
     eng.assert_no_leaks()
     return got

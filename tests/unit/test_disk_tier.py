@@ -18,6 +18,7 @@ from deploy.serve_flags import check_tier_paths, spec_from_args
 from engine.config import CacheConfig, EngineConfig
 from engine.execution.block_copies import BlockCopies
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVBlock
+from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier, Spill
 from engine.kv_cache.host_tier import HostTier
@@ -289,3 +290,89 @@ def test_serve_refuses_a_tier_folder_it_cannot_make_naming_the_flag(tmp_path) ->
     )
     with pytest.raises(ValueError, match=r"^--disk-kv-path .*afile/d: Not a directory"):
         check_tier_paths(bad)
+
+
+class HeldFiles(DictFiles):
+    """DictFiles whose writes wait until `go` is set (a slow disk), counting those written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.started = threading.Event()
+
+    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
+        self.started.set()
+        assert self.go.wait(30), "the test never let the write go"
+        super().write(block_hash, row, salt_root)
+
+
+def writing_tier(files: DictFiles, max_queued: int = 8) -> DiskTier:
+    """A tier whose files are written behind the step, on a writer of files (as disk_setup's)."""
+    tier = DiskTier(4, files, record_events=True)
+
+    def run(job: PublishJob) -> Published:
+        try:
+            files.write(job.block_hash, job.row, job.salt_root)
+        except OSError as e:
+            return Published(job.block_hash, False, e, ())
+        return Published(job.block_hash, True, None, ())
+
+    tier.writes = BlockPublishes(run, lambda row: f"copy of {row}", max_queued, "test-disk-write")
+    return tier
+
+
+def test_a_write_behind_the_step_serves_its_block_from_its_copy_until_the_file_lands() -> None:
+    """put returns at once while the disk is slow: the block is in the tier (indexed), a hit on
+    it takes the copy being written (no file read), and the file lands once the disk lets it."""
+    files = HeldFiles()
+    tier = writing_tier(files)
+    assert put(tier, 1) and tier.has(1) and tier.num_stored == 1
+    assert tier.drain_events() == [BlockStored((1,), None, "disk")]
+    assert files.started.wait(30) and 1 not in files.files  # its write is under way
+    assert tier.in_hand(1) and tier.fetch(1) is True and tier.take(1) == "copy of kv1"
+    assert tier.num_reads == 0 and tier.num_bad_files == 0
+    files.go.set()
+    tier.settle()
+    assert files.files == {1: "copy of kv1"} and tier.writes is not None
+    assert tier.writes.num_queued == 0 and not tier.in_hand(1)
+    assert tier.fetch(1) is True and tier.take(1) == "copy of kv1"  # now read from its file
+    tier.close()
+
+
+def test_an_evicted_blocks_write_behind_the_step_never_lands_later() -> None:
+    """An operator's eviction (or the bound's) of a block whose write is queued cancels the write
+    or waits for it before the file is removed: no file of an evicted block is left behind."""
+    files = HeldFiles()
+    tier = writing_tier(files)
+    assert put(tier, 1) and put(tier, 2)
+    assert files.started.wait(30)  # block 1's write runs, block 2's waits behind it
+    threading.Timer(0.05, files.go.set).start()  # lets the running write end during evict
+    assert tier.evict_hashes([1, 2]) == 2
+    tier.settle()
+    assert files.files == {} and not tier.has(1) and not tier.has(2)
+    tier.close()
+
+
+def test_a_write_the_disk_refuses_behind_the_step_takes_its_block_out_again(caplog) -> None:
+    files = DictFiles()
+    files.full = True
+    tier = writing_tier(files)
+    with caplog.at_level(logging.WARNING, logger="engine.kv_cache.disk_tier"):
+        assert put(tier, 1) and put(tier, 2) and tier.num_cached == 2
+        tier.settle()
+    assert tier.num_cached == 0 and tier.num_stored == 0 and tier.num_write_failures == 2
+    assert caplog.text.count("No space left on device") == 1  # said once
+    assert BlockRemoved((1,), "disk") in tier.drain_events()
+    tier.close()
+
+
+def test_a_writer_past_its_queue_stores_nothing_more_and_close_drops_what_never_started() -> None:
+    files = HeldFiles()
+    tier = writing_tier(files, max_queued=2)
+    assert put(tier, 1) and put(tier, 2)
+    assert not put(tier, 3) and not tier.has(3)  # the writer is behind: best effort
+    assert tier.writes is not None and tier.writes.num_dropped == 1
+    assert files.started.wait(30)
+    threading.Timer(0.05, files.go.set).start()
+    tier.close()  # block 1's write (running) lands; block 2's never started: not in the tier
+    assert files.files == {1: "copy of kv1"} and tier.has(1) and not tier.has(2)
