@@ -16,7 +16,7 @@ its next match loads them. With a writer (BlockPublishes: a tier of one rank) a 
 behind the step too, from a copy of the block's KV: the block is in the tier from put (counted,
 indexed), a hit on it before its file lands takes that copy, an eviction waits for its write, and
 a write the disk refuses removes it again when collected. On an H100 (the 8B shape), with the
-2 MiB files written on the engine thread, prompts whose ~84 blocks spilled to disk had a TTFT of
+2 MiB files written on the engine thread, prompts whose ~170 blocks spilled to disk had a TTFT of
 250-315 ms against ~70 without the tier (bench/RESULTS.md "KV tiers"). Writing is best effort:
 a full disk, or a writer past its queue, loses the block, never a request.
 """
