@@ -14,10 +14,14 @@
 #                                       # stage into /tmp/site (+ redis), the snapshot in /tmp/kv
 #   bash bench/lease_stage.sh vllm      # once every chunk is there: vLLM into /tmp/vsite
 # Later calls: `. /tmp/lease/env.sh && cd /tmp/kv && ...` (the stage's exports, PYTHONPATH
-# pointing at the snapshot). Stream: archive A (kvrelay stage parts, SmolLM2's tokenizer
+# pointing at the snapshot). FlashInfer's JIT builds (~250 s of a fresh machine's first `check`)
+# come from the last lease's cache: keep what `check` brings back here (`cat
+# <files_at>/flashinfer_cache.tgz.part-* > .flashinfer-cache/flashinfer_cache.tgz`) and start
+# the first measured call with carry [".flashinfer-cache"] and `bash bench/lease_stage.sh
+# fi-cache && ...` (gpu_session.sh unpacks it where no cache is yet). Stream: archive A (kvrelay stage parts, SmolLM2's tokenizer
 # folder, pytest wheels), then archive B (.vstage, .cache/vllm-server-wheels).
 set -euo pipefail
-cmd=${1:?pack, take K, kvrelay or vllm}
+cmd=${1:?pack, take K, kvrelay, vllm or fi-cache}
 chunk=${CHUNK_BYTES:-57000000}
 case $cmd in
   pack)
@@ -86,6 +90,15 @@ tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/vstage/w', 
       /tmp/vstage/w/*.whl
     rm -rf /tmp/vstage/w /tmp/kv/.vstage/all /tmp/kv/.vstage/p* && touch /tmp/vsite/.ok
     echo "vLLM STAGED in /tmp/vsite"
+    ;;
+  fi-cache)  # the carried FlashInfer JIT cache into the snapshot (none carried: nothing)
+    if [ -f .flashinfer-cache/flashinfer_cache.tgz ]; then
+      mkdir -p /tmp/kv/.flashinfer-cache
+      cp .flashinfer-cache/flashinfer_cache.tgz /tmp/kv/.flashinfer-cache/
+      echo "FlashInfer cache carried ($(stat -c %s .flashinfer-cache/flashinfer_cache.tgz) bytes)"
+    else
+      echo "no FlashInfer cache carried"
+    fi
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
