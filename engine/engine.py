@@ -251,7 +251,8 @@ class Engine:
 
     def flush_disk_tier(self) -> None:
         """Write every cached block the disk tier lacks into it (none without one), and publish
-        those the shared store lacks (waiting for their writers: none dropped; up to 60 s)."""
+        those the shared store lacks (waiting for their writers: none dropped; up to 60 s
+        each)."""
         disk = self.kv.disk_tier
         shared = None if disk is None else disk.shared
         with (

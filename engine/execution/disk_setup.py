@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # The shared store's publishes queued behind the step hold a copy of their block each, this
 # many bytes at most (past it a block is not published: its queue says the store is too slow).
 MAX_QUEUED_PUBLISH_BYTES = 256 << 20
+# The disk tier's writes queued behind the step, likewise: a prompt's spill comes at once (on an
+# H100 with the 8B shape a 2,700-token prompt spilled ~170 blocks of 2 MiB), and a block past
+# the queue is not stored, nor then are the prefix hits after it.
+MAX_QUEUED_WRITE_BYTES = 1 << 30
 
 
 def build_disk_tier(
@@ -94,7 +98,7 @@ def build_disk_tier(
         tier.writes = BlockPublishes(
             partial(_write_block, writer),
             _own_copy,
-            max(1, MAX_QUEUED_PUBLISH_BYTES // files.payload_bytes),
+            max(1, MAX_QUEUED_WRITE_BYTES // files.payload_bytes),
             "kvrelay-disk-write",
             "disk KV tier: %d block writes queued, the disk takes them slower than blocks leave "
             "the host tier; blocks past that are not stored (recomputed when needed) while this "

@@ -125,11 +125,16 @@ class BlockPublishes:
         return self.collect()
 
     def withdraw(self, dropped: Callable[[PublishJob], bool]) -> None:
-        """The queued publishes that dropped(job) says must not land (an operator's eviction of
-        their blocks): cancelled if not started, else waited for (at most one runs); once this
-        returns none of them can land later."""
-        for job, future in list(self._queued.values()):
-            if dropped(job) and not future.cancel():
+        """The queued writes that dropped(job) says must not land (their blocks were evicted: by
+        an operator, or the disk tier's bound): cancelled if not started (and forgotten: the same
+        block may be queued again at once), else waited for (at most one runs; its outcome is
+        collected as any other); once this returns none of them can land later."""
+        for block_hash, (job, future) in list(self._queued.items()):
+            if not dropped(job):
+                continue
+            if future.cancel():
+                del self._queued[block_hash]
+            else:
                 wait([future])
 
     def close(self) -> list[Published]:

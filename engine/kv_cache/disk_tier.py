@@ -107,7 +107,7 @@ class DiskTier(FileStage):
         # parallel engine's ranks write their heads)
         self.writes: BlockPublishes | None = None
         self.give_back_folder: Callable[[], None] | None = None  # for another worker (close)
-        self.num_stored = 0  # blocks written
+        self.num_stored = 0  # blocks written (behind the step: once their files landed)
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
         self.num_evicted = 0  # removed by the size bound
 
@@ -139,28 +139,36 @@ class DiskTier(FileStage):
 
     def put(self, spill: Spill, row: object) -> bool:
         """Write a spilled block's file (evicting the lowest-priority, oldest ones past the
-        bound); False when it is here already or the disk refused it (logged once)."""
+        bound); False when it is here already, the disk refused it (logged once) or the writer
+        behind the step is past its queue (logged once; nothing evicted for it)."""
         if spill.block_hash in self._priority:
             self.refresh(spill.block_hash, spill.priority)
             return False
         salt_root = 0 if self.salts is None else self.salts.root_of(spill.block_hash)
         if self.shared is not None:
             self.shared.publish(spill.block_hash, row, spill.priority, salt_root)
-        while len(self._priority) >= self.num_slots:
-            self._evict()
         if self.writes is not None:  # behind the step, from a copy of the row
             job = PublishJob(spill.block_hash, row, spill.priority, salt_root)
             if not self.writes.start(job):
                 return False  # the writer is behind: not stored (recomputed when needed)
+            while len(self._priority) >= self.num_slots:
+                self._evict()  # its file goes now; the new one lands behind the step
         else:
+            while len(self._priority) >= self.num_slots:
+                self._evict()
             try:
                 self.files.write(spill.block_hash, row, salt_root)
             except OSError as e:
                 self._refused(e)
                 return False
+            self.num_stored += 1
         self._add(spill.block_hash, spill.priority)
-        self.num_stored += 1
         return True
+
+    @property
+    def num_write_dropped(self) -> int:
+        """Blocks not stored because the writer behind the step was past its queue."""
+        return 0 if self.writes is None else self.writes.num_dropped
 
     def _refused(self, error: OSError) -> None:
         self._write_failed(
@@ -177,12 +185,14 @@ class DiskTier(FileStage):
                 self._landed(done)
 
     def _landed(self, done: Published) -> None:
+        """A write behind the step done: counted once written; one the disk refused takes its
+        block out of the tier (no file)."""
         if done.error is None:
+            self.num_stored += 1
             return
         self._refused(done.error)
         if done.block_hash in self._priority:
             self._drop(done.block_hash)
-            self.num_stored -= 1
 
     def _pending_row(self, block_hash: int) -> object | None:
         """The copy of a block's KV whose file is still being written behind the step."""
@@ -252,7 +262,10 @@ class DiskTier(FileStage):
 
     # ---- reading --------------------------------------------------------------------------
     def _holds(self, block_hash: int) -> bool:
-        return block_hash in self._priority
+        """Whether a read that landed is of a block held here, and of its file: not while a
+        newer write of it is queued (the block was dropped and put again while the old read
+        ran; the copy being written serves its hits)."""
+        return block_hash in self._priority and self._pending_row(block_hash) is None
 
     def _forget_bad(self, block_hash: int) -> None:
         if block_hash in self._priority:

@@ -326,14 +326,14 @@ def test_a_write_behind_the_step_serves_its_block_from_its_copy_until_the_file_l
     it takes the copy being written (no file read), and the file lands once the disk lets it."""
     files = HeldFiles()
     tier = writing_tier(files)
-    assert put(tier, 1) and tier.has(1) and tier.num_stored == 1
+    assert put(tier, 1) and tier.has(1) and tier.num_stored == 0  # counted once written
     assert tier.drain_events() == [BlockStored((1,), None, "disk")]
     assert files.started.wait(30) and 1 not in files.files  # its write is under way
     assert tier.in_hand(1) and tier.fetch(1) is True and tier.take(1) == "copy of kv1"
     assert tier.num_reads == 0 and tier.num_bad_files == 0
     files.go.set()
     tier.settle()
-    assert files.files == {1: "copy of kv1"} and tier.writes is not None
+    assert files.files == {1: "copy of kv1"} and tier.writes is not None and tier.num_stored == 1
     assert tier.writes.num_queued == 0 and not tier.in_hand(1)
     assert tier.fetch(1) is True and tier.take(1) == "copy of kv1"  # now read from its file
     tier.close()
@@ -376,3 +376,58 @@ def test_a_writer_past_its_queue_stores_nothing_more_and_close_drops_what_never_
     threading.Timer(0.05, files.go.set).start()
     tier.close()  # block 1's write (running) lands; block 2's never started: not in the tier
     assert files.files == {1: "copy of kv1"} and tier.has(1) and not tier.has(2)
+
+
+def test_a_writer_past_its_queue_evicts_nothing_for_the_block_it_drops() -> None:
+    files = HeldFiles()
+    tier = writing_tier(files, max_queued=1)  # a 4-block tier
+    files.go.set()
+    for h in (1, 2, 3, 4):
+        assert put(tier, h)
+        tier.settle()
+    files.go.clear()
+    files.started.clear()
+    assert put(tier, 5) and not tier.has(1)  # the bound: 1 goes for 5, whose write is held
+    assert files.started.wait(30)
+    assert not put(tier, 6) and tier.num_write_dropped == 1
+    assert tier.num_cached == 4 and tier.has(2) and 2 in files.files  # none evicted for 6
+    files.go.set()
+    tier.close()
+    assert sorted(files.files) == [2, 3, 4, 5]
+
+
+def test_an_evicted_block_put_again_at_once_is_queued_and_an_old_read_of_it_is_not_bad() -> None:
+    """A block dropped while a read of its old file runs and put again before that read lands:
+    the new write is queued (the cancelled one is forgotten) and the stale read, which finds no
+    file, is neither counted bad nor takes the block out; the copy being written serves it."""
+    files = HeldFiles()
+    files.go.set()
+    tier = writing_tier(files)
+    assert put(tier, 1)
+    tier.settle()
+    gate = threading.Event()
+
+    def held_read(block_hash: int) -> object:
+        assert gate.wait(30)
+        return files.read(block_hash)
+
+    tier.reads = BlockReads(held_read, "test-disk-read")
+    assert tier.fetch(1) is None  # its read runs behind the step
+    files.go.clear()
+    files.started.clear()
+    assert put(tier, 9) and files.started.wait(30)  # the writer is busy with 9's write...
+    assert put(tier, 2)  # ...so 2's waits behind it, not started
+    assert tier.evict_hashes([2]) == 1 and not tier.has(2)  # cancelled before it ran...
+    assert put(tier, 2) and tier.has(2)  # ...so put at once again
+    assert tier.evict_hashes([1]) == 1 and 1 not in files.files
+    assert put(tier, 1)  # queued behind 9 and 2: no file yet
+    gate.set()  # the old read lands: its file is gone
+    while tier.num_in_flight:
+        tier.wait_any(1.0)
+        tier.collect()
+    assert tier.num_bad_files == 0 and tier.has(1)
+    assert tier.fetch(1) is True and tier.take(1) == "copy of kv1"
+    files.go.set()
+    tier.settle()
+    assert sorted(files.files) == [1, 2, 9] and tier.num_stored == 4
+    tier.close()
