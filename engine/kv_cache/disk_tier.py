@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
-from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
+from engine.kv_cache.block_publishes import Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.file_stage import FileStage
 from engine.kv_cache.salt_index import SaltIndex
@@ -103,9 +102,6 @@ class DiskTier(FileStage):
         # hash -> how many waiting requests hold its read (this tier's or the shared store's)
         self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
-        # file writes behind the step (None: at once, on the caller's thread, as a tensor-
-        # parallel engine's ranks write their heads)
-        self.writes: BlockPublishes | None = None
         self.give_back_folder: Callable[[], None] | None = None  # for another worker (close)
         self.num_stored = 0  # blocks written (behind the step: once their files landed)
         self.num_hit_blocks = 0  # blocks loaded back on a prefix hit
@@ -199,26 +195,6 @@ class DiskTier(FileStage):
         if self.writes is None or block_hash not in self._priority:
             return None
         return self.writes.row_of(block_hash)
-
-    @contextmanager
-    def flushing(self, timeout_s: float = 60.0) -> Iterator[None]:
-        """A clean stop's flush (every cached block spilled at once): a write waits for room in
-        the writer's queue instead of being dropped; at the end every one lands (settle)."""
-        if self.writes is None:
-            yield
-            return
-        self.writes.wait_for_room = True
-        try:
-            yield
-        finally:
-            self.writes.wait_for_room = False
-        self.settle(timeout_s)
-
-    def settle(self, timeout_s: float = 60.0) -> None:
-        """Wait for the writes queued behind the step (or timeout_s) and collect them."""
-        if self.writes is not None:
-            for done in self.writes.settle(timeout_s):
-                self._landed(done)
 
     def refresh(self, block_hash: int, priority: int) -> None:
         """The block left a faster tier again: it ranks by that priority, newest."""

@@ -1,6 +1,7 @@
 """FileStage: what a tier of block files (the disk tier, the cluster-shared store) has read and
 checked for a prefix hit and not copied back yet (staged), read at match time or behind the step
-(BlockReads), and the counters: files read, time spent, bad files found, writes refused. A bad
+(BlockReads), its writes behind the step (BlockPublishes: the subclass says what a landed one
+does), and the counters: files read, time spent, bad files found, writes refused. A bad
 file or a refused write is logged once; a bad file's block its subclass then forgets (recomputed,
 never loaded); which blocks the tier holds is the subclass's. Torch-free: a block's KV is opaque
 here."""
@@ -9,8 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from engine.kv_cache.block_publishes import BlockPublishes, Published
 from engine.kv_cache.block_reads import BlockReads
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,8 @@ class FileStage:
         self._staged: dict[int, object] = {}  # hash -> payload read for a hit, not yet taken
         # reads behind the step (None: at match time, as a tensor-parallel engine's ranks do)
         self.reads: BlockReads | None = None
+        # writes behind the step (None: at once, on the caller's thread)
+        self.writes: BlockPublishes | None = None
         self.num_reads = 0  # files read and checked for a prefix hit
         self.read_s = 0.0  # time spent reading and checking them (the tier's load cost)
         self.recent_load_s: float | None = None  # a read's seconds, decayed (None: none yet)
@@ -37,6 +43,30 @@ class FileStage:
         self.num_write_failures = 0  # not written: the filesystem refused (full)
         self.num_passed_over = 0  # matches whose hits here were computed: reading the slower
         self._warned_bad = self._warned_full = False
+
+    def _landed(self, done: Published) -> object:
+        """A write behind the step done: into the subclass's counters and events."""
+        raise NotImplementedError
+
+    @contextmanager
+    def flushing(self, timeout_s: float = 60.0) -> Iterator[None]:
+        """A clean stop's flush (every cached block spilled at once): a write waits for room in
+        the writer's queue instead of being dropped; at the end every one lands (settle)."""
+        if self.writes is None:
+            yield
+            return
+        self.writes.wait_for_room = True
+        try:
+            yield
+        finally:
+            self.writes.wait_for_room = False
+        self.settle(timeout_s)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the writes queued behind the step (or timeout_s) and collect them."""
+        if self.writes is not None:
+            for done in self.writes.settle(timeout_s):
+                self._landed(done)
 
     def _holds(self, block_hash: int) -> bool:
         """Whether a read that landed is still of a block the tier holds (else it is dropped)."""

@@ -29,12 +29,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
-from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
+from engine.kv_cache.block_publishes import Published, PublishJob
 from engine.kv_cache.file_stage import FileStage
 
 log = logging.getLogger(__name__)
@@ -111,8 +110,6 @@ class SharedStore(FileStage):
         self.num_hit_blocks = 0  # prefix blocks loaded from the store
         self.num_evicted = 0  # files this worker removed for the size bound
         self.num_removed = 0  # files removed on request (evict_hashes)
-        # publishes behind the step (None: at once, on the caller's thread)
-        self.writes: BlockPublishes | None = None
         self.answer_s: float | None = None  # the store's answer time (a moving average)
         self._answers: dict[int, tuple[bool, float]] = {}  # hash -> (present, monotonic time)
 
@@ -201,33 +198,17 @@ class SharedStore(FileStage):
             for done in self.writes.collect():
                 self._landed(done)
 
-    @contextmanager
-    def flushing(self, timeout_s: float = 60.0) -> Iterator[None]:
-        """A clean stop's flush (every cached block spilled at once): a publish waits for room
-        in the writer's queue instead of being dropped; at the end every one lands (settle)."""
-        if self.writes is None:
-            yield
-            return
-        self.writes.wait_for_room = True
-        try:
-            yield
-        finally:
-            self.writes.wait_for_room = False
-        self.settle(timeout_s)
-
     def settle(self, timeout_s: float = 60.0) -> None:
         """Wait for the publishes queued (or timeout_s) and count them."""
-        if self.writes is not None:
-            for done in self.writes.settle(timeout_s):
-                self._landed(done)
-            if self.writes.num_queued:
-                log.warning(
-                    "%s: %d publishes still queued after %.0f s (a slow store); they land "
-                    "later or not at all",
-                    self.NAME,
-                    self.writes.num_queued,
-                    timeout_s,
-                )
+        super().settle(timeout_s)
+        if self.writes is not None and self.writes.num_queued:
+            log.warning(
+                "%s: %d publishes still queued after %.0f s (a slow store); they land later or "
+                "not at all",
+                self.NAME,
+                self.writes.num_queued,
+                timeout_s,
+            )
 
     def close(self) -> None:
         """Stop the reader and the writer (the publish running lands and is counted, those not
