@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 import time
+import unicodedata
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractContextManager
@@ -341,6 +342,9 @@ class Frontend:
 
 
 MAX_REQUEST_ID_CHARS = 256  # a client's request id: echoed in every response, kept in logs
+# Unicode categories a request id may not hold: control, format (zero-width, bidi overrides),
+# surrogates, line and paragraph separators (spaces of any kind are fine)
+UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 def cluster_request_id(client_id: str | None, id_prefix: str = "req") -> str:
@@ -354,8 +358,11 @@ def cluster_request_id(client_id: str | None, id_prefix: str = "req") -> str:
         raise InvalidRequest(
             f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(client_id)}", "request_id"
         )
-    if not client_id.isprintable():
-        raise InvalidRequest("must be printable text (no control characters)", "request_id")
+    if any(unicodedata.category(ch) in UNPRINTABLE for ch in client_id):
+        raise InvalidRequest(
+            "no control, format or line-separator characters (it goes into log lines)",
+            "request_id",
+        )
     return f"{client_id}-{uuid.uuid4().hex[:16]}"
 
 

@@ -96,8 +96,11 @@ def test_a_request_id_the_cluster_cannot_carry_is_refused_naming_the_field(
         frontend = Frontend(ScriptedBackend(), tokenizer)
         with pytest.raises(InvalidRequest, match="request_id: at most 256 characters, got 257"):
             await frontend.prepare(replace(spec(), req_id="x" * 257))
-        with pytest.raises(InvalidRequest, match="request_id: must be printable"):
-            await frontend.prepare(replace(spec(), req_id="a\nb"))
+        for bad in ("a\nb", "a\x00b", "a\u200bb", "a\u202eb", "a\u2028b"):
+            with pytest.raises(InvalidRequest, match="request_id: no control, format or line"):
+                await frontend.prepare(replace(spec(), req_id=bad))
+        for spaced in ("a b", "a\u00a0b", "a\u3000b", " r\u00e9q-\u65e5\U0001f680 "):
+            assert (await frontend.prepare(replace(spec(), req_id=spaced))).client_id == spaced
         prepared = await frontend.prepare(replace(spec(), req_id="ä" * 256))
         assert prepared.client_id == "ä" * 256 and prepared.request.req_id != prepared.client_id
         own = await frontend.prepare(spec())  # no client id: the router's, the same inside
