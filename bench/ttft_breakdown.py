@@ -37,6 +37,11 @@ the host's Python: the engine thread then holds the GIL while the actor's loop a
     python -m bench.ttft_breakdown            # 40 requests, ~60-200 token prompts, max_tokens 1
     python -m bench.ttft_breakdown -n 60 --server-root /tmp/base   # another checkout's server
     python -m bench.ttft_breakdown --cut-layers 2 --max-tokens 4
+    python -m bench.ttft_breakdown --cut-layers 2 --background 8   # beside 8 decoding streams
+
+--background N keeps N streams decoding beside the measured requests (each sent again when it
+ends), as a served worker decodes while prompts arrive: where the stages grow against the same
+run without it, the engine thread's steps hold up the actor's loop (or the router's).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,6 +161,60 @@ def one_request(
     return {"sent": sent, "first": first, "num_prompt_chars": len(prompt)}
 
 
+class Background:
+    """`num` streams decoding `max_tokens` tokens each (EOS ignored), each sent again when it
+    ends, until stop(); their text is read and dropped."""
+
+    def __init__(self, port: int, num: int, max_tokens: int, model: str):
+        self.port, self.max_tokens, self.model = port, max_tokens, model
+        self.num_done = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(num)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        rng = random.Random(10_000 + index)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        while not self._stop.is_set():
+            body = {
+                "model": self.model,
+                "prompt": f"[bg-{index}] " + _random_text(rng, 40),
+                "max_tokens": self.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            try:
+                conn.request("POST", "/v1/completions", json.dumps(body), {
+                    "Content-Type": "application/json"})  # fmt: skip
+                response = conn.getresponse()
+                response.read()  # the whole stream
+                if response.status != 200:
+                    self.errors.append(f"HTTP {response.status}")
+                    return
+                self.num_done += 1
+            except OSError as e:
+                self.errors.append(repr(e))
+                return
+        conn.close()
+
+    def wait_decoding(self, timeout_s: float = 120.0) -> None:
+        """Give the streams time to reach the engine (a prompt step each) before measuring."""
+        time.sleep(min(timeout_s, 2.0))
+        if self.errors:
+            raise RuntimeError(f"background streams failed: {self.errors[:3]}")
+
+    def stop(self) -> None:
+        """No stream is sent again; those running end on their own (bounded by max_tokens)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(600)
+
+
 def breakdown(req: dict[str, Any], spans: dict[str, Any]) -> dict[str, float]:
     """Stage -> ms for one request, from its client stamps and its spans."""
     root, route, decode = spans["kvrelay.request"], spans["router.route"], spans["decode"]
@@ -258,6 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         help="--model's folder has no weights: serve and step it with random ones on the GPU "
         "(--load-format dummy --device cuda, as bench/served_goodput.sh serves it)",
     )
+    p.add_argument(
+        "--background",
+        type=int,
+        default=0,
+        help="streams decoding beside the measured requests (each sent again when it ends)",
+    )
+    p.add_argument(
+        "--background-tokens", type=int, default=256, help="each background stream's max_tokens"
+    )
     p.add_argument("--server-root", type=Path, default=ROOT, help="the checkout to serve")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine steps")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
@@ -287,11 +356,24 @@ def main(argv: list[str] | None = None) -> int:
             worker_niceness=0,
             server_root=args.server_root,
         ) as server:
+            background = None
+            if args.background:
+                background = Background(
+                    server.http_port, args.background, args.background_tokens, model
+                )
+                background.wait_decoding()
             conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-            for text in texts:
-                trace_id = random.getrandbits(128) or 1
-                sent.append((trace_id, one_request(conn, text, trace_id, args.max_tokens, model)))
-            conn.close()
+            try:
+                for text in texts:
+                    trace_id = random.getrandbits(128) or 1
+                    req = one_request(conn, text, trace_id, args.max_tokens, model)
+                    sent.append((trace_id, req))
+            finally:
+                conn.close()
+                if background is not None:
+                    background.stop()
+            if background is not None and background.errors:
+                raise RuntimeError(f"background streams failed: {background.errors[:3]}")
             time.sleep(3 * EXPORT_DELAY_MS / 1000)  # every span exported
         traces = sink.spans()
     finally:
@@ -307,8 +389,14 @@ def main(argv: list[str] | None = None) -> int:
         else engine_steps(texts[args.warm_up :], args.threads, args.model, args.dummy_cuda)
     )
 
+    beside = (
+        f", beside {args.background} streams decoding {args.background_tokens} tokens each"
+        if args.background
+        else ""
+    )
     print(
-        f"# {len(rows)} requests, one at a time, max_tokens {args.max_tokens}; {args.server_root}"
+        f"# {len(rows)} requests, one at a time, max_tokens {args.max_tokens}{beside}; "
+        f"{args.server_root}"
     )
     print(f"# machine: {json.dumps(machine_info())}")
     print(f"{'stage':<24}{'p50 ms':>9}{'mean ms':>9}")
