@@ -632,18 +632,20 @@ def find_controller(name: str = CONTROLLER_NAME) -> ControllerActor:
         ) from None
 
 
-# A worker whose start raised this refused its checkpoint (engine.config.CheckpointRefused: a
-# tensor no module takes, a config.json field it does not run): every start would fail the same.
-REFUSED_START = "CheckpointRefused"
+# A worker whose start raised one of these refused its checkpoint or a setting
+# (engine.config.StartRefused and its CheckpointRefused: a tensor no module takes, a
+# config.json field it does not run, a KV tier too small for a block): every start would fail
+# the same.
+REFUSED_STARTS = ("StartRefused", "CheckpointRefused")
 
 
 def refused_start(e: Exception) -> bool:
-    """e (a failed start) is the worker's refusal of its checkpoint, not a crash, a full GPU,
-    an out-of-memory kill or a lost node that another try may not meet."""
+    """e (a failed start) is the worker's refusal of its checkpoint or a setting, not a crash, a
+    full GPU, an out-of-memory kill or a lost node that another try may not meet."""
     if not (isinstance(e, RayActorError) and e.actor_init_failed):
         return False
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return bool(lines) and _exception_name(lines[-1]) == REFUSED_START
+    return bool(lines) and _exception_name(lines[-1]) in REFUSED_STARTS
 
 
 def _exception_name(line: str) -> str:

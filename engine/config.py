@@ -17,9 +17,14 @@ from engine.settings import Settings
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
-class CheckpointRefused(ValueError):
-    """A checkpoint (its config.json or its tensors) the engine does not run: every start on it
-    fails the same way (the controller stops trying at once; a crash or a full GPU is retried)."""
+class StartRefused(ValueError):
+    """A setting the engine cannot start with, found only once the worker knows its model (a
+    KV tier too small for one block of it): every start fails the same way (the controller
+    stops trying at once; a crash or a full GPU is retried)."""
+
+
+class CheckpointRefused(StartRefused):
+    """A checkpoint (its config.json or its tensors) the engine does not run."""
 
 
 # config.json's `architectures` the engine runs (engine/models/registry.py maps each to its

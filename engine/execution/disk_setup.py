@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import CacheConfig, is_object_store
+from engine.config import CacheConfig, StartRefused, is_object_store
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY
 from engine.kv_cache.block_publishes import BlockPublishes, Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
@@ -70,7 +70,7 @@ def build_disk_tier(
         files = DiskBlockFiles(path, DiskLayout.of(model_id, kv_cache), kv_cache.dtype)
         num_blocks = cache.disk_kv_cache_bytes // files.file_bytes
         if num_blocks < 1:
-            raise ValueError(
+            raise StartRefused(
                 f"disk_kv_cache_bytes: {cache.disk_kv_cache_bytes} bytes hold no block file "
                 f"({files.file_bytes} bytes each)"
             )
@@ -144,7 +144,7 @@ def build_shared_store(
     files = shared_files(cache, layout, kv_cache.dtype, cache_dir)
     num_blocks = cache.shared_kv_cache_bytes // files.file_bytes
     if num_blocks < 1:
-        raise ValueError(
+        raise StartRefused(
             f"shared_kv_cache_bytes: {cache.shared_kv_cache_bytes} bytes hold no block file "
             f"({files.file_bytes} bytes each)"
         )

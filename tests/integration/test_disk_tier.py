@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from common.index_upkeep import make_publisher, worker_load
+from engine.config import StartRefused
 from engine.engine import Engine
 from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier
@@ -314,3 +315,14 @@ def test_a_restarted_worker_publishes_its_disk_blocks_to_the_index(tiny, tmp_pat
     got = asyncio.run(overlap())
     assert got == {"w": 8} and got.disk == {"w": 8}  # credited as disk-tier blocks
     publisher.close()
+
+
+def test_a_disk_tier_too_small_for_one_block_refuses_the_start(tiny, tmp_path):
+    """Only the worker knows a block file's size (its model's layout): a tier too small for one
+    is StartRefused, which the controller does not retry (every start would fail the same),
+    and the claimed folder is given back for the next start."""
+    with pytest.raises(StartRefused, match="disk_kv_cache_bytes: 100 bytes hold no block file"):
+        build_engine(model_path=str(tiny), disk_kv_cache_bytes=100, disk_kv_path=tmp_path / "disk")
+    eng = engine(tiny, tmp_path / "disk")  # the folder was given back: it can be claimed
+    assert disk_of(eng).num_cached == 0
+    eng.shutdown()

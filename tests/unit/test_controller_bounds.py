@@ -20,7 +20,7 @@ from common.cluster_state import (
     WorkerStatus,
 )
 from deploy.autoscale import AutoscaleConfig
-from deploy.controller import Controller, ControllerConfig
+from deploy.controller import Controller, ControllerConfig, refused_start
 from deploy.local_capacity import capacity, worker_bytes
 from deploy.worker_launch import WorkerTemplate
 from engine.config import EngineConfig
@@ -112,3 +112,19 @@ def test_shutdown_withdraws_the_clusters_request_for_nodes(monkeypatch) -> None:
     assert len(asked[-1]) == 3  # one bundle a worker: 1 prefill + 2 decode
     asyncio.run(c.shutdown())
     assert asked[-1] == []
+
+
+def test_a_start_the_worker_refused_is_not_tried_again_but_a_crash_is() -> None:
+    """refused_start reads the exception a worker's start raised from Ray's wrapper: the
+    engine's StartRefused (a KV tier too small for a block) and CheckpointRefused end the
+    pool's starts at once; anything else is retried."""
+    from ray.exceptions import RayActorError
+
+    def failed(last_line: str, init: bool = True) -> RayActorError:
+        return RayActorError(error_msg=f"Traceback:\n  File x\n{last_line}", actor_init_failed=init)
+
+    message = "disk_kv_cache_bytes: 5 bytes hold no block file (7 bytes each)"
+    assert refused_start(failed(f"engine.config.StartRefused: {message}"))
+    assert refused_start(failed("engine.config.CheckpointRefused: a tensor no module takes"))
+    assert not refused_start(failed("RuntimeError: CUDA out of memory"))
+    assert not refused_start(failed(f"engine.config.StartRefused: {message}", init=False))
