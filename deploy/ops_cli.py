@@ -434,6 +434,8 @@ def _tier(tier: TierStats) -> str:
         text += f", {tier.bad_files} bad files"
     if tier.write_failures:
         text += f", {tier.write_failures} writes refused"
+    if tier.writes_dropped:
+        text += f", {tier.writes_dropped} blocks not stored (its writer fell behind)"
     if tier.passed_over:
         text += f", {tier.passed_over} prompts' hits computed again (reading was the slower)"
     return text

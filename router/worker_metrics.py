@@ -145,6 +145,11 @@ _TIER_COUNTERS = {  # TierStats field -> (name, help)
         "kvrelay_kv_tier_write_failures",
         "Blocks a tier's filesystem refused (full): not stored, recomputed when needed.",
     ),
+    "writes_dropped": (
+        "kvrelay_kv_tier_writes_dropped",
+        "Blocks a tier did not store: its writer behind the step was past its queue (the disk "
+        "or the store slower than blocks arrive).",
+    ),
     "passed_over": (
         "kvrelay_kv_tier_passed_over",
         "Prompts whose hits in a tier were computed again: reading a block back was slower "

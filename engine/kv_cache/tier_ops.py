@@ -72,6 +72,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
             disk.num_write_failures,
             disk.num_passed_over,
             disk.recent_load_s or 0.0,
+            disk.num_write_dropped,
         )
     )
     looked -= hits
@@ -92,6 +93,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
                 shared.num_write_failures,
                 shared.num_passed_over,
                 shared.recent_load_s or 0.0,
+                shared.num_publish_dropped,
             )
         )
     return tuple(tiers)

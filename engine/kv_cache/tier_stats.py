@@ -30,6 +30,9 @@ class TierStats(NamedTuple):
     # a block file's read and check lately, seconds (decayed over ~10 reads; what a worker's
     # read gate and the routers' disk credit compare with computing; 0: none read yet)
     recent_load_s: float = 0.0
+    # blocks not stored: its writer behind the step was past its queue (the disk or the store
+    # slower than blocks arrive)
+    writes_dropped: int = 0
 
     @property
     def hit_rate(self) -> float | None:

@@ -125,7 +125,7 @@ def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
     tiers = (
         TierStats("device", 100, 80, 40, 10, 0, 0.0),
         TierStats("host", 50, 50, 30, 15, 15 * 1000, 0.0),
-        TierStats("disk", 1000, 300, 15, 5, 5_000_000, 0.01, 2, 0, 7, recent_load_s=0.0004),
+        TierStats("disk", 1000, 300, 15, 5, 5_000_000, 0.01, 2, 0, 7, 0.0004, writes_dropped=3),
         TierStats("shared", 5000, 700, 10, 0, 0, 0.0, write_failures=3),
     )
     load = WorkerLoad(free_blocks=20, total_blocks=100)
@@ -138,7 +138,7 @@ def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
     assert "tiers: device 80/100 blocks, hits 25%; host 50/50 blocks, hits 50%" in text
     assert (
         "disk 300/1000 blocks, hits 33% (5.0 MB loaded, 2.00 ms a block on average, 0.40 lately),"
-        " 2 bad files, 7 "
+        " 2 bad files, 3 blocks not stored (its writer fell behind), 7 "
         "prompts' hits computed again (reading was the slower)" in text
     )
     assert "shared 700/5000 blocks, hits 0%, 3 writes refused" in text

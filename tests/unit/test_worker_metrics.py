@@ -81,7 +81,9 @@ def test_prefix_cache_counters_are_exported_for_both_roles() -> None:
 def test_each_kv_tier_exports_its_size_hits_and_loads() -> None:
     tiers = (
         TierStats("device", 100, 80, 40, 10, 0, 0.0),
-        TierStats("disk", 1000, 300, 30, 12, 12 * 4096, 0.25, bad_files=2, passed_over=4),
+        TierStats(
+            "disk", 1000, 300, 30, 12, 12 * 4096, 0.25, bad_files=2, passed_over=4, writes_dropped=6
+        ),
         TierStats("shared", 5000, 700, 18, 6, 6 * 4096, 0.5, write_failures=3),
     )
     collector = WorkerStatsCollector()
@@ -98,6 +100,7 @@ def test_each_kv_tier_exports_its_size_hits_and_loads() -> None:
     assert value("kvrelay_kv_tier_bad_files_total", disk) == 2
     assert value("kvrelay_kv_tier_write_failures_total", shared) == 3
     assert value("kvrelay_kv_tier_passed_over_total", disk) == 4
+    assert value("kvrelay_kv_tier_writes_dropped_total", disk) == 6
     assert value("kvrelay_kv_tier_hit_blocks_total", worker | {"tier": "host"}) is None
 
 
