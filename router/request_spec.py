@@ -93,5 +93,5 @@ class Prepared:
     trace: SpanHandle | None = None  # its root span (router/traces.py); None: tracing off
     structured_param: str | None = None  # RequestSpec's: a worker's refusal names it
     # the id the client sees in every response: its own (gRPC request_id), else the router's
-    # one; request.req_id is the cluster's, the client's id made unique (client_request_id)
+    # one; request.req_id is the cluster's, the client's made unique (frontend.cluster_request_id)
     client_id: str = ""
