@@ -18,8 +18,9 @@
 # come from the last lease's cache: keep what `check` brings back here (`cat
 # <files_at>/flashinfer_cache.tgz.part-* > .flashinfer-cache/flashinfer_cache.tgz`) and start
 # the first measured call with carry [".flashinfer-cache"] and `bash bench/lease_stage.sh
-# fi-cache && ...` (gpu_session.sh unpacks it where no cache is yet). Stream: archive A (kvrelay stage parts, SmolLM2's tokenizer
-# folder, pytest wheels), then archive B (.vstage, .cache/vllm-server-wheels).
+# fi-cache && ...` (gpu_session.sh unpacks it where no cache is yet). Stream: archive A (kvrelay
+# stage parts, SmolLM2's tokenizer folder, pytest wheels), then archive B (.vstage,
+# .cache/vllm-server-wheels).
 set -euo pipefail
 cmd=${1:?pack, take K, kvrelay, vllm or fi-cache}
 chunk=${CHUNK_BYTES:-57000000}
