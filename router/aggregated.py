@@ -68,7 +68,7 @@ def _cached(inputs: RouteInputs, worker: WorkerInfo) -> int:
 
 def _predicted(inputs: RouteInputs, worker: WorkerInfo, rule: LocalPrefill) -> float | None:
     uncached = inputs.num_prompt_tokens - _cached(inputs, worker)
-    return local_ttft_s(worker.load, uncached, rule.chunk_tokens)
+    return local_ttft_s(worker.load, uncached, rule.chunk_tokens, all_steps_until_measured=True)
 
 
 def _place(

@@ -39,11 +39,20 @@ def prefill_ttft_s(load: WorkerLoad, num_uncached: int, pool_tok_s: float = 0.0)
     return (load.queued_tokens + num_uncached) / rate
 
 
-def local_ttft_s(load: WorkerLoad, num_uncached: int, chunk_tokens: int) -> float | None:
+def local_ttft_s(
+    load: WorkerLoad, num_uncached: int, chunk_tokens: int, all_steps_until_measured: bool = False
+) -> float | None:
+    """all_steps_until_measured: a worker that computes every prompt (aggregated) without a
+    prompt rate yet is predicted at its all-steps rate instead: its only steps were the warm-up's
+    few tokens, whose step time says nothing of a chunk's (a first burst on a fresh server was
+    predicted at 0.6 s and took 16 s). A disaggregated decode worker keeps the step estimate:
+    it computes a prompt only when picked for it, and its decode-heavy rate would never let it
+    be picked."""
     queued = max(0, load.queued_tokens - load.running)  # a running decode queues its 1 token
     tokens = queued + num_uncached
     by_steps = -(-tokens // chunk_tokens) * load.step_us / 1e6 if load.step_us > 0 else None
-    by_rate = tokens / load.prompt_tok_s if load.prompt_tok_s > 0 else None
+    rate = load.prompt_tok_s or (load.prefill_tok_s if all_steps_until_measured else 0)
+    by_rate = tokens / rate if rate > 0 else None
     known = [s for s in (by_steps, by_rate) if s is not None]
     return max(known) if known else None
 

@@ -86,6 +86,23 @@ def test_objectives_queue_or_place_as_for_the_prefill_pool() -> None:
     )
 
 
+def test_a_fresh_worker_without_a_prompt_rate_is_predicted_at_its_all_steps_rate() -> None:
+    """Right after start a worker's steps were the warm-up's few tokens (118 ms each on a CPU):
+    5 such steps looked like 0.6 s for 40 x 229 queued tokens, and a first burst was admitted
+    whole (TTFT p50 16 s against a 2 s objective). Until it has a prompt rate, its all-steps
+    rate (133 tok/s here) predicts: the burst queues past what it serves in time."""
+    rule = LocalPrefill(chunk_tokens=2048)
+    fresh = decode("d0", running=1, waiting=8, queued_tokens=9 * 229, step_us=118_000,
+                   prefill_tok_s=133)  # fmt: skip
+    unmet = route_aggregated(inputs([fresh]), KVAwarePolicy(), rule, SloTargets(ttft_ms=2000))
+    assert isinstance(unmet, Unmet)
+    measured = decode("d0", running=1, waiting=8, queued_tokens=9 * 229, step_us=118_000,
+                      prefill_tok_s=133, prompt_tok_s=4000)  # fmt: skip
+    placed = route_aggregated(inputs([measured]), KVAwarePolicy(), rule, SloTargets(2000))
+    assert isinstance(placed, LocalRoute)
+    assert placed.predicted_ttft_s == pytest.approx((9 * 229 - 1 + PROMPT) / 4000)  # by rate
+
+
 class TwoPoolIndex:
     """Stands in for PrefixIndex.view: `prefill` lists the prefill pool (empty: aggregated)."""
 
