@@ -173,13 +173,6 @@ class DiskTier(FileStage):
             "(recomputed when needed) while this lasts",
         )
 
-    def _collect_writes(self) -> None:
-        """The writes behind the step that are done: one the disk refused takes its block out
-        of the tier again (its file is not there)."""
-        if self.writes is not None:
-            for done in self.writes.collect():
-                self._landed(done)
-
     def _landed(self, done: Published) -> None:
         """A write behind the step done: counted once written; one the disk refused takes its
         block out of the tier (no file)."""
@@ -268,7 +261,7 @@ class DiskTier(FileStage):
         """Between steps: the reads behind the step that are done, staged (a bad file removed,
         its block recomputed), this tier's and the shared store's; the writes that landed."""
         super().collect()
-        self._collect_writes()
+        self.collect_writes()
         if self.shared is not None:
             self.shared.collect()
 

@@ -62,6 +62,12 @@ class FileStage:
             self.writes.wait_for_room = False
         self.settle(timeout_s)
 
+    def collect_writes(self) -> None:
+        """The writes behind the step that are done, landed (between steps)."""
+        if self.writes is not None:
+            for done in self.writes.collect():
+                self._landed(done)
+
     def settle(self, timeout_s: float = 60.0) -> None:
         """Wait for the writes queued behind the step (or timeout_s) and collect them."""
         if self.writes is not None:

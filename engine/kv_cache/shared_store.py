@@ -158,7 +158,7 @@ class SharedStore(FileStage):
     def drain_events(self) -> list[KVEvent]:
         """Blocks this worker published to the store or removed from it since the last call
         (the publishes landed so far counted first)."""
-        self.collect_publishes()
+        self.collect_writes()
         events, self._events = self._events, []
         return events
 
@@ -190,13 +190,7 @@ class SharedStore(FileStage):
         """Between steps: the reads, answers and publishes behind the step that are done."""
         super().collect()
         self._collect_answers()
-        self.collect_publishes()
-
-    def collect_publishes(self) -> None:
-        """The publishes behind the step that are done, counted (between steps)."""
-        if self.writes is not None:
-            for done in self.writes.collect():
-                self._landed(done)
+        self.collect_writes()
 
     def settle(self, timeout_s: float = 60.0) -> None:
         """Wait for the publishes queued (or timeout_s) and count them."""
@@ -272,7 +266,7 @@ class SharedStore(FileStage):
         after it (cancelled, or the one running waited for); the others go on."""
         if self.writes is not None:
             self.writes.withdraw(dropped)
-            self.collect_publishes()
+            self.collect_writes()
 
     # ---- reading --------------------------------------------------------------------------
     def _forget_bad(self, block_hash: int) -> None:

@@ -78,7 +78,7 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
     looked -= hits
     shared = disk.shared
     if shared is not None:
-        shared.collect_publishes()  # the publishes landed so far, counted
+        shared.collect_writes()  # the publishes landed so far, counted
         hits = shared.num_hit_blocks
         tiers.append(
             TierStats(
