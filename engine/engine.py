@@ -43,7 +43,7 @@ from engine.step.kv_loading import KVLoadPlan, RemoteKVLoader
 from engine.step.output_processor import OutputProcessor
 from engine.step.overlap import RunAhead
 from engine.step.request import PrefilledChoices, Request
-from engine.step.scheduler import ScheduledChunk, Scheduler
+from engine.step.scheduler import Scheduler
 from engine.step.slow_steps import SlowSteps
 from engine.step.step_launcher import StepLauncher
 from engine.step.step_types import (
@@ -137,6 +137,7 @@ class Engine:
         overlap = backend.graphs is not None if overlap is None else overlap
         self.run_ahead = RunAhead(overlap, self.launcher, sched, spec, forks, stats)
         self._failed_steps: list[InFlightStep | None] = []  # a raising step's, for fail_running
+        self._last_read_s = 0.0  # perf_counter when the latest step's tokens were read
         self.output = output = OutputProcessor(
             sched, forks, spec, sampler, self.tokenizer, eos_ids, grammars, config.detokenize
         )
@@ -275,7 +276,6 @@ class Engine:
         With overlapped steps the next step is already queued on the GPU when this returns:
         its host work (scheduling, inputs, attention plan) ran while this step's kernels did.
         """
-        started, num_computed_before = time.perf_counter(), self.stats.num_computed_tokens
         outputs: list[RequestOutput] = []
         current = None
         try:
@@ -292,29 +292,30 @@ class Engine:
         except Exception:  # its requests are fail_running's to end
             self._failed_steps = [current]
             raise
-        chunks = [] if current is None else current.scheduled.chunks
-        self._record_step(time.perf_counter() - started, num_computed_before, outputs, chunks)
+        if current is not None:
+            self._record_step(current, outputs)
         return outputs
 
-    def _record_step(
-        self,
-        seconds: float,
-        num_computed_before: int,
-        outputs: list[RequestOutput],
-        chunks: list[ScheduledChunk],
-    ) -> None:
+    def _record_step(self, step: InFlightStep, outputs: list[RequestOutput]) -> None:
+        """The step just read, its own tokens against its own wall time: from when it began
+        to be scheduled, or when the step before it was read if it ran ahead of that one, to
+        now. (With overlapped steps a step() call waits for one step and launches the next:
+        its duration and the tokens it launched belong to two different steps.)"""
+        read_s = time.perf_counter()
+        seconds = read_s - max(step.started_s, self._last_read_s)
+        self._last_read_s = read_s
         self.stats.last_step_s = seconds
         num_out = sum(len(out.new_token_ids) for out in outputs)
         self.stats.num_generated_tokens += num_out
-        num_computed = self.stats.num_computed_tokens - num_computed_before
+        chunks = step.scheduled.chunks
+        num_computed = step.scheduled.num_batched_tokens
         self.speculator.observe(seconds, num_out, num_computed, len(self.scheduler.running))
-        if num_computed:
-            rate = self.stats.rate
-            self.slow_steps.observe(seconds, num_computed, rate.step_s, rate.tokens_per_s, chunks)
-            rate.record(seconds, num_computed)
-            num_prompt = sum(c.num_new_tokens for c in chunks if c.is_prompt)
-            if num_prompt >= max(PREFILL_STEP_TOKENS, num_computed // 2):
-                self.stats.prefill_rate.record(seconds, num_computed)
+        rate = self.stats.rate
+        self.slow_steps.observe(seconds, num_computed, rate.step_s, rate.tokens_per_s, chunks)
+        rate.record(seconds, num_computed)
+        num_prompt = sum(c.num_new_tokens for c in chunks if c.is_prompt)
+        if num_prompt >= max(PREFILL_STEP_TOKENS, num_computed // 2):
+            self.stats.prefill_rate.record(seconds, num_computed)
 
     # ---- summary, and what a worker shares with its peers and the index ---------------------
     def snapshot(self) -> EngineSnapshot:

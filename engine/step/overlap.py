@@ -8,6 +8,8 @@ attention; step N + 1 reads N's sampled tokens on the device (step_inputs.TokenF
 
 from __future__ import annotations
 
+import time
+
 from engine.speculation.speculative import Speculator
 from engine.step.fork import ChoiceForks
 from engine.step.request import Request
@@ -71,13 +73,14 @@ class RunAhead:
         live = [req for req in current.reqs if not req.is_finished]
         if current.drafts or any(self._cannot_run_ahead_of(req) for req in live):
             return
+        started = time.perf_counter()
         for req in live:
             req.num_pending_tokens += 1
         current.pending_reqs = live
         scheduled = self.scheduler.schedule()
         if scheduled.chunks:
             self.stats.num_steps_ahead += 1
-            self.in_flight = self.launcher.launch(scheduled, current)
+            self.in_flight = self.launcher.launch(scheduled, current, started)
 
     def _cannot_run_ahead_of(self, req: Request) -> bool:
         """req's next draw reads its token history (penalties) or grammar state (structured

@@ -6,6 +6,8 @@ to.
 
 from __future__ import annotations
 
+import time
+
 from engine.execution.block_copies import BlockCopies
 from engine.execution.runner import ModelRunner
 from engine.execution.step_inputs import TokenFill
@@ -43,13 +45,17 @@ class StepLauncher:
 
     def launch_scheduled(self) -> InFlightStep | None:
         """Draft, schedule and queue the next step; None when nothing is left to compute."""
+        started = time.perf_counter()
         self.speculator.propose(self.scheduler.running)  # drafts verified by this step
         scheduled = self.scheduler.schedule()
-        return self.launch(scheduled, None) if scheduled.chunks else None
+        return self.launch(scheduled, None, started) if scheduled.chunks else None
 
-    def launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
+    def launch(
+        self, scheduled: SchedulerOutput, after: InFlightStep | None, started_s: float
+    ) -> InFlightStep:
         """Queue a step's forward pass and sampling. `after`: the step still in flight whose
-        sampled tokens are this step's pending input tokens (gathered on the device)."""
+        sampled tokens are this step's pending input tokens (gathered on the device).
+        started_s: perf_counter when its scheduling began."""
         self.copies.run_owed(self.kv)  # the KV this step reads or completes
         fill = None
         if after is not None:
@@ -71,8 +77,9 @@ class StepLauncher:
         sample = self.sampler.sample(step_logits.logits, rows, bitmask)
         drafts = {c.req.req_id: c.draft_token_ids for c in scheduled.chunks if c.draft_token_ids}
         return InFlightStep(
-            scheduled, reqs, sample, after is not None, fork_logits=forks, drafts=drafts
-        )
+            scheduled, reqs, sample, after is not None, fork_logits=forks, drafts=drafts,
+            started_s=started_s,
+        )  # fmt: skip
 
 
 def row_offsets(reqs: list[Request]) -> list[int]:

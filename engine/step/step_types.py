@@ -50,6 +50,9 @@ class InFlightStep:
     fork_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     # Speculative decoding: each verifying request's drafted tokens (its rows: 1 + len).
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # perf_counter when its scheduling began: its wall time starts there, or when the step
+    # before it was read, whichever is later (Engine.step)
+    started_s: float = 0.0
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from engine.execution.runner import StepLogits
@@ -13,6 +14,7 @@ from engine.execution.step_inputs import TokenFill
 from engine.sampling.sampling_params import SamplingParams
 from engine.step.request import Request
 from engine.step.scheduler import SchedulerOutput
+from engine.step.step_rate import StepRate
 from tests.conftest import run_to_completion
 
 
@@ -237,3 +239,36 @@ def test_the_prefill_role_runs_ahead_and_leases_the_same_kv(make_engine, tokeniz
     assert {r: leased[0] for r, leased in got.items()} == {r: w[0] for r, w in want.items()}
     assert forking.stats.num_steps_ahead == 2
     forking.check_integrity()
+
+
+class RecordedRate(StepRate):
+    """A StepRate that also keeps the token count of each step recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+
+    def record(self, seconds: float, num_tokens: int) -> None:
+        assert seconds > 0
+        self.tokens.append(num_tokens)
+        super().record(seconds, num_tokens)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_step_is_timed_with_its_own_tokens(make_engine, tokenizer, overlap):
+    """The step rates (the prompt rate the read gate and the router's TTFT predictions use, the
+    slow-step log, the speculation guard) pair a step's wall time with that step's tokens. With
+    overlapped steps a step() call waits for one step and launches the next; the rates got the
+    next step's tokens (a prompt step's time against one decode token: a prompt rate ~100x
+    too slow on a GPU, where steps run ahead)."""
+    prompt = tokenizer.encode("The history of the printing press begins " * 12)
+    assert len(prompt) >= 64  # a prefill step: PREFILL_STEP_TOKENS
+    engine = make_engine(max_num_batched_tokens=512, async_scheduling=overlap)
+    engine.stats.rate = rate = RecordedRate()
+    engine.stats.prefill_rate = prefill = RecordedRate()
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    run_to_completion(engine)
+    assert engine.overlap_steps == overlap
+    assert prefill.tokens == [len(prompt)]
+    assert rate.tokens == [len(prompt)] + [1] * 5  # the first token is the prompt step's
+    assert engine.stats.last_step_s > 0

@@ -26,14 +26,16 @@ class RecordingLauncher:
 
     def launch_scheduled(self) -> InFlightStep | None:
         scheduled = self.scheduler.schedule()
-        return self.launch(scheduled, None) if scheduled.chunks else None
+        return self.launch(scheduled, None, 0.0) if scheduled.chunks else None
 
-    def launch(self, scheduled: SchedulerOutput, after: InFlightStep | None) -> InFlightStep:
+    def launch(
+        self, scheduled: SchedulerOutput, after: InFlightStep | None, started_s: float
+    ) -> InFlightStep:
         if after is None:
             self.scheduler.update(scheduled)
         reqs = [chunk.req for chunk in scheduled.chunks if chunk.samples]
         sample = PendingSample(torch.zeros(len(reqs), dtype=torch.long), None)
-        step = InFlightStep(scheduled, reqs, sample, after is not None)
+        step = InFlightStep(scheduled, reqs, sample, after is not None, started_s=started_s)
         self.launched.append(step)
         return step
 
