@@ -153,11 +153,11 @@ def add_serve_parser(
     )
     p.add_argument(
         "--slo-overload",
-        default="queue",
+        default=None,
         choices=list(OVERLOAD_MODES),
         help="a request no worker is predicted to serve within the objectives: queue (wait in "
-        "the router for at most --slo-ttft-ms, then 503), shed (503 at once) or place (on the "
-        "best worker anyway); default queue",
+        "the router for at most --slo-ttft-ms, or 1 s with only --slo-tpot-ms, then 503), shed "
+        "(503 at once) or place (on the best worker anyway); default queue; needs an objective",
     )
     for role in ("prefill", "decode"):
         p.add_argument(
@@ -210,7 +210,12 @@ def slo_from_args(args: argparse.Namespace) -> SloTargets:
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0 (0: no objective), got {value:g}")
-    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_overload)
+    if args.slo_overload is not None and not (args.slo_ttft_ms or args.slo_tpot_ms):
+        raise ValueError(  # else it would be taken and do nothing
+            f"--slo-overload {args.slo_overload} needs an objective: --slo-ttft-ms or "
+            "--slo-tpot-ms"
+        )
+    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_overload or "queue")
 
 
 def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:

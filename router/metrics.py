@@ -126,8 +126,9 @@ class RouterMetrics:
         )
         self.unavailable = Counter(
             "kvrelay_unavailable_requests",
-            "Requests refused before any output because no worker could take them, or the server"
-            " was shutting down or over its objectives (HTTP 503 / UNAVAILABLE)",
+            "Requests refused before any output because no worker could take them, the server"
+            " was shutting down (HTTP 503 / gRPC UNAVAILABLE) or no worker was predicted to meet"
+            " the objectives (HTTP 503 / gRPC RESOURCE_EXHAUSTED, kvrelay_slo_refused).",
             registry=r,
         )
         self.unauthenticated = Counter(

@@ -123,7 +123,11 @@ class Placer:
                 inputs = await self._route_inputs(request, hashes)
                 # No await from here to place(): concurrent placements see the ones before them.
                 waited_s = time.monotonic() - started
-                budget_s = slo.ttft_ms / 1000 - waited_s if slo.ttft_ms > 0 else None
+                # what is left of the objective once it has waited ("shed" and "place" never
+                # wait: their lookups' time is not spent of it)
+                budget_s = None
+                if slo.ttft_ms > 0 and slo.overload == "queue":
+                    budget_s = slo.ttft_ms / 1000 - waited_s
                 if inputs.prefill:
                     chosen = route(inputs, self.policy, self.local_prefill, slo, budget_s)
                 else:  # no prefill worker: a decode worker computes the prompt (aggregated)

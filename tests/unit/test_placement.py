@@ -28,11 +28,13 @@ class ScriptedIndex:
     """Stands in for PrefixIndex.view: the prefill worker's load is BUSY for the first
     `num_busy_views` views, then IDLE."""
 
-    def __init__(self, num_busy_views: int):
+    def __init__(self, num_busy_views: int, delay_s: float = 0.0):
         self.num_busy_views = num_busy_views
         self.num_views = 0
+        self.delay_s = delay_s  # each lookup's time (a busy Redis)
 
     async def view(self, role: str, hashes: list[int]) -> IndexView:
+        await asyncio.sleep(self.delay_s)
         self.num_views += 1
         load = BUSY if self.num_views <= self.num_busy_views else IDLE
         return IndexView([WorkerInfo("p0", "prefill", "p0", load=load)], {"p0": 0})
@@ -62,6 +64,15 @@ def test_shed_refuses_at_once_and_places_nothing() -> None:
         asyncio.run(p.route(REQUEST, []))
     assert index.num_views == 1 and p.workers.num_placed("p0") == 0
     assert (p.num_slo_queued, p.num_slo_refused) == (0, 1)
+
+
+def test_shed_holds_the_prediction_to_the_whole_objective_after_a_slow_lookup() -> None:
+    """A shed request never waits: a slow index lookup is not spent of its objective (its
+    refusal said "the 1950 ms left of the TTFT objective of 2000 ms")."""
+    index = ScriptedIndex(num_busy_views=10**6, delay_s=0.05)
+    p = placer(index, SloTargets(ttft_ms=2000, overload="shed"))
+    with pytest.raises(SloUnmet, match="over the TTFT objective of 2000 ms; retry later"):
+        asyncio.run(p.route(REQUEST, []))
 
 
 def test_queue_refuses_once_its_deadline_passes() -> None:

@@ -120,6 +120,9 @@ def test_slo_flags() -> None:
     assert (spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.overload) == (800, 40, "queue")
     assert spec.local_prefill.on_slo_miss and spec.decode_prefill_chunk_tokens == 256
     assert parse("--slo-ttft-ms", "800", "--slo-overload", "shed").slo.overload == "shed"
+    assert parse("--slo-tpot-ms", "40", "--slo-overload", "place").slo.overload == "place"
+    with pytest.raises(ValueError, match="--slo-overload shed needs an objective"):
+        parse("--slo-overload", "shed")  # taken and ignored before
     for bad in ("-5", "nan", "inf"):  # refused while parsing (deploy/flag_types.py)
         with pytest.raises(SystemExit):
             parse("--slo-tpot-ms", bad)
