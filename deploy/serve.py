@@ -174,7 +174,8 @@ def placement_lines(spec: ClusterSpec) -> list[str]:
     if slo.enabled:
         goals = [f"{name} {ms:g} ms" for name, ms in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))]
         goals = [g for g, ms in zip(goals, (slo.ttft_ms, slo.tpot_ms), strict=True) if ms > 0]
-        lines.append(f"  objectives     {', '.join(goals)}; overload: {slo.overload}")
+        paced = "; prompts paced" if slo.pace_prompts else ""
+        lines.append(f"  objectives     {', '.join(goals)}; overload: {slo.overload}{paced}")
     return lines
 
 

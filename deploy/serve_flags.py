@@ -159,6 +159,13 @@ def add_serve_parser(
         "the router for at most --slo-ttft-ms, or 1 s with only --slo-tpot-ms, then 503), shed "
         "(503 at once) or place (on the best worker anyway); default queue; needs an objective",
     )
+    p.add_argument(
+        "--slo-pace-prompts",
+        action="store_true",
+        help="experimental: give an aggregated worker prompts at most as fast as its decodes "
+        "keep --slo-tpot-ms beside them (from its measured prompt and decode step rates), "
+        "instead of while its recent mean step is within it",
+    )
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--autoscale-{role}",
@@ -212,10 +219,12 @@ def slo_from_args(args: argparse.Namespace) -> SloTargets:
             raise ValueError(f"{flag} must be >= 0 (0: no objective), got {value:g}")
     if args.slo_overload is not None and not (args.slo_ttft_ms or args.slo_tpot_ms):
         raise ValueError(  # else it would be taken and do nothing
-            f"--slo-overload {args.slo_overload} needs an objective: --slo-ttft-ms or "
-            "--slo-tpot-ms"
+            f"--slo-overload {args.slo_overload} needs an objective: --slo-ttft-ms or --slo-tpot-ms"
         )
-    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_overload or "queue")
+    if args.slo_pace_prompts and not args.slo_tpot_ms:
+        raise ValueError("--slo-pace-prompts needs --slo-tpot-ms")
+    overload = args.slo_overload or "queue"
+    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, overload, args.slo_pace_prompts)
 
 
 def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:

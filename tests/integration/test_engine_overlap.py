@@ -266,9 +266,13 @@ def test_each_step_is_timed_with_its_own_tokens(make_engine, tokenizer, overlap)
     engine = make_engine(max_num_batched_tokens=512, async_scheduling=overlap)
     engine.stats.rate = rate = RecordedRate()
     engine.stats.prefill_rate = prefill = RecordedRate()
+    engine.stats.decode_rate = decodes = RecordedRate()
     engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     run_to_completion(engine)
     assert engine.overlap_steps == overlap
     assert prefill.tokens == [len(prompt)]
     assert rate.tokens == [len(prompt)] + [1] * 5  # the first token is the prompt step's
+    assert decodes.tokens == [1] * 5  # the steps without a prompt token
     assert engine.stats.last_step_s > 0
+    snapshot = engine.snapshot()  # what the worker publishes (the routers' prompt pacing)
+    assert snapshot.decode_step_s > 0 and snapshot.recent_prompt_tokens_per_s > 0
