@@ -176,6 +176,9 @@ class WorkerLoad:
     prompt_tok_s: int = 0
     # mean wall time of a recent step that computed no prompt token, microseconds (0: none yet)
     decode_step_us: int = 0
+    # prompt tokens a second its steps compute beside their decodes: those of its mostly-prompt
+    # steps against their time less a decode step's (0: not measured yet)
+    marginal_prompt_tok_s: int = 0
     # prompt tokens it computed a second over the last seconds, idle time included: with a TPOT
     # objective routers pace the prompts they give a worker that computes them beside its
     # decodes (router/slo.py prompt_pace_tok_s)

@@ -164,7 +164,8 @@ def add_serve_parser(
         action="store_true",
         help="experimental: give an aggregated worker prompts at most as fast as its decodes "
         "keep --slo-tpot-ms beside them (from its measured prompt and decode step rates), "
-        "instead of while its recent mean step is within it",
+        "instead of while its recent mean step is within it; a request placed anyway "
+        "(--slo-overload place, a migrated one, one with a deadline) is not paced",
     )
     for role in ("prefill", "decode"):
         p.add_argument(

@@ -278,9 +278,11 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         current = None
+        ended = False  # every request of the step ended before it was read (aborted)
         try:
             current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
             if current is not None:
+                ended = all(chunk.req.is_finished for chunk in current.scheduled.chunks)
                 self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
                 outputs = self.output.process(current)  # its tokens appended; what stops, stops
                 self.run_ahead.settle()
@@ -292,7 +294,7 @@ class Engine:
         except Exception:  # its requests are fail_running's to end
             self._failed_steps = [current]
             raise
-        if current is not None:
+        if current is not None and not ended:  # an ended step may have waited out an idle time
             self._record_step(current, outputs)
         return outputs
 
@@ -300,7 +302,9 @@ class Engine:
         """The step just read, its own tokens against its own wall time: from when it began
         to be scheduled, or when the step before it was read if it ran ahead of that one, to
         now. (With overlapped steps a step() call waits for one step and launches the next:
-        its duration and the tokens it launched belong to two different steps.)"""
+        its duration and the tokens it launched belong to two different steps.) A step run
+        ahead is charged the host's time between step() calls (outputs delivered, commands
+        taken), which it ran beside; one launched in its step() call is not, as before."""
         read_s = time.perf_counter()
         seconds = read_s - max(step.started_s, self._last_read_s)
         self._last_read_s = read_s
@@ -316,6 +320,9 @@ class Engine:
         num_prompt = sum(c.num_new_tokens for c in chunks if c.is_prompt)
         if num_prompt >= max(PREFILL_STEP_TOKENS, num_computed // 2):
             self.stats.prefill_rate.record(seconds, num_computed)
+            beside = seconds - self.stats.decode_rate.step_s  # less a decode step's time
+            if self.stats.decode_rate.step_s > 0 and beside > 0:
+                self.stats.marginal_prompt_rate.record(beside, num_prompt)
         if num_prompt:
             self.stats.recent_prompt_rate.record(read_s, num_prompt)
         else:
@@ -339,6 +346,7 @@ class Engine:
             step_s=self.stats.rate.step_s,
             prompt_tokens_per_s=self.stats.prefill_rate.tokens_per_s,
             decode_step_s=self.stats.decode_rate.step_s,
+            marginal_prompt_tokens_per_s=self.stats.marginal_prompt_rate.tokens_per_s,
             recent_prompt_tokens_per_s=self.stats.recent_prompt_rate.per_s(time.perf_counter()),
             num_computed_tokens=self.stats.num_computed_tokens,
             num_preemptions=sched.num_preemptions,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from common.messages import WorkerInfo
 from common.placement_rules import LocalPrefill, SloTargets
+from engine.step.step_rate import RECENT_WINDOW_S
 from router.policy import LocalPlacement, PrefillPolicy
 from router.slo import (
     LocalRoute,
@@ -46,8 +47,10 @@ def route_aggregated(
     Raises NoWorkerAvailable (from the policy) when there is no decode worker either."""
     place_anyway = slo.overload == "place"
     decode = list(inputs.decode)
-    if slo.tpot_ms > 0 and decode and not place_anyway:
+    if slo.tpot_ms > 0 and decode:
         keep = [w for w in decode if _keeps_tpot(inputs, w, slo)]
+        if not keep and place_anyway:  # on the best worker anyway
+            keep = decode
         if not keep:
             paced = [
                 w
@@ -112,7 +115,8 @@ def _over_pace(workers: Sequence[WorkerInfo], slo: SloTargets) -> Unmet:
     recent, pace = max(rates, key=lambda rate: (rate[1] or 0) - rate[0])
     return Unmet(
         f"the decode workers take prompts as fast as their decodes keep the TPOT objective of "
-        f"{slo.tpot_ms:g} ms ({recent} prompt tokens a second lately, {pace or 0:.0f} at most)"
+        f"{slo.tpot_ms:g} ms ({recent} prompt tokens a second lately, {pace or 0:.0f} at most, "
+        f"this prompt counted at half its tokens over {RECENT_WINDOW_S:g} s)"
     )
 
 

@@ -77,14 +77,15 @@ def prompt_pace_tok_s(load: WorkerLoad, tpot_ms: float) -> float | None:
     """The prompt tokens a second a worker that computes prompts beside its decodes can take
     while its decodes keep to the TPOT objective; None: not measured yet (counts as room).
 
-    A step costs its decodes' time d (decode_step_us) plus its prompt tokens at the prompt
-    rate r (prompt_tok_s). Prompts arriving at p tokens a second put s * p of them in a step of
-    s seconds: s = d + s * p / r, so s = d / (1 - p / r), within the objective T while
+    A step costs its decodes' time d (decode_step_us) plus its prompt tokens at the rate r they
+    add to a step beside the decodes (marginal_prompt_tok_s; not prompt_tok_s, whose time holds
+    the decodes' too). Prompts arriving at p tokens a second put s * p of them in a step of s
+    seconds: s = d + s * p / r, so s = d / (1 - p / r), within the objective T while
     p <= r * (1 - d / T)."""
-    if tpot_ms <= 0 or load.prompt_tok_s <= 0 or load.decode_step_us <= 0:
+    if tpot_ms <= 0 or load.marginal_prompt_tok_s <= 0 or load.decode_step_us <= 0:
         return None
     target_us = tpot_ms * 1000 * PACE_TARGET
-    return load.prompt_tok_s * max(0.0, 1 - load.decode_step_us / target_us)
+    return load.marginal_prompt_tok_s * max(0.0, 1 - load.decode_step_us / target_us)
 
 
 def within_pace(load: WorkerLoad, num_uncached: int, tpot_ms: float) -> bool:

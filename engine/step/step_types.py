@@ -67,6 +67,9 @@ class EngineStats:
     prefill_rate: StepRate = field(default_factory=StepRate)
     # the same over steps without a prompt token: what a decode step costs beside no prompt
     decode_rate: StepRate = field(default_factory=StepRate)
+    # the prompt tokens of mostly-prompt steps against their time less a decode step's: what a
+    # prompt token adds to a step beside the decodes (the routers' prompt pacing)
+    marginal_prompt_rate: StepRate = field(default_factory=StepRate)
     # prompt tokens computed a second over the last seconds (the routers pace prompts by it)
     recent_prompt_rate: RecentRate = field(default_factory=RecentRate)
     last_step_s: float = 0.0  # wall time of the latest step (traces report it)
@@ -91,6 +94,8 @@ class EngineSnapshot(NamedTuple):
     prompt_tokens_per_s: float
     # mean wall time of a recent step that computed no prompt token (0: none yet)
     decode_step_s: float
+    # prompt tokens a second a step adds beside its decodes (0: not measured yet)
+    marginal_prompt_tokens_per_s: float
     # prompt tokens computed a second over the last seconds of wall time, idle time included
     recent_prompt_tokens_per_s: float
     # Cumulative counters since the engine started.

@@ -276,3 +276,23 @@ def test_each_step_is_timed_with_its_own_tokens(make_engine, tokenizer, overlap)
     assert engine.stats.last_step_s > 0
     snapshot = engine.snapshot()  # what the worker publishes (the routers' prompt pacing)
     assert snapshot.decode_step_s > 0 and snapshot.recent_prompt_tokens_per_s > 0
+
+
+def test_a_step_whose_requests_were_all_aborted_is_not_timed(make_engine, tokenizer):
+    """A step run ahead of a request that is then aborted stays in flight while the engine
+    idles; read when the next request comes, its time holds that idle time: it is not recorded
+    (it made a 3 s 'step' of one token, which the routers' TPOT rule then read)."""
+    engine = make_engine(max_num_batched_tokens=512, async_scheduling=True)
+    engine.stats.rate = rate = RecordedRate()
+    a = tokenizer.encode("The history of the printing press begins " * 12)
+    b = tokenizer.encode("Once upon a time, in a small village, " * 10)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("a", a, params)
+    engine.step()
+    engine.step()  # a's first decode read, its second in flight
+    engine.abort("a")
+    assert not engine.has_unfinished_requests
+    engine.add_request("b", b, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    run_to_completion(engine)
+    assert rate.tokens == [len(a), 1, len(b), 1, 1]  # a's aborted decode step not among them
+    assert engine.snapshot().marginal_prompt_tokens_per_s > 0  # b's prompt beside a decode step

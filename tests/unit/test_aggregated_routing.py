@@ -227,12 +227,12 @@ def test_the_prompt_pace_keeps_the_decodes_mean_step_within_the_tpot_objective()
     """prompt_pace_tok_s: decode steps of d = 20 ms, prompts computed at r = 30,000 tokens/s,
     TPOT 50 ms aimed at 45 (PACE_TARGET): p <= r * (1 - d / 45 ms) = 16,667 tokens/s, where the
     mean step d / (1 - p / r) is 45 ms. Unmeasured: None (room)."""
-    load = WorkerLoad(running=8, decode_step_us=20_000, prompt_tok_s=30_000)
+    load = WorkerLoad(running=8, decode_step_us=20_000, marginal_prompt_tok_s=30_000)
     pace = prompt_pace_tok_s(load, 50)
     assert pace == pytest.approx(30_000 * (1 - 20 / (50 * PACE_TARGET)))
     assert 0.020 / (1 - pace / 30_000) == pytest.approx(0.050 * PACE_TARGET)
     assert prompt_pace_tok_s(load, 0) is None
-    assert prompt_pace_tok_s(WorkerLoad(prompt_tok_s=30_000), 50) is None  # no decode step yet
+    assert prompt_pace_tok_s(WorkerLoad(marginal_prompt_tok_s=30_000), 50) is None  # no decode step
     assert prompt_pace_tok_s(replace(load, decode_step_us=60_000), 50) == 0  # decodes alone over
     # A new prompt counts half its rise (its tokens over the window): 10,000 tokens a second
     # lately + a rise of 12,000 fits, + one of 14,000 does not; an idle worker takes any prompt
@@ -251,7 +251,12 @@ class PacedIndex:
     async def view(self, role: str, hashes: list[int]) -> IndexView:
         if role == "prefill":
             return IndexView([], {})
-        load = {"running": 4, "step_us": 20_000, "decode_step_us": 20_000, "prompt_tok_s": 30_000}
+        load = {
+            "running": 4,
+            "step_us": 20_000,
+            "decode_step_us": 20_000,
+            "marginal_prompt_tok_s": 30_000,
+        }
         return IndexView([decode("d0", **load)], {})
 
 
@@ -291,7 +296,9 @@ def test_a_measured_worker_is_held_to_its_pace_not_to_a_mean_step_a_prompt_stret
     each prompt step and refuses every request then; with pace_prompts, once it has measured
     its prompt and decode rates, it is held to its pace instead. Before that, or without
     pace_prompts (the default until a GPU lease measures it), to its mean step."""
-    measured = decode("d0", running=4, step_us=80_000, decode_step_us=20_000, prompt_tok_s=30_000)
+    measured = decode(
+        "d0", running=4, step_us=80_000, decode_step_us=20_000, marginal_prompt_tok_s=30_000
+    )
     by_step = SloTargets(tpot_ms=50, overload="shed")
     unmet = route_aggregated(inputs([measured]), KVAwarePolicy(), LocalPrefill(), by_step)
     assert isinstance(unmet, Unmet) and "over the TPOT objective of 50 ms" in unmet.reason
@@ -304,3 +311,21 @@ def test_a_measured_worker_is_held_to_its_pace_not_to_a_mean_step_a_prompt_stret
     unmeasured = decode("d0", running=4, step_us=80_000)
     unmet = route_aggregated(inputs([unmeasured]), KVAwarePolicy(), LocalPrefill(), slo)
     assert isinstance(unmet, Unmet) and "over the TPOT objective of 50 ms" in unmet.reason
+
+
+def test_place_still_prefers_a_worker_within_the_tpot_objective() -> None:
+    """overload "place" (and every admitted request: a migrated one, one with a deadline) is
+    placed even when no worker is within the objectives, but among workers some of which are,
+    on one of those: here not on the one holding the prefix whose steps take 200 ms."""
+    slow = decode("slow", running=2, step_us=200_000)
+    ok = decode("ok", running=2, step_us=20_000, queued_tokens=5000)
+    for pace_prompts in (False, True):
+        slo = SloTargets(tpot_ms=50, overload="place", pace_prompts=pace_prompts)
+        chosen = route_aggregated(
+            inputs([slow, ok], {"slow": 20}), KVAwarePolicy(), LocalPrefill(), slo
+        )
+        assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "ok"
+    only_slow = route_aggregated(
+        inputs([slow]), KVAwarePolicy(), LocalPrefill(), SloTargets(tpot_ms=50, overload="place")
+    )
+    assert isinstance(only_slow, LocalRoute)  # none within: placed anyway
