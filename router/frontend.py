@@ -292,6 +292,9 @@ class Frontend:
             self.metrics.running.dec()
             if prepared.trace is not None:
                 traces.end_request(prepared.trace, tracker, sys.exc_info()[1])
+            # Ended or left (cancel, disconnect): the client's id is its own again at once; the
+            # abort below (~0.2 s) ends this request's cluster id, never a resent one's.
+            self._in_flight.discard((prepared.tenant, prepared.client_id))
             # Shielded: a second cancellation must not skip the abort.
             await asyncio.shield(self._end(prepared, stream, tracker, grant))
 

@@ -107,3 +107,65 @@ def test_a_request_id_the_cluster_cannot_carry_is_refused_naming_the_field(
         assert own.client_id == own.request.req_id and own.client_id.startswith("req-")
 
     asyncio.run(go())
+
+
+class SlowAbort(ScriptedBackend):
+    """Streams slowly; an abort takes until `aborted` is set (a worker's answer, ~0.2 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = asyncio.Event()
+        self.aborts: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        async for delta in super().generate(request):
+            yield delta
+            await asyncio.sleep(0.01)
+
+    async def abort(self, req_id: str) -> None:
+        self.aborts.append(req_id)
+        await self.aborted.wait()
+
+
+def test_a_cancelled_requests_id_is_free_again_before_its_abort_ends(tokenizer) -> None:  # noqa: F811
+    """A client that cancels a stream and resends under the same id is not refused as a twin
+    while the cancelled one's abort is still on its way (it was, for ~0.2 s); the abort ends the
+    cancelled one's cluster id only, and the resent one streams its whole output."""
+
+    async def go() -> None:
+        backend = SlowAbort()
+        frontend = Frontend(backend, tokenizer)
+
+        async def drain(limit: int | None = None) -> int:
+            prepared = await frontend.prepare(replace(spec(), req_id="job-7"))
+            count = 0
+            stream = frontend.generate(prepared)
+            async for chunk in stream:
+                count += len(chunk.token_ids)
+                if limit is not None and count >= limit:
+                    break
+            await stream.aclose()
+            return count
+
+        first = asyncio.create_task(drain(limit=1))
+        while not backend.aborts:  # the first left after its first token: its abort is on
+            await asyncio.sleep(0.005)
+        assert not first.done()
+        assert await asyncio.wait_for(drain(), 10) == len(OUTPUT)  # not refused as a twin
+        # A client gone while the next token is awaited (its task cancelled: a disconnect).
+        gone = asyncio.create_task(drain())
+        while len(backend.requests) < 3:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.015)
+        gone.cancel()
+        while len(backend.aborts) < 2:
+            await asyncio.sleep(0.005)
+        assert await asyncio.wait_for(drain(), 10) == len(OUTPUT)
+        backend.aborted.set()
+        assert await first == 1
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        ids = [r.req_id for r in backend.requests]
+        assert backend.aborts == [ids[0], ids[2]] and len(set(ids)) == 4
+
+    asyncio.run(go())
