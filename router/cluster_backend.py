@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any, cast
 
@@ -336,7 +337,11 @@ class ClusterBackend(Backend):
             if leg.decode is not None:
                 self.workers.done(leg.decode.worker_id, leg.take_prompt_tokens())
             cleanup = leg.cleanup_call()
-            if cleanup is not None:
+            if isinstance(sys.exc_info()[1], asyncio.CancelledError | GeneratorExit):
+                if cleanup is not None:  # the client left: the call goes on behind, so the
+                    # stream unwinds at once (the client's request id is its own again)
+                    self._behind(_quietly(cleanup))
+            elif cleanup is not None:
                 await _quietly(cleanup)
 
     async def _prefill_on_decode(
@@ -362,9 +367,7 @@ class ClusterBackend(Backend):
             self.workers.done(decode.worker_id, num_uncached)
             _drain(queue)
             if isinstance(e, asyncio.CancelledError):  # the worker may have taken it already
-                task = asyncio.create_task(_quietly(actor.abort.remote(request.req_id)))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._behind(_quietly(actor.abort.remote(request.req_id)))
             if not isinstance(e, RayActorError | WorkerUnavailable):
                 raise
             if isinstance(e, RayActorError):
@@ -420,7 +423,11 @@ class ClusterBackend(Backend):
             placement.worker.worker_id,
             missing,
         )
-        task = asyncio.create_task(_quietly(actor.resync_index.remote()))
+        self._behind(_quietly(actor.resync_index.remote()))
+
+    def _behind(self, call: Coroutine[Any, Any, None]) -> None:
+        """Run a cleanup or upkeep call behind the request (kept until it ends)."""
+        task = asyncio.create_task(call)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -167,3 +167,50 @@ def test_a_local_prompt_counts_in_its_workers_queue_until_its_first_token() -> N
         await backend.close()
 
     asyncio.run(asyncio.wait_for(run(), 20))
+
+
+class SlowAbortDecode(AggregatedDecode):
+    """Sends one token, then nothing; an abort takes until `released` is set (a worker's
+    answer, ~0.05-0.2 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborts: list[str] = []
+        self.released = asyncio.Event()
+
+    async def _prefill_here(self, request: GenerateRequest, router_id: str) -> None:
+        self.computed.append(request.req_id)
+        self.pending.append(TokenDelta(request.req_id, (7,), False, num_prompt_tokens=4))
+
+    async def _abort(self, req_id: str) -> None:
+        self.aborts.append(req_id)
+        await self.released.wait()
+
+
+def test_a_cancelled_stream_unwinds_at_once_and_its_abort_goes_on_behind() -> None:
+    """A client gone (its handler task cancelled while it awaits the next token): the stream
+    ends at once and the decode worker's abort goes on behind it. It was awaited first, so the
+    client's request id stayed in flight that long (a gRPC resend refused ~50-100 ms)."""
+
+    async def run() -> None:
+        workers, decode = WorkerSet(), SlowAbortDecode()
+        workers.add("d0", "decode", decode, "d0")  # type: ignore[arg-type]
+        backend = ClusterBackend("m", 64, 1000, 16, workers, router_id="router-test")
+        params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        got: list[TokenDelta] = []
+
+        async def consume() -> None:
+            async for delta in backend.generate(GenerateRequest("r0", (1, 2, 3, 4), params)):
+                got.append(delta)
+
+        task = asyncio.create_task(consume())
+        while not got:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.wait([task])  # on the old code: waits for the abort, held by the test
+        assert task.cancelled()
+        assert decode.aborts == ["r0"] and not decode.released.is_set()
+        decode.released.set()
+        await backend.close()
+
+    asyncio.run(asyncio.wait_for(run(), 10))
