@@ -16,8 +16,6 @@
 #              aggslo    agg with the bench's SLO as the router's objectives (--slo-ttft-ms 1500
 #                        --slo-tpot-ms 50, overload queue): past saturation a request no worker
 #                        is predicted to serve in time waits in the router, then gets 503
-#              aggpace   aggslo with --slo-pace-prompts (the experiment: prompts given at most
-#                        as fast as the worker's decodes keep the TPOT objective beside them)
 #              agg2k     the same with 2,048-token chunks
 #              aggfp8kv  agg with an fp8 KV cache (vLLM's side: VLLM_ARGS="--kv-cache-dtype fp8")
 #              aggfp8    agg with fp8 weights and KV (VLLM_ARGS="--quantization fp8 --kv-cache-dtype fp8")
@@ -77,7 +75,6 @@ config_flags() {  # CONFIG: its `kvrelay serve` flags beyond the common ones
   case $1 in
     agg) echo "--local-prefill-chunk-tokens 8192" ;;
     aggslo) echo "--local-prefill-chunk-tokens 8192 --slo-ttft-ms 1500 --slo-tpot-ms 50" ;;
-    aggpace) echo "--local-prefill-chunk-tokens 8192 --slo-ttft-ms 1500 --slo-tpot-ms 50 --slo-pace-prompts" ;;
     agg2k) echo "--local-prefill-chunk-tokens 2048" ;;
     aggfp8kv) echo "--local-prefill-chunk-tokens 8192 --kv-cache-dtype fp8" ;;
     aggfp8) echo "--local-prefill-chunk-tokens 8192 --quantization fp8 --kv-cache-dtype fp8" ;;

@@ -29,9 +29,6 @@ def worker_load(snapshot: EngineSnapshot) -> WorkerLoad:
         prefill_tok_s=round(snapshot.tokens_per_s),
         step_us=round(snapshot.step_s * 1e6),
         prompt_tok_s=round(snapshot.prompt_tokens_per_s),
-        decode_step_us=round(snapshot.decode_step_s * 1e6),
-        marginal_prompt_tok_s=round(snapshot.marginal_prompt_tokens_per_s),
-        recent_prompt_tok_s=round(snapshot.recent_prompt_tokens_per_s),
         disk_load_us=round(recent_file_read_s(snapshot) * 1e6),
     )
 

@@ -174,15 +174,6 @@ class WorkerLoad:
     # worker computes a prompt itself (0: it has not computed one yet; its decode steps would
     # make prompts look slow, its all-steps rate above is no stand-in)
     prompt_tok_s: int = 0
-    # mean wall time of a recent step that computed no prompt token, microseconds (0: none yet)
-    decode_step_us: int = 0
-    # prompt tokens a second its steps compute beside their decodes: those of its mostly-prompt
-    # steps against their time less a decode step's (0: not measured yet)
-    marginal_prompt_tok_s: int = 0
-    # prompt tokens it computed a second over the last seconds, idle time included: with a TPOT
-    # objective routers pace the prompts they give a worker that computes them beside its
-    # decodes (router/slo.py prompt_pace_tok_s)
-    recent_prompt_tok_s: int = 0
     # mean time to read and check one disk tier block file, microseconds (0: not measured yet)
     disk_load_us: int = 0
 

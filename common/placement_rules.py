@@ -61,25 +61,17 @@ class SloTargets:
     "queue" waits in the router for a worker predicted to meet them, at most ttft_ms, then is
     refused (HTTP 503 / gRPC RESOURCE_EXHAUSTED); "shed" is refused at once; "place" is placed
     on the best worker anyway (every objective may then be missed).
-
-    pace_prompts (an experiment, off until a GPU lease measures it against the step-time rule):
-    with a TPOT objective, an aggregated worker that has measured its prompt and decode rates
-    is given prompts at most as fast as its decodes keep the objective beside them
-    (router/slo.py within_pace), instead of while its recent mean step is within it.
     """
 
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     overload: str = "queue"
-    pace_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.ttft_ms < 0 or self.tpot_ms < 0:
             raise ValueError(f"objectives must be >= 0 ms, got {self.ttft_ms}, {self.tpot_ms}")
         if self.overload not in OVERLOAD_MODES:
             raise ValueError(f"overload must be one of {OVERLOAD_MODES}, got {self.overload!r}")
-        if self.pace_prompts and self.tpot_ms <= 0:
-            raise ValueError("pacing prompts needs a TPOT objective")
 
     @property
     def enabled(self) -> bool:

@@ -174,8 +174,7 @@ def placement_lines(spec: ClusterSpec) -> list[str]:
     if slo.enabled:
         goals = [f"{name} {ms:g} ms" for name, ms in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))]
         goals = [g for g, ms in zip(goals, (slo.ttft_ms, slo.tpot_ms), strict=True) if ms > 0]
-        paced = "; prompts paced" if slo.pace_prompts else ""
-        lines.append(f"  objectives     {', '.join(goals)}; overload: {slo.overload}{paced}")
+        lines.append(f"  objectives     {', '.join(goals)}; overload: {slo.overload}")
     return lines
 
 

@@ -159,14 +159,7 @@ def add_serve_parser(
         "the router for at most --slo-ttft-ms, or 1 s with only --slo-tpot-ms, then 503), shed "
         "(503 at once) or place (on the best worker anyway); default queue; needs an objective",
     )
-    p.add_argument(
-        "--slo-pace-prompts",
-        action="store_true",
-        help="experimental: give an aggregated worker prompts at most as fast as its decodes "
-        "keep --slo-tpot-ms beside them (from its measured prompt and decode step rates), "
-        "instead of while its recent mean step is within it; a request placed anyway "
-        "(--slo-overload place, a migrated one, one with a deadline) is not paced",
-    )
+
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--autoscale-{role}",
@@ -222,10 +215,7 @@ def slo_from_args(args: argparse.Namespace) -> SloTargets:
         raise ValueError(  # else it would be taken and do nothing
             f"--slo-overload {args.slo_overload} needs an objective: --slo-ttft-ms or --slo-tpot-ms"
         )
-    if args.slo_pace_prompts and not args.slo_tpot_ms:
-        raise ValueError("--slo-pace-prompts needs --slo-tpot-ms")
-    overload = args.slo_overload or "queue"
-    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, overload, args.slo_pace_prompts)
+    return SloTargets(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_overload or "queue")
 
 
 def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:

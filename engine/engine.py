@@ -320,13 +320,6 @@ class Engine:
         num_prompt = sum(c.num_new_tokens for c in chunks if c.is_prompt)
         if num_prompt >= max(PREFILL_STEP_TOKENS, num_computed // 2):
             self.stats.prefill_rate.record(seconds, num_computed)
-            beside = seconds - self.stats.decode_rate.step_s  # less a decode step's time
-            if self.stats.decode_rate.step_s > 0 and beside > 0:
-                self.stats.marginal_prompt_rate.record(beside, num_prompt)
-        if num_prompt:
-            self.stats.recent_prompt_rate.record(read_s, num_prompt)
-        else:
-            self.stats.decode_rate.record(seconds, num_computed)
 
     # ---- summary, and what a worker shares with its peers and the index ---------------------
     def snapshot(self) -> EngineSnapshot:
@@ -345,9 +338,6 @@ class Engine:
             tokens_per_s=self.stats.rate.tokens_per_s,
             step_s=self.stats.rate.step_s,
             prompt_tokens_per_s=self.stats.prefill_rate.tokens_per_s,
-            decode_step_s=self.stats.decode_rate.step_s,
-            marginal_prompt_tokens_per_s=self.stats.marginal_prompt_rate.tokens_per_s,
-            recent_prompt_tokens_per_s=self.stats.recent_prompt_rate.per_s(time.perf_counter()),
             num_computed_tokens=self.stats.num_computed_tokens,
             num_preemptions=sched.num_preemptions,
             num_priority_preemptions=sched.num_priority_preemptions,

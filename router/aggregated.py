@@ -4,10 +4,8 @@ worker computes its prompt and decodes it. Owns no state.
 
 The choice is the prefill placement's, over the decode workers and their prefix caches: the
 policy (kv_aware: cached tokens saved against queued tokens) among the workers with room for
-the whole request (all of them when none has), after leaving out, with a TPOT objective, those
-whose recent steps are over it (with SloTargets.pace_prompts, once a worker has measured its
-prompt and decode rates: those given prompts as fast as their decodes keep it, router/slo.py
-within_pace); with a TTFT objective, among those predicted to compute the prompt within what is
+the whole request (all of them when none has), after leaving out those predicted over the TPOT
+objective; with a TTFT objective, among those predicted to compute the prompt within what is
 left of it (router/slo.py local_ttft_s), else among the idle ones (the prompt alone is over
 the objective), else Unmet (queued or refused as SloTargets.overload says; "place" places
 anyway).
@@ -19,7 +17,6 @@ from collections.abc import Sequence
 
 from common.messages import WorkerInfo
 from common.placement_rules import LocalPrefill, SloTargets
-from engine.step.step_rate import RECENT_WINDOW_S
 from router.policy import LocalPlacement, PrefillPolicy
 from router.slo import (
     LocalRoute,
@@ -27,10 +24,7 @@ from router.slo import (
     Unmet,
     decode_within_tpot,
     local_ttft_s,
-    prompt_pace_tok_s,
     ttft_left,
-    within_pace,
-    within_tpot,
 )
 
 AGGREGATED = "aggregated"  # LocalPlacement.reason and the prefill metric's label (local_...)
@@ -46,19 +40,9 @@ def route_aggregated(
     """The decode worker that computes this prompt itself (inputs.prefill is not looked at).
     Raises NoWorkerAvailable (from the policy) when there is no decode worker either."""
     place_anyway = slo.overload == "place"
-    decode = list(inputs.decode)
-    if slo.tpot_ms > 0 and decode:
-        keep = [w for w in decode if _keeps_tpot(inputs, w, slo)]
-        if not keep and place_anyway:  # on the best worker anyway
-            keep = decode
-        if not keep:
-            paced = [
-                w
-                for w in decode
-                if slo.pace_prompts and prompt_pace_tok_s(w.load, slo.tpot_ms) is not None
-            ]
-            return _over_pace(paced, slo) if paced else _over_tpot(decode, slo)
-        decode = keep
+    decode = decode_within_tpot(list(inputs.decode), slo)
+    if isinstance(decode, Unmet):
+        return decode
     roomy = [w for w in decode if w.load.free_blocks >= inputs.num_blocks_needed] or decode
     if slo.ttft_ms <= 0 or not roomy:
         return _place(inputs, policy, roomy, None)
@@ -82,42 +66,9 @@ def _cached(inputs: RouteInputs, worker: WorkerInfo) -> int:
     return min(blocks * inputs.block_size, inputs.num_prompt_tokens)
 
 
-def _uncached(inputs: RouteInputs, worker: WorkerInfo) -> int:
-    return inputs.num_prompt_tokens - _cached(inputs, worker)
-
-
 def _predicted(inputs: RouteInputs, worker: WorkerInfo, rule: LocalPrefill) -> float | None:
-    uncached = _uncached(inputs, worker)
+    uncached = inputs.num_prompt_tokens - _cached(inputs, worker)
     return local_ttft_s(worker.load, uncached, rule.chunk_tokens, all_steps_until_measured=True)
-
-
-def _keeps_tpot(inputs: RouteInputs, worker: WorkerInfo, slo: SloTargets) -> bool:
-    """With SloTargets.pace_prompts, once its prompt and decode rates are measured, whether
-    the prompt keeps the worker
-    within its pace (router/slo.py within_pace: its mean step over decodes and the prompts
-    given it); before, whether its recent step time is within the objective, as a
-    disaggregated decode worker's (that mean of ~10 steps, a prompt's among them, says
-    little of an aggregated worker's decodes)."""
-    if not slo.pace_prompts or prompt_pace_tok_s(worker.load, slo.tpot_ms) is None:
-        return bool(within_tpot([worker], slo.tpot_ms))
-    return within_pace(worker.load, _uncached(inputs, worker), slo.tpot_ms)
-
-
-def _over_tpot(workers: Sequence[WorkerInfo], slo: SloTargets) -> Unmet:
-    unmet = decode_within_tpot(list(workers), slo)
-    assert isinstance(unmet, Unmet)  # none is within: _keeps_tpot said so
-    return unmet
-
-
-def _over_pace(workers: Sequence[WorkerInfo], slo: SloTargets) -> Unmet:
-    """Every worker was given prompts as fast as its decodes keep the TPOT objective."""
-    rates = [(w.load.recent_prompt_tok_s, prompt_pace_tok_s(w.load, slo.tpot_ms)) for w in workers]
-    recent, pace = max(rates, key=lambda rate: (rate[1] or 0) - rate[0])
-    return Unmet(
-        f"the decode workers take prompts as fast as their decodes keep the TPOT objective of "
-        f"{slo.tpot_ms:g} ms ({recent} prompt tokens a second lately, {pace or 0:.0f} at most, "
-        f"this prompt counted at half its tokens over {RECENT_WINDOW_S:g} s)"
-    )
 
 
 def _place(

@@ -11,9 +11,6 @@ Predictions (seconds; None: the worker has not measured its rate yet, which coun
   are mostly decodes, shorter than the steps that carry a prompt's chunk.
 - TPOT on a decode worker: its recent step time (each running request gets a token per step);
   None while it is idle.
-- A decode worker that computes prompts beside its decodes (aggregated) is also paced: prompts
-  that arrive faster than its decodes can keep the TPOT objective beside them make every step
-  longer, the decodes' TPOT a mean over those steps (prompt_pace_tok_s).
 A request is refused (or queued) only for queueing: one that an idle prefill worker would not
 serve within the TTFT objective either is placed, as it would be without objectives.
 The KV transfer and the router's own time are left out: they are small next to a queue.
@@ -26,7 +23,6 @@ from typing import NamedTuple
 
 from common.messages import WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
-from engine.step.step_rate import RECENT_WINDOW_S
 from router.policy import (
     LocalPlacement,
     Placement,
@@ -67,41 +63,6 @@ def tpot_s(load: WorkerLoad) -> float | None:
     if load.step_us <= 0 or load.running + load.waiting == 0:
         return None
     return load.step_us / 1e6
-
-
-PACE_TARGET = 0.9  # prompts are paced for decodes at 90% of the TPOT objective: a request's
-# TPOT is the mean of its own steps, which vary around the worker's mean
-
-
-def prompt_pace_tok_s(load: WorkerLoad, tpot_ms: float) -> float | None:
-    """The prompt tokens a second a worker that computes prompts beside its decodes can take
-    while its decodes keep to the TPOT objective; None: not measured yet (counts as room).
-
-    A step costs its decodes' time d (decode_step_us) plus its prompt tokens at the rate r they
-    add to a step beside the decodes (marginal_prompt_tok_s; not prompt_tok_s, whose time holds
-    the decodes' too). Prompts arriving at p tokens a second put s * p of them in a step of s
-    seconds: s = d + s * p / r, so s = d / (1 - p / r), within the objective T while
-    p <= r * (1 - d / T)."""
-    if tpot_ms <= 0 or load.marginal_prompt_tok_s <= 0 or load.decode_step_us <= 0:
-        return None
-    target_us = tpot_ms * 1000 * PACE_TARGET
-    return load.marginal_prompt_tok_s * max(0.0, 1 - load.decode_step_us / target_us)
-
-
-def within_pace(load: WorkerLoad, num_uncached: int, tpot_ms: float) -> bool:
-    """Whether num_uncached more prompt tokens keep the worker's recent prompt rate
-    (recent_prompt_tok_s: the worker's, or this router's own placements, the higher;
-    router/worker_set.py) at its pace on average: placing them raises that rate by
-    num_uncached over the window it is measured over (RECENT_WINDOW_S), and it decays after;
-    a prompt is placed while the rate half-way up its rise is within the pace, so the rate
-    saws around the pace (held under it after the rise, a prompt of nearly a window's pace
-    would wait ~2 windows, halving the rate). A worker with no request running or waiting has
-    no decode to keep: it takes any prompt (one too long for the pace is placed there, as the
-    TTFT rule places one too long for the objective on an idle worker)."""
-    pace = prompt_pace_tok_s(load, tpot_ms)
-    if pace is None or load.running + load.waiting == 0:
-        return True
-    return load.recent_prompt_tok_s + num_uncached / (2 * RECENT_WINDOW_S) <= pace
 
 
 def within_tpot(workers: Sequence[WorkerInfo], tpot_ms: float) -> list[WorkerInfo]:

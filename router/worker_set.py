@@ -1,13 +1,11 @@
 """WorkerSet: the router's view of live workers: their Ray actor handles and states (from the
 controller's membership), the workers it saw die, and what it has itself placed on each worker
 and not yet seen end (its own in-flight accounting, so a burst is spread before any worker has
-published its new load), and the prompt tokens it placed on each lately."""
+published its new load)."""
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import ray
@@ -15,7 +13,6 @@ import ray
 from common.cluster_state import NAMESPACE, Member
 from common.messages import WorkerInfo, WorkerLoad
 from common.worker_actors import WorkerActor
-from engine.step.step_rate import RecentRate
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +35,10 @@ class WorkerSet:
     """Invariants: a worker marked dead is never returned for placement until a new actor takes
     its id; `placed` counts only requests between place() and done(), so it never goes below 0."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
         self._dead_actor_ids: dict[str, str] = {}  # worker_id -> Ray actor id that died
         self._placed: dict[str, _Placed] = {}
-        self._recent_prompt: dict[str, RecentRate] = {}  # prompt tokens placed a second lately
-        self._clock = clock
 
     def add(
         self,
@@ -63,7 +58,6 @@ class WorkerSet:
         listed = {m.worker_id: m for m in members}
         for worker_id in [w for w in self._workers if w not in listed]:
             del self._workers[worker_id]
-            self._recent_prompt.pop(worker_id, None)
         for member in members:
             known = self._workers.get(member.worker_id)
             if known is not None:
@@ -91,7 +85,6 @@ class WorkerSet:
         if worker is not None:
             self._dead_actor_ids[worker_id] = _actor_id(worker.actor)
         self._placed.pop(worker_id, None)
-        self._recent_prompt.pop(worker_id, None)
 
     def is_dead(self, worker_id: str) -> bool:
         return worker_id in self._dead_actor_ids
@@ -139,26 +132,18 @@ class WorkerSet:
     # ---- the router's own in-flight accounting ---------------------------------------------
     def with_placed(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """Each worker's load, raised to at least what this router has placed on it: a worker's
-        published load lags (heartbeats), but a placement made a moment ago is already real
-        (its prompt tokens too, in recent_prompt_tok_s, before the worker computed them)."""
+        published load lags (heartbeats), but a placement made a moment ago is already real."""
         out = []
-        now = self._clock()
         for info in workers:
             placed = self._placed.get(info.worker_id)
-            recent = self._recent_prompt.get(info.worker_id)
-            if placed is None and recent is None:
+            if placed is None:
                 out.append(info)
                 continue
-            load = info.load
-            if placed is not None:
-                load = replace(
-                    load,
-                    waiting=max(load.waiting, placed.num_requests - load.running),
-                    queued_tokens=max(load.queued_tokens, placed.num_tokens),
-                )
-            if recent is not None:
-                own = round(recent.per_s(now))
-                load = replace(load, recent_prompt_tok_s=max(load.recent_prompt_tok_s, own))
+            load = replace(
+                info.load,
+                waiting=max(info.load.waiting, placed.num_requests - info.load.running),
+                queued_tokens=max(info.load.queued_tokens, placed.num_tokens),
+            )
             out.append(replace(info, load=load))
         return out
 
@@ -166,9 +151,6 @@ class WorkerSet:
         placed = self._placed.setdefault(worker_id, _Placed())
         placed.num_requests += 1
         placed.num_tokens += num_tokens
-        if num_tokens:
-            recent = self._recent_prompt.setdefault(worker_id, RecentRate())
-            recent.record(self._clock(), num_tokens)
 
     def computed(self, worker_id: str, num_tokens: int) -> None:
         """The prompt tokens placed on a decode worker (it computes them itself) are done: the

@@ -1,6 +1,5 @@
 """StepRate: how fast an engine's recent steps ran (wall time per step, tokens computed per
-second), as decayed sums over its busy steps; RecentRate: tokens a second over the last seconds
-of wall time, idle time included. Each owns only its sums. Pure, no torch.
+second), as decayed sums over its busy steps; owns only those sums. Pure, no torch.
 
 Routers predict a request's time to first token from a prefill worker's queued tokens and its
 token rate, and its time per output token from a decode worker's step time (router/slo.py).
@@ -9,14 +8,9 @@ Idle time is not a step, so an idle worker keeps the figures of its last busy st
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 DEFAULT_DECAY = 0.9  # per step: the figures follow roughly the last ten steps
-# RecentRate's time constant: the routers pace prompts over it (router/slo.py within_pace), so
-# it is about a served request's decoding life (150 tokens at 50 ms: 7.5 s), the span its TPOT
-# is a mean over: a burst within it is spread over its decodes' steps
-RECENT_WINDOW_S = 8.0
 
 
 @dataclass
@@ -49,30 +43,3 @@ class StepRate:
     def step_s(self) -> float:
         """Mean wall time of a recent step (0: nothing measured yet)."""
         return self._seconds / self._steps if self._steps > 0 else 0.0
-
-
-@dataclass
-class RecentRate:
-    """Tokens a second lately: a sum decayed by wall time with time constant `window_s` (a
-    steady rate r reads r; idle time lowers it). Times are the caller's one clock.
-    Invariants: the sum is >= 0."""
-
-    window_s: float = RECENT_WINDOW_S
-    _sum: float = 0.0
-    _at: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {self.window_s}")
-
-    def record(self, now: float, num_tokens: int) -> None:
-        if num_tokens < 0:
-            raise ValueError(f"cannot record {num_tokens} tokens")
-        self._sum = self._decayed(now) + num_tokens
-        self._at = max(self._at, now)
-
-    def per_s(self, now: float) -> float:
-        return self._decayed(now) / self.window_s
-
-    def _decayed(self, now: float) -> float:
-        return self._sum * math.exp(-max(0.0, now - self._at) / self.window_s)

@@ -15,7 +15,7 @@ from engine.kv_cache.tier_stats import TierStats
 from engine.sampling.sampler import PendingSample, TopLogprobs
 from engine.step.request import Request
 from engine.step.scheduler import SchedulerOutput
-from engine.step.step_rate import RecentRate, StepRate
+from engine.step.step_rate import StepRate
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,6 @@ class EngineStats:
     # the same over steps that were mostly prompt tokens (engine.PREFILL_STEP_TOKENS or more):
     # what computing a prompt's block costs (decode steps would make computing look slow)
     prefill_rate: StepRate = field(default_factory=StepRate)
-    # the same over steps without a prompt token: what a decode step costs beside no prompt
-    decode_rate: StepRate = field(default_factory=StepRate)
-    # the prompt tokens of mostly-prompt steps against their time less a decode step's: what a
-    # prompt token adds to a step beside the decodes (the routers' prompt pacing)
-    marginal_prompt_rate: StepRate = field(default_factory=StepRate)
-    # prompt tokens computed a second over the last seconds (the routers pace prompts by it)
-    recent_prompt_rate: RecentRate = field(default_factory=RecentRate)
     last_step_s: float = 0.0  # wall time of the latest step (traces report it)
 
 
@@ -92,12 +85,6 @@ class EngineSnapshot(NamedTuple):
     # computes prompts (0: none yet; an aggregated worker's decode steps would make prompts
     # look slow)
     prompt_tokens_per_s: float
-    # mean wall time of a recent step that computed no prompt token (0: none yet)
-    decode_step_s: float
-    # prompt tokens a second a step adds beside its decodes (0: not measured yet)
-    marginal_prompt_tokens_per_s: float
-    # prompt tokens computed a second over the last seconds of wall time, idle time included
-    recent_prompt_tokens_per_s: float
     # Cumulative counters since the engine started.
     num_computed_tokens: int  # tokens run through the model (prefill chunks + decodes)
     # Running requests preempted (short of blocks or seats, or for a higher priority, a waiting

@@ -7,27 +7,18 @@ conditional-prefill rule is left alone while a prefill pool exists."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import pytest
 
 from common.messages import GenerateRequest, WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
 from engine.sampling.sampling_params import SamplingParams
-from engine.step.step_rate import RECENT_WINDOW_S
 from router.aggregated import AGGREGATED, route_aggregated
 from router.errors import SloUnmet
 from router.placement import Placer
 from router.policy import KVAwarePolicy, NoWorkerAvailable
 from router.prefix_index import IndexView
-from router.slo import (
-    PACE_TARGET,
-    LocalRoute,
-    RouteInputs,
-    Unmet,
-    prompt_pace_tok_s,
-    within_pace,
-)
+from router.slo import LocalRoute, RouteInputs, Unmet
 from router.worker_set import WorkerSet
 
 BLOCK = 16
@@ -223,108 +214,17 @@ def test_a_burst_on_a_stale_load_counts_its_own_prompts_against_the_ttft_objecti
     assert seen.load.queued_tokens == 3 * PROMPT and workers.num_placed("d0") == 4
 
 
-def test_the_prompt_pace_keeps_the_decodes_mean_step_within_the_tpot_objective() -> None:
-    """prompt_pace_tok_s: decode steps of d = 20 ms, prompts computed at r = 30,000 tokens/s,
-    TPOT 50 ms aimed at 45 (PACE_TARGET): p <= r * (1 - d / 45 ms) = 16,667 tokens/s, where the
-    mean step d / (1 - p / r) is 45 ms. Unmeasured: None (room)."""
-    load = WorkerLoad(running=8, decode_step_us=20_000, marginal_prompt_tok_s=30_000)
-    pace = prompt_pace_tok_s(load, 50)
-    assert pace == pytest.approx(30_000 * (1 - 20 / (50 * PACE_TARGET)))
-    assert 0.020 / (1 - pace / 30_000) == pytest.approx(0.050 * PACE_TARGET)
-    assert prompt_pace_tok_s(load, 0) is None
-    assert prompt_pace_tok_s(WorkerLoad(marginal_prompt_tok_s=30_000), 50) is None  # no decode step
-    assert prompt_pace_tok_s(replace(load, decode_step_us=60_000), 50) == 0  # decodes alone over
-    # A new prompt counts half its rise (its tokens over the window): 10,000 tokens a second
-    # lately + a rise of 12,000 fits, + one of 14,000 does not; an idle worker takes any prompt
-    # (it has no decode to keep).
-    busy = replace(load, recent_prompt_tok_s=10_000)
-    assert within_pace(busy, round(12_000 * RECENT_WINDOW_S), 50)
-    assert not within_pace(busy, round(14_000 * RECENT_WINDOW_S), 50)
-    assert within_pace(replace(busy, running=0), 100_000, 50)
-
-
-class PacedIndex:
-    """One aggregated worker whose published load never moves (a burst between two load
-    publications): 4 requests running, decode steps of 20 ms, prompts at 30,000 tokens/s, no
-    prompt computed lately."""
-
-    async def view(self, role: str, hashes: list[int]) -> IndexView:
-        if role == "prefill":
-            return IndexView([], {})
-        load = {
-            "running": 4,
-            "step_us": 20_000,
-            "decode_step_us": 20_000,
-            "marginal_prompt_tok_s": 30_000,
-        }
-        return IndexView([decode("d0", **load)], {})
-
-
-def test_a_burst_with_only_a_tpot_objective_is_paced_not_placed_whole() -> None:
-    """With only a TPOT objective the worker's step time (20 ms against 50) would take a burst
-    whole, and each placed prompt would then stretch every decode's steps. Paced: prompts that
-    raise the recent rate by 1,500 tokens/s each (half of it counted for the next one) against
-    the 16,667 the decodes allow: 11 are placed and the rest refused (shed) naming the pace; as
-    the placements fade, room comes back."""
-    prompt = tuple(range(round(1500 * RECENT_WINDOW_S)))
-    now = [50.0]
-    workers = WorkerSet(clock=lambda: now[0])
-    workers.add("d0", "decode", actor=object())  # type: ignore[arg-type]
-    slo = SloTargets(tpot_ms=50, overload="shed", pace_prompts=True)
-    p = Placer(BLOCK, workers, PacedIndex(), KVAwarePolicy(), slo=slo)  # type: ignore[arg-type]
-
-    async def send(n: int) -> list[LocalRoute | str]:
-        out: list[LocalRoute | str] = []
-        for i in range(n):
-            request = GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=8))
-            try:
-                out.append(await p.route(request, []))
-            except SloUnmet as e:
-                out.append(str(e))
-        return out
-
-    routes = asyncio.run(send(15))
-    assert sum(isinstance(r, LocalRoute) for r in routes) == 11
-    assert all(isinstance(r, str) and "keep the TPOT objective of 50 ms" in r for r in routes[11:])
-    now[0] += 2 * RECENT_WINDOW_S  # two windows on: the rate faded to 16,500 * e^-2 ~ 2,233
-    later = asyncio.run(send(15))
-    assert sum(isinstance(r, LocalRoute) for r in later) == 10  # 2,233 + 9.5 rises of 1,500
-
-
-def test_a_measured_worker_is_held_to_its_pace_not_to_a_mean_step_a_prompt_stretched() -> None:
-    """An aggregated worker's recent mean step (~10 steps) jumps over the TPOT objective after
-    each prompt step and refuses every request then; with pace_prompts, once it has measured
-    its prompt and decode rates, it is held to its pace instead. Before that, or without
-    pace_prompts (the default until a GPU lease measures it), to its mean step."""
-    measured = decode(
-        "d0", running=4, step_us=80_000, decode_step_us=20_000, marginal_prompt_tok_s=30_000
-    )
-    by_step = SloTargets(tpot_ms=50, overload="shed")
-    unmet = route_aggregated(inputs([measured]), KVAwarePolicy(), LocalPrefill(), by_step)
-    assert isinstance(unmet, Unmet) and "over the TPOT objective of 50 ms" in unmet.reason
-    slo = SloTargets(tpot_ms=50, overload="shed", pace_prompts=True)
-    chosen = route_aggregated(inputs([measured]), KVAwarePolicy(), LocalPrefill(), slo)
-    assert isinstance(chosen, LocalRoute)
-    spent = replace(measured, load=replace(measured.load, recent_prompt_tok_s=16_660))
-    unmet = route_aggregated(inputs([spent]), KVAwarePolicy(), LocalPrefill(), slo)
-    assert isinstance(unmet, Unmet) and "16660 prompt tokens a second lately" in unmet.reason
-    unmeasured = decode("d0", running=4, step_us=80_000)
-    unmet = route_aggregated(inputs([unmeasured]), KVAwarePolicy(), LocalPrefill(), slo)
-    assert isinstance(unmet, Unmet) and "over the TPOT objective of 50 ms" in unmet.reason
-
-
 def test_place_still_prefers_a_worker_within_the_tpot_objective() -> None:
     """overload "place" (and every admitted request: a migrated one, one with a deadline) is
     placed even when no worker is within the objectives, but among workers some of which are,
     on one of those: here not on the one holding the prefix whose steps take 200 ms."""
     slow = decode("slow", running=2, step_us=200_000)
     ok = decode("ok", running=2, step_us=20_000, queued_tokens=5000)
-    for pace_prompts in (False, True):
-        slo = SloTargets(tpot_ms=50, overload="place", pace_prompts=pace_prompts)
-        chosen = route_aggregated(
-            inputs([slow, ok], {"slow": 20}), KVAwarePolicy(), LocalPrefill(), slo
-        )
-        assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "ok"
+    slo = SloTargets(tpot_ms=50, overload="place")
+    chosen = route_aggregated(
+        inputs([slow, ok], {"slow": 20}), KVAwarePolicy(), LocalPrefill(), slo
+    )
+    assert isinstance(chosen, LocalRoute) and chosen.placement.worker.worker_id == "ok"
     only_slow = route_aggregated(
         inputs([slow]), KVAwarePolicy(), LocalPrefill(), SloTargets(tpot_ms=50, overload="place")
     )

@@ -123,10 +123,6 @@ def test_slo_flags() -> None:
     assert parse("--slo-tpot-ms", "40", "--slo-overload", "place").slo.overload == "place"
     with pytest.raises(ValueError, match="--slo-overload shed needs an objective"):
         parse("--slo-overload", "shed")  # taken and ignored before
-    assert not parse("--slo-tpot-ms", "40").slo.pace_prompts
-    assert parse("--slo-tpot-ms", "40", "--slo-pace-prompts").slo.pace_prompts
-    with pytest.raises(ValueError, match="--slo-pace-prompts needs --slo-tpot-ms"):
-        parse("--slo-ttft-ms", "800", "--slo-pace-prompts")
     for bad in ("-5", "nan", "inf"):  # refused while parsing (deploy/flag_types.py)
         with pytest.raises(SystemExit):
             parse("--slo-tpot-ms", bad)

@@ -3,15 +3,13 @@ under TTFT/TPOT objectives, local prefill when the pool would miss, refusals (pu
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from common.index_upkeep import worker_load
 from common.messages import WorkerInfo, WorkerLoad
 from common.placement_rules import LocalPrefill, SloTargets
 from engine.kv_cache.tier_stats import TierStats
-from engine.step.step_rate import RecentRate, StepRate
+from engine.step.step_rate import StepRate
 from engine.step.step_types import EngineSnapshot
 from router.policy import KVAwarePolicy
 from router.slo import (
@@ -81,19 +79,6 @@ def test_step_rate_follows_recent_steps() -> None:
     assert rate.step_s == pytest.approx(0.01, rel=1e-3)
     with pytest.raises(ValueError):
         StepRate(decay=1.0)
-
-
-def test_recent_rate_reads_a_steady_rate_and_fades_over_idle_time() -> None:
-    """RecentRate: tokens a second over the last seconds of wall time, idle time included (a
-    worker's recent prompt rate, which the routers' prompt pacing reads)."""
-    rate = RecentRate(window_s=2.0)
-    assert rate.per_s(0.0) == 0.0
-    for i in range(400):  # 1,000 tokens every 0.1 s: 10,000 a second
-        rate.record(i * 0.1, 1000)
-    assert rate.per_s(39.9) == pytest.approx(10_000, rel=0.03)
-    assert rate.per_s(41.9) == pytest.approx(rate.per_s(39.9) * math.exp(-1))
-    with pytest.raises(ValueError):
-        RecentRate(window_s=0)
 
 
 def test_without_objectives_the_policy_decides() -> None:

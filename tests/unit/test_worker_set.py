@@ -3,11 +3,7 @@ actors are plain objects here, so only the bookkeeping is under test)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-
 from common.messages import WorkerInfo, WorkerLoad
-from engine.step.step_rate import RECENT_WINDOW_S
 from router.policy import choose_decode
 from router.worker_set import WorkerSet
 
@@ -39,26 +35,7 @@ def test_published_load_wins_when_it_is_higher_and_done_undoes_place() -> None:
     workers.done("p0", 100)
     workers.done("p0", 2000)
     assert workers.num_placed("p0") == 0
-    (seen,) = workers.with_placed([busy])  # its recent prompt rate still counts them (below)
-    assert replace(seen.load, recent_prompt_tok_s=0) == busy.load
-
-
-def test_the_prompt_tokens_placed_lately_raise_a_workers_recent_prompt_rate() -> None:
-    """A worker publishes the prompt tokens it computed a second lately; what this router just
-    placed counts before the worker computed it (over the same window), and fades after."""
-    now = [100.0]
-    workers = WorkerSet(clock=lambda: now[0])
-    quiet = WorkerInfo("d0", "decode", load=WorkerLoad(running=3, recent_prompt_tok_s=10))
-    workers.place("d0", num_tokens=3000)
-    (seen,) = workers.with_placed([quiet])
-    assert seen.load.recent_prompt_tok_s == 3000 / RECENT_WINDOW_S
-    now[0] += 2 * RECENT_WINDOW_S
-    (seen,) = workers.with_placed([quiet])
-    assert seen.load.recent_prompt_tok_s == round(3000 / RECENT_WINDOW_S * math.exp(-2))
-    busier = replace(quiet, load=replace(quiet.load, recent_prompt_tok_s=5000))
-    assert workers.with_placed([busier])[0].load.recent_prompt_tok_s == 5000  # published wins
-    workers.mark_dead("d0")
-    assert workers.with_placed([quiet]) == [quiet]
+    assert workers.with_placed([busy]) == [busy]
 
 
 def test_a_dead_worker_leaves_placement_at_once() -> None:
