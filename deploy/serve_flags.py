@@ -159,7 +159,6 @@ def add_serve_parser(
         "the router for at most --slo-ttft-ms, or 1 s with only --slo-tpot-ms, then 503), shed "
         "(503 at once) or place (on the best worker anyway); default queue; needs an objective",
     )
-
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--autoscale-{role}",

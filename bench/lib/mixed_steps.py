@@ -202,7 +202,7 @@ class StepProbe:
         return timed
 
     def _launch_wrapper(self, launch: Callable[..., Any]) -> Callable[..., Any]:
-        def launched(scheduled: SchedulerOutput, after: Any) -> Any:
+        def launched(scheduled: SchedulerOutput, after: Any, started_s: float) -> Any:
             index = len(self.steps)
             self.steps.append(StepInfo.of(scheduled, self.prompt_ids))
             events = None
@@ -212,7 +212,7 @@ class StepProbe:
                     torch.cuda.Event(enable_timing=True),
                 )
                 events[0].record()
-            step = launch(scheduled, after)
+            step = launch(scheduled, after, started_s)
             if events is not None:
                 events[1].record()
             self.spans.append(events)
