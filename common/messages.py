@@ -177,6 +177,12 @@ class WorkerLoad:
     # mean time to read and check one disk tier block file, microseconds (0: not measured yet)
     disk_load_us: int = 0
 
+    @property
+    def compute_tok_s(self) -> int:
+        """How fast it computes a prompt: its prompt rate, else its all-steps rate until it has
+        one (a fresh worker's only steps are the warm-up's; 0: neither measured yet)."""
+        return self.prompt_tok_s or self.prefill_tok_s
+
 
 @dataclass(frozen=True)
 class WorkerInfo:

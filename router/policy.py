@@ -88,7 +88,7 @@ def disk_credit(worker: WorkerInfo, block_size: int, default: float = DISK_HIT_C
     its all-steps rate until it has one: on a worker whose steps are mostly decodes the
     all-steps rate makes computing look slow and a slow read look worth taking."""
     load = worker.load
-    rate = load.prompt_tok_s or load.prefill_tok_s
+    rate = load.compute_tok_s
     if not load.disk_load_us or not rate:
         return default
     compute_us = block_size * 1e6 / rate

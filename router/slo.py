@@ -51,7 +51,7 @@ def local_ttft_s(
     queued = max(0, load.queued_tokens - load.running)  # a running decode queues its 1 token
     tokens = queued + num_uncached
     by_steps = -(-tokens // chunk_tokens) * load.step_us / 1e6 if load.step_us > 0 else None
-    rate = load.prompt_tok_s or (load.prefill_tok_s if all_steps_until_measured else 0)
+    rate = load.compute_tok_s if all_steps_until_measured else load.prompt_tok_s
     by_rate = tokens / rate if rate > 0 else None
     known = [s for s in (by_steps, by_rate) if s is not None]
     return max(known) if known else None
