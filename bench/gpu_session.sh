@@ -169,6 +169,7 @@ case $phase in
       timeout 200 python3 -m bench.first_steps --built-on $on "${prof[@]}" \
         --json "$out/first_steps_$on.json" > "$out/first_steps_$on.txt" 2> "$out/first_steps_$on.err"
       echo "first-steps $on rc=$?"; cat "$out/first_steps_$on.txt"
+      grep -h "kernel variant\|slow step" "$out/first_steps_$on.err" | cut -c1-300 | head -20
     done
     ;;
   transfer)

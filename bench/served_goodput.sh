@@ -112,7 +112,8 @@ case $part in
       echo "kvrelay $config$tag$seqs_tag rc=$? in $(( $(date +%s) - started )) s"
       log=$(ls -t /tmp/serve_bench_server_*.log 2>/dev/null | head -1)
       [ -n "$log" ] && mv "$log" "$out/kvrelay_$config$tag$seqs_tag.server.log"
-      grep -h "KV pool\|ready in" "$out/kvrelay_$config$tag$seqs_tag.server.log" "$out/kvrelay_$config$tag$seqs_tag.err" 2>/dev/null | cut -c1-300
+      # the Triton variants a served step met first (engine/execution/kernel_compiles.py)
+      grep -h "KV pool\|ready in\|kernel variant\|slow step" "$out/kvrelay_$config$tag$seqs_tag.server.log" "$out/kvrelay_$config$tag$seqs_tag.err" 2>/dev/null | cut -c1-300 | head -30
     done
     done
     ;;

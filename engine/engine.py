@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 
 from torch import nn
 
 from engine import warm_up
 from engine.config import EngineConfig, ModelConfig
+from engine.execution import kernel_compiles
 from engine.execution.backend_builder import DeviceSide, resolve_device
 from engine.execution.gc_heap import freeze_heap, thaw_heap
 from engine.execution.model_setup import build_device_parts
@@ -81,6 +83,22 @@ class Engine:
         thaw_heap(self.device)  # an earlier engine's frozen cycles are freed before sizing
         # Tensor parallelism: ranks 1.. follow this engine's steps (engine/parallel/).
         self.leader = start_leader(config, mc, start_follower)
+        # Triton variants built from here to the warm-up's end are start-up's; later, said
+        watch = kernel_compiles.install() if self.device.type == "cuda" else None
+        with watch.starting() if watch is not None else nullcontext():
+            self._start_device_side(config, folder, model)
+        if watch is not None and not watch.is_starting():  # a draft's engine starts inside
+            say(watch.start_line())
+        # served steps far slower than the recent ones: said on stderr
+        self.slow_steps = SlowSteps(config.model_id)
+        freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
+
+    def _start_device_side(
+        self, config: EngineConfig, folder: Path, model: nn.Module | None
+    ) -> None:
+        """Model, KV pool, backend and graphs, the draft model's engine, the step parts; then
+        the warm-up where it runs (its step parts are then built afresh)."""
+        mc = self.model_config
         try:
             parts = build_device_parts(config, mc, folder, self.device, model, self.leader)
         except BaseException:  # the follower ranks end with the failed start
@@ -104,9 +122,6 @@ class Engine:
                 raise
             # fresh step parts: counters, the sampler's seed and step timings start at serving
             self._build_step_parts(parts.model, parts.backend, draft)
-        # served steps far slower than the recent ones: said on stderr
-        self.slow_steps = SlowSteps(config.model_id)
-        freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     def _build_step_parts(
         self, model: nn.Module, backend: DeviceSide, draft: DraftModel | None

@@ -1,0 +1,135 @@
+"""Triton kernel variants met for the first time in this process, watched through Triton's
+compile hooks: counted while an engine starts (graph capture, warm-up), and once serving each one
+said on stderr with its kernel, specialization and time, as a shape the warm-up missed. Owns the
+process's watch: the hooks it chained, the compiles in progress, the counts.
+
+Why: on the H100 a fresh machine's first server stalled ~0.6 s on its first prompts while the
+second server on the same machine did not (bench/RESULTS.md, the seventh lease): a variant
+compiled once per machine and then loaded from Triton's cache on disk. Triton calls the hooks
+for every variant a process builds, from its disk cache or compiled (the time tells which), so
+a served run's log names what the warm-up should cover. CUDA only; a Triton without
+`triton.knobs.runtime` (before 3.4) is not watched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from engine.say import say
+
+MAX_SAID = 20  # served variants said one by one; past this only counted
+COMPILED_S = 0.05  # a variant taking longer than this was compiled, not loaded from the cache
+
+
+class CompileWatch:
+    def __init__(self, say_line: Callable[[str], None] = say) -> None:
+        self._say = say_line
+        self._lock = threading.Lock()  # the hooks run on whichever thread launches a kernel
+        self._in_progress: dict[tuple[str, str], float] = {}
+        self._starting = 0  # engines starting now (a draft model's engine starts inside one)
+        self.start_count = 0  # variants met while an engine started
+        self.start_s = 0.0
+        self.serving_count = 0  # and since: shapes the warm-up missed
+        self.serving_s = 0.0
+
+    def began(self, kernel: str, key: str) -> None:
+        with self._lock:
+            self._in_progress[(kernel, key)] = time.perf_counter()
+
+    def ended(self, kernel: str, key: str, spec: str) -> None:
+        with self._lock:
+            began = self._in_progress.pop((kernel, key), None)
+            seconds = 0.0 if began is None else time.perf_counter() - began
+            if self._starting:
+                self.start_count += 1
+                self.start_s += seconds
+                return
+            self.serving_count += 1
+            self.serving_s += seconds
+            count = self.serving_count
+        if count <= MAX_SAID:
+            how = "compiled" if seconds > COMPILED_S else "loaded from Triton's cache"
+            more = " (later ones are only counted)" if count == MAX_SAID else ""
+            self._say(
+                f"kernel variant met first while serving, {how} in {seconds * 1000:.0f} ms "
+                f"(a shape the warm-up missed; {count} so far{more}): {kernel} {spec}"
+            )
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """An engine starts: the variants met meanwhile are start-up's, counted, not said."""
+        with self._lock:
+            self._starting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting -= 1
+
+    def is_starting(self) -> bool:
+        with self._lock:
+            return self._starting > 0
+
+    def start_line(self) -> str:
+        return (
+            f"{self.start_count} Triton kernel variants built at start-up in "
+            f"{self.start_s:.1f} s (compiled on a machine's first start, then loaded from "
+            "Triton's cache)"
+        )
+
+
+_watch: CompileWatch | None = None
+_chained: tuple[Any, Any] | None = None  # the hooks that were set before ours
+
+
+def _runtime() -> Any | None:
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (CPU builds), or one older than 3.4
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    return runtime if hasattr(runtime, "jit_post_compile_hook") else None
+
+
+def install(say_line: Callable[[str], None] = say) -> CompileWatch | None:
+    """The process's watch, its hooks chained in front of any set before (their answers pass
+    through); None where Triton cannot be watched."""
+    global _watch, _chained
+    if _watch is not None:
+        return _watch
+    runtime = _runtime()
+    if runtime is None:
+        return None
+    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    watch = CompileWatch(say_line)
+
+    def name(kw: dict[str, Any]) -> str:
+        return str(getattr(kw.get("fn"), "name", "?"))
+
+    def on_begin(**kw: Any) -> Any:
+        watch.began(name(kw), str(kw.get("key")))
+        return before(**kw) if before is not None else None  # True would skip the compile
+
+    def on_end(**kw: Any) -> Any:
+        spec = str(kw.get("repr", ""))
+        spec = spec[spec.find("(") :] if "(" in spec else spec  # the arguments' types
+        watch.ended(name(kw), str(kw.get("key")), spec)
+        return after(**kw) if after is not None else None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_begin, on_end
+    _watch, _chained = watch, (before, after)
+    return watch
+
+
+def uninstall() -> None:
+    """Put back the hooks that were set before install (tests)."""
+    global _watch, _chained
+    runtime = _runtime()
+    if _watch is None or _chained is None or runtime is None:
+        return
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = _chained
+    _watch, _chained = None, None
