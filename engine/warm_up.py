@@ -7,7 +7,8 @@ on (Engine.__init__: step counters, the seeded sampler, step timings start at se
 
 On a GPU, served runs (bench/RESULTS.md, 2026-12-06) had a fresh server's first requests at TTFT
 270-660 ms against ~40-90 ms later for prompts of the same lengths; the RoPE/KV-write kernel
-alone has a variant per power of two of a step's tokens (rope_kv_kernel.heads_per_program). Off
+alone has a variant per power of two of a step's tokens (rope_kv_kernel.heads_per_program), and
+the second pass's steps carry odd token counts where the first pass's are even. Off
 CUDA there is nothing to load: the engine runs it on CUDA only unless told
 (EngineConfig.warm_up; `--no-warm-up`).
 """
@@ -27,7 +28,10 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.say import say
 
 ID = "kvrelay-warm-up"  # its requests' ids start so
-NUM_DECODERS = 8  # requests decoding while the second pass's prompts arrive (mixed steps)
+# requests decoding while the second pass's prompts arrive (mixed steps): odd, so that beside
+# the first pass's even step sizes those steps carry odd token counts (a Triton kernel may build
+# a variant per the alignment of a step's packed per-token rows: rope_kv_kernel.py)
+NUM_DECODERS = 7
 DECODER_PROMPT = 15  # tokens: less than a block, so a decoder's prompt takes one
 PROGRESS_EVERY_S = 15.0  # a long warm-up (kernels compiling) says how far it is this often
 

@@ -14,6 +14,7 @@ Fp8Linear's ScaledRows (unscaled product, row and column scales): the kernel sca
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -21,14 +22,27 @@ import torch
 from engine.execution import pdl
 from engine.quant.fp8_types import ScaledRows
 
+# Read one element per program (a token's position, KV slot block and offset, fp8 row scale), so
+# their alignment buys no wider load. In an eager step they are rows of the packed [4, T] int64
+# inputs (runner.py): positions and slot offsets are 16-byte aligned only when T is even, so
+# specialized on it, an eager step of an odd token count built a variant of its own, which the
+# warm-up's eager steps (all of even counts) never met: compiled in a served step on a fresh
+# machine, the likely ~0.2-0.6 s first-server stall of bench/RESULTS.md "What the leases found".
+PER_TOKEN_POINTERS = ("positions_ptr", "slot_block_ptr", "slot_offset_ptr", "row_scale_ptr")
+
 
 @functools.cache
 def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    # first_token changes from step to step: no variant per value's divisibility
-    @triton.jit(do_not_specialize=["kv_out_first_token"])
+    # first_token changes from step to step: no variant per value's divisibility; nor one per
+    # the per-token arrays' 16-byte alignment (see PER_TOKEN_POINTERS)
+    exempt = {"do_not_specialize_on_alignment": list(PER_TOKEN_POINTERS)}
+    if "do_not_specialize_on_alignment" not in inspect.signature(triton.jit).parameters:
+        exempt = {}  # a Triton before 3.3: the warm-up's odd token counts meet both variants
+
+    @triton.jit(do_not_specialize=["kv_out_first_token"], **exempt)
     def rope_write_kv(
         qkv_ptr,
         qkv_row_stride,

@@ -147,6 +147,20 @@ def test_rope_leaves_rotated_k_and_v_in_kv_out(
         rope_kv_kernel.rope_and_write_kv(qkv.clone(), *args, kv_out=short)
 
 
+def test_rope_builds_no_variant_per_the_per_token_rows_alignment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An eager step's positions and slot offsets are rows of a packed [4, T] tensor, 16-byte
+    aligned only when T is even; read one element a program, they are not specialized on it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled kernel's JITFunction, not built
+    params = {p.name: p for p in rope_kv_kernel._kernel.__wrapped__().params}
+    if not hasattr(params["positions_ptr"], "do_not_specialize_on_alignment"):
+        pytest.skip("this Triton specializes every pointer on its alignment")
+    exempt = {name for name, p in params.items() if p.do_not_specialize_on_alignment}
+    assert exempt == set(rope_kv_kernel.PER_TOKEN_POINTERS)
+    assert exempt <= {"positions_ptr", "slot_block_ptr", "slot_offset_ptr", "row_scale_ptr"}
+
+
 def test_heads_per_program_fills_the_gpu_without_tiny_programs() -> None:
     heads = 32 + 8  # the 8B shape's q + k heads
     assert rope_kv_kernel.heads_per_program(1, heads) == 1
