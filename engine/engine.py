@@ -293,11 +293,9 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         current = None
-        ended = False  # every request of the step ended before it was read (aborted)
         try:
             current = self.run_ahead.next_step()  # scheduled and launched, or launched ahead
             if current is not None:
-                ended = all(chunk.req.is_finished for chunk in current.scheduled.chunks)
                 self.run_ahead.launch_ahead(current)  # queued before current's tokens are read
                 outputs = self.output.process(current)  # its tokens appended; what stops, stops
                 self.run_ahead.settle()
@@ -309,7 +307,7 @@ class Engine:
         except Exception:  # its requests are fail_running's to end
             self._failed_steps = [current]
             raise
-        if current is not None and not ended:  # an ended step may have waited out an idle time
+        if current is not None:
             self._record_step(current, outputs)
         return outputs
 

@@ -52,8 +52,12 @@ class RunAhead:
 
     def next_step(self) -> InFlightStep | None:
         """The step to finish now: the one launched ahead, else one scheduled and launched now
-        (None when nothing is left to compute)."""
+        (None when nothing is left to compute). A step ahead whose requests were all aborted
+        since is dropped unread, as settle drops one (its GPU work just runs out): read, it
+        would be timed across the idle time after the aborts."""
         step, self.in_flight = self.in_flight, None
+        if step is not None and all(c.req.is_finished for c in step.scheduled.chunks):
+            step = None
         return step or self.launcher.launch_scheduled()
 
     def launch_ahead(self, current: InFlightStep) -> None:

@@ -276,8 +276,8 @@ def test_each_step_is_timed_with_its_own_tokens(make_engine, tokenizer, overlap)
 
 def test_a_step_whose_requests_were_all_aborted_is_not_timed(make_engine, tokenizer):
     """A step run ahead of a request that is then aborted stays in flight while the engine
-    idles; read when the next request comes, its time holds that idle time: it is not recorded
-    (it made a 3 s 'step' of one token, which the routers' TPOT rule then read)."""
+    idles; read when the next request comes, its time would hold that idle time (it made a 3 s
+    'step' of one token, which the routers' TPOT rule then read): RunAhead drops it unread."""
     engine = make_engine(max_num_batched_tokens=512, async_scheduling=True)
     engine.stats.rate = rate = RecordedRate()
     a = tokenizer.encode("The history of the printing press begins " * 12)
