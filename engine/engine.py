@@ -90,7 +90,7 @@ class Engine:
         if watch is not None and not watch.is_starting():  # a draft's engine starts inside
             say(watch.start_line())
         # served steps far slower than the recent ones: said on stderr
-        self.slow_steps = SlowSteps(config.model_id)
+        self.slow_steps = SlowSteps(self.config.model_id)
         freeze_heap(self.device)  # the start-up heap, out of the cyclic collector's walks
 
     def _start_device_side(

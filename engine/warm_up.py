@@ -8,7 +8,8 @@ on (Engine.__init__: step counters, the seeded sampler, step timings start at se
 On a GPU, served runs (bench/RESULTS.md, 2026-12-06) had a fresh server's first requests at TTFT
 270-660 ms against ~40-90 ms later for prompts of the same lengths; the RoPE/KV-write kernel
 alone has a variant per power of two of a step's tokens (rope_kv_kernel.heads_per_program), and
-the second pass's steps carry odd token counts where the first pass's are even. Off
+beside its odd number of decoders the second pass's steps mostly carry odd token counts where
+the first pass's are even (a budget-filling step, or drafts, can make them even again). Off
 CUDA there is nothing to load: the engine runs it on CUDA only unless told
 (EngineConfig.warm_up; `--no-warm-up`).
 """
@@ -93,6 +94,8 @@ def warm_up(engine: Engine) -> WarmUpRun:
     budget = config.scheduler.max_num_batched_tokens
     seats = config.scheduler.max_num_seqs or NUM_DECODERS + 1
     num_decoders = max(0, min(NUM_DECODERS, seats - 1))
+    if num_decoders and num_decoders % 2 == 0:  # odd, as NUM_DECODERS says why
+        num_decoders -= 1
     if engine.max_model_len < DECODER_PROMPT + 2:  # no room for a decoder's prompt and a token
         num_decoders = 0
     # a prompt and the decoders fit the pool together, each prompt leaving a token to decode

@@ -4,10 +4,12 @@ said on stderr with its kernel, specialization and time, as a shape the warm-up 
 process's watch: the hooks it chained, the compiles in progress, the counts.
 
 Why: on the H100 a fresh machine's first server stalled ~0.6 s on its first prompts while the
-second server on the same machine did not (bench/RESULTS.md, the seventh lease): a variant
+second server on the same machine did not (bench/RESULTS.md, leases L6 and L7): a variant
 compiled once per machine and then loaded from Triton's cache on disk. Triton calls the hooks
-for every variant a process builds, from its disk cache or compiled (the time tells which), so
-a served run's log names what the warm-up should cover. CUDA only; a Triton without
+for every variant a process builds, from its disk cache or compiled, so a served run's log
+names what the warm-up should cover. The time between the hooks only hints which it was (a
+process's first variant also hashes Triton's library; the module loads after the second hook).
+CUDA only, rank 0 only (a tensor-parallel follower is not watched); a Triton without
 `triton.knobs.runtime` (before 3.4) is not watched.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 from engine.say import say
 
 MAX_SAID = 20  # served variants said one by one; past this only counted
-COMPILED_S = 0.05  # a variant taking longer than this was compiled, not loaded from the cache
+COMPILED_S = 0.05  # a variant taking longer than this was likely compiled, not loaded
 
 
 class CompileWatch:
@@ -31,9 +33,9 @@ class CompileWatch:
         self._lock = threading.Lock()  # the hooks run on whichever thread launches a kernel
         self._in_progress: dict[tuple[str, str], float] = {}
         self._starting = 0  # engines starting now (a draft model's engine starts inside one)
-        self.start_count = 0  # variants met while an engine started
+        self.start_count = 0  # variants met since the latest start began, while it started
         self.start_s = 0.0
-        self.serving_count = 0  # and since: shapes the warm-up missed
+        self.serving_count = 0  # and since it ended: shapes the warm-up missed
         self.serving_s = 0.0
 
     def began(self, kernel: str, key: str) -> None:
@@ -52,17 +54,21 @@ class CompileWatch:
             self.serving_s += seconds
             count = self.serving_count
         if count <= MAX_SAID:
-            how = "compiled" if seconds > COMPILED_S else "loaded from Triton's cache"
+            how = "likely compiled" if seconds > COMPILED_S else "likely from Triton's cache"
             more = " (later ones are only counted)" if count == MAX_SAID else ""
             self._say(
-                f"kernel variant met first while serving, {how} in {seconds * 1000:.0f} ms "
+                f"kernel variant met first while serving, built in {seconds * 1000:.0f} ms, {how} "
                 f"(a shape the warm-up missed; {count} so far{more}): {kernel} {spec}"
             )
 
     @contextmanager
     def starting(self) -> Iterator[None]:
-        """An engine starts: the variants met meanwhile are start-up's, counted, not said."""
+        """An engine starts: the variants met meanwhile are start-up's, counted, not said; the
+        counts start afresh with each outermost start (a process may build several engines)."""
         with self._lock:
+            if not self._starting:
+                self.start_count, self.start_s = 0, 0.0
+                self.serving_count, self.serving_s = 0, 0.0
             self._starting += 1
         try:
             yield
@@ -84,6 +90,37 @@ class CompileWatch:
 
 _watch: CompileWatch | None = None
 _chained: tuple[Any, Any] | None = None  # the hooks that were set before ours
+_installing = threading.Lock()
+
+
+def describe(compile: dict[str, Any]) -> str:
+    """A variant as Triton's hooks pass it (their `compile` keyword): each argument's type,
+    marked `16-aligned` where the variant takes it so (pointers) or divisible by 16 (integers),
+    the constexpr values, warps and stages."""
+    signature = compile.get("signature") or {}
+    names = list(signature)
+    attrs = (compile.get("configs") or [{}])[0] or {}
+    aligned = {
+        names[key[0]]
+        for key, marks in attrs.items()
+        if isinstance(key, tuple) and len(key) == 1 and isinstance(key[0], int)
+        and key[0] < len(names) and any("divisibility" in str(mark) for mark in marks)
+    }  # fmt: skip
+    constants = {
+        names[key[0]]: value
+        for key, value in (compile.get("constants") or {}).items()
+        if isinstance(key, tuple) and len(key) == 1 and isinstance(key[0], int)
+        and key[0] < len(names)
+    }  # fmt: skip
+    args = [
+        f"{name}={constants[name]}" if name in constants
+        else f"{name}: {kind}{' 16-aligned' if name in aligned else ''}"
+        for name, kind in signature.items()
+    ]  # fmt: skip
+    return (
+        f"({', '.join(args)}) num_warps={compile.get('num_warps')} "
+        f"num_stages={compile.get('num_stages')}"
+    )
 
 
 def _runtime() -> Any | None:
@@ -99,30 +136,36 @@ def install(say_line: Callable[[str], None] = say) -> CompileWatch | None:
     """The process's watch, its hooks chained in front of any set before (their answers pass
     through); None where Triton cannot be watched."""
     global _watch, _chained
-    if _watch is not None:
-        return _watch
-    runtime = _runtime()
-    if runtime is None:
-        return None
-    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
-    watch = CompileWatch(say_line)
+    with _installing:
+        if _watch is not None:
+            return _watch
+        runtime = _runtime()
+        if runtime is None:
+            return None
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        watch = CompileWatch(say_line)
 
-    def name(kw: dict[str, Any]) -> str:
-        return str(getattr(kw.get("fn"), "name", "?"))
+        def name(kw: dict[str, Any]) -> str:
+            qualname = str(getattr(kw.get("fn"), "name", "?"))  # _kernel.<locals>.rope_write_kv
+            return qualname.rsplit(".", 1)[-1]
 
-    def on_begin(**kw: Any) -> Any:
-        watch.began(name(kw), str(kw.get("key")))
-        return before(**kw) if before is not None else None  # True would skip the compile
+        def on_begin(**kw: Any) -> Any:
+            answer = before(**kw) if before is not None else None  # truthy: no compile
+            if not answer:
+                watch.began(name(kw), str(kw.get("key")))
+            return answer
 
-    def on_end(**kw: Any) -> Any:
-        spec = str(kw.get("repr", ""))
-        spec = spec[spec.find("(") :] if "(" in spec else spec  # the arguments' types
-        watch.ended(name(kw), str(kw.get("key")), spec)
-        return after(**kw) if after is not None else None
+        def on_end(**kw: Any) -> Any:
+            try:
+                spec = describe(kw.get("compile") or {})
+            except Exception:  # a Triton passing other shapes: its own text
+                spec = str(kw.get("repr", ""))
+            watch.ended(name(kw), str(kw.get("key")), spec)
+            return after(**kw) if after is not None else None
 
-    runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_begin, on_end
-    _watch, _chained = watch, (before, after)
-    return watch
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_begin, on_end
+        _watch, _chained = watch, (before, after)
+        return watch
 
 
 def uninstall() -> None:

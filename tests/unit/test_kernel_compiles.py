@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from engine.execution import kernel_compiles
@@ -28,7 +26,7 @@ def test_start_up_variants_are_counted_and_served_ones_said() -> None:
     assert watch.serving_count == 1
     assert len(lines) == 1
     assert "rope_kv (q: *bf16, n: i32)" in lines[0]
-    assert "loaded from Triton's cache" in lines[0]  # it took well under COMPILED_S
+    assert "likely from Triton's cache" in lines[0]  # it took well under COMPILED_S
 
 
 def test_served_variants_past_the_limit_are_only_counted() -> None:
@@ -42,10 +40,28 @@ def test_served_variants_past_the_limit_are_only_counted() -> None:
     assert "later ones are only counted" in lines[-1]
 
 
-def test_install_chains_the_hooks_set_before_and_uninstall_puts_them_back() -> None:
+def test_a_second_engine_start_counts_afresh() -> None:
+    watch = CompileWatch(lambda _line: None)
+    for key in ("a", "b"):
+        with watch.starting():
+            watch.began("k", key)
+            watch.ended("k", key, "()")
+        watch.began("k", key + "-served")
+        watch.ended("k", key + "-served", "()")
+    assert (watch.start_count, watch.serving_count) == (1, 1)
+
+
+def test_install_chains_the_hooks_set_before_and_says_the_variant_triton_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     runtime = kernel_compiles._runtime()
     if runtime is None:
         pytest.skip("this Triton has no triton.knobs.runtime hooks")
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    from engine.attention import rope_kv_kernel
+
     calls: list[str] = []
 
     def earlier_begin(**kw: object) -> bool:
@@ -55,26 +71,34 @@ def test_install_chains_the_hooks_set_before_and_uninstall_puts_them_back() -> N
     def earlier_end(**kw: object) -> None:
         calls.append("end")
 
-    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
-    runtime.jit_cache_hook, runtime.jit_post_compile_hook = earlier_begin, earlier_end
+    monkeypatch.setattr(kernel_compiles, "_watch", None)  # an engine's watch of this process
+    monkeypatch.setattr(kernel_compiles, "_chained", None)
+    monkeypatch.setattr(runtime, "jit_cache_hook", earlier_begin)
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", earlier_end)
     lines: list[str] = []
-    try:
-        watch = kernel_compiles.install(lines.append)
-        assert watch is not None
-        assert kernel_compiles.install() is watch  # one watch a process
-        # the keywords Triton's JITFunction._call_hook passes
-        fn = types.SimpleNamespace(name="rope_kv_kernel")
-        kw = dict(key=("k",), repr="rope_kv_kernel[num_warps=4](q: *bf16, n: i32)", fn=fn,
-                  compile={}, is_manual_warmup=False, already_compiled=False)  # fmt: skip
-        assert runtime.jit_cache_hook(**kw) is False
-        runtime.jit_post_compile_hook(**kw)
-        assert calls == ["begin", "end"]
-        assert watch.serving_count == 1
-        assert lines and lines[0].endswith("rope_kv_kernel (q: *bf16, n: i32)")
-    finally:
-        kernel_compiles.uninstall()
-        assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == (
-            earlier_begin,
-            earlier_end,
-        )
-        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
+    watch = kernel_compiles.install(lines.append)
+    assert watch is not None
+    assert kernel_compiles.install() is watch  # one watch a process
+    # the hooks called as Triton's JITFunction._do_compile calls them, for the RoPE/KV-write
+    # kernel (built, not interpreted) with its positions 16-byte aligned and a constexpr set
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kernel = rope_kv_kernel._kernel.__wrapped__()
+    names = [p.name for p in kernel.params]
+    signature = {
+        p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32"
+        for p in kernel.params
+    }
+    constants = {(names.index("HEAD_DIM"),): 128}
+    attrs = {(names.index("positions_ptr"),): [["tt.divisibility", 16]]}
+    args = ("key", signature, GPUTarget("cuda", 90, 32), 0, constants, CUDAOptions(), [attrs])
+    assert not kernel._call_hook(runtime.jit_cache_hook, *args, False)
+    kernel._call_hook(runtime.jit_post_compile_hook, *args, False)
+    assert calls == ["begin", "end"]
+    assert watch.serving_count == 1
+    assert len(lines) == 1
+    said = lines[0].split("): ", 1)[1]
+    assert said.startswith("rope_write_kv (qkv_ptr: *bf16, ")
+    assert "positions_ptr: *bf16 16-aligned" in said and "HEAD_DIM=128" in said
+    assert "slot_offset_ptr: *bf16," in said  # not marked
+    kernel_compiles.uninstall()
+    assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == (earlier_begin, earlier_end)
