@@ -23,10 +23,11 @@ from engine.execution import pdl
 from engine.quant.fp8_types import ScaledRows
 
 # Read one element per program (a token's position, KV slot block and offset, fp8 row scale), so
-# their alignment buys no wider load. In an eager step they are rows of the packed [4, T] int64
-# inputs (runner.py): positions and slot offsets are 16-byte aligned only when T is even, so
-# specialized on it, an eager step of an odd token count built a variant of its own, which the
-# warm-up's eager steps (all of even counts) never met: compiled in a served step on a fresh
+# their alignment buys no wider load. They come as rows of a step's packed [4, T] int64 inputs
+# (runner.py: the slot offsets in every step that carries a prompt, the positions in eager ones
+# over 512 tokens), 16-byte aligned only when T is even; specialized on it, a step of an odd
+# token count built variants of their own, which the warm-up (odd counts only at 1 and 3
+# tokens, one of the kernel's seven blockings) never met: compiled in a served step on a fresh
 # machine, the likely ~0.2-0.6 s first-server stall of bench/RESULTS.md "What the leases found".
 PER_TOKEN_POINTERS = ("positions_ptr", "slot_block_ptr", "slot_offset_ptr", "row_scale_ptr")
 
