@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         default=0.8,
         help="busiest each pool may be, for headroom (default 0.8)",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the served model the plan is for: the scale command it prints names it (a "
+        "cluster serving several models asks which)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=plan_command)
 
@@ -80,19 +87,22 @@ def plan_command(args: argparse.Namespace) -> int:
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     result = plan(profile, workload, slo, args.max_workers, args.utilisation_target)
     if args.json:
-        print(json.dumps(plan_json(result, source), indent=2))
+        print(json.dumps(plan_json(result, source, args.model), indent=2))
     else:
-        print(format_plan(result, source, f"{profile.model}, {profile.device}"))
+        print(format_plan(result, source, f"{profile.model}, {profile.device}", args.model))
     return 0 if result.feasible else 1
 
 
-def scale_command(result: Plan) -> str:
+def scale_command(result: Plan, model: str | None = None) -> str:
+    """The `kvrelay scale` call that sets the plan's pool sizes (on model's pools, if named)."""
+    which = f" --model {shlex.quote(model)}" if model else ""
     return (
-        f"kvrelay scale --prefill {result.prefill.num_workers} --decode {result.decode.num_workers}"
+        f"kvrelay scale{which} --prefill {result.prefill.num_workers} "
+        f"--decode {result.decode.num_workers}"
     )
 
 
-def format_plan(result: Plan, source: str, measured: str) -> str:
+def format_plan(result: Plan, source: str, measured: str, model: str | None = None) -> str:
     w, slo, p, d = result.workload, result.slo, result.prefill, result.decode
     lines = [
         f"profile: {measured}",
@@ -111,7 +121,7 @@ def format_plan(result: Plan, source: str, measured: str) -> str:
         "",
     ]
     if result.feasible:
-        lines.append(f"run: {scale_command(result)}  ({result.num_workers} workers)")
+        lines.append(f"run: {scale_command(result, model)}  ({result.num_workers} workers)")
     else:
         lines.append(f"no pool sizes within --max-workers {result.max_workers} meet the SLO")
         lines.append("(the table shows the largest sizes tried):")
@@ -119,11 +129,11 @@ def format_plan(result: Plan, source: str, measured: str) -> str:
     return "\n".join(lines)
 
 
-def plan_json(result: Plan, source: str) -> dict[str, Any]:
+def plan_json(result: Plan, source: str, model: str | None = None) -> dict[str, Any]:
     w, slo = result.workload, result.slo
     return {
         "feasible": result.feasible,
-        "command": scale_command(result) if result.feasible else None,
+        "command": scale_command(result, model) if result.feasible else None,
         "num_workers": result.num_workers,
         "prefill": _finite(vars(result.prefill)),
         "decode": _finite(vars(result.decode)),

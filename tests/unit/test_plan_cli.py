@@ -33,6 +33,16 @@ def test_a_described_workload_prints_sizes_and_what_to_run(
     assert "run: kvrelay scale --prefill 3 --decode 1  (4 workers)" in out
 
 
+def test_the_command_names_the_model_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """A cluster serving several models refuses `kvrelay scale` without --model."""
+    argv = ["--rate", "8", "--input-len", "4096", "--output-len", "16", *SLO]
+    code, out, _ = run(capsys, *argv, "--model", "chat model")
+    assert code == 0
+    assert "run: kvrelay scale --model 'chat model' --prefill 3 --decode 1" in out
+    code, out, _ = run(capsys, *argv, "--model", "chat", "--json")
+    assert json.loads(out)["command"] == "kvrelay scale --model chat --prefill 3 --decode 1"
+
+
 def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--rate", "8", "--input-len", "256", "--output-len", "1024", "--cached-fraction"]
     code, out, _ = run(capsys, *argv, "0.5", *SLO, "--json")
