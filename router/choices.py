@@ -24,6 +24,7 @@ class ChoiceTrackers:
     def __init__(self, tokenizer: RouterTokenizer, prepared: Prepared, metrics: RouterMetrics):
         num_choices = prepared.request.sampling.n
         self.arrival, self.metrics = prepared.arrival, metrics
+        self.model = prepared.request.model
         self._first_token_seen = False
         self.refused = False  # the backend refused it before any output (Overloaded)
         self.trackers = [
@@ -36,7 +37,7 @@ class ChoiceTrackers:
         the first choice's (n choices counted it n times)."""
         if not self._first_token_seen:
             self._first_token_seen = True
-            self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.ttft.labels(model=self.model).observe(now - self.arrival)
 
     @property
     def finished(self) -> bool:

@@ -259,7 +259,7 @@ class Frontend:
         """
         req = prepared.request
         self.metrics.running.inc()
-        self.metrics.queue_time.observe(time.monotonic() - prepared.arrival)
+        self.metrics.queue_time.labels(model=req.model).observe(time.monotonic() - prepared.arrival)
         stream = self.backend.generate(req)
         first = True
         try:

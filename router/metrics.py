@@ -58,28 +58,35 @@ class RouterMetrics:
         self.per_model = False
         self._recent_by_model: dict[str, RecentLatencies] = {}
         r = self.registry
+        # the latencies by served model (a router may serve several: each its own objectives)
         self.ttft = Histogram(
             "kvrelay_time_to_first_token_seconds",
-            "Arrival at the router to the first generated token reaching it.",
+            "Arrival at the router to the first generated token reaching it, by served model.",
+            ["model"],
             registry=r,
             buckets=_LATENCY_BUCKETS,
         )
         self.itl = Histogram(
             "kvrelay_inter_token_latency_seconds",
-            "Time between two successive output tokens of one request (per token).",
+            "Time between two successive output tokens of one request (per token), by served"
+            " model.",
+            ["model"],
             registry=r,
             buckets=_LATENCY_BUCKETS,
         )
         self.queue_time = Histogram(
             "kvrelay_queue_time_seconds",
             "Arrival at the router to the backend taking the request (validation, tokenizing,"
-            " admission).",
+            " admission), by served model.",
+            ["model"],
             registry=r,
             buckets=_LATENCY_BUCKETS,
         )
         self.e2e_latency = Histogram(
             "kvrelay_request_latency_seconds",
-            "Arrival at the router to the request's end.",
+            'Arrival at the router to the request\'s end, by served model ("": refused before'
+            " its model was known).",
+            ["model"],
             registry=r,
             buckets=_LATENCY_BUCKETS,
         )
@@ -259,7 +266,7 @@ class RouterMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(num_cached_tokens)
         self.generation_tokens.inc(num_output_tokens)
-        self.e2e_latency.observe(latency_s)
+        self.e2e_latency.labels(model=model).observe(latency_s)
 
     # ---- cluster-backend hooks -----------------------------------------------------------
     def observe_transfer(self, stats: TransferStats) -> None:

@@ -115,12 +115,13 @@ class OutputTracker:
             self.first_token(now)
         else:
             gap = (now - self._last_token_time) / num_tokens
+            itl = self.metrics.itl.labels(model=self.model)
             for _ in range(num_tokens):
-                self.metrics.itl.observe(gap)
+                itl.observe(gap)
         self._last_token_time = now
 
     def _observe_ttft(self, now: float) -> None:
-        self.metrics.ttft.observe(now - self.arrival)
+        self.metrics.ttft.labels(model=self.model).observe(now - self.arrival)
 
     def record_end(self, num_output_tokens: int | None = None) -> None:
         """Called once when the request leaves the router, however it ended; one that finished

@@ -161,6 +161,9 @@ def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list
     metrics = get(harness, "/metrics")
     assert f'kvrelay_model_requests_total{{finish_reason="length",model="{B}"}} 1.0' in metrics
     assert 'kvrelay_model_requests_total{finish_reason="length",model="tiny-a"}' not in metrics
+    assert f'kvrelay_time_to_first_token_seconds_count{{model="{B}"}} 1.0' in metrics
+    assert f'kvrelay_request_latency_seconds_count{{model="{B}"}} 1.0' in metrics
+    assert 'kvrelay_time_to_first_token_seconds_count{model="tiny-a"}' not in metrics
 
     # Scaling: one controller per model; without --model the CLI refuses to guess.
     controllers = find_controllers()

@@ -26,7 +26,7 @@ def tokenizer(smollm_dir) -> RouterTokenizer:
 
 
 def make_trackers(tokenizer: RouterTokenizer, n: int, stop: tuple[str, ...] = ()) -> ChoiceTrackers:
-    request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8, n=n))
+    request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8, n=n), model="tiny")
     return ChoiceTrackers(tokenizer, Prepared(request, stop, arrival=0.0), RouterMetrics())
 
 
@@ -77,6 +77,7 @@ def test_the_time_to_first_token_is_observed_once_a_request(tokenizer: RouterTok
     ttft = trackers.metrics.ttft.collect()[0]
     count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
     assert count == 1  # one request (each choice counted it: 3)
+    assert {s.labels["model"] for s in ttft.samples} == {"tiny"}  # by served model
 
 
 def test_a_lost_worker_none_replaced_is_unavailable_and_a_refusal_no_finished_request(

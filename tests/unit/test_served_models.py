@@ -108,6 +108,7 @@ def test_metrics_count_requests_by_model() -> None:
     text = metrics.render().decode()
     assert 'kvrelay_model_requests_total{finish_reason="stop",model="b"} 1.0' in text
     assert 'kvrelay_model_generation_tokens_total{model="b"} 2.0' in text
+    assert 'kvrelay_request_latency_seconds_count{model="b"} 1.0' in text
     assert metrics.recent_of("b") is metrics.recent  # one model: the router's own latencies
     metrics.per_model = True
     assert metrics.recent_of("b") is not metrics.recent
