@@ -198,7 +198,7 @@ class Placer:
     ) -> tuple[Placement, int]:
         """A prefill placement after the routed one failed (no objectives: the request is
         already admitted) and the prompt tokens it leaves to compute (placed on it)."""
-        with traces.placement_span(request, "router.place_prefill") as span:
+        with traces.placement_span(request, "router.place_prefill", excluded) as span:
             workers, overlap = await self.candidates("prefill", hashes, excluded)
             # No await from here to place(): concurrent placements each see the ones before.
             workers = self.workers.with_placed(workers)
@@ -217,7 +217,7 @@ class Placer:
         """A decode worker to compute the prompt itself (counted as placed there) after the
         prefill pool emptied or an aggregated placement failed: no objectives (the request is
         already admitted); raises NoWorkerAvailable when no decode worker is left."""
-        with traces.placement_span(request, "router.place_aggregated") as span:
+        with traces.placement_span(request, "router.place_aggregated", excluded) as span:
             workers, overlap = await self.candidates("decode", hashes, excluded)
             # No await from here to place(): concurrent placements each see the ones before.
             inputs = RouteInputs(
@@ -239,7 +239,7 @@ class Placer:
     async def place_decode(self, request: GenerateRequest, excluded: frozenset[str]) -> WorkerInfo:
         """The decode worker for a prefilled request (counted as placed there): among those
         predicted within the TPOT objective when any is."""
-        with traces.placement_span(request, "router.place_decode") as span:
+        with traces.placement_span(request, "router.place_decode", excluded) as span:
             workers, _ = await self.candidates("decode", [], excluded)
             workers = self.workers.with_placed(workers)
             if self.slo.tpot_ms > 0:

@@ -69,19 +69,28 @@ def end_request(trace: SpanHandle, tracker: ChoiceTrackers, exc: BaseException |
     tracing.end_span(trace.span, attributes, error)
 
 
-def start_placement(request: GenerateRequest, name: str) -> Span | None:
-    """A placement step of the request (router.route, router.place_prefill, ...)."""
+def start_placement(
+    request: GenerateRequest, name: str, excluded: frozenset[str] = frozenset()
+) -> Span | None:
+    """A placement step of the request (router.route, router.place_prefill, ...); a retry's
+    (excluded: the workers that failed it or stopped taking work) says which attempt it is
+    and which workers it passed over."""
     if request.traceparent is None:
         return None
-    return tracing.start_span(name, request.traceparent)
+    attributes: dict[str, str | int] = {"kvrelay.attempt": len(excluded) + 1}
+    if excluded:
+        attributes["kvrelay.excluded_workers"] = ",".join(sorted(excluded))
+    return tracing.start_span(name, request.traceparent, attributes)
 
 
 @contextlib.contextmanager
-def placement_span(request: GenerateRequest, name: str) -> Iterator[Span | None]:
+def placement_span(
+    request: GenerateRequest, name: str, excluded: frozenset[str] = frozenset()
+) -> Iterator[Span | None]:
     """A placement step's span (None: untraced), ended by end_placement when the step placed
     the request; ended failed when the step raises (refused for the objectives, no worker, the
     index down, cancelled while it queued)."""
-    span = start_placement(request, name)
+    span = start_placement(request, name, excluded)
     try:
         yield span
     except BaseException as e:

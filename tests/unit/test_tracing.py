@@ -23,6 +23,7 @@ from deploy.serve_flags import spec_from_args
 from engine.finish_reason import FinishReason
 from engine.models.loader import resolve_model
 from engine.sampling.sampling_params import SamplingParams
+from router import traces
 from router.backend import Backend
 from router.errors import Overloaded
 from router.frontend import Frontend, RequestSpec
@@ -246,3 +247,22 @@ def test_a_collector_that_never_answers_does_not_hold_up_shutdown(monkeypatch, c
                 tracing.shutdown()
     assert not tracing.enabled()
     assert "did not take the last spans within 0.2 s" in caplog.text
+
+
+def test_a_retried_placement_says_its_attempt_and_the_workers_it_passed_over(
+    spans: InMemorySpanExporter,
+) -> None:
+    """router/traces.py: a placement after failed ones (ClusterBackend's retries pass the
+    workers that failed) carries its attempt number; the first carries 1 and no list."""
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=2), traceparent=CLIENT)
+    with traces.placement_span(request, "router.route") as span:
+        traces.end_placement(span)
+    with traces.placement_span(request, "router.place_decode", frozenset({"d1", "d0"})) as span:
+        traces.end_placement(span)
+    first, retry = spans.get_finished_spans()
+    assert (first.name, retry.name) == ("router.route", "router.place_decode")
+    assert first.attributes["kvrelay.attempt"] == 1
+    assert "kvrelay.excluded_workers" not in first.attributes
+    assert retry.attributes["kvrelay.attempt"] == 3
+    assert retry.attributes["kvrelay.excluded_workers"] == "d0,d1"
+    assert retry.parent is not None and retry.parent.span_id == first.parent.span_id  # the client's
