@@ -7,6 +7,7 @@ into ModelPools before any process starts. Holds no state.
         prefill: 1                       # default: --prefill
         decode: 2                        # default: --decode
         flags: {kv-cache-gib: 0.5, max-model-len: 2048}   # any engine flag of `kvrelay serve`
+        autoscale: {decode: "1:4"}       # default: --autoscale-prefill / --autoscale-decode
       - model: path/to/other.gguf
 """
 
@@ -19,21 +20,28 @@ from pathlib import Path
 from typing import Any
 
 from common.cluster_state import MAX_POOL_SIZE
+from deploy.autoscale import AutoscaleConfig
 from deploy.engine_flags import add_engine_flags
 from deploy.local_cluster import ModelPools
 from engine.config import EngineConfig
 
-ENTRY_FIELDS = frozenset({"model", "prefill", "decode", "flags"})
+ENTRY_FIELDS = frozenset({"model", "prefill", "decode", "flags", "autoscale"})
+AUTOSCALE_ROLES = ("prefill", "decode")
+
+AutoscaleFrom = Callable[[argparse.Namespace], AutoscaleConfig | None]
 
 
 def read_models_file(
     path: str,
     args: argparse.Namespace,
     engine_from_args: Callable[[argparse.Namespace], EngineConfig],
+    autoscale_from_args: AutoscaleFrom,
 ) -> list[ModelPools]:
     """Each entry's ModelPools: its engine from the command line's engine flags with the
     entry's own on top (`engine_from_args` checks them as on the command line), its sizes or
-    --prefill / --decode. ValueError naming the file, the entry and the field."""
+    --prefill / --decode, its autoscale bounds or --autoscale-prefill / --autoscale-decode
+    (`autoscale_from_args` checks them against its sizes). ValueError naming the file, the
+    entry and the field."""
     import yaml
 
     try:
@@ -47,7 +55,7 @@ def read_models_file(
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"--models-file {path}: wants `models:`, a list of one or more models")
     return [
-        _pools(f"--models-file {path}: models[{i}]", e, args, engine_from_args)
+        _pools(f"--models-file {path}: models[{i}]", e, args, engine_from_args, autoscale_from_args)
         for i, e in enumerate(entries)
     ]
 
@@ -66,6 +74,7 @@ def _pools(
     entry: Any,
     args: argparse.Namespace,
     engine_from_args: Callable[[argparse.Namespace], EngineConfig],
+    autoscale_from_args: AutoscaleFrom,
 ) -> ModelPools:
     if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
         raise ValueError(f"{where}: wants a mapping with `model: NAME_OR_PATH`")
@@ -95,7 +104,20 @@ def _pools(
         engine = engine_from_args(ns)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return ModelPools(engine, sizes["prefill"], sizes["decode"])
+    bounds = entry.get("autoscale") or {}
+    if not isinstance(bounds, dict) or not set(bounds) <= set(AUTOSCALE_ROLES):
+        raise ValueError(
+            f'{where}.autoscale: wants a mapping of prefill and/or decode -> "MIN:MAX", '
+            f"got {bounds!r}"
+        )
+    sized = argparse.Namespace(**{**vars(args), **sizes})
+    for role, text in bounds.items():
+        setattr(sized, f"autoscale_{role}", None if text is None else str(text))
+    try:
+        autoscale = autoscale_from_args(sized)
+    except ValueError as e:
+        raise ValueError(f"{where}.autoscale: {e}") from None
+    return ModelPools(engine, sizes["prefill"], sizes["decode"], autoscale)
 
 
 def _engine_args(where: str, flags: dict[str, Any], args: argparse.Namespace) -> argparse.Namespace:

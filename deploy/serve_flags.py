@@ -265,24 +265,17 @@ def _model_pools(args: argparse.Namespace, engine: EngineConfig) -> list[ModelPo
     if args.models_file is None:
         if args.served_model_name is not None and len(models_from_args(args)) > 1:
             raise ValueError(several + "(`served-model-name` in its --models-file flags)")
-        pools = [
-            ModelPools(replace(engine, model=model), args.prefill, args.decode)
+        autoscale = autoscale_from_args(args)
+        return [
+            ModelPools(replace(engine, model=model), args.prefill, args.decode, autoscale)
             for model in models_from_args(args)
         ]
-    else:
-        if args.model is not None or args.model_flag:
-            raise ValueError("give the models either as MODEL / --model or in --models-file")
-        pools = read_models_file(args.models_file, args, engine_from_args)
-        if args.served_model_name is not None and len(pools) > 1:
-            raise ValueError(several + f"in {args.models_file} (`served-model-name` in its flags)")
-    return [
-        replace(p, autoscale=autoscale_from_args(_sized(args, p.num_prefill, p.num_decode)))
-        for p in pools
-    ]
-
-
-def _sized(args: argparse.Namespace, prefill: int, decode: int) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "prefill": prefill, "decode": decode})
+    if args.model is not None or args.model_flag:
+        raise ValueError("give the models either as MODEL / --model or in --models-file")
+    pools = read_models_file(args.models_file, args, engine_from_args, autoscale_from_args)
+    if args.served_model_name is not None and len(pools) > 1:
+        raise ValueError(several + f"in {args.models_file} (`served-model-name` in its flags)")
+    return pools
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:

@@ -219,3 +219,40 @@ def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> 
     path.write_text("models: [{model: a.gguf, prefill: 2}]")
     with pytest.raises(ValueError, match=r"models\[0\].prefill: --prefill 0 .* every model's"):
         parse("--models-file", str(path), "--prefill", "0")
+
+
+def test_a_models_file_gives_each_model_its_autoscale_bounds(tmp_path) -> None:
+    """An entry's `autoscale` bounds its pools; a role it leaves out takes the command line's
+    --autoscale-*; a model with none keeps its sizes (each controller autoscales its own)."""
+
+    def parse(*argv: str):
+        return spec_from_args(build_parser().parse_args(["serve", *argv]))
+
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "models:\n"
+        "  - {model: a.gguf, decode: 2, autoscale: {decode: '1:4'}}\n"
+        "  - {model: b.gguf}\n"
+        "  - {model: c.gguf, autoscale: {prefill: '1:2', decode: null}}\n"
+    )
+    a, b, c = parse("--models-file", str(path)).models
+    assert a.autoscale is not None and a.autoscale.autoscaled == ("decode",)
+    assert (a.autoscale.min_size, a.autoscale.max_size) == (
+        {"prefill": 1, "decode": 1},
+        {"prefill": 1, "decode": 4},
+    )
+    assert b.autoscale is None
+    assert c.autoscale is not None and c.autoscale.autoscaled == ("prefill",)
+    a, b, c = parse("--models-file", str(path), "--autoscale-decode", "1:3").models
+    assert a.autoscale is not None and a.autoscale.max_size["decode"] == 4  # its own
+    assert b.autoscale is not None and b.autoscale.max_size["decode"] == 3  # the command line's
+    assert c.autoscale is not None and c.autoscale.autoscaled == ("prefill",)  # decode: none
+    for text, error in (
+        ("models: [{model: a.gguf, autoscale: {decode: '4:1'}}]", r"models\[0\].autoscale: "),
+        ("models: [{model: a.gguf, decode: 5, autoscale: {decode: '1:4'}}]", "outside"),
+        ("models: [{model: a.gguf, autoscale: {tp: '1:2'}}]", "prefill and/or decode"),
+        ("models: [{model: a.gguf, autoscale: '1:2'}]", "prefill and/or decode"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=error):
+            parse("--models-file", str(path))
