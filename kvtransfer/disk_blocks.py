@@ -172,11 +172,14 @@ class DiskBlockFiles(BlockFormat):
         return self.dir / f"{block_hash:016x}{SUFFIX}"
 
     # ---- write and read ------------------------------------------------------------------
-    def write(self, block_hash: int, row: torch.Tensor, salt_root: int = 0) -> None:
+    def write(
+        self, block_hash: int, row: torch.Tensor, salt_root: int = 0, priority: int = 0
+    ) -> None:
         """Publish row (one block's KV) as block_hash's file. salt_root: its cache_salt's chain
-        root (0: none), kept for `kvrelay kv evict --salt`. Raises OSError (ENOSPC for a full
-        disk) with nothing left behind."""
-        tmp = self.write_temp(block_hash, row, salt_root=salt_root)
+        root (0: none), kept for `kvrelay kv evict --salt`; priority: its retention priority,
+        which a warm restart adopts it at. Raises OSError (ENOSPC for a full disk) with
+        nothing left behind."""
+        tmp = self.write_temp(block_hash, row, priority, salt_root)
         try:
             os.replace(tmp, self.path(block_hash))
         except BaseException:

@@ -87,7 +87,7 @@ def build_disk_tier(
         raise
     tier.give_back_folder = partial(release_folder, cache.disk_kv_path)
     found = files.scan()
-    kept = tier.adopt(found.hashes, DEFAULT_PRIORITY)
+    kept = tier.adopt(found.hashes, partial(_recorded_priority, files))
     if ranked is not None:  # every rank reads its heads when matched (no reads behind the step)
         tier.listener = ranked
         ranked.keep_only(tier.cached_hashes())
@@ -170,10 +170,17 @@ def build_shared_store(
     return store
 
 
+def _recorded_priority(files: DiskBlockFiles, block_hash: int) -> int:
+    """The retention priority a block file recorded when it was written (disk-tier files
+    written before 2026-12-07 recorded 0 there: kept at the lowest, evicted first)."""
+    hint = files.hint(block_hash)
+    return DEFAULT_PRIORITY if hint is None else hint[0]
+
+
 def _write_block(files: DiskBlockFiles, job: PublishJob) -> Published:
     """One disk tier write behind the step, on the writer's own files (OSError: refused)."""
     try:
-        files.write(job.block_hash, job.row, job.salt_root)  # type: ignore[arg-type]
+        files.write(job.block_hash, job.row, job.salt_root, job.priority)  # type: ignore[arg-type]
     except OSError as e:
         return Published(job.block_hash, False, e, ())
     return Published(job.block_hash, True, None, ())

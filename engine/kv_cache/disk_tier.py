@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 class BlockFiles(Protocol):
     """Where a disk tier's blocks live (kvtransfer.disk_blocks.DiskBlockFiles)."""
 
-    def write(self, block_hash: int, row: object, salt_root: int) -> None: ...  # OSError
+    def write(  # OSError
+        self, block_hash: int, row: object, salt_root: int, priority: int
+    ) -> None: ...
 
     def read(self, block_hash: int) -> object: ...  # raises an error for a bad file
 
@@ -123,14 +125,15 @@ class DiskTier(FileStage):
         return events + ([] if self.shared is None else self.shared.drain_events())
 
     # ---- writing --------------------------------------------------------------------------
-    def adopt(self, block_hashes: list[int], priority: int) -> int:
+    def adopt(self, block_hashes: list[int], priority: Callable[[int], int]) -> int:
         """Files found at start (a warm restart), oldest first: tracked up to the bound (the
-        oldest beyond it removed); returns how many are kept."""
+        oldest beyond it removed), each at priority(its hash) (what its file recorded);
+        returns how many are kept."""
         extra = max(0, len(block_hashes) - self.num_slots)
         for block_hash in block_hashes[:extra]:
             self.files.remove(block_hash)
         for block_hash in block_hashes[extra:]:
-            self._add(block_hash, priority)
+            self._add(block_hash, priority(block_hash))
         return len(block_hashes) - extra
 
     def put(self, spill: Spill, row: object) -> bool:
@@ -153,7 +156,7 @@ class DiskTier(FileStage):
             while len(self._priority) >= self.num_slots:
                 self._evict()
             try:
-                self.files.write(spill.block_hash, row, salt_root)
+                self.files.write(spill.block_hash, row, salt_root, spill.priority)
             except OSError as e:
                 self._refused(e)
                 return False

@@ -100,17 +100,17 @@ class RankedBlockFiles:
         rank 0 adopted; one a follower lacks fails its first check and is removed)."""
         self.leader.send(DiskPlan("keep", tuple(block_hashes)))
 
-    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
+    def write(self, block_hash: int, row: object, salt_root: int = 0, priority: int = 0) -> None:
         """Every rank writes its heads of the spilled block (rank 0's file names its salt root,
-        which `kvrelay kv evict --salt` reads); OSError (nothing left on any rank) when one
-        could not."""
+        which `kvrelay kv evict --salt` reads, and its priority, which a warm restart adopts);
+        OSError (nothing left on any rank) when one could not."""
         if not isinstance(row, SpillRow):
             raise TypeError(f"a tensor-parallel disk tier writes a SpillRow, not {type(row)}")
         spill = row.spill
         self.leader.send(DiskPlan("write", (block_hash,), spill.src, spill.from_host))
         failure: OSError | None = None
         try:
-            self.files.write(block_hash, row.row, salt_root)
+            self.files.write(block_hash, row.row, salt_root, priority)
         except OSError as error:
             failure = error
         if not self.leader.agree(failure is None):

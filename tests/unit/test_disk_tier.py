@@ -31,12 +31,14 @@ class DictFiles:
 
     def __init__(self) -> None:
         self.files: dict[int, object] = {}
+        self.priorities: dict[int, int] = {}  # what each file recorded
         self.full = False
 
-    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
+    def write(self, block_hash: int, row: object, salt_root: int = 0, priority: int = 0) -> None:
         if self.full:
             raise OSError(28, "No space left on device")
         self.files[block_hash] = row
+        self.priorities[block_hash] = priority
 
     def read(self, block_hash: int) -> object:
         if self.files.get(block_hash) == "bad":
@@ -47,7 +49,7 @@ class DictFiles:
         self.files.pop(block_hash, None)
 
     def hint(self, block_hash: int) -> tuple[int, int] | None:
-        return (0, 0) if block_hash in self.files else None
+        return (self.priorities.get(block_hash, 0), 0) if block_hash in self.files else None
 
 
 def put(tier: DiskTier, block_hash: int, priority: int = 35) -> bool:
@@ -148,10 +150,23 @@ def test_adopt_keeps_the_newest_files_up_to_the_bound() -> None:
     files = DictFiles()
     files.files = {h: f"kv{h}" for h in (10, 11, 12, 13)}
     tier = DiskTier(3, files)
-    assert tier.adopt([10, 11, 12, 13], 35) == 3
+    assert tier.adopt([10, 11, 12, 13], lambda _: 35) == 3
     assert set(files.files) == {11, 12, 13} and not tier.has(10)
     with pytest.raises(ValueError, match="num_blocks"):
         DiskTier(0, files)
+
+
+def test_a_block_file_records_its_priority_and_a_restart_adopts_it_at_that() -> None:
+    """A warm restart keeps the retention the blocks were spilled with: the block written at
+    priority 80 outlives the default ones when the restarted tier must evict."""
+    files = DictFiles()
+    before = DiskTier(4, files)
+    assert put(before, 1, priority=80) and put(before, 2) and put(before, 3)
+    assert files.priorities == {1: 80, 2: 35, 3: 35}
+    after = DiskTier(3, files)  # the restart: a new tier over the same files
+    assert after.adopt([1, 2, 3], lambda h: files.priorities[h]) == 3
+    assert put(after, 4)  # the bound: the lowest priority, oldest goes
+    assert after.has(1) and not after.has(2) and after.has(3) and after.has(4)
 
 
 def test_host_evictions_are_spilled_once_and_known_blocks_are_not_rewritten() -> None:
@@ -187,8 +202,9 @@ def test_device_evictions_spill_when_no_host_slot_can_take_them() -> None:
 def test_block_files_round_trip_and_refuse_bad_ones(tmp_path) -> None:
     kv = torch.randn(4, 2, 2, 2, 16, 8, dtype=torch.bfloat16)
     files = DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype)
-    files.write(7, kv[1])
+    files.write(7, kv[1], salt_root=5, priority=80)
     assert torch.equal(files.read(7), kv[1])
+    assert files.hint(7) == (80, 5)  # what eviction and a warm restart read
     path = files.path(7)
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 3] ^= 1
@@ -300,10 +316,10 @@ class HeldFiles(DictFiles):
         self.go = threading.Event()
         self.started = threading.Event()
 
-    def write(self, block_hash: int, row: object, salt_root: int = 0) -> None:
+    def write(self, block_hash: int, row: object, salt_root: int = 0, priority: int = 0) -> None:
         self.started.set()
         assert self.go.wait(30), "the test never let the write go"
-        super().write(block_hash, row, salt_root)
+        super().write(block_hash, row, salt_root, priority)
 
 
 def writing_tier(files: DictFiles, max_queued: int = 8) -> DiskTier:
@@ -312,7 +328,7 @@ def writing_tier(files: DictFiles, max_queued: int = 8) -> DiskTier:
 
     def run(job: PublishJob) -> Published:
         try:
-            files.write(job.block_hash, job.row, job.salt_root)
+            files.write(job.block_hash, job.row, job.salt_root, job.priority)
         except OSError as e:
             return Published(job.block_hash, False, e, ())
         return Published(job.block_hash, True, None, ())
