@@ -159,17 +159,20 @@ def check_moe_quant(config: ModelConfig, quant: QuantScheme | None) -> None:
         )
 
 
-def sparse_moe(config: ModelConfig) -> SparseMoe:
+def sparse_moe(config: ModelConfig, tp: TensorParallel = SINGLE) -> SparseMoe:
     """One MoE layer's mlp, shaped and rounded as config's family (Mixtral keeps its routing
-    weights in float32, Qwen casts them to the model's dtype: moe.SparseMoe)."""
+    weights in float32, Qwen casts them to the model's dtype: moe.SparseMoe); on a
+    tensor-parallel rank, its share of each expert's columns, its output all-reduced."""
+    n = tp.world_size
     return SparseMoe(
         config.hidden_size,
-        config.moe_intermediate_size,
+        config.moe_intermediate_size // n,
         config.num_experts,
         config.num_experts_per_tok,
         config.norm_topk_prob,
-        config.shared_expert_intermediate_size,
+        config.shared_expert_intermediate_size // n,
         float32_routing_weights=MOE_FAMILIES.get(config.architecture) == "mixtral",
+        all_reduce=tp.all_reduce if tp.is_parallel else None,
     )
 
 
@@ -187,7 +190,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer, rope, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MLP | SparseMoe = (
-            sparse_moe(config) if layer in config.moe_layers else MLP(config, quant, tp)
+            sparse_moe(config, tp) if layer in config.moe_layers else MLP(config, quant, tp)
         )
 
     def forward(

@@ -14,11 +14,13 @@ model's dtype, multiplied by its weight (in the weight's dtype), and the top-k p
 summed in float32 and rounded once. On CUDA the experts run in moe_kernels.py's fused Triton
 kernels; elsewhere in `reference_experts`, plain torch over the experts that got tokens.
 
-Tensor parallelism (later): the router is replicated and forward's output is linear in each
-expert's down product (the routing weights and the shared expert's sigmoid gate multiply the
-products; the top-k sum adds them), so splitting I across ranks (each rank holding its slice of
-every expert's gate rows, up rows and down columns, and of the shared expert's) needs only an
-all-reduce of forward's output; nothing here assumes I is whole.
+Tensor parallelism: the router is replicated and forward's output is linear in each expert's
+down product (the routing weights and the shared expert's sigmoid gate multiply the products;
+the top-k sum adds them), so with I split across ranks (each rank holding its slice of every
+expert's gate rows, up rows and down columns, and of the shared expert's: parallel/sharding.py)
+forward's output is the rank's partial sum, which `all_reduce` adds up; nothing here assumes I
+is whole. The ranks' partial sums are rounded to the model's dtype before they are added, as a
+dense MLP's row-parallel down_proj's are.
 """
 
 from __future__ import annotations
@@ -75,8 +77,12 @@ class SparseMoe(nn.Module):
         *,
         float32_routing_weights: bool = False,
         quant: Fp8Config | None = None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
+        """expert_size / shared_expert_size: this rank's columns of each (a tensor-parallel
+        rank's share); all_reduce: adds the ranks' outputs (None: one rank)."""
         super().__init__()
+        self.all_reduce = all_reduce
         if quant is not None:
             raise ValueError(
                 "quant: FP8 experts are not supported; a MoE layer's experts run in the "
@@ -141,7 +147,7 @@ class SparseMoe(nn.Module):
         if self.shared_expert_size > 0:
             shared = swiglu(x, self.shared_gate_up, self.shared_down)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,8 @@ class RankShard(NamedTuple):
     kv_heads: range
     intermediate: range  # MLP columns (of gate, of up, and rows of down's input)
     vocab: range  # rows of the embedding and LM head; may reach past vocab_size (padding)
+    expert: range = range(0)  # each MoE expert's columns, as intermediate is a dense MLP's
+    shared_expert: range = range(0)  # and a shared expert's (Qwen2-MoE)
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
@@ -111,16 +113,13 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"tensor_parallel_size {size}: Gemma 3 is not split across tensor-parallel ranks yet "
             "(run it at tensor_parallel_size 1)"
         )
-    if config.num_experts and size > 1:
-        raise ValueError(
-            f"tensor_parallel_size {size}: {config.architecture}'s MoE experts are not split "
-            "across tensor-parallel ranks yet (run it at tensor_parallel_size 1)"
-        )
-    if config.intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} must divide the model's intermediate_size "
-            f"{config.intermediate_size}"
-        )
+    widths = {"intermediate_size": config.intermediate_size}
+    if config.num_experts:  # each expert's columns are split as a dense MLP's are
+        widths["moe_intermediate_size"] = config.moe_intermediate_size
+        widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    for field, width in widths.items():
+        if width % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's {field} {width}")
 
 
 def rank_kv_heads(num_kv_heads: int, rank: int, size: int) -> range:
@@ -136,13 +135,18 @@ def rank_shard(config: ModelConfig, tp: TensorParallel) -> RankShard:
     r, n = tp.rank, tp.world_size
     heads = config.num_heads // n
     kv = rank_kv_heads(config.num_kv_heads, r, n)
-    inter = config.intermediate_size // n
     rows = -(-config.vocab_size // n)
+
+    def part(width: int) -> range:  # the rank's 1/n of width columns
+        return range(r * width // n, (r + 1) * width // n)
+
     return RankShard(
         range(r * heads, (r + 1) * heads),
         kv,
-        range(r * inter, (r + 1) * inter),
+        part(config.intermediate_size),
         range(r * rows, (r + 1) * rows),
+        part(config.moe_intermediate_size if config.num_experts else 0),
+        part(config.shared_expert_intermediate_size if config.num_experts else 0),
     )
 
 

@@ -1,5 +1,6 @@
 """The engine at tensor-parallel size 2 (two ranks: this process and a follower process, gloo)
-against size 1 and transformers on tiny random checkpoints: greedy, token for token, through
+against size 1 and transformers on tiny random checkpoints (Llama, Qwen3, and Qwen3-MoE with its
+experts split across the ranks): greedy, token for token, through
 prefix-cache hits, a partly reused block and the host tier; dummy weights; a follower killed
 mid-run."""
 
@@ -52,12 +53,20 @@ def run_waves(engine: Engine) -> tuple[list[list[int]], list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("architecture", "num_kv_heads"),
-    [("llama", 2), ("llama", 1), ("qwen3", 2)],
-    ids=["kv-split", "kv-replicated", "qwen3-qk-norm"],
+    ("architecture", "num_kv_heads", "moe"),
+    [
+        ("llama", 2, {}),
+        ("llama", 1, {}),
+        ("qwen3", 2, {}),
+        # a dense layer, then a sparse one whose 4 experts' columns are split across the ranks
+        ("qwen3_moe", 2, {"mlp_only_layers": (0,), "norm_topk_prob": True}),
+    ],
+    ids=["kv-split", "kv-replicated", "qwen3-qk-norm", "qwen3-moe-experts-split"],
 )
-def test_tp2_matches_tp1_and_transformers(tmp_path, architecture, num_kv_heads):
-    path = make_tiny_checkpoint(tmp_path, architecture=architecture, num_kv_heads=num_kv_heads)
+def test_tp2_matches_tp1_and_transformers(tmp_path, architecture, num_kv_heads, moe):
+    path = make_tiny_checkpoint(
+        tmp_path, architecture=architecture, num_kv_heads=num_kv_heads, **moe
+    )
     expected = transformers_greedy(path, [prompt for wave in WAVES for prompt in wave], NEW_TOKENS)
     results = {}
     for size in (1, 2):

@@ -49,9 +49,14 @@ def offline_rank(rank: int, size: int = 2) -> TensorParallel:
         ({"intermediate_size": 130}, 4, "intermediate_size 130"),
         ({}, 0, "must be >= 1, got 0"),
         (
-            {"num_experts": 4, "num_experts_per_tok": 2, "moe_layers": (0,)},
-            2,
-            "MoE experts are not split across tensor-parallel ranks yet",
+            {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_layers": (0,),
+                "moe_intermediate_size": 30,
+            },
+            4,
+            "must divide the model's moe_intermediate_size 30",
         ),
         ({"architecture": "Gemma3ForCausalLM"}, 2, "Gemma 3 is not split"),
     ],
@@ -157,9 +162,22 @@ def forward(model: torch.nn.Module, config: ModelConfig, tp: TensorParallel) -> 
         return model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("num_kv_heads", [2, 1])
-def test_sharded_model_over_two_gloo_ranks_equals_the_full_model(num_kv_heads):
-    config = tiny_config(num_kv_heads=num_kv_heads, o_proj_bias=True, attention_bias=True)
+# a MoE layer (4 experts, top 2, a shared expert) after a dense one: each expert's columns split
+MOE = dict(
+    architecture="Qwen3MoeForCausalLM",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_layers=(1,),
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=16,
+)
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "moe"), [(2, {}), (1, {}), (2, MOE)], ids=["kv-split", "kv-replicated", "moe"]
+)
+def test_sharded_model_over_two_gloo_ranks_equals_the_full_model(num_kv_heads, moe):
+    config = tiny_config(num_kv_heads=num_kv_heads, o_proj_bias=True, attention_bias=True, **moe)
     expected = forward(random_model(config, 64, "cpu", torch.float32), config, TensorParallel())
     address = free_address()
     logits: dict[int, torch.Tensor] = {}
