@@ -1,9 +1,9 @@
 """Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
 tied and untied, Mistral, sparse-MoE Qwen3-MoE with and without renormalized top-k weights and
 Mixtral, Gemma 3 with sliding-window layers) load and run through the same path, and match
-transformers greedy token for token, in one engine and (Qwen3-MoE with a dense layer: Qwen3's
-attention and MLP beside a sparse layer; Mixtral; Gemma 3) through a prefill worker, NIXL and a
-decode worker."""
+transformers greedy token for token, in one engine and (dense Qwen3; Qwen3-MoE with a dense
+layer: Qwen3's attention and MLP beside a sparse layer; Mixtral; Gemma 3) through a prefill
+worker, NIXL and a decode worker."""
 
 from __future__ import annotations
 
@@ -153,6 +153,12 @@ def qwen3_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Dense Qwen3 (Qwen3ForCausalLM), tied embeddings."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3-dense"), **CHECKPOINTS["qwen3"])
+
+
+@pytest.fixture(scope="module")
 def mixtral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("mixtral"), **CHECKPOINTS["mixtral"])
 
@@ -191,13 +197,14 @@ def check_cluster_matches_transformers(
     loop.run_until_complete(wait_until_no_leaks(cluster))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral", "gemma3"])
 def test_through_the_cluster_matches_transformers(
     request: pytest.FixtureRequest, name: str, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """Qwen3-MoE (with Qwen3's dense layer), Mixtral, and Gemma 3's windowed layers across the
-    transfer: the decode worker attends the pulled blocks with the same windows (prompts of 67
-    and 53 tokens, a window of 12). One cluster at a time (one controller per Ray cluster)."""
+    """Dense Qwen3, Qwen3-MoE (with a dense layer), Mixtral, and Gemma 3's windowed layers
+    across the transfer: the decode worker attends the pulled blocks with the same windows
+    (prompts of 67 and 53 tokens, a window of 12). One cluster at a time (one controller per Ray
+    cluster)."""
     checkpoint = request.getfixturevalue(f"{name}_checkpoint")
     cluster = start_cluster(checkpoint, loop)
     try:
