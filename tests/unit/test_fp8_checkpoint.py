@@ -221,13 +221,15 @@ def _greedy(model: nn.Module, folder: Path) -> dict[str, list[int]]:
 
 
 @pytest.mark.usefixtures("fp8_on_cpu", "cuda_contract")
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v bias
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])  # bias; q/k norms
 def test_engine_runs_fp8_with_its_reference_tokens(architecture, tmp_path, monkeypatch) -> None:
     """The whole model through the engine (packed prefill, decode): Fp8Linear's forward (the
     scaled-mm contract stand-in) gives the tokens of its float32 reference."""
     folder = make_tiny_checkpoint(tmp_path, architecture=architecture, init_std=0.05)
     model = _load(folder, quantization="fp8")
-    assert model.layers[0].self_attn.qkv_proj.bias is not None or architecture == "llama"
+    attention = model.layers[0].self_attn
+    assert (attention.qkv_proj.bias is not None) == (architecture == "qwen2")
+    assert (attention.q_norm is not None) == (architecture == "qwen3")  # norms beside FP8 qkv
     got = _greedy(model, folder)
     monkeypatch.setattr(Fp8Linear, "forward", Fp8Linear.forward_reference)
     assert got == _greedy(model, folder)
