@@ -1,9 +1,9 @@
 """Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
 tied and untied, Mistral, sparse-MoE Qwen3-MoE with and without renormalized top-k weights and
 Mixtral, Gemma 3 with sliding-window layers) load and run through the same path, and match
-transformers greedy token for token, in one engine and (dense Qwen3; Qwen3-MoE with a dense
-layer: Qwen3's attention and MLP beside a sparse layer; Mixtral; Gemma 3) through a prefill
-worker, NIXL and a decode worker."""
+transformers greedy token for token, in one engine (then again through a prefix hit) and
+(dense Qwen3; Qwen3-MoE with a dense layer: Qwen3's attention and MLP beside a sparse layer;
+Mixtral; Gemma 3) through a prefill worker, NIXL and a decode worker."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
     make_tiny_checkpoint(tmp_path, **CHECKPOINTS[kind])
     assert (tmp_path / "config.json").is_file()
     prompts, new_tokens = PROMPTS, NEW_TOKENS
-    expected = transformers_greedy(tmp_path, prompts, new_tokens)
+    again = [*prompts[1][:48], 9, 8, 7, 6, 5]  # the long prompt's first 3 blocks, then its own
+    *expected, expected_again = transformers_greedy(tmp_path, [*prompts, again], new_tokens)
     engine = build_engine(model_path=str(tmp_path), num_blocks=64, max_num_batched_tokens=32)
     assert engine.tokenizer is None
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -81,6 +82,14 @@ def test_tiny_random_checkpoint_matches_transformers(tmp_path, kind):
         engine.add_request(f"t{i}", p, params)
     got = run_to_completion(engine)
     assert [got[f"t{i}"] for i in range(len(prompts))] == expected
+    # then a prefix hit: the shared blocks come from the cache, the tokens stay exact
+    engine.add_request("again", again, params)
+    tokens, cached = [], 0
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    assert cached >= 48 and tokens == expected_again
     engine.assert_no_leaks()
 
 
