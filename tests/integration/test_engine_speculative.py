@@ -193,6 +193,27 @@ def test_a_tiny_random_draft_for_a_tiny_random_target_is_token_exact(tiny, tmp_p
     spec.draft_model.engine.assert_no_leaks()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+def test_a_new_familys_target_with_a_small_draft_of_its_own_family_is_token_exact(family, tmp_path):
+    """The model families of issue 49 under draft-model speculation: a one-layer draft of the
+    same family and vocabulary drafts for a two-layer target (Qwen3's q/k norms, the MoE
+    experts in the verify rows); the output is the plain engine's, the draft engine leak-free."""
+    target = make_tiny_checkpoint(tmp_path / "target", architecture=family, vocab_size=64, seed=5)
+    draft = make_tiny_checkpoint(
+        tmp_path / "draft", architecture=family, vocab_size=64, seed=6, num_layers=1
+    )
+    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5], list(range(1, 60, 3))]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = generate(build_engine(model_path=str(target), block_size=4), prompts, params)
+    config = SpeculativeConfig(method="draft", draft_model=str(draft), adaptive=False)
+    engine = build_engine(model_path=str(target), block_size=4, speculative=config)
+    assert generate(engine, prompts, params) == expected
+    spec = engine.speculator
+    assert spec.num_drafted_tokens > 0 and spec.draft_model is not None
+    spec.draft_model.engine.assert_no_leaks()
+    engine.assert_no_leaks()
+
+
 def test_a_draft_step_that_raises_leaves_the_draft_engine_empty(tiny, tmp_path):
     """The draft engine's step raising fails the target's step; once the target ends that
     step's requests (Engine.fail_running, as its engine thread does), the draft engine holds
