@@ -29,16 +29,18 @@ def worker_load(snapshot: EngineSnapshot) -> WorkerLoad:
         prefill_tok_s=round(snapshot.tokens_per_s),
         step_us=round(snapshot.step_s * 1e6),
         prompt_tok_s=round(snapshot.prompt_tokens_per_s),
-        disk_load_us=round(recent_file_read_s(snapshot) * 1e6),
+        disk_load_us=round(recent_read_s(snapshot, "disk") * 1e6),
+        shared_load_us=round(recent_read_s(snapshot, "shared") * 1e6),
     )
 
 
-def recent_file_read_s(snapshot: EngineSnapshot) -> float:
-    """A block file's recent read time, the one the worker's read gate weighs: its disk tier's,
-    else the shared store's (0: neither has read one yet). Recent, not the mean since start: a
-    disk that got slower (or faster) must turn the routers' disk credit as it turns the gate."""
-    by_tier = {tier.tier: tier.recent_load_s for tier in snapshot.tiers}
-    return by_tier.get("disk") or by_tier.get("shared") or 0.0
+def recent_read_s(snapshot: EngineSnapshot, tier: str) -> float:
+    """A file tier's recent block read time, the one the worker's read gate weighs for that
+    tier (0: it has not read one yet, or the worker has no such tier). Recent, not the mean
+    since start: a disk that got slower (or faster) must turn the routers' credit as it turns
+    the gate."""
+    by_tier = {stats.tier: stats.recent_load_s for stats in snapshot.tiers}
+    return by_tier.get(tier) or 0.0
 
 
 class IndexUpkeep:

@@ -174,8 +174,10 @@ class WorkerLoad:
     # worker computes a prompt itself (0: it has not computed one yet; its decode steps would
     # make prompts look slow, its all-steps rate above is no stand-in)
     prompt_tok_s: int = 0
-    # mean time to read and check one disk tier block file, microseconds (0: not measured yet)
+    # recent time to read and check one disk tier block file, microseconds (0: not measured yet)
     disk_load_us: int = 0
+    # and one block of the cluster-shared store (a directory, or an object store's ~5x slower)
+    shared_load_us: int = 0
 
     @property
     def compute_tok_s(self) -> int:

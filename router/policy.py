@@ -39,9 +39,10 @@ def load_key(load: WorkerLoad) -> tuple[int, int]:
 # back over the host link (2 MiB in ~40 us at ~50 GB/s on an H200 for the 8B shape, against
 # ~0.4 ms to compute its 16 tokens): placement credits it at this fraction of a device block.
 HOST_HIT_CREDIT = 0.8
-# A leading block found only in a worker's disk tier saves its compute at the price of reading
-# and checking its file: credited by the worker's measured cost (disk_credit), this fraction of
-# a device block until the worker has measured both its reads and its compute.
+# A leading block found only in a worker's disk tier, or in the cluster-shared store, saves its
+# compute at the price of reading and checking its file: credited by the worker's measured cost
+# of that tier (file_credit), this fraction of a device block until the worker has measured both
+# that tier's reads and its compute.
 DISK_HIT_CREDIT = 0.5
 
 
@@ -73,26 +74,33 @@ def _host_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int
     return max(0, host.get(worker.worker_id, 0)) * block_size
 
 
-def _disk_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
-    """Tokens only in its disk tier or the shared store: each loaded from a checked file."""
-    disk, shared = getattr(overlap, "disk", {}), getattr(overlap, "shared", {})
-    num = disk.get(worker.worker_id, 0) + shared.get(worker.worker_id, 0)
-    return max(0, num) * block_size
+FILE_TIERS = ("disk", "shared")
 
 
-def disk_credit(worker: WorkerInfo, block_size: int, default: float = DISK_HIT_CREDIT) -> float:
-    """The share of a block's compute a hit in the worker's disk tier saves: 1 - its measured
-    load time over the time it takes to compute block_size tokens (0 when a load costs more:
-    the worker's own gate computes such a hit again); `default` until it has measured both.
+def _file_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int, tier: str) -> int:
+    """Tokens only in its disk tier, or only in the shared store: each loaded from a checked
+    file of that tier."""
+    found = getattr(overlap, tier, {})
+    return max(0, found.get(worker.worker_id, 0)) * block_size
+
+
+def file_credit(
+    worker: WorkerInfo, block_size: int, tier: str = "disk", default: float = DISK_HIT_CREDIT
+) -> float:
+    """The share of a block's compute a hit in the worker's disk tier (or the shared store,
+    tier "shared") saves: 1 - that tier's measured load time over the time it takes to compute
+    block_size tokens (0 when a load costs more: the worker's own gate, which weighs each tier
+    by its own read time, computes such a hit again); `default` until it has measured both.
     The compute rate is the one that gate uses, the worker's prompt rate (prompt_tok_s), and
     its all-steps rate until it has one: on a worker whose steps are mostly decodes the
     all-steps rate makes computing look slow and a slow read look worth taking."""
     load = worker.load
     rate = load.compute_tok_s
-    if not load.disk_load_us or not rate:
+    load_us = load.shared_load_us if tier == "shared" else load.disk_load_us
+    if not load_us or not rate:
         return default
     compute_us = block_size * 1e6 / rate
-    return min(1.0, max(0.0, 1.0 - load.disk_load_us / compute_us))
+    return min(1.0, max(0.0, 1.0 - load_us / compute_us))
 
 
 class PrefillPolicy(abc.ABC):
@@ -114,8 +122,8 @@ class PrefillPolicy(abc.ABC):
 class KVAwarePolicy(PrefillPolicy):
     """score = cached_tokens_saved - load_weight * queued_tokens, where a token cached only in
     a worker's host tier saves host_credit of one in device memory, one only in its disk tier
-    disk_credit (measured per worker); ties go to the less loaded worker (load_key), then the
-    smaller worker_id. Deterministic."""
+    or only in the shared store that tier's file_credit (measured per worker and tier); ties go
+    to the less loaded worker (load_key), then the smaller worker_id. Deterministic."""
 
     name = "kv_aware"
 
@@ -130,9 +138,10 @@ class KVAwarePolicy(PrefillPolicy):
     def score(self, worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> float:
         saved = _cached_tokens(worker, overlap, block_size)
         saved -= (1 - self.host_credit) * _host_tokens(worker, overlap, block_size)
-        disk = _disk_tokens(worker, overlap, block_size)
-        if disk:
-            saved -= (1 - disk_credit(worker, block_size)) * disk
+        for tier in FILE_TIERS:
+            tokens = _file_tokens(worker, overlap, block_size, tier)
+            if tokens:
+                saved -= (1 - file_credit(worker, block_size, tier)) * tokens
         return saved - self.load_weight * worker.load.queued_tokens
 
     def choose(

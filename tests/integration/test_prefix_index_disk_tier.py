@@ -13,7 +13,7 @@ import torch
 from common.messages import WorkerInfo, WorkerLoad
 from engine.kv_cache.disk_tier import DiskTier
 from kvtransfer.disk_blocks import DiskBlockFiles, DiskLayout
-from router.policy import DISK_HIT_CREDIT, KVAwarePolicy, Overlap, disk_credit
+from router.policy import DISK_HIT_CREDIT, KVAwarePolicy, Overlap, file_credit
 from tests.integration.test_prefix_index_tiers import TieredWorker
 from tests.integration.test_prefix_index_tiers import overlap as tiers_overlap
 
@@ -60,9 +60,9 @@ def test_placement_credits_a_disk_hit_by_the_measured_load_cost() -> None:
         return WorkerInfo(name, "prefill", "", "", load)
 
     fast, slow, unmeasured = worker("fast", 100), worker("slow", 2000), worker("new", 0)
-    assert abs(disk_credit(fast, BLOCK) - 0.9) < 1e-9
-    assert disk_credit(slow, BLOCK) == 0.0  # a load dearer than computing: no credit
-    assert disk_credit(unmeasured, BLOCK) == DISK_HIT_CREDIT
+    assert abs(file_credit(fast, BLOCK) - 0.9) < 1e-9
+    assert file_credit(slow, BLOCK) == 0.0  # a load dearer than computing: no credit
+    assert file_credit(unmeasured, BLOCK) == DISK_HIT_CREDIT
     same = Overlap({"fast": 8, "slow": 8}, {}, {"fast": 8, "slow": 8})
     placement = KVAwarePolicy().choose([slow, fast], same, BLOCK)
     assert placement.worker.worker_id == "fast" and abs(placement.score - 0.9 * 32) < 1e-9
@@ -71,14 +71,31 @@ def test_placement_credits_a_disk_hit_by_the_measured_load_cost() -> None:
     assert KVAwarePolicy().choose([fast, dev], device, BLOCK).worker.worker_id == "dev"
 
 
+def test_a_shared_store_hit_is_priced_at_the_stores_own_read_time() -> None:
+    """A worker's shared-store reads (an object store, 1.5 ms a block) and its disk reads
+    (0.1 ms) are credited apart: the same 8 blocks are worth 0.9 of a device block each from
+    its disk and 0 from the store, where its gate computes them again."""
+    load = WorkerLoad(prefill_tok_s=4000, disk_load_us=100, shared_load_us=1500)
+    both = WorkerInfo("both", "prefill", "", "", load)
+    assert abs(file_credit(both, BLOCK, "disk") - 0.9) < 1e-9
+    assert file_credit(both, BLOCK, "shared") == 0.0
+    on_disk = Overlap({"both": 8}, {}, {"both": 8})
+    in_store = Overlap({"both": 8}, {}, {}, {"both": 8})
+    policy = KVAwarePolicy()
+    assert abs(policy.score(both, on_disk, BLOCK) - 0.9 * 32) < 1e-9
+    assert policy.score(both, in_store, BLOCK) == 0.0
+    unmeasured = WorkerInfo("new", "prefill", "", "", WorkerLoad(prefill_tok_s=4000))
+    assert file_credit(unmeasured, BLOCK, "shared") == DISK_HIT_CREDIT
+
+
 def test_a_disk_hit_is_priced_at_the_workers_prompt_rate_once_it_has_one() -> None:
     """An aggregated worker's steps are mostly decodes: its all-steps rate (500 tok/s) makes a
     4-token block look 8 ms to compute, its prompt rate (8,000 tok/s) says 0.5 ms. A 1 ms read
     is then dearer than computing, and the worker's gate computes the hit again: no credit."""
     load = WorkerLoad(prefill_tok_s=500, prompt_tok_s=8000, disk_load_us=1000)
     agg = WorkerInfo("agg", "decode", "", "", load)
-    assert disk_credit(agg, BLOCK) == 0.0
+    assert file_credit(agg, BLOCK) == 0.0
     before = WorkerInfo("agg", "decode", "", "", WorkerLoad(prefill_tok_s=500, disk_load_us=1000))
-    assert abs(disk_credit(before, BLOCK) - 0.875) < 1e-9  # no prompt rate yet: all steps
+    assert abs(file_credit(before, BLOCK) - 0.875) < 1e-9  # no prompt rate yet: all steps
     fast = WorkerInfo("f", "decode", "", "", WorkerLoad(prompt_tok_s=8000, disk_load_us=100))
-    assert abs(disk_credit(fast, BLOCK) - 0.8) < 1e-9
+    assert abs(file_credit(fast, BLOCK) - 0.8) < 1e-9

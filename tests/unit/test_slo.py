@@ -204,14 +204,16 @@ def test_a_worker_publishes_its_prompt_rate_only_once_it_computed_prompts() -> N
 
 
 def test_a_worker_publishes_its_recent_block_read_time_not_its_mean_since_start() -> None:
-    """The routers' disk credit weighs the read time the worker's own gate weighs: the disk
-    tier's recent one (TierStats.recent_load_s), else the shared store's, 0 before a read; the
-    lifetime mean (1 ms here over 1,000 reads) would hide a disk that is now 5x slower."""
+    """The routers' file credit weighs the read times the worker's own gate weighs: each file
+    tier's recent one (TierStats.recent_load_s), the disk tier's and the shared store's apart,
+    0 before a read; the lifetime mean (1 ms here over 1,000 reads) would hide a disk that is
+    now 5x slower."""
     blank = EngineSnapshot(*([0] * len(EngineSnapshot._fields)))._replace(tiers=())
-    assert worker_load(blank).disk_load_us == 0
+    assert (worker_load(blank).disk_load_us, worker_load(blank).shared_load_us) == (0, 0)
     disk = TierStats("disk", 100, 10, 0, 0, 0, 1.0, recent_load_s=0.005)
     shared = TierStats("shared", 100, 10, 0, 0, 0, 0.0, recent_load_s=0.002)
     snap = blank._replace(disk_load_s=1.0, num_disk_reads=1000, tiers=(disk, shared))
-    assert worker_load(snap).disk_load_us == 5000
+    assert (worker_load(snap).disk_load_us, worker_load(snap).shared_load_us) == (5000, 2000)
     unread = disk._replace(recent_load_s=0.0)
-    assert worker_load(snap._replace(tiers=(unread, shared))).disk_load_us == 2000
+    load = worker_load(snap._replace(tiers=(unread, shared)))
+    assert (load.disk_load_us, load.shared_load_us) == (0, 2000)  # each tier its own
