@@ -112,7 +112,12 @@ def _pools(
         )
     sized = argparse.Namespace(**{**vars(args), **sizes})
     for role, text in bounds.items():
-        setattr(sized, f"autoscale_{role}", None if text is None else str(text))
+        if text is not None and not isinstance(text, str):  # YAML reads 1:4 as base-60 64
+            raise ValueError(
+                f'{where}.autoscale.{role}: wants "MIN:MAX" in quotes (YAML reads an unquoted '
+                f"1:4 as a number), got {text!r}"
+            )
+        setattr(sized, f"autoscale_{role}", text)
     try:
         autoscale = autoscale_from_args(sized)
     except ValueError as e:

@@ -10,9 +10,11 @@ HEADER_BYTES (aligned for O_DIRECT / GDS). The header: magic, format version, bl
 (chained from root_hash(model, cache_salt): content-addressed, salts never share a file), layout
 key, payload length and xxh3-64 checksum, the layout as JSON, and a checksum of the header
 itself; its last 16 bytes, outside that checksum, are a hint (HINT: the block's retention
-priority and its cache_salt's chain root, which eviction and `kvrelay kv evict --salt` read; never
-read by a load; a file written before the hint held the salt reads as (0, 0): found by
-`--prefix-of`, not by `--salt`). A file is written under a temporary name and renamed
+priority and its cache_salt's chain root, which eviction, a warm restart and `kvrelay kv evict
+--salt` read; never read by a load; a file written before the hint held the salt reads as
+(0, 0): found by `--prefix-of`, not by `--salt`), tagged by the 8 bytes before it
+(PRIORITY_TAG: the priority is recorded, and rewritten when it changes; untagged disk-tier files
+recorded none). A file is written under a temporary name and renamed
 (the shared store: linked) into place once complete.
 """
 
@@ -42,6 +44,10 @@ SUFFIX = ".kvb"
 _FIXED = struct.Struct("<8sIIQQQQI")  # magic, version, header len, hash, layout, len, sum, json
 # the header's last bytes, outside its checksum: (retention priority, salt root) for eviction
 HINT = struct.Struct("<qQ")
+# just before the hint: a tag saying its priority is the block's (disk-tier files written before
+# 2026-12-07 left zeros there and a priority of 0 in the hint: no priority was recorded)
+PRIORITY_TAG = b"KVRPRIO1"
+_TAGGED = struct.Struct("<8sq")  # the tag, then the hint's priority (the salt root follows)
 _AGENT_SEQ = [0]
 _HOST = socket.gethostname()  # temporary names are unique across the hosts of a shared store
 
@@ -179,7 +185,7 @@ class DiskBlockFiles(BlockFormat):
         root (0: none), kept for `kvrelay kv evict --salt`; priority: its retention priority,
         which a warm restart adopts it at. Raises OSError (ENOSPC for a full disk) with
         nothing left behind."""
-        tmp = self.write_temp(block_hash, row, priority, salt_root)
+        tmp = self.write_temp(block_hash, row, priority=priority, salt_root=salt_root)
         try:
             os.replace(tmp, self.path(block_hash))
         except BaseException:
@@ -207,7 +213,8 @@ class DiskBlockFiles(BlockFormat):
             try:
                 os.posix_fallocate(fd, 0, self.file_bytes)
                 os.pwrite(fd, header, 0)
-                os.pwrite(fd, HINT.pack(priority, salt_root), HEADER_BYTES - HINT.size)
+                hint = PRIORITY_TAG + HINT.pack(priority, salt_root)
+                os.pwrite(fd, hint, HEADER_BYTES - len(hint))
                 self._transfer("WRITE", fd)
                 if durable:
                     os.fsync(fd)
@@ -242,6 +249,38 @@ class DiskBlockFiles(BlockFormat):
 
     def remove(self, block_hash: int) -> None:
         self.path(block_hash).unlink(missing_ok=True)
+
+    def recorded_priority(self, block_hash: int) -> int | None:
+        """The retention priority the file records (clamped to 0..100: the hint is outside
+        the checksum); None when the file is gone or records none (written before the tag)."""
+        try:
+            fd = os.open(self.path(block_hash), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            raw = os.pread(fd, _TAGGED.size, HEADER_BYTES - HINT.size - len(PRIORITY_TAG))
+        finally:
+            os.close(fd)
+        if len(raw) != _TAGGED.size:
+            return None
+        tag, priority = _TAGGED.unpack(raw)
+        return min(100, max(0, priority)) if tag == PRIORITY_TAG else None
+
+    def set_priority(self, block_hash: int, priority: int) -> None:
+        """Record a new retention priority in the block's file (raised or lowered after it was
+        written; a warm restart adopts it); nothing when the file is not there (yet)."""
+        try:
+            fd = os.open(self.path(block_hash), os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            os.pwrite(
+                fd,
+                _TAGGED.pack(PRIORITY_TAG, priority),
+                HEADER_BYTES - HINT.size - len(PRIORITY_TAG),
+            )
+        finally:
+            os.close(fd)
 
     def hint(self, block_hash: int) -> tuple[int, int] | None:
         """The file's eviction hint (priority, salt root); None when it is gone."""

@@ -73,8 +73,8 @@ def start_placement(
     request: GenerateRequest, name: str, excluded: frozenset[str] = frozenset()
 ) -> Span | None:
     """A placement step of the request (router.route, router.place_prefill, ...); a retry's
-    (excluded: the workers that failed it or stopped taking work) says which attempt it is
-    and which workers it passed over."""
+    (excluded: the workers of its role that failed it or stopped taking work) says which
+    attempt it is within that role's tries and which workers it passed over."""
     if request.traceparent is None:
         return None
     attributes: dict[str, str | int] = {"kvrelay.attempt": len(excluded) + 1}

@@ -171,10 +171,10 @@ def build_shared_store(
 
 
 def _recorded_priority(files: DiskBlockFiles, block_hash: int) -> int:
-    """The retention priority a block file recorded when it was written (disk-tier files
-    written before 2026-12-07 recorded 0 there: kept at the lowest, evicted first)."""
-    hint = files.hint(block_hash)
-    return DEFAULT_PRIORITY if hint is None else hint[0]
+    """The retention priority a block file records (DEFAULT_PRIORITY for one that records
+    none: written before 2026-12-07)."""
+    recorded = files.recorded_priority(block_hash)
+    return DEFAULT_PRIORITY if recorded is None else recorded
 
 
 def _write_block(files: DiskBlockFiles, job: PublishJob) -> Published:

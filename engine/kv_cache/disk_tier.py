@@ -51,6 +51,8 @@ class BlockFiles(Protocol):
 
     def hint(self, block_hash: int) -> tuple[int, int] | None: ...  # (priority, salt root)
 
+    def set_priority(self, block_hash: int, priority: int) -> None: ...  # recorded for restarts
+
 
 class StageListener(Protocol):
     """Told when a staged block leaves the stage other than by removal (a tensor-parallel
@@ -126,14 +128,18 @@ class DiskTier(FileStage):
 
     # ---- writing --------------------------------------------------------------------------
     def adopt(self, block_hashes: list[int], priority: Callable[[int], int]) -> int:
-        """Files found at start (a warm restart), oldest first: tracked up to the bound (the
-        oldest beyond it removed), each at priority(its hash) (what its file recorded);
-        returns how many are kept."""
+        """Files found at start (a warm restart), oldest first: tracked up to the bound, each
+        at priority(its hash) (what its file recorded); past the bound the lowest priority,
+        oldest ones are removed, as eviction would take them. Returns how many are kept."""
+        ranked = {h: priority(h) for h in block_hashes}
         extra = max(0, len(block_hashes) - self.num_slots)
-        for block_hash in block_hashes[:extra]:
-            self.files.remove(block_hash)
-        for block_hash in block_hashes[extra:]:
-            self._add(block_hash, priority(block_hash))
+        age = {h: i for i, h in enumerate(block_hashes)}
+        dropped = set(sorted(block_hashes, key=lambda h: (ranked[h], age[h]))[:extra])
+        for block_hash in block_hashes:
+            if block_hash in dropped:
+                self.files.remove(block_hash)
+            else:
+                self._add(block_hash, ranked[block_hash])
         return len(block_hashes) - extra
 
     def put(self, spill: Spill, row: object) -> bool:
@@ -193,11 +199,19 @@ class DiskTier(FileStage):
         return self.writes.row_of(block_hash)
 
     def refresh(self, block_hash: int, priority: int) -> None:
-        """The block left a faster tier again: it ranks by that priority, newest."""
+        """The block left a faster tier again: it ranks by that priority, newest (recorded in
+        its file when it changed, for a warm restart; a write still queued records its own)."""
         old = self._priority[block_hash]
         del self._by_priority[old][block_hash]
         self._priority[block_hash] = priority
         self._by_priority.setdefault(priority, OrderedDict())[block_hash] = None
+        if priority != old:
+            try:
+                self.files.set_priority(block_hash, priority)
+            except OSError as e:  # the ranking holds; a restart would adopt the old one
+                log.debug(
+                    "disk KV tier: could not record block %016x's priority: %s", block_hash, e
+                )
 
     def _add(self, block_hash: int, priority: int) -> None:
         self._priority[block_hash] = priority

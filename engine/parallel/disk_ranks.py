@@ -117,6 +117,10 @@ class RankedBlockFiles:
             self.remove(block_hash)
             raise failure or OSError(f"a tensor-parallel rank could not write {block_hash:016x}")
 
+    def set_priority(self, block_hash: int, priority: int) -> None:
+        """Recorded in rank 0's file alone (the one a warm restart adopts by)."""
+        self.files.set_priority(block_hash, priority)
+
     def read(self, block_hash: int) -> object:
         """Rank 0's heads of the block, once every rank has read and checked its own file;
         read_error when one rank's is missing or bad."""

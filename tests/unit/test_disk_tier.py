@@ -23,7 +23,13 @@ from engine.kv_cache.block_reads import BlockReads
 from engine.kv_cache.disk_tier import DiskTier, Spill
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.owed_copies import OwedCopies
-from kvtransfer.disk_blocks import HEADER_BYTES, BlockFileError, DiskBlockFiles, DiskLayout
+from kvtransfer.disk_blocks import (
+    HEADER_BYTES,
+    PRIORITY_TAG,
+    BlockFileError,
+    DiskBlockFiles,
+    DiskLayout,
+)
 
 
 class DictFiles:
@@ -50,6 +56,10 @@ class DictFiles:
 
     def hint(self, block_hash: int) -> tuple[int, int] | None:
         return (self.priorities.get(block_hash, 0), 0) if block_hash in self.files else None
+
+    def set_priority(self, block_hash: int, priority: int) -> None:
+        if block_hash in self.files:
+            self.priorities[block_hash] = priority
 
 
 def put(tier: DiskTier, block_hash: int, priority: int = 35) -> bool:
@@ -167,6 +177,12 @@ def test_a_block_file_records_its_priority_and_a_restart_adopts_it_at_that() -> 
     assert after.adopt([1, 2, 3], lambda h: files.priorities[h]) == 3
     assert put(after, 4)  # the bound: the lowest priority, oldest goes
     assert after.has(1) and not after.has(2) and after.has(3) and after.has(4)
+    # a priority raised after the write is recorded too (the block left the host tier again)
+    assert not put(after, 3, priority=90) and files.priorities[3] == 90
+    # a restart onto a smaller bound drops the lowest priority, oldest files, not just the oldest
+    smaller = DiskTier(2, files)
+    assert smaller.adopt([1, 3, 4], lambda h: files.priorities[h]) == 2
+    assert smaller.has(1) and smaller.has(3) and not smaller.has(4) and 4 not in files.files
 
 
 def test_host_evictions_are_spilled_once_and_known_blocks_are_not_rewritten() -> None:
@@ -204,7 +220,15 @@ def test_block_files_round_trip_and_refuse_bad_ones(tmp_path) -> None:
     files = DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype)
     files.write(7, kv[1], salt_root=5, priority=80)
     assert torch.equal(files.read(7), kv[1])
-    assert files.hint(7) == (80, 5)  # what eviction and a warm restart read
+    assert files.hint(7) == (80, 5) and files.recorded_priority(7) == 80  # eviction, restarts
+    files.set_priority(7, 95)  # raised later: outside the checksums, the block still loads
+    assert files.recorded_priority(7) == 95 and files.hint(7) == (95, 5)
+    assert torch.equal(files.read(7), kv[1])
+    raw = bytearray(files.path(7).read_bytes())
+    tag_at = HEADER_BYTES - 16 - len(PRIORITY_TAG)
+    raw[tag_at : tag_at + len(PRIORITY_TAG)] = bytes(len(PRIORITY_TAG))  # as written before the tag
+    files.path(7).write_bytes(bytes(raw))
+    assert files.recorded_priority(7) is None and files.recorded_priority(8) is None
     path = files.path(7)
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 3] ^= 1

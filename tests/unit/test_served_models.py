@@ -252,6 +252,7 @@ def test_a_models_file_gives_each_model_its_autoscale_bounds(tmp_path) -> None:
         ("models: [{model: a.gguf, decode: 5, autoscale: {decode: '1:4'}}]", "outside"),
         ("models: [{model: a.gguf, autoscale: {tp: '1:2'}}]", "prefill and/or decode"),
         ("models: [{model: a.gguf, autoscale: '1:2'}]", "prefill and/or decode"),
+        ("models: [{model: a.gguf, autoscale: {decode: 1:4}}]", r"autoscale.decode: .* in quotes"),
     ):
         path.write_text(text)
         with pytest.raises(ValueError, match=error):
