@@ -177,20 +177,29 @@ def test_smollm2_drafting_for_itself_is_token_exact_and_almost_always_accepted(
     spec.draft_model.engine.assert_no_leaks()
 
 
-def test_a_tiny_random_draft_for_a_tiny_random_target_is_token_exact(tiny, tmp_path):
-    """Another random model of the same vocabulary drafts: most drafts are wrong, some
-    right (both models loop), and the output is the plain one for every prompt."""
-    draft = make_tiny_checkpoint(tmp_path / "draft", vocab_size=64, seed=6, num_layers=1)
-    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5], list(range(1, 60, 3))]
-    params = SamplingParams(max_tokens=32, temperature=0.0)
-    expected = generate(build_engine(model_path=str(tiny), block_size=4), prompts, params)
+DRAFT_PROMPTS = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5], list(range(1, 60, 3))]
+
+
+def check_drafts_keep_the_output(target: Path, draft: Path, max_tokens: int) -> None:
+    """The target with `draft` drafting gives the plain engine's greedy output for every
+    prompt; it drafted, and neither engine holds a block after."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    expected = generate(build_engine(model_path=str(target), block_size=4), DRAFT_PROMPTS, params)
     config = SpeculativeConfig(method="draft", draft_model=str(draft), adaptive=False)
-    engine = build_engine(model_path=str(tiny), block_size=4, speculative=config)
-    assert generate(engine, prompts, params) == expected
+    engine = build_engine(model_path=str(target), block_size=4, speculative=config)
+    assert generate(engine, DRAFT_PROMPTS, params) == expected
     spec = engine.speculator
     assert spec.num_drafted_tokens > 0
     assert spec.draft_model is not None
     spec.draft_model.engine.assert_no_leaks()
+    engine.assert_no_leaks()
+
+
+def test_a_tiny_random_draft_for_a_tiny_random_target_is_token_exact(tiny, tmp_path):
+    """Another random model of the same vocabulary drafts: most drafts are wrong, some
+    right (both models loop), and the output is the plain one for every prompt."""
+    draft = make_tiny_checkpoint(tmp_path / "draft", vocab_size=64, seed=6, num_layers=1)
+    check_drafts_keep_the_output(tiny, draft, max_tokens=32)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
@@ -202,16 +211,7 @@ def test_a_new_familys_target_with_a_small_draft_of_its_own_family_is_token_exac
     draft = make_tiny_checkpoint(
         tmp_path / "draft", architecture=family, vocab_size=64, seed=6, num_layers=1
     )
-    prompts = [[9, 9, 9, 9], [5, 17, 30, 42, 17, 5], list(range(1, 60, 3))]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    expected = generate(build_engine(model_path=str(target), block_size=4), prompts, params)
-    config = SpeculativeConfig(method="draft", draft_model=str(draft), adaptive=False)
-    engine = build_engine(model_path=str(target), block_size=4, speculative=config)
-    assert generate(engine, prompts, params) == expected
-    spec = engine.speculator
-    assert spec.num_drafted_tokens > 0 and spec.draft_model is not None
-    spec.draft_model.engine.assert_no_leaks()
-    engine.assert_no_leaks()
+    check_drafts_keep_the_output(target, draft, max_tokens=24)
 
 
 def test_a_draft_step_that_raises_leaves_the_draft_engine_empty(tiny, tmp_path):

@@ -57,6 +57,11 @@ async def tokens(backend: Backend, req: GenerateRequest) -> list[TokenDelta]:
     return [d async for d in backend.generate(req)]
 
 
+def serve_spec(*argv: str):
+    """`kvrelay serve ARGV`'s cluster spec, as serve reads it."""
+    return spec_from_args(build_parser().parse_args(["serve", *argv]))
+
+
 def test_a_request_reaches_only_its_models_backend() -> None:
     a, b = Recording("a", 7, 64), Recording("b", 9, 128, ok=False)
     both = ModelsBackend({"a": a, "b": b})
@@ -126,47 +131,46 @@ def test_the_cli_acts_on_one_model_or_asks_which() -> None:
 
 
 def test_serve_takes_the_model_flag_repeated(tmp_path) -> None:
-    def parse(*argv: str):
-        return spec_from_args(build_parser().parse_args(["serve", *argv]))
-
-    spec = parse("--model", str(tmp_path / "x"), "--model", "y.gguf", "--decode", "2")
+    spec = serve_spec("--model", str(tmp_path / "x"), "--model", "y.gguf", "--decode", "2")
     assert [m.engine.model for m in spec.models] == [str(tmp_path / "x"), "y.gguf"]
     assert [(m.num_prefill, m.num_decode) for m in spec.models] == [(1, 2), (1, 2)]
     assert spec.num_workers == 6
     with pytest.raises(ValueError, match="--model 'y' is given more than once"):
-        parse("--model", "y", "--model", "y")
+        serve_spec("--model", "y", "--model", "y")
     with pytest.raises(ValueError, match="two models would both be served as 'y'"):
-        parse("--model", str(tmp_path / "y"), "--model", "y.gguf")
+        serve_spec("--model", str(tmp_path / "y"), "--model", "y.gguf")
 
 
 def test_served_model_name_names_the_model_clients_ask_for(tmp_path) -> None:
-    def parse(*argv: str):
-        return spec_from_args(build_parser().parse_args(["serve", *argv]))
-
-    spec = parse(str(tmp_path / "llama-8b"), "--served-model-name", "meta-llama/Llama-3.1-8B")
+    spec = serve_spec(str(tmp_path / "llama-8b"), "--served-model-name", "meta-llama/Llama-3.1-8B")
     assert spec.engine.model == str(tmp_path / "llama-8b")
     assert spec.engine.model_id == "meta-llama/Llama-3.1-8B"
     assert list(controller_names(spec)) == ["meta-llama/Llama-3.1-8B"]
-    assert parse(str(tmp_path / "llama-8b")).engine.model_id == "llama-8b"  # its folder's name
-    assert parse("x.gguf", "--served-model-name", "n" * 255).engine.model_id == "n" * 255
+    assert serve_spec(str(tmp_path / "llama-8b")).engine.model_id == "llama-8b"  # its folder's name
+    assert serve_spec("x.gguf", "--served-model-name", "n" * 255).engine.model_id == "n" * 255
     for bad in ("a b", "", "x{y}", "m*", "org/m#v2", "org/m-\ud83d", "n" * 256):
         with pytest.raises(ValueError, match=r"--served-model-name .*: wants non-empty UTF-8"):
-            parse("x.gguf", "--served-model-name", bad)
+            serve_spec("x.gguf", "--served-model-name", bad)
     with pytest.raises(ValueError, match="--served-model-name names one model"):
-        parse("--model", "x.gguf", "--model", "y.gguf", "--served-model-name", "z")
+        serve_spec("--model", "x.gguf", "--model", "y.gguf", "--served-model-name", "z")
     path = tmp_path / "models.yaml"  # with several, each names its own in its flags
     path.write_text(
         "models:\n  - {model: a.gguf, flags: {served-model-name: org/a}}\n  - {model: b.gguf}\n"
     )
-    assert [m.engine.model_id for m in parse("--models-file", str(path)).models] == ["org/a", "b"]
+    assert [m.engine.model_id for m in serve_spec("--models-file", str(path)).models] == [
+        "org/a",
+        "b",
+    ]
     with pytest.raises(ValueError, match=r"--served-model-name names one model: .* in "):
-        parse("--models-file", str(path), "--served-model-name", "z")  # not both entries' name
+        serve_spec("--models-file", str(path), "--served-model-name", "z")  # not both entries' name
     path.write_text("models: [{model: a.gguf, flags: {served-model-name: b}}, {model: b.gguf}]")
     with pytest.raises(ValueError, match="two models would both be served as 'b': name one"):
-        parse("--models-file", str(path))
+        serve_spec("--models-file", str(path))
     path.write_text("models: [{model: a.gguf, flags: {served-model-name: '-x'}}]")
-    assert parse("--models-file", str(path)).engine.model_id == "-x"  # a value, not a flag
-    assert parse("--models-file", str(path), "--served-model-name", "z").engine.model_id == "-x"
+    assert serve_spec("--models-file", str(path)).engine.model_id == "-x"  # a value, not a flag
+    assert (
+        serve_spec("--models-file", str(path), "--served-model-name", "z").engine.model_id == "-x"
+    )
     # JSON as json.dumps writes it: a character past U+FFFF escaped as a surrogate pair
     path.write_text(
         json.dumps(
@@ -174,13 +178,10 @@ def test_served_model_name_names_the_model_clients_ask_for(tmp_path) -> None:
         )
     )
     assert "\\ud83d\\ude00" in path.read_text()
-    assert parse("--models-file", str(path)).engine.model_id == "org/m-\U0001f600"
+    assert serve_spec("--models-file", str(path)).engine.model_id == "org/m-\U0001f600"
 
 
 def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> None:
-    def parse(*argv: str):
-        return spec_from_args(build_parser().parse_args(["serve", *argv]))
-
     path = tmp_path / "models.yaml"
     path.write_text(
         "models:\n"
@@ -189,7 +190,7 @@ def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> 
         "    flags: {max-model-len: 512, kv_cache_gib: 0.5}\n"
         "  - {model: b.gguf, prefill: 3}\n"
     )
-    spec = parse("--models-file", str(path), "--max-model-len", "1024", "--decode", "1")
+    spec = serve_spec("--models-file", str(path), "--max-model-len", "1024", "--decode", "1")
     a, b = spec.models
     assert (a.engine.model, a.num_prefill, a.num_decode) == ("a.gguf", 1, 2)
     assert a.engine.scheduler.max_model_len == 512
@@ -197,7 +198,7 @@ def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> 
     assert (b.engine.model, b.num_prefill, b.num_decode) == ("b.gguf", 3, 1)
     assert b.engine.scheduler.max_model_len == 1024 and b.engine.cache.kv_cache_memory_bytes is None
     path.write_text('{"models": [{"model": "json.gguf"}]}')  # JSON is YAML too
-    assert parse("--models-file", str(path)).engine.model == "json.gguf"
+    assert serve_spec("--models-file", str(path)).engine.model == "json.gguf"
     for text, error in (
         ("models: []", "wants `models:`, a list"),
         ("models: [{model: a.gguf, decode: 0}]", r"models\[0\].decode: wants a whole number"),
@@ -208,25 +209,22 @@ def test_a_models_file_gives_each_model_its_pools_and_engine_flags(tmp_path) -> 
     ):
         path.write_text(text)
         with pytest.raises(ValueError, match=error):
-            parse("--models-file", str(path))
+            serve_spec("--models-file", str(path))
     with pytest.raises(ValueError, match="either as MODEL / --model or in --models-file"):
-        parse("--models-file", str(path), "--model", "a.gguf")
+        serve_spec("--models-file", str(path), "--model", "a.gguf")
     path.write_text("models: [{model: a.gguf}, {model: b.gguf, prefill: 0}]")
-    aggregated = parse("--models-file", str(path), "--prefill", "0")  # every model's
+    aggregated = serve_spec("--models-file", str(path), "--prefill", "0")  # every model's
     assert [m.num_prefill for m in aggregated.models] == [0, 0]
     with pytest.raises(ValueError, match=r"models\[1\].prefill: .*--prefill 0 for every model"):
-        parse("--models-file", str(path))
+        serve_spec("--models-file", str(path))
     path.write_text("models: [{model: a.gguf, prefill: 2}]")
     with pytest.raises(ValueError, match=r"models\[0\].prefill: --prefill 0 .* every model's"):
-        parse("--models-file", str(path), "--prefill", "0")
+        serve_spec("--models-file", str(path), "--prefill", "0")
 
 
 def test_a_models_file_gives_each_model_its_autoscale_bounds(tmp_path) -> None:
     """An entry's `autoscale` bounds its pools; a role it leaves out takes the command line's
     --autoscale-*; a model with none keeps its sizes (each controller autoscales its own)."""
-
-    def parse(*argv: str):
-        return spec_from_args(build_parser().parse_args(["serve", *argv]))
 
     path = tmp_path / "models.yaml"
     path.write_text(
@@ -235,7 +233,7 @@ def test_a_models_file_gives_each_model_its_autoscale_bounds(tmp_path) -> None:
         "  - {model: b.gguf}\n"
         "  - {model: c.gguf, autoscale: {prefill: '1:2', decode: null}}\n"
     )
-    a, b, c = parse("--models-file", str(path)).models
+    a, b, c = serve_spec("--models-file", str(path)).models
     assert a.autoscale is not None and a.autoscale.autoscaled == ("decode",)
     assert (a.autoscale.min_size, a.autoscale.max_size) == (
         {"prefill": 1, "decode": 1},
@@ -243,7 +241,7 @@ def test_a_models_file_gives_each_model_its_autoscale_bounds(tmp_path) -> None:
     )
     assert b.autoscale is None
     assert c.autoscale is not None and c.autoscale.autoscaled == ("prefill",)
-    a, b, c = parse("--models-file", str(path), "--autoscale-decode", "1:3").models
+    a, b, c = serve_spec("--models-file", str(path), "--autoscale-decode", "1:3").models
     assert a.autoscale is not None and a.autoscale.max_size["decode"] == 4  # its own
     assert b.autoscale is not None and b.autoscale.max_size["decode"] == 3  # the command line's
     assert c.autoscale is not None and c.autoscale.autoscaled == ("prefill",)  # decode: none
@@ -256,4 +254,4 @@ def test_a_models_file_gives_each_model_its_autoscale_bounds(tmp_path) -> None:
     ):
         path.write_text(text)
         with pytest.raises(ValueError, match=error):
-            parse("--models-file", str(path))
+            serve_spec("--models-file", str(path))
