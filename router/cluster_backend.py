@@ -337,10 +337,9 @@ class ClusterBackend(Backend):
             if leg.decode is not None:
                 self.workers.done(leg.decode.worker_id, leg.take_prompt_tokens())
             cleanup = leg.cleanup_call()
-            if isinstance(sys.exc_info()[1], asyncio.CancelledError | GeneratorExit):
-                if cleanup is not None:  # the client left: the call goes on behind, so the
-                    # stream unwinds at once (the client's request id is its own again)
-                    self._behind(_quietly(cleanup))
+            left = isinstance(sys.exc_info()[1], asyncio.CancelledError | GeneratorExit)
+            if cleanup is not None and left:  # the client left: the call goes on behind, so
+                self._behind(_quietly(cleanup))  # the stream unwinds at once (its id is free)
             elif cleanup is not None:
                 await _quietly(cleanup)
 
