@@ -27,7 +27,7 @@ import math
 import os
 import socket
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ HINT = struct.Struct("<qQ")
 # 2026-12-07 left zeros there and a priority of 0 in the hint: no priority was recorded)
 PRIORITY_TAG = b"KVRPRIO1"
 _TAGGED = struct.Struct("<8sq")  # the tag, then the hint's priority (the salt root follows)
+_TAGGED_AT = HEADER_BYTES - HINT.size - len(PRIORITY_TAG)
 _AGENT_SEQ = [0]
 _HOST = socket.gethostname()  # temporary names are unique across the hosts of a shared store
 
@@ -98,6 +99,8 @@ class ScanResult:
     hashes: list[int]
     num_invalid: int  # removed: a bad header, a truncated file, a stale temporary file
     num_other_layouts: int  # files under other layout keys (another model or layout): ignored
+    # each usable block's recorded retention priority (absent: its file records none)
+    priorities: dict[int, int] = field(default_factory=dict)
 
 
 class BlockFormat:
@@ -250,22 +253,6 @@ class DiskBlockFiles(BlockFormat):
     def remove(self, block_hash: int) -> None:
         self.path(block_hash).unlink(missing_ok=True)
 
-    def recorded_priority(self, block_hash: int) -> int | None:
-        """The retention priority the file records (clamped to 0..100: the hint is outside
-        the checksum); None when the file is gone or records none (written before the tag)."""
-        try:
-            fd = os.open(self.path(block_hash), os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            raw = os.pread(fd, _TAGGED.size, HEADER_BYTES - HINT.size - len(PRIORITY_TAG))
-        finally:
-            os.close(fd)
-        if len(raw) != _TAGGED.size:
-            return None
-        tag, priority = _TAGGED.unpack(raw)
-        return min(100, max(0, priority)) if tag == PRIORITY_TAG else None
-
     def set_priority(self, block_hash: int, priority: int) -> None:
         """Record a new retention priority in the block's file (raised or lowered after it was
         written; a warm restart adopts it); nothing when the file is not there (yet)."""
@@ -274,11 +261,7 @@ class DiskBlockFiles(BlockFormat):
         except OSError:
             return
         try:
-            os.pwrite(
-                fd,
-                _TAGGED.pack(PRIORITY_TAG, priority),
-                HEADER_BYTES - HINT.size - len(PRIORITY_TAG),
-            )
+            os.pwrite(fd, _TAGGED.pack(PRIORITY_TAG, priority), _TAGGED_AT)
         finally:
             os.close(fd)
 
@@ -308,6 +291,7 @@ class DiskBlockFiles(BlockFormat):
         (oldest first, by modification time); others here are removed. Payload checksums are
         checked when a block is loaded."""
         found: list[tuple[float, int]] = []
+        priorities: dict[int, int] = {}
         num_invalid = 0
         for path in self.dir.iterdir():
             if not path.name.endswith(SUFFIX):
@@ -321,15 +305,28 @@ class DiskBlockFiles(BlockFormat):
                 if stat.st_size != self.file_bytes:
                     raise BlockFileError(f"{path.name}: {stat.st_size} bytes")
                 with path.open("rb") as f:
-                    self._check_header(f.read(HEADER_BYTES), block_hash, path.name)
+                    header = f.read(HEADER_BYTES)
+                self._check_header(header, block_hash, path.name)
             except (ValueError, BlockFileError, OSError):
                 path.unlink(missing_ok=True)
                 num_invalid += 1
                 continue
             found.append((stat.st_mtime, block_hash))
+            recorded = _recorded(header[_TAGGED_AT : _TAGGED_AT + _TAGGED.size])
+            if recorded is not None:
+                priorities[block_hash] = recorded
         others = [p for p in self.root.iterdir() if p.is_dir() and p.name != self.layout.key]
         num_other = sum(1 for d in others for p in d.iterdir() if p.name.endswith(SUFFIX))
-        return ScanResult([h for _, h in sorted(found)], num_invalid, num_other)
+        return ScanResult([h for _, h in sorted(found)], num_invalid, num_other, priorities)
+
+
+def _recorded(raw: bytes) -> int | None:
+    """The priority in a tagged hint's bytes (clamped to 0..100: outside the checksum), or
+    None when untagged (recorded none)."""
+    if len(raw) != _TAGGED.size:
+        return None
+    tag, priority = _TAGGED.unpack(raw)
+    return min(100, max(0, priority)) if tag == PRIORITY_TAG else None
 
 
 def _checksum(row: torch.Tensor) -> int:

@@ -87,7 +87,7 @@ def build_disk_tier(
         raise
     tier.give_back_folder = partial(release_folder, cache.disk_kv_path)
     found = files.scan()
-    kept = tier.adopt(found.hashes, partial(_recorded_priority, files))
+    kept = tier.adopt(found.hashes, lambda h: found.priorities.get(h, DEFAULT_PRIORITY))
     if ranked is not None:  # every rank reads its heads when matched (no reads behind the step)
         tier.listener = ranked
         ranked.keep_only(tier.cached_hashes())
@@ -168,13 +168,6 @@ def build_shared_store(
         store.num_files,
     )
     return store
-
-
-def _recorded_priority(files: DiskBlockFiles, block_hash: int) -> int:
-    """The retention priority a block file records (DEFAULT_PRIORITY for one that records
-    none: written before 2026-12-07)."""
-    recorded = files.recorded_priority(block_hash)
-    return DEFAULT_PRIORITY if recorded is None else recorded
 
 
 def _write_block(files: DiskBlockFiles, job: PublishJob) -> Published:

@@ -220,15 +220,16 @@ def test_block_files_round_trip_and_refuse_bad_ones(tmp_path) -> None:
     files = DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype)
     files.write(7, kv[1], salt_root=5, priority=80)
     assert torch.equal(files.read(7), kv[1])
-    assert files.hint(7) == (80, 5) and files.recorded_priority(7) == 80  # eviction, restarts
+    assert files.hint(7) == (80, 5) and files.scan().priorities == {7: 80}  # evicting, restarts
     files.set_priority(7, 95)  # raised later: outside the checksums, the block still loads
-    assert files.recorded_priority(7) == 95 and files.hint(7) == (95, 5)
+    assert files.scan().priorities == {7: 95} and files.hint(7) == (95, 5)
     assert torch.equal(files.read(7), kv[1])
     raw = bytearray(files.path(7).read_bytes())
     tag_at = HEADER_BYTES - 16 - len(PRIORITY_TAG)
     raw[tag_at : tag_at + len(PRIORITY_TAG)] = bytes(len(PRIORITY_TAG))  # as written before the tag
     files.path(7).write_bytes(bytes(raw))
-    assert files.recorded_priority(7) is None and files.recorded_priority(8) is None
+    found = files.scan()
+    assert found.hashes == [7] and found.priorities == {}  # kept, at no recorded priority
     path = files.path(7)
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 3] ^= 1
