@@ -31,14 +31,15 @@ def worker_load(snapshot: EngineSnapshot) -> WorkerLoad:
         prompt_tok_s=round(snapshot.prompt_tokens_per_s),
         disk_load_us=round(recent_read_s(snapshot, "disk") * 1e6),
         shared_load_us=round(recent_read_s(snapshot, "shared") * 1e6),
+        host_load_us=round(recent_read_s(snapshot, "host") * 1e6),
     )
 
 
 def recent_read_s(snapshot: EngineSnapshot, tier: str) -> float:
-    """A file tier's recent block read time, the one the worker's read gate weighs for that
-    tier (0: it has not read one yet, or the worker has no such tier). Recent, not the mean
-    since start: a disk that got slower (or faster) must turn the routers' credit as it turns
-    the gate."""
+    """A tier's recent time to load one block: a file tier's read and check, the one the
+    worker's read gate weighs for that tier (recent, not the mean since start: a disk that got
+    slower, or faster, must turn the routers' credit as it turns the gate); the host tier's
+    copy back, measured at start. 0: not measured yet, or the worker has no such tier."""
     by_tier = {stats.tier: stats.recent_load_s for stats in snapshot.tiers}
     return by_tier.get(tier) or 0.0
 

@@ -178,6 +178,9 @@ class WorkerLoad:
     disk_load_us: int = 0
     # and one block of the cluster-shared store (a directory, or an object store's ~5x slower)
     shared_load_us: int = 0
+    # one host tier block's copy back into device memory, microseconds, measured at start (0:
+    # no host tier)
+    host_load_us: int = 0
 
     @property
     def compute_tok_s(self) -> int:

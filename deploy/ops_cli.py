@@ -430,6 +430,8 @@ def _tier(tier: TierStats) -> str:
             if tier.recent_load_s:  # what the read gate weighs now: the mean hides a change
                 text += f" on average, {tier.recent_load_s * 1e3:.2f} lately"
         text += ")"
+    if tier.tier == "host" and tier.recent_load_s:
+        text += f", copy back {tier.recent_load_s * 1e6:.0f} us a block"
     if tier.bad_files:
         text += f", {tier.bad_files} bad files"
     if tier.write_failures:

@@ -361,7 +361,7 @@ class Engine:
             num_spec_drafted_tokens=spec.num_drafted_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             **({} if kv.disk_tier is None else kv.disk_tier.snapshot_fields()),
-            tiers=tier_ops.tier_stats(kv, block_bytes),
+            tiers=tier_ops.tier_stats(kv, block_bytes, self.copies.host_copy_back_s),
         )
 
     def evict_kv(

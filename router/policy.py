@@ -37,13 +37,15 @@ def load_key(load: WorkerLoad) -> tuple[int, int]:
 
 # A leading block found only in a worker's host tier saves its compute at the price of a copy
 # back over the host link (2 MiB in ~40 us at ~50 GB/s on an H200 for the 8B shape, against
-# ~0.4 ms to compute its 16 tokens): placement credits it at this fraction of a device block.
+# ~0.4 ms to compute its 16 tokens): credited by the worker's copy-back time measured at start
+# (tier_credit), this fraction of a device block until the worker has measured its compute.
 HOST_HIT_CREDIT = 0.8
 # A leading block found only in a worker's disk tier, or in the cluster-shared store, saves its
 # compute at the price of reading and checking its file: credited by the worker's measured cost
-# of that tier (file_credit), this fraction of a device block until the worker has measured both
+# of that tier (tier_credit), this fraction of a device block until the worker has measured both
 # that tier's reads and its compute.
 DISK_HIT_CREDIT = 0.5
+UNMEASURED_CREDIT = {"host": HOST_HIT_CREDIT, "disk": DISK_HIT_CREDIT, "shared": DISK_HIT_CREDIT}
 
 
 class Overlap(dict[str, int]):
@@ -69,36 +71,34 @@ def _cached_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: i
     return max(0, overlap.get(worker.worker_id, 0)) * block_size
 
 
-def _host_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> int:
-    host = getattr(overlap, "host", {})
-    return max(0, host.get(worker.worker_id, 0)) * block_size
+SLOWER_TIERS = ("host", "disk", "shared")
 
 
-FILE_TIERS = ("disk", "shared")
-
-
-def _file_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int, tier: str) -> int:
-    """Tokens only in its disk tier, or only in the shared store: each loaded from a checked
-    file of that tier."""
+def _tier_tokens(worker: WorkerInfo, overlap: Mapping[str, int], block_size: int, tier: str) -> int:
+    """Tokens only in its host tier, only in its disk tier, or only in the shared store: each
+    loaded from that tier (a copy back, or a checked file)."""
     found = getattr(overlap, tier, {})
     return max(0, found.get(worker.worker_id, 0)) * block_size
 
 
-def file_credit(
-    worker: WorkerInfo, block_size: int, tier: str = "disk", default: float = DISK_HIT_CREDIT
-) -> float:
-    """The share of a block's compute a hit in the worker's disk tier (or the shared store,
-    tier "shared") saves: 1 - that tier's measured load time over the time it takes to compute
-    block_size tokens (0 when a load costs more: the worker's own gate, which weighs each tier
-    by its own read time, computes such a hit again); `default` until it has measured both.
-    The compute rate is the one that gate uses, the worker's prompt rate (prompt_tok_s), and
-    its all-steps rate until it has one: on a worker whose steps are mostly decodes the
-    all-steps rate makes computing look slow and a slow read look worth taking."""
+def tier_credit(worker: WorkerInfo, block_size: int, tier: str = "disk") -> float:
+    """The share of a block's compute a hit in the worker's host tier, disk tier or the shared
+    store saves: 1 - that tier's measured load time over the time it takes to compute
+    block_size tokens (0 when a load costs more: for a file tier, the worker's own gate, which
+    weighs each tier by its own read time, computes such a hit again); UNMEASURED_CREDIT's
+    until it has measured both. The compute rate is the one that gate uses, the worker's
+    prompt rate (prompt_tok_s), and its all-steps rate until it has one: on a worker whose
+    steps are mostly decodes the all-steps rate makes computing look slow and a slow read look
+    worth taking."""
     load = worker.load
     rate = load.compute_tok_s
-    load_us = load.shared_load_us if tier == "shared" else load.disk_load_us
+    load_us = {
+        "host": load.host_load_us,
+        "disk": load.disk_load_us,
+        "shared": load.shared_load_us,
+    }[tier]
     if not load_us or not rate:
-        return default
+        return UNMEASURED_CREDIT[tier]
     compute_us = block_size * 1e6 / rate
     return min(1.0, max(0.0, 1.0 - load_us / compute_us))
 
@@ -121,27 +121,23 @@ class PrefillPolicy(abc.ABC):
 
 class KVAwarePolicy(PrefillPolicy):
     """score = cached_tokens_saved - load_weight * queued_tokens, where a token cached only in
-    a worker's host tier saves host_credit of one in device memory, one only in its disk tier
-    or only in the shared store that tier's file_credit (measured per worker and tier); ties go
-    to the less loaded worker (load_key), then the smaller worker_id. Deterministic."""
+    a worker's host tier, only in its disk tier or only in the shared store saves that tier's
+    tier_credit of one in device memory (measured per worker and tier); ties go to the less
+    loaded worker (load_key), then the smaller worker_id. Deterministic."""
 
     name = "kv_aware"
 
-    def __init__(self, load_weight: float = 1.0, host_credit: float = HOST_HIT_CREDIT) -> None:
+    def __init__(self, load_weight: float = 1.0) -> None:
         if load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
-        if not 0 <= host_credit <= 1:
-            raise ValueError(f"host_credit must be in [0, 1], got {host_credit}")
         self.load_weight = load_weight
-        self.host_credit = host_credit
 
     def score(self, worker: WorkerInfo, overlap: Mapping[str, int], block_size: int) -> float:
         saved = _cached_tokens(worker, overlap, block_size)
-        saved -= (1 - self.host_credit) * _host_tokens(worker, overlap, block_size)
-        for tier in FILE_TIERS:
-            tokens = _file_tokens(worker, overlap, block_size, tier)
+        for tier in SLOWER_TIERS:
+            tokens = _tier_tokens(worker, overlap, block_size, tier)
             if tokens:
-                saved -= (1 - file_credit(worker, block_size, tier)) * tokens
+                saved -= (1 - tier_credit(worker, block_size, tier)) * tokens
         return saved - self.load_weight * worker.load.queued_tokens
 
     def choose(

@@ -210,7 +210,7 @@ class WorkerStatsCollector(Collector):
             "kvrelay_worker_load",
             "A worker's load as it reported it at this scrape (field: running, waiting,"
             " free_blocks, total_blocks, queued_tokens, prefill_tok_s, step_us, prompt_tok_s,"
-            " disk_load_us, shared_load_us).",
+            " disk_load_us, shared_load_us, host_load_us).",
             labels=["worker_id", "role", "field"],
         )
         for worker_id, (role, stats) in sorted(self._stats.items()):

@@ -11,6 +11,7 @@ that may overwrite them (synchronously, through the disk tier's NIXL files).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -62,6 +63,26 @@ class BlockCopies:
                 self._copy_back_stream = torch.cuda.Stream(kv_cache.device)
                 self._copied_back = torch.cuda.Event()
                 self._queued = torch.cuda.Event()  # recorded to ask whether the steps ran
+        # one block's copy back from the host tier, seconds, measured at start (0: no tier)
+        self.host_copy_back_s = self._time_copy_back() if num_slots else 0.0
+
+    def _time_copy_back(self, rounds: int = 3) -> float:
+        """One block's copy from the host tier into device memory, seconds: the fastest of a
+        few copies of up to 8 blocks (at start, every device block free: they get their own
+        bytes back)."""
+        assert self.host is not None
+        n = min(8, self.host.shape[0], self.kv_cache.shape[0])
+        self.host[:n].copy_(self.kv_cache[:n])
+        best = float("inf")
+        for _ in range(rounds):
+            if self.kv_cache.is_cuda:
+                torch.cuda.synchronize(self.kv_cache.device)
+            start = time.perf_counter()
+            self.kv_cache[:n].copy_(self.host[:n], non_blocking=True)
+            if self.kv_cache.is_cuda:
+                torch.cuda.synchronize(self.kv_cache.device)
+            best = min(best, (time.perf_counter() - start) / n)
+        return best
 
     @property
     def num_host_slots(self) -> int:
@@ -132,7 +153,7 @@ class BlockCopies:
         clean shutdown: a restart finds them), once the copies in flight are done."""
         if kv.disk_tier is None:
             return
-        kv.owed.spill_all(kv.pool.cached_blocks())
+        kv.owed.spill_all(kv.pool.cached_blocks(), kv.pool.expiries.held)
         if self.kv_cache.is_cuda:
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
         self._spill(kv)

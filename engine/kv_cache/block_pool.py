@@ -14,12 +14,12 @@ default once it expires; expiries are applied when a block is next evicted.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from engine.kv_cache.expiry import Expiries, Held
 
 DEFAULT_PRIORITY = 35
 MIN_PRIORITY, MAX_PRIORITY = 0, 100
@@ -35,7 +35,6 @@ class KVBlock:
     priority: int = DEFAULT_PRIORITY
     token_ids: tuple[int, ...] = ()  # a cached block's tokens (partial reuse compares them)
     parent_key: int | None = None  # the chain hash it extends (the root's for a first block)
-    expiry_seq: int = 0  # which expiry entry is this block's current one (0: none)
 
 
 BlockRetention = tuple[int, float | None]  # (priority, expires_at on the pool's clock or None)
@@ -83,9 +82,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.sibling_key_len = sibling_key_len
         self.clock = clock
-        # Called with a cached block about to be evicted for reuse (its hash still set): the
-        # host tier's offload. Not called by evict_all_cached (a cold cache is wanted there).
-        self.on_evict: Callable[[KVBlock], None] | None = None
+        # Called with a cached block about to be evicted for reuse (its hash still set) and the
+        # deadline its priority held to (the slower tier it goes to keeps it): the host tier's
+        # offload. Not called by evict_all_cached (a cold cache is wanted there).
+        self.on_evict: Callable[[KVBlock, Held | None], None] | None = None
         self.enable_caching = enable_caching
         self.record_events = record_events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -95,9 +95,7 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}
         # (parent key, first sibling_key_len tokens) -> hash -> block
         self._children: dict[tuple[int, tuple[int, ...]], dict[int, KVBlock]] = {}
-        # (expires_at, seq, block, fallback priority) of evictable blocks kept for a while
-        self._expiring: list[tuple[float, int, KVBlock, int]] = []
-        self._expiry_seqs = itertools.count(1)
+        self.expiries: Expiries[int] = Expiries(clock)  # evictable block ids kept for a while
         self._events: list[KVEvent] = []
         # blocks whose last reference went since take_freed(): work queued before may still
         # read or write them (the engine's copy-back stream must not overwrite them early)
@@ -179,12 +177,7 @@ class BlockPool:
             kept, expires_at = (priority, None) if retention is None else retention[i]
             self._add_evictable(block, kept)
             if expires_at is not None and kept != priority:
-                block.expiry_seq = next(self._expiry_seqs)
-                entry = (expires_at, block.expiry_seq, block, priority)
-                heapq.heappush(self._expiring, entry)
-        if len(self._expiring) > 2 * self.num_blocks:  # stale entries of blocks reused since
-            self._expiring = [e for e in self._expiring if e[2].expiry_seq == e[1]]
-            heapq.heapify(self._expiring)
+                self.expiries.hold(block.block_id, Held(expires_at, priority))
 
     def take_freed(self) -> set[int]:
         """The ids of blocks left unreferenced since the last call (the engine calls it as it
@@ -261,28 +254,26 @@ class BlockPool:
     def _remove_evictable(self, block: KVBlock) -> None:
         del self._evictable[block.priority][block.block_id]
         self._num_evictable -= 1
-        block.expiry_seq = 0  # a later free sets its own
+        self.expiries.cancel(block.block_id)  # a later free sets its own
 
     def _expire(self) -> None:
         """Move evictable blocks whose kept priority has expired to their fallback priority."""
-        now = self.clock()
-        while self._expiring and self._expiring[0][0] <= now:
-            _, seq, block, fallback = heapq.heappop(self._expiring)
-            if block.expiry_seq != seq:  # touched, evicted or freed again since
-                continue
+        for block_id, fallback in self.expiries.due():
+            block = self.blocks[block_id]
             self._remove_evictable(block)
             self._add_evictable(block, fallback)
 
     def _evict_one(self, for_reuse: bool = False) -> KVBlock:
-        if self._expiring:
+        if len(self.expiries):
             self._expire()
         for priority in sorted(self._evictable):
             bucket = self._evictable[priority]
             if bucket:
                 _, block = bucket.popitem(last=False)
                 self._num_evictable -= 1
+                held = self.expiries.cancel(block.block_id)
                 if for_reuse and self.on_evict is not None:
-                    self.on_evict(block)
+                    self.on_evict(block, held)
                 self._uncache(block)
                 return block
         raise NoFreeBlocksError("no evictable block")
@@ -299,7 +290,7 @@ class BlockPool:
         if self.record_events:
             self._events.append(BlockRemoved((block.block_hash,)))
         block.block_hash, block.token_ids, block.parent_key = None, (), None
-        block.expiry_seq = 0
+        self.expiries.cancel(block.block_id)
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Raise AssertionError when the invariants above do not hold.

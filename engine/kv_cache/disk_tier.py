@@ -1,8 +1,9 @@
 """DiskTier: the bookkeeping of a worker's disk KV tier (the third tier of the prefix cache). It
-owns which block hashes have a file, each one's retention priority, the eviction order (priority,
-then LRU), the size bound, the blocks read and checked for a prefix hit but not yet copied back
-(staged), and the tier's counters; the files are BlockFiles' (kvtransfer/disk_blocks.py through
-NIXL). Torch-free: a block's KV is an opaque payload here.
+owns which block hashes have a file, each one's retention priority (and until when one held for a
+while holds), the eviction order (priority, then LRU), the size bound, the blocks read and checked
+for a prefix hit but not yet copied back (staged), and the tier's counters; the files are
+BlockFiles' (kvtransfer/disk_blocks.py through NIXL). Torch-free: a block's KV is an opaque
+payload here.
 
 A block written here is also published to the cluster-shared store below it when one is configured
 (SharedStore: once per block cluster-wide). A block reaches this tier when it leaves the host tier
@@ -19,11 +20,16 @@ a write the disk refuses removes it again when collected. On an H100 (the 8B sha
 2 MiB files written on the engine thread, prompts whose ~170 blocks spilled to disk had a TTFT of
 250-315 ms against ~70 without the tier (bench/RESULTS.md "KV tiers"). Writing is best effort:
 a full disk, or a writer past its queue, loses the block, never a request.
+
+A priority held for a while (kv_retention's duration_s) ranks the block here until its deadline,
+then the priority it falls back to; a file records the fallback (what a warm restart, whose clock
+starts again, adopts), and the shared store ranks by it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -31,6 +37,7 @@ from typing import NamedTuple, Protocol
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 from engine.kv_cache.block_publishes import Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
+from engine.kv_cache.expiry import Expiries, Held
 from engine.kv_cache.file_stage import FileStage
 from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.shared_store import SharedStore
@@ -71,6 +78,12 @@ class Spill(NamedTuple):
     src: int
     from_host: bool
     priority: int
+    held: Held | None = None  # priority holds until held.until, then ranks as held.then
+
+    @property
+    def lasting_priority(self) -> int:
+        """The priority that outlives this process (a file records it)."""
+        return self.priority if self.held is None else self.held.then
 
 
 class DiskTier(FileStage):
@@ -85,6 +98,7 @@ class DiskTier(FileStage):
         read_errors: tuple[type[BaseException], ...] = (Exception,),
         block_bytes: int = 0,
         max_staged_bytes: int = 256 << 20,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """num_blocks: the size bound (files of num_blocks blocks at most). read_errors: what
         files.read raises for a file that must not be loaded. block_bytes: one block's KV (for
@@ -103,6 +117,7 @@ class DiskTier(FileStage):
         self._events: list[KVEvent] = []
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
+        self.expiries: Expiries[int] = Expiries(clock)  # hashes whose priority holds a while
         # hash -> how many waiting requests hold its read (this tier's or the shared store's)
         self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
@@ -147,13 +162,14 @@ class DiskTier(FileStage):
         bound); False when it is here already, the disk refused it (logged once) or the writer
         behind the step is past its queue (logged once; nothing evicted for it)."""
         if spill.block_hash in self._priority:
-            self.refresh(spill.block_hash, spill.priority)
+            self.refresh(spill.block_hash, spill.priority, spill.held)
             return False
         salt_root = 0 if self.salts is None else self.salts.root_of(spill.block_hash)
+        lasting = spill.lasting_priority
         if self.shared is not None:
-            self.shared.publish(spill.block_hash, row, spill.priority, salt_root)
+            self.shared.publish(spill.block_hash, row, lasting, salt_root)
         if self.writes is not None:  # behind the step, from a copy of the row
-            job = PublishJob(spill.block_hash, row, spill.priority, salt_root)
+            job = PublishJob(spill.block_hash, row, lasting, salt_root)
             if not self.writes.start(job):
                 return False  # the writer is behind: not stored (recomputed when needed)
             while len(self._priority) >= self.num_slots:
@@ -162,12 +178,12 @@ class DiskTier(FileStage):
             while len(self._priority) >= self.num_slots:
                 self._evict()
             try:
-                self.files.write(spill.block_hash, row, salt_root, spill.priority)
+                self.files.write(spill.block_hash, row, salt_root, lasting)
             except OSError as e:
                 self._refused(e)
                 return False
             self.num_stored += 1
-        self._add(spill.block_hash, spill.priority)
+        self._add(spill.block_hash, spill.priority, spill.held)
         return True
 
     @property
@@ -198,28 +214,38 @@ class DiskTier(FileStage):
             return None
         return self.writes.row_of(block_hash)
 
-    def refresh(self, block_hash: int, priority: int) -> None:
-        """The block left a faster tier again: it ranks by that priority, newest (recorded in
-        its file when it changed, for a warm restart; a write still queued records its own)."""
+    def refresh(self, block_hash: int, priority: int, held: Held | None = None) -> None:
+        """The block left a faster tier again: it ranks by that priority (held for as long as
+        it held there), newest; the priority that outlives this process is recorded in its
+        file when it changed, for a warm restart (a write still queued records its own)."""
         old = self._priority[block_hash]
+        old_held = self.expiries.cancel(block_hash)
         del self._by_priority[old][block_hash]
-        self._priority[block_hash] = priority
-        self._by_priority.setdefault(priority, OrderedDict())[block_hash] = None
-        if priority != old:
+        self._rank(block_hash, priority, held)
+        lasting = priority if held is None else held.then
+        if lasting != (old if old_held is None else old_held.then):
             try:
-                self.files.set_priority(block_hash, priority)
+                self.files.set_priority(block_hash, lasting)
             except OSError as e:  # the ranking holds; a restart would adopt the old one
                 log.debug(
                     "disk KV tier: could not record block %016x's priority: %s", block_hash, e
                 )
 
-    def _add(self, block_hash: int, priority: int) -> None:
-        self._priority[block_hash] = priority
-        self._by_priority.setdefault(priority, OrderedDict())[block_hash] = None
+    def _add(self, block_hash: int, priority: int, held: Held | None = None) -> None:
+        self._rank(block_hash, priority, held)
         if self.record_events:
             self._events.append(BlockStored((block_hash,), None, "disk"))
 
+    def _rank(self, block_hash: int, priority: int, held: Held | None) -> None:
+        self._priority[block_hash] = priority
+        self._by_priority.setdefault(priority, OrderedDict())[block_hash] = None
+        if held is not None and held.then != priority:
+            self.expiries.hold(block_hash, held)
+
     def _evict(self) -> None:
+        for block_hash, fallback in self.expiries.due():  # its file records fallback already
+            del self._by_priority[self._priority[block_hash]][block_hash]
+            self._rank(block_hash, fallback, None)
         for priority in sorted(self._by_priority):
             bucket = self._by_priority[priority]
             if bucket:
@@ -234,6 +260,7 @@ class DiskTier(FileStage):
             priority = self._priority[block_hash]
             del self._by_priority[priority][block_hash]
         del self._priority[block_hash]
+        self.expiries.cancel(block_hash)
         self._staged.pop(block_hash, None)
         if self.writes is not None and self.writes.row_of(block_hash) is not None:
             # its write behind the step: cancelled, or waited for, before the file goes
@@ -386,5 +413,6 @@ class DiskTier(FileStage):
     def check_integrity(self) -> None:
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())
         assert by_priority == len(self._priority), "disk eviction order out of step"
+        assert set(self.expiries.keys()) <= set(self._priority), "a deadline for a block not here"
         assert len(self._priority) <= self.num_slots, "disk tier past its bound"
         assert set(self._staged) <= set(self._priority), "a staged block left the disk tier"

@@ -11,7 +11,7 @@ blocks took a prompt's TTFT from 70 to 280 ms. A tier slower than computing is p
 match stops at its first block not read yet; blocks already read are taken), except every
 PROBE_EVERY-th match it would have been passed over in, which reads PROBE_BLOCKS and so keeps
 the tier's read time measured (the disk or the compute rate may change). Routers price a disk
-hit by a like comparison (router/policy.py file_credit: the worker's published read time of that
+hit by a like comparison (router/policy.py tier_credit: the worker's published read time of that
 tier against the same prompt rate).
 """
 

@@ -7,11 +7,12 @@ committed blocks' copies into it behind the step (WriteBehind). Pure Python, tor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.kv_cache.block_copy import BlockCopy
 from engine.kv_cache.block_pool import KVBlock, KVEvent
 from engine.kv_cache.disk_tier import DiskTier, Spill
+from engine.kv_cache.expiry import Held
 from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.write_behind import WriteBehind
 
@@ -45,12 +46,12 @@ class OwedCopies:
         if host_tier is not None and disk_tier is not None:
             host_tier.on_evict = self._host_evicted
 
-    def _host_evicted(self, block_hash: int, slot: int, priority: int) -> None:
+    def _host_evicted(self, block_hash: int, slot: int, priority: int, held: Held | None) -> None:
         assert self.disk_tier is not None
         if self.disk_tier.has(block_hash):
-            self.disk_tier.refresh(block_hash, priority)
+            self.disk_tier.refresh(block_hash, priority, held)
         else:
-            self._spills.append(Spill(block_hash, slot, True, priority))
+            self._spills.append(Spill(block_hash, slot, True, priority, held))
 
     def lend_disk_hits(self, block_hashes: Sequence[int], blocks: Sequence[KVBlock]) -> None:
         """A prefix hit in the disk tier or the shared store (staged by the match): each
@@ -64,21 +65,26 @@ class OwedCopies:
                 self._disk_payloads[block.block_id] = disk.take(block_hash)
             self._queued.append(BlockCopy(block_hash, block.block_id, "from_disk"))
 
-    def spill_all(self, device_blocks: Iterable[KVBlock]) -> None:
+    def spill_all(
+        self,
+        device_blocks: Iterable[KVBlock],
+        held: Callable[[int], Held | None] = lambda block_id: None,
+    ) -> None:
         """Owe the disk tier every cached block it lacks: the host tier's, then the device's
-        (a clean shutdown keeps them for the next start)."""
+        (a clean shutdown keeps them for the next start). held: a device block's deadline."""
         assert self.disk_tier is not None
         owed = {spill.block_hash for spill in self._spills}
         if self.host_tier is not None:
-            for block_hash, slot, priority in self.host_tier.entries():
+            for block_hash, slot, priority, until in self.host_tier.entries():
                 if not self.disk_tier.has(block_hash) and block_hash not in owed:
-                    self._spills.append(Spill(block_hash, slot, True, priority))
+                    self._spills.append(Spill(block_hash, slot, True, priority, until))
                     owed.add(block_hash)
         for block in device_blocks:
             block_hash = block.block_hash
             if block_hash is None or block_hash in owed or self.disk_tier.has(block_hash):
                 continue
-            self._spills.append(Spill(block_hash, block.block_id, False, block.priority))
+            spill = Spill(block_hash, block.block_id, False, block.priority, held(block.block_id))
+            self._spills.append(spill)
             owed.add(block_hash)
 
     def drain_spills(self) -> list[Spill]:
@@ -121,33 +127,34 @@ class OwedCopies:
         if slot is not None:
             self.write_behind.owe(BlockCopy(block.block_id, slot, "to_host"))
 
-    def evicted(self, block: KVBlock) -> None:
+    def evicted(self, block: KVBlock, held: Held | None = None) -> None:
         """BlockPool.on_evict: a cached block leaves the device; it stays in the host tier
-        (without one: it is spilled to the disk tier)."""
+        (without one: it is spilled to the disk tier), its priority held as long as it was."""
         assert block.block_hash is not None
         if self.host_tier is None:
-            self._spill_device(block)
+            self._spill_device(block, held)
             return
         owed = self.write_behind.take_owed(block.block_id) if self.write_behind else None
         if owed is not None:  # committed but never copied: before the step that reuses it
             self._queued.append(owed)
         if self.host_tier.has(block.block_hash):
-            self.host_tier.refresh(block.block_hash, block.priority)
+            self.host_tier.refresh(block.block_hash, block.priority, held)
             return
-        slot = self.host_tier.store(block.block_hash, block.priority)  # none was free at commit
+        slot = self.host_tier.store(block.block_hash, block.priority, held)  # none free at commit
         if slot is not None:
             self._queued.append(BlockCopy(block.block_id, slot, "to_host"))
         elif self.disk_tier is not None:  # every host slot lent: straight to the disk tier
-            self._spill_device(block)
+            self._spill_device(block, held)
 
-    def _spill_device(self, block: KVBlock) -> None:
+    def _spill_device(self, block: KVBlock, held: Held | None) -> None:
         """A block leaving the device for the disk tier (its bytes read before any copy or step
         overwrites them)."""
         assert self.disk_tier is not None and block.block_hash is not None
         if self.disk_tier.has(block.block_hash):
-            self.disk_tier.refresh(block.block_hash, block.priority)
+            self.disk_tier.refresh(block.block_hash, block.priority, held)
         else:
-            self._spills.append(Spill(block.block_hash, block.block_id, False, block.priority))
+            spill = Spill(block.block_hash, block.block_id, False, block.priority, held)
+            self._spills.append(spill)
 
     def pin_copies(self, blocks: Sequence[KVBlock]) -> list[int]:
         """The host slots of the leading blocks whose copies are in the host tier, pinned

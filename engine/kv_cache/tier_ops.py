@@ -38,9 +38,12 @@ def evict(
     return dropped
 
 
-def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
+def tier_stats(
+    kv: KVCacheManager, block_bytes: int, host_copy_back_s: float = 0.0
+) -> tuple[TierStats, ...]:
     """Each tier's size, use, hits and loads (the device pool, then the tiers kv has); a tier's
-    lookups are the prompt blocks the faster tiers lacked."""
+    lookups are the prompt blocks the faster tiers lacked. host_copy_back_s: one host tier
+    block's copy back, as measured at start (its recent_load_s)."""
     pool, looked = kv.pool, kv.num_lookup_blocks
     device_hits = kv.num_device_hit_blocks
     tiers = [
@@ -51,7 +54,14 @@ def tier_stats(kv: KVCacheManager, block_bytes: int) -> tuple[TierStats, ...]:
         host, hits = kv.host_tier, kv.num_host_hit_blocks
         tiers.append(
             TierStats(
-                "host", host.num_slots, host.num_cached, looked, hits, hits * block_bytes, 0.0
+                "host",
+                host.num_slots,
+                host.num_cached,
+                looked,
+                hits,
+                hits * block_bytes,
+                0.0,
+                recent_load_s=host_copy_back_s,
             )
         )
         looked -= hits

@@ -28,7 +28,8 @@ class TierStats(NamedTuple):
     # (--kv-tier-reads measured; engine/kv_cache/load_gate.py)
     passed_over: int = 0
     # a block file's read and check lately, seconds (decayed over ~10 reads; what a worker's
-    # read gate and the routers' disk credit compare with computing; 0: none read yet)
+    # read gate and the routers' disk credit compare with computing; 0: none read yet); the
+    # host tier's: one block's copy back, measured at start (the routers' host credit)
     recent_load_s: float = 0.0
     # blocks not stored: its writer behind the step was past its queue (the disk or the store
     # slower than blocks arrive)

@@ -93,6 +93,7 @@ def test_a_second_worker_computes_only_what_the_first_did_not_publish(tiny, tmp_
     assert snap.num_computed_tokens - before == computed
     tiers = {tier.tier: tier for tier in snap.tiers}
     assert list(tiers) == ["device", "host", "disk", "shared"]
+    assert tiers["host"].recent_load_s > 0  # its copy back, timed at start (the host credit)
     shared = tiers["shared"]
     assert shared.hit_blocks == sum(expect) // BLOCK
     assert shared.load_bytes == shared.hit_blocks * BLOCK_BYTES

@@ -1,13 +1,19 @@
 """Retention by token range: validation naming the field, the per-block priorities a request's
-ranges give, and the pool's eviction order with priorities that expire (a fake clock: this is a
-unit test of the pool and the range module)."""
+ranges give, the pool's eviction order with priorities that expire, and such a priority carried
+with its deadline into the host and disk tiers (real block files), where it expires too (a
+manual clock: the tiers' time)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.kv_cache.block_pool import DEFAULT_PRIORITY, BlockPool
+from engine.kv_cache.disk_tier import DiskTier, Spill
+from engine.kv_cache.expiry import Expiries, Held
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.owed_copies import OwedCopies
 from engine.kv_cache.retention import (
     InvalidRetention,
     RetentionRange,
@@ -15,6 +21,7 @@ from engine.kv_cache.retention import (
     check_ranges,
 )
 from engine.step.request import Request
+from kvtransfer.disk_blocks import DiskBlockFiles, DiskLayout
 from tests.manual_clock import ManualClock
 
 
@@ -114,5 +121,86 @@ def test_stale_expiry_entries_do_not_pile_up_without_evictions() -> None:
         pool.free([block], DEFAULT_PRIORITY, [(90, 3600.0)])
         pool.touch([block])
     pool.free([block], DEFAULT_PRIORITY, [(90, 3600.0)])
-    assert len(pool._expiring) <= 2 * pool.num_blocks + 1
+    assert len(pool.expiries) == 1 and pool.expiries.num_entries <= 2 + 65
     pool.check_integrity()
+
+
+def test_expiries_keep_one_deadline_a_key_and_give_each_due_one_once() -> None:
+    clock = ManualClock()
+    due: Expiries[int] = Expiries(clock)
+    due.hold(1, Held(5.0, 35))
+    due.hold(2, Held(3.0, 10))
+    due.hold(1, Held(8.0, 20))  # a newer hold voids the older
+    due.hold(3, Held(4.0, 35))
+    assert due.cancel(3) == Held(4.0, 35) and due.cancel(3) is None
+    clock.now = 6.0
+    assert due.due() == [(2, 10)] and due.due() == []
+    assert due.held(1) == Held(8.0, 20)
+    clock.now = 8.0
+    assert due.due() == [(1, 20)] and len(due) == 0
+
+
+def test_a_priority_held_for_a_while_holds_in_the_host_and_disk_tiers_then_falls_back(
+    tmp_path,
+) -> None:
+    clock = ManualClock()
+    pool = BlockPool(2, clock=clock)
+    host = HostTier(1, clock=clock)
+    kv = torch.randn(4, 2, 2, 2, 16, 8)
+    files = DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype)
+    disk = DiskTier(2, files, clock=clock)
+    owed = OwedCopies(host, disk_tier=disk)
+    pool.on_evict = owed.evicted
+
+    def spill_all() -> None:
+        owed.drain_copies()  # the copies into the host tier are queued: their slots released
+        for spill in owed.drain_spills():
+            disk.put(spill, kv[spill.block_hash % 4])
+
+    kept, plain = pool.allocate(2)
+    pool.cache_block(kept, 1, None)
+    pool.cache_block(plain, 2, None)
+    pool.free([kept], DEFAULT_PRIORITY, [(90, 10.0)])  # 90 until t=10, then the default
+    pool.free([plain])
+    pool.allocate(1)  # plain leaves the device first (35 < 90) for the host tier
+    assert [e[0] for e in host.entries()] == [2]
+    owed.drain_copies()
+    pool.allocate(1)  # then kept: it takes the host slot with its deadline; plain goes to disk
+    spill_all()
+    assert host.entries() == [(1, 0, 90, Held(10.0, DEFAULT_PRIORITY))]
+    host.store(3, DEFAULT_PRIORITY)  # kept is the only block here: it leaves for the disk
+    spill_all()
+    assert disk.has(1) and disk.has(2)
+    # on disk it still ranks at 90 (the default-priority block goes first), while its file
+    # records what outlives this process: a restart's clock starts again
+    assert files.hint(1) == (DEFAULT_PRIORITY, 0)
+    disk.put(Spill(4, 0, True, DEFAULT_PRIORITY), kv[0])
+    assert disk.has(1) and not disk.has(2)
+    clock.now = 11.0  # the deadline passed: kept ranks as a default-priority block now
+    disk.put(Spill(5, 0, True, DEFAULT_PRIORITY), kv[1])
+    disk.put(Spill(6, 0, True, DEFAULT_PRIORITY), kv[2])
+    assert not disk.has(1) and disk.has(6)
+    assert files.scan().priorities == {5: DEFAULT_PRIORITY, 6: DEFAULT_PRIORITY}
+    host.check_integrity({0})  # block 3's copy into its slot is still owed
+    disk.check_integrity()
+    pool.check_integrity({0: 1, 1: 1})
+
+
+def test_a_clean_shutdowns_spills_carry_each_blocks_deadline(tmp_path) -> None:
+    """flush_to_disk's spills (OwedCopies.spill_all): the host tier's blocks and the device's,
+    each with the deadline its priority holds to, so the files record the fallback."""
+    clock = ManualClock()
+    pool, host = BlockPool(2, clock=clock), HostTier(1, clock=clock)
+    kv = torch.zeros(2, 1, 2, 1, 4, 2)
+    disk = DiskTier(4, DiskBlockFiles(tmp_path, DiskLayout.of("m", kv), kv.dtype))
+    owed = OwedCopies(host, disk_tier=disk)
+    on_host, on_device = pool.allocate(2)
+    pool.cache_block(on_host, 1, None)
+    pool.cache_block(on_device, 2, None)
+    pool.free([on_host, on_device], DEFAULT_PRIORITY, [(90, 10.0), (80, 20.0)])
+    host.store(1, 90, Held(10.0, DEFAULT_PRIORITY))
+    owed.spill_all([on_device], pool.expiries.held)
+    assert owed.drain_spills() == [
+        Spill(1, 0, True, 90, Held(10.0, DEFAULT_PRIORITY)),
+        Spill(2, on_device.block_id, False, 80, Held(20.0, DEFAULT_PRIORITY)),
+    ]

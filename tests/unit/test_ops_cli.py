@@ -124,7 +124,7 @@ def test_status_table_shows_state_load_hit_rate_and_transfer_rate() -> None:
 def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
     tiers = (
         TierStats("device", 100, 80, 40, 10, 0, 0.0),
-        TierStats("host", 50, 50, 30, 15, 15 * 1000, 0.0),
+        TierStats("host", 50, 50, 30, 15, 15 * 1000, 0.0, recent_load_s=0.00004),
         TierStats("disk", 1000, 300, 15, 5, 5_000_000, 0.01, 2, 0, 7, 0.0004, writes_dropped=3),
         TierStats("shared", 5000, 700, 10, 0, 0, 0.0, write_failures=3),
     )
@@ -135,7 +135,10 @@ def test_status_shows_each_kv_tier_size_use_and_hit_rate() -> None:
     )  # fmt: skip
     status = status_with((worker,))
     text = format_status(status)
-    assert "tiers: device 80/100 blocks, hits 25%; host 50/50 blocks, hits 50%" in text
+    assert (
+        "tiers: device 80/100 blocks, hits 25%; host 50/50 blocks, hits 50% (0.0 MB loaded),"
+        " copy back 40 us a block;" in text
+    )
     assert (
         "disk 300/1000 blocks, hits 33% (5.0 MB loaded, 2.00 ms a block on average, 0.40 lately),"
         " 2 bad files, 3 blocks not stored (its writer fell behind), 7 "
