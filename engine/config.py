@@ -35,6 +35,7 @@ ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
 )
@@ -97,8 +98,8 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) or of Gemma 3's
-    text decoder, and of the sparse MoE MLPs of Qwen3-MoE and Mixtral (models/llama.py
-    MOE_FAMILIES)."""
+    text decoder, and of the sparse MoE MLPs of Qwen3-MoE, Qwen2-MoE (a gated shared expert
+    beside the routed ones) and Mixtral (models/llama.py MOE_FAMILIES)."""
 
     model_id: str
     vocab_size: int
@@ -181,8 +182,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            o_proj_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+            attention_bias=_qkv_bias(hf, model_type),
+            o_proj_bias=model_type not in QKV_BIAS_TYPES and bool(hf.get("attention_bias", False)),
             qk_norm=model_type in _QK_NORM_MODEL_TYPES,
             sliding_window=_whole_model_window(hf, gemma3),
             eos_token_ids=eos_ids,
@@ -267,6 +268,17 @@ def _gemma3_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
         attention_scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
         hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act")),
     )
+
+
+# model types whose q/k/v projections have a bias and o_proj none: Qwen2's (attention_bias,
+# default true) and Qwen2-MoE's (its config names it qkv_bias, default true)
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+
+
+def _qkv_bias(hf: dict[str, Any], model_type: str) -> bool:
+    if model_type == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", model_type == "qwen2"))
 
 
 def _moe_fields(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:

@@ -17,12 +17,14 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v bias
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head q/k RMSNorm
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # sparse MoE (not run yet)
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # sparse MoE (not run yet)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # sparse MoE
+    # sparse MoE with a gated shared expert, and q/k/v bias
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),  # sparse MoE
     # (1 + w) norms, gelu-tanh MLP, sliding_attention layers with their own RoPE base
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def make_tiny_checkpoint(
@@ -47,8 +49,9 @@ def make_tiny_checkpoint(
     num_experts: int = 4,  # MoE architectures only
     num_experts_per_tok: int = 2,
     expert_size: int = 32,  # one expert's MLP width
-    norm_topk_prob: bool = False,  # qwen3_moe only (Mixtral always renormalizes)
-    mlp_only_layers: tuple[int, ...] = (),  # qwen3_moe only: these layers' MLPs are dense
+    norm_topk_prob: bool = False,  # qwen3_moe / qwen2_moe (Mixtral always renormalizes)
+    mlp_only_layers: tuple[int, ...] = (),  # qwen3_moe / qwen2_moe: these layers' MLPs are dense
+    shared_expert_size: int = 48,  # qwen2_moe only: its shared expert's MLP width
     sliding_window: int = 12,  # gemma3 only: its sliding_attention layers' window
     layer_types: list[str] | None = None,  # gemma3 only; None: two sliding, one full, ...
     query_pre_attn_scalar: int = 24,  # gemma3 only: softmax scale ** -2 (not head_dim)
@@ -57,8 +60,9 @@ def make_tiny_checkpoint(
     path and return it. Weights are transformers' own init, N(0, init_std) after
     torch.manual_seed(seed), norms ones; no EOS token and no sliding window.
 
-    qwen3_moe / mixtral: every layer sparse (qwen3_moe: but mlp_only_layers, dense MLPs of
-    intermediate_size) with num_experts experts of expert_size, top num_experts_per_tok.
+    qwen3_moe / qwen2_moe / mixtral: every layer sparse (qwen3_moe, qwen2_moe: but
+    mlp_only_layers, dense MLPs of intermediate_size) with num_experts experts of expert_size,
+    top num_experts_per_tok; qwen2_moe's also a shared expert of shared_expert_size, gated.
     transformers 5.25 holds the experts as fused 3D parameters in memory but save_pretrained
     writes them per expert, as the hub checkpoints are:
     layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Mixtral: block_sparse_moe.experts.E.
@@ -90,7 +94,7 @@ def make_tiny_checkpoint(
     fields["head_dim"] = hidden_size // num_heads if head_dim is None else head_dim
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
-    if architecture == "qwen3_moe":
+    if architecture in ("qwen3_moe", "qwen2_moe"):
         fields |= dict(
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
@@ -99,6 +103,8 @@ def make_tiny_checkpoint(
             decoder_sparse_step=1,
             mlp_only_layers=list(mlp_only_layers),
         )
+    if architecture == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = shared_expert_size
     elif architecture == "gemma3":
         fields |= dict(
             sliding_window=sliding_window,

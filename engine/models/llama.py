@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, and the sparse-MoE
-Qwen3-MoE and Mixtral) over packed tokens; owns weights.
+Qwen3-MoE, Qwen2-MoE and Mixtral) over packed tokens; owns weights.
 
 GQA, RMSNorm, SwiGLU, optional qkv bias (Qwen2), optional per-head RMSNorm of q and k before
 RoPE (Qwen3's q_norm / k_norm: ModelConfig.qk_norm), optional tied embeddings. q/k/v and gate/up
@@ -145,7 +145,11 @@ class MLP(nn.Module):
 
 
 # architecture -> moe.expert_tensors' family: the architectures whose MoE layers run here
-MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+MOE_FAMILIES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+}
 
 
 def check_moe_quant(config: ModelConfig, quant: QuantScheme | None) -> None:

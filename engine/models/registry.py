@@ -15,6 +15,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,  # ModelConfig.qk_norm
     # sparse MoE layers (models/moe.py) in config.moe_layers; llama.MOE_FAMILIES names them
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,  # and a shared expert (ModelConfig's width)
     "MixtralForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only (config.py refuses the multimodal one)
 }

@@ -60,8 +60,16 @@ def run_waves(engine: Engine) -> tuple[list[list[int]], list[int]]:
         ("qwen3", 2, {}),
         # a dense layer, then a sparse one whose 4 experts' columns are split across the ranks
         ("qwen3_moe", 2, {"mlp_only_layers": (0,), "norm_topk_prob": True}),
+        # q/k/v bias split with their rows; a gated shared expert's columns split too
+        ("qwen2_moe", 2, {}),
     ],
-    ids=["kv-split", "kv-replicated", "qwen3-qk-norm", "qwen3-moe-experts-split"],
+    ids=[
+        "kv-split",
+        "kv-replicated",
+        "qwen3-qk-norm",
+        "qwen3-moe-experts-split",
+        "qwen2-moe-shared-expert-split",
+    ],
 )
 def test_tp2_matches_tp1_and_transformers(tmp_path, architecture, num_kv_heads, moe):
     path = make_tiny_checkpoint(

@@ -1,9 +1,10 @@
 """Tiny random HF checkpoints (Llama with llama3 rope, Qwen2 with qkv bias, Qwen3 with q/k norms
-tied and untied, Mistral, sparse-MoE Qwen3-MoE with and without renormalized top-k weights and
-Mixtral, Gemma 3 with sliding-window layers) load and run through the same path, and match
-transformers greedy token for token, in one engine (then again through a prefix hit) and
-(dense Qwen3; Qwen3-MoE with a dense layer: Qwen3's attention and MLP beside a sparse layer;
-Mixtral; Gemma 3) through a prefill worker, NIXL and a decode worker."""
+tied and untied, Mistral, sparse-MoE Qwen3-MoE with and without renormalized top-k weights,
+Qwen2-MoE with its gated shared expert, and Mixtral, Gemma 3 with sliding-window layers) load
+and run through the same path, and match transformers greedy token for token, in one engine
+(then again through a prefix hit) and (dense Qwen3; Qwen3-MoE with a dense layer: Qwen3's
+attention and MLP beside a sparse layer; Mixtral; Gemma 3) through a prefill worker, NIXL and a
+decode worker."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ CHECKPOINTS = {
     ),
     "qwen3-moe-unnormed": dict(architecture="qwen3_moe", tie_embeddings=True, seed=2),
     "mixtral": dict(architecture="mixtral", seed=3),
+    # a gated shared expert beside 4 routed ones (top-2, not renormalized), q/k/v bias; layer 0
+    # dense
+    "qwen2-moe": dict(architecture="qwen2_moe", mlp_only_layers=(0,), seed=4),
     # untied head, a window of 5, layers sliding, sliding, full (more below: GEMMA3)
     "gemma3-untied": dict(
         architecture="gemma3", num_layers=3, sliding_window=5, init_std=0.1, seed=1
