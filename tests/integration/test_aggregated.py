@@ -2,7 +2,10 @@
 Redis): every prompt is computed on the decode worker, token for token as the engine alone,
 with its prefix cache reused and published to the index; the prefill pool scaled 0 -> 1 -> 0
 while requests flow loses none (each placed on whichever pool the router sees, or moved to the
-decode workers when its prefill worker drains); every block is free at the end."""
+decode workers when its prefill worker drains), and scaled up again it starts warm: the new
+prefill worker takes over the drained one's disk-tier folder (every worker has a disk tier
+under one path) and a prompt the old one computed hits its files; every block is free at the
+end."""
 
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ import pytest
 
 from common.cluster_state import ClusterStatus, ScaleRequest, WorkerState
 from common.messages import GenerateRequest, TokenDelta
+from engine.config import CacheConfig, EngineConfig
 from engine.kv_cache.hashing import hash_blocks
 from engine.sampling.sampling_params import SamplingParams
 from tests.integration.cluster_support import (
+    NUM_BLOCKS,
     cluster_spec,
     collect,
     reference_batch,
@@ -28,8 +33,13 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(loop):
-    yield from running_cluster(loop, cluster_spec(num_prefill=0, num_decode=1, drain_grace_s=1.0))
+def cluster(loop, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("disk-tier")  # each worker claims a folder under it
+    cache = CacheConfig(num_blocks=NUM_BLOCKS, disk_kv_cache_bytes=64 << 20, disk_kv_path=str(disk))
+    spec = cluster_spec(
+        num_prefill=0, num_decode=1, drain_grace_s=1.0, engine=EngineConfig(cache=cache)
+    )
+    yield from running_cluster(loop, spec)
 
 
 def chat(tokenizer, text: str) -> list[int]:
@@ -141,6 +151,28 @@ def test_scaling_the_prefill_pool_0_1_0_under_load_loses_nothing(
     [gone] = status.pool("prefill").workers
     assert gone.state == WorkerState.GONE and gone.exit_check is not None and gone.exit_check.clean
     assert loop.run_until_complete(cluster.backend.health())["ok"]
+
+    async def warm_restart() -> list[TokenDelta]:
+        """Up again: the new worker finds what the drained one wrote at its clean stop."""
+        await cluster.controller.scale.remote(ScaleRequest(prefill=1))
+        await until(lambda: _settled(pool("prefill"), 1), "a ready prefill worker again")
+        await until(lambda: _known(cluster), "the router to see the new prefill worker")
+        request = GenerateRequest("warm", tuple(prompts[0]), GREEDY)  # the drained one's "p0"
+        return await collect(cluster.backend, request)
+
+    got = loop.run_until_complete(warm_restart())
+    assert tokens_of(got) == expected[0]
+    assert any(d.transfer for d in got), "computed by the new prefill worker"
+    assert got[0].num_cached_tokens >= 16, "its prompt's blocks were found again"
+    [fresh] = cluster.prefill_actors.values()
+    tiers = {t.tier: t for t in loop.run_until_complete(fresh.stats.remote()).tiers}
+    assert tiers["disk"].hit_blocks * 16 >= got[0].num_cached_tokens, tiers["disk"]
+
+    async def down_again() -> None:
+        await cluster.controller.scale.remote(ScaleRequest(prefill=0))
+        await until(lambda: _settled(pool("prefill"), 0), "the new prefill worker to drain")
+
+    loop.run_until_complete(down_again())
     loop.run_until_complete(wait_until_no_leaks(cluster))
 
 
