@@ -3,7 +3,9 @@ checkpoints of different seeds beside SmolLM2's tokenizer), the second under a s
 a slash as vLLM users give (--served-model-name): /v1/models lists both, a request's
 `model` picks that model's pools and each answers token for token as its own transformers
 oracle, a prompt cached under one model is no prefix hit for the other, `kvrelay scale --model`
-resizes one model's decode pool while the other keeps its workers, and no block leaks."""
+resizes one model's decode pool while the other keeps its workers, the first model's autoscaler
+(its decode pool 1..2) grows that pool under its load and shrinks it after while the second's
+pools keep their size, and no block leaks."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from pathlib import Path
 import pytest
 import ray
 
+from common.cluster_state import WorkerState
 from common.messages import GenerateRequest
+from deploy.autoscale import AutoscaleConfig
 from deploy.controller import find_controllers
 from deploy.local_cluster import ModelPools
 from deploy.ops_cli import only_model
@@ -46,6 +50,17 @@ NEW_TOKENS = 8
 PROMPT = list(range(300, 340))  # 40 tokens: two full blocks of 16 to find in the index
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[2]
+# model A's decode pool only: 1..2, grown past one request a worker held for 3 s
+A_AUTOSCALE = AutoscaleConfig(
+    min_size={"prefill": 1, "decode": 1},
+    max_size={"prefill": 1, "decode": 2},
+    window_s=3.0,
+    cooldown_s=3.0,
+    warmup_s=1.0,
+    target_batch=1,
+    autoscaled=("decode",),
+)
+IN_FLIGHT = 6  # streams kept running on model A: 6x its decode target of 1 per worker
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +93,7 @@ def harness(checkpoints: dict[str, Path]) -> Iterator[ClusterHarness]:
         engine=engine("tiny-a"),
         num_prefill=1,
         num_decode=1,
+        autoscale=A_AUTOSCALE,
         more_models=(ModelPools(engine(B, B), num_prefill=1, num_decode=1),),
         drain_grace_s=0.5,
     )
@@ -187,6 +203,62 @@ def test_two_models_side_by_side(harness: ClusterHarness, oracle: dict[str, list
     # Both models still answer exactly, side by side, after the change.
     for model in MODELS:
         assert harness.run(burst(cluster.backend, model, 4)) == [oracle[model]] * 4
+    harness.wait_until_no_leaks()
+
+
+def test_one_models_autoscaler_resizes_its_pool_and_no_other(
+    harness: ClusterHarness, oracle: dict[str, list[int]]
+) -> None:
+    """Model A under a load of six streams: its controller grows A's decode pool to 2 and the
+    new worker serves A; model B's pools keep their workers throughout; once the load ends A's
+    pool drains back to 1. Every answer is its model's oracle."""
+    cluster = harness.cluster
+    b_before = {r: set(cluster.backends[B].workers.actors(r)) for r in ("prefill", "decode")}
+    answers: list[list[int]] = []
+
+    async def a_decode():
+        return (await cluster.controllers["tiny-a"].status.remote(True)).pool("decode")
+
+    async def load() -> None:
+        stop = asyncio.Event()
+
+        async def client(slot: int) -> None:
+            n = 0
+            while not stop.is_set():
+                request = GenerateRequest(f"as{slot}-{n}", tuple(PROMPT), GREEDY, model="tiny-a")
+                answers.append(tokens_of(await collect(cluster.backend, request)))
+                n += 1
+
+        async def grown() -> bool:
+            pool = await a_decode()
+            fresh = [w for w in pool.workers if w.worker_id != "kvrelay-tiny-a-decode-0"]
+            served = [w for w in fresh if w.stats is not None and w.stats.num_requests > 0]
+            return pool.num_ready == 2 and bool(served)
+
+        clients = [asyncio.create_task(client(slot)) for slot in range(IN_FLIGHT)]
+        try:
+            await until_true(grown, 240.0)
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*clients), 240.0)
+        assert answers and all(a == oracle["tiny-a"] for a in answers)
+
+        async def shrunk() -> bool:
+            pool = await a_decode()
+            return pool.desired == 1 and pool.settled
+
+        await until_true(shrunk, 240.0)
+
+    harness.run(load())
+    decode = harness.run(a_decode())
+    assert "autoscale 1..2, last 2 -> 1" in decode.autoscale, decode.autoscale
+    drained = [w for w in decode.workers if w.state == WorkerState.GONE]
+    assert drained and all(w.exit_check is not None and w.exit_check.clean for w in drained)
+    b_after = {r: set(cluster.backends[B].workers.actors(r)) for r in ("prefill", "decode")}
+    assert b_after == b_before, "the other model's pools changed"
+    b_status = ray.get(cluster.controllers[B].status.remote(False))
+    assert not any(p.autoscale for p in b_status.pools), "B is not autoscaled"
+    assert harness.run(burst(cluster.backend, B, 2)) == [oracle[B]] * 2
     harness.wait_until_no_leaks()
 
 
