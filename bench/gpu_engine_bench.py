@@ -19,13 +19,17 @@ wall time, its host time by stage (schedule, inputs, attention plan, eager forwa
 replay, LM head, sampling, the wait for the tokens, output), the GPU span of what it launched,
 and for serial calls profiled alone the kernels' busy time against the call's wall (the GPU's
 idle time inside it: host-bound or GPU-bound), the kernels by kind and cProfile's top functions;
-the first repetition of each cell apart (kernel loading). The timing primitives are in
-bench/lib/gpu_timing.py. Owns no state; prints a table last and writes full JSON to --json
-(rewritten after every section).
+the first repetition of each cell apart (kernel loading). With --tp N > 1 the engine splits the
+model over N GPUs (ranks 1..N-1 in local processes, NCCL; each rank draws the random weights
+and keeps its slices): "b1" and "offline" run as above, their weight bytes and roofline rank
+0's (each GPU reads its own slices); "moe" and "mixed" are left out (they time one process's
+whole model). The timing primitives are in bench/lib/gpu_timing.py. Owns no state; prints a
+table last and writes full JSON to --json (rewritten after every section).
 
     python -m bench.gpu_engine_bench --json $OUT/gpu_engine_bench.json
     python -m bench.gpu_engine_bench --skip offline mixed --kv-gib 8 --max-num-seqs 8  # batch 1
     python -m bench.gpu_engine_bench --skip b1 offline --kv-gib 16 --max-num-seqs 128  # mixed
+    python -m bench.gpu_engine_bench --shape qwen3-30b-a3b --tp 2 --kv-gib 0  # two GPUs
 """
 
 from __future__ import annotations
@@ -74,29 +78,33 @@ def log(message: str) -> None:
 
 def build_engine(
     folder: Path,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     *,
     max_num_seqs: int | None,
     kv_bytes: int | None,
     kv_cache_dtype: str = "auto",
     max_num_batched_tokens: int = 8192,
     host_kv_bytes: int = 0,
+    tp: int = 1,
 ) -> Engine:
+    """model None: every rank draws its random weights (load_format "dummy"; --tp > 1)."""
     config = engine_config(
         str(folder),
         device="cuda",
         dtype="bfloat16",
+        load_format="auto" if model is not None else "dummy",
         cuda_graph=True,
         kv_cache_memory_bytes=kv_bytes,
         kv_cache_dtype=kv_cache_dtype,
         host_kv_cache_bytes=host_kv_bytes,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tp,
     )
     start = time.perf_counter()
     engine = Engine(config, model=model)
     log(
-        f"engine (max_num_seqs={max_num_seqs}, KV {kv_cache_dtype}) "
+        f"engine (max_num_seqs={max_num_seqs}, KV {kv_cache_dtype}, TP {tp}) "
         f"built in {time.perf_counter() - start:.1f} s, backend {engine.attention_backend}"
     )
     return engine
@@ -247,6 +255,12 @@ def main() -> None:
     )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: the model split over this many GPUs (skips moe and mixed)",
+    )
+    p.add_argument(
         "--quantization", default="none", choices=QUANTIZATION_FLAGS, help=QUANTIZATION_HELP
     )
     p.add_argument(
@@ -272,6 +286,12 @@ def main() -> None:
         help="sections left out (repeatable: the lists add up)",
     )
     args = p.parse_args()
+    if args.tp < 1 or args.tp > torch.cuda.device_count():
+        p.error(f"--tp {args.tp}: this machine has {torch.cuda.device_count()} GPUs")
+    if args.tp > 1:
+        if args.quantization != "none":  # the ranks draw bf16 weights
+            p.error(f"--tp {args.tp}: bf16 weights only, not --quantization {args.quantization}")
+        args.skip = sorted({*args.skip, "moe", "mixed"})
     device = torch.device("cuda")
     result: dict[str, Any] = {"env": environment(), "shape": args.shape}
     result["args"] = {**vars(args), "json": str(args.json)}
@@ -285,14 +305,17 @@ def main() -> None:
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     folder = write_random_model(tempfile.mkdtemp(prefix="kvrelay-"), args.shape, weights=False)
     config = read_model_config(folder)
-    start = time.perf_counter()
-    quant = resolve_quantization(quantization_from_flag(args.quantization), None)
-    model = random_model(
-        config, config.max_position_embeddings, device, torch.bfloat16, quant=quant
-    )
-    log(f"random {args.shape} ({args.quantization}) built in {time.perf_counter() - start:.1f} s")
-    result["weight_bytes"] = weight_bytes(model)
-    if config.moe_layers and "moe" not in args.skip:
+    model = None
+    if args.tp == 1:  # else each rank draws its own, in the engine
+        start = time.perf_counter()
+        quant = resolve_quantization(quantization_from_flag(args.quantization), None)
+        model = random_model(
+            config, config.max_position_embeddings, device, torch.bfloat16, quant=quant
+        )
+        elapsed = time.perf_counter() - start
+        log(f"random {args.shape} ({args.quantization}) built in {elapsed:.1f} s")
+        result["weight_bytes"] = weight_bytes(model)
+    if model is not None and config.moe_layers and "moe" not in args.skip:
         result["moe_layer"] = moe_layer_times(model, bandwidth)
         log(json.dumps(result["moe_layer"]))
         save()
@@ -304,7 +327,10 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         host_kv_bytes=int(args.host_kv_gib * GiB),
+        tp=args.tp,
     )
+    if model is None:  # rank 0's slices (what one GPU reads)
+        result["weight_bytes"] = weight_bytes(graph.runner.model)
     if "b1" not in args.skip:
         result["decode_b1"] = decode_roofline(args, graph, bandwidth)
         log(json.dumps(result["decode_b1"]))

@@ -41,8 +41,11 @@
 #                 (bench/vllm_shape_peer.py; needs .vstage). MOE_ENGINES="kvrelay vllm" (default;
 #                 ~5 + ~7 min, past one call's 600 s: call twice, MOE_ENGINES=kvrelay then vllm, on
 #                 the same warm machine)
+#   moe-tp2       the same shape split over two GPUs (a 2-GPU kind): kvrelay's batch 1 and offline
+#                 at --tp 2 (NCCL; each expert's columns split), then vLLM's at
+#                 tensor_parallel_size 2 (MOE_ENGINES as for moe; the TP 1 rows are moe's)
 set -uo pipefail
-phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, kv-tiers, tenancy, speculative, speculative-8b, vllm-spec or moe}
+phase=${1:?phase: check, side-by-side, offline-mem, vllm-offline, b1, mixed, first-steps, transfer, goodput, goodput-gpus, scale-gpus, grammar, host-tier, kv-tiers, tenancy, speculative, speculative-8b, vllm-spec, moe or moe-tp2}
 out=${OUT:?set OUT}
 if [ -f .flashinfer-cache/flashinfer_cache.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
   mkdir -p ~/.cache && tar xzf .flashinfer-cache/flashinfer_cache.tgz -C ~/.cache
@@ -313,6 +316,24 @@ case $phase in
             python3 bench/vllm_shape_peer.py --lat-reps 3 --json "$out/vllm_moe.json" \
             > "$out/vllm_moe.txt" 2>&1
           echo "vllm moe rc=$?"
+          ;;
+        *) echo "MOE_ENGINES: unknown engine $engine (kvrelay or vllm)" >&2; exit 2 ;;
+      esac
+    done
+    ;;
+  moe-tp2)  # two GPUs: each holds half of every expert (~31 GB of weights a GPU)
+    for engine in ${MOE_ENGINES:-kvrelay vllm}; do
+      case $engine in
+        kvrelay)
+          offline_run moe_tp2 --shape qwen3-30b-a3b --tp 2 --kv-gib 0 \
+            --max-num-seqs "${SEQS_MOE:-256}"
+          ;;
+        vllm)
+          python3 -m bench.lib.random_models qwen3-30b-a3b --config-only --out /tmp/qwen3-30b-a3b
+          PEER_TP=2 PEER_MODEL_CONFIG=/tmp/qwen3-30b-a3b/config.json PYTHONPATH=/tmp/vsite \
+            timeout 420 python3 bench/vllm_shape_peer.py --lat-reps 3 \
+            --json "$out/vllm_moe_tp2.json" > "$out/vllm_moe_tp2.txt" 2>&1
+          echo "vllm moe tp2 rc=$?"
           ;;
         *) echo "MOE_ENGINES: unknown engine $engine (kvrelay or vllm)" >&2; exit 2 ;;
       esac

@@ -8,11 +8,14 @@ On the GPU machine (vLLM staged into /tmp/vsite, ../shared/device/vllm/), from t
         python3 bench/vllm_shape_peer.py [vllm_bench.py's flags] --json out.json
 
 The shape travels in the environment, not in a flag, because vllm_bench.py re-executes itself
-(sys.argv as given) once should vLLM's start-up fail; its flags pass through unchanged. The
-variables are not KVRELAY_* ones: those name kvrelay's settings (engine/settings.py). The JSON
-it writes gets "model" naming the shape and "model_config" holding the config.
+(sys.argv as given) once should vLLM's start-up fail; its flags pass through unchanged. So does
+PEER_TP=N: vLLM's tensor_parallel_size (vllm_bench.py has no flag for it; its LLM is built with
+that keyword added). The variables are not KVRELAY_* ones: those name kvrelay's settings
+(engine/settings.py). The JSON it writes gets "model" naming the shape (and the TP size) and
+"model_config" holding the config.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -32,11 +35,17 @@ def main() -> None:
     spec.loader.exec_module(bench)
     bench.LLAMA31_8B.clear()  # make_model_dir writes this dict as the dummy model's config.json
     bench.LLAMA31_8B.update({"torch_dtype": "bfloat16", **shape})
+    tp = int(os.environ.get("PEER_TP", "1"))
+    if tp > 1:  # vllm_bench.main imports LLM from vllm when it runs: it gets this one
+        import vllm
+
+        vllm.LLM = functools.partial(vllm.LLM, tensor_parallel_size=tp)
     bench.main()
     if "--json" in sys.argv:
         out = Path(sys.argv[sys.argv.index("--json") + 1])
         result = json.loads(out.read_text())
         result["model"] = f"{config_path.parent.name} ({shape['architectures'][0]}), dummy bf16"
+        result["tensor_parallel_size"] = tp
         result["model_config"] = shape
         out.write_text(json.dumps(result, indent=1, default=str))
 

@@ -25,6 +25,7 @@ def engine_config(
     max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
     max_num_seqs: int | None = _SCHEDULER.max_num_seqs,
     max_model_len: int | None = _SCHEDULER.max_model_len,
+    tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
 ) -> EngineConfig:
     """An EngineConfig; num_blocks None sizes the KV pool from kv_cache_memory_bytes (None too:
     from the GPU memory left), max_num_seqs None takes the engine's default for that pool."""
@@ -49,6 +50,7 @@ def engine_config(
         load_format=load_format,
         cuda_graph=cuda_graph,
         async_scheduling=async_scheduling,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 

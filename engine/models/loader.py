@@ -379,37 +379,50 @@ def random_model(
     projections are those same draws quantized per channel (static input scales 1: speed
     runs only); integer weights (4-bit, INT8) are random codes, an act-order permutation the
     identity. tp: a rank draws the full model's tensors and keeps its slices, so every
-    tensor-parallel size runs the same model (a rank holds the full model while it draws)."""
+    tensor-parallel size runs the same model (one full tensor at a time: a rank holds its
+    slices and the tensor being drawn)."""
     device = torch.device(device)
-    model = _meta_model(config, max_positions, device, dtype, quant)
+    full = _meta_model(config, max_positions, device, dtype, quant)
     gen = torch.Generator(device).manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        if name in weights:  # an FP8 layer's scales, made with its weight
+    drawn: set[str] = set()
+    for name, param in full.named_parameters():
+        if name in drawn:  # an FP8 layer's scales, made with its weight
             continue
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(param.shape, dtype=dtype, device=device)
-            continue
-        if name.endswith("input_perm"):
-            weights[name] = torch.arange(param.shape[0], device=device)
-            continue
-        if not param.is_floating_point():
-            info = torch.iinfo(param.dtype)
-            weights[name] = torch.randint(
-                info.min, info.max, param.shape, dtype=param.dtype, device=device, generator=gen
-            )
-            continue
-        if name.endswith("weight_scale") and quant is not None and param.dtype == torch.float32:
-            weights[name] = torch.full(param.shape, std / 127, device=device)
-            continue
-        t = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
-        if quant is not None and param.dtype == FP8_DTYPE:
-            ones = torch.ones((), device=device) if quant.static_input_scales else None
-            weights |= linear_state(name.removesuffix(".weight"), quantize_weight(t), ones)
-        else:
-            weights[name] = t
-    if tp.is_parallel:
-        model = _meta_model(config, max_positions, device, dtype, quant, tp)
-        weights = shard_weights(weights, config, tp)
+        new = _random_tensors(name, param, quant, dtype, device, gen, std)
+        drawn |= new.keys()
+        # a rank keeps its slices of each tensor as it is drawn: one full tensor at a time
+        weights |= shard_weights(new, config, tp)
+    model = _meta_model(config, max_positions, device, dtype, quant, tp) if tp.is_parallel else full
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval()
+
+
+def _random_tensors(
+    name: str,
+    param: nn.Parameter,
+    quant: QuantScheme | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    std: float,
+) -> dict[str, torch.Tensor]:
+    """random_model's draw of one parameter (an FP8 layer's weight: with its scales)."""
+    if name.endswith("norm.weight"):
+        return {name: torch.ones(param.shape, dtype=dtype, device=device)}
+    if name.endswith("input_perm"):
+        return {name: torch.arange(param.shape[0], device=device)}
+    if not param.is_floating_point():
+        info = torch.iinfo(param.dtype)
+        return {
+            name: torch.randint(
+                info.min, info.max, param.shape, dtype=param.dtype, device=device, generator=gen
+            )
+        }
+    if name.endswith("weight_scale") and quant is not None and param.dtype == torch.float32:
+        return {name: torch.full(param.shape, std / 127, device=device)}
+    t = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+    if quant is not None and param.dtype == FP8_DTYPE:
+        ones = torch.ones((), device=device) if quant.static_input_scales else None
+        return linear_state(name.removesuffix(".weight"), quantize_weight(t), ones)
+    return {name: t}
