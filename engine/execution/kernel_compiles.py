@@ -1,7 +1,8 @@
 """Triton kernel variants met for the first time in this process, watched through Triton's
 compile hooks: counted while an engine starts (graph capture, warm-up), and once serving each one
 said on stderr with its kernel, specialization and time, as a shape the warm-up missed. Owns the
-process's watch: the hooks it chained, the compiles in progress, the counts.
+process's watch: the hooks it chained, the compiles in progress, the counts, and the latest
+start's variants (a served one is said beside the closest of them: what the warm-up's lacked).
 
 Why: on the H100 a fresh machine's first server stalled ~0.6 s on its first prompts while the
 second server on the same machine did not (bench/RESULTS.md, leases L6 and L7): a variant
@@ -11,12 +12,19 @@ names what the warm-up should cover. The time between the hooks only hints which
 process's first variant also hashes Triton's library; the module loads after the second hook).
 CUDA only, rank 0 only (a tensor-parallel follower is not watched); a Triton without
 `triton.knobs.runtime` (before 3.4) is not watched.
+
+The eighth lease (H100, d5af943) still met two RoPE/KV-write variants first while serving (274
+and 332 ms, compiled) whose specialization as said looked like warm-up's; so each served
+variant is now said with how it differs from the closest start-up variant of its kernel: in
+its specialization, or, where that is the same, in Triton's cache key.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +33,7 @@ from engine.say import say
 
 MAX_SAID = 20  # served variants said one by one; past this only counted
 COMPILED_S = 0.05  # a variant taking longer than this was likely compiled, not loaded
+MAX_DIFF_ITEMS = 6  # of a difference from the closest start-up variant, this many a side
 
 
 class CompileWatch:
@@ -37,6 +46,7 @@ class CompileWatch:
         self.start_s = 0.0
         self.serving_count = 0  # and since it ended: shapes the warm-up missed
         self.serving_s = 0.0
+        self._start_variants: list[tuple[str, str, str]] = []  # (kernel, key, spec) of start's
 
     def began(self, kernel: str, key: str) -> None:
         with self._lock:
@@ -49,16 +59,19 @@ class CompileWatch:
             if self._starting:
                 self.start_count += 1
                 self.start_s += seconds
+                self._start_variants.append((kernel, key, spec))
                 return
             self.serving_count += 1
             self.serving_s += seconds
             count = self.serving_count
+            starts = [(k, s) for name, k, s in self._start_variants if name == kernel]
         if count <= MAX_SAID:
             how = "likely compiled" if seconds > COMPILED_S else "likely from Triton's cache"
             more = " (later ones are only counted)" if count == MAX_SAID else ""
             self._say(
                 f"kernel variant met first while serving, built in {seconds * 1000:.0f} ms, {how} "
-                f"(a shape the warm-up missed; {count} so far{more}): {kernel} {spec}"
+                f"(a shape the warm-up missed; {count} so far{more}): {kernel} {spec}; "
+                f"{beside_start_up(key, spec, starts)}"
             )
 
     @contextmanager
@@ -69,6 +82,7 @@ class CompileWatch:
             if not self._starting:
                 self.start_count, self.start_s = 0, 0.0
                 self.serving_count, self.serving_s = 0, 0.0
+                self._start_variants = []
             self._starting += 1
         try:
             yield
@@ -86,6 +100,54 @@ class CompileWatch:
             f"{self.start_s:.1f} s (compiled on a machine's first start, then loaded from "
             "Triton's cache)"
         )
+
+
+def _spec_items(spec: str) -> Counter[str]:
+    """A spec's arguments (with their marks) and its warps and stages, as a multiset."""
+    return Counter(t.strip() for t in re.split(r"[(),]", spec) if t.strip())
+
+
+def _key_items(key: str) -> list[str]:
+    """A cache key's parts in order: each parenthesised group whole (an argument's type and
+    specialization), the other tokens between commas and brackets."""
+    return [t.strip() for t in re.findall(r"\([^()]*\)|[^,()\[\]{}]+", key) if t.strip()]
+
+
+def _short(items: list[str]) -> str:
+    shown = [item[:80] for item in items[:MAX_DIFF_ITEMS]]
+    more = len(items) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "") if shown else "nothing"
+
+
+def beside_start_up(key: str, spec: str, starts: list[tuple[str, str]]) -> str:
+    """How a served variant differs from the closest start-up variant of its kernel (starts:
+    their (key, spec)): in the specialization said, else part by part in Triton's cache key."""
+    if not starts:
+        return "start-up built no variant of this kernel"
+    ours = _spec_items(spec)
+
+    def distance(start: tuple[str, str]) -> int:
+        theirs = _spec_items(start[1])
+        return sum(((ours - theirs) + (theirs - ours)).values())
+
+    closest_key, closest_spec = min(starts, key=distance)
+    theirs = _spec_items(closest_spec)
+    if ours != theirs:
+        return (
+            f"beside the closest of start-up's {len(starts)} of this kernel it has "
+            f"{_short(sorted((ours - theirs).elements()))}; that one had "
+            f"{_short(sorted((theirs - ours).elements()))}"
+        )
+    a, b = _key_items(key), _key_items(closest_key)
+    if len(a) == len(b):
+        pairs = enumerate(zip(a, b, strict=True))
+        parts = [f"#{i} {x} (start-up: {y})" for i, (x, y) in pairs if x != y]
+    else:
+        parts = [f"{len(a)} parts (start-up: {len(b)})"]
+    return (
+        f"start-up built one of the same specialization ({len(starts)} of this kernel); "
+        f"Triton's cache keys differ in {_short(parts)}"
+    )
 
 
 _watch: CompileWatch | None = None

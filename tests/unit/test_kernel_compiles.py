@@ -102,3 +102,42 @@ def test_install_chains_the_hooks_set_before_and_says_the_variant_triton_builds(
     assert "slot_offset_ptr: *bf16," in said  # not marked
     kernel_compiles.uninstall()
     assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == (earlier_begin, earlier_end)
+
+
+def test_a_served_variant_is_said_beside_the_closest_start_up_one() -> None:
+    """What the warm-up's variants lacked: the specialization that differs from the closest
+    start-up variant of the kernel, else the parts of Triton's cache key that do."""
+    lines: list[str] = []
+    watch = CompileWatch(lines.append)
+    with watch.starting():
+        for key, spec in (
+            (
+                "[('*bf16', 'D'), ('i32', 'D')]{'num_warps': 4}",
+                "(q: *bf16 16-aligned, n: i32 16-aligned, H=16) num_warps=4",
+            ),
+            (
+                "[('*bf16', ''), ('i32', '')]{'num_warps': 2}",
+                "(q: *bf16, n: i32, H=64) num_warps=2",
+            ),
+        ):
+            watch.began("rope", key)
+            watch.ended("rope", key, spec)
+    served = (
+        ("k1", "(q: *bf16 16-aligned, n: i32, H=16) num_warps=4"),  # n not divisible by 16
+        (
+            "[('*bf16', 'D'), ('i32', 'D')]{'num_warps': 8}",
+            "(q: *bf16 16-aligned, n: i32 16-aligned, H=16) num_warps=4",
+        ),
+    )
+    for key, spec in served:
+        watch.began("rope", key)
+        watch.ended("rope", key, spec)
+    watch.began("gemv", "k3")
+    watch.ended("gemv", "k3", "(x: *bf16)")
+    assert (
+        "closest of start-up's 2 of this kernel it has n: i32; that one had n: i32 16-aligned"
+        in lines[0]
+    )
+    assert "same specialization (2 of this kernel)" in lines[1]
+    assert "keys differ in #2 'num_warps': 8 (start-up: 'num_warps': 4)" in lines[1]
+    assert lines[2].endswith("start-up built no variant of this kernel")
