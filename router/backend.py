@@ -6,6 +6,7 @@ import abc
 from collections.abc import AsyncIterator
 
 from common.messages import GenerateRequest, TokenDelta
+from common.placement_rules import SloTargets
 from engine.sampling.validation import MAX_N
 
 
@@ -37,3 +38,8 @@ class Backend(abc.ABC):
 
     async def refresh_metrics(self) -> None:  # noqa: B027 - a hook; most backends need none
         """Before a /metrics scrape: fetch what the metrics take from elsewhere (workers)."""
+
+    def objectives(self, model: str) -> SloTargets:
+        """The objectives a model's requests are placed for (and judged by, in /metrics'
+        kvrelay_slo_requests); none unless the backend places for some."""
+        return SloTargets()

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from common.messages import TokenDelta
+from common.placement_rules import SloTargets
 from router.metrics import RouterMetrics
 from router.output import OutputChunk, OutputTracker, Usage
 from router.tokenizer import RouterTokenizer
@@ -21,14 +22,21 @@ class ChoiceTrackers:
     router (a stop string) drops its later deltas, which the backend still sends until the
     request ends (an abort names the whole request, every choice)."""
 
-    def __init__(self, tokenizer: RouterTokenizer, prepared: Prepared, metrics: RouterMetrics):
+    def __init__(
+        self,
+        tokenizer: RouterTokenizer,
+        prepared: Prepared,
+        metrics: RouterMetrics,
+        objectives: SloTargets | None = None,
+    ):
+        """objectives: what the request is judged by when it ends (choice 0's timing)."""
         num_choices = prepared.request.sampling.n
         self.arrival, self.metrics = prepared.arrival, metrics
         self.model = prepared.request.model
         self._first_token_seen = False
         self.refused = False  # the backend refused it before any output (Overloaded)
         self.trackers = [
-            OutputTracker(tokenizer, prepared, metrics, self._first_token)
+            OutputTracker(tokenizer, prepared, metrics, self._first_token, objectives)
             for _ in range(num_choices)
         ]
 

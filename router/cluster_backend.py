@@ -118,6 +118,9 @@ class ClusterBackend(Backend):
     def metrics(self, metrics: RouterMetrics | None) -> None:
         self._metrics = self.placer.metrics = metrics
 
+    def objectives(self, model: str) -> SloTargets:
+        return self.placer.slo
+
     @property
     def policy(self) -> PrefillPolicy:
         return self.placer.policy

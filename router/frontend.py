@@ -223,7 +223,8 @@ class Frontend:
         if own in self._in_flight:
             twin = f"request_id {prepared.client_id!r} is already in flight"
             raise self.reject(InvalidRequest(twin, "request_id"))
-        tracker = ChoiceTrackers(self.route(req.model).tokenizer, prepared, self.metrics)
+        tokenizer, objectives = self.route(req.model).tokenizer, self.backend.objectives(req.model)
+        tracker = ChoiceTrackers(tokenizer, prepared, self.metrics, objectives)
         grant = None
         turn = False
         # reserved from here, before any wait: a twin sent while this one waits in the queue

@@ -22,6 +22,7 @@ from prometheus_client import (
 
 from common.cluster_state import ClassQueue
 from common.messages import TransferStats
+from common.placement_rules import SloTargets
 from engine.finish_reason import FinishReason
 from router.fair_queue import queue_by_class
 from router.recent_latency import RecentLatencies
@@ -216,6 +217,15 @@ class RouterMetrics:
             " meet the objectives in time.",
             registry=r,
         )
+        self.slo_requests = Counter(
+            "kvrelay_slo_requests",
+            "Requests that finished with output, judged against each objective the router"
+            " places for (objective: ttft, or tpot for those of two tokens or more; met: true"
+            " or false), by served model and the API key's traffic class (interactive or"
+            " batch; interactive without keys).",
+            ["model", "traffic_class", "objective", "met"],
+            registry=r,
+        )
         self.migrations = Counter(
             "kvrelay_migrations",
             "Requests resumed on another decode worker after theirs died.",
@@ -267,6 +277,22 @@ class RouterMetrics:
         self.cached_prompt_tokens.inc(num_cached_tokens)
         self.generation_tokens.inc(num_output_tokens)
         self.e2e_latency.labels(model=model).observe(latency_s)
+
+    def observe_objectives(
+        self,
+        slo: SloTargets,
+        ttft_s: float,
+        tpot_s: float | None,
+        model: str = "",
+        traffic_class: str = "interactive",
+    ) -> None:
+        """One request that finished with output, against each objective slo sets (as the
+        controller's attainment judges them: at or under the objective is met)."""
+        judged = [("ttft", ttft_s, slo.ttft_ms), ("tpot", tpot_s, slo.tpot_ms)]
+        for objective, seconds, target_ms in judged:
+            if target_ms > 0 and seconds is not None:
+                met = "true" if seconds <= target_ms / 1000 else "false"
+                self.slo_requests.labels(model, traffic_class, objective, met).inc()
 
     # ---- cluster-backend hooks -----------------------------------------------------------
     def observe_transfer(self, stats: TransferStats) -> None:

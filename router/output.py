@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.messages import TokenDelta, TopLogprobs
+from common.placement_rules import SloTargets
 from engine.finish_reason import FinishReason
 from router.errors import BackendError, BackendUnavailable
 from router.metrics import RouterMetrics
@@ -51,14 +52,18 @@ class OutputTracker:
         prepared: Prepared,
         metrics: RouterMetrics,
         first_token: Callable[[float], None] | None = None,
+        objectives: SloTargets | None = None,
     ):
         """first_token: called with the time of this tracker's first token (None: it observes
-        the request's time to first token itself)."""
+        the request's time to first token itself). objectives: what the request is judged by
+        when it ends (RouterMetrics.observe_objectives; None: none)."""
         self.first_token = first_token or self._observe_ttft
         self.stop = StopChecker(tokenizer, prepared.stop)
         self.metrics = metrics
         self.arrival = prepared.arrival
         self.model = prepared.request.model
+        self.traffic_class = prepared.key_class.kind.value
+        self.objectives = objectives or SloTargets()
         self.num_prompt_tokens = len(prepared.request.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_accepted_tokens = 0  # speculative decoding, as the worker counts it
@@ -136,6 +141,9 @@ class OutputTracker:
             if self.metrics.per_model:
                 recent = self.metrics.recent_of(self.model)
                 recent.record(time.monotonic(), first - self.arrival, tpot_s)
+            self.metrics.observe_objectives(
+                self.objectives, first - self.arrival, tpot_s, self.model, self.traffic_class
+            )
         self.metrics.observe_finished(
             self.finish_reason or FinishReason.ABORT,
             self.num_prompt_tokens,

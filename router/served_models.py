@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.messages import GenerateRequest, TokenDelta
+from common.placement_rules import SloTargets
 from engine.finish_reason import FinishReason
 from router.backend import Backend
 from router.metrics import RouterMetrics
@@ -54,6 +55,9 @@ class ModelsBackend(Backend):
             return
         async for delta in backend.generate(request):
             yield delta
+
+    def objectives(self, model: str) -> SloTargets:
+        return self.of(model).objectives(model)
 
     async def abort(self, req_id: str) -> None:
         """Every model's backend hears it (a backend that does not know the id does nothing)."""

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from common.messages import GenerateRequest, TokenDelta
+from common.placement_rules import SloTargets
 from engine.finish_reason import FinishReason
 from engine.sampling.sampling_params import SamplingParams
 from router.choices import ChoiceTrackers
@@ -16,6 +17,7 @@ from router.http_server import _backend_failed
 from router.metrics import RouterMetrics
 from router.request_spec import Prepared
 from router.tokenizer import RouterTokenizer
+from router.traffic_class import KeyClass, TrafficClass
 
 PROMPT = (1, 2, 3, 4)
 
@@ -99,3 +101,34 @@ def test_a_lost_worker_none_replaced_is_unavailable_and_a_refusal_no_finished_re
     registry = refused.metrics.registry
     assert registry.get_sample_value("kvrelay_unavailable_requests_total") == 1
     assert registry.get_sample_value("kvrelay_requests_total", {"finish_reason": "abort"}) is None
+
+
+def test_a_finished_request_is_judged_once_against_each_objective_by_its_class(
+    tokenizer: RouterTokenizer,
+) -> None:
+    """kvrelay_slo_requests: an n = 2 request counts once (choice 0's timing), by its key's
+    class; its first token came long after its arrival (time 0 on the monotonic clock) and
+    well within a TTFT objective of 10^15 ms, its two tokens a gap apart over a TPOT objective
+    of 10^-9 ms; a request of no objectives is not judged."""
+    request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8, n=2), model="tiny")
+    batch = Prepared(request, (), arrival=0.0, key_class=KeyClass(TrafficClass.BATCH))
+    metrics = RouterMetrics()
+    slo = SloTargets(ttft_ms=1e15, tpot_ms=1e-9)
+    trackers = ChoiceTrackers(tokenizer, batch, metrics, slo)
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    for index in (0, 1):
+        trackers.on_delta(delta(index, ids[:1]))
+        trackers.on_delta(delta(index, ids[1:2], finished=True))
+    trackers.record_end()
+
+    def count(objective: str, met: str, traffic_class: str = "batch") -> float | None:
+        labels = dict(model="tiny", traffic_class=traffic_class, objective=objective, met=met)
+        return metrics.registry.get_sample_value("kvrelay_slo_requests_total", labels)
+
+    assert (count("ttft", "true"), count("ttft", "false")) == (1.0, None)
+    assert (count("tpot", "false"), count("tpot", "true")) == (1.0, None)
+    single = replace(request, sampling=SamplingParams(max_tokens=8))
+    plain = ChoiceTrackers(tokenizer, Prepared(single, (), arrival=0.0), metrics)  # none
+    plain.on_delta(delta(0, ids, finished=True))
+    plain.record_end()
+    assert count("ttft", "true", "interactive") is None
