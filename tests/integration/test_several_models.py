@@ -210,8 +210,10 @@ def test_one_models_autoscaler_resizes_its_pool_and_no_other(
     harness: ClusterHarness, oracle: dict[str, list[int]]
 ) -> None:
     """Model A under a load of six streams: its controller grows A's decode pool to 2 and the
-    new worker serves A; model B's pools keep their workers throughout; once the load ends A's
-    pool drains back to 1. Every answer is its model's oracle."""
+    new worker serves A; model B's pools keep their workers throughout, and A's prefill pool
+    (not autoscaled) its size; once the load ends A's decode pool drains back to 1, the drained
+    worker's exit check clean. Every answer is its model's oracle. (The suite's one autoscale
+    test on a cluster: a single model's is model A's path.)"""
     cluster = harness.cluster
     b_before = {r: set(cluster.backends[B].workers.actors(r)) for r in ("prefill", "decode")}
     answers: list[list[int]] = []
@@ -254,6 +256,8 @@ def test_one_models_autoscaler_resizes_its_pool_and_no_other(
     assert "autoscale 1..2, last 2 -> 1" in decode.autoscale, decode.autoscale
     drained = [w for w in decode.workers if w.state == WorkerState.GONE]
     assert drained and all(w.exit_check is not None and w.exit_check.clean for w in drained)
+    a_status = ray.get(cluster.controllers["tiny-a"].status.remote(False))
+    assert a_status.pool("prefill").desired == 1, "A's prefill pool is not autoscaled"
     b_after = {r: set(cluster.backends[B].workers.actors(r)) for r in ("prefill", "decode")}
     assert b_after == b_before, "the other model's pools changed"
     b_status = ray.get(cluster.controllers[B].status.remote(False))
