@@ -170,6 +170,9 @@ class Frontend:
         except InvalidRetention as e:
             raise InvalidRequest(str(e), e.field) from None
         key_class = self.api_keys.key_class(spec.tenant) if self.api_keys else DEFAULT_CLASS
+        priority = request_priority(key_class, spec.priority)
+        deadline_s = check_deadline(spec.deadline_s, key_class if self.api_keys else None)
+        # begun once nothing can refuse it here (a request refused as invalid has no trace)
         trace = traces.start_request(spec.traceparent, req_id, route.model_id, arrival)
         request = GenerateRequest(
             req_id,
@@ -180,8 +183,8 @@ class Frontend:
             kv_retention=spec.kv_retention,
             traceparent=None if trace is None else trace.traceparent,
             model=route.model_id,
-            priority=request_priority(key_class, spec.priority),
-            deadline_s=check_deadline(spec.deadline_s, key_class if self.api_keys else None),
+            priority=priority,
+            deadline_s=deadline_s,
         )
         return Prepared(
             request,
@@ -220,11 +223,14 @@ class Frontend:
         """
         req = prepared.request
         own = (prepared.tenant, prepared.client_id)  # another tenant's ids are not this one's
-        if own in self._in_flight:
-            twin = f"request_id {prepared.client_id!r} is already in flight"
-            raise self.reject(InvalidRequest(twin, "request_id"))
         tokenizer, objectives = self.route(req.model).tokenizer, self.backend.objectives(req.model)
         tracker = ChoiceTrackers(tokenizer, prepared, self.metrics, objectives)
+        if own in self._in_flight:
+            twin = f"request_id {prepared.client_id!r} is already in flight"
+            error = self.reject(InvalidRequest(twin, "request_id"))
+            if prepared.trace is not None:  # refused after its trace began: ended failed
+                traces.end_request(prepared.trace, tracker, error)
+            raise error
         grant = None
         turn = False
         # reserved from here, before any wait: a twin sent while this one waits in the queue

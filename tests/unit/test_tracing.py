@@ -25,7 +25,7 @@ from engine.models.loader import resolve_model
 from engine.sampling.sampling_params import SamplingParams
 from router import traces
 from router.backend import Backend
-from router.errors import Overloaded
+from router.errors import InvalidRequest, Overloaded
 from router.frontend import Frontend, RequestSpec
 from router.tokenizer import RouterTokenizer
 
@@ -207,6 +207,47 @@ def test_a_request_refused_while_queued_ends_its_root_span_as_an_error(
     assert late_root.status.status_code is StatusCode.ERROR
     assert first_root.status.status_code is StatusCode.UNSET
     assert first_root.attributes["kvrelay.completion_tokens"] == len(OUTPUT)
+
+
+def test_a_field_refused_has_no_trace_and_a_twin_refused_later_ends_its_root_failed(
+    tokenizer, spans: InMemorySpanExporter
+) -> None:
+    """A bad priority is refused before its root span begins (nothing left unended, nothing
+    exported); a request_id already in flight is refused once its trace has begun: ended,
+    failed, as a 429 or a queue's 503 is."""
+
+    class Held(ScriptedBackend):
+        release = asyncio.Event()
+
+        async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            await self.release.wait()
+            async for delta in super().generate(request):
+                yield delta
+
+    async def go() -> None:
+        frontend = Frontend(Held(), tokenizer)
+        with pytest.raises(InvalidRequest, match="priority"):
+            await frontend.prepare(replace(spec(CLIENT), priority=500))
+        assert not spans.get_finished_spans()
+        first = await frontend.prepare(replace(spec(CLIENT), req_id="twin"))
+        twin = await frontend.prepare(replace(spec(CLIENT), req_id="twin"))
+
+        async def drain(prepared) -> None:
+            async for _ in frontend.generate(prepared):
+                pass
+
+        holder = asyncio.create_task(drain(first))
+        await asyncio.sleep(0)  # the first is in flight
+        with pytest.raises(InvalidRequest, match="already in flight"):
+            await drain(twin)
+        Held.release.set()
+        await holder
+
+    asyncio.run(go())
+    twin_root, first_root = spans.get_finished_spans()
+    assert twin_root.status.status_code is StatusCode.ERROR
+    assert "already in flight" in (twin_root.status.description or "")
+    assert first_root.status.status_code is StatusCode.UNSET
 
 
 def test_the_exporters_failure_lines_are_one_a_window_with_the_count_held_back() -> None:
