@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,13 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, str]:
 
 def plan_command(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
+    if args.model and not profile_is_of(profile.model, args.model):
+        print(
+            f"kvrelay plan: warning: {args.profile} measured {profile.model!r}, not "
+            f"{args.model!r}: its figures may not be that model's (measure it with "
+            "bench/pool_profile.py)",
+            file=sys.stderr,
+        )
     workload, source = workload_from_args(args)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     result = plan(profile, workload, slo, args.max_workers, args.utilisation_target)
@@ -91,6 +99,13 @@ def plan_command(args: argparse.Namespace) -> int:
     else:
         print(format_plan(result, source, f"{profile.model}, {profile.device}", args.model))
     return 0 if result.feasible else 1
+
+
+def profile_is_of(measured: str, model: str) -> bool:
+    """Whether a profile's model names the served model: the same name, or a path ending in it
+    (case aside)."""
+    name = measured.rstrip("/").rsplit("/", 1)[-1].lower()
+    return measured.lower() == model.lower() or name == model.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
 def scale_command(result: Plan, model: str | None = None) -> str:

@@ -1,7 +1,8 @@
 """`kvrelay plan` (deploy/plan_cli.py) through the `kvrelay` entry point on the hand-made
 profile fixture: the table and the command to run, --json, a recorded serve_bench trace, an
-infeasible SLO (exit 1, naming the objective), bad arguments (exit 2), and a profile that
-bench/pool_profile.py measures on a tiny model."""
+infeasible SLO (exit 1, naming the objective), bad arguments (exit 2), a warning when the profile
+is of another model than --model, and a profile that bench/pool_profile.py measures on a tiny
+model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main
+from deploy.plan_cli import profile_is_of
 
 PROFILE = str(Path(__file__).parent / "data" / "pool_profile_8b_like.json")
 SLO = ["--slo-ttft-ms", "500", "--slo-tpot-ms", "30"]
@@ -36,11 +38,20 @@ def test_a_described_workload_prints_sizes_and_what_to_run(
 def test_the_command_names_the_model_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
     """A cluster serving several models refuses `kvrelay scale` without --model."""
     argv = ["--rate", "8", "--input-len", "4096", "--output-len", "16", *SLO]
-    code, out, _ = run(capsys, *argv, "--model", "chat model")
+    code, out, err = run(capsys, *argv, "--model", "chat model")
     assert code == 0
     assert "run: kvrelay scale --model 'chat model' --prefill 3 --decode 1" in out
+    # the profile measured another model: said, the plan still made (its figures are shown)
+    assert "measured 'synthetic, shaped like an 8B model (tests only)', not 'chat model'" in err
     code, out, _ = run(capsys, *argv, "--model", "chat", "--json")
     assert json.loads(out)["command"] == "kvrelay scale --model chat --prefill 3 --decode 1"
+
+
+def test_a_profile_of_the_model_asked_for_plans_without_a_warning() -> None:
+    assert profile_is_of("Qwen/Qwen3-8B", "qwen3-8b")
+    assert profile_is_of("/models/Qwen3-8B/", "Qwen3-8B")
+    assert profile_is_of("SmolLM2-135M-Instruct", "smollm2-135m-instruct")
+    assert not profile_is_of("Qwen/Qwen3-8B", "Qwen3-32B")
 
 
 def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
