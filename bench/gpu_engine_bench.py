@@ -135,6 +135,9 @@ def decode_roofline(args: argparse.Namespace, engine: Engine, bandwidth: float) 
     head = head_bytes(model)
     kv_itemsize = engine.kv_cache.element_size()
     kv = engine.model_config.kv_bytes_per_token(kv_itemsize) * (prompt_len + args.decode_steps // 2)
+    tp = engine.config.tensor_parallel_size
+    if tp > 1 and engine.model_config.num_kv_heads % tp == 0:  # each rank reads its KV heads
+        kv //= tp
     roofline = (weights + kv) / bandwidth
     graph_roofline = (weights - head + kv) / bandwidth
     step = statistics.median(times)

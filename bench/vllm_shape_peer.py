@@ -40,6 +40,7 @@ def main() -> None:
         import vllm
 
         vllm.LLM = functools.partial(vllm.LLM, tensor_parallel_size=tp)
+        print(f"vllm_shape_peer: tensor_parallel_size={tp} (PEER_TP)", flush=True)
     bench.main()
     if "--json" in sys.argv:
         out = Path(sys.argv[sys.argv.index("--json") + 1])

@@ -29,10 +29,15 @@ def worker_load(snapshot: EngineSnapshot) -> WorkerLoad:
         prefill_tok_s=round(snapshot.tokens_per_s),
         step_us=round(snapshot.step_s * 1e6),
         prompt_tok_s=round(snapshot.prompt_tokens_per_s),
-        disk_load_us=round(recent_read_s(snapshot, "disk") * 1e6),
-        shared_load_us=round(recent_read_s(snapshot, "shared") * 1e6),
-        host_load_us=round(recent_read_s(snapshot, "host") * 1e6),
+        disk_load_us=_load_us(recent_read_s(snapshot, "disk")),
+        shared_load_us=_load_us(recent_read_s(snapshot, "shared")),
+        host_load_us=_load_us(recent_read_s(snapshot, "host")),
     )
+
+
+def _load_us(seconds: float) -> int:
+    """Microseconds, at least 1 once measured (0 says: not measured)."""
+    return max(1, round(seconds * 1e6)) if seconds > 0 else 0
 
 
 def recent_read_s(snapshot: EngineSnapshot, tier: str) -> float:

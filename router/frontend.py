@@ -223,8 +223,9 @@ class Frontend:
         """
         req = prepared.request
         own = (prepared.tenant, prepared.client_id)  # another tenant's ids are not this one's
-        tokenizer, objectives = self.route(req.model).tokenizer, self.backend.objectives(req.model)
-        tracker = ChoiceTrackers(tokenizer, prepared, self.metrics, objectives)
+        route = self.route(req.model)
+        objectives = route.backend.objectives(route.model_id)
+        tracker = ChoiceTrackers(route.tokenizer, prepared, self.metrics, objectives)
         if own in self._in_flight:
             twin = f"request_id {prepared.client_id!r} is already in flight"
             error = self.reject(InvalidRequest(twin, "request_id"))

@@ -219,10 +219,11 @@ class RouterMetrics:
         )
         self.slo_requests = Counter(
             "kvrelay_slo_requests",
-            "Requests that finished with output, judged against each objective the router"
+            "Requests that finished (stop or length), judged against each objective the router"
             " places for (objective: ttft, or tpot for those of two tokens or more; met: true"
             " or false), by served model and the API key's traffic class (interactive or"
-            " batch; interactive without keys).",
+            " batch; interactive without keys). A request with deadline_s is placed without"
+            " the objectives and not judged.",
             ["model", "traffic_class", "objective", "met"],
             registry=r,
         )

@@ -63,7 +63,9 @@ class OutputTracker:
         self.arrival = prepared.arrival
         self.model = prepared.request.model
         self.traffic_class = prepared.key_class.kind.value
-        self.objectives = objectives or SloTargets()
+        # a batch request with deadline_s is placed without the objectives: not judged by them
+        placed_for = prepared.request.deadline_s is None
+        self.objectives = (objectives if placed_for else None) or SloTargets()
         self.num_prompt_tokens = len(prepared.request.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_accepted_tokens = 0  # speculative decoding, as the worker counts it

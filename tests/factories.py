@@ -58,7 +58,9 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a transformers checkpoint of random weights (config.json only unless weights) into
     path and return it. Weights are transformers' own init, N(0, init_std) after
-    torch.manual_seed(seed), norms ones; no EOS token and no sliding window.
+    torch.manual_seed(seed), norms ones, biases (Qwen2's and Qwen2-MoE's q/k/v) drawn
+    N(0, init_std) too (transformers' init leaves them 0, so a bias lost or misplaced would pass
+    unseen); no EOS token and no sliding window.
 
     qwen3_moe / qwen2_moe / mixtral: every layer sparse (qwen3_moe, qwen2_moe: but
     mlp_only_layers, dense MLPs of intermediate_size) with num_experts experts of expert_size,
@@ -103,8 +105,8 @@ def make_tiny_checkpoint(
             decoder_sparse_step=1,
             mlp_only_layers=list(mlp_only_layers),
         )
-    if architecture == "qwen2_moe":
-        fields["shared_expert_intermediate_size"] = shared_expert_size
+        if architecture == "qwen2_moe":
+            fields["shared_expert_intermediate_size"] = shared_expert_size
     elif architecture == "gemma3":
         fields |= dict(
             sliding_window=sliding_window,
@@ -131,11 +133,12 @@ def make_tiny_checkpoint(
         return path
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype)
-    if architecture == "gemma3":
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # transformers' init leaves them 0: a lost bias would pass
+                param.normal_(0.0, init_std)
+            elif architecture == "gemma3" and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

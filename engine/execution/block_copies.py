@@ -68,8 +68,8 @@ class BlockCopies:
 
     def _time_copy_back(self, rounds: int = 3) -> float:
         """One block's copy from the host tier into device memory, seconds: the fastest of a
-        few copies of up to 8 blocks (at start, every device block free: they get their own
-        bytes back)."""
+        few rounds of up to 8 copies of one block each, as run() copies a hit back (at start,
+        every device block free: they get their own bytes back)."""
         assert self.host is not None
         n = min(8, self.host.shape[0], self.kv_cache.shape[0])
         self.host[:n].copy_(self.kv_cache[:n])
@@ -78,7 +78,8 @@ class BlockCopies:
             if self.kv_cache.is_cuda:
                 torch.cuda.synchronize(self.kv_cache.device)
             start = time.perf_counter()
-            self.kv_cache[:n].copy_(self.host[:n], non_blocking=True)
+            for i in range(n):
+                self.kv_cache[i].copy_(self.host[i], non_blocking=True)
             if self.kv_cache.is_cuda:
                 torch.cuda.synchronize(self.kv_cache.device)
             best = min(best, (time.perf_counter() - start) / n)

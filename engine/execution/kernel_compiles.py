@@ -103,7 +103,8 @@ class CompileWatch:
 
 
 def _spec_items(spec: str) -> Counter[str]:
-    """A spec's arguments (with their marks) and its warps and stages, as a multiset."""
+    """A spec's arguments (with their marks), and its warps and stages as one item, as a
+    multiset."""
     return Counter(t.strip() for t in re.split(r"[(),]", spec) if t.strip())
 
 
@@ -139,6 +140,11 @@ def beside_start_up(key: str, spec: str, starts: list[tuple[str, str]]) -> str:
             f"{_short(sorted((theirs - ours).elements()))}"
         )
     a, b = _key_items(key), _key_items(closest_key)
+    if a == b:
+        return (
+            f"start-up built one with the same specialization and cache key ({len(starts)} of "
+            "this kernel): a new JITFunction, or another device's cache"
+        )
     if len(a) == len(b):
         pairs = enumerate(zip(a, b, strict=True))
         parts = [f"#{i} {x} (start-up: {y})" for i, (x, y) in pairs if x != y]

@@ -1,12 +1,15 @@
 """The physical KV block pool: ref counts, hash -> block prefix cache, each cached block's
-tokens under its parent (for partial reuse), eviction order, KV events.
+tokens under its parent (for partial reuse), eviction order, the deadlines of priorities held
+for a while (expiries), KV events.
 
 Invariants (checked by check_integrity):
 - a block with ref_cnt > 0 is in no free structure;
 - a block with ref_cnt == 0 is either in the uncached free list (no hash) or in the evictable set
   (it has a hash and stays findable in the prefix cache until evicted);
 - every hash in the cache map points at a block carrying that hash;
-- every block listed under a parent is cached (an evicted block leaves its parent's list).
+- every block listed under a parent is cached (an evicted block leaves its parent's list);
+- only evictable blocks have a deadline (a block taken again or evicted drops its own; one taken
+  again keeps the priority it falls back to, what outlives its hold).
 Eviction takes uncached blocks first, then cached ones by retention priority (low first), then LRU.
 A priority given for a while (retention by token range with duration_s) falls back to the given
 default once it expires; expiries are applied when a block is next evicted.
@@ -81,7 +84,7 @@ class BlockPool:
         share at least that many tokens with a prompt)."""
         self.num_blocks = num_blocks
         self.sibling_key_len = sibling_key_len
-        self.clock = clock
+        self.expiries: Expiries[int] = Expiries(clock)  # evictable block ids kept for a while
         # Called with a cached block about to be evicted for reuse (its hash still set) and the
         # deadline its priority held to (the slower tier it goes to keeps it): the host tier's
         # offload. Not called by evict_all_cached (a cold cache is wanted there).
@@ -95,7 +98,6 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}
         # (parent key, first sibling_key_len tokens) -> hash -> block
         self._children: dict[tuple[int, tuple[int, ...]], dict[int, KVBlock]] = {}
-        self.expiries: Expiries[int] = Expiries(clock)  # evictable block ids kept for a while
         self._events: list[KVEvent] = []
         # blocks whose last reference went since take_freed(): work queued before may still
         # read or write them (the engine's copy-back stream must not overwrite them early)
@@ -141,6 +143,15 @@ class BlockPool:
                 self._remove_evictable(block)
             block.ref_cnt += 1
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock retention deadlines are set and judged on (one: its Expiries')."""
+        return self.expiries.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.expiries.clock = clock
+
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
@@ -148,6 +159,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self._uncached_free.popleft() if self._uncached_free else self._evict_one(True)
             block.ref_cnt = 1
+            block.priority = DEFAULT_PRIORITY  # not its last occupant's (the host tier's store)
             out.append(block)
         return out
 
@@ -254,7 +266,9 @@ class BlockPool:
     def _remove_evictable(self, block: KVBlock) -> None:
         del self._evictable[block.priority][block.block_id]
         self._num_evictable -= 1
-        self.expiries.cancel(block.block_id)  # a later free sets its own
+        held = self.expiries.cancel(block.block_id)  # a later free sets its own
+        if held is not None:  # taken again: what outlives its hold (a clean stop's spill)
+            block.priority = held.then
 
     def _expire(self) -> None:
         """Move evictable blocks whose kept priority has expired to their fallback priority."""
@@ -304,6 +318,7 @@ class BlockPool:
         assert len(set(free_ids)) == len(free_ids), "duplicate block in free list"
         assert not set(free_ids) & set(evictable_ids), "block both free and evictable"
         assert len(evictable_ids) == self._num_evictable, "evictable count drifted"
+        assert set(self.expiries.keys()) <= set(evictable_ids), "a deadline for a block in use"
         for block in self.blocks:
             want = expected_refs.get(block.block_id, 0)
             assert block.ref_cnt == want, (

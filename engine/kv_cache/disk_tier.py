@@ -118,6 +118,9 @@ class DiskTier(FileStage):
         self._by_priority: dict[int, OrderedDict[int, None]] = {}  # priority -> hashes, LRU first
         self._priority: dict[int, int] = {}  # hash -> priority
         self.expiries: Expiries[int] = Expiries(clock)  # hashes whose priority holds a while
+        # hashes re-ranked while their write was queued: the file records the priority once
+        # it lands (the queued job carries the one of its put)
+        self._relabel: set[int] = set()
         # hash -> how many waiting requests hold its read (this tier's or the shared store's)
         self._held: dict[int, int] = {}
         self.listener: StageListener | None = None
@@ -203,6 +206,11 @@ class DiskTier(FileStage):
         block out of the tier (no file)."""
         if done.error is None:
             self.num_stored += 1
+            block_hash = done.block_hash
+            if block_hash in self._relabel and self._pending_row(block_hash) is None:
+                self._relabel.discard(block_hash)
+                if block_hash in self._priority:
+                    self._record_priority(block_hash)
             return
         self._refused(done.error)
         if done.block_hash in self._priority:
@@ -224,12 +232,19 @@ class DiskTier(FileStage):
         self._rank(block_hash, priority, held)
         lasting = priority if held is None else held.then
         if lasting != (old if old_held is None else old_held.then):
-            try:
-                self.files.set_priority(block_hash, lasting)
-            except OSError as e:  # the ranking holds; a restart would adopt the old one
-                log.debug(
-                    "disk KV tier: could not record block %016x's priority: %s", block_hash, e
-                )
+            if self._pending_row(block_hash) is not None:  # no file yet: once it lands
+                self._relabel.add(block_hash)
+            else:
+                self._record_priority(block_hash)
+
+    def _record_priority(self, block_hash: int) -> None:
+        """Record in its file the priority that outlives this process (for a warm restart)."""
+        held = self.expiries.held(block_hash)
+        lasting = self._priority[block_hash] if held is None else held.then
+        try:
+            self.files.set_priority(block_hash, lasting)
+        except OSError as e:  # the ranking holds; a restart would adopt the old one
+            log.debug("disk KV tier: could not record block %016x's priority: %s", block_hash, e)
 
     def _add(self, block_hash: int, priority: int, held: Held | None = None) -> None:
         self._rank(block_hash, priority, held)
@@ -261,6 +276,7 @@ class DiskTier(FileStage):
             del self._by_priority[priority][block_hash]
         del self._priority[block_hash]
         self.expiries.cancel(block_hash)
+        self._relabel.discard(block_hash)
         self._staged.pop(block_hash, None)
         if self.writes is not None and self.writes.row_of(block_hash) is not None:
             # its write behind the step: cancelled, or waited for, before the file goes
@@ -414,5 +430,6 @@ class DiskTier(FileStage):
         by_priority = sum(len(bucket) for bucket in self._by_priority.values())
         assert by_priority == len(self._priority), "disk eviction order out of step"
         assert set(self.expiries.keys()) <= set(self._priority), "a deadline for a block not here"
+        assert self._relabel <= set(self._priority), "a relabel owed for a block not here"
         assert len(self._priority) <= self.num_slots, "disk tier past its bound"
         assert set(self._staged) <= set(self._priority), "a staged block left the disk tier"

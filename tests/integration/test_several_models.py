@@ -213,7 +213,8 @@ def test_one_models_autoscaler_resizes_its_pool_and_no_other(
     new worker serves A; model B's pools keep their workers throughout, and A's prefill pool
     (not autoscaled) its size; once the load ends A's decode pool drains back to 1, the drained
     worker's exit check clean. Every answer is its model's oracle. (The suite's one autoscale
-    test on a cluster: a single model's is model A's path.)"""
+    test on a cluster: a single model's is model A's path. The module's harness autoscales A
+    from its start: the first test's bursts, shorter than a 3 s window, never grow it.)"""
     cluster = harness.cluster
     b_before = {r: set(cluster.backends[B].workers.actors(r)) for r in ("prefill", "decode")}
     answers: list[list[int]] = []

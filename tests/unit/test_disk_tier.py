@@ -380,6 +380,21 @@ def test_a_write_behind_the_step_serves_its_block_from_its_copy_until_the_file_l
     tier.close()
 
 
+def test_a_priority_raised_while_the_write_is_queued_is_recorded_once_it_lands() -> None:
+    """The block left the host tier again at 90 while its file was still being written at 35:
+    the file is there to record it only once it lands (a warm restart adopts what it says)."""
+    files = HeldFiles()
+    tier = writing_tier(files)
+    assert put(tier, 1, priority=35) and files.started.wait(30)
+    tier.refresh(1, 90)  # no file yet: owed
+    assert 1 not in files.priorities
+    files.go.set()
+    tier.settle()
+    assert files.priorities[1] == 90 and files.files == {1: "copy of kv1"}
+    tier.check_integrity()
+    tier.close()
+
+
 def test_an_evicted_blocks_write_behind_the_step_never_lands_later() -> None:
     """An operator's eviction (or the bound's) of a block whose write is queued cancels the write
     or waits for it before the file is removed: no file of an evicted block is left behind."""

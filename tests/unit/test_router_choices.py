@@ -3,6 +3,7 @@ end once every choice has ended, usage with the prompt counted once."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -109,7 +110,7 @@ def test_a_finished_request_is_judged_once_against_each_objective_by_its_class(
     """kvrelay_slo_requests: an n = 2 request counts once (choice 0's timing), by its key's
     class; its first token came long after its arrival (time 0 on the monotonic clock) and
     well within a TTFT objective of 10^15 ms, its two tokens a gap apart over a TPOT objective
-    of 10^-9 ms; a request of no objectives is not judged."""
+    of 10^-9 ms; a request of no objectives is not judged, nor one with deadline_s."""
     request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8, n=2), model="tiny")
     batch = Prepared(request, (), arrival=0.0, key_class=KeyClass(TrafficClass.BATCH))
     metrics = RouterMetrics()
@@ -118,6 +119,7 @@ def test_a_finished_request_is_judged_once_against_each_objective_by_its_class(
     ids = tokenizer.encode(" one two", add_special_tokens=False)
     for index in (0, 1):
         trackers.on_delta(delta(index, ids[:1]))
+        time.sleep(0.002)  # the two tokens a gap apart, on any clock's resolution
         trackers.on_delta(delta(index, ids[1:2], finished=True))
     trackers.record_end()
 
@@ -132,3 +134,11 @@ def test_a_finished_request_is_judged_once_against_each_objective_by_its_class(
     plain.on_delta(delta(0, ids, finished=True))
     plain.record_end()
     assert count("ttft", "true", "interactive") is None
+    # a batch request with deadline_s is placed without the objectives: not judged by them
+    late = replace(request, req_id="late", deadline_s=60.0)
+    late_prepared = Prepared(late, (), arrival=0.0, key_class=KeyClass(TrafficClass.BATCH))
+    deadline = ChoiceTrackers(tokenizer, late_prepared, metrics, slo)
+    for index in (0, 1):
+        deadline.on_delta(delta(index, ids, finished=True))
+    deadline.record_end()
+    assert (count("ttft", "true"), count("ttft", "false")) == (1.0, None)

@@ -219,3 +219,5 @@ def test_a_worker_publishes_its_recent_block_read_time_not_its_mean_since_start(
     assert (load.disk_load_us, load.shared_load_us) == (0, 2000)  # each tier its own
     host = TierStats("host", 100, 10, 0, 0, 0, 0.0, recent_load_s=0.00004)  # measured at start
     assert worker_load(snap._replace(tiers=(host, disk))).host_load_us == 40
+    quick = host._replace(recent_load_s=4e-7)  # under a microsecond: still measured, not 0
+    assert worker_load(snap._replace(tiers=(quick,))).host_load_us == 1
