@@ -204,3 +204,22 @@ def test_a_clean_shutdowns_spills_carry_each_blocks_deadline(tmp_path) -> None:
         Spill(1, 0, True, 90, Held(10.0, DEFAULT_PRIORITY)),
         Spill(2, on_device.block_id, False, 80, Held(20.0, DEFAULT_PRIORITY)),
     ]
+
+
+def test_a_reused_block_starts_at_the_default_and_a_held_one_taken_again_at_its_fallback() -> None:
+    """What the host tier stores a committed block at (its priority while in use): a block
+    reused for another hash does not carry its last occupant's 90, and a block kept at 90 for a
+    while and hit again carries the priority its hold falls back to, which outlives the hold (a
+    clean stop's spill records it)."""
+    clock = ManualClock()
+    pool = BlockPool(2, clock=clock)
+    kept, reused = pool.allocate(2)
+    pool.cache_block(kept, 1, None)
+    pool.cache_block(reused, 2, None)
+    pool.free([reused], DEFAULT_PRIORITY, [(90, None)])  # 90 for good
+    pool.free([kept], DEFAULT_PRIORITY, [(95, 10.0)])  # 95 until t=10, then the default
+    pool.touch([kept])  # hit again while held
+    assert kept.priority == DEFAULT_PRIORITY and len(pool.expiries) == 0
+    [again] = pool.allocate(1)  # the only free one: block 2's, evicted
+    assert again is reused and again.priority == DEFAULT_PRIORITY
+    pool.check_integrity({kept.block_id: 1, reused.block_id: 1})
