@@ -27,6 +27,7 @@ from router import traces
 from router.backend import Backend
 from router.errors import InvalidRequest, Overloaded
 from router.frontend import Frontend, RequestSpec
+from router.request_spec import Prepared
 from router.tokenizer import RouterTokenizer
 
 CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -54,6 +55,24 @@ class ScriptedBackend(Backend):
 
     async def health(self) -> dict[str, object]:
         return {"ok": True}
+
+
+class HeldBackend(ScriptedBackend):
+    """ScriptedBackend whose requests wait until `release` is set (one held in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        await self.release.wait()
+        async for delta in super().generate(request):
+            yield delta
+
+
+async def drain(frontend: Frontend, prepared: Prepared) -> None:
+    async for _ in frontend.generate(prepared):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -178,28 +197,16 @@ def test_a_request_refused_while_queued_ends_its_root_span_as_an_error(
     """One running slot, held: the next request waits in the router's queue past its deadline
     and is refused there, before any backend call; its root span still ends, failed."""
 
-    class Held(ScriptedBackend):
-        release = asyncio.Event()
-
-        async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-            await self.release.wait()
-            async for delta in super().generate(request):
-                yield delta
-
     async def go() -> None:
-        frontend = Frontend(Held(), tokenizer, max_running_requests=1)
+        backend = HeldBackend()
+        frontend = Frontend(backend, tokenizer, max_running_requests=1)
         first = await frontend.prepare(spec(CLIENT))
         late = await frontend.prepare(replace(spec(CLIENT), deadline_s=0.01))
-
-        async def drain(prepared) -> None:
-            async for _ in frontend.generate(prepared):
-                pass
-
-        holder = asyncio.create_task(drain(first))
+        holder = asyncio.create_task(drain(frontend, first))
         await asyncio.sleep(0)  # the first takes the slot
         with pytest.raises(Overloaded, match="deadline_s"):
-            await drain(late)
-        Held.release.set()
+            await drain(frontend, late)
+        backend.release.set()
         await holder
 
     asyncio.run(go())
@@ -216,31 +223,19 @@ def test_a_field_refused_has_no_trace_and_a_twin_refused_later_ends_its_root_fai
     exported); a request_id already in flight is refused once its trace has begun: ended,
     failed, as a 429 or a queue's 503 is."""
 
-    class Held(ScriptedBackend):
-        release = asyncio.Event()
-
-        async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-            await self.release.wait()
-            async for delta in super().generate(request):
-                yield delta
-
     async def go() -> None:
-        frontend = Frontend(Held(), tokenizer)
+        backend = HeldBackend()
+        frontend = Frontend(backend, tokenizer)
         with pytest.raises(InvalidRequest, match="priority"):
             await frontend.prepare(replace(spec(CLIENT), priority=500))
         assert not spans.get_finished_spans()
         first = await frontend.prepare(replace(spec(CLIENT), req_id="twin"))
         twin = await frontend.prepare(replace(spec(CLIENT), req_id="twin"))
-
-        async def drain(prepared) -> None:
-            async for _ in frontend.generate(prepared):
-                pass
-
-        holder = asyncio.create_task(drain(first))
+        holder = asyncio.create_task(drain(frontend, first))
         await asyncio.sleep(0)  # the first is in flight
         with pytest.raises(InvalidRequest, match="already in flight"):
-            await drain(twin)
-        Held.release.set()
+            await drain(frontend, twin)
+        backend.release.set()
         await holder
 
     asyncio.run(go())
