@@ -37,7 +37,7 @@ from typing import NamedTuple, Protocol
 from engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
 from engine.kv_cache.block_publishes import Published, PublishJob
 from engine.kv_cache.block_reads import BlockReads
-from engine.kv_cache.expiry import Expiries, Held
+from engine.kv_cache.expiry import Expiries, Held, lasting
 from engine.kv_cache.file_stage import FileStage
 from engine.kv_cache.salt_index import SaltIndex
 from engine.kv_cache.shared_store import SharedStore
@@ -83,7 +83,7 @@ class Spill(NamedTuple):
     @property
     def lasting_priority(self) -> int:
         """The priority that outlives this process (a file records it)."""
-        return self.priority if self.held is None else self.held.then
+        return lasting(self.priority, self.held)
 
 
 class DiskTier(FileStage):
@@ -168,11 +168,11 @@ class DiskTier(FileStage):
             self.refresh(spill.block_hash, spill.priority, spill.held)
             return False
         salt_root = 0 if self.salts is None else self.salts.root_of(spill.block_hash)
-        lasting = spill.lasting_priority
+        recorded = spill.lasting_priority
         if self.shared is not None:
-            self.shared.publish(spill.block_hash, row, lasting, salt_root)
+            self.shared.publish(spill.block_hash, row, recorded, salt_root)
         if self.writes is not None:  # behind the step, from a copy of the row
-            job = PublishJob(spill.block_hash, row, lasting, salt_root)
+            job = PublishJob(spill.block_hash, row, recorded, salt_root)
             if not self.writes.start(job):
                 return False  # the writer is behind: not stored (recomputed when needed)
             while len(self._priority) >= self.num_slots:
@@ -181,7 +181,7 @@ class DiskTier(FileStage):
             while len(self._priority) >= self.num_slots:
                 self._evict()
             try:
-                self.files.write(spill.block_hash, row, salt_root, lasting)
+                self.files.write(spill.block_hash, row, salt_root, recorded)
             except OSError as e:
                 self._refused(e)
                 return False
@@ -230,8 +230,7 @@ class DiskTier(FileStage):
         old_held = self.expiries.cancel(block_hash)
         del self._by_priority[old][block_hash]
         self._rank(block_hash, priority, held)
-        lasting = priority if held is None else held.then
-        if lasting != (old if old_held is None else old_held.then):
+        if lasting(priority, held) != lasting(old, old_held):
             if self._pending_row(block_hash) is not None:  # no file yet: once it lands
                 self._relabel.add(block_hash)
             else:
@@ -239,10 +238,9 @@ class DiskTier(FileStage):
 
     def _record_priority(self, block_hash: int) -> None:
         """Record in its file the priority that outlives this process (for a warm restart)."""
-        held = self.expiries.held(block_hash)
-        lasting = self._priority[block_hash] if held is None else held.then
+        recorded = lasting(self._priority[block_hash], self.expiries.held(block_hash))
         try:
-            self.files.set_priority(block_hash, lasting)
+            self.files.set_priority(block_hash, recorded)
         except OSError as e:  # the ranking holds; a restart would adopt the old one
             log.debug("disk KV tier: could not record block %016x's priority: %s", block_hash, e)
 

@@ -23,6 +23,11 @@ class Held(NamedTuple):
     then: int
 
 
+def lasting(priority: int, held: Held | None) -> int:
+    """The priority that outlives a hold (and this process: what a file records)."""
+    return priority if held is None else held.then
+
+
 class Expiries(Generic[K]):
     """Deadlines by key; at most one current a key (a newer hold or a cancel voids the old)."""
 

@@ -16,25 +16,18 @@ import pytest
 from common.messages import GenerateRequest, TokenDelta
 from router.errors import InvalidRequest
 from router.frontend import Frontend
-from tests.unit.test_tracing import OUTPUT, ScriptedBackend, spec, tokenizer  # noqa: F401
-
-
-class Held(ScriptedBackend):
-    """Holds every request until `release` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = asyncio.Event()
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        await self.release.wait()
-        async for delta in super().generate(request):
-            yield delta
+from tests.unit.test_tracing import (  # noqa: F401
+    OUTPUT,
+    HeldBackend,
+    ScriptedBackend,
+    spec,
+    tokenizer,
+)
 
 
 def test_a_twin_of_a_queued_request_is_refused_and_the_first_runs(tokenizer) -> None:  # noqa: F811
     async def go() -> None:
-        backend = Held()
+        backend = HeldBackend()
         frontend = Frontend(backend, tokenizer, max_running_requests=1)
         tokens: dict[str, int] = {}
 
@@ -67,7 +60,7 @@ def test_two_tenants_may_use_one_request_id_at_once(tokenizer) -> None:  # noqa:
     twice, under two cluster ids, and each stream is the whole output."""
 
     async def go() -> None:
-        backend = Held()
+        backend = HeldBackend()
         frontend = Frontend(backend, tokenizer)
         got: dict[str, tuple[str, int]] = {}
 
